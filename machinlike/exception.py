@@ -1,0 +1,192 @@
+"""Exceptions that cross process boundaries, and the errors machinlike raises.
+
+An exception raised in a child process, a pool worker or on another RPC member reaches
+the caller as an instance of its *original* type, with the remote traceback chained as
+``__cause__`` (a :class:`RemoteTraceback` whose text names where it happened)::
+
+    try:
+        pool.apply(func)
+    except ValueError as e:          # the worker raised ValueError
+        print(e.__cause__)           # "Traceback (most recent call last) on worker ..."
+
+When the original type cannot be rebuilt on the receiving side (it does not pickle, or
+its constructor does not accept its own ``args``), a :class:`RemoteError` carrying the
+type's name and message is raised instead; nothing is silently dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import traceback
+from typing import Any, Optional
+
+__all__ = [
+    "RemoteTraceback",
+    "RemoteError",
+    "ExceptionWithTraceback",
+    "ProcessExitedError",
+    "WorkerLostError",
+    "PeerLostError",
+    "describe_exitcode",
+]
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process.
+
+    It is chained as ``__cause__`` of the rebuilt exception, so the usual traceback
+    printout shows the remote stack first, then the local one.
+    """
+
+    def __init__(self, tb_text: str) -> None:
+        super().__init__(tb_text)
+        self.tb_text = tb_text
+
+    def __str__(self) -> str:
+        return self.tb_text
+
+
+class RemoteError(Exception):
+    """Stands in for a remote exception whose type could not be rebuilt here.
+
+    Attributes:
+        type_name: Qualified name of the original exception type.
+        message: ``str()`` of the original exception.
+    """
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(type_name, message)
+        self.type_name = type_name
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+def _qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+
+
+def _rebuild_exception(exc: BaseException, tb_text: str) -> BaseException:
+    exc.__cause__ = RemoteTraceback(tb_text)
+    return exc
+
+
+class ExceptionWithTraceback:
+    """Picklable carrier of an exception together with its formatted traceback.
+
+    Unpickling yields the exception itself (not this wrapper), of its original type, with
+    a :class:`RemoteTraceback` as ``__cause__``. Pickle drops tracebacks and exception
+    chains, which is why the text is captured here, at the raising side.
+
+    Args:
+        exc: The exception to carry.
+        where: Who raised it, e.g. ``"pool worker 2"`` or ``"member 'learner'"``; the
+            process id is appended. None means ``"process <name>"`` of the current process.
+    """
+
+    def __init__(self, exc: BaseException, where: Optional[str] = None) -> None:
+        if where is None:
+            import multiprocessing
+
+            where = f"process {multiprocessing.current_process().name!r}"
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        head, sep, body = text.partition("\n")
+        if head.startswith("Traceback (most recent call last)") and sep:
+            text = f"Traceback (most recent call last) on {where}, pid {os.getpid()}:\n{body}"
+        else:  # an exception that was never raised has no stack: say where anyway
+            text = f"Exception on {where}, pid {os.getpid()}:\n{text}"
+        self.exc = _picklable_or_stand_in(exc)
+        self.tb_text = text
+
+    def __reduce__(self) -> Any:
+        return _rebuild_exception, (self.exc, self.tb_text)
+
+    def unwrap(self) -> BaseException:
+        """Return the carried exception with the traceback chained (no pickling needed)."""
+        return _rebuild_exception(self.exc, self.tb_text)
+
+
+def _picklable_or_stand_in(exc: BaseException) -> BaseException:
+    # Probe with a round trip now: an exception whose __init__ rejects its own args
+    # pickles fine but explodes while *unpickling* on the other side, where the error
+    # would be about the transport instead of the user's exception.
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RemoteError(_qualified_name(type(exc)), str(exc))
+    return exc
+
+
+def describe_exitcode(exitcode: Optional[int]) -> str:
+    """Say how a process ended, from a ``multiprocessing`` style exit code.
+
+    Args:
+        exitcode: ``Process.exitcode``: negative for a signal, None while still running.
+
+    Returns:
+        E.g. ``"killed by signal SIGKILL (9)"`` or ``"exited with code 3"``.
+    """
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"killed by signal {name} ({-exitcode})"
+    return f"exited with code {exitcode}"
+
+
+class ProcessExitedError(RuntimeError):
+    """A process ended (exit code or signal) while work depended on it.
+
+    Attributes:
+        name: The process's name (e.g. ``"rank 2"``).
+        pid: Its process id, None if it never started.
+        exitcode: ``multiprocessing`` style exit code (negative: killed by that signal).
+    """
+
+    def __init__(self, name: str, pid: Optional[int], exitcode: Optional[int], detail: str = "") -> None:
+        self.name = name
+        self.pid = pid
+        self.exitcode = exitcode
+        self.detail = detail
+        message = f"{name} (pid {pid}) {describe_exitcode(exitcode)}"
+        super().__init__(f"{message}{': ' + detail if detail else ''}")
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.name, self.pid, self.exitcode, self.detail)
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        """Name of the signal that killed the process, None if it exited by itself."""
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return None
+
+
+class WorkerLostError(ProcessExitedError):
+    """A pool worker died while it held a task; the task failed with this error."""
+
+
+class PeerLostError(ConnectionError):
+    """An RPC member could not be reached: it died, shut down, or the link broke.
+
+    Attributes:
+        member: Name of the member.
+    """
+
+    def __init__(self, member: str, detail: str = "") -> None:
+        self.member = member
+        self.detail = detail
+        super().__init__(f"member {member!r} is unreachable{': ' + detail if detail else ''}")
+
+    def __reduce__(self) -> Any:
+        return type(self), (self.member, self.detail)

@@ -1,0 +1,40 @@
+"""Project-wide test fixtures: leak checks after every test."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+# Threads machinlike starts are all named with this prefix, so a leak check can tell
+# ours from the interpreter's and torch's own long-lived helpers.
+OUR_THREAD_PREFIX = "machinlike"
+
+
+def _wait_gone(items, alive, deadline):
+    while True:
+        left = [x for x in items if alive(x)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.01)  # polling a teardown condition, not synchronising the test
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workers():
+    """Fail a test that leaves child processes or machinlike threads running."""
+    before_threads = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    children = _wait_gone(multiprocessing.active_children(), lambda p: p.is_alive(), deadline)
+    ours = [
+        t for t in threading.enumerate()
+        if t not in before_threads and t.name.startswith(OUR_THREAD_PREFIX)
+    ]
+    ours = _wait_gone(ours, lambda t: t.is_alive(), deadline)
+    for p in children:  # do not let one leak cascade into every later test
+        p.kill()
+        p.join(5)
+    assert not children, f"leaked child processes: {children}"
+    assert not ours, f"leaked machinlike threads: {[t.name for t in ours]}"
