@@ -17,11 +17,15 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import socket
+import sys
 import threading
+from multiprocessing import connection as _connection
 from multiprocessing import context as _context
 from multiprocessing import forkserver as _forkserver
 from multiprocessing import process as _process
 from multiprocessing import reduction as _reduction
+from multiprocessing import resource_tracker as _resource_tracker
 from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
 from typing import Optional, Union
@@ -35,15 +39,59 @@ WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and 
 # is imported by each child (as with spawn), not frozen into the server at first use.
 _PRELOAD = ["torch", "torch.distributed.rpc", "dill", "machinlike"]
 
-_server: Optional[_forkserver.ForkServer] = None
+class _WarmForkServer(_forkserver.ForkServer):
+    """The standard forkserver, started with the parent's ``sys.path`` before preloading.
+
+    (The standard server preloads with the default path of ``python -c``, i.e. the current
+    directory first, so it may import another copy of a package than the parent uses.)
+    """
+
+    def ensure_running(self) -> None:
+        with self._lock:
+            _resource_tracker.ensure_running()
+            if self._forkserver_pid is not None:
+                if os.waitpid(self._forkserver_pid, os.WNOHANG)[0] == 0:
+                    return  # still serving
+                os.close(self._forkserver_alive_fd)
+                self._forkserver_address = None
+                self._forkserver_alive_fd = None
+                self._forkserver_pid = None
+            address = _connection.arbitrary_address("AF_UNIX")
+            with socket.socket(socket.AF_UNIX) as listener:
+                listener.bind(address)
+                if not _util.is_abstract_socket_namespace(address):
+                    os.chmod(address, 0o600)
+                listener.listen()
+                # Every client keeps the write end; EOF on the read end stops the server.
+                alive_r, alive_w = os.pipe()
+                try:
+                    command = (
+                        f"import sys; sys.path[:] = {sys.path!r}; "
+                        f"from multiprocessing.forkserver import main; "
+                        f"main({listener.fileno()}, {alive_r}, {self._preload_modules!r})"
+                    )
+                    exe = _spawn.get_executable()
+                    argv = [exe, *_util._args_from_interpreter_flags(), "-c", command]
+                    pid = _util.spawnv_passfds(exe, argv, [listener.fileno(), alive_r])
+                except BaseException:
+                    os.close(alive_w)
+                    raise
+                finally:
+                    os.close(alive_r)
+            self._forkserver_address = address
+            self._forkserver_alive_fd = alive_w
+            self._forkserver_pid = pid
+
+
+_server: Optional[_WarmForkServer] = None
 _server_lock = threading.Lock()
 
 
-def _get_server() -> _forkserver.ForkServer:
+def _get_server() -> _WarmForkServer:
     global _server
     with _server_lock:
         if _server is None:
-            server = _forkserver.ForkServer()
+            server = _WarmForkServer()
             server.set_forkserver_preload(list(_PRELOAD))
             _server = server
         return _server

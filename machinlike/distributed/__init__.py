@@ -1,0 +1,19 @@
+"""Distributed core: World, RpcGroup, CollectiveGroup and the local launcher."""
+
+from ._calls import RpcFuture
+from ._collective import CollectiveGroup
+from ._launch import launch
+from ._rpc_group import RpcGroup
+from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
+
+__all__ = [
+    "World",
+    "RpcGroup",
+    "CollectiveGroup",
+    "RpcFuture",
+    "launch",
+    "get_world",
+    "is_world_initialized",
+    "get_cur_rank",
+    "get_cur_name",
+]

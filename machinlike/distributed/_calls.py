@@ -1,0 +1,304 @@
+"""What travels over RPC: remote entry points, result envelopes and error translation.
+
+Every call machinlike makes through ``torch.distributed.rpc`` targets one of the
+module-level entry points below (torch pickles them by reference), which run the user's
+service or function on the callee and wrap the outcome:
+
+    caller                                    callee (owner of the key)
+    ------                                    ----------------------------------
+    rpc_sync(owner, _call_service,   ───────► look the service up in the local table
+             (sid, args, kwargs))             ├─ absent   → _Missing      (caller refreshes
+                                              │                            its owner cache)
+                                              ├─ raised   → _Failure(ExceptionWithTraceback)
+    raise / retry / return  ◄──────────────── └─ returned → the value itself
+
+Values go back as they are, so tensors still travel in torch's tensor table; only an
+exception is wrapped, and it is rebuilt on the caller with its original type and the
+remote traceback chained as ``__cause__``. torch would instead turn it into a
+``RuntimeError`` holding the traceback as text.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import dill
+import torch
+from torch.distributed import rpc
+
+from ..exception import ExceptionWithTraceback, PeerLostError
+
+__all__ = ["RpcFuture", "LocalTables"]
+
+
+class LocalTables:
+    """The services and values this process owns, keyed by service id (``group/epoch/key``)."""
+
+    def __init__(self, member: str) -> None:
+        self.member = member
+        self.services: Dict[str, Callable[..., Any]] = {}
+        self.values: Dict[str, Any] = {}
+        # Lets an owner forward a call for a key it no longer holds (registered_remote).
+        self.resolve_owner: Optional[Callable[[str], Optional[str]]] = None
+
+
+_tables: Optional[LocalTables] = None
+
+
+def bind_tables(tables: Optional[LocalTables]) -> None:
+    """Make ``tables`` what incoming calls see (None: this process serves nothing)."""
+    global _tables
+    _tables = tables
+
+
+def _where() -> str:
+    return f"member {_tables.member!r}" if _tables is not None else "an RPC callee"
+
+
+class _Failure:
+    """An exception raised on the callee, carried back as a value."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: Any) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> Any:
+        return _Failure, (self.exc,)
+
+
+def _failure(exc: BaseException) -> _Failure:
+    return _Failure(ExceptionWithTraceback(exc, where=_where()))
+
+
+class _Missing:
+    """The callee does not hold the key the caller asked for (a stale owner cache)."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        return _Missing, ()
+
+
+_MISSING = _Missing()
+_ABSENT = object()
+
+
+def _resolve(result: Any) -> Any:
+    # A plain service may still hand back a Future; finish it on this RPC thread.
+    if isinstance(result, torch.futures.Future):
+        return result.wait()
+    return result
+
+
+def _settle(fut: torch.futures.Future) -> Any:
+    try:
+        return fut.value()
+    except Exception as exc:
+        return _failure(exc)
+
+
+def _done(value: Any) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+# ----------------------------------------------------------------- callee entry points
+def _call_service(sid: str, args: Tuple, kwargs: Dict) -> Any:
+    service = _tables.services.get(sid) if _tables is not None else None
+    if service is None:
+        return _MISSING
+    try:
+        return _resolve(service(*args, **kwargs))
+    except Exception as exc:
+        return _failure(exc)
+
+
+@rpc.functions.async_execution
+def _call_async_service(sid: str, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+    service = _tables.services.get(sid) if _tables is not None else None
+    if service is None:
+        return _done(_MISSING)
+    try:
+        return service(*args, **kwargs).then(_settle)
+    except Exception as exc:
+        return _done(_failure(exc))
+
+
+@rpc.functions.async_execution
+def _remote_service(sid: str, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+    # For rpc.remote the RRef must hold the bare value, so errors are left to torch. A
+    # key that moved is forwarded to its new owner instead of failing the RRef.
+    service = _tables.services.get(sid) if _tables is not None else None
+    if service is None:
+        owner = _tables.resolve_owner(sid) if _tables is not None and _tables.resolve_owner else None
+        if owner is None or owner == _tables.member:
+            raise KeyError(f"service {sid!r} is not registered on any member")
+        return rpc.rpc_async(owner, _remote_service, args=(sid, args, kwargs))
+    result = service(*args, **kwargs)
+    return result if isinstance(result, torch.futures.Future) else _done(result)
+
+
+def _paired_rref(sid: str) -> Any:
+    value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
+    if value is _ABSENT:
+        return _MISSING
+    return rpc.RRef(value)
+
+
+def _run(func: Any, args: Tuple, kwargs: Dict) -> Any:
+    try:
+        return _resolve(_load_function(func)(*args, **kwargs))
+    except Exception as exc:
+        return _failure(exc)
+
+
+@rpc.functions.async_execution
+def _run_async(func: Any, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+    try:
+        return _load_function(func)(*args, **kwargs).then(_settle)
+    except Exception as exc:
+        return _done(_failure(exc))
+
+
+def _run_bare(func: Any, args: Tuple, kwargs: Dict) -> Any:
+    return _load_function(func)(*args, **kwargs)
+
+
+@rpc.functions.async_execution
+def _run_bare_async(func: Any, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+    return _load_function(func)(*args, **kwargs)
+
+
+# ------------------------------------------------------------------ shipping functions
+# A lambda or closure cannot be pickled by reference, so it travels as dill bytes. Both
+# sides cache: the caller its bytes per function object, the callee the loaded function
+# per byte string (so captured objects are unpickled once per process and then reused).
+_shipped: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDictionary()
+_loaded: "OrderedDict[bytes, Callable[..., Any]]" = OrderedDict()
+_loaded_lock = threading.Lock()
+_LOADED_MAX = 256
+
+
+def _by_reference(func: Any) -> bool:
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    qualname = getattr(func, "__qualname__", None)
+    if module is None or not qualname or "<locals>" in qualname:
+        return False
+    target: Any = module
+    for part in qualname.split("."):
+        target = getattr(target, part, None)
+    return target is func
+
+
+def ship_function(func: Callable[..., Any]) -> Any:
+    """What to send for ``func``: itself when importable on the callee, else dill bytes."""
+    if _by_reference(func):
+        return func
+    try:
+        return _shipped[func]
+    except (KeyError, TypeError):
+        pass
+    data = dill.dumps(func, recurse=True)
+    try:
+        _shipped[func] = data
+    except TypeError:  # not weak-referenceable (e.g. a functools.partial): no caching
+        pass
+    return data
+
+
+def _load_function(func: Any) -> Callable[..., Any]:
+    if type(func) is not bytes:
+        return func
+    with _loaded_lock:
+        loaded = _loaded.get(func)
+        if loaded is not None:
+            _loaded.move_to_end(func)
+            return loaded
+    loaded = dill.loads(func)
+    with _loaded_lock:
+        _loaded[func] = loaded
+        if len(_loaded) > _LOADED_MAX:
+            _loaded.popitem(last=False)
+    return loaded
+
+
+def is_async(func: Any) -> bool:
+    """Whether ``func`` is marked with ``@rpc.functions.async_execution``."""
+    return hasattr(func, "_wrapped_async_rpc_function")
+
+
+# ------------------------------------------------------------------- error translation
+_LOST_MARKERS = (
+    "eof", "pipe closed", "connection refused", "econnrefused", "connection reset",
+    "econnreset", "broken pipe", "epipe", "shut down", "shutdown", "no route to host",
+    "unknown destination worker",
+)
+
+
+def translate_error(err: BaseException, member: str, what: str, timeout: float) -> BaseException:
+    """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``."""
+    text = str(err).lower()
+    if "timeout" in text or "timed out" in text:
+        return TimeoutError(f"{what} on member {member!r} did not answer within {timeout:g} s")
+    if any(marker in text for marker in _LOST_MARKERS):
+        return PeerLostError(member, f"{what} failed: {err}")
+    return err
+
+
+def unwrap(value: Any) -> Any:
+    """Raise a carried remote exception, else return the value."""
+    if type(value) is _Failure:
+        raise value.exc
+    return value
+
+
+def is_missing(value: Any) -> bool:
+    return type(value) is _Missing
+
+
+class RpcFuture:
+    """The pending result of an asynchronous call.
+
+    ``wait()`` returns the value, or raises the remote exception (original type, remote
+    traceback as ``__cause__``), ``TimeoutError`` or :class:`~machinlike.exception.PeerLostError`.
+    """
+
+    __slots__ = ("_fut", "_member", "_what", "_timeout", "_retry")
+
+    def __init__(
+        self,
+        fut: torch.futures.Future,
+        member: str,
+        what: str,
+        timeout: float,
+        retry: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        self._fut = fut
+        self._member = member
+        self._what = what
+        self._timeout = timeout
+        self._retry = retry
+
+    def wait(self) -> Any:
+        """Block until the call finished (at most its RPC timeout) and return its value."""
+        try:
+            value = self._fut.wait()
+        except RuntimeError as err:
+            raise translate_error(err, self._member, self._what, self._timeout) from err
+        if type(value) is _Missing and self._retry is not None:
+            return self._retry()
+        return unwrap(value)
+
+    def done(self) -> bool:
+        """Whether the result (or error) has arrived."""
+        return self._fut.done()
+
+    def __repr__(self) -> str:
+        state = "done" if self._fut.done() else "pending"
+        return f"<RpcFuture {self._what} on {self._member!r} {state}>"

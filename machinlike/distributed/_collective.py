@@ -1,0 +1,166 @@
+"""CollectiveGroup: torch collectives over a subset of the world's ranks.
+
+A thin layer over ``torch.distributed`` with the group bound in. Ranks are global ranks,
+as in torch. What it adds: receiving from any source reports the *global* sender rank
+(``recv`` returns it, ``irecv(...).wait()`` yields it), and calling an op from a process
+outside the group is a clear error instead of torch's silent no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveGroup"]
+
+ReduceOp = dist.ReduceOp
+
+
+class _AnySourceRecv:
+    """Handle of a receive from any source; ``wait()`` returns the global sender rank."""
+
+    def __init__(self, work: Any, group: Any) -> None:
+        self._work = work
+        self._group = group
+
+    def wait(self) -> int:
+        self._work.wait()
+        return dist.get_global_rank(self._group, self._work._source_rank())
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _KnownSourceRecv:
+    def __init__(self, work: Any, src: int) -> None:
+        self._work = work
+        self._src = src
+
+    def wait(self) -> int:
+        self._work.wait()
+        return self._src
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class CollectiveGroup:
+    """Collectives over a subset of ranks; create it with ``World.create_collective_group``.
+
+    Attributes:
+        group: The torch process group (e.g. for ``DistributedDataParallel(process_group=...)``);
+            None in a process outside the group.
+        ranks: The member ranks (global), sorted.
+    """
+
+    def __init__(self, group: Any, ranks: Sequence[int], my_rank: int) -> None:
+        self.group = group
+        self.ranks = sorted(ranks)
+        self._my_rank = my_rank
+        self._destroyed = False
+
+    @classmethod
+    def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
+               timeout: float) -> "CollectiveGroup":
+        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}")
+        ranks = sorted(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
+            raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
+        member = my_rank in ranks
+        return cls(group if member else None, ranks, my_rank)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a CollectiveGroup belongs to its process and cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"<CollectiveGroup ranks={self.ranks}>"
+
+    def _g(self) -> Any:
+        if self._destroyed:
+            raise RuntimeError(f"CollectiveGroup {self.ranks} has been destroyed")
+        if self.group is None:
+            raise RuntimeError(f"this process (rank {self._my_rank}) is not in CollectiveGroup {self.ranks}")
+        return self.group
+
+    def _peer(self, param: str, rank: int) -> int:
+        if rank not in self.ranks:
+            raise ValueError(f"{param}={rank} is not a rank of CollectiveGroup {self.ranks}")
+        return rank
+
+    # ------------------------------------------------------------- point to point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to global rank ``dst`` (blocking)."""
+        dist.send(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
+        """Receive into ``tensor`` from ``src`` (None: any member); returns the global sender rank."""
+        group = self._g()
+        return dist.recv(tensor, None if src is None else self._peer("src", src), group=group, tag=tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Send asynchronously; returns a work handle with ``wait()``."""
+        return dist.isend(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Any:
+        """Receive asynchronously; ``wait()`` on the handle returns the global sender rank."""
+        group = self._g()
+        if src is None:
+            return _AnySourceRecv(dist.irecv(tensor, None, group=group, tag=tag), group)
+        return _KnownSourceRecv(dist.irecv(tensor, self._peer("src", src), group=group, tag=tag), src)
+
+    # ----------------------------------------------------------------- collectives
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
+        return dist.broadcast(tensor, self._peer("src", src), group=self._g(), async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        return dist.all_reduce(tensor, op=op, group=self._g(), async_op=async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        return dist.reduce(tensor, self._peer("dst", dst), op=op, group=self._g(), async_op=async_op)
+
+    def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
+        return dist.all_gather(tensor_list, tensor, group=self._g(), async_op=async_op)
+
+    def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
+               async_op: bool = False) -> Any:
+        return dist.gather(tensor, gather_list, self._peer("dst", dst), group=self._g(), async_op=async_op)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
+                async_op: bool = False) -> Any:
+        return dist.scatter(tensor, scatter_list, self._peer("src", src), group=self._g(), async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
+                       async_op: bool = False) -> Any:
+        return dist.reduce_scatter(output, input_list, op=op, group=self._g(), async_op=async_op)
+
+    def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
+                   async_op: bool = False) -> Any:
+        return dist.all_to_all(output_tensor_list, input_tensor_list, group=self._g(), async_op=async_op)
+
+    def barrier(self, async_op: bool = False) -> Any:
+        return dist.barrier(group=self._g(), async_op=async_op)
+
+    def broadcast_object_list(self, object_list: List[Any], src: int) -> None:
+        dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
+
+    def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
+        dist.all_gather_object(object_list, obj, group=self._g())
+
+    # ------------------------------------------------------------------ lifecycle
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+    def is_member(self) -> bool:
+        return self.group is not None
+
+    def destroy(self) -> None:
+        """Release the process group (members and non-members alike call it)."""
+        if not self._destroyed and self.group is not None:
+            dist.destroy_process_group(self.group)
+        self._destroyed = True

@@ -1,0 +1,158 @@
+"""The world's shared tables, kept in the c10d store under the ``mlk/`` prefix.
+
+Every ``(group, key) -> owner`` entry, group join record and barrier arrival is a store
+key, so no Python process is a hot spot: the store is torch's C++ server (hosted by rank
+0, by the launcher, or by torchrun's agent).
+
+Ownership uses the store's atomic compare-and-set; a released key keeps an empty value
+(a tombstone) so that claim, release and look-up are each one round trip:
+
+    claim    compare_set(k, "", me)   absent or tombstone -> me ; held -> holder
+    release  compare_set(k, me, "")   held by me -> "" ; otherwise -> not ours
+    look up  compare_set(k, P, P)     P is a probe no owner can be: absent -> P
+
+Blocking waits (barriers, group joins) use a per-thread clone of the store connection,
+because a store client serialises its operations and one thread's wait would otherwise
+stall every other thread of the process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from ..exception import PeerLostError
+
+__all__ = ["Registry", "deadline_left"]
+
+_PROBE = "\x00probe"
+
+
+def deadline_left(deadline: float) -> float:
+    """Seconds left until a ``time.monotonic()`` deadline, never negative."""
+    return max(0.0, deadline - time.monotonic())
+
+
+class Registry:
+    """Owner table, join records and barriers of one world, on its store.
+
+    Args:
+        store: The world's store (a TCPStore, so it can be cloned per thread).
+        store_owner: Who hosts it, for error messages (e.g. ``"rank 0"``).
+    """
+
+    def __init__(self, store: dist.Store, store_owner: str) -> None:
+        self._store = store
+        self._store_owner = store_owner
+        self._local = threading.local()
+
+    # ------------------------------------------------------------------ connections
+    def _waiter(self) -> dist.Store:
+        store = getattr(self._local, "store", None)
+        if store is None:
+            clone = getattr(self._store, "clone", None)
+            store = clone() if clone is not None else self._store
+            self._local.store = store
+        return store
+
+    def _lost(self, err: BaseException) -> PeerLostError:
+        return PeerLostError(self._store_owner, f"the world's store is unreachable ({err})")
+
+    # ------------------------------------------------------------------------ owners
+    def claim(self, key: str, owner: str) -> Optional[str]:
+        """Take ``key`` for ``owner``; return the current holder if someone else has it."""
+        try:
+            held = self._store.compare_set(key, "", owner).decode()
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        return None if held == owner else held
+
+    def release(self, key: str, owner: str) -> bool:
+        """Free ``key`` if ``owner`` holds it; False when it does not."""
+        try:
+            return self._store.compare_set(key, owner, "") == b""
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def owner(self, key: str) -> Optional[str]:
+        """Who holds ``key`` right now, None if nobody."""
+        try:
+            held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        return None if held in ("", _PROBE) else held
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self._store.set(key, value)
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    # ---------------------------------------------------------------- rendezvous-ish
+    def wait_all(self, prefix: str, names: Sequence[str], timeout: float, what: str) -> None:
+        """Block until ``prefix + name`` exists for every name, or raise ``TimeoutError``.
+
+        Raises:
+            TimeoutError: naming the names whose key never appeared and the wait.
+            PeerLostError: the store itself is gone.
+        """
+        store = self._waiter()
+        keys = [prefix + name for name in names]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+            return
+        except dist.DistStoreError:
+            pass
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        absent = self.absent(prefix, names)
+        if not absent:  # everyone arrived just as the wait expired
+            return
+        raise TimeoutError(
+            f"{what}: {', '.join(repr(n) for n in absent)} did not arrive within {timeout:g} s"
+        )
+
+    def absent(self, prefix: str, names: Iterable[str]) -> List[str]:
+        store = self._waiter()
+        try:
+            return [n for n in names if not store.check([prefix + n])]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def values(self, prefix: str, names: Sequence[str]) -> List[str]:
+        try:
+            return [v.decode() for v in self._waiter().multi_get([prefix + n for n in names])]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def barrier(self, tag: str, generation: int, me: str, members: Sequence[str], timeout: float, what: str) -> None:
+        """One barrier round: announce ``me`` for ``generation``, wait for all ``members``.
+
+        The previous round's key of this member is deleted afterwards: by the time anyone
+        passed round g, every member had left round g - 1, so nobody still waits on it.
+        """
+        prefix = f"{tag}/{generation}/"
+        store = self._waiter()
+        try:
+            store.set(prefix + me, "1")
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        self.wait_all(prefix, members, timeout, what)
+        if generation:
+            try:
+                store.delete_key(f"{tag}/{generation - 1}/{me}")
+            except (dist.DistNetworkError, ConnectionError) as err:
+                raise self._lost(err) from err
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Best-effort removal of bookkeeping keys (the store may be gone at shutdown)."""
+        store = self._waiter()
+        for key in keys:
+            try:
+                store.delete_key(key)
+            except (RuntimeError, ConnectionError):
+                return

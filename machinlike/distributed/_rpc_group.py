@@ -1,0 +1,396 @@
+"""RpcGroup: a named set of members that register services and pair values.
+
+Who owns a key lives in the world's store (see ``_registry``); callers cache owners and
+correct the cache when it went stale: an owner that no longer holds the key answers
+"missing", the caller looks the key up again and retries once. A cached call is therefore
+a single RPC round trip, like a raw ``rpc_sync``.
+
+Store keys of one group incarnation (``epoch`` counts re-creations of the name):
+
+    mlk/<n>/rg/<group>/<epoch>/join/<member>   member lists, written at creation
+    mlk/<n>/rg/<group>/<epoch>/s/<key>         service owner:  "s:<member>" | "a:<member>"
+    mlk/<n>/rg/<group>/<epoch>/v/<key>         value owner:    "<member>"
+    mlk/<n>/rg/<group>/<epoch>/bar/<gen>/<m>   barrier arrivals
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.distributed import rpc
+
+from . import _calls
+from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
+
+__all__ = ["RpcGroup", "check_group_name"]
+
+
+def check_group_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"group name must be a str, not {type(name).__name__}")
+    if not name or "/" in name or "," in name:
+        raise ValueError(f"group name {name!r} must be non-empty and contain no '/' or ','")
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
+
+
+def _world() -> Any:
+    from ._world import require_world
+
+    return require_world()
+
+
+class RpcGroup:
+    """A group of world members; create it with ``World.create_rpc_group``.
+
+    The handle pickles by name, so it can travel inside service accessors; unpickled in a
+    member process it is that process's own group object.
+    """
+
+    def __init__(self, name: str, members: Sequence[str], epoch: int) -> None:
+        self._name = name
+        self._members = tuple(sorted(members))
+        self._epoch = epoch
+        self._sid = f"{name}/{epoch}/"
+        self._lock = threading.Lock()
+        self._barrier_lock = threading.Lock()
+        self._barrier_gen = 0
+        self._service_owners: Dict[str, str] = {}
+        self._value_owners: Dict[str, str] = {}
+        self._my_services: Set[str] = set()
+        self._my_values: Set[str] = set()
+        self._destroyed = False
+
+    def __reduce__(self) -> Any:
+        return _rebuild_group, (self._name, self._members, self._epoch)
+
+    def __repr__(self) -> str:
+        return f"<RpcGroup {self._name!r} members={list(self._members)}>"
+
+    # ------------------------------------------------------------------ plumbing
+    def _key(self, kind: str, key: str) -> str:
+        return f"{_world()._ns}rg/{self._sid}{kind}/{key}"
+
+    def _timeout(self, timeout: Optional[float]) -> float:
+        if timeout is None:
+            return _world().rpc_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (or None)")
+        return float(timeout)
+
+    def _check_usable(self, need_member: bool) -> Any:
+        world = _world()
+        if self._destroyed:
+            raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
+        if need_member and world.name not in self._members:
+            raise RuntimeError(f"this process ({world.name!r}) is not a member of RpcGroup {self._name!r}")
+        return world
+
+    def _lookup(self, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
+        if not refresh:
+            held = cache.get(key)
+            if held is not None:
+                return held
+        held = _world()._registry.owner(self._key(kind, key))
+        if held is None:
+            cache.pop(key, None)
+        else:
+            cache[key] = held
+        return held
+
+    def _service_target(self, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        held = self._lookup(self._service_owners, "s", key, refresh)
+        if held is None:
+            raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
+        entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
+        return held[2:], entry
+
+    def _sync(self, member: str, entry: Any, args: Tuple, timeout: float, what: str) -> Any:
+        try:
+            return rpc.rpc_sync(member, entry, args=args, timeout=timeout)
+        except RuntimeError as err:
+            raise translate_error(err, member, what, timeout) from err
+
+    # ------------------------------------------------------------------- services
+    def register(self, key: str, service: Callable[..., Any]) -> None:
+        """Publish ``service`` under ``key``; members call it with ``registered_*``.
+
+        ``service`` may return a value or, when decorated with
+        ``@torch.distributed.rpc.functions.async_execution``, a ``torch.futures.Future`` that
+        it completes later without holding an RPC thread.
+
+        Raises:
+            KeyError: ``key`` is already registered in the group (by any member).
+        """
+        _check_key(key)
+        if not callable(service):
+            raise TypeError(f"service must be callable, not {type(service).__name__}")
+        world = self._check_usable(need_member=True)
+        holder = f"{'a' if is_async(service) else 's'}:{world.name}"
+        with self._lock:
+            if key in self._my_services:
+                raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
+            world._tables.services[self._sid + key] = service
+            taken = world._registry.claim(self._key("s", key), holder)
+            if taken is not None:
+                del world._tables.services[self._sid + key]
+                raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
+                               f"(by member {taken[2:]!r})")
+            self._my_services.add(key)
+            self._service_owners[key] = holder
+
+    def deregister(self, key: str) -> None:
+        """Withdraw a service this member registered.
+
+        Raises:
+            KeyError: this member has not registered ``key``.
+        """
+        _check_key(key)
+        world = self._check_usable(need_member=True)
+        with self._lock:
+            if key not in self._my_services:
+                raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
+            world._registry.release(self._key("s", key), self._service_owners.get(key, ""))
+            self._my_services.discard(key)
+            self._service_owners.pop(key, None)
+            world._tables.services.pop(self._sid + key, None)
+
+    def is_registered(self, key: str) -> bool:
+        """Whether any member holds a service under ``key`` (asks the store)."""
+        _check_key(key)
+        self._check_usable(need_member=False)
+        return self._lookup(self._service_owners, "s", key, refresh=True) is not None
+
+    def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                        timeout: Optional[float] = None) -> Any:
+        """Run the service ``key`` on its owner and return its result.
+
+        Args:
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+
+        Raises:
+            KeyError: no member registered ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+            Exception: whatever the service raised, with its remote traceback as cause.
+        """
+        _check_key(key)
+        self._check_usable(need_member=False)
+        wait = self._timeout(timeout)
+        call = (self._sid + key, tuple(args), kwargs or {})
+        for refresh in (False, True):
+            member, entry = self._service_target(key, refresh)
+            value = self._sync(member, entry, call, wait, f"service {key!r} of group {self._name!r}")
+            if not is_missing(value):
+                return unwrap(value)
+        raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
+
+    def registered_async(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                         timeout: Optional[float] = None) -> RpcFuture:
+        """Like ``registered_sync`` but returns at once; ``wait()`` on the result."""
+        _check_key(key)
+        self._check_usable(need_member=False)
+        wait = self._timeout(timeout)
+        member, entry = self._service_target(key)
+        fut = rpc.rpc_async(member, entry, args=(self._sid + key, tuple(args), kwargs or {}), timeout=wait)
+        return RpcFuture(fut, member, f"service {key!r} of group {self._name!r}", wait,
+                         retry=lambda: self.registered_sync(key, args, kwargs, timeout))
+
+    def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                          timeout: Optional[float] = None) -> rpc.RRef:
+        """Run the service ``key`` on its owner and return an RRef to its result.
+
+        Errors of the service surface from ``rref.to_here()`` as torch reports them.
+        """
+        _check_key(key)
+        self._check_usable(need_member=False)
+        member, _ = self._service_target(key)
+        return rpc.remote(member, _calls._remote_service, args=(self._sid + key, tuple(args), kwargs or {}),
+                          timeout=self._timeout(timeout))
+
+    # --------------------------------------------------------------------- values
+    def pair(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key``; members reach it with ``get_paired``.
+
+        Raises:
+            KeyError: ``key`` is already paired in the group.
+        """
+        _check_key(key)
+        world = self._check_usable(need_member=True)
+        with self._lock:
+            if key in self._my_values:
+                raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by this member)")
+            world._tables.values[self._sid + key] = value
+            taken = world._registry.claim(self._key("v", key), world.name)
+            if taken is not None:
+                del world._tables.values[self._sid + key]
+                raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by member {taken!r})")
+            self._my_values.add(key)
+            self._value_owners[key] = world.name
+
+    def unpair(self, key: str) -> None:
+        """Withdraw a value this member paired.
+
+        Raises:
+            KeyError: this member has not paired ``key``.
+        """
+        _check_key(key)
+        world = self._check_usable(need_member=True)
+        with self._lock:
+            if key not in self._my_values:
+                raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {world.name!r}")
+            world._registry.release(self._key("v", key), world.name)
+            self._my_values.discard(key)
+            self._value_owners.pop(key, None)
+            world._tables.values.pop(self._sid + key, None)
+
+    def is_paired(self, key: str) -> bool:
+        """Whether any member paired a value under ``key`` (asks the store)."""
+        _check_key(key)
+        self._check_usable(need_member=False)
+        return self._lookup(self._value_owners, "v", key, refresh=True) is not None
+
+    def get_paired(self, key: str, timeout: Optional[float] = None) -> rpc.RRef:
+        """An RRef to the value paired under ``key`` (owned by the member that paired it).
+
+        Raises:
+            KeyError: nothing is paired under ``key``.
+        """
+        _check_key(key)
+        self._check_usable(need_member=False)
+        wait = self._timeout(timeout)
+        for refresh in (False, True):
+            member = self._lookup(self._value_owners, "v", key, refresh)
+            if member is None:
+                break
+            value = self._sync(member, _calls._paired_rref, (self._sid + key,), wait,
+                               f"value {key!r} of group {self._name!r}")
+            if not is_missing(value):
+                return value
+        raise KeyError(f"Value with key [{key}] not found on Group [{self._name}]")
+
+    # ---------------------------------------------------------------- plain calls
+    def _target(self, to: str) -> None:
+        if to not in self._members:
+            raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
+
+    def _prepare(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
+        if not callable(func):
+            raise TypeError(f"func must be callable, not {type(func).__name__}")
+        return ship_function(func), tuple(args), kwargs or {}
+
+    def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                 args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        """Run ``func(*args, **kwargs)`` on member ``to`` and return the result.
+
+        ``func`` may be a lambda or local function (sent with dill); tensors in ``args``
+        travel as tensors. Raises what ``func`` raised (original type, remote traceback),
+        ``TimeoutError`` or ``PeerLostError``; ``ValueError`` if ``to`` is not a member.
+        """
+        self._target(to)
+        self._check_usable(need_member=False)
+        wait = self._timeout(timeout)
+        entry = _calls._run_async if is_async(func) else _calls._run
+        return unwrap(self._sync(to, entry, self._prepare(func, args, kwargs), wait, f"rpc_sync of {func!r}"))
+
+    def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                  args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
+        """Like ``rpc_sync`` but returns at once; ``wait()`` on the result."""
+        self._target(to)
+        self._check_usable(need_member=False)
+        wait = self._timeout(timeout)
+        entry = _calls._run_async if is_async(func) else _calls._run
+        fut = rpc.rpc_async(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
+        return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
+
+    def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+               args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> rpc.RRef:
+        """Run ``func`` on member ``to`` and return an RRef to the result at once."""
+        self._target(to)
+        self._check_usable(need_member=False)
+        entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
+        return rpc.remote(to, entry, args=self._prepare(func, args, kwargs), timeout=self._timeout(timeout))
+
+    # -------------------------------------------------------------------- barrier
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Wait until every member reached this barrier (thread-safe, reusable).
+
+        Two threads of one member calling it are two successive rounds.
+
+        Raises:
+            TimeoutError: naming the members that did not arrive within ``timeout``.
+        """
+        world = self._check_usable(need_member=True)
+        wait = world.dist_timeout if timeout is None else self._timeout(timeout)
+        deadline = time.monotonic() + wait
+        # Rounds of one member run one at a time, which is what makes deleting the
+        # previous round's key safe (see Registry.barrier).
+        if not self._barrier_lock.acquire(timeout=wait):
+            raise TimeoutError(f"barrier of RpcGroup {self._name!r}: an earlier round of this member "
+                               f"did not finish within {wait:g} s")
+        try:
+            generation = self._barrier_gen
+            self._barrier_gen += 1
+            world._registry.barrier(
+                f"{world._ns}rg/{self._sid}bar", generation, world.name, self._members,
+                max(0.001, deadline - time.monotonic()), f"barrier of RpcGroup {self._name!r}: members")
+        finally:
+            self._barrier_lock.release()
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Withdraw every service and value this member owns and leave the group.
+
+        The group name can be created again once every member destroyed its handle.
+        """
+        world = _world()
+        with self._lock:
+            if self._destroyed:
+                return
+            for key in list(self._my_services):
+                world._registry.release(self._key("s", key), self._service_owners.get(key, ""))
+                world._tables.services.pop(self._sid + key, None)
+            for key in list(self._my_values):
+                world._registry.release(self._key("v", key), world.name)
+                world._tables.values.pop(self._sid + key, None)
+            self._my_services.clear()
+            self._my_values.clear()
+            # The last barrier key stays: a slower member may still be waiting on it.
+            self._destroyed = True
+        world._forget_group(self)
+
+    # ------------------------------------------------------------------ accessors
+    def size(self) -> int:
+        """Number of members."""
+        return len(self._members)
+
+    def is_member(self, name: Optional[str] = None) -> bool:
+        """Whether ``name`` (None: this process) is a member."""
+        return (_world().name if name is None else name) in self._members
+
+    def get_group_name(self) -> str:
+        return self._name
+
+    def get_group_members(self) -> List[str]:
+        """Member names, sorted."""
+        return list(self._members)
+
+    def get_cur_name(self) -> str:
+        """This process's member name."""
+        return _world().name
+
+
+def _rebuild_group(name: str, members: Sequence[str], epoch: int) -> RpcGroup:
+    from ._world import get_world
+
+    world = get_world()
+    if world is not None:
+        local = world._groups.get(name)
+        if local is not None and local._epoch == epoch:
+            return local
+    return RpcGroup(name, members, epoch)

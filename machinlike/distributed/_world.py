@@ -1,0 +1,425 @@
+"""World: this process's membership in the distributed job (one per process).
+
+Start-up, in order; ``World(...)`` returns only after the last step, on every rank, so no
+request can reach a half-built world:
+
+    open the store (host it on rank 0, or join)        _rendezvous.open_store
+    exchange member names (duplicates refused)         store keys  mlk/<n>/w/name/<rank>
+    bind the local service tables                      incoming RPCs can find them
+    init the default process group (collective=True)   store prefix  mlk/<n>/pg
+    init RPC over TensorPipe (init_rpc=True)           rendezvous through the same store
+    ready barrier                                      store keys  mlk/<n>/w/ready/<rank>
+
+``stop(timeout)`` runs the same way backwards and never waits past its deadline: a stop
+barrier; a graceful RPC shutdown only when every peer arrived, else a local one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import threading
+import time
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+
+import torch.distributed as dist
+from torch.distributed import rpc
+
+from . import _calls, _rendezvous
+from ._collective import CollectiveGroup
+from ._registry import Registry, deadline_left
+from ._rpc_group import RpcGroup, check_group_name
+
+__all__ = ["World", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
+
+log = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable[..., Any])
+
+_world: Optional["World"] = None
+_world_lock = threading.Lock()
+
+
+def _positive(param: str, value: Optional[float]) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{param}={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    if not name or len(name) >= 128 or not all(c.isalnum() or c in "_:-" for c in name):
+        raise ValueError(
+            f"name={name!r} is not a valid member name: use 1-127 letters, digits, '_', ':' or '-'"
+        )
+
+
+def _require_live(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(self: "World", *args: Any, **kwargs: Any) -> Any:
+        if self._stopped:
+            raise RuntimeError(f"World {self.name!r} has been stopped; create a new World")
+        return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class World:
+    """This process's place in a distributed job: RPC, collectives and the group registry.
+
+    Args:
+        name: Member name, unique in the world (letters, digits, ``_:-``). None: ``str(rank)``.
+        rank: This process's rank. None: the ``RANK`` environment variable (torchrun).
+        world_size: Number of processes. None: ``WORLD_SIZE``.
+        init_method: ``"tcp://host:port"`` (rank 0 hosts the store there), ``"env://"``, or
+            None: ``MASTER_ADDR``/``MASTER_PORT`` when set (torchrun), else 127.0.0.1:29500.
+        backend: Backend of the default process group (``"gloo"``, ``"nccl"``).
+        rpc_timeout: Default timeout of RPC calls, seconds.
+        rpc_threads: RPC worker threads serving incoming calls.
+        collective: Initialise the default process group (collectives). machin: ``init_dist``.
+        init_rpc: Initialise RPC (needed by RpcGroups and the servers).
+        dist_timeout: Timeout of start-up, collectives and group creation, seconds.
+        store: An existing ``TCPStore`` to use instead of ``init_method`` (e.g. the launcher's).
+        interface: Network interface (e.g. ``"eth0"``) for TensorPipe and gloo. None: the
+            loopback interface when the master is a loopback address, else torch's choice
+            (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` when set).
+        init_dist, dist_backend, dist_init_method, rpc_init_method: machin's names for
+            ``collective``, ``backend`` and ``init_method`` (there is one store, so when both
+            init methods are given ``dist_init_method`` wins).
+
+    Raises:
+        ValueError, TypeError: invalid arguments (the message names the parameter).
+        RuntimeError: this process already has a World.
+        TimeoutError: some rank did not arrive within ``dist_timeout`` (named in the message).
+    """
+
+    def __init__(
+        self,
+        name: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        *,
+        init_method: Optional[str] = None,
+        backend: str = "gloo",
+        rpc_timeout: float = 60.0,
+        rpc_threads: int = 16,
+        collective: bool = True,
+        init_rpc: bool = True,
+        dist_timeout: float = 60.0,
+        store: Optional[dist.Store] = None,
+        interface: Optional[str] = None,
+        init_dist: Optional[bool] = None,
+        dist_backend: Optional[str] = None,
+        dist_init_method: Optional[str] = None,
+        rpc_init_method: Optional[str] = None,
+    ) -> None:
+        collective = collective if init_dist is None else bool(init_dist)
+        backend = dist_backend or backend
+        init_method = init_method or dist_init_method or rpc_init_method
+        self.rank, self.world_size = _rendezvous.resolve_rank_and_size(rank, world_size)
+        self.name = str(self.rank) if name is None else name
+        _check_name(self.name)
+        self.rpc_timeout = _positive("rpc_timeout", rpc_timeout)
+        self.dist_timeout = _positive("dist_timeout", dist_timeout)
+        if isinstance(rpc_threads, bool) or not isinstance(rpc_threads, int) or rpc_threads < 1:
+            raise ValueError(f"rpc_threads={rpc_threads!r} must be a positive int")
+        if store is not None and not isinstance(store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+        self._collective_on = bool(collective)
+        self._rpc_on = bool(init_rpc)
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        self._groups: Dict[str, RpcGroup] = {}
+        self._group_epochs: Dict[str, int] = {}
+        self._collective_groups: List[CollectiveGroup] = []
+        self._rpc_url: Optional[str] = None
+        self._rpc_running = False
+        self._pg_running = False
+        self._members: List[str] = []
+
+        with _world_lock:
+            global _world
+            if _world is not None:
+                raise RuntimeError(
+                    f"this process already has a World ({_world.name!r}); stop() it before creating another"
+                )
+            _world = self
+        try:
+            self._start(init_method, backend, rpc_threads, store, interface)
+        except BaseException:
+            self._teardown_local()
+            raise
+
+    # ------------------------------------------------------------------- start-up
+    def _start(self, init_method: Optional[str], backend: str, rpc_threads: int,
+               store: Optional[dist.Store], interface: Optional[str]) -> None:
+        deadline = time.monotonic() + self.dist_timeout
+        if store is None:
+            info = _rendezvous.open_store(self.rank, self.world_size, init_method, self.dist_timeout)
+        else:
+            info = _rendezvous.StoreInfo(store, getattr(store, "host", "?"), getattr(store, "port", 0),
+                                         False, "the launcher")
+        self._store_info = info
+        self._set_interface(interface, info.host)
+        # A namespace per torchrun restart: the agent's store outlives restarted workers.
+        self._ns = f"mlk/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._registry = Registry(info.store, info.owner)
+        ranks = [str(r) for r in range(self.world_size)]
+        self._registry.set(f"{self._ns}w/name/{self.rank}", self.name)
+        self._registry.wait_all(f"{self._ns}w/name/", ranks, deadline_left(deadline),
+                                "World start-up: ranks")
+        names = self._registry.values(f"{self._ns}w/name/", ranks)
+        if len(set(names)) != len(names):
+            clash = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"member names must be unique; ranks {names} share {clash}")
+        self._members = sorted(names)
+        self._tables = _calls.LocalTables(self.name)
+        self._tables.resolve_owner = self._resolve_service_owner
+        _calls.bind_tables(self._tables)
+        if self._collective_on:
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
+                world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
+            )
+            self._pg_running = True
+        if self._rpc_on:
+            self._rpc_url = _rendezvous.rpc_init_method(
+                dist.PrefixStore(f"{self._ns}rpc", info.store), self.rank, self.world_size)
+            options = rpc.TensorPipeRpcBackendOptions(
+                num_worker_threads=rpc_threads, rpc_timeout=self.rpc_timeout,
+                init_method=self._rpc_url)
+            with warnings.catch_warnings():
+                # torch's TensorPipe start-up goes through a c10d path it deprecated itself;
+                # the warning concerns torch's code, not the caller's.
+                warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+                rpc.init_rpc(self.name, rank=self.rank, world_size=self.world_size,
+                             rpc_backend_options=options)
+            self._rpc_running = True
+        self._registry.set(f"{self._ns}w/ready/{self.rank}", "1")
+        self._registry.wait_all(f"{self._ns}w/ready/", ranks, deadline_left(deadline),
+                                "World start-up: ready barrier, ranks")
+
+    def _set_interface(self, interface: Optional[str], master_host: str) -> None:
+        # TensorPipe and gloo read their interface from the environment at init; setting
+        # it only when the user has not is the one way to keep a loopback job on loopback.
+        if interface is None and _rendezvous.is_loopback(master_host):
+            interface = "lo"
+        if interface is not None:
+            for var in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+                os.environ.setdefault(var, interface)
+
+    def _resolve_service_owner(self, sid: str) -> Optional[str]:
+        group, epoch, key = sid.split("/", 2)
+        held = self._registry.owner(f"{self._ns}rg/{group}/{epoch}/s/{key}")
+        return held[2:] if held else None
+
+    # ------------------------------------------------------------------- accessors
+    def get_members(self) -> List[str]:
+        """Names of all members of the world, sorted."""
+        return list(self._members)
+
+    def get_ranks(self) -> List[int]:
+        """All ranks of the world, sorted."""
+        return list(range(self.world_size))
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopped else "running"
+        return f"<World {self.name!r} rank {self.rank}/{self.world_size} {state}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a World belongs to its process and cannot be pickled; "
+                        "call machinlike.distributed.get_world() in the other process")
+
+    # ---------------------------------------------------------------------- groups
+    @_require_live
+    def create_rpc_group(self, name: str, members: Sequence[str], timeout: Optional[float] = None) -> RpcGroup:
+        """Create an RpcGroup; every member must call this, non-members must not.
+
+        Args:
+            name: Group name (no ``/``), reusable after every member ``destroy()``-ed it.
+            members: Member names of the world; must include this process.
+            timeout: Seconds to wait for all members. None: ``dist_timeout``.
+
+        Raises:
+            ValueError: bad name or members, or the group already exists here.
+            TimeoutError: naming the members that never came.
+        """
+        if not self._rpc_on:
+            raise RuntimeError("this World was created with init_rpc=False; RpcGroups need RPC")
+        check_group_name(name)
+        if isinstance(members, str) or not all(isinstance(m, str) for m in members):
+            raise TypeError(f"members must be a sequence of member names (str), not {members!r}")
+        members = sorted(members)
+        unknown = [m for m in members if m not in self._members]
+        if unknown or len(set(members)) != len(members) or not members:
+            raise ValueError(
+                f"members={members!r} must be distinct names of world members "
+                f"({self._members}); unknown: {unknown}"
+            )
+        if self.name not in members:
+            raise ValueError(f"this process ({self.name!r}) is not in members={members}; only members create the group")
+        if name in self._groups:
+            raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
+        wait = self.dist_timeout if timeout is None else _positive("timeout", timeout)
+        epoch = self._group_epochs.get(name, 0)
+        self._group_epochs[name] = epoch + 1
+        prefix = f"{self._ns}rg/{name}/{epoch}/join/"
+        self._registry.set(prefix + self.name, ",".join(members))
+        self._registry.wait_all(prefix, members, wait, f"creating RpcGroup {name!r}: members")
+        listed = self._registry.values(prefix, members)
+        odd = [m for m, v in zip(members, listed) if v != ",".join(members)]
+        if odd:
+            raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
+        self._registry.set(f"{self._ns}rg/{name}/current", f"{epoch}/{','.join(members)}")
+        group = RpcGroup(name, members, epoch)
+        self._groups[name] = group
+        return group
+
+    def get_rpc_group(self, name: str) -> Optional[RpcGroup]:
+        """The RpcGroup ``name``: this process's own, else a handle if it exists, else None.
+
+        A handle of a group this process is not a member of can call its services and
+        read its values, but cannot register or pair.
+        """
+        group = self._groups.get(name)
+        if group is not None:
+            return group
+        record = self._registry.owner(f"{self._ns}rg/{name}/current")
+        if record is None:
+            return None
+        epoch, members = record.split("/", 1)
+        return RpcGroup(name, members.split(","), int(epoch))
+
+    def _forget_group(self, group: RpcGroup) -> None:
+        if self._groups.get(group.get_group_name()) is group:
+            del self._groups[group.get_group_name()]
+
+    @_require_live
+    def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
+                                timeout: Optional[float] = None) -> CollectiveGroup:
+        """Create a collective group over ``ranks`` (global ranks); every process must call it.
+
+        Raises:
+            ValueError: bad ranks, or the World was created without collectives.
+        """
+        if not self._collective_on:
+            raise RuntimeError("this World was created with collective=False; collective groups need it")
+        group = CollectiveGroup.create(ranks, self.rank, self.world_size, backend,
+                                       self.dist_timeout if timeout is None else _positive("timeout", timeout))
+        self._collective_groups.append(group)
+        return group
+
+    # -------------------------------------------------------------------- shutdown
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Leave the world: gracefully when every peer stops too, else locally.
+
+        Waits at most ``timeout`` seconds (None: ``dist_timeout``) for the other members,
+        then shuts down locally; safe to call twice.
+        """
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        wait = self.dist_timeout if timeout is None else _positive("timeout", timeout)
+        deadline = time.monotonic() + wait
+        everyone = False
+        try:
+            ranks = [str(r) for r in range(self.world_size)]
+            self._registry.set(f"{self._ns}w/stop/{self.rank}", "1")
+            self._registry.wait_all(f"{self._ns}w/stop/", ranks, deadline_left(deadline),
+                                    "World.stop: ranks")
+            everyone = True
+        except (TimeoutError, ConnectionError) as err:
+            log.warning("World %r stops without its peers: %s", self.name, err)
+        if self._rpc_running:
+            self._shutdown_rpc(everyone, deadline)
+        if self._pg_running:
+            self._pg_running = False
+            dist.destroy_process_group()
+        if everyone and self._store_info.hosted_here:
+            # Peers may still be talking to the store inside their own shutdown.
+            try:
+                self._registry.set(f"{self._ns}w/left/{self.rank}", "1")
+                self._registry.wait_all(f"{self._ns}w/left/", [str(r) for r in range(1, self.world_size)],
+                                        deadline_left(deadline), "World.stop: ranks leaving")
+            except (TimeoutError, ConnectionError) as err:
+                log.warning("World %r closes its store before all peers left: %s", self.name, err)
+        elif everyone:
+            try:
+                self._registry.set(f"{self._ns}w/left/{self.rank}", "1")
+            except ConnectionError:
+                pass
+        self._teardown_local()
+
+    def _shutdown_rpc(self, everyone: bool, deadline: float) -> None:
+        if everyone:
+            left = max(deadline_left(deadline), 0.5)
+            try:
+                self._store_info.store.set_timeout(datetime.timedelta(seconds=left))
+                rpc.shutdown(graceful=True, timeout=left)
+                self._rpc_running = False
+                return
+            except Exception as err:  # the local shutdown below still has to happen
+                log.warning("World %r: graceful RPC shutdown failed (%s); shutting down locally", self.name, err)
+        self._rpc_running = False
+        try:
+            rpc.shutdown(graceful=False)
+        except RuntimeError as err:  # torch already tore the agent down in the failed attempt
+            log.debug("local RPC shutdown: %s", err)
+
+    def _teardown_local(self) -> None:
+        global _world
+        self._stopped = True
+        if self._rpc_url is not None:
+            _rendezvous.forget_rpc_store(self._rpc_url)
+        if self._rpc_running:
+            self._rpc_running = False
+            rpc.shutdown(graceful=False)
+        if self._pg_running:
+            self._pg_running = False
+            dist.destroy_process_group()
+        with _world_lock:
+            if _world is self:
+                _calls.bind_tables(None)
+                _world = None
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+def get_world() -> Optional[World]:
+    """This process's World, None if there is none."""
+    return _world
+
+
+def is_world_initialized() -> bool:
+    """Whether this process has a running World."""
+    return _world is not None
+
+
+def require_world() -> World:
+    """This process's World.
+
+    Raises:
+        RuntimeError: there is none.
+    """
+    world = _world
+    if world is None:
+        raise RuntimeError("no World in this process: create one first, e.g. World(rank=..., world_size=...)")
+    return world
+
+
+def get_cur_rank() -> int:
+    """Rank of this process. Raises RuntimeError without a World."""
+    return require_world().rank
+
+
+def get_cur_name() -> str:
+    """Member name of this process. Raises RuntimeError without a World."""
+    return require_world().name

@@ -1,0 +1,89 @@
+"""Testing distributed code with pytest: run a test body in N processes, a World in each.
+
+    from machinlike.testing import world_test
+
+    @world_test(world_size=3, timeout=30)
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_sum(world, n, tmp_path):          # pytest fills n and tmp_path as usual
+        group = world.create_rpc_group("g", world.get_members())
+        ...
+
+The decorated test runs in ``world_size`` processes started by :func:`machinlike.launch`
+(free ports, the warm forkserver, no fixed sleeps); each receives its World first and the
+test's fixtures and parameters after it. A failure on any rank fails the test with that
+rank's traceback; a hang fails it after ``timeout`` with every rank's stack dumped.
+Fixture values must be picklable. The test function must live at module level of an
+importable test module (the ranks import it by name).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from .distributed import launch
+
+__all__ = ["run_world", "world_test"]
+
+
+def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] = (),
+              kwargs: Optional[Dict[str, Any]] = None, *, timeout: float = 60.0, **world_kwargs: Any) -> List[Any]:
+    """Run ``fn(world, *args, **kwargs)`` on ``world_size`` ranks and return their results.
+
+    A bounded :func:`machinlike.launch`: ``timeout`` (seconds) is mandatory here, so a
+    hanging test fails instead of blocking the suite.
+    """
+    if timeout is None or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    return launch(fn, world_size, args, kwargs, timeout=timeout, stop_timeout=min(30.0, timeout), **world_kwargs)
+
+
+class _TestBody:
+    """Picklable pointer to the undecorated test function, resolved by import in a rank."""
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.module = module
+        self.qualname = qualname
+
+    def __call__(self, world: Any, **kwargs: Any) -> Any:
+        target: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return target._machinlike_body(world, **kwargs)
+
+
+def world_test(world_size: int = 3, *, timeout: float = 60.0, **world_kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a test ``fn(world, ...)`` to run on ``world_size`` ranks.
+
+    Args:
+        world_size: Number of ranks.
+        timeout: Seconds for the whole run (start-up included).
+        **world_kwargs: Passed to each rank's :class:`~machinlike.distributed.World`.
+
+    Returns:
+        A decorator. The decorated test returns None (pytest's rule for tests); use
+        :func:`run_world` where the per-rank results are needed.
+    """
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params = list(inspect.signature(fn).parameters.values())
+        if not params:
+            raise TypeError(f"{fn.__qualname__} must take the World as its first parameter")
+        if "<locals>" in fn.__qualname__:
+            raise TypeError(f"{fn.__qualname__} must be defined at module level (ranks import it by name)")
+        body = _TestBody(fn.__module__, fn.__qualname__)
+
+        def test(**kwargs: Any) -> None:
+            run_world(body, world_size, kwargs=kwargs, timeout=timeout, **world_kwargs)
+
+        # pytest reads this signature to pass fixtures and parameters (the World is ours).
+        test.__signature__ = inspect.Signature(params[1:])  # type: ignore[attr-defined]
+        test.__name__ = fn.__name__
+        test.__qualname__ = fn.__qualname__
+        test.__module__ = fn.__module__
+        test.__doc__ = fn.__doc__
+        test.pytestmark = list(getattr(fn, "pytestmark", []))  # type: ignore[attr-defined]
+        test._machinlike_body = fn  # type: ignore[attr-defined]
+        return test
+
+    return decorate

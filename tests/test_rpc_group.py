@@ -1,0 +1,362 @@
+"""RpcGroup across 3 real processes over torch RPC: every method, its errors and messages."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from machinlike.distributed import RpcFuture, RpcGroup
+from machinlike.exception import RemoteTraceback
+from machinlike.testing import world_test
+
+MEMBERS = ["0", "1", "2"]
+
+
+class Overdrawn(Exception):
+    """A custom exception class: it must arrive as itself, not as RuntimeError."""
+
+    def __init__(self, account: str, amount: int) -> None:
+        super().__init__(account, amount)
+        self.account = account
+        self.amount = amount
+
+
+def _withdraw(amount):
+    raise Overdrawn("acct-7", amount)
+
+
+def _scale(tensor, factor=1):
+    return tensor * factor
+
+
+def _whoami():
+    from machinlike.distributed import get_cur_name
+
+    return get_cur_name()
+
+
+@world_test(3, timeout=60)
+def test_register_call_and_errors(world):
+    g = world.create_rpc_group("svc", MEMBERS)
+    me = world.name
+    g.register(f"scale{me}", _scale)
+    g.register(f"who{me}", _whoami)
+    g.barrier()
+    if me == "0":
+        with pytest.raises(KeyError, match=r"Service \[scale1\] already registered in Group \[svc\]"):
+            g.register("scale1", _scale)
+        with pytest.raises(KeyError, match=r"Service \[scale0\] already registered in Group \[svc\]"):
+            g.register("scale0", _scale)
+        with pytest.raises(KeyError, match=r"Service \[scale1\] not registered in Group \[svc\]"):
+            g.deregister("scale1")
+        with pytest.raises(KeyError, match=r"Service \[nope\] not found on Group \[svc\]"):
+            g.registered_sync("nope")
+        with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):
+            g.registered_async("nope")
+        with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):
+            g.registered_remote("nope")
+        with pytest.raises(TypeError, match="key must be a str"):
+            g.register(3, _scale)
+        with pytest.raises(TypeError, match="service must be callable"):
+            g.register("x", 5)
+        with pytest.raises(ValueError, match="timeout=-1 must be a positive number"):
+            g.registered_sync("scale1", timeout=-1)
+    for owner in MEMBERS:
+        assert g.is_registered(f"scale{owner}")
+        t = g.registered_sync(f"scale{owner}", args=(torch.ones(3),), kwargs={"factor": int(owner) + 1})
+        assert t.tolist() == [int(owner) + 1.0] * 3
+        assert g.registered_sync(f"who{owner}") == owner  # it really ran on the owner
+        fut = g.registered_async(f"who{owner}")
+        assert isinstance(fut, RpcFuture) and fut.wait() == owner and fut.done()
+        assert g.registered_remote(f"who{owner}").to_here() == owner
+    assert not g.is_registered("nope")
+    g.barrier()
+    g.deregister(f"scale{me}")
+    g.barrier()
+    assert not g.is_registered("scale0") and g.is_registered("who0")
+    with pytest.raises(KeyError, match=r"Service \[scale1\] not found on Group \[svc\]"):
+        g.registered_sync("scale1")
+    g.barrier()
+    g.destroy()
+
+
+@world_test(3, timeout=60)
+def test_pair_values_and_errors(world):
+    g = world.create_rpc_group("vals", MEMBERS)
+    me = world.name
+    g.pair(f"v{me}", {"owner": me, "t": torch.arange(3)})
+    g.barrier()
+    if me == "1":
+        with pytest.raises(KeyError, match=r"Value with key \[v0\] already paired to Group \[vals\]"):
+            g.pair("v0", 1)
+        with pytest.raises(KeyError, match=r"Value with key \[v0\] not paired to Group \[vals\]"):
+            g.unpair("v0")
+        with pytest.raises(KeyError, match=r"Value with key \[missing\] not found on Group \[vals\]"):
+            g.get_paired("missing")
+    for owner in MEMBERS:
+        assert g.is_paired(f"v{owner}")
+        rref = g.get_paired(f"v{owner}")
+        assert isinstance(rref, rpc.PyRRef) and rref.owner().name == owner
+        value = rref.to_here()
+        assert value["owner"] == owner and value["t"].tolist() == [0, 1, 2]
+    assert not g.is_paired("missing")
+    g.barrier()
+    g.unpair(f"v{me}")
+    g.barrier()
+    assert not g.is_paired("v2")
+    g.destroy()
+
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def bump(self, k):
+        self.n += k
+        return self.n
+
+
+@world_test(3, timeout=60)
+def test_paired_object_is_the_owners_object(world):
+    g = world.create_rpc_group("obj", MEMBERS)
+    counter = Counter()
+    if world.name == "2":
+        g.pair("counter", counter)
+    g.barrier()
+    rref = g.get_paired("counter")
+    rref.rpc_sync().bump(1)
+    g.barrier()
+    if world.name == "2":
+        assert counter.n == 3  # three members bumped the owner's very object
+    g.barrier()
+    g.destroy()
+
+
+@world_test(3, timeout=60)
+def test_rpc_calls_lambdas_closures_and_membership(world):
+    everyone = world.create_rpc_group("everyone", MEMBERS)
+    g = world.create_rpc_group("calls", ["0", "1"]) if world.name != "2" else None
+    everyone.barrier()  # "calls" exists from here on
+    if g is None:
+        handle = world.get_rpc_group("calls")  # a non-member's handle
+        assert not handle.is_member() and handle.get_group_members() == ["0", "1"]
+        assert handle.rpc_sync("0", _whoami) == "0"
+        with pytest.raises(RuntimeError, match="not a member of RpcGroup 'calls'"):
+            handle.register("x", _whoami)
+        with pytest.raises(RuntimeError, match="not a member"):
+            handle.barrier()
+        everyone.barrier()
+        everyone.destroy()
+        return
+    other = "1" if world.name == "0" else "0"
+    base = torch.full((4,), 2.0)
+    offset = 5
+    assert g.rpc_sync(other, lambda t: t + offset, args=(base,)).tolist() == [7.0] * 4
+
+    def local_fn(x, *, k):
+        return f"{x}-{k}-{_whoami()}"
+
+    assert g.rpc_sync(other, local_fn, args=("a",), kwargs={"k": 1}) == f"a-1-{other}"
+    assert g.rpc_async(other, _scale, args=(torch.ones(2), 3)).wait().tolist() == [3.0, 3.0]
+    assert g.remote(other, lambda: [1, 2]).to_here() == [1, 2]
+    assert g.rpc_sync(world.name, _whoami) == world.name  # calling oneself works too
+    with pytest.raises(ValueError, match=r"'2' is not a member of RpcGroup 'calls'"):
+        g.rpc_sync("2", _whoami)
+    with pytest.raises(TypeError, match="func must be callable"):
+        g.rpc_sync(other, 42)
+    assert g.size() == 2 and g.is_member() and g.is_member("0") and not g.is_member("2")
+    assert g.get_group_name() == "calls" and g.get_cur_name() == world.name
+    g.barrier()
+    g.destroy()
+    everyone.barrier()
+    everyone.destroy()
+
+
+@world_test(3, timeout=60)
+def test_remote_exception_keeps_type_and_traceback(world):
+    g = world.create_rpc_group("exc", MEMBERS)
+    if world.name == "0":
+        g.register("withdraw", _withdraw)
+    g.barrier()
+    with pytest.raises(Overdrawn) as info:
+        g.registered_sync("withdraw", args=(100,))
+    assert info.value.account == "acct-7" and info.value.amount == 100
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "on member '0'" in str(cause) and "_withdraw" in str(cause)
+    with pytest.raises(Overdrawn):
+        g.registered_async("withdraw", args=(1,)).wait()
+    with pytest.raises(ZeroDivisionError) as info:
+        g.rpc_sync("1", lambda: 1 / 0)
+    assert "on member '1'" in str(info.value.__cause__)
+    g.barrier()
+    g.destroy()
+
+
+@rpc.functions.async_execution
+def _delayed_echo(value, gate_key):
+    """Answers only when the member's gate opens: the RPC thread is not held meanwhile."""
+    fut = torch.futures.Future()
+    _GATES.setdefault(gate_key, []).append((fut, value))
+    return fut
+
+
+_GATES: dict = {}
+
+
+def _open_gate(gate_key):
+    for fut, value in reversed(_GATES.pop(gate_key, [])):  # answer in reverse order
+        fut.set_result(value * 10)
+    return True
+
+
+@rpc.functions.async_execution
+def _failing_async():
+    fut = torch.futures.Future()
+    fut.set_exception(Overdrawn("async", 1))
+    return fut
+
+
+@world_test(3, timeout=60, rpc_threads=4)
+def test_async_services_answer_out_of_order(world):
+    g = world.create_rpc_group("async", MEMBERS)
+    if world.name == "0":
+        g.register("echo", _delayed_echo)
+        g.register("open", _open_gate)
+        g.register("fail", _failing_async)
+    g.barrier()
+    if world.name == "1":
+        # More pending calls than the owner has RPC threads: only possible if none is held.
+        futs = [g.registered_async("echo", args=(i, "gate")) for i in range(12)]
+        assert not any(f.done() for f in futs)
+        assert g.registered_sync("open", args=("gate",))
+        assert [f.wait() for f in futs] == [i * 10 for i in range(12)]
+        with pytest.raises(Overdrawn):
+            g.registered_sync("fail")
+    g.barrier()
+    g.destroy()
+
+
+@world_test(3, timeout=90)
+def test_stale_owner_cache_is_corrected(world):
+    g = world.create_rpc_group("stale", MEMBERS)
+    if world.name == "0":
+        g.register("svc", _whoami)
+        g.pair("val", "from 0")
+    g.barrier()
+    assert g.registered_sync("svc") == "0"  # everyone caches owner 0
+    assert g.get_paired("val").to_here() == "from 0"
+    g.barrier()
+    if world.name == "0":
+        g.deregister("svc")
+        g.unpair("val")
+    g.barrier()
+    if world.name == "2":
+        g.register("svc", _whoami)
+        g.pair("val", "from 2")
+    g.barrier()
+    # Every member still caches owner 0; each form of call must find member 2.
+    assert g.registered_sync("svc") == "2"
+    assert g.registered_async("svc").wait() == "2"
+    assert g.get_paired("val").to_here() == "from 2"
+    g.barrier()
+    if world.name == "2":
+        g.deregister("svc")
+    g.barrier()
+    with pytest.raises(KeyError, match="not found on Group"):
+        g.registered_sync("svc")
+    g.barrier()
+    g.destroy()
+
+
+@world_test(3, timeout=90)
+def test_destroy_frees_names_and_group_can_be_recreated(world):
+    for round_ in range(3):
+        g = world.create_rpc_group("again", MEMBERS)
+        if world.name == str(round_):
+            g.register("svc", _whoami)
+            g.pair("val", round_)
+        g.barrier()
+        assert g.registered_sync("svc") == str(round_)
+        assert g.get_paired("val").to_here() == round_
+        g.barrier()
+        g.destroy()
+        with pytest.raises(RuntimeError, match="has been destroyed"):
+            g.registered_sync("svc")
+    with pytest.raises(ValueError, match="already exists here"):
+        world.create_rpc_group("twice", MEMBERS)
+        world.create_rpc_group("twice", MEMBERS)
+
+
+@world_test(3, timeout=60)
+def test_group_creation_validates_and_pickles_as_handle(world):
+    with pytest.raises(ValueError, match=r"not in members"):
+        world.create_rpc_group("bad", [m for m in MEMBERS if m != world.name])
+    with pytest.raises(ValueError, match="unknown: \\['9'\\]"):
+        world.create_rpc_group("bad", MEMBERS + ["9"])
+    with pytest.raises(ValueError, match="contain no '/'"):
+        world.create_rpc_group("a/b", MEMBERS)
+    with pytest.raises(TypeError, match="sequence of member names"):
+        world.create_rpc_group("bad", "012")
+    g = world.create_rpc_group("h", MEMBERS)
+    assert world.get_rpc_group("h") is g and world.get_rpc_group("never") is None
+    assert pickle.loads(pickle.dumps(g)) is g  # in a member process: the member's own object
+    if world.name == "0":
+        g.register("who", _whoami)
+    g.barrier()
+    # The handle travels through RPC and works on the other side.
+    assert g.rpc_sync("1", lambda group: group.registered_sync("who"), args=(g,)) == "0"
+    g.barrier()
+    g.destroy()
+
+
+def _barrier_worker(group, rounds, errors):
+    try:
+        for _ in range(rounds):
+            group.barrier(timeout=30)
+    except BaseException as exc:  # reported to the test thread
+        errors.append(exc)
+
+
+@world_test(3, timeout=120)
+def test_barrier_back_to_back_and_from_two_threads(world):
+    g = world.create_rpc_group("bar", MEMBERS)
+    for _ in range(200):
+        g.barrier(timeout=30)
+    h = world.create_rpc_group("bar2", MEMBERS)
+    errors: list = []
+    threads = [threading.Thread(target=_barrier_worker, args=(grp, 50, errors), name=f"machinlike-test-{i}")
+               for i, grp in enumerate((g, h))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    # Two threads of each member on the *same* group are successive rounds.
+    threads = [threading.Thread(target=_barrier_worker, args=(g, 20, errors), name=f"machinlike-test-s{i}")
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    g.barrier()
+    g.destroy()
+    h.destroy()
+
+
+@world_test(3, timeout=60)
+def test_group_creation_names_absent_member(world):
+    if world.name != "2":
+        with pytest.raises(TimeoutError, match=r"creating RpcGroup 'late'.*'2' did not arrive within 1 s"):
+            world.create_rpc_group("late", MEMBERS, timeout=1)
+
+
+def test_rpc_group_requires_world():
+    group = RpcGroup("g", ["0"], 0)
+    with pytest.raises(RuntimeError, match="no World in this process"):
+        group.registered_sync("x")
