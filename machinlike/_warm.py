@@ -105,6 +105,9 @@ if WARM_AVAILABLE:
 
         def _launch(self, process_obj: _process.BaseProcess) -> None:
             payload = io.BytesIO()
+            # A forked child would write to the server's stdout/stderr (fixed when the
+            # server started); hand it the parent's current ones, as spawn does.
+            process_obj._stdio_slots = tuple(self.duplicate_for_child(fd) for fd in (1, 2))
             _context.set_spawning_popen(self)
             try:
                 _reduction.dump(_spawn.get_preparation_data(process_obj._name), payload)
@@ -123,6 +126,15 @@ if WARM_AVAILABLE:
 
 class _WarmProcess(_process.BaseProcess):
     _start_method = "forkserver"
+    _stdio_slots: tuple = ()
+
+    def _bootstrap(self, parent_sentinel: Optional[int] = None) -> int:
+        inherited = _forkserver.get_inherited_fds() or []
+        for target, slot in zip((1, 2), self._stdio_slots):
+            fd = inherited[slot]
+            os.dup2(fd, target)
+            os.close(fd)
+        return super()._bootstrap(parent_sentinel)
 
     @staticmethod
     def _Popen(process_obj: _process.BaseProcess) -> "_WarmPopen":

@@ -151,6 +151,10 @@ def _paired_rref(sid: str) -> Any:
     return rpc.RRef(value)
 
 
+def _ping() -> None:
+    """Answers at once: the member is alive and serving."""
+
+
 def _run(func: Any, args: Tuple, kwargs: Dict) -> Any:
     try:
         return _resolve(_load_function(func)(*args, **kwargs))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import pickle
 import signal
 import socket
 import threading
@@ -46,6 +47,16 @@ def _die_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="machinlike-parent-watch", daemon=True).start()
+
+
+def _dumps(obj: Any) -> bytes:
+    # By reference when possible: a function of the user's __main__ must arrive as the
+    # rank's own __main__ function (torch RPC pickles functions by reference), not as
+    # the by-value copy dill would make.
+    try:
+        return pickle.dumps(obj)
+    except Exception:
+        return dill.dumps(obj, recurse=True)
 
 
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
@@ -150,7 +161,7 @@ def launch(
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
     context = resolve_context(ctx)
-    payload = dill.dumps((fn, tuple(args), dict(kwargs or {})), recurse=True)
+    payload = _dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
     processes, readers = [], []
     try:

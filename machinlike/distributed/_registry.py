@@ -93,8 +93,12 @@ class Registry:
             raise self._lost(err) from err
 
     # ---------------------------------------------------------------- rendezvous-ish
-    def wait_all(self, prefix: str, names: Sequence[str], timeout: float, what: str) -> None:
+    def wait_all(self, prefix: str, names: Sequence[str], timeout: float, what: str,
+                 stated: Optional[float] = None) -> None:
         """Block until ``prefix + name`` exists for every name, or raise ``TimeoutError``.
+
+        ``stated`` is the timeout to quote in the error (the caller's own, when ``timeout``
+        is what is left of it); None quotes ``timeout``.
 
         Raises:
             TimeoutError: naming the names whose key never appeared and the wait.
@@ -113,7 +117,8 @@ class Registry:
         if not absent:  # everyone arrived just as the wait expired
             return
         raise TimeoutError(
-            f"{what}: {', '.join(repr(n) for n in absent)} did not arrive within {timeout:g} s"
+            f"{what}: {', '.join(repr(n) for n in absent)} did not arrive within "
+            f"{timeout if stated is None else stated:g} s"
         )
 
     def absent(self, prefix: str, names: Iterable[str]) -> List[str]:
@@ -129,7 +134,8 @@ class Registry:
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
-    def barrier(self, tag: str, generation: int, me: str, members: Sequence[str], timeout: float, what: str) -> None:
+    def barrier(self, tag: str, generation: int, me: str, members: Sequence[str], timeout: float, what: str,
+                stated: Optional[float] = None) -> None:
         """One barrier round: announce ``me`` for ``generation``, wait for all ``members``.
 
         The previous round's key of this member is deleted afterwards: by the time anyone
@@ -141,7 +147,7 @@ class Registry:
             store.set(prefix + me, "1")
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
-        self.wait_all(prefix, members, timeout, what)
+        self.wait_all(prefix, members, timeout, what, stated)
         if generation:
             try:
                 store.delete_key(f"{tag}/{generation - 1}/{me}")

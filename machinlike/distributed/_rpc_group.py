@@ -338,7 +338,7 @@ class RpcGroup:
             self._barrier_gen += 1
             world._registry.barrier(
                 f"{world._ns}rg/{self._sid}bar", generation, world.name, self._members,
-                max(0.001, deadline - time.monotonic()), f"barrier of RpcGroup {self._name!r}: members")
+                max(0.001, deadline - time.monotonic()), f"barrier of RpcGroup {self._name!r}: members", wait)
         finally:
             self._barrier_lock.release()
 

@@ -30,6 +30,7 @@ from torch.distributed import rpc
 
 from . import _calls, _rendezvous
 from ._collective import CollectiveGroup
+from ._liveness import alive_here, process_identity
 from ._registry import Registry, deadline_left
 from ._rpc_group import RpcGroup, check_group_name
 
@@ -139,6 +140,7 @@ class World:
         self._rpc_running = False
         self._pg_running = False
         self._members: List[str] = []
+        self._identities: Dict[str, str] = {}
 
         with _world_lock:
             global _world
@@ -168,10 +170,12 @@ class World:
         self._ns = f"mlk/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._registry = Registry(info.store, info.owner)
         ranks = [str(r) for r in range(self.world_size)]
+        self._registry.set(f"{self._ns}w/proc/{self.rank}", process_identity())
         self._registry.set(f"{self._ns}w/name/{self.rank}", self.name)
         self._registry.wait_all(f"{self._ns}w/name/", ranks, deadline_left(deadline),
-                                "World start-up: ranks")
+                                "World start-up: ranks", self.dist_timeout)
         names = self._registry.values(f"{self._ns}w/name/", ranks)
+        self._identities = dict(zip(names, self._registry.values(f"{self._ns}w/proc/", ranks)))
         if len(set(names)) != len(names):
             clash = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"member names must be unique; ranks {names} share {clash}")
@@ -200,7 +204,7 @@ class World:
             self._rpc_running = True
         self._registry.set(f"{self._ns}w/ready/{self.rank}", "1")
         self._registry.wait_all(f"{self._ns}w/ready/", ranks, deadline_left(deadline),
-                                "World start-up: ready barrier, ranks")
+                                "World start-up: ready barrier, ranks", self.dist_timeout)
 
     def _set_interface(self, interface: Optional[str], master_host: str) -> None:
         # TensorPipe and gloo read their interface from the environment at init; setting
@@ -316,8 +320,12 @@ class World:
     def stop(self, timeout: Optional[float] = None) -> None:
         """Leave the world: gracefully when every peer stops too, else locally.
 
-        Waits at most ``timeout`` seconds (None: ``dist_timeout``) for the other members,
-        then shuts down locally; safe to call twice.
+        Waits at most ``timeout`` seconds (None: ``dist_timeout``) for every member to call
+        ``stop``. When all did and are still alive, RPC shuts down gracefully (pending calls
+        finish); otherwise, or when the graceful shutdown fails, locally. Each phase of the
+        graceful shutdown is bounded by what is left of ``timeout``, so only a peer that
+        dies in the middle of it can delay ``stop`` to about twice ``timeout``. Safe to call
+        twice.
         """
         with self._stop_lock:
             if self._stopped:
@@ -330,8 +338,10 @@ class World:
             ranks = [str(r) for r in range(self.world_size)]
             self._registry.set(f"{self._ns}w/stop/{self.rank}", "1")
             self._registry.wait_all(f"{self._ns}w/stop/", ranks, deadline_left(deadline),
-                                    "World.stop: ranks")
-            everyone = True
+                                    "World.stop: ranks", wait)
+            # A peer may have reached stop and died since; the graceful shutdown would
+            # wait for it far longer than torch's timeout promises.
+            everyone = not self._rpc_running or self._peers_alive(deadline)
         except (TimeoutError, ConnectionError) as err:
             log.warning("World %r stops without its peers: %s", self.name, err)
         if self._rpc_running:
@@ -344,7 +354,7 @@ class World:
             try:
                 self._registry.set(f"{self._ns}w/left/{self.rank}", "1")
                 self._registry.wait_all(f"{self._ns}w/left/", [str(r) for r in range(1, self.world_size)],
-                                        deadline_left(deadline), "World.stop: ranks leaving")
+                                        deadline_left(deadline), "World.stop: ranks leaving", wait)
             except (TimeoutError, ConnectionError) as err:
                 log.warning("World %r closes its store before all peers left: %s", self.name, err)
         elif everyone:
@@ -353,6 +363,27 @@ class World:
             except ConnectionError:
                 pass
         self._teardown_local()
+
+    def _peers_alive(self, deadline: float) -> bool:
+        remote = []
+        for member, identity in self._identities.items():
+            if member == self.name:
+                continue
+            local = alive_here(identity)
+            if local is False:
+                log.warning("World %r stops without member %r, whose process is gone", self.name, member)
+                return False
+            if local is None:
+                remote.append(member)
+        limit = max(0.1, min(deadline_left(deadline), 5.0))
+        pending = [(m, rpc.rpc_async(m, _calls._ping, timeout=limit)) for m in remote]
+        for member, fut in pending:
+            try:
+                fut.wait()
+            except RuntimeError as err:
+                log.warning("World %r stops without member %r, which does not answer: %s", self.name, member, err)
+                return False
+        return True
 
     def _shutdown_rpc(self, everyone: bool, deadline: float) -> None:
         if everyone:

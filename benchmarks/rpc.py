@@ -1,0 +1,203 @@
+"""machinlike RPC groups against raw torch.distributed.rpc, side by side in one run.
+
+Run:  python benchmarks/rpc.py [--quick]
+
+Three local processes (the launcher's warm forkserver); rank 0 measures both contenders
+over the *same* RPC agent, alternating blocks of calls so that machine noise hits both
+alike. Figures are medians over blocks. Ratios are ours / raw for times and raw / ours
+for rates, so < 1 means slower than raw for rates, and > 1 means slower for times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch.distributed import rpc
+
+from machinlike import launch
+
+
+def noop() -> None:
+    return None
+
+
+def echo(x: Any) -> Any:
+    return x
+
+
+def _blocks(fn: Callable[[], None], calls: int, blocks: int) -> List[float]:
+    """Per-call seconds of each block of ``calls`` calls."""
+    out = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - start) / calls)
+    return out
+
+
+def _paired(raw: Callable[[], None], ours: Callable[[], None], calls: int, blocks: int) -> Dict[str, float]:
+    raw_t, ours_t = [], []
+    for _ in range(blocks):  # alternate so that noise hits both
+        raw_t += _blocks(raw, calls, 1)
+        ours_t += _blocks(ours, calls, 1)
+    return {"raw": statistics.median(raw_t), "ours": statistics.median(ours_t)}
+
+
+def _async_rate(submit: Callable[[], Any], total: int, in_flight: int) -> float:
+    start = time.perf_counter()
+    pending: List[Any] = []
+    for _ in range(total):
+        pending.append(submit())
+        if len(pending) >= in_flight:
+            pending.pop(0).wait()
+    for fut in pending:
+        fut.wait()
+    return total / (time.perf_counter() - start)
+
+
+def _body(world: Any, quick: bool) -> Dict[str, Any]:
+    group = world.create_rpc_group("bench", world.get_members())
+    if world.rank == 1:
+        group.register("noop", noop)
+        group.register("echo", echo)
+    group.barrier()
+    results: Dict[str, Any] = {}
+    blocks = 5 if quick else 15
+    if world.rank == 0:
+        calls = 100 if quick else 300
+        for _ in range(50):  # warm caches and connections
+            rpc.rpc_sync("1", noop)
+            group.registered_sync("noop")
+        results["latency"] = _paired(lambda: rpc.rpc_sync("1", noop), lambda: group.registered_sync("noop"),
+                                     calls, blocks)
+        results["lambda"] = _paired(lambda: rpc.rpc_sync("1", noop),
+                                    (lambda f: lambda: group.rpc_sync("1", f))(lambda: None), calls, blocks)
+        results["group_rpc"] = _paired(lambda: rpc.rpc_sync("1", noop), lambda: group.rpc_sync("1", noop),
+                                       calls, blocks)
+        total = 2000 if quick else 6000
+        raw_rates, our_rates = [], []
+        for _ in range(3):
+            raw_rates.append(_async_rate(lambda: rpc.rpc_async("1", noop), total, 64))
+            our_rates.append(_async_rate(lambda: group.registered_async("noop"), total, 64))
+        results["async"] = {"raw": statistics.median(raw_rates), "ours": statistics.median(our_rates)}
+        tensor = torch.ones(16 * 1024 * 1024)  # 64 MB of float32
+        big = _paired(lambda: rpc.rpc_sync("1", echo, args=(tensor,)),
+                      lambda: group.registered_sync("echo", (tensor,)), 1, 3 if quick else 7)
+        results["echo64"] = big
+    group.barrier()
+    times = []
+    for _ in range(100 if quick else 300):
+        start = time.perf_counter()
+        group.barrier()
+        times.append(time.perf_counter() - start)
+    gloo = []
+    for _ in range(100 if quick else 300):
+        start = time.perf_counter()
+        dist.barrier()
+        gloo.append(time.perf_counter() - start)
+    results["barrier"] = {"ours": statistics.median(times), "raw": statistics.median(gloo)}
+    group.barrier()
+    group.destroy()
+    return results
+
+
+def _startup_body(world: Any, rounds: int, port_base: int) -> Dict[str, List[float]]:
+    """Runs inside an existing world: times fresh worlds vs raw init_rpc (+ process group)."""
+    from machinlike.distributed import World
+    from machinlike.distributed._rendezvous import connect_store
+
+    rank, size = world.rank, world.world_size
+    coordinator = world.create_rpc_group("coord", world.get_members())
+    port = port_base
+    world.stop()  # free this process for the measured worlds
+    timings: Dict[str, List[float]] = {"raw_rpc": [], "ours_rpc": [], "raw_full": [], "ours_full": []}
+    del coordinator
+    for i in range(rounds):
+        for kind in ("raw_rpc", "ours_rpc", "raw_full", "ours_full"):
+            store = connect_store("127.0.0.1", port, 30)
+            prefix = f"round{i}/{kind}"
+            store.set(f"{prefix}/ready/{rank}", "1")
+            store.wait([f"{prefix}/ready/{r}" for r in range(size)])
+            start = time.perf_counter()
+            if kind.startswith("raw"):
+                if kind == "raw_full":
+                    dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store),
+                                            rank=rank, world_size=size)
+                from machinlike.distributed._rendezvous import rpc_init_method
+
+                options = rpc.TensorPipeRpcBackendOptions(
+                    init_method=rpc_init_method(dist.PrefixStore(prefix + "/rpc", store), rank, size))
+                rpc.init_rpc(str(rank), rank=rank, world_size=size, rpc_backend_options=options)
+                rpc.shutdown()
+                if kind == "raw_full":
+                    dist.destroy_process_group()
+            else:
+                w = World(str(rank), rank, size, store=dist.PrefixStore(prefix + "/w", store),
+                          collective=kind == "ours_full")
+                w.stop()
+            timings[kind].append(time.perf_counter() - start)
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    args = parser.parse_args()
+    res = launch(_body, 3, args=(args.quick,), timeout=600)[0]
+
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    import datetime
+
+    host = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+    starts = launch(_startup_body, 3, args=(3 if args.quick else 8, port), timeout=600, collective=False)
+    del host
+
+    rows = []
+    lat = res["latency"]
+    rows.append(("registered_sync no-op (us)", lat["raw"] * 1e6, lat["ours"] * 1e6, lat["ours"] / lat["raw"], "<= 1.10"))
+    lam = res["lambda"]
+    rows.append(("rpc_sync of a lambda vs raw module fn (us)", lam["raw"] * 1e6, lam["ours"] * 1e6,
+                 lam["ours"] / lam["raw"], "<= 1.50"))
+    grp = res["group_rpc"]
+    rows.append(("group.rpc_sync module fn (us)", grp["raw"] * 1e6, grp["ours"] * 1e6, grp["ours"] / grp["raw"], ""))
+    asy = res["async"]
+    rows.append(("registered_async, 64 in flight (calls/s)", asy["raw"], asy["ours"], asy["ours"] / asy["raw"], ">= 0.90"))
+    big = res["echo64"]
+    mb = 64 * 2  # there and back
+    rows.append(("64 MB tensor echo (MB/s)", mb / big["raw"], mb / big["ours"], big["raw"] / big["ours"], ">= 0.90"))
+    bar = res["barrier"]
+    rows.append(("barrier, 3 members, median (ms) [raw: gloo barrier]", bar["raw"] * 1e3, bar["ours"] * 1e3,
+                 bar["ours"] / bar["raw"], "ours <= 1.5 ms"))
+    med = {k: statistics.median(v) for k, v in _merge(starts).items()}
+    rows.append(("World(rpc only) create+stop vs init_rpc+shutdown (s)", med["raw_rpc"], med["ours_rpc"],
+                 med["ours_rpc"] / med["raw_rpc"], "<= 1.20"))
+    rows.append(("World(rpc+gloo) create+stop vs raw both (s)", med["raw_full"], med["ours_full"],
+                 med["ours_full"] / med["raw_full"], "<= 1.20"))
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'raw torch':>12}  {'machinlike':>12}  {'ratio':>7}  target")
+    for name, raw, ours, ratio, target in rows:
+        print(f"{name:<{width}}  {raw:>12.1f}  {ours:>12.1f}  {ratio:>7.2f}  {target}"
+              if raw >= 10 else f"{name:<{width}}  {raw:>12.4f}  {ours:>12.4f}  {ratio:>7.2f}  {target}")
+    print("machin 0.4.2 for reference (issue 3): registered_sync ~2.2x raw; barrier ~10 ms for 2 members")
+
+
+def _merge(per_rank: List[Dict[str, List[float]]]) -> Dict[str, List[float]]:
+    # A world is up when its slowest rank is: take the max over ranks, round by round.
+    keys = per_rank[0].keys()
+    return {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))] for k in keys}
+
+
+if __name__ == "__main__":
+    main()

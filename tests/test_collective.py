@@ -1,0 +1,141 @@
+"""CollectiveGroup over gloo on 3 real processes: every op, sub-groups, any-source receives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from machinlike.testing import world_test
+
+
+@world_test(3, timeout=60)
+def test_every_collective_on_the_whole_world(world):
+    g = world.create_collective_group([0, 1, 2])
+    r, n = world.rank, 3
+    assert g.size() == 3 and g.ranks == [0, 1, 2] and g.is_member()
+    assert isinstance(g.group, dist.ProcessGroup)
+
+    t = torch.tensor([float(r)])
+    g.broadcast(t, src=1)
+    assert t.item() == 1.0
+
+    t = torch.tensor([r + 1.0])
+    g.all_reduce(t)
+    assert t.item() == 6.0
+    t = torch.tensor([r + 1.0])
+    g.all_reduce(t, op=dist.ReduceOp.MAX)
+    assert t.item() == 3.0
+
+    t = torch.tensor([r + 1.0])
+    g.reduce(t, dst=2)
+    if r == 2:
+        assert t.item() == 6.0
+
+    out = [torch.zeros(2) for _ in range(n)]
+    g.all_gather(out, torch.full((2,), float(r)))
+    assert [o[0].item() for o in out] == [0.0, 1.0, 2.0]
+
+    gathered = [torch.zeros(1) for _ in range(n)] if r == 0 else None
+    g.gather(torch.tensor([r * 10.0]), gathered, dst=0)
+    if r == 0:
+        assert [x.item() for x in gathered] == [0.0, 10.0, 20.0]
+
+    piece = torch.zeros(1)
+    g.scatter(piece, [torch.tensor([i + 100.0]) for i in range(n)] if r == 1 else None, src=1)
+    assert piece.item() == 100.0 + r
+
+    out = torch.zeros(2)
+    g.reduce_scatter(out, [torch.full((2,), float(r * 10 + i)) for i in range(n)])
+    assert out.tolist() == [30.0 + 3 * r] * 2  # sum over senders s of (10 s + r)
+
+    outs = [torch.zeros(1) for _ in range(n)]
+    g.all_to_all(outs, [torch.tensor([float(r * 10 + i)]) for i in range(n)])
+    assert [o.item() for o in outs] == [float(s * 10 + r) for s in range(n)]
+
+    objects = [None]
+    if r == 2:
+        objects = [{"from": 2, "items": [1, 2]}]
+    g.broadcast_object_list(objects, src=2)
+    assert objects == [{"from": 2, "items": [1, 2]}]
+    everyone = [None] * n
+    g.all_gather_object(everyone, ("rank", r))
+    assert everyone == [("rank", 0), ("rank", 1), ("rank", 2)]
+
+    work = g.all_reduce(torch.ones(1), async_op=True)
+    work.wait()
+    g.barrier()
+    with pytest.raises(ValueError, match=r"src=5 is not a rank of CollectiveGroup \[0, 1, 2\]"):
+        g.broadcast(torch.zeros(1), src=5)
+    g.destroy()
+
+
+@world_test(3, timeout=60)
+def test_point_to_point_and_any_source_receive(world):
+    g = world.create_collective_group([0, 1, 2])
+    r = world.rank
+    # Tags keep the two rounds apart: any-source receives match any sender, not any tag.
+    if r == 0:
+        senders = set()
+        for _ in range(2):  # any source: both other ranks, in whatever order they come
+            t = torch.zeros(1)
+            sender = g.recv(t, tag=1)
+            assert t.item() == sender * 11.0
+            senders.add(sender)
+        assert senders == {1, 2}
+        t = torch.zeros(1)
+        first = g.irecv(t, tag=2).wait()  # any source, asynchronous
+        assert first in (1, 2) and t.item() == float(first)
+        t = torch.zeros(1)
+        assert g.irecv(t, src=3 - first, tag=2).wait() == 3 - first
+        g.send(torch.tensor([7.0]), dst=1)
+    else:
+        g.send(torch.tensor([r * 11.0]), dst=0, tag=1)
+        g.isend(torch.tensor([float(r)]), dst=0, tag=2).wait()
+        if r == 1:
+            t = torch.zeros(1)
+            assert g.recv(t, src=0) == 0 and t.item() == 7.0
+    g.barrier()
+    g.destroy()
+
+
+@world_test(3, timeout=60)
+def test_subgroup_uses_global_ranks_and_refuses_outsiders(world):
+    sub = world.create_collective_group([0, 2])  # every process enters, as torch requires
+    r = world.rank
+    if r == 1:
+        assert not sub.is_member() and sub.group is None
+        with pytest.raises(RuntimeError, match=r"rank 1\) is not in CollectiveGroup \[0, 2\]"):
+            sub.all_reduce(torch.ones(1))
+    else:
+        t = torch.tensor([float(r)])
+        sub.all_reduce(t)
+        assert t.item() == 2.0
+        if r == 2:
+            sub.send(torch.tensor([5.0]), dst=0)
+        else:
+            t = torch.zeros(1)
+            assert sub.irecv(t).wait() == 2  # the global rank, not the group rank 1
+            assert t.item() == 5.0
+        with pytest.raises(ValueError, match="dst=1 is not a rank"):
+            sub.send(torch.ones(1), dst=1)
+    with pytest.raises(ValueError, match=r"ranks=\[0, 7\] must be distinct ranks in \[0, 3\)"):
+        world.create_collective_group([0, 7])
+    sub.destroy()
+    with pytest.raises(RuntimeError, match="destroyed|not in"):
+        sub.barrier()
+
+
+@world_test(2, timeout=90)
+def test_ddp_on_a_collective_group(world):
+    torch.manual_seed(0)
+    g = world.create_collective_group([0, 1])
+    model = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=g.group)
+    x = torch.full((8, 4), float(world.rank + 1))
+    ddp(x).sum().backward()
+    grads = [torch.zeros_like(model.weight.grad) for _ in range(2)]
+    g.all_gather(grads, model.weight.grad)
+    assert torch.equal(grads[0], grads[1])  # DDP averaged the gradients over the group
+    assert torch.allclose(grads[0], torch.full_like(grads[0], 8 * 1.5))
+    g.destroy()

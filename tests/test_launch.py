@@ -1,0 +1,123 @@
+"""The local launcher and the pytest helper: results, failures, deaths and hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from machinlike import launch
+from machinlike.exception import ProcessExitedError, RemoteTraceback
+from machinlike.testing import run_world, world_test
+
+
+class Refused(Exception):
+    pass
+
+
+def _rank_and_name(world, base, *, scale=1):
+    return (world.rank, world.name, base * scale)
+
+
+def _fail_on_rank_1_others_block(world):
+    if world.rank == 1:
+        raise Refused("rank 1 refuses")
+    threading.Event().wait(120)  # would block for two minutes: the launcher must kill it
+
+
+def _exit_on_rank_2(world, how):
+    if world.rank == 2:
+        if how == "os._exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait(120)
+
+
+def _hang(world):
+    threading.Event().wait(120)
+
+
+def _unpicklable(world):
+    return (i for i in range(3))  # generators cannot be pickled, even by dill
+
+
+def test_results_in_rank_order_with_args_and_names():
+    results = launch(_rank_and_name, 3, args=(10,), kwargs={"scale": 2}, names=["a", "b", "c"], timeout=60)
+    assert results == [(0, "a", 20), (1, "b", 20), (2, "c", 20)]
+
+
+def test_lambdas_and_tensors_travel():
+    base = torch.arange(3)
+    results = launch(lambda world, t: (t + world.rank).tolist(), 2, args=(base,), timeout=60)
+    assert results == [[0, 1, 2], [1, 2, 3]]
+
+
+def test_first_failure_is_raised_with_remote_traceback_and_others_killed():
+    start = time.monotonic()
+    with pytest.raises(Refused, match="rank 1 refuses") as info:
+        launch(_fail_on_rank_1_others_block, 3, timeout=100)
+    assert time.monotonic() - start < 30  # not the 100 s timeout, nor the 120 s block
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and "on rank 1 ('1')" in str(cause)
+    assert "_fail_on_rank_1_others_block" in str(cause)
+
+
+@pytest.mark.parametrize("how, text", [("os._exit", "exited with code 3"), ("SIGKILL", "killed by signal SIGKILL")])
+def test_rank_death_is_named(how, text):
+    with pytest.raises(ProcessExitedError, match=rf"rank 2 \('2'\) \(pid \d+\) {text}") as info:
+        launch(_exit_on_rank_2, 3, args=(how,), timeout=100)
+    assert info.value.exitcode == (3 if how == "os._exit" else -signal.SIGKILL)
+
+
+def test_timeout_names_the_stuck_ranks(capfd):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 \('0'\), rank 1 \('1'\) did not finish within 3 s"):
+        launch(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 20
+    assert "_hang" in capfd.readouterr().err  # the ranks' stacks were dumped
+
+
+def _fail_or_return(world):
+    if world.rank == 0:
+        raise Refused("only rank 0")
+    return world.rank
+
+
+def test_return_exceptions_collects_every_outcome():
+    results = launch(_fail_or_return, 3, timeout=60, return_exceptions=True)
+    assert isinstance(results[0], Refused) and results[1:] == [1, 2]
+
+
+def test_unpicklable_result_is_a_clear_error():
+    with pytest.raises(TypeError, match="rank 0 returned a result that cannot be pickled"):
+        launch(_unpicklable, 1, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(world_size=0), ValueError, "world_size=0 must be a positive int"),
+        (dict(world_size=2, timeout=0), ValueError, "timeout=0 must be a positive"),
+        (dict(world_size=2, names=["a"]), ValueError, "names has 1 entries; world_size is 2"),
+        (dict(world_size=2, rank=1), TypeError, r"launch\(\) sets \['rank'\] itself"),
+    ],
+)
+def test_launch_validates(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        launch(_rank_and_name, **kwargs)
+
+
+def test_run_world_needs_a_timeout():
+    with pytest.raises(ValueError, match="timeout=None must be a positive number"):
+        run_world(_rank_and_name, 2, timeout=None)
+
+
+@world_test(2, timeout=60)
+@pytest.mark.parametrize("n", [1, 2])
+def test_world_test_passes_parameters_and_fixtures(world, n, tmp_path):
+    assert n in (1, 2) and tmp_path.is_dir()
+    (tmp_path / f"rank{world.rank}").write_text(str(n))

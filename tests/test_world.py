@@ -1,0 +1,147 @@
+"""World: arguments, start-up, shutdown, torchrun, and one per process."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from machinlike.distributed import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
+from machinlike.testing import world_test
+
+LOCAL = "tcp://127.0.0.1:0"  # rank 0 picks a free port itself: only valid for world_size=1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(rank=2, world_size=2), ValueError, r"rank=2 must be in \[0, world_size=2\)"),
+        (dict(rank=0, world_size=0), ValueError, "world_size=0 must be at least 1"),
+        (dict(rank="0", world_size=1), TypeError, "rank must be an int"),
+        (dict(rank=0, world_size=1, name="a b"), ValueError, "name='a b' is not a valid member name"),
+        (dict(rank=0, world_size=1, rpc_timeout=0), ValueError, "rpc_timeout=0 must be a positive"),
+        (dict(rank=0, world_size=1, rpc_threads=0), ValueError, "rpc_threads=0 must be a positive int"),
+        (dict(rank=0, world_size=1, init_method="file:///tmp/x"), ValueError, "init_method='file:///tmp/x' is not supported"),
+        (dict(rank=0, world_size=1, store="store"), TypeError, "store must be a torch.distributed.Store"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        World(**kwargs)
+    assert get_world() is None
+
+
+def test_rank_and_size_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="World needs rank: pass it .* or start the script with torchrun"):
+        World()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with World(init_method=LOCAL) as world:
+        assert (world.rank, world.world_size, world.name) == (0, 1, "0")
+
+
+def test_in_process_lifecycle_and_one_world_per_process():
+    assert not is_world_initialized()
+    with pytest.raises(RuntimeError, match="no World in this process"):
+        get_cur_rank()
+    for round_ in range(2):  # a process may build a new World after stopping the last one
+        world = World("solo", 0, 1, init_method=LOCAL)
+        assert isinstance(world, World) and get_world() is world and is_world_initialized()
+        assert get_cur_rank() == 0 and get_cur_name() == "solo"
+        assert world.get_members() == ["solo"] and world.get_ranks() == [0]
+        with pytest.raises(RuntimeError, match="already has a World"):
+            World("other", 0, 1, init_method=LOCAL)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(world)
+        group = world.create_rpc_group("g", ["solo"])
+        group.register("twice", lambda x: 2 * x)
+        assert group.registered_sync("twice", (round_,)) == 2 * round_
+        world.stop()
+        world.stop()  # safe twice
+        assert get_world() is None
+        with pytest.raises(RuntimeError, match="has been stopped"):
+            world.create_rpc_group("late", ["solo"])
+
+
+def test_startup_names_the_missing_rank():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"World start-up: ranks: '1' did not arrive within"):
+        World(rank=0, world_size=2, init_method=LOCAL, dist_timeout=1)
+    assert time.monotonic() - start < 10
+    assert get_world() is None
+
+
+def test_unreachable_master_is_a_clear_timeout():
+    import socket
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(TimeoutError, match=rf"could not reach the world's store .* at 127.0.0.1:{port} within 1 s"):
+        World(rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=1)
+
+
+def test_master_port_in_use_is_named():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=rf"rank 0 cannot listen on 127.0.0.1:{port}"):
+            World(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+
+
+@world_test(3, timeout=60)
+def test_world_basics_on_three_ranks(world):
+    assert world.get_members() == ["0", "1", "2"] and world.get_ranks() == [0, 1, 2]
+    assert get_world() is world and get_cur_name() == str(world.rank)
+
+
+@world_test(2, timeout=60, collective=False)
+def test_rpc_only_world(world):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="collective=False"):
+        world.create_collective_group([0, 1])
+
+
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from machinlike.distributed import World
+
+    world = World()  # everything comes from torchrun's environment
+    group = world.create_rpc_group("g", world.get_members())
+    group.register(f"rank{world.rank}", lambda: world.rank)
+    group.barrier()
+    total = sum(group.registered_sync(f"rank{r}") for r in range(world.world_size))
+    t = torch.ones(1) * world.rank
+    torch.distributed.all_reduce(t)
+    print(f"rank {world.rank} of {world.world_size}: services {total} all_reduce {int(t.item())}", flush=True)
+    group.barrier()
+    world.stop()
+    """
+)
+
+
+def test_torchrun_builds_world_without_arguments(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
+        capture_output=True, text=True, timeout=150, env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert lines == [f"rank {r} of 3: services 3 all_reduce 3" for r in range(3)], done.stdout
