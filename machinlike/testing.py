@@ -18,8 +18,11 @@ importable test module (the ranks import it by name).
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .distributed import launch
@@ -39,6 +42,36 @@ def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] =
     return launch(fn, world_size, args, kwargs, timeout=timeout, stop_timeout=min(30.0, timeout), **world_kwargs)
 
 
+def _import_test_module(name: str) -> Any:
+    """Import a test module in a rank with pytest's assertion rewriting, as pytest would.
+
+    Without it, a failing ``assert`` in a rank reports a bare AssertionError; with it, the
+    remote traceback shows the compared values. Falls back to a plain import when pytest
+    is not installed or the module has no Python source.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+    except ImportError:
+        rewrite_asserts = None
+    if rewrite_asserts is None or spec is None or not (spec.origin or "").endswith(".py"):
+        return importlib.import_module(name)
+    with open(spec.origin, "rb") as stream:
+        source = stream.read()
+    tree = ast.parse(source, filename=spec.origin)
+    rewrite_asserts(tree, source, spec.origin)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, spec.origin, "exec", dont_inherit=True), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 class _TestBody:
     """Picklable pointer to the undecorated test function, resolved by import in a rank."""
 
@@ -47,7 +80,7 @@ class _TestBody:
         self.qualname = qualname
 
     def __call__(self, world: Any, **kwargs: Any) -> Any:
-        target: Any = importlib.import_module(self.module)
+        target: Any = _import_test_module(self.module)
         for part in self.qualname.split("."):
             target = getattr(target, part)
         return target._machinlike_body(world, **kwargs)

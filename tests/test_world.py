@@ -129,6 +129,15 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     print(f"rank {world.rank} of {world.world_size}: services {total} all_reduce {int(t.item())}", flush=True)
     group.barrier()
     world.stop()
+
+    # The same script's launch() call runs in place under torchrun (no nested processes).
+    import machinlike
+
+    def job(world, base):
+        return base + world.rank
+
+    (mine,) = machinlike.launch(job, 99, args=(100,))
+    print(f"launched rank {mine - 100} of {world.world_size}", flush=True)
     """
 )
 
@@ -145,3 +154,5 @@ def test_torchrun_builds_world_without_arguments(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
     assert lines == [f"rank {r} of 3: services 3 all_reduce 3" for r in range(3)], done.stdout
+    launched = sorted(line for line in done.stdout.splitlines() if line.startswith("launched "))
+    assert launched == [f"launched rank {r} of 3" for r in range(3)], done.stdout

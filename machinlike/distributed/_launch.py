@@ -14,6 +14,7 @@ Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import os
 import pickle
@@ -86,13 +87,24 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
         world.stop(stop_timeout)
 
 
+def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
+              names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any]) -> Any:
+    from ._world import World
+
+    rank = int(os.environ.get("RANK", "0"))
+    name = str(names[rank]) if names is not None else None
+    world = World(name, **world_kwargs)
+    try:
+        return fn(world, *args, **(kwargs or {}))
+    finally:
+        world.stop(stop_timeout)
+
+
 def _host_store(world_size: int, timeout: float) -> dist.TCPStore:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    import datetime
-
     return dist.TCPStore("127.0.0.1", port, world_size, True, datetime.timedelta(seconds=timeout),
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
@@ -121,6 +133,7 @@ def launch(
     ctx: Any = None,
     stop_timeout: float = 30.0,
     return_exceptions: bool = False,
+    torchrun: Optional[bool] = None,
     **world_kwargs: Any,
 ) -> List[Any]:
     """Run ``fn(world, *args, **kwargs)`` in ``world_size`` local processes, a World in each.
@@ -137,10 +150,15 @@ def launch(
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.
+        torchrun: Whether this process is one of torchrun's workers, which then runs
+            ``fn`` itself, with a World built from torchrun's environment, instead of
+            starting processes; ``world_size`` is then torchrun's. None: detect it
+            (``TORCHELASTIC_RUN_ID`` is set). This is what lets one script run both ways.
         **world_kwargs: Passed to :class:`World` (``rpc_timeout``, ``collective``, ...).
 
     Returns:
-        ``fn``'s return value of each rank, in rank order.
+        ``fn``'s return value of each rank, in rank order; under torchrun, a list holding
+        this rank's value only.
 
     Raises:
         Exception: the first failure of any rank, with that rank's traceback as cause; the
@@ -157,6 +175,8 @@ def launch(
     reserved = _RESERVED & set(world_kwargs)
     if reserved:
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
+    if torchrun if torchrun is not None else bool(os.environ.get("TORCHELASTIC_RUN_ID")):
+        return [_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)]
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")

@@ -19,7 +19,6 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import torch
 from torch.distributed import rpc
 
 from . import _calls
