@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from torch.distributed import rpc
 
 from . import _calls
+from ._state import require_world
 from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
 
 __all__ = ["RpcGroup", "check_group_name"]
@@ -39,10 +40,7 @@ def _check_key(key: str) -> None:
         raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
 
 
-def _world() -> Any:
-    from ._world import require_world
-
-    return require_world()
+_world = require_world
 
 
 class RpcGroup:
@@ -73,12 +71,12 @@ class RpcGroup:
         return f"<RpcGroup {self._name!r} members={list(self._members)}>"
 
     # ------------------------------------------------------------------ plumbing
-    def _key(self, kind: str, key: str) -> str:
-        return f"{_world()._ns}rg/{self._sid}{kind}/{key}"
+    def _key(self, world: Any, kind: str, key: str) -> str:
+        return f"{world._ns}rg/{self._sid}{kind}/{key}"
 
-    def _timeout(self, timeout: Optional[float]) -> float:
+    def _timeout(self, world: Any, timeout: Optional[float]) -> float:
         if timeout is None:
-            return _world().rpc_timeout
+            return world.rpc_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (or None)")
         return float(timeout)
@@ -91,20 +89,20 @@ class RpcGroup:
             raise RuntimeError(f"this process ({world.name!r}) is not a member of RpcGroup {self._name!r}")
         return world
 
-    def _lookup(self, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
+    def _lookup(self, world: Any, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
         if not refresh:
             held = cache.get(key)
             if held is not None:
                 return held
-        held = _world()._registry.owner(self._key(kind, key))
+        held = world._registry.owner(self._key(world, kind, key))
         if held is None:
             cache.pop(key, None)
         else:
             cache[key] = held
         return held
 
-    def _service_target(self, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
-        held = self._lookup(self._service_owners, "s", key, refresh)
+    def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        held = self._lookup(world, self._service_owners, "s", key, refresh)
         if held is None:
             raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
         entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
@@ -136,7 +134,7 @@ class RpcGroup:
             if key in self._my_services:
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
             world._tables.services[self._sid + key] = service
-            taken = world._registry.claim(self._key("s", key), holder)
+            taken = world._registry.claim(self._key(world, "s", key), holder)
             if taken is not None:
                 del world._tables.services[self._sid + key]
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
@@ -155,7 +153,7 @@ class RpcGroup:
         with self._lock:
             if key not in self._my_services:
                 raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
-            world._registry.release(self._key("s", key), self._service_owners.get(key, ""))
+            world._registry.release(self._key(world, "s", key), self._service_owners.get(key, ""))
             self._my_services.discard(key)
             self._service_owners.pop(key, None)
             world._tables.services.pop(self._sid + key, None)
@@ -163,8 +161,8 @@ class RpcGroup:
     def is_registered(self, key: str) -> bool:
         """Whether any member holds a service under ``key`` (asks the store)."""
         _check_key(key)
-        self._check_usable(need_member=False)
-        return self._lookup(self._service_owners, "s", key, refresh=True) is not None
+        world = self._check_usable(need_member=False)
+        return self._lookup(world, self._service_owners, "s", key, refresh=True) is not None
 
     def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                         timeout: Optional[float] = None) -> Any:
@@ -179,11 +177,11 @@ class RpcGroup:
             Exception: whatever the service raised, with its remote traceback as cause.
         """
         _check_key(key)
-        self._check_usable(need_member=False)
-        wait = self._timeout(timeout)
+        world = self._check_usable(need_member=False)
+        wait = self._timeout(world, timeout)
         call = (self._sid + key, tuple(args), kwargs or {})
         for refresh in (False, True):
-            member, entry = self._service_target(key, refresh)
+            member, entry = self._service_target(world, key, refresh)
             value = self._sync(member, entry, call, wait, f"service {key!r} of group {self._name!r}")
             if not is_missing(value):
                 return unwrap(value)
@@ -193,9 +191,9 @@ class RpcGroup:
                          timeout: Optional[float] = None) -> RpcFuture:
         """Like ``registered_sync`` but returns at once; ``wait()`` on the result."""
         _check_key(key)
-        self._check_usable(need_member=False)
-        wait = self._timeout(timeout)
-        member, entry = self._service_target(key)
+        world = self._check_usable(need_member=False)
+        wait = self._timeout(world, timeout)
+        member, entry = self._service_target(world, key)
         fut = rpc.rpc_async(member, entry, args=(self._sid + key, tuple(args), kwargs or {}), timeout=wait)
         return RpcFuture(fut, member, f"service {key!r} of group {self._name!r}", wait,
                          retry=lambda: self.registered_sync(key, args, kwargs, timeout))
@@ -207,10 +205,10 @@ class RpcGroup:
         Errors of the service surface from ``rref.to_here()`` as torch reports them.
         """
         _check_key(key)
-        self._check_usable(need_member=False)
-        member, _ = self._service_target(key)
+        world = self._check_usable(need_member=False)
+        member, _ = self._service_target(world, key)
         return rpc.remote(member, _calls._remote_service, args=(self._sid + key, tuple(args), kwargs or {}),
-                          timeout=self._timeout(timeout))
+                          timeout=self._timeout(world, timeout))
 
     # --------------------------------------------------------------------- values
     def pair(self, key: str, value: Any) -> None:
@@ -225,7 +223,7 @@ class RpcGroup:
             if key in self._my_values:
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by this member)")
             world._tables.values[self._sid + key] = value
-            taken = world._registry.claim(self._key("v", key), world.name)
+            taken = world._registry.claim(self._key(world, "v", key), world.name)
             if taken is not None:
                 del world._tables.values[self._sid + key]
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by member {taken!r})")
@@ -243,7 +241,7 @@ class RpcGroup:
         with self._lock:
             if key not in self._my_values:
                 raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {world.name!r}")
-            world._registry.release(self._key("v", key), world.name)
+            world._registry.release(self._key(world, "v", key), world.name)
             self._my_values.discard(key)
             self._value_owners.pop(key, None)
             world._tables.values.pop(self._sid + key, None)
@@ -251,8 +249,8 @@ class RpcGroup:
     def is_paired(self, key: str) -> bool:
         """Whether any member paired a value under ``key`` (asks the store)."""
         _check_key(key)
-        self._check_usable(need_member=False)
-        return self._lookup(self._value_owners, "v", key, refresh=True) is not None
+        world = self._check_usable(need_member=False)
+        return self._lookup(world, self._value_owners, "v", key, refresh=True) is not None
 
     def get_paired(self, key: str, timeout: Optional[float] = None) -> rpc.RRef:
         """An RRef to the value paired under ``key`` (owned by the member that paired it).
@@ -261,10 +259,10 @@ class RpcGroup:
             KeyError: nothing is paired under ``key``.
         """
         _check_key(key)
-        self._check_usable(need_member=False)
-        wait = self._timeout(timeout)
+        world = self._check_usable(need_member=False)
+        wait = self._timeout(world, timeout)
         for refresh in (False, True):
-            member = self._lookup(self._value_owners, "v", key, refresh)
+            member = self._lookup(world, self._value_owners, "v", key, refresh)
             if member is None:
                 break
             value = self._sync(member, _calls._paired_rref, (self._sid + key,), wait,
@@ -292,8 +290,7 @@ class RpcGroup:
         ``TimeoutError`` or ``PeerLostError``; ``ValueError`` if ``to`` is not a member.
         """
         self._target(to)
-        self._check_usable(need_member=False)
-        wait = self._timeout(timeout)
+        wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_async if is_async(func) else _calls._run
         return unwrap(self._sync(to, entry, self._prepare(func, args, kwargs), wait, f"rpc_sync of {func!r}"))
 
@@ -301,8 +298,7 @@ class RpcGroup:
                   args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
         """Like ``rpc_sync`` but returns at once; ``wait()`` on the result."""
         self._target(to)
-        self._check_usable(need_member=False)
-        wait = self._timeout(timeout)
+        wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_async if is_async(func) else _calls._run
         fut = rpc.rpc_async(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
@@ -311,9 +307,9 @@ class RpcGroup:
                args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> rpc.RRef:
         """Run ``func`` on member ``to`` and return an RRef to the result at once."""
         self._target(to)
-        self._check_usable(need_member=False)
+        wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        return rpc.remote(to, entry, args=self._prepare(func, args, kwargs), timeout=self._timeout(timeout))
+        return rpc.remote(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
 
     # -------------------------------------------------------------------- barrier
     def barrier(self, timeout: Optional[float] = None) -> None:
@@ -325,7 +321,7 @@ class RpcGroup:
             TimeoutError: naming the members that did not arrive within ``timeout``.
         """
         world = self._check_usable(need_member=True)
-        wait = world.dist_timeout if timeout is None else self._timeout(timeout)
+        wait = world.dist_timeout if timeout is None else self._timeout(world, timeout)
         deadline = time.monotonic() + wait
         # Rounds of one member run one at a time, which is what makes deleting the
         # previous round's key safe (see Registry.barrier).
@@ -352,10 +348,10 @@ class RpcGroup:
             if self._destroyed:
                 return
             for key in list(self._my_services):
-                world._registry.release(self._key("s", key), self._service_owners.get(key, ""))
+                world._registry.release(self._key(world, "s", key), self._service_owners.get(key, ""))
                 world._tables.services.pop(self._sid + key, None)
             for key in list(self._my_values):
-                world._registry.release(self._key("v", key), world.name)
+                world._registry.release(self._key(world, "v", key), world.name)
                 world._tables.values.pop(self._sid + key, None)
             self._my_services.clear()
             self._my_values.clear()
@@ -385,9 +381,9 @@ class RpcGroup:
 
 
 def _rebuild_group(name: str, members: Sequence[str], epoch: int) -> RpcGroup:
-    from ._world import get_world
+    from . import _state
 
-    world = get_world()
+    world = _state.current
     if world is not None:
         local = world._groups.get(name)
         if local is not None and local._epoch == epoch:

@@ -5,6 +5,7 @@ request can reach a half-built world:
 
     open the store (host it on rank 0, or join)        _rendezvous.open_store
     exchange member names (duplicates refused)         store keys  mlk/<n>/w/name/<rank>
+                                                       (<n>: restart count / incarnation)
     bind the local service tables                      incoming RPCs can find them
     init the default process group (collective=True)   store prefix  mlk/<n>/pg
     init RPC over TensorPipe (init_rpc=True)           rendezvous through the same store
@@ -28,19 +29,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 import torch.distributed as dist
 from torch.distributed import rpc
 
-from . import _calls, _rendezvous
+from . import _calls, _rendezvous, _state
 from ._collective import CollectiveGroup
 from ._liveness import alive_here, process_identity
 from ._registry import Registry, deadline_left
 from ._rpc_group import RpcGroup, check_group_name
+from ._state import require_world
 
 __all__ = ["World", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
-_world: Optional["World"] = None
-_world_lock = threading.Lock()
 
 
 def _positive(param: str, value: Optional[float]) -> float:
@@ -142,13 +142,12 @@ class World:
         self._members: List[str] = []
         self._identities: Dict[str, str] = {}
 
-        with _world_lock:
-            global _world
-            if _world is not None:
+        with _state.lock:
+            if _state.current is not None:
                 raise RuntimeError(
-                    f"this process already has a World ({_world.name!r}); stop() it before creating another"
+                    f"this process already has a World ({_state.current.name!r}); stop() it before creating another"
                 )
-            _world = self
+            _state.current = self
         try:
             self._start(init_method, backend, rpc_threads, store, interface)
         except BaseException:
@@ -166,8 +165,13 @@ class World:
                                          False, "the launcher")
         self._store_info = info
         self._set_interface(interface, info.host)
-        # A namespace per torchrun restart: the agent's store outlives restarted workers.
-        self._ns = f"mlk/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # A namespace per world incarnation: a store may outlive a world (torchrun's agent
+        # store outlives restarted workers, and a process may build a new World on it), and
+        # stale keys (gloo addresses, names, barriers) must not leak into the next one. The
+        # k-th World of every rank on this store meets the k-th World of the others.
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        incarnation = info.store.add(f"mlk/{restart}/incarnation/{self.rank}", 1)
+        self._ns = f"mlk/{restart}/{incarnation}/"
         self._registry = Registry(info.store, info.owner)
         ranks = [str(r) for r in range(self.world_size)]
         self._registry.set(f"{self._ns}w/proc/{self.rank}", process_identity())
@@ -402,7 +406,6 @@ class World:
             log.debug("local RPC shutdown: %s", err)
 
     def _teardown_local(self) -> None:
-        global _world
         self._stopped = True
         if self._rpc_url is not None:
             _rendezvous.forget_rpc_store(self._rpc_url)
@@ -412,10 +415,10 @@ class World:
         if self._pg_running:
             self._pg_running = False
             dist.destroy_process_group()
-        with _world_lock:
-            if _world is self:
+        with _state.lock:
+            if _state.current is self:
                 _calls.bind_tables(None)
-                _world = None
+                _state.current = None
 
     def __enter__(self) -> "World":
         return self
@@ -426,24 +429,12 @@ class World:
 
 def get_world() -> Optional[World]:
     """This process's World, None if there is none."""
-    return _world
+    return _state.current
 
 
 def is_world_initialized() -> bool:
     """Whether this process has a running World."""
-    return _world is not None
-
-
-def require_world() -> World:
-    """This process's World.
-
-    Raises:
-        RuntimeError: there is none.
-    """
-    world = _world
-    if world is None:
-        raise RuntimeError("no World in this process: create one first, e.g. World(rank=..., world_size=...)")
-    return world
+    return _state.current is not None
 
 
 def get_cur_rank() -> int:
