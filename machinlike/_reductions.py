@@ -167,7 +167,7 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
         _torch_red.shared_cache[key] = _torch_red.StorageWeakRef(storage)
         if hasattr(handle, "_id"):  # a resource_sharer registration: fetch it back on undo
             _note_undo(lambda: os.close(handle.detach()))
-        return (_rebuild_storage_fd, (handle, size, key))
+        return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()
     _note_undo(storage._shared_decref)
@@ -200,28 +200,36 @@ def _released_error(handle: bytes) -> RuntimeError:
     )
 
 
-def _rebuild_storage_fd(handle: Any, size: int, key: Tuple[int, int]) -> torch.UntypedStorage:
-    try:
-        fd = handle.detach()
-    except (OSError, EOFError, KeyError, RuntimeError) as exc:
-        # A repeated load: the descriptor was handed out already. It still works where
-        # this process maps the storage; anywhere else the memory is out of reach.
-        storage = _torch_red.storage_from_cache(torch.UntypedStorage, key)
-        if storage is not None:
+def _rebuild_storage_fd(handle: Any, size: int, key: Tuple[int, int], token: bytes) -> torch.UntypedStorage:
+    if _first_load(token):
+        try:
+            fd = handle.detach()
+        except (OSError, EOFError, KeyError, RuntimeError) as exc:
+            # another process loaded this payload first and took the descriptor
+            return _cached_fd_storage(key, exc)
+        try:
+            storage = _torch_red.storage_from_cache(torch.UntypedStorage, _torch_red.fd_id(fd))
+            if storage is None:
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+                _torch_red.shared_cache[_torch_red.fd_id(fd)] = _torch_red.StorageWeakRef(storage)
             return storage
-        raise RuntimeError(
-            "a tensor whose memory was shared by file descriptor (torch's default strategy, "
-            "e.g. after share_memory_()) can be loaded from one payload only once, and only "
-            "while the sending process is alive; pickle it again for each receiver"
-        ) from exc
-    try:
-        storage = _torch_red.storage_from_cache(torch.UntypedStorage, _torch_red.fd_id(fd))
-        if storage is None:
-            storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
-            _torch_red.shared_cache[_torch_red.fd_id(fd)] = _torch_red.StorageWeakRef(storage)
+        finally:
+            os.close(fd)
+    return _cached_fd_storage(key, None)
+
+
+def _cached_fd_storage(key: Tuple[int, int], cause: Optional[BaseException]) -> torch.UntypedStorage:
+    # The descriptor was handed out already. A repeated load still works where this
+    # process maps the storage; anywhere else the memory is out of reach.
+    storage = _torch_red.storage_from_cache(torch.UntypedStorage, key)
+    if storage is not None:
         return storage
-    finally:
-        os.close(fd)
+    raise RuntimeError(
+        "a tensor whose memory was shared by file descriptor (torch's default strategy, e.g. "
+        "after share_memory_()) can be loaded from one payload only once per process that "
+        "does not hold it already, and only while the sender is alive; pickle it again for "
+        "each receiver"
+    ) from cause
 
 
 # --------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ import weakref
 from collections import OrderedDict
 from typing import Any, BinaryIO, Optional, Tuple
 
+import torch
+
 from . import _byvalue, _reductions
 
 __all__ = ["Pickler", "dumps", "loads", "mark_static_module"]
@@ -82,6 +84,9 @@ _BY_VALUE_TYPES = frozenset(
     }
 )
 _FUNCTION_TYPES = (types.FunctionType, functools._lru_cache_wrapper)
+_PLAIN_TYPES = frozenset(
+    {tuple, list, dict, set, frozenset, bytearray, slice, range, complex, torch.Tensor, torch.Size, torch.dtype, torch.device}
+)
 # Classes the C pickler special-cases although they are not importable by name.
 _SPECIAL_CLASSES = frozenset({type(None), type(NotImplemented), type(...)})
 _MAIN_MODULES = frozenset({"__main__", "__mp_main__"})
@@ -156,6 +161,9 @@ def _check_flags(recurse: Any, copy_tensor: Any) -> None:
         raise TypeError(f"copy_tensor must be a bool, not {type(copy_tensor).__name__}")
 
 
+_c_dump = pickle.Pickler.dump
+
+
 class Pickler(pickle.Pickler):
     """A pickler for lambdas, local functions and classes, closures, and tensors.
 
@@ -218,6 +226,8 @@ class Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         cls = type(obj)
+        if cls in _PLAIN_TYPES:  # the bulk of any payload: leave it to the C code at once
+            return NotImplemented
         if cls in _FUNCTION_TYPES:
             if _is_importable(obj):
                 return NotImplemented
@@ -232,25 +242,30 @@ class Pickler(pickle.Pickler):
         return _byvalue.reduce_by_value(obj, self._recurse, self.dispatch_table)
 
     def _to_bytes(self, obj: Any) -> bytes:
-        self._busy = True
+        if self._copy_tensor:  # the copy policy's reducers leave nothing to undo
+            return self._one_pass(obj, None)
         mark = _reductions.undo_mark()
         try:
-            return self._fast_or_dill(obj, mark)
+            return self._one_pass(obj, mark)
         except BaseException:
             _reductions.undo_rollback(mark)
             raise
         finally:
             _reductions.undo_release()
+
+    def _one_pass(self, obj: Any, mark: Optional[int]) -> bytes:
+        self._busy = True
+        try:
+            return self._fast_or_dill(obj, mark)
+        finally:
             self.clear_memo()  # the memo would keep the payload's objects alive
             self._buffer.seek(0)
-            self._buffer.truncate()
+            self._buffer.truncate()  # and the buffer the last payload's bytes
             self._busy = False
 
-    def _fast_or_dill(self, obj: Any, mark: int) -> bytes:
-        self._buffer.seek(0)
-        self._buffer.truncate()
+    def _fast_or_dill(self, obj: Any, mark: Optional[int]) -> bytes:
         try:
-            super().dump(obj)
+            _c_dump(self, obj)  # the C pickler's dump (ours writes to the sink)
             return self._buffer.getvalue()
         except RecursionError as exc:
             raise _too_deep(exc) from exc
@@ -258,7 +273,8 @@ class Pickler(pickle.Pickler):
             # The C tier met something only dill may handle: start over with dill, after
             # releasing what the failed pass shared. If dill fails too, its error
             # propagates with this one as context.
-            _reductions.undo_rollback(mark)
+            if mark is not None:
+                _reductions.undo_rollback(mark)
         self.clear_memo()
         try:
             data = _byvalue.dill_dumps(obj, self._recurse, self.dispatch_table)
@@ -287,7 +303,8 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
         pickle.PicklingError: ``obj`` cannot be pickled, or is nested too deeply.
         TypeError: a flag is not a bool, or ``obj`` cannot be pickled.
     """
-    _check_flags(recurse, copy_tensor)
+    if recurse.__class__ is not bool or copy_tensor.__class__ is not bool:
+        _check_flags(recurse, copy_tensor)
     picklers = getattr(_cache, "picklers", None)
     if picklers is None:
         picklers = _cache.picklers = {}
