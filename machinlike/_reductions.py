@@ -16,17 +16,25 @@ quantized, nested, conjugate views) takes torch's own by-value ``__reduce_ex__``
 Why named shared memory even when the process's sharing strategy is "file_descriptor":
 a payload made with torch's fd path names a descriptor that a background thread of the
 sender hands out *once*, while the sender lives. Named shared memory can be opened by any
-number of loads, in any process, after the sender has exited. The choice is made per
+number of loads, in any process, even after the sender has exited. The choice is made per
 storage inside our reducers, so ``torch.multiprocessing.set_sharing_strategy`` is never
-touched. A storage that is already fd-backed keeps its backing: moving it (which is what
-``_share_filename_cpu_`` does) would silently cut it off from processes that got it
-earlier through torch's own channels.
+touched.
+
+A storage that is already fd-backed (``share_memory_()`` under torch's default strategy,
+or a tensor received through torch's own queues) keeps its backing: moving it, which is
+what ``_share_filename_cpu_`` does, would silently cut it off from the processes that
+already share it. Its payload carries a descriptor that one load takes; loading it again
+works in a process that already maps the storage (the sender, or a process that loaded
+it before) and fails with a clear error elsewhere.
 
 Reference counting of named shared memory: torch keeps the segment alive while it is
-mapped, plus one "in transit" reference that each pickling adds and the first load
-releases. A payload may be loaded again later; such loads open the segment without
-releasing anything (a per-process set of payload tokens tells first loads from repeats),
-so the count never drops below the number of live mappings in this process.
+mapped, plus one "in transit" reference that each pickling adds and a load releases.
+Loading the same payload again in the same process releases nothing (a per-process set
+of payload tokens tells first loads from repeats). Loading it in several processes
+releases more than was added; the only effect is that the segment's *name* can go away
+while processes still map it (their memory stays valid), so a load attempted after that
+fails with a clear error. The count cannot be kept exact without knowing, when
+pickling, how often a payload will be loaded.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from torch.multiprocessing import reductions as _torch_red
 
 __all__ = [
     "DispatchTable",
+    "manager_primer",
     "share_reducers",
     "copy_reducers",
     "undo_mark",
@@ -143,6 +152,37 @@ def _first_load(token: bytes) -> bool:
         return True
 
 
+# Named shared memory needs torch's shared-memory manager, a helper process that each
+# process starts on its first named share (about 0.3 s: it loads libtorch) unless it is
+# already connected to one, which loading a storage someone else shared does.
+_uses_manager = False
+_primer: Optional[torch.UntypedStorage] = None
+
+
+def manager_primer(start: bool = False) -> Optional[torch.UntypedStorage]:
+    """A one-byte named-shared storage, if this process is connected to a manager.
+
+    A child that loads it connects to the same manager, so its own named shares reuse
+    that one instead of starting another.
+
+    Args:
+        start: Start this process's manager if it has none (a pool that will share
+            tensors pays that once here instead of once per worker).
+
+    Returns:
+        The primer, or None when this process has no manager and ``start`` is False.
+    """
+    global _primer, _uses_manager
+    if not (_uses_manager or start):
+        return None
+    _uses_manager = True
+    if _primer is None:
+        primer = torch.UntypedStorage(1)
+        primer._share_filename_cpu_()
+        _primer = primer
+    return _primer
+
+
 def _is_fd_backed(storage: torch.UntypedStorage) -> bool:
     if not storage.is_shared():
         return False
@@ -168,7 +208,9 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
         if hasattr(handle, "_id"):  # a resource_sharer registration: fetch it back on undo
             _note_undo(lambda: os.close(handle.detach()))
         return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
+    global _uses_manager
     manager, handle, size = storage._share_filename_cpu_()
+    _uses_manager = True
     storage._shared_incref()
     _note_undo(storage._shared_decref)
     _torch_red.shared_cache[handle] = _torch_red.StorageWeakRef(storage)
@@ -176,6 +218,8 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
 
 
 def _rebuild_storage_named(manager: bytes, handle: bytes, size: int, token: bytes) -> torch.UntypedStorage:
+    global _uses_manager
+    _uses_manager = True  # (from here on) loading connects this process to the sender's manager
     if _first_load(token):
         # torch's own rebuild: opens (or finds in its cache) and releases the transit ref
         try:

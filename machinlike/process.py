@@ -36,7 +36,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
 
-from . import _lifeline
+from . import _lifeline, _reductions
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
@@ -183,8 +183,11 @@ class Process(BaseProcess):
         state = self.__dict__.copy()
         for key in ("_ctx", "_report_lock", "_report_reader", "_target", "_args", "_kwargs", "_cleaner"):
             state.pop(key, None)
+        # The primer connects the child to our shared-memory manager (if we have one),
+        # sparing it the start of its own when it shares a tensor.
         state["_call_payload"] = dumps(
-            (self._target, self._args, self._kwargs, self._cleaner), copy_tensor=False
+            (self._target, self._args, self._kwargs, self._cleaner, _reductions.manager_primer()),
+            copy_tensor=False,
         )
         return state
 
@@ -203,7 +206,7 @@ class Process(BaseProcess):
         writer = self._report_writer
         try:
             if self._call_payload is not None:
-                target, args, kwargs, cleaner = loads(self._call_payload)
+                target, args, kwargs, cleaner, _ = loads(self._call_payload)
                 self._call_payload = None
             else:  # started by fork: nothing was pickled
                 target, args, kwargs, cleaner = self._target, self._args, self._kwargs, self._cleaner

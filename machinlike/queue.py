@@ -11,10 +11,19 @@ Each queue pickles items with ``copy_tensor`` as given: False (default) shares t
 (CPU shared memory, CUDA IPC), True copies them. Queues are handed to child processes as
 process arguments (pickling them any other way raises ``RuntimeError``).
 
+``put`` writes in the caller's thread, so an item larger than the pipe's buffer (64 KiB
+on Linux) returns only once a reader has taken most of it. Two processes that both put
+large items to each other before reading would wait on each other forever: read results
+in another thread than the one that puts work (as ``multiprocessing.Pool`` does).
+
 Timeouts bound the wait for an item to *begin* arriving; an item whose bytes are already
 flowing is read to its end (abandoning it half-read would corrupt the pipe for everyone).
-A process killed in the middle of ``put`` therefore breaks the queue, as with any pipe
-based queue; pools and launchers watch process sentinels for that.
+A process killed in the middle of ``put`` or ``get`` therefore breaks the queue (a torn
+item, or a lock never released), as with any pipe-based queue; pools and launchers watch
+process sentinels for that.
+
+Items that are put but never read keep their shared tensors' memory alive until the
+process tree exits (torch's shared-memory manager then cleans up).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class Thread(threading.Thread):
             raise TypeError(f"kwargs must be a mapping, not {type(kwargs).__name__}")
         if name is None:
             name = f"machinlike-thread-{next(_counter)}"
-        super().__init__(None, target, name, args, dict(kwargs), daemon=daemon)
+        # the target stays with us (run() is ours), not in threading.Thread's attributes
+        super().__init__(None, None, name, daemon=daemon)
         self._call = (target, args, dict(kwargs), cleaner)
         self._exception: Optional[BaseException] = None
 

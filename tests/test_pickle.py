@@ -311,3 +311,18 @@ def test_import_changes_no_process_wide_setting():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_local_module_subclass_round_trip():
+    class TwoLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(x) * 2
+
+    net, x = TwoLayer(), torch.ones(1, 3)
+    for copy_tensor in (True, False):
+        clone = loads(dumps(net, copy_tensor=copy_tensor))
+        assert type(clone).__name__ == "TwoLayer" and torch.allclose(clone(x), net(x))
