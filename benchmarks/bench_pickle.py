@@ -6,6 +6,10 @@ pickler (``ForkingPickler`` with the reducers ``import torch`` registers, which 
 and lambdas; ``ForkingPickler`` only shares tensors, the others only copy them) shows
 ``n/a``. Ratios are peer time / machinlike time: above 1 means machinlike is faster.
 
+The "lambda" and "closure" rows send the same function again and again, as a pool or an
+RPC caller does; machinlike then reuses the bytes of functions whose state is immutable.
+"closure, uncached" closes over a list, which rules that out: every call runs dill.
+
 Run: ``python benchmarks/bench_pickle.py`` (``--quick`` for fewer repetitions). The file is
 not called ``pickle.py`` on purpose: run as a script, its directory comes first on
 ``sys.path`` and would shadow the standard ``pickle`` module.
@@ -55,8 +59,12 @@ def round_trips(case: str) -> Dict[str, Optional[Callable[[], Any]]]:
             "dill": lambda: dill.loads(dill.dumps(obj)),
             "ForkingPickler": lambda: pickle.loads(ForkingPickler.dumps(obj)),
         }
-    if case in ("lambda", "closure"):
-        fn = (lambda x: x + 1) if case == "lambda" else make_scaler(3.0)
+    if case in ("lambda", "closure", "closure, uncached"):
+        fn = {
+            "lambda": lambda x: x + 1,
+            "closure": make_scaler(3.0),
+            "closure, uncached": make_scaler([3.0]),  # a list in the closure: no byte cache
+        }[case]
         return {
             "machinlike": lambda: mpickle.loads(mpickle.dumps(fn)),
             "pickle": None,
@@ -87,6 +95,7 @@ CASES = {  # case: (calls per timing, repetitions)
     "small tuple": (20000, 5),
     "lambda": (2000, 5),
     "closure": (2000, 5),
+    "closure, uncached": (300, 5),
     "64 MB tensor, copy": (5, 3),
     "64 MB tensor, share": (200, 3),
 }

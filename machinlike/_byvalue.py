@@ -104,7 +104,8 @@ def _function_key(func: Any) -> Optional[Tuple[Any, ...]]:
     if module is None or getattr(module, "__dict__", None) is not func.__globals__:
         return None
     try:
-        cells = () if func.__closure__ is None else tuple(_atom_key(c.cell_contents) for c in func.__closure__)
+        closure = func.__closure__ or ()
+        cells = tuple(_atom_key(cell.cell_contents) for cell in closure)
         defaults = None if func.__defaults__ is None else _atom_key(func.__defaults__)
         kwdefaults = None if not func.__kwdefaults__ else tuple(
             (name, _atom_key(value)) for name, value in func.__kwdefaults__.items()
@@ -127,7 +128,8 @@ def _function_key(func: Any) -> Optional[Tuple[Any, ...]]:
 
 
 def _annotation_key(value: Any) -> Any:
-    if isinstance(value, type) and "<" not in value.__qualname__ and value.__module__ not in ("__main__", "__mp_main__"):
+    main = ("__main__", "__mp_main__")
+    if isinstance(value, type) and "<" not in value.__qualname__ and value.__module__ not in main:
         return value  # pickled by reference: its identity is all that matters
     return _atom_key(value)
 

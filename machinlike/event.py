@@ -75,11 +75,12 @@ class _CompositeEvent(_Observed):
             raise ValueError(f"{kind} needs at least one event")
         for index, event in enumerate(events):
             if not isinstance(event, (Event, _CompositeEvent)):
-                hint = (
-                    "; a plain threading.Event cannot notify a composite, create it as machinlike.event.Event()"
-                    if isinstance(event, threading.Event)
-                    else ""
-                )
+                hint = ""
+                if isinstance(event, threading.Event):
+                    hint = (
+                        "; a plain threading.Event cannot notify a composite: "
+                        "create it as machinlike.event.Event()"
+                    )
                 raise TypeError(
                     f"{kind} argument {index} must be a machinlike.event.Event, OrEvent or AndEvent, "
                     f"not {type(event).__module__}.{type(event).__qualname__}{hint}"

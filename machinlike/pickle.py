@@ -50,9 +50,6 @@ from . import _byvalue, _reductions
 __all__ = ["Pickler", "dumps", "loads", "mark_static_module"]
 
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
-# A cached pickler whose last payload was this big is dropped rather than kept, so the
-# per-thread cache never pins a large buffer.
-_KEEP_BUFFER_BYTES = 1 << 20
 
 # Types the C pickler cannot handle (or handles wrongly: singletons) and dill can.
 _BY_VALUE_TYPES = frozenset(
@@ -85,7 +82,8 @@ _BY_VALUE_TYPES = frozenset(
 )
 _FUNCTION_TYPES = (types.FunctionType, functools._lru_cache_wrapper)
 _PLAIN_TYPES = frozenset(
-    {tuple, list, dict, set, frozenset, bytearray, slice, range, complex, torch.Tensor, torch.Size, torch.dtype, torch.device}
+    {tuple, list, dict, set, frozenset, bytearray, slice, range, complex}
+    | {torch.Tensor, torch.Size, torch.dtype, torch.device}
 )
 # Classes the C pickler special-cases although they are not importable by name.
 _SPECIAL_CLASSES = frozenset({type(None), type(NotImplemented), type(...)})
@@ -225,6 +223,12 @@ class Pickler(pickle.Pickler):
         self._sink.write(self._to_bytes(obj))
 
     def reducer_override(self, obj: Any) -> Any:
+        """Route ``obj`` to dill (by value) if the C pickler cannot pickle it by reference.
+
+        Functions and classes that are importable by module and qualified name (and not
+        defined in ``__main__``) stay references; lambdas, local and ``__main__``
+        functions and classes, code objects, cells, locks and the like go by value.
+        """
         cls = type(obj)
         if cls in _PLAIN_TYPES:  # the bulk of any payload: leave it to the C code at once
             return NotImplemented
@@ -260,7 +264,7 @@ class Pickler(pickle.Pickler):
         finally:
             self.clear_memo()  # the memo would keep the payload's objects alive
             self._buffer.seek(0)
-            self._buffer.truncate()  # and the buffer the last payload's bytes
+            self._buffer.truncate()  # drops the buffer getvalue() handed out: no pinning
             self._busy = False
 
     def _fast_or_dill(self, obj: Any, mark: Optional[int]) -> bytes:
@@ -313,10 +317,7 @@ def dumps(obj: Any, recurse: bool = False, copy_tensor: bool = True) -> bytes:
     if pickler is None or pickler._busy:  # busy: dumps() called from inside a reducer
         pickler = Pickler(_NoSink(), recurse, copy_tensor)  # type: ignore[arg-type]
         picklers.setdefault(key, pickler)
-    data = pickler._to_bytes(obj)
-    if len(data) > _KEEP_BUFFER_BYTES and picklers.get(key) is pickler:
-        del picklers[key]
-    return data
+    return pickler._to_bytes(obj)
 
 
 def loads(data: Any) -> Any:

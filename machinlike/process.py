@@ -241,10 +241,12 @@ class Process(BaseProcess):
 
     @property
     def exception(self) -> Optional[BaseException]:
-        """How the child failed, or None (it succeeded, is still running, or never ran).
+        """How the child failed; None if it succeeded, never started, or is still
+        running without having reported a failure.
 
         Never blocks beyond reading a report the child is writing. See the module
-        docstring for what each way of ending gives.
+        docstring for what each way of ending gives. Once known, the same object is
+        returned every time.
         """
         with self._report_lock:
             if self._settled:
@@ -253,14 +255,15 @@ class Process(BaseProcess):
                 return None
             self._read_record()
             exitcode = self._popen.poll()
+            if self._record is None and exitcode is not None:
+                self._read_record()  # the child wrote (if at all) before it ended
             if self._record is None and exitcode is None:
                 return None  # running, nothing reported yet
-            if exitcode is not None:
-                self._read_record()  # the child wrote (if at all) before it ended
-                self._settled = True
-                if self._report_reader is not None:
-                    self._report_reader.close()
+            # a report decides on its own; without one, the exit code does
             self._outcome = self._decide(exitcode)
+            self._settled = True
+            if self._report_reader is not None:
+                self._report_reader.close()
             return self._outcome
 
     def watch(self) -> None:
@@ -286,9 +289,13 @@ class Process(BaseProcess):
         sentinel = self.sentinel
         while True:
             reader = self._report_reader
-            watch = [sentinel] if reader is None or reader.closed or self._record is not None else [sentinel, reader]
+            idle = reader is None or reader.closed or self._record is not None
+            watch = [sentinel] if idle else [sentinel, reader]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = connection.wait(watch, remaining)
+            try:
+                ready = connection.wait(watch, remaining)
+            except (OSError, ValueError):  # another thread closed the reader meanwhile
+                continue
             if reader is not None and reader in ready:
                 with self._report_lock:
                     self._read_record()
@@ -318,7 +325,8 @@ class Process(BaseProcess):
         try:
             self._record = loads(data)
         except Exception as exc:
-            self._record = (_EXCEPTION, RemoteError(type(exc).__name__, f"the child's exception could not be loaded here: {exc}"))
+            reason = f"the child's exception could not be loaded here: {exc}"
+            self._record = (_EXCEPTION, RemoteError(type(exc).__name__, reason))
         reader.close()
 
     def _decide(self, exitcode: Optional[int]) -> Optional[BaseException]:

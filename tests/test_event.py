@@ -157,3 +157,9 @@ def test_argument_validation():
     with pytest.raises(TypeError, match="timeout must be None or a number"):
         either.wait("1")
     assert "OrEvent unset of 1 events" in repr(either)
+
+
+def test_public_names():
+    import machinlike.event as module
+
+    assert sorted(module.__all__) == ["AndEvent", "Event", "OrEvent"]

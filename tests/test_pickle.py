@@ -212,7 +212,10 @@ def test_parameter_keeps_its_type_and_grad_flag(copy_tensor):
     assert not frozen.requires_grad
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int64, torch.bfloat16, torch.float64, torch.complex64])
+DTYPES = [torch.bool, torch.uint8, torch.int64, torch.bfloat16, torch.float64, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_round_trip_of_dtypes(dtype):
     t = torch.arange(12).reshape(3, 4).to(dtype)
     u = loads(dumps(t))
@@ -308,7 +311,8 @@ def test_import_changes_no_process_wide_setting():
         """
     )
     root = pathlib.Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=root)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
 
@@ -326,3 +330,11 @@ def test_local_module_subclass_round_trip():
     for copy_tensor in (True, False):
         clone = loads(dumps(net, copy_tensor=copy_tensor))
         assert type(clone).__name__ == "TwoLayer" and torch.allclose(clone(x), net(x))
+
+
+def test_public_names():
+    import machinlike.pickle as module
+
+    assert sorted(module.__all__) == ["Pickler", "dumps", "loads", "mark_static_module"]
+    for name in module.__all__:
+        assert getattr(module, name) is not None

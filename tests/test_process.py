@@ -245,3 +245,12 @@ def test_thread_argument_validation():
         Thread(target=1)
     with pytest.raises(ValueError, match="group must be None"):
         Thread(group=1)
+
+
+def test_public_names():
+    import machinlike._lifeline as lifeline
+    import machinlike.process as process
+    import machinlike.thread as thread
+
+    assert process.__all__ == ["Process"] and thread.__all__ == ["Thread"]
+    assert callable(lifeline.watch_parent) and lifeline.THREAD_NAME.startswith("machinlike")

@@ -168,3 +168,9 @@ def test_simple_queue_argument_validation():
         SimpleQueue(ctx="no-such-method")
     with pytest.raises(TypeError, match="timeout must be None or a number"):
         SimpleQueue().get(timeout="1")
+
+
+def test_public_names():
+    import machinlike.queue as module
+
+    assert sorted(module.__all__) == ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
