@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import io
 import marshal
+import os
 import pickle
 import sys
 import threading
@@ -140,6 +141,10 @@ class _LRU:
         self._size = size
         self._lock = threading.Lock()
 
+    def reset_lock(self) -> None:
+        """After a fork: another thread may have held the lock at that moment."""
+        self._lock = threading.Lock()
+
     def get(self, key: Any) -> Any:
         with self._lock:
             value = self._items.get(key)
@@ -156,6 +161,14 @@ class _LRU:
 
 _dumped_functions = _LRU(_CACHE_SIZE)
 _loaded_functions = _LRU(_CACHE_SIZE)
+
+
+def _after_fork_in_child() -> None:
+    _dumped_functions.reset_lock()
+    _loaded_functions.reset_lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _load_function(data: bytes) -> types.FunctionType:

@@ -29,6 +29,14 @@ _watcher: Optional[threading.Thread] = None
 _watcher_pid: Optional[int] = None
 
 
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def watch_parent(exitcode: int = PARENT_DIED_EXITCODE) -> Optional[threading.Thread]:
     """End this process with ``os._exit(exitcode)`` as soon as its parent dies.
 

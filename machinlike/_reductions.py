@@ -141,6 +141,14 @@ _loaded_tokens: "collections.OrderedDict[bytes, None]" = collections.OrderedDict
 _loaded_tokens_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    global _loaded_tokens_lock
+    _loaded_tokens_lock = threading.Lock()  # another thread may have held it at fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _first_load(token: bytes) -> bool:
     with _loaded_tokens_lock:
         if token in _loaded_tokens:

@@ -3,9 +3,9 @@
 Data flow::
 
     parent                                   child
-    start() ── Process pickled (ctx's Popen) ──> run(): loads (target, args, kwargs,
-            │   target/args/kwargs/cleaner as        cleaner); daemon: watch_parent()
-            │   one machinlike.pickle payload        target(*args, **kwargs); cleaner()
+    start() ── Process pickled (ctx's Popen) ──> loads (target, args, kwargs, cleaner);
+            │   target/args/kwargs/cleaner as        daemon: watch_parent()
+            │   one machinlike.pickle payload        run() [target(*args, **kwargs)]; cleaner()
             │                                         │ exception / sys.exit(n != 0)
     report pipe (read end) <────── one record ────────┘ (nothing on success)
     sentinel (exit) ───────> exception / watch() / join()
@@ -25,6 +25,9 @@ was killed by a signal         ProcessExitedError "killed by signal SIGKILL (9)"
 
 ``sys.exit`` becomes a :class:`~machinlike.exception.ProcessExitedError`, not a
 ``SystemExit``, so that ``watch()`` cannot silently end the parent.
+
+As with ``multiprocessing.Process``, a subclass may override ``run()`` instead of passing
+a target; reporting and the cleaner still apply.
 """
 
 from __future__ import annotations
@@ -148,6 +151,9 @@ class Process(BaseProcess):
         self._report_reader: Optional[connection.Connection] = None
         self._report_writer: Optional[connection.Connection] = None
         self._init_parent_side()
+        # what a subclass adds after this point travels with the target, through
+        # machinlike.pickle (so lambdas and local classes work there too)
+        self._own_keys = frozenset(self.__dict__) | {"_own_keys"}
 
     def _init_parent_side(self) -> None:
         self._report_lock = threading.Lock()
@@ -170,6 +176,7 @@ class Process(BaseProcess):
         self._report_reader, self._report_writer = connection.Pipe(duplex=False)
         try:
             super().start()
+            self._cleaner = None  # like the target: the child has its own now
         except BaseException:
             self._report_reader.close()
             raise
@@ -179,16 +186,19 @@ class Process(BaseProcess):
             self._report_writer.close()
 
     def __getstate__(self) -> Dict[str, Any]:
-        # Only a spawn-like start pickles a process, and only once, from start().
-        state = self.__dict__.copy()
+        # Only a spawn-like start pickles a process, and only once, from start(). The
+        # multiprocessing bookkeeping goes through the context's pickler; the user's
+        # part is one machinlike.pickle payload, loaded in the child where a failure to
+        # load it can still be reported.
+        state = {k: v for k, v in self.__dict__.items() if k in self._own_keys}
         for key in ("_ctx", "_report_lock", "_report_reader", "_target", "_args", "_kwargs", "_cleaner"):
             state.pop(key, None)
+        extra = {k: v for k, v in self.__dict__.items() if k not in self._own_keys}
         # The primer connects the child to our shared-memory manager (if we have one),
         # sparing it the start of its own when it shares a tensor.
-        state["_call_payload"] = dumps(
-            (self._target, self._args, self._kwargs, self._cleaner, _reductions.manager_primer()),
-            copy_tensor=False,
-        )
+        primer = _reductions.manager_primer()
+        user = (self._target, self._args, self._kwargs, self._cleaner, extra, primer)
+        state["_call_payload"] = dumps(user, copy_tensor=False)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -199,18 +209,24 @@ class Process(BaseProcess):
 
     # ---------------------------------------------------------------- child side
 
-    def run(self) -> None:
-        """The child's body: runs target and cleaner, reports a failure to the parent."""
+    def _bootstrap(self, parent_sentinel: Optional[int] = None) -> int:
+        # The child's entry point (multiprocessing calls it, then it calls run()). The
+        # reporting wraps run() here, so that a subclass overriding run() keeps it.
+        body = self.run
+        self.run = lambda: self._run_and_report(body)  # type: ignore[method-assign]
+        return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
+
+    def _run_and_report(self, body: Callable[[], Any]) -> None:
         if self.daemon:
             _lifeline.watch_parent()
         writer = self._report_writer
         try:
             if self._call_payload is not None:
-                target, args, kwargs, cleaner, _ = loads(self._call_payload)
+                user = loads(self._call_payload)
+                self._target, self._args, self._kwargs, self._cleaner, extra, _ = user
+                self.__dict__.update(extra)
                 self._call_payload = None
-            else:  # started by fork: nothing was pickled
-                target, args, kwargs, cleaner = self._target, self._args, self._kwargs, self._cleaner
-            call_with_cleaner(target, args, kwargs, cleaner)
+            call_with_cleaner(body, (), {}, self._cleaner)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 code = exc.code if isinstance(exc.code, int) else 1

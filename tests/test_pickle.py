@@ -252,6 +252,26 @@ def test_storages_copy_and_share():
     assert shared.data_ptr() == t.untyped_storage().data_ptr()
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensor_shared_with_a_child_through_ipc():
+    t = torch.zeros(4, device="cuda")
+    run_child(targets.load_and_add, dumps(t, copy_tensor=False))
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.ones(4))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensor_copy_round_trip():
+    t = torch.arange(4.0, device="cuda")
+    u = loads(dumps(t))
+    assert u.device == t.device and torch.equal(u, t) and u.data_ptr() != t.data_ptr()
+
+
 # ---------------------------------------------------------------- the pickler itself
 
 

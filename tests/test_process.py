@@ -117,6 +117,16 @@ def test_cleaner_runs_after_the_target(fail):
         assert flags[0] == 1 and p.exception is None
 
 
+@pytest.mark.parametrize("fail", [False, True])
+def test_subclass_overriding_run_keeps_reporting_and_cleaner(fail):
+    t, flags = torch.zeros(1), torch.zeros(1)
+    p = targets.WorkerWithRun(t, fail, cleaner=targets.closure_over(flags))
+    p.start()
+    p.join(WAIT)
+    assert t.item() == 1 and flags.item() == 1
+    assert (type(p.exception) is KeyError) if fail else (p.exception is None)
+
+
 def test_failing_cleaner_is_reported():
     p = run(targets.noop, cleaner=targets.raise_value_error)
     assert type(p.exception) is ValueError

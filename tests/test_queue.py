@@ -43,6 +43,20 @@ def test_tensor_round_trip_through_a_child(queue_type, copy_tensor):
     assert torch.equal(t, torch.zeros(3) if copy_tensor else torch.ones(3))
 
 
+@pytest.mark.parametrize("pre_shared", [False, True], ids=["plain", "share_memory_"])
+def test_same_tensor_put_twice_reaches_the_child_twice(pre_shared):
+    # machin mapped typed storages to the wrong reducer: a tensor fed twice hung a pool
+    t = torch.zeros(2)
+    if pre_shared:
+        t.share_memory_()  # fd-backed under torch's default strategy
+    queue = SimpleQueue()
+    child = start(targets.add_one_to_each, queue, 2)
+    queue.put(t)
+    queue.put(t)
+    finish(child)
+    assert torch.equal(t, torch.full((2,), 2.0))
+
+
 def test_many_producers_many_consumers():
     producers, consumers, per_producer = 3, 2, 150
     work, results = SimpleQueue(), SimpleQueue()

@@ -123,3 +123,22 @@ def start_daemon_grandchild_then_die(report, go) -> None:
     child.start()
     go.get(WAIT)  # the test's go-ahead: the grandchild has reported
     os._exit(0)  # no cleanup, no atexit: as if killed
+
+
+def add_one_to_each(queue, count: int) -> None:
+    for _ in range(count):
+        queue.get(WAIT).add_(1)
+
+
+class WorkerWithRun(Process):
+    """A subclass that overrides run() instead of passing a target."""
+
+    def __init__(self, tensor: torch.Tensor, fail: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.tensor, self.fail = tensor, fail
+        self.step = lambda t: t.add_(1)  # only machinlike.pickle can carry this
+
+    def run(self) -> None:
+        self.step(self.tensor)
+        if self.fail:
+            raise KeyError("raised in run()")
