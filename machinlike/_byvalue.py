@@ -189,6 +189,8 @@ def _copy_function(func: types.FunctionType) -> types.FunctionType:
     copy.__doc__ = func.__doc__
     copy.__kwdefaults__ = dict(func.__kwdefaults__) if func.__kwdefaults__ else None
     copy.__annotations__ = dict(func.__annotations__)
+    if hasattr(func, "__type_params__"):  # Python >= 3.12
+        copy.__type_params__ = func.__type_params__
     return copy
 
 

@@ -322,7 +322,11 @@ class Process(BaseProcess):
                 return
 
     def close(self) -> None:
-        """Release the process's resources (see ``multiprocessing.Process.close``)."""
+        """Release the process's resources (see ``multiprocessing.Process.close``).
+
+        The outcome is settled first, so :attr:`exception` still answers afterwards.
+        """
+        self.exception  # noqa: B018 - settles the outcome while the popen still exists
         super().close()
         if self._report_reader is not None:
             self._report_reader.close()

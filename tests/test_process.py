@@ -65,6 +65,8 @@ def test_each_way_of_failing_is_reported_distinctly(target, args, kind, exitcode
         p.watch()
     assert raised.value is error
     assert p.exception is error, "the outcome is settled once the child ended"
+    p.close()
+    assert p.exception is error, "and survives close()"
 
 
 @pytest.mark.parametrize("code", [None, 0])
