@@ -84,7 +84,8 @@ def echo_incremented(inbox, outbox) -> None:
 
 def produce(queue, producer: int, count: int) -> None:
     for k in range(count):
-        queue.put((producer, k, torch.tensor([producer, k])))
+        # a tensor now and then: each new shared tensor costs a shared-memory segment
+        queue.put((producer, k, torch.tensor([producer, k]) if k % 25 == 0 else [producer, k]))
 
 
 def consume(queue, results) -> None:
@@ -93,9 +94,10 @@ def consume(queue, results) -> None:
         item = queue.get(WAIT)
         if item is None:
             break
-        producer, k, tensor = item
-        if tensor.tolist() != [producer, k]:
-            raise AssertionError(f"item {(producer, k)} carried {tensor.tolist()}")
+        producer, k, body = item
+        body = body.tolist() if isinstance(body, torch.Tensor) else body
+        if body != [producer, k]:
+            raise AssertionError(f"item {(producer, k)} carried {body}")
         seen.append((producer, k))
     results.put(seen)
 
