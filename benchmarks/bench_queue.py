@@ -8,6 +8,11 @@ received to the last, so process start-up is not counted. Peers: ``SimpleQueue``
 context. Ratios are machinlike's throughput / the peer's: above 1 means machinlike is
 faster.
 
+``mp.Queue`` pickles in a feeder thread: with a fresh tensor per item, the producer's
+next allocation overlaps the previous item's move to shared memory, which pays where
+page faults are slow. machinlike's queues pickle in the caller's thread (a pickling
+error reaches the caller; nothing is dropped in a background thread).
+
 Run: ``python benchmarks/bench_queue.py`` (``--quick`` for fewer items).
 """
 
