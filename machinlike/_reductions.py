@@ -1,0 +1,391 @@
+"""Tensor and storage reducers for :mod:`machinlike.pickle`: one table per tensor policy.
+
+Share policy (``copy_tensor=False``)::
+
+    Tensor, Parameter ──> torch's reduce_tensor ──┬─ CUDA: IPC handle (torch)
+                                                  └─ CPU: TypedStorage ─> torch's reduce_typed_storage
+                                                                             │
+    UntypedStorage (CPU) <───────────────────────────────────────────────────┘
+        ├─ already shared by file descriptor ─> DupFd + fd rebuild (torch's fd path)
+        └─ otherwise ─> named shared memory (torch's file_system path), multi-load
+
+Copy policy (``copy_tensor=True``): a plain strided tensor's elements go into the stream as
+one in-band pickle-5 buffer and come back as a new tensor; anything exotic (sparse,
+quantized, nested, conjugate views) takes torch's own by-value ``__reduce_ex__``.
+
+Why named shared memory even when the process's sharing strategy is "file_descriptor":
+a payload made with torch's fd path names a descriptor that a background thread of the
+sender hands out *once*, while the sender lives. Named shared memory can be opened by any
+number of loads, in any process, even after the sender has exited. The choice is made per
+storage inside our reducers, so ``torch.multiprocessing.set_sharing_strategy`` is never
+touched.
+
+A storage that is already fd-backed (``share_memory_()`` under torch's default strategy,
+or a tensor received through torch's own queues) keeps its backing: moving it, which is
+what ``_share_filename_cpu_`` does, would silently cut it off from the processes that
+already share it. Its payload carries a descriptor that one load takes; loading it again
+works in a process that already maps the storage (the sender, or a process that loaded
+it before) and fails with a clear error elsewhere.
+
+Reference counting of named shared memory: torch keeps the segment alive while it is
+mapped, plus one "in transit" reference that each pickling adds and a load releases.
+Loading the same payload again in the same process releases nothing (a per-process set
+of payload tokens tells first loads from repeats). Loading it in several processes
+releases more than was added; the only effect is that the segment's *name* can go away
+while processes still map it (their memory stays valid), so a load attempted after that
+fails with a clear error. The count cannot be kept exact without knowing, when
+pickling, how often a payload will be loaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import copyreg
+import multiprocessing.reduction
+import os
+import pickle
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions as _torch_red
+
+__all__ = [
+    "DispatchTable",
+    "manager_primer",
+    "share_reducers",
+    "copy_reducers",
+    "undo_mark",
+    "undo_rollback",
+    "undo_release",
+]
+
+
+class DispatchTable(dict):
+    """A reducer table layered over multiprocessing's and copyreg's registrations.
+
+    Own entries (the tensor policy) win; a miss falls through, live, to
+    ``ForkingPickler._extra_reducers`` (multiprocessing objects: connections, sockets;
+    torch's event reducer) and then to ``copyreg.dispatch_table``, so registrations made
+    after import are honoured. The C pickler looks types up with ``[]`` (``__missing__``),
+    the pure-Python pickler under dill with ``.get``; both paths are covered.
+    """
+
+    def __missing__(self, cls: type) -> Callable[[Any], Any]:
+        reducer = ForkingPickler._extra_reducers.get(cls)
+        if reducer is None:
+            reducer = copyreg.dispatch_table[cls]  # KeyError: the pickler falls back
+        return reducer
+
+    def get(self, cls: type, default: Any = None) -> Any:  # type: ignore[override]
+        try:
+            return self[cls]
+        except KeyError:
+            return default
+
+
+# --------------------------------------------------------------------------------------
+# Undo ledger: a pickling pass that fails must not leave in-transit references behind
+# (the fast pass may be retried by the dill pass, which makes its own).
+
+class _Ledger(threading.local):
+    def __init__(self) -> None:
+        self.entries: List[Callable[[], None]] = []
+        self.depth = 0
+
+
+_ledger = _Ledger()
+
+
+def undo_mark() -> int:
+    """Enter a pickling pass on this thread; returns the ledger position to roll back to."""
+    ledger = _ledger
+    ledger.depth += 1
+    return len(ledger.entries)
+
+
+def undo_rollback(mark: int) -> None:
+    """Undo, newest first, what reducers did since ``mark``."""
+    entries = _ledger.entries
+    while len(entries) > mark:
+        undo = entries.pop()
+        try:
+            undo()
+        except Exception:  # best effort: the pickling error is what the caller reports
+            pass
+
+
+def undo_release() -> None:
+    """Leave a pickling pass; the outermost one forgets what succeeded."""
+    ledger = _ledger
+    ledger.depth -= 1
+    if ledger.depth == 0 and ledger.entries:
+        ledger.entries.clear()
+
+
+def _note_undo(undo: Callable[[], None]) -> None:
+    ledger = _ledger
+    if ledger.depth:
+        ledger.entries.append(undo)
+
+
+# --------------------------------------------------------------------------------------
+# Share policy: CPU storages.
+
+# Tokens of named-shared-memory payloads this process has loaded at least once. Bounded:
+# a payload reloaded after 65536 newer ones counts as a first load again, which costs at
+# worst an early unlink of the segment's name (live mappings stay valid).
+_LOADED_TOKENS_MAX = 1 << 16
+_loaded_tokens: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+_loaded_tokens_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _loaded_tokens_lock
+    _loaded_tokens_lock = threading.Lock()  # another thread may have held it at fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _first_load(token: bytes) -> bool:
+    with _loaded_tokens_lock:
+        if token in _loaded_tokens:
+            _loaded_tokens.move_to_end(token)
+            return False
+        _loaded_tokens[token] = None
+        if len(_loaded_tokens) > _LOADED_TOKENS_MAX:
+            _loaded_tokens.popitem(last=False)
+        return True
+
+
+# Named shared memory needs torch's shared-memory manager, a helper process that each
+# process starts on its first named share (about 0.3 s: it loads libtorch) unless it is
+# already connected to one, which loading a storage someone else shared does.
+_uses_manager = False
+_primer: Optional[torch.UntypedStorage] = None
+
+
+def manager_primer(start: bool = False) -> Optional[torch.UntypedStorage]:
+    """A one-byte named-shared storage, if this process is connected to a manager.
+
+    A child that loads it connects to the same manager, so its own named shares reuse
+    that one instead of starting another.
+
+    Args:
+        start: Start this process's manager if it has none (a pool that will share
+            tensors pays that once here instead of once per worker).
+
+    Returns:
+        The primer, or None when this process has no manager and ``start`` is False.
+    """
+    global _primer, _uses_manager
+    if not (_uses_manager or start):
+        return None
+    _uses_manager = True
+    if _primer is None:
+        primer = torch.UntypedStorage(1)
+        primer._share_filename_cpu_()
+        _primer = primer
+    return _primer
+
+
+def _is_fd_backed(storage: torch.UntypedStorage) -> bool:
+    if not storage.is_shared():
+        return False
+    try:
+        storage._get_shared_fd()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
+    if storage.device.type != "cpu":
+        raise RuntimeError(
+            f"cannot share a {storage.device.type} storage by itself; pickle a tensor on it instead"
+        )
+    if storage.nbytes() == 0:
+        return (_torch_red.rebuild_storage_empty, (torch.UntypedStorage,))
+    if _is_fd_backed(storage):
+        fd, size = storage._share_fd_cpu_()
+        handle = multiprocessing.reduction.DupFd(fd)
+        key = _torch_red.fd_id(fd)
+        _torch_red.shared_cache[key] = _torch_red.StorageWeakRef(storage)
+        if hasattr(handle, "_id"):  # a resource_sharer registration: fetch it back on undo
+            _note_undo(lambda: os.close(handle.detach()))
+        return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
+    global _uses_manager
+    manager, handle, size = storage._share_filename_cpu_()
+    _uses_manager = True
+    storage._shared_incref()
+    _note_undo(storage._shared_decref)
+    _torch_red.shared_cache[handle] = _torch_red.StorageWeakRef(storage)
+    return (_rebuild_storage_named, (manager, handle, size, os.urandom(12)))
+
+
+def _rebuild_storage_named(manager: bytes, handle: bytes, size: int, token: bytes) -> torch.UntypedStorage:
+    global _uses_manager
+    _uses_manager = True  # (from here on) loading connects this process to the sender's manager
+    if _first_load(token):
+        # torch's own rebuild: opens (or finds in its cache) and releases the transit ref
+        try:
+            return _torch_red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+        except RuntimeError as exc:
+            raise _released_error(handle) from exc
+    storage = _torch_red.storage_from_cache(torch.UntypedStorage, handle)
+    if storage is None:
+        try:
+            storage = torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)
+        except RuntimeError as exc:
+            raise _released_error(handle) from exc
+        _torch_red.shared_cache[handle] = _torch_red.StorageWeakRef(storage)
+    return storage
+
+
+def _released_error(handle: bytes) -> RuntimeError:
+    return RuntimeError(
+        f"the shared memory {handle.decode(errors='replace')} of a shared tensor is gone: "
+        f"every process that held the tensor released it before this load. Keep the tensor "
+        f"alive in the sender until receivers have loaded it, or send it with copy_tensor=True"
+    )
+
+
+def _rebuild_storage_fd(handle: Any, size: int, key: Tuple[int, int], token: bytes) -> torch.UntypedStorage:
+    if _first_load(token):
+        try:
+            fd = handle.detach()
+        except (OSError, EOFError, KeyError, RuntimeError) as exc:
+            # another process loaded this payload first and took the descriptor
+            return _cached_fd_storage(key, exc)
+        try:
+            storage = _torch_red.storage_from_cache(torch.UntypedStorage, _torch_red.fd_id(fd))
+            if storage is None:
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+                _torch_red.shared_cache[_torch_red.fd_id(fd)] = _torch_red.StorageWeakRef(storage)
+            return storage
+        finally:
+            os.close(fd)
+    return _cached_fd_storage(key, None)
+
+
+def _cached_fd_storage(key: Tuple[int, int], cause: Optional[BaseException]) -> torch.UntypedStorage:
+    # The descriptor was handed out already. A repeated load still works where this
+    # process maps the storage; anywhere else the memory is out of reach.
+    storage = _torch_red.storage_from_cache(torch.UntypedStorage, key)
+    if storage is not None:
+        return storage
+    raise RuntimeError(
+        "a tensor whose memory was shared by file descriptor (torch's default strategy, e.g. "
+        "after share_memory_()) can be loaded from one payload only once per process that "
+        "does not hold it already, and only while the sender is alive; pickle it again for "
+        "each receiver"
+    ) from cause
+
+
+# --------------------------------------------------------------------------------------
+# Copy policy.
+
+
+def _is_plain_strided(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.layout == torch.strided
+        and tensor.device.type in ("cpu", "cuda")
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
+    # The array views the tensor's memory; PickleBuffer lets the pickler copy it straight
+    # into the stream (one copy), and the loader gets a bytearray it can wrap without copy.
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    return pickle.PickleBuffer(flat.numpy())
+
+
+def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    if not _is_plain_strided(tensor):
+        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    device = str(tensor.device)
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    if not data.is_contiguous():
+        data = data.contiguous()
+    return (
+        _rebuild_tensor_copy,
+        (type(tensor), _byte_view(data), tensor.dtype, tuple(tensor.shape), tensor.requires_grad, device),
+    )
+
+
+def _rebuild_tensor_copy(
+    cls: type, data: bytearray, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool, device: str
+) -> torch.Tensor:
+    if len(data) == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    if device != "cpu":
+        tensor = tensor.to(device)
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _reduce_storage_copy(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
+    device = str(storage.device)
+    if storage.device.type != "cpu":
+        storage = storage.cpu()
+    data = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return (_rebuild_storage_copy, (_byte_view(data), device))
+
+
+def _rebuild_storage_copy(data: bytearray, device: str) -> torch.UntypedStorage:
+    if len(data) == 0:
+        storage = torch.UntypedStorage(0)
+    else:
+        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    if device != "cpu":
+        storage = storage.to(device=device)
+    return storage
+
+
+# --------------------------------------------------------------------------------------
+# Tables.
+
+
+def _tensor_types() -> List[type]:
+    return [torch.Tensor, torch.nn.Parameter, *torch._tensor_classes]
+
+
+def _typed_storage_entries() -> Dict[type, Callable[[Any], Any]]:
+    entries: Dict[type, Callable[[Any], Any]] = {torch.storage.TypedStorage: _torch_red.reduce_typed_storage}
+    for cls in torch._storage_classes:
+        if cls not in (torch.UntypedStorage, torch.storage.TypedStorage):
+            entries[cls] = _torch_red.reduce_typed_storage_child
+    return entries
+
+
+def share_reducers() -> DispatchTable:
+    """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
+    table = DispatchTable(_typed_storage_entries())
+    for cls in _tensor_types():
+        table[cls] = _torch_red.reduce_tensor
+    table[torch.UntypedStorage] = _reduce_storage_share
+    table[torch.cuda.Event] = _torch_red.reduce_event
+    return table
+
+
+def copy_reducers() -> DispatchTable:
+    """The copy policy's table: tensor and storage data by value."""
+    table = DispatchTable(_typed_storage_entries())
+    for cls in _tensor_types():
+        table[cls] = _reduce_tensor_copy
+    table[torch.UntypedStorage] = _reduce_storage_copy
+    table[torch.cuda.Event] = _torch_red.reduce_event
+    return table
+

@@ -1,0 +1,360 @@
+"""machinlike.pickle: by-value functions and classes, tensor copy vs share, real processes."""
+
+from __future__ import annotations
+
+import copyreg
+import gc
+import importlib
+import io
+import json
+import pathlib
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import toolkit_targets as targets
+import torch
+
+from machinlike import _byvalue
+from machinlike.pickle import Pickler, dumps, loads, mark_static_module
+from machinlike.process import Process
+
+JOIN = 30.0
+SCALE = 10
+
+
+def run_child(target, *args):
+    """Run ``target(*args)`` in a child process (warm context) and re-raise its failure."""
+    p = Process(target=target, args=args)
+    p.start()
+    p.join(JOIN)
+    assert p.exitcode is not None, "child did not finish"
+    p.watch()
+    assert p.exitcode == 0
+
+
+# ---------------------------------------------------------------- functions and classes
+
+
+def test_lambda_round_trip_here_and_in_a_child():
+    double = lambda x: x * 2  # noqa: E731
+    assert loads(dumps(double))(21) == 42
+    run_child(targets.call_loaded, dumps(double), 4, 8)
+
+
+def test_closure_over_a_tensor_copy_and_share():
+    t = torch.zeros(3)
+
+    def bump():
+        t.add_(1)
+        return t.clone()
+
+    copied = loads(dumps(bump, copy_tensor=True))
+    assert torch.equal(copied(), torch.ones(3))
+    assert torch.equal(t, torch.zeros(3)), "copy mode must not reach the original"
+    shared = loads(dumps(bump, copy_tensor=False))
+    shared()
+    assert torch.equal(t, torch.ones(3)), "share mode must edit the original"
+
+
+def test_local_class_and_its_instances():
+    class Point:
+        dims = 2
+
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+        def norm2(self):
+            return self.x * self.x + self.y * self.y
+
+    cls, p = loads(dumps((Point, Point(3, 4))))
+    assert isinstance(p, cls) and p.norm2() == 25 and cls.dims == 2
+    assert cls.__qualname__ == Point.__qualname__
+    assert loads(dumps(Point(1, 2))).norm2() == 5
+
+
+def test_closure_changes_are_not_served_from_a_stale_cache():
+    x = 1
+    get = lambda: x  # noqa: E731
+    assert loads(dumps(get))() == 1
+    x = 2  # noqa: F841 - read through the closure
+    assert loads(dumps(get))() == 2
+    payload = dumps(get)
+    first, second = loads(payload), loads(payload)
+    assert first is not second
+    first.attribute = "only on the first"
+    assert not hasattr(second, "attribute")
+
+
+def test_recurse_captures_globals_by_value():
+    global SCALE
+
+    def scaled(v):
+        return v * SCALE
+
+    by_reference = dumps(scaled, recurse=False)
+    by_value = dumps(scaled, recurse=True)
+    old = SCALE
+    try:
+        SCALE = 100
+        assert loads(by_reference)(2) == 200  # refers to this module's namespace
+        assert loads(by_value)(2) == 2 * old  # carried the value it had
+    finally:
+        SCALE = old
+
+
+def test_objects_only_dill_can_pickle():
+    import threading
+
+    assert isinstance(loads(dumps(threading.Lock())), type(threading.Lock()))
+    assert loads(dumps(type(None))) is type(None)
+    assert list(loads(dumps({"a": 1}.keys()))) == ["a"]
+
+
+def test_unpicklable_object_raises():
+    with pytest.raises((TypeError, pickle.PicklingError)):
+        dumps((i for i in range(3)))
+
+
+def test_recursion_error_becomes_pickling_error():
+    nested = []
+    for _ in range(sys.getrecursionlimit() * 3):
+        nested = [nested]
+    with pytest.raises(pickle.PicklingError, match="too deeply nested"):
+        dumps(nested)
+    assert loads(dumps([1, [2]])) == [1, [2]], "the pickler must stay usable"
+
+
+def test_mark_static_module(tmp_path, monkeypatch):
+    (tmp_path / "ml_static_mod.py").write_text("GEN = (i for i in range(3))\nVALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("ml_static_mod")
+    try:
+        with pytest.raises((TypeError, pickle.PicklingError)):
+            dumps(module)  # dill pickles a module outside site-packages by value
+        mark_static_module(module)
+        assert loads(dumps(module)) is module
+        assert loads(dumps(lambda: module.VALUE, recurse=True))() == 7
+    finally:
+        _byvalue.static_modules.discard("ml_static_mod")
+        sys.modules.pop("ml_static_mod", None)
+    with pytest.raises(TypeError, match="module must be a module"):
+        mark_static_module("ml_static_mod")
+
+
+# ---------------------------------------------------------------- tensors
+
+
+@pytest.mark.parametrize("copy_tensor", [True, False], ids=["copy", "share"])
+def test_in_place_edit_in_child_reaches_parent_only_when_shared(copy_tensor):
+    t = torch.zeros(4)
+    run_child(targets.load_and_add, dumps(t, copy_tensor=copy_tensor))
+    assert torch.equal(t, torch.zeros(4) if copy_tensor else torch.ones(4))
+
+
+def test_same_shared_payload_loaded_twice_in_one_process():
+    t = torch.arange(4.0)
+    payload = dumps(t, copy_tensor=False)
+    a, b = loads(payload), loads(payload)
+    a.add_(1)
+    assert torch.equal(b, torch.arange(4.0) + 1) and torch.equal(t, b)
+
+
+def test_shared_payload_outlives_the_sender_tensor():
+    payload = dumps(torch.full((3,), 5.0), copy_tensor=False)
+    gc.collect()  # the only tensor is gone: the in-transit reference keeps the memory
+    a, b = loads(payload), loads(payload)
+    a.add_(1)
+    assert torch.equal(b, torch.full((3,), 6.0))
+
+
+def test_same_shared_payload_loaded_twice_in_another_process():
+    t = torch.zeros(2)
+    payload = dumps(t, copy_tensor=False)
+    run_child(targets.load_and_add, payload, 2)
+    assert torch.equal(t, torch.full((2,), 2.0))
+    assert torch.equal(loads(payload), t), "the parent can still load it too"
+
+
+def test_tensor_shared_to_two_children():
+    t = torch.zeros(3)
+    payload = dumps(t, copy_tensor=False)
+    children = [Process(target=targets.load_and_add, args=(payload,)) for _ in range(2)]
+    children += [Process(target=targets.adder_lambda(), args=(t, 1)) for _ in range(2)]
+    for p in children:
+        p.start()
+    for p in children:
+        p.join(JOIN)
+        p.watch()
+    assert torch.equal(t, torch.full((3,), 4.0))
+
+
+def test_storage_already_shared_by_file_descriptor_keeps_its_backing():
+    t = torch.zeros(3)
+    t.share_memory_()  # torch's default strategy: fd-backed
+    address = t.data_ptr()
+    payload = dumps(t, copy_tensor=False)
+    assert t.data_ptr() == address, "the storage must not be moved"
+    run_child(targets.load_and_add, payload)
+    assert torch.equal(t, torch.ones(3))
+    again = dumps(t, copy_tensor=False)
+    assert loads(again).data_ptr() == address and loads(again).data_ptr() == address
+
+
+@pytest.mark.parametrize("copy_tensor", [True, False], ids=["copy", "share"])
+def test_parameter_keeps_its_type_and_grad_flag(copy_tensor):
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    q = loads(dumps(p, copy_tensor=copy_tensor))
+    assert type(q) is torch.nn.Parameter and q.requires_grad and torch.equal(q, p)
+    frozen = loads(dumps(torch.ones(2, requires_grad=False), copy_tensor=copy_tensor))
+    assert not frozen.requires_grad
+
+
+DTYPES = [torch.bool, torch.uint8, torch.int64, torch.bfloat16, torch.float64, torch.complex64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_round_trip_of_dtypes(dtype):
+    t = torch.arange(12).reshape(3, 4).to(dtype)
+    u = loads(dumps(t))
+    assert u.dtype == dtype and torch.equal(u, t)
+    u.view(-1)[0] = t.view(-1)[-1]  # writable, and a copy
+    assert torch.equal(t, torch.arange(12).reshape(3, 4).to(dtype))
+
+
+def test_copy_of_a_view_carries_only_the_view():
+    big = torch.zeros(1_000_000)
+    view = big[10:20]
+    assert len(dumps(view)) < 1000
+    transposed = torch.arange(6.0).reshape(2, 3).t()
+    assert torch.equal(loads(dumps(transposed)), transposed)
+    empty = torch.zeros(0, 3)
+    assert loads(dumps(empty)).shape == (0, 3)
+    assert loads(dumps(torch.tensor(3.5))).item() == 3.5
+
+
+def test_non_leaf_tensor_copies_but_does_not_share():
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    assert torch.equal(loads(dumps(y)).detach(), torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError, match="non-leaf"):
+        dumps(y, copy_tensor=False)
+
+
+def test_storages_copy_and_share():
+    t = torch.arange(4.0)
+    storage = t.untyped_storage()
+    copied = loads(dumps(storage))
+    assert copied.nbytes() == storage.nbytes() and copied.data_ptr() != storage.data_ptr()
+    shared = loads(dumps(storage, copy_tensor=False))
+    assert shared.data_ptr() == t.untyped_storage().data_ptr()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensor_shared_with_a_child_through_ipc():
+    t = torch.zeros(4, device="cuda")
+    run_child(targets.load_and_add, dumps(t, copy_tensor=False))
+    torch.cuda.synchronize()
+    assert torch.equal(t.cpu(), torch.ones(4))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_tensor_copy_round_trip():
+    t = torch.arange(4.0, device="cuda")
+    u = loads(dumps(t))
+    assert u.device == t.device and torch.equal(u, t) and u.data_ptr() != t.data_ptr()
+
+
+# ---------------------------------------------------------------- the pickler itself
+
+
+def test_pickler_writes_one_self_contained_pickle_per_dump():
+    stream = io.BytesIO()
+    pickler = Pickler(stream, copy_tensor=True)
+    pickler.dump(lambda: "first")
+    pickler.dump(torch.ones(2))
+    stream.seek(0)
+    assert pickle.load(stream)() == "first"
+    assert torch.equal(pickle.load(stream), torch.ones(2))
+
+
+def test_dispatch_table_is_layered_over_copyreg():
+    class Odd:
+        pass
+
+    copyreg.pickle(Odd, lambda obj: (str, ("reduced by copyreg",)))
+    try:
+        assert loads(dumps(Odd())) == "reduced by copyreg"
+    finally:
+        del copyreg.dispatch_table[Odd]
+
+
+def test_argument_validation():
+    with pytest.raises(TypeError, match="copy_tensor must be a bool"):
+        dumps(1, copy_tensor="yes")
+    with pytest.raises(TypeError, match="recurse must be a bool"):
+        dumps(1, recurse=1)
+    with pytest.raises(TypeError, match="data must be bytes-like"):
+        loads("not bytes")
+    with pytest.raises(TypeError, match="write"):
+        Pickler(object())
+
+
+def test_import_changes_no_process_wide_setting():
+    script = textwrap.dedent(
+        """
+        import copyreg, json, pickle, multiprocessing
+        import dill, torch, torch.multiprocessing as tmp
+        from multiprocessing.reduction import ForkingPickler
+
+        def snapshot():
+            return {
+                "strategy": tmp.get_sharing_strategy(),
+                "copyreg": sorted(map(repr, copyreg.dispatch_table.items())),
+                "forking": sorted(map(repr, ForkingPickler._extra_reducers.items())),
+                "dill": repr(sorted(dill.settings.items())),
+                "py_dispatch": sorted(map(repr, pickle._Pickler.dispatch.items())),
+                "start_method": multiprocessing.get_start_method(allow_none=True),
+            }
+
+        before = snapshot()
+        import machinlike.pickle, machinlike.queue, machinlike.process, machinlike.thread, machinlike.event
+        after = snapshot()
+        print(json.dumps([k for k in before if before[k] != after[k]]))
+        """
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+def test_local_module_subclass_round_trip():
+    class TwoLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.fc(x) * 2
+
+    net, x = TwoLayer(), torch.ones(1, 3)
+    for copy_tensor in (True, False):
+        clone = loads(dumps(net, copy_tensor=copy_tensor))
+        assert type(clone).__name__ == "TwoLayer" and torch.allclose(clone(x), net(x))
+
+
+def test_public_names():
+    import machinlike.pickle as module
+
+    assert sorted(module.__all__) == ["Pickler", "dumps", "loads", "mark_static_module"]
+    for name in module.__all__:
+        assert getattr(module, name) is not None
