@@ -46,9 +46,15 @@ class _WarmForkServer(_forkserver.ForkServer):
     directory first, so it may import another copy of a package than the parent uses.)
     """
 
+    #: Set in a child of the server: it talks to its parent's server (which lives at least
+    #: as long as this child, since the child holds one of its "alive" fds).
+    borrowed = False
+
     def ensure_running(self) -> None:
         with self._lock:
             _resource_tracker.ensure_running()
+            if self.borrowed:
+                return
             if self._forkserver_pid is not None:
                 if os.waitpid(self._forkserver_pid, os.WNOHANG)[0] == 0:
                     return  # still serving
@@ -97,6 +103,24 @@ def _get_server() -> _WarmForkServer:
         return _server
 
 
+def _borrow_parent_server() -> None:
+    # In a child forked by the warm server, the standard forkserver module's globals hold
+    # that server's address (set by its main loop) and an "alive" fd (set for the child):
+    # reuse them, so that a child starting processes of its own does not pay for a second
+    # server importing torch again.
+    global _server
+    stdlib = _forkserver._forkserver
+    if stdlib._forkserver_address is None or stdlib._forkserver_alive_fd is None:
+        return
+    server = _WarmForkServer()
+    server.set_forkserver_preload(list(_PRELOAD))
+    server._forkserver_address = stdlib._forkserver_address
+    server._forkserver_alive_fd = stdlib._forkserver_alive_fd
+    server.borrowed = True
+    with _server_lock:
+        _server = server
+
+
 if WARM_AVAILABLE:
     from multiprocessing import popen_forkserver as _popen_forkserver
 
@@ -134,6 +158,7 @@ class _WarmProcess(_process.BaseProcess):
             fd = inherited[slot]
             os.dup2(fd, target)
             os.close(fd)
+        _borrow_parent_server()
         return super()._bootstrap(parent_sentinel)
 
     @staticmethod

@@ -197,21 +197,27 @@ def test_remote_exception_keeps_type_and_traceback(world):
     g.destroy()
 
 
+_PARKED: list = []
+_PARKED_LOCK = threading.Lock()
+
+
 @rpc.functions.async_execution
-def _delayed_echo(value, gate_key):
-    """Answers only when the member's gate opens: the RPC thread is not held meanwhile."""
+def _parked_echo(value, expected):
+    """Holds each call until ``expected`` calls are parked, then answers them in reverse.
+
+    Parked calls hold no RPC thread: with fewer RPC threads than ``expected`` on the owner,
+    the last call could not even arrive otherwise.
+    """
     fut = torch.futures.Future()
-    _GATES.setdefault(gate_key, []).append((fut, value))
+    with _PARKED_LOCK:
+        _PARKED.append((fut, value))
+        ready = len(_PARKED) == expected
+        batch = list(_PARKED) if ready else []
+        if ready:
+            _PARKED.clear()
+    for parked, parked_value in reversed(batch):
+        parked.set_result(parked_value * 10)
     return fut
-
-
-_GATES: dict = {}
-
-
-def _open_gate(gate_key):
-    for fut, value in reversed(_GATES.pop(gate_key, [])):  # answer in reverse order
-        fut.set_result(value * 10)
-    return True
 
 
 @rpc.functions.async_execution
@@ -225,15 +231,12 @@ def _failing_async():
 def test_async_services_answer_out_of_order(world):
     g = world.create_rpc_group("async", MEMBERS)
     if world.name == "0":
-        g.register("echo", _delayed_echo)
-        g.register("open", _open_gate)
+        g.register("echo", _parked_echo)
         g.register("fail", _failing_async)
     g.barrier()
     if world.name == "1":
-        # More pending calls than the owner has RPC threads: only possible if none is held.
-        futs = [g.registered_async("echo", args=(i, "gate")) for i in range(12)]
-        assert not any(f.done() for f in futs)
-        assert g.registered_sync("open", args=("gate",))
+        # Three times more pending calls than the owner has RPC threads.
+        futs = [g.registered_async("echo", args=(i, 12)) for i in range(12)]
         assert [f.wait() for f in futs] == [i * 10 for i in range(12)]
         with pytest.raises(Overdrawn):
             g.registered_sync("fail")

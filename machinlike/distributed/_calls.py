@@ -26,11 +26,11 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import dill
 import torch
 from torch.distributed import rpc
 
 from ..exception import ExceptionWithTraceback, PeerLostError
+from ..pickle import dumps, loads
 
 __all__ = ["RpcFuture", "LocalTables"]
 
@@ -180,7 +180,8 @@ def _run_bare_async(func: Any, args: Tuple, kwargs: Dict) -> torch.futures.Futur
 
 
 # ------------------------------------------------------------------ shipping functions
-# A lambda or closure cannot be pickled by reference, so it travels as dill bytes. Both
+# A lambda or closure cannot be pickled by reference, so it travels as bytes of
+# machinlike.pickle (by value, through dill). Both
 # sides cache: the caller its bytes per function object, the callee the loaded function
 # per byte string (so captured objects are unpickled once per process and then reused).
 _shipped: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDictionary()
@@ -201,14 +202,14 @@ def _by_reference(func: Any) -> bool:
 
 
 def ship_function(func: Callable[..., Any]) -> Any:
-    """What to send for ``func``: itself when importable on the callee, else dill bytes."""
+    """What to send for ``func``: itself when importable on the callee, else its bytes."""
     if _by_reference(func):
         return func
     try:
         return _shipped[func]
     except (KeyError, TypeError):
         pass
-    data = dill.dumps(func, recurse=True)
+    data = dumps(func)
     try:
         _shipped[func] = data
     except TypeError:  # not weak-referenceable (e.g. a functools.partial): no caching
@@ -224,7 +225,7 @@ def _load_function(func: Any) -> Callable[..., Any]:
         if loaded is not None:
             _loaded.move_to_end(func)
             return loaded
-    loaded = dill.loads(func)
+    loaded = loads(func)
     with _loaded_lock:
         _loaded[func] = loaded
         if len(_loaded) > _LOADED_MAX:

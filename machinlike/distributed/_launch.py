@@ -17,68 +17,43 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
-import pickle
 import signal
 import socket
-import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-import dill
 import torch.distributed as dist
 
+from .._lifeline import watch_parent
 from .._warm import resolve_context
 from ..exception import ExceptionWithTraceback, ProcessExitedError
+from ..pickle import dumps, loads
 
 __all__ = ["launch"]
 
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
 
-def _die_with_parent() -> None:
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="machinlike-parent-watch", daemon=True).start()
-
-
-def _dumps(obj: Any) -> bytes:
-    # By reference when possible: a function of the user's __main__ must arrive as the
-    # rank's own __main__ function (torch RPC pickles functions by reference), not as
-    # the by-value copy dill would make.
-    try:
-        return pickle.dumps(obj)
-    except Exception:
-        return dill.dumps(obj, recurse=True)
-
-
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
                world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float) -> None:
-    _die_with_parent()
+    watch_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from ._rendezvous import connect_store
     from ._world import World
 
     world = None
     try:
-        fn, args, kwargs = dill.loads(payload)
+        fn, args, kwargs = loads(payload)
         store = connect_store("127.0.0.1", port, world_kwargs.get("dist_timeout", 60.0))
         world = World(name, rank, world_size, store=store, **world_kwargs)
         message = (True, fn(world, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, which decides what to raise
         message = (False, ExceptionWithTraceback(exc, where=f"rank {rank} ({name!r})"))
     try:
-        data = dill.dumps(message)
+        data = dumps(message)
     except Exception as exc:
-        data = dill.dumps((False, ExceptionWithTraceback(
+        data = dumps((False, ExceptionWithTraceback(
             TypeError(f"rank {rank} returned a result that cannot be pickled: {exc}"),
             where=f"rank {rank} ({name!r})")))
     conn.send_bytes(data)
@@ -139,7 +114,8 @@ def launch(
     """Run ``fn(world, *args, **kwargs)`` in ``world_size`` local processes, a World in each.
 
     Args:
-        fn: The function; lambdas and local functions work (sent with dill).
+        fn: The function; lambdas and local functions work (sent by value, see
+            :mod:`machinlike.pickle`).
         world_size: Number of processes (ranks 0..world_size-1).
         args, kwargs: Extra arguments of ``fn`` (copied into each process).
         timeout: Seconds for the whole run; None waits as long as the ranks run (a rank
@@ -181,7 +157,7 @@ def launch(
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
     context = resolve_context(ctx)
-    payload = _dumps((fn, tuple(args), dict(kwargs or {})))
+    payload = dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
     processes, readers = [], []
     try:
@@ -204,7 +180,7 @@ def launch(
 
 def _read(conn: Connection) -> Optional[tuple]:
     try:
-        return dill.loads(conn.recv_bytes())
+        return loads(conn.recv_bytes())
     except EOFError:
         return None
 
