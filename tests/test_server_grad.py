@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from machinlike.exception import PeerLostError
-from machinlike.server import (PushPullGradServer, PushPullGradServerImpl, ServerStoppedError,
-                               grad_server_helper)
+from machinlike.server import PushPullGradServer, PushPullGradServerImpl, ServerStoppedError, grad_server_helper
 from machinlike.testing import run_world, world_test
 
 
@@ -55,52 +54,61 @@ def _our_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith("machinlike-grad")]
 
 
+EXPECTED = {"mean": (-5.0, -1.0, 1.0), "sum": (-23.0, -10.0, -5.0)}
+
+
 @world_test(3, timeout=90)
-@pytest.mark.parametrize("reduce_method,expected", [("mean", (-5.0, -1.0, 1.0)), ("sum", (-23.0, -10.0, -5.0))])
-def test_machin_numbers(world, reduce_method, expected):
+def test_machin_numbers(world):
+    """Two servers side by side, one per reduce_method, fed the same pushes."""
     group = world.create_rpc_group("group", ["0", "1", "2"])
     if world.name == "0":
-        # one secondary reducer (on the primary's process), so the batches are known:
-        # 4 pushes -> 2 partial sums -> 1 optimizer step
-        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["0"],
-                                      reduce_method=reduce_method, reduce_batch_size=2)
-        model = Chain()
-        params = list(model.parameters())
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # p -= p.grad
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
-        impl.manage_model(model, optimizer, scheduler)
-        impl.start()
-        assert sorted(impl.threads()) == ["machinlike-grad-server-primary", "machinlike-grad-server-secondary"]
+        managed = {}
+        for method in EXPECTED:
+            # one secondary reducer (on the primary's process), so the batches are known:
+            # 4 pushes -> 2 partial sums -> 1 optimizer step
+            impl = PushPullGradServerImpl(method, group, primary_reducer="0", secondary_reducers=["0"],
+                                          reduce_method=method, reduce_batch_size=2)
+            model = Chain()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # p -= p.grad
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+            impl.manage_model(model, optimizer, scheduler)
+            impl.start()
+            managed[method] = (impl, model, list(model.parameters()), scheduler)
+        assert sorted(managed["sum"][0].threads()) == ["machinlike-grad-sum-primary", "machinlike-grad-sum-secondary"]
     group.barrier()
-    server = group.get_paired("server").to_here()
-    assert isinstance(server, PushPullGradServer)
+    servers = {method: group.get_paired(method).to_here() for method in EXPECTED}
+    assert all(isinstance(s, PushPullGradServer) for s in servers.values())
     if world.name != "0":
         model = Chain()
         for _ in range(2):
             model.zero_grad()
             model(torch.ones(1, 1)).sum().backward()
-            assert server.push(model)
+            assert servers["mean"].push(model) and servers["sum"].push(model)
     group.barrier()
     if world.name == "1":
-        assert server.flush(timeout=30) == 1
+        assert servers["mean"].flush(timeout=30) == 1 and servers["sum"].flush(timeout=30) == 1
     group.barrier()
     if world.name != "0":
-        fresh = Chain()
-        assert server.pull(fresh) and fresh.pp_version == 1
-        assert fresh.weights() == expected
-        assert not server.pull(fresh)  # up to date: nothing transferred
+        for method, expected in EXPECTED.items():
+            fresh = Chain()
+            assert servers[method].pull(fresh) and fresh.pp_version == 1
+            assert fresh.weights() == expected
+            assert not servers[method].pull(fresh)  # up to date: nothing transferred
     group.barrier()
     if world.name == "0":
-        stats = impl.stats()
-        assert stats["primary"]["steps"] == 1 and stats["primary"]["applied"] == 4
-        assert stats["secondary"]["batches"] == 2 and stats["secondary"]["accepted"] == 4
-        assert stats["primary"]["ordered"]["pulls_unchanged"] == 2
-        assert scheduler.last_epoch == 1  # the lr scheduler is stepped with the optimizer
-        assert model.weights() == expected
-        assert list(model.parameters()) == params and all(p.device.type == "cpu" for p in params)
-        impl.stop()
-        impl.stop()
-        assert impl.threads() == [] and _our_threads() == []
+        for method, (impl, model, params, scheduler) in managed.items():
+            stats = impl.stats()
+            assert stats["primary"]["steps"] == 1 and stats["primary"]["applied"] == 4
+            assert stats["secondary"]["batches"] == 2 and stats["secondary"]["accepted"] == 4
+            assert stats["primary"]["ordered"]["pulls_unchanged"] == 2
+            assert scheduler.last_epoch == 1  # the lr scheduler is stepped with the optimizer
+            assert model.weights() == EXPECTED[method]
+            # the managed model is the caller's object, parameters and device unchanged
+            assert list(model.parameters()) == params and all(p.device.type == "cpu" for p in params)
+            impl.stop()
+            impl.stop()
+            assert impl.threads() == []
+        assert _our_threads() == []
     group.barrier()
     group.destroy()
 
@@ -400,3 +408,35 @@ def test_grad_server_helper_runs_every_reducer(world):
     servers.watch()
     servers.close()
     assert _our_threads() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(2, timeout=90)
+def test_managed_model_stays_on_its_gpu(world):
+    group = world.create_rpc_group("gpu", ["0", "1"])
+    if world.name == "0":
+        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["0"],
+                                      reduce_device="cuda", reduce_batch_size=2)
+        model = Chain().cuda()
+        params = list(model.parameters())
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+    group.barrier()
+    server = group.get_paired("server").to_here()
+    if world.name == "1":
+        model = Chain().cuda()  # a GPU client: gradients leave it through the CPU
+        for _ in range(4):
+            model.zero_grad()
+            model(torch.ones(1, 1, device="cuda")).sum().backward()
+            assert server.push(model)
+        assert server.flush(timeout=30) == 1
+        assert server.pull(model) and model.weights() == EXPECTED["sum"]
+        assert all(p.device.type == "cuda" for p in model.parameters())
+    group.barrier()
+    if world.name == "0":
+        assert list(model.parameters()) == params and all(p.device.type == "cuda" for p in params)
+        assert model.weights() == EXPECTED["sum"]
+        impl.close()
+    group.barrier()
+    group.destroy()

@@ -124,7 +124,7 @@ def test_architecture_checks_and_errors(world):
         with pytest.raises(ValueError, match=r"cannot pull model 'model' into a model of another architecture "
                                              r"\(nothing was loaded\)"):
             server.pull(other)
-        assert all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
         # a fresh accessor checks too (it reads the spec the first push claimed)
         again = group.get_paired("server").to_here()
         with pytest.raises(ValueError, match=r"dtypes differ \('fc1.weight': torch.float64 instead of torch.float32"):

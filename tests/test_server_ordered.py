@@ -141,5 +141,5 @@ def test_concurrent_pushers_exactly_one_wins_per_version():
     assert [h[0][2] for h in history] == list(range(ROUNDS))  # each version written in its own round
     # each round's winner is exactly the one member/thread that counted the win
     for r, (value, _) in enumerate(history):
-        member, thread, _ = value
+        member, _thread, _ = value
         assert results[int(member)][0][r] == 1

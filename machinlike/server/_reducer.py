@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -351,13 +351,11 @@ class PrimaryReducer(_Reducer):
         """Queue a partial sum; the future completes when it is queued (not yet applied)."""
         with self._cond:
             error = self.refusal()
-            queued = False
             if error is None:
                 self.counters["received"] += item.count
                 if len(self._queue) < self.max_queue:
                     self._queue.append(item)
                     self._enqueued += 1
-                    queued = True
                     self._cond.notify()
                 else:
                     self.counters["parked"] += 1

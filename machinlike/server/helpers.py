@@ -19,8 +19,8 @@ import torch
 
 from ..distributed import RpcGroup, get_world
 from ._common import check_count, check_group, check_timeout
-from .grad import PushPullGradServer, PushPullGradServerImpl
-from .model import PushPullModelServer, PushPullModelServerImpl
+from .grad import PushPullGradServerImpl
+from .model import PushPullModelServerImpl
 
 __all__ = ["ServerHandles", "grad_server_helper", "model_server_helper"]
 
@@ -36,7 +36,8 @@ class ServerHandles(tuple):
     group: RpcGroup
     impls: Tuple[Any, ...]
 
-    def __new__(cls, accessors: Sequence[Any], group: RpcGroup, impls: Sequence[Any], owns_group: bool) -> "ServerHandles":
+    def __new__(cls, accessors: Sequence[Any], group: RpcGroup, impls: Sequence[Any],
+                owns_group: bool) -> "ServerHandles":
         self = super().__new__(cls, accessors)
         self.group = group
         self.impls = tuple(impls)
@@ -60,7 +61,8 @@ class ServerHandles(tuple):
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop this member's servers, wait for every member, withdraw them, leave the group.
 
-        Every member must call it (it contains a group barrier). The group is destroyed
+        Every member must call it (it contains group barriers): all secondary reducers
+        stop, then all primaries, then the services are withdrawn. The group is destroyed
         when the helper created it. Safe to call twice.
 
         Raises:
@@ -70,11 +72,17 @@ class ServerHandles(tuple):
             return
         wait = check_timeout(timeout) or get_world().dist_timeout
         deadline = time.monotonic() + wait
-        for impl in self.impls:
-            if hasattr(impl, "stop"):
-                impl.stop(max(0.001, deadline - time.monotonic()))
-        # Nobody withdraws a service while another member may still call it.
-        self.group.barrier(timeout=max(0.001, deadline - time.monotonic()))
+
+        def left() -> float:
+            return max(0.001, deadline - time.monotonic())
+
+        # Every secondary stops before any primary, so no forward in flight meets a
+        # stopped primary; and nobody withdraws a service another member may still call.
+        for roles in (("secondary",), ("primary",)):
+            for impl in self.impls:
+                if isinstance(impl, PushPullGradServerImpl):
+                    impl._stop_roles(roles, left())
+            self.group.barrier(timeout=left())
         self._closed = True
         for impl in self.impls:
             impl.close()

@@ -147,7 +147,7 @@ class OrderedServerSimpleImpl:
         services = [self._push_service, self._pull_service, self._pull_if_changed_service]
         done = []
         try:
-            for key, service in zip(self._keys, services):
+            for key, service in zip(self._keys, services, strict=True):
                 group.register(key, service)
                 done.append(key)
             group.pair(server_name, OrderedServerSimple(server_name, group))
