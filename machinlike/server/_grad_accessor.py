@@ -218,16 +218,14 @@ class PushPullGradServer:
         """
         wait = check_timeout(timeout) or self.timeout or rpc_timeout()
         deadline = time.monotonic() + wait
-        pending = []
-        for member in self.secondary_reducers:
-            if member not in self._lost:
-                pending.append((member, lambda m=member: self.group.registered_async(
-                    f"{self.server_name}/_flush/{m}", timeout=wait)))
         # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).
         started = []
-        for member, call in pending:
+        for member in self.secondary_reducers:
+            if member in self._lost:
+                continue
             try:
-                started.append((member, call()))
+                started.append((member, self.group.registered_async(f"{self.server_name}/_flush/{member}",
+                                                                    timeout=wait)))
             except PeerLostError as err:
                 self._skip(member, err)
         for member, fut in started:

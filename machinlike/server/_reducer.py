@@ -100,14 +100,12 @@ class _Reducer:
 
     role = ""
 
-    def __init__(self, server_name: str, member: str, batch: int, max_queue: int, device: torch.device,
-                 timeout: Callable[[], float]) -> None:
+    def __init__(self, server_name: str, member: str, batch: int, max_queue: int, device: torch.device) -> None:
         self.server_name = server_name
         self.member = member
         self.batch = batch
         self.max_queue = max_queue
         self.device = device
-        self._timeout = timeout
         self._cond = threading.Condition()
         self._queue: Deque[Item] = deque()
         self._enqueued = 0
@@ -138,12 +136,14 @@ class _Reducer:
         with self._cond:
             if self._state in ("new", "running"):
                 self._state = "stopped"
+            before = self.counters["dropped"]
             doomed = self._detach_pending()
+            dropped = self.counters["dropped"] - before
             self._cond.notify_all()
-        if self.counters["dropped"]:
+        if dropped:
             log.warning("gradient server %r: the %s reducer on member %r stopped with %d queued gradient "
                         "pushes not applied (flush() before stop() to apply them)",
-                        self.server_name, self.role, self.member, self.counters["dropped"])
+                        self.server_name, self.role, self.member, dropped)
         self._fail_futures(doomed)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -200,14 +200,18 @@ class _Reducer:
             fut.set_exception(error)
         return fut
 
-    def _settle_flushes(self, result: Any) -> None:
+    def _settle_flushes(self) -> None:
+        with self._cond:
+            if not any(target <= self._consumed for target, _ in self._flushes):
+                return
+        # May raise; the flushes are still listed then, and fail with the thread.
+        self._before_settle()
+        result = self._flush_result()
         with self._cond:
             ready = [fut for target, fut in self._flushes if target <= self._consumed]
             self._flushes = [(t, f) for t, f in self._flushes if t > self._consumed]
-        if ready:
-            self._before_settle()
-            for fut in ready:
-                fut.set_result(result)
+        for fut in ready:
+            fut.set_result(result)
 
     def _before_settle(self) -> None:
         """Hook: make what was processed visible before flushes complete."""
@@ -239,7 +243,7 @@ class _Reducer:
                     with self._cond:
                         self._consumed += len(items)
                         self.counters["batches"] += 1
-                self._settle_flushes(self._flush_result())
+                self._settle_flushes()
         except BaseException as exc:  # the thread's last act: record it for watch() and callers
             with self._cond:
                 stopping = self._state == "stopped"

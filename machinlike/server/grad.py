@@ -50,6 +50,7 @@ from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimple
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"]
 
+
 class _LocalForward:
     """A forward to the primary of the same process, waited on with a timeout."""
 
@@ -137,7 +138,7 @@ class PushPullGradServerImpl:
         self._paired = False
         self._closed = False
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
-        args = (server_name, self.member, batch, limit, self.reduce_device, rpc_timeout)
+        args = (server_name, self.member, batch, limit, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
         if self.member in self.secondary_reducers:
