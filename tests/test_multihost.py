@@ -317,3 +317,22 @@ def test_route_source_asks_the_routing_table():
     assert _netif.route_source("no-such-host.invalid", 9) is None
     table = _netif.interface_addresses()
     assert "127.0.0.1" in table["lo"]
+
+
+def test_loopback_interface_is_refused_when_the_master_is_another_host():
+    with pytest.raises(ValueError, match=r"TP_SOCKET_IFNAME='lo' is a loopback interface, but the master "
+                                         r"203\.0\.113\.9 is another host.*This host has: .*lo \(127\.0\.0\.1"):
+        _netif.refuse_loopback_for_remote_master({"TP_SOCKET_IFNAME": "lo"}, "203.0.113.9")
+    _netif.refuse_loopback_for_remote_master({"TP_SOCKET_IFNAME": "lo"}, "127.0.0.1")  # master here: fine
+    _netif.refuse_loopback_for_remote_master({"TP_SOCKET_IFNAME": "lo"}, "no-such-host.invalid")  # cannot tell
+
+
+def test_start_up_errors_of_torch_name_the_interface():
+    with World(rank=0, world_size=1, init_method="tcp://127.0.0.1:0", interface="lo") as world:
+        with pytest.raises(RuntimeError, match="connection refused") as info:
+            with world._network_hint():
+                raise RuntimeError("connection refused")
+    (note,) = info.value.__notes__
+    assert note.startswith("machinlike: this process offers interface lo (127.0.0.1")
+    assert note.endswith("to its peers for RPC and collectives; if they cannot connect to it, choose the "
+                         "interface with World(interface=...) or MACHINLIKE_SOCKET_IFNAME")

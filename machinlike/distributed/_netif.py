@@ -28,7 +28,8 @@ import socket
 import sys
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["ENV_VAR", "LIBRARY_VARS", "interface_addresses", "route_source", "configured_interface", "plan_interface"]
+__all__ = ["ENV_VAR", "LIBRARY_VARS", "interface_addresses", "route_source", "configured_interface", "plan_interface",
+           "refuse_loopback_for_remote_master", "describe"]
 
 log = logging.getLogger(__name__)
 
@@ -198,3 +199,41 @@ def plan_interface(configured: Optional[str], master_host: str, master_port: int
                     "if other hosts cannot reach it.", master_host, master_port, source, ENV_VAR)
     settings = {var: os.environ.get(var) or derived for var in LIBRARY_VARS}
     return settings["TP_SOCKET_IFNAME"], {var: value for var, value in settings.items() if value}
+
+
+def refuse_loopback_for_remote_master(settings: Dict[str, str], master_host: str) -> None:
+    """Refuse an interface that only has loopback addresses when the master is another host.
+
+    Peers on the master's host could never connect to this process (torch's libraries
+    would wait far past any timeout, then fail with a message about refused connections).
+
+    Raises:
+        ValueError: naming the variable, its interface and the interfaces there are.
+    """
+    table = interface_addresses()
+    try:
+        master = {ipaddress.ip_address(info[4][0].split("%", 1)[0])
+                  for info in socket.getaddrinfo(master_host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError, ValueError):
+        return
+    local = {ipaddress.ip_address(a.split("%", 1)[0]) for addresses in table.values() for a in addresses}
+    if not table or any(a.is_loopback or a in local for a in master):
+        return  # the master is this host: loopback is fine
+    for var, name in settings.items():
+        addresses = table.get(name, [])
+        if addresses and all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses):
+            raise ValueError(
+                f"{var}={name!r} is a loopback interface, but the master {master_host} is another host, "
+                f"whose ranks could not connect to this one; set World(interface=...) or {ENV_VAR} to an "
+                f"interface the other hosts reach, or unset {var}. This host has: {_describe(table)}"
+            )
+
+
+def describe(interface: Optional[str]) -> str:
+    """A hint for errors of TensorPipe/gloo start-up: what this host advertises to its peers."""
+    if interface is None:
+        shown = "the address its hostname resolves to (no interface set)"
+    else:
+        shown = f"interface {interface} ({' '.join(interface_addresses().get(interface, [])) or 'no address'})"
+    return (f"machinlike: this process offers {shown} to its peers for RPC and collectives; if they "
+            f"cannot connect to it, choose the interface with World(interface=...) or {ENV_VAR}")

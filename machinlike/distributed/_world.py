@@ -16,6 +16,7 @@ barrier; a graceful RPC shutdown only when every peer arrived, else a local one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
@@ -23,7 +24,7 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import rpc
@@ -194,10 +195,11 @@ class World:
         self._tables.resolve_owner = self._resolve_service_owner
         _calls.bind_tables(self._tables)
         if self._collective_on:
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
-                world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
-            )
+            with self._network_hint():
+                dist.init_process_group(
+                    backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
+                    world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
+                )
             self._pg_running = True
         if self._rpc_on:
             self._rpc_url = _rendezvous.rpc_init_method(
@@ -205,7 +207,7 @@ class World:
             options = rpc.TensorPipeRpcBackendOptions(
                 num_worker_threads=rpc_threads, rpc_timeout=self.rpc_timeout,
                 init_method=self._rpc_url)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), self._network_hint():
                 # torch's TensorPipe start-up goes through a c10d path it deprecated itself;
                 # the warning concerns torch's code, not the caller's.
                 warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -221,12 +223,23 @@ class World:
         # time a group is created, so the setting stays for the World's life and the
         # previous values come back at teardown (the next World may have another master).
         self.interface, settings = _netif.plan_interface(interface, master_host, master_port)
+        _netif.refuse_loopback_for_remote_master(settings, master_host)
         for var, value in settings.items():
             if os.environ.get(var) != value:
                 self._saved_env.setdefault(var, os.environ.get(var))
                 os.environ[var] = value
         log.debug("World %r: TensorPipe and gloo use %s (master %s:%s)", self.name, settings or "their own guess",
                   master_host, master_port)
+
+    @contextlib.contextmanager
+    def _network_hint(self) -> Iterator[None]:
+        # gloo and TensorPipe report an unreachable peer as a bare connection error.
+        try:
+            yield
+        except RuntimeError as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(_netif.describe(self.interface))
+            raise
 
     def _resolve_service_owner(self, sid: str) -> Optional[str]:
         group, epoch, key = sid.split("/", 2)
