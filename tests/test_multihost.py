@@ -74,6 +74,7 @@ class Lan:
         self.hosts = [f"{self.tag}-h{i}" for i in range(hosts)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
         self.workdir = workdir
+        self.port: Optional[int] = None  # the master port of the last run_ranks
         self._created: List[str] = []
         self._procs: List[subprocess.Popen] = []
 
@@ -176,7 +177,7 @@ class Lan:
     def run_ranks(self, scenario: str, timeout: float, extra_env: Optional[Dict[int, Dict[str, str]]] = None,
                   wait: float = 60.0) -> List[Dict[str, Any]]:
         """One rank per host, master on host 0; the ``RESULT`` report of each rank."""
-        port = self.free_port(0)
+        port = self.port = self.free_port(0)
         labels = [f"{scenario}-rank{r}" for r in range(len(self.hosts))]
         procs = []
         for rank, label in enumerate(labels):
@@ -190,7 +191,6 @@ class Lan:
             lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
             assert lines, f"{label} wrote no report\n" + self.logs(labels)
             reports.append(json.loads(lines[-1][len("RESULT "):]))
-        self.port = port
         return reports
 
 
