@@ -2,8 +2,8 @@
 
 Both libraries advertise one address of this host to their peers, and by default they
 take the address the *hostname* resolves to. On a cluster that is often wrong: the
-hostname may map to 127.0.0.1 (many distributions' ``/etc/hosts``), to a management
-network, or to nothing. Each library reads an interface name from its own environment
+hostname may map to a loopback address (many distributions' ``/etc/hosts``), to a
+management network, or to nothing. Each library reads an interface name from its own environment
 variable (``TP_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``) when it starts, so the choice is
 made here, once per World, in this order:
 
@@ -15,12 +15,13 @@ made here, once per World, in this order:
        store connection uses, RPC and gloo use too; a loopback master gives ``lo``.
 
 An interface may be named (``"eth0"``) or given by one of its addresses (``"10.0.0.5"``).
+A loopback-only choice is refused when the master is another host: its ranks could
+never connect back, and the libraries would wait far past any timeout before saying so.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import ipaddress
 import logging
 import os
@@ -71,7 +72,7 @@ def interface_addresses() -> Dict[str, List[str]]:
     """
     if not sys.platform.startswith("linux"):
         return {}
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the C library this interpreter runs on
     head = ctypes.POINTER(_IfAddrs)()
     if libc.getifaddrs(ctypes.byref(head)) != 0:
         err = ctypes.get_errno()
