@@ -349,7 +349,7 @@ BAD = [
     ({"iterations": 1.5}, TypeError, "iterations must be an int"),
     ({"update_rate": 0}, ValueError, "update_rate must be a finite number > 0"),
     ({"gpu_gpu_distance": -1}, ValueError, "gpu_gpu_distance"),
-    ({"model_size_multiplier": 0}, ValueError, "size_multiplier must be a finite number > 0"),
+    ({"model_size_multiplier": 0}, ValueError, "model_size_multiplier must be a finite number"),
     ({"model_complexity": [1]}, ValueError, "model_complexity has 1 entries but 2 models"),
     ({"model_complexity": [1, -2]}, ValueError, r"model_complexity\[1\] must be"),
     ({"model_complexity": 3}, TypeError, "model_complexity must be a list"),

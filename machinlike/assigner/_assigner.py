@@ -140,6 +140,7 @@ class ModelAssigner:
         self._models = _check_models(models)
         n = len(self._models)
         conn = _connection_matrix(model_connection, n)
+        multiplier = _check_number(model_size_multiplier, "model_size_multiplier", positive=True)
         ratio = _check_number(max_mem_ratio, "max_mem_ratio", positive=True)
         if ratio > 1:
             raise ValueError(f"max_mem_ratio must be in (0, 1], got {max_mem_ratio!r}")
@@ -158,7 +159,7 @@ class ModelAssigner:
         iterations = _check_int(iterations, "iterations", 0)
         seed = _check_int(seed, "seed", 0)
         complexity = _complexities(model_complexity, n)
-        sizes = [ModelSizeEstimator(m, model_size_multiplier).estimate_size() for m in models]
+        sizes = [ModelSizeEstimator(m, multiplier).estimate_size() for m in self._models]
         self._complexity = sizes if complexity is None else complexity  # machin's default
         self._specs = _resolve_devices(devices, cpu_power)
         self._problem = _make_problem(
@@ -166,7 +167,7 @@ class ModelAssigner:
             _distance_matrix(self._specs, gpu_gpu, cpu_gpu), self._complexity,
             [s.compute for s in self._specs], weights,
         )
-        self._check_totals(ratio, model_size_multiplier)
+        self._check_totals(ratio, multiplier)
         try:
             self._placement = _solve(self._problem, iterations, lr, seed)
         except _NoFit as e:
