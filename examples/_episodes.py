@@ -2,12 +2,14 @@
 
 Not part of the library: ``impala.py`` and ``dqn_apex.py`` import it from their own folder.
 It lives in the process of rank 0; actors reach :meth:`EpisodeLog.report` as a registered
-RpcGroup service, and its answer ("keep going?") is how they learn that training stopped.
+RpcGroup service, and its answer ("keep going?") tells them that training stopped (the
+Ape-X actors stop on it; the IMPALA actors wait for their learner's word instead).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import resource
 import threading
 import time
@@ -22,18 +24,19 @@ class EpisodeLog:
     """Finished training episodes, reported by the actors; thread-safe (RPC threads call it).
 
     Args:
-        curve: Where each counted episode becomes a row (columns: see ``COLUMNS``).
+        curve: Where every reported episode becomes a row (columns: ``COLUMNS``, then
+            ``extra``'s); ``mean_return`` is filled on the rows of counted actors.
         window: Episodes in the moving mean (the metric: mean return of the last ``window``).
         target: Stop once the moving mean over a full window reaches it; 0: never.
         budget: Seconds from construction after which training stops.
         counted: Actors whose episodes make the metric; None: every actor. Episodes of the
-            others still count in ``mean_all`` and the step counts.
+            others still count in ``mean_return_all`` and the step counts.
         extra: Called under the lock for each CSV row; returns the learner's columns
             (updates, version lag, ...).
     """
 
-    COLUMNS = ["time_s", "env_steps", "episode", "actor", "policy_version", "return", "mean_return",
-               "mean_return_all"]
+    COLUMNS = ("time_s", "env_steps", "episode", "actor", "policy_version", "return", "mean_return",
+               "mean_return_all")
 
     def __init__(self, curve: Curve, window: int, target: float, budget: float,
                  counted: Optional[Iterable[str]] = None,
@@ -122,7 +125,7 @@ class EpisodeLog:
 
 def format_mean(value: float) -> str:
     """A mean return for a progress line ('-' before the first episode)."""
-    return "-" if value != value else f"{value:.1f}"
+    return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 def collect_columns(*groups: List[str]) -> List[str]:

@@ -45,7 +45,7 @@ import collections
 import copy
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, List, Sequence, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -79,7 +79,8 @@ def actor_epsilon(index: int, actors: int, eps: float, alpha: float) -> float:
     return eps if actors == 1 else eps ** (1 + index / (actors - 1) * alpha)
 
 
-def td_errors(online: nn.Module, target: nn.Module, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+def td_errors(online: nn.Module, target: nn.Module,
+              batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
     """(Q(s, a), n-step double-DQN target): r + gamma^n * Q_target(s', argmax_a' Q_online(s', a'))."""
     q = online(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
     with torch.no_grad():
@@ -132,7 +133,7 @@ class ReplayShard:
         """Service: ``count`` transitions drawn in proportion to priority ** alpha (stratified).
 
         Returns the transitions, their slots and generations (for ``update``), their
-        priority ** alpha (``weight``), and the shard's size and total at sampling time.
+        ``priority`` (raised to alpha), and the shard's size and total at sampling time.
         """
         with self._lock:
             held = min(self._written, self._capacity)
@@ -145,7 +146,7 @@ class ReplayShard:
                 slots = np.minimum(np.searchsorted(cumulative, points, side="right"), held - 1)
             batch = {"slot": slots, "generation": self._generation[slots], "obs": self._obs[slots],
                      "action": self._action[slots], "ret": self._ret[slots], "next_obs": self._next_obs[slots],
-                     "discount": self._discount[slots], "weight": self._priority[slots]}
+                     "discount": self._discount[slots], "priority": self._priority[slots]}
         out = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in batch.items()}
         out.update(size=held, total=total)
         return out
@@ -370,7 +371,7 @@ class Sampler:
         self._totals = np.array([p["total"] for p in parts])
         held = sum(p["size"] for p in parts)
         # P(j) = P(shard k) * P(j | shard k): the multinomial split times the shard's own draw.
-        probs = torch.cat([torch.as_tensor(share) * p["weight"] / max(p["total"], 1e-12)
+        probs = torch.cat([torch.as_tensor(share) * p["priority"] / max(p["total"], 1e-12)
                            for share, p in zip(shares, parts)])
         weights = (held * probs).pow(-self._beta)
         batch = {key: torch.cat([p[key] for p in parts]) for key in ("obs", "action", "ret", "next_obs", "discount",
@@ -402,7 +403,10 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
           epsilons: Sequence[float]) -> Dict[str, Any]:
     """The learner; it also hosts the model server, the pacer and the episode log."""
     actors = [str(rank) for rank in range(1, world.world_size)]
-    counted = [a for a, e in zip(actors, epsilons) if e <= args.eval_epsilon] or [actors[int(np.argmin(epsilons))]]
+    counted = [a for a, e in zip(actors, epsilons) if e <= args.eval_epsilon]
+    why = f"epsilon <= {args.eval_epsilon:g}"
+    if not counted:
+        counted, why = [actors[int(np.argmin(epsilons))]], f"the lowest epsilon; none is <= {args.eval_epsilon:g}"
     torch.manual_seed(args.seed)
     online = QNet()
     target = copy.deepcopy(online)
@@ -418,7 +422,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     server.push(online)  # version 1: what the actors start from
     described = ", ".join(f"{a}: {e:.3g}" for a, e in zip(actors, epsilons))
     print(f"[learner] {len(actors)} actors, epsilon {described}; metric: mean return of the last {args.window} "
-          f"training episodes of actor(s) {', '.join(counted)} (epsilon <= {args.eval_epsilon:g})", flush=True)
+          f"training episodes of actor(s) {', '.join(counted)} ({why})", flush=True)
     group.barrier()  # every shard and service exists from here on
 
     pacer.wait_actors(len(actors), args.rpc_timeout)
@@ -426,7 +430,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     held, _ = sampler.sizes()
     print(f"[learner] warm-up done: {held} transitions in {len(actors)} shards", flush=True)
     progress = _util.Progress(args.print_every)
-    window_updates, window_start, loss_sum = 0, time.monotonic(), 0.0
+    window_updates, window_start, loss_sum, updates = 0, time.monotonic(), 0.0, 0
     request = sampler.request()
     while not log.should_stop():
         fetched, minibatches = sampler.collect(request)
@@ -461,7 +465,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"{snap['episodes_all']:>5}  mean return (last {args.window}): metric "
                   f"{format_mean(snap['mean_return']):>6}, all actors {format_mean(snap['mean_return_all']):>6}  "
                   f"updates {updates:>6} ({window_updates / max(now - window_start, 1e-9):5.1f}/s)  "
-                  f"actor version lag max {max(lags, default=0)}  loss {loss_sum / window_updates:.4f}", flush=True)
+                  f"actor version lag max {max(lags, default=0)}  loss {loss_sum / max(window_updates, 1):.4f}", flush=True)
             window_updates, window_start, loss_sum = 0, now, 0.0
     pacer.close()  # parked and later pace requests answer "stop"
     for future in request[1]:
@@ -527,8 +531,8 @@ def main() -> None:
     parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
     parser.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines")
     args = parser.parse_args()
-    for name in ("num_workers", "batch_size", "fetch_batches", "steps_per_update", "shard_capacity", "n_step", "target_every",
-                 "publish_every", "pull_every", "add_batch", "window"):
+    for name in ("num_workers", "batch_size", "fetch_batches", "steps_per_update", "shard_capacity", "n_step",
+                 "target_every", "publish_every", "pull_every", "add_batch", "window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.monotonic()

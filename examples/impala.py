@@ -380,9 +380,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
 def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
     torch.set_num_threads(1)  # 2 cores, several processes: one thread each
     learners = args.learners
-    if world.world_size <= learners:
-        raise ValueError(f"a world of {world.world_size} processes leaves no actor beside --learners {learners}; "
-                         f"start more processes or use fewer learners")
+    if world.world_size < 2 * learners:
+        # Actor i feeds learner i mod L; a learner without actors would wait for ever while
+        # the other waits for it in the all-reduce.
+        raise ValueError(f"a world of {world.world_size} processes gives some of the --learners {learners} no actor; "
+                         f"start at least {2 * learners} processes (one actor per learner) or use fewer learners")
     start = time.monotonic()
     group = world.create_rpc_group(GROUP, world.get_members())
     # Every process enters the creation of the learners' process group, members or not.
