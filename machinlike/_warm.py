@@ -37,7 +37,9 @@ WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and 
 
 # Imported once in the server; '__main__' is deliberately absent so that a user's script
 # is imported by each child (as with spawn), not frozen into the server at first use.
-_PRELOAD = ["torch", "torch.distributed.rpc", "dill", "machinlike"]
+# torch._dynamo: torch imports it lazily when the first optimizer is built (about 2 s
+# here), which every trainer or parameter-server process does.
+_PRELOAD = ["torch", "torch.distributed.rpc", "torch._dynamo", "dill", "machinlike"]
 
 class _WarmForkServer(_forkserver.ForkServer):
     """The standard forkserver, started with the parent's ``sys.path`` before preloading.

@@ -10,11 +10,11 @@ nothing listens on other interfaces and a port of 0 picks a free port without a 
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import itertools
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, Iterator, Optional, Tuple
 from urllib.parse import urlparse
@@ -136,28 +136,43 @@ def open_store(rank: int, world_size: int, init_method: Optional[str], timeout: 
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
-    """Connect to a store at ``host:port`` as a client.
+    """Connect to a store at ``host:port`` as a client, waiting for it at most ``timeout``.
+
+    The master may start after this process, so connecting is retried until the deadline.
+    The store's own connect loop overshoots its timeout (it checks the deadline only
+    between attempts, and one attempt can block for seconds: a master that is down on the
+    local network answers no ARP, about 3 s per attempt on Linux), so the waiting is done
+    here first, every attempt cut to what is left of one deadline; the store then
+    connects at once.
 
     Raises:
-        TimeoutError: nothing answered at ``host:port`` within ``timeout`` seconds.
+        TimeoutError: nothing accepted connections at ``host:port`` within ``timeout``
+            seconds (the message names both and the last error).
     """
+    deadline = time.monotonic() + timeout
+    pause = 0.01
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.01, deadline - time.monotonic())):
+                break
+        except OSError as err:  # refused, unreachable, timed out, or the name does not resolve (yet)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _unreachable(host, port, timeout, err) from None
+        # Nothing can be waited on until the master listens: back off, never past the deadline.
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, 0.5)
     try:
         return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
     except (RuntimeError, ConnectionError, TimeoutError) as err:
-        raise TimeoutError(
-            f"could not reach the world's store (the master) at {host}:{port} within "
-            f"{timeout:g} s: is rank 0 running, and is {host}:{port} reachable from here? ({err})"
-        ) from None
+        raise _unreachable(host, port, timeout, err) from None
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _unreachable(host: str, port: int, timeout: float, err: BaseException) -> TimeoutError:
+    return TimeoutError(
+        f"could not reach the world's store (the master) at {host}:{port} within {timeout:g} s: is "
+        f"rank 0 running, and is {host}:{port} reachable from here? (last attempt: {err})"
+    )
 
 
 # --------------------------------------------------------------- RPC rendezvous scheme

@@ -17,6 +17,7 @@ barrier; a graceful RPC shutdown only when every peer arrived, else a local one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import logging
@@ -24,12 +25,12 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import rpc
 
-from . import _calls, _rendezvous, _state
+from . import _calls, _netif, _rendezvous, _state
 from ._collective import CollectiveGroup
 from ._liveness import alive_here, process_identity
 from ._registry import Registry, deadline_left
@@ -84,17 +85,24 @@ class World:
         init_rpc: Initialise RPC (needed by RpcGroups and the servers).
         dist_timeout: Timeout of start-up, collectives and group creation, seconds.
         store: An existing ``TCPStore`` to use instead of ``init_method`` (e.g. the launcher's).
-        interface: Network interface (e.g. ``"eth0"``) for TensorPipe and gloo. None: the
-            loopback interface when the master is a loopback address, else torch's choice
-            (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` when set).
+        interface: Network interface that TensorPipe (RPC) and gloo (collectives) use on
+            this host, by name (``"eth0"``) or by one of its addresses. None:
+            ``MACHINLIKE_SOCKET_IFNAME`` when set, else ``TP_SOCKET_IFNAME`` /
+            ``GLOO_SOCKET_IFNAME`` each when set, else the interface this host reaches the
+            master through (``lo`` for a loopback master). The chosen one is ``interface``.
         init_dist, dist_backend, dist_init_method, rpc_init_method: machin's names for
             ``collective``, ``backend`` and ``init_method`` (there is one store, so when both
             init methods are given ``dist_init_method`` wins).
 
+    Attributes:
+        interface: The interface TensorPipe uses on this host (None: its own guess from the
+            hostname, when neither a setting nor the route to the master tells).
+
     Raises:
         ValueError, TypeError: invalid arguments (the message names the parameter).
         RuntimeError: this process already has a World.
-        TimeoutError: some rank did not arrive within ``dist_timeout`` (named in the message).
+        TimeoutError: the master (address and port named) cannot be reached, or some rank
+            did not arrive, within ``dist_timeout``.
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class World:
             raise ValueError(f"rpc_threads={rpc_threads!r} must be a positive int")
         if store is not None and not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+        interface = _netif.configured_interface(interface)
         self._collective_on = bool(collective)
         self._rpc_on = bool(init_rpc)
         self._stopped = False
@@ -141,6 +150,8 @@ class World:
         self._pg_running = False
         self._members: List[str] = []
         self._identities: Dict[str, str] = {}
+        self._saved_env: Dict[str, Optional[str]] = {}
+        self.interface: Optional[str] = None
 
         with _state.lock:
             if _state.current is not None:
@@ -161,10 +172,13 @@ class World:
         if store is None:
             info = _rendezvous.open_store(self.rank, self.world_size, init_method, self.dist_timeout)
         else:
-            info = _rendezvous.StoreInfo(store, getattr(store, "host", "?"), getattr(store, "port", 0),
+            base = store
+            while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
+                base = base.underlying_store
+            info = _rendezvous.StoreInfo(store, getattr(base, "host", "?"), getattr(base, "port", 0),
                                          False, "the launcher")
         self._store_info = info
-        self._set_interface(interface, info.host)
+        self._set_interface(interface, info.host, info.port)
         # A namespace per world incarnation: a store may outlive a world (torchrun's agent
         # store outlives restarted workers, and a process may build a new World on it), and
         # stale keys (gloo addresses, names, barriers) must not leak into the next one. The
@@ -188,10 +202,11 @@ class World:
         self._tables.resolve_owner = self._resolve_service_owner
         _calls.bind_tables(self._tables)
         if self._collective_on:
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
-                world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
-            )
+            with self._network_hint():
+                dist.init_process_group(
+                    backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
+                    world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
+                )
             self._pg_running = True
         if self._rpc_on:
             self._rpc_url = _rendezvous.rpc_init_method(
@@ -199,7 +214,7 @@ class World:
             options = rpc.TensorPipeRpcBackendOptions(
                 num_worker_threads=rpc_threads, rpc_timeout=self.rpc_timeout,
                 init_method=self._rpc_url)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), self._network_hint():
                 # torch's TensorPipe start-up goes through a c10d path it deprecated itself;
                 # the warning concerns torch's code, not the caller's.
                 warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
@@ -210,14 +225,28 @@ class World:
         self._registry.wait_all(f"{self._ns}w/ready/", ranks, deadline_left(deadline),
                                 "World start-up: ready barrier, ranks", self.dist_timeout)
 
-    def _set_interface(self, interface: Optional[str], master_host: str) -> None:
-        # TensorPipe and gloo read their interface from the environment at init; setting
-        # it only when the user has not is the one way to keep a loopback job on loopback.
-        if interface is None and _rendezvous.is_loopback(master_host):
-            interface = "lo"
-        if interface is not None:
-            for var in ("TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
-                os.environ.setdefault(var, interface)
+    def _set_interface(self, interface: Optional[str], master_host: str, master_port: int) -> None:
+        # TensorPipe reads its interface from the environment when RPC starts, gloo each
+        # time a group is created, so the setting stays for the World's life and the
+        # previous values come back at teardown (the next World may have another master).
+        self.interface, settings = _netif.plan_interface(interface, master_host, master_port)
+        _netif.refuse_loopback_for_remote_master(settings, master_host)
+        for var, value in settings.items():
+            if os.environ.get(var) != value:
+                self._saved_env.setdefault(var, os.environ.get(var))
+                os.environ[var] = value
+        log.debug("World %r: TensorPipe and gloo use %s (master %s:%s)", self.name, settings or "their own guess",
+                  master_host, master_port)
+
+    @contextlib.contextmanager
+    def _network_hint(self) -> Iterator[None]:
+        # gloo and TensorPipe report an unreachable peer as a bare connection error.
+        try:
+            yield
+        except RuntimeError as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(_netif.describe(self.interface))
+            raise
 
     def _resolve_service_owner(self, sid: str) -> Optional[str]:
         group, epoch, key = sid.split("/", 2)
@@ -415,6 +444,12 @@ class World:
         if self._pg_running:
             self._pg_running = False
             dist.destroy_process_group()
+        for var, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        self._saved_env.clear()
         with _state.lock:
             if _state.current is self:
                 _calls.bind_tables(None)

@@ -1,0 +1,112 @@
+"""Plumbing shared by the example scripts: common arguments, the learning curve, launching.
+
+Not part of the library: the examples import it from their own folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import machinlike
+
+
+def parser(description: str, *, workers: int, budget: float, out: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every training example takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--num-workers", type=int, default=workers,
+                   help=f"worker processes besides the learner/server (default {workers})")
+    p.add_argument("--time-budget", type=float, default=budget,
+                   help=f"stop training after this many seconds (default {budget:g})")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--out", default=out, help=f"learning-curve CSV path; a PNG goes beside it (default {out})")
+    return p
+
+
+class Curve:
+    """A learning curve written to CSV row by row (a crash keeps what was written).
+
+    ``plot()`` draws the PNG beside the CSV when matplotlib is installed (the ``examples``
+    extra); without it, it says so and returns None.
+    """
+
+    def __init__(self, path: str, columns: Sequence[str]) -> None:
+        self.path = path
+        self.columns = list(columns)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", newline="") as stream:
+            csv.writer(stream).writerow(self.columns)
+
+    def add(self, **row: Any) -> None:
+        with open(self.path, "a", newline="") as stream:
+            csv.writer(stream).writerow([row.get(c, "") for c in self.columns])
+
+    def plot(self, x: str, y: Sequence[str], title: str) -> Optional[str]:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed (pip install '.[examples]'): no PNG plot")
+            return None
+        with open(self.path, newline="") as stream:
+            rows = list(csv.DictReader(stream))
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for column in y:
+            points = [(float(r[x]), float(r[column])) for r in rows if r.get(column) not in ("", None)]
+            if points:
+                axis.plot(*zip(*points), label=column)
+        axis.set_xlabel(x)
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend()
+        png = os.path.splitext(self.path)[0] + ".png"
+        figure.tight_layout()
+        figure.savefig(png, dpi=100)
+        plt.close(figure)
+        return png
+
+
+class Progress:
+    """Prints at most every ``every`` seconds (and always when forced)."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every = every
+        self.start = time.monotonic()
+        self._last = -every
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def due(self) -> bool:
+        now = self.elapsed()
+        if now - self._last >= self.every:
+            self._last = now
+            return True
+        return False
+
+
+def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
+        timeout_margin: float = 180.0) -> List[Any]:
+    """Run ``worker(world, args)`` on ``world_size`` ranks: spawned locally, or in place under torchrun.
+
+    Ctrl-C or a crashed rank stops every process: the launcher kills the rest and the
+    error is printed with the failing rank's traceback.
+    """
+    try:
+        return machinlike.launch(worker, world_size, args=(args,), timeout=args.time_budget + timeout_margin)
+    except KeyboardInterrupt:
+        print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def summary(title: str, values: Dict[str, Any]) -> None:
+    width = max(len(k) for k in values)
+    print(f"== {title}")
+    for key, value in values.items():
+        print(f"   {key:<{width}}  {value}")

@@ -1,0 +1,257 @@
+"""The gradient server's accessor: what clients hold (see :mod:`machinlike.server.grad`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+import zlib
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ..distributed import RpcGroup, get_world
+from ..exception import PeerLostError
+from ._common import check_group, check_name, check_timeout
+from ._reducer import SecondaryReducer
+from ._spec import Spec, check_module, mismatch, spec_of
+from .model import get_version, set_version
+from .ordered import OrderedServerBase, OrderedServerSimple
+
+if TYPE_CHECKING:
+    from .grad import PushPullGradServerImpl
+
+__all__ = ["PushPullGradServer", "hosted", "check_members", "rpc_timeout"]
+
+log = logging.getLogger(__name__)
+
+# The servers hosted by this process, so that a client can push to a secondary of its own
+# process without an RPC. Keyed by (group name, server name); weak, so closing is enough.
+hosted: "weakref.WeakValueDictionary[Tuple[str, str], PushPullGradServerImpl]" = weakref.WeakValueDictionary()
+
+
+def rpc_timeout() -> float:
+    world = get_world()
+    return world.rpc_timeout if world is not None else 60.0
+
+
+class PushPullGradServer:
+    """Accessor of a gradient server; picklable, usable from any process of the world.
+
+    Get it with ``group.get_paired(server_name).to_here()`` or
+    :func:`~machinlike.server.grad_server_helper`.
+
+    Args:
+        server_name: Name of the server.
+        group: Its RpcGroup.
+        model_name: Key of the parameters in the ordered server.
+        secondary_reducers: Members hosting secondary reducers; None: every group member.
+        o_server: Accessor of the ordered server the primary publishes to; None: the
+            default one hosted by the primary.
+        timeout: Seconds per RPC; None: the world's ``rpc_timeout``.
+    """
+
+    def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
+                 secondary_reducers: Optional[Sequence[str]] = None, o_server: Optional[OrderedServerBase] = None,
+                 *, timeout: Optional[float] = None) -> None:
+        self.server_name = check_name(server_name, "server_name")
+        self.group = check_group(group)
+        self.model_name = check_name(model_name, "model_name")
+        self.secondary_reducers = check_members(group, secondary_reducers, "secondary_reducers")
+        if o_server is None:
+            o_server = OrderedServerSimple(f"{server_name}/ordered", group, timeout=timeout)
+        elif not isinstance(o_server, OrderedServerBase):
+            raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
+        self.o_server = o_server
+        self.timeout = check_timeout(timeout)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        self._spec: Optional[Spec] = None
+        self._lost: Set[str] = set()
+        self._turn: Optional[int] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ("_spec", "_lost", "_turn"):
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_caches()
+
+    def __repr__(self) -> str:
+        return f"<PushPullGradServer {self.server_name!r} of group {self.group.get_group_name()!r}>"
+
+    # ------------------------------------------------------------------ routing
+    def _local_secondary(self) -> Optional[SecondaryReducer]:
+        impl = hosted.get((self.group.get_group_name(), self.server_name))
+        if impl is None or impl.group is not self.group or impl.secondary is None:
+            return None
+        return impl.secondary if impl.member not in self._lost else None
+
+    def _route(self) -> str:
+        live = [m for m in self.secondary_reducers if m not in self._lost]
+        if not live:
+            raise PeerLostError(sorted(self._lost)[0], f"every secondary reducer of gradient server "
+                                f"{self.server_name!r} is unreachable ({sorted(self._lost)})")
+        if self._turn is None:  # clients start at different secondaries
+            self._turn = zlib.crc32(self.group.get_cur_name().encode())
+        self._turn += 1
+        return live[self._turn % len(live)]
+
+    def _server_spec(self) -> Spec:
+        if self._spec is None:
+            self._spec = self.group.registered_sync(f"{self.server_name}/_spec", timeout=self.timeout)
+        return self._spec
+
+    # ------------------------------------------------------------------ pushing
+    def push(self, model: torch.nn.Module, *, none_as_zero: bool = False) -> bool:
+        """Send the model's gradients to a secondary reducer.
+
+        Returns when the gradients are queued there, not when they are applied (see
+        :meth:`flush`). ``model.pp_version`` (the version the gradients were computed on,
+        set by :meth:`pull`) travels along for the server's staleness statistics.
+
+        Args:
+            model: A model of the managed architecture, after ``backward()``.
+            none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
+                gradient (they are not sent). False: refuse such a push.
+
+        Returns:
+            True if queued; False if the reducer's queue was full and the gradients were
+            dropped (counted as ``rejected`` by the server).
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``, or a gradient is sparse.
+            ValueError: the parameters differ from the managed model's (names, shapes,
+                dtypes: the message lists them), or gradients are None without
+                ``none_as_zero``.
+            ServerStoppedError: the chosen reducer is stopped or failed.
+            PeerLostError: the chosen secondary is unreachable (later pushes avoid it).
+            TimeoutError: it did not answer in time.
+        """
+        check_module(model)
+        params = dict(model.named_parameters())
+        diff = mismatch(self._server_spec(), spec_of(params), f"the model of gradient server {self.server_name!r}",
+                        "this model")
+        if diff is not None:
+            raise ValueError(f"cannot push to gradient server {self.server_name!r}: {diff}")
+        grads, absent = {}, []
+        for name, param in params.items():
+            grad = param.grad
+            if grad is None:
+                absent.append(name)
+            elif grad.layout != torch.strided:
+                raise TypeError(f"parameter {name!r} has a {grad.layout} gradient; only dense gradients can be pushed")
+            else:
+                grads[name] = grad.detach()
+        if absent and not none_as_zero:
+            shown = ", ".join(repr(n) for n in absent[:6]) + (f" and {len(absent) - 6} more" if len(absent) > 6 else "")
+            raise ValueError(f"no gradient (.grad is None) for {shown}: run backward() before push(), or pass "
+                             f"none_as_zero=True to count them as zero")
+        version = get_version(model)
+        version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        local = self._local_secondary()
+        if local is not None:
+            # The client may change its .grad right after we return: hand over copies.
+            return local.accept({k: g.to("cpu", copy=True) for k, g in grads.items()}, version)
+        member = self._route()
+        try:
+            return self.group.registered_sync(f"{self.server_name}/_push/{member}",
+                                              ({k: g.cpu() for k, g in grads.items()}, version), timeout=self.timeout)
+        except PeerLostError:
+            self._lost.add(member)
+            raise
+
+    # ------------------------------------------------------------------ pulling
+    def pull(self, model: torch.nn.Module) -> bool:
+        """Load the newest published parameters into ``model`` unless it has them.
+
+        Only parameters are loaded (in place, so optimizers keep their references);
+        buffers stay the client's. Nothing is transferred when ``model.pp_version`` is the
+        newest version.
+
+        Returns:
+            True if newer parameters were loaded (``model.pp_version`` updated), False if
+            the model already had the newest version.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: the published parameters do not fit ``model`` (nothing is loaded).
+        """
+        check_module(model)
+        got = self.o_server.pull_if_changed(self.model_name, get_version(model))
+        if got is None:
+            return False
+        state, version = got
+        params = dict(model.named_parameters())
+        diff = mismatch(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
+                        "this model")
+        if diff is not None:
+            raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+        set_version(model, version)
+        if self._spec is None:
+            self._spec = spec_of(state)
+        return True
+
+    def flush(self, timeout: Optional[float] = None) -> int:
+        """Apply everything pushed so far, partial batches included, and return the version.
+
+        Every reachable secondary reduces and forwards what it holds, then the primary
+        steps on what it holds (as many steps as its batches need). Unreachable
+        secondaries are skipped (their gradients are lost) and left out afterwards.
+
+        Args:
+            timeout: Seconds for the whole flush; None: the accessor's timeout.
+
+        Returns:
+            The newest published version once everything queued before the call is applied.
+
+        Raises:
+            ServerStoppedError: a reducer is stopped or failed.
+            TimeoutError: not done within ``timeout``.
+        """
+        wait = check_timeout(timeout) or self.timeout or rpc_timeout()
+        deadline = time.monotonic() + wait
+        # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).
+        started = []
+        for member in self.secondary_reducers:
+            if member in self._lost:
+                continue
+            try:
+                started.append((member, self.group.registered_async(f"{self.server_name}/_flush/{member}",
+                                                                    timeout=wait)))
+            except PeerLostError as err:
+                self._skip(member, err)
+        for member, fut in started:
+            try:
+                fut.wait()
+            except PeerLostError as err:
+                self._skip(member, err)
+        left = max(0.001, deadline - time.monotonic())
+        return self.group.registered_sync(f"{self.server_name}/_flush", timeout=left)
+
+    def _skip(self, member: str, err: BaseException) -> None:
+        log.warning("gradient server %r: flush skips unreachable secondary reducer %r: %s",
+                    self.server_name, member, err)
+        self._lost.add(member)
+
+
+def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str) -> List[str]:
+    """``members`` checked against the group (None: every member), as a list."""
+    everyone = group.get_group_members()
+    if members is None:
+        return everyone
+    if isinstance(members, str) or not all(isinstance(m, str) for m in members):
+        raise TypeError(f"{param} must be a list of member names, not {members!r}")
+    members = list(members)
+    strangers = [m for m in members if m not in everyone]
+    if not members or strangers or len(set(members)) != len(members):
+        raise ValueError(f"{param}={members!r} must be distinct members of group {group.get_group_name()!r} "
+                         f"({everyone}); not members: {strangers}")
+    return members

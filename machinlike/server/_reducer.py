@@ -1,0 +1,394 @@
+"""The reducer threads of the gradient server: one state machine, two roles.
+
+    clients ──push──► secondary queue ─(reduce_batch_size dicts)─► partial sum, count ─┐
+      (full queue: refused, counted)      thread "machinlike-grad-<server>-secondary"   │
+                                                                                        ▼
+    published version v+1 ◄── optimizer.step(), lr_scheduler.step() ◄── primary queue ◄┘
+      (ordered server)            thread "machinlike-grad-<server>-primary"
+                                  (full queue: the forward waits, so nothing is lost)
+
+Each reducer owns a queue, a condition and one thread. The thread takes a batch of
+``reduce_batch_size`` items (fewer only when a flush asks for everything queued so far),
+reduces it, hands the result on, and completes the flushes that are satisfied.
+Counters ``enqueued`` (items ever queued) and ``consumed`` (items processed) make a flush
+exact: a flush requested when ``enqueued == n`` completes once ``consumed >= n``.
+
+Both roles reduce by summing: every gradient dict a client pushed adds into the first
+one of the batch (all queued tensors belong to the reducer: received through RPC, or
+cloned by a local client), in the gradient's dtype, float16/bfloat16 in float32. A
+secondary forwards ``(sum, count, versions)``; the primary sums those, and for "mean"
+divides by the total count once. A secondary keeps one forward in flight, so it reduces
+the next batch while the previous one travels.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["ServerStoppedError", "Item", "reduce_items", "wait_future", "SecondaryReducer", "PrimaryReducer"]
+
+log = logging.getLogger(__name__)
+
+Grads = Dict[str, torch.Tensor]
+
+
+class ServerStoppedError(RuntimeError):
+    """A gradient server refused work because it is stopped or its reducer thread failed."""
+
+
+class Item(NamedTuple):
+    """One queued unit: a gradient dict (or partial sum), how many pushes it holds, and
+    the parameter versions those pushes were computed on (-1: unknown)."""
+
+    grads: Grads
+    count: int
+    versions: List[int]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half-precision gradients are summed in float32; every other dtype in itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
+    """Sum the gradient dicts of ``items`` into one (consuming their tensors).
+
+    A name missing from a dict contributes zero (a client pushed ``none_as_zero``).
+    """
+    total: Grads = {}
+    count = 0
+    versions: List[int] = []
+    for item in items:
+        for name, grad in item.grads.items():
+            grad = grad.to(device)
+            held = total.get(name)
+            if held is None:
+                wanted = accumulation_dtype(grad.dtype)
+                total[name] = grad if grad.dtype == wanted else grad.to(wanted)
+            else:
+                held.add_(grad)
+        count += item.count
+        versions.extend(item.versions)
+    return Item(total, count, versions)
+
+
+def wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
+    """``fut.wait()`` bounded by ``timeout`` seconds (torch's own wait has no timeout)."""
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        raise TimeoutError(f"{what} did not complete within {timeout:g} s")
+    return fut.wait()
+
+
+def _completed(value: Any = None, error: Optional[BaseException] = None) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    if error is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(error)
+    return fut
+
+
+class _Reducer:
+    """Queue, thread, flushes and life cycle shared by both roles."""
+
+    role = ""
+
+    def __init__(self, server_name: str, member: str, batch: int, max_queue: int, device: torch.device) -> None:
+        self.server_name = server_name
+        self.member = member
+        self.batch = batch
+        self.max_queue = max_queue
+        self.device = device
+        self._cond = threading.Condition()
+        self._queue: Deque[Item] = deque()
+        self._enqueued = 0
+        self._consumed = 0
+        self._flushes: List[Tuple[int, torch.futures.Future]] = []
+        self._state = "new"  # -> running -> stopped | failed
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+        self.counters: Dict[str, int] = {"batches": 0, "dropped": 0}
+
+    @property
+    def thread_name(self) -> str:
+        return f"machinlike-grad-{self.server_name}-{self.role}"
+
+    # ---------------------------------------------------------------- life cycle
+    def start(self) -> None:
+        with self._cond:
+            if self._state == "running":
+                return
+            if self._state != "new":
+                raise RuntimeError(f"the {self.role} reducer of gradient server {self.server_name!r} was "
+                                   f"stopped; create a new server instead of restarting it")
+            self._state = "running"
+        self._thread = threading.Thread(target=self._main, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            if self._state in ("new", "running"):
+                self._state = "stopped"
+            before = self.counters["dropped"]
+            doomed = self._detach_pending()
+            dropped = self.counters["dropped"] - before
+            self._cond.notify_all()
+        if dropped:
+            log.warning("gradient server %r: the %s reducer on member %r stopped with %d queued gradient "
+                        "pushes not applied (flush() before stop() to apply them)",
+                        self.server_name, self.role, self.member, dropped)
+        self._fail_futures(doomed)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"reducer thread {thread.name!r} did not stop within {timeout:g} s "
+                                   f"(it is finishing a batch; it exits afterwards)")
+
+    def watch(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def refusal(self) -> Optional[ServerStoppedError]:
+        """Why new work is refused now (call with the condition held), or None."""
+        if self._state == "stopped":
+            return ServerStoppedError(f"gradient server {self.server_name!r}: the {self.role} reducer on member "
+                                      f"{self.member!r} is stopped")
+        if self._state == "failed":
+            return ServerStoppedError(f"gradient server {self.server_name!r}: the {self.role} reducer on member "
+                                      f"{self.member!r} failed with {self.error!r}; watch() on that member "
+                                      f"re-raises it with its traceback")
+        return None
+
+    def _detach_pending(self) -> List[torch.futures.Future]:
+        # With the condition held: what is queued is dropped, what waits is failed.
+        self.counters["dropped"] += sum(item.count for item in self._queue)
+        self._queue.clear()
+        doomed = [fut for _, fut in self._flushes]
+        self._flushes = []
+        return doomed
+
+    def _fail_futures(self, futures: List[torch.futures.Future]) -> None:
+        with self._cond:
+            error = self.refusal() or ServerStoppedError(
+                f"gradient server {self.server_name!r}: the {self.role} reducer on member {self.member!r} "
+                f"is shutting down")
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(error)
+
+    # ------------------------------------------------------------------- flushes
+    def flush(self) -> torch.futures.Future:
+        """A future completed once everything queued before this call is processed."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._cond:
+            error = self.refusal()
+            if error is None:
+                self._flushes.append((self._enqueued, fut))
+                self._cond.notify_all()
+        if error is not None:
+            fut.set_exception(error)
+        return fut
+
+    def _settle_flushes(self) -> None:
+        with self._cond:
+            if not any(target <= self._consumed for target, _ in self._flushes):
+                return
+        # May raise; the flushes are still listed then, and fail with the thread.
+        self._before_settle()
+        result = self._flush_result()
+        with self._cond:
+            ready = [fut for target, fut in self._flushes if target <= self._consumed]
+            self._flushes = [(t, f) for t, f in self._flushes if t > self._consumed]
+        for fut in ready:
+            fut.set_result(result)
+
+    def _before_settle(self) -> None:
+        """Hook: make what was processed visible before flushes complete."""
+
+    # --------------------------------------------------------------------- thread
+    def _take(self) -> Optional[List[Item]]:
+        """The next batch; [] when only flushes need settling; None when stopping."""
+        with self._cond:
+            while True:
+                if self._state != "running":
+                    return None
+                if len(self._queue) >= self.batch:
+                    return [self._queue.popleft() for _ in range(self.batch)]
+                if self._flushes:
+                    if max(t for t, _ in self._flushes) > self._consumed:
+                        return [self._queue.popleft() for _ in range(len(self._queue))]
+                    return []
+                self._cond.wait()
+
+    def _main(self) -> None:
+        try:
+            while True:
+                items = self._take()
+                if items is None:
+                    return
+                self._release(self._after_take())
+                if items:
+                    self._process(items)
+                    with self._cond:
+                        self._consumed += len(items)
+                        self.counters["batches"] += 1
+                self._settle_flushes()
+        except BaseException as exc:  # the thread's last act: record it for watch() and callers
+            with self._cond:
+                stopping = self._state == "stopped"
+                if not stopping:
+                    self._state = "failed"
+                self.error = exc
+                doomed = self._detach_pending()
+            if stopping:
+                log.info("gradient server %r: %s reducer on member %r ended during stop: %r",
+                         self.server_name, self.role, self.member, exc)
+            else:
+                log.error("gradient server %r: the %s reducer thread on member %r failed; the server refuses "
+                          "new work", self.server_name, self.role, self.member, exc_info=exc)
+            self._fail_futures(doomed)
+
+    def _after_take(self) -> List[torch.futures.Future]:
+        return []
+
+    def _release(self, futures: List[torch.futures.Future]) -> None:
+        for fut in futures:
+            fut.set_result(True)
+
+    def _process(self, items: List[Item]) -> None:
+        raise NotImplementedError
+
+    def _flush_result(self) -> Any:
+        return None
+
+    # ---------------------------------------------------------------- statistics
+    def stats(self) -> Dict[str, Any]:
+        with self._cond:
+            return dict(self.counters, queued=len(self._queue), state=self._state)
+
+
+class SecondaryReducer(_Reducer):
+    """Queues client pushes, reduces batches and forwards partial sums to the primary.
+
+    Args:
+        forward: ``forward(item) -> future`` sends a partial sum to the primary; the
+            future completes once the primary queued it.
+    """
+
+    role = "secondary"
+
+    def __init__(self, *args: Any, forward: Callable[[Item], Any]) -> None:
+        super().__init__(*args)
+        self._forward = forward
+        self._in_flight: Any = None
+        self.counters.update(accepted=0, rejected=0, forwarded=0)
+
+    def accept(self, grads: Grads, version: int) -> bool:
+        """Queue one client push; False (counted as ``rejected``) when the queue is full.
+
+        Raises:
+            ServerStoppedError: the reducer is stopped or failed.
+        """
+        with self._cond:
+            error = self.refusal()
+            if error is not None:
+                raise error
+            if len(self._queue) >= self.max_queue:
+                self.counters["rejected"] += 1
+                return False
+            self._queue.append(Item(grads, 1, [version]))
+            self._enqueued += 1
+            self.counters["accepted"] += 1
+            if len(self._queue) >= self.batch:
+                self._cond.notify()
+            return True
+
+    def _process(self, items: List[Item]) -> None:
+        reduced = reduce_items(items, self.device)
+        if self.device.type != "cpu":  # RPC carries CPU tensors
+            reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions)
+        self._drain()
+        self._in_flight = self._forward(reduced)
+        self.counters["forwarded"] += reduced.count
+
+    def _drain(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.wait()
+
+    def _before_settle(self) -> None:
+        self._drain()  # a flush of a secondary completes when the primary holds its sums
+
+
+class PrimaryReducer(_Reducer):
+    """Reduces partial sums from the secondaries and applies them to the managed model.
+
+    Args:
+        apply: ``apply(item) -> version``: sets ``.grad``, steps, publishes; returns the
+            new version.
+        version: The version published before the first step.
+    """
+
+    role = "primary"
+
+    def __init__(self, *args: Any, apply: Callable[[Item], int], version: Callable[[], int]) -> None:
+        super().__init__(*args)
+        self._apply = apply
+        self._version = version
+        # Forwards that found the queue full; each secondary has at most one in flight,
+        # so this stays as short as the number of secondaries.
+        self._parked: Deque[Tuple[Item, torch.futures.Future]] = deque()
+        self.counters.update(received=0, parked=0, steps=0, applied=0)
+
+    def accept(self, item: Item) -> torch.futures.Future:
+        """Queue a partial sum; the future completes when it is queued (not yet applied)."""
+        with self._cond:
+            error = self.refusal()
+            if error is None:
+                self.counters["received"] += item.count
+                if len(self._queue) < self.max_queue:
+                    self._queue.append(item)
+                    self._enqueued += 1
+                    self._cond.notify()
+                else:
+                    self.counters["parked"] += 1
+                    fut: torch.futures.Future = torch.futures.Future()
+                    self._parked.append((item, fut))
+                    return fut
+        return _completed(True, error)
+
+    def _after_take(self) -> List[torch.futures.Future]:
+        with self._cond:
+            admitted = []
+            while self._parked and len(self._queue) < self.max_queue:
+                item, fut = self._parked.popleft()
+                self._queue.append(item)
+                self._enqueued += 1
+                admitted.append(fut)
+            return admitted
+
+    def _detach_pending(self) -> List[torch.futures.Future]:
+        doomed = super()._detach_pending() + [fut for _, fut in self._parked]
+        self.counters["dropped"] += sum(item.count for item, _ in self._parked)
+        self._parked.clear()
+        return doomed
+
+    def _process(self, items: List[Item]) -> None:
+        reduced = reduce_items(items, self.device)
+        self._apply(reduced)
+        self.counters["steps"] += 1
+        self.counters["applied"] += reduced.count
+
+    def _flush_result(self) -> int:
+        return self._version()

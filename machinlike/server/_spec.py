@@ -1,0 +1,66 @@
+"""What a model's tensors look like (names, shapes, dtypes), and how two such lists differ.
+
+The servers compare these *specs* at the client, before anything is sent or loaded, so a
+gradient dict or state dict of another architecture is refused with a message that names
+the offending entries instead of crashing a server thread or half-loading a model.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+__all__ = ["Spec", "spec_of", "mismatch", "check_module"]
+
+# name -> (shape, dtype)
+Spec = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+
+_SHOWN = 6  # entries listed per kind of difference before "and N more"
+
+
+def spec_of(tensors: Mapping[str, object]) -> Spec:
+    """The spec of a name -> tensor mapping (a state dict, named parameters).
+
+    Entries that are not tensors (a module's extra state) are left out.
+    """
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+def _listed(names: List[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def mismatch(expected: Spec, got: Spec, expected_is: str, got_is: str) -> Optional[str]:
+    """Describe how ``got`` differs from ``expected``; None when they agree.
+
+    Args:
+        expected, got: The two specs.
+        expected_is, got_is: What each one is, for the message (e.g. ``"the server's model"``).
+    """
+    problems = []
+    missing = [n for n in expected if n not in got]
+    extra = [n for n in got if n not in expected]
+    if missing:
+        problems.append(f"{got_is} lacks {_listed(missing)}")
+    if extra:
+        problems.append(f"{got_is} has {_listed(extra)} that {expected_is} does not have")
+    shapes = [f"{n!r}: {list(got[n][0])} instead of {list(s)}" for n, (s, _) in expected.items()
+              if n in got and got[n][0] != s]
+    dtypes = [f"{n!r}: {got[n][1]} instead of {d}" for n, (_, d) in expected.items()
+              if n in got and got[n][1] != d]
+    if shapes:
+        problems.append("shapes differ (" + "; ".join(shapes[:_SHOWN])
+                        + (f"; and {len(shapes) - _SHOWN} more" if len(shapes) > _SHOWN else "") + ")")
+    if dtypes:
+        problems.append("dtypes differ (" + "; ".join(dtypes[:_SHOWN])
+                        + (f"; and {len(dtypes) - _SHOWN} more" if len(dtypes) > _SHOWN else "") + ")")
+    return "; ".join(problems) if problems else None
+
+
+def check_module(model: object, param: str = "model") -> torch.nn.Module:
+    """Refuse anything but an ``nn.Module`` with a TypeError naming the parameter."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{param} must be a torch.nn.Module, not {type(model).__name__}")
+    return model

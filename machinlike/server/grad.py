@@ -1,0 +1,376 @@
+"""PushPullGradServer: clients push gradients, reducers sum them in a tree, the primary
+steps the optimizer and publishes parameters that clients pull.
+
+    client push(model) ── validated, one RPC (or a local call) ──► secondary reducer
+         ▲                  True: queued; False: its queue was full     │ reduce_batch_size
+         │                                                              ▼ pushes summed
+    pull(model) ◄── ordered server ◄── publish ◄── primary reducer ◄── partial sums
+      (nothing is sent when the     version v+1    sets .grad, optimizer.step(),
+       model already has the newest)               lr_scheduler.step()
+
+Maths. A secondary sums ``reduce_batch_size`` pushed gradient dicts; the primary sums
+``reduce_batch_size`` of those partial sums, so one optimizer step normally combines
+``reduce_batch_size ** 2`` pushes (fewer after a :meth:`PushPullGradServer.flush`). With
+``reduce_method="sum"`` the gradient set on each parameter is the sum of the pushed
+gradients; with ``"mean"`` it is that sum divided, once, by the number of pushes in the
+step. Sums are accumulated in the gradient's dtype (float16/bfloat16 in float32) and cast
+to the parameter's dtype at the end, so integer-valued gradients (below 2**24 in float32)
+are summed exactly and, with ``SGD(lr=1)``, the weights are predictable to the last bit.
+A parameter with no gradient in any push of a step gets a zero gradient.
+
+Routing. A client whose process hosts a secondary reducer of the server pushes to it
+directly (no RPC, one copy of the gradients); other clients go round-robin over the
+secondaries. A secondary that cannot be reached fails that push with
+:class:`~machinlike.exception.PeerLostError` naming it (within the call's timeout); the
+accessor then leaves it out, so later pushes are rerouted to the remaining secondaries.
+Gradients queued on a secondary that died are lost with it.
+
+Back-pressure. A secondary holds at most ``max_queue_size`` pushes; a push that finds the
+queue full is refused (``push`` returns False, nothing of it is applied) and counted as
+``rejected`` in :meth:`PushPullGradServerImpl.stats`. The primary never drops: a partial
+sum that finds its queue full waits (the forwarding secondary pauses, its queue fills,
+clients get False). ``stop()`` drops what is still queued and counts it as ``dropped``;
+call ``flush()`` first to apply everything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch.distributed import rpc
+
+from ..distributed import RpcGroup
+from ._common import check_count, check_group, check_name, check_timeout
+from ._grad_accessor import PushPullGradServer, check_members, hosted, rpc_timeout
+from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
+from ._spec import Spec, check_module, spec_of
+from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
+
+__all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"]
+
+
+class _LocalForward:
+    """A forward to the primary of the same process, waited on with a timeout."""
+
+    def __init__(self, fut: torch.futures.Future, what: str) -> None:
+        self._fut = fut
+        self._what = what
+
+    def wait(self) -> Any:
+        return wait_future(self._fut, rpc_timeout(), self._what)
+
+
+class PushPullGradServerImpl:
+    """One member's part of a gradient server: primary reducer, secondary reducer, or both.
+
+    Construct it on the primary and on every secondary (all with the same arguments);
+    call :meth:`manage_model` on the primary, then :meth:`start` everywhere. The primary
+    hosts the default ordered server and pairs the :class:`PushPullGradServer` accessor
+    under ``server_name``.
+
+    Args:
+        server_name: Name of the server, unique in ``group``.
+        group: The RpcGroup of reducers and clients.
+        model_name: Key of the published parameters in the ordered server.
+        primary_reducer: Member that steps the optimizer; None: the first group member.
+        secondary_reducers: Members that take client pushes; None: every group member.
+        o_server: Ordered server to publish to; None: one hosted by the primary
+            (``"<server_name>/ordered"``, version_depth 1).
+        reduce_method: ``"sum"`` or ``"mean"`` (see the module documentation).
+        reduce_device: Device the reductions run on.
+        reduce_batch_size: Items each reducer combines per batch (>= 1).
+        max_queue_size: Pushes a secondary (or partial sums the primary) may hold
+            (>= reduce_batch_size).
+
+    Raises:
+        ValueError, TypeError: invalid arguments, or this member is no reducer.
+        KeyError: the server's names are already used in ``group``.
+    """
+
+    def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
+                 primary_reducer: Optional[str] = None, secondary_reducers: Optional[Sequence[str]] = None,
+                 o_server: Optional[OrderedServerBase] = None, reduce_method: str = "sum",
+                 reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64) -> None:
+        self.server_name = check_name(server_name, "server_name")
+        self.group = check_group(group)
+        self.model_name = check_name(model_name, "model_name")
+        members = group.get_group_members()
+        self.primary_reducer = members[0] if primary_reducer is None else primary_reducer
+        if self.primary_reducer not in members:
+            raise ValueError(f"primary_reducer={primary_reducer!r} is not a member of group "
+                             f"{group.get_group_name()!r} ({members})")
+        self.secondary_reducers = check_members(group, secondary_reducers, "secondary_reducers")
+        if reduce_method not in ("sum", "mean"):
+            raise ValueError(f"reduce_method={reduce_method!r} must be 'sum' or 'mean'")
+        self.reduce_method = reduce_method
+        try:
+            self.reduce_device = torch.device(reduce_device)
+        except (TypeError, RuntimeError) as err:
+            raise ValueError(f"reduce_device={reduce_device!r} is not a torch device: {err}") from None
+        if self.reduce_device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"reduce_device={reduce_device!r} but CUDA is not available here; use 'cpu'")
+        batch = check_count(reduce_batch_size, "reduce_batch_size", 1)
+        limit = check_count(max_queue_size, "max_queue_size", 1)
+        if limit < batch:
+            raise ValueError(f"max_queue_size={limit} must be at least reduce_batch_size={batch}, or no batch "
+                             f"could ever fill")
+        if o_server is not None and not isinstance(o_server, OrderedServerBase):
+            raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
+        self.member = group.get_cur_name()
+        if self.member != self.primary_reducer and self.member not in self.secondary_reducers:
+            raise ValueError(f"member {self.member!r} is neither the primary reducer ({self.primary_reducer!r}) nor "
+                             f"a secondary one ({self.secondary_reducers}): construct PushPullGradServerImpl only "
+                             f"on reducers; clients use the PushPullGradServer accessor")
+        if (group.get_group_name(), server_name) in hosted:
+            raise ValueError(f"this process already hosts gradient server {server_name!r} of group "
+                             f"{group.get_group_name()!r}; close() it first")
+
+        self._model: Optional[torch.nn.Module] = None
+        self._params: Dict[str, torch.nn.Parameter] = {}
+        self._spec: Optional[Spec] = None
+        self._optimizer: Any = None
+        self._lr_scheduler: Any = None
+        self._version = -1  # nothing published yet
+        self._lag = {"sum": 0, "count": 0, "max": 0}
+        self._keys: List[str] = []
+        self._paired = False
+        self._closed = False
+        self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
+        args = (server_name, self.member, batch, limit, self.reduce_device)
+        self.secondary: Optional[SecondaryReducer] = None
+        self.primary: Optional[PrimaryReducer] = None
+        if self.member in self.secondary_reducers:
+            self.secondary = SecondaryReducer(*args, forward=self._forward)
+        if self.member == self.primary_reducer:
+            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version)
+        try:
+            if self.secondary is not None:
+                self._register(f"{server_name}/_push/{self.member}", self.secondary.accept)
+                self._register(f"{server_name}/_flush/{self.member}", self._flush_secondary_service)
+            if self.primary is not None:
+                self._register(f"{server_name}/_reduce", self._reduce_service)
+                self._register(f"{server_name}/_flush", self._flush_primary_service)
+                self._register(f"{server_name}/_spec", self._spec_service)
+                if o_server is None:
+                    self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, version_depth=1)
+                    o_server = OrderedServerSimple(f"{server_name}/ordered", group)
+                group.pair(server_name, PushPullGradServer(server_name, group, model_name,
+                                                           self.secondary_reducers, o_server))
+                self._paired = True
+        except BaseException:
+            self._withdraw()
+            raise
+        self.o_server = o_server
+        hosted[(group.get_group_name(), server_name)] = self
+
+    def __repr__(self) -> str:
+        roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]
+        return f"<PushPullGradServerImpl {self.server_name!r} on {self.member!r} ({'+'.join(roles)})>"
+
+    def _register(self, key: str, service: Any) -> None:
+        self.group.register(key, service)
+        self._keys.append(key)
+
+    def _withdraw(self) -> None:
+        for key in self._keys:
+            self.group.deregister(key)
+        self._keys = []
+        if self._paired:
+            self.group.unpair(self.server_name)
+            self._paired = False
+        if self.o_server_impl is not None:
+            self.o_server_impl.close()
+
+    # ------------------------------------------------------------ the primary
+    def manage_model(self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """Hand the primary the model it optimises; publishes its parameters as version 0.
+
+        The model stays on its device (gradients are moved to it). Do not use it
+        elsewhere once :meth:`start` ran: the primary's thread steps it.
+
+        Args:
+            model: The managed model.
+            optimizer: Anything with ``step()`` over the model's parameters.
+            lr_scheduler: Anything with ``step()``, stepped after every optimizer step.
+
+        Raises:
+            RuntimeError: this member is not the primary reducer, or a model is managed already.
+            TypeError: bad arguments.
+        """
+        if self.primary is None:
+            raise RuntimeError(f"manage_model() must be called on the primary reducer {self.primary_reducer!r}, "
+                               f"not on member {self.member!r}")
+        if self._model is not None:
+            raise RuntimeError(f"gradient server {self.server_name!r} already manages a model")
+        check_module(model)
+        if not callable(getattr(optimizer, "step", None)):
+            raise TypeError(f"optimizer must have a step() method, not {type(optimizer).__name__}")
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler must have a step() method or be None, not {type(lr_scheduler).__name__}")
+        params = dict(model.named_parameters())
+        if not params:
+            raise ValueError("the managed model has no parameters")
+        self._model, self._params, self._spec = model, params, spec_of(params)
+        self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
+        self._publish_first()
+
+    def _snapshot(self) -> Dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
+
+    def _publish_first(self) -> None:
+        snapshot = self._snapshot()
+        if self.o_server_impl is not None:
+            stored = self.o_server_impl.store(self.model_name, snapshot, 0, None)
+        else:
+            stored = self.o_server.push(self.model_name, snapshot, 0, None)
+        if stored:
+            self._version = 0
+            return
+        # A custom ordered server that already holds a chain under this key: continue it.
+        got = self.o_server.pull(self.model_name)
+        if got is None or not isinstance(got[1], int):
+            raise RuntimeError(f"the ordered server refused version 0 of {self.model_name!r} and holds no "
+                               f"integer version to continue from")
+        self._version = got[1]
+        self._publish(self._version + 1)
+
+    def _publish(self, version: int) -> None:
+        snapshot = self._snapshot()
+        if self.o_server_impl is not None:
+            stored = self.o_server_impl.store(self.model_name, snapshot, version, self._version)
+        else:
+            stored = self.o_server.push(self.model_name, snapshot, version, self._version)
+        if not stored:
+            raise RuntimeError(f"the ordered server refused version {version} of {self.model_name!r}: something "
+                               f"else pushes to that key")
+        self._version = version
+
+    def _apply(self, item: Item) -> None:
+        # Runs on the primary's thread only.
+        with torch.no_grad():
+            for name, param in self._params.items():
+                grad = item.grads.get(name)
+                if grad is None:
+                    param.grad = torch.zeros_like(param)
+                    continue
+                if self.reduce_method == "mean":
+                    grad.div_(item.count)  # the sum belongs to us: divide it in place, once
+                param.grad = grad.to(device=param.device, dtype=param.dtype)
+        self._optimizer.step()
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.step()
+        for version in item.versions:
+            if version >= 0:
+                lag = self._version - version
+                self._lag["sum"] += lag
+                self._lag["count"] += 1
+                self._lag["max"] = max(self._lag["max"], lag)
+        self._publish(self._version + 1)
+
+    # ------------------------------------------------------------ services
+    def _forward(self, item: Item) -> Any:
+        if self.primary is not None:  # primary and secondary share this process
+            return _LocalForward(self.primary.accept(item), f"forward to the primary of {self.server_name!r}")
+        return self.group.registered_async(f"{self.server_name}/_reduce", (item.grads, item.count, item.versions))
+
+    @rpc.functions.async_execution
+    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int]) -> torch.futures.Future:
+        return self.primary.accept(Item(grads, count, versions))
+
+    @rpc.functions.async_execution
+    def _flush_secondary_service(self) -> torch.futures.Future:
+        return self.secondary.flush()
+
+    @rpc.functions.async_execution
+    def _flush_primary_service(self) -> torch.futures.Future:
+        return self.primary.flush()
+
+    def _spec_service(self) -> Spec:
+        if self._spec is None:
+            raise RuntimeError(f"gradient server {self.server_name!r} has no model yet: call manage_model() on "
+                               f"the primary reducer {self.primary_reducer!r}")
+        return self._spec
+
+    # ------------------------------------------------------------ life cycle
+    def _reducers(self) -> List[Any]:
+        # Secondaries first: stopping them before the primary lets a forward in flight
+        # land instead of failing against a stopped primary.
+        return [r for r in (self.secondary, self.primary) if r is not None]
+
+    def start(self) -> None:
+        """Start this member's reducer threads (named ``machinlike-grad-<server>-<role>``).
+
+        Raises:
+            RuntimeError: on the primary before :meth:`manage_model`; after :meth:`stop`.
+        """
+        if self._closed:
+            raise RuntimeError(f"gradient server {self.server_name!r} is closed")
+        if self.primary is not None and self._model is None:
+            raise RuntimeError("call manage_model(model, optimizer) on the primary reducer before start()")
+        for reducer in self._reducers():
+            reducer.start()
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop this member's reducers; what they still hold is dropped (counted, logged).
+
+        Later pushes and flushes reaching this member raise :class:`ServerStoppedError`.
+        Safe to call twice.
+
+        Args:
+            timeout: Seconds to wait for the threads to end; None: the world's rpc_timeout.
+
+        Raises:
+            TimeoutError: a thread was still finishing a batch when the time ran out.
+        """
+        self._stop_roles(("secondary", "primary"), timeout)
+
+    def _stop_roles(self, roles: Sequence[str], timeout: Optional[float]) -> None:
+        wait = check_timeout(timeout) or rpc_timeout()
+        deadline = time.monotonic() + wait
+        for reducer in self._reducers():
+            if reducer.role in roles:
+                reducer.stop(max(0.001, deadline - time.monotonic()))
+
+    def watch(self) -> None:
+        """Re-raise the exception that ended a reducer thread of this member, if any."""
+        for reducer in self._reducers():
+            reducer.watch()
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop, then withdraw the services, the accessor and the hosted ordered server."""
+        if self._closed:
+            return
+        self.stop(timeout)
+        self._closed = True
+        self._withdraw()
+        hosted.pop((self.group.get_group_name(), self.server_name), None)
+
+    def threads(self) -> List[str]:
+        """Names of this member's live reducer threads."""
+        return [r.thread_name for r in self._reducers() if r.is_alive()]
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters of this member's reducers.
+
+        ``secondary``: ``accepted``, ``rejected`` (queue full), ``forwarded``, ``batches``,
+        ``dropped`` (at stop), ``queued``, ``state``. ``primary``: ``received``, ``parked``
+        (forwards that waited for room), ``steps``, ``applied`` (pushes in those steps),
+        ``batches``, ``dropped``, ``queued``, ``state``, ``version``, ``lag_mean`` and
+        ``lag_max`` (versions published between the one a gradient was computed on and
+        the step applying it), ``ordered`` (the hosted ordered server's counters).
+        """
+        out: Dict[str, Any] = {}
+        if self.secondary is not None:
+            out["secondary"] = self.secondary.stats()
+        if self.primary is not None:
+            primary = self.primary.stats()
+            primary["version"] = self._version
+            lag = self._lag
+            primary["lag_mean"] = lag["sum"] / lag["count"] if lag["count"] else 0.0
+            primary["lag_max"] = lag["max"]
+            if self.o_server_impl is not None:
+                primary["ordered"] = self.o_server_impl.stats()
+            out["primary"] = primary
+        return out

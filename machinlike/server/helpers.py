@@ -1,0 +1,225 @@
+"""One-call set-up of model and gradient servers, entered by every member of the group.
+
+    servers = grad_server_helper([lambda: MLP()], optimizer=torch.optim.SGD, learning_rate=0.1)
+    (server,) = servers                  # machin style: a tuple of accessors
+    ... server.push(model); server.pull(model) ...
+    servers.close()                      # every member: stop reducers, withdraw, leave
+
+Unlike machin's helper, every member's secondary reducer is started (not only the
+primary's), the lr scheduler is stepped, and the managed model stays where its creator
+put it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..distributed import RpcGroup, get_world
+from ._common import check_count, check_group, check_timeout
+from .grad import PushPullGradServerImpl
+from .model import PushPullModelServerImpl
+
+__all__ = ["ServerHandles", "grad_server_helper", "model_server_helper"]
+
+
+class ServerHandles(tuple):
+    """The accessors a helper returns (a tuple, as in machin), plus this member's share.
+
+    Attributes:
+        group: The RpcGroup the servers live in.
+        impls: The server implementations hosted by this member (possibly none).
+    """
+
+    group: RpcGroup
+    impls: Tuple[Any, ...]
+
+    def __new__(cls, accessors: Sequence[Any], group: RpcGroup, impls: Sequence[Any],
+                owns_group: bool) -> "ServerHandles":
+        self = super().__new__(cls, accessors)
+        self.group = group
+        self.impls = tuple(impls)
+        self._owns_group = owns_group
+        self._closed = False
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("ServerHandles belong to their process; send the accessors (tuple(handles)) instead")
+
+    def watch(self) -> None:
+        """Re-raise the error of a failed reducer thread of this member, if any."""
+        for impl in self.impls:
+            if hasattr(impl, "watch"):
+                impl.watch()
+
+    def stats(self) -> List[Dict[str, Any]]:
+        """``stats()`` of each gradient server hosted here (empty dicts for model servers)."""
+        return [impl.stats() if hasattr(impl, "stats") else {} for impl in self.impls]
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stop this member's servers, wait for every member, withdraw them, leave the group.
+
+        Every member must call it (it contains group barriers): all secondary reducers
+        stop, then all primaries, then the services are withdrawn. The group is destroyed
+        when the helper created it. Safe to call twice.
+
+        Raises:
+            TimeoutError: a member did not arrive within ``timeout`` seconds.
+        """
+        if self._closed:
+            return
+        wait = check_timeout(timeout) or get_world().dist_timeout
+        deadline = time.monotonic() + wait
+
+        def left() -> float:
+            return max(0.001, deadline - time.monotonic())
+
+        # Every secondary stops before any primary, so no forward in flight meets a
+        # stopped primary; and nobody withdraws a service another member may still call.
+        for roles in (("secondary",), ("primary",)):
+            for impl in self.impls:
+                if isinstance(impl, PushPullGradServerImpl):
+                    impl._stop_roles(roles, left())
+            self.group.barrier(timeout=left())
+        self._closed = True
+        for impl in self.impls:
+            impl.close()
+        if self._owns_group:
+            self.group.destroy()
+
+
+def _resolve_group(group: Optional[RpcGroup], members: Union[str, Sequence[str]], name: str,
+                   timeout: Optional[float]) -> Tuple[RpcGroup, bool]:
+    if group is not None:
+        return check_group(group), False
+    world = get_world()
+    if world is None:
+        raise RuntimeError("no World in this process: create one first (or use machinlike.launch)")
+    if isinstance(members, str):
+        if members != "all":
+            raise ValueError(f"members={members!r} must be 'all' or a list of member names")
+        members = world.get_members()
+    return world.create_rpc_group(name, list(members), timeout=timeout), True
+
+
+def _per_model(value: Any, count: int, param: str, default: Callable[[], Any], single: Tuple[type, ...]) -> List[Any]:
+    """One value per model: None -> defaults; a ``single`` value -> repeated; a list -> checked."""
+    if value is None:
+        return [default() for _ in range(count)]
+    if single and isinstance(value, single) and not isinstance(value, bool):
+        return [value] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{param} has {len(value)} entries; give one per model creator ({count})")
+        return list(value)
+    raise TypeError(f"{param} must be a list with one entry per model creator, not {type(value).__name__}")
+
+
+def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
+                        members: Union[str, Sequence[str]] = "all", *, server_name: str = "model_server",
+                        timeout: Optional[float] = None) -> ServerHandles:
+    """Create ``model_num`` model servers hosted by the group's first member.
+
+    Every member calls it and gets the accessors; servers are named
+    ``"<server_name>_<i>"`` (machin: ``model_server_0``, ...).
+
+    Args:
+        model_num: Number of servers (one per model).
+        group: Group to host them in; None: create one named ``server_name`` from ``members``.
+        members: ``"all"`` (every world member) or member names; used when ``group`` is None.
+        server_name: Prefix of the servers' names (and the created group's name).
+        timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
+
+    Returns:
+        :class:`ServerHandles`: a tuple of :class:`PushPullModelServer` accessors.
+    """
+    check_count(model_num, "model_num", 1)
+    timeout = check_timeout(timeout)
+    group, owned = _resolve_group(group, members, server_name, timeout)
+    host = group.get_group_members()[0]
+    names = [f"{server_name}_{i}" for i in range(model_num)]
+    impls = [PushPullModelServerImpl(n, group) for n in names] if group.get_cur_name() == host else []
+    group.barrier(timeout=timeout)
+    accessors = [group.get_paired(n).to_here() for n in names]
+    return ServerHandles(accessors, group, impls, owned)
+
+
+def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], group: Optional[RpcGroup] = None,
+                       members: Union[str, Sequence[str]] = "all", optimizer: Any = torch.optim.Adam,
+                       learning_rate: Union[float, Sequence[float]] = 1e-3,
+                       optimizer_kwargs: Optional[Sequence[Dict[str, Any]]] = None, lr_scheduler: Any = None,
+                       lr_scheduler_args: Optional[Sequence[Tuple]] = None,
+                       lr_scheduler_kwargs: Optional[Sequence[Dict[str, Any]]] = None, *,
+                       server_name: str = "grad_server", primary_reducer: Optional[str] = None,
+                       secondary_reducers: Optional[Sequence[str]] = None, reduce_method: str = "sum",
+                       reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64,
+                       timeout: Optional[float] = None) -> ServerHandles:
+    """Create and start one gradient server per model creator; every member calls it.
+
+    Only the primary reducer calls the creators, building the managed models (clients
+    build their own); it creates ``optimizer(model.parameters(), lr=learning_rate,
+    **optimizer_kwargs)`` and, if given, ``lr_scheduler(optimizer, *args, **kwargs)``.
+    Every reducer member constructs and starts its share. Servers are named
+    ``"<server_name>_<i>"``.
+
+    Args:
+        model_creators: One zero-argument callable per model.
+        group: Group to use; None: create one named ``server_name`` from ``members``.
+        members: ``"all"`` or member names; used when ``group`` is None.
+        optimizer: Optimizer class.
+        learning_rate: One for all models, or one per model.
+        optimizer_kwargs: Extra optimizer arguments: one dict for all, or one per model.
+        lr_scheduler: Scheduler class; None: no scheduler.
+        lr_scheduler_args: Its extra positional arguments: a list with one tuple per model.
+        lr_scheduler_kwargs: Its extra keyword arguments: one dict for all, or one per model.
+        primary_reducer: None: the group's first member.
+        secondary_reducers: None: every group member (each pushes to its own reducer).
+        reduce_method, reduce_device, reduce_batch_size, max_queue_size: See
+            :class:`PushPullGradServerImpl`.
+        timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
+
+    Returns:
+        :class:`ServerHandles`: a tuple of :class:`PushPullGradServer` accessors, which
+        also stops and closes this member's reducers (``close()``).
+
+    Raises:
+        ValueError, TypeError: invalid arguments (e.g. per-model lists of the wrong length).
+    """
+    if isinstance(model_creators, (str, bytes)) or not isinstance(model_creators, (list, tuple)) \
+            or not model_creators or not all(callable(c) for c in model_creators):
+        raise TypeError("model_creators must be a non-empty list of callables that build a model each")
+    count = len(model_creators)
+    rates = _per_model(learning_rate, count, "learning_rate", lambda: 1e-3, (int, float))
+    opt_kwargs = _per_model(optimizer_kwargs, count, "optimizer_kwargs", dict, (dict,))
+    # A tuple would be ambiguous (arguments, or one entry per model): only lists here.
+    sched_args = _per_model(lr_scheduler_args, count, "lr_scheduler_args", tuple, ())
+    sched_kwargs = _per_model(lr_scheduler_kwargs, count, "lr_scheduler_kwargs", dict, (dict,))
+    timeout = check_timeout(timeout)
+    group, owned = _resolve_group(group, members, server_name, timeout)
+    names = [f"{server_name}_{i}" for i in range(count)]
+    primary = group.get_group_members()[0] if primary_reducer is None else primary_reducer
+    secondaries = group.get_group_members() if secondary_reducers is None else list(secondary_reducers)
+    me = group.get_cur_name()
+    impls: List[PushPullGradServerImpl] = []
+    try:
+        if me == primary or me in secondaries:
+            for i, name in enumerate(names):
+                impl = PushPullGradServerImpl(name, group, primary_reducer=primary, secondary_reducers=secondaries,
+                                              reduce_method=reduce_method, reduce_device=reduce_device,
+                                              reduce_batch_size=reduce_batch_size, max_queue_size=max_queue_size)
+                impls.append(impl)
+                if me == primary:
+                    model = model_creators[i]()
+                    opt = optimizer(model.parameters(), lr=rates[i], **opt_kwargs[i])
+                    sched = None if lr_scheduler is None else lr_scheduler(opt, *sched_args[i], **sched_kwargs[i])
+                    impl.manage_model(model, opt, sched)
+                impl.start()
+        group.barrier(timeout=timeout)
+        accessors = [group.get_paired(n).to_here() for n in names]
+    except BaseException:
+        for impl in impls:
+            impl.close()
+        raise
+    return ServerHandles(accessors, group, impls, owned)

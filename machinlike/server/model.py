@@ -1,0 +1,199 @@
+"""PushPullModelServer: whole models synchronised on a strictly ordered version chain.
+
+    client                                             ordered server (a host process)
+    ------                                             -------------------------------
+    push(model): state dict as version v+1   ───────►  accepted iff the newest is v
+                 on top of model.pp_version = v        (exactly one of concurrent pushers)
+       accepted: model.pp_version = v+1
+       rejected: pull(model) when pull_on_fail
+    pull(model): pull_if_changed(v)          ───────►  None if v is the newest: no transfer
+       newer: validate, load_state_dict, model.pp_version = newest
+
+The architecture is checked at the client before anything is sent or loaded: the first
+push through an accessor reads (or, on an empty server, claims) the server's spec, the
+names, shapes and dtypes of the state dict, stored under the key ``"<model_name>/spec"``.
+
+A model's version is the plain attribute ``model.pp_version`` (machin's name); a model that
+has none is taken to be at version 0 when pushing, and to have no version when pulling
+(so it always receives the newest state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..distributed import RpcGroup
+from ._common import check_group, check_name
+from ._spec import Spec, check_module, mismatch, spec_of
+from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
+
+__all__ = ["PushPullModelServer", "PushPullModelServerImpl"]
+
+VERSION_ATTR = "pp_version"
+
+
+def get_version(model: torch.nn.Module) -> Optional[int]:
+    """The model's version on its server (``model.pp_version``), None if it has none."""
+    return getattr(model, VERSION_ATTR, None)
+
+
+def set_version(model: torch.nn.Module, version: int) -> None:
+    # A plain attribute (not a buffer): it must not enter the state dict.
+    object.__setattr__(model, VERSION_ATTR, version)
+
+
+class PushPullModelServer:
+    """Accessor of a :class:`PushPullModelServerImpl`; picklable.
+
+    Get it with ``group.get_paired(server_name).to_here()`` or
+    :func:`~machinlike.server.model_server_helper`.
+
+    Args:
+        model_name: Key of the model in the ordered server.
+        o_server: Accessor of the ordered server holding the version chain.
+
+    Raises:
+        TypeError: ``o_server`` is missing or not an :class:`OrderedServerBase`.
+    """
+
+    def __init__(self, model_name: str, o_server: Optional[OrderedServerBase] = None) -> None:
+        self.model_name = check_name(model_name, "model_name")
+        if not isinstance(o_server, OrderedServerBase):
+            raise TypeError(f"o_server must be an OrderedServerBase accessor, not {type(o_server).__name__}; "
+                            f"get a ready accessor with group.get_paired(server_name).to_here()")
+        self.o_server = o_server
+        self._spec: Optional[Spec] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_spec"] = None  # a cache of this process only
+        return state
+
+    def __repr__(self) -> str:
+        return f"<PushPullModelServer {self.model_name!r} on {self.o_server!r}>"
+
+    def _server_spec(self, mine: Spec) -> Spec:
+        if self._spec is None:
+            key = f"{self.model_name}/spec"
+            got = self.o_server.pull(key)
+            # On an empty server the first pusher's architecture becomes the server's; of
+            # two racing first pushers exactly one claims it, the other reads it back.
+            if got is None and not self.o_server.push(key, mine, 0, None):
+                got = self.o_server.pull(key)
+            self._spec = mine if got is None else got[0]
+        return self._spec
+
+    def push(self, model: torch.nn.Module, pull_on_fail: bool = True) -> bool:
+        """Push the model's state dict as the version after ``model.pp_version``.
+
+        Gradients are not touched.
+
+        Args:
+            model: The model; its state dict is sent (moved to CPU when on a GPU).
+            pull_on_fail: When another version got there first, load the newest one into
+                ``model`` (see :meth:`pull`).
+
+        Returns:
+            True if the push made the next version (``model.pp_version`` is incremented),
+            False if it was rejected.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: the server holds a model of another architecture (names, shapes or
+                dtypes differ; the message lists them).
+        """
+        check_module(model)
+        state = model.state_dict()
+        mine = spec_of(state)
+        diff = mismatch(self._server_spec(mine), mine, "the server's model", "this model")
+        if diff is not None:
+            raise ValueError(f"cannot push model {self.model_name!r}: the server holds another architecture: {diff}")
+        version = get_version(model)
+        base = 0 if version is None else version
+        payload = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        if self.o_server.push(self.model_name, payload, base + 1, base):
+            set_version(model, base + 1)
+            return True
+        if pull_on_fail:
+            self.pull(model)
+        return False
+
+    def pull(self, model: torch.nn.Module) -> bool:
+        """Load the newest version into ``model`` unless it already has it.
+
+        Nothing is transferred when ``model.pp_version`` is the newest version. Gradients
+        are not cleared.
+
+        Returns:
+            True if a newer state was loaded (``model.pp_version`` updated), False if the
+            model already had the newest version or the server holds none yet.
+
+        Raises:
+            TypeError: ``model`` is not an ``nn.Module``.
+            ValueError: the server's state dict does not fit ``model`` (nothing is loaded).
+        """
+        check_module(model)
+        got = self.o_server.pull_if_changed(self.model_name, get_version(model))
+        if got is None:
+            return False
+        state, version = got
+        diff = mismatch(spec_of(state), spec_of(model.state_dict()), "the server's model", "this model")
+        if diff is not None:
+            raise ValueError(f"cannot pull model {self.model_name!r} into a model of another architecture "
+                             f"(nothing was loaded): {diff}")
+        model.load_state_dict(state)
+        set_version(model, version)
+        return True
+
+
+class PushPullModelServerImpl:
+    """Host of a model server, in the process that constructs it (a member of ``group``).
+
+    It pairs a :class:`PushPullModelServer` accessor under ``server_name``; with
+    ``o_server=None`` it also hosts the ordered server holding the chain, named
+    ``"<server_name>/ordered"`` (version_depth 1).
+
+    Args:
+        server_name: Name of the server, unique in ``group``.
+        group: The RpcGroup clients reach the server through.
+        model_name: Key of the model in the ordered server.
+        o_server: Accessor of an existing ordered server to keep the chain in; None: host one.
+
+    Raises:
+        KeyError: the name is already used in ``group``.
+        TypeError, ValueError: invalid arguments.
+    """
+
+    def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
+                 o_server: Optional[OrderedServerBase] = None) -> None:
+        self.server_name = check_name(server_name, "server_name")
+        self.group = check_group(group)
+        self.model_name = check_name(model_name, "model_name")
+        self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
+        if o_server is None:
+            self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group)
+            o_server = OrderedServerSimple(f"{server_name}/ordered", group)
+        elif not isinstance(o_server, OrderedServerBase):
+            raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
+        self.o_server = o_server
+        try:
+            group.pair(server_name, PushPullModelServer(model_name, o_server))
+        except BaseException:
+            if self.o_server_impl is not None:
+                self.o_server_impl.close()
+            raise
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<PushPullModelServerImpl {self.server_name!r} model {self.model_name!r}>"
+
+    def close(self) -> None:
+        """Withdraw the accessor (and the hosted ordered server); the name can be reused."""
+        if self._closed:
+            return
+        self._closed = True
+        self.group.unpair(self.server_name)
+        if self.o_server_impl is not None:
+            self.o_server_impl.close()

@@ -1,0 +1,118 @@
+"""One rank of the multi-host tests (``tests/test_multihost.py``), run on a "host".
+
+    ip netns exec <host> python tests/_multihost_job.py round|unreachable
+
+The World comes from the environment, as a cluster launcher (SLURM, a job script) sets
+it: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``MLK_TEST_TIMEOUT`` is the
+World's ``dist_timeout`` and ``rpc_timeout`` (seconds) and ``MLK_HOST_ADDR`` this host's
+address (what its services report, so callers can tell which host answered).
+
+The last line of stdout is ``RESULT <json>``: the outcome, or the error this rank raised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from machinlike.distributed import RpcGroup, World
+from machinlike.server import grad_server_helper
+
+
+def where() -> str:
+    return os.environ["MLK_HOST_ADDR"]
+
+
+def make_model() -> torch.nn.Module:
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(8.0).reshape(2, 4))
+        model.bias.copy_(torch.tensor([10.0, 20.0]))
+    return model
+
+
+def gradient_round(world: World, group: RpcGroup) -> Dict[str, Any]:
+    """One gradient-server round across the hosts: every rank pushes, rank 0 steps, all pull.
+
+    Every rank computes the gradients of ``model(x).sum()`` with ``x`` filled with
+    ``rank + 1`` and pushes them through ``PushPullGradServer``; the single secondary
+    reducer (on rank 0) gathers all of them in one batch, the primary takes their mean and
+    steps SGD(lr=1), so the expected parameters are exact.
+    """
+    servers = grad_server_helper(
+        [make_model], group=group, optimizer=torch.optim.SGD, learning_rate=1.0,
+        primary_reducer="0", secondary_reducers=["0"], reduce_method="mean",
+        reduce_batch_size=world.world_size)
+    (server,) = servers
+    model = make_model()
+    model(torch.full((1, 4), float(world.rank + 1))).sum().backward()
+    assert server.push(model)
+    group.barrier()  # every push is queued on the secondary
+    if world.rank == 0:
+        server.flush()  # one step over all of them
+    group.barrier()
+    server.pull(model)
+    group.barrier()  # nobody stops the servers while a peer still pulls
+    servers.close()
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+def run_round(world: World) -> Dict[str, Any]:
+    rank, size = world.rank, world.world_size
+    group = world.create_rpc_group("hosts", world.get_members())
+    group.register(f"where/{world.name}", where)
+    group.barrier()
+    peer = world.get_members()[(rank + 1) % size]
+    out: Dict[str, Any] = {
+        "interface": world.interface,
+        "where": [group.registered_sync(f"where/{m}") for m in world.get_members()],
+        # a tensor through a torch function, and a closure sent by value (dill)
+        "add": group.rpc_sync(peer, torch.add, args=(torch.arange(3.0), rank)).tolist(),
+        "closure": group.rpc_sync(peer, lambda t: t * (rank + 1), args=(torch.ones(2),)).tolist(),
+    }
+    start = time.monotonic()
+    for _ in range(3):
+        group.barrier()
+    out["barriers_s"] = time.monotonic() - start
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    out["all_reduce"] = total.item()
+    # A group created after start-up is a new gloo context: it must find the same interface.
+    pair = world.create_collective_group([1, 2])
+    if rank in (1, 2):
+        mine = torch.tensor([float(rank)])
+        pair.all_reduce(mine)
+        out["pair_all_reduce"] = mine.item()
+    pair.destroy()
+    out["params"] = gradient_round(world, group)
+    group.barrier()
+    group.destroy()
+    return out
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    timeout = float(os.environ["MLK_TEST_TIMEOUT"])
+    start = time.monotonic()
+    world = None
+    try:
+        world = World(dist_timeout=timeout, rpc_timeout=timeout)
+        result: Dict[str, Any] = {"ok": True}
+        if scenario == "round":
+            result.update(run_round(world))
+    except Exception as exc:  # the test reads the error from the report
+        result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+    result["elapsed"] = time.monotonic() - start
+    if world is not None:
+        world.stop(timeout)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

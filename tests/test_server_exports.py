@@ -1,0 +1,39 @@
+"""The servers' public names import from their documented paths (machin's layout)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import machinlike.server as server
+
+DOCUMENTED = {
+    "machinlike.server.ordered": ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"],
+    "machinlike.server.model": ["PushPullModelServer", "PushPullModelServerImpl"],
+    "machinlike.server.grad": ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"],
+    "machinlike.server.helpers": ["ServerHandles", "grad_server_helper", "model_server_helper"],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(DOCUMENTED))
+def test_module_all_and_package_reexports(module_name):
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == sorted(DOCUMENTED[module_name])
+    for name in module.__all__:
+        assert getattr(server, name) is getattr(module, name)  # the package re-exports the same object
+
+
+def test_package_all_is_the_union():
+    assert sorted(server.__all__) == sorted(n for names in DOCUMENTED.values() for n in names)
+
+
+def test_accessors_refuse_bad_arguments_without_a_world():
+    with pytest.raises(TypeError, match="group must be an RpcGroup"):
+        server.OrderedServerSimple("s", group="g")
+    with pytest.raises(TypeError, match="server_name must be a str"):
+        server.OrderedServerSimpleImpl(3, group=None)
+    with pytest.raises(TypeError, match="o_server must be an OrderedServerBase accessor, not NoneType"):
+        server.PushPullModelServer("model")
+    with pytest.raises(TypeError, match="model_creators must be a non-empty list of callables"):
+        server.grad_server_helper([])

@@ -1,0 +1,446 @@
+"""PushPullGradServer across real processes: machin's numbers, exact sums under concurrent
+load with every reducer running, a killed secondary, bad input, overflow, thread errors,
+and the helper."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from machinlike.exception import PeerLostError
+from machinlike.server import PushPullGradServer, PushPullGradServerImpl, ServerStoppedError, grad_server_helper
+from machinlike.testing import run_world, world_test
+
+
+class Chain(nn.Module):
+    """machin's test model: three bias-free 1x1 layers with weights 1, 2, 3.
+
+    At x = 1 the output is w1*w2*w3, so the gradients are (6, 3, 2).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(1, 1, bias=False)
+        self.fc2 = nn.Linear(1, 1, bias=False)
+        self.fc3 = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.fill_(1)
+            self.fc2.weight.fill_(2)
+            self.fc3.weight.fill_(3)
+
+    def forward(self, x):
+        return self.fc3(self.fc2(self.fc1(x)))
+
+    def weights(self):
+        return (self.fc1.weight.item(), self.fc2.weight.item(), self.fc3.weight.item())
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.lin.weight.zero_()
+            self.lin.bias.zero_()
+
+
+def _our_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("machinlike-grad")]
+
+
+EXPECTED = {"mean": (-5.0, -1.0, 1.0), "sum": (-23.0, -10.0, -5.0)}
+
+
+@world_test(3, timeout=90)
+def test_machin_numbers(world):
+    """Two servers side by side, one per reduce_method, fed the same pushes."""
+    group = world.create_rpc_group("group", ["0", "1", "2"])
+    if world.name == "0":
+        managed = {}
+        for method in EXPECTED:
+            # one secondary reducer (on the primary's process), so the batches are known:
+            # 4 pushes -> 2 partial sums -> 1 optimizer step
+            impl = PushPullGradServerImpl(method, group, primary_reducer="0", secondary_reducers=["0"],
+                                          reduce_method=method, reduce_batch_size=2)
+            model = Chain()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # p -= p.grad
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0)
+            impl.manage_model(model, optimizer, scheduler)
+            impl.start()
+            managed[method] = (impl, model, list(model.parameters()), scheduler)
+        assert sorted(managed["sum"][0].threads()) == ["machinlike-grad-sum-primary", "machinlike-grad-sum-secondary"]
+    group.barrier()
+    servers = {method: group.get_paired(method).to_here() for method in EXPECTED}
+    assert all(isinstance(s, PushPullGradServer) for s in servers.values())
+    if world.name != "0":
+        model = Chain()
+        for _ in range(2):
+            model.zero_grad()
+            model(torch.ones(1, 1)).sum().backward()
+            assert servers["mean"].push(model) and servers["sum"].push(model)
+    group.barrier()
+    if world.name == "1":
+        assert servers["mean"].flush(timeout=30) == 1 and servers["sum"].flush(timeout=30) == 1
+    group.barrier()
+    if world.name != "0":
+        for method, expected in EXPECTED.items():
+            fresh = Chain()
+            assert servers[method].pull(fresh) and fresh.pp_version == 1
+            assert fresh.weights() == expected
+            assert not servers[method].pull(fresh)  # up to date: nothing transferred
+    group.barrier()
+    if world.name == "0":
+        for method, (impl, model, params, scheduler) in managed.items():
+            stats = impl.stats()
+            assert stats["primary"]["steps"] == 1 and stats["primary"]["applied"] == 4
+            assert stats["secondary"]["batches"] == 2 and stats["secondary"]["accepted"] == 4
+            assert stats["primary"]["ordered"]["pulls_unchanged"] == 2
+            assert scheduler.last_epoch == 1  # the lr scheduler is stepped with the optimizer
+            assert model.weights() == EXPECTED[method]
+            # the managed model is the caller's object, parameters and device unchanged
+            assert list(model.parameters()) == params and all(p.device.type == "cpu" for p in params)
+            impl.stop()
+            impl.stop()
+            assert impl.threads() == []
+        assert _our_threads() == []
+    group.barrier()
+    group.destroy()
+
+
+CLIENT_THREADS = 2
+ROUNDS = 15
+
+
+def _exact_body(world):
+    """Four clients x two threads push integer gradients; two secondaries reduce in batches
+    of 3, the primary (not a secondary) sums and steps SGD(lr=1). Every accepted gradient
+    must be applied exactly once."""
+    group = world.create_rpc_group("load", world.get_members())
+    impl = None
+    if world.name in ("0", "1", "2"):
+        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["1", "2"],
+                                      reduce_method="sum", reduce_batch_size=3, max_queue_size=8)
+        if world.name == "0":
+            model = Small()
+            impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+    group.barrier()
+    server = group.get_paired("server").to_here()
+    me = int(world.name)
+    accepted = [0] * CLIENT_THREADS  # sum of the accepted gradient values, per thread
+    counts = [[0, 0] for _ in range(CLIENT_THREADS)]  # accepted, rejected
+    errors = []
+
+    def client(t):
+        try:
+            model = Small()
+            for r in range(ROUNDS):
+                server.pull(model)
+                value = (me + 1) * (r + 1) + t
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, float(value))
+                if server.push(model):
+                    accepted[t] += value
+                    counts[t][0] += 1
+                else:
+                    counts[t][1] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(t,), name=f"client-{t}") for t in range(CLIENT_THREADS)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not errors, errors
+    group.barrier()
+    if world.name == "3":
+        server.flush(timeout=30)
+    group.barrier()
+    final = Small()
+    server.pull(final)
+    group.barrier()
+    stats = impl.stats() if impl is not None else {}
+    if impl is not None:
+        impl.stop()
+        assert _our_threads() == []
+    group.barrier()
+    group.destroy()
+    return {"sum": sum(accepted), "accepted": sum(c[0] for c in counts), "rejected": sum(c[1] for c in counts),
+            "weight": final.lin.weight.tolist(), "bias": final.lin.bias.tolist(), "stats": stats,
+            "version": final.pp_version}
+
+
+def test_exact_sums_under_concurrent_load_and_every_reducer_runs():
+    results = run_world(_exact_body, 4, timeout=120)
+    total = sum(r["sum"] for r in results)
+    accepted = sum(r["accepted"] for r in results)
+    rejected = sum(r["rejected"] for r in results)
+    assert accepted + rejected == 4 * CLIENT_THREADS * ROUNDS
+    # SGD(lr=1) from zero: every weight is minus the sum of every accepted gradient, exactly
+    for r in results:
+        assert r["weight"] == [[-float(total)] * 3] * 2 and r["bias"] == [-float(total)] * 2, (r, total)
+    primary = results[0]["stats"]["primary"]
+    secondaries = [results[i]["stats"]["secondary"] for i in (1, 2)]
+    assert primary["applied"] == accepted and primary["dropped"] == 0
+    assert primary["steps"] >= 2 and results[0]["version"] == primary["steps"] == primary["version"]
+    assert sum(s["accepted"] for s in secondaries) == accepted
+    assert sum(s["rejected"] for s in secondaries) == rejected  # overflow is counted, not hidden
+    assert all(s["batches"] >= 2 and s["forwarded"] == s["accepted"] for s in secondaries)  # both ran
+    assert primary["lag_max"] >= 0 and "secondary" not in results[0]["stats"]
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_secondary_body(world):
+    group = world.create_rpc_group("g", ["0", "1", "2", "3"])
+    survivors = world.create_rpc_group("s", ["0", "1", "3"]) if world.name != "2" else None
+    impl = None
+    if world.name != "3":
+        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["1", "2"],
+                                      reduce_batch_size=1)
+        if world.name == "0":
+            model = Small()
+            impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+    if world.name == "2":
+        group.register("die", _die)
+    group.barrier()
+    if world.name == "2":
+        return "victim"  # waits in World.stop until the client has it killed
+    if world.name == "3":
+        server = group.get_paired("server").to_here()
+        model = Small()
+        server.pull(model)
+        with pytest.raises(PeerLostError):
+            group.registered_sync("die", timeout=10)
+        before = server.flush(timeout=20)
+        # the accessor learnt from the flush that '2' is gone; a fresh one has to find out
+        fresh = group.get_paired("server").to_here()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 2.0)
+        outcomes = []
+        for _ in range(3):
+            start = time.monotonic()
+            try:
+                outcomes.append(fresh.push(model))
+            except PeerLostError as err:
+                assert err.member == "2" and time.monotonic() - start < 8
+                outcomes.append("lost")
+        assert outcomes.count("lost") == 1 and outcomes.count(True) == 2, outcomes
+        after = fresh.flush(timeout=20)  # the primary keeps serving through secondary '1'
+        assert after == before + 2
+        assert server.pull(model) and model.lin.bias.tolist() == [-4.0, -4.0]
+    survivors.barrier(timeout=30)
+    if impl is not None:
+        impl.stop()
+    survivors.barrier(timeout=30)
+    world.stop(timeout=2)
+    return "survived"
+
+
+def test_killed_secondary_fails_its_pushes_clearly_and_the_rest_keeps_serving():
+    results = run_world(_killed_secondary_body, 4, timeout=120, return_exceptions=True, rpc_timeout=10)
+    assert results[0] == results[1] == results[3] == "survived", results
+    assert results[2] == "victim"  # it reported, then was SIGKILLed inside World.stop
+
+
+class Boom(Exception):
+    pass
+
+
+class ExplodingOptimizer:
+    def __init__(self, params):
+        self.params = list(params)
+
+    def step(self):
+        raise Boom("the optimizer blew up")
+
+
+@world_test(2, timeout=90)
+def test_bad_input_overflow_stop_and_thread_errors(world):
+    group = world.create_rpc_group("g", ["0", "1"])
+    if world.name == "0":
+        bad = [
+            (dict(reduce_method="median"), ValueError, "reduce_method='median' must be 'sum' or 'mean'"),
+            (dict(reduce_batch_size=0), ValueError, "reduce_batch_size=0 must be at least 1"),
+            (dict(max_queue_size=2), ValueError, "max_queue_size=2 must be at least reduce_batch_size=4"),
+            (dict(primary_reducer="9"), ValueError, "primary_reducer='9' is not a member"),
+            (dict(secondary_reducers=["0", "0"]), ValueError, "must be distinct members"),
+            (dict(secondary_reducers="0"), TypeError, "must be a list of member names"),
+            (dict(primary_reducer="1", secondary_reducers=["1"]), ValueError, "member '0' is neither the primary"),
+            (dict(reduce_device="nowhere"), ValueError, "reduce_device='nowhere' is not a torch device"),
+        ]
+        for kwargs, kind, message in bad:
+            with pytest.raises(kind, match=message):
+                PushPullGradServerImpl("x", group, **kwargs)
+        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["0"],
+                                      reduce_batch_size=2, max_queue_size=3)
+        with pytest.raises(RuntimeError, match="call manage_model"):
+            impl.start()
+        model = Small()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        with pytest.raises(RuntimeError, match="already manages a model"):
+            impl.manage_model(model, None)
+        # not started yet: pushes queue up without being reduced, so overflow is exact
+        failing = PushPullGradServerImpl("failing", group, primary_reducer="0", secondary_reducers=["0"],
+                                         reduce_batch_size=1)
+        doomed = Small()
+        failing.manage_model(doomed, ExplodingOptimizer(doomed.parameters()))
+        failing.start()
+    group.barrier()
+    if world.name == "1":
+        server = group.get_paired("server").to_here()
+        other = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+        other(torch.ones(1, 3)).sum().backward()
+        with pytest.raises(ValueError, match=r"cannot push to gradient server 'server': this model lacks "
+                                             r"'lin.weight', 'lin.bias'; this model has '0.weight', '0.bias', "
+                                             r"'1.weight', '1.bias' that"):
+            server.push(other)
+        wide = nn.Module()
+        wide.lin = nn.Linear(4, 2)
+        with pytest.raises(ValueError, match=r"shapes differ \('lin.weight': \[2, 4\] instead of \[2, 3\]\)"):
+            server.push(wide)
+        with pytest.raises(ValueError, match=r"dtypes differ \('lin.weight': torch.float64 instead of torch.float32; "
+                                             r"'lin.bias': torch.float64"):
+            server.push(Small().double())
+        model = Small()
+        with pytest.raises(ValueError, match=r"no gradient \(.grad is None\) for 'lin.weight', 'lin.bias': run "
+                                             r"backward\(\) before push\(\), or pass none_as_zero=True"):
+            server.push(model)
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+            server.push({"lin.weight": torch.zeros(2, 3)})
+        with pytest.raises(ValueError, match="cannot pull from gradient server 'server' into this model"):
+            server.pull(wide)
+        model.lin.weight.grad = torch.ones(2, 3)
+        assert server.push(model, none_as_zero=True)  # bias: zero
+        model.lin.bias.grad = torch.ones(2)
+        assert server.push(model) and server.push(model)
+        assert not server.push(model)  # max_queue_size=3: refused, counted
+    group.barrier()
+    if world.name == "0":
+        secondary = impl.stats()["secondary"]
+        assert secondary["accepted"] == 3 and secondary["rejected"] == 1 and secondary["batches"] == 0
+        impl.start()
+    group.barrier()
+    if world.name == "1":
+        # the secondary reduces a full batch of 2, then (flushed) the partial one; the
+        # primary sums those two partial sums into one step
+        assert server.flush(timeout=30) == 1
+        fresh = Small()
+        assert server.pull(fresh)
+        assert fresh.lin.weight.tolist() == [[-3.0] * 3] * 2 and fresh.lin.bias.tolist() == [-2.0, -2.0]
+        failing = group.get_paired("failing").to_here()
+        model = Small()
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        assert failing.push(model)
+        with pytest.raises(ServerStoppedError, match=r"the primary reducer on member '0' failed with "
+                                                     r"Boom\('the optimizer blew up'\)"):
+            failing.flush(timeout=30)
+    group.barrier()
+    if world.name == "0":
+        with pytest.raises(Boom, match="the optimizer blew up"):
+            failing.watch()  # the thread's own exception, with its traceback
+        failing.stop(timeout=10)  # joins the threads: the failed one has ended, the other stops
+        assert failing.threads() == []
+        with pytest.raises(Boom):
+            failing.watch()  # still reported after stop
+        impl.stop()
+        impl.watch()  # a cleanly stopped server has nothing to report
+    group.barrier()
+    if world.name == "1":
+        with pytest.raises(ServerStoppedError, match="the secondary reducer on member '0' is stopped"):
+            server.push(model)
+    group.barrier()
+    if world.name == "0":
+        failing.close()
+        impl.close()
+        assert _our_threads() == []
+        with pytest.raises(RuntimeError, match="is closed"):
+            impl.start()
+    group.barrier()
+    group.destroy()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _tiny():
+    return nn.Linear(2, 1)
+
+
+@world_test(3, timeout=90)
+def test_grad_server_helper_runs_every_reducer(world):
+    servers = grad_server_helper([_mlp, _tiny], optimizer=torch.optim.SGD, learning_rate=[0.1, 0.5],
+                                 lr_scheduler=torch.optim.lr_scheduler.StepLR,
+                                 lr_scheduler_kwargs={"step_size": 1, "gamma": 0.5}, reduce_batch_size=2)
+    assert len(servers) == 2 and len(servers.impls) == 2  # every member reduces
+    mlp_server, tiny_server = servers
+    model, tiny = _mlp(), _tiny()
+    assert mlp_server.pull(model) and tiny_server.pull(tiny) and model.pp_version == 0
+    servers.group.barrier()  # nobody pushes (and so makes version 1) before all pulled version 0
+    torch.manual_seed(int(world.name) + 1)
+    for _ in range(2):
+        for m, s, inputs in ((model, mlp_server, 4), (tiny, tiny_server, 2)):
+            m.zero_grad()
+            m(torch.randn(5, inputs)).pow(2).mean().backward()
+            assert s.push(m)
+    servers.group.barrier()
+    if world.name == "0":
+        assert mlp_server.flush(timeout=30) >= 1 and tiny_server.flush(timeout=30) >= 1
+    servers.group.barrier()
+    assert mlp_server.pull(model) and tiny_server.pull(tiny)
+    stats = servers.stats()
+    assert all(s["secondary"]["batches"] >= 1 for s in stats)  # each member's reducer ran
+    if world.name == "0":
+        # 3 members x 2 pushes, reduced 2 by 2 on each member: 3 partial sums, so one
+        # full primary batch and one flushed partial batch
+        assert stats[0]["primary"]["steps"] == 2 and stats[0]["primary"]["applied"] == 6
+        lr = servers.impls[0]._optimizer.param_groups[0]["lr"]
+        assert lr == 0.1 * 0.5 ** 2  # the scheduler was stepped with each optimizer step
+    servers.watch()
+    servers.close()
+    assert _our_threads() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(2, timeout=90)
+def test_managed_model_stays_on_its_gpu(world):
+    group = world.create_rpc_group("gpu", ["0", "1"])
+    if world.name == "0":
+        impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["0"],
+                                      reduce_device="cuda", reduce_batch_size=2)
+        model = Chain().cuda()
+        params = list(model.parameters())
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+    group.barrier()
+    server = group.get_paired("server").to_here()
+    if world.name == "1":
+        model = Chain().cuda()  # a GPU client: gradients leave it through the CPU
+        for _ in range(4):
+            model.zero_grad()
+            model(torch.ones(1, 1, device="cuda")).sum().backward()
+            assert server.push(model)
+        assert server.flush(timeout=30) == 1
+        assert server.pull(model) and model.weights() == EXPECTED["sum"]
+        assert all(p.device.type == "cuda" for p in model.parameters())
+    group.barrier()
+    if world.name == "0":
+        assert list(model.parameters()) == params and all(p.device.type == "cuda" for p in params)
+        assert model.weights() == EXPECTED["sum"]
+        impl.close()
+    group.barrier()
+    group.destroy()

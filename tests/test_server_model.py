@@ -1,0 +1,158 @@
+"""PushPullModelServer across real processes: machin's behaviour, the version chain under
+concurrent pushers, no transfer when up to date, architecture checks, and the helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from machinlike.server import PushPullModelServer, PushPullModelServerImpl, model_server_helper
+from machinlike.testing import run_world, world_test
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(1, 1, bias=False)
+        self.fc2 = nn.Linear(1, 1, bias=False)
+        self.fc3 = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.fc1.weight.fill_(1)
+            self.fc2.weight.fill_(2)
+            self.fc3.weight.fill_(3)
+
+    def weights(self):
+        return [self.fc1.weight.item(), self.fc2.weight.item(), self.fc3.weight.item()]
+
+
+class Other(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(1, 2, bias=False)
+        self.head = nn.Linear(2, 1)
+
+
+def _machin_and_chain_body(world):
+    group = world.create_rpc_group("group", ["0", "1", "2"])
+    if world.name == "0":
+        impl = PushPullModelServerImpl("server", group)
+    group.barrier()
+    if world.name == "1":
+        server = group.get_paired("server").to_here()
+        assert isinstance(server, PushPullModelServer)
+        model = Model()
+        assert not hasattr(model, "pp_version")  # nothing to declare
+        assert not server.pull(model)  # empty server: nothing to load
+        for i in range(10):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p += 1
+            assert server.push(model)
+            assert model.pp_version == i + 1
+        assert "pp_version" not in model.state_dict()
+        fresh = Model()
+        assert server.pull(fresh)
+        assert fresh.weights() == [11.0, 12.0, 13.0] and fresh.pp_version == 10
+        assert not server.pull(fresh)  # already the newest: nothing is sent
+        stale = Model()  # at version 0: its push is rejected and it pulls instead
+        assert not server.push(stale)
+        assert stale.weights() == [11.0, 12.0, 13.0] and stale.pp_version == 10
+        kept = Model()
+        assert not server.push(kept, pull_on_fail=False)
+        assert kept.weights() == [1.0, 2.0, 3.0] and not hasattr(kept, "pp_version")
+    group.barrier()
+    if world.name == "0":
+        ordered = impl.o_server_impl.stats()
+        assert ordered["pulls_unchanged"] == 1
+    # Two clients race on one chain: every accepted push made exactly the next version.
+    if world.name in ("1", "2"):
+        server = group.get_paired("server").to_here()
+        model = Model()
+        server.pull(model)
+        wins = 0
+        for _ in range(15):
+            before = model.pp_version
+            with torch.no_grad():
+                model.fc1.weight += 1
+            if server.push(model):
+                wins += 1
+                assert model.pp_version == before + 1
+            else:
+                assert model.pp_version > before  # pulled the winner's version
+        result = wins
+    else:
+        result = None
+    group.barrier()
+    if world.name == "1":
+        model = Model()
+        server.pull(model)
+        final_version = model.pp_version
+        final_fc1 = model.fc1.weight.item()
+    group.barrier()
+    group.destroy()
+    return result, (final_version, final_fc1) if world.name == "1" else None
+
+
+def test_machin_behaviour_then_concurrent_pushers_keep_a_linear_chain():
+    results = run_world(_machin_and_chain_body, 3, timeout=90)
+    wins = results[1][0] + results[2][0]
+    version, fc1 = results[1][1]
+    assert version == 10 + wins  # no accepted push was lost or duplicated
+    assert fc1 == 11.0 + wins  # each accepted version added exactly one to the newest weight
+
+
+@world_test(2, timeout=60)
+def test_architecture_checks_and_errors(world):
+    group = world.create_rpc_group("g", ["0", "1"])
+    if world.name == "0":
+        PushPullModelServerImpl("server", group)
+        with pytest.raises(TypeError, match="o_server must be an OrderedServerBase"):
+            PushPullModelServerImpl("bad", group, o_server="not a server")
+    group.barrier()
+    if world.name == "1":
+        server = group.get_paired("server").to_here()
+        model = Model()
+        assert server.push(model)
+        other = Other()
+        with pytest.raises(ValueError, match=r"cannot push model 'model': the server holds another architecture: "
+                                             r"this model lacks 'fc2.weight', 'fc3.weight'; this model has "
+                                             r"'head.weight', 'head.bias' that the server's model does not have; "
+                                             r"shapes differ \('fc1.weight': \[2, 1\] instead of \[1, 1\]\)"):
+            server.push(other)
+        before = [p.clone() for p in other.parameters()]
+        with pytest.raises(ValueError, match=r"cannot pull model 'model' into a model of another architecture "
+                                             r"\(nothing was loaded\)"):
+            server.pull(other)
+        assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+        # a fresh accessor checks too (it reads the spec the first push claimed)
+        again = group.get_paired("server").to_here()
+        with pytest.raises(ValueError, match=r"dtypes differ \('fc1.weight': torch.float64 instead of torch.float32"):
+            again.push(Model().double())
+        with pytest.raises(TypeError, match="model must be a torch.nn.Module, not OrderedDict"):
+            server.push(model.state_dict())
+        with pytest.raises(TypeError, match="o_server must be an OrderedServerBase accessor"):
+            PushPullModelServer("model")
+    group.barrier()
+    group.destroy()
+
+
+@world_test(3, timeout=60)
+def test_model_server_helper(world):
+    servers = model_server_helper(model_num=2)
+    assert len(servers) == 2 and all(isinstance(s, PushPullModelServer) for s in servers)
+    assert len(servers.impls) == (2 if world.name == "0" else 0)
+    first, second = servers  # unpacks like machin's tuple
+    model = Model()
+    if world.name == "2":
+        with torch.no_grad():
+            model.fc3.weight.fill_(42)
+        assert second.push(model)
+    servers.group.barrier()
+    fresh = Model()
+    assert second.pull(fresh) and fresh.weights() == [1.0, 2.0, 42.0]
+    assert not first.pull(Model())  # the other server holds nothing yet
+    servers.close()
+    servers.close()  # idempotent
+    with pytest.raises(RuntimeError, match="has been destroyed"):
+        servers.group.barrier()  # the helper created the group, close() removed it
