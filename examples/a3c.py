@@ -133,9 +133,15 @@ class Sampler:
 
 
 def a3c_losses(actor: torch.nn.Module, critic: torch.nn.Module, batch: Rollout, gamma: float, lam: float,
-               entropy_coef: float, reward_scale: float = 1.0,
-               normalize: bool = False) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float]]:
-    """(actor loss, critic loss, diagnostics) of one rollout, with GAE(lambda) advantages."""
+               entropy_coef: float,
+               reward_scale: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float]]:
+    """(actor loss, critic loss, diagnostics) of one rollout, with GAE(lambda) advantages.
+
+    Rewards are multiplied by ``reward_scale`` for learning only: with CartPole's reward
+    of 1 per step, discounted returns reach ~100 and a critic chasing targets that large
+    (through a clipped gradient) lags behind and destabilises the policy; 0.1 keeps them
+    near 10. The returns reported as the figure are the environment's, unscaled.
+    """
     steps, envs = batch.actions.shape
     obs = torch.from_numpy(batch.obs).reshape(steps * envs, OBS_SIZE)
     logits = actor(obs).reshape(steps, envs, ACTIONS)
@@ -151,7 +157,7 @@ def a3c_losses(actor: torch.nn.Module, critic: torch.nn.Module, batch: Rollout, 
         next_v = next_v.masked_fill(done, 0.0)
         if batch.truncated:
             final = critic(torch.from_numpy(np.stack([o for _, _, o in batch.truncated]))).reshape(-1)
-            for (t, i, _), value in zip(batch.truncated, final):
+            for (t, i, _), value in zip(batch.truncated, final, strict=True):
                 next_v[t, i] = value
         advantages = torch.empty(steps, envs)
         running = torch.zeros(envs)
@@ -161,8 +167,6 @@ def a3c_losses(actor: torch.nn.Module, critic: torch.nn.Module, batch: Rollout, 
             running = delta + gamma * lam * keep[t] * running
             advantages[t] = running
         returns = advantages + v
-        if normalize:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     log_probs = F.log_softmax(logits, dim=-1)
     taken = log_probs.gather(-1, torch.from_numpy(batch.actions).unsqueeze(-1)).squeeze(-1)
     entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
@@ -178,18 +182,20 @@ class EpisodeLog:
         curve: Where every episode becomes a row.
         target: The quality bar; the first time the mean of the last 100 reaches it is noted.
         stop_at: Mean of the last 100 at which training stops (0: only the time budget).
-        started: ``time.monotonic()`` at the start of training.
+
+    Attributes:
+        started: ``time.monotonic()`` when training started (reset by the learner).
+        workers: The latest counters of each worker (``steps``, ``refused``, ``entropy``, ``cpu``).
     """
 
-    def __init__(self, curve: _util.Curve, target: float, stop_at: float, started: float) -> None:
+    def __init__(self, curve: _util.Curve, target: float, stop_at: float) -> None:
         self.curve = curve
         self.target = target
         self.stop_at = stop_at
-        self.started = started
+        self.started = time.monotonic()
         self.last100: collections.deque = collections.deque(maxlen=100)
         self.episodes = 0
-        self.steps: Dict[str, int] = {}
-        self.cpu: Dict[str, float] = {}
+        self.workers: Dict[str, Dict[str, float]] = {}
         self.reached: Optional[Dict[str, float]] = None
         self.stopped: Optional[str] = None
         self.stop = threading.Event()
@@ -198,16 +204,19 @@ class EpisodeLog:
     def mean(self) -> float:
         return float(np.mean(self.last100)) if self.last100 else 0.0
 
-    def env_steps(self) -> int:
-        return sum(self.steps.values())
+    def total(self, counter: str) -> float:
+        return sum(w[counter] for w in self.workers.values())
 
-    def report(self, member: str, episodes: List[Tuple[float, int]], steps: int, cpu: float) -> bool:
+    def env_steps(self) -> int:
+        return int(self.total("steps"))
+
+    def report(self, member: str, episodes: List[Tuple[float, int]], counters: Dict[str, float]) -> bool:
         """A worker's finished episodes and counters; returns whether training is over."""
         with self._lock:
-            self.cpu[member] = cpu
             if self.stop.is_set():  # episodes ending after the stop do not count
+                self.workers[member]["cpu"] = counters["cpu"]
                 return True
-            self.steps[member] = steps
+            self.workers[member] = counters
             seconds = time.monotonic() - self.started
             for episode_return, length in episodes:
                 self.episodes += 1
@@ -247,16 +256,19 @@ def learn(world: machinlike.World, args: argparse.Namespace, group: machinlike.R
         seconds = time.monotonic() - log.started
         steps = log.env_steps()
         span = max(1e-9, seconds - last["t"])
+        entropy = log.total("entropy") / max(1, len(log.workers))
         print(f"[{seconds:6.1f} s] episodes {log.episodes:5d}  env steps {steps:7d} "
-              f"({(steps - last['steps']) / span:6.0f}/s)  mean return (last 100) {log.mean():6.1f}  "
-              f"updates {actor['steps']:6d} ({(actor['steps'] - last['updates']) / span:5.1f}/s)  "
-              f"version lag mean {actor['lag_mean']:.2f} max {actor['lag_max']}", flush=True)
+              f"({(steps - last['steps']) / span:5.0f}/s)  mean return (last 100) {log.mean():5.1f}  "
+              f"updates {actor['steps']:5d} ({(actor['steps'] - last['updates']) / span:4.1f}/s)  "
+              f"version lag mean {actor['lag_mean']:.2f} max {actor['lag_max']}  entropy {entropy:.2f}",
+              flush=True)
         last.update(t=seconds, steps=steps, updates=actor["steps"])
     servers.watch()
     stats = [s["primary"] for s in servers.stats()]
     return {"stats": stats, "episodes": log.episodes, "env_steps": log.env_steps(), "mean": log.mean(),
             "full": len(log.last100) == 100, "reached": log.reached, "stopped": log.stopped,
-            "seconds": time.monotonic() - log.started, "cpu": time.process_time() + sum(log.cpu.values())}
+            "seconds": time.monotonic() - log.started, "refused": int(log.total("refused")),
+            "cpu": time.process_time() + log.total("cpu")}
 
 
 def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.RpcGroup, servers: Any) -> None:
@@ -265,29 +277,36 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
     actor, critic = make_actor(args.hidden), make_critic(args.hidden)
     sampler = Sampler(args.envs_per_worker, args.seed * 10000 + world.rank * 100)
     last_report = time.monotonic()
+    refused = 0
     try:
         while True:
             actor_server.pull(actor)
             critic_server.pull(critic)
             batch = sampler.rollout(actor, args.rollout)
-            actor_loss, critic_loss, _ = a3c_losses(actor, critic, batch, args.gamma, args.gae_lambda,
+            actor_loss, critic_loss, info = a3c_losses(actor, critic, batch, args.gamma, args.gae_lambda,
                                                     args.entropy, args.reward_scale)
             actor.zero_grad(set_to_none=False)
             critic.zero_grad(set_to_none=False)
             (actor_loss + critic_loss).backward()  # the two networks share no parameters
             torch.nn.utils.clip_grad_norm_(actor.parameters(), args.clip)
             torch.nn.utils.clip_grad_norm_(critic.parameters(), args.clip)
-            actor_server.push(actor)
-            critic_server.push(critic)
+            # False: the local secondary's queue was full and dropped the push (not expected
+            # with --reduce-batch 1 unless rank 0 is starved of CPU); counted, not hidden.
+            refused += (not actor_server.push(actor)) + (not critic_server.push(critic))
             servers.watch()
             now = time.monotonic()
             if sampler.finished or now - last_report >= 1.0:
                 last_report = now
-                if group.registered_sync("report", (world.name, sampler.take_finished(), sampler.steps,
-                                                    time.process_time())):
-                    return
+                counters = {"steps": sampler.steps, "refused": refused, "entropy": info["entropy"],
+                            "cpu": time.process_time()}
+                if group.registered_sync("report", (world.name, sampler.take_finished(), counters)):
+                    break
     finally:
         sampler.close()
+    # Apply what is still queued on the secondaries: stopping them with pushes queued
+    # would drop those (with a warning). Everyone is still running: close() comes later.
+    actor_server.flush()
+    critic_server.flush()
 
 
 def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
@@ -300,9 +319,11 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
     log: Optional[EpisodeLog] = None
     if world.name == learner:
         columns = ["episode", "seconds", "env_steps", "worker", "length", "episode_return", "mean_return_100"]
-        log = EpisodeLog(_util.Curve(args.out, columns), args.target, args.stop_at, time.monotonic())
+        log = EpisodeLog(_util.Curve(args.out, columns), args.target, args.stop_at)
         group.register("report", log.report)
         torch.manual_seed(args.seed)  # the managed networks' initial weights
+        print(f"A3C on {ENV_ID}: {len(workers)} workers x {args.envs_per_worker} environments, "
+              f"learner on rank 0", flush=True)
     servers = grad_server_helper(
         [lambda: make_actor(args.hidden), lambda: make_critic(args.hidden)], group=group,
         optimizer=torch.optim.Adam, learning_rate=[args.actor_lr, args.critic_lr], server_name="a3c",
@@ -318,8 +339,6 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
     group.barrier()
     servers.close()
     group.destroy()
-    if result is not None:
-        result["png"] = log.curve.plot("episode", ["episode_return", "mean_return_100"], f"a3c: {ENV_ID}")
     return result
 
 
@@ -351,13 +370,12 @@ def main() -> None:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     start = time.monotonic()
-    print(f"A3C on {ENV_ID}: {args.num_workers} workers x {args.envs_per_worker} environments + 1 learner",
-          flush=True)
     results = _util.run(worker, args.num_workers + 1, args)
     final = results[0] if results else None
     if final is None:  # a torchrun rank other than 0: rank 0 prints the summary
         return
     actor = final["stats"][0]
+    png = _util.plot_csv(args.out, "episode", ["episode_return", "mean_return_100"], f"a3c: {ENV_ID}")
     reached = final["reached"]
     verdict = "reached" if final["full"] and final["mean"] >= args.target else "NOT reached"
     _util.summary("a3c", {
@@ -369,8 +387,8 @@ def main() -> None:
         "episodes": f"{final['episodes']} ({final['env_steps']} env steps)",
         "server": (f"{actor['steps']} actor updates from {actor['applied']} pushes, "
                    f"{actor['steps'] / max(1e-9, final['seconds']):.1f} updates/s, version lag mean "
-                   f"{actor['lag_mean']:.2f} max {actor['lag_max']}"),
-        "curve": args.out + (f" and {final['png']}" if final["png"] else ""),
+                   f"{actor['lag_mean']:.2f} max {actor['lag_max']}, {final['refused']} pushes refused"),
+        "curve": args.out + (f" and {png}" if png else ""),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",
     })

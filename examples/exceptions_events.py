@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import wait
-from typing import Any, Dict, List
+from typing import Dict, List
 
 from machinlike.event import AndEvent, Event, OrEvent
 from machinlike.exception import ProcessExitedError

@@ -29,8 +29,6 @@ mini-batch order; the asynchronous interleaving still varies from run to run).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -166,7 +164,6 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     final = measure(final=True)
     final["trainers"] = dict(sorted(finished.reports.items(), key=lambda kv: int(kv[0])))
     final["cpu"] = time.process_time() + sum(t["cpu"] for t in finished.reports.values())
-    final["png"] = curve.plot("epochs", ["test_accuracy", "train_loss"], "param_server: MLP on digits")
     return final
 
 
@@ -184,6 +181,8 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
     if world.name == server_member:
         group.register("done", finished.report)
         torch.manual_seed(args.seed)  # the managed model's initial weights
+        print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
+              f"{len(trainers)} trainers, server on rank 0", flush=True)
     servers = grad_server_helper(
         [lambda: make_model(args.hidden)], group=group, optimizer=torch.optim.Adam, learning_rate=args.lr,
         server_name=SERVER, primary_reducer=server_member, secondary_reducers=trainers,
@@ -228,13 +227,12 @@ def main() -> None:
         p.error("--max-queue must be at least --reduce-batch")
     start = time.monotonic()
     args.data = load_digits_split(args.seed)
-    print(f"digits: {len(args.data['y_train'])} training and {len(args.data['y_test'])} test images; "
-          f"{args.num_workers} trainers + 1 server", flush=True)
     results = _util.run(worker, args.num_workers + 1, args)
     final = results[0] if results else None
     if final is None:  # a torchrun rank other than 0: rank 0 prints the summary
         return
     stats = final["stats"]
+    png = _util.plot_csv(args.out, "epochs", ["test_accuracy", "train_loss"], "param_server: MLP on digits")
     per_trainer = ", ".join(f"{m}: {t['secondary']['accepted']} pushes taken, {t['secondary']['rejected']} refused"
                             for m, t in final["trainers"].items())
     _util.summary("param_server", {
@@ -245,7 +243,7 @@ def main() -> None:
                    f"{stats['version']}, lag mean {stats['lag_mean']:.2f} max {stats['lag_max']}"),
         "secondary reducers": per_trainer,
         "updates/s": f"{stats['steps'] / max(1e-9, final['seconds']):.1f}",
-        "curve": args.out + (f" and {final['png']}" if final["png"] else ""),
+        "curve": args.out + (f" and {png}" if png else ""),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",
     })
