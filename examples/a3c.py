@@ -344,8 +344,8 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
 
 def main() -> None:
     p = _util.parser(__doc__.splitlines()[0], workers=3, budget=540.0, out="runs/a3c.csv")
-    p.add_argument("--envs-per-worker", type=int, default=8, help="environments each worker steps (default 8)")
-    p.add_argument("--rollout", type=int, default=8, help="steps per environment between pushes (default 8)")
+    p.add_argument("--envs-per-worker", type=int, default=4, help="environments each worker steps (default 4)")
+    p.add_argument("--rollout", type=int, default=32, help="steps per environment between pushes (default 32)")
     p.add_argument("--actor-lr", type=float, default=1e-3, help="Adam learning rate of the actor (default 1e-3)")
     p.add_argument("--critic-lr", type=float, default=1e-3, help="Adam learning rate of the critic (default 1e-3)")
     p.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
@@ -359,9 +359,9 @@ def main() -> None:
                    help="pushes each reducer combines; 1: every push is one optimizer step (default 1)")
     p.add_argument("--target", type=float, default=195.0,
                    help="quality bar for the mean return of the last 100 episodes (default 195)")
-    p.add_argument("--stop-at", type=float, default=250.0,
+    p.add_argument("--stop-at", type=float, default=400.0,
                    help="stop once the mean return of the last 100 episodes reaches this; 0: train for the "
-                        "whole budget (default 250, a margin above --target)")
+                        "whole budget (default 400, well above --target)")
     p.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines (default 5)")
     args = p.parse_args()
     if args.num_workers < 1:
