@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from typing import Any, Dict
 
@@ -23,42 +22,11 @@ import torch
 import torch.distributed as dist
 
 from machinlike.distributed import RpcGroup, World
+from machinlike.server import grad_server_helper
 
 
 def where() -> str:
     return os.environ["MLK_HOST_ADDR"]
-
-
-class _AveragingStepper:
-    """The manual stand-in of the gradient server's primary: average pushes, step SGD.
-
-    Each push of the round is kept; the last of ``clients`` pushes averages them and takes
-    the SGD step (lr=1, no momentum: ``param -= mean_grad``) by hand, because the first
-    ``torch.optim`` optimizer of a process imports ``torch._dynamo``, which costs seconds
-    on a busy 2-core machine for the same arithmetic.
-    """
-
-    def __init__(self, model: torch.nn.Module, clients: int) -> None:
-        self.model = model
-        self.clients = clients
-        self.pending: list = []
-        self.steps = 0
-        self.lock = threading.Lock()
-
-    def push(self, grads: Dict[str, torch.Tensor]) -> int:
-        with self.lock:
-            self.pending.append(grads)
-            if len(self.pending) == self.clients:
-                with torch.no_grad():
-                    for name, param in self.model.named_parameters():
-                        param.sub_(torch.stack([g[name] for g in self.pending]).mean(0))
-                self.pending.clear()
-                self.steps += 1
-            return self.steps
-
-    def pull(self) -> Dict[str, torch.Tensor]:
-        with self.lock:
-            return {k: v.clone() for k, v in self.model.state_dict().items()}
 
 
 def make_model() -> torch.nn.Module:
@@ -73,40 +41,25 @@ def gradient_round(world: World, group: RpcGroup) -> Dict[str, Any]:
     """One gradient-server round across the hosts: every rank pushes, rank 0 steps, all pull.
 
     Every rank computes the gradients of ``model(x).sum()`` with ``x`` filled with
-    ``rank + 1``; the server averages them (mean of 1..world_size) and steps SGD(lr=1),
-    so the expected parameters are exact.
-
-    GRADIENT SERVER GOES HERE. This is the manual equivalent built on RpcGroup services
-    (push to a service on rank 0 that averages and steps, pull the parameters), written
-    before ``machinlike.server`` existed. With it, the body becomes (SPEC 4.3; same model,
-    same inputs, same expected parameters in the test):
-
-        server = PushPullGradServerImpl("grad", group, primary_reducer="0",
-                                        reduce_method="mean", reduce_batch_size=world.world_size)
-        if world.rank == 0:
-            primary = make_model()
-            server.manage_model(primary, torch.optim.SGD(primary.parameters(), lr=1.0))
-        server.start()
-        accessor = <the PushPullGradServer accessor of "grad">
-        model = make_model(); <backward as below>; accessor.push(model)
-        <wait until the primary stepped once>; accessor.pull(model)
-        group.barrier(); server.stop()
+    ``rank + 1`` and pushes them through ``PushPullGradServer``; the single secondary
+    reducer (on rank 0) gathers all of them in one batch, the primary takes their mean and
+    steps SGD(lr=1), so the expected parameters are exact.
     """
-    if world.rank == 0:
-        stepper = _AveragingStepper(make_model(), world.world_size)
-        group.register("grad/push", stepper.push)
-        group.register("grad/pull", stepper.pull)
-    group.barrier()
+    servers = grad_server_helper(
+        [make_model], group=group, optimizer=torch.optim.SGD, learning_rate=1.0,
+        primary_reducer="0", secondary_reducers=["0"], reduce_method="mean",
+        reduce_batch_size=world.world_size)
+    (server,) = servers
     model = make_model()
     model(torch.full((1, 4), float(world.rank + 1))).sum().backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    group.registered_sync("grad/push", args=(grads,))
-    group.barrier()  # every push is in, so the step has happened
-    model.load_state_dict(group.registered_sync("grad/pull"))
-    group.barrier()  # nobody withdraws the services while a peer still pulls
+    assert server.push(model)
+    group.barrier()  # every push is queued on the secondary
     if world.rank == 0:
-        group.deregister("grad/push")
-        group.deregister("grad/pull")
+        server.flush()  # one step over all of them
+    group.barrier()
+    server.pull(model)
+    group.barrier()  # nobody stops the servers while a peer still pulls
+    servers.close()
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
 

@@ -389,6 +389,7 @@ def test_grad_server_helper_runs_every_reducer(world):
     mlp_server, tiny_server = servers
     model, tiny = _mlp(), _tiny()
     assert mlp_server.pull(model) and tiny_server.pull(tiny) and model.pp_version == 0
+    servers.group.barrier()  # nobody pushes (and so makes version 1) before all pulled version 0
     torch.manual_seed(int(world.name) + 1)
     for _ in range(2):
         for m, s, inputs in ((model, mlp_server, 4), (tiny, tiny_server, 2)):
