@@ -47,7 +47,6 @@ from __future__ import annotations
 import itertools
 import os
 import select
-import signal
 import threading
 import time
 from collections import deque
