@@ -1,0 +1,113 @@
+"""Sphinx configuration of the machinlike documentation.
+
+Build:  python -m sphinx -W -b html docs docs/_build/html
+(``tests/test_docs.py`` runs exactly this, so a broken reference fails the test suite.)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# The package is documented from this checkout, installed or not.
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+project = "machinlike"
+author = "the machinlike authors"
+copyright = "the machinlike authors"
+release = version = "0.1.0"
+
+#: The pages of ``machinlike.pool`` (tutorials/pools.rst, api/pool.rst) are written but
+#: the pool package is merged separately. Set this to True once ``import machinlike.pool``
+#: works: that single line publishes them (they are already listed in the toctrees).
+pool_pages = False
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+exclude_patterns = ["_build", "tutorials/code"]
+if not pool_pages:
+    exclude_patterns += ["tutorials/pools.rst", "api/pool.rst"]
+    # The toctree entries of the excluded pool pages are dropped silently; any other
+    # excluded entry would be a mistake, but nothing else is excluded.
+    suppress_warnings = ["toc.excluded"]
+
+# Pages that mention the pool tutorial link it only once it is published.
+rst_epilog = (".. |pools-page| replace:: :doc:`the pools tutorial </tutorials/pools>`\n" if pool_pages
+              else ".. |pools-page| replace:: the pools tutorial (published with machinlike.pool)\n")
+
+root_doc = "index"
+html_theme = "alabaster"
+html_title = "machinlike"
+html_static_path: list = []
+html_theme_options = {"description": "torch.distributed building blocks for RL and parameter servers",
+                      "fixed_sidebar": True}
+pygments_style = "sphinx"
+
+# -- autodoc / napoleon --------------------------------------------------------------
+autodoc_default_options = {"show-inheritance": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autodoc_class_signature = "mixed"
+autodoc_preserve_defaults = True
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+# Attributes as fields of their class, not as separate objects (a class that also
+# documents the same name elsewhere would otherwise clash).
+napoleon_use_ivar = True
+
+# Every reference to a machinlike object must resolve: a broken one fails the -W build.
+# Without intersphinx (the build runs offline), references to torch, the standard
+# library and typing cannot resolve and are ignored.
+nitpicky = True
+# A private machinlike name (``machinlike.event._CompositeEvent`` in an annotation) is
+# not documented either; it renders as plain text.
+nitpick_ignore_regex = [(r"py:.*", r"(?!machinlike\b).*"), (r"py:.*", r"machinlike(\.\w+)*\._\w+")]
+
+
+def _public_target(app, env, node, contnode):
+    """Resolve a reference to where the object is documented.
+
+    autodoc spells annotation types by their defining module
+    (``machinlike.distributed._world.World``) and docstrings may use a re-exported path
+    (``machinlike.World``); the reference documents each object once, at its public
+    path (``machinlike.distributed.World``). Private path parts are dropped and the
+    longest suffix that names exactly one documented machinlike object wins.
+    """
+    target = node.get("reftarget", "")
+    if node.get("refdomain") != "py" or not target.startswith("machinlike."):
+        return None
+    public = [p for p in target.split(".")[:-1] if not p.startswith("_")] + target.split(".")[-1:]
+    domain = env.get_domain("py")
+    names = [name for name in domain.objects if name.startswith("machinlike.")]
+    for start in range(1, len(public)):
+        suffix = "." + ".".join(public[start:])
+        found = [name for name in names if name.endswith(suffix)]
+        if len(found) == 1:
+            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], found[0], node, contnode)
+        if found:
+            return None  # ambiguous: leave it to the nitpicky warning
+    return None
+
+
+def _public_bases(app, name, obj, options, bases):
+    """Show public base classes only: a private base (``_CompositeEvent``) is replaced by
+    its own bases, recursively."""
+    public = []
+    pending = list(bases)
+    while pending:
+        base = pending.pop(0)
+        if base.__name__.startswith("_") and base.__module__.startswith("machinlike"):
+            pending[0:0] = [b for b in base.__bases__ if b is not object]
+        elif base not in public:
+            public.append(base)
+    bases[:] = public or [object]
+
+
+def setup(app):
+    app.connect("missing-reference", _public_target)
+    app.connect("autodoc-process-bases", _public_bases)
