@@ -94,20 +94,49 @@ def _public_target(app, env, node, contnode):
     return None
 
 
+def _is_public_class(cls) -> bool:
+    """Whether the reference documents ``cls``: machinlike classes only when a public
+    module exports them (``machinlike.pool._api.PoolBase`` is an implementation detail)."""
+    module = getattr(cls, "__module__", "")
+    if not module.startswith("machinlike"):
+        return True
+    if cls.__name__.startswith("_"):
+        return False
+    public_module = ".".join(p for p in module.split(".") if not p.startswith("_"))
+    return cls.__name__ in getattr(sys.modules.get(public_module), "__all__", ())
+
+
 def _public_bases(app, name, obj, options, bases):
-    """Show public base classes only: a private base (``_CompositeEvent``) is replaced by
-    its own bases, recursively."""
+    """Show documented base classes only: another machinlike base is replaced by its own
+    bases, recursively."""
     public = []
     pending = list(bases)
     while pending:
         base = pending.pop(0)
-        if base.__name__.startswith("_") and base.__module__.startswith("machinlike"):
+        if not _is_public_class(base):
             pending[0:0] = [b for b in base.__bases__ if b is not object]
         elif base not in public:
             public.append(base)
     bases[:] = public or [object]
 
 
+#: Classes that programs get from a factory, never construct: their constructor's
+#: arguments are internal, so the reference shows no signature for them.
+FACTORY_MADE = {
+    "machinlike.distributed.RpcGroup": "World.create_rpc_group",
+    "machinlike.distributed.CollectiveGroup": "World.create_collective_group",
+    "machinlike.distributed.RpcFuture": "RpcGroup.registered_async and rpc_async",
+    "machinlike.server.ServerHandles": "grad_server_helper and model_server_helper",
+}
+
+
+def _hide_internal_signature(app, what, name, obj, options, signature, return_annotation):
+    if what == "class" and name in FACTORY_MADE:
+        return "", return_annotation
+    return None
+
+
 def setup(app):
+    app.connect("autodoc-process-signature", _hide_internal_signature)
     app.connect("missing-reference", _public_target)
     app.connect("autodoc-process-bases", _public_bases)
