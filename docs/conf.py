@@ -45,7 +45,7 @@ html_theme = "alabaster"
 html_title = "machinlike"
 html_static_path: list = []
 html_theme_options = {"description": "torch.distributed building blocks for RL and parameter servers",
-                      "fixed_sidebar": True}
+                      "fixed_sidebar": True, "page_width": "1240px", "sidebar_width": "230px"}
 pygments_style = "sphinx"
 
 # -- autodoc / napoleon --------------------------------------------------------------
