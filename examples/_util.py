@@ -110,3 +110,17 @@ def summary(title: str, values: Dict[str, Any]) -> None:
     print(f"== {title}")
     for key, value in values.items():
         print(f"   {key:<{width}}  {value}")
+
+
+def plot_csv(path: str, x: str, y: Sequence[str], title: str) -> Optional[str]:
+    """``Curve.plot`` of a curve CSV that another process wrote (read, not started afresh).
+
+    The training examples write their curve on rank 0 and draw it here, in the launching
+    process, once the ranks are done: importing matplotlib inside a rank would hold up
+    every other rank's World shutdown.
+    """
+    curve = Curve.__new__(Curve)  # not __init__: that would truncate the file
+    curve.path = path
+    with open(path, newline="") as stream:
+        curve.columns = next(csv.reader(stream))
+    return curve.plot(x, y, title)

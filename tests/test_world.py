@@ -116,6 +116,8 @@ def test_rpc_only_world(world):
 
 TORCHRUN_SCRIPT = textwrap.dedent(
     """
+    import os
+
     import torch
     from machinlike.distributed import World
 
@@ -126,7 +128,9 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     total = sum(group.registered_sync(f"rank{r}") for r in range(world.world_size))
     t = torch.ones(1) * world.rank
     torch.distributed.all_reduce(t)
-    print(f"rank {world.rank} of {world.world_size}: services {total} all_reduce {int(t.item())}", flush=True)
+    # One write per line: print() writes the text and the newline separately, and three
+    # ranks share torchrun's stdout pipe, so their lines could interleave.
+    os.write(1, f"rank {world.rank} of {world.world_size}: services {total} all_reduce {int(t.item())}\\n".encode())
     group.barrier()
     world.stop()
 
@@ -137,7 +141,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
         return base + world.rank
 
     (mine,) = machinlike.launch(job, 99, args=(100,))
-    print(f"launched rank {mine - 100} of {world.world_size}", flush=True)
+    os.write(1, f"launched rank {mine - 100} of {world.world_size}\\n".encode())
     """
 )
 

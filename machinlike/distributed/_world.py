@@ -181,7 +181,10 @@ class World:
         if store is None:
             info = _rendezvous.open_store(self.rank, self.world_size, init_method, self.dist_timeout)
         else:
-            info = _rendezvous.StoreInfo(store, getattr(store, "host", "?"), getattr(store, "port", 0),
+            base = store
+            while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
+                base = base.underlying_store
+            info = _rendezvous.StoreInfo(store, getattr(base, "host", "?"), getattr(base, "port", 0),
                                          False, "the launcher")
         self._store_info = info
         self._set_interface(interface, info.host, info.port)

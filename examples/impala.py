@@ -1,0 +1,458 @@
+"""IMPALA on gymnasium's CartPole-v1: actors ship trajectories, learners train with V-trace.
+
+Run it locally (1 learner + 2 actors; the launcher starts the processes):
+    python examples/impala.py
+Two learners in a CollectiveGroup, the model wrapped in DistributedDataParallel:
+    python examples/impala.py --learners 2
+Under torchrun, unchanged (the world size is torchrun's: learners first, the rest act):
+    torchrun --standalone --nproc-per-node 3 examples/impala.py
+
+    actor (ranks L..W-1)                                  learner l (ranks 0..L-1)
+    --------------------                                  ------------------------
+    model_server.pull(policy)            ◄── version v ── rank 0 pushes after every update
+    unroll T steps in E envs with policy v; keep the
+    behaviour log-probs and v
+    registered_async("impala/trajectories/<l>", traj) ──► async service: a bounded queue; when
+        (one in flight: the previous reply first;          it is full the reply is parked
+         the reply says whether to keep going)              (back-pressure; no RPC thread held)
+                                                          take B trajectories, V-trace targets,
+                                                          Adam step (DDP all-reduce when L = 2),
+                                                          lag = learner version - v
+    registered_async("impala/episodes", returns) ───────► rank 0: EpisodeLog (metric, CSV, stop)
+
+Actor i sends to learner i mod L, so each learner consumes its own share. The metric is the
+mean return of the last 100 training episodes finished by the actors (all of them; the
+actors sample from the stochastic behaviour policy). Training stops once it reaches
+``--target`` (0: never) or when ``--time-budget`` runs out.
+
+Seeds fix the initial weights, the environments and the actors' sampling; the order in
+which trajectories reach the learner depends on timing, so two runs are close but not
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import rpc
+from torch.nn.parallel import DistributedDataParallel
+
+import _util
+import machinlike
+from _episodes import EpisodeLog, collect_columns, cpu_seconds, format_mean
+from machinlike.server import PushPullModelServerImpl
+
+GROUP = "impala"
+SERVER = "impala_model"
+ENV = "CartPole-v1"
+
+
+class ActorCritic(nn.Module):
+    """Separate policy and value MLPs (tanh); ``forward`` gives (logits, value)."""
+
+    def __init__(self, obs_dim: int = 4, actions: int = 2, hidden: int = 64) -> None:
+        super().__init__()
+        self.policy = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                    nn.Linear(hidden, actions))
+        self.value = nn.Sequential(nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                   nn.Linear(hidden, 1))
+
+    def forward(self, obs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.policy(obs), self.value(obs).squeeze(-1)
+
+
+class Inbox:
+    """A learner's bounded queue of trajectories, filled through an asynchronous RPC service.
+
+    ``put`` is the service: while there is room the reply (True: keep going) is immediate;
+    on a full queue it is parked until ``take`` makes room, which throttles the actors
+    without holding one of the learner's RPC threads per waiting actor. After ``close``
+    every reply, parked or new, is False: training is over.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: Deque[Dict[str, Any]] = collections.deque()
+        self._parked: Deque[Tuple[torch.futures.Future, Dict[str, Any]]] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    @rpc.functions.async_execution
+    def put(self, trajectory: Dict[str, Any]) -> torch.futures.Future:
+        reply: torch.futures.Future = torch.futures.Future()
+        with self._cond:
+            if not self._closed and len(self._items) >= self._capacity:
+                self._parked.append((reply, trajectory))
+                return reply
+            accepted = not self._closed
+            if accepted:
+                self._items.append(trajectory)
+                self._cond.notify()
+        reply.set_result(accepted)  # outside the lock: it runs torch's reply callbacks
+        return reply
+
+    def take(self, count: int, timeout: float) -> List[Dict[str, Any]]:
+        """The next ``count`` trajectories, in arrival order.
+
+        Raises:
+            TimeoutError: fewer than ``count`` arrived within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._items) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the learner received {len(self._items)} of {count} trajectories "
+                                       f"within {timeout:g} s: are the actors alive?")
+                self._cond.wait(left)
+            batch = [self._items.popleft() for _ in range(count)]
+            released = []
+            while self._parked and len(self._items) < self._capacity:
+                reply, trajectory = self._parked.popleft()
+                self._items.append(trajectory)
+                released.append(reply)
+        for reply in released:
+            reply.set_result(True)
+        return batch
+
+    def close(self) -> None:
+        """Answer every parked and later ``put`` with False (stop)."""
+        with self._cond:
+            self._closed = True
+            released = [reply for reply, _ in self._parked]
+            self._parked.clear()
+            self._items.clear()
+        for reply in released:
+            reply.set_result(False)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+
+# ---------------------------------------------------------------------------- actors
+class Sampler:
+    """``E`` CartPole environments stepped together with one batched policy forward per step."""
+
+    def __init__(self, envs: int, seed: int, generator: torch.Generator) -> None:
+        self.envs = [gym.make(ENV) for _ in range(envs)]
+        self.obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(self.envs)]).astype(np.float32)
+        self.episode_returns = np.zeros(envs)
+        self.generator = generator
+
+    def unroll(self, model: ActorCritic, length: int) -> Tuple[Dict[str, Any], List[float]]:
+        """``length`` steps in every environment; returns the trajectory and finished episodes' returns.
+
+        ``done[t, e]`` means the episode ended at step t (terminated or truncated), so
+        ``obs[t + 1, e]`` starts the next one. A truncated episode (the 500-step time limit)
+        did not fail: its last observation travels in ``trunc_obs`` so that the learner can
+        bootstrap from it.
+        """
+        count = len(self.envs)
+        obs = np.empty((length + 1, count, self.obs.shape[1]), np.float32)
+        actions = np.empty((length, count), np.int64)
+        rewards = np.empty((length, count), np.float32)
+        done = np.zeros((length, count), np.float32)
+        logp = np.empty((length, count), np.float32)
+        trunc_index: List[Tuple[int, int]] = []
+        trunc_obs: List[np.ndarray] = []
+        finished: List[float] = []
+        for t in range(length):
+            obs[t] = self.obs
+            with torch.no_grad():
+                logits, _ = model(torch.from_numpy(self.obs))
+                log_probs = F.log_softmax(logits, dim=-1)
+                chosen = torch.multinomial(log_probs.exp(), 1, generator=self.generator)
+                logp[t] = log_probs.gather(1, chosen).squeeze(1).numpy()
+            actions[t] = chosen.squeeze(1).numpy()
+            for e, env in enumerate(self.envs):
+                nxt, reward, terminated, truncated, _ = env.step(int(actions[t, e]))
+                rewards[t, e] = reward
+                self.episode_returns[e] += reward
+                if terminated or truncated:
+                    done[t, e] = 1.0
+                    if truncated and not terminated:
+                        trunc_index.append((t, e))
+                        trunc_obs.append(nxt)
+                    finished.append(float(self.episode_returns[e]))
+                    self.episode_returns[e] = 0.0
+                    nxt, _ = env.reset()
+                self.obs[e] = nxt
+        obs[length] = self.obs
+        trajectory = {
+            "obs": torch.from_numpy(obs), "actions": torch.from_numpy(actions), "rewards": torch.from_numpy(rewards),
+            "done": torch.from_numpy(done), "logp": torch.from_numpy(logp),
+            "trunc_index": torch.tensor(trunc_index, dtype=torch.int64).reshape(-1, 2),
+            "trunc_obs": torch.from_numpy(np.array(trunc_obs, np.float32).reshape(-1, obs.shape[2])),
+            "version": model.pp_version,
+        }
+        return trajectory, finished
+
+
+def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace, index: int,
+        learners: Sequence[str]) -> Dict[str, Any]:
+    """An actor: pull the newest policy, unroll, ship the trajectory; until a reply says stop."""
+    server = group.get_paired(SERVER).to_here()
+    model = ActorCritic()
+    generator = torch.Generator().manual_seed(args.seed * 7919 + index)
+    sampler = Sampler(args.envs_per_actor, args.seed * 10_000 + index * args.envs_per_actor, generator)
+    learner = learners[index % len(learners)]
+    sending: Optional[machinlike.distributed.RpcFuture] = None
+    reporting: Optional[machinlike.distributed.RpcFuture] = None
+    unrolls, steps = 0, 0
+    while True:
+        server.pull(model)  # transfers nothing when the actor already has the newest version
+        trajectory, finished = sampler.unroll(model, args.unroll)
+        unrolls += 1
+        steps += args.unroll * args.envs_per_actor
+        # One send and one report in flight at a time: the learner's parked replies are
+        # what paces the actors. Only the learner's reply stops an actor: the learner may
+        # still be waiting for a batch when the episode log decides to stop, and it decides
+        # (with the other learner) after that batch.
+        if reporting is not None:
+            reporting.wait()
+        if sending is not None and not sending.wait():
+            break
+        sending = group.registered_async(f"{GROUP}/trajectories/{learner}", args=(trajectory,),
+                                         timeout=args.rpc_timeout)
+        reporting = group.registered_async(f"{GROUP}/episodes",
+                                           args=(world.name, finished, steps, trajectory["version"]),
+                                           timeout=args.rpc_timeout)
+        steps = 0
+    if reporting is not None:
+        reporting.wait()
+    return {"role": "actor", "name": world.name, "unrolls": unrolls}
+
+
+# --------------------------------------------------------------------------- learners
+def vtrace(values: torch.Tensor, bootstrap: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
+           log_rhos: torch.Tensor, rho_bar: float = 1.0, c_bar: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """V-trace targets and policy-gradient advantages (Espeholt et al., 2018, section 4.1).
+
+    Args:
+        values: V(x_t) of the learner, [T, N].
+        bootstrap: V(x_T), [N].
+        rewards: r_t, [T, N].
+        discounts: gamma_t, [T, N]: gamma, or 0 where the episode ended at step t.
+        log_rhos: log(pi(a_t | x_t) / mu(a_t | x_t)), learner over behaviour policy, [T, N].
+        rho_bar, c_bar: Truncation levels of the importance weights (rho-bar, c-bar).
+
+    Returns:
+        (v_s, advantages), each [T, N]: v_s = V(x_s) + sum_t gamma^(t-s) (prod c_i) delta_t V
+        computed backwards, and rho_s (r_s + gamma_s v_{s+1} - V(x_s)).
+    """
+    rhos = log_rhos.exp()
+    clipped_rhos = rhos.clamp(max=rho_bar)
+    cs = rhos.clamp(max=c_bar)
+    next_values = torch.cat([values[1:], bootstrap.unsqueeze(0)], dim=0)
+    deltas = clipped_rhos * (rewards + discounts * next_values - values)
+    vs_minus_v = torch.empty_like(deltas)
+    acc = torch.zeros_like(bootstrap)
+    for t in reversed(range(values.shape[0])):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v[t] = acc
+    vs = values + vs_minus_v
+    vs_next = torch.cat([vs[1:], bootstrap.unsqueeze(0)], dim=0)
+    return vs, clipped_rhos * (rewards + discounts * vs_next - values)
+
+
+def vtrace_loss(net: nn.Module, model: ActorCritic, batch: List[Dict[str, Any]],
+                args: argparse.Namespace) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """The IMPALA loss of a batch of trajectories: policy gradient with V-trace advantages,
+    value regression onto v_s, and an entropy bonus.
+
+    ``net`` runs the differentiated forward (the DDP wrapper when there is one); ``model``
+    the no-grad bootstrap of truncated episodes.
+    """
+    obs = torch.cat([t["obs"] for t in batch], dim=1)            # [T+1, N, obs]
+    actions = torch.cat([t["actions"] for t in batch], dim=1)    # [T, N]
+    rewards = torch.cat([t["rewards"] for t in batch], dim=1)
+    done = torch.cat([t["done"] for t in batch], dim=1)
+    behaviour_logp = torch.cat([t["logp"] for t in batch], dim=1)
+    length, width = actions.shape
+    logits, values = net(obs.reshape(-1, obs.shape[-1]))
+    logits = logits.reshape(length + 1, width, -1)[:-1]
+    values = values.reshape(length + 1, width)
+    log_probs = F.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(2, actions.unsqueeze(2)).squeeze(2)
+    with torch.no_grad():
+        # A truncated episode continues past the time limit: fold gamma * V(last obs) into
+        # its last reward, and the zero discount cuts the trace as for a real ending.
+        rewards = rewards.clone()
+        offset = 0
+        for t in batch:
+            if len(t["trunc_index"]):
+                _, tail = model(t["trunc_obs"])
+                rewards[t["trunc_index"][:, 0], t["trunc_index"][:, 1] + offset] += args.gamma * tail
+            offset += t["actions"].shape[1]
+        log_rhos = logp.detach() - behaviour_logp
+        vs, advantages = vtrace(values[:-1].detach(), values[-1].detach(), rewards, args.gamma * (1.0 - done),
+                                log_rhos, args.rho_bar, args.c_bar)
+    policy_loss = -(logp * advantages).mean()
+    value_loss = 0.5 * (vs - values[:-1]).pow(2).mean()
+    entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+    loss = policy_loss + args.baseline_cost * value_loss - args.entropy_cost * entropy
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
+                  "rho_mean": log_rhos.exp().mean().item()}
+
+
+def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
+          collective: Optional[machinlike.CollectiveGroup], actors: int) -> Dict[str, Any]:
+    """A learner; rank 0 also hosts the model server and the episode log and decides when to stop."""
+    lead = world.rank == 0
+    inbox = Inbox(args.queue_size)
+    group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
+    torch.manual_seed(args.seed)  # identical initial weights on every learner
+    model = ActorCritic()
+    net: nn.Module = model
+    if collective is not None:
+        net = DistributedDataParallel(model, process_group=collective.group)
+    optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
+    state = {"updates": 0, "version_lag": ""}
+    log = None
+    if lead:
+        curve = _util.Curve(args.out, collect_columns(["updates", "version_lag"]))
+        log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state))
+        impl = PushPullModelServerImpl(SERVER, group)
+        group.register(f"{GROUP}/episodes", log.report)
+        server = group.get_paired(SERVER).to_here()
+        server.push(model)  # version 1: what the actors start from
+        print(f"[learner 0] {len(world.get_members())} processes: {collective.size() if collective else 1} "
+              f"learner(s), {actors} actor(s) x {args.envs_per_actor} envs; metric: mean return of the last "
+              f"{args.window} training episodes of all actors", flush=True)
+    group.barrier()  # services, the episode log and version 1 exist from here on
+
+    progress = _util.Progress(args.print_every)
+    window_updates, window_start = 0, time.monotonic()
+    lags: List[int] = []
+    stats: Dict[str, float] = {}
+    while True:
+        stop = log.should_stop() if lead else False
+        if collective is not None:
+            # Both learners must leave after the same update: DDP's all-reduce pairs them.
+            flag = torch.tensor([float(stop)])
+            collective.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            stop = bool(flag.item())
+        if stop:
+            break
+        batch = inbox.take(args.batch_size, timeout=args.rpc_timeout)
+        version = state["updates"] + 1  # the version the learner's weights have (rank 0 published it)
+        batch_lags = [version - t["version"] for t in batch]
+        loss, stats = vtrace_loss(net, model, batch, args)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
+        optimizer.step()
+        state["updates"] += 1
+        state["version_lag"] = f"{sum(batch_lags) / len(batch_lags):.2f}"
+        window_updates += 1
+        if lead:
+            server.push(model)
+            lags += batch_lags
+            if progress.due():
+                now = time.monotonic()
+                snap = log.snapshot()
+                print(f"[learner 0] {progress.elapsed():6.1f} s  env steps {snap['env_steps']:>8,}  "
+                      f"episodes {snap['episodes']:>5}  mean return (last {args.window}) "
+                      f"{format_mean(snap['mean_return']):>6}  updates {state['updates']:>6} "
+                      f"({window_updates / max(now - window_start, 1e-9):5.1f}/s)  version lag mean "
+                      f"{sum(lags) / max(len(lags), 1):.2f} max {max(lags, default=0)}  queue {len(inbox)}/"
+                      f"{args.queue_size}  entropy {stats['entropy']:.3f}", flush=True)
+                window_updates, window_start, lags = 0, now, []
+    inbox.close()  # parked and later sends answer "stop"
+    result: Dict[str, Any] = {"role": "learner", "name": world.name, "updates": state["updates"]}
+    if lead:
+        snap = log.snapshot()
+        result.update(snap, reason=log.reason, impl=impl, curve=curve)
+    return result
+
+
+# ------------------------------------------------------------------------------ roles
+def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
+    torch.set_num_threads(1)  # 2 cores, several processes: one thread each
+    learners = args.learners
+    if world.world_size < 2 * learners:
+        # Actor i feeds learner i mod L; a learner without actors would wait for ever while
+        # the other waits for it in the all-reduce.
+        raise ValueError(f"a world of {world.world_size} processes gives some of the --learners {learners} no actor; "
+                         f"start at least {2 * learners} processes (one actor per learner) or use fewer learners")
+    start = time.monotonic()
+    group = world.create_rpc_group(GROUP, world.get_members())
+    # Every process enters the creation of the learners' process group, members or not.
+    collective = world.create_collective_group(list(range(learners))) if learners > 1 else None
+    names = [str(rank) for rank in range(learners)]
+    if world.rank < learners:
+        result = learn(world, group, args, collective if learners > 1 else None, world.world_size - learners)
+    else:
+        group.barrier()  # the learners registered their services and pushed version 1
+        result = act(world, group, args, world.rank - learners, names)
+    group.barrier()  # nobody calls a service any more
+    if world.rank == 0:
+        result["train_time"] = time.monotonic() - start
+        result.pop("impl").close()
+        png = result.pop("curve").plot("env_steps", ["return", "mean_return"], f"IMPALA on {ENV}: episode returns")
+        result["png"] = png
+    group.destroy()
+    result["cpu"] = cpu_seconds()
+    if collective is not None:
+        collective.destroy()
+    return result
+
+
+def main() -> None:
+    parser = _util.parser(__doc__.splitlines()[0], workers=2, budget=300, out="runs/impala.csv")
+    parser.add_argument("--learners", type=int, default=1, choices=(1, 2),
+                        help="learner processes; 2 form a CollectiveGroup and train with DDP (default 1)")
+    parser.add_argument("--envs-per-actor", type=int, default=8, help="environments per actor (default 8)")
+    parser.add_argument("--unroll", type=int, default=20, help="trajectory length T, steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="actor messages (each E trajectories of T steps) per update (default 4)")
+    parser.add_argument("--queue-size", type=int, default=8, help="messages a learner queues (default 8)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
+    parser.add_argument("--entropy-cost", type=float, default=0.01, help="(default 0.01)")
+    parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
+    parser.add_argument("--rho-bar", type=float, default=1.0, help="V-trace importance clip rho-bar (default 1)")
+    parser.add_argument("--c-bar", type=float, default=1.0, help="V-trace trace clip c-bar (default 1)")
+    parser.add_argument("--max-grad-norm", type=float, default=10.0, help="gradient clipping (default 10)")
+    parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
+    parser.add_argument("--target", type=float, default=195.0,
+                        help="stop when the mean return reaches this; 0: use the whole budget (default 195)")
+    parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
+    parser.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines")
+    args = parser.parse_args()
+    for name in ("num_workers", "envs_per_actor", "unroll", "batch_size", "queue_size", "window"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.queue_size < args.batch_size:
+        parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
+    start = time.monotonic()
+    results = _util.run(worker, args.learners + args.num_workers, args)
+    for result in results:
+        if result.get("name") == "0":
+            # Launched here: every rank's time plus this parent's. Under torchrun: this rank's.
+            cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 else 0.0)
+            _util.summary("IMPALA on " + ENV, {
+                "stopped": result["reason"],
+                f"mean return, last {args.window} episodes (all actors)": format_mean(result["mean_return"]),
+                "episodes": result["episodes"],
+                "environment steps": f"{result['env_steps']:,}",
+                "learner updates": result["updates"],
+                "training time (incl. set-up)": f"{result['train_time']:.1f} s",
+                "wall time": f"{time.monotonic() - start:.1f} s",
+                "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
+                "learning curve": args.out + (f", {result['png']}" if result["png"] else ""),
+            })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The public surface every pool shares: the standard pool API over a pluggable engine.
+
+An engine (``ProcessCore`` or ``ThreadCore``) offers ``call``, ``function`` + ``map``,
+``feed_opened`` / ``feed_closed``, ``close``, ``terminate``, ``join``, ``check_running``
+and ``state``; this class validates arguments, builds the result objects, splits maps
+into chunks, and owns the lifetime (finalizer at garbage collection and interpreter
+exit). The five public pools are configurations of it (see ``machinlike.pool``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from multiprocessing import util as _mp_util
+from typing import Any, Callable, Iterable, List, Optional
+
+from ._feed import Feeder
+from ._result import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult, check_timeout
+
+__all__ = ["PoolBase", "default_processes", "check_processes", "check_maxtasks", "check_callable", "check_bool",
+           "check_contexts", "as_args"]
+
+# Before multiprocessing's own exit work (which joins non-daemon children, and would
+# wait forever for the workers of a pool nobody closed).
+_EXIT_PRIORITY = 15
+
+
+def default_processes() -> int:
+    """Number of CPUs this process may run on."""
+    counter = getattr(os, "process_cpu_count", None)  # Python >= 3.13
+    if counter is not None:
+        return counter() or 1
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check_processes(processes: Any, required: bool = False) -> int:
+    if processes is None and not required:
+        return default_processes()
+    if isinstance(processes, bool) or not isinstance(processes, int):
+        raise TypeError(f"processes must be an int (number of workers), not {type(processes).__name__}")
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    return processes
+
+
+def check_maxtasks(maxtasks: Any) -> Optional[int]:
+    if maxtasks is None:
+        return None
+    if isinstance(maxtasks, bool) or not isinstance(maxtasks, int):
+        raise TypeError(f"maxtasksperchild must be None or an int, not {type(maxtasks).__name__}")
+    if maxtasks < 1:
+        raise ValueError(f"maxtasksperchild must be None (no limit) or >= 1, got {maxtasks}")
+    return maxtasks
+
+
+def check_callable(value: Any, param: str, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise TypeError(f"{param} must be callable{' or None' if optional else ''}, not {type(value).__name__}")
+
+
+def check_bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{param} must be a bool, not {type(value).__name__}")
+    return value
+
+
+def as_args(args: Any, param: str) -> tuple:
+    if isinstance(args, tuple):
+        return args
+    if isinstance(args, (str, bytes)):
+        raise TypeError(f"{param} must be a tuple of arguments, not a {type(args).__name__}; write ({args!r},)")
+    try:
+        return tuple(args)
+    except TypeError:
+        raise TypeError(f"{param} must be a tuple of arguments, not {type(args).__name__}; write (value,)") from None
+
+
+def check_contexts(worker_contexts: Any, processes: int) -> List[Any]:
+    if worker_contexts is None:
+        return [None] * processes
+    if isinstance(worker_contexts, (str, bytes)) or not isinstance(worker_contexts, Iterable):
+        raise TypeError(f"worker_contexts must be a sequence with one context per worker, not {type(worker_contexts).__name__}")
+    contexts = list(worker_contexts)
+    if len(contexts) != processes:
+        raise ValueError(
+            f"worker_contexts has {len(contexts)} context(s) but processes={processes}: "
+            f"give exactly one context per worker"
+        )
+    return contexts
+
+
+def _check_chunksize(chunksize: Any, optional: bool) -> Optional[int]:
+    if chunksize is None and optional:
+        return None
+    if isinstance(chunksize, bool) or not isinstance(chunksize, int):
+        raise TypeError(f"chunksize must be {'None or ' if optional else ''}an int, not {type(chunksize).__name__}")
+    if chunksize < 1:
+        raise ValueError(f"chunksize must be >= 1, got {chunksize}")
+    return chunksize
+
+
+def _as_kwds(kwds: Any) -> Optional[dict]:
+    if kwds is None:
+        return None
+    if not isinstance(kwds, Mapping):
+        raise TypeError(f"kwds must be a mapping of keyword arguments or None, not {type(kwds).__name__}")
+    return dict(kwds) if kwds else None
+
+
+def _shut_down(backend: Any, feeder: Feeder) -> None:
+    feeder.stop()
+    backend.terminate()
+
+
+class PoolBase:
+    """The standard pool API over an engine (base of every public pool)."""
+
+    _backend: Any
+    _feeder: Feeder
+
+    def _setup(self, backend: Any) -> None:
+        self._backend = backend
+        self._feeder = Feeder(backend, backend.name)
+        # Garbage collection of the pool, or interpreter exit, terminates it. The
+        # finalizer holds the engine, never the pool (which it must let die).
+        self._finalizer = _mp_util.Finalize(self, _shut_down, args=(backend, self._feeder), exitpriority=_EXIT_PRIORITY)
+
+    # ------------------------------------------------------------------ single calls
+
+    def apply(self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: Optional[Mapping] = None) -> Any:
+        """Run ``func(*args, **kwds)`` in a worker and return its result.
+
+        Raises:
+            Exception: what the call raised (see :meth:`AsyncResult.get`).
+            ValueError: the pool is not running.
+        """
+        return self.apply_async(func, args, kwds).get()
+
+    def apply_async(
+        self,
+        func: Callable[..., Any],
+        args: Iterable[Any] = (),
+        kwds: Optional[Mapping] = None,
+        callback: Optional[Callable[[Any], Any]] = None,
+        error_callback: Optional[Callable[[BaseException], Any]] = None,
+    ) -> AsyncResult:
+        """Start ``func(*args, **kwds)`` in a worker.
+
+        Args:
+            func: Any callable, including lambdas, local functions and closures.
+            args: Positional arguments (a tuple).
+            kwds: Keyword arguments, or None.
+            callback: Called with the result when it arrives.
+            error_callback: Called with the exception if the call fails.
+
+        Returns:
+            The pending result.
+
+        Raises:
+            TypeError: a bad argument type (``args`` not a tuple, ``func`` not callable).
+            ValueError: the pool is not running.
+            BrokenPoolError: the pool is broken.
+        """
+        check_callable(func, "func")
+        args = as_args(args, "args")
+        kwds = _as_kwds(kwds)
+        check_callable(callback, "callback", optional=True)
+        check_callable(error_callback, "error_callback", optional=True)
+        backend = self._backend
+        backend.check_running()
+        result = AsyncResult(self, callback, error_callback)
+        backend.call(result, func, args, kwds)
+        return result
+
+    # ------------------------------------------------------------------ maps
+
+    def map(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: Optional[int] = None) -> List[Any]:
+        """``[func(x) for x in iterable]``, computed by the workers, in input order.
+
+        Args:
+            func: Applied to each item. Pickled once for the whole map.
+            iterable: The items (consumed at once, as by the standard pool).
+            chunksize: Items per task; None picks about four tasks per worker.
+
+        Raises:
+            Exception: the first failing item's exception.
+        """
+        return self._map_async(func, iterable, chunksize, None, None, False).get()
+
+    def map_async(
+        self,
+        func: Callable[[Any], Any],
+        iterable: Iterable[Any],
+        chunksize: Optional[int] = None,
+        callback: Optional[Callable[[Any], Any]] = None,
+        error_callback: Optional[Callable[[BaseException], Any]] = None,
+    ) -> MapResult:
+        """Asynchronous :meth:`map`; ``callback`` gets the list of results."""
+        return self._map_async(func, iterable, chunksize, callback, error_callback, False)
+
+    def starmap(self, func: Callable[..., Any], iterable: Iterable[Iterable[Any]], chunksize: Optional[int] = None) -> List[Any]:
+        """Like :meth:`map`, calling ``func(*item)``."""
+        return self._map_async(func, iterable, chunksize, None, None, True).get()
+
+    def starmap_async(
+        self,
+        func: Callable[..., Any],
+        iterable: Iterable[Iterable[Any]],
+        chunksize: Optional[int] = None,
+        callback: Optional[Callable[[Any], Any]] = None,
+        error_callback: Optional[Callable[[BaseException], Any]] = None,
+    ) -> MapResult:
+        """Asynchronous :meth:`starmap`."""
+        return self._map_async(func, iterable, chunksize, callback, error_callback, True)
+
+    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
+        """A lazy :meth:`map`: results in input order as they come, input pulled as needed.
+
+        The pool reads ``iterable`` in a background thread, keeping a bounded number of
+        chunks ahead of what has been consumed (for any ``chunksize``), so it may be
+        endless; dropping the iterator stops the reading and closes a generator input.
+        """
+        return self._imap(IMapIterator, func, iterable, chunksize)
+
+    def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapUnorderedIterator:
+        """Like :meth:`imap`, with results in completion order."""
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)  # type: ignore[return-value]
+
+    def _map_async(
+        self, func: Any, iterable: Any, chunksize: Any, callback: Any, error_callback: Any, star: bool
+    ) -> MapResult:
+        check_callable(func, "func")
+        chunksize = _check_chunksize(chunksize, optional=True)
+        check_callable(callback, "callback", optional=True)
+        check_callable(error_callback, "error_callback", optional=True)
+        backend = self._backend
+        backend.check_running()
+        try:
+            items = list(iterable)
+        except TypeError:
+            if not isinstance(iterable, Iterable):
+                raise TypeError(f"iterable must be iterable, not {type(iterable).__name__}") from None
+            raise
+        if chunksize is None:
+            chunksize, extra = divmod(len(items), backend.processes * 4)
+            chunksize += 1 if extra or not chunksize else 0
+        result = MapResult(self, len(items), callback, error_callback)
+        if items:
+            try:
+                handle = backend.function(func)
+            except Exception as exc:
+                result._failed(0, len(items), exc)
+                return result
+            chunks = [(start, items[start:start + chunksize]) for start in range(0, len(items), chunksize)]
+            backend.map(result, handle, star, chunks, True)
+        return result
+
+    def _imap(self, cls: type, func: Any, iterable: Any, chunksize: Any) -> IMapIterator:
+        check_callable(func, "func")
+        chunksize = _check_chunksize(chunksize, optional=False)
+        self._backend.check_running()
+        try:
+            source = iter(iterable)
+        except TypeError:
+            raise TypeError(f"iterable must be iterable, not {type(iterable).__name__}") from None
+        result = cls(self)
+        self._feeder.start(result, func, source, chunksize, False)
+        return result
+
+    # ------------------------------------------------------------------ lifetime
+
+    def size(self) -> int:
+        """Number of workers."""
+        return self._backend.processes
+
+    def close(self) -> None:
+        """Accept no new work; workers exit once everything submitted has finished."""
+        self._backend.close()
+        self._feeder.unbound()
+
+    def terminate(self) -> None:
+        """Stop now: pending results fail with PoolTerminatedError, workers are ended.
+
+        Idempotent. Process workers get SIGTERM, then SIGKILL after a grace period.
+        """
+        self._feeder.stop()
+        self._backend.terminate()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the workers to exit, after :meth:`close` or :meth:`terminate`.
+
+        Args:
+            timeout: Seconds to wait; None waits as long as the remaining work takes.
+
+        Raises:
+            ValueError: the pool is still running (call close() or terminate() first).
+            TimeoutError: work or workers remain after ``timeout`` seconds.
+        """
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._backend.join(timeout)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._feeder.join(remaining):
+            raise TimeoutError(f"the pool's input feeder is still reading an imap input after {timeout:g} s")
+
+    def __enter__(self) -> "PoolBase":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.terminate()  # what the standard pool does
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} objects cannot be pickled or sent to another process: a pool "
+            f"belongs to the process that created it (create a pool inside the worker instead)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} state={self._backend.state} processes={self._backend.processes}>"
+
+    def __del__(self) -> None:
+        try:
+            if self._backend.state == "running":
+                warnings.warn(f"unclosed running pool {self!r}; it is terminated now", ResourceWarning, source=self)
+        except Exception:  # interpreter shutdown, or a constructor that failed early
+            pass
+
+    def _delivers_in_this_thread(self) -> bool:
+        return self._backend.delivers_in_this_thread()
+

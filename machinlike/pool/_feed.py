@@ -1,0 +1,193 @@
+"""Lazy input for ``imap`` / ``imap_unordered``: one feeder thread per pool.
+
+    IMapIterator.next() ── consumed ──┐
+                                      ▼
+    "machinlike-poolN-feeder": for each open feed, round robin, while it is fewer than
+    ``ahead`` items past what was consumed: pull one chunk from the input (user code,
+    no lock held) and hand it to the engine.
+
+The input is pulled lazily while the pool runs: an endless generator is fine, and an
+iterator the caller abandons (garbage collected) stops its feed and closes the input.
+Once the pool is closed the window is lifted, so that ``close(); join()`` cannot wait on
+a consumer that is not reading. The thread exists only while feeds are open.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections import deque
+from typing import Any, Callable, Deque, Iterator, Optional
+
+from ._errors import PoolTerminatedError
+
+__all__ = ["Feeder"]
+
+
+class _Feed:
+    __slots__ = ("feeder", "source", "chunksize", "star", "handle", "ref", "position", "consumed", "ahead", "cancelled")
+
+    def __init__(self, feeder: "Feeder", source: Iterator[Any], chunksize: int, star: bool, handle: Any, ahead: int) -> None:
+        self.feeder = feeder
+        self.source = source
+        self.chunksize = chunksize
+        self.star = star
+        self.handle = handle
+        self.ref: Optional[weakref.ref] = None
+        self.position = 0  # items pulled from the input so far
+        self.consumed = 0  # items the iterator has returned
+        self.ahead = ahead
+        self.cancelled = False
+
+    def consumed_one(self) -> None:
+        self.feeder._consumed(self)
+
+
+class Feeder:
+    """Feeds the imap calls of one pool (see the module docstring).
+
+    Args:
+        backend: The pool's engine (``map``, ``function``, ``feed_opened`` ...).
+        name: Prefix for the thread name.
+    """
+
+    def __init__(self, backend: Any, name: str) -> None:
+        self._backend = backend
+        self._name = name
+        # Reentrant: the abandonment callback (a weakref callback, run by the garbage
+        # collector in whatever thread) may fire in a thread that holds it.
+        self._cv = threading.Condition(threading.RLock())
+        self._feeds: Deque[_Feed] = deque()
+        self._thread: Optional[threading.Thread] = None
+        self._unbounded = False
+        self._stopped = False
+
+    def start(self, result: Any, func: Callable[..., Any], source: Iterator[Any], chunksize: int, star: bool) -> None:
+        """Open a feed that fills ``result`` (an IMapIterator) from ``source``."""
+        backend = self._backend
+        try:
+            handle = backend.function(func)
+        except Exception as exc:  # e.g. an unpicklable function: raised by next()
+            result._abort(exc)
+            return
+        feed = _Feed(self, source, chunksize, star, handle, backend.ahead() * chunksize)
+        feed.ref = weakref.ref(result, lambda _ref, feed=feed: self._abandon(feed))
+        result._feed = feed
+        backend.feed_opened()
+        with self._cv:
+            self._feeds.append(feed)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"{self._name}-feeder", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def unbound(self) -> None:
+        """The pool was closed: feed everything without waiting for consumers."""
+        with self._cv:
+            self._unbounded = True
+            self._cv.notify()
+
+    def stop(self) -> None:
+        """The pool was terminated: fail and drop every feed."""
+        with self._cv:
+            self._stopped = True
+            feeds = list(self._feeds)
+            self._cv.notify()
+        error = PoolTerminatedError("the pool was terminated before this imap finished")
+        for feed in feeds:
+            result = feed.ref() if feed.ref is not None else None
+            if result is not None:
+                result._abort(error)
+
+    def join(self, timeout: Optional[float]) -> bool:
+        """Wait for the feeder thread to end; False if it still runs after ``timeout``."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    # ------------------------------------------------------------------ the thread
+
+    def _consumed(self, feed: _Feed) -> None:
+        with self._cv:
+            feed.consumed += 1
+            if feed.position - feed.consumed == feed.ahead - 1:
+                self._cv.notify()  # its window just reopened
+
+    def _abandon(self, feed: _Feed) -> None:
+        feed.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                feed = self._next_feed()
+                while feed is None:
+                    if not self._feeds:
+                        self._thread = None
+                        return
+                    self._cv.wait()
+                    feed = self._next_feed()
+            self._advance(feed)
+
+    def _next_feed(self) -> Optional[_Feed]:
+        halted = self._stopped or self._backend.state in ("terminated", "broken")
+        feeds = self._feeds
+        for _ in range(len(feeds)):
+            feed = feeds[0]
+            feeds.rotate(-1)
+            if halted or feed.cancelled or self._unbounded or feed.position - feed.consumed < feed.ahead:
+                return feed
+        return None
+
+    def _advance(self, feed: _Feed) -> None:
+        result = feed.ref() if feed.ref is not None else None
+        if result is None or feed.cancelled:
+            self._finish(feed, close_source=True)
+            return
+        backend = self._backend
+        if self._stopped or backend.state in ("terminated", "broken"):
+            error: BaseException = PoolTerminatedError("the pool was terminated before this imap finished")
+            if backend.state == "broken":
+                try:
+                    backend.check_running()
+                except Exception as exc:  # the BrokenPoolError, with its cause
+                    error = exc
+            result._abort(error)
+            self._finish(feed, close_source=True)
+            return
+        try:
+            items = list(itertools.islice(feed.source, feed.chunksize))
+        except BaseException as exc:  # the input itself failed: raised at its position
+            result._failed(feed.position, 1, exc)
+            result._set_length(feed.position + 1)
+            self._finish(feed, close_source=False)
+            return
+        if items:
+            start = feed.position
+            feed.position += len(items)
+            backend.map(result, feed.handle, feed.star, [(start, items)], False)
+        if len(items) < feed.chunksize:
+            result._set_length(feed.position)
+            self._finish(feed, close_source=False)
+
+    def _finish(self, feed: _Feed, close_source: bool) -> None:
+        with self._cv:
+            try:
+                self._feeds.remove(feed)
+            except ValueError:
+                return
+        backend = self._backend
+        backend.map(None, feed.handle, feed.star, [], True)  # no more chunks: may drop the function
+        backend.feed_closed()
+        if close_source:
+            close = getattr(feed.source, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # a generator's cleanup failing is not the pool's error
+                    pass
+        feed.source = iter(())

@@ -1,0 +1,214 @@
+"""A process pool's tensor policy: how tasks, results and contexts become bytes.
+
+Built on :class:`machinlike.pickle.Pickler` (C pickler, dill for lambdas and closures)
+with a dispatch table per policy::
+
+    policy                       CPU tensor                         CUDA tensor
+    copy (is_copy_tensor=True)   < 1 MiB: data in the pickle        data in the pickle
+                                 >= 1 MiB: one copy into fresh
+                                 named shared memory, shared
+    share_method="cpu"           shared memory (moved there once)   data in the pickle
+    share_method="cuda"          as in copy                         CUDA IPC handle
+
+Copy mode still shares *a copy*: a large tensor is copied once, into a shared-memory
+segment nobody else holds, and that segment travels by name. The receiver therefore owns
+a private copy (its in-place edits never reach the sender), and the data is copied once
+instead of four times (into the pickle, into the pipe, out of the pipe, out of the
+pickle). The segment is freed when the receiver drops the tensor.
+
+:meth:`Codec.dumps_tracked` also returns the storages the payload refers to by name, so
+that a payload loaded by several workers (a map's function) can keep them alive in the
+pool until every worker has loaded it: a named segment is unlinked as soon as nobody
+holds it, and torch counts one pickling as one load.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+
+import torch
+from torch.multiprocessing import reductions as _torch_red
+
+from .. import _reductions
+from ..pickle import Pickler
+
+__all__ = ["Codec", "LARGE_TENSOR_BYTES"]
+
+#: From this size on, copy mode moves a CPU tensor through one fresh shared-memory copy.
+LARGE_TENSOR_BYTES = 1 << 20
+
+_tracking = threading.local()
+
+
+def _track(storage: torch.UntypedStorage) -> None:
+    kept = getattr(_tracking, "kept", None)
+    if kept is not None:
+        kept.append(storage)
+
+
+def _share_storage(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
+    _track(storage)
+    return _reductions._reduce_storage_share(storage)
+
+
+class _NamedStorage:
+    """Pickles a storage by name whatever the table says about storages (copy mode
+    maps bare storages to "copy")."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return _share_storage(self.storage)
+
+
+def _copy_through_shared_memory(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    data = tensor.detach()
+    storage = torch.UntypedStorage._new_using_filename_cpu(data.numel() * data.element_size())
+    copy = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
+    copy.copy_(data)
+    return (
+        _rebuild_from_storage,
+        (type(tensor), _NamedStorage(storage), data.dtype, tuple(data.shape), tensor.requires_grad),
+    )
+
+
+def _rebuild_from_storage(
+    cls: type, storage: torch.UntypedStorage, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool
+) -> torch.Tensor:
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    if cls is torch.nn.Parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
+    copy_tensor = _reductions._reduce_tensor_copy
+    large = LARGE_TENSOR_BYTES
+
+    def reduce_tensor(tensor: torch.Tensor) -> Tuple[Any, ...]:
+        kind = tensor.device.type
+        if kind == "cpu":
+            if share_cpu:
+                return _torch_red.reduce_tensor(tensor)
+            if tensor.nbytes >= large and _reductions._is_plain_strided(tensor):
+                return _copy_through_shared_memory(tensor)
+            return copy_tensor(tensor)
+        if kind == "cuda" and share_cuda:
+            return _torch_red.reduce_tensor(tensor)
+        return copy_tensor(tensor)
+
+    table = _reductions.copy_reducers()
+    for cls in [torch.Tensor, torch.nn.Parameter, *torch._tensor_classes]:
+        table[cls] = reduce_tensor
+    table[torch.UntypedStorage] = _share_storage if share_cpu else _reductions._reduce_storage_copy
+    return table
+
+
+_tables: Dict[Tuple[bool, bool], _reductions.DispatchTable] = {}
+_tables_lock = threading.Lock()
+
+
+def _table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
+    key = (share_cpu, share_cuda)
+    with _tables_lock:
+        table = _tables.get(key)
+        if table is None:
+            table = _tables[key] = _make_table(share_cpu, share_cuda)
+        return table
+
+
+class _Sink:
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> int:
+        self.data = data
+        return len(data)
+
+
+class _PolicyPickler(Pickler):
+    """machinlike's pickler with a pool policy's table in place of the share table.
+
+    Built in share mode (``copy_tensor=False``) so that a failed pickling pass rolls
+    back the references it took on shared memory (machinlike.pickle's undo ledger).
+    """
+
+    def __init__(self, table: _reductions.DispatchTable, recurse: bool) -> None:
+        self._share_table = table  # read by Pickler.__init__ for copy_tensor=False
+        self._out = _Sink()
+        super().__init__(self._out, recurse=recurse, copy_tensor=False)
+
+    def to_bytes(self, obj: Any) -> bytes:
+        self.dump(obj)
+        data, self._out.data = self._out.data, b""
+        return data
+
+
+class Codec:
+    """Pickles a pool's payloads under its tensor policy; travels to the workers.
+
+    Args:
+        copy: machin's ``is_copy_tensor``.
+        share: Devices whose tensors are shared when ``copy`` is False (``"cpu"``,
+            ``"cuda"``).
+        recurse: machin's ``is_recursive`` (dill's ``recurse``).
+    """
+
+    __slots__ = ("copy", "share", "recurse", "_table")
+
+    def __init__(self, copy: bool, share: FrozenSet[str], recurse: bool) -> None:
+        self.copy = copy
+        self.share = frozenset() if copy else frozenset(share)
+        self.recurse = recurse
+        self._table = _table("cpu" in self.share, "cuda" in self.share)
+
+    @property
+    def shares_cpu(self) -> bool:
+        """Whether CPU tensors travel by reference (so the shared-memory manager is
+        certainly needed)."""
+        return "cpu" in self.share
+
+    def dumps(self, obj: Any) -> bytes:
+        """Pickle ``obj`` under the policy.
+
+        Raises:
+            pickle.PicklingError, TypeError: ``obj`` cannot be pickled.
+        """
+        picklers = getattr(_tracking, "picklers", None)
+        if picklers is None:
+            picklers = _tracking.picklers = {}
+        pickler: Optional[_PolicyPickler] = picklers.get(self._key())
+        if pickler is None or pickler._busy:
+            pickler = _PolicyPickler(self._table, self.recurse)
+            picklers.setdefault(self._key(), pickler)
+        return pickler.to_bytes(obj)
+
+    def dumps_tracked(self, obj: Any) -> Tuple[bytes, List[torch.UntypedStorage]]:
+        """Like :meth:`dumps`, plus the CPU storages the payload names (shared memory
+        that must outlive every load of it)."""
+        outer = getattr(_tracking, "kept", None)
+        kept: List[torch.UntypedStorage] = []
+        _tracking.kept = kept
+        try:
+            return self.dumps(obj), kept
+        finally:
+            _tracking.kept = outer
+
+    loads = staticmethod(pickle.loads)
+
+    def _key(self) -> Tuple[Any, ...]:
+        return (id(self._table), self.recurse)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (Codec, (self.copy, self.share, self.recurse))
+
+    def __repr__(self) -> str:
+        mode = "copy" if self.copy else "share " + "+".join(sorted(self.share))
+        return f"Codec({mode}, recurse={self.recurse})"

@@ -1,0 +1,272 @@
+"""The thread pool engine: worker threads on one in-memory queue; nothing is pickled.
+
+    callers ──(kind, job, func, ...)──> queue.SimpleQueue ──> "machinlike-poolN-thread-i"
+                                                              run, settle the job (callbacks
+                                                              under the pool's callback lock)
+
+Functions, arguments and results are the caller's own objects: a closure over a tensor
+edits that very tensor, and an exception keeps its own traceback. Callbacks never run
+concurrently (one lock), as in the standard pool where one thread runs them all.
+
+Threads cannot be killed: ``terminate()`` fails every pending task at once and stops the
+threads, but a task that is running finishes in the background (its result is dropped);
+``join()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import queue
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._errors import BrokenPoolError, PoolTerminatedError
+from ._worker import run_chunk
+
+__all__ = ["ThreadCore"]
+
+RUN, CLOSE, TERMINATE, BROKEN = "running", "closed", "terminated", "broken"
+
+_CALL, _MAP = 1, 2
+_STOP = None
+_counter = itertools.count(1)
+
+
+class ThreadCore:
+    """The engine behind :class:`~machinlike.pool.ThreadPool` (see the module docstring).
+
+    Args:
+        processes: Number of worker threads.
+        initializer: Called in each worker thread before its first task.
+        initargs: Arguments for ``initializer``.
+        contexts: One context per worker slot.
+        has_context: Whether functions receive their thread's context first.
+        maxtasks: Tasks (chunks) a thread runs before it is replaced; None: no limit.
+        daemon: Daemon flag of the threads.
+        label: Pool kind for thread names.
+    """
+
+    def __init__(
+        self, *, processes: int, initializer: Optional[Callable[..., Any]], initargs: tuple,
+        contexts: Sequence[Any], has_context: bool, maxtasks: Optional[int], daemon: bool, label: str,
+    ) -> None:
+        self.processes = processes
+        self.name = f"machinlike-{label}{next(_counter)}"
+        self._initializer = initializer
+        self._initargs = initargs
+        self._contexts = list(contexts)
+        self._has_context = has_context
+        self._maxtasks = maxtasks
+        self._daemon = daemon
+        self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._callback_lock = threading.Lock()
+        self._state = RUN
+        self._broken_error: Optional[BaseException] = None
+        self._jobs: Dict[int, List[Any]] = {}  # id(job) -> [job, tasks not yet settled]
+        self._feeds_open = 0
+        self._stops_sent = False
+        self._threads: List[threading.Thread] = []
+        self._generation = itertools.count()
+        self.replaced = 0
+        with self._lock:
+            for slot in range(processes):
+                self._start_thread(slot)
+
+    # ------------------------------------------------------------------ public side
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def ahead(self) -> int:
+        return self.processes * 2
+
+    def check_running(self) -> None:
+        """Raise unless new work is accepted (see ProcessCore.check_running)."""
+        state = self._state
+        if state is RUN:
+            return
+        if state is BROKEN:
+            error = BrokenPoolError(*self._broken_error.args)  # type: ignore[union-attr]
+            error.__cause__ = self._broken_error.__cause__  # type: ignore[union-attr]
+            raise error
+        raise ValueError(f"Pool not running: it was {state} (close() or terminate() was called)")
+
+    def delivers_in_this_thread(self) -> bool:
+        return False  # any worker thread may deliver; waiting in one is the user's call
+
+    def function(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        return func
+
+    def call(self, job: Any, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
+        self._put([(_CALL, job, func, args, kwds, 0, 1)], job, 1)
+
+    def map(self, job: Any, func: Callable[..., Any], star: bool, chunks: Any, final: bool) -> None:
+        items = [(_MAP, job, func, star, chunk, start, len(chunk)) for start, chunk in chunks]
+        if items:
+            self._put(items, job, len(items))
+
+    def feed_opened(self) -> None:
+        with self._lock:
+            self._feeds_open += 1
+
+    def feed_closed(self) -> None:
+        with self._lock:
+            self._feeds_open -= 1
+            self._stop_when_done()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._state is RUN:
+                self._state = CLOSE
+            self._stop_when_done()
+
+    def terminate(self) -> None:
+        with self._lock:
+            if self._state is TERMINATE:
+                return
+            if self._state is not BROKEN:
+                self._state = TERMINATE
+            jobs = [entry[0] for entry in self._jobs.values()]
+            self._jobs.clear()
+            self._send_stops()
+        error = PoolTerminatedError("the pool was terminated before this task finished")
+        for job in jobs:
+            job._abort(error)
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Wait for every worker thread to end.
+
+        Raises:
+            ValueError: the pool is still running.
+            TimeoutError: threads still run after ``timeout`` seconds.
+        """
+        if self._state is RUN:
+            raise ValueError("Pool is still running: call close() or terminate() before join()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                threads = [t for t in self._threads if t.is_alive() and t is not threading.current_thread()]
+            if not threads:
+                return
+            for thread in threads:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                thread.join(remaining)
+                if thread.is_alive():
+                    raise TimeoutError(f"the thread pool did not finish within {timeout:g} s: {thread.name} is busy")
+
+    # ------------------------------------------------------------------ internals
+
+    def _put(self, items: List[tuple], job: Any, count: int) -> None:
+        with self._lock:
+            state = self._state
+            if state is TERMINATE or state is BROKEN:
+                refused = True
+            else:
+                refused = False
+                entry = self._jobs.get(id(job))
+                if entry is None:
+                    self._jobs[id(job)] = [job, count]
+                else:
+                    entry[1] += count
+                put = self._queue.put
+                for item in items:
+                    put(item)
+        if refused:
+            job._abort(PoolTerminatedError("the pool was terminated before this task was queued"))
+
+    def _start_thread(self, slot: int) -> None:
+        thread = threading.Thread(
+            target=self._work, args=(slot,), name=f"{self.name}-thread{slot}-{next(self._generation)}",
+            daemon=self._daemon,
+        )
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        thread.start()
+
+    def _stop_when_done(self) -> None:
+        # lock held: once closed and nothing is left to feed, one STOP per thread, queued
+        # after every task (the queue is FIFO)
+        if self._state is CLOSE and not self._feeds_open:
+            self._send_stops()
+
+    def _send_stops(self) -> None:
+        if not self._stops_sent:
+            self._stops_sent = True
+            for _ in range(self.processes):
+                self._queue.put(_STOP)
+
+    def _work(self, slot: int) -> None:
+        context = self._contexts[slot]
+        if self._initializer is not None:
+            try:
+                self._initializer(*self._initargs)
+            except BaseException as exc:
+                self._break(exc, slot)
+                return
+        done = 0
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is _STOP:
+                return
+            if self._state is TERMINATE or self._state is BROKEN:
+                continue  # its job was failed already; drain until our STOP
+            self._execute(item, context)
+            done += 1
+            if self._maxtasks is not None and done >= self._maxtasks:
+                with self._lock:
+                    if self._state is RUN or self._state is CLOSE:
+                        self.replaced += 1
+                        self._start_thread(slot)  # inherits this slot and its context
+                        return
+                return
+
+    def _execute(self, item: tuple, context: Any) -> None:
+        kind, job, func, a, b, start, count = item
+        call = functools.partial(func, context) if self._has_context else func
+        if kind == _CALL:
+            try:
+                value = call(*a, **(b or {}))
+            except BaseException as exc:
+                outcome: Tuple[Any, ...] = ("failed", exc)
+            else:
+                outcome = ("done", value)
+        else:
+            try:
+                values, errors = run_chunk(call, b, bool(a))
+            except SystemExit as exc:  # a thread cannot exit the process: report it
+                outcome = ("failed", exc)
+            else:
+                outcome = ("done", values) if errors is None else ("partial", values, errors)
+        del call, func
+        with self._callback_lock:
+            if outcome[0] == "done":
+                job._done(start, count, outcome[1])
+            elif outcome[0] == "failed":
+                job._failed(start, count, outcome[1])
+            else:
+                job._partial(start, outcome[1], outcome[2])
+        with self._lock:
+            entry = self._jobs.get(id(job))
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._jobs[id(job)]
+
+    def _break(self, cause: BaseException, slot: int) -> None:
+        error = BrokenPoolError(f"{self.name} is broken: the initializer raised in thread slot {slot}: {cause!r}")
+        error.__cause__ = cause
+        with self._lock:
+            if self._state is TERMINATE or self._state is BROKEN:
+                return
+            self._state = BROKEN
+            self._broken_error = error
+            jobs = [entry[0] for entry in self._jobs.values()]
+            self._jobs.clear()
+            self._send_stops()
+        for job in jobs:
+            job._abort(error)

@@ -1,0 +1,285 @@
+"""A process pool worker: read task frames, run them, write result frames.
+
+One worker, two private pipes (see ``_wire``), and a small shared-memory block the pool
+reads without asking::
+
+    shared[0]          sequence number of the last task frame taken (claimed or skipped)
+    shared[1]          phase of that task: loading / running / pickling its result
+    shared[2 + s % R]  == s when the pool took task s back (work stealing)
+
+A task frame is *claimed* under the worker's lock: the worker notes its sequence number
+in ``shared[0]`` unless the pool has marked it as taken back, in which case it skips it.
+The pool takes tasks back under the same lock, and only those whose number is above
+``shared[0]``. So a task runs exactly once, and when the worker dies the pool knows which
+of its tasks it had started (those fail with WorkerLostError) and which it had not (those
+go to other workers).
+
+``sys.exit`` in a task ends the worker (after an ``EXITING`` frame naming the code); any
+other exception fails only its task. SIGINT is ignored: Ctrl-C is the parent's to handle
+(it terminates the pool). A worker ends with its parent (lifeline).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import signal
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .. import _lifeline
+from ..exception import ExceptionWithTraceback
+from ..pickle import dumps as _plain_dumps
+from ._policy import Codec
+from ._wire import (
+    DONE,
+    DROP,
+    EXITING,
+    FAILED,
+    INIT_FAILED,
+    INSTALL,
+    PARTIAL,
+    READY,
+    STOP,
+    TASK_CALL,
+    TASK_MAP,
+    FrameReader,
+    write_frame,
+)
+
+__all__ = ["main", "run_chunk", "IDLE", "LOADING", "RUNNING", "PICKLING", "PHASES", "RING"]
+
+IDLE, LOADING, RUNNING, PICKLING = 0, 1, 2, 3
+#: What a worker was doing when it died, by phase (for WorkerLostError's detail).
+PHASES = {
+    IDLE: "between tasks",
+    LOADING: "while loading its task (unpickling the arguments)",
+    RUNNING: "while running its task",
+    PICKLING: "while pickling its task's result",
+}
+#: Slots of the revocation ring: more than the frames a channel ever holds unread.
+RING = 256
+
+
+def run_chunk(call: Callable[..., Any], items: List[Any], star: bool) -> Tuple[List[Any], Optional[Dict[int, BaseException]]]:
+    """Apply ``call`` to each item; the loop runs in C until an item raises.
+
+    Returns:
+        The results (None where an item raised) and {offset: exception}, or None when
+        every item succeeded.
+
+    Raises:
+        SystemExit: an item called ``sys.exit`` (the rest of the chunk is not run).
+    """
+    values: List[Any] = []
+    errors: Optional[Dict[int, BaseException]] = None
+    rest: Any = items
+    while True:
+        try:
+            # list.extend keeps what the iterator produced before it raised
+            values.extend(itertools.starmap(call, rest) if star else map(call, rest))
+            return values, errors
+        except SystemExit:
+            raise
+        except BaseException as exc:
+            offset = len(values)
+            if errors is None:
+                errors = {}
+            errors[offset] = exc
+            values.append(None)
+            if offset + 1 >= len(items):
+                return values, errors
+            rest = itertools.islice(items, offset + 1, None)
+
+
+class _Exit(Exception):
+    """Unwinds the worker after a task called sys.exit."""
+
+    def __init__(self, code: Any) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class _Worker:
+    def __init__(
+        self, task_fd: int, result_fd: int, lock: Any, shared: Any, codec: Codec, slot: int,
+        context: Any, has_context: bool,
+    ) -> None:
+        self._reader = FrameReader(task_fd)
+        self._out = result_fd
+        self._lock = lock
+        self._shared = shared
+        self._codec = codec
+        self._where = f"pool worker {slot}"
+        self._context = context
+        self._has_context = has_context
+        self._functions: Dict[int, list] = {}
+
+    def serve(self) -> None:
+        claim = self._claim
+        functions = self._functions
+        next_frame = self._reader.next_frame
+        while True:
+            frame = next_frame()
+            if frame is None:
+                return  # the pool closed the channel
+            kind, flag, seq, extra, payload = frame
+            if kind == TASK_CALL or kind == TASK_MAP:
+                if claim(seq):
+                    self._run(kind, flag, seq, extra, payload)
+            elif kind == INSTALL:
+                functions[extra] = [payload, None]
+            elif kind == DROP:
+                functions.pop(extra, None)
+            elif kind == STOP:
+                return
+
+    def _claim(self, seq: int) -> bool:
+        shared = self._shared
+        with self._lock:
+            taken_back = shared[2 + seq % RING] == seq
+            shared[0] = seq
+        return not taken_back
+
+    def _function(self, function_id: int) -> Callable[..., Any]:
+        entry = self._functions[function_id]
+        if entry[1] is None:
+            entry[1] = self._codec.loads(entry[0])
+            entry[0] = None
+        return entry[1]
+
+    def _run(self, kind: int, star: int, seq: int, function_id: int, payload: bytes) -> None:
+        shared = self._shared
+        codec = self._codec
+        shared[1] = LOADING
+        try:
+            if kind == TASK_CALL:
+                func, args, kwds = codec.loads(payload)
+            else:
+                func = self._function(function_id)
+                items = codec.loads(payload)
+            del payload
+        except BaseException as exc:
+            return self._fail(seq, exc, "while loading the task in the worker")
+        shared[1] = RUNNING
+        if kind == TASK_CALL:
+            try:
+                if self._has_context:
+                    value = func(self._context, *args, **(kwds or {}))
+                else:
+                    value = func(*args, **(kwds or {}))
+            except BaseException as exc:
+                return self._fail(seq, exc, None)
+            del func, args, kwds
+            shared[1] = PICKLING
+            try:
+                data = codec.dumps(value)
+            except BaseException as exc:
+                return self._fail(seq, exc, "while pickling the result in the worker")
+            del value
+            write_frame(self._out, DONE, 0, seq, 0, data)
+        else:
+            call = functools.partial(func, self._context) if self._has_context else func
+            try:
+                values, errors = run_chunk(call, items, bool(star))
+            except SystemExit as exc:
+                return self._fail(seq, exc, None)
+            del call, func, items
+            shared[1] = PICKLING
+            if errors is None:
+                try:
+                    data = codec.dumps(values)
+                except SystemExit as exc:
+                    return self._fail(seq, exc, None)
+                except BaseException:
+                    data = None  # find the culprit item by item below
+                if data is not None:
+                    write_frame(self._out, DONE, 0, seq, 0, data)
+                    shared[1] = IDLE
+                    return
+                errors = {}
+            self._send_partial(seq, values, errors)
+        shared[1] = IDLE
+
+    def _send_partial(self, seq: int, values: List[Any], errors: Dict[int, BaseException]) -> None:
+        # Each value is pickled once, on its own, so that one unpicklable result fails
+        # only its own position.
+        codec = self._codec
+        pickled: List[Optional[bytes]] = []
+        carried: Dict[int, ExceptionWithTraceback] = {}
+        for offset, value in enumerate(values):
+            error = errors.get(offset)
+            if error is None:
+                try:
+                    pickled.append(codec.dumps(value))
+                    continue
+                except SystemExit as exc:
+                    self._fail(seq, exc, None)
+                except BaseException as exc:
+                    _note(exc, "while pickling the result in the worker")
+                    error = exc
+            pickled.append(None)
+            carried[offset] = ExceptionWithTraceback(error, where=self._where)
+        del values, errors
+        write_frame(self._out, PARTIAL, 0, seq, 0, _plain_dumps((pickled, carried)))
+
+    def _fail(self, seq: int, exc: BaseException, note: Optional[str]) -> None:
+        if isinstance(exc, SystemExit):
+            carried = ExceptionWithTraceback(exc, where=self._where)
+            code = exc.code
+            exitcode = code if isinstance(code, int) else (0 if code is None else 1)
+            phase = PHASES.get(self._shared[1], "")
+            write_frame(self._out, EXITING, 0, seq, 0, _plain_dumps((repr(code), exitcode, carried.tb_text, phase)))
+            raise _Exit(code)
+        if note is not None:
+            _note(exc, note)
+        write_frame(self._out, FAILED, 0, seq, 0, _dump_error(exc, self._where))
+        self._shared[1] = IDLE
+
+
+def _note(exc: BaseException, note: str) -> None:
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if add_note is not None:
+        add_note(note)
+
+
+def _dump_error(exc: BaseException, where: str) -> bytes:
+    try:
+        return _plain_dumps(ExceptionWithTraceback(exc, where=where))
+    except Exception as failure:  # ExceptionWithTraceback substitutes what it can't pickle
+        return _plain_dumps(ExceptionWithTraceback(RuntimeError(f"{type(exc).__name__}: {exc} ({failure})"), where))
+
+
+def main(
+    task_conn: Any, result_conn: Any, lock: Any, shared: Any, codec: Codec, slot: int,
+    init_payload: bytes, primer_payload: Optional[bytes],
+) -> None:
+    """The worker process's target (started by the pool; not for direct use)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _lifeline.watch_parent()
+    task_fd, result_fd = task_conn.fileno(), result_conn.fileno()
+    where = f"pool worker {slot}"
+    try:
+        # Loading the primer connects this worker to the pool's shared-memory manager.
+        primer = None if primer_payload is None else codec.loads(primer_payload)
+        initializer, initargs, context, has_context = codec.loads(init_payload)
+        del init_payload
+        if initializer is not None:
+            initializer(*initargs)
+    except BaseException as exc:
+        _note(exc, f"while starting {where}")
+        try:
+            write_frame(result_fd, INIT_FAILED, 0, 0, 0, _dump_error(exc, where))
+        except OSError:
+            pass
+        os._exit(1)
+    worker = _Worker(task_fd, result_fd, lock, shared, codec, slot, context, has_context)
+    try:
+        write_frame(result_fd, READY, 0, 0, 0)
+        worker.serve()
+    except _Exit as done:
+        raise SystemExit(done.code) from None
+    except BrokenPipeError:
+        pass  # the pool is gone; nobody is listening
+    finally:
+        del primer

@@ -1,0 +1,78 @@
+"""Smoke tests of examples/a3c.py: a short real run, and Ctrl-C stopping every process."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "a3c.py")
+
+
+def example_env():
+    # The examples import machinlike from the checkout, installed or not.
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+
+
+def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
+    out = tmp_path / "a3c.csv"
+    done = subprocess.run([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
+                           "--time-budget", "3", "--out", str(out)],
+                          cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out, newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert rows, "no episode finished"
+    assert {r["worker"] for r in rows} <= {"1", "2"} and int(rows[-1]["episode"]) == len(rows)
+    assert "time budget of 3 s ran out" in done.stdout and "mean return" in done.stdout
+
+
+def test_ctrl_c_stops_the_whole_example(tmp_path):
+    # Its own session, so that Ctrl-C (SIGINT to the foreground process group) reaches
+    # the script and every process it started, as in a terminal.
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
+                             "--stop-at", "0", "--time-budget", "120", "--print-every", "0.5",
+                             "--out", str(tmp_path / "a3c.csv")],
+                            cwd=ROOT, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until training runs (a progress line)
+            if line.startswith("["):
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        begin = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        stopped_in = time.monotonic() - begin
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert stopped_in < 30.0
+    left = group_members(proc.pid, deadline=time.monotonic() + 10.0)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"processes of the example outlived it: {left}"
+
+
+def group_members(pgid, deadline):
+    """Live (not zombie) processes of process group ``pgid``, waiting until ``deadline`` for them to go."""
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as stream:
+                    fields = stream.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                with open(f"/proc/{pid}/cmdline", "rb") as stream:
+                    left.append((int(pid), stream.read().replace(b"\0", b" ").decode()[:120]))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)  # polling the end of processes we do not own, not synchronising

@@ -1,0 +1,261 @@
+"""machinlike.pool: the standard pool surface on all five pools, validation, pickling refusal."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import pickle
+import threading
+
+import pool_targets as targets
+import pytest
+
+import machinlike.pickle as mlpickle
+import machinlike.pool as pool_module
+from machinlike.pool import (
+    AsyncResult,
+    CtxPool,
+    CtxThreadPool,
+    IMapIterator,
+    IMapUnorderedIterator,
+    MapResult,
+    P2PPool,
+    Pool,
+    PoolTimeoutError,
+    ThreadPool,
+)
+
+WAIT = 60.0
+
+FACTORIES = {
+    "Pool": lambda **kw: Pool(2, **kw),
+    "P2PPool": lambda **kw: P2PPool(2, **kw),
+    "CtxPool": lambda **kw: CtxPool(2, worker_contexts=[10, 20], **kw),
+    "ThreadPool": lambda **kw: ThreadPool(2, **kw),
+    "CtxThreadPool": lambda **kw: CtxThreadPool(2, worker_contexts=[10, 20], **kw),
+}
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_standard_surface(name):
+    with_context = name.startswith("Ctx")
+    offset = 1000
+
+    def f(*args):  # a local closure: travels by value to process workers
+        if with_context:
+            context, *args = args
+            assert context in (10, 20)
+        return sum(args) + offset
+
+    with FACTORIES[name]() as pool:
+        assert pool.size() == 2
+        assert pool.apply(f, (1, 2)) == 1003
+        assert pool.apply(f, (), {}) == 1000
+        seen = []
+        result = pool.apply_async(f, (5,), callback=seen.append)
+        assert isinstance(result, AsyncResult) and result.get(WAIT) == 1005
+        assert seen == [1005] and result.ready() and result.successful()
+        assert pool.map(f, range(10)) == [x + 1000 for x in range(10)]
+        assert pool.map(f, range(10), chunksize=3) == [x + 1000 for x in range(10)]
+        assert pool.map(f, []) == []
+        done = []
+        mapped = pool.map_async(f, range(7), callback=done.append)
+        assert isinstance(mapped, MapResult) and mapped.get(WAIT) == [x + 1000 for x in range(7)]
+        assert done == [[x + 1000 for x in range(7)]]
+        for chunksize in (1, 4):
+            ordered = pool.imap(f, range(9), chunksize=chunksize)
+            assert isinstance(ordered, IMapIterator)
+            assert list(ordered) == [x + 1000 for x in range(9)]
+            unordered = pool.imap_unordered(f, iter(range(9)), chunksize=chunksize)
+            assert isinstance(unordered, IMapUnorderedIterator)
+            assert sorted(unordered) == [x + 1000 for x in range(9)]
+        assert pool.starmap(f, [(1, 2), (3, 4)]) == [1003, 1007]
+        assert pool.starmap_async(f, [(1, 1)] * 3, chunksize=2).get(WAIT) == [1002] * 3
+        errors = []
+        failing = pool.apply_async(targets.ctx_raise if with_context else targets.raise_value_error,
+                                   error_callback=errors.append)
+        with pytest.raises(ValueError, match="boom"):
+            failing.get(WAIT)
+        assert not failing.successful() and errors and isinstance(errors[0], ValueError)
+        with pytest.raises(ValueError, match="three"):
+            pool.map(targets.ctx_fail_on_three if with_context else targets.fail_on_three, range(6), chunksize=1)
+
+
+@pytest.mark.parametrize("name", ["Pool", "ThreadPool"])
+def test_close_then_join_finishes_the_work(name):
+    pool = FACTORIES[name]()
+    results = [pool.apply_async(targets.square, (i,)) for i in range(20)]
+    pool.close()
+    pool.join(WAIT)
+    assert [r.get(0) for r in results] == [i * i for i in range(20)]
+    with pytest.raises(ValueError, match="not running"):
+        pool.apply_async(targets.square, (1,))
+    with pytest.raises(ValueError, match="not running"):
+        pool.map(targets.square, [1])
+    pool.terminate()  # idempotent after close
+
+
+def test_results_time_out_and_report_their_state(tmp_path):
+    release = targets.ReleaseFifo(tmp_path / "go")
+    with Pool(1) as pool:
+        blocked = pool.apply_async(targets.wait_on_fifo, (release.path,))
+        assert not blocked.ready()
+        with pytest.raises(ValueError, match="not ready"):
+            blocked.successful()
+        with pytest.raises(PoolTimeoutError) as raised:
+            blocked.get(0.05)
+        assert isinstance(raised.value, multiprocessing.TimeoutError) and isinstance(raised.value, TimeoutError)
+        blocked.wait(0.01)
+        assert not blocked.ready()
+        iterator = pool.imap(targets.square, range(3))
+        with pytest.raises(TimeoutError):
+            iterator.next(0.05)  # the worker is still blocked
+        release.release()
+        assert isinstance(blocked.get(WAIT), int)
+        assert [iterator.next(WAIT) for _ in range(3)] == [0, 1, 4]
+        with pytest.raises(StopIteration):
+            iterator.next(WAIT)
+    release.close()
+
+
+def test_the_function_of_a_map_is_pickled_once():
+    targets.CountingCallable.pickles = 0
+    with Pool(2) as pool:
+        assert pool.map(targets.CountingCallable(), range(40), chunksize=1) == list(range(1, 41))
+        assert targets.CountingCallable.pickles == 1
+        assert list(pool.imap(targets.CountingCallable(), range(40))) == list(range(1, 41))
+        assert targets.CountingCallable.pickles == 2
+
+
+def test_imap_is_lazy_for_every_chunksize():
+    closed = threading.Event()
+    pulled = itertools.count()
+
+    def endless():
+        try:
+            for k in itertools.count():
+                next(pulled)
+                yield k
+        finally:
+            closed.set()
+
+    with Pool(2) as pool:
+        for chunksize in (1, 5):
+            iterator = pool.imap(targets.square, endless(), chunksize=chunksize)
+            assert [iterator.next(WAIT) for _ in range(10)] == [k * k for k in range(10)]
+            # bounded read-ahead: the window of the pool, in chunks
+            assert next(pulled) < 10 + pool._backend.ahead() * chunksize + chunksize + 1
+            pulled = itertools.count()
+            del iterator
+            gc.collect()
+            assert closed.wait(WAIT), "an abandoned imap must stop reading and close its input"
+            closed.clear()
+
+
+def test_an_error_of_the_input_iterable_ends_imap_at_its_position():
+    def broken():
+        yield 1
+        yield 2
+        raise KeyError("the input broke")
+
+    with Pool(1) as pool:
+        iterator = pool.imap(targets.square, broken())
+        assert iterator.next(WAIT) == 1 and iterator.next(WAIT) == 4
+        with pytest.raises(KeyError, match="the input broke"):
+            iterator.next(WAIT)
+        with pytest.raises(StopIteration):
+            iterator.next(WAIT)
+
+
+def test_initializer_and_contexts():
+    with Pool(2, initializer=targets.remember, initargs=("hello",)) as pool:
+        assert pool.map(targets.recall, range(4), chunksize=1) == ["hello"] * 4
+    with CtxPool(2, worker_contexts=[100, 200]) as pool:
+        assert pool.apply(targets.ctx_add, (5,)) in (105, 205)
+        results = pool.map(targets.ctx_and_pid, range(6), chunksize=1)
+        assert {c for c, _, _ in results} <= {100, 200} and [x for _, _, x in results] == list(range(6))
+        assert pool.starmap(targets.ctx_add, [(1,), (2,)]) in ([101, 102], [101, 202], [201, 102], [201, 202])
+    counter = targets.Counter()
+    with CtxThreadPool(1, worker_contexts=[counter]) as pool:
+        assert pool.map(targets.count_call, range(3)) == [1, 2, 3]
+    assert counter.calls == 3  # a thread's context is the object itself
+    with CtxPool(1) as pool:  # no contexts: None
+        assert pool.apply(targets.ctx_and_pid)[0] is None
+
+
+def test_a_replacement_worker_gets_the_context_of_the_one_it_replaces():
+    with CtxPool(2, worker_contexts=["first", "second"], maxtasksperchild=1) as pool:
+        by_context = {}
+        for context, pid, _ in pool.map(targets.ctx_and_pid, range(12), chunksize=1):
+            by_context.setdefault(context, set()).add(pid)
+        assert set(by_context) <= {"first", "second"}
+        assert sum(len(pids) for pids in by_context.values()) == 12  # each task on a fresh worker
+
+
+def test_nested_pools_need_non_daemon_workers():
+    with Pool(1, is_daemon=False) as pool:
+        assert pool.apply(targets.make_nested_pool_and_map, (4,)) == [0, 1, 4, 9]
+
+
+def test_pools_refuse_to_be_pickled():
+    with Pool(1) as pool, ThreadPool(1) as threads:
+        for candidate in (pool, threads):
+            with pytest.raises(TypeError, match="cannot be pickled or sent to another process"):
+                pickle.dumps(candidate)
+            with pytest.raises(TypeError, match="cannot be pickled"):
+                mlpickle.dumps(candidate)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pool.apply(lambda: pool.size())  # a closure over the pool cannot travel
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            pickle.dumps(pool.apply_async(targets.square, (1,)))
+
+
+def test_argument_validation():
+    bad_constructors = [
+        (lambda: Pool(0), ValueError, "processes must be >= 1"),
+        (lambda: Pool("2"), TypeError, "processes must be an int"),
+        (lambda: Pool(1, initializer=3), TypeError, "initializer must be callable"),
+        (lambda: Pool(1, initargs=5), TypeError, "initargs must be a tuple"),
+        (lambda: Pool(1, maxtasksperchild=0), ValueError, "maxtasksperchild must be None"),
+        (lambda: Pool(1, is_copy_tensor=False), ValueError, "needs share_method='cpu'"),
+        (lambda: Pool(1, is_copy_tensor=False, share_method="gpu"), ValueError, "unknown method"),
+        (lambda: Pool(1, share_method=3), TypeError, "share_method must be"),
+        (lambda: Pool(1, is_copy_tensor="yes"), TypeError, "is_copy_tensor must be a bool"),
+        (lambda: Pool(1, ctx="nope"), ValueError, "not a start method"),
+        (lambda: CtxPool(2, worker_contexts=[1]), ValueError, "1 context.* but processes=2"),
+        (lambda: CtxPool(None), TypeError, "processes must be an int"),
+        (lambda: CtxThreadPool(2, worker_contexts=[1, 2, 3]), ValueError, "3 context"),
+        (lambda: ThreadPool(-1), ValueError, "processes must be >= 1"),
+    ]
+    for make, kind, message in bad_constructors:
+        with pytest.raises(kind, match=message):
+            make()
+    with ThreadPool(1) as pool:
+        bad_calls = [
+            (lambda: pool.apply(3), TypeError, "func must be callable"),
+            (lambda: pool.apply(targets.square, 3), TypeError, "args must be a tuple"),
+            (lambda: pool.apply(targets.square, "ab"), TypeError, r"write \('ab',\)"),
+            (lambda: pool.apply(targets.square, (1,), [1]), TypeError, "kwds must be a mapping"),
+            (lambda: pool.apply_async(targets.square, (1,), callback=1), TypeError, "callback must be callable"),
+            (lambda: pool.map(targets.square, range(3), chunksize=0), ValueError, "chunksize must be >= 1"),
+            (lambda: pool.map(targets.square, 5), TypeError, "iterable must be iterable"),
+            (lambda: pool.imap(targets.square, range(3), chunksize=None), TypeError, "chunksize must be an int"),
+            (lambda: pool.apply_async(targets.square, (1,)).get(-1), ValueError, "timeout must be"),
+            (lambda: pool.join(), ValueError, "still running"),
+        ]
+        for call, kind, message in bad_calls:
+            with pytest.raises(kind, match=message):
+                call()
+
+
+def test_public_names():
+    assert set(pool_module.__all__) >= {
+        "Pool", "P2PPool", "CtxPool", "ThreadPool", "CtxThreadPool", "AsyncResult", "IMapIterator",
+        "MapResult", "IMapUnorderedIterator", "BrokenPoolError", "PoolTerminatedError", "PoolTimeoutError",
+    }
+    for name in pool_module.__all__:
+        assert getattr(pool_module, name) is not None
+    assert issubclass(P2PPool, Pool) and issubclass(CtxPool, Pool) and issubclass(CtxThreadPool, ThreadPool)
+    for module in ("_api", "_core", "_errors", "_feed", "_policy", "_result", "_thread", "_wire", "_worker"):
+        assert hasattr(__import__(f"machinlike.pool.{module}", fromlist=["__all__"]), "__all__")

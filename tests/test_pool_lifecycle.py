@@ -1,0 +1,201 @@
+"""machinlike.pool lifetime and scheduling: exit, GC, orphans, stealing, torch-threaded parents."""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import textwrap
+
+import pool_targets as targets
+import pytest
+import torch
+
+from machinlike.pool import P2PPool, Pool
+
+WAIT = 60.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` (not our child) has ended within ``timeout`` s."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(fd)
+
+
+def _run_script(body: str, timeout: float = 120.0, extra_args=()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    return subprocess.run(
+        [sys.executable, *extra_args, "-c", textwrap.dedent(body)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )
+
+
+pidfd_only = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
+
+
+@pidfd_only
+def test_interpreter_exit_ends_an_unclosed_pool():
+    # The check runs in an atexit handler registered before machinlike is imported, so it
+    # runs last: after the pool's own exit hook, before the interpreter is gone.
+    done = _run_script(
+        """
+        import atexit, os, select, sys
+        def check():
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue
+                ended = select.select([fd], [], [], 30)[0]
+                os.close(fd)
+                if not ended:
+                    print("ALIVE", pid, flush=True)
+                    return
+            print("WORKERS-GONE", flush=True)
+        atexit.register(check)
+        from machinlike.pool import Pool, P2PPool
+        pool = Pool(2)
+        busy = P2PPool(2)
+        assert pool.map(lambda x: x + 1, range(10)) == list(range(1, 11))
+        pending = busy.map_async(abs, range(1000))
+        pids = [w.pid for w in pool._backend._workers + busy._backend._workers]
+        print("PIDS", *pids, flush=True)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "WORKERS-GONE" in done.stdout, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pidfd_only
+def test_garbage_collection_ends_an_unclosed_pool_and_warns():
+    done = _run_script(
+        """
+        import gc, os, select
+        from machinlike.pool import Pool
+        pool = Pool(2)
+        assert pool.apply(abs, (-3,)) == 3
+        pids = [w.pid for w in pool._backend._workers]
+        del pool
+        gc.collect()
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            assert select.select([fd], [], [], 30)[0], f"worker {pid} outlived its collected pool"
+            os.close(fd)
+        import threading
+        left = [t.name for t in threading.enumerate() if t.name.startswith("machinlike-pool")]
+        assert not left, left
+        print("REAPED", flush=True)
+        """,
+        extra_args=("-W", "always::ResourceWarning"),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "REAPED" in done.stdout
+    assert "unclosed running pool" in done.stderr  # __del__ only warns
+
+
+@pidfd_only
+def test_workers_die_with_a_killed_parent():
+    script = _start_script(
+        """
+        import sys, threading
+        from machinlike.pool import Pool
+        pool = Pool(2)
+        pool.apply(abs, (1,))
+        print(*[w.pid for w in pool._backend._workers], flush=True)
+        threading.Event().wait(120)
+        """
+    )
+    try:
+        pids = [int(pid) for pid in script.stdout.readline().split()]
+        assert len(pids) == 2
+        script.kill()
+        script.wait(WAIT)
+        for pid in pids:
+            assert _gone(pid, 30), f"worker {pid} outlived its SIGKILLed parent"
+    finally:
+        script.kill()
+        script.wait(WAIT)
+        script.stdout.close()
+
+
+def _start_script(body: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(body)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+
+
+@pidfd_only
+def test_terminate_leaves_no_orphans(tmp_path):
+    release = targets.ReleaseFifo(tmp_path / "go")
+    pool = Pool(2)
+    try:
+        blocked = [pool.apply_async(targets.wait_on_fifo, (release.path,)) for _ in range(2)]
+        pids = [w.pid for w in pool._backend._workers]
+        pool.terminate()
+        for pid in pids:
+            assert _gone(pid, 0.0), f"worker {pid} survived terminate()"
+        assert all(r.ready() and not r.successful() for r in blocked)
+    finally:
+        pool.terminate()
+        release.close()
+
+
+def test_join_times_out_while_a_task_runs_then_finishes(tmp_path):
+    release = targets.ReleaseFifo(tmp_path / "go")
+    pool = Pool(1)
+    try:
+        result = pool.apply_async(targets.wait_on_fifo, (release.path,))
+        pool.close()
+        with pytest.raises(TimeoutError, match="did not finish within"):
+            pool.join(0.2)
+        release.release()
+        pool.join(WAIT)
+        assert isinstance(result.get(0), int)
+    finally:
+        pool.terminate()
+        release.close()
+
+
+@pytest.mark.parametrize("cls", [Pool, P2PPool])
+def test_no_worker_idles_while_another_has_a_backlog(cls, tmp_path):
+    """One long task and many short ones queued behind it: every short task must run on
+    the other worker while the long one still runs (they are taken back from its
+    channel), however deep the channel is."""
+    started = targets.AnnounceFifo(tmp_path / "started")
+    release = targets.ReleaseFifo(tmp_path / "go")
+    pool = cls(2)
+    try:
+        pool.map(targets.square, range(4), chunksize=1)  # both workers up
+        long = pool.apply_async(targets.announce_then_wait, (started.path, release.path))
+        long_pid = started.read_pid(WAIT)
+        short = [pool.apply_async(targets.pid_of) for _ in range(3 * pool._window)]
+        pids = [r.get(WAIT) for r in short]  # would time out if one waited behind the long task
+        assert long_pid not in pids and not long.ready()
+        release.release()
+        assert long.get(WAIT) == long_pid
+    finally:
+        pool.terminate()
+        started.close()
+        release.close()
+
+
+def test_a_pool_starts_safely_from_a_parent_running_torch_threads():
+    torch.set_num_threads(2)
+    product = torch.ones(300, 300) @ torch.ones(300, 300)  # starts torch's intra-op threads
+    assert float(product[0, 0]) == 300.0
+    with Pool(2) as pool:
+        assert pool.map(targets.torch_work, [200, 200], chunksize=1) == [200.0 ** 3] * 2

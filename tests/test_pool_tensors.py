@@ -1,0 +1,117 @@
+"""machinlike.pool tensor policies, for arguments, results, closures and contexts."""
+
+from __future__ import annotations
+
+import pool_targets as targets
+import pytest
+import torch
+
+from machinlike.pool import LARGE_TENSOR_BYTES, CtxPool, Pool, ThreadPool
+
+WAIT = 60.0
+SMALL = 16
+LARGE = LARGE_TENSOR_BYTES // 4 + 1  # float32 elements: just over the shared-memory copy threshold
+
+
+@pytest.mark.parametrize("numel", [SMALL, LARGE], ids=["small", "large"])
+def test_copy_mode_copies_arguments_and_results(numel):
+    with Pool(2) as pool:
+        t = torch.zeros(numel)
+        returned = pool.apply(targets.add_one_, (t,))
+        assert torch.count_nonzero(t) == 0, "the worker's edit reached the caller's tensor"
+        assert torch.equal(returned, torch.ones(numel))
+        assert pool.map(targets.add_one_return_sum, [t] * 4, chunksize=1) == [float(numel)] * 4
+        assert torch.count_nonzero(t) == 0
+        # a result is a copy too: the worker editing its own tensor later changes nothing here
+        with Pool(1) as single:
+            kept = single.apply(targets.keep_and_return, (numel,))
+            assert single.apply(targets.edit_kept) == 7.0
+            assert torch.count_nonzero(kept) == 0
+        # a closure over a tensor carries a copy of it, installed on every worker of a map
+        big = torch.ones(numel)
+        assert pool.map(lambda i: float(big.sum()) + i, range(8), chunksize=1) == [numel + i for i in range(8)]
+        edited = pool.map(lambda i: float(big.add_(1).sum()), range(2), chunksize=1)
+        assert all(value >= 2 * numel for value in edited) and torch.equal(big, torch.ones(numel))
+
+
+@pytest.mark.parametrize("numel", [SMALL, LARGE], ids=["small", "large"])
+def test_share_mode_passes_cpu_tensors_by_reference(numel):
+    with Pool(2, is_copy_tensor=False, share_method="cpu") as pool:
+        t = torch.zeros(numel)
+        pool.apply(targets.add_one_, (t,))
+        assert torch.equal(t, torch.ones(numel)), "the worker's edit must reach the shared tensor"
+        assert t.is_shared()
+        # the same tensor, many times, concurrently (machin hangs on the second send)
+        pool.map(targets.add_one_, [t] * 20, chunksize=1)
+        results = [pool.apply_async(targets.add_one_, (t,)) for _ in range(5)]
+        for result in results:
+            result.get(WAIT)
+        assert torch.equal(t, torch.full((numel,), 26.0))
+        made = pool.apply(targets.make_tensor, (numel, 3.0))
+        assert made.is_shared() and torch.equal(made, torch.full((numel,), 3.0))
+        # closures share as well
+        pool.apply(lambda: t.sub_(26))
+        assert torch.count_nonzero(t) == 0
+
+
+def test_share_mode_contexts_are_shared_with_the_workers():
+    contexts = [torch.zeros(4), torch.zeros(4)]
+    with CtxPool(2, worker_contexts=contexts, is_copy_tensor=False, share_method="cpu") as pool:
+        pool.map(lambda ctx, x: ctx.add_(1), range(10), chunksize=1)
+    assert float(contexts[0].sum() + contexts[1].sum()) == 40.0
+
+
+def test_copy_mode_contexts_are_copies():
+    contexts = [torch.zeros(4)]
+    with CtxPool(1, worker_contexts=contexts) as pool:
+        assert pool.map(lambda ctx, x: float(ctx.add_(1).sum()), range(3)) == [4.0, 8.0, 12.0]
+    assert float(contexts[0].sum()) == 0.0
+
+
+def test_thread_pools_share_everything():
+    t = torch.zeros(3)
+    marker = object()
+    with ThreadPool(2) as pool:
+        pool.apply(lambda: t.add_(1))
+        pool.map(targets.add_one_, [t] * 4)
+        assert torch.equal(t, torch.full((3,), 5.0))
+        assert pool.apply(targets.identity, (marker,)) is marker
+        assert pool.apply(targets.identity, (t,)) is t
+        error = ValueError("mine")
+        with pytest.raises(ValueError) as raised:
+            pool.apply(_raise, (error,))
+        assert raised.value is error and raised.value.__traceback__ is not None
+
+
+def _raise(error):
+    raise error
+
+
+def test_tensor_parameters_and_dtypes_survive_both_policies():
+    values = [
+        torch.nn.Parameter(torch.ones(2, 3)),
+        torch.arange(LARGE, dtype=torch.int64),
+        torch.ones(5, dtype=torch.bfloat16),
+        torch.zeros(0),
+        torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+    ]
+    for pool in (Pool(1), Pool(1, is_copy_tensor=False, share_method="cpu")):
+        with pool:
+            for value in values:
+                back = pool.apply(targets.identity, (value,))
+                assert type(back) is type(value) and back.dtype == value.dtype
+                assert torch.equal(back.detach(), value.detach())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_share_mode_passes_cuda_tensors_by_reference():
+    with Pool(1, is_copy_tensor=False, share_method="cuda") as pool:
+        t = torch.zeros(8, device="cuda")
+        pool.apply(targets.add_one_, (t,))
+        torch.cuda.synchronize()
+        assert torch.equal(t.cpu(), torch.ones(8))
+    with Pool(1) as pool:
+        t = torch.zeros(8, device="cuda")
+        back = pool.apply(targets.add_one_, (t,))
+        assert back.device.type == "cuda" and torch.count_nonzero(t) == 0
