@@ -18,11 +18,6 @@ author = "the machinlike authors"
 copyright = "the machinlike authors"
 release = version = "0.1.0"
 
-#: The pages of ``machinlike.pool`` (tutorials/pools.rst, api/pool.rst) are written but
-#: the pool package is merged separately. Set this to True once ``import machinlike.pool``
-#: works: that single line publishes them (they are already listed in the toctrees).
-pool_pages = False
-
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
@@ -30,15 +25,6 @@ extensions = [
 ]
 
 exclude_patterns = ["_build", "tutorials/code"]
-if not pool_pages:
-    exclude_patterns += ["tutorials/pools.rst", "api/pool.rst"]
-    # The toctree entries of the excluded pool pages are dropped silently; any other
-    # excluded entry would be a mistake, but nothing else is excluded.
-    suppress_warnings = ["toc.excluded"]
-
-# Pages that mention the pool tutorial link it only once it is published.
-rst_epilog = (".. |pools-page| replace:: :doc:`the pools tutorial </tutorials/pools>`\n" if pool_pages
-              else ".. |pools-page| replace:: the pools tutorial (published with machinlike.pool)\n")
 
 root_doc = "index"
 html_theme = "alabaster"

@@ -26,7 +26,6 @@ import importlib
 import os
 import pkgutil
 import re
-import runpy
 import subprocess
 import sys
 import zlib
@@ -43,10 +42,6 @@ CODE = DOCS / "tutorials" / "code"
 # Programs run in this process, in the order of the tutorials.
 IN_PROCESS = ["quickstart", "rpc_services", "collective_ddp", "param_servers", "pickling_tour",
               "pool_tour", "placement", "multihost_train"]
-
-
-def _pool_pages() -> bool:
-    return bool(runpy.run_path(str(DOCS / "conf.py"))["pool_pages"])
 
 
 def _env() -> dict:
@@ -71,13 +66,11 @@ def _inventory(path: Path) -> set:
     return names
 
 
-def _public_modules(include_pool: bool) -> list:
+def _public_modules() -> list:
     names = ["machinlike"]
     for info in pkgutil.walk_packages(machinlike.__path__, "machinlike."):
         parts = info.name.split(".")
         if any(p.startswith("_") for p in parts):
-            continue
-        if parts[1] == "pool" and not include_pool:
             continue
         names.append(info.name)
     return names
@@ -93,7 +86,7 @@ def test_sphinx_build_has_no_warnings_and_documents_every_public_name(tmp_path):
     assert result.returncode == 0, f"sphinx-build -W failed:\n{result.stderr[-6000:]}"
 
     documented = _inventory(out / "objects.inv")
-    modules = _public_modules(_pool_pages())
+    modules = _public_modules()
     missing = []
     for module_name in modules:
         module = importlib.import_module(module_name)
@@ -125,8 +118,6 @@ def test_tutorial_python_comes_from_executed_programs():
 # -------------------------------------------------------------------------- the programs
 @pytest.mark.parametrize("name", IN_PROCESS)
 def test_tutorial_program_runs(name, monkeypatch):
-    if name == "pool_tour":
-        pytest.importorskip("machinlike.pool", reason="machinlike.pool is not merged yet; its tutorial waits for it")
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # run the plain, local way
         monkeypatch.delenv(var, raising=False)
     monkeypatch.syspath_prepend(str(CODE))  # the ranks inherit sys.path and import it too
