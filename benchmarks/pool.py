@@ -1,8 +1,9 @@
 """machinlike.pool against the pools a PyTorch user would otherwise pick, in one run.
 
 Peers: ``multiprocessing.Pool`` (spawn), a ``torch.multiprocessing`` spawn pool, and
-where installed ``multiprocess.Pool`` (dill; spawn like the others: its default, fork, can deadlock in a process that already runs torch threads) and loky's
-reusable executor (cloudpickle). Two workers each.
+where installed ``multiprocess.Pool`` (dill; spawn like the others, because its default,
+fork, can deadlock in a process that already runs torch's threads) and loky's reusable
+executor (cloudpickle). Two workers each.
 
 Figures:
 

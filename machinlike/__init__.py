@@ -1,11 +1,23 @@
 """machinlike: distributed and parallel building blocks for PyTorch training.
 
-The package re-exports the main names; each lives in a module that mirrors machin's
-``machin.parallel`` layout (``machinlike.distributed``, ``machinlike.server``, ...).
+Each name lives in a module whose path mirrors machin's ``machin.parallel`` layout
+(``machinlike.distributed``, ``machinlike.server``, ``machinlike.pool``, ...), so machin code
+ports by changing its imports. The package top level re-exports the names most programs
+need; the modules stay the canonical homes (and hold a few rarer names, such as the pools'
+result classes). Importing costs little beyond ``import torch`` itself, so the re-exports
+are plain imports rather than lazy ones.
 """
 
+from .assigner import (
+    DeviceSpec,
+    InfeasiblePlacementError,
+    ModelAssigner,
+    ModelSizeEstimator,
+    PlacementReport,
+)
 from .distributed import (
     CollectiveGroup,
+    RpcFuture,
     RpcGroup,
     World,
     get_cur_name,
@@ -14,16 +26,89 @@ from .distributed import (
     is_world_initialized,
     launch,
 )
+from .event import AndEvent, Event, OrEvent
+from .exception import (
+    ExceptionWithTraceback,
+    PeerLostError,
+    ProcessExitedError,
+    RemoteError,
+    RemoteTraceback,
+    WorkerLostError,
+)
+from .pickle import mark_static_module
+from .pool import (
+    BrokenPoolError,
+    CtxPool,
+    CtxThreadPool,
+    P2PPool,
+    Pool,
+    PoolTerminatedError,
+    PoolTimeoutError,
+    ThreadPool,
+)
+from .process import Process
+from .queue import MultiP2PQueue, SimpleP2PQueue, SimpleQueue
+from .server import (
+    OrderedServerSimple,
+    PushPullGradServer,
+    PushPullModelServer,
+    ServerHandles,
+    ServerStoppedError,
+    grad_server_helper,
+    model_server_helper,
+)
+from .thread import Thread
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # distributed core
     "World",
     "RpcGroup",
     "CollectiveGroup",
+    "RpcFuture",
     "launch",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",
     "get_cur_name",
+    # servers
+    "OrderedServerSimple",
+    "PushPullModelServer",
+    "PushPullGradServer",
+    "ServerHandles",
+    "ServerStoppedError",
+    "grad_server_helper",
+    "model_server_helper",
+    # device placement
+    "ModelAssigner",
+    "ModelSizeEstimator",
+    "DeviceSpec",
+    "PlacementReport",
+    "InfeasiblePlacementError",
+    # processes, threads, events, queues, pools
+    "Process",
+    "Thread",
+    "Event",
+    "OrEvent",
+    "AndEvent",
+    "SimpleQueue",
+    "SimpleP2PQueue",
+    "MultiP2PQueue",
+    "Pool",
+    "P2PPool",
+    "CtxPool",
+    "ThreadPool",
+    "CtxThreadPool",
+    "BrokenPoolError",
+    "PoolTerminatedError",
+    "PoolTimeoutError",
+    "mark_static_module",
+    # exceptions that cross process boundaries
+    "ExceptionWithTraceback",
+    "RemoteTraceback",
+    "RemoteError",
+    "ProcessExitedError",
+    "WorkerLostError",
+    "PeerLostError",
 ]
