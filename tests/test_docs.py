@@ -1,5 +1,6 @@
-"""The documentation: the Sphinx site builds with warnings as errors, the API reference
-covers every public name, and every tutorial program runs.
+"""The documentation: the Sphinx site builds with warnings as errors (once, in a
+module fixture), the API reference covers every public name and lists every top-level
+re-export, the Examples page lists every example program, and every tutorial program runs.
 
 How the tutorials stay true: every Python code block of ``docs/tutorials`` is a
 ``literalinclude`` of part of a complete program in ``docs/tutorials/code/`` (checked
@@ -76,15 +77,25 @@ def _public_modules() -> list:
     return names
 
 
-def test_sphinx_build_has_no_warnings_and_documents_every_public_name(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once for this module: (the finished sphinx-build, its output folder)."""
     pytest.importorskip("sphinx", reason="Sphinx is not installed: pip install -e '.[docs]' to build the docs")
-    out = tmp_path / "html"
+    out = tmp_path_factory.mktemp("docs") / "html"
     result = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150,
     )
+    return result, out
+
+
+def test_sphinx_build_has_no_warnings(site):
+    result, _ = site
     assert result.returncode == 0, f"sphinx-build -W failed:\n{result.stderr[-6000:]}"
 
+
+def test_api_reference_documents_every_public_name(site):
+    _, out = site
     documented = _inventory(out / "objects.inv")
     modules = _public_modules()
     missing = []
@@ -101,6 +112,19 @@ def test_sphinx_build_has_no_warnings_and_documents_every_public_name(tmp_path):
             if not elsewhere:
                 missing.append(f"{module_name}.{name}")
     assert not missing, f"public names missing from the API reference: {missing}"
+
+
+def test_reference_index_lists_every_top_level_name():
+    table = (DOCS / "api" / "index.rst").read_text()
+    unlisted = [name for name in machinlike.__all__ if f"``{name}``" not in table]
+    assert not unlisted, f"top-level re-exports missing from the table of docs/api/index.rst: {unlisted}"
+
+
+def test_examples_page_lists_every_example():
+    page = (DOCS / "examples.rst").read_text()
+    programs = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+    unlisted = [name for name in programs if f"``examples/{name}``" not in page]
+    assert not unlisted, f"examples missing from docs/examples.rst: {unlisted}"
 
 
 def test_tutorial_python_comes_from_executed_programs():
