@@ -113,6 +113,10 @@ FACTORY_MADE = {
     "machinlike.distributed.CollectiveGroup": "World.create_collective_group",
     "machinlike.distributed.RpcFuture": "RpcGroup.registered_async and rpc_async",
     "machinlike.server.ServerHandles": "grad_server_helper and model_server_helper",
+    "machinlike.pool.AsyncResult": "Pool.apply_async",
+    "machinlike.pool.MapResult": "Pool.map_async and starmap_async",
+    "machinlike.pool.IMapIterator": "Pool.imap",
+    "machinlike.pool.IMapUnorderedIterator": "Pool.imap_unordered",
 }
 
 
