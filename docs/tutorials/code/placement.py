@@ -5,7 +5,6 @@ Run it:  python docs/tutorials/code/placement.py
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from machinlike.assigner import DeviceSpec, InfeasiblePlacementError, ModelAssigner, ModelSizeEstimator
