@@ -216,6 +216,9 @@ class Pickler(pickle.Pickler):
     def dump(self, obj: Any) -> None:
         """Write the pickle of ``obj`` to the file.
 
+        Args:
+            obj: The object to pickle.
+
         Raises:
             pickle.PicklingError: ``obj`` cannot be pickled, or is nested too deeply.
             TypeError: ``obj`` (or a part of it) cannot be pickled.
@@ -228,6 +231,12 @@ class Pickler(pickle.Pickler):
         Functions and classes that are importable by module and qualified name (and not
         defined in ``__main__``) stay references; lambdas, local and ``__main__``
         functions and classes, code objects, cells, locks and the like go by value.
+
+        Args:
+            obj: An object met while pickling.
+
+        Returns:
+            A reduction, or ``NotImplemented`` to leave ``obj`` to the standard pickler.
         """
         cls = type(obj)
         if cls in _PLAIN_TYPES:  # the bulk of any payload: leave it to the C code at once

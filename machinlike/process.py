@@ -113,7 +113,7 @@ class Process(BaseProcess):
         ctx: Context that starts the process: None for the warm forkserver (spawn where
             unavailable), a start method name, or a context object.
         daemon: Daemon flag; None inherits the creating process's. A daemon child also
-            ends by itself when its parent dies (see :mod:`machinlike._lifeline`).
+            ends by itself when its parent dies.
 
     Raises:
         TypeError: ``target`` or ``cleaner`` is not callable, ``args`` not iterable,

@@ -80,8 +80,8 @@ class SimpleQueue:
     """A queue between processes: many producers, many consumers.
 
     Args:
-        ctx: Multiprocessing context for the locks: None for the warm default
-            (:func:`machinlike._warm.resolve_context`), a start method name or a context.
+        ctx: Multiprocessing context for the locks: None for the warm forkserver (spawn
+            where unavailable), a start method name or a context.
         copy_tensor: False shares tensors by reference (CPU shared memory, CUDA IPC);
             True copies their data into each item.
 
@@ -201,7 +201,14 @@ class SimpleP2PQueue:
         return self._reader
 
     def put(self, obj: Any) -> None:
-        """Append ``obj`` (see :meth:`SimpleQueue.put`)."""
+        """Append ``obj``.
+
+        Args:
+            obj: Anything :func:`machinlike.pickle.dumps` pickles.
+
+        Raises:
+            pickle.PicklingError, TypeError: ``obj`` cannot be pickled (nothing is sent).
+        """
         data = dumps(obj, copy_tensor=self._copy_tensor)
         try:
             self._writer.send_bytes(data)
@@ -210,7 +217,15 @@ class SimpleP2PQueue:
             raise
 
     def get(self, timeout: Optional[float] = None) -> Any:
-        """Remove and return the oldest item (see :meth:`SimpleQueue.get`)."""
+        """Remove and return the oldest item.
+
+        Args:
+            timeout: Seconds to wait for an item; None waits indefinitely.
+
+        Raises:
+            TimeoutError: no item arrived within ``timeout``.
+            EOFError: the writing end was closed.
+        """
         return loads(_recv(self._reader, _check_timeout(timeout), "SimpleP2PQueue.get()"))
 
     def empty(self) -> bool:
@@ -266,11 +281,19 @@ class MultiP2PQueue:
         return self._queues[index]
 
     def get_sub_queue(self, index: int) -> SimpleP2PQueue:
-        """Channel ``index`` (machin's name for ``self[index]``)."""
+        """Channel ``index`` (machin's name for ``self[index]``).
+
+        Args:
+            index: Channel number, ``0 <= index < len(self)``.
+        """
         return self._queues[index]
 
     def put(self, index: int, obj: Any) -> None:
         """Append ``obj`` to channel ``index``.
+
+        Args:
+            index: Channel number.
+            obj: Anything :func:`machinlike.pickle.dumps` pickles.
 
         Raises:
             IndexError: no such channel.
@@ -279,6 +302,10 @@ class MultiP2PQueue:
 
     def get(self, index: int, timeout: Optional[float] = None) -> Any:
         """Remove and return the oldest item of channel ``index``.
+
+        Args:
+            index: Channel number.
+            timeout: Seconds to wait for an item; None waits indefinitely.
 
         Raises:
             IndexError: no such channel.
@@ -293,7 +320,7 @@ class MultiP2PQueue:
             timeout: Seconds to wait; None waits indefinitely.
 
         Returns:
-            ``(index, item)``: which channel answered, and its oldest item.
+            ``(index, item)``, which channel answered and its oldest item.
 
         Raises:
             TimeoutError: no channel had an item within ``timeout``.

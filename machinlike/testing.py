@@ -1,5 +1,7 @@
 """Testing distributed code with pytest: run a test body in N processes, a World in each.
 
+Example::
+
     from machinlike.testing import world_test
 
     @world_test(world_size=3, timeout=30)
@@ -36,6 +38,23 @@ def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] =
 
     A bounded :func:`machinlike.launch`: ``timeout`` (seconds) is mandatory here, so a
     hanging test fails instead of blocking the suite.
+
+    Args:
+        fn: Run on every rank with its World first; lambdas and local functions work.
+        world_size: Number of ranks.
+        args, kwargs: Extra arguments of ``fn``.
+        timeout: Seconds for the whole run, start-up included (> 0). Each rank's
+            ``World.stop`` waits at most ``min(30, timeout)`` for its peers.
+        **world_kwargs: Passed to :func:`machinlike.launch` (``return_exceptions=``,
+            ``names=``) and from there to each :class:`~machinlike.distributed.World`.
+
+    Returns:
+        ``fn``'s return value of each rank, in rank order.
+
+    Raises:
+        ValueError: ``timeout`` is None or not positive.
+        Exception: the first failure of any rank (see :func:`machinlike.launch`).
+        TimeoutError: the run exceeded ``timeout``; every rank's stack went to stderr.
     """
     if timeout is None or not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
@@ -97,6 +116,10 @@ def world_test(world_size: int = 3, *, timeout: float = 60.0, **world_kwargs: An
     Returns:
         A decorator. The decorated test returns None (pytest's rule for tests); use
         :func:`run_world` where the per-rank results are needed.
+
+    Raises:
+        TypeError: (when decorating) the function takes no parameter for the World, or
+            is not defined at module level.
     """
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         params = list(inspect.signature(fn).parameters.values())

@@ -305,7 +305,7 @@ class ModelAssigner:
             entropy_weight: Weight of the entropy term.
 
         Returns:
-            The cost before the step, detached: a scalar, or ``[k]`` for batched logits.
+            The cost before the step, detached; a scalar, or ``[k]`` for batched logits.
 
         Raises:
             ValueError: A tensor has the wrong shape.

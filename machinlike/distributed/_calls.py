@@ -291,7 +291,14 @@ class RpcFuture:
         self._retry = retry
 
     def wait(self) -> Any:
-        """Block until the call finished (at most its RPC timeout) and return its value."""
+        """Block until the call finished (at most its RPC timeout) and return its value.
+
+        Raises:
+            TimeoutError: the member (named) did not answer within the call's timeout.
+            PeerLostError: the member is gone.
+            Exception: what the remote function raised (original type, remote traceback
+                as ``__cause__``).
+        """
         try:
             value = self._fut.wait()
         except RuntimeError as err:

@@ -48,7 +48,15 @@ class _KnownSourceRecv:
 
 
 class CollectiveGroup:
-    """Collectives over a subset of ranks; create it with ``World.create_collective_group``.
+    """Collectives over a subset of ranks; create it with :meth:`World.create_collective_group`.
+
+    The operations take the arguments of their ``torch.distributed`` counterparts without
+    ``group``; ranks (``src``, ``dst``) are global ranks. With ``async_op=True`` an
+    operation returns torch's work handle (``wait()``), otherwise None.
+
+    Every operation raises ``RuntimeError`` in a process outside the group or after
+    :meth:`destroy` (torch would silently do nothing), and ``ValueError`` when a ``src``
+    or ``dst`` is not a rank of the group.
 
     Attributes:
         group: The torch process group (e.g. for ``DistributedDataParallel(process_group=...)``);
@@ -65,6 +73,8 @@ class CollectiveGroup:
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
                timeout: float) -> "CollectiveGroup":
+        """Build the group (every process of the world calls it); use
+        :meth:`World.create_collective_group`, which checks its arguments and keeps track."""
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}")
         ranks = sorted(ranks)
@@ -94,20 +104,53 @@ class CollectiveGroup:
 
     # ------------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        """Send ``tensor`` to global rank ``dst`` (blocking)."""
+        """Send ``tensor`` to global rank ``dst`` (blocking).
+
+        Args:
+            tensor: The data; the receiver's tensor must have the same size and dtype.
+            dst: Global rank of the receiver.
+            tag: Matches this send with a ``recv`` of the same tag.
+        """
         dist.send(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
-        """Receive into ``tensor`` from ``src`` (None: any member); returns the global sender rank."""
+        """Receive into ``tensor`` from ``src`` (blocking).
+
+        Args:
+            tensor: Filled in place with the received data.
+            src: Global rank of the sender; None: whichever member sends first.
+            tag: Matches a ``send`` of the same tag.
+
+        Returns:
+            The global rank of the sender.
+        """
         group = self._g()
         return dist.recv(tensor, None if src is None else self._peer("src", src), group=group, tag=tag)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
-        """Send asynchronously; returns a work handle with ``wait()``."""
+        """Send ``tensor`` to global rank ``dst`` asynchronously.
+
+        Args:
+            tensor: The data; do not modify it before the handle's ``wait()`` returned.
+            dst: Global rank of the receiver.
+            tag: Matches a receive of the same tag.
+
+        Returns:
+            A work handle with ``wait()``.
+        """
         return dist.isend(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Any:
-        """Receive asynchronously; ``wait()`` on the handle returns the global sender rank."""
+        """Receive into ``tensor`` asynchronously.
+
+        Args:
+            tensor: Filled in place once the handle's ``wait()`` returned.
+            src: Global rank of the sender; None: whichever member sends first.
+            tag: Matches a send of the same tag.
+
+        Returns:
+            A handle whose ``wait()`` returns the global rank of the sender.
+        """
         group = self._g()
         if src is None:
             return _AnySourceRecv(dist.irecv(tensor, None, group=group, tag=tag), group)
@@ -115,40 +158,119 @@ class CollectiveGroup:
 
     # ----------------------------------------------------------------- collectives
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` of every member (in place).
+
+        Args:
+            tensor: Sent on ``src``, overwritten elsewhere; the same size everywhere.
+            src: Global rank of the source.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.broadcast(tensor, self._peer("src", src), group=self._g(), async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce ``tensor`` over all members; every member gets the result in place.
+
+        Args:
+            tensor: Input and output.
+            op: A ``torch.distributed.ReduceOp`` (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ...).
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.all_reduce(tensor, op=op, group=self._g(), async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce ``tensor`` over all members into ``tensor`` of rank ``dst``.
+
+        Args:
+            tensor: Input everywhere; the result on ``dst`` (in place).
+            dst: Global rank that receives the result.
+            op: A ``torch.distributed.ReduceOp``.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.reduce(tensor, self._peer("dst", dst), op=op, group=self._g(), async_op=async_op)
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """Every member's ``tensor`` into ``tensor_list`` of every member, in rank order.
+
+        Args:
+            tensor_list: ``size()`` tensors of ``tensor``'s size, filled in place.
+            tensor: This member's contribution.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.all_gather(tensor_list, tensor, group=self._g(), async_op=async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
                async_op: bool = False) -> Any:
+        """Every member's ``tensor`` into ``gather_list`` of rank ``dst``, in rank order.
+
+        Args:
+            tensor: This member's contribution.
+            gather_list: On ``dst``: ``size()`` tensors of ``tensor``'s size, filled in
+                place; None elsewhere.
+            dst: Global rank that receives.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.gather(tensor, gather_list, self._peer("dst", dst), group=self._g(), async_op=async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
                 async_op: bool = False) -> Any:
+        """Hand ``scatter_list[i]`` of rank ``src`` to the ``i``-th member (rank order).
+
+        Args:
+            tensor: Filled in place with this member's piece.
+            scatter_list: On ``src``: ``size()`` tensors; None elsewhere.
+            src: Global rank of the source.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.scatter(tensor, scatter_list, self._peer("src", src), group=self._g(), async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Any:
+        """Reduce ``input_list[i]`` over all members into ``output`` of the ``i``-th member.
+
+        Args:
+            output: Filled in place with this member's reduced piece.
+            input_list: ``size()`` tensors, one per member in rank order.
+            op: A ``torch.distributed.ReduceOp``.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.reduce_scatter(output, input_list, op=op, group=self._g(), async_op=async_op)
 
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
+        """Send ``input_tensor_list[i]`` to the ``i``-th member and receive the ``j``-th
+        member's piece into ``output_tensor_list[j]`` (members in rank order).
+
+        Args:
+            output_tensor_list: ``size()`` tensors, filled in place.
+            input_tensor_list: ``size()`` tensors to send.
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.all_to_all(output_tensor_list, input_tensor_list, group=self._g(), async_op=async_op)
 
     def barrier(self, async_op: bool = False) -> Any:
+        """Wait until every member reached the barrier (at most the group's timeout).
+
+        Args:
+            async_op: Return a work handle instead of waiting.
+        """
         return dist.barrier(group=self._g(), async_op=async_op)
 
     def broadcast_object_list(self, object_list: List[Any], src: int) -> None:
+        """Replace the entries of ``object_list`` with those of rank ``src`` (picklable objects).
+
+        Args:
+            object_list: The same length everywhere; overwritten in place except on ``src``.
+            src: Global rank of the source.
+        """
         dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
 
     def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
+        """Every member's ``obj`` (picklable) into ``object_list``, in rank order.
+
+        Args:
+            object_list: A list of ``size()`` entries, overwritten in place.
+            obj: This member's contribution.
+        """
         dist.all_gather_object(object_list, obj, group=self._g())
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,6 +279,7 @@ class CollectiveGroup:
         return len(self.ranks)
 
     def is_member(self) -> bool:
+        """Whether this process is in the group."""
         return self.group is not None
 
     def destroy(self) -> None:

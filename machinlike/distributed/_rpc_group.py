@@ -44,10 +44,21 @@ _world = require_world
 
 
 class RpcGroup:
-    """A group of world members; create it with ``World.create_rpc_group``.
+    """A group of world members; create it with :meth:`World.create_rpc_group`.
+
+    Members publish services (:meth:`register`) and values (:meth:`pair`) under string
+    keys, unique in the group; any process of the world calls them by key. Who owns a
+    key is kept in the world's store and cached by callers, so a call is one RPC round
+    trip.
 
     The handle pickles by name, so it can travel inside service accessors; unpickled in a
     member process it is that process's own group object.
+
+    Every method raises ``RuntimeError`` when this process has no World or the group was
+    destroyed here; ``register``, ``deregister``, ``pair``, ``unpair`` and ``barrier``
+    also when this process is not a member. A ``timeout`` is in seconds and must be
+    positive (``ValueError`` otherwise); None means the World's ``rpc_timeout`` for calls
+    and its ``dist_timeout`` for barriers. Keys must be str (``TypeError`` otherwise).
     """
 
     def __init__(self, name: str, members: Sequence[str], epoch: int) -> None:
@@ -120,10 +131,16 @@ class RpcGroup:
 
         ``service`` may return a value or, when decorated with
         ``@torch.distributed.rpc.functions.async_execution``, a ``torch.futures.Future`` that
-        it completes later without holding an RPC thread.
+        it completes later without holding an RPC thread. It runs in this process, on an
+        RPC thread, so it must be thread-safe.
+
+        Args:
+            key: Name of the service, unique in the group.
+            service: The callable (a function, bound method, lambda, ...).
 
         Raises:
             KeyError: ``key`` is already registered in the group (by any member).
+            TypeError: ``service`` is not callable.
         """
         _check_key(key)
         if not callable(service):
@@ -145,6 +162,9 @@ class RpcGroup:
     def deregister(self, key: str) -> None:
         """Withdraw a service this member registered.
 
+        Args:
+            key: Name of the service.
+
         Raises:
             KeyError: this member has not registered ``key``.
         """
@@ -159,7 +179,11 @@ class RpcGroup:
             world._tables.services.pop(self._sid + key, None)
 
     def is_registered(self, key: str) -> bool:
-        """Whether any member holds a service under ``key`` (asks the store)."""
+        """Whether any member holds a service under ``key`` (asks the store).
+
+        Args:
+            key: Name of the service.
+        """
         _check_key(key)
         world = self._check_usable(need_member=False)
         return self._lookup(world, self._service_owners, "s", key, refresh=True) is not None
@@ -169,7 +193,14 @@ class RpcGroup:
         """Run the service ``key`` on its owner and return its result.
 
         Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
             timeout: Seconds; None: the world's ``rpc_timeout``.
+
+        Returns:
+            What the service returned; for an asynchronous service, the value its future
+            was completed with.
 
         Raises:
             KeyError: no member registered ``key``.
@@ -189,7 +220,22 @@ class RpcGroup:
 
     def registered_async(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                          timeout: Optional[float] = None) -> RpcFuture:
-        """Like ``registered_sync`` but returns at once; ``wait()`` on the result."""
+        """Like :meth:`registered_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for the call, counted from now; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`registered_sync` would.
+
+        Raises:
+            KeyError: no member registered ``key`` (raised here, not by ``wait()``).
+        """
         _check_key(key)
         world = self._check_usable(need_member=False)
         wait = self._timeout(world, timeout)
@@ -202,7 +248,22 @@ class RpcGroup:
                           timeout: Optional[float] = None) -> rpc.RRef:
         """Run the service ``key`` on its owner and return an RRef to its result.
 
-        Errors of the service surface from ``rref.to_here()`` as torch reports them.
+        The result stays on the owner. Errors of the service surface from
+        ``rref.to_here()`` as torch reports them (a ``RuntimeError`` holding the remote
+        message).
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for creating the result on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef`` owned by the service's owner.
+
+        Raises:
+            KeyError: no member registered ``key``.
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
@@ -214,8 +275,14 @@ class RpcGroup:
     def pair(self, key: str, value: Any) -> None:
         """Publish ``value`` under ``key``; members reach it with ``get_paired``.
 
+        The value stays in this process; others get an RRef to it.
+
+        Args:
+            key: Name of the value, unique in the group.
+            value: Any object.
+
         Raises:
-            KeyError: ``key`` is already paired in the group.
+            KeyError: ``key`` is already paired in the group (by any member).
         """
         _check_key(key)
         world = self._check_usable(need_member=True)
@@ -233,6 +300,9 @@ class RpcGroup:
     def unpair(self, key: str) -> None:
         """Withdraw a value this member paired.
 
+        Args:
+            key: Name of the value.
+
         Raises:
             KeyError: this member has not paired ``key``.
         """
@@ -247,7 +317,11 @@ class RpcGroup:
             world._tables.values.pop(self._sid + key, None)
 
     def is_paired(self, key: str) -> bool:
-        """Whether any member paired a value under ``key`` (asks the store)."""
+        """Whether any member paired a value under ``key`` (asks the store).
+
+        Args:
+            key: Name of the value.
+        """
         _check_key(key)
         world = self._check_usable(need_member=False)
         return self._lookup(world, self._value_owners, "v", key, refresh=True) is not None
@@ -255,8 +329,20 @@ class RpcGroup:
     def get_paired(self, key: str, timeout: Optional[float] = None) -> rpc.RRef:
         """An RRef to the value paired under ``key`` (owned by the member that paired it).
 
+        ``rref.rpc_sync().method(...)`` runs a method of the value on its owner;
+        ``rref.to_here()`` copies it with torch's pickler (standard ``pickle`` rules).
+
+        Args:
+            key: Name of the value.
+            timeout: Seconds for the look-up on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef``.
+
         Raises:
             KeyError: nothing is paired under ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
@@ -286,8 +372,24 @@ class RpcGroup:
         """Run ``func(*args, **kwargs)`` on member ``to`` and return the result.
 
         ``func`` may be a lambda or local function (sent with dill); tensors in ``args``
-        travel as tensors. Raises what ``func`` raised (original type, remote traceback),
-        ``TimeoutError`` or ``PeerLostError``; ``ValueError`` if ``to`` is not a member.
+        travel as tensors. A ``func`` decorated with
+        ``@torch.distributed.rpc.functions.async_execution`` may return a future.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            What ``func`` returned.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+            TimeoutError, PeerLostError: ``to`` did not answer in time / is gone (named).
+            Exception: whatever ``func`` raised, with its remote traceback as cause.
         """
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
@@ -296,7 +398,23 @@ class RpcGroup:
 
     def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                   args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
-        """Like ``rpc_sync`` but returns at once; ``wait()`` on the result."""
+        """Like :meth:`rpc_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds, counted from now; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`rpc_sync` would.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_async if is_async(func) else _calls._run
@@ -305,7 +423,25 @@ class RpcGroup:
 
     def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> rpc.RRef:
-        """Run ``func`` on member ``to`` and return an RRef to the result at once."""
+        """Run ``func`` on member ``to`` and return an RRef to the result at once.
+
+        Errors of ``func`` surface from ``rref.to_here()`` as torch reports them.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds for creating the result on ``to``; None: the world's
+                ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef`` owned by ``to``.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
@@ -316,6 +452,9 @@ class RpcGroup:
         """Wait until every member reached this barrier (thread-safe, reusable).
 
         Two threads of one member calling it are two successive rounds.
+
+        Args:
+            timeout: Seconds; None: the world's ``dist_timeout``.
 
         Raises:
             TimeoutError: naming the members that did not arrive within ``timeout``.
@@ -342,6 +481,10 @@ class RpcGroup:
         """Withdraw every service and value this member owns and leave the group.
 
         The group name can be created again once every member destroyed its handle.
+        Safe to call twice.
+
+        Raises:
+            RuntimeError: this process has no World.
         """
         world = _world()
         with self._lock:
@@ -365,10 +508,15 @@ class RpcGroup:
         return len(self._members)
 
     def is_member(self, name: Optional[str] = None) -> bool:
-        """Whether ``name`` (None: this process) is a member."""
+        """Whether ``name`` is a member.
+
+        Args:
+            name: A member name; None: this process.
+        """
         return (_world().name if name is None else name) in self._members
 
     def get_group_name(self) -> str:
+        """Name of the group."""
         return self._name
 
     def get_group_members(self) -> List[str]:

@@ -90,17 +90,26 @@ class World:
             ``MACHINLIKE_SOCKET_IFNAME`` when set, else ``TP_SOCKET_IFNAME`` /
             ``GLOO_SOCKET_IFNAME`` each when set, else the interface this host reaches the
             master through (``lo`` for a loopback master). The chosen one is ``interface``.
-        init_dist, dist_backend, dist_init_method, rpc_init_method: machin's names for
-            ``collective``, ``backend`` and ``init_method`` (there is one store, so when both
-            init methods are given ``dist_init_method`` wins).
+        init_dist: machin's name for ``collective`` (wins over it when given).
+        dist_backend: machin's name for ``backend`` (wins over it when given).
+        dist_init_method: machin's name for ``init_method``, used when that is None.
+        rpc_init_method: machin's separate RPC rendezvous; there is one store, so it is
+            used as ``init_method`` only when neither of the two above is given.
 
     Attributes:
+        name: This process's member name.
+        rank: This process's rank, in ``[0, world_size)``.
+        world_size: Number of processes in the world.
+        rpc_timeout: Default timeout of RPC calls, seconds.
+        dist_timeout: Default timeout of start-up, barriers, collectives and group
+            creation, seconds.
         interface: The interface TensorPipe uses on this host (None: its own guess from the
             hostname, when neither a setting nor the route to the master tells).
 
     Raises:
         ValueError, TypeError: invalid arguments (the message names the parameter).
         RuntimeError: this process already has a World.
+        OSError: rank 0 cannot listen on the master address and port (both named).
         TimeoutError: the master (address and port named) cannot be reached, or some rank
             did not arrive, within ``dist_timeout``.
     """
@@ -276,12 +285,21 @@ class World:
         """Create an RpcGroup; every member must call this, non-members must not.
 
         Args:
-            name: Group name (no ``/``), reusable after every member ``destroy()``-ed it.
-            members: Member names of the world; must include this process.
+            name: Group name (no ``/`` or ``,``), reusable after every member
+                ``destroy()``-ed it.
+            members: Member names of the world; must include this process. Every member
+                must pass the same names (in any order).
             timeout: Seconds to wait for all members. None: ``dist_timeout``.
 
+        Returns:
+            This process's handle of the group.
+
         Raises:
-            ValueError: bad name or members, or the group already exists here.
+            TypeError: ``name`` is not a str or ``members`` not a sequence of str.
+            ValueError: bad name, unknown or duplicate members, this process not among
+                them, members that passed different lists, or the group already exists
+                here.
+            RuntimeError: the World was created with ``init_rpc=False``, or is stopped.
             TimeoutError: naming the members that never came.
         """
         if not self._rpc_on:
@@ -320,6 +338,12 @@ class World:
 
         A handle of a group this process is not a member of can call its services and
         read its values, but cannot register or pair.
+
+        Args:
+            name: Group name.
+
+        Returns:
+            The group, or None when no group of that name exists in the world.
         """
         group = self._groups.get(name)
         if group is not None:
@@ -339,8 +363,21 @@ class World:
                                 timeout: Optional[float] = None) -> CollectiveGroup:
         """Create a collective group over ``ranks`` (global ranks); every process must call it.
 
+        Every process of the world calls it, members or not, with the same ranks and in
+        the same order as its other group creations (torch's rule for ``new_group``).
+
+        Args:
+            ranks: Global ranks of the members, distinct, in ``[0, world_size)``.
+            backend: Backend of the group (``"gloo"``, ``"nccl"``). None: the World's.
+            timeout: Timeout of the group's operations, seconds. None: ``dist_timeout``.
+
+        Returns:
+            The group; in a process outside ``ranks`` its ``is_member()`` is False.
+
         Raises:
-            ValueError: bad ranks, or the World was created without collectives.
+            TypeError: ``ranks`` is not a sequence of int.
+            ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout.
+            RuntimeError: the World was created with ``collective=False``, or is stopped.
         """
         if not self._collective_on:
             raise RuntimeError("this World was created with collective=False; collective groups need it")
@@ -358,7 +395,13 @@ class World:
         finish); otherwise, or when the graceful shutdown fails, locally. Each phase of the
         graceful shutdown is bounded by what is left of ``timeout``, so only a peer that
         dies in the middle of it can delay ``stop`` to about twice ``timeout``. Safe to call
-        twice.
+        twice; called on leaving a ``with World(...)`` block.
+
+        Args:
+            timeout: Seconds to wait for the peers. None: ``dist_timeout``.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive number.
         """
         with self._stop_lock:
             if self._stopped:
@@ -463,7 +506,7 @@ class World:
 
 
 def get_world() -> Optional[World]:
-    """This process's World, None if there is none."""
+    """This process's World, None if there is none (or it was stopped)."""
     return _state.current
 
 
@@ -473,10 +516,18 @@ def is_world_initialized() -> bool:
 
 
 def get_cur_rank() -> int:
-    """Rank of this process. Raises RuntimeError without a World."""
+    """Rank of this process.
+
+    Raises:
+        RuntimeError: this process has no World.
+    """
     return require_world().rank
 
 
 def get_cur_name() -> str:
-    """Member name of this process. Raises RuntimeError without a World."""
+    """Member name of this process.
+
+    Raises:
+        RuntimeError: this process has no World.
+    """
     return require_world().name

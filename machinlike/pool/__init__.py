@@ -213,11 +213,20 @@ class CtxPool(Pool):
 
     Args:
         processes: Number of workers (required).
-        worker_contexts: One context per worker; None gives every worker None.
-        initializer, initargs, maxtasksperchild, is_recursive, is_daemon,
-        is_copy_tensor, share_method, ctx: As for :class:`Pool`.
+        worker_contexts: One context per worker, given to it (pickled under the tensor
+            policy) when it starts; None gives every worker None.
+        initializer: As for :class:`Pool`.
+        initargs: As for :class:`Pool`.
+        maxtasksperchild: As for :class:`Pool`.
+        is_recursive: As for :class:`Pool`.
+        is_daemon: As for :class:`Pool`.
+        is_copy_tensor: As for :class:`Pool`; also decides whether the contexts are
+            copied or shared.
+        share_method: As for :class:`Pool`.
+        ctx: As for :class:`Pool`.
 
     Raises:
+        TypeError: a bad argument type (the message names it).
         ValueError: ``worker_contexts`` does not hold exactly ``processes`` contexts.
     """
 
@@ -255,6 +264,9 @@ class ThreadPool(Pool):
         is_recursive, is_copy_tensor, share_method: Accepted for machin compatibility;
             no effect (threads share objects).
         is_daemon: Whether the threads are daemon threads.
+
+    Raises:
+        TypeError, ValueError: a bad argument (the message names it).
     """
 
     _label = "threadpool"
@@ -302,6 +314,7 @@ class CtxThreadPool(ThreadPool):
             None gives every thread None.
 
     Raises:
+        TypeError: a bad argument type (the message names it).
         ValueError: ``worker_contexts`` does not hold exactly ``processes`` contexts.
     """
 

@@ -137,9 +137,23 @@ class PoolBase:
     def apply(self, func: Callable[..., Any], args: Iterable[Any] = (), kwds: Optional[Mapping] = None) -> Any:
         """Run ``func(*args, **kwds)`` in a worker and return its result.
 
+        Waits as long as the call takes; use :meth:`apply_async` and
+        ``get(timeout)`` to bound the wait.
+
+        Args:
+            func: Any callable, including lambdas, local functions and closures.
+            args: Positional arguments (a tuple).
+            kwds: Keyword arguments, or None for none.
+
+        Returns:
+            What ``func`` returned (a copy, or a shared tensor, under the tensor policy).
+
         Raises:
-            Exception: what the call raised (see :meth:`AsyncResult.get`).
-            ValueError: the pool is not running.
+            Exception: what the call raised (see :meth:`AsyncResult.get`), including
+                :class:`~machinlike.exception.WorkerLostError` if its worker died.
+            TypeError: a bad argument type (``args`` not a tuple, ``func`` not callable).
+            ValueError: the pool is not running (closed or terminated).
+            BrokenPoolError: the pool is broken.
         """
         return self.apply_async(func, args, kwds).get()
 
@@ -156,16 +170,18 @@ class PoolBase:
         Args:
             func: Any callable, including lambdas, local functions and closures.
             args: Positional arguments (a tuple).
-            kwds: Keyword arguments, or None.
-            callback: Called with the result when it arrives.
-            error_callback: Called with the exception if the call fails.
+            kwds: Keyword arguments, or None for none.
+            callback: Called with the result when it arrives, in the thread that
+                delivers results; None for no callback.
+            error_callback: Called with the exception if the call fails (raised by
+                the call, worker lost, pool terminated or broken); None for none.
 
         Returns:
             The pending result.
 
         Raises:
             TypeError: a bad argument type (``args`` not a tuple, ``func`` not callable).
-            ValueError: the pool is not running.
+            ValueError: the pool is not running (closed or terminated).
             BrokenPoolError: the pool is broken.
         """
         check_callable(func, "func")
@@ -187,10 +203,20 @@ class PoolBase:
         Args:
             func: Applied to each item. Pickled once for the whole map.
             iterable: The items (consumed at once, as by the standard pool).
-            chunksize: Items per task; None picks about four tasks per worker.
+            chunksize: Items per task (>= 1); None picks about four tasks per worker.
+
+        Returns:
+            The results, one per item.
 
         Raises:
-            Exception: the first failing item's exception.
+            Exception: the first failing item's exception (its original type, the
+                worker's traceback as ``__cause__``), or
+                :class:`~machinlike.exception.WorkerLostError` for an item whose worker
+                died.
+            TypeError: ``func`` is not callable, ``iterable`` not iterable, or
+                ``chunksize`` not an int.
+            ValueError: ``chunksize`` < 1, or the pool is not running.
+            BrokenPoolError: the pool is broken.
         """
         return self._map_async(func, iterable, chunksize, None, None, False).get()
 
@@ -202,11 +228,41 @@ class PoolBase:
         callback: Optional[Callable[[Any], Any]] = None,
         error_callback: Optional[Callable[[BaseException], Any]] = None,
     ) -> MapResult:
-        """Asynchronous :meth:`map`; ``callback`` gets the list of results."""
+        """Asynchronous :meth:`map`.
+
+        Args:
+            func: Applied to each item. Pickled once for the whole map.
+            iterable: The items (consumed at once).
+            chunksize: Items per task (>= 1); None picks about four tasks per worker.
+            callback: Called with the list of results when all have arrived; None for
+                no callback.
+            error_callback: Called with the first failing item's exception; None for
+                no callback.
+
+        Returns:
+            The pending list of results, in input order.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`map` (the items' own errors are
+                raised by ``get()``).
+            BrokenPoolError: the pool is broken.
+        """
         return self._map_async(func, iterable, chunksize, callback, error_callback, False)
 
     def starmap(self, func: Callable[..., Any], iterable: Iterable[Iterable[Any]], chunksize: Optional[int] = None) -> List[Any]:
-        """Like :meth:`map`, calling ``func(*item)``."""
+        """Like :meth:`map`, calling ``func(*item)``.
+
+        Args:
+            func: Called as ``func(*item)`` for each item.
+            iterable: Argument tuples (consumed at once).
+            chunksize: Items per task (>= 1); None picks about four tasks per worker.
+
+        Returns:
+            The results, one per item, in input order.
+
+        Raises:
+            Exception: as for :meth:`map`.
+        """
         return self._map_async(func, iterable, chunksize, None, None, True).get()
 
     def starmap_async(
@@ -217,7 +273,23 @@ class PoolBase:
         callback: Optional[Callable[[Any], Any]] = None,
         error_callback: Optional[Callable[[BaseException], Any]] = None,
     ) -> MapResult:
-        """Asynchronous :meth:`starmap`."""
+        """Asynchronous :meth:`starmap`.
+
+        Args:
+            func: Called as ``func(*item)`` for each item.
+            iterable: Argument tuples (consumed at once).
+            chunksize: Items per task (>= 1); None picks about four tasks per worker.
+            callback: Called with the list of results; None for no callback.
+            error_callback: Called with the first failing item's exception; None for
+                no callback.
+
+        Returns:
+            The pending list of results, in input order.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`map`.
+            BrokenPoolError: the pool is broken.
+        """
         return self._map_async(func, iterable, chunksize, callback, error_callback, True)
 
     def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
@@ -226,11 +298,36 @@ class PoolBase:
         The pool reads ``iterable`` in a background thread, keeping a bounded number of
         chunks ahead of what has been consumed (for any ``chunksize``), so it may be
         endless; dropping the iterator stops the reading and closes a generator input.
+
+        Args:
+            func: Applied to each item. Pickled once for the whole call.
+            iterable: The items, pulled as needed.
+            chunksize: Items per task (>= 1).
+
+        Returns:
+            An iterator over the results; its ``next(timeout)`` bounds each wait.
+
+        Raises:
+            TypeError: ``func`` is not callable, ``iterable`` not iterable, or
+                ``chunksize`` not an int.
+            ValueError: ``chunksize`` < 1, or the pool is not running.
         """
         return self._imap(IMapIterator, func, iterable, chunksize)
 
     def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapUnorderedIterator:
-        """Like :meth:`imap`, with results in completion order."""
+        """Like :meth:`imap`, with results in completion order.
+
+        Args:
+            func: Applied to each item. Pickled once for the whole call.
+            iterable: The items, pulled as needed.
+            chunksize: Items per task (>= 1).
+
+        Returns:
+            An iterator over the results as they complete.
+
+        Raises:
+            TypeError, ValueError: as for :meth:`imap`.
+        """
         return self._imap(IMapUnorderedIterator, func, iterable, chunksize)  # type: ignore[return-value]
 
     def _map_async(
@@ -277,18 +374,23 @@ class PoolBase:
     # ------------------------------------------------------------------ lifetime
 
     def size(self) -> int:
-        """Number of workers."""
+        """Number of workers (processes or threads); replacements keep it constant."""
         return self._backend.processes
 
     def close(self) -> None:
-        """Accept no new work; workers exit once everything submitted has finished."""
+        """Accept no new work; workers exit once everything submitted has finished.
+
+        Submitting afterwards raises ``ValueError``. Follow with :meth:`join` to wait.
+        """
         self._backend.close()
         self._feeder.unbound()
 
     def terminate(self) -> None:
         """Stop now: pending results fail with PoolTerminatedError, workers are ended.
 
-        Idempotent. Process workers get SIGTERM, then SIGKILL after a grace period.
+        Idempotent. Process workers get SIGTERM, then SIGKILL after a grace period
+        (1 s). Threads cannot be killed: a thread pool's running task finishes in the
+        background and its result is dropped. Leaving a ``with`` block calls this.
         """
         self._feeder.stop()
         self._backend.terminate()

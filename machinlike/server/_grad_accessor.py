@@ -173,6 +173,9 @@ class PushPullGradServer:
         buffers stay the client's. Nothing is transferred when ``model.pp_version`` is the
         newest version.
 
+        Args:
+            model: A model of the managed architecture.
+
         Returns:
             True if newer parameters were loaded (``model.pp_version`` updated), False if
             the model already had the newest version.

@@ -1,6 +1,8 @@
 """PushPullGradServer: clients push gradients, reducers sum them in a tree, the primary
 steps the optimizer and publishes parameters that clients pull.
 
+Data flow::
+
     client push(model) ── validated, one RPC (or a local call) ──► secondary reducer
          ▲                  True: queued; False: its queue was full     │ reduce_batch_size
          │                                                              ▼ pushes summed
@@ -339,7 +341,18 @@ class PushPullGradServerImpl:
             reducer.watch()
 
     def close(self, timeout: Optional[float] = None) -> None:
-        """Stop, then withdraw the services, the accessor and the hosted ordered server."""
+        """Stop, then withdraw the services, the accessor and the hosted ordered server.
+
+        Safe to call twice. Every reducer member closes its own part; with
+        :func:`~machinlike.server.grad_server_helper` use ``ServerHandles.close()``, which
+        orders the members' shutdown.
+
+        Args:
+            timeout: Seconds to wait for the reducer threads; None: the world's rpc_timeout.
+
+        Raises:
+            TimeoutError: a thread was still finishing a batch when the time ran out.
+        """
         if self._closed:
             return
         self.stop(timeout)

@@ -65,6 +65,9 @@ class ServerHandles(tuple):
         stop, then all primaries, then the services are withdrawn. The group is destroyed
         when the helper created it. Safe to call twice.
 
+        Args:
+            timeout: Seconds for the whole shutdown; None: the world's ``dist_timeout``.
+
         Raises:
             TimeoutError: a member did not arrive within ``timeout`` seconds.
         """
@@ -134,6 +137,11 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
 
     Returns:
         :class:`ServerHandles`: a tuple of :class:`PushPullModelServer` accessors.
+
+    Raises:
+        ValueError, TypeError: invalid arguments.
+        RuntimeError: ``group`` is None and this process has no World.
+        TimeoutError: a member did not arrive within ``timeout``.
     """
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
@@ -186,6 +194,8 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
 
     Raises:
         ValueError, TypeError: invalid arguments (e.g. per-model lists of the wrong length).
+        RuntimeError: ``group`` is None and this process has no World.
+        TimeoutError: a member did not arrive within ``timeout``.
     """
     if isinstance(model_creators, (str, bytes)) or not isinstance(model_creators, (list, tuple)) \
             or not model_creators or not all(callable(c) for c in model_creators):

@@ -1,5 +1,7 @@
 """PushPullModelServer: whole models synchronised on a strictly ordered version chain.
 
+Data flow::
+
     client                                             ordered server (a host process)
     ------                                             -------------------------------
     push(model): state dict as version v+1   ───────►  accepted iff the newest is v
@@ -125,6 +127,9 @@ class PushPullModelServer:
 
         Nothing is transferred when ``model.pp_version`` is the newest version. Gradients
         are not cleared.
+
+        Args:
+            model: A model of the server's architecture.
 
         Returns:
             True if a newer state was loaded (``model.pp_version`` updated), False if the

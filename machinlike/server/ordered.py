@@ -1,5 +1,7 @@
 """Ordered key-value server: a versioned store with compare-and-set pushes.
 
+Data flow::
+
     accessor (any process)                          host (OrderedServerSimpleImpl)
     ----------------------                          ------------------------------
     push(key, value, v, prev)  ── registered_sync ─► under one lock: accept iff the key is
@@ -51,6 +53,12 @@ class OrderedServerBase(abc.ABC):
         ``prev_version`` exactly one wins. ``version == prev_version`` is allowed (the
         newest entry is then succeeded by another with the same version).
 
+        Args:
+            key: Any hashable key (the servers use str).
+            value: The value to store (picklable).
+            version: The version this value becomes.
+            prev_version: The version it must succeed; ignored for a new key.
+
         Returns:
             True if stored, False if rejected.
         """
@@ -60,6 +68,7 @@ class OrderedServerBase(abc.ABC):
         """The ``(value, version)`` of ``key``.
 
         Args:
+            key: The key.
             version: The version wanted; None: the newest.
 
         Returns:
@@ -69,6 +78,10 @@ class OrderedServerBase(abc.ABC):
 
     def pull_if_changed(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
         """The newest ``(value, version)`` of ``key`` unless ``have_version`` is the newest.
+
+        Args:
+            key: The key.
+            have_version: The version the caller holds (None: none).
 
         Returns:
             None when the key is unknown or its newest version equals ``have_version``.
@@ -165,6 +178,12 @@ class OrderedServerSimpleImpl:
 
         Used by servers hosted in the same process (the gradient server's primary) to
         publish a fresh snapshot without an RPC to itself.
+
+        Args:
+            key, value, version, prev_version: As for :meth:`OrderedServerBase.push`.
+
+        Returns:
+            True if stored, False if rejected.
         """
         with self._lock:
             entries = self._data.get(key)
