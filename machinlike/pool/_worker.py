@@ -170,21 +170,21 @@ class _Worker:
                     value = func(*args, **(kwds or {}))
             except BaseException as exc:
                 return self._fail(seq, exc, None)
-            del func, args, kwds
             shared[1] = PICKLING
             try:
                 data = codec.dumps(value)
             except BaseException as exc:
                 return self._fail(seq, exc, "while pickling the result in the worker")
-            del value
             write_frame(self._out, DONE, 0, seq, 0, data)
+            # Dropped only once the result is on its way: releasing a large shared
+            # argument unmaps it (~15 ms for 256 MB), which the caller need not wait for.
+            del func, args, kwds, value
         else:
             call = functools.partial(func, self._context) if self._has_context else func
             try:
                 values, errors = run_chunk(call, items, bool(star))
             except SystemExit as exc:
                 return self._fail(seq, exc, None)
-            del call, func, items
             shared[1] = PICKLING
             if errors is None:
                 try:
@@ -195,10 +195,12 @@ class _Worker:
                     data = None  # find the culprit item by item below
                 if data is not None:
                     write_frame(self._out, DONE, 0, seq, 0, data)
+                    del call, func, items  # after the send, as above
                     shared[1] = IDLE
                     return
                 errors = {}
             self._send_partial(seq, values, errors)
+            del call, func, items
         shared[1] = IDLE
 
     def _send_partial(self, seq: int, values: List[Any], errors: Dict[int, BaseException]) -> None:
