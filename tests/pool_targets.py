@@ -151,6 +151,10 @@ def add_one_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def add_one_at_(tensor: torch.Tensor, index: int) -> None:
+    tensor[index] += 1
+
+
 def add_one_return_sum(tensor: torch.Tensor) -> float:
     tensor.add_(1)
     return float(tensor.sum())

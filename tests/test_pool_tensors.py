@@ -41,16 +41,20 @@ def test_share_mode_passes_cpu_tensors_by_reference(numel):
         pool.apply(targets.add_one_, (t,))
         assert torch.equal(t, torch.ones(numel)), "the worker's edit must reach the shared tensor"
         assert t.is_shared()
-        # the same tensor, many times, concurrently (machin hangs on the second send)
-        pool.map(targets.add_one_, [t] * 20, chunksize=1)
-        results = [pool.apply_async(targets.add_one_, (t,)) for _ in range(5)]
+        # the same tensor, many times, concurrently (machin hangs on the second send);
+        # each task edits its own element, since two workers' add_() on the same memory race
+        sends = min(numel, 25)
+        pool.starmap(targets.add_one_at_, [(t, i) for i in range(sends - 5)], chunksize=1)
+        results = [pool.apply_async(targets.add_one_at_, (t, i)) for i in range(sends - 5, sends)]
         for result in results:
             result.get(WAIT)
-        assert torch.equal(t, torch.full((numel,), 26.0))
+        expected = torch.ones(numel)
+        expected[:sends] += 1
+        assert torch.equal(t, expected)
         made = pool.apply(targets.make_tensor, (numel, 3.0))
         assert made.is_shared() and torch.equal(made, torch.full((numel,), 3.0))
         # closures share as well
-        pool.apply(lambda: t.sub_(26))
+        pool.apply(lambda: t.sub_(expected))
         assert torch.count_nonzero(t) == 0
 
 
