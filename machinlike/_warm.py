@@ -28,18 +28,25 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import resource_tracker as _resource_tracker
 from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 __all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE"]
 
 #: Whether this platform can run a forkserver (it needs fd passing over Unix sockets).
 WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and os.name == "posix"
 
-# Imported once in the server; '__main__' is deliberately absent so that a user's script
+# Imported once in a server; '__main__' is deliberately absent so that a user's script
 # is imported by each child (as with spawn), not frozen into the server at first use.
-# torch._dynamo: torch imports it lazily when the first optimizer is built (about 2 s
-# here), which every trainer or parameter-server process does.
-_PRELOAD = ["torch", "torch.distributed.rpc", "torch._dynamo", "dill", "machinlike"]
+# Two profiles, each with its own server, started on first use:
+# - "light" (processes, pools, queues): torch and machinlike, about 2 s to start here;
+# - "train" (the ranks of launch()): also torch._dynamo, which torch imports lazily when
+#   the first optimizer is built (another ~2 s here) and which every trainer or
+#   parameter-server rank does. A pool worker rarely builds an optimizer, so a program's
+#   first pool does not pay for it.
+_PRELOADS: Dict[str, list] = {
+    "light": ["torch", "torch.distributed.rpc", "dill", "machinlike"],
+    "train": ["torch", "torch.distributed.rpc", "torch._dynamo", "dill", "machinlike"],
+}
 
 class _WarmForkServer(_forkserver.ForkServer):
     """The standard forkserver, started with the parent's ``sys.path`` before preloading.
@@ -91,36 +98,34 @@ class _WarmForkServer(_forkserver.ForkServer):
             self._forkserver_pid = pid
 
 
-_server: Optional[_WarmForkServer] = None
+_servers: Dict[str, _WarmForkServer] = {}
 _server_lock = threading.Lock()
 
 
-def _get_server() -> _WarmForkServer:
-    global _server
+def _get_server(profile: str) -> _WarmForkServer:
     with _server_lock:
-        if _server is None:
-            server = _WarmForkServer()
-            server.set_forkserver_preload(list(_PRELOAD))
-            _server = server
-        return _server
+        server = _servers.get(profile)
+        if server is None:
+            server = _servers[profile] = _WarmForkServer()
+            server.set_forkserver_preload(list(_PRELOADS[profile]))
+        return server
 
 
 def _borrow_parent_server() -> None:
-    # In a child forked by the warm server, the standard forkserver module's globals hold
+    # In a child forked by a warm server, the standard forkserver module's globals hold
     # that server's address (set by its main loop) and an "alive" fd (set for the child):
-    # reuse them, so that a child starting processes of its own does not pay for a second
-    # server importing torch again.
-    global _server
+    # reuse them for every profile, so that a child starting processes of its own does
+    # not pay for another server importing torch again.
     stdlib = _forkserver._forkserver
     if stdlib._forkserver_address is None or stdlib._forkserver_alive_fd is None:
         return
     server = _WarmForkServer()
-    server.set_forkserver_preload(list(_PRELOAD))
     server._forkserver_address = stdlib._forkserver_address
     server._forkserver_alive_fd = stdlib._forkserver_alive_fd
     server.borrowed = True
     with _server_lock:
-        _server = server
+        for profile in _PRELOADS:
+            _servers[profile] = server
 
 
 if WARM_AVAILABLE:
@@ -128,6 +133,8 @@ if WARM_AVAILABLE:
 
     class _WarmPopen(_popen_forkserver.Popen):
         """A forkserver Popen that talks to our private server instead of the global one."""
+
+        _profile = "light"
 
         def _launch(self, process_obj: _process.BaseProcess) -> None:
             payload = io.BytesIO()
@@ -140,7 +147,7 @@ if WARM_AVAILABLE:
                 _reduction.dump(process_obj, payload)
             finally:
                 _context.set_spawning_popen(None)
-            self.sentinel, data_w = _get_server().connect_to_new_process(self._fds)
+            self.sentinel, data_w = _get_server(self._profile).connect_to_new_process(self._fds)
             # The child watches this pipe as its parent sentinel, so one copy of the write
             # end stays open for as long as this Popen lives.
             parent_keep = os.dup(data_w)
@@ -168,6 +175,16 @@ class _WarmProcess(_process.BaseProcess):
         return _WarmPopen(process_obj)
 
 
+class _WarmTrainPopen(_WarmPopen):
+    _profile = "train"
+
+
+class _WarmTrainProcess(_WarmProcess):
+    @staticmethod
+    def _Popen(process_obj: _process.BaseProcess) -> "_WarmPopen":
+        return _WarmTrainPopen(process_obj)
+
+
 class WarmContext(_context.BaseContext):
     """A ``multiprocessing`` context whose processes come from a torch-preloaded forkserver.
 
@@ -183,33 +200,48 @@ class WarmContext(_context.BaseContext):
             raise ValueError("the warm forkserver start method is not available on this platform")
 
 
-_warm_context: Optional[WarmContext] = None
+class _WarmTrainContext(WarmContext):
+    """The warm context of launch()'s ranks: its server has torch._dynamo imported too."""
+
+    Process = _WarmTrainProcess
 
 
-def warm_context() -> _context.BaseContext:
-    """The warm context where the platform supports it, else the plain spawn context."""
-    global _warm_context
+_warm_contexts: Dict[str, WarmContext] = {}
+
+
+def warm_context(profile: str = "light") -> _context.BaseContext:
+    """The warm context where the platform supports it, else the plain spawn context.
+
+    Args:
+        profile: ``"light"`` (processes, pools, queues) or ``"train"`` (launched ranks:
+            the server also imports ``torch._dynamo``, which building an optimizer needs).
+    """
     if not WARM_AVAILABLE:
         return multiprocessing.get_context("spawn")
-    if _warm_context is None:
-        _warm_context = WarmContext()
-    return _warm_context
+    with _server_lock:
+        context = _warm_contexts.get(profile)
+        if context is None:
+            context = _warm_contexts[profile] = WarmContext() if profile == "light" else _WarmTrainContext()
+        return context
 
 
-def resolve_context(ctx: Union[None, str, _context.BaseContext], param: str = "ctx") -> _context.BaseContext:
+def resolve_context(
+    ctx: Union[None, str, _context.BaseContext], param: str = "ctx", profile: str = "light"
+) -> _context.BaseContext:
     """Turn a user's ``ctx`` argument into a multiprocessing context.
 
     Args:
         ctx: None or ``"warm"`` for the warm forkserver (spawn where unavailable); a start
             method name (``"spawn"``, ``"forkserver"``, ``"fork"``); or a context object.
         param: Parameter name to cite in the error message.
+        profile: The warm server to use for None / ``"warm"`` (see :func:`warm_context`).
 
     Raises:
         TypeError: ``ctx`` is of another type.
         ValueError: ``ctx`` names an unknown start method.
     """
     if ctx is None or ctx == "warm":
-        return warm_context()
+        return warm_context(profile)
     if isinstance(ctx, str):
         try:
             return multiprocessing.get_context(ctx)

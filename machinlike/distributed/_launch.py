@@ -156,15 +156,18 @@ def launch(
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
-    context = resolve_context(ctx)
+    context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
     processes, readers = [], []
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)
+            # Not daemonic, so that a rank may start pools and processes of its own; it
+            # still cannot outlive this call (killed in the finally below) or its parent
+            # (watch_parent in _rank_main).
             process = context.Process(
-                target=_rank_main, name=f"rank {rank} ({names[rank]!r})", daemon=True,
+                target=_rank_main, name=f"rank {rank} ({names[rank]!r})", daemon=False,
                 args=(rank, world_size, names[rank], store.port, payload, world_kwargs, writer, stop_timeout))
             process.start()
             writer.close()
