@@ -48,6 +48,7 @@ _PRELOADS: Dict[str, list] = {
     "train": ["torch", "torch.distributed.rpc", "torch._dynamo", "dill", "machinlike"],
 }
 
+
 class _WarmForkServer(_forkserver.ForkServer):
     """The standard forkserver, started with the parent's ``sys.path`` before preloading.
 
@@ -156,27 +157,38 @@ if WARM_AVAILABLE:
                 stream.write(payload.getbuffer())
             self.pid = _forkserver.read_signed(self.sentinel)
 
+    class _WarmTrainPopen(_WarmPopen):
+        _profile = "train"
+
+
+def child_setup(process_obj: _process.BaseProcess) -> None:
+    """In a child of a warm server: take the parent's stdout/stderr, borrow its server.
+
+    For process classes that start through a warm context's ``Process._Popen`` without
+    deriving from its Process class (:class:`machinlike.process.Process`); a no-op in a
+    child started any other way.
+    """
+    slots = getattr(process_obj, "_stdio_slots", ())
+    if slots:
+        inherited = _forkserver.get_inherited_fds() or []
+        for target, slot in zip((1, 2), slots):
+            fd = inherited[slot]
+            os.dup2(fd, target)
+            os.close(fd)
+    _borrow_parent_server()
+
 
 class _WarmProcess(_process.BaseProcess):
     _start_method = "forkserver"
     _stdio_slots: tuple = ()
 
     def _bootstrap(self, parent_sentinel: Optional[int] = None) -> int:
-        inherited = _forkserver.get_inherited_fds() or []
-        for target, slot in zip((1, 2), self._stdio_slots):
-            fd = inherited[slot]
-            os.dup2(fd, target)
-            os.close(fd)
-        _borrow_parent_server()
+        child_setup(self)
         return super()._bootstrap(parent_sentinel)
 
     @staticmethod
     def _Popen(process_obj: _process.BaseProcess) -> "_WarmPopen":
         return _WarmPopen(process_obj)
-
-
-class _WarmTrainPopen(_WarmPopen):
-    _profile = "train"
 
 
 class _WarmTrainProcess(_WarmProcess):

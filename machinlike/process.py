@@ -39,7 +39,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
 
-from . import _lifeline, _reductions
+from . import _lifeline, _reductions, _warm
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
@@ -193,7 +193,9 @@ class Process(BaseProcess):
         state = {k: v for k, v in self.__dict__.items() if k in self._own_keys}
         for key in ("_ctx", "_report_lock", "_report_reader", "_target", "_args", "_kwargs", "_cleaner"):
             state.pop(key, None)
-        extra = {k: v for k, v in self.__dict__.items() if k not in self._own_keys}
+        extra = {k: v for k, v in self.__dict__.items() if k not in self._own_keys and k != "_stdio_slots"}
+        if "_stdio_slots" in self.__dict__:  # set by a warm start; needed before the payload loads
+            state["_stdio_slots"] = self._stdio_slots
         # The primer connects the child to our shared-memory manager (if we have one),
         # sparing it the start of its own when it shares a tensor.
         primer = _reductions.manager_primer()
@@ -214,6 +216,8 @@ class Process(BaseProcess):
         # reporting wraps run() here, so that a subclass overriding run() keeps it.
         body = self.run
         self.run = lambda: self._run_and_report(body)  # type: ignore[method-assign]
+        if getattr(self, "_stdio_slots", ()):
+            _warm.child_setup(self)  # a warm server's child: its parent's stdio, its server
         return super()._bootstrap(parent_sentinel)  # type: ignore[misc]
 
     def _run_and_report(self, body: Callable[[], Any]) -> None:

@@ -143,6 +143,28 @@ def test_lambda_target_and_shared_tensor_arguments():
     assert p.exception is None and torch.equal(t, torch.full((3,), 5.0))
 
 
+def test_child_output_goes_to_the_parents_current_stdout(capfd):
+    # A child forked by the warm server must write where its parent writes now, not
+    # where the parent wrote when the server started: start it (if it is not running
+    # yet) while fd 1 points elsewhere.
+    saved = os.dup(1)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 1)
+        try:
+            warmup = Process(target=lambda: None)
+            warmup.start()
+            warmup.join(WAIT)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    capfd.readouterr()
+    p = Process(target=lambda: print("hello from the child", flush=True))
+    p.start()
+    p.join(WAIT)
+    assert p.exitcode == 0
+    assert "hello from the child" in capfd.readouterr().out
+
+
 def test_lambda_target_under_spawn():
     t = torch.zeros(1)
     p = run(targets.closure_over(t), ctx="spawn")
