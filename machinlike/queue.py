@@ -76,7 +76,30 @@ def _recv(reader: connection.Connection, timeout: Optional[float], what: str) ->
     return reader.recv_bytes()
 
 
-class SimpleQueue:
+class _PipeQueue:
+    """What the pipe-backed queues share: their two pipe ends, and passing them to a child."""
+
+    _reader: connection.Connection
+    _writer: connection.Connection
+
+    def empty(self) -> bool:
+        """Whether no item is waiting (a snapshot: another consumer may take it first)."""
+        return not self._reader.poll()
+
+    def close(self) -> None:
+        """Close this process's ends of the pipe; idempotent."""
+        self._reader.close()
+        self._writer.close()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        context.assert_spawning(self)  # only to a child being started, like multiprocessing's
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class SimpleQueue(_PipeQueue):
     """A queue between processes: many producers, many consumers.
 
     Args:
@@ -153,24 +176,8 @@ class SimpleQueue:
                 self._rlock.release()
         return loads(data)
 
-    def empty(self) -> bool:
-        """Whether no item is waiting (a snapshot: other consumers may take one next)."""
-        return not self._reader.poll()
 
-    def close(self) -> None:
-        """Close this process's ends of the pipe; idempotent."""
-        self._reader.close()
-        self._writer.close()
-
-    def __getstate__(self) -> Dict[str, Any]:
-        context.assert_spawning(self)
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-
-class SimpleP2PQueue:
+class SimpleP2PQueue(_PipeQueue):
     """A queue between exactly one writing and one reading process; no locks.
 
     Two writers (or two readers) at the same time corrupt it; use :class:`SimpleQueue`
@@ -227,22 +234,6 @@ class SimpleP2PQueue:
             EOFError: the writing end was closed.
         """
         return loads(_recv(self._reader, _check_timeout(timeout), "SimpleP2PQueue.get()"))
-
-    def empty(self) -> bool:
-        """Whether no item is waiting."""
-        return not self._reader.poll()
-
-    def close(self) -> None:
-        """Close this process's ends of the pipe; idempotent."""
-        self._reader.close()
-        self._writer.close()
-
-    def __getstate__(self) -> Dict[str, Any]:
-        context.assert_spawning(self)
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
 
 
 class MultiP2PQueue:
