@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import subprocess
 import sys
 import textwrap
@@ -11,24 +10,12 @@ import textwrap
 import pool_targets as targets
 import pytest
 import torch
+from proc_util import wait_for_exit
 
 from machinlike.pool import P2PPool, Pool
 
 WAIT = 60.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` (not our child) has ended within ``timeout`` s."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
-    finally:
-        os.close(fd)
 
 
 def _run_script(body: str, timeout: float = 120.0, extra_args=()) -> subprocess.CompletedProcess:
@@ -124,7 +111,7 @@ def test_workers_die_with_a_killed_parent():
         script.kill()
         script.wait(WAIT)
         for pid in pids:
-            assert _gone(pid, 30), f"worker {pid} outlived its SIGKILLed parent"
+            assert wait_for_exit(pid, 30), f"worker {pid} outlived its SIGKILLed parent"
     finally:
         script.kill()
         script.wait(WAIT)
@@ -147,7 +134,7 @@ def test_terminate_leaves_no_orphans(tmp_path):
         pids = [w.pid for w in pool._backend._workers]
         pool.terminate()
         for pid in pids:
-            assert _gone(pid, 0.0), f"worker {pid} survived terminate()"
+            assert wait_for_exit(pid, 0.0), f"worker {pid} survived terminate()"
         assert all(r.ready() and not r.successful() for r in blocked)
     finally:
         pool.terminate()

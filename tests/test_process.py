@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
 import threading
@@ -13,6 +12,7 @@ import traceback
 import pytest
 import toolkit_targets as targets
 import torch
+from proc_util import wait_for_exit
 
 from machinlike._lifeline import PARENT_DIED_EXITCODE, THREAD_NAME
 from machinlike.exception import ProcessExitedError, RemoteTraceback
@@ -191,19 +191,6 @@ def test_argument_validation():
 # ---------------------------------------------------------------- lifeline
 
 
-def _wait_for_exit(pid: int, timeout: float) -> bool:
-    """Block until process ``pid`` (not our child) exits, at most ``timeout`` s."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd_open (Linux >= 5.3)")
 def test_daemon_child_ends_when_its_parent_dies():
     report, go = SimpleQueue(), SimpleQueue()
@@ -215,7 +202,7 @@ def test_daemon_child_ends_when_its_parent_dies():
         go.put("die")
         parent.join(WAIT)
         assert parent.exitcode == 0
-        assert _wait_for_exit(grandchild_pid, 10.0), "the daemon grandchild outlived its parent"
+        assert wait_for_exit(grandchild_pid, 10.0), "the daemon grandchild outlived its parent"
     finally:
         try:
             os.kill(grandchild_pid, signal.SIGKILL)
