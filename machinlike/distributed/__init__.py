@@ -2,16 +2,20 @@
 
 from ._calls import RpcFuture
 from ._collective import CollectiveGroup
-from ._launch import launch
+from ._launch import LaunchResult, Restart, launch
 from ._rpc_group import RpcGroup
+from ._membership import MemberEvent
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
 __all__ = [
     "World",
+    "MemberEvent",
     "RpcGroup",
     "CollectiveGroup",
     "RpcFuture",
     "launch",
+    "LaunchResult",
+    "Restart",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",

@@ -242,7 +242,7 @@ def is_async(func: Any) -> bool:
 _LOST_MARKERS = (
     "eof", "pipe closed", "connection refused", "econnrefused", "connection reset",
     "econnreset", "broken pipe", "epipe", "shut down", "shutdown", "no route to host",
-    "unknown destination worker",
+    "unknown destination worker", "could not find destination",
 )
 
 

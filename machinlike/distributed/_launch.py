@@ -1,5 +1,9 @@
 """The local launcher: N processes on this machine, a World in each, one function run.
 
+With ``max_restarts`` the ranks form an *elastic* world and a rank that fails or dies is
+started again in place (same name, next incarnation) while the others go on; a rank named
+``essential`` still ends the run when it fails.
+
     parent                                   rank r (a warm-forkserver child)
     ------                                   --------------------------------
     host the store on 127.0.0.1:0  ───────►  connect; World(name, r, n, store=...)
@@ -21,22 +25,54 @@ import signal
 import socket
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 import torch.distributed as dist
 
+from . import _checks
 from .._lifeline import watch_parent
 from .._warm import resolve_context
 from ..exception import ExceptionWithTraceback, ProcessExitedError
 from ..pickle import dumps, loads
 
-__all__ = ["launch"]
+__all__ = ["launch", "LaunchResult", "Restart"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart of a rank by :func:`launch`.
+
+    Attributes:
+        rank: The rank that was restarted.
+        name: Its member name.
+        cause: Why: the exception it raised (with its type) or how its process ended.
+        incarnation: The incarnation the restart started (2 for the first restart).
+    """
+
+    rank: int
+    name: str
+    cause: str
+    incarnation: int
+
+
+class LaunchResult(list):
+    """The per-rank results of :func:`launch` (a list), plus the restarts it made.
+
+    Attributes:
+        restarts: Every :class:`Restart`, in the order they happened.
+    """
+
+    restarts: List[Restart]
 
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
 
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
-               world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float) -> None:
+               world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool) -> None:
     watch_parent()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from ._rendezvous import connect_store
@@ -46,7 +82,10 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
     try:
         fn, args, kwargs = loads(payload)
         store = connect_store("127.0.0.1", port, world_kwargs.get("dist_timeout", 60.0))
-        world = World(name, rank, world_size, store=store, **world_kwargs)
+        if elastic:
+            world = World(name, rank, store=store, elastic=True, **world_kwargs)
+        else:
+            world = World(name, rank, world_size, store=store, **world_kwargs)
         message = (True, fn(world, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, which decides what to raise
         message = (False, ExceptionWithTraceback(exc, where=f"rank {rank} ({name!r})"))
@@ -109,8 +148,10 @@ def launch(
     stop_timeout: float = 30.0,
     return_exceptions: bool = False,
     torchrun: Optional[bool] = None,
+    max_restarts: int = 0,
+    essential: Sequence[Union[int, str]] = (),
     **world_kwargs: Any,
-) -> List[Any]:
+) -> LaunchResult:
     """Run ``fn(world, *args, **kwargs)`` in ``world_size`` local processes, a World in each.
 
     Args:
@@ -130,55 +171,73 @@ def launch(
             ``fn`` itself, with a World built from torchrun's environment, instead of
             starting processes; ``world_size`` is then torchrun's. None: detect it
             (``TORCHELASTIC_RUN_ID`` is set). This is what lets one script run both ways.
+        max_restarts: How many times each rank may be restarted after it raised or died;
+            0 (the default): the first failure ends the run. Above 0 the ranks form an
+            elastic World (no default process group, so no collectives): a restarted rank
+            rejoins under its name as the next incarnation (``world.incarnation``) while
+            the others go on. Each restart is logged with its cause and listed in the
+            result's ``restarts``.
+        essential: Ranks (by rank or name) whose failure still ends the run, restarts or
+            not (e.g. the learner).
         **world_kwargs: Passed to :class:`World` (``rpc_timeout``, ``collective``, ...).
 
     Returns:
-        ``fn``'s return value of each rank, in rank order; under torchrun, a list holding
-        this rank's value only.
+        ``fn``'s return value of each rank, in rank order (a :class:`LaunchResult`, whose
+        ``restarts`` lists the restarts); under torchrun, this rank's value only.
 
     Raises:
-        Exception: the first failure of any rank, with that rank's traceback as cause; the
-            other ranks are killed.
-        ProcessExitedError: a rank died without reporting (names exit code / signal).
+        ValueError, TypeError: bad arguments (named).
+        Exception: the first failure of any rank that may not be restarted, with that
+            rank's traceback as cause; the other ranks are killed.
+        ProcessExitedError: such a rank died without reporting (names exit code / signal).
         TimeoutError: the run exceeded ``timeout`` (stacks of the ranks go to stderr).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive int")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
+    _checks.positive_int("world_size", world_size)
+    if timeout is not None:
+        _checks.seconds("timeout", timeout)
+    _checks.positive_int("max_restarts", max_restarts, minimum=0)
     reserved = _RESERVED & set(world_kwargs)
     if reserved:
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
     if torchrun if torchrun is not None else bool(os.environ.get("TORCHELASTIC_RUN_ID")):
-        return [_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)]
+        return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)])
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
+    vital = _essential_ranks(essential, names)
+    elastic = max_restarts > 0
+    if elastic:
+        world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
-    processes, readers = [], []
+    job = _Job(context, names, store.port, payload, world_kwargs, stop_timeout, elastic)
     try:
         for rank in range(world_size):
-            reader, writer = context.Pipe(duplex=False)
-            # Not daemonic, so that a rank may start pools and processes of its own; it
-            # still cannot outlive this call (killed in the finally below) or its parent
-            # (watch_parent in _rank_main).
-            process = context.Process(
-                target=_rank_main, name=f"rank {rank} ({names[rank]!r})", daemon=False,
-                args=(rank, world_size, names[rank], store.port, payload, world_kwargs, writer, stop_timeout))
-            process.start()
-            writer.close()
-            processes.append(process)
-            readers.append(reader)
-        return _collect(processes, readers, timeout, return_exceptions)
+            job.start(rank)
+        return job.collect(timeout, return_exceptions, max_restarts, vital)
     finally:
-        _kill_all(processes)
-        for reader in readers:
+        _kill_all([p for p in job.processes if p is not None])
+        for reader in job.readers:
             reader.close()
         del store
+
+
+def _essential_ranks(essential: Sequence[Union[int, str]], names: List[str]) -> Set[int]:
+    if isinstance(essential, (str, int)):
+        essential = [essential]
+    vital = set()
+    for entry in essential:
+        if isinstance(entry, int) and not isinstance(entry, bool) and 0 <= entry < len(names):
+            vital.add(entry)
+        elif isinstance(entry, str) and entry in names:
+            vital.add(names.index(entry))
+        else:
+            raise ValueError(f"essential={list(essential)!r}: {entry!r} is neither a rank in [0, {len(names)}) "
+                             f"nor a name in {names}")
+    return vital
 
 
 def _read(conn: Connection) -> Optional[tuple]:
@@ -188,40 +247,99 @@ def _read(conn: Connection) -> Optional[tuple]:
         return None
 
 
-def _collect(processes: List[Any], readers: List[Connection], timeout: Optional[float],
-             return_exceptions: bool) -> List[Any]:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    results: Dict[int, Any] = {}
-    waiting: Dict[Any, tuple] = {}
-    for rank, (process, reader) in enumerate(zip(processes, readers)):
-        waiting[reader] = ("report", rank)
-        waiting[process.sentinel] = ("exit", rank)
-    while waiting:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = wait(list(waiting), timeout=left)
-        if not ready:
-            _timed_out(processes, results, timeout)
-        for handle in ready:
-            kind, rank = waiting.pop(handle)
-            report = None
-            if kind == "report":
-                report = _read(handle)
-            elif rank not in results:
-                # The process ended; its report may still sit in the pipe.
-                reader = readers[rank]
-                if waiting.pop(reader, None) is not None and reader.poll():
-                    report = _read(reader)
+class _Job:
+    """The ranks' processes and result pipes; starts (and restarts) rank ``r`` in place."""
+
+    def __init__(self, context: Any, names: List[str], port: int, payload: bytes, world_kwargs: Dict[str, Any],
+                 stop_timeout: float, elastic: bool) -> None:
+        self.context = context
+        self.names = names
+        self.port = port
+        self.payload = payload
+        self.world_kwargs = world_kwargs
+        self.stop_timeout = stop_timeout
+        self.elastic = elastic
+        self.processes: List[Any] = [None] * len(names)
+        self.readers: List[Connection] = []
+        self.reader_of: List[Any] = [None] * len(names)
+
+    def start(self, rank: int) -> None:
+        reader, writer = self.context.Pipe(duplex=False)
+        # Not daemonic, so that a rank may start pools and processes of its own; it
+        # still cannot outlive this call (killed in launch's finally) or its parent
+        # (watch_parent in _rank_main).
+        process = self.context.Process(
+            target=_rank_main, name=f"rank {rank} ({self.names[rank]!r})", daemon=False,
+            args=(rank, len(self.names), self.names[rank], self.port, self.payload, self.world_kwargs, writer,
+                  self.stop_timeout, self.elastic))
+        process.start()
+        writer.close()
+        self.processes[rank] = process
+        self.readers.append(reader)
+        self.reader_of[rank] = reader
+
+    def collect(self, timeout: Optional[float], return_exceptions: bool, max_restarts: int,
+                vital: Set[int]) -> LaunchResult:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: Dict[int, Any] = {}
+        restarts: List[Restart] = []
+        used = [0] * len(self.names)
+        waiting: Dict[Any, tuple] = {}
+
+        def watch(rank: int) -> None:
+            waiting[self.reader_of[rank]] = ("report", rank)
+            waiting[self.processes[rank].sentinel] = ("exit", rank)
+
+        for rank in range(len(self.names)):
+            watch(rank)
+        while waiting:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(waiting), timeout=left)
+            if not ready:
+                _timed_out([p for p in self.processes if p is not None], results, timeout)
+            for handle in ready:
+                if handle not in waiting:
+                    continue  # dropped with its rank's restart in this same round
+                kind, rank = waiting.pop(handle)
+                report = None
+                if kind == "report":
+                    report = _read(handle)
+                elif rank not in results:
+                    # The process ended; its report may still sit in the pipe.
+                    reader = self.reader_of[rank]
+                    if waiting.pop(reader, None) is not None and reader.poll():
+                        report = _read(reader)
+                    if report is None:
+                        p = self.processes[rank]
+                        p.join()
+                        report = (False, ProcessExitedError(p.name, p.pid, p.exitcode,
+                                                            "it ended without reporting a result"))
                 if report is None:
-                    p = processes[rank]
-                    p.join()
-                    report = (False, ProcessExitedError(p.name, p.pid, p.exitcode,
-                                                        "it ended without reporting a result"))
-            if report is not None:
+                    continue  # the pipe closed first; the exit sentinel decides
                 ok, value = report
+                if not ok and rank not in vital and used[rank] < max_restarts:
+                    used[rank] += 1
+                    cause = f"{type(value).__name__}: {value}"
+                    log.warning("launch: restarting rank %d (%r), restart %d of %d, after %s", rank,
+                                self.names[rank], used[rank], max_restarts, cause)
+                    restarts.append(Restart(rank, self.names[rank], cause, used[rank] + 1))
+                    for stale in (self.reader_of[rank], self.processes[rank].sentinel):
+                        waiting.pop(stale, None)
+                    old = self.processes[rank]
+                    if old.is_alive():
+                        old.kill()
+                    old.join(5.0)
+                    self.start(rank)
+                    watch(rank)
+                    continue
                 if not ok and not return_exceptions:
                     raise value
                 results[rank] = value
-    return [results[rank] for rank in range(len(processes))]
+                # A rank that reported is done: its exit is expected, not a failure.
+                waiting.pop(self.processes[rank].sentinel, None)
+        result = LaunchResult(results[rank] for rank in range(len(self.names)))
+        result.restarts = restarts
+        return result
 
 
 def _timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float]) -> None:

@@ -92,6 +92,42 @@ class Registry:
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to counter ``key`` (0 when absent); the new value."""
+        try:
+            return int(self._store.add(key, amount))
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def append(self, key: str, text: str) -> None:
+        try:
+            self._store.append(key, text)
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        """Set ``key`` to ``desired`` if it holds ``expected`` ("" also matches absent); the value after."""
+        try:
+            return self._store.compare_set(key, expected, desired).decode()
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def get_or_empty(self, key: str) -> str:
+        """The value of ``key``, "" when absent (never waits)."""
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else ""
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def values_or_empty(self, prefix: str, names: Sequence[str]) -> List[str]:
+        """Values of ``prefix + name`` for each name, "" for absent ones, in one round trip."""
+        keys = [prefix + n for n in names]
+        try:
+            return [v.decode() for v in self._waiter().multi_get(keys)] if self._waiter().check(keys) \
+                else [self.get_or_empty(k) for k in keys]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
     # ---------------------------------------------------------------- rendezvous-ish
     def wait_all(self, prefix: str, names: Sequence[str], timeout: float, what: str,
                  stated: Optional[float] = None) -> None:

@@ -1,16 +1,23 @@
 """RpcGroup: a named set of members that register services and pair values.
 
-Who owns a key lives in the world's store (see ``_registry``); callers cache owners and
-correct the cache when it went stale: an owner that no longer holds the key answers
-"missing", the caller looks the key up again and retries once. A cached call is therefore
-a single RPC round trip, like a raw ``rpc_sync``.
+Who owns a key lives in the world's store (kept by ``_membership``); callers cache owners
+and correct the cache when it went stale: an owner that no longer holds the key answers
+"missing" (or is known to be gone), the caller looks the key up again and retries once,
+within the same deadline. A cached call is therefore a single RPC round trip, like a raw
+``rpc_sync``. A member that dies has its keys freed by the liveness monitor, so a survivor
+can take them over.
 
-Store keys of one group incarnation (``epoch`` counts re-creations of the name):
+Store keys of one group incarnation (``epoch`` counts re-creations of the name; an open
+group, created with ``members=None``, has the epoch ``o``):
 
-    mlk/<n>/rg/<group>/<epoch>/join/<member>   member lists, written at creation
-    mlk/<n>/rg/<group>/<epoch>/s/<key>         service owner:  "s:<member>" | "a:<member>"
-    mlk/<n>/rg/<group>/<epoch>/v/<key>         value owner:    "<member>"
-    mlk/<n>/rg/<group>/<epoch>/bar/<gen>/<m>   barrier arrivals
+    <ns>rg/<group>/current                  "<epoch>/<members>" ("*" for an open group)
+    <ns>rg/<group>/<epoch>/join/<member>    member lists, written at creation
+    <ns>rg/<group>/<epoch>/s/<key>          service owner:  "s:<worker>" | "a:<worker>"
+    <ns>rg/<group>/<epoch>/v/<key>          value owner:    "<worker>"
+    <ns>rg/<group>/<epoch>/bar/<gen>/<m>    barrier arrivals
+
+``<worker>`` is the owner's RPC worker name: its member name, or ``<name>::<incarnation>``
+for a member that came back after a crash.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch.distributed import rpc
 
-from . import _calls
-from ._state import require_world
+from . import _calls, _checks
 from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
+from ._membership import Membership
+from ._registry import deadline_left
+from ._state import require_world
+from ..exception import PeerLostError
 
-__all__ = ["RpcGroup", "check_group_name"]
+__all__ = ["RpcGroup", "check_group_name", "create_group", "open_group"]
 
 
 def check_group_name(name: str) -> None:
@@ -35,12 +45,54 @@ def check_group_name(name: str) -> None:
         raise ValueError(f"group name {name!r} must be non-empty and contain no '/' or ','")
 
 
-def _check_key(key: str) -> None:
-    if not isinstance(key, str):
-        raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
+_check_key = _checks.service_key
 
 
-_world = require_world
+def _membership() -> Membership:
+    return require_world().membership
+
+
+def create_group(members_view: Membership, name: str, members: Sequence[str], wait: float) -> "RpcGroup":
+    """Create group ``name`` over ``members`` (every member calls this); see ``World.create_rpc_group``."""
+    check_group_name(name)
+    live = members_view.members()
+    members = sorted(members)
+    unknown = [m for m in members if m not in live]
+    if unknown or len(set(members)) != len(members) or not members:
+        raise ValueError(f"members={members!r} must be distinct names of live world members ({live}); "
+                         f"unknown: {unknown}")
+    if members_view.name not in members:
+        raise ValueError(f"this process ({members_view.name!r}) is not in members={members}; "
+                         f"only members create the group")
+    if name in members_view.groups:
+        raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
+    epoch = members_view.group_epochs.get(name, 0)
+    members_view.group_epochs[name] = epoch + 1
+    prefix = members_view.key(f"rg/{name}/{epoch}/join/")
+    listing = ",".join(members)
+    members_view.registry.set(prefix + members_view.name, listing)
+    members_view.wait_all(prefix, members, members, wait, f"creating RpcGroup {name!r}: members")
+    odd = [m for m, v in zip(members, members_view.registry.values(prefix, members)) if v != listing]
+    if odd:
+        raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
+    members_view.registry.set(members_view.key(f"rg/{name}/current"), f"{epoch}/{listing}")
+    group = RpcGroup(name, members, str(epoch))
+    members_view.groups[name] = group
+    return group
+
+
+def open_group(members_view: Membership, name: str) -> "RpcGroup":
+    """Join the open group ``name`` (whoever is in the world); returns at once."""
+    check_group_name(name)
+    if name in members_view.groups:
+        raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
+    held = members_view.registry.compare_set(members_view.key(f"rg/{name}/current"), "", "o/*")
+    if held != "o/*":
+        raise ValueError(f"RpcGroup {name!r} exists with fixed members ({held.split('/', 1)[1]}); "
+                         f"open groups (members=None) need a name of their own")
+    group = RpcGroup(name, None, "o")
+    members_view.groups[name] = group
+    return group
 
 
 class RpcGroup:
@@ -61,9 +113,10 @@ class RpcGroup:
     and its ``dist_timeout`` for barriers. Keys must be str (``TypeError`` otherwise).
     """
 
-    def __init__(self, name: str, members: Sequence[str], epoch: int) -> None:
+    def __init__(self, name: str, members: Optional[Sequence[str]], epoch: str) -> None:
         self._name = name
-        self._members = tuple(sorted(members))
+        #: None for an open group: whoever is in the world.
+        self._members = None if members is None else tuple(sorted(members))
         self._epoch = epoch
         self._sid = f"{name}/{epoch}/"
         self._lock = threading.Lock()
@@ -79,33 +132,33 @@ class RpcGroup:
         return _rebuild_group, (self._name, self._members, self._epoch)
 
     def __repr__(self) -> str:
-        return f"<RpcGroup {self._name!r} members={list(self._members)}>"
+        return f"<RpcGroup {self._name!r} members={'(open)' if self._members is None else list(self._members)}>"
 
     # ------------------------------------------------------------------ plumbing
     def _key(self, world: Any, kind: str, key: str) -> str:
-        return f"{world._ns}rg/{self._sid}{kind}/{key}"
+        return world.membership.key(f"rg/{self._sid}{kind}/{key}")
 
     def _timeout(self, world: Any, timeout: Optional[float]) -> float:
-        if timeout is None:
-            return world.rpc_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds (or None)")
-        return float(timeout)
+        return _checks.seconds_or_none("timeout", timeout, world.rpc_timeout)
+
+    def _has(self, world: Any, name: str) -> bool:
+        return name in world.get_members() if self._members is None else name in self._members
 
     def _check_usable(self, need_member: bool) -> Any:
-        world = _world()
+        world = require_world()
         if self._destroyed:
             raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
-        if need_member and world.name not in self._members:
+        if need_member and not self._has(world, world.name):
             raise RuntimeError(f"this process ({world.name!r}) is not a member of RpcGroup {self._name!r}")
         return world
 
     def _lookup(self, world: Any, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
+        members = world.membership
         if not refresh:
             held = cache.get(key)
-            if held is not None:
+            if held is not None and not members.transport_gone(held.partition(":")[2] if kind == "s" else held):
                 return held
-        held = world._registry.owner(self._key(world, kind, key))
+        held = members.owner(self._key(world, kind, key))
         if held is None:
             cache.pop(key, None)
         else:
@@ -119,11 +172,14 @@ class RpcGroup:
         entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
         return held[2:], entry
 
-    def _sync(self, member: str, entry: Any, args: Tuple, timeout: float, what: str) -> Any:
+    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: str) -> Any:
+        members = require_world().membership
+        if members.transport_gone(worker):
+            raise PeerLostError(members.member_of(worker), f"{what}: it left or was lost")
         try:
-            return rpc.rpc_sync(member, entry, args=args, timeout=timeout)
+            return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
         except RuntimeError as err:
-            raise translate_error(err, member, what, timeout) from err
+            raise translate_error(err, members.member_of(worker), what, timeout) from err
 
     # ------------------------------------------------------------------- services
     def register(self, key: str, service: Callable[..., Any]) -> None:
@@ -146,16 +202,16 @@ class RpcGroup:
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
         world = self._check_usable(need_member=True)
-        holder = f"{'a' if is_async(service) else 's'}:{world.name}"
+        holder = f"{'a' if is_async(service) else 's'}:{world.membership.transport}"
         with self._lock:
             if key in self._my_services:
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
-            world._tables.services[self._sid + key] = service
-            taken = world._registry.claim(self._key(world, "s", key), holder)
+            world.membership.tables.services[self._sid + key] = service
+            taken = world.membership.claim(self._key(world, "s", key), holder)
             if taken is not None:
-                del world._tables.services[self._sid + key]
+                del world.membership.tables.services[self._sid + key]
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
-                               f"(by member {taken[2:]!r})")
+                               f"(by member {world.membership.member_of(taken[2:])!r})")
             self._my_services.add(key)
             self._service_owners[key] = holder
 
@@ -173,10 +229,10 @@ class RpcGroup:
         with self._lock:
             if key not in self._my_services:
                 raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
-            world._registry.release(self._key(world, "s", key), self._service_owners.get(key, ""))
+            world.membership.release(self._key(world, "s", key), self._service_owners.get(key, ""))
             self._my_services.discard(key)
             self._service_owners.pop(key, None)
-            world._tables.services.pop(self._sid + key, None)
+            world.membership.tables.services.pop(self._sid + key, None)
 
     def is_registered(self, key: str) -> bool:
         """Whether any member holds a service under ``key`` (asks the store).
@@ -210,10 +266,12 @@ class RpcGroup:
         _check_key(key)
         world = self._check_usable(need_member=False)
         wait = self._timeout(world, timeout)
-        call = (self._sid + key, tuple(args), kwargs or {})
+        call = (self._sid + key,) + _checks.call_args(args, kwargs)
+        deadline = time.monotonic() + wait  # a retry after a stale owner shares it
         for refresh in (False, True):
             member, entry = self._service_target(world, key, refresh)
-            value = self._sync(member, entry, call, wait, f"service {key!r} of group {self._name!r}")
+            left = max(0.001, deadline_left(deadline))
+            value = self._sync(member, entry, call, left, f"service {key!r} of group {self._name!r}")
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -239,9 +297,10 @@ class RpcGroup:
         _check_key(key)
         world = self._check_usable(need_member=False)
         wait = self._timeout(world, timeout)
+        call = (self._sid + key,) + _checks.call_args(args, kwargs)
         member, entry = self._service_target(world, key)
-        fut = rpc.rpc_async(member, entry, args=(self._sid + key, tuple(args), kwargs or {}), timeout=wait)
-        return RpcFuture(fut, member, f"service {key!r} of group {self._name!r}", wait,
+        fut = rpc.rpc_async(member, entry, args=call, timeout=wait)
+        return RpcFuture(fut, world.membership.member_of(member), f"service {key!r} of group {self._name!r}", wait,
                          retry=lambda: self.registered_sync(key, args, kwargs, timeout))
 
     def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
@@ -267,9 +326,10 @@ class RpcGroup:
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
+        call = (self._sid + key,) + _checks.call_args(args, kwargs)
+        wait = self._timeout(world, timeout)
         member, _ = self._service_target(world, key)
-        return rpc.remote(member, _calls._remote_service, args=(self._sid + key, tuple(args), kwargs or {}),
-                          timeout=self._timeout(world, timeout))
+        return rpc.remote(member, _calls._remote_service, args=call, timeout=wait)
 
     # --------------------------------------------------------------------- values
     def pair(self, key: str, value: Any) -> None:
@@ -289,13 +349,15 @@ class RpcGroup:
         with self._lock:
             if key in self._my_values:
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by this member)")
-            world._tables.values[self._sid + key] = value
-            taken = world._registry.claim(self._key(world, "v", key), world.name)
+            world.membership.tables.values[self._sid + key] = value
+            me = world.membership.transport
+            taken = world.membership.claim(self._key(world, "v", key), me)
             if taken is not None:
-                del world._tables.values[self._sid + key]
-                raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by member {taken!r})")
+                del world.membership.tables.values[self._sid + key]
+                raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] "
+                               f"(by member {world.membership.member_of(taken)!r})")
             self._my_values.add(key)
-            self._value_owners[key] = world.name
+            self._value_owners[key] = me
 
     def unpair(self, key: str) -> None:
         """Withdraw a value this member paired.
@@ -311,10 +373,10 @@ class RpcGroup:
         with self._lock:
             if key not in self._my_values:
                 raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {world.name!r}")
-            world._registry.release(self._key(world, "v", key), world.name)
+            world.membership.release(self._key(world, "v", key), world.membership.transport)
             self._my_values.discard(key)
             self._value_owners.pop(key, None)
-            world._tables.values.pop(self._sid + key, None)
+            world.membership.tables.values.pop(self._sid + key, None)
 
     def is_paired(self, key: str) -> bool:
         """Whether any member paired a value under ``key`` (asks the store).
@@ -346,26 +408,31 @@ class RpcGroup:
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
-        wait = self._timeout(world, timeout)
+        deadline = time.monotonic() + self._timeout(world, timeout)
         for refresh in (False, True):
             member = self._lookup(world, self._value_owners, "v", key, refresh)
             if member is None:
                 break
-            value = self._sync(member, _calls._paired_rref, (self._sid + key,), wait,
+            value = self._sync(member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
                                f"value {key!r} of group {self._name!r}")
             if not is_missing(value):
                 return value
         raise KeyError(f"Value with key [{key}] not found on Group [{self._name}]")
 
     # ---------------------------------------------------------------- plain calls
-    def _target(self, to: str) -> None:
-        if to not in self._members:
+    def _target(self, to: str) -> str:
+        """The RPC worker of member ``to``; refuses non-members, fails fast for the gone."""
+        world = require_world()
+        if not isinstance(to, str):
+            raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r})")
+        if self._members is not None and to not in self._members:
             raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
+        return world.membership.transport_of(to)
 
     def _prepare(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
         if not callable(func):
             raise TypeError(f"func must be callable, not {type(func).__name__}")
-        return ship_function(func), tuple(args), kwargs or {}
+        return (ship_function(func),) + _checks.call_args(args, kwargs)
 
     def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                  args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -391,10 +458,10 @@ class RpcGroup:
             TimeoutError, PeerLostError: ``to`` did not answer in time / is gone (named).
             Exception: whatever ``func`` raised, with its remote traceback as cause.
         """
-        self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
+        call = self._prepare(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        return unwrap(self._sync(to, entry, self._prepare(func, args, kwargs), wait, f"rpc_sync of {func!r}"))
+        return unwrap(self._sync(self._target(to), entry, call, wait, f"rpc_sync of {func!r}"))
 
     def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                   args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
@@ -415,10 +482,10 @@ class RpcGroup:
             ValueError: ``to`` is not a member of the group.
             TypeError: ``func`` is not callable.
         """
-        self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
+        call = self._prepare(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        fut = rpc.rpc_async(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
+        fut = rpc.rpc_async(self._target(to), entry, args=call, timeout=wait)
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
 
     def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
@@ -442,10 +509,10 @@ class RpcGroup:
             ValueError: ``to`` is not a member of the group.
             TypeError: ``func`` is not callable.
         """
-        self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
+        call = self._prepare(func, args, kwargs)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        return rpc.remote(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
+        return rpc.remote(self._target(to), entry, args=call, timeout=wait)
 
     # -------------------------------------------------------------------- barrier
     def barrier(self, timeout: Optional[float] = None) -> None:
@@ -460,19 +527,26 @@ class RpcGroup:
             TimeoutError: naming the members that did not arrive within ``timeout``.
         """
         world = self._check_usable(need_member=True)
-        wait = world.dist_timeout if timeout is None else self._timeout(world, timeout)
+        if self._members is None:
+            raise RuntimeError(f"RpcGroup {self._name!r} is open (members=None), so a barrier has no fixed "
+                               f"set of members to wait for; create a group with members=[...] for barriers")
+        wait = _checks.seconds_or_none("timeout", timeout, world.dist_timeout)
         deadline = time.monotonic() + wait
+        members = world.membership
         # Rounds of one member run one at a time, which is what makes deleting the
-        # previous round's key safe (see Registry.barrier).
+        # previous round's key safe: whoever passed round g had every member leave g - 1.
         if not self._barrier_lock.acquire(timeout=wait):
             raise TimeoutError(f"barrier of RpcGroup {self._name!r}: an earlier round of this member "
                                f"did not finish within {wait:g} s")
         try:
             generation = self._barrier_gen
             self._barrier_gen += 1
-            world._registry.barrier(
-                f"{world._ns}rg/{self._sid}bar", generation, world.name, self._members,
-                max(0.001, deadline - time.monotonic()), f"barrier of RpcGroup {self._name!r}: members", wait)
+            prefix = self._key(world, "bar", f"{generation}/")
+            members.registry.set(prefix + world.name, "1")
+            members.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
+                             f"barrier of RpcGroup {self._name!r}: members", wait)
+            if generation:
+                members.registry.delete([self._key(world, "bar", f"{generation - 1}/{world.name}")])
         finally:
             self._barrier_lock.release()
 
@@ -486,26 +560,27 @@ class RpcGroup:
         Raises:
             RuntimeError: this process has no World.
         """
-        world = _world()
+        world = require_world()
         with self._lock:
             if self._destroyed:
                 return
             for key in list(self._my_services):
-                world._registry.release(self._key(world, "s", key), self._service_owners.get(key, ""))
-                world._tables.services.pop(self._sid + key, None)
+                world.membership.release(self._key(world, "s", key), self._service_owners.get(key, ""))
+                world.membership.tables.services.pop(self._sid + key, None)
             for key in list(self._my_values):
-                world._registry.release(self._key(world, "v", key), world.name)
-                world._tables.values.pop(self._sid + key, None)
+                world.membership.release(self._key(world, "v", key), world.membership.transport)
+                world.membership.tables.values.pop(self._sid + key, None)
             self._my_services.clear()
             self._my_values.clear()
             # The last barrier key stays: a slower member may still be waiting on it.
             self._destroyed = True
-        world._forget_group(self)
+        if world.membership.groups.get(self._name) is self:
+            del world.membership.groups[self._name]
 
     # ------------------------------------------------------------------ accessors
     def size(self) -> int:
-        """Number of members."""
-        return len(self._members)
+        """Number of members (of an open group: live members of the world)."""
+        return len(self.get_group_members())
 
     def is_member(self, name: Optional[str] = None) -> bool:
         """Whether ``name`` is a member.
@@ -513,19 +588,20 @@ class RpcGroup:
         Args:
             name: A member name; None: this process.
         """
-        return (_world().name if name is None else name) in self._members
+        world = require_world()
+        return self._has(world, world.name if name is None else name)
 
     def get_group_name(self) -> str:
         """Name of the group."""
         return self._name
 
     def get_group_members(self) -> List[str]:
-        """Member names, sorted."""
-        return list(self._members)
+        """Member names, sorted (of an open group: the live members of the world)."""
+        return require_world().get_members() if self._members is None else list(self._members)
 
     def get_cur_name(self) -> str:
         """This process's member name."""
-        return _world().name
+        return require_world().name
 
 
 def _rebuild_group(name: str, members: Sequence[str], epoch: int) -> RpcGroup:
@@ -533,7 +609,7 @@ def _rebuild_group(name: str, members: Sequence[str], epoch: int) -> RpcGroup:
 
     world = _state.current
     if world is not None:
-        local = world._groups.get(name)
+        local = world.membership.groups.get(name)
         if local is not None and local._epoch == epoch:
             return local
     return RpcGroup(name, members, epoch)

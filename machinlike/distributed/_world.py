@@ -1,87 +1,76 @@
 """World: this process's membership in the distributed job (one per process).
 
-Start-up, in order; ``World(...)`` returns only after the last step, on every rank, so no
-request can reach a half-built world:
+Two kinds of world share this class:
+
+*static* (the default, machin's ``World(name, rank, world_size)``): a fixed set of ranks.
+``World(...)`` returns only after the last step below, on every rank, so no request can
+reach a half-built world:
 
     open the store (host it on rank 0, or join)        _rendezvous.open_store
     exchange member names (duplicates refused)         store keys  mlk/<n>/w/name/<rank>
-                                                       (<n>: restart count / incarnation)
-    bind the local service tables                      incoming RPCs can find them
     init the default process group (collective=True)   store prefix  mlk/<n>/pg
     init RPC over TensorPipe (init_rpc=True)           rendezvous through the same store
-    ready barrier                                      store keys  mlk/<n>/w/ready/<rank>
+    ready barrier, then the liveness monitor starts    store keys  mlk/<n>/w/ready/<rank>
 
-``stop(timeout)`` runs the same way backwards and never waits past its deadline: a stop
-barrier; a graceful RPC shutdown only when every peer arrived, else a local one.
+*elastic* (``elastic=True``): members join a running world by its address and a name,
+leave it, die and come back; no world size:
+
+    open the store (host it when rank=0, or join)
+    claim the name (a dead incarnation's claim is taken over)   Membership.enter
+    join the dynamic RPC group, pruning the dead first          Membership.join_transport
+    post "join", start the liveness monitor                     Membership.announce
+
+``stop(timeout)`` never waits past its deadline. Static: a stop barrier (a lost member
+wakes it at once), a graceful RPC shutdown only when every peer arrived, else a local one.
+Elastic: free this member's keys, post "leave", stop RPC locally. Local teardown always
+completes (``finally``), so a failed stop never keeps the process from building a new World.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import logging
 import os
 import threading
 import time
-import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch.distributed as dist
-from torch.distributed import rpc
 
-from . import _calls, _netif, _rendezvous, _state
+from . import _checks, _netif, _rendezvous, _state, _transport
 from ._collective import CollectiveGroup
-from ._liveness import alive_here, process_identity
-from ._registry import Registry, deadline_left
-from ._rpc_group import RpcGroup, check_group_name
+from ._liveness import process_identity
+from ._membership import MemberEvent, Membership
+from ._registry import deadline_left
+from ._rpc_group import RpcGroup, create_group, open_group
 from ._state import require_world
 
-__all__ = ["World", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
+__all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
 
 log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
 
-
-
-def _positive(param: str, value: Optional[float]) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{param}={value!r} must be a positive number of seconds")
-    return float(value)
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, not {type(name).__name__}")
-    if not name or len(name) >= 128 or not all(c.isalnum() or c in "_:-" for c in name):
-        raise ValueError(
-            f"name={name!r} is not a valid member name: use 1-127 letters, digits, '_', ':' or '-'"
-        )
-
-
-def _require_live(method: F) -> F:
-    @functools.wraps(method)
-    def wrapper(self: "World", *args: Any, **kwargs: Any) -> Any:
-        if self._stopped:
-            raise RuntimeError(f"World {self.name!r} has been stopped; create a new World")
-        return method(self, *args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class World:
     """This process's place in a distributed job: RPC, collectives and the group registry.
 
     Args:
-        name: Member name, unique in the world (letters, digits, ``_:-``). None: ``str(rank)``.
-        rank: This process's rank. None: the ``RANK`` environment variable (torchrun).
-        world_size: Number of processes. None: ``WORLD_SIZE``.
+        name: Member name, unique among live members (1-100 letters, digits, ``_:-``; not
+            ``::``). None: ``str(rank)``.
+        rank: This process's rank. None: the ``RANK`` environment variable (torchrun);
+            in an elastic world, None picks a fresh unique rank, and ``rank=0`` makes this
+            process host the store.
+        world_size: Number of processes of a static world. None: ``WORLD_SIZE``. Must be
+            None in an elastic world.
         init_method: ``"tcp://host:port"`` (rank 0 hosts the store there), ``"env://"``, or
             None: ``MASTER_ADDR``/``MASTER_PORT`` when set (torchrun), else 127.0.0.1:29500.
-        backend: Backend of the default process group (``"gloo"``, ``"nccl"``).
+        backend: Backend of the default process group (``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``).
         rpc_timeout: Default timeout of RPC calls, seconds.
         rpc_threads: RPC worker threads serving incoming calls.
         collective: Initialise the default process group (collectives). machin: ``init_dist``.
+            Static worlds only (gloo's groups are fixed at creation).
         init_rpc: Initialise RPC (needed by RpcGroups and the servers).
         dist_timeout: Timeout of start-up, collectives and group creation, seconds.
         store: An existing ``TCPStore`` to use instead of ``init_method`` (e.g. the launcher's).
@@ -90,6 +79,10 @@ class World:
             ``MACHINLIKE_SOCKET_IFNAME`` when set, else ``TP_SOCKET_IFNAME`` /
             ``GLOO_SOCKET_IFNAME`` each when set, else the interface this host reaches the
             master through (``lo`` for a loopback master). The chosen one is ``interface``.
+        elastic: Join a world whose members come and go (see the module doc); static when False.
+        liveness: Seconds within which a member that died without a word is detected
+            (heartbeats through the store, and ``/proc`` for members on this host). None
+            turns detection off. Default 2.
         init_dist: machin's name for ``collective`` (wins over it when given).
         dist_backend: machin's name for ``backend`` (wins over it when given).
         dist_init_method: machin's name for ``init_method``, used when that is None.
@@ -98,16 +91,18 @@ class World:
 
     Attributes:
         name: This process's member name.
-        rank: This process's rank, in ``[0, world_size)``.
-        world_size: Number of processes in the world.
+        rank: This process's rank.
+        incarnation: 1 for a member's first process, 2 for its first replacement, ...
         rpc_timeout: Default timeout of RPC calls, seconds.
         dist_timeout: Default timeout of start-up, barriers, collectives and group
             creation, seconds.
         interface: The interface TensorPipe uses on this host (None: its own guess from the
             hostname, when neither a setting nor the route to the master tells).
+        elastic: Whether members may join and leave.
 
     Raises:
-        ValueError, TypeError: invalid arguments (the message names the parameter).
+        ValueError, TypeError: invalid arguments (the message names the parameter), or
+            (elastic) a live member already has ``name``.
         RuntimeError: this process already has a World.
         OSError: rank 0 cannot listen on the master address and port (both named).
         TimeoutError: the master (address and port named) cannot be reached, or some rank
@@ -129,6 +124,8 @@ class World:
         dist_timeout: float = 60.0,
         store: Optional[dist.Store] = None,
         interface: Optional[str] = None,
+        elastic: bool = False,
+        liveness: Optional[float] = 2.0,
         init_dist: Optional[bool] = None,
         dist_backend: Optional[str] = None,
         dist_init_method: Optional[str] = None,
@@ -137,29 +134,45 @@ class World:
         collective = collective if init_dist is None else bool(init_dist)
         backend = dist_backend or backend
         init_method = init_method or dist_init_method or rpc_init_method
-        self.rank, self.world_size = _rendezvous.resolve_rank_and_size(rank, world_size)
+        _checks.optional_str("init_method", init_method)
+        if not isinstance(backend, str) or backend.lower() not in _BACKENDS:
+            raise ValueError(f"backend={backend!r} is not a torch.distributed backend; use one of {list(_BACKENDS)}")
+        self.elastic = bool(elastic)
+        if self.elastic:
+            if world_size is not None:
+                raise ValueError(f"world_size={world_size!r}: an elastic world has no fixed size; pass "
+                                 f"world_size=None (or elastic=False for a static world)")
+            if rank is not None:
+                _checks.positive_int("rank", rank, minimum=0)
+            self.rank = rank if rank is not None else -1
+            self._size = 0
+            collective = False
+        else:
+            self.rank, self._size = _rendezvous.resolve_rank_and_size(rank, world_size)
         self.name = str(self.rank) if name is None else name
-        _check_name(self.name)
-        self.rpc_timeout = _positive("rpc_timeout", rpc_timeout)
-        self.dist_timeout = _positive("dist_timeout", dist_timeout)
-        if isinstance(rpc_threads, bool) or not isinstance(rpc_threads, int) or rpc_threads < 1:
-            raise ValueError(f"rpc_threads={rpc_threads!r} must be a positive int")
+        if self.elastic and name is None and rank is None:
+            raise ValueError("an elastic World needs a name (or a rank): World(name='actor-3', elastic=True, ...)")
+        _checks.member_name(self.name)
+        self.rpc_timeout = _checks.seconds("rpc_timeout", rpc_timeout)
+        self.dist_timeout = _checks.seconds("dist_timeout", dist_timeout)
+        self.liveness = None if liveness is None else _checks.seconds("liveness", liveness)
+        _checks.positive_int("rpc_threads", rpc_threads)
         if store is not None and not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
+        if self.elastic and not init_rpc:
+            raise ValueError("an elastic World needs RPC (init_rpc=True): membership travels through it")
         interface = _netif.configured_interface(interface)
+        self.incarnation = 1
         self._collective_on = bool(collective)
         self._rpc_on = bool(init_rpc)
         self._stopped = False
         self._stop_lock = threading.Lock()
-        self._groups: Dict[str, RpcGroup] = {}
-        self._group_epochs: Dict[str, int] = {}
         self._collective_groups: List[CollectiveGroup] = []
         self._rpc_url: Optional[str] = None
         self._rpc_running = False
         self._pg_running = False
-        self._members: List[str] = []
-        self._identities: Dict[str, str] = {}
-        self._saved_env: Dict[str, Optional[str]] = {}
+        self._membership: Optional[Membership] = None
+        self._saved_env: dict = {}
         self.interface: Optional[str] = None
 
         with _state.lock:
@@ -175,11 +188,11 @@ class World:
             raise
 
     # ------------------------------------------------------------------- start-up
-    def _start(self, init_method: Optional[str], backend: str, rpc_threads: int,
-               store: Optional[dist.Store], interface: Optional[str]) -> None:
-        deadline = time.monotonic() + self.dist_timeout
+    def _open(self, init_method: Optional[str], store: Optional[dist.Store],
+              interface: Optional[str]) -> _rendezvous.StoreInfo:
         if store is None:
-            info = _rendezvous.open_store(self.rank, self.world_size, init_method, self.dist_timeout)
+            info = _rendezvous.open_store(self.rank, None if self.elastic else self._size, init_method,
+                                          self.dist_timeout)
         else:
             base = store
             while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
@@ -188,51 +201,70 @@ class World:
                                          False, "the launcher")
         self._store_info = info
         self._set_interface(interface, info.host, info.port)
+        return info
+
+    def _start(self, init_method: Optional[str], backend: str, rpc_threads: int,
+               store: Optional[dist.Store], interface: Optional[str]) -> None:
+        deadline = time.monotonic() + self.dist_timeout
+        info = self._open(init_method, store, interface)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if self.elastic:
+            self._start_elastic(info, f"mlk/{restart}/e/", rpc_threads, deadline)
+            return
         # A namespace per world incarnation: a store may outlive a world (torchrun's agent
         # store outlives restarted workers, and a process may build a new World on it), and
         # stale keys (gloo addresses, names, barriers) must not leak into the next one. The
         # k-th World of every rank on this store meets the k-th World of the others.
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         incarnation = info.store.add(f"mlk/{restart}/incarnation/{self.rank}", 1)
-        self._ns = f"mlk/{restart}/{incarnation}/"
-        self._registry = Registry(info.store, info.owner)
-        ranks = [str(r) for r in range(self.world_size)]
-        self._registry.set(f"{self._ns}w/proc/{self.rank}", process_identity())
-        self._registry.set(f"{self._ns}w/name/{self.rank}", self.name)
-        self._registry.wait_all(f"{self._ns}w/name/", ranks, deadline_left(deadline),
-                                "World start-up: ranks", self.dist_timeout)
-        names = self._registry.values(f"{self._ns}w/name/", ranks)
-        self._identities = dict(zip(names, self._registry.values(f"{self._ns}w/proc/", ranks)))
+        ns = f"mlk/{restart}/{incarnation}/"
+        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, False)
+        reg = members.registry
+        ranks = [str(r) for r in range(self._size)]
+        reg.set(f"{ns}w/proc/{self.rank}", process_identity())
+        reg.set(f"{ns}w/name/{self.rank}", self.name)
+        reg.wait_all(f"{ns}w/name/", ranks, deadline_left(deadline), "World start-up: ranks", self.dist_timeout)
+        names = reg.values(f"{ns}w/name/", ranks)
         if len(set(names)) != len(names):
             clash = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"member names must be unique; ranks {names} share {clash}")
-        self._members = sorted(names)
-        self._tables = _calls.LocalTables(self.name)
-        self._tables.resolve_owner = self._resolve_service_owner
-        _calls.bind_tables(self._tables)
+        members.enter_static(self.rank, names, reg.values(f"{ns}w/proc/", ranks))
+        self._bind_tables()
         if self._collective_on:
             with self._network_hint():
                 dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"{self._ns}pg", info.store), rank=self.rank,
-                    world_size=self.world_size, timeout=datetime.timedelta(seconds=self.dist_timeout),
+                    backend, store=dist.PrefixStore(f"{ns}pg", info.store), rank=self.rank,
+                    world_size=self._size, timeout=datetime.timedelta(seconds=self.dist_timeout),
                 )
             self._pg_running = True
         if self._rpc_on:
-            self._rpc_url = _rendezvous.rpc_init_method(
-                dist.PrefixStore(f"{self._ns}rpc", info.store), self.rank, self.world_size)
-            options = rpc.TensorPipeRpcBackendOptions(
-                num_worker_threads=rpc_threads, rpc_timeout=self.rpc_timeout,
-                init_method=self._rpc_url)
-            with warnings.catch_warnings(), self._network_hint():
-                # torch's TensorPipe start-up goes through a c10d path it deprecated itself;
-                # the warning concerns torch's code, not the caller's.
-                warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-                rpc.init_rpc(self.name, rank=self.rank, world_size=self.world_size,
-                             rpc_backend_options=options)
+            self._rpc_url = _rendezvous.rpc_init_method(dist.PrefixStore(f"{ns}rpc", info.store), self.rank,
+                                                        self._size)
+            with self._network_hint():
+                _transport.start_static(self.name, self.rank, self._size, self._rpc_url, rpc_threads,
+                                        self.rpc_timeout)
             self._rpc_running = True
-        self._registry.set(f"{self._ns}w/ready/{self.rank}", "1")
-        self._registry.wait_all(f"{self._ns}w/ready/", ranks, deadline_left(deadline),
-                                "World start-up: ready barrier, ranks", self.dist_timeout)
+        reg.set(f"{ns}w/ready/{self.rank}", "1")
+        reg.wait_all(f"{ns}w/ready/", ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
+                     self.dist_timeout)
+        members.start_monitor()
+
+    def _start_elastic(self, info: _rendezvous.StoreInfo, ns: str, rpc_threads: int, deadline: float) -> None:
+        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, True)
+        members.enter(None if self.rank < 0 else self.rank, deadline)
+        self.rank, self.incarnation = members.rank, members.incarnation
+        self._bind_tables()
+        with self._network_hint():
+            members.join_transport(rpc_threads, min(self.rpc_timeout, 10.0), deadline)
+        self._rpc_running = True
+        _transport.set_default_timeout(self.rpc_timeout)
+        members.announce()
+
+    def _bind_tables(self) -> None:
+        from . import _calls
+
+        tables = self.membership.tables
+        tables.resolve_owner = self._resolve_service_owner
+        _calls.bind_tables(tables)
 
     def _set_interface(self, interface: Optional[str], master_host: str, master_port: int) -> None:
         # TensorPipe reads its interface from the environment when RPC starts, gloo each
@@ -259,106 +291,143 @@ class World:
 
     def _resolve_service_owner(self, sid: str) -> Optional[str]:
         group, epoch, key = sid.split("/", 2)
-        held = self._registry.owner(f"{self._ns}rg/{group}/{epoch}/s/{key}")
+        held = self.membership.owner(self.membership.key(f"rg/{group}/{epoch}/s/{key}"))
         return held[2:] if held else None
 
     # ------------------------------------------------------------------- accessors
+    @property
+    def membership(self) -> Membership:
+        """This world's membership tables (live members, events, registry keys)."""
+        if self._membership is None:
+            raise RuntimeError(f"World {self.name!r} is not started")
+        return self._membership
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks of a static world; the number of live members of an elastic one."""
+        return len(self.membership.members()) if self.elastic else self._size
+
     def get_members(self) -> List[str]:
-        """Names of all members of the world, sorted."""
-        return list(self._members)
+        """Names of the live members of the world, sorted."""
+        return self.membership.members()
 
     def get_ranks(self) -> List[int]:
-        """All ranks of the world, sorted."""
-        return list(range(self.world_size))
+        """Ranks of the live members, sorted."""
+        return self.membership.ranks()
+
+    def on_member_change(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every join, leave and loss from now on.
+
+        Callbacks run one at a time, in the world's event order, on this World's liveness
+        thread: keep them short and do not make blocking calls to other members there
+        (hand work to your own thread). An exception in a callback is logged and ignored.
+
+        Args:
+            callback: Takes a :class:`MemberEvent`.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+        self.membership.subscribe(callback)
+
+    def remove_member_callback(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not registered)."""
+        self.membership.unsubscribe(callback)
+
+    def wait_for_members(self, members: Union[int, Sequence[str]], timeout: Optional[float] = None, *,
+                         gone: bool = False) -> List[str]:
+        """Block until the named members (or at least ``members`` members) are live.
+
+        Args:
+            members: Names that must all be live, or a number of live members to reach.
+            timeout: Seconds; None: ``dist_timeout``.
+            gone: Wait for the opposite instead: none of the named members is live (they
+                left or were lost).
+
+        Returns:
+            The live members at that moment, sorted.
+
+        Raises:
+            TimeoutError: not reached within ``timeout`` (names what was missing).
+        """
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        if isinstance(members, int) and not isinstance(members, bool):
+            count = _checks.positive_int("members", members)
+            return self.membership.wait_until(lambda live: len(live) >= count, wait)
+        names = set(_checks.sequence_of_str("members", members))
+        if gone:
+            return self.membership.wait_until(lambda live: not names & set(live), wait)
+        return self.membership.wait_until(lambda live: names <= set(live), wait)
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
-        return f"<World {self.name!r} rank {self.rank}/{self.world_size} {state}>"
+        kind = "elastic" if self.elastic else f"rank {self.rank}/{self._size}"
+        return f"<World {self.name!r} {kind} {state}>"
 
     def __reduce__(self) -> Any:
         raise TypeError("a World belongs to its process and cannot be pickled; "
                         "call machinlike.distributed.get_world() in the other process")
 
     # ---------------------------------------------------------------------- groups
-    @_require_live
-    def create_rpc_group(self, name: str, members: Sequence[str], timeout: Optional[float] = None) -> RpcGroup:
+    def create_rpc_group(self, group_name: Optional[str] = None, members: Optional[Sequence[str]] = None,
+                         timeout: Optional[float] = None, *, name: Optional[str] = None) -> RpcGroup:
         """Create an RpcGroup; every member must call this, non-members must not.
 
         Args:
-            name: Group name (no ``/`` or ``,``), reusable after every member
-                ``destroy()``-ed it.
+            group_name: Group name (no ``/`` or ``,``), reusable after every member
+                ``destroy()``-ed it. (``name=`` is accepted too.)
             members: Member names of the world; must include this process. Every member
-                must pass the same names (in any order).
+                must pass the same names (in any order). None: an *open* group of whoever
+                is in the world, now or later; each process that calls this joins it at
+                once, without waiting for the others.
             timeout: Seconds to wait for all members. None: ``dist_timeout``.
 
         Returns:
             This process's handle of the group.
 
         Raises:
-            TypeError: ``name`` is not a str or ``members`` not a sequence of str.
+            TypeError: ``group_name`` is not a str or ``members`` not a sequence of str.
             ValueError: bad name, unknown or duplicate members, this process not among
                 them, members that passed different lists, or the group already exists
                 here.
             RuntimeError: the World was created with ``init_rpc=False``, or is stopped.
             TimeoutError: naming the members that never came.
+            PeerLostError: a member left or died while it was awaited (named).
         """
+        self._require_live()
+        if name is not None:
+            if group_name is not None:
+                raise TypeError("pass the group's name once: group_name=... (machin) or name=...")
+            group_name = name
+        if group_name is None:
+            raise TypeError("create_rpc_group() needs group_name")
         if not self._rpc_on:
             raise RuntimeError("this World was created with init_rpc=False; RpcGroups need RPC")
-        check_group_name(name)
-        if isinstance(members, str) or not all(isinstance(m, str) for m in members):
-            raise TypeError(f"members must be a sequence of member names (str), not {members!r}")
-        members = sorted(members)
-        unknown = [m for m in members if m not in self._members]
-        if unknown or len(set(members)) != len(members) or not members:
-            raise ValueError(
-                f"members={members!r} must be distinct names of world members "
-                f"({self._members}); unknown: {unknown}"
-            )
-        if self.name not in members:
-            raise ValueError(f"this process ({self.name!r}) is not in members={members}; only members create the group")
-        if name in self._groups:
-            raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
-        wait = self.dist_timeout if timeout is None else _positive("timeout", timeout)
-        epoch = self._group_epochs.get(name, 0)
-        self._group_epochs[name] = epoch + 1
-        prefix = f"{self._ns}rg/{name}/{epoch}/join/"
-        self._registry.set(prefix + self.name, ",".join(members))
-        self._registry.wait_all(prefix, members, wait, f"creating RpcGroup {name!r}: members")
-        listed = self._registry.values(prefix, members)
-        odd = [m for m, v in zip(members, listed) if v != ",".join(members)]
-        if odd:
-            raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
-        self._registry.set(f"{self._ns}rg/{name}/current", f"{epoch}/{','.join(members)}")
-        group = RpcGroup(name, members, epoch)
-        self._groups[name] = group
-        return group
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        if members is None:
+            return open_group(self.membership, group_name)
+        return create_group(self.membership, group_name, _checks.sequence_of_str("members", members), wait)
 
-    def get_rpc_group(self, name: str) -> Optional[RpcGroup]:
-        """The RpcGroup ``name``: this process's own, else a handle if it exists, else None.
+    def get_rpc_group(self, group_name: str) -> Optional[RpcGroup]:
+        """The RpcGroup ``group_name``: this process's own, else a handle if it exists, else None.
 
         A handle of a group this process is not a member of can call its services and
         read its values, but cannot register or pair.
 
         Args:
-            name: Group name.
+            group_name: Group name.
 
         Returns:
             The group, or None when no group of that name exists in the world.
         """
-        group = self._groups.get(name)
+        group = self.membership.groups.get(group_name)
         if group is not None:
             return group
-        record = self._registry.owner(f"{self._ns}rg/{name}/current")
+        record = self.membership.owner(self.membership.key(f"rg/{group_name}/current"))
         if record is None:
             return None
         epoch, members = record.split("/", 1)
-        return RpcGroup(name, members.split(","), int(epoch))
+        return RpcGroup(group_name, None if members == "*" else members.split(","), epoch)
 
-    def _forget_group(self, group: RpcGroup) -> None:
-        if self._groups.get(group.get_group_name()) is group:
-            del self._groups[group.get_group_name()]
-
-    @_require_live
     def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
                                 timeout: Optional[float] = None) -> CollectiveGroup:
         """Create a collective group over ``ranks`` (global ranks); every process must call it.
@@ -377,25 +446,36 @@ class World:
         Raises:
             TypeError: ``ranks`` is not a sequence of int.
             ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout.
-            RuntimeError: the World was created with ``collective=False``, or is stopped.
+            RuntimeError: the World was created with ``collective=False`` or is elastic
+                (gloo groups are fixed at creation), or is stopped.
         """
+        self._require_live()
         if not self._collective_on:
-            raise RuntimeError("this World was created with collective=False; collective groups need it")
-        group = CollectiveGroup.create(ranks, self.rank, self.world_size, backend,
-                                       self.dist_timeout if timeout is None else _positive("timeout", timeout))
+            why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
+            raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
+        group = CollectiveGroup.create(ranks, self.rank, self._size, backend,
+                                       _checks.seconds_or_none("timeout", timeout, self.dist_timeout))
         self._collective_groups.append(group)
         return group
 
+    def _require_live(self) -> None:
+        if self._stopped:
+            raise RuntimeError(f"World {self.name!r} has been stopped; create a new World")
+
     # -------------------------------------------------------------------- shutdown
     def stop(self, timeout: Optional[float] = None) -> None:
-        """Leave the world: gracefully when every peer stops too, else locally.
+        """Leave the world.
 
-        Waits at most ``timeout`` seconds (None: ``dist_timeout``) for every member to call
-        ``stop``. When all did and are still alive, RPC shuts down gracefully (pending calls
-        finish); otherwise, or when the graceful shutdown fails, locally. Each phase of the
-        graceful shutdown is bounded by what is left of ``timeout``, so only a peer that
-        dies in the middle of it can delay ``stop`` to about twice ``timeout``. Safe to call
-        twice; called on leaving a ``with World(...)`` block.
+        Static world: gracefully when every peer stops too, else locally. Waits at most
+        ``timeout`` seconds for every member to call ``stop`` (a member known to be lost is
+        not waited for). When all did, RPC shuts down gracefully (pending calls finish);
+        otherwise, or when the graceful shutdown fails, locally.
+
+        Elastic world: this member's services and values are withdrawn, the others see it
+        leave, and RPC stops locally; the process hosting the store first waits (within
+        ``timeout``) for the other members to leave, since they need the store.
+
+        Safe to call twice; called on leaving a ``with World(...)`` block.
 
         Args:
             timeout: Seconds to wait for the peers. None: ``dist_timeout``.
@@ -403,100 +483,88 @@ class World:
         Raises:
             ValueError: ``timeout`` is not a positive number.
         """
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
         with self._stop_lock:
             if self._stopped:
                 return
             self._stopped = True
-        wait = self.dist_timeout if timeout is None else _positive("timeout", timeout)
         deadline = time.monotonic() + wait
-        everyone = False
         try:
-            ranks = [str(r) for r in range(self.world_size)]
-            self._registry.set(f"{self._ns}w/stop/{self.rank}", "1")
-            self._registry.wait_all(f"{self._ns}w/stop/", ranks, deadline_left(deadline),
-                                    "World.stop: ranks", wait)
-            # A peer may have reached stop and died since; the graceful shutdown would
-            # wait for it far longer than torch's timeout promises.
-            everyone = not self._rpc_running or self._peers_alive(deadline)
+            if self._membership is not None:
+                self._leave_elastic(deadline) if self.elastic else self._leave_static(deadline, wait)
+        except Exception as err:  # the local teardown below still has to happen
+            log.warning("World %r: stop did not complete (%s); tearing down locally", self.name, err)
+        finally:
+            self._teardown_local()
+
+    def _leave_static(self, deadline: float, wait: float) -> None:
+        members = self.membership
+        everyone = False
+        names = [str(r) for r in range(self._size)]
+        order = members.names_by_rank()
+        try:
+            members.registry.set(members.key(f"w/stop/{self.rank}"), "1")
+            members.wait_all(members.key("w/stop/"), names, order, deadline_left(deadline), "World.stop: ranks", wait)
+            everyone = not self._rpc_running or members.members() == sorted(order)
         except (TimeoutError, ConnectionError) as err:
             log.warning("World %r stops without its peers: %s", self.name, err)
+        members.close()
         if self._rpc_running:
-            self._shutdown_rpc(everyone, deadline)
+            self._rpc_running = False
+            if everyone:
+                self._store_info.store.set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
+            _transport.shutdown(everyone, max(deadline_left(deadline), 0.5))
         if self._pg_running:
             self._pg_running = False
             dist.destroy_process_group()
-        if everyone and self._store_info.hosted_here:
-            # Peers may still be talking to the store inside their own shutdown.
-            try:
-                self._registry.set(f"{self._ns}w/left/{self.rank}", "1")
-                self._registry.wait_all(f"{self._ns}w/left/", [str(r) for r in range(1, self.world_size)],
-                                        deadline_left(deadline), "World.stop: ranks leaving", wait)
-            except (TimeoutError, ConnectionError) as err:
-                log.warning("World %r closes its store before all peers left: %s", self.name, err)
-        elif everyone:
-            try:
-                self._registry.set(f"{self._ns}w/left/{self.rank}", "1")
-            except ConnectionError:
-                pass
-        self._teardown_local()
-
-    def _peers_alive(self, deadline: float) -> bool:
-        remote = []
-        for member, identity in self._identities.items():
-            if member == self.name:
-                continue
-            local = alive_here(identity)
-            if local is False:
-                log.warning("World %r stops without member %r, whose process is gone", self.name, member)
-                return False
-            if local is None:
-                remote.append(member)
-        limit = max(0.1, min(deadline_left(deadline), 5.0))
-        pending = [(m, rpc.rpc_async(m, _calls._ping, timeout=limit)) for m in remote]
-        for member, fut in pending:
-            try:
-                fut.wait()
-            except RuntimeError as err:
-                log.warning("World %r stops without member %r, which does not answer: %s", self.name, member, err)
-                return False
-        return True
-
-    def _shutdown_rpc(self, everyone: bool, deadline: float) -> None:
-        if everyone:
-            left = max(deadline_left(deadline), 0.5)
-            try:
-                self._store_info.store.set_timeout(datetime.timedelta(seconds=left))
-                rpc.shutdown(graceful=True, timeout=left)
-                self._rpc_running = False
-                return
-            except Exception as err:  # the local shutdown below still has to happen
-                log.warning("World %r: graceful RPC shutdown failed (%s); shutting down locally", self.name, err)
-        self._rpc_running = False
+        if not everyone:
+            return
         try:
-            rpc.shutdown(graceful=False)
-        except RuntimeError as err:  # torch already tore the agent down in the failed attempt
-            log.debug("local RPC shutdown: %s", err)
+            members.registry.set(members.key(f"w/left/{self.rank}"), "1")
+            if self._store_info.hosted_here:
+                # Peers may still be talking to the store inside their own shutdown.
+                members.wait_all(members.key("w/left/"), names[1:], order[1:], deadline_left(deadline),
+                                 "World.stop: ranks leaving", wait)
+        except (TimeoutError, ConnectionError) as err:
+            log.warning("World %r closes its store before all peers left: %s", self.name, err)
+
+    def _leave_elastic(self, deadline: float) -> None:
+        members = self.membership
+        for group in list(members.groups.values()):
+            group.destroy()
+        members.leave(deadline)
+        if self._store_info.hosted_here:
+            try:
+                members.wait_until(lambda live: live in ([], [self.name]), deadline_left(deadline))
+            except TimeoutError as err:
+                log.warning("World %r closes the store while members remain: %s", self.name, err)
 
     def _teardown_local(self) -> None:
         self._stopped = True
-        if self._rpc_url is not None:
-            _rendezvous.forget_rpc_store(self._rpc_url)
-        if self._rpc_running:
-            self._rpc_running = False
-            rpc.shutdown(graceful=False)
-        if self._pg_running:
-            self._pg_running = False
-            dist.destroy_process_group()
-        for var, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(var, None)
-            else:
-                os.environ[var] = value
-        self._saved_env.clear()
-        with _state.lock:
-            if _state.current is self:
-                _calls.bind_tables(None)
-                _state.current = None
+        try:
+            if self._membership is not None:
+                self._membership.close()
+            if self._rpc_url is not None:
+                _rendezvous.forget_rpc_store(self._rpc_url)
+            if self._rpc_running:
+                self._rpc_running = False
+                _transport.shutdown(False, 1.0)
+            if self._pg_running:
+                self._pg_running = False
+                dist.destroy_process_group()
+        finally:
+            for var, value in self._saved_env.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
+            self._saved_env.clear()
+            with _state.lock:
+                if _state.current is self:
+                    from . import _calls
+
+                    _calls.bind_tables(None)
+                    _state.current = None
 
     def __enter__(self) -> "World":
         return self

@@ -1,0 +1,498 @@
+"""Membership: who is in the world, alive or not, and who owns which registry key.
+
+This is the one owner of the world's shared tables (store keys under ``<ns>``); World and
+RpcGroup use it through the methods below and never touch the keys themselves.
+
+    member process                                the world's store (c10d TCPStore)
+    --------------                                ----------------------------------
+    enter:   inc = add(m/inc/<name>)              m/live/<name>   "inc|transport|rank|pid id" or ""
+             claim m/live/<name>                  m/hb/<name>     heartbeat counter
+             post "join"                          m/evn, m/ev/<i> the event log: join | leave | lost
+    monitor thread, each tick (liveness / 8):     m/own/<transport>  registry keys it claimed
+             heartbeat, read the others'          m/lost/<name>/<inc>  elects one declarer
+             apply new events
+             suspect: process gone (same host,    m/gone/<name>/<inc>  set when its keys are free
+             read from /proc) or heartbeat
+             stalled for 3/4 of liveness
+    declare (one winner): release its keys, prune it from the RPC group, clear m/live, post "lost"
+    apply "lost" / "leave": forget its RPC worker, wake the waits that need it, run callbacks
+
+Why the store and not RPC: the store is torch's C++ server, reachable while any member
+lives, and its compare-and-set gives one winner for every claim without a coordinator.
+Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
+next tick through /proc (no false alarm under load), a remote one by its silent lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch.distributed as dist
+
+from ..exception import PeerLostError
+from . import _transport
+from ._calls import LocalTables
+from ._liveness import alive_here, process_identity
+from ._registry import Registry, deadline_left
+
+__all__ = ["Membership", "MemberEvent", "LOST_MARK"]
+
+log = logging.getLogger(__name__)
+
+#: Written into a waited-for key of a member that is gone, to wake its waiters.
+LOST_MARK = "\x00lost"
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """A change of the world's membership.
+
+    Attributes:
+        kind: ``"join"``, ``"leave"`` (it stopped) or ``"lost"`` (it died or went silent).
+        member: The member's name.
+        incarnation: 1 for its first process, 2 for the first replacement, ...
+        rank: Its rank.
+        seq: Position in the world's event log (events are seen in this order everywhere).
+    """
+
+    kind: str
+    member: str
+    incarnation: int
+    rank: int
+    seq: int
+
+
+@dataclass
+class _Record:
+    member: str
+    incarnation: int
+    transport: str
+    rank: int
+    identity: str
+
+    def encode(self) -> str:
+        return f"{self.incarnation}|{self.transport}|{self.rank}|{self.identity}"
+
+    @staticmethod
+    def decode(member: str, text: str) -> "_Record":
+        inc, transport, rank, identity = text.split("|", 3)
+        return _Record(member, int(inc), transport, int(rank), identity)
+
+
+class Membership:
+    """This process's view of the world's members, and its handle on the shared tables.
+
+    Args:
+        store: The world's store.
+        ns: Key prefix of this world in the store (ends with ``/``).
+        store_owner: Who hosts the store, for error messages.
+        name: This member's name.
+        liveness: Seconds within which a dead member is detected; None: no monitor.
+        elastic: Whether RPC is a dynamic agent group (members may join and leave).
+    """
+
+    def __init__(self, store: dist.Store, ns: str, store_owner: str, name: str,
+                 liveness: Optional[float], elastic: bool) -> None:
+        self.ns = ns
+        self.name = name
+        self.elastic = elastic
+        self.liveness = liveness
+        self.registry = Registry(store, store_owner)
+        self.tables = LocalTables(name)
+        self.incarnation = 1
+        self.transport = name
+        self.rank = -1
+        self._store = store
+        self._lock = threading.Lock()
+        self._live: Dict[str, _Record] = {}
+        self._by_transport: Dict[str, str] = {}
+        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
+        self._gone_transports: Set[str] = set()
+        self._waits: Dict[int, Tuple[str, Dict[str, str]]] = {}
+        self._wait_ids = 0
+        self._callbacks: List[Callable[[MemberEvent], None]] = []
+        self._changed = threading.Condition(self._lock)
+        self._seen = 0
+        self._beats: Dict[str, Tuple[int, float]] = {}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._store_lost: Optional[PeerLostError] = None
+        self._static_order: List[str] = []
+        #: This process's handles of the groups it belongs to, by name (owned by RpcGroup).
+        self.groups: Dict[str, object] = {}
+        #: How many times each group name was created here (static groups' epochs).
+        self.group_epochs: Dict[str, int] = {}
+
+    # ------------------------------------------------------------------ keys
+    def key(self, suffix: str) -> str:
+        return self.ns + suffix
+
+    def _rpc_store(self) -> dist.Store:
+        return dist.PrefixStore(self.ns + "rpc", self._store)
+
+    # ----------------------------------------------------------------- enter
+    def enter(self, rank: Optional[int], deadline: float) -> None:
+        """Claim this member's name for a new incarnation (elastic worlds).
+
+        A record left by a dead incarnation is taken over once that one is declared lost.
+
+        Raises:
+            ValueError: a live member already uses the name (named).
+            TimeoutError: the previous incarnation's clean-up did not finish in time.
+        """
+        reg = self.registry
+        self.incarnation = int(reg.add(self.key(f"m/inc/{self.name}"), 1))
+        tid = int(reg.add(self.key("m/tid"), 1)) - 1
+        if tid > 32000:
+            raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
+        self.transport = self.name if self.incarnation == 1 else f"{self.name}::{self.incarnation}"
+        self.rank = tid if rank is None else rank
+        mine = _Record(self.name, self.incarnation, self.transport, self.rank, process_identity())
+        self._tid = tid
+        live_key = self.key(f"m/live/{self.name}")
+        while True:
+            held = reg.claim(live_key, mine.encode())
+            if held is None:
+                break
+            old = _Record.decode(self.name, held)
+            if self._record_alive(old, wait=min(deadline_left(deadline), self._lease())):
+                raise ValueError(f"a member named {self.name!r} is alive in this world (incarnation "
+                                 f"{old.incarnation}, rank {old.rank}); pick another name or stop it first")
+            self._declare(old, deadline)
+        self._me = mine
+
+    def enter_static(self, rank: int, names: Sequence[str], identities: Sequence[str]) -> None:
+        """Record the members of a static world (rank ``i`` is ``names[i]``)."""
+        self.rank = rank
+        self._tid = rank
+        with self._lock:
+            for r, (member, identity) in enumerate(zip(names, identities)):
+                rec = _Record(member, 1, member, r, identity)
+                self._live[member] = rec
+                self._by_transport[member] = member
+        self._me = self._live[self.name]
+        self._static_order = list(names)
+        self.registry.set(self.key(f"m/live/{self.name}"), self._me.encode())
+
+    def join_transport(self, threads: int, timeout: float, deadline: float) -> None:
+        """Join the world's dynamic RPC group (elastic worlds), pruning the dead first."""
+        store = self._rpc_store()
+        # A listed worker is stale when no live claim names it (its member was declared
+        # gone, or came back under another incarnation) or its process is gone. The live
+        # claims, not the event log, decide: a member joins RPC before it posts "join".
+        stale = [w for w in _transport.listed_workers(store) if self._worker_dead(w)]
+        if stale:
+            _transport.prune_workers(store, self.transport, stale, deadline, self._token_holder_dead)
+        budget = max(0.5, min(deadline_left(deadline), timeout))
+        try:
+            _transport.start_dynamic(store, self.transport, self._tid, threads, budget)
+        except Exception:
+            _transport.release_token_of(store, f"Token_for_{self.transport}_join")
+            _transport.prune_workers(store, self.transport, [self.transport], deadline, self._token_holder_dead)
+            raise
+
+    def announce(self) -> None:
+        """Post this member's "join" and start the monitor."""
+        self._post("join", self._me)
+        self.start_monitor()
+
+    def start_monitor(self) -> None:
+        self._catch_up()
+        if self.liveness is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._monitor, name=f"machinlike-liveness-{self.name}", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------- queries
+    def members(self) -> List[str]:
+        """Names of the live members, sorted."""
+        with self._lock:
+            return sorted(self._live)
+
+    def names_by_rank(self) -> List[str]:
+        """A static world's member names in rank order (dead ones included)."""
+        return list(self._static_order)
+
+    def ranks(self) -> List[int]:
+        with self._lock:
+            return sorted(r.rank for r in self._live.values())
+
+    def incarnation_of(self, member: str) -> Optional[int]:
+        with self._lock:
+            rec = self._live.get(member)
+            return None if rec is None else rec.incarnation
+
+    def transport_of(self, member: str) -> str:
+        """The RPC worker name of live ``member``.
+
+        Raises:
+            PeerLostError: the member is gone (left or lost) or the store is.
+        """
+        with self._lock:
+            rec = self._live.get(member)
+            gone = self._gone.get(member)
+        if self._store_lost is not None:
+            raise self._store_lost
+        if rec is None:
+            raise PeerLostError(member, f"it {gone} the world" if gone == "left" else
+                                "it was lost (its process died or went silent)" if gone else
+                                "it is not a member of this world")
+        return rec.transport
+
+    def member_of(self, transport: str) -> str:
+        with self._lock:
+            return self._by_transport.get(transport, transport.partition("::")[0])
+
+    def transport_gone(self, transport: str) -> bool:
+        with self._lock:
+            return transport in self._gone_transports
+
+    # -------------------------------------------------------------- callbacks
+    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
+        """Block until ``predicate(live members)`` holds; return the members then.
+
+        Raises:
+            TimeoutError: it did not hold within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                members = sorted(self._live)
+                if predicate(members):
+                    return members
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"membership condition not met within {timeout:g} s (members: {members})")
+                self._changed.wait(left)
+
+    # ------------------------------------------------------------ owner table
+    def claim(self, key: str, holder: str) -> Optional[str]:
+        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies)."""
+        held = self.registry.claim(key, holder)
+        if held is None:
+            self.registry.append(self.key(f"m/own/{self.transport}"), f"{key}\x1f{holder}\n")
+        return held
+
+    def release(self, key: str, holder: str) -> bool:
+        return self.registry.release(key, holder)
+
+    def owner(self, key: str) -> Optional[str]:
+        return self.registry.owner(key)
+
+    # ------------------------------------------------------------------ waits
+    def wait_all(self, prefix: str, names: Sequence[str], members: Sequence[str], timeout: float, what: str,
+                 stated: Optional[float] = None) -> None:
+        """``Registry.wait_all`` that fails fast when a member it waits for is gone.
+
+        ``names[i]`` is the key suffix member ``members[i]`` writes.
+
+        Raises:
+            PeerLostError: a member it waits for left or was lost (named).
+            TimeoutError: as ``Registry.wait_all``.
+        """
+        mapping = dict(zip(members, names))
+        with self._lock:
+            self._wait_ids += 1
+            wid = self._wait_ids
+            self._waits[wid] = (prefix, mapping)
+            already = [m for m in members if m not in self._live]
+        try:
+            for member in already:
+                self._mark(prefix, mapping[member])
+            self.registry.wait_all(prefix, names, timeout, what, stated)
+            marked = [m for m, v in zip(members, self.registry.values(prefix, names)) if v == LOST_MARK]
+        finally:
+            with self._lock:
+                self._waits.pop(wid, None)
+        if marked:
+            gone = ", ".join(repr(m) for m in marked)
+            raise PeerLostError(marked[0], f"{what}: {gone} left or died while being waited for")
+
+    def _mark(self, prefix: str, name: str) -> None:
+        try:
+            self.registry.compare_set(prefix + name, "", LOST_MARK)
+        except PeerLostError:
+            pass
+
+    # --------------------------------------------------------------- monitor
+    def _lease(self) -> float:
+        return 0.75 * (self.liveness or 2.0)
+
+    def _monitor(self) -> None:
+        tick = max(0.02, (self.liveness or 2.0) / 8)
+        beat_key = self.key(f"m/hb/{self.name}")
+        while not self._stop.wait(tick):
+            try:
+                self.registry.add(beat_key, 1)
+                self._catch_up()
+                for rec in self._suspects():
+                    self._declare(rec, time.monotonic() + 10 * tick)
+            except PeerLostError as err:
+                self._on_store_lost(err)
+                return
+            except Exception:  # never let the monitor die silently
+                log.exception("machinlike liveness monitor of %r", self.name)
+
+    def _suspects(self) -> List[_Record]:
+        with self._lock:
+            others = [r for m, r in self._live.items() if m != self.name]
+        if not others:
+            return []
+        counts = self.registry.values_or_empty(self.key("m/hb/"), [r.member for r in others])
+        now = time.monotonic()
+        out = []
+        for rec, count in zip(others, counts):
+            local = alive_here(rec.identity)
+            if local is False:
+                out.append(rec)
+                continue
+            last = self._beats.get(rec.member)
+            if last is None or last[0] != count or local:
+                self._beats[rec.member] = (count, now)
+            elif now - last[1] > self._lease():
+                out.append(rec)
+        return out
+
+    def _record_alive(self, rec: _Record, wait: float) -> bool:
+        local = alive_here(rec.identity)
+        if local is not None:
+            return local
+        key = self.key(f"m/hb/{rec.member}")
+        first = self.registry.values_or_empty(key[: -len(rec.member)], [rec.member])[0]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            self._stop.wait(min(0.1, deadline_left(deadline)))
+            if self.registry.values_or_empty(key[: -len(rec.member)], [rec.member])[0] != first:
+                return True
+        return False
+
+    def _worker_dead(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
+        member = worker.partition("::")[0]
+        held = self.registry.get_or_empty(self.key(f"m/live/{member}"))
+        if not held:
+            return True
+        rec = _Record.decode(member, held)
+        return rec.transport != worker or alive_here(rec.identity) is False
+
+    def _token_holder_dead(self, token: str) -> bool:
+        holder = _transport.token_holder(token)
+        return holder is not None and holder != self.transport and self._worker_dead(holder)
+
+    def _declare(self, rec: _Record, deadline: float) -> None:
+        """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it."""
+        reg = self.registry
+        if reg.add(self.key(f"m/lost/{rec.member}/{rec.incarnation}"), 1) != 1:
+            # Another member declares it; wait (bounded) until its keys are free.
+            reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
+                         max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+            return
+        log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation, rec.rank)
+        self._free(rec, deadline)
+        self._post("lost", rec)
+
+    def _free(self, rec: _Record, deadline: float) -> None:
+        reg = self.registry
+        for line in reg.get_or_empty(self.key(f"m/own/{rec.transport}")).splitlines():
+            key, _, holder = line.partition("\x1f")
+            reg.release(key, holder)
+        if self.elastic:
+            try:
+                _transport.prune_workers(self._rpc_store(), self.transport, [rec.transport], deadline,
+                                         self._token_holder_dead)
+            except TimeoutError as err:
+                log.warning("machinlike: could not prune %r from the RPC group: %s", rec.transport, err)
+        reg.compare_set(self.key(f"m/live/{rec.member}"), rec.encode(), "")
+        reg.set(self.key(f"m/gone/{rec.member}/{rec.incarnation}"), "1")
+
+    # ---------------------------------------------------------------- events
+    def _post(self, kind: str, rec: _Record) -> None:
+        seq = int(self.registry.add(self.key("m/evn"), 1)) - 1
+        self.registry.set(self.key(f"m/ev/{seq}"), f"{kind}|{rec.member}|{rec.encode()}")
+
+    def _catch_up(self) -> None:
+        """Apply every event posted since the last call, in log order."""
+        total = int(self.registry.add(self.key("m/evn"), 0))
+        if total <= self._seen:
+            return
+        seqs = [str(i) for i in range(self._seen, total)]
+        # A poster takes its number before writing the event: wait (briefly) for it.
+        self.registry.wait_all(self.key("m/ev/"), seqs, 5.0, "membership event log")
+        for seq, text in zip(range(self._seen, total), self.registry.values(self.key("m/ev/"), seqs)):
+            kind, member, encoded = text.split("|", 2)
+            self._apply(kind, _Record.decode(member, encoded), seq)
+        self._seen = total
+
+    def _apply(self, kind: str, rec: _Record, seq: int) -> None:
+        with self._lock:
+            if kind == "join":
+                old = self._live.get(rec.member)
+                if old is not None and old.incarnation >= rec.incarnation:
+                    return  # a static member's record, or a replayed join
+                self._live[rec.member] = rec
+                self._by_transport[rec.transport] = rec.member
+                self._gone.pop(rec.member, None)
+                wake: List[Tuple[str, str]] = []
+            else:
+                current = self._live.get(rec.member)
+                if current is not None and current.incarnation == rec.incarnation:
+                    del self._live[rec.member]
+                    self._gone[rec.member] = "left" if kind == "leave" else "lost"
+                self._gone_transports.add(rec.transport)
+                self._beats.pop(rec.member, None)
+                wake = [(p, m[rec.member]) for p, m in self._waits.values() if rec.member in m]
+            callbacks = list(self._callbacks)
+            self._changed.notify_all()
+        if kind != "join":
+            if self.elastic and rec.transport != self.transport:
+                _transport.forget_worker(rec.transport)
+            for prefix, name in wake:
+                self._mark(prefix, name)
+        event = MemberEvent(kind, rec.member, rec.incarnation, rec.rank, seq)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:  # a user callback must not stop the monitor
+                log.exception("membership callback %r failed on %s", callback, event)
+
+    def _on_store_lost(self, err: PeerLostError) -> None:
+        self._store_lost = err
+        with self._lock:
+            waits = list(self._waits.values())
+            self._changed.notify_all()
+        log.error("machinlike: %s; every call of this member now fails", err)
+        del waits
+
+    # ------------------------------------------------------------------ leave
+    def leave(self, deadline: float) -> None:
+        """Leave the world on purpose: free this member's keys, tell the others."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(max(0.0, min(deadline_left(deadline), 5.0)))
+        if self._store_lost is not None:
+            return
+        try:
+            self._free(self._me, deadline)
+            self._post("leave", self._me)
+        except (PeerLostError, TimeoutError) as err:
+            log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
+
+    def close(self) -> None:
+        """Stop the monitor (local teardown; tells nobody)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)

@@ -1,0 +1,180 @@
+"""The RPC transport: torch's TensorPipe agent, started static or dynamic, and pruned.
+
+Everything machinlike needs from torch's *private* RPC internals lives here, so that a
+torch upgrade has one file to check (written against torch 2.13):
+
+- ``rpc._init_rpc_backend``: start an agent on a store we choose. ``rpc.init_rpc`` in
+  dynamic mode wraps the store in a prefix taken from a per-process counter, so a process
+  that ran an earlier World would land in another namespace than its peers.
+- ``agent._update_group_membership(info, [], {}, False)``: drop a worker from this
+  process's agent (its pipe and name), as torch does for a peer that left gracefully.
+- The store layout of torch's dynamic join: the joiner takes the token
+  ``RpcGroupManagementToken``, reads ``names/_ALL_WORKER_INFOS`` ("name-id," entries) and
+  calls every listed worker. A worker that died stays listed (and every later join fails
+  calling it, leaving the token held), so the dead are pruned from that list under the
+  token, and a token left by a dead joiner is released.
+
+Why a dynamic agent at all: a static agent has a fixed world size and cannot admit a
+process that starts later or comes back after a crash.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+import warnings
+from typing import Callable, Iterable, List, Optional
+
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+from torch.distributed import rpc
+
+__all__ = ["start_static", "start_dynamic", "forget_worker", "prune_workers", "release_token_of",
+           "set_default_timeout", "shutdown"]
+
+log = logging.getLogger(__name__)
+
+_TOKEN = "RpcGroupManagementToken"
+_INFOS = "names/_ALL_WORKER_INFOS"
+
+
+def _options(threads: int, timeout: float, init_method: Optional[str]) -> rpc.TensorPipeRpcBackendOptions:
+    if init_method is None:
+        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout)
+    return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout,
+                                           init_method=init_method)
+
+
+def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float) -> None:
+    """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous."""
+    with warnings.catch_warnings():
+        # torch's TensorPipe start-up goes through a c10d path it deprecated itself.
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc.init_rpc(name, rank=rank, world_size=world_size,
+                     rpc_backend_options=_options(threads, timeout, init_method))
+
+
+def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float) -> None:
+    """Join the dynamic agent group kept in ``store`` as worker ``name`` with id ``tid``.
+
+    ``timeout`` bounds every call torch makes to the existing workers while joining (and
+    the store waits of its token); set the lasting default with :func:`set_default_timeout`.
+
+    Raises:
+        RuntimeError: a worker did not answer; the token is left to the caller to release
+            (:func:`release_token_of`).
+    """
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    dist_autograd._init(tid)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        rpc._init_rpc_backend(rpc.BackendType.TENSORPIPE, store, name, tid, None,
+                              _options(threads, timeout, None))
+
+
+def set_default_timeout(seconds: float) -> None:
+    """The agent's default RPC timeout from now on."""
+    rpc._set_rpc_timeout(seconds)
+
+
+def forget_worker(name: str) -> bool:
+    """Drop worker ``name`` from this process's agent; False when it did not know it."""
+    try:
+        agent = rpc.api._get_current_rpc_agent()
+        info = agent.get_worker_info(name)
+    except RuntimeError:
+        return False
+    try:
+        agent._update_group_membership(info, [], {}, False)
+    except RuntimeError as err:
+        log.debug("forgetting RPC worker %r: %s", name, err)
+        return False
+    return True
+
+
+def _acquire_token(store: dist.Store, mine: str, deadline: float, holder_dead: Callable[[str], bool]) -> None:
+    while True:
+        held = store.compare_set(_TOKEN, "", mine).decode()
+        if held == mine:
+            return
+        if holder_dead(held):
+            release_token_of(store, held)
+            continue
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the RPC membership token stays held by {held!r}")
+        try:
+            store.wait([held], datetime.timedelta(seconds=min(left, 1.0)))
+        except dist.DistStoreError:
+            pass  # re-check whether the holder died meanwhile
+
+
+def _release_token(store: dist.Store, mine: str) -> None:
+    store.compare_set(_TOKEN, mine, "")
+    store.set(mine, "Done")  # wakes whoever waits on this token's key
+
+
+def release_token_of(store: dist.Store, token: str) -> None:
+    """Release the membership token if ``token`` (a dead holder's) still holds it."""
+    if store.compare_set(_TOKEN, token, "").decode() == "":
+        log.info("released the RPC membership token left by %r", token)
+    store.set(token, "Done")
+
+
+def token_holder(token: str) -> Optional[str]:
+    """The worker name inside a token value (``Token_for_<name>_join|leave``), if any."""
+    prefix = "Token_for_"
+    for suffix in ("_join", "_leave", "_prune"):
+        if token.startswith(prefix) and token.endswith(suffix):
+            return token[len(prefix):-len(suffix)]
+    return None
+
+
+def prune_workers(store: dist.Store, me: str, gone: Iterable[str], deadline: float,
+                  holder_dead: Callable[[str], bool]) -> List[str]:
+    """Remove workers from the dynamic group's list in ``store``, under torch's token.
+
+    Args:
+        store: The agent group's store (the one given to :func:`start_dynamic`).
+        me: This process's worker name (names the token).
+        gone: Worker names to remove.
+        deadline: ``time.monotonic()`` deadline for taking the token.
+        holder_dead: Whether the token value's holder is dead (then it is released).
+
+    Returns:
+        The names that were listed and are now removed.
+    """
+    gone = set(gone)
+    mine = f"Token_for_{me}_prune"
+    _acquire_token(store, mine, deadline, holder_dead)
+    try:
+        if not store.check([_INFOS]):
+            return []
+        entries = [e for e in store.get(_INFOS).decode().split(",") if e]
+        keep = [e for e in entries if e.rpartition("-")[0] not in gone]
+        if len(keep) != len(entries):
+            store.set(_INFOS, "".join(f"{e}," for e in keep))
+        return [e.rpartition("-")[0] for e in entries if e not in keep]
+    finally:
+        _release_token(store, mine)
+
+
+def listed_workers(store: dist.Store) -> List[str]:
+    """Worker names the dynamic group's list holds (read without the token)."""
+    if not store.check([_INFOS]):
+        return []
+    return [e.rpartition("-")[0] for e in store.get(_INFOS).decode().split(",") if e]
+
+
+def shutdown(graceful: bool, timeout: float) -> None:
+    """Stop this process's agent; never raises for an agent torch already tore down."""
+    try:
+        if graceful:
+            rpc.shutdown(graceful=True, timeout=timeout)
+        else:
+            rpc.shutdown(graceful=False)
+    except RuntimeError as err:
+        log.debug("RPC shutdown: %s", err)
+        if graceful:
+            shutdown(False, timeout)
