@@ -107,7 +107,9 @@ class Membership:
         self.transport = name
         self.rank = -1
         self._store = store
-        self._lock = threading.Lock()
+        # Re-entrant: wait_until evaluates the caller's predicate under it, and the
+        # predicate may ask this object again (incarnation_of, members).
+        self._lock = threading.RLock()
         self._live: Dict[str, _Record] = {}
         self._by_transport: Dict[str, str] = {}
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)

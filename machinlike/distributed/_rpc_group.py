@@ -55,10 +55,19 @@ def _membership() -> Membership:
 def create_group(members_view: Membership, name: str, members: Sequence[str], wait: float) -> "RpcGroup":
     """Create group ``name`` over ``members`` (every member calls this); see ``World.create_rpc_group``."""
     check_group_name(name)
-    live = members_view.members()
+    deadline = time.monotonic() + wait
     members = sorted(members)
+    if members_view.elastic and len(set(members)) == len(members):
+        # Members of an elastic world may still be on their way: wait for them.
+        try:
+            members_view.wait_until(lambda live: set(members) <= set(live), wait)
+        except TimeoutError:
+            pass  # named below
+    live = members_view.members()
     unknown = [m for m in members if m not in live]
     if unknown or len(set(members)) != len(members) or not members:
+        if members_view.elastic and len(set(members)) == len(members):
+            raise TimeoutError(f"creating RpcGroup {name!r}: {unknown} did not join the world within {wait:g} s")
         raise ValueError(f"members={members!r} must be distinct names of live world members ({live}); "
                          f"unknown: {unknown}")
     if members_view.name not in members:
@@ -71,7 +80,8 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
     prefix = members_view.key(f"rg/{name}/{epoch}/join/")
     listing = ",".join(members)
     members_view.registry.set(prefix + members_view.name, listing)
-    members_view.wait_all(prefix, members, members, wait, f"creating RpcGroup {name!r}: members")
+    members_view.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
+                          f"creating RpcGroup {name!r}: members", wait)
     odd = [m for m, v in zip(members, members_view.registry.values(prefix, members)) if v != listing]
     if odd:
         raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")

@@ -99,6 +99,8 @@ class World:
         interface: The interface TensorPipe uses on this host (None: its own guess from the
             hostname, when neither a setting nor the route to the master tells).
         elastic: Whether members may join and leave.
+        store_address: ``"tcp://host:port"`` of the world's store: what a process passes as
+            ``init_method`` to join an elastic world.
 
     Raises:
         ValueError, TypeError: invalid arguments (the message names the parameter), or
@@ -200,6 +202,7 @@ class World:
             info = _rendezvous.StoreInfo(store, getattr(base, "host", "?"), getattr(base, "port", 0),
                                          False, "the launcher")
         self._store_info = info
+        self.store_address = f"tcp://{info.host}:{info.port}"
         self._set_interface(interface, info.host, info.port)
         return info
 
@@ -310,6 +313,10 @@ class World:
     def get_members(self) -> List[str]:
         """Names of the live members of the world, sorted."""
         return self.membership.members()
+
+    def get_incarnation(self, member: Optional[str] = None) -> Optional[int]:
+        """The incarnation of live ``member`` (None: this process); None when it is not live."""
+        return self.incarnation if member is None else self.membership.incarnation_of(member)
 
     def get_ranks(self) -> List[int]:
         """Ranks of the live members, sorted."""

@@ -1,0 +1,197 @@
+"""Elastic worlds: members join a running world, leave it, die (SIGKILL) and come back.
+
+Every test runs real processes over real torch RPC; deaths are real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from machinlike import launch
+from machinlike.distributed import MemberEvent, World
+from machinlike.exception import PeerLostError
+from machinlike.process import Process
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _whoami() -> str:
+    from machinlike.distributed import get_world
+
+    world = get_world()
+    return f"{world.name}#{world.incarnation}"
+
+
+def _late_joiner(address: str, out_queue, in_queue) -> None:
+    with World("late", elastic=True, init_method=address, dist_timeout=20) as world:
+        group = world.create_rpc_group("open")  # an open group: joins at once
+        group.register("late-svc", _whoami)
+        out_queue.put(sorted(world.get_members()))
+        in_queue.get(timeout=30)  # stay until the host has called us, then leave on purpose
+
+
+def _join_leave_body(world):
+    import machinlike
+
+    events = []
+    seen = threading.Condition()
+
+    def record(event: MemberEvent) -> None:
+        with seen:
+            events.append((event.kind, event.member, event.incarnation))
+            seen.notify_all()
+
+    world.on_member_change(record)
+    group = world.create_rpc_group("open")
+    queue = machinlike.SimpleQueue()
+    reply = machinlike.SimpleQueue()
+    # A process started by hand, long after the world was built, joins by address.
+    start = time.monotonic()
+    child = Process(target=_late_joiner, args=(world.store_address, queue, reply))
+    child.start()
+    members = queue.get(timeout=30)
+    assert members == ["host", "late"], members
+    world.wait_for_members(["late"], timeout=1)  # seen within 1 s of its World returning
+    joined_after = time.monotonic() - start
+    assert group.registered_sync("late-svc", timeout=10) == "late#1"
+    assert group.rpc_sync("late", _whoami, timeout=10) == "late#1"
+    # It leaves with stop(): its service disappears; callers get KeyError, not a transport error.
+    reply.put("bye")
+    world.wait_for_members(["late"], timeout=20, gone=True)
+    with pytest.raises(KeyError, match="not found on Group"):
+        group.registered_sync("late-svc", timeout=10)
+    with pytest.raises(PeerLostError, match="'late'.*left"):
+        group.rpc_sync("late", _whoami, timeout=10)
+    child.join(20)
+    assert child.exitcode == 0
+    with seen:
+        seen.wait_for(lambda: ("leave", "late", 1) in events, timeout=5)
+    assert [e for e in events if e[1] == "late"] == [("join", "late", 1), ("leave", "late", 1)]
+    return joined_after
+
+
+def test_a_process_started_by_hand_joins_and_leaves():
+    result = launch(_join_leave_body, 1, names=["host"], max_restarts=1, timeout=90)
+    assert result[0] < 30
+
+
+def _death_body(world):
+    group = world.create_rpc_group("open")
+    if world.name == "victim":
+        if world.incarnation == 1:
+            group.register("svc", _whoami)
+            group.pair("value", 41)
+            world.wait_for_members(3, timeout=30)
+            survivors_ready = world.create_rpc_group("ready", ["a", "b", "victim"])
+            survivors_ready.barrier(timeout=30)
+            _die()
+        group.register("svc", _whoami)  # a new incarnation takes its keys back
+        group.pair("value", 42)
+        world.create_rpc_group("back", ["a", "b", "victim"]).barrier(timeout=30)
+        world.wait_for_members(["a", "b"], timeout=60, gone=True)
+        return world.incarnation
+    lost = threading.Event()
+    world.on_member_change(lambda e: lost.set() if (e.kind, e.member) == ("lost", "victim") else None)
+    ready = world.create_rpc_group("ready", ["a", "b", "victim"])
+    ready.barrier(timeout=30)
+    start = time.monotonic()
+    # Calls made while it dies fail with PeerLostError naming it (or KeyError once its
+    # keys are freed), never by waiting out their timeout.
+    while not lost.is_set():
+        try:
+            group.registered_sync("svc", timeout=30)
+        except PeerLostError as err:
+            assert err.member == "victim"
+        except KeyError:
+            pass
+        if time.monotonic() - start > 5:
+            break
+    assert lost.wait(5), "the death was not detected within the liveness bound"
+    detected = time.monotonic() - start
+    assert detected < 2.5, detected
+    # Back under its name as incarnation 2: callers reach the new owner.
+    world.membership.wait_until(lambda live: world.get_incarnation("victim") == 2, 30)
+    world.create_rpc_group("back", ["a", "b", "victim"]).barrier(timeout=30)
+    owner = group.registered_sync("svc", timeout=10)
+    value = group.get_paired("value", timeout=10).to_here()
+    assert (owner, value) == ("victim#2", 42)
+    return detected
+
+
+def test_a_killed_member_is_detected_freed_and_comes_back():
+    result = launch(_death_body, 3, names=["a", "b", "victim"], max_restarts=1, essential=["a", "b"], timeout=120)
+    assert result[2] == 2
+    assert [r.name for r in result.restarts] == ["victim"]
+    assert "SIGKILL" in result.restarts[0].cause
+
+
+def _run_duplicate(world):
+    # The second World must come from another process: one World per process.
+    import machinlike
+
+    results = machinlike.SimpleQueue()
+
+    def child(address, q):
+        try:
+            World("a", elastic=True, init_method=address, dist_timeout=10)
+            q.put("joined")
+        except ValueError as err:
+            q.put(str(err))
+
+    p = Process(target=child, args=(world.store_address, results))
+    p.start()
+    message = results.get(timeout=30)
+    p.join(20)
+    return message
+
+
+def test_a_live_name_cannot_be_taken():
+    message = launch(_run_duplicate, 1, names=["a"], max_restarts=1, timeout=60)[0]
+    assert "a member named 'a' is alive" in message, message
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_joining_a_world_that_is_gone_fails_within_its_timeout():
+    port = _free_port()  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
+        World("x", elastic=True, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=1.5)
+    assert time.monotonic() - start < 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(name="x", elastic=True, world_size=3), ValueError, "elastic world has no fixed size"),
+        (dict(elastic=True), ValueError, "needs a name"),
+        (dict(name="x", elastic=True, liveness=0), ValueError, "liveness=0 must be a positive number"),
+        (dict(name="x", elastic=True, liveness=float("inf")), ValueError, "liveness=inf must be a positive"),
+        (dict(name="a::2", elastic=True), ValueError, "not '::'"),
+        (dict(name="x", rank=0, world_size=1, init_method=5), TypeError, "init_method must be a str"),
+        (dict(name="x", rank=0, world_size=1, backend="tcp"), ValueError, "backend='tcp' is not"),
+        (dict(name="x", rank=0, world_size=1, dist_timeout=float("inf")), ValueError, "dist_timeout=inf"),
+    ],
+)
+def test_bad_elastic_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        World(**kwargs)
+
+
+def test_launch_checks_restart_arguments():
+    with pytest.raises(ValueError, match="max_restarts=-1 must be"):
+        launch(_whoami, 2, max_restarts=-1)
+    with pytest.raises(ValueError, match="essential=\\['z'\\]"):
+        launch(_whoami, 2, max_restarts=1, essential=["z"])
