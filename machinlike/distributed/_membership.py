@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 #: Written into a waited-for key of a member that is gone, to wake its waiters.
 LOST_MARK = "\x00lost"
+#: Written into the other keys of such a wait that are still absent: a store wait ends
+#: only when every key it waits for exists. A member arriving later overwrites it.
+WOKEN_MARK = "\x00woken"
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class Membership:
         self._by_transport: Dict[str, str] = {}
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
         self._gone_transports: Set[str] = set()
-        self._waits: Dict[int, Tuple[str, Dict[str, str]]] = {}
+        self._waits: Dict[int, Tuple[str, Dict[str, str], Optional[Dict[str, int]]]] = {}
         self._wait_ids = 0
         self._callbacks: List[Callable[[MemberEvent], None]] = []
         self._changed = threading.Condition(self._lock)
@@ -228,6 +231,11 @@ class Membership:
             rec = self._live.get(member)
             return None if rec is None else rec.incarnation
 
+    def gone(self, member: str) -> Optional[str]:
+        """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
+        with self._lock:
+            return None if member in self._live else self._gone.get(member)
+
     def transport_of(self, member: str) -> str:
         """The RPC worker name of live ``member``.
 
@@ -296,10 +304,14 @@ class Membership:
 
     # ------------------------------------------------------------------ waits
     def wait_all(self, prefix: str, names: Sequence[str], members: Sequence[str], timeout: float, what: str,
-                 stated: Optional[float] = None) -> None:
+                 stated: Optional[float] = None, incarnations: Optional[Dict[str, int]] = None) -> None:
         """``Registry.wait_all`` that fails fast when a member it waits for is gone.
 
         ``names[i]`` is the key suffix member ``members[i]`` writes.
+
+        Args:
+            incarnations: The incarnation each member must have (a member that came back
+                as a later one counts as gone); None: any.
 
         Raises:
             PeerLostError: a member it waits for left or was lost (named).
@@ -309,11 +321,12 @@ class Membership:
         with self._lock:
             self._wait_ids += 1
             wid = self._wait_ids
-            self._waits[wid] = (prefix, mapping)
-            already = [m for m in members if m not in self._live]
+            self._waits[wid] = (prefix, mapping, incarnations)
+            already = [m for m in members if m not in self._live
+                       or (incarnations is not None and self._live[m].incarnation != incarnations.get(m))]
         try:
-            for member in already:
-                self._mark(prefix, mapping[member])
+            if already:
+                self._wake(prefix, [mapping[m] for m in already], list(names))
             self.registry.wait_all(prefix, names, timeout, what, stated)
             marked = [m for m, v in zip(members, self.registry.values(prefix, names)) if v == LOST_MARK]
         finally:
@@ -323,9 +336,18 @@ class Membership:
             gone = ", ".join(repr(m) for m in marked)
             raise PeerLostError(marked[0], f"{what}: {gone} left or died while being waited for")
 
-    def _mark(self, prefix: str, name: str) -> None:
+    def incarnations(self, members: Iterable[str]) -> Dict[str, int]:
+        """The current incarnation of each live member among ``members``."""
+        with self._lock:
+            return {m: self._live[m].incarnation for m in members if m in self._live}
+
+    def _wake(self, prefix: str, lost: Sequence[str], names: Sequence[str]) -> None:
+        """Mark ``lost`` keys of a wait as gone and fill its other absent keys, so it ends."""
         try:
-            self.registry.compare_set(prefix + name, "", LOST_MARK)
+            for name in lost:
+                self.registry.compare_set(prefix + name, "", LOST_MARK)
+            for name in names:
+                self.registry.compare_set(prefix + name, "", WOKEN_MARK)
         except PeerLostError:
             pass
 
@@ -447,7 +469,7 @@ class Membership:
                 self._live[rec.member] = rec
                 self._by_transport[rec.transport] = rec.member
                 self._gone.pop(rec.member, None)
-                wake: List[Tuple[str, str]] = []
+                wake: List[Tuple[str, str, List[str]]] = []
             else:
                 current = self._live.get(rec.member)
                 if current is not None and current.incarnation == rec.incarnation:
@@ -455,14 +477,15 @@ class Membership:
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                 self._gone_transports.add(rec.transport)
                 self._beats.pop(rec.member, None)
-                wake = [(p, m[rec.member]) for p, m in self._waits.values() if rec.member in m]
+                wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
+                        if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
             callbacks = list(self._callbacks)
             self._changed.notify_all()
         if kind != "join":
             if self.elastic and rec.transport != self.transport:
                 _transport.forget_worker(rec.transport)
-            for prefix, name in wake:
-                self._mark(prefix, name)
+            for prefix, name, names in wake:
+                self._wake(prefix, [name], names)
         event = MemberEvent(kind, rec.member, rec.incarnation, rec.rank, seq)
         for callback in callbacks:
             try:

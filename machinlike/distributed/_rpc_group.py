@@ -58,11 +58,19 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
     deadline = time.monotonic() + wait
     members = sorted(members)
     if members_view.elastic and len(set(members)) == len(members):
-        # Members of an elastic world may still be on their way: wait for them.
+        # Members of an elastic world may still be on their way: wait for them, but not
+        # for one that already left or was lost (that fails now, naming it).
         try:
-            members_view.wait_until(lambda live: set(members) <= set(live), wait)
+            members_view.wait_until(lambda live: set(members) <= set(live)
+                                    or any(members_view.gone(m) for m in members), wait)
         except TimeoutError:
             pass  # named below
+        for member in members:
+            why = members_view.gone(member)
+            if why:
+                verb = "left" if why == "left" else "was lost from"
+                raise PeerLostError(member, f"creating RpcGroup {name!r}: it {verb} the world; wait for its "
+                                            f"return (World.wait_for_members) before grouping with it")
     live = members_view.members()
     unknown = [m for m in members if m not in live]
     if unknown or len(set(members)) != len(members) or not members:
@@ -79,14 +87,17 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
     members_view.group_epochs[name] = epoch + 1
     prefix = members_view.key(f"rg/{name}/{epoch}/join/")
     listing = ",".join(members)
+    # In an elastic world the group is made of these incarnations: one that dies and
+    # comes back is a new process, gone for this group (it creates a new one).
+    incarnations = members_view.incarnations(members) if members_view.elastic else None
     members_view.registry.set(prefix + members_view.name, listing)
     members_view.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
-                          f"creating RpcGroup {name!r}: members", wait)
+                          f"creating RpcGroup {name!r}: members", wait, incarnations)
     odd = [m for m, v in zip(members, members_view.registry.values(prefix, members)) if v != listing]
     if odd:
         raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
     members_view.registry.set(members_view.key(f"rg/{name}/current"), f"{epoch}/{listing}")
-    group = RpcGroup(name, members, str(epoch))
+    group = RpcGroup(name, members, str(epoch), incarnations)
     members_view.groups[name] = group
     return group
 
@@ -123,8 +134,10 @@ class RpcGroup:
     and its ``dist_timeout`` for barriers. Keys must be str (``TypeError`` otherwise).
     """
 
-    def __init__(self, name: str, members: Optional[Sequence[str]], epoch: str) -> None:
+    def __init__(self, name: str, members: Optional[Sequence[str]], epoch: str,
+                 incarnations: Optional[Dict[str, int]] = None) -> None:
         self._name = name
+        self._incarnations = incarnations
         #: None for an open group: whoever is in the world.
         self._members = None if members is None else tuple(sorted(members))
         self._epoch = epoch
@@ -554,7 +567,7 @@ class RpcGroup:
             prefix = self._key(world, "bar", f"{generation}/")
             members.registry.set(prefix + world.name, "1")
             members.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
-                             f"barrier of RpcGroup {self._name!r}: members", wait)
+                             f"barrier of RpcGroup {self._name!r}: members", wait, self._incarnations)
             if generation:
                 members.registry.delete([self._key(world, "bar", f"{generation - 1}/{world.name}")])
         finally:

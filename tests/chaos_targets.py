@@ -1,0 +1,107 @@
+"""The fault-injection loop of elastic worlds, shared by the test and ``benchmarks/elastic.py``.
+
+Four members: ``d`` (the driver, essential) and ``m1``..``m3``. Iteration ``i`` picks a
+victim and a phase from a seeded schedule; every member creates the group ``it<i>``,
+registers a service and pairs a value, meets at a barrier, calls everyone's service and
+reads everyone's value, and meets again. The victim SIGKILLs itself in its phase:
+
+    create   before creating the group      survivors wait in group creation
+    service  inside its own service         survivors are in registered_sync
+    pair     right after pairing            survivors wait at the first barrier
+    barrier  after the first barrier        survivors are in get_paired / registered_sync
+
+The launcher (``max_restarts``) starts it again; the new incarnation resumes at the next
+iteration. Survivors must fail fast (``PeerLostError``, or ``KeyError`` once the victim's
+keys are freed), never by waiting out a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Dict, List, Tuple
+
+from machinlike.exception import PeerLostError
+
+MEMBERS = ["d", "m1", "m2", "m3"]
+PHASES = ("create", "service", "pair", "barrier")
+#: A survivor's failing call must return within this many seconds (liveness is 2 s).
+FAST = 4.0
+#: Generous timeouts: reaching one is a failure of the test, not a pass.
+SLOW = 60.0
+#: World.stop's timeout at the end; it must return within STOP + 1 s.
+STOP = 5.0
+
+
+def schedule(i: int, seed: int) -> Tuple[str, str]:
+    """(victim, phase) of iteration ``i``; one iteration in four has no victim ("")."""
+    rng = random.Random(seed * 1_000_003 + i)
+    victim, phase = rng.choice(MEMBERS[1:]), rng.choice(PHASES)
+    return ("", "") if rng.random() < 0.25 else (victim, phase)
+
+
+def _die(*_: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _echo(x: int) -> int:
+    return x
+
+
+def _deaths_before(member: str, i: int, seed: int) -> int:
+    return sum(1 for j in range(i) if schedule(j, seed)[0] == member)
+
+
+def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
+    """Run the loop as one member; returns its counts (survivors) or never returns (victims)."""
+    me = world.name
+    start = 0
+    if world.incarnation > 1:  # resume after the iteration this member died in
+        mine = [i for i in range(iterations) if schedule(i, seed)[0] == me]
+        start = mine[world.incarnation - 2] + 1
+    failed_fast: List[float] = []
+    completed = skipped = 0
+    for i in range(start, iterations):
+        victim, phase = schedule(i, seed)
+        expected = {m: 1 + _deaths_before(m, i, seed) for m in MEMBERS[1:]}
+        # Everyone takes part in iteration i with the incarnation that lives through it.
+        world.membership.wait_until(
+            lambda live: all((world.get_incarnation(m) or 0) >= n for m, n in expected.items()), SLOW)
+        if victim and (world.get_incarnation(victim) or 0) > expected[victim]:
+            skipped += 1  # it already died in this iteration and came back for the next
+            continue
+        dying = me == victim
+        group = None
+        began = time.monotonic()
+        try:
+            if dying and phase == "create":
+                _die()
+            group = world.create_rpc_group(f"it{i}", MEMBERS, timeout=SLOW)
+            group.register(f"s-{me}", _die if dying and phase == "service" else _echo)
+            group.pair(f"v-{me}", i)
+            if dying and phase == "pair":
+                _die()
+            group.barrier(timeout=SLOW)
+            if dying and phase == "barrier":
+                _die()
+            for other in MEMBERS:
+                if other != me:
+                    began = time.monotonic()
+                    assert group.registered_sync(f"s-{other}", args=(i,), timeout=SLOW) == i
+                    assert group.get_paired(f"v-{other}", timeout=SLOW).to_here() == i
+            began = time.monotonic()
+            group.barrier(timeout=SLOW)
+            completed += 1
+        except (PeerLostError, KeyError) as err:
+            elapsed = time.monotonic() - began
+            assert elapsed < FAST, f"iteration {i} ({victim} dies in {phase}): {err!r} after {elapsed:.1f} s"
+            failed_fast.append(elapsed)
+        finally:
+            if group is not None:
+                group.destroy()
+    began = time.monotonic()
+    world.stop(timeout=STOP)
+    return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped,
+            "slowest_failure": max(failed_fast, default=0.0), "stop": time.monotonic() - began}
