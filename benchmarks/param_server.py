@@ -147,7 +147,7 @@ def _our_trainer(group: Any, name: str, iterations: int) -> Dict[str, float]:
     for _ in range(iterations):
         server.pull(model)
         _train_step(model, data)
-        if server.push(model):
+        if server.push(model, pull=False):
             accepted += 1
         else:
             rejected += 1

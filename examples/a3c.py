@@ -292,7 +292,7 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
             torch.nn.utils.clip_grad_norm_(critic.parameters(), args.clip)
             # False: the local secondary's queue was full and dropped the push (not expected
             # with --reduce-batch 1 unless rank 0 is starved of CPU); counted, not hidden.
-            refused += (not actor_server.push(actor)) + (not critic_server.push(critic))
+            refused += (not actor_server.push(actor, pull=False)) + (not critic_server.push(critic, pull=False))
             servers.watch()
             now = time.monotonic()
             if sampler.finished or now - last_report >= 1.0:

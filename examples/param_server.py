@@ -107,7 +107,7 @@ def train(world: machinlike.World, server: Any, args: argparse.Namespace, data: 
             batch = order[start:start + args.batch_size]
             model.zero_grad(set_to_none=False)
             F.cross_entropy(model(x[batch]), y[batch]).backward()
-            if server.push(model):
+            if server.push(model, pull=False):
                 pushes += 1
             else:  # the local secondary's queue was full: this gradient is not applied
                 rejected += 1

@@ -6,7 +6,13 @@ ports by changing its imports. The package top level re-exports the names most p
 need; the modules stay the canonical homes (and hold a few rarer names, such as the pools'
 result classes). Importing costs little beyond ``import torch`` itself, so the re-exports
 are plain imports rather than lazy ones.
+
+``get_context`` and ``get_start_method`` are :mod:`multiprocessing`'s own functions,
+re-exported because machin's package top level re-exported them (``machin.utils.media``
+imports them from there).
 """
+
+from multiprocessing import get_context, get_start_method
 
 from .assigner import (
     DeviceSpec,
@@ -111,4 +117,7 @@ __all__ = [
     "ProcessExitedError",
     "WorkerLostError",
     "PeerLostError",
+    # multiprocessing's, re-exported as machin.parallel did
+    "get_context",
+    "get_start_method",
 ]

@@ -21,9 +21,12 @@ storage inside our reducers, so ``torch.multiprocessing.set_sharing_strategy`` i
 touched.
 
 A storage that is already fd-backed (``share_memory_()`` under torch's default strategy,
-or a tensor received through torch's own queues) keeps its backing: moving it, which is
-what ``_share_filename_cpu_`` does, would silently cut it off from the processes that
-already share it. Its payload carries a descriptor that one load takes; loading it again
+or a tensor received through torch's own queues) moves to named shared memory (what
+``_share_filename_cpu_`` does: a copy, then the storage points at it) only when no other
+process can be using it: never sent or received through a reducer, and mapped by no
+other process (``/proc/<pid>/maps``). Its payload then outlives the sender like any named
+one (machin's case: a child shares a tensor, sends it and exits). Otherwise it keeps its
+backing: moving it would silently cut it off from the processes that already share it. Its payload carries a descriptor that one load takes; loading it again
 works in a process that already maps the storage (the sender, or a process that loaded
 it before) and fails with a clear error elsewhere.
 
@@ -201,6 +204,34 @@ def _is_fd_backed(storage: torch.UntypedStorage) -> bool:
     return True
 
 
+def _movable(storage: torch.UntypedStorage) -> bool:
+    """Whether an fd-backed storage may move to named shared memory without cutting
+    anybody off, i.e. no other process can use it.
+
+    It must never have been sent or received through torch's or our reducers (each
+    records the storage in torch's shared cache), and no other process may map it (a
+    child forked after ``share_memory_()`` does): checked in ``/proc/<pid>/maps`` of
+    every process we may read. Without ``/proc`` nothing is moved.
+    """
+    try:
+        dev, inode = _torch_red.fd_id(storage._get_shared_fd())
+    except (RuntimeError, OSError):
+        return False
+    if (dev, inode) in _torch_red.shared_cache or not os.path.isdir("/proc/self"):
+        return False
+    needle, me = f" {inode} ", str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or entry.name == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/maps", encoding="ascii", errors="replace") as maps:
+                if any(needle in line and "/dev/shm/" in line for line in maps):
+                    return False
+        except OSError:  # gone meanwhile, or another user's (who cannot map our memory)
+            continue
+    return True
+
+
 def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     if storage.device.type != "cpu":
         raise RuntimeError(
@@ -208,7 +239,7 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
         )
     if storage.nbytes() == 0:
         return (_torch_red.rebuild_storage_empty, (torch.UntypedStorage,))
-    if _is_fd_backed(storage):
+    if _is_fd_backed(storage) and not _movable(storage):  # in use elsewhere: keep the fd
         fd, size = storage._share_fd_cpu_()
         handle = multiprocessing.reduction.DupFd(fd)
         key = _torch_red.fd_id(fd)

@@ -19,7 +19,16 @@ shares it: CPU tensors through shared memory, CUDA tensors through CUDA IPC hand
 torch's multiprocessing reducers (details and the reasons in ``machinlike/_reductions.py``).
 A shared payload can be loaded several times, in the same or in other processes, while
 some process still holds the tensor; the memory stays alive until the first load even if
-the sender drops the tensor meanwhile.
+the sender drops the tensor (or exits) meanwhile.
+
+Lifetime of a CPU share-mode payload: its memory is a named shared-memory segment kept by
+torch's shared-memory manager (``/dev/shm/torch_*``). It is freed once every process
+that loaded it has dropped the tensor and the payload has been loaded once; a payload
+never loaded is freed when the manager exits, with the last process of the job. A tensor
+that ``share_memory_()`` put in file-descriptor memory is moved into such a segment at
+its first share-mode pickling when no other process can be using it yet, so a child may
+share a tensor, send it and exit before the parent loads it. One that another process
+already uses keeps its descriptor: its payload can be loaded only while the sender lives.
 
 Importing this module changes no process-wide setting: torch's sharing strategy, copyreg
 and multiprocessing's reducer table are read, never written.

@@ -26,6 +26,11 @@ was killed by a signal         ProcessExitedError "killed by signal SIGKILL (9)"
 ``sys.exit`` becomes a :class:`~machinlike.exception.ProcessExitedError`, not a
 ``SystemExit``, so that ``watch()`` cannot silently end the parent.
 
+Every failure is also a :class:`ProcessException` (machin's catch-all for a child's
+failure): ``exception`` is an instance of a subclass of both the child's type and
+``ProcessException``, created once per type, so ``except ValueError`` and ``except
+ProcessException`` both catch it. It pickles as the plain original type.
+
 As with ``multiprocessing.Process``, a subclass may override ``run()`` instead of passing
 a target; reporting and the cleaner still apply.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from multiprocessing import connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -44,7 +50,7 @@ from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
 
-__all__ = ["Process"]
+__all__ = ["Process", "ProcessException"]
 
 _EXCEPTION = "exception"
 _EXIT = "exit"
@@ -94,6 +100,71 @@ def call_with_cleaner(
             _add_note(error, f"the cleaner raised as well: {type(exc).__name__}: {exc}")
     if error is not None:
         raise error
+
+
+class ProcessException(Exception):
+    """Mixed into every failure :attr:`Process.exception` reports (machin's name).
+
+    machin wrapped a child's error in a ``ProcessException`` holding its text. Here the
+    reported exception keeps its own type and attributes, and its class also derives
+    from ``ProcessException``, so both ``except ProcessException`` (machin code) and
+    ``except ValueError`` work. A type that cannot be subclassed (rare: a C extension
+    type without the base-type flag) is reported unchanged, and is then not a
+    ``ProcessException``.
+    """
+
+
+# original exception type -> its subclass that is also a ProcessException; weak on the
+# original, so a class defined at run time can still be collected.
+_tagged_types: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+_tagged_lock = threading.Lock()
+
+
+def _rebuild_tagged(plain: BaseException) -> BaseException:
+    return tag_process_exception(plain)
+
+
+def _reduce_tagged(self: BaseException) -> Any:
+    # Pickle as the plain original (found by reference), tagged again when loaded.
+    plain = _copy_exception(self, type(self).__mro__[1])
+    return _rebuild_tagged, (plain,)
+
+
+def _copy_exception(exc: BaseException, cls: type) -> BaseException:
+    new = cls.__new__(cls, *exc.args)
+    new.__dict__.update(exc.__dict__)
+    new.args = exc.args
+    new.__cause__, new.__context__ = exc.__cause__, exc.__context__
+    new.__suppress_context__ = exc.__suppress_context__
+    new.__traceback__ = exc.__traceback__
+    return new
+
+
+def _tagged_type(cls: type) -> type:
+    with _tagged_lock:
+        tagged = _tagged_types.get(cls)
+        if tagged is None:
+            # Same name and module, so tracebacks and messages read as the child's type.
+            tagged = type(cls.__name__, (cls, ProcessException), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__reduce__": _reduce_tagged, "__doc__": cls.__doc__,
+            })
+            _tagged_types[cls] = tagged
+        return tagged
+
+
+def tag_process_exception(exc: BaseException) -> BaseException:
+    """``exc`` as an instance of a subclass of its type and :class:`ProcessException`.
+
+    Returns ``exc`` itself when it already is a ``ProcessException`` or its type cannot
+    be subclassed.
+    """
+    if isinstance(exc, ProcessException):
+        return exc
+    try:
+        return _copy_exception(exc, _tagged_type(type(exc)))
+    except Exception:  # an unsubclassable type or an unusual constructor: keep it as it is
+        return exc
 
 
 class Process(BaseProcess):
@@ -280,7 +351,8 @@ class Process(BaseProcess):
             if self._record is None and exitcode is None:
                 return None  # running, nothing reported yet
             # a report decides on its own; without one, the exit code does
-            self._outcome = self._decide(exitcode)
+            outcome = self._decide(exitcode)
+            self._outcome = None if outcome is None else tag_process_exception(outcome)
             self._settled = True
             if self._report_reader is not None:
                 self._report_reader.close()

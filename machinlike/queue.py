@@ -28,7 +28,9 @@ process tree exits (torch's shared-memory manager then cleans up).
 
 from __future__ import annotations
 
+import builtins
 import math
+import multiprocessing
 import time
 from multiprocessing import connection, context
 from multiprocessing.context import BaseContext
@@ -37,7 +39,15 @@ from typing import Any, Dict, Optional, Tuple, Union
 from ._warm import resolve_context
 from .pickle import dumps, loads
 
-__all__ = ["SimpleQueue", "SimpleP2PQueue", "MultiP2PQueue"]
+__all__ = ["SimpleQueue", "SimpleP2PQueue", "MultiP2PQueue", "TimeoutError"]
+
+
+class TimeoutError(multiprocessing.TimeoutError, builtins.TimeoutError):  # noqa: A001 - machin's name
+    """No item (or no lock) within the timeout.
+
+    Both ``multiprocessing.TimeoutError`` (what machin's ``machin.parallel.queue.TimeoutError``
+    was) and the built-in ``TimeoutError``, so code written for either catches it.
+    """
 
 
 def _check_timeout(timeout: Optional[float]) -> Optional[float]:

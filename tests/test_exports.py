@@ -4,6 +4,7 @@ machin's names, and no side effects at import time."""
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import subprocess
 import sys
 import textwrap
@@ -25,20 +26,21 @@ MODULES = [
     "machinlike.event",
     "machinlike.exception",
     "machinlike.testing",
+    "machinlike.compat.machin",  # inert until install()
 ]
 
 # The machin.parallel names (seed 002) that code being ported imports, by module.
 MACHIN_NAMES = {
     "machinlike.distributed": ["World", "RpcGroup", "CollectiveGroup", "get_world", "get_cur_rank",
-                               "get_cur_name", "is_world_initialized"],
+                               "get_cur_name", "is_world_initialized", "debug_with_process"],
     "machinlike.server": ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl",
                           "PushPullModelServer", "PushPullModelServerImpl", "PushPullGradServer",
                           "PushPullGradServerImpl"],
     "machinlike.assigner": ["ModelAssigner", "ModelSizeEstimator"],
     "machinlike.pickle": ["Pickler", "dumps", "loads", "mark_static_module"],
     "machinlike.pool": ["Pool", "P2PPool", "CtxPool", "ThreadPool", "CtxThreadPool"],
-    "machinlike.queue": ["SimpleQueue", "SimpleP2PQueue", "MultiP2PQueue"],
-    "machinlike.process": ["Process"],
+    "machinlike.queue": ["SimpleQueue", "SimpleP2PQueue", "MultiP2PQueue", "TimeoutError"],
+    "machinlike.process": ["Process", "ProcessException"],
     "machinlike.thread": ["Thread"],
     "machinlike.event": ["OrEvent", "AndEvent"],
     "machinlike.exception": ["ExceptionWithTraceback", "RemoteTraceback"],
@@ -65,6 +67,8 @@ def test_machin_names_keep_their_module(path):
 
 def test_top_level_reexports_are_the_canonical_objects():
     homes = {name: importlib.import_module(path) for path in MODULES for name in importlib.import_module(path).__all__}
+    # machin.parallel re-exported these two of multiprocessing's at its top level.
+    homes.update(get_context=multiprocessing, get_start_method=multiprocessing)
     assert len(machinlike.__all__) == len(set(machinlike.__all__))
     for name in machinlike.__all__:
         assert name in homes, f"machinlike.{name} has no home module among {MODULES}"

@@ -20,6 +20,7 @@ import torch
 from machinlike import _byvalue
 from machinlike.pickle import Pickler, dumps, loads, mark_static_module
 from machinlike.process import Process
+from machinlike.queue import SimpleQueue
 
 JOIN = 30.0
 SCALE = 10
@@ -192,8 +193,11 @@ def test_tensor_shared_to_two_children():
 
 
 def test_storage_already_shared_by_file_descriptor_keeps_its_backing():
+    from multiprocessing.reduction import ForkingPickler
+
     t = torch.zeros(3)
     t.share_memory_()  # torch's default strategy: fd-backed
+    ForkingPickler.dumps(t)  # handed out through torch's own reducer: others may use it now
     address = t.data_ptr()
     payload = dumps(t, copy_tensor=False)
     assert t.data_ptr() == address, "the storage must not be moved"
@@ -201,6 +205,25 @@ def test_storage_already_shared_by_file_descriptor_keeps_its_backing():
     assert torch.equal(t, torch.ones(3))
     again = dumps(t, copy_tensor=False)
     assert loads(again).data_ptr() == address and loads(again).data_ptr() == address
+
+
+def test_fd_shared_payload_loads_after_the_sender_exited():
+    """machin's case: a child shares a tensor (share_memory_()), pickles it in share mode,
+    sends it and exits; the parent loads it afterwards. The child's storage was private,
+    so it moved to named shared memory, which outlives the child."""
+    before = {p.name for p in pathlib.Path("/dev/shm").glob("torch_*")}
+    queue = SimpleQueue(copy_tensor=True)
+    try:
+        run_child(targets.share_and_send, queue)
+        t = loads(queue.get(timeout=JOIN))
+    finally:
+        queue.close()
+    assert torch.equal(t, torch.arange(4.0)) and t.is_shared()
+    t.add_(1)  # the memory is ours now, and writable
+    del t
+    gc.collect()
+    leaked = {p.name for p in pathlib.Path("/dev/shm").glob("torch_*")} - before
+    assert not leaked, f"segments left in /dev/shm: {leaked}"
 
 
 @pytest.mark.parametrize("copy_tensor", [True, False], ids=["copy", "share"])

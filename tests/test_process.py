@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -16,11 +17,17 @@ from proc_util import wait_for_exit
 
 from machinlike._lifeline import PARENT_DIED_EXITCODE, THREAD_NAME
 from machinlike.exception import ProcessExitedError, RemoteTraceback
-from machinlike.process import Process
+from machinlike.process import Process, ProcessException
 from machinlike.queue import SimpleQueue
 from machinlike.thread import Thread
 
 WAIT = 30.0
+
+
+def own_type(error):
+    """The child's exception type behind the ProcessException subclass that reports it."""
+    assert isinstance(error, ProcessException), f"{error!r} is not catchable as ProcessException"
+    return type(error).__mro__[1]
 
 
 def run(target, *args, **kwargs):
@@ -53,7 +60,7 @@ def test_each_way_of_failing_is_reported_distinctly(target, args, kind, exitcode
     p = run(target, *args)
     assert p.exitcode == exitcode
     error = p.exception
-    assert type(error) is kind and text in str(error)
+    assert own_type(error) is kind and text in str(error)
     if cause is None:
         assert error.__cause__ is None
     else:
@@ -91,7 +98,7 @@ def test_exception_does_not_block_while_the_child_runs():
 
 def test_a_report_larger_than_the_pipe_buffer_does_not_deadlock_join():
     p = run(targets.raise_value_error, "x" * 300_000)
-    assert type(p.exception) is ValueError and len(str(p.exception)) == 300_000
+    assert own_type(p.exception) is ValueError and len(str(p.exception)) == 300_000
 
 
 def test_exception_and_watch_before_start():
@@ -114,7 +121,7 @@ def test_cleaner_runs_after_the_target(fail):
     p = run(target, *args, cleaner=cleaner)
     assert flags[1] == 1, "the cleaner must run"
     if fail:
-        assert type(p.exception) is ValueError
+        assert own_type(p.exception) is ValueError
     else:
         assert flags[0] == 1 and p.exception is None
 
@@ -126,12 +133,12 @@ def test_subclass_overriding_run_keeps_reporting_and_cleaner(fail):
     p.start()
     p.join(WAIT)
     assert t.item() == 1 and flags.item() == 1
-    assert (type(p.exception) is KeyError) if fail else (p.exception is None)
+    assert (own_type(p.exception) is KeyError) if fail else (p.exception is None)
 
 
 def test_failing_cleaner_is_reported():
     p = run(targets.noop, cleaner=targets.raise_value_error)
-    assert type(p.exception) is ValueError
+    assert own_type(p.exception) is ValueError
 
 
 def test_lambda_target_and_shared_tensor_arguments():
@@ -273,5 +280,37 @@ def test_public_names():
     import machinlike.process as process
     import machinlike.thread as thread
 
-    assert process.__all__ == ["Process"] and thread.__all__ == ["Thread"]
+    assert process.__all__ == ["Process", "ProcessException"] and thread.__all__ == ["Thread"]
     assert callable(lifeline.watch_parent) and lifeline.THREAD_NAME.startswith("machinlike")
+
+
+# ---------------------------------------------------------------- machin's ProcessException
+
+
+def test_failure_is_catchable_as_process_exception_and_keeps_its_type():
+    p = run(targets.raise_value_error)
+    error = p.exception
+    assert isinstance(error, ValueError) and isinstance(error, ProcessException)
+    assert type(error).__name__ == "ValueError" and "boom from the child" in str(error)
+    with pytest.raises(ProcessException):  # machin code
+        p.watch()
+    with pytest.raises(ValueError):  # code that catches the child's own type
+        p.watch()
+    again = run(targets.raise_value_error).exception
+    assert type(again) is type(error), "one subclass per original type"
+    loaded = pickle.loads(pickle.dumps(error))  # pickles as the plain type, tagged again
+    assert type(loaded) is type(error) and str(loaded) == str(error)
+    exited = run(targets.hard_exit, 5).exception
+    assert isinstance(exited, ProcessExitedError) and isinstance(exited, ProcessException)
+    assert exited.exitcode == 5 and pickle.loads(pickle.dumps(exited)).exitcode == 5
+
+
+def test_unsubclassable_exception_type_is_reported_unchanged():
+    from machinlike.process import tag_process_exception
+
+    class Final(Exception):
+        def __init_subclass__(cls, **kwargs):
+            raise TypeError("no subclasses")
+
+    error = Final("x")
+    assert tag_process_exception(error) is error

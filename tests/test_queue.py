@@ -187,4 +187,22 @@ def test_simple_queue_argument_validation():
 def test_public_names():
     import machinlike.queue as module
 
-    assert sorted(module.__all__) == ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue"]
+    assert sorted(module.__all__) == ["MultiP2PQueue", "SimpleP2PQueue", "SimpleQueue", "TimeoutError"]
+
+
+def test_timeout_error_is_machins_name_and_both_kinds():
+    import builtins
+    import multiprocessing
+
+    from machinlike.queue import TimeoutError as QueueTimeoutError
+
+    assert issubclass(QueueTimeoutError, multiprocessing.TimeoutError)
+    assert issubclass(QueueTimeoutError, builtins.TimeoutError)
+    queue = SimpleQueue()
+    try:
+        with pytest.raises(QueueTimeoutError):  # what machin's gym wrappers catch
+            queue.get(timeout=0.05)
+        with pytest.raises(multiprocessing.TimeoutError):
+            queue.get(timeout=0.05)
+    finally:
+        queue.close()

@@ -83,7 +83,7 @@ def test_machin_numbers(world):
         for _ in range(2):
             model.zero_grad()
             model(torch.ones(1, 1)).sum().backward()
-            assert servers["mean"].push(model) and servers["sum"].push(model)
+            assert servers["mean"].push(model, pull=False) and servers["sum"].push(model, pull=False)
     group.barrier()
     if world.name == "1":
         assert servers["mean"].flush(timeout=30) == 1 and servers["sum"].flush(timeout=30) == 1
@@ -145,7 +145,7 @@ def _exact_body(world):
                 value = (me + 1) * (r + 1) + t
                 for p in model.parameters():
                     p.grad = torch.full_like(p, float(value))
-                if server.push(model):
+                if server.push(model, pull=False):
                     accepted[t] += value
                     counts[t][0] += 1
                 else:
@@ -231,7 +231,7 @@ def _killed_secondary_body(world):
         for _ in range(3):
             start = time.monotonic()
             try:
-                outcomes.append(fresh.push(model))
+                outcomes.append(fresh.push(model, pull=False))
             except PeerLostError as err:
                 assert err.member == "2" and time.monotonic() - start < 8
                 outcomes.append("lost")
@@ -265,6 +265,22 @@ class ExplodingOptimizer:
         raise Boom("the optimizer blew up")
 
 
+def impl_rejected(group):
+    return group.registered_sync("rejected")
+
+
+class GatedSGD(torch.optim.SGD):
+    """SGD whose steps wait until ``gate`` is set: jams the server so its queues fill."""
+
+    def __init__(self, params, gate):
+        super().__init__(params, lr=1.0)
+        self.gate = gate
+
+    def step(self, closure=None):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().step(closure)
+
+
 @world_test(2, timeout=90)
 def test_bad_input_overflow_stop_and_thread_errors(world):
     group = world.create_rpc_group("g", ["0", "1"])
@@ -287,10 +303,12 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
         with pytest.raises(RuntimeError, match="call manage_model"):
             impl.start()
         model = Small()
-        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        gate = threading.Event()
+        impl.manage_model(model, GatedSGD(model.parameters(), gate))
         with pytest.raises(RuntimeError, match="already manages a model"):
             impl.manage_model(model, None)
-        # not started yet: pushes queue up without being reduced, so overflow is exact
+        impl.start()  # its first step waits for the gate: the queues fill up behind it
+        group.register("rejected", lambda: impl.stats()["secondary"]["rejected"])
         failing = PushPullGradServerImpl("failing", group, primary_reducer="0", secondary_reducers=["0"],
                                          reduce_batch_size=1)
         doomed = Small()
@@ -320,29 +338,35 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
             server.push({"lin.weight": torch.zeros(2, 3)})
         with pytest.raises(ValueError, match="cannot pull from gradient server 'server' into this model"):
             server.pull(wide)
+        with pytest.raises(TypeError, match="pull must be a bool"):
+            server.push(model, pull="no")
         model.lin.weight.grad = torch.ones(2, 3)
-        assert server.push(model, none_as_zero=True)  # bias: zero
+        assert server.push(model, none_as_zero=True, pull=False)  # bias: zero
         model.lin.bias.grad = torch.ones(2)
-        assert server.push(model) and server.push(model)
-        assert not server.push(model)  # max_queue_size=3: refused, counted
+        # The fast path refuses a push that finds the queue full (max_queue_size=3) and
+        # says so; the primary is jammed, so the queues fill within a few dozen pushes.
+        outcomes = [server.push(model, pull=False) for _ in range(60)]
+        accepted = 1 + outcomes.count(True)
+        assert outcomes.count(False) >= 1 and outcomes[-1] is False
     group.barrier()
     if world.name == "0":
         secondary = impl.stats()["secondary"]
-        assert secondary["accepted"] == 3 and secondary["rejected"] == 1 and secondary["batches"] == 0
-        impl.start()
+        assert secondary["rejected"] >= 1 and secondary["queued"] == 3
+        gate.set()
     group.barrier()
     if world.name == "1":
-        # the secondary reduces a full batch of 2, then (flushed) the partial one; the
-        # primary sums those two partial sums into one step
-        assert server.flush(timeout=30) == 1
+        # every accepted push is applied, none of the refused ones
+        assert server.flush(timeout=30) >= 1
         fresh = Small()
         assert server.pull(fresh)
-        assert fresh.lin.weight.tolist() == [[-3.0] * 3] * 2 and fresh.lin.bias.tolist() == [-2.0, -2.0]
+        assert fresh.lin.weight.tolist() == [[-float(accepted)] * 3] * 2
+        assert fresh.lin.bias.tolist() == [-float(accepted - 1)] * 2
+        assert accepted + impl_rejected(group) == 61
         failing = group.get_paired("failing").to_here()
         model = Small()
         for p in model.parameters():
             p.grad = torch.ones_like(p)
-        assert failing.push(model)
+        assert failing.push(model, pull=False)
         with pytest.raises(ServerStoppedError, match=r"the primary reducer on member '0' failed with "
                                                      r"Boom\('the optimizer blew up'\)"):
             failing.flush(timeout=30)
@@ -395,7 +419,7 @@ def test_grad_server_helper_runs_every_reducer(world):
         for m, s, inputs in ((model, mlp_server, 4), (tiny, tiny_server, 2)):
             m.zero_grad()
             m(torch.randn(5, inputs)).pow(2).mean().backward()
-            assert s.push(m)
+            assert s.push(m, pull=False)
     servers.group.barrier()
     if world.name == "0":
         assert mlp_server.flush(timeout=30) >= 1 and tiny_server.flush(timeout=30) >= 1
@@ -433,7 +457,7 @@ def test_managed_model_stays_on_its_gpu(world):
         for _ in range(4):
             model.zero_grad()
             model(torch.ones(1, 1, device="cuda")).sum().backward()
-            assert server.push(model)
+            assert server.push(model, pull=False)
         assert server.flush(timeout=30) == 1
         assert server.pull(model) and model.weights() == EXPECTED["sum"]
         assert all(p.device.type == "cuda" for p in model.parameters())

@@ -144,3 +144,12 @@ class WorkerWithRun(Process):
         self.step(self.tensor)
         if self.fail:
             raise KeyError("raised in run()")
+
+
+def share_and_send(queue):
+    """Share a fresh tensor by file descriptor, send it in share mode, and return (exit)."""
+    from machinlike.pickle import dumps
+
+    t = torch.arange(4.0)
+    t.share_memory_()
+    queue.put(dumps(t, copy_tensor=False))

@@ -2,6 +2,7 @@
 
 from ._calls import RpcFuture
 from ._collective import CollectiveGroup
+from ._debug import debug_with_process
 from ._launch import LaunchResult, Restart, launch
 from ._rpc_group import RpcGroup
 from ._membership import MemberEvent
@@ -20,4 +21,5 @@ __all__ = [
     "is_world_initialized",
     "get_cur_rank",
     "get_cur_name",
+    "debug_with_process",
 ]

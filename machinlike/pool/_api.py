@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, List, Optional
 from ._feed import Feeder
 from ._result import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult, check_timeout
 
-__all__ = ["PoolBase", "default_processes", "check_processes", "check_maxtasks", "check_callable", "check_bool",
+__all__ = ["PoolBase", "PoolPicklingError", "default_processes", "check_processes", "check_maxtasks", "check_callable", "check_bool",
            "check_contexts", "as_args"]
 
 # Before multiprocessing's own exit work (which joins non-daemon children, and would
@@ -82,6 +82,11 @@ def as_args(args: Any, param: str) -> tuple:
         raise TypeError(f"{param} must be a tuple of arguments, not {type(args).__name__}; write (value,)") from None
 
 
+class PoolPicklingError(NotImplementedError, TypeError):
+    """Pickling a pool: a ``TypeError`` (what pickle raises for what cannot be pickled)
+    and a ``NotImplementedError`` (what machin raised), so either ``except`` catches it."""
+
+
 def check_contexts(worker_contexts: Any, processes: int) -> List[Any]:
     if worker_contexts is None:
         return [None] * processes
@@ -90,8 +95,8 @@ def check_contexts(worker_contexts: Any, processes: int) -> List[Any]:
     contexts = list(worker_contexts)
     if len(contexts) != processes:
         raise ValueError(
-            f"worker_contexts has {len(contexts)} context(s) but processes={processes}: "
-            f"give exactly one context per worker"
+            f"worker_contexts has {len(contexts)} context(s) but processes={processes}: the number "
+            f"of contexts is not equal to the number of processes; give exactly one context per worker"
         )
     return contexts
 
@@ -419,8 +424,8 @@ class PoolBase:
         self.terminate()  # what the standard pool does
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            f"{type(self).__name__} objects cannot be pickled or sent to another process: a pool "
+        raise PoolPicklingError(
+            f"{type(self).__name__} objects cannot be passed between processes or pickled: a pool "
             f"belongs to the process that created it (create a pool inside the worker instead)"
         )
 

@@ -13,7 +13,7 @@ import torch
 from ..distributed import RpcGroup, get_world
 from ..exception import PeerLostError
 from ._common import check_group, check_name, check_timeout
-from ._reducer import SecondaryReducer
+from ._reducer import SecondaryReducer, wait_future
 from ._spec import Spec, check_module, mismatch, spec_of
 from .model import get_version, set_version
 from .ordered import OrderedServerBase, OrderedServerSimple
@@ -107,21 +107,33 @@ class PushPullGradServer:
         return self._spec
 
     # ------------------------------------------------------------------ pushing
-    def push(self, model: torch.nn.Module, *, none_as_zero: bool = False) -> bool:
-        """Send the model's gradients to a secondary reducer.
+    def push(self, model: torch.nn.Module, *, none_as_zero: bool = False, pull: bool = True) -> bool:
+        """Send the model's gradients to a secondary reducer; by default then pull, as machin did.
 
-        Returns when the gradients are queued there, not when they are applied (see
-        :meth:`flush`). ``model.pp_version`` (the version the gradients were computed on,
-        set by :meth:`pull`) travels along for the server's staleness statistics.
+        With ``pull=True`` (machin's contract): the gradients are queued (waiting for room
+        when the reducer's queue is full, within the accessor's timeout), then the newest
+        published parameters are loaded into ``model`` (:meth:`pull`) and its gradients
+        are cleared (``model.zero_grad()``). The pushed gradients are applied later, with
+        their batch: the parameters loaded here do not include them yet.
+
+        With ``pull=False`` (the fast path): returns as soon as the gradients are queued,
+        or refused because the queue was full; the model is left as it is. Call
+        :meth:`pull` yourself before computing the next gradients, or they are computed
+        on stale parameters.
+
+        ``model.pp_version`` (the version the gradients were computed on, set by
+        :meth:`pull`) travels along for the server's staleness statistics.
 
         Args:
             model: A model of the managed architecture, after ``backward()``.
             none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
                 gradient (they are not sent). False: refuse such a push.
+            pull: Pull and clear the gradients after pushing (machin's behaviour).
 
         Returns:
-            True if queued; False if the reducer's queue was full and the gradients were
-            dropped (counted as ``rejected`` by the server).
+            ``pull=True``: what :meth:`pull` returned (True if newer parameters were
+            loaded). ``pull=False``: True if queued; False if the reducer's queue was full
+            and the gradients were dropped (counted as ``rejected`` by the server).
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``, or a gradient is sparse.
@@ -130,8 +142,10 @@ class PushPullGradServer:
                 ``none_as_zero``.
             ServerStoppedError: the chosen reducer is stopped or failed.
             PeerLostError: the chosen secondary is unreachable (later pushes avoid it).
-            TimeoutError: it did not answer in time.
+            TimeoutError: it did not answer (or, with ``pull=True``, had no room) in time.
         """
+        if not isinstance(pull, bool):
+            raise TypeError(f"pull must be a bool, not {type(pull).__name__}")
         check_module(model)
         params = dict(model.named_parameters())
         diff = mismatch(self._server_spec(), spec_of(params), f"the model of gradient server {self.server_name!r}",
@@ -156,22 +170,33 @@ class PushPullGradServer:
         local = self._local_secondary()
         if local is not None:
             # The client may change its .grad right after we return: hand over copies.
-            return local.accept({k: g.to("cpu", copy=True) for k, g in grads.items()}, version)
-        member = self._route()
-        try:
-            return self.group.registered_sync(f"{self.server_name}/_push/{member}",
-                                              ({k: g.cpu() for k, g in grads.items()}, version), timeout=self.timeout)
-        except PeerLostError:
-            self._lost.add(member)
-            raise
+            copies = {k: g.to("cpu", copy=True) for k, g in grads.items()}
+            if not pull:
+                return local.accept(copies, version)
+            wait_future(local.offer(copies, version), self.timeout or rpc_timeout(),
+                        f"push to gradient server {self.server_name!r} (waiting for room in its queue)")
+        else:
+            member = self._route()
+            service = f"{self.server_name}/{'_push_wait' if pull else '_push'}/{member}"
+            try:
+                queued = self.group.registered_sync(service, ({k: g.cpu() for k, g in grads.items()}, version),
+                                                    timeout=self.timeout)
+            except PeerLostError:
+                self._lost.add(member)
+                raise
+            if not pull:
+                return queued
+        model.zero_grad()
+        return self.pull(model)
 
     # ------------------------------------------------------------------ pulling
     def pull(self, model: torch.nn.Module) -> bool:
         """Load the newest published parameters into ``model`` unless it has them.
 
         Only parameters are loaded (in place, so optimizers keep their references);
-        buffers stay the client's. Nothing is transferred when ``model.pp_version`` is the
-        newest version.
+        buffers stay the client's. Values are converted to each parameter's dtype (and
+        device), as ``load_state_dict`` does; names and shapes must match. Nothing is
+        transferred when ``model.pp_version`` is the newest version.
 
         Args:
             model: A model of the managed architecture.
@@ -182,7 +207,8 @@ class PushPullGradServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: the published parameters do not fit ``model`` (nothing is loaded).
+            ValueError: the published parameters' names or shapes do not fit ``model``
+                (nothing is loaded).
         """
         check_module(model)
         got = self.o_server.pull_if_changed(self.model_name, get_version(model))
@@ -191,7 +217,7 @@ class PushPullGradServer:
         state, version = got
         params = dict(model.named_parameters())
         diff = mismatch(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
-                        "this model")
+                        "this model", check_dtypes=False)
         if diff is not None:
             raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
         with torch.no_grad():
@@ -199,7 +225,7 @@ class PushPullGradServer:
                 param.copy_(state[name])
         set_version(model, version)
         if self._spec is None:
-            self._spec = spec_of(state)
+            self._spec = spec_of(state)  # the server's own dtypes: what pushes are checked against
         return True
 
     def flush(self, timeout: Optional[float] = None) -> int:

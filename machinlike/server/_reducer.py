@@ -1,7 +1,8 @@
 """The reducer threads of the gradient server: one state machine, two roles.
 
     clients ──push──► secondary queue ─(reduce_batch_size dicts)─► partial sum, count ─┐
-      (full queue: refused, counted)      thread "machinlike-grad-<server>-secondary"   │
+      (full queue: refused and counted,   thread "machinlike-grad-<server>-secondary"   │
+       or parked until there is room)     (started by start() or by the first push)    │
                                                                                         ▼
     published version v+1 ◄── optimizer.step(), lr_scheduler.step() ◄── primary queue ◄┘
       (ordered server)            thread "machinlike-grad-<server>-primary"
@@ -111,10 +112,14 @@ class _Reducer:
         self._enqueued = 0
         self._consumed = 0
         self._flushes: List[Tuple[int, torch.futures.Future]] = []
+        # Items that found the queue full and wait for room (a primary's forwards, a
+        # secondary's waiting pushes): each caller waits on its future, so this stays as
+        # short as the number of callers blocked at once.
+        self._parked: Deque[Tuple[Item, torch.futures.Future]] = deque()
         self._state = "new"  # -> running -> stopped | failed
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
-        self.counters: Dict[str, int] = {"batches": 0, "dropped": 0}
+        self.counters: Dict[str, int] = {"batches": 0, "dropped": 0, "parked": 0}
 
     @property
     def thread_name(self) -> str:
@@ -171,12 +176,27 @@ class _Reducer:
         return None
 
     def _detach_pending(self) -> List[torch.futures.Future]:
-        # With the condition held: what is queued is dropped, what waits is failed.
+        # With the condition held: what is queued or parked is dropped, what waits is failed.
         self.counters["dropped"] += sum(item.count for item in self._queue)
+        self.counters["dropped"] += sum(item.count for item, _ in self._parked)
         self._queue.clear()
-        doomed = [fut for _, fut in self._flushes]
+        doomed = [fut for _, fut in self._flushes] + [fut for _, fut in self._parked]
         self._flushes = []
+        self._parked.clear()
         return doomed
+
+    def _queue_or_park(self, item: Item) -> Optional[torch.futures.Future]:
+        """Queue ``item`` (None), or park it until there is room (its future). Condition held."""
+        if len(self._queue) < self.max_queue:
+            self._queue.append(item)
+            self._enqueued += 1
+            if len(self._queue) >= self.batch or self._flushes:
+                self._cond.notify()
+            return None
+        self.counters["parked"] += 1
+        fut: torch.futures.Future = torch.futures.Future()
+        self._parked.append((item, fut))
+        return fut
 
     def _fail_futures(self, futures: List[torch.futures.Future]) -> None:
         with self._cond:
@@ -260,7 +280,14 @@ class _Reducer:
             self._fail_futures(doomed)
 
     def _after_take(self) -> List[torch.futures.Future]:
-        return []
+        with self._cond:
+            admitted = []
+            while self._parked and len(self._queue) < self.max_queue:
+                item, fut = self._parked.popleft()
+                self._queue.append(item)
+                self._enqueued += 1
+                admitted.append(fut)
+            return admitted
 
     def _release(self, futures: List[torch.futures.Future]) -> None:
         for fut in futures:
@@ -297,9 +324,12 @@ class SecondaryReducer(_Reducer):
     def accept(self, grads: Grads, version: int) -> bool:
         """Queue one client push; False (counted as ``rejected``) when the queue is full.
 
+        Starts the reducer thread if nobody did (machin started only the primary's).
+
         Raises:
             ServerStoppedError: the reducer is stopped or failed.
         """
+        self._start_if_new()
         with self._cond:
             error = self.refusal()
             if error is not None:
@@ -313,6 +343,30 @@ class SecondaryReducer(_Reducer):
             if len(self._queue) >= self.batch:
                 self._cond.notify()
             return True
+
+    def offer(self, grads: Grads, version: int) -> torch.futures.Future:
+        """Queue one client push, waiting for room when the queue is full.
+
+        Returns:
+            A future completed (True) once the push is queued; it fails with
+            :class:`ServerStoppedError` if the reducer stops first.
+        """
+        self._start_if_new()
+        with self._cond:
+            error = self.refusal()
+            if error is None:
+                self.counters["accepted"] += 1
+                parked = self._queue_or_park(Item(grads, 1, [version]))
+                if parked is not None:
+                    return parked
+        return _completed(True, error)
+
+    def _start_if_new(self) -> None:
+        # machin's grad_server_helper constructs the server on every member but calls
+        # start() only on the primary: a secondary that was never started would queue
+        # its pushes until the queue is full and then refuse them. Start it on first use.
+        if self._state == "new":
+            self.start()
 
     def _process(self, items: List[Item]) -> None:
         reduced = reduce_items(items, self.device)
@@ -346,10 +400,9 @@ class PrimaryReducer(_Reducer):
         super().__init__(*args)
         self._apply = apply
         self._version = version
-        # Forwards that found the queue full; each secondary has at most one in flight,
-        # so this stays as short as the number of secondaries.
-        self._parked: Deque[Tuple[Item, torch.futures.Future]] = deque()
-        self.counters.update(received=0, parked=0, steps=0, applied=0)
+        # Forwards that find the queue full are parked; each secondary has at most one in
+        # flight, so the parked list stays as short as the number of secondaries.
+        self.counters.update(received=0, steps=0, applied=0)
 
     def accept(self, item: Item) -> torch.futures.Future:
         """Queue a partial sum; the future completes when it is queued (not yet applied)."""
@@ -357,32 +410,10 @@ class PrimaryReducer(_Reducer):
             error = self.refusal()
             if error is None:
                 self.counters["received"] += item.count
-                if len(self._queue) < self.max_queue:
-                    self._queue.append(item)
-                    self._enqueued += 1
-                    self._cond.notify()
-                else:
-                    self.counters["parked"] += 1
-                    fut: torch.futures.Future = torch.futures.Future()
-                    self._parked.append((item, fut))
-                    return fut
+                parked = self._queue_or_park(item)
+                if parked is not None:
+                    return parked
         return _completed(True, error)
-
-    def _after_take(self) -> List[torch.futures.Future]:
-        with self._cond:
-            admitted = []
-            while self._parked and len(self._queue) < self.max_queue:
-                item, fut = self._parked.popleft()
-                self._queue.append(item)
-                self._enqueued += 1
-                admitted.append(fut)
-            return admitted
-
-    def _detach_pending(self) -> List[torch.futures.Future]:
-        doomed = super()._detach_pending() + [fut for _, fut in self._parked]
-        self.counters["dropped"] += sum(item.count for item, _ in self._parked)
-        self._parked.clear()
-        return doomed
 
     def _process(self, items: List[Item]) -> None:
         reduced = reduce_items(items, self.device)

@@ -32,12 +32,14 @@ def _listed(names: List[str]) -> str:
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
-def mismatch(expected: Spec, got: Spec, expected_is: str, got_is: str) -> Optional[str]:
+def mismatch(expected: Spec, got: Spec, expected_is: str, got_is: str, *, check_dtypes: bool = True) -> Optional[str]:
     """Describe how ``got`` differs from ``expected``; None when they agree.
 
     Args:
         expected, got: The two specs.
         expected_is, got_is: What each one is, for the message (e.g. ``"the server's model"``).
+        check_dtypes: Compare dtypes too; False when the values will be converted (as
+            ``load_state_dict`` does).
     """
     problems = []
     missing = [n for n in expected if n not in got]
@@ -49,7 +51,7 @@ def mismatch(expected: Spec, got: Spec, expected_is: str, got_is: str) -> Option
     shapes = [f"{n!r}: {list(got[n][0])} instead of {list(s)}" for n, (s, _) in expected.items()
               if n in got and got[n][0] != s]
     dtypes = [f"{n!r}: {got[n][1]} instead of {d}" for n, (_, d) in expected.items()
-              if n in got and got[n][1] != d]
+              if check_dtypes and n in got and got[n][1] != d]
     if shapes:
         problems.append("shapes differ (" + "; ".join(shapes[:_SHOWN])
                         + (f"; and {len(shapes) - _SHOWN} more" if len(shapes) > _SHOWN else "") + ")")

@@ -27,9 +27,11 @@ secondaries. A secondary that cannot be reached fails that push with
 accessor then leaves it out, so later pushes are rerouted to the remaining secondaries.
 Gradients queued on a secondary that died are lost with it.
 
-Back-pressure. A secondary holds at most ``max_queue_size`` pushes; a push that finds the
-queue full is refused (``push`` returns False, nothing of it is applied) and counted as
-``rejected`` in :meth:`PushPullGradServerImpl.stats`. The primary never drops: a partial
+Back-pressure. A secondary holds at most ``max_queue_size`` pushes. A push made the machin
+way (``push(model)``: push, then pull) that finds the queue full waits for room, bounded
+by the accessor's timeout; a fast-path push (``push(model, pull=False)``) is refused
+instead (it returns False, nothing of it is applied) and counted as ``rejected`` in
+:meth:`PushPullGradServerImpl.stats`. The primary never drops: a partial
 sum that finds its queue full waits (the forwarding secondary pauses, its queue fills,
 clients get False). ``stop()`` drops what is still queued and counts it as ``dropped``;
 call ``flush()`` first to apply everything.
@@ -68,7 +70,9 @@ class PushPullGradServerImpl:
     """One member's part of a gradient server: primary reducer, secondary reducer, or both.
 
     Construct it on the primary and on every secondary (all with the same arguments);
-    call :meth:`manage_model` on the primary, then :meth:`start` everywhere. The primary
+    call :meth:`manage_model` on the primary, then :meth:`start` everywhere. A secondary
+    that was not started starts on its first push, so machin's way of building the
+    server (``start()`` on the primary only) uses every member's gradients too. The primary
     hosts the default ordered server and pairs the :class:`PushPullGradServer` accessor
     under ``server_name``.
 
@@ -150,6 +154,7 @@ class PushPullGradServerImpl:
         try:
             if self.secondary is not None:
                 self._register(f"{server_name}/_push/{self.member}", self.secondary.accept)
+                self._register(f"{server_name}/_push_wait/{self.member}", self._push_wait_service)
                 self._register(f"{server_name}/_flush/{self.member}", self._flush_secondary_service)
             if self.primary is not None:
                 self._register(f"{server_name}/_reduce", self._reduce_service)
@@ -280,6 +285,10 @@ class PushPullGradServerImpl:
     @rpc.functions.async_execution
     def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int]) -> torch.futures.Future:
         return self.primary.accept(Item(grads, count, versions))
+
+    @rpc.functions.async_execution
+    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int) -> torch.futures.Future:
+        return self.secondary.offer(grads, version)
 
     @rpc.functions.async_execution
     def _flush_secondary_service(self) -> torch.futures.Future:

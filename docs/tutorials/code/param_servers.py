@@ -70,7 +70,8 @@ def grad_server(world: machinlike.World, group: machinlike.RpcGroup) -> list:
     server.pull(model)  # start from the managed model's parameters (version 0)
     for _ in range(PUSHES):
         model.weight.grad = torch.full_like(model.weight, float(world.rank + 1))
-        assert server.push(model)  # queued on a secondary reducer (not yet applied)
+        # pull=False: return once queued (not yet applied); the default also pulls
+        assert server.push(model, pull=False)
     group.barrier()  # every push is queued somewhere
     if world.name == "0":
         server.flush()  # apply everything queued, partial batches included
