@@ -195,3 +195,32 @@ def test_launch_checks_restart_arguments():
         launch(_whoami, 2, max_restarts=-1)
     with pytest.raises(ValueError, match="essential=\\['z'\\]"):
         launch(_whoami, 2, max_restarts=1, essential=["z"])
+
+
+def _chaos_body(world):
+    if world.name != "boss":
+        world.wait_for_members(["boss"], timeout=60, gone=True)
+        return world.incarnation
+    lost = []
+    changed = threading.Condition()
+
+    def record(event: MemberEvent) -> None:
+        with changed:
+            if event.kind == "lost":
+                lost.append(event.member)
+            changed.notify_all()
+
+    world.on_member_change(record)
+    with changed:
+        assert changed.wait_for(lambda: len(lost) >= 2, timeout=30), lost
+    return list(lost)
+
+
+def test_launch_chaos_kills_and_restarts_non_essential_ranks():
+    results = launch(_chaos_body, 3, names=["boss", "w1", "w2"], max_restarts=10, essential=["boss"],
+                     chaos=0.4, chaos_seed=3, timeout=90)
+    assert set(results[0]) <= {"w1", "w2"}
+    assert len(results.restarts) >= 2
+    assert all(r.name != "boss" and "SIGKILL" in r.cause for r in results.restarts), results.restarts
+    with pytest.raises(ValueError, match="chaos=1 kills ranks that must come back"):
+        launch(_whoami, 2, chaos=1)

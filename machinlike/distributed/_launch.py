@@ -26,6 +26,7 @@ import socket
 import time
 from multiprocessing.connection import Connection, wait
 import logging
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
@@ -150,6 +151,8 @@ def launch(
     torchrun: Optional[bool] = None,
     max_restarts: int = 0,
     essential: Sequence[Union[int, str]] = (),
+    chaos: Optional[float] = None,
+    chaos_seed: int = 0,
     **world_kwargs: Any,
 ) -> LaunchResult:
     """Run ``fn(world, *args, **kwargs)`` in ``world_size`` local processes, a World in each.
@@ -179,6 +182,10 @@ def launch(
             result's ``restarts``.
         essential: Ranks (by rank or name) whose failure still ends the run, restarts or
             not (e.g. the learner).
+        chaos: Fault injection: every ``chaos`` seconds, SIGKILL one running rank that is
+            not essential, chosen at random (``chaos_seed``); it is restarted like any other
+            failure, within ``max_restarts``. None: off.
+        chaos_seed: Seed of the chaos victims' choice.
         **world_kwargs: Passed to :class:`World` (``rpc_timeout``, ``collective``, ...).
 
     Returns:
@@ -207,6 +214,11 @@ def launch(
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
     vital = _essential_ranks(essential, names)
+    if chaos is not None:
+        _checks.seconds("chaos", chaos)
+        if max_restarts < 1 or len(vital) == world_size:
+            raise ValueError(f"chaos={chaos!r} kills ranks that must come back: pass max_restarts >= 1 and "
+                             f"leave at least one rank out of essential")
     elastic = max_restarts > 0
     if elastic:
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
@@ -217,12 +229,18 @@ def launch(
     try:
         for rank in range(world_size):
             job.start(rank)
-        return job.collect(timeout, return_exceptions, max_restarts, vital)
+        return job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
     finally:
         _kill_all([p for p in job.processes if p is not None])
         for reader in job.readers:
             reader.close()
         del store
+
+
+def _chaos_victims(processes: List[Any], vital: Set[int], results: Dict[int, Any], used: List[int],
+                   max_restarts: int) -> List[int]:
+    return [r for r, p in enumerate(processes)
+            if r not in vital and r not in results and used[r] < max_restarts and p is not None and p.is_alive()]
 
 
 def _essential_ranks(essential: Sequence[Union[int, str]], names: List[str]) -> Set[int]:
@@ -279,8 +297,10 @@ class _Job:
         self.reader_of[rank] = reader
 
     def collect(self, timeout: Optional[float], return_exceptions: bool, max_restarts: int,
-                vital: Set[int]) -> LaunchResult:
+                vital: Set[int], chaos: Optional[float] = None, chaos_seed: int = 0) -> LaunchResult:
         deadline = None if timeout is None else time.monotonic() + timeout
+        rng = random.Random(chaos_seed)
+        next_kill = None if chaos is None else time.monotonic() + chaos
         results: Dict[int, Any] = {}
         restarts: List[Restart] = []
         used = [0] * len(self.names)
@@ -294,7 +314,14 @@ class _Job:
             watch(rank)
         while waiting:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if next_kill is not None:
+                to_kill = max(0.0, next_kill - time.monotonic())
+                left = to_kill if left is None else min(left, to_kill)
             ready = wait(list(waiting), timeout=left)
+            if next_kill is not None and time.monotonic() >= next_kill:
+                next_kill = time.monotonic() + chaos
+                self._chaos_kill(rng, vital, results, used, max_restarts)
+                continue
             if not ready:
                 _timed_out([p for p in self.processes if p is not None], results, timeout)
             for handle in ready:
@@ -340,6 +367,17 @@ class _Job:
         result = LaunchResult(results[rank] for rank in range(len(self.names)))
         result.restarts = restarts
         return result
+
+    def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],
+                    max_restarts: int) -> None:
+        victims = _chaos_victims(self.processes, vital, results, used, max_restarts)
+        if victims:
+            rank = rng.choice(victims)
+            log.warning("launch: chaos kills rank %d (%r)", rank, self.names[rank])
+            try:
+                os.kill(self.processes[rank].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it ended on its own meanwhile; its sentinel reports it
 
 
 def _timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float]) -> None:
