@@ -112,6 +112,8 @@ FACTORY_MADE = {
     "machinlike.distributed.RpcGroup": "World.create_rpc_group",
     "machinlike.distributed.CollectiveGroup": "World.create_collective_group",
     "machinlike.distributed.RpcFuture": "RpcGroup.registered_async and rpc_async",
+    "machinlike.distributed.Membership": "World.membership",
+    "machinlike.distributed.LaunchResult": "launch",
     "machinlike.server.ServerHandles": "grad_server_helper and model_server_helper",
     "machinlike.pool.AsyncResult": "Pool.apply_async",
     "machinlike.pool.MapResult": "Pool.map_async and starmap_async",

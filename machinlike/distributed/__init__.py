@@ -5,12 +5,13 @@ from ._collective import CollectiveGroup
 from ._debug import debug_with_process
 from ._launch import LaunchResult, Restart, launch
 from ._rpc_group import RpcGroup
-from ._membership import MemberEvent
+from ._membership import MemberEvent, Membership
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
 __all__ = [
     "World",
     "MemberEvent",
+    "Membership",
     "RpcGroup",
     "CollectiveGroup",
     "RpcFuture",

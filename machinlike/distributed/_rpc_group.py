@@ -195,14 +195,17 @@ class RpcGroup:
         entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
         return held[2:], entry
 
-    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: str) -> Any:
+    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: str,
+              stated: Optional[float] = None) -> Any:
+        """One blocking call; ``stated`` is the caller's timeout to quote (None: ``timeout``)."""
         members = require_world().membership
         if members.transport_gone(worker):
             raise PeerLostError(members.member_of(worker), f"{what}: it left or was lost")
         try:
             return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
         except RuntimeError as err:
-            raise translate_error(err, members.member_of(worker), what, timeout) from err
+            raise translate_error(err, members.member_of(worker), what,
+                                  timeout if stated is None else stated) from err
 
     # ------------------------------------------------------------------- services
     def register(self, key: str, service: Callable[..., Any]) -> None:
@@ -294,7 +297,7 @@ class RpcGroup:
         for refresh in (False, True):
             member, entry = self._service_target(world, key, refresh)
             left = max(0.001, deadline_left(deadline))
-            value = self._sync(member, entry, call, left, f"service {key!r} of group {self._name!r}")
+            value = self._sync(member, entry, call, left, f"service {key!r} of group {self._name!r}", wait)
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -431,13 +434,14 @@ class RpcGroup:
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
-        deadline = time.monotonic() + self._timeout(world, timeout)
+        wait = self._timeout(world, timeout)
+        deadline = time.monotonic() + wait
         for refresh in (False, True):
             member = self._lookup(world, self._value_owners, "v", key, refresh)
             if member is None:
                 break
             value = self._sync(member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
-                               f"value {key!r} of group {self._name!r}")
+                               f"value {key!r} of group {self._name!r}", wait)
             if not is_missing(value):
                 return value
         raise KeyError(f"Value with key [{key}] not found on Group [{self._name}]")
