@@ -4,6 +4,7 @@ from ._calls import RpcFuture
 from ._collective import CollectiveGroup
 from ._launch import launch
 from ._rpc_group import RpcGroup
+from ._samehost import share
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "is_world_initialized",
     "get_cur_rank",
     "get_cur_name",
+    "share",
 ]

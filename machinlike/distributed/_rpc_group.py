@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch.distributed import rpc
 
-from . import _calls
+from . import _calls, _samehost
 from ._state import require_world
 from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
 
@@ -213,7 +213,8 @@ class RpcGroup:
         call = (self._sid + key, tuple(args), kwargs or {})
         for refresh in (False, True):
             member, entry = self._service_target(world, key, refresh)
-            value = self._sync(member, entry, call, wait, f"service {key!r} of group {self._name!r}")
+            value = self._sync(member, entry, _samehost.outgoing(member, call), wait,  # [shm hook]
+                               f"service {key!r} of group {self._name!r}")
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -240,7 +241,8 @@ class RpcGroup:
         world = self._check_usable(need_member=False)
         wait = self._timeout(world, timeout)
         member, entry = self._service_target(world, key)
-        fut = rpc.rpc_async(member, entry, args=(self._sid + key, tuple(args), kwargs or {}), timeout=wait)
+        call = _samehost.outgoing(member, (self._sid + key, tuple(args), kwargs or {}))  # [shm hook]
+        fut = rpc.rpc_async(member, entry, args=call, timeout=wait)
         return RpcFuture(fut, member, f"service {key!r} of group {self._name!r}", wait,
                          retry=lambda: self.registered_sync(key, args, kwargs, timeout))
 
@@ -268,7 +270,8 @@ class RpcGroup:
         _check_key(key)
         world = self._check_usable(need_member=False)
         member, _ = self._service_target(world, key)
-        return rpc.remote(member, _calls._remote_service, args=(self._sid + key, tuple(args), kwargs or {}),
+        call = _samehost.outgoing(member, (self._sid + key, tuple(args), kwargs or {}))  # [shm hook]
+        return rpc.remote(member, _calls._remote_service, args=call,
                           timeout=self._timeout(world, timeout))
 
     # --------------------------------------------------------------------- values
@@ -394,7 +397,8 @@ class RpcGroup:
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_async if is_async(func) else _calls._run
-        return unwrap(self._sync(to, entry, self._prepare(func, args, kwargs), wait, f"rpc_sync of {func!r}"))
+        call = _samehost.outgoing(to, self._prepare(func, args, kwargs))  # [shm hook]
+        return unwrap(self._sync(to, entry, call, wait, f"rpc_sync of {func!r}"))
 
     def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                   args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
@@ -418,7 +422,8 @@ class RpcGroup:
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_async if is_async(func) else _calls._run
-        fut = rpc.rpc_async(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
+        fut = rpc.rpc_async(to, entry, args=_samehost.outgoing(to, self._prepare(func, args, kwargs)),  # [shm hook]
+                            timeout=wait)
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
 
     def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
@@ -445,7 +450,8 @@ class RpcGroup:
         self._target(to)
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        return rpc.remote(to, entry, args=self._prepare(func, args, kwargs), timeout=wait)
+        return rpc.remote(to, entry, args=_samehost.outgoing(to, self._prepare(func, args, kwargs)),  # [shm hook]
+                          timeout=wait)
 
     # -------------------------------------------------------------------- barrier
     def barrier(self, timeout: Optional[float] = None) -> None:

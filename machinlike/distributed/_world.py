@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
 import torch.distributed as dist
 from torch.distributed import rpc
 
-from . import _calls, _netif, _rendezvous, _state
+from . import _calls, _netif, _rendezvous, _samehost, _state
 from ._collective import CollectiveGroup
 from ._liveness import alive_here, process_identity
 from ._registry import Registry, deadline_left
@@ -95,6 +95,11 @@ class World:
         dist_init_method: machin's name for ``init_method``, used when that is None.
         rpc_init_method: machin's separate RPC rendezvous; there is one store, so it is
             used as ``init_method`` only when neither of the two above is given.
+        same_host_shm: CPU tensors of RpcGroup calls between members on this host travel
+            through shared memory (see the RPC tutorial). False: always through TensorPipe.
+        shm_threshold: Bytes from which a tensor takes shared memory.
+        shm_cache_bytes: Bound, in bytes, of this process's recycled segments and, again,
+            of its cached mappings of peers' memory.
 
     Attributes:
         name: This process's member name.
@@ -133,6 +138,9 @@ class World:
         dist_backend: Optional[str] = None,
         dist_init_method: Optional[str] = None,
         rpc_init_method: Optional[str] = None,
+        same_host_shm: bool = True,
+        shm_threshold: int = 1 << 20,
+        shm_cache_bytes: int = 1 << 30,
     ) -> None:
         collective = collective if init_dist is None else bool(init_dist)
         backend = dist_backend or backend
@@ -147,6 +155,9 @@ class World:
         if store is not None and not isinstance(store, dist.Store):
             raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
         interface = _netif.configured_interface(interface)
+        _samehost.check_settings(same_host_shm, shm_threshold, shm_cache_bytes)  # [shm hook]
+        self._shm_settings = (same_host_shm, shm_threshold, shm_cache_bytes)
+        self._samehost: Optional[_samehost.SameHost] = None
         self._collective_on = bool(collective)
         self._rpc_on = bool(init_rpc)
         self._stopped = False
@@ -210,6 +221,8 @@ class World:
         self._tables = _calls.LocalTables(self.name)
         self._tables.resolve_owner = self._resolve_service_owner
         _calls.bind_tables(self._tables)
+        self._samehost = _samehost.SameHost(*self._shm_settings, lambda m: self._identities.get(m))  # [shm hook]
+        _samehost.bind(self._samehost)
         if self._collective_on:
             with self._network_hint():
                 dist.init_process_group(
@@ -496,6 +509,9 @@ class World:
         with _state.lock:
             if _state.current is self:
                 _calls.bind_tables(None)
+                _samehost.bind(None)  # [shm hook] then free this process's segments
+                if self._samehost is not None:
+                    self._samehost.close()
                 _state.current = None
 
     def __enter__(self) -> "World":

@@ -1,0 +1,169 @@
+"""The receiver's side: peers' segments and shared storages, mapped once and reused.
+
+Mapping 64 MB costs a few milliseconds even for memory that exists already (page tables
+are filled in), unmapping about one more; both would sit on every transfer. Mappings are
+therefore cached per ``(owner pid, inode)`` and a received tensor is a fresh view of the
+cached mapping::
+
+    descriptor ──► cache hit? ──no──► open /proc/<pid>/fd/<fd>, check the inode,
+                      │               mmap(MAP_POPULATE), close the fd, cache it
+                      ▼
+                 numpy view (a finalizer on it frees a lent segment) ──► torch tensor
+
+The cache holds at most ``limit`` bytes of mappings; on each new mapping it forgets
+entries whose owner died or retired the segment, then the least recently used. A
+forgotten mapping lives on while tensors view it (the numpy view holds it).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
+
+__all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit"]
+
+Key = Tuple[int, int]
+
+
+class Mapping:
+    """A peer's memfd or shared storage, mapped here."""
+
+    __slots__ = ("map", "size", "lent", "address", "origin")
+
+    def __init__(self, mapped: mmap.mmap, size: int, lent: bool, origin: Tuple[int, int, int, int]) -> None:
+        self.map = mapped
+        self.size = size
+        self.lent = lent
+        self.address = np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data
+        self.origin = origin  # (pid, fd, inode, size): how to name it to a third process
+
+    def retired(self) -> bool:
+        return self.lent and int(np.frombuffer(self.map, dtype=np.int64, count=1)[0]) == RETIRED
+
+
+_lock = threading.Lock()
+_maps: "OrderedDict[Key, Mapping]" = OrderedDict()
+_by_address: Dict[int, Mapping] = {}
+_held = 0
+_limit = 1 << 30
+
+
+def set_limit(limit: int) -> None:
+    """Bytes of peers' memory this process keeps mapped between transfers."""
+    global _limit
+    _limit = limit
+
+
+def _open(pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
+    try:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot reach the shared memory of process {pid} (descriptor {fd}): the sender is "
+            f"gone or released it before this receiver loaded it ({exc.strerror})"
+        ) from exc
+    try:
+        if os.fstat(handle).st_ino != inode:
+            raise RuntimeError(
+                f"the shared memory of process {pid} (descriptor {fd}) was released before this "
+                f"receiver loaded it: the descriptor now names other memory"
+            )
+        return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(handle)
+
+
+def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
+    """The cached mapping of ``pid``'s memory ``inode`` (``size`` bytes), made if needed.
+
+    Raises:
+        RuntimeError: the owner is gone or released the memory (named).
+    """
+    global _held
+    key = (pid, inode)
+    with _lock:
+        found = _maps.get(key)
+        if found is not None and found.size >= size and not found.retired():
+            _maps.move_to_end(key)
+            return found
+    mapping = Mapping(_open(pid, fd, inode, size), size, lent, (pid, fd, inode, size))
+    with _lock:
+        old = _maps.pop(key, None)
+        if old is not None:
+            _forget(old)
+        _maps[key] = mapping
+        _by_address[mapping.address] = mapping
+        _held += size
+        _trim()
+    return mapping
+
+
+def _forget(mapping: Mapping) -> None:
+    global _held
+    _held -= mapping.size
+    if _by_address.get(mapping.address) is mapping:
+        del _by_address[mapping.address]
+
+
+def _trim() -> None:
+    for key, mapping in list(_maps.items()):
+        if mapping.retired() or not pid_alive(key[0]):
+            _forget(_maps.pop(key))
+    while _held > _limit and len(_maps) > 1:
+        _, mapping = _maps.popitem(last=False)
+        _forget(mapping)
+
+
+def forget_all() -> None:
+    """Drop every cached mapping (tensors still viewing one keep it)."""
+    global _held
+    with _lock:
+        _maps.clear()
+        _by_address.clear()
+        _held = 0
+
+
+def foreign_origin(address: int) -> Optional[Tuple[int, int, int, int]]:
+    """``(pid, fd, inode, size)`` of a by-reference mapping starting at ``address``."""
+    mapping = _by_address.get(address)
+    return None if mapping is None or mapping.lent else mapping.origin
+
+
+def _free(header: np.ndarray) -> None:
+    header[0] = FREE
+
+
+def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a lent segment's data; the segment is freed when it dies."""
+    if pid == os.getpid():
+        seg = cache().find(inode)
+        if seg is None:
+            raise RuntimeError(f"this process's shared-memory segment {inode} was closed before its payload was loaded")
+        mapped = seg.map
+    else:
+        mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).map
+    header = np.frombuffer(mapped, dtype=np.int64, count=2)
+    header[1] = os.getpid()
+    data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)
+    weakref.finalize(data, _free, header)
+    return torch.from_numpy(data)
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _held
+    _lock = threading.Lock()
+    _maps.clear()
+    _by_address.clear()
+    _held = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
