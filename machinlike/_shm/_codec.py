@@ -23,7 +23,6 @@ import os
 import threading
 from typing import Any, Deque, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -170,8 +169,7 @@ def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, sh
             raise RuntimeError("a tensor this process shared came back after its memory was freed")
         storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
     else:
-        mapping = _receive.attach(pid, fd, inode, size, lent=False)
-        storage = torch.from_numpy(np.frombuffer(mapping.map, dtype=np.uint8, count=size)).untyped_storage()
+        storage = _receive.attach(pid, fd, inode, size, lent=False).storage
     tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
     return _finish(tensor, requires_grad, parameter)
 

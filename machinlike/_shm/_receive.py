@@ -17,12 +17,13 @@ forgotten mapping lives on while tensors view it (the numpy view holds it).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -35,15 +36,20 @@ Key = Tuple[int, int]
 
 
 class Mapping:
-    """A peer's memfd or shared storage, mapped here."""
+    """A peer's lent segment (``map``) or shared storage (``storage``), mapped here."""
 
-    __slots__ = ("map", "size", "lent", "address", "origin")
+    __slots__ = ("map", "storage", "size", "lent", "address", "origin")
 
-    def __init__(self, mapped: mmap.mmap, size: int, lent: bool, origin: Tuple[int, int, int, int]) -> None:
+    def __init__(self, mapped: Optional[mmap.mmap], storage: Optional[torch.UntypedStorage], size: int,
+                 origin: Tuple[int, int, int, int]) -> None:
         self.map = mapped
+        self.storage = storage
         self.size = size
-        self.lent = lent
-        self.address = np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data
+        self.lent = mapped is not None
+        if mapped is not None:
+            self.address = np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data
+        else:
+            self.address = storage.data_ptr()
         self.origin = origin  # (pid, fd, inode, size): how to name it to a third process
 
     def retired(self) -> bool:
@@ -63,7 +69,7 @@ def set_limit(limit: int) -> None:
     _limit = limit
 
 
-def _open(pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
+def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optional[mmap.mmap], Any]:
     try:
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
@@ -77,9 +83,27 @@ def _open(pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
                 f"the shared memory of process {pid} (descriptor {fd}) was released before this "
                 f"receiver loaded it: the descriptor now names other memory"
             )
-        return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        if lent:
+            return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), None
+        # A shared storage becomes a torch storage of its own (is_shared(), picklable by
+        # torch like any other); it is faulted in once here, not page by page later.
+        storage = torch.UntypedStorage._new_shared_fd_cpu(handle, size)
+        _populate(storage.data_ptr(), size)
+        return None, storage
     finally:
         os.close(handle)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fault the pages in on first touch
+_libc: Any = None
+
+
+def _populate(address: int, size: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    start = address - address % mmap.PAGESIZE
+    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size + address - start), _MADV_POPULATE_WRITE)
 
 
 def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
@@ -95,7 +119,7 @@ def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
         if found is not None and found.size >= size and not found.retired():
             _maps.move_to_end(key)
             return found
-    mapping = Mapping(_open(pid, fd, inode, size), size, lent, (pid, fd, inode, size))
+    mapping = Mapping(*_open(pid, fd, inode, size, lent), size, (pid, fd, inode, size))
     with _lock:
         old = _maps.pop(key, None)
         if old is not None:
