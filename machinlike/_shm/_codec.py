@@ -38,7 +38,8 @@ _own: Dict[int, Tuple[StorageWeakRef, int, int]] = {}  # inode -> (ref, fd, size
 _own_by_address: Dict[int, int] = {}  # data address -> inode
 # The last few storages sent by reference stay alive so that a receiver can still open
 # them after the sender dropped its tensor right away (a worker returning a fresh share).
-_recent: Deque[torch.UntypedStorage] = collections.deque(maxlen=16)
+_RECENT = 4
+_recent: Deque[torch.UntypedStorage] = collections.deque()
 
 
 class _Placeholder:
@@ -137,7 +138,9 @@ def reduce_by_reference(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     origin = _origin(storage)
     if origin is None:
         return None
-    if origin[0] == os.getpid():
+    if origin[0] == os.getpid() and not any(kept.data_ptr() == storage.data_ptr() for kept in _recent):
+        if len(_recent) == _RECENT:
+            _receive.bury(_recent.popleft())
         _recent.append(storage)
     return (_load_by_reference, (*origin, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
                                  tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))

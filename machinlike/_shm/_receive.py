@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import queue
 import threading
 import weakref
 from collections import OrderedDict
@@ -30,7 +31,7 @@ import torch
 
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
-__all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit"]
+__all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit", "bury"]
 
 Key = Tuple[int, int]
 
@@ -86,24 +87,11 @@ def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optiona
         if lent:
             return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), None
         # A shared storage becomes a torch storage of its own (is_shared(), picklable by
-        # torch like any other); it is faulted in once here, not page by page later.
-        storage = torch.UntypedStorage._new_shared_fd_cpu(handle, size)
-        _populate(storage.data_ptr(), size)
-        return None, storage
+        # torch like any other). Its pages are faulted in by the first use, which is the
+        # receiver's computation, not the transfer; the cached mapping keeps them.
+        return None, torch.UntypedStorage._new_shared_fd_cpu(handle, size)
     finally:
         os.close(handle)
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels fault the pages in on first touch
-_libc: Any = None
-
-
-def _populate(address: int, size: int) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    start = address - address % mmap.PAGESIZE
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(size + address - start), _MADV_POPULATE_WRITE)
 
 
 def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
@@ -136,11 +124,54 @@ def _forget(mapping: Mapping) -> None:
     _held -= mapping.size
     if _by_address.get(mapping.address) is mapping:
         del _by_address[mapping.address]
+    bury(mapping.storage if mapping.storage is not None else mapping)
+
+
+# Unmapping hundreds of MB takes milliseconds, and torch does it holding the GIL. A thread
+# of its own drops the last reference to what the caches let go, so that no transfer
+# waits for it.
+_graves: "Optional[queue.SimpleQueue[Any]]" = None
+_MADV_DONTNEED = 4
+
+
+def bury(item: Any) -> None:
+    """Drop ``item`` (a mapping or a storage) on the reaper thread."""
+    global _graves
+    if _graves is None:
+        graves: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        threading.Thread(target=_reap, args=(graves,), name="machinlike-shm-reaper", daemon=True).start()
+        _graves = graves
+    _graves.put(item)
+
+
+def _reap(graves: "queue.SimpleQueue[Any]") -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    while True:
+        item = graves.get()
+        if isinstance(item, torch.UntypedStorage) and item.is_shared() \
+                and torch._C._storage_Use_Count(item._cdata) == 1:
+            # Nothing else uses it: drop its page tables first through ctypes (which lets
+            # the GIL go), leaving torch's unmap little to do. The pages belong to the
+            # shared file, so no other process loses data.
+            libc.madvise(ctypes.c_void_p(item.data_ptr()), ctypes.c_size_t(item.nbytes()), _MADV_DONTNEED)
+        del item  # a Python mmap unmaps without the GIL by itself
+
+
+def _released(mapping: Mapping) -> bool:
+    # A lent segment its owner retired, or a storage its owner freed (its descriptor is
+    # closed or names other memory now): only this cache would keep the memory alive.
+    if mapping.lent:
+        return mapping.retired()
+    pid, fd, inode, _ = mapping.origin
+    try:
+        return os.stat(f"/proc/{pid}/fd/{fd}").st_ino != inode
+    except OSError:
+        return True
 
 
 def _trim() -> None:
     for key, mapping in list(_maps.items()):
-        if mapping.retired() or not pid_alive(key[0]):
+        if _released(mapping) or not pid_alive(key[0]):
             _forget(_maps.pop(key))
     while _held > _limit and len(_maps) > 1:
         _, mapping = _maps.popitem(last=False)
@@ -148,7 +179,7 @@ def _trim() -> None:
 
 
 def forget_all() -> None:
-    """Drop every cached mapping (tensors still viewing one keep it)."""
+    """Drop every cached mapping (tensors still viewing one keep it), at once."""
     global _held
     with _lock:
         _maps.clear()
@@ -183,8 +214,9 @@ def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torc
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _held
+    global _lock, _held, _graves
     _lock = threading.Lock()
+    _graves = None
     _maps.clear()
     _by_address.clear()
     _held = 0
