@@ -20,11 +20,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import queue
 import threading
 import weakref
-from collections import OrderedDict
-from typing import Any, Dict, Optional, Tuple
+from collections import OrderedDict, deque
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -128,26 +127,34 @@ def _forget(mapping: Mapping) -> None:
 
 
 # Unmapping hundreds of MB takes milliseconds, and torch does it holding the GIL. A thread
-# of its own drops the last reference to what the caches let go, so that no transfer
-# waits for it.
-_graves: "Optional[queue.SimpleQueue[Any]]" = None
+# drops the last reference to what the caches let go, so that no transfer waits for it;
+# it ends when nothing is left to drop and the next burial starts another.
+_graves: Deque[Any] = deque()
+_graves_lock = threading.Lock()  # not _lock: burials happen while the caches hold it
+_reaping = False
 _MADV_DONTNEED = 4
 
 
 def bury(item: Any) -> None:
     """Drop ``item`` (a mapping or a storage) on the reaper thread."""
-    global _graves
-    if _graves is None:
-        graves: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        threading.Thread(target=_reap, args=(graves,), name="machinlike-shm-reaper", daemon=True).start()
-        _graves = graves
-    _graves.put(item)
+    global _reaping
+    with _graves_lock:
+        _graves.append(item)
+        if _reaping:
+            return
+        _reaping = True
+    threading.Thread(target=_reap, name="machinlike-shm-reaper", daemon=True).start()
 
 
-def _reap(graves: "queue.SimpleQueue[Any]") -> None:
+def _reap() -> None:
+    global _reaping
     libc = ctypes.CDLL(None, use_errno=True)
     while True:
-        item = graves.get()
+        with _graves_lock:
+            if not _graves:
+                _reaping = False
+                return
+            item = _graves.popleft()
         if isinstance(item, torch.UntypedStorage) and item.is_shared() \
                 and torch._C._storage_Use_Count(item._cdata) == 1:
             # Nothing else uses it: drop its page tables first through ctypes (which lets
@@ -214,9 +221,10 @@ def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torc
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _held, _graves
-    _lock = threading.Lock()
-    _graves = None
+    global _lock, _graves_lock, _held, _reaping
+    _lock, _graves_lock = threading.Lock(), threading.Lock()
+    _graves.clear()
+    _reaping = False
     _maps.clear()
     _by_address.clear()
     _held = 0
