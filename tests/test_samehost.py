@@ -302,3 +302,37 @@ def test_sigkill_of_either_end_leaves_nothing():
     results = run_world(_sigkill_body, 3, timeout=120, return_exceptions=True, rpc_timeout=30)
     assert results[0] == (0, 0), results
     assert _new_in_dev_shm(before) == []
+
+
+def _server_body(world):
+    from machinlike.server import PushPullModelServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        PushPullModelServerImpl("server", g)
+    g.barrier()
+    if world.rank == 1:
+        server = g.get_paired("server").to_here()
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        with torch.no_grad():
+            model[0].weight.fill_(3.0)
+        before = _leases()
+        assert server.push(model)
+        assert _leases() - before == 1  # the 4 MB weight; biases and the small layer: TensorPipe
+        with torch.no_grad():
+            model[0].weight.fill_(-1.0)  # the server holds a copy, not our memory
+        fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        before_server = g.rpc_sync("0", _leases)
+        assert server.pull(fresh)
+        assert g.rpc_sync("0", _leases) - before_server == 1
+        assert float(fresh[0].weight.min()) == float(fresh[0].weight.max()) == 3.0
+        with torch.no_grad():
+            fresh[0].weight.fill_(9.0)  # and our pulled copy is ours
+        again = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        assert server.pull(again) and float(again[0].weight.max()) == 3.0
+    g.barrier()
+    return True
+
+
+def test_model_server_push_and_pull_through_shared_memory():
+    assert run_world(_server_body, 2, timeout=60) == [True, True]
