@@ -2,7 +2,8 @@
 
 Run:  python benchmarks/samehost.py [--quick]
 
-Prints, side by side (issue 14's targets in the last column):
+Every rank runs torch with one intra-op thread (the processes share the machine's
+cores; both contenders get the same setting). Prints, side by side (issue 14's targets in the last column):
 
 * the machine: a warm 64 MB memcpy and a fresh 64 MB allocation plus copy (GB/s), the
   physical bounds everything below is read against;
@@ -97,6 +98,7 @@ def state_dict() -> Dict[str, torch.Tensor]:
 def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
     from machinlike.server import PushPullModelServerImpl
 
+    torch.set_num_threads(1)  # processes share the cores; both contenders alike
     group = world.create_rpc_group("bench", world.get_members())
     if world.rank == 1:
         group.register("echo", echo)
@@ -152,6 +154,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
 
 
 def _off_body(world: Any, quick: bool) -> Dict[str, Any]:
+    torch.set_num_threads(1)
     group = world.create_rpc_group("bench", world.get_members())
     if world.rank == 1:
         group.register("echo", echo)
