@@ -150,10 +150,16 @@ def _paths_checks(g):
         for case in cases:
             got = g.registered_sync("echo", (case,))
             assert got.dtype == case.dtype and got.shape == case.shape and torch.equal(got, case), case.dtype
-        # a parameter stays a parameter; autograd history stays with TensorPipe
+        # tensors that require grad stay with TensorPipe (distributed autograd tracks them)
         param = torch.nn.Parameter(torch.ones(MB))
+        before = both()
         got = g.registered_sync("echo", (param,))
-        assert type(got) is torch.nn.Parameter and got.requires_grad
+        assert type(got) is torch.nn.Parameter and got.requires_grad and both() == before
+        # a state dict keeps its type and its module versions
+        state = torch.nn.BatchNorm1d(MB // 4).state_dict()
+        got = g.registered_sync("echo", (state,))
+        assert type(got) is type(state) and got._metadata == state._metadata
+        assert all(torch.equal(got[k], state[k]) for k in state)
         # one tensor sent many times: segments are recycled, not made anew
         created = _shm.cache().stats["created"]
         for i in range(100):
@@ -245,6 +251,14 @@ def test_off_switch_and_settings():
         share([1.0])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_never_take_shared_memory():
+    cuda = torch.ones(MB, device="cuda")
+    assert _shm.encode((cuda, [cuda]), 1) == (cuda, [cuda])
+    with pytest.raises(ValueError, match="CUDA tensors travel through TensorPipe"):
+        share(cuda)
+
+
 def _die_holding(x):
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -324,7 +338,7 @@ def _server_body(world):
         fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
         before_server = g.rpc_sync("0", _leases)
         assert server.pull(fresh)
-        assert g.rpc_sync("0", _leases) - before_server == 1
+        assert g.rpc_sync("0", _leases) - before_server == 0  # the server's copy, read in place
         assert float(fresh[0].weight.min()) == float(fresh[0].weight.max()) == 3.0
         with torch.no_grad():
             fresh[0].weight.fill_(9.0)  # and our pulled copy is ours

@@ -8,7 +8,8 @@ receiving side (whatever pickler carries it: TensorPipe's, a pool's)::
             │       └─► ByRef (pid, fd, inode, size, offset, shape, stride)  no copy
             ├─ plain strided CPU tensor, no autograd history
             │       └─► copy into a lent segment ─► Lent (pid, fd, inode, ...)  one copy
-            └─ anything else (CUDA, sparse, quantized, conj/neg bits, grad_fn, no segment)
+            └─ anything else (CUDA, sparse, quantized, conj/neg bits, grad_fn; for RPC
+               also requires_grad, which distributed autograd tracks; no segment free)
                     └─► left as it is: the carrier's own path
 
 A copy stays a copy: the receiver's tensor views a segment nobody else uses until that
@@ -201,7 +202,9 @@ def _load_copy(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype:
 
 # ----------------------------------------------------------------------------- walk
 def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
-    if tensor.device.type != "cpu" or tensor.nbytes < threshold or not shm_eligible(tensor):
+    # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
+    if tensor.device.type != "cpu" or tensor.nbytes < threshold or tensor.requires_grad \
+            or not shm_eligible(tensor):
         return tensor
     reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
     return tensor if reduced is None else _Placeholder(reduced)
@@ -236,7 +239,11 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
         values = {key: encode(value, threshold, memo) for key, value in obj.items()}
         if all(values[key] is value for key, value in obj.items()):
             return obj
-        return values if kind is dict else collections.OrderedDict(values)
+        if kind is dict:
+            return values
+        ordered = collections.OrderedDict(values)
+        ordered.__dict__.update(obj.__dict__)  # a state dict's _metadata (module versions)
+        return ordered
     return obj
 
 
