@@ -134,7 +134,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             group.barrier()
             model = make_model()
             pulls: Dict[str, List[float]] = {"raw": [], "ours": []}
-            for _ in range(blocks):
+            for _ in range(blocks * 2):
                 for name in ("raw", "ours"):
                     group.barrier()  # both actors pull at once
                     start = time.perf_counter()
@@ -147,7 +147,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             results["pull"] = {k: statistics.median(v) for k, v in pulls.items()}
         else:
             group.barrier()
-            for _ in range(blocks * 2):
+            for _ in range(blocks * 4):
                 group.barrier()
     group.barrier()
     return results
