@@ -5,9 +5,9 @@ least ``threshold`` bytes by a small placeholder whose pickle rebuilds the tenso
 receiving side (whatever pickler carries it: TensorPipe's, a pool's)::
 
     tensor ─┬─ storage shared by reference (share(), or received that way)
-            │       └─► ByRef (pid, fd, inode, size, offset, shape, stride)  no copy
+            │       └─► _load_by_reference(pid, fd, inode, size, offset, ...)  no copy
             ├─ plain strided CPU tensor, no autograd history
-            │       └─► copy into a lent segment ─► Lent (pid, fd, inode, ...)  one copy
+            │       └─► copy into a lent segment ─► _load_copy(pid, fd, inode, ...)  one copy
             └─ anything else (CUDA, sparse, quantized, conj/neg bits, grad_fn; for RPC
                also requires_grad, which distributed autograd tracks; no segment free)
                     └─► left as it is: the carrier's own path
@@ -35,7 +35,7 @@ __all__ = ["encode", "share", "share_and_reduce", "shm_eligible", "reduce_copy",
 
 _lock = threading.Lock()
 # This process's storages shared by reference, by inode and by data address (weakly).
-_own: Dict[int, Tuple[StorageWeakRef, int, int]] = {}  # inode -> (ref, fd, size)
+_own: Dict[int, Tuple[StorageWeakRef, int, int, int]] = {}  # inode -> (ref, fd, size, address)
 _own_by_address: Dict[int, int] = {}  # data address -> inode
 # The last few storages sent by reference stay alive so that a receiver can still open
 # them after the sender dropped its tensor right away (a worker returning a fresh share).
@@ -85,10 +85,10 @@ def _register_own(storage: torch.UntypedStorage) -> Tuple[int, int, int]:
     size = storage.nbytes()
     inode = os.fstat(fd).st_ino
     with _lock:
-        _own[inode] = (StorageWeakRef(storage), fd, size)
+        _own[inode] = (StorageWeakRef(storage), fd, size, storage.data_ptr())
         _own_by_address[storage.data_ptr()] = inode
         if len(_own) > 64:  # forget storages that died
-            for key in [k for k, (ref, _, _) in _own.items() if ref.expired()]:
+            for key in [k for k, (ref, _, _, _) in _own.items() if ref.expired()]:
                 _own.pop(key, None)
             live = set(_own)
             for address in [a for a, i in _own_by_address.items() if i not in live]:
@@ -123,7 +123,8 @@ def _origin(storage: torch.UntypedStorage) -> Optional[Tuple[int, int, int, int]
     inode = _own_by_address.get(address)
     if inode is not None:
         entry = _own.get(inode)
-        if entry is not None and not entry[0].expired():
+        # (the address check: an inode may have been reused by a later share)
+        if entry is not None and entry[3] == address and not entry[0].expired():
             return (os.getpid(), entry[1], inode, entry[2])
     return _receive.foreign_origin(address)
 
