@@ -176,7 +176,8 @@ def main() -> None:
     rows.append(("registered_async, 64 in flight (calls/s)", asy["raw"], asy["ours"], asy["ours"] / asy["raw"], ">= 0.90"))
     big = res["echo64"]
     mb = 64 * 2  # there and back
-    rows.append(("64 MB tensor echo (MB/s)", mb / big["raw"], mb / big["ours"], big["raw"] / big["ours"], ">= 0.90"))
+    rows.append(("64 MB tensor echo (MB/s)", mb / big["raw"], mb / big["ours"], big["raw"] / big["ours"],
+                 ">= 3 (same host: shared memory; see samehost.py)"))
     bar = res["barrier"]
     rows.append(("barrier, 3 members, median (ms) [raw: gloo barrier]", bar["raw"] * 1e3, bar["ours"] * 1e3,
                  bar["ours"] / bar["raw"], "ours <= 1.5 ms"))

@@ -6,6 +6,7 @@ from ._debug import debug_with_process
 from ._launch import LaunchResult, Restart, launch
 from ._rpc_group import RpcGroup
 from ._membership import MemberEvent, Membership
+from ._samehost import share
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "get_cur_rank",
     "get_cur_name",
     "debug_with_process",
+    "share",
 ]

@@ -12,8 +12,9 @@ service or function on the callee and wrap the outcome:
                                               ├─ raised   → _Failure(ExceptionWithTraceback)
     raise / retry / return  ◄──────────────── └─ returned → the value itself
 
-Values go back as they are, so tensors still travel in torch's tensor table; only an
-exception is wrapped, and it is rebuilt on the caller with its original type and the
+Values go back as they are, so tensors still travel in torch's tensor table (large CPU
+ones through shared memory when the caller passed a ``reply`` threshold, see
+``_samehost``); only an exception is wrapped, and it is rebuilt on the caller with its original type and the
 remote traceback chained as ``__cause__``. torch would instead turn it into a
 ``RuntimeError`` holding the traceback as text.
 """
@@ -31,6 +32,7 @@ from torch.distributed import rpc
 
 from ..exception import ExceptionWithTraceback, PeerLostError
 from ..pickle import dumps, loads
+from ._samehost import reply as _reply
 
 __all__ = ["RpcFuture", "LocalTables"]
 
@@ -95,9 +97,9 @@ def _resolve(result: Any) -> Any:
     return result
 
 
-def _settle(fut: torch.futures.Future) -> Any:
+def _settle(fut: torch.futures.Future, reply: int = 0) -> Any:
     try:
-        return fut.value()
+        return _reply(fut.value(), reply)
     except Exception as exc:
         return _failure(exc)
 
@@ -109,29 +111,29 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 # ----------------------------------------------------------------- callee entry points
-def _call_service(sid: str, args: Tuple, kwargs: Dict) -> Any:
+def _call_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
     service = _tables.services.get(sid) if _tables is not None else None
     if service is None:
         return _MISSING
     try:
-        return _resolve(service(*args, **kwargs))
+        return _reply(_resolve(service(*args, **kwargs)), reply)
     except Exception as exc:
         return _failure(exc)
 
 
 @rpc.functions.async_execution
-def _call_async_service(sid: str, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+def _call_async_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
     service = _tables.services.get(sid) if _tables is not None else None
     if service is None:
         return _done(_MISSING)
     try:
-        return service(*args, **kwargs).then(_settle)
+        return service(*args, **kwargs).then(lambda fut: _settle(fut, reply))
     except Exception as exc:
         return _done(_failure(exc))
 
 
 @rpc.functions.async_execution
-def _remote_service(sid: str, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+def _remote_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
     # For rpc.remote the RRef must hold the bare value, so errors are left to torch. A
     # key that moved is forwarded to its new owner instead of failing the RRef.
     service = _tables.services.get(sid) if _tables is not None else None
@@ -155,27 +157,27 @@ def _ping() -> None:
     """Answers at once: the member is alive and serving."""
 
 
-def _run(func: Any, args: Tuple, kwargs: Dict) -> Any:
+def _run(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
     try:
-        return _resolve(_load_function(func)(*args, **kwargs))
+        return _reply(_resolve(_load_function(func)(*args, **kwargs)), reply)
     except Exception as exc:
         return _failure(exc)
 
 
 @rpc.functions.async_execution
-def _run_async(func: Any, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+def _run_async(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
     try:
-        return _load_function(func)(*args, **kwargs).then(_settle)
+        return _load_function(func)(*args, **kwargs).then(lambda fut: _settle(fut, reply))
     except Exception as exc:
         return _done(_failure(exc))
 
 
-def _run_bare(func: Any, args: Tuple, kwargs: Dict) -> Any:
+def _run_bare(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
     return _load_function(func)(*args, **kwargs)
 
 
 @rpc.functions.async_execution
-def _run_bare_async(func: Any, args: Tuple, kwargs: Dict) -> torch.futures.Future:
+def _run_bare_async(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
     return _load_function(func)(*args, **kwargs)
 
 

@@ -253,6 +253,13 @@ class Membership:
                                 "it is not a member of this world")
         return rec.transport
 
+    def identity_of(self, worker: str) -> Optional[str]:
+        """The process identity of RPC worker ``worker`` (a live member's), None if unknown."""
+        with self._lock:
+            member = self._by_transport.get(worker)
+            rec = self._live.get(member) if member is not None else None
+            return rec.identity if rec is not None and rec.transport == worker else None
+
     def member_of(self, transport: str) -> str:
         with self._lock:
             return self._by_transport.get(transport, transport.partition("::")[0])

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch.distributed import rpc
 
-from . import _calls, _checks
+from . import _calls, _checks, _samehost
 from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
 from ._membership import Membership
 from ._registry import deadline_left
@@ -297,7 +297,8 @@ class RpcGroup:
         for refresh in (False, True):
             member, entry = self._service_target(world, key, refresh)
             left = max(0.001, deadline_left(deadline))
-            value = self._sync(member, entry, call, left, f"service {key!r} of group {self._name!r}", wait)
+            value = self._sync(member, entry, _samehost.outgoing(member, call), left,  # [shm hook]
+                               f"service {key!r} of group {self._name!r}", wait)
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -325,7 +326,7 @@ class RpcGroup:
         wait = self._timeout(world, timeout)
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
         member, entry = self._service_target(world, key)
-        fut = rpc.rpc_async(member, entry, args=call, timeout=wait)
+        fut = rpc.rpc_async(member, entry, args=_samehost.outgoing(member, call), timeout=wait)  # [shm hook]
         return RpcFuture(fut, world.membership.member_of(member), f"service {key!r} of group {self._name!r}", wait,
                          retry=lambda: self.registered_sync(key, args, kwargs, timeout))
 
@@ -355,7 +356,8 @@ class RpcGroup:
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
         wait = self._timeout(world, timeout)
         member, _ = self._service_target(world, key)
-        return rpc.remote(member, _calls._remote_service, args=call, timeout=wait)
+        return rpc.remote(member, _calls._remote_service, args=_samehost.outgoing(member, call),  # [shm hook]
+                          timeout=wait)
 
     # --------------------------------------------------------------------- values
     def pair(self, key: str, value: Any) -> None:
@@ -488,7 +490,9 @@ class RpcGroup:
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         call = self._prepare(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        return unwrap(self._sync(self._target(to), entry, call, wait, f"rpc_sync of {func!r}"))
+        worker = self._target(to)
+        return unwrap(self._sync(worker, entry, _samehost.outgoing(worker, call), wait,  # [shm hook]
+                                 f"rpc_sync of {func!r}"))
 
     def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                   args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
@@ -512,7 +516,8 @@ class RpcGroup:
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         call = self._prepare(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        fut = rpc.rpc_async(self._target(to), entry, args=call, timeout=wait)
+        worker = self._target(to)
+        fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
 
     def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
@@ -539,7 +544,8 @@ class RpcGroup:
         wait = self._timeout(self._check_usable(need_member=False), timeout)
         call = self._prepare(func, args, kwargs)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        return rpc.remote(self._target(to), entry, args=call, timeout=wait)
+        worker = self._target(to)
+        return rpc.remote(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
 
     # -------------------------------------------------------------------- barrier
     def barrier(self, timeout: Optional[float] = None) -> None:

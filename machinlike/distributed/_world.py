@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _checks, _netif, _rendezvous, _state, _transport
+from . import _calls, _checks, _netif, _rendezvous, _samehost, _state, _transport
 from ._collective import CollectiveGroup
 from ._liveness import process_identity
 from ._membership import MemberEvent, Membership
@@ -88,6 +88,11 @@ class World:
         dist_init_method: machin's name for ``init_method``, used when that is None.
         rpc_init_method: machin's separate RPC rendezvous; there is one store, so it is
             used as ``init_method`` only when neither of the two above is given.
+        same_host_shm: CPU tensors of RpcGroup calls between members on this host travel
+            through shared memory (see the RPC tutorial). False: always through TensorPipe.
+        shm_threshold: Bytes from which a tensor takes shared memory.
+        shm_cache_bytes: Bound, in bytes, of this process's recycled segments and, again,
+            of its cached mappings of peers' memory.
 
     Attributes:
         name: This process's member name.
@@ -132,6 +137,9 @@ class World:
         dist_backend: Optional[str] = None,
         dist_init_method: Optional[str] = None,
         rpc_init_method: Optional[str] = None,
+        same_host_shm: bool = True,
+        shm_threshold: int = 1 << 20,
+        shm_cache_bytes: int = 1 << 30,
     ) -> None:
         collective = collective if init_dist is None else bool(init_dist)
         backend = dist_backend or backend
@@ -165,6 +173,9 @@ class World:
             raise ValueError("an elastic World needs RPC (init_rpc=True): membership travels through it")
         interface = _netif.configured_interface(interface)
         self.incarnation = 1
+        _samehost.check_settings(same_host_shm, shm_threshold, shm_cache_bytes)  # [shm hook]
+        self._shm_settings = (same_host_shm, shm_threshold, shm_cache_bytes)
+        self._samehost: Optional[_samehost.SameHost] = None
         self._collective_on = bool(collective)
         self._rpc_on = bool(init_rpc)
         self._stopped = False
@@ -263,11 +274,11 @@ class World:
         members.announce()
 
     def _bind_tables(self) -> None:
-        from . import _calls
-
         tables = self.membership.tables
         tables.resolve_owner = self._resolve_service_owner
         _calls.bind_tables(tables)
+        self._samehost = _samehost.SameHost(*self._shm_settings, self.membership.identity_of)  # [shm hook]
+        _samehost.bind(self._samehost)
 
     def _set_interface(self, interface: Optional[str], master_host: str, master_port: int) -> None:
         # TensorPipe reads its interface from the environment when RPC starts, gloo each
@@ -568,9 +579,10 @@ class World:
             self._saved_env.clear()
             with _state.lock:
                 if _state.current is self:
-                    from . import _calls
-
                     _calls.bind_tables(None)
+                    _samehost.bind(None)  # [shm hook] then free this process's segments
+                    if self._samehost is not None:
+                        self._samehost.close()
                     _state.current = None
 
     def __enter__(self) -> "World":

@@ -25,11 +25,12 @@ Process pools
 * Tensors, for arguments, results and worker contexts alike:
 
   - ``is_copy_tensor=True`` (default): the other side gets a copy; in-place edits never
-    travel. Tensors of 1 MiB or more are copied once into fresh shared memory, so a
-    256 MB tensor costs one memcpy, not four.
+    travel. CPU tensors of 1 MiB or more are copied once into a recycled, pre-faulted
+    shared-memory segment lent to the receiver (``machinlike._shm``), so a 256 MB
+    tensor costs one memcpy at warm-memory speed.
   - ``is_copy_tensor=False, share_method="cpu"``: CPU tensors are passed by reference
     through shared memory (moved there on their first trip; no copy afterwards). The
-    same tensor can be sent any number of times.
+    same tensor can be sent any number of times; each worker maps it once.
   - ``share_method="cuda"``: CUDA tensors through CUDA IPC handles.
 
 * Crashes: a worker that dies (``sys.exit``, ``os._exit``, a segfault, SIGKILL from

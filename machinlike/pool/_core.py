@@ -314,7 +314,7 @@ class ProcessCore:
         Raises:
             pickle.PicklingError, TypeError: it cannot be pickled.
         """
-        data, kept = self._codec.dumps_tracked(func)
+        data, kept = self._codec.dumps_tracked(func, multi_load=True)
         return _Function(next(self._function_ids), data, kept)
 
     def call(self, job: Any, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:

@@ -5,16 +5,23 @@ with a dispatch table per policy::
 
     policy                       CPU tensor                         CUDA tensor
     copy (is_copy_tensor=True)   < 1 MiB: data in the pickle        data in the pickle
-                                 >= 1 MiB: one copy into fresh
-                                 named shared memory, shared
-    share_method="cpu"           shared memory (moved there once)   data in the pickle
+                                 >= 1 MiB: one copy into a recycled
+                                 segment lent to the receiver
+    share_method="cpu"           shared memory (moved there once),  data in the pickle
+                                 mapped once per receiver
     share_method="cuda"          as in copy                         CUDA IPC handle
 
-Copy mode still shares *a copy*: a large tensor is copied once, into a shared-memory
-segment nobody else holds, and that segment travels by name. The receiver therefore owns
-a private copy (its in-place edits never reach the sender), and the data is copied once
-instead of four times (into the pickle, into the pipe, out of the pipe, out of the
-pickle). The segment is freed when the receiver drops the tensor.
+Copy mode still shares *a copy*: a large tensor is copied once, into a pre-faulted
+segment of the sender's (``machinlike._shm``) that nobody else uses until the receiver's
+tensor dies; the receiver maps each segment once and keeps the mapping. The receiver
+therefore owns a private copy (its in-place edits never reach the sender), and the data
+is copied once, into memory that is already faulted in. A payload loaded by several
+workers (a map's function) cannot borrow a segment: it copies into fresh named shared
+memory instead, as does a tensor that finds no segment under the cache's bound.
+
+Share mode passes CPU storages by ``/proc/<pid>/fd`` reference: a worker maps a storage
+once and reuses the mapping every time the same tensor comes again (no map, unmap or
+page fault on the way). A storage already shared by name keeps torch's path.
 
 :meth:`Codec.dumps_tracked` also returns the storages the payload refers to by name, so
 that a payload loaded by several workers (a map's function) can keep them alive in the
@@ -31,7 +38,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 import torch
 from torch.multiprocessing import reductions as _torch_red
 
-from .. import _reductions
+from .. import _reductions, _shm
 from ..pickle import Pickler
 
 __all__ = ["Codec", "LARGE_TENSOR_BYTES"]
@@ -86,6 +93,24 @@ def _rebuild_from_storage(
     return tensor.requires_grad_(requires_grad)
 
 
+def _lend(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    if getattr(_tracking, "multi_load", False) or not _shm.shm_eligible(tensor):
+        return None
+    reduced = _shm.reduce_copy(tensor)
+    if reduced is not None:
+        _track(tensor)  # a payload never delivered is loaded here, which frees the lease
+    return reduced
+
+
+def _share_cpu(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    if _shm.shm_eligible(tensor) and tensor.untyped_storage().nbytes():
+        reduced = _shm.share_and_reduce(tensor)
+        if reduced is not None:
+            _track(tensor.untyped_storage())
+            return reduced
+    return _torch_red.reduce_tensor(tensor)
+
+
 def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
     copy_tensor = _reductions._reduce_tensor_copy
     large = LARGE_TENSOR_BYTES
@@ -94,9 +119,9 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
         kind = tensor.device.type
         if kind == "cpu":
             if share_cpu:
-                return _torch_red.reduce_tensor(tensor)
+                return _share_cpu(tensor)
             if tensor.nbytes >= large and _reductions._is_plain_strided(tensor):
-                return _copy_through_shared_memory(tensor)
+                return _lend(tensor) or _copy_through_shared_memory(tensor)
             return copy_tensor(tensor)
         if kind == "cuda" and share_cuda:
             return _torch_red.reduce_tensor(tensor)
@@ -190,16 +215,22 @@ class Codec:
             picklers.setdefault(self._key(), pickler)
         return pickler.to_bytes(obj)
 
-    def dumps_tracked(self, obj: Any) -> Tuple[bytes, List[torch.UntypedStorage]]:
-        """Like :meth:`dumps`, plus the CPU storages the payload names (shared memory
-        that must outlive every load of it)."""
-        outer = getattr(_tracking, "kept", None)
-        kept: List[torch.UntypedStorage] = []
-        _tracking.kept = kept
+    def dumps_tracked(self, obj: Any, multi_load: bool = False) -> Tuple[bytes, List[Any]]:
+        """Like :meth:`dumps`, plus what the payload names in shared memory (storages that
+        must outlive every load of it, tensors whose lent segment a load frees).
+
+        Args:
+            obj: What to pickle.
+            multi_load: The payload will be loaded by several workers (a map's function),
+                so it may not borrow a segment that its first load frees.
+        """
+        outer = getattr(_tracking, "kept", None), getattr(_tracking, "multi_load", False)
+        kept: List[Any] = []
+        _tracking.kept, _tracking.multi_load = kept, multi_load
         try:
             return self.dumps(obj), kept
         finally:
-            _tracking.kept = outer
+            _tracking.kept, _tracking.multi_load = outer
 
     loads = staticmethod(pickle.loads)
 

@@ -26,6 +26,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .. import _shm
 from ..distributed import RpcGroup
 from ._common import check_group, check_name
 from ._spec import Spec, check_module, mismatch, spec_of
@@ -153,6 +154,29 @@ class PushPullModelServer:
         return True
 
 
+_SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
+
+
+def _share_state(_key: Any, value: Any) -> Any:
+    """A pushed state dict, its large CPU tensors copied into memory shared by reference.
+
+    Pulls by members on this host then read the server's copy in place (the puller's
+    ``load_state_dict`` is the only copy); a pushed state is never edited afterwards, and
+    a pull never hands the received tensors to the user.
+    """
+    if not isinstance(value, dict):
+        return value
+    adopted = {}
+    for name, tensor in value.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.nbytes >= _SHARE_FROM \
+                and not tensor.requires_grad and _shm.shm_eligible(tensor):
+            storage = torch.UntypedStorage._new_shared(tensor.nbytes)  # by descriptor: /proc-reachable
+            copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape).copy_(tensor)
+            tensor = _shm.share(copy)
+        adopted[name] = tensor
+    return adopted
+
+
 class PushPullModelServerImpl:
     """Host of a model server, in the process that constructs it (a member of ``group``).
 
@@ -178,7 +202,7 @@ class PushPullModelServerImpl:
         self.model_name = check_name(model_name, "model_name")
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
         if o_server is None:
-            self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group)
+            self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, adopt=_share_state)
             o_server = OrderedServerSimple(f"{server_name}/ordered", group)
         elif not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import deque
-from typing import Any, Deque, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, Optional, Tuple
 
 from ..distributed import RpcGroup
 from ._common import check_count, check_group, check_name, check_timeout
@@ -141,14 +141,20 @@ class OrderedServerSimpleImpl:
         group: The RpcGroup clients reach the server through.
         version_depth: How many versions older than the newest are retained per key
             (0: only the newest). ``pull(key, v)`` of an evicted version returns None.
+        adopt: Called as ``adopt(key, value)`` on each value pushed through RPC; what it
+            returns is stored. None: the value is stored as it arrived.
 
     Raises:
         KeyError: ``server_name`` is already used in ``group``.
         TypeError, ValueError: invalid arguments.
     """
 
-    def __init__(self, server_name: str, group: RpcGroup, version_depth: int = 1) -> None:
+    def __init__(self, server_name: str, group: RpcGroup, version_depth: int = 1,
+                 adopt: Optional[Callable[[Hashable, Any], Any]] = None) -> None:
         self.server_name = check_name(server_name, "server_name")
+        if adopt is not None and not callable(adopt):
+            raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
+        self._adopt = adopt
         self.group = check_group(group)
         self.version_depth = check_count(version_depth, "version_depth", 0)
         self._lock = threading.Lock()
@@ -215,6 +221,8 @@ class OrderedServerSimpleImpl:
     # The value arrived through RPC, so it is already this process's own copy; what goes
     # back is serialised by RPC, so the caller gets a copy too.
     def _push_service(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
+        if self._adopt is not None:
+            value = self._adopt(key, value)  # outside the lock: it may copy a whole model
         return self.store(key, value, version, prev_version)
 
     def _pull_service(self, key: Hashable, version: Any) -> Optional[Tuple[Any, Any]]:

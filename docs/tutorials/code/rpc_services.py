@@ -134,6 +134,32 @@ def services(world: machinlike.World) -> dict:
 # [/timeouts]
 
 
+# [samehost]
+def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    return tensor.mul_(factor)
+
+
+def large_tensors(world: machinlike.World) -> bool:
+    group = world.create_rpc_group("tensors", world.get_members())
+    if world.name == "1":
+        group.register("scale_", scale_)
+    group.barrier()
+    if world.name == "0":
+        # A copy, through a recycled shared-memory segment (same host, >= 1 MiB):
+        # the owner's in-place edit stays on its side.
+        batch = torch.ones(1024, 1024)  # 4 MB
+        doubled = group.registered_sync("scale_", args=(batch, 2.0))
+        assert float(doubled[0, 0]) == 2.0 and float(batch[0, 0]) == 1.0
+        # Shared explicitly: the same memory on both sides, no copy.
+        weights = machinlike.distributed.share(torch.ones(1024, 1024))
+        group.registered_sync("scale_", args=(weights, 3.0))
+        assert float(weights[0, 0]) == 3.0
+    group.barrier()
+    group.destroy()
+    return True
+# [/samehost]
+
+
 # [dead]
 def dead_member(world: machinlike.World) -> str:
     group = world.create_rpc_group("fragile", world.get_members())
@@ -176,6 +202,7 @@ def main() -> None:
     # A member that dies: calls to it fail fast with PeerLostError naming it, and the
     # launcher reports how its process ended. stop_timeout bounds how long the
     # survivors' World.stop waits for a peer that will never stop.
+    assert machinlike.launch(large_tensors, 2, timeout=60) == [True, True]
     results = machinlike.launch(dead_member, 3, timeout=60, return_exceptions=True, stop_timeout=1)
     print(results)
     assert results[:2] == ["survived", "survived"]

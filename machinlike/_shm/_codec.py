@@ -1,0 +1,259 @@
+"""Tensors as same-host descriptors: copies through lent segments, shares by reference.
+
+``encode`` replaces, in an object made of lists, tuples and dicts, every CPU tensor of at
+least ``threshold`` bytes by a small placeholder whose pickle rebuilds the tensor on the
+receiving side (whatever pickler carries it: TensorPipe's, a pool's)::
+
+    tensor ─┬─ storage shared by reference (share(), or received that way)
+            │       └─► _load_by_reference(pid, fd, inode, size, offset, ...)  no copy
+            ├─ plain strided CPU tensor, no autograd history
+            │       └─► copy into a lent segment ─► _load_copy(pid, fd, inode, ...)  one copy
+            └─ anything else (CUDA, sparse, quantized, conj/neg bits, grad_fn; for RPC
+               also requires_grad, which distributed autograd tracks; no segment free)
+                    └─► left as it is: the carrier's own path
+
+A copy stays a copy: the receiver's tensor views a segment nobody else uses until that
+tensor dies. Only a storage the user shared (:func:`share`) travels by reference, and a
+tensor received by reference travels on by reference.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _receive
+from ._segments import cache
+
+__all__ = ["encode", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
+           "is_shared_by_reference"]
+
+_lock = threading.Lock()
+# This process's storages shared by reference, by inode and by data address (weakly).
+_own: Dict[int, Tuple[StorageWeakRef, int, int, int]] = {}  # inode -> (ref, fd, size, address)
+_own_by_address: Dict[int, int] = {}  # data address -> inode
+# The last few storages sent by reference stay alive so that a receiver can still open
+# them after the sender dropped its tensor right away (a worker returning a fresh share).
+_RECENT = 4
+_recent: Deque[torch.UntypedStorage] = collections.deque()
+
+
+class _Placeholder:
+    """Pickles as the call that rebuilds a tensor on the receiving side."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, reduced: Tuple[Any, ...]) -> None:
+        self.reduced = reduced
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return self.reduced
+
+
+def shm_eligible(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` may travel through shared memory (never a CUDA tensor)."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
+        and tensor.grad_fn is None
+        and not tensor.is_quantized
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    )
+
+
+# ---------------------------------------------------------------------- by reference
+def _fd_of(storage: torch.UntypedStorage) -> Optional[int]:
+    if not storage.is_shared():
+        return None
+    try:
+        return storage._get_shared_fd()
+    except RuntimeError:  # shared by name (torch's file_system strategy)
+        return None
+
+
+def _register_own(storage: torch.UntypedStorage) -> Tuple[int, int, int]:
+    fd = _fd_of(storage)
+    if fd is None:
+        fd, _ = storage._share_fd_cpu_()  # moves it into fd-backed shared memory, in place
+    size = storage.nbytes()
+    inode = os.fstat(fd).st_ino
+    with _lock:
+        _own[inode] = (StorageWeakRef(storage), fd, size, storage.data_ptr())
+        _own_by_address[storage.data_ptr()] = inode
+        if len(_own) > 64:  # forget storages that died
+            for key in [k for k, (ref, _, _, _) in _own.items() if ref.expired()]:
+                _own.pop(key, None)
+            live = set(_own)
+            for address in [a for a, i in _own_by_address.items() if i not in live]:
+                del _own_by_address[address]
+    return fd, inode, size
+
+
+def share(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor``'s memory as shared with same-host receivers (see the public doc)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, not {type(tensor).__name__}")
+    if not shm_eligible(tensor):
+        raise ValueError(
+            f"tensor on {tensor.device} with layout {tensor.layout} cannot be shared through shared "
+            f"memory: share() takes a strided CPU torch.Tensor without autograd history "
+            f"(detach() it first; CUDA tensors travel through TensorPipe)"
+        )
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return tensor
+    if storage.is_shared() and _fd_of(storage) is None:
+        raise ValueError(
+            "tensor's memory is shared by name (torch's file_system sharing strategy); share() needs "
+            "memory shared by file descriptor: share a .clone() of it instead"
+        )
+    _register_own(storage)
+    return tensor
+
+
+def _origin(storage: torch.UntypedStorage) -> Optional[Tuple[int, int, int, int]]:
+    address = storage.data_ptr()
+    inode = _own_by_address.get(address)
+    if inode is not None:
+        entry = _own.get(inode)
+        # (the address check: an inode may have been reused by a later share)
+        if entry is not None and entry[3] == address and not entry[0].expired():
+            return (os.getpid(), entry[1], inode, entry[2])
+    return _receive.foreign_origin(address)
+
+
+def is_shared_by_reference(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels by reference (its storage was shared or so received)."""
+    return _origin(tensor.untyped_storage()) is not None
+
+
+def reduce_by_reference(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """The rebuild call of ``tensor`` by reference; None when it is not shared that way."""
+    storage = tensor.untyped_storage()
+    origin = _origin(storage)
+    if origin is None:
+        return None
+    if origin[0] == os.getpid() and not any(kept.data_ptr() == storage.data_ptr() for kept in _recent):
+        if len(_recent) == _RECENT:
+            _receive.bury(_recent.popleft())
+        _recent.append(storage)
+    return (_load_by_reference, (*origin, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                                 tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+
+
+def share_and_reduce(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """Share ``tensor``'s storage (moving it into shared memory) and reduce it by reference;
+    None when its storage is shared by name (left to torch)."""
+    storage = tensor.untyped_storage()
+    if _origin(storage) is None:
+        if storage.is_shared() and _fd_of(storage) is None:
+            return None
+        _register_own(storage)
+    return reduce_by_reference(tensor)
+
+
+def _finish(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, shape: Tuple[int, ...],
+                       stride: Tuple[int, ...], dtype: torch.dtype, requires_grad: bool,
+                       parameter: bool) -> torch.Tensor:
+    if pid == os.getpid():
+        entry = _own.get(inode)
+        if entry is None or entry[0].expired():
+            raise RuntimeError("a tensor this process shared came back after its memory was freed")
+        storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
+    else:
+        storage = _receive.attach(pid, fd, inode, size, lent=False).storage
+    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+    return _finish(tensor, requires_grad, parameter)
+
+
+# -------------------------------------------------------------------------- by copy
+def reduce_copy(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
+    """Copy ``tensor`` into a lent segment; its rebuild call, or None without a segment."""
+    nbytes = tensor.nbytes
+    seg = cache().lease(nbytes)
+    if seg is None:
+        return None
+    try:
+        seg.data[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+    except BaseException:
+        cache().release(seg)
+        raise
+    return (_load_copy, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, tensor.dtype, tuple(tensor.shape),
+                         tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+
+
+def _load_copy(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype: torch.dtype,
+               shape: Tuple[int, ...], requires_grad: bool, parameter: bool) -> torch.Tensor:
+    tensor = _receive.lent_view(pid, fd, inode, capacity, nbytes).view(dtype).view(shape)
+    return _finish(tensor, requires_grad, parameter)
+
+
+# ----------------------------------------------------------------------------- walk
+def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
+    # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
+    if tensor.device.type != "cpu" or tensor.nbytes < threshold or tensor.requires_grad \
+            or not shm_eligible(tensor):
+        return tensor
+    reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
+    return tensor if reduced is None else _Placeholder(reduced)
+
+
+def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> Any:
+    """``obj`` with its large CPU tensors (in lists, tuples, dicts) replaced by placeholders.
+
+    Returns ``obj`` itself when nothing was replaced. A tensor that appears twice is
+    encoded once, so the receiver gets one tensor twice, as pickle would give.
+    """
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        if memo is None:
+            return _encode_tensor(obj, threshold)
+        done = memo.get(id(obj))
+        if done is None:
+            done = memo[id(obj)] = _encode_tensor(obj, threshold)
+        return done
+    if kind is tuple or kind is list:
+        if not obj:
+            return obj
+        memo = {} if memo is None else memo
+        items = [encode(item, threshold, memo) for item in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return tuple(items) if kind is tuple else items
+    if kind is dict or kind is collections.OrderedDict:
+        if not obj:
+            return obj
+        memo = {} if memo is None else memo
+        values = {key: encode(value, threshold, memo) for key, value in obj.items()}
+        if all(values[key] is value for key, value in obj.items()):
+            return obj
+        if kind is dict:
+            return values
+        ordered = collections.OrderedDict(values)
+        ordered.__dict__.update(obj.__dict__)  # a state dict's _metadata (module versions)
+        return ordered
+    return obj
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()
+    _own.clear()
+    _own_by_address.clear()
+    _recent.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,233 @@
+"""The receiver's side: peers' segments and shared storages, mapped once and reused.
+
+Mapping 64 MB costs a few milliseconds even for memory that exists already (page tables
+are filled in), unmapping about one more; both would sit on every transfer. Mappings are
+therefore cached per ``(owner pid, inode)`` and a received tensor is a fresh view of the
+cached mapping::
+
+    descriptor ──► cache hit? ──no──► open /proc/<pid>/fd/<fd>, check the inode,
+                      │               mmap(MAP_POPULATE), close the fd, cache it
+                      ▼
+                 numpy view (a finalizer on it frees a lent segment) ──► torch tensor
+
+The cache holds at most ``limit`` bytes of mappings; on each new mapping it forgets
+entries whose owner died or retired the segment, then the least recently used. A
+forgotten mapping lives on while tensors view it (the numpy view holds it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from collections import OrderedDict, deque
+from typing import Any, Deque, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
+
+__all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit", "bury"]
+
+Key = Tuple[int, int]
+
+
+class Mapping:
+    """A peer's lent segment (``map``) or shared storage (``storage``), mapped here."""
+
+    __slots__ = ("map", "storage", "size", "lent", "address", "origin")
+
+    def __init__(self, mapped: Optional[mmap.mmap], storage: Optional[torch.UntypedStorage], size: int,
+                 origin: Tuple[int, int, int, int]) -> None:
+        self.map = mapped
+        self.storage = storage
+        self.size = size
+        self.lent = mapped is not None
+        if mapped is not None:
+            self.address = np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data
+        else:
+            self.address = storage.data_ptr()
+        self.origin = origin  # (pid, fd, inode, size): how to name it to a third process
+
+    def retired(self) -> bool:
+        return self.lent and int(np.frombuffer(self.map, dtype=np.int64, count=1)[0]) == RETIRED
+
+
+_lock = threading.Lock()
+_maps: "OrderedDict[Key, Mapping]" = OrderedDict()
+_by_address: Dict[int, Mapping] = {}
+_held = 0
+_limit = 1 << 30
+
+
+def set_limit(limit: int) -> None:
+    """Bytes of peers' memory this process keeps mapped between transfers."""
+    global _limit
+    _limit = limit
+
+
+def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optional[mmap.mmap], Any]:
+    try:
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot reach the shared memory of process {pid} (descriptor {fd}): the sender is "
+            f"gone or released it before this receiver loaded it ({exc.strerror})"
+        ) from exc
+    try:
+        if os.fstat(handle).st_ino != inode:
+            raise RuntimeError(
+                f"the shared memory of process {pid} (descriptor {fd}) was released before this "
+                f"receiver loaded it: the descriptor now names other memory"
+            )
+        if lent:
+            return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), None
+        # A shared storage becomes a torch storage of its own (is_shared(), picklable by
+        # torch like any other). Its pages are faulted in by the first use, which is the
+        # receiver's computation, not the transfer; the cached mapping keeps them.
+        return None, torch.UntypedStorage._new_shared_fd_cpu(handle, size)
+    finally:
+        os.close(handle)
+
+
+def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
+    """The cached mapping of ``pid``'s memory ``inode`` (``size`` bytes), made if needed.
+
+    Raises:
+        RuntimeError: the owner is gone or released the memory (named).
+    """
+    global _held
+    key = (pid, inode)
+    with _lock:
+        found = _maps.get(key)
+        if found is not None and found.size >= size and not found.retired():
+            _maps.move_to_end(key)
+            return found
+    mapping = Mapping(*_open(pid, fd, inode, size, lent), size, (pid, fd, inode, size))
+    with _lock:
+        old = _maps.pop(key, None)
+        if old is not None:
+            _forget(old)
+        _maps[key] = mapping
+        _by_address[mapping.address] = mapping
+        _held += size
+        _trim()
+    return mapping
+
+
+def _forget(mapping: Mapping) -> None:
+    global _held
+    _held -= mapping.size
+    if _by_address.get(mapping.address) is mapping:
+        del _by_address[mapping.address]
+    bury(mapping.storage if mapping.storage is not None else mapping)
+
+
+# Unmapping hundreds of MB takes milliseconds, and torch does it holding the GIL. A thread
+# drops the last reference to what the caches let go, so that no transfer waits for it;
+# it ends when nothing is left to drop and the next burial starts another.
+_graves: Deque[Any] = deque()
+_graves_lock = threading.Lock()  # not _lock: burials happen while the caches hold it
+_reaping = False
+_MADV_DONTNEED = 4
+
+
+def bury(item: Any) -> None:
+    """Drop ``item`` (a mapping or a storage) on the reaper thread."""
+    global _reaping
+    with _graves_lock:
+        _graves.append(item)
+        if _reaping:
+            return
+        _reaping = True
+    threading.Thread(target=_reap, name="machinlike-shm-reaper", daemon=True).start()
+
+
+def _reap() -> None:
+    global _reaping
+    libc = ctypes.CDLL(None, use_errno=True)
+    while True:
+        with _graves_lock:
+            if not _graves:
+                _reaping = False
+                return
+            item = _graves.popleft()
+        if isinstance(item, torch.UntypedStorage) and item.is_shared() \
+                and torch._C._storage_Use_Count(item._cdata) == 1:
+            # Nothing else uses it: drop its page tables first through ctypes (which lets
+            # the GIL go), leaving torch's unmap little to do. The pages belong to the
+            # shared file, so no other process loses data.
+            libc.madvise(ctypes.c_void_p(item.data_ptr()), ctypes.c_size_t(item.nbytes()), _MADV_DONTNEED)
+        del item  # a Python mmap unmaps without the GIL by itself
+
+
+def _released(mapping: Mapping) -> bool:
+    # A lent segment its owner retired, or a storage its owner freed (its descriptor is
+    # closed or names other memory now): only this cache would keep the memory alive.
+    if mapping.lent:
+        return mapping.retired()
+    pid, fd, inode, _ = mapping.origin
+    try:
+        return os.stat(f"/proc/{pid}/fd/{fd}").st_ino != inode
+    except OSError:
+        return True
+
+
+def _trim() -> None:
+    for key, mapping in list(_maps.items()):
+        if _released(mapping) or not pid_alive(key[0]):
+            _forget(_maps.pop(key))
+    while _held > _limit and len(_maps) > 1:
+        _, mapping = _maps.popitem(last=False)
+        _forget(mapping)
+
+
+def forget_all() -> None:
+    """Drop every cached mapping (tensors still viewing one keep it), at once."""
+    global _held
+    with _lock:
+        _maps.clear()
+        _by_address.clear()
+        _held = 0
+
+
+def foreign_origin(address: int) -> Optional[Tuple[int, int, int, int]]:
+    """``(pid, fd, inode, size)`` of a by-reference mapping starting at ``address``."""
+    mapping = _by_address.get(address)
+    return None if mapping is None or mapping.lent else mapping.origin
+
+
+def _free(header: np.ndarray) -> None:
+    header[0] = FREE
+
+
+def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over a lent segment's data; the segment is freed when it dies."""
+    if pid == os.getpid():
+        seg = cache().find(inode)
+        if seg is None:
+            raise RuntimeError(f"this process's shared-memory segment {inode} was closed before its payload was loaded")
+        mapped = seg.map
+    else:
+        mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).map
+    header = np.frombuffer(mapped, dtype=np.int64, count=2)
+    header[1] = os.getpid()
+    data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)
+    weakref.finalize(data, _free, header)
+    return torch.from_numpy(data)
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _graves_lock, _held, _reaping
+    _lock, _graves_lock = threading.Lock(), threading.Lock()
+    _graves.clear()
+    _reaping = False
+    _maps.clear()
+    _by_address.clear()
+    _held = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

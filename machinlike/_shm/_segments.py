@@ -1,0 +1,222 @@
+"""The sender's side of same-host transfers: recycled, pre-faulted shared-memory segments.
+
+Why: on this kind of host a fresh 64 MB allocation costs far more than copying into it
+(every page is faulted in, and again in each process that maps it), so a copy runs at
+memory speed only into memory that is already mapped and faulted. Segments are therefore
+made once, kept mapped, and lent out again and again::
+
+    owner (this process)                         receiver (any process, same host)
+    --------------------                         ---------------------------------
+    lease(nbytes): a FREE segment (or a new one) ─┐
+      header.state = lease id, header.taker = 0   │  descriptor: (pid, fd, inode, ...)
+      copy the tensor into it                     └─► open /proc/<pid>/fd/<fd>, map it once
+                                                      (cached), header.taker = its pid,
+                                                      a tensor over the mapping
+    next lease sees state == FREE  ◄───────────────── that tensor dies: header.state = FREE
+
+Segments are ``memfd`` files: they have no name in ``/dev/shm`` and the kernel frees one
+when its last descriptor and mapping are gone, so no crash of either end can leak one.
+The receiver reaches the descriptor through ``/proc``, which needs the same host, PID
+namespace and user (see ``reachable``).
+
+A lease that is never freed (its receiver was SIGKILLed) is reclaimed when the taker's
+process is gone; one never taken at all (a message lost in a timeout) stays lent until
+:meth:`SegmentCache.close`. Bytes held (free and lent) never exceed ``limit``: a lease
+that would pass it evicts free segments, and fails (None) when that is not enough; the
+caller then sends the tensor the ordinary way and ``stats`` counts it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable", "pid_alive"]
+
+#: Bytes before a segment's data: the state word, then the taker's pid (page aligned).
+HEADER = 4096
+FREE = 0
+RETIRED = -1
+_GRAIN = 1 << 20  # capacities are rounded up to whole MiB so that segments recycle well
+
+_reachable: Dict[int, bool] = {}
+
+
+def reachable(pid: int) -> bool:
+    """Whether this process can open ``pid``'s descriptors through ``/proc`` (cached)."""
+    known = _reachable.get(pid)
+    if known is None:
+        try:
+            os.readlink(f"/proc/{pid}/exe")  # needs the same ptrace-read access as fd/N
+            known = True
+        except OSError:
+            known = False
+        _reachable[pid] = known
+    return known
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` (of this PID namespace) runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            stat = stream.read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+class Segment:
+    """One memfd, mapped here for its whole life. ``data`` views the bytes after the header."""
+
+    __slots__ = ("fd", "inode", "capacity", "map", "header", "data", "lease")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.fd = os.memfd_create("machinlike-shm", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, HEADER + capacity)
+            # MAP_POPULATE faults every page in now, in one go, off the copy's path.
+            self.map = mmap.mmap(self.fd, HEADER + capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.inode = os.fstat(self.fd).st_ino
+        self.header = np.frombuffer(self.map, dtype=np.int64, count=2)
+        self.data = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8, offset=HEADER))
+        self.lease = 0
+
+    def state(self) -> int:
+        return int(self.header[0])
+
+    def close(self) -> None:
+        # Receivers that still map it keep the memory; RETIRED tells their caches to let go.
+        self.header[0] = RETIRED
+        del self.header, self.data
+        try:
+            self.map.close()
+        except BufferError:  # a tensor of this process still views it: unmapped when it dies
+            pass
+        os.close(self.fd)
+
+
+class SegmentCache:
+    """The segments this process owns, free or lent; at most ``limit`` bytes of them.
+
+    Thread-safe. ``stats`` counts leases, new segments, evictions, reclaims and fallbacks
+    (a lease refused because of the limit).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._segments: List[Segment] = []
+        self._by_inode: Dict[int, Segment] = {}
+        self._ids = itertools.count(1)
+        self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "fallbacks": 0}
+
+    def held_bytes(self) -> int:
+        """Bytes of segments owned now (free and lent)."""
+        return sum(s.capacity for s in self._segments)
+
+    def set_limit(self, limit: int) -> None:
+        with self._lock:
+            self.limit = limit
+            self._evict(0)
+
+    def find(self, inode: int) -> Optional[Segment]:
+        """This process's own segment ``inode`` (a payload loaded by its own sender)."""
+        return self._by_inode.get(inode)
+
+    def lease(self, nbytes: int) -> Optional[Segment]:
+        """A segment of at least ``nbytes`` bytes, marked lent; None when over the limit."""
+        capacity = -(-nbytes // _GRAIN) * _GRAIN
+        with self._lock:
+            best: Optional[Segment] = None
+            for seg in self._segments:
+                if seg.capacity >= nbytes and seg.capacity <= 2 * capacity and self._is_free(seg):
+                    if best is None or seg.capacity < best.capacity:
+                        best = seg
+            if best is None:
+                if not self._evict(capacity):
+                    self.stats["fallbacks"] += 1
+                    return None
+                best = Segment(capacity)
+                self._segments.append(best)
+                self._by_inode[best.inode] = best
+                self.stats["created"] += 1
+            best.lease = next(self._ids)
+            best.header[1] = 0
+            best.header[0] = best.lease
+            self.stats["leases"] += 1
+            return best
+
+    def release(self, seg: Segment) -> None:
+        """Hand back a lease that was never sent (encoding failed)."""
+        seg.header[0] = FREE
+
+    def _is_free(self, seg: Segment) -> bool:
+        state = seg.state()
+        if state == FREE:
+            return True
+        taker = int(seg.header[1])
+        if taker and taker != os.getpid() and not pid_alive(taker):
+            seg.header[0] = FREE  # its receiver was killed while holding it
+            self.stats["reclaimed"] += 1
+            return True
+        return False
+
+    def _evict(self, room: int) -> bool:
+        """Close free segments until ``room`` more bytes fit under the limit."""
+        held = self.held_bytes()
+        if held + room <= self.limit:
+            return True
+        for seg in sorted(self._segments, key=lambda s: -s.capacity):
+            if held + room <= self.limit:
+                break
+            if self._is_free(seg):
+                self._drop(seg)
+                held -= seg.capacity
+                self.stats["evicted"] += 1
+        return held + room <= self.limit
+
+    def _drop(self, seg: Segment) -> None:
+        self._segments.remove(seg)
+        self._by_inode.pop(seg.inode, None)
+        seg.close()
+
+    def close(self) -> None:
+        """Give up every segment (lent ones live on in their receivers until dropped)."""
+        with self._lock:
+            for seg in list(self._segments):
+                self._drop(seg)
+
+
+_cache: Optional[SegmentCache] = None
+_cache_lock = threading.Lock()
+DEFAULT_LIMIT = 1 << 30
+
+
+def cache() -> SegmentCache:
+    """This process's segment cache, made on first use (``DEFAULT_LIMIT`` bytes)."""
+    global _cache
+    if _cache is None:
+        with _cache_lock:
+            if _cache is None:
+                _cache = SegmentCache(DEFAULT_LIMIT)
+    return _cache
+
+
+def _after_fork_in_child() -> None:
+    # A forked child must not lend its parent's segments (they are the parent's leases).
+    global _cache, _cache_lock
+    _cache, _cache_lock = None, threading.Lock()
+    _reachable.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

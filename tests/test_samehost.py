@@ -1,0 +1,352 @@
+"""Same-host RPC tensors through shared memory, across real processes: every call path,
+copy semantics, explicit sharing, the threshold, dtypes and views, reuse, concurrency,
+the off switch, and nothing left behind after SIGKILL of either end."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+
+import pytest
+import torch
+from torch.distributed import rpc
+
+from machinlike import _shm
+from machinlike.distributed import World, share
+from machinlike.exception import PeerLostError
+from machinlike.testing import run_world
+
+MB = 1 << 20
+_kept = {}
+
+
+def _echo(x):
+    return x
+
+
+def _add_one(x):
+    x += 1
+    return x
+
+
+def _keep(x):
+    _kept["x"] = x
+    return x
+
+
+def _kept_value():
+    return _kept["x"]
+
+
+def _kept_first():
+    return float(_kept["x"].reshape(-1)[0])
+
+
+def _pair(a, b):
+    return [b, {"a": a}]
+
+
+@rpc.functions.async_execution
+def _echo_async(x):
+    fut = torch.futures.Future()
+    fut.set_result(x)
+    return fut
+
+
+def _leases():
+    return _shm.cache().stats["leases"]
+
+
+def _our_memory():
+    """Mappings and descriptors of our segments in this process (memfds: never in /dev/shm)."""
+    with open("/proc/self/maps") as maps:
+        mapped = sum("machinlike-shm" in line for line in maps)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += "machinlike-shm" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return mapped, fds
+
+
+def _dev_shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def _new_in_dev_shm(before):
+    # Named segments of this pytest process (earlier pool tests') may come and go meanwhile.
+    return sorted(n for n in _dev_shm() - before if not n.startswith(f"torch_{os.getpid()}_"))
+
+
+def _paths_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        for name, fn in (("echo", _echo), ("add", _add_one), ("keep", _keep), ("value", _kept_value),
+                         ("first", _kept_first), ("pair", _pair), ("echo_async", _echo_async)):
+            g.register(name, fn)
+    g.barrier()
+    if world.rank == 0:
+        _paths_checks(g)
+    g.barrier()
+    _kept.clear()
+    g.destroy()
+    world.stop()
+    return _our_memory()
+
+
+def _paths_checks(g):
+    # (its own frame, so that every tensor is gone before World.stop counts what is left)
+    if True:
+        def both():  # segments lent by us (arguments) and by the callee (results)
+            return _leases() + g.rpc_sync("1", _leases)
+
+        t = torch.arange(MB, dtype=torch.float32)  # 4 MB
+        original = t.clone()
+        before = both()
+        calls = {
+            "registered_sync": lambda x: g.registered_sync("echo", (x,)),
+            "registered_async": lambda x: g.registered_async("echo", (x,)).wait(),
+            "async service": lambda x: g.registered_sync("echo_async", (x,)),
+            "rpc_sync": lambda x: g.rpc_sync("1", _echo, args=(x,)),
+            "rpc_async": lambda x: g.rpc_async("1", _echo, args=(x,)).wait(),
+            "rpc_sync lambda kwargs": lambda x: g.rpc_sync("1", lambda x=None: x, kwargs={"x": x}),
+            "remote": lambda x: g.remote("1", _echo, args=(x,)).to_here(),
+        }
+        for what, call in calls.items():
+            assert torch.equal(call(t), original), what
+        # arguments there, results back: two leases per call but the remote one's result
+        assert both() - before == 2 * len(calls) - 1
+        # copies stay copies: the callee's in-place edit does not reach us ...
+        assert torch.equal(g.registered_sync("add", (t,)), original + 1)
+        assert torch.equal(t, original)
+        # ... and our edit of a result does not reach the callee
+        got = g.registered_sync("keep", (t,))
+        got += 5
+        assert g.registered_sync("first") == 0.0
+        del got
+        # several tensors, one of them twice: one copy each, aliasing kept
+        a, b = torch.ones(2 * MB), torch.zeros(300 * 1024, dtype=torch.float64)
+        before = both()
+        out = g.registered_sync("pair", (a, [b, b]))
+        assert both() - before == 4  # a, b there; a, b back
+        assert out[0][0].data_ptr() == out[0][1].data_ptr()
+        assert torch.equal(out[1]["a"], a) and torch.equal(out[0][1], b)
+        # the threshold: one byte below stays with TensorPipe
+        before = both()
+        small = torch.ones(MB - 1, dtype=torch.uint8)
+        assert torch.equal(g.registered_sync("echo", (small,)), small)
+        assert both() == before
+        exact = torch.ones(MB, dtype=torch.uint8)
+        assert torch.equal(g.registered_sync("echo", (exact,)), exact)
+        assert both() == before + 2
+        # dtypes and non-contiguous views
+        base = torch.randn(1024, 1024, dtype=torch.float64)
+        cases = [base.t(), base[::2, 1::3], base.to(torch.float16), base.to(torch.bfloat16),
+                 base > 0, (base * 100).to(torch.int8), torch.complex(base, -base).to(torch.complex64),
+                 torch.ones(1, 256).expand(4096, 256), base.unsqueeze(0)[:, :, 5]]
+        for case in cases:
+            got = g.registered_sync("echo", (case,))
+            assert got.dtype == case.dtype and got.shape == case.shape and torch.equal(got, case), case.dtype
+        # tensors that require grad stay with TensorPipe (distributed autograd tracks them)
+        param = torch.nn.Parameter(torch.ones(MB))
+        before = both()
+        got = g.registered_sync("echo", (param,))
+        assert type(got) is torch.nn.Parameter and got.requires_grad and both() == before
+        # a state dict keeps its type and its module versions
+        state = torch.nn.BatchNorm1d(MB // 4).state_dict()
+        got = g.registered_sync("echo", (state,))
+        assert type(got) is type(state) and got._metadata == state._metadata
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        # one tensor sent many times: segments are recycled, not made anew
+        created = _shm.cache().stats["created"]
+        for i in range(100):
+            t.fill_(i)
+            assert float(g.registered_sync("echo", (t,))[-1]) == i
+        assert _shm.cache().stats["created"] - created <= 1
+        # explicit sharing: the same memory, edits seen by both sides, no copy
+        shared = share(torch.zeros(4 * MB))
+        before = both()
+        back = g.registered_sync("add", (shared,))
+        assert float(shared[0]) == 1.0 and back.data_ptr() == shared.data_ptr()
+        view = shared[MB:2 * MB]
+        g.registered_sync("add", (view,))
+        assert float(shared[MB]) == 2.0 and float(shared[0]) == 1.0
+        g.registered_sync("keep", (shared,))  # the callee holds it, then edits
+        g.rpc_sync("1", _add_one_kept)
+        assert float(shared[0]) == 2.0
+        assert both() == before  # nothing was copied
+
+
+def _add_one_kept():
+    _kept["x"] += 1
+
+
+def test_every_path_copy_semantics_sharing_and_cleanup():
+    before = _dev_shm()
+    memory = run_world(_paths_body, 2, timeout=120)
+    assert memory == [(0, 0), (0, 0)], memory  # nothing mapped or open after World.stop
+    assert _new_in_dev_shm(before) == []
+
+
+def _concurrent_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        g.register("echo", _echo)
+    g.barrier()
+    errors = []
+    if world.rank != 0:
+        def sender(k):
+            try:
+                t = torch.empty(MB // 2 + 1000 * k)
+                for i in range(15):
+                    t.fill_(world.rank * 1000 + k * 100 + i)
+                    got = g.registered_async("echo", (t,)).wait() if i % 2 else g.registered_sync("echo", (t,))
+                    assert torch.equal(got, t), (k, i)
+            except Exception as exc:  # reported below, with the thread's identity
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=sender, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not any(thread.is_alive() for thread in threads)
+    g.barrier()
+    return errors, _shm.cache().held_bytes()
+
+
+def test_concurrent_senders_and_bounded_cache():
+    results = run_world(_concurrent_body, 3, timeout=120, shm_cache_bytes=12 * MB)
+    for errors, held in results:
+        assert not errors and held <= 12 * MB, (errors, held)
+
+
+def _off_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+    g.barrier()
+    if world.rank == 0:
+        t = torch.rand(2 * MB)
+        before = _leases()
+        assert torch.equal(g.registered_sync("echo", (t,)), t)
+        assert _leases() == before
+    g.barrier()
+    return True
+
+
+def test_off_switch_and_settings():
+    assert run_world(_off_body, 2, timeout=60, same_host_shm=False) == [True, True]
+    for kwargs, match in (({"shm_threshold": 0}, "shm_threshold=0 must be an int >= 1"),
+                          ({"shm_cache_bytes": -1}, "shm_cache_bytes=-1"),
+                          ({"same_host_shm": "yes"}, "same_host_shm must be a bool")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            World("x", 0, 1, **kwargs)
+    with pytest.raises(ValueError, match="CUDA tensors travel through TensorPipe"):
+        share(torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        share([1.0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_never_take_shared_memory():
+    cuda = torch.ones(MB, device="cuda")
+    assert _shm.encode((cuda, [cuda]), 1) == (cuda, [cuda])
+    with pytest.raises(ValueError, match="CUDA tensors travel through TensorPipe"):
+        share(cuda)
+
+
+def _die_holding(x):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_held = threading.Event()
+
+
+def _hold(x, pid):
+    _kept["x"], _kept["pid"] = x, pid
+    _held.set()
+    return True
+
+
+def _wait_exit(pid, timeout):
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone and reaped already
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def _sigkill_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("die", _die_holding)
+    if world.rank == 0:
+        g.register("hold", _hold)
+    g.barrier()
+    if world.rank == 2:
+        # the sender dies while the receiver holds what it sent
+        t = torch.full((2 * MB,), 7.0)
+        assert g.registered_sync("hold", (t, os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    if world.rank == 1:
+        return "victim"  # killed by its own service below
+    with pytest.raises(PeerLostError):
+        g.registered_sync("die", (torch.ones(2 * MB),), timeout=20)  # the receiver dies holding it
+    assert _held.wait(30)  # rank 2's call arrived; it dies right after
+    assert _wait_exit(_kept["pid"], 30)
+    held = _kept.pop("x")
+    assert float(held.sum()) == 7.0 * 2 * MB  # still readable after its sender died
+    del held
+    reclaimed = _shm.cache().stats["reclaimed"]
+    _shm.cache().lease(8 * MB)  # the killed receiver's lease (2 M float32) comes back
+    assert _shm.cache().stats["reclaimed"] == reclaimed + 1
+    world.stop(timeout=2)
+    return _our_memory()
+
+
+def test_sigkill_of_either_end_leaves_nothing():
+    before = _dev_shm()
+    results = run_world(_sigkill_body, 3, timeout=120, return_exceptions=True, rpc_timeout=30)
+    assert results[0] == (0, 0), results
+    assert _new_in_dev_shm(before) == []
+
+
+def _server_body(world):
+    from machinlike.server import PushPullModelServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        PushPullModelServerImpl("server", g)
+    g.barrier()
+    if world.rank == 1:
+        server = g.get_paired("server").to_here()
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        with torch.no_grad():
+            model[0].weight.fill_(3.0)
+        before = _leases()
+        assert server.push(model)
+        assert _leases() - before == 1  # the 4 MB weight; biases and the small layer: TensorPipe
+        with torch.no_grad():
+            model[0].weight.fill_(-1.0)  # the server holds a copy, not our memory
+        fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        before_server = g.rpc_sync("0", _leases)
+        assert server.pull(fresh)
+        assert g.rpc_sync("0", _leases) - before_server == 0  # the server's copy, read in place
+        assert float(fresh[0].weight.min()) == float(fresh[0].weight.max()) == 3.0
+        with torch.no_grad():
+            fresh[0].weight.fill_(9.0)  # and our pulled copy is ours
+        again = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+        assert server.pull(again) and float(again[0].weight.max()) == 3.0
+    g.barrier()
+    return True
+
+
+def test_model_server_push_and_pull_through_shared_memory():
+    assert run_world(_server_body, 2, timeout=60) == [True, True]
