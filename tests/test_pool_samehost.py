@@ -26,7 +26,9 @@ def test_copy_mode_recycles_segments_both_ways():
             back = pool.apply(targets.reverse_copy, (t,))
             assert float(back[-1]) == i and torch.equal(back.flip(0), t)
             del back
-        assert _shm.cache().stats["created"] - created <= 1  # one segment, lent 20 times
+        # At most two segments lent 20 times: the worker drops a task's arguments after
+        # sending its result, so the next task may find the first one still lent.
+        assert _shm.cache().stats["created"] - created <= 2
         worker = pool.apply(targets.shm_stats)
         assert worker["leases"] >= 20 and worker["created"] <= 2  # results: the worker's segments
         # dtypes and views through a worker

@@ -237,10 +237,14 @@ def launch(
         del store
 
 
-def _chaos_victims(processes: List[Any], vital: Set[int], results: Dict[int, Any], used: List[int],
-                   max_restarts: int) -> List[int]:
+def _chaos_victims(processes: List[Any], started: List[float], vital: Set[int], results: Dict[int, Any],
+                   used: List[int], max_restarts: int, chaos: float) -> List[int]:
+    # Only ranks that have run for a whole period: a rank killed while it is still
+    # starting would use up its restarts without ever having worked.
+    now = time.monotonic()
     return [r for r, p in enumerate(processes)
-            if r not in vital and r not in results and used[r] < max_restarts and p is not None and p.is_alive()]
+            if r not in vital and r not in results and used[r] < max_restarts and p is not None and p.is_alive()
+            and now - started[r] >= chaos]
 
 
 def _essential_ranks(essential: Sequence[Union[int, str]], names: List[str]) -> Set[int]:
@@ -280,6 +284,7 @@ class _Job:
         self.processes: List[Any] = [None] * len(names)
         self.readers: List[Connection] = []
         self.reader_of: List[Any] = [None] * len(names)
+        self.started: List[float] = [0.0] * len(names)
 
     def start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
@@ -292,6 +297,7 @@ class _Job:
                   self.stop_timeout, self.elastic))
         process.start()
         writer.close()
+        self.started[rank] = time.monotonic()
         self.processes[rank] = process
         self.readers.append(reader)
         self.reader_of[rank] = reader
@@ -320,7 +326,7 @@ class _Job:
             ready = wait(list(waiting), timeout=left)
             if next_kill is not None and time.monotonic() >= next_kill:
                 next_kill = time.monotonic() + chaos
-                self._chaos_kill(rng, vital, results, used, max_restarts)
+                self._chaos_kill(rng, vital, results, used, max_restarts, chaos)
                 continue
             if not ready:
                 _timed_out([p for p in self.processes if p is not None], results, timeout)
@@ -369,8 +375,8 @@ class _Job:
         return result
 
     def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],
-                    max_restarts: int) -> None:
-        victims = _chaos_victims(self.processes, vital, results, used, max_restarts)
+                    max_restarts: int, chaos: float) -> None:
+        victims = _chaos_victims(self.processes, self.started, vital, results, used, max_restarts, chaos)
         if victims:
             rank = rng.choice(victims)
             log.warning("launch: chaos kills rank %d (%r)", rank, self.names[rank])
