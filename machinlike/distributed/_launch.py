@@ -29,6 +29,7 @@ from .._lifeline import watch_parent
 from .._warm import resolve_context
 from ..exception import ExceptionWithTraceback, ProcessExitedError
 from ..pickle import dumps, loads
+from ._rendezvous import external_launcher
 
 __all__ = ["launch"]
 
@@ -64,9 +65,10 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
 
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
               names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any]) -> Any:
+    from ._rendezvous import resolve_rank_and_size
     from ._world import World
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = resolve_rank_and_size(None, None)[0]  # torchrun's RANK or srun's SLURM_PROCID
     name = str(names[rank]) if names is not None else None
     world = World(name, **world_kwargs)
     try:
@@ -126,14 +128,16 @@ def launch(
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.
-        torchrun: Whether this process is one of torchrun's workers, which then runs
-            ``fn`` itself, with a World built from torchrun's environment, instead of
-            starting processes; ``world_size`` is then torchrun's. None: detect it
-            (``TORCHELASTIC_RUN_ID`` is set). This is what lets one script run both ways.
+        torchrun: Whether this process is one rank started by a cluster launcher
+            (torchrun, or srun with more than one task), which then runs ``fn`` itself,
+            with a World built from the launcher's environment, instead of starting
+            processes; ``world_size`` is then the launcher's. None: detect it
+            (``TORCHELASTIC_RUN_ID``, or an srun step of several tasks). This is what lets
+            one script run all these ways.
         **world_kwargs: Passed to :class:`World` (``rpc_timeout``, ``collective``, ...).
 
     Returns:
-        ``fn``'s return value of each rank, in rank order; under torchrun, a list holding
+        ``fn``'s return value of each rank, in rank order; under torchrun or srun, a list holding
         this rank's value only.
 
     Raises:
@@ -151,7 +155,7 @@ def launch(
     reserved = _RESERVED & set(world_kwargs)
     if reserved:
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
-    if torchrun if torchrun is not None else bool(os.environ.get("TORCHELASTIC_RUN_ID")):
+    if torchrun if torchrun is not None else external_launcher() is not None:
         return [_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)]
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
