@@ -25,6 +25,7 @@ from .distributed import (
     get_world,
     is_world_initialized,
     launch,
+    launch_ray,
 )
 from .event import AndEvent, Event, OrEvent
 from .exception import (
@@ -68,6 +69,7 @@ __all__ = [
     "CollectiveGroup",
     "RpcFuture",
     "launch",
+    "launch_ray",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",

@@ -1,8 +1,9 @@
-"""Distributed core: World, RpcGroup, CollectiveGroup and the local launcher."""
+"""Distributed core: World, RpcGroup, CollectiveGroup, the local launcher and the Ray launcher."""
 
 from ._calls import RpcFuture
 from ._collective import CollectiveGroup
 from ._launch import launch
+from ._ray import launch_ray
 from ._rpc_group import RpcGroup
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
@@ -12,6 +13,7 @@ __all__ = [
     "CollectiveGroup",
     "RpcFuture",
     "launch",
+    "launch_ray",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",

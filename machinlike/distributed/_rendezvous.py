@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 import torch.distributed as dist
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
-           "parse_nodelist", "slurm_master_port", "external_launcher"]
+           "parse_nodelist", "slurm_master_port", "external_launcher", "host_store"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -330,6 +330,19 @@ def open_store(rank: int, world_size: int, init_method: Optional[str], timeout: 
         return StoreInfo(store, host, port, True, "rank 0")
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
                      "the torchrun agent" if all_clients else "rank 0")
+
+
+def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:
+    """Host a world's store on a free port of ``host`` (a launcher's; ``.port`` tells which).
+
+    Raises:
+        ValueError: ``host`` does not resolve.
+        OSError: nothing can listen on ``host``.
+    """
+    sock = _listen(host, 0)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
