@@ -24,6 +24,13 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
                    help=f"stop training after this many seconds (default {budget:g})")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--out", default=out, help=f"learning-curve CSV path; a PNG goes beside it (default {out})")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="where the ranks run: local processes, or Ray actors (default local; under "
+                        "torchrun or srun the ranks are theirs whatever this says)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster for --engine ray ('host:port' or 'auto'; default: a new local Ray)")
+    p.add_argument("--ray-cpus", type=float, default=1.0,
+                   help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
     return p
 
 
@@ -93,13 +100,18 @@ class Progress:
 
 def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
         timeout_margin: float = 180.0) -> List[Any]:
-    """Run ``worker(world, args)`` on ``world_size`` ranks: spawned locally, or in place under torchrun.
+    """Run ``worker(world, args)`` on ``world_size`` ranks: spawned locally, as Ray actors
+    (``--engine ray``), or in place under torchrun or srun.
 
     Ctrl-C or a crashed rank stops every process: the launcher kills the rest and the
     error is printed with the failing rank's traceback.
     """
+    timeout = args.time_budget + timeout_margin
     try:
-        return machinlike.launch(worker, world_size, args=(args,), timeout=args.time_budget + timeout_margin)
+        if args.engine == "ray":
+            return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
+                                         address=args.ray_address, resources={"num_cpus": args.ray_cpus})
+        return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
         raise SystemExit(130) from None

@@ -31,6 +31,7 @@ from .distributed import (
     get_world,
     is_world_initialized,
     launch,
+    launch_ray,
 )
 from .event import AndEvent, Event, OrEvent
 from .exception import (
@@ -74,6 +75,7 @@ __all__ = [
     "CollectiveGroup",
     "RpcFuture",
     "launch",
+    "launch_ray",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",

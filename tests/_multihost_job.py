@@ -2,8 +2,9 @@
 
     ip netns exec <host> python tests/_multihost_job.py round|unreachable
 
-The World comes from the environment, as a cluster launcher (SLURM, a job script) sets
-it: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``MLK_TEST_TIMEOUT`` is the
+The World comes from the environment, as a cluster launcher sets it: ``RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a job script, torchrun) or srun's
+``SLURM_PROCID``, ``SLURM_NTASKS``, node list and job id; ``MLK_TEST_TIMEOUT`` is the
 World's ``dist_timeout`` and ``rpc_timeout`` (seconds) and ``MLK_HOST_ADDR`` this host's
 address (what its services report, so callers can tell which host answered).
 
@@ -21,7 +22,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from machinlike.distributed import RpcGroup, World
+from machinlike.distributed import RpcGroup, World, _rendezvous
 from machinlike.server import grad_server_helper
 
 
@@ -103,7 +104,8 @@ def main() -> None:
     world = None
     try:
         world = World(dist_timeout=timeout, rpc_timeout=timeout)
-        result: Dict[str, Any] = {"ok": True}
+        # Where the environment put the master (torchrun's variables, or srun's).
+        result: Dict[str, Any] = {"ok": True, "master": list(_rendezvous._master_from(None)[:2])}
         if scenario == "round":
             result.update(run_round(world))
     except Exception as exc:  # the test reads the error from the report

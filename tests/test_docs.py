@@ -42,7 +42,7 @@ CODE = DOCS / "tutorials" / "code"
 
 # Programs run in this process, in the order of the tutorials.
 IN_PROCESS = ["quickstart", "rpc_services", "collective_ddp", "param_servers", "pickling_tour",
-              "pool_tour", "placement", "multihost_train"]
+              "pool_tour", "placement", "multihost_train", "clusters"]
 
 
 def _env() -> dict:
@@ -147,6 +147,9 @@ def test_tutorial_program_runs(name, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # run the plain, local way
         monkeypatch.delenv(var, raising=False)
     monkeypatch.syspath_prepend(str(CODE))  # the ranks inherit sys.path and import it too
+    # Ray's workers are not this process's children: they find the program through the
+    # environment of the local Ray that the program starts (a cluster's image would hold it).
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(CODE), str(ROOT), os.environ.get("PYTHONPATH")])))
     sys.modules.pop(name, None)
     try:
         importlib.import_module(name).main()

@@ -73,14 +73,15 @@ def test_top_level_reexports_are_the_canonical_objects():
     for name in machinlike.__all__:
         assert name in homes, f"machinlike.{name} has no home module among {MODULES}"
         assert getattr(machinlike, name) is getattr(homes[name], name), f"machinlike.{name} is a different object"
-    for name in ("World", "launch", "Pool", "PushPullGradServer", "ModelAssigner", "OrEvent", "ExceptionWithTraceback"):
+    for name in ("World", "launch", "launch_ray", "Pool", "PushPullGradServer", "ModelAssigner", "OrEvent", "ExceptionWithTraceback"):
         assert name in machinlike.__all__
 
 
 def test_import_has_no_side_effects():
     # A fresh interpreter: importing every module must not start threads or processes,
     # pick a multiprocessing start method, initialise torch.distributed, or change the
-    # process-wide pickling tables (torch is imported first: its own registrations are its).
+    # process-wide pickling tables (torch is imported first: its own registrations are its),
+    # or import Ray.
     probe = textwrap.dedent(
         f"""
         import copyreg, multiprocessing, threading
@@ -94,6 +95,8 @@ def test_import_has_no_side_effects():
         assert multiprocessing.get_start_method(allow_none=True) is None
         assert not dist.is_initialized()
         assert dict(copyreg.dispatch_table) == before, set(copyreg.dispatch_table) ^ set(before)
+        import sys
+        assert "ray" not in sys.modules  # optional and slow to import: only launch_ray imports it
         print("clean")
         """
     )

@@ -102,6 +102,18 @@ class Lan:
             _ip("-n", host, "link", "set", "eth0", "up")
             _ip("-n", host, "link", "set", "lo", "up")
 
+    def name_hosts(self, names: List[str]) -> None:
+        """Give the hosts names that resolve inside every namespace, as a cluster's DNS would.
+
+        ``ip netns exec`` binds ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts``, so the
+        names exist only for the processes started on these hosts.
+        """
+        lines = "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(self.addresses, names))
+        for host in self.hosts:
+            folder = Path("/etc/netns") / host
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts").write_text(lines)
+
     def _add_namespace(self, name: str) -> None:
         _ip("netns", "add", name)
         self._created.append(name)
@@ -128,6 +140,7 @@ class Lan:
                 except ProcessLookupError:
                     pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
         self._created.clear()
 
     # ----------------------------------------------------------------- processes
@@ -141,7 +154,7 @@ class Lan:
 
     def start(self, host: int, argv: List[str], env: Dict[str, str], label: str) -> subprocess.Popen:
         base = {k: v for k, v in os.environ.items()
-                if k not in LIBRARY_VARS and not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+                if k not in LIBRARY_VARS and not k.startswith(("TORCHELASTIC_", "MASTER_", "SLURM_"))}
         base.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                     OMP_NUM_THREADS="1", MLK_HOST_ADDR=self.addresses[host])
         base.update(env)
@@ -175,14 +188,22 @@ class Lan:
         return "\n".join(parts)
 
     def run_ranks(self, scenario: str, timeout: float, extra_env: Optional[Dict[int, Dict[str, str]]] = None,
-                  wait: float = 60.0) -> List[Dict[str, Any]]:
-        """One rank per host, master on host 0; the ``RESULT`` report of each rank."""
+                  wait: float = 60.0, slurm: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
+        """One rank per host, master on host 0; the ``RESULT`` report of each rank.
+
+        ``slurm``: start the ranks as srun would, with these job-wide SLURM variables plus
+        each task's SLURM_PROCID, instead of torchrun's RANK/WORLD_SIZE/MASTER_*.
+        """
         port = self.port = self.free_port(0)
         labels = [f"{scenario}-rank{r}" for r in range(len(self.hosts))]
         procs = []
         for rank, label in enumerate(labels):
-            env = dict(RANK=str(rank), WORLD_SIZE=str(len(self.hosts)), MASTER_ADDR=self.addresses[0],
-                       MASTER_PORT=str(port), MLK_TEST_TIMEOUT=str(timeout))
+            if slurm is None:
+                env = dict(RANK=str(rank), WORLD_SIZE=str(len(self.hosts)), MASTER_ADDR=self.addresses[0],
+                           MASTER_PORT=str(port))
+            else:
+                env = dict(slurm, SLURM_PROCID=str(rank), SLURM_LOCALID="0", SLURM_NODEID=str(rank))
+            env["MLK_TEST_TIMEOUT"] = str(timeout)
             env.update((extra_env or {}).get(rank, {}))
             procs.append(self.start(rank, [sys.executable, str(JOB), scenario], env, label))
         outputs = self.wait(procs, labels, wait)
@@ -225,6 +246,25 @@ def test_world_spans_hosts(lan):
         assert report["all_reduce"] == 6.0
         assert report["params"] == EXPECTED_PARAMS
     assert [r.get("pair_all_reduce") for r in reports] == [None, 3.0, 3.0]
+
+
+@pytest.mark.netns
+def test_srun_environment_spans_hosts(lan):
+    # What srun gives three tasks on three nodes: no RANK or MASTER_* at all. The master is
+    # the first node of the compressed node list (named only in these hosts' own hosts
+    # files), on the port derived from the job id.
+    lan.name_hosts(["cn07", "cn08", "gpu1"])
+    job_id = 424242
+    reports = lan.run_ranks("round", timeout=30, slurm=dict(
+        SLURM_JOB_ID=str(job_id), SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3", SLURM_STEP_ID="0",
+        SLURM_JOB_NODELIST="cn[07-08],gpu1", SLURM_STEP_NODELIST="cn[07-08],gpu1", SLURM_NNODES="3"))
+    for rank, report in enumerate(reports):
+        assert report["ok"], f"rank {rank}: {report}\n" + lan.logs([f"round-rank{r}" for r in range(3)])
+        assert report["interface"] == "eth0", report
+        assert report["where"] == lan.addresses
+        assert report["all_reduce"] == 6.0
+        assert report["params"] == EXPECTED_PARAMS
+        assert report["master"] == ["cn07", 20000 + job_id % 10000]
 
 
 @pytest.mark.netns

@@ -1,9 +1,10 @@
-"""Distributed core: World, RpcGroup, CollectiveGroup and the local launcher."""
+"""Distributed core: World, RpcGroup, CollectiveGroup, the local launcher and the Ray launcher."""
 
 from ._calls import RpcFuture
 from ._collective import CollectiveGroup
 from ._debug import debug_with_process
 from ._launch import LaunchResult, Restart, launch
+from ._ray import launch_ray
 from ._rpc_group import RpcGroup
 from ._membership import MemberEvent, Membership
 from ._samehost import share
@@ -19,6 +20,7 @@ __all__ = [
     "launch",
     "LaunchResult",
     "Restart",
+    "launch_ray",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",

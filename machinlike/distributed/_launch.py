@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, wait
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Union
 
 import torch.distributed as dist
 
@@ -37,6 +37,7 @@ from .._lifeline import watch_parent
 from .._warm import resolve_context
 from ..exception import ExceptionWithTraceback, ProcessExitedError
 from ..pickle import dumps, loads
+from ._rendezvous import external_launcher
 
 __all__ = ["launch", "LaunchResult", "Restart"]
 
@@ -67,7 +68,9 @@ class LaunchResult(list):
         restarts: Every :class:`Restart`, in the order they happened.
     """
 
-    restarts: List[Restart]
+    def __init__(self, results: Iterable[Any] = (), restarts: Sequence[Restart] = ()) -> None:
+        super().__init__(results)
+        self.restarts: List[Restart] = list(restarts)
 
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
@@ -104,9 +107,10 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
 
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
               names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any]) -> Any:
+    from ._rendezvous import resolve_rank_and_size
     from ._world import World
 
-    rank = int(os.environ.get("RANK", "0"))
+    rank = resolve_rank_and_size(None, None)[0]  # torchrun's RANK or srun's SLURM_PROCID
     name = str(names[rank]) if names is not None else None
     world = World(name, **world_kwargs)
     try:
@@ -170,10 +174,12 @@ def launch(
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.
-        torchrun: Whether this process is one of torchrun's workers, which then runs
-            ``fn`` itself, with a World built from torchrun's environment, instead of
-            starting processes; ``world_size`` is then torchrun's. None: detect it
-            (``TORCHELASTIC_RUN_ID`` is set). This is what lets one script run both ways.
+        torchrun: Whether this process is one rank started by a cluster launcher
+            (torchrun, or srun with more than one task), which then runs ``fn`` itself,
+            with a World built from the launcher's environment, instead of starting
+            processes; ``world_size`` is then the launcher's. None: detect it
+            (``TORCHELASTIC_RUN_ID``, or an srun step of several tasks). This is what lets
+            one script run all these ways.
         max_restarts: How many times each rank may be restarted after it raised or died;
             0 (the default): the first failure ends the run. Above 0 the ranks form an
             elastic World (no default process group, so no collectives): a restarted rank
@@ -190,7 +196,7 @@ def launch(
 
     Returns:
         ``fn``'s return value of each rank, in rank order (a :class:`LaunchResult`, whose
-        ``restarts`` lists the restarts); under torchrun, this rank's value only.
+        ``restarts`` lists the restarts); under torchrun or srun, this rank's value only.
 
     Raises:
         ValueError, TypeError: bad arguments (named).
@@ -208,7 +214,7 @@ def launch(
     reserved = _RESERVED & set(world_kwargs)
     if reserved:
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
-    if torchrun if torchrun is not None else bool(os.environ.get("TORCHELASTIC_RUN_ID")):
+    if torchrun if torchrun is not None else external_launcher() is not None:
         return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)])
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
@@ -370,9 +376,7 @@ class _Job:
                 results[rank] = value
                 # A rank that reported is done: its exit is expected, not a failure.
                 waiting.pop(self.processes[rank].sentinel, None)
-        result = LaunchResult(results[rank] for rank in range(len(self.names)))
-        result.restarts = restarts
-        return result
+        return LaunchResult((results[rank] for rank in range(len(self.names))), restarts)
 
     def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],
                     max_restarts: int, chaos: float) -> None:

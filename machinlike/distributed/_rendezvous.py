@@ -1,10 +1,19 @@
-"""Finding the world's store: explicit store, ``tcp://``, ``env://`` or the torchrun environment.
+"""Finding the world's store: explicit store, ``tcp://``, ``env://``, torchrun's or SLURM's environment.
 
 One c10d ``TCPStore`` serves the whole world: the RPC rendezvous (handed to
 ``rpc.init_rpc`` through a private rendezvous scheme), the default process group and
 machinlike's own tables, each under its own prefix. When this process hosts it, the
 listening socket is bound here, to the master address only, and handed to the store, so
 nothing listens on other interfaces and a port of 0 picks a free port without a race.
+
+Where rank, world size and master come from, first match wins, per value::
+
+    rank / world_size   argument  >  RANK / WORLD_SIZE (torchrun)  >  SLURM_PROCID / SLURM_NTASKS (srun)
+    master address      init_method  >  MASTER_ADDR  >  first host of the SLURM node list  >  127.0.0.1
+    master port         init_method  >  MASTER_PORT  >  derived from SLURM_JOB_ID          >  29500
+
+torchrun's variables win over SLURM's because torchrun is often started by ``srun`` (one
+agent per node), and then SLURM's task numbers describe the agents, not the workers.
 """
 
 from __future__ import annotations
@@ -12,19 +21,28 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import re
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-__all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store"]
+__all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
+           "parse_nodelist", "slurm_master_port", "external_launcher", "host_store"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
+# A SLURM job's master port is SLURM_PORT_BASE + job id mod SLURM_PORT_SPAN: below Linux's
+# ephemeral range (32768+), so an outgoing connection cannot already hold it, and two
+# jobs sharing a first node collide only when their ids are SLURM_PORT_SPAN apart.
+SLURM_PORT_BASE = 20000
+SLURM_PORT_SPAN = 10000
+_SLURM_HINT = ("start every rank with srun (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST and "
+               "SLURM_JOB_ID), or pass rank and world_size")
 
 
 @dataclass
@@ -48,21 +66,75 @@ def _env_int(name: str) -> Optional[int]:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _first(*names: str) -> Tuple[str, Optional[str]]:
+    """The first of ``names`` set (non-empty) in the environment, and its value."""
+    for name in names:
+        value = os.environ.get(name)
+        if value:
+            return name, value
+    return names[0], None
+
+
+def _slurm_int(*names: str) -> Optional[int]:
+    name, value = _first(*names)
+    if value is None:
+        return None
+    if not value.strip().isdecimal():  # int() would take "12_3" (an array task's "job_task") as 123
+        raise ValueError(f"environment variable {name}={value!r} is not an integer")
+    return int(value)
+
+
+def _in_slurm_step() -> bool:
+    """Whether this process is a task of an srun step (SLURM's batch script is not)."""
+    return bool(os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID"))
+
+
+def _slurm_rank_and_size() -> Optional[Tuple[int, int]]:
+    """(SLURM_PROCID, task count) of an srun task, None outside SLURM; a partial environment is named.
+
+    A step's own task count (``SLURM_STEP_NUM_TASKS``) wins over the job's: ``srun -n 2``
+    inside an allocation of 4 tasks runs a world of 2. SLURM's batch script also has
+    ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS``, but it is one process, not a task of
+    a step (no ``SLURM_STEP_ID``): it is not taken for rank 0 of a world that would then
+    wait for ranks nobody starts.
+    """
+    rank = _slurm_int("SLURM_PROCID")
+    size = _slurm_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    if rank is None and size is None:
+        return None
+    if rank is None or size is None:
+        have, missing = ("SLURM_NTASKS", "SLURM_PROCID") if rank is None else ("SLURM_PROCID", "SLURM_NTASKS")
+        raise ValueError(f"the SLURM environment is incomplete: {have} is set but {missing} is missing; "
+                         f"{_SLURM_HINT}")
+    if not _in_slurm_step():
+        raise ValueError("this looks like SLURM's batch script, not a task started by srun (SLURM_PROCID and "
+                         "SLURM_NTASKS are set but SLURM_STEP_ID is missing): start the ranks with srun, or "
+                         "call machinlike.launch(...) here to start them on this node")
+    return rank, size
+
+
 def resolve_rank_and_size(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
-    """Fill ``rank``/``world_size`` from ``RANK``/``WORLD_SIZE`` (torchrun) when not given.
+    """Fill ``rank``/``world_size`` from torchrun's, then SLURM's environment, when not given.
 
     Raises:
-        ValueError: a value is missing everywhere, not an int, or out of range.
+        ValueError: a value is missing everywhere, not an int, or out of range; or the
+            SLURM environment is partial (the message names the missing variable).
     """
     if rank is None:
         rank = _env_int("RANK")
     if world_size is None:
         world_size = _env_int("WORLD_SIZE")
     if rank is None or world_size is None:
+        slurm = _slurm_rank_and_size()
+        if slurm is not None:
+            rank = slurm[0] if rank is None else rank
+            world_size = slurm[1] if world_size is None else world_size
+    if rank is None or world_size is None:
         missing = "rank" if rank is None else "world_size"
         raise ValueError(
             f"World needs {missing}: pass it (World(rank=..., world_size=...)) or start the "
-            f"script with torchrun, which sets RANK and WORLD_SIZE"
+            f"script with torchrun, which sets RANK and WORLD_SIZE, or srun, which sets "
+            f"SLURM_PROCID and SLURM_NTASKS"
         )
     for param, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -74,14 +146,139 @@ def resolve_rank_and_size(rank: Optional[int], world_size: Optional[int]) -> Tup
     return rank, world_size
 
 
+def external_launcher() -> Optional[str]:
+    """Who started this process as one rank of a world: ``"torchrun"``, ``"srun"`` or None.
+
+    srun counts only as a step of more than one task: SLURM's batch script (no step) and
+    ``srun -n 1`` are one process, whose :func:`machinlike.launch` starts the ranks itself.
+
+    Raises:
+        ValueError: the environment of an srun task is partial or not numeric.
+    """
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "torchrun"
+    if not _in_slurm_step():
+        return None
+    slurm = _slurm_rank_and_size()
+    if slurm is not None and slurm[1] > 1:
+        return "srun"
+    return None
+
+
+# ------------------------------------------------------------------- SLURM node lists
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _split_top(text: str, where: str) -> List[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise ValueError(f"{where}: nested '[' in {text!r}")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"{where}: unmatched ']' in {text!r}")
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError(f"{where}: unmatched '[' in {text!r}")
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_ranges(body: str, where: str) -> List[str]:
+    """``"01-03,07"`` -> ``["01", "02", "03", "07"]`` (zero padding kept, as SLURM does)."""
+    out: List[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item)
+        if match is None:
+            raise ValueError(f"{where}: {item!r} inside [...] is not a number or a range like 01-03")
+        lo, hi = match.group(1), match.group(2) or match.group(1)
+        if int(hi) < int(lo):
+            raise ValueError(f"{where}: range {item!r} runs backwards")
+        width = len(lo) if lo.startswith("0") else 1
+        out.extend(str(n).zfill(width) for n in range(int(lo), int(hi) + 1))
+    return out
+
+
+def _expand_name(pattern: str, where: str) -> List[str]:
+    """One comma-free entry, with any number of ``[...]`` groups (``r[1-2]n[01-02]``)."""
+    names = [""]
+    rest = pattern
+    while rest:
+        open_at = rest.find("[")
+        if open_at < 0:
+            names = [n + rest for n in names]
+            break
+        close_at = rest.index("]", open_at)
+        prefix, choices = rest[:open_at], _expand_ranges(rest[open_at + 1:close_at], where)
+        names = [n + prefix + c for n in names for c in choices]
+        rest = rest[close_at + 1:]
+    return names
+
+
+def parse_nodelist(nodelist: str, where: str = "node list") -> List[str]:
+    """Expand a SLURM host list: ``"node[01-03,07],gpu5"`` -> node01, node02, node03, node07, gpu5.
+
+    Args:
+        nodelist: SLURM's compressed form (as in ``SLURM_JOB_NODELIST``).
+        where: What to call it in errors (e.g. the variable's name).
+
+    Returns:
+        The host names in SLURM's order.
+
+    Raises:
+        ValueError: the list is empty or malformed (the message quotes it).
+    """
+    text = nodelist.strip()
+    if not text:
+        raise ValueError(f"{where} is empty")
+    hosts: List[str] = []
+    for entry in _split_top(text, where):
+        if not entry:
+            raise ValueError(f"{where}: empty entry in {nodelist!r}")
+        hosts.extend(_expand_name(entry, where))
+    return hosts
+
+
+def slurm_master_port(job_id: int) -> int:
+    """The master port of the SLURM job ``job_id``: ``SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN``."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def _slurm_master(host: Optional[str], port: Optional[int]) -> Tuple[Optional[str], Optional[int]]:
+    """Fill a missing master host/port from SLURM's environment (only in an srun task)."""
+    if (host is not None and port is not None) or not _in_slurm_step():
+        return host, port
+    if host is None:
+        name, nodelist = _first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+        if nodelist is None:
+            raise ValueError(f"the SLURM environment is incomplete: SLURM_PROCID is set but SLURM_JOB_NODELIST is "
+                             f"missing (or set MASTER_ADDR); {_SLURM_HINT}")
+        host = parse_nodelist(nodelist, where=f"environment variable {name}")[0]
+    if port is None:
+        job_id = _slurm_int("SLURM_JOB_ID", "SLURM_JOBID")
+        if job_id is None:
+            raise ValueError(f"the SLURM environment is incomplete: SLURM_PROCID is set but SLURM_JOB_ID is missing "
+                             f"(or set MASTER_PORT); {_SLURM_HINT}")
+        port = slurm_master_port(job_id)
+    return host, port
+
+
 def _master_from(init_method: Optional[str]) -> Tuple[str, int, bool]:
     """(host, port, all ranks are clients) from ``init_method`` and the environment."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if init_method is None or init_method == "env://":
-        host = os.environ.get("MASTER_ADDR")
+        host = os.environ.get("MASTER_ADDR") or None
         port = _env_int("MASTER_PORT")
         if init_method == "env://" and (host is None or port is None):
             raise ValueError("init_method='env://' needs MASTER_ADDR and MASTER_PORT in the environment")
+        if not agent_store:
+            host, port = _slurm_master(host, port)
         return host or DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT if port is None else port, agent_store
     url = urlparse(init_method)
     if url.scheme != "tcp" or not url.hostname or url.port is None:
@@ -133,6 +330,19 @@ def open_store(rank: int, world_size: int, init_method: Optional[str], timeout: 
         return StoreInfo(store, host, port, True, "rank 0")
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
                      "the torchrun agent" if all_clients else "rank 0")
+
+
+def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:
+    """Host a world's store on a free port of ``host`` (a launcher's; ``.port`` tells which).
+
+    Raises:
+        ValueError: ``host`` does not resolve.
+        OSError: nothing can listen on ``host``.
+    """
+    sock = _listen(host, 0)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:

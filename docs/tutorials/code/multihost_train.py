@@ -3,8 +3,8 @@
 On one machine:        python docs/tutorials/code/multihost_train.py
 Under torchrun:        torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
                            --rdzv-endpoint node0:29400 --rdzv-id job42 multihost_train.py
-Under SLURM (srun):    RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS python multihost_train.py
-                       (with MASTER_ADDR and MASTER_PORT exported by the batch script)
+Under SLURM:          srun -N 2 --ntasks-per-node 4 python multihost_train.py
+                       (launch() runs in place in an srun step; the World reads SLURM's variables)
 """
 
 from __future__ import annotations

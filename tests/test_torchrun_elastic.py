@@ -1,0 +1,75 @@
+"""torchrun elastic (c10d rendezvous, MIN:MAX nodes, restarts): the World uses the agent's store.
+
+A worker of the first attempt dies; torchrun restarts the whole worker group, whose new
+Worlds meet on the same agent store (in a namespace of their attempt, so nothing of the
+dead attempt leaks in) and finish.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    import torch
+    from machinlike.distributed import World
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    world = World(dist_timeout=30)
+    info = world._store_info  # the test looks under the hood: whose store is this?
+    group = world.create_rpc_group("g", world.get_members())
+    group.register(f"rank{world.rank}", lambda: (attempt, world.rank))
+    group.barrier()
+    if attempt == 0 and world.rank == 1:
+        os._exit(3)  # a worker dies mid-run: torchrun restarts the worker group
+    seen = [group.registered_sync(f"rank{r}") for r in range(world.world_size)]
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    line = (f"attempt {attempt} rank {world.rank} of {world.world_size}: seen {seen} all_reduce {int(t.item())} "
+            f"store {info.host}:{info.port} hosted_here={info.hosted_here} "
+            f"agent_store={os.environ['TORCHELASTIC_USE_AGENT_STORE']} {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    os.write(1, (line + "\\n").encode())
+    group.barrier()
+    world.stop()
+    """
+)
+
+
+def test_restarted_worker_group_rejoins_on_the_agents_store(tmp_path):
+    script = tmp_path / "elastic.py"
+    script.write_text(SCRIPT)
+    with socket.socket() as probe:  # torchrun takes the endpoint as a number (its agent listens there)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+         "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk-{os.getpid()}",
+         "--rdzv-conf", "last_call_timeout=1", str(script)],
+        capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("attempt "))
+    # Only the restarted group finished, each rank seeing the other's restarted service.
+    pattern = (r"attempt 1 rank {} of 2: seen \[\(1, 0\), \(1, 1\)\] all_reduce 2 "
+               r"store (\S+):(\d+) hosted_here=False agent_store=True (\S+):(\d+)")
+    assert len(lines) == 2, done.stdout + done.stderr[-5000:]
+    for rank, line in enumerate(lines):
+        match = re.fullmatch(pattern.format(rank), line)
+        assert match, line
+        # The World is a client of the store torchrun's agent hosts (MASTER_ADDR/PORT): it
+        # opens no store of its own, on no second port.
+        assert match.group(1, 2) == match.group(3, 4), line
+    assert "exitcode  : 3" in done.stderr or "exitcode: 3" in done.stderr.replace("  ", " "), done.stderr[-3000:]
