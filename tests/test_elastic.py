@@ -179,7 +179,7 @@ def test_joining_a_world_that_is_gone_fails_within_its_timeout():
         (dict(elastic=True), ValueError, "needs a name"),
         (dict(name="x", elastic=True, liveness=0), ValueError, "liveness=0 must be a positive number"),
         (dict(name="x", elastic=True, liveness=float("inf")), ValueError, "liveness=inf must be a positive"),
-        (dict(name="a::2", elastic=True), ValueError, "not '::'"),
+        (dict(name="a b", elastic=True), ValueError, "'a b' is not a valid member name"),
         (dict(name="x", rank=0, world_size=1, init_method=5), TypeError, "init_method must be a str"),
         (dict(name="x", rank=0, world_size=1, backend="tcp"), ValueError, "backend='tcp' is not"),
         (dict(name="x", rank=0, world_size=1, dist_timeout=float("inf")), ValueError, "dist_timeout=inf"),

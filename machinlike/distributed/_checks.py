@@ -46,10 +46,7 @@ def positive_int(param: str, value: Any, minimum: int = 1) -> int:
 
 
 def member_name(value: Any, param: str = "name") -> str:
-    """A valid member name: 1-100 letters, digits, ``_``, ``:`` or ``-``, without ``::``.
-
-    ``::`` is reserved: a member that comes back after a crash talks through
-    ``<name>::<incarnation>`` under the hood.
+    """A valid member name: 1-100 letters, digits, ``_``, ``:`` or ``-``.
 
     Raises:
         TypeError: not a str.
@@ -57,10 +54,9 @@ def member_name(value: Any, param: str = "name") -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{param} must be a str, not {type(value).__name__} ({value!r})")
-    if (not value or len(value) > 100 or "::" in value
-            or not all(c.isalnum() or c in "_:-" for c in value)):
+    if not value or len(value) > 100 or not all(c.isalnum() or c in "_:-" for c in value):
         raise ValueError(f"{param}={value!r} is not a valid member name: use 1-100 letters, digits, "
-                         f"'_', ':' or '-' (not '::')")
+                         f"'_', ':' or '-'")
     return value
 
 

@@ -151,13 +151,9 @@ class Membership:
         """
         reg = self.registry
         self.incarnation = int(reg.add(self.key(f"m/inc/{self.name}"), 1))
-        tid = int(reg.add(self.key("m/tid"), 1)) - 1
-        if tid > 32000:
-            raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
-        self.transport = self.name if self.incarnation == 1 else f"{self.name}::{self.incarnation}"
-        self.rank = tid if rank is None else rank
+        self._new_transport()
+        self.rank = self._tid if rank is None else rank
         mine = _Record(self.name, self.incarnation, self.transport, self.rank, process_identity())
-        self._tid = tid
         live_key = self.key(f"m/live/{self.name}")
         while True:
             held = reg.claim(live_key, mine.encode())
@@ -183,22 +179,44 @@ class Membership:
         self._static_order = list(names)
         self.registry.set(self.key(f"m/live/{self.name}"), self._me.encode())
 
+    def _new_transport(self) -> None:
+        """Take a fresh RPC worker id and name (each join attempt needs its own)."""
+        tid = self.registry.add(self.key("m/tid"), 1) - 1
+        if tid > 32000:
+            raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
+        self._tid = tid
+        # torch's dynamic join parses its worker list as "name-id," entries, so a worker
+        # name must not contain "-"; the unique id keeps every incarnation's name apart.
+        self.transport = f"{self.name.replace('-', '_')}_{tid}"
+        self.registry.set(self.key(f"m/t/{self.transport}"), self.name)
+
     def join_transport(self, threads: int, timeout: float, deadline: float) -> None:
-        """Join the world's dynamic RPC group (elastic worlds), pruning the dead first."""
+        """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
+
+        A member that dies while this one joins makes torch's join fail (it calls every
+        listed worker); the attempt is then undone and repeated under a fresh worker name
+        until ``deadline``.
+
+        Raises:
+            RuntimeError, TimeoutError: the last attempt's error, when the deadline passed.
+        """
         store = self._rpc_store()
-        # A listed worker is stale when no live claim names it (its member was declared
-        # gone, or came back under another incarnation) or its process is gone. The live
-        # claims, not the event log, decide: a member joins RPC before it posts "join".
-        stale = [w for w in _transport.listed_workers(store) if self._worker_dead(w)]
-        if stale:
-            _transport.prune_workers(store, self.transport, stale, deadline, self._token_holder_dead)
-        budget = max(0.5, min(deadline_left(deadline), timeout))
-        try:
-            _transport.start_dynamic(store, self.transport, self._tid, threads, budget)
-        except Exception:
-            _transport.release_token_of(store, f"Token_for_{self.transport}_join")
-            _transport.prune_workers(store, self.transport, [self.transport], deadline, self._token_holder_dead)
-            raise
+        while True:
+            # A listed worker is stale when no live claim names it (its member was declared
+            # gone, or came back as another incarnation) or its process is gone. The live
+            # claims decide, not the event log: a member joins RPC before it posts "join".
+            try:
+                _transport.start_dynamic(store, self.transport, self._tid, threads, max(0.5, min(timeout, 5.0)),
+                                         deadline, self._token_holder_dead, self._worker_dead)
+                return
+            except RuntimeError as err:
+                if deadline_left(deadline) < 1.0:
+                    raise
+                log.warning("machinlike: member %r: RPC join attempt failed (%s); retrying", self.name, err)
+            old = self._me.encode()
+            self._new_transport()
+            self._me = _Record(self.name, self.incarnation, self.transport, self.rank, self._me.identity)
+            self.registry.compare_set(self.key(f"m/live/{self.name}"), old, self._me.encode())
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""
@@ -262,7 +280,7 @@ class Membership:
 
     def member_of(self, transport: str) -> str:
         with self._lock:
-            return self._by_transport.get(transport, transport.partition("::")[0])
+            return self._by_transport.get(transport, transport)
 
     def transport_gone(self, transport: str) -> bool:
         with self._lock:
@@ -370,7 +388,7 @@ class Membership:
                 self.registry.add(beat_key, 1)
                 self._catch_up()
                 for rec in self._suspects():
-                    self._declare(rec, time.monotonic() + 10 * tick)
+                    self._declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
                 self._on_store_lost(err)
                 return
@@ -412,8 +430,8 @@ class Membership:
 
     def _worker_dead(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
-        member = worker.partition("::")[0]
-        held = self.registry.get_or_empty(self.key(f"m/live/{member}"))
+        member = self.registry.get_or_empty(self.key(f"m/t/{worker}"))
+        held = self.registry.get_or_empty(self.key(f"m/live/{member}")) if member else ""
         if not held:
             return True
         rec = _Record.decode(member, held)
@@ -423,13 +441,18 @@ class Membership:
         holder = _transport.token_holder(token)
         return holder is not None and holder != self.transport and self._worker_dead(holder)
 
-    def _declare(self, rec: _Record, deadline: float) -> None:
-        """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it."""
+    def _declare(self, rec: _Record, deadline: float, wait: bool = True) -> None:
+        """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it.
+
+        Args:
+            wait: When another member declares it, wait (until ``deadline``) for its keys
+                to be free; the monitor does not (the event will come).
+        """
         reg = self.registry
         if reg.add(self.key(f"m/lost/{rec.member}/{rec.incarnation}"), 1) != 1:
-            # Another member declares it; wait (bounded) until its keys are free.
-            reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
-                         max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+            if wait:
+                reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
+                             max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
             return
         log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation, rec.rank)
         self._free(rec, deadline)
@@ -441,11 +464,12 @@ class Membership:
             key, _, holder = line.partition("\x1f")
             reg.release(key, holder)
         if self.elastic:
+            # Best effort, briefly: whoever joins next prunes stale workers itself.
             try:
-                _transport.prune_workers(self._rpc_store(), self.transport, [rec.transport], deadline,
-                                         self._token_holder_dead)
+                _transport.prune_workers(self._rpc_store(), self.transport, [rec.transport],
+                                         min(deadline, time.monotonic() + 0.5), self._token_holder_dead)
             except TimeoutError as err:
-                log.warning("machinlike: could not prune %r from the RPC group: %s", rec.transport, err)
+                log.info("machinlike: %r stays listed in the RPC group for now: %s", rec.transport, err)
         reg.compare_set(self.key(f"m/live/{rec.member}"), rec.encode(), "")
         reg.set(self.key(f"m/gone/{rec.member}/{rec.incarnation}"), "1")
 

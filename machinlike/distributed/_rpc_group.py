@@ -16,8 +16,8 @@ group, created with ``members=None``, has the epoch ``o``):
     <ns>rg/<group>/<epoch>/v/<key>          value owner:    "<worker>"
     <ns>rg/<group>/<epoch>/bar/<gen>/<m>    barrier arrivals
 
-``<worker>`` is the owner's RPC worker name: its member name, or ``<name>::<incarnation>``
-for a member that came back after a crash.
+``<worker>`` is the owner's RPC worker name: its member name in a static world; in an
+elastic world ``<name with '_' for '-'>_<unique id>``, new for every incarnation.
 """
 
 from __future__ import annotations

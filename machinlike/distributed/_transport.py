@@ -31,7 +31,7 @@ import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
 __all__ = ["start_static", "start_dynamic", "forget_worker", "prune_workers", "release_token_of",
-           "set_default_timeout", "shutdown"]
+           "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -55,22 +55,62 @@ def start_static(name: str, rank: int, world_size: int, init_method: str, thread
                      rpc_backend_options=_options(threads, timeout, init_method))
 
 
-def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float) -> None:
+def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float, deadline: float,
+                  holder_dead: Callable[[str], bool], dead: Callable[[str], bool]) -> None:
     """Join the dynamic agent group kept in ``store`` as worker ``name`` with id ``tid``.
 
-    ``timeout`` bounds every call torch makes to the existing workers while joining (and
-    the store waits of its token); set the lasting default with :func:`set_default_timeout`.
+    torch's own dynamic join (``init_rpc`` without a world size) calls every listed worker
+    under the membership token and, when one of them is dead, fails with the token still
+    held and then waits for it in its own shutdown. This one holds the token in a
+    ``finally``, prunes dead workers first, and skips (and forgets) a worker that dies
+    while it is being told about the newcomer.
+
+    Args:
+        timeout: Seconds for each call to an existing worker; also the store's timeout.
+        deadline: ``time.monotonic()`` deadline for taking the token.
+        holder_dead: Whether a token value's holder is dead (then it is released).
+        dead: Whether a listed worker is dead (pruned before joining).
 
     Raises:
-        RuntimeError: a worker did not answer; the token is left to the caller to release
-            (:func:`release_token_of`).
+        TimeoutError: the token stayed held by a live joiner until ``deadline``.
+        RuntimeError: the agent could not start.
     """
+    from torch.distributed.rpc import TensorPipeAgent, api
+    from torch.distributed.rpc._utils import _update_group_membership
+
     store.set_timeout(datetime.timedelta(seconds=timeout))
-    dist_autograd._init(tid)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        rpc._init_rpc_backend(rpc.BackendType.TENSORPIPE, store, name, tid, None,
-                              _options(threads, timeout, None))
+    try:
+        dist_autograd._init(tid)
+    except RuntimeError:
+        # The container keeps the first id this process had (an earlier World); it only
+        # numbers distributed-autograd contexts, which elastic worlds do not support.
+        pass
+    mine = f"Token_for_{name}_join"
+    _acquire_token(store, mine, deadline, holder_dead)
+    try:
+        stale = [w for w in listed_workers(store) if w != name and dead(w)]
+        if stale:
+            _prune_locked(store, stale)
+        agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None), {}, [])
+        api._init_rpc_states(agent)
+        me = agent.get_worker_info()
+        for worker in agent.get_worker_infos():
+            if worker.name == name:
+                continue
+            try:
+                api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
+            except RuntimeError as err:  # it died meanwhile: its declarer prunes it
+                log.info("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
+                forget_worker(worker.name)
+    except BaseException:
+        try:
+            _prune_locked(store, [name])
+        finally:
+            if rpc.api._is_current_rpc_agent_set():
+                shutdown(False, timeout)
+        raise
+    finally:
+        _release_token(store, mine)
 
 
 def set_default_timeout(seconds: float) -> None:
@@ -144,20 +184,27 @@ def prune_workers(store: dist.Store, me: str, gone: Iterable[str], deadline: flo
 
     Returns:
         The names that were listed and are now removed.
+
+    Raises:
+        TimeoutError: the token stayed held by a live joiner until ``deadline``.
     """
-    gone = set(gone)
     mine = f"Token_for_{me}_prune"
     _acquire_token(store, mine, deadline, holder_dead)
     try:
-        if not store.check([_INFOS]):
-            return []
-        entries = [e for e in store.get(_INFOS).decode().split(",") if e]
-        keep = [e for e in entries if e.rpartition("-")[0] not in gone]
-        if len(keep) != len(entries):
-            store.set(_INFOS, "".join(f"{e}," for e in keep))
-        return [e.rpartition("-")[0] for e in entries if e not in keep]
+        return _prune_locked(store, gone)
     finally:
         _release_token(store, mine)
+
+
+def _prune_locked(store: dist.Store, gone: Iterable[str]) -> List[str]:
+    gone = set(gone)
+    if not store.check([_INFOS]):
+        return []
+    entries = [e for e in store.get(_INFOS).decode().split(",") if e]
+    keep = [e for e in entries if e.rpartition("-")[0] not in gone]
+    if len(keep) != len(entries):
+        store.set(_INFOS, "".join(f"{e}," for e in keep))
+    return [e.rpartition("-")[0] for e in entries if e not in keep]
 
 
 def listed_workers(store: dist.Store) -> List[str]:

@@ -57,8 +57,8 @@ class World:
     """This process's place in a distributed job: RPC, collectives and the group registry.
 
     Args:
-        name: Member name, unique among live members (1-100 letters, digits, ``_:-``; not
-            ``::``). None: ``str(rank)``.
+        name: Member name, unique among live members (1-100 letters, digits, ``_:-``).
+            None: ``str(rank)``.
         rank: This process's rank. None: the ``RANK`` environment variable (torchrun);
             in an elastic world, None picks a fresh unique rank, and ``rank=0`` makes this
             process host the store.
