@@ -97,8 +97,76 @@ def run_round(world: World) -> Dict[str, Any]:
     return out
 
 
+def _fifo_line(path: str, timeout: float) -> str:
+    """One line from the test through a named pipe, within ``timeout`` seconds."""
+    import select
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        assert ready, f"nothing on {path} within {timeout} s"
+        return os.read(fd, 100).decode().strip()
+    finally:
+        os.close(fd)
+
+
+def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
+    """Elastic scenario: "host" hosts the store; "remote" joins, is called, leaves; "victim"
+    joins and then its host is unplugged by the test (host loss: no word, no RST)."""
+    address = f"tcp://{os.environ['MLK_MASTER']}:{os.environ['MLK_PORT']}"
+    events = []
+    if role == "host":
+        world = World("host", rank=0, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
+        world.on_member_change(lambda e: events.append((e.kind, e.member, time.monotonic())))
+    else:
+        world = World(role, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
+    group = world.create_rpc_group("open")
+    group.register(f"where/{role}", where)
+    out: Dict[str, Any] = {"role": role, "members_at_join": world.get_members()}
+    world.create_rpc_group("ready", ["host", "remote", "victim"]).barrier(timeout=timeout)
+    if role == "remote":
+        out["host_is_at"] = group.registered_sync("where/host", timeout=timeout)
+        world.create_rpc_group("done", ["host", "remote"]).barrier(timeout=timeout)
+        world.stop(timeout)
+        return out
+    if role == "victim":
+        world.wait_for_members(["host"], timeout=timeout, gone=True)  # never: its host is unplugged
+        return out
+    out["remote_is_at"] = group.registered_sync("where/remote", timeout=timeout)
+    out["victim_is_at"] = group.registered_sync("where/victim", timeout=timeout)
+    world.create_rpc_group("done", ["host", "remote"]).barrier(timeout=timeout)
+    world.wait_for_members(["remote"], timeout=timeout, gone=True)
+    try:
+        group.registered_sync("where/remote", timeout=timeout)
+        out["after_leave"] = "answered"
+    except KeyError as err:
+        out["after_leave"] = f"KeyError: {err}"
+    with open(os.environ["MLK_TO_TEST"], "w") as fifo:  # "unplug the victim's host now"
+        fifo.write("unplug\n")
+    assert _fifo_line(os.environ["MLK_FROM_TEST"], timeout) == "unplugged"
+    unplugged = time.monotonic()
+    world.wait_for_members(["victim"], timeout=timeout, gone=True)
+    out["detected_after"] = time.monotonic() - unplugged
+    try:
+        group.rpc_sync("victim", where, timeout=timeout)
+    except ConnectionError as err:
+        out["call_after_loss"] = f"{type(err).__name__}: {err}"
+    out["events"] = [(k, m) for k, m, _ in events]
+    world.stop(timeout)
+    return out
+
+
 def main() -> None:
     scenario = sys.argv[1]
+    if scenario == "elastic":
+        start = time.monotonic()
+        try:
+            result = {"ok": True, **elastic_role(os.environ["MLK_ROLE"], float(os.environ["MLK_TEST_TIMEOUT"]))}
+        except Exception as exc:
+            result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        result["elapsed"] = time.monotonic() - start
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     timeout = float(os.environ["MLK_TEST_TIMEOUT"])
     start = time.monotonic()
     world = None

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -246,6 +247,44 @@ def test_world_spans_hosts(lan):
         assert report["all_reduce"] == 6.0
         assert report["params"] == EXPECTED_PARAMS
     assert [r.get("pair_all_reduce") for r in reports] == [None, 3.0, 3.0]
+
+
+@pytest.mark.netns
+def test_elastic_members_join_leave_and_are_lost_across_hosts(lan):
+    # The store's host joins first; a member on another host joins the running world,
+    # is called and leaves; a third joins and its host is then unplugged (no FIN, no
+    # RST: only its silent heartbeats tell), which the others see within the bound.
+    port = lan.free_port(0)
+    to_test, from_test = lan.workdir / "to-test", lan.workdir / "from-test"
+    os.mkfifo(to_test)
+    os.mkfifo(from_test)
+    env = dict(MLK_MASTER=lan.addresses[0], MLK_PORT=str(port), MLK_TEST_TIMEOUT="30",
+               MLK_TO_TEST=str(to_test), MLK_FROM_TEST=str(from_test))
+    roles = ["host", "remote", "victim"]
+    procs = [lan.start(i, [sys.executable, str(JOB), "elastic"], dict(env, MLK_ROLE=role), role)
+             for i, role in enumerate(roles)]
+    fd = os.open(to_test, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, "the host never asked for the unplug\n" + lan.logs(roles)
+        assert os.read(fd, 100).decode().strip() == "unplug"
+    finally:
+        os.close(fd)
+    lan.unplug(2)
+    with open(from_test, "w") as fifo:
+        fifo.write("unplugged\n")
+    outputs = lan.wait(procs[:2], roles[:2], 60)
+    reports = [json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]) for out in outputs]
+    host, remote = reports
+    assert host["ok"] and remote["ok"], lan.logs(roles)
+    assert remote["host_is_at"] == lan.addresses[0]
+    assert (host["remote_is_at"], host["victim_is_at"]) == (lan.addresses[1], lan.addresses[2])
+    assert "not found on Group" in host["after_leave"]
+    assert host["detected_after"] < 3.0, host  # liveness 2 s; the lease is 1.5 s of silence
+    assert host["call_after_loss"].startswith("PeerLostError"), host
+    events = [e for e in host["events"] if e[1] != "host"]
+    assert sorted(events[:2]) == [["join", "remote"], ["join", "victim"]], events
+    assert events[2:] == [["leave", "remote"], ["lost", "victim"]], events
 
 
 @pytest.mark.netns

@@ -1,8 +1,10 @@
 """Is a peer process still alive? Cheaply, without a network round trip where possible.
 
-Each rank publishes an identity at start-up: the machine's boot id, its PID namespace and
-its pid. A peer with the same boot id and namespace is checked through ``/proc`` (a
-zombie counts as dead); any other peer can only be asked over RPC.
+Each rank publishes an identity at start-up: the machine's boot id, its PID and network
+namespaces and its pid. A peer with the same boot id and namespaces is checked through
+``/proc`` (a zombie counts as dead); any other peer is another host as far as liveness is
+concerned (a network namespace can lose its network while its process lives on), and
+only its heartbeats tell.
 """
 
 from __future__ import annotations
@@ -21,17 +23,27 @@ def _read(path: str) -> str:
         return "?"
 
 
+_cached: Optional[tuple] = None
+
+
 def _namespace() -> str:
+    global _cached
+    if _cached is not None and _cached[0] == os.getpid():  # a fork re-reads (same spaces, new pid)
+        return _cached[1]
     boot = _read("/proc/sys/kernel/random/boot_id")
-    try:
-        pidns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        pidns = "?"
-    return f"{boot}/{pidns}"
+    spaces = []
+    for kind in ("pid", "net"):
+        try:
+            spaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
+        except OSError:
+            spaces.append("?")
+    space = f"{boot}/{spaces[0]}:{spaces[1]}"
+    _cached = (os.getpid(), space)
+    return space
 
 
 def process_identity() -> str:
-    """``<boot id>/<pid namespace>/<pid>`` of this process."""
+    """``<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
     return f"{_namespace()}/{os.getpid()}"
 
 
