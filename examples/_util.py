@@ -108,7 +108,7 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     """
     timeout = args.time_budget + timeout_margin
     try:
-        if args.engine == "ray":
+        if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
             return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
                                          address=args.ray_address, resources={"num_cpus": args.ray_cpus})
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
