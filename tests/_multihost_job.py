@@ -122,6 +122,10 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
         world = World(role, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
     group = world.create_rpc_group("open")
     group.register(f"where/{role}", where)
+    if role == "victim":
+        import threading
+
+        group.register("block", lambda: threading.Event().wait(60))  # answers only when it is too late
     out: Dict[str, Any] = {"role": role, "members_at_join": world.get_members()}
     world.create_rpc_group("ready", ["host", "remote", "victim"]).barrier(timeout=timeout)
     if role == "remote":
@@ -141,12 +145,29 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
         out["after_leave"] = "answered"
     except KeyError as err:
         out["after_leave"] = f"KeyError: {err}"
+    import threading
+
+    pending: Dict[str, Any] = {}
+
+    def call_victim() -> None:  # a call in flight when its host goes
+        try:
+            group.registered_sync("block", timeout=timeout)
+            pending["outcome"] = "answered"
+        except Exception as err:
+            pending["outcome"] = f"{type(err).__name__}: {err}"
+        pending["at"] = time.monotonic()
+
+    caller = threading.Thread(target=call_victim)
+    caller.start()
     with open(os.environ["MLK_TO_TEST"], "w") as fifo:  # "unplug the victim's host now"
         fifo.write("unplug\n")
     assert _fifo_line(os.environ["MLK_FROM_TEST"], timeout) == "unplugged"
     unplugged = time.monotonic()
     world.wait_for_members(["victim"], timeout=timeout, gone=True)
     out["detected_after"] = time.monotonic() - unplugged
+    caller.join(timeout)
+    out["pending_call"] = pending.get("outcome")
+    out["pending_failed_after"] = pending.get("at", float("inf")) - unplugged
     try:
         group.rpc_sync("victim", where, timeout=timeout)
     except ConnectionError as err:

@@ -282,6 +282,9 @@ def test_elastic_members_join_leave_and_are_lost_across_hosts(lan):
     assert "not found on Group" in host["after_leave"]
     assert host["detected_after"] < 3.0, host  # liveness 2 s; the lease is 1.5 s of silence
     assert host["call_after_loss"].startswith("PeerLostError"), host
+    # A call that was in flight fails as soon as the loss is known, not at its 30 s timeout.
+    assert host["pending_call"].startswith("PeerLostError"), host
+    assert host["pending_failed_after"] < 3.5, host
     events = [e for e in host["events"] if e[1] != "host"]
     assert sorted(events[:2]) == [["join", "remote"], ["join", "victim"]], events
     assert events[2:] == [["leave", "remote"], ["lost", "victim"]], events

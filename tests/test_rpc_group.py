@@ -363,3 +363,32 @@ def test_rpc_group_requires_world():
     group = RpcGroup("g", ["0"], 0)
     with pytest.raises(RuntimeError, match="no World in this process"):
         group.registered_sync("x")
+
+
+@world_test(2, timeout=60)
+def test_bad_call_arguments_are_named_before_anything_is_sent(world):
+    group = world.create_rpc_group("args", ["0", "1"])
+    if world.name == "1":
+        group.register("who", _whoami)
+    group.barrier()
+    with pytest.raises(ValueError, match="key='' is empty"):
+        group.registered_sync("")
+    with pytest.raises(ValueError, match="key='' is empty"):
+        group.register("", _whoami)
+    with pytest.raises(TypeError, match="args must be a tuple or list"):
+        group.registered_sync("who", args=5)
+    with pytest.raises(TypeError, match="args must be a tuple or list"):
+        group.rpc_sync("1", _whoami, args=torch.zeros(2))
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        group.registered_async("who", kwargs=[("a", 1)])
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        group.remote("1", _whoami, kwargs={1: 2})
+    with pytest.raises(ValueError, match="timeout=inf must be a positive number"):
+        group.registered_sync("who", timeout=float("inf"))
+    with pytest.raises(TypeError, match="timeout='5' must be a number of seconds"):
+        group.barrier(timeout="5")
+    with pytest.raises(TypeError, match="to must be a member name"):
+        group.rpc_sync(1, _whoami)
+    assert group.registered_sync("who", args=[]) == "1"  # a list is fine
+    group.barrier()
+    group.destroy()

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ..exception import PeerLostError
@@ -117,6 +118,7 @@ class Membership:
         self._by_transport: Dict[str, str] = {}
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
         self._gone_transports: Set[str] = set()
+        self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
         self._waits: Dict[int, Tuple[str, Dict[str, str], Optional[Dict[str, int]]]] = {}
         self._wait_ids = 0
         self._callbacks: List[Callable[[MemberEvent], None]] = []
@@ -277,6 +279,33 @@ class Membership:
             member = self._by_transport.get(worker)
             rec = self._live.get(member) if member is not None else None
             return rec.identity if rec is not None and rec.transport == worker else None
+
+    def on_this_host(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
+        identity = self.identity_of(worker)
+        return identity is not None and alive_here(identity) is not None
+
+    def wait_call(self, fut: "torch.futures.Future", worker: str, what: str) -> object:
+        """The result of ``fut``, a call to ``worker``; PeerLostError as soon as it is lost.
+
+        Raises:
+            PeerLostError: the worker left or was lost while the call was pending.
+            RuntimeError: what ``fut`` raised (torch's text errors, timeouts included).
+        """
+        done = threading.Event()
+        with self._lock:
+            if worker in self._gone_transports:
+                raise PeerLostError(self.member_of(worker), f"{what}: it left or was lost")
+            self._pending.setdefault(worker, set()).add(done)
+        try:
+            fut.add_done_callback(lambda _: done.set())
+            done.wait()  # bounded: torch completes the future at the call's own timeout
+            if not fut.done():
+                raise PeerLostError(self.member_of(worker), f"{what}: it was lost while the call was pending")
+            return fut.wait()
+        finally:
+            with self._lock:
+                self._pending.get(worker, set()).discard(done)
 
     def member_of(self, transport: str) -> str:
         with self._lock:
@@ -507,6 +536,8 @@ class Membership:
                     del self._live[rec.member]
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                 self._gone_transports.add(rec.transport)
+                for done in self._pending.pop(rec.transport, ()):
+                    done.set()  # wait_call sees the future still pending: lost
                 self._beats.pop(rec.member, None)
                 wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
                         if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]

@@ -202,7 +202,11 @@ class RpcGroup:
         if members.transport_gone(worker):
             raise PeerLostError(members.member_of(worker), f"{what}: it left or was lost")
         try:
-            return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
+            if members.on_this_host(worker):
+                # A dead process here closes its sockets: the call fails at once by itself.
+                return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
+            # Another host may vanish without a word: the liveness monitor ends the wait.
+            return members.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, what)
         except RuntimeError as err:
             raise translate_error(err, members.member_of(worker), what,
                                   timeout if stated is None else stated) from err
