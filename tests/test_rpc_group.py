@@ -392,3 +392,16 @@ def test_bad_call_arguments_are_named_before_anything_is_sent(world):
     assert group.registered_sync("who", args=[]) == "1"  # a list is fine
     group.barrier()
     group.destroy()
+
+
+@world_test(2, timeout=60)
+def test_machin_keywords_of_create_rpc_group(world):
+    g = world.create_rpc_group(group_name="machin", members=["0", "1"])  # machin's keywords
+    h = world.create_rpc_group(name="renamed", members=["0", "1"])
+    assert g.get_group_name() == "machin" and world.get_rpc_group(group_name="renamed") is h
+    with pytest.raises(TypeError, match="pass the group's name once"):
+        world.create_rpc_group("a", ["0", "1"], name="b")
+    g.barrier()
+    h.barrier()
+    g.destroy()
+    h.destroy()
