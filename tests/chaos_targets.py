@@ -62,6 +62,7 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
         mine = [i for i in range(iterations) if schedule(i, seed)[0] == me]
         start = mine[world.incarnation - 2] + 1
     failed_fast: List[float] = []
+    unexpected: List[str] = []  # failures of iterations in which nobody died
     completed = skipped = 0
     for i in range(start, iterations):
         victim, phase = schedule(i, seed)
@@ -90,7 +91,12 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                 if other != me:
                     began = time.monotonic()
                     assert group.registered_sync(f"s-{other}", args=(i,), timeout=SLOW) == i
-                    assert group.get_paired(f"v-{other}", timeout=SLOW).to_here() == i
+                    rref = group.get_paired(f"v-{other}", timeout=SLOW)
+                    try:
+                        value = rref.to_here(timeout=SLOW)
+                    except RuntimeError as err:  # torch's RRef reports its owner's death as text
+                        raise PeerLostError(other, str(err)) from err
+                    assert value == i
             began = time.monotonic()
             group.barrier(timeout=SLOW)
             completed += 1
@@ -98,10 +104,12 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
             elapsed = time.monotonic() - began
             assert elapsed < FAST, f"iteration {i} ({victim} dies in {phase}): {err!r} after {elapsed:.1f} s"
             failed_fast.append(elapsed)
+            if not victim:
+                unexpected.append(f"iteration {i} {me}#{world.incarnation} t={time.time():.3f}: {err!r}")
         finally:
             if group is not None:
                 group.destroy()
     began = time.monotonic()
     world.stop(timeout=STOP)
-    return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped,
+    return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped, "unexpected": unexpected,
             "slowest_failure": max(failed_fast, default=0.0), "stop": time.monotonic() - began}

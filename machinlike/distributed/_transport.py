@@ -100,7 +100,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
             try:
                 api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
             except RuntimeError as err:  # it died meanwhile: its declarer prunes it
-                log.info("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
+                log.warning("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
                 forget_worker(worker.name)
     except BaseException:
         try:
