@@ -39,13 +39,15 @@ call ``flush()`` first to apply everything.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed import rpc
 
-from ..distributed import RpcGroup
+from ..distributed import MemberEvent, RpcGroup, get_world
+from ._churn import Admission, Ledger
 from ._common import check_count, check_group, check_name, check_timeout
 from ._grad_accessor import PushPullGradServer, check_members, hosted, rpc_timeout
 from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
@@ -53,6 +55,8 @@ from ._spec import Spec, check_module, spec_of
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"]
+
+log = logging.getLogger(__name__)
 
 
 class _LocalForward:
@@ -147,10 +151,24 @@ class PushPullGradServerImpl:
         args = (server_name, self.member, batch, limit, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
+        world = get_world()
+        # Elastic worlds: pushes are counted in the store so that what dies with a
+        # secondary is reported (see _churn); secondaries are whoever hosts one, now or later.
+        self._elastic = world is not None and world.elastic
+        self._dynamic = self._elastic and secondary_reducers is None
+        self._admission = self._ledger = None
+        self._events = {"losses": 0, "rejoins": 0}
+        self._published_at = time.monotonic()
         if self.member in self.secondary_reducers:
-            self.secondary = SecondaryReducer(*args, forward=self._forward)
+            if self._elastic:
+                self._admission = Admission(world, group.get_group_name(), server_name, self.primary_reducer)
+            self.secondary = SecondaryReducer(*args, forward=self._forward,
+                                              admit=None if self._admission is None else self._admission.admit)
         if self.member == self.primary_reducer:
-            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version)
+            if self._elastic:
+                self._ledger = Ledger(world, group.get_group_name(), server_name)
+            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version,
+                                          receive=None if self._ledger is None else self._ledger.receive)
         try:
             if self.secondary is not None:
                 self._register(f"{server_name}/_push/{self.member}", self.secondary.accept)
@@ -164,13 +182,29 @@ class PushPullGradServerImpl:
                     self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, version_depth=1)
                     o_server = OrderedServerSimple(f"{server_name}/ordered", group)
                 group.pair(server_name, PushPullGradServer(server_name, group, model_name,
-                                                           self.secondary_reducers, o_server))
+                                                           None if self._dynamic else self.secondary_reducers,
+                                                           o_server))
                 self._paired = True
         except BaseException:
             self._withdraw()
             raise
         self.o_server = o_server
         hosted[(group.get_group_name(), server_name)] = self
+        if self._elastic:
+            world.on_member_change(self._on_member)
+
+    def _on_member(self, event: MemberEvent) -> None:
+        # On the liveness thread: count and log only.
+        if event.member == self.member:
+            return
+        if event.kind == "lost":
+            self._events["losses"] += 1
+            log.warning("gradient server %r on %r: member %r (incarnation %d) was lost", self.server_name,
+                        self.member, event.member, event.incarnation)
+        elif event.kind == "join" and event.incarnation > 1:
+            self._events["rejoins"] += 1
+            log.warning("gradient server %r on %r: member %r rejoined (incarnation %d)", self.server_name,
+                        self.member, event.member, event.incarnation)
 
     def __repr__(self) -> str:
         roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]
@@ -234,6 +268,7 @@ class PushPullGradServerImpl:
             stored = self.o_server.push(self.model_name, snapshot, 0, None)
         if stored:
             self._version = 0
+            self._published_at = time.monotonic()
             return
         # A custom ordered server that already holds a chain under this key: continue it.
         got = self.o_server.pull(self.model_name)
@@ -253,6 +288,7 @@ class PushPullGradServerImpl:
             raise RuntimeError(f"the ordered server refused version {version} of {self.model_name!r}: something "
                                f"else pushes to that key")
         self._version = version
+        self._published_at = time.monotonic()
 
     def _apply(self, item: Item) -> None:
         # Runs on the primary's thread only.
@@ -275,20 +311,25 @@ class PushPullGradServerImpl:
                 self._lag["count"] += 1
                 self._lag["max"] = max(self._lag["max"], lag)
         self._publish(self._version + 1)
+        if self._ledger is not None and item.origin is not None:
+            self._ledger.applied(item.origin)
 
     # ------------------------------------------------------------ services
     def _forward(self, item: Item) -> Any:
         if self.primary is not None:  # primary and secondary share this process
             return _LocalForward(self.primary.accept(item), f"forward to the primary of {self.server_name!r}")
-        return self.group.registered_async(f"{self.server_name}/_reduce", (item.grads, item.count, item.versions))
+        return self.group.registered_async(f"{self.server_name}/_reduce",
+                                           (item.grads, item.count, item.versions, item.origin))
 
     @rpc.functions.async_execution
-    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int]) -> torch.futures.Future:
-        return self.primary.accept(Item(grads, count, versions))
+    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int],
+                        origin: Optional[Dict[Any, int]] = None) -> torch.futures.Future:
+        return self.primary.accept(Item(grads, count, versions, origin))
 
     @rpc.functions.async_execution
-    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int) -> torch.futures.Future:
-        return self.secondary.offer(grads, version)
+    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int,
+                           client: str = "") -> torch.futures.Future:
+        return self.secondary.offer(grads, version, client)
 
     @rpc.functions.async_execution
     def _flush_secondary_service(self) -> torch.futures.Future:
@@ -366,6 +407,9 @@ class PushPullGradServerImpl:
             return
         self.stop(timeout)
         self._closed = True
+        world = get_world()
+        if self._elastic and world is not None:
+            world.remove_member_callback(self._on_member)
         self._withdraw()
         hosted.pop((self.group.get_group_name(), self.server_name), None)
 
@@ -381,7 +425,16 @@ class PushPullGradServerImpl:
         (forwards that waited for room), ``steps``, ``applied`` (pushes in those steps),
         ``batches``, ``dropped``, ``queued``, ``state``, ``version``, ``lag_mean`` and
         ``lag_max`` (versions published between the one a gradient was computed on and
-        the step applying it), ``ordered`` (the hosted ordered server's counters).
+        the step applying it), ``since_version`` (seconds since the last published
+        version), ``ordered`` (the hosted ordered server's counters).
+
+        In an elastic world also: ``secondary["lost_forwarding"]`` (pushes it could not
+        forward because the primary was gone); ``primary["clients"]`` (members whose
+        pushes it received), ``primary["dropped_by_client"]`` and
+        ``primary["dropped_dead_reducer"]`` (pushes acknowledged by a secondary reducer
+        that died, or accepted for a primary incarnation that died, and never applied:
+        by client, and in total; read from the world's store), ``refused_forwards``;
+        ``members``: ``losses`` and ``rejoins`` seen.
         """
         out: Dict[str, Any] = {}
         if self.secondary is not None:
@@ -392,7 +445,15 @@ class PushPullGradServerImpl:
             lag = self._lag
             primary["lag_mean"] = lag["sum"] / lag["count"] if lag["count"] else 0.0
             primary["lag_max"] = lag["max"]
+            primary["since_version"] = time.monotonic() - self._published_at
             if self.o_server_impl is not None:
                 primary["ordered"] = self.o_server_impl.stats()
+            if self._ledger is not None:
+                primary["clients"] = self._ledger.clients()
+                primary["dropped_by_client"] = self._ledger.dropped()
+                primary["dropped_dead_reducer"] = sum(primary["dropped_by_client"].values())
+                primary["refused_forwards"] = self._ledger.refused
             out["primary"] = primary
+        if self._elastic:
+            out["members"] = dict(self._events)
         return out
