@@ -421,12 +421,23 @@ class Membership:
         reg = self.registry
         if reg.add(self.key(f"m/lost/{rec.member}/{rec.incarnation}"), 1) != 1:
             # Another member declares it; wait (bounded) until its keys are free.
-            reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
-                         max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
-            return
-        log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation, rec.rank)
-        self._free(rec, deadline)
-        self._post("lost", rec)
+            try:
+                reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
+                             max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+                return
+            except TimeoutError:
+                # The declarer died (or stalls) mid-clean-up: finish it here, or the
+                # member would stay live in every view and each tick would wait again.
+                log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
+                            "member began", rec.member, rec.incarnation)
+                deadline = time.monotonic() + 10 * max(0.02, (self.liveness or 2.0) / 8)
+        else:
+            log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
+                        rec.rank)
+        self._free(rec, deadline)  # idempotent: releases compare the holder
+        # One "lost" event per incarnation, whoever finished the clean-up.
+        if reg.add(self.key(f"m/lostpost/{rec.member}/{rec.incarnation}"), 1) == 1:
+            self._post("lost", rec)
 
     def _free(self, rec: _Record, deadline: float) -> None:
         reg = self.registry
