@@ -6,17 +6,18 @@ accepted lives in the world's store, written before the client's acknowledgement
 primary counts what arrived; the difference, once the secondary is gone, is exactly what
 died with it::
 
-    client ──push──► secondary S, incarnation k             primary P, incarnation p
-                     admit(client):                          accept(partial sum of "S#k@p"):
-                       P not live ──► PeerLostError(P)         S#k gone, or tagged for another
-                       source = "S#k@p"                        primary incarnation ──► refused
+    client ──push──► secondary S (RPC worker w)             primary P, incarnation p
+                     admit(client):                          accept(partial sum of "w@p"):
+                       P not live ──► PeerLostError(P)         worker w gone, or tagged for another
+                       source = "w@p"                          primary incarnation ──► refused
                        store: acc/<source>/<client> += 1       received[source, client] += n
                      queue it, reply True                    (check and count under one lock)
 
     dropped(client) = sum over settled sources of  acc[source, client] - received[source, client]
 
-A source is *settled* once no more of it can arrive: its secondary incarnation is gone
-(lost or left), or it was tagged for another primary incarnation (a restarted primary
+The RPC worker name ``w`` is the member name, or ``<name>::<incarnation>`` for an
+incarnation after the first, so it names one process. A source is *settled* once no more
+of it can arrive: its worker is gone (lost or left), or it was tagged for another primary incarnation (a restarted primary
 refuses those; what it had received is restored from its checkpoint). A forward of a
 settled source is refused under the same lock that counts receipts, so a gradient is
 either received (and applied) or dropped, never both.
@@ -41,11 +42,10 @@ __all__ = ["Admission", "Ledger", "parse_source"]
 Origin = Dict[Tuple[str, str], int]
 
 
-def parse_source(source: str) -> Tuple[str, int, int]:
-    """``"S#k@p"`` -> (secondary member, its incarnation, the primary's incarnation)."""
-    head, _, primary = source.rpartition("@")
-    member, _, incarnation = head.rpartition("#")
-    return member, int(incarnation), int(primary)
+def parse_source(source: str) -> Tuple[str, str, int]:
+    """``"w@p"`` -> (secondary member, its RPC worker, the primary's incarnation)."""
+    worker, _, primary = source.rpartition("@")
+    return worker.partition("::")[0], worker, int(primary)
 
 
 class _Keys:
@@ -81,7 +81,7 @@ class Admission:
         self._keys = _Keys(world, group_name, server_name)
         self._server = server_name
         self._primary = primary
-        self._me = f"{world.name}#{world.incarnation}"
+        self._me = world.membership.transport
         self._lock = threading.Lock()
         self._known: Set[Tuple[str, str]] = set()
 
@@ -130,11 +130,12 @@ class Ledger:
         self.refused = 0
 
     def _settled(self, source: str) -> Optional[str]:
-        member, incarnation, primary = parse_source(source)
+        member, worker, primary = parse_source(source)
         if primary != self._incarnation:
             return f"they were accepted for incarnation {primary} of the primary reducer, this is {self._incarnation}"
-        if self._keys.members.incarnation_of(member) != incarnation:
-            return f"secondary reducer {member!r} (incarnation {incarnation}) is gone"
+        # Not "not live": a secondary that joined may not be in this member's view yet.
+        if self._keys.members.transport_gone(worker):
+            return f"secondary reducer {member!r} (RPC worker {worker!r}) is gone"
         return None
 
     def receive(self, origin: Origin) -> Optional[PeerLostError]:
