@@ -129,7 +129,8 @@ class PushPullGradServer:
     def _route(self, exclude: Set[str] = frozenset()) -> str:
         live = [m for m in self._candidates() if m not in exclude]
         if not live:
-            gone = sorted(set(self._lost) | set(exclude)) or ["(none)"]
+            known = {m for m, (hosts, _) in self._hosts.items() if hosts}
+            gone = sorted(set(self._lost) | set(exclude) | known) or ["(none)"]
             raise PeerLostError(gone[0], f"no secondary reducer of gradient server {self.server_name!r} is "
                                          f"reachable now (unreachable: {gone})")
         if self._turn is None:  # clients start at different secondaries
