@@ -11,7 +11,8 @@ import machinlike.server as server
 DOCUMENTED = {
     "machinlike.server.ordered": ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"],
     "machinlike.server.model": ["PushPullModelServer", "PushPullModelServerImpl"],
-    "machinlike.server.grad": ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"],
+    "machinlike.server.grad": ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError",
+                               "CheckpointError"],
     "machinlike.server.helpers": ["ServerHandles", "grad_server_helper", "model_server_helper"],
 }
 

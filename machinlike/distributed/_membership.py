@@ -119,6 +119,7 @@ class Membership:
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
         self._gone_transports: Set[str] = set()
         self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
+        self._declaring: Dict[Tuple[str, int], float] = {}  # losses another member is cleaning up
         self._waits: Dict[int, Tuple[str, Dict[str, str], Optional[Dict[str, int]]]] = {}
         self._wait_ids = 0
         self._callbacks: List[Callable[[MemberEvent], None]] = []
@@ -480,12 +481,28 @@ class Membership:
         reg = self.registry
         if reg.add(self.key(f"m/lost/{rec.member}/{rec.incarnation}"), 1) != 1:
             if wait:
-                reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
-                             max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
-            return
-        log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation, rec.rank)
-        self._free(rec, deadline)
-        self._post("lost", rec)
+                try:
+                    reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
+                                 max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+                    return
+                except TimeoutError:
+                    pass  # the declarer died or stalls mid-clean-up: finish it here (below)
+            else:
+                # The monitor never blocks on another's clean-up; it takes over only when
+                # the declarer has not finished within a few ticks (it may have died too).
+                first = self._declaring.setdefault((rec.member, rec.incarnation), time.monotonic())
+                if time.monotonic() - first < 4 * self._lease():
+                    return
+            log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
+                        "member began", rec.member, rec.incarnation)
+            deadline = time.monotonic() + 10 * max(0.02, (self.liveness or 2.0) / 8)
+        else:
+            log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
+                        rec.rank)
+        self._free(rec, deadline)  # idempotent: releases compare the holder
+        # One "lost" event per incarnation, whoever finished the clean-up.
+        if reg.add(self.key(f"m/lostpost/{rec.member}/{rec.incarnation}"), 1) == 1:
+            self._post("lost", rec)
 
     def _free(self, rec: _Record, deadline: float) -> None:
         reg = self.registry

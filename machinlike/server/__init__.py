@@ -11,7 +11,7 @@ Module layout (machin's ``machin.parallel.server``):
 - :mod:`.helpers`: :func:`grad_server_helper`, :func:`model_server_helper`.
 """
 
-from .grad import PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
+from .grad import CheckpointError, PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
 from .helpers import ServerHandles, grad_server_helper, model_server_helper
 from .model import PushPullModelServer, PushPullModelServerImpl
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
@@ -25,6 +25,7 @@ __all__ = [
     "PushPullGradServer",
     "PushPullGradServerImpl",
     "ServerStoppedError",
+    "CheckpointError",
     "ServerHandles",
     "grad_server_helper",
     "model_server_helper",

@@ -45,7 +45,9 @@ class PushPullGradServer:
         server_name: Name of the server.
         group: Its RpcGroup.
         model_name: Key of the parameters in the ordered server.
-        secondary_reducers: Members hosting secondary reducers; None: every group member.
+        secondary_reducers: Members hosting secondary reducers; None: every group member,
+            or in an elastic world whoever hosts one, now or later (found through the
+            group, looked up again at most every second).
         o_server: Accessor of the ordered server the primary publishes to; None: the
             default one hosted by the primary.
         timeout: Seconds per RPC; None: the world's ``rpc_timeout``.
@@ -57,7 +59,11 @@ class PushPullGradServer:
         self.server_name = check_name(server_name, "server_name")
         self.group = check_group(group)
         self.model_name = check_name(model_name, "model_name")
-        self.secondary_reducers = check_members(group, secondary_reducers, "secondary_reducers")
+        world = get_world()
+        #: None: discovered (elastic world, secondary_reducers=None).
+        self.secondary_reducers: Optional[List[str]] = (
+            None if secondary_reducers is None and world is not None and world.elastic
+            else check_members(group, secondary_reducers, "secondary_reducers"))
         if o_server is None:
             o_server = OrderedServerSimple(f"{server_name}/ordered", group, timeout=timeout)
         elif not isinstance(o_server, OrderedServerBase):
@@ -68,12 +74,15 @@ class PushPullGradServer:
 
     def _reset_caches(self) -> None:
         self._spec: Optional[Spec] = None
-        self._lost: Set[str] = set()
+        # member -> its incarnation when it was found unreachable (None: static world,
+        # where nobody comes back); an elastic member that came back is used again.
+        self._lost: Dict[str, Optional[int]] = {}
         self._turn: Optional[int] = None
+        self._hosts: Dict[str, Tuple[bool, float]] = {}  # discovered: member -> (hosts one, when seen)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_spec", "_lost", "_turn"):
+        for key in ("_spec", "_lost", "_turn", "_hosts"):
             state.pop(key)
         return state
 
@@ -91,11 +100,39 @@ class PushPullGradServer:
             return None
         return impl.secondary if impl.member not in self._lost else None
 
-    def _route(self) -> str:
-        live = [m for m in self.secondary_reducers if m not in self._lost]
+    def _mark_lost(self, member: str) -> None:
+        world = get_world()
+        self._lost[member] = world.get_incarnation(member) if world is not None and world.elastic else None
+
+    def _candidates(self) -> List[str]:
+        """Secondaries worth trying now: known, and (elastic world) live and not found lost."""
+        world = get_world()
+        if self.secondary_reducers is not None:
+            members = self.secondary_reducers
+        else:
+            members = self.group.get_group_members()
+            now = time.monotonic()
+            for member in members:
+                seen = self._hosts.get(member)
+                if seen is None or (not seen[0] and now - seen[1] > 1.0):
+                    self._hosts[member] = (self.group.is_registered(f"{self.server_name}/_push/{member}"), now)
+            members = [m for m in members if self._hosts[m][0]]
+        if world is None or not world.elastic:
+            return [m for m in members if m not in self._lost]
+        live = []
+        for member in members:
+            incarnation = world.get_incarnation(member)
+            if incarnation is not None and (member not in self._lost or self._lost[member] != incarnation):
+                live.append(member)
+        return live
+
+    def _route(self, exclude: Set[str] = frozenset()) -> str:
+        live = [m for m in self._candidates() if m not in exclude]
         if not live:
-            raise PeerLostError(sorted(self._lost)[0], f"every secondary reducer of gradient server "
-                                f"{self.server_name!r} is unreachable ({sorted(self._lost)})")
+            known = {m for m, (hosts, _) in self._hosts.items() if hosts}
+            gone = sorted(set(self._lost) | set(exclude) | known) or ["(none)"]
+            raise PeerLostError(gone[0], f"no secondary reducer of gradient server {self.server_name!r} is "
+                                         f"reachable now (unreachable: {gone})")
         if self._turn is None:  # clients start at different secondaries
             self._turn = zlib.crc32(self.group.get_cur_name().encode())
         self._turn += 1
@@ -141,7 +178,12 @@ class PushPullGradServer:
                 dtypes: the message lists them), or gradients are None without
                 ``none_as_zero``.
             ServerStoppedError: the chosen reducer is stopped or failed.
-            PeerLostError: the chosen secondary is unreachable (later pushes avoid it).
+            PeerLostError: the chosen secondary was lost during the push (later pushes
+                avoid it; the push may have been accepted, and is then either applied or
+                reported in the primary's ``dropped_by_client``), no secondary is
+                reachable, or (elastic world) the primary reducer is gone (named). A
+                secondary known gone before the push, or without the service any more, is
+                skipped without an error: nothing was queued there.
             TimeoutError: it did not answer (or, with ``pull=True``, had no room) in time.
         """
         if not isinstance(pull, bool):
@@ -167,27 +209,38 @@ class PushPullGradServer:
                              f"none_as_zero=True to count them as zero")
         version = get_version(model)
         version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        me = self.group.get_cur_name()
         local = self._local_secondary()
         if local is not None:
             # The client may change its .grad right after we return: hand over copies.
             copies = {k: g.to("cpu", copy=True) for k, g in grads.items()}
             if not pull:
-                return local.accept(copies, version)
-            wait_future(local.offer(copies, version), self.timeout or rpc_timeout(),
+                return local.accept(copies, version, me)
+            wait_future(local.offer(copies, version, me), self.timeout or rpc_timeout(),
                         f"push to gradient server {self.server_name!r} (waiting for room in its queue)")
         else:
-            member = self._route()
-            service = f"{self.server_name}/{'_push_wait' if pull else '_push'}/{member}"
-            try:
-                queued = self.group.registered_sync(service, ({k: g.cpu() for k, g in grads.items()}, version),
-                                                    timeout=self.timeout)
-            except PeerLostError:
-                self._lost.add(member)
-                raise
+            queued = self._push_remote({k: g.cpu() for k, g in grads.items()}, version, me, pull)
             if not pull:
                 return queued
         model.zero_grad()
         return self.pull(model)
+
+    def _push_remote(self, grads: Dict[str, torch.Tensor], version: int, me: str, pull: bool) -> bool:
+        tried: Set[str] = set()
+        while True:
+            member = self._route(tried)
+            service = f"{self.server_name}/{'_push_wait' if pull else '_push'}/{member}"
+            try:
+                return self.group.registered_sync(service, (grads, version, me), timeout=self.timeout)
+            except KeyError:
+                # Its service is gone (it left or was cleaned up): nothing was queued there.
+                self._hosts.pop(member, None)
+                self._mark_lost(member)
+                tried.add(member)
+            except PeerLostError as err:
+                if err.member == member:  # lost mid-push: the outcome is unknown, so say so
+                    self._mark_lost(member)
+                raise
 
     # ------------------------------------------------------------------ pulling
     def pull(self, model: torch.nn.Module) -> bool:
@@ -249,18 +302,16 @@ class PushPullGradServer:
         deadline = time.monotonic() + wait
         # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).
         started = []
-        for member in self.secondary_reducers:
-            if member in self._lost:
-                continue
+        for member in self._candidates():
             try:
                 started.append((member, self.group.registered_async(f"{self.server_name}/_flush/{member}",
                                                                     timeout=wait)))
-            except PeerLostError as err:
+            except (PeerLostError, KeyError) as err:
                 self._skip(member, err)
         for member, fut in started:
             try:
                 fut.wait()
-            except PeerLostError as err:
+            except (PeerLostError, KeyError) as err:
                 self._skip(member, err)
         left = max(0.001, deadline - time.monotonic())
         return self.group.registered_sync(f"{self.server_name}/_flush", timeout=left)
@@ -268,7 +319,7 @@ class PushPullGradServer:
     def _skip(self, member: str, err: BaseException) -> None:
         log.warning("gradient server %r: flush skips unreachable secondary reducer %r: %s",
                     self.server_name, member, err)
-        self._lost.add(member)
+        self._mark_lost(member)
 
 
 def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str) -> List[str]:

@@ -43,12 +43,15 @@ class ServerStoppedError(RuntimeError):
 
 
 class Item(NamedTuple):
-    """One queued unit: a gradient dict (or partial sum), how many pushes it holds, and
-    the parameter versions those pushes were computed on (-1: unknown)."""
+    """One queued unit: a gradient dict (or partial sum), how many pushes it holds, the
+    parameter versions those pushes were computed on (-1: unknown), and, in an elastic
+    world, how many pushes of each (source, client) it holds (see ``_churn``; None: not
+    counted)."""
 
     grads: Grads
     count: int
     versions: List[int]
+    origin: Optional[Dict[Tuple[str, str], int]] = None
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,7 +67,12 @@ def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
     total: Grads = {}
     count = 0
     versions: List[int] = []
+    origin: Optional[Dict[Tuple[str, str], int]] = None
     for item in items:
+        if item.origin is not None:
+            origin = {} if origin is None else origin
+            for key, n in item.origin.items():
+                origin[key] = origin.get(key, 0) + n
         for name, grad in item.grads.items():
             grad = grad.to(device)
             held = total.get(name)
@@ -75,7 +83,7 @@ def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
                 held.add_(grad)
         count += item.count
         versions.extend(item.versions)
-    return Item(total, count, versions)
+    return Item(total, count, versions, origin)
 
 
 def wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
@@ -315,19 +323,36 @@ class SecondaryReducer(_Reducer):
 
     role = "secondary"
 
-    def __init__(self, *args: Any, forward: Callable[[Item], Any]) -> None:
+    def __init__(self, *args: Any, forward: Callable[[Item], Any],
+                 admit: Optional[Callable[[str], str]] = None) -> None:
         super().__init__(*args)
         self._forward = forward
-        self._in_flight: Any = None
-        self.counters.update(accepted=0, rejected=0, forwarded=0)
+        # Elastic worlds: admit(client) counts a push in the store before it is
+        # acknowledged and returns its source tag (raising while the primary is gone);
+        # a forward that finds the primary gone is then dropped and counted, not fatal.
+        self._admit = admit
+        self._in_flight: Optional[Tuple[Any, int]] = None
+        self.counters.update(accepted=0, rejected=0, forwarded=0, lost_forwarding=0)
 
-    def accept(self, grads: Grads, version: int) -> bool:
+    def _item(self, grads: Grads, version: int, client: str) -> Item:
+        # Called with the condition held, after the push is known to be queued: the
+        # store count must never exceed what was really accepted.
+        if self._admit is None:
+            return Item(grads, 1, [version])
+        return Item(grads, 1, [version], {(self._admit(client), client): 1})
+
+    def accept(self, grads: Grads, version: int, client: str = "") -> bool:
         """Queue one client push; False (counted as ``rejected``) when the queue is full.
 
         Starts the reducer thread if nobody did (machin started only the primary's).
 
+        Args:
+            grads, version: The push.
+            client: Name of the pushing member (for the elastic accounting).
+
         Raises:
             ServerStoppedError: the reducer is stopped or failed.
+            PeerLostError: (elastic world) the primary reducer is gone; nothing was queued.
         """
         self._start_if_new()
         with self._cond:
@@ -337,26 +362,31 @@ class SecondaryReducer(_Reducer):
             if len(self._queue) >= self.max_queue:
                 self.counters["rejected"] += 1
                 return False
-            self._queue.append(Item(grads, 1, [version]))
+            self._queue.append(self._item(grads, version, client))
             self._enqueued += 1
             self.counters["accepted"] += 1
             if len(self._queue) >= self.batch:
                 self._cond.notify()
             return True
 
-    def offer(self, grads: Grads, version: int) -> torch.futures.Future:
+    def offer(self, grads: Grads, version: int, client: str = "") -> torch.futures.Future:
         """Queue one client push, waiting for room when the queue is full.
 
         Returns:
             A future completed (True) once the push is queued; it fails with
-            :class:`ServerStoppedError` if the reducer stops first.
+            :class:`ServerStoppedError` if the reducer stops first, or with
+            ``PeerLostError`` (elastic world) when the primary reducer is gone.
         """
         self._start_if_new()
         with self._cond:
             error = self.refusal()
             if error is None:
+                try:
+                    item = self._item(grads, version, client)
+                except ConnectionError as lost:  # PeerLostError: the primary is gone
+                    return _completed(None, lost)
                 self.counters["accepted"] += 1
-                parked = self._queue_or_park(Item(grads, 1, [version]))
+                parked = self._queue_or_park(item)
                 if parked is not None:
                     return parked
         return _completed(True, error)
@@ -373,13 +403,30 @@ class SecondaryReducer(_Reducer):
         if self.device.type != "cpu":  # RPC carries CPU tensors
             reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions)
         self._drain()
-        self._in_flight = self._forward(reduced)
+        try:
+            self._in_flight = (self._forward(reduced), reduced.count)
+        except (ConnectionError, KeyError) as err:  # no primary to send to
+            self._lost_forward(reduced.count, err)
+            return
         self.counters["forwarded"] += reduced.count
 
     def _drain(self) -> None:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
-            in_flight.wait()
+            try:
+                in_flight[0].wait()
+            except (ConnectionError, KeyError) as err:
+                self._lost_forward(in_flight[1], err)
+
+    def _lost_forward(self, count: int, err: BaseException) -> None:
+        # Static worlds: the primary's loss ends this reducer (its thread fails). Elastic
+        # ones: the pushes are dropped (the primary's ledger reports them) and the
+        # reducer goes on, for the primary may come back.
+        if self._admit is None:
+            raise err
+        self.counters["lost_forwarding"] += count
+        log.warning("gradient server %r: secondary reducer %r dropped %d pushes it could not forward: %s",
+                    self.server_name, self.member, count, err)
 
     def _before_settle(self) -> None:
         self._drain()  # a flush of a secondary completes when the primary holds its sums
@@ -396,10 +443,14 @@ class PrimaryReducer(_Reducer):
 
     role = "primary"
 
-    def __init__(self, *args: Any, apply: Callable[[Item], int], version: Callable[[], int]) -> None:
+    def __init__(self, *args: Any, apply: Callable[[Item], int], version: Callable[[], int],
+                 receive: Optional[Callable[[Dict[Tuple[str, str], int]], Optional[BaseException]]] = None) -> None:
         super().__init__(*args)
         self._apply = apply
         self._version = version
+        # Elastic worlds: receive(origin) counts a partial sum as received or returns why
+        # it is refused (its source is settled); run under this reducer's condition.
+        self._receive = receive
         # Forwards that find the queue full are parked; each secondary has at most one in
         # flight, so the parked list stays as short as the number of secondaries.
         self.counters.update(received=0, steps=0, applied=0)
@@ -408,6 +459,8 @@ class PrimaryReducer(_Reducer):
         """Queue a partial sum; the future completes when it is queued (not yet applied)."""
         with self._cond:
             error = self.refusal()
+            if error is None and self._receive is not None and item.origin is not None:
+                error = self._receive(item.origin)
             if error is None:
                 self.counters["received"] += item.count
                 parked = self._queue_or_park(item)

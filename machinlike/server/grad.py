@@ -39,20 +39,25 @@ call ``flush()`` first to apply everything.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.distributed import rpc
 
-from ..distributed import RpcGroup
+from ..distributed import MemberEvent, RpcGroup, get_world
+from ._checkpoint import CheckpointError, Checkpointer
+from ._churn import Admission, Ledger
 from ._common import check_count, check_group, check_name, check_timeout
 from ._grad_accessor import PushPullGradServer, check_members, hosted, rpc_timeout
 from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
-from ._spec import Spec, check_module, spec_of
+from ._spec import Spec, check_module, mismatch, spec_of
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
-__all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError"]
+__all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "CheckpointError"]
+
+log = logging.getLogger(__name__)
 
 
 class _LocalForward:
@@ -89,6 +94,13 @@ class PushPullGradServerImpl:
         reduce_batch_size: Items each reducer combines per batch (>= 1).
         max_queue_size: Pushes a secondary (or partial sums the primary) may hold
             (>= reduce_batch_size).
+        checkpoint_dir: Directory where the primary keeps an atomic checkpoint
+            (parameters, optimizer and lr-scheduler state, version, push accounting);
+            a primary whose directory holds one resumes from it in
+            :meth:`manage_model`. None: no checkpoints.
+        checkpoint_every: With ``checkpoint_dir``: write one every this many versions.
+        checkpoint_interval: With ``checkpoint_dir``: also write one when this many
+            seconds passed since the last; None: by versions only.
 
     Raises:
         ValueError, TypeError: invalid arguments, or this member is no reducer.
@@ -98,7 +110,9 @@ class PushPullGradServerImpl:
     def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
                  primary_reducer: Optional[str] = None, secondary_reducers: Optional[Sequence[str]] = None,
                  o_server: Optional[OrderedServerBase] = None, reduce_method: str = "sum",
-                 reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64) -> None:
+                 reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64,
+                 checkpoint_dir: Any = None, checkpoint_every: int = 100,
+                 checkpoint_interval: Optional[float] = None) -> None:
         self.server_name = check_name(server_name, "server_name")
         self.group = check_group(group)
         self.model_name = check_name(model_name, "model_name")
@@ -124,6 +138,10 @@ class PushPullGradServerImpl:
                              f"could ever fill")
         if o_server is not None and not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
+        self._checkpoint = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, "grad-server", server_name)
+        self._ckpt_every = check_count(checkpoint_every, "checkpoint_every", 1)
+        self._ckpt_interval = check_timeout(checkpoint_interval, "checkpoint_interval")
+        self._ckpt_last = (0, time.monotonic())  # (version, when) of the last checkpoint
         self.member = group.get_cur_name()
         if self.member != self.primary_reducer and self.member not in self.secondary_reducers:
             raise ValueError(f"member {self.member!r} is neither the primary reducer ({self.primary_reducer!r}) nor "
@@ -147,10 +165,24 @@ class PushPullGradServerImpl:
         args = (server_name, self.member, batch, limit, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
+        world = get_world()
+        # Elastic worlds: pushes are counted in the store so that what dies with a
+        # secondary is reported (see _churn); secondaries are whoever hosts one, now or later.
+        self._elastic = world is not None and world.elastic
+        self._dynamic = self._elastic and secondary_reducers is None
+        self._admission = self._ledger = None
+        self._events = {"losses": 0, "rejoins": 0}
+        self._published_at = time.monotonic()
         if self.member in self.secondary_reducers:
-            self.secondary = SecondaryReducer(*args, forward=self._forward)
+            if self._elastic:
+                self._admission = Admission(world, group.get_group_name(), server_name, self.primary_reducer)
+            self.secondary = SecondaryReducer(*args, forward=self._forward,
+                                              admit=None if self._admission is None else self._admission.admit)
         if self.member == self.primary_reducer:
-            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version)
+            if self._elastic:
+                self._ledger = Ledger(world, group.get_group_name(), server_name)
+            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version,
+                                          receive=None if self._ledger is None else self._ledger.receive)
         try:
             if self.secondary is not None:
                 self._register(f"{server_name}/_push/{self.member}", self.secondary.accept)
@@ -164,13 +196,29 @@ class PushPullGradServerImpl:
                     self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, version_depth=1)
                     o_server = OrderedServerSimple(f"{server_name}/ordered", group)
                 group.pair(server_name, PushPullGradServer(server_name, group, model_name,
-                                                           self.secondary_reducers, o_server))
+                                                           None if self._dynamic else self.secondary_reducers,
+                                                           o_server))
                 self._paired = True
         except BaseException:
             self._withdraw()
             raise
         self.o_server = o_server
         hosted[(group.get_group_name(), server_name)] = self
+        if self._elastic:
+            world.on_member_change(self._on_member)
+
+    def _on_member(self, event: MemberEvent) -> None:
+        # On the liveness thread: count and log only.
+        if event.member == self.member:
+            return
+        if event.kind == "lost":
+            self._events["losses"] += 1
+            log.warning("gradient server %r on %r: member %r (incarnation %d) was lost", self.server_name,
+                        self.member, event.member, event.incarnation)
+        elif event.kind == "join" and event.incarnation > 1:
+            self._events["rejoins"] += 1
+            log.warning("gradient server %r on %r: member %r rejoined (incarnation %d)", self.server_name,
+                        self.member, event.member, event.incarnation)
 
     def __repr__(self) -> str:
         roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]
@@ -221,7 +269,84 @@ class PushPullGradServerImpl:
             raise ValueError("the managed model has no parameters")
         self._model, self._params, self._spec = model, params, spec_of(params)
         self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
+        if self._resume():
+            return
         self._publish_first()
+
+    # ------------------------------------------------------------ checkpoints
+    def _resume(self) -> bool:
+        """Load the checkpoint, if any, and publish it under a never-used version."""
+        state = None if self._checkpoint is None else self._checkpoint.load()
+        if state is None:
+            return False
+        path = self._checkpoint.path
+        saved = state["params"]
+        diff = mismatch(spec_of(saved), self._spec, f"checkpoint {path!r}", "the managed model")
+        if diff is not None:
+            raise CheckpointError(f"checkpoint {path!r} does not fit the managed model: {diff}")
+        with torch.no_grad():
+            for name, param in self._params.items():
+                param.copy_(saved[name])
+        self._optimizer.load_state_dict(state["optimizer"])
+        if (self._lr_scheduler is None) != (state["lr_scheduler"] is None):
+            raise CheckpointError(f"checkpoint {path!r} was written {'with' if state['lr_scheduler'] else 'without'} "
+                                  f"an lr_scheduler; manage_model() got "
+                                  f"{'one' if self._lr_scheduler is not None else 'none'}")
+        if self._lr_scheduler is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self._ledger is not None:
+            self._ledger.restore(state["applied"])
+        # The dead primary may have published versions after its last checkpoint: go past
+        # every version ever published, so no version names two different contents.
+        resume = max(state["version"], self._published_max()) + 1
+        snapshot = self._snapshot()
+        if self.o_server_impl is not None:
+            stored = self.o_server_impl.store(self.model_name, snapshot, resume, None)
+        else:
+            got = self.o_server.pull(self.model_name)
+            stored = self.o_server.push(self.model_name, snapshot, resume, None if got is None else got[1])
+        if not stored:
+            raise RuntimeError(f"the ordered server refused resumed version {resume} of {self.model_name!r}")
+        self._version = resume
+        self._note_published()
+        self._ckpt_last = (resume, time.monotonic())
+        log.warning("gradient server %r: primary resumed from %r (checkpoint version %d) as version %d",
+                    self.server_name, path, state["version"], resume)
+        return True
+
+    def _published_key(self) -> Optional[str]:
+        world = get_world()
+        if not self._elastic or world is None:
+            return None
+        return world.membership.key(f"gs/{self.group.get_group_name()}/{self.server_name}/published")
+
+    def _published_max(self) -> int:
+        key = self._published_key()
+        if key is None:
+            return -1
+        text = get_world().membership.registry.get_or_empty(key)
+        return int(text) if text else -1
+
+    def _note_published(self) -> None:
+        self._published_at = time.monotonic()
+        key = self._published_key()
+        if key is not None:  # versions only grow on one primary at a time: a plain set suffices
+            get_world().membership.registry.set(key, str(self._version))
+
+    def _maybe_checkpoint(self) -> None:
+        if self._checkpoint is None:
+            return
+        version, when = self._ckpt_last
+        due = self._version - version >= self._ckpt_every
+        if self._ckpt_interval is not None and time.monotonic() - when >= self._ckpt_interval:
+            due = True
+        if not due:
+            return
+        scheduler = self._lr_scheduler.state_dict() if self._lr_scheduler is not None else None
+        self._checkpoint.save({"params": self._snapshot(), "optimizer": self._optimizer.state_dict(),
+                               "lr_scheduler": scheduler, "version": self._version,
+                               "applied": self._ledger.state() if self._ledger is not None else {}})
+        self._ckpt_last = (self._version, time.monotonic())
 
     def _snapshot(self) -> Dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
@@ -234,6 +359,7 @@ class PushPullGradServerImpl:
             stored = self.o_server.push(self.model_name, snapshot, 0, None)
         if stored:
             self._version = 0
+            self._note_published()
             return
         # A custom ordered server that already holds a chain under this key: continue it.
         got = self.o_server.pull(self.model_name)
@@ -253,6 +379,7 @@ class PushPullGradServerImpl:
             raise RuntimeError(f"the ordered server refused version {version} of {self.model_name!r}: something "
                                f"else pushes to that key")
         self._version = version
+        self._note_published()
 
     def _apply(self, item: Item) -> None:
         # Runs on the primary's thread only.
@@ -275,20 +402,26 @@ class PushPullGradServerImpl:
                 self._lag["count"] += 1
                 self._lag["max"] = max(self._lag["max"], lag)
         self._publish(self._version + 1)
+        if self._ledger is not None and item.origin is not None:
+            self._ledger.applied(item.origin)
+        self._maybe_checkpoint()
 
     # ------------------------------------------------------------ services
     def _forward(self, item: Item) -> Any:
         if self.primary is not None:  # primary and secondary share this process
             return _LocalForward(self.primary.accept(item), f"forward to the primary of {self.server_name!r}")
-        return self.group.registered_async(f"{self.server_name}/_reduce", (item.grads, item.count, item.versions))
+        return self.group.registered_async(f"{self.server_name}/_reduce",
+                                           (item.grads, item.count, item.versions, item.origin))
 
     @rpc.functions.async_execution
-    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int]) -> torch.futures.Future:
-        return self.primary.accept(Item(grads, count, versions))
+    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int],
+                        origin: Optional[Dict[Any, int]] = None) -> torch.futures.Future:
+        return self.primary.accept(Item(grads, count, versions, origin))
 
     @rpc.functions.async_execution
-    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int) -> torch.futures.Future:
-        return self.secondary.offer(grads, version)
+    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int,
+                           client: str = "") -> torch.futures.Future:
+        return self.secondary.offer(grads, version, client)
 
     @rpc.functions.async_execution
     def _flush_secondary_service(self) -> torch.futures.Future:
@@ -366,6 +499,9 @@ class PushPullGradServerImpl:
             return
         self.stop(timeout)
         self._closed = True
+        world = get_world()
+        if self._elastic and world is not None:
+            world.remove_member_callback(self._on_member)
         self._withdraw()
         hosted.pop((self.group.get_group_name(), self.server_name), None)
 
@@ -381,7 +517,16 @@ class PushPullGradServerImpl:
         (forwards that waited for room), ``steps``, ``applied`` (pushes in those steps),
         ``batches``, ``dropped``, ``queued``, ``state``, ``version``, ``lag_mean`` and
         ``lag_max`` (versions published between the one a gradient was computed on and
-        the step applying it), ``ordered`` (the hosted ordered server's counters).
+        the step applying it), ``since_version`` (seconds since the last published
+        version), ``ordered`` (the hosted ordered server's counters).
+
+        In an elastic world also: ``secondary["lost_forwarding"]`` (pushes it could not
+        forward because the primary was gone); ``primary["clients"]`` (members whose
+        pushes it received), ``primary["dropped_by_client"]`` and
+        ``primary["dropped_dead_reducer"]`` (pushes acknowledged by a secondary reducer
+        that died, or accepted for a primary incarnation that died, and never applied:
+        by client, and in total; read from the world's store), ``refused_forwards``;
+        ``members``: ``losses`` and ``rejoins`` seen.
         """
         out: Dict[str, Any] = {}
         if self.secondary is not None:
@@ -392,7 +537,15 @@ class PushPullGradServerImpl:
             lag = self._lag
             primary["lag_mean"] = lag["sum"] / lag["count"] if lag["count"] else 0.0
             primary["lag_max"] = lag["max"]
+            primary["since_version"] = time.monotonic() - self._published_at
             if self.o_server_impl is not None:
                 primary["ordered"] = self.o_server_impl.stats()
+            if self._ledger is not None:
+                primary["clients"] = self._ledger.clients()
+                primary["dropped_by_client"] = self._ledger.dropped()
+                primary["dropped_dead_reducer"] = sum(primary["dropped_by_client"].values())
+                primary["refused_forwards"] = self._ledger.refused
             out["primary"] = primary
+        if self._elastic:
+            out["members"] = dict(self._events)
         return out

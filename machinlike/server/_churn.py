@@ -1,0 +1,189 @@
+"""Push accounting of a gradient server in an elastic world: accepted, received, dropped.
+
+Why: a secondary reducer that dies takes the pushes it queued with it, and the clients
+were already told True. Nothing dead can report, so the count of what a secondary
+accepted lives in the world's store, written before the client's acknowledgement; the
+primary counts what arrived; the difference, once the secondary is gone, is exactly what
+died with it::
+
+    client ──push──► secondary S (RPC worker w)             primary P, incarnation p
+                     admit(client):                          accept(partial sum of "w@p"):
+                       P not live ──► PeerLostError(P)         worker w gone, or tagged for another
+                       source = "w@p"                          primary incarnation ──► refused
+                       store: acc/<source>/<client> += 1       received[source, client] += n
+                     queue it, reply True                    (check and count under one lock)
+
+    dropped(client) = sum over settled sources of  acc[source, client] - received[source, client]
+
+The RPC worker name ``w`` is the member name, or ``<name>::<incarnation>`` for an
+incarnation after the first, so it names one process. A source is *settled* once no more
+of it can arrive: its worker is gone (lost or left), or it was tagged for another primary incarnation (a restarted primary
+refuses those; what it had received is restored from its checkpoint). A forward of a
+settled source is refused under the same lock that counts receipts, so a gradient is
+either received (and applied) or dropped, never both.
+
+Store keys (under the world's namespace)::
+
+    gs/<group>/<server>/src                    "source," appended once per source
+    gs/<group>/<server>/cl/<source>            "client," appended once per client of it
+    gs/<group>/<server>/acc/<source>/<client>  counter of pushes accepted
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from ..exception import PeerLostError
+
+__all__ = ["Admission", "Ledger", "parse_source"]
+
+Origin = Dict[Tuple[str, str], int]
+
+
+def parse_source(source: str) -> Tuple[str, str, int]:
+    """``"w@p"`` -> (secondary member, its RPC worker, the primary's incarnation)."""
+    worker, _, primary = source.rpartition("@")
+    return worker.partition("::")[0], worker, int(primary)
+
+
+class _Keys:
+    def __init__(self, world: Any, group_name: str, server_name: str) -> None:
+        self.members = world.membership
+        self.registry = world.membership.registry
+        self.base = world.membership.key(f"gs/{group_name}/{server_name}/")
+
+    def sources(self) -> List[str]:
+        return _entries(self.registry.get_or_empty(self.base + "src"))
+
+    def clients(self, source: str) -> List[str]:
+        return _entries(self.registry.get_or_empty(f"{self.base}cl/{source}"))
+
+    def accepted(self, source: str, clients: List[str]) -> List[int]:
+        return [int(v or 0) for v in self.registry.values_or_empty(f"{self.base}acc/{source}/", clients)]
+
+
+def _entries(text: str) -> List[str]:
+    return list(dict.fromkeys(e for e in text.split(",") if e))
+
+
+class Admission:
+    """The secondary's side: tags each push with its source and counts it in the store.
+
+    Args:
+        world: This process's (elastic) World.
+        group_name, server_name: Identify the server.
+        primary: Name of the primary reducer.
+    """
+
+    def __init__(self, world: Any, group_name: str, server_name: str, primary: str) -> None:
+        self._keys = _Keys(world, group_name, server_name)
+        self._server = server_name
+        self._primary = primary
+        self._me = world.membership.transport
+        self._lock = threading.Lock()
+        self._known: Set[Tuple[str, str]] = set()
+
+    def source(self) -> str:
+        """The tag of pushes accepted now.
+
+        Raises:
+            PeerLostError: the primary reducer is not live (its pushes could not be applied).
+        """
+        primary = self._keys.members.incarnation_of(self._primary)
+        if primary is None:
+            raise PeerLostError(self._primary, f"gradient server {self._server!r}: its primary reducer is gone, so "
+                                               f"pushes are refused until it is back")
+        return f"{self._me}@{primary}"
+
+    def admit(self, client: str) -> str:
+        """Count one push of ``client`` as accepted (before it is acknowledged); its source tag."""
+        source = self.source()
+        keys = self._keys
+        with self._lock:  # the listings are written before any counter they announce
+            if (source, "") not in self._known:
+                keys.registry.append(keys.base + "src", source + ",")
+                self._known.add((source, ""))
+            if (source, client) not in self._known:
+                keys.registry.append(f"{keys.base}cl/{source}", client + ",")
+                self._known.add((source, client))
+        keys.registry.add(f"{keys.base}acc/{source}/{client}", 1)
+        return source
+
+
+class Ledger:
+    """The primary's side: counts receipts per (source, client) and reports the dropped.
+
+    Args:
+        world: This process's (elastic) World.
+        group_name, server_name: Identify the server.
+    """
+
+    def __init__(self, world: Any, group_name: str, server_name: str) -> None:
+        self._keys = _Keys(world, group_name, server_name)
+        self._server = server_name
+        self._incarnation = world.incarnation
+        self._lock = threading.Lock()
+        self._received: Dict[str, Counter] = {}
+        self._applied: Dict[str, Counter] = {}
+        self.refused = 0
+
+    def _settled(self, source: str) -> Optional[str]:
+        member, worker, primary = parse_source(source)
+        if primary != self._incarnation:
+            return f"they were accepted for incarnation {primary} of the primary reducer, this is {self._incarnation}"
+        # Not "not live": a secondary that joined may not be in this member's view yet.
+        if self._keys.members.transport_gone(worker):
+            return f"secondary reducer {member!r} (RPC worker {worker!r}) is gone"
+        return None
+
+    def receive(self, origin: Origin) -> Optional[PeerLostError]:
+        """Count a partial sum as received, or the error refusing it (its source is settled)."""
+        with self._lock:
+            for source in {s for s, _ in origin}:
+                why = self._settled(source)
+                if why is not None:
+                    self.refused += sum(origin.values())
+                    member = parse_source(source)[0]
+                    return PeerLostError(member, f"gradient server {self._server!r} refuses gradients of source "
+                                                 f"{source!r}: {why}; they are counted as dropped")
+            for (source, client), n in origin.items():
+                self._received.setdefault(source, Counter())[client] += n
+        return None
+
+    def applied(self, origin: Origin) -> None:
+        with self._lock:
+            for (source, client), n in origin.items():
+                self._applied.setdefault(source, Counter())[client] += n
+
+    def state(self) -> Dict[str, Dict[str, int]]:
+        """What was applied, per source and client (for a checkpoint)."""
+        with self._lock:
+            return {s: dict(c) for s, c in self._applied.items()}
+
+    def restore(self, applied: Dict[str, Dict[str, int]]) -> None:
+        """Resume from a checkpoint: what it had applied is all that was received of old sources."""
+        with self._lock:
+            self._applied = {s: Counter(c) for s, c in applied.items()}
+            self._received = {s: Counter(c) for s, c in applied.items()}
+
+    def clients(self) -> List[str]:
+        """Clients whose pushes this primary received."""
+        with self._lock:
+            return sorted({c for counts in self._received.values() for c in counts})
+
+    def dropped(self) -> Dict[str, int]:
+        """Pushes accepted by a settled source and never received, by client (reads the store)."""
+        out: Counter = Counter()
+        for source in self._keys.sources():
+            if self._settled(source) is None:
+                continue
+            clients = self._keys.clients(source)
+            accepted = self._keys.accepted(source, clients)
+            with self._lock:
+                received = self._received.get(source, Counter())
+                for client, n in zip(clients, accepted):
+                    if n - received[client] > 0:
+                        out[client] += n - received[client]
+        return dict(out)

@@ -1,0 +1,100 @@
+"""Bodies of the gradient-server churn runs, shared by tests/test_server_churn.py and
+benchmarks/churn.py.
+
+Exactness run: ``p`` (primary reducer, essential), ``s1``/``s2`` (secondary reducers),
+``c1``/``c2`` (clients). Every push claims a fresh *slot* (a store counter) and pushes a
+one-hot gradient there; with SGD(lr=1) the final ``-w[slot]`` is how many times that push
+was applied. Each client appends ``<status> <slot>`` lines to its own file with plain
+``os.write`` (kept by the kernel across a SIGKILL): ``P`` before the push, then ``A``
+(acknowledged), ``R`` (refused: queue full) or ``E`` (told it failed: PeerLostError).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+from machinlike.exception import PeerLostError
+from machinlike.server import PushPullGradServerImpl
+
+SLOTS = 16000
+TIMEOUT = 30.0
+
+
+class Slots(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(SLOTS))
+
+
+def _key(world: Any, name: str) -> str:
+    return world.membership.key(f"churn-test/{name}")
+
+
+def _wait_key(world: Any, name: str) -> None:
+    world.membership.registry.wait_all(_key(world, ""), [name], TIMEOUT, f"key {name!r}")
+
+
+def churn_body(world: Any, run_seconds: float, log_dir: str) -> Dict[str, Any]:
+    """One member of the exactness run; the primary returns the final weights and its stats."""
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")  # open: restarted members rejoin at once
+    me = world.name
+    if me == "p":
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4, max_queue_size=64)
+        model = Slots()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+        registry.set(_key(world, "deadline"), str(time.time() + run_seconds))
+        registry.set(_key(world, "ready"), "1")
+        registry.wait_all(_key(world, "done/"), ["c1", "c2"], TIMEOUT + run_seconds, "clients")
+        accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
+        accessor.flush(timeout=TIMEOUT)
+        weights = model.w.detach().clone()
+        stats = impl.stats()
+        registry.set(_key(world, "end"), "1")
+        impl.close()
+        return {"w": weights, "stats": stats}
+    _wait_key(world, "ready")
+    if me.startswith("s"):
+        try:
+            impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4,
+                                          max_queue_size=64)
+        except (ValueError, PeerLostError):
+            if registry.get_or_empty(_key(world, "end")):
+                return world.incarnation  # restarted after the run ended: the primary is gone
+            raise
+        impl.start()
+        _wait_key(world, "end")
+        impl.close()
+        return world.incarnation
+    deadline = float(registry.get_or_empty(_key(world, "deadline")))
+    accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
+    model = Slots()
+    fd = os.open(os.path.join(log_dir, f"{me}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    pushes = 0
+    try:
+        while time.time() < deadline:
+            slot = registry.add(_key(world, "slot"), 1) - 1
+            if slot >= SLOTS:
+                break
+            grad = torch.zeros(SLOTS)
+            grad[slot] = 1.0
+            model.w.grad = grad
+            os.write(fd, f"P {slot}\n".encode())
+            pull = pushes % 8 == 7  # mostly the fast path, sometimes machin's push-then-pull
+            try:
+                queued = accessor.push(model, pull=pull)
+                status = "A" if pull or queued else "R"
+            except PeerLostError:
+                status = "E"
+            os.write(fd, f"{status} {slot}\n".encode())
+            pushes += 1
+    finally:
+        os.close(fd)
+    registry.set(_key(world, f"done/{me}"), "1")
+    return pushes
