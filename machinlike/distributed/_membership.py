@@ -7,7 +7,7 @@ RpcGroup use it through the methods below and never touch the keys themselves.
     --------------                                ----------------------------------
     enter:   inc = add(m/inc/<name>)              m/live/<name>   "inc|transport|rank|pid id" or ""
              claim m/live/<name>                  m/hb/<name>     heartbeat counter
-             post "join"                          m/evn, m/ev/<i> the event log: join | leave | lost
+             post "join"                          m/log, m/evn    the event log (join | leave | lost), its growth counter
     monitor thread, each tick (liveness / 8):     m/own/<transport>  registry keys it claimed
              heartbeat, read the others'          m/lost/<name>/<inc>  elects one declarer
              apply new events
@@ -124,7 +124,8 @@ class Membership:
         self._wait_ids = 0
         self._callbacks: List[Callable[[MemberEvent], None]] = []
         self._changed = threading.Condition(self._lock)
-        self._seen = 0
+        self._seen = 0  # events of the log applied here
+        self._counted = 0  # the log's counter when it was last read
         self._beats: Dict[str, Tuple[int, float]] = {}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -521,21 +522,23 @@ class Membership:
 
     # ---------------------------------------------------------------- events
     def _post(self, kind: str, rec: _Record) -> None:
-        seq = int(self.registry.add(self.key("m/evn"), 1)) - 1
-        self.registry.set(self.key(f"m/ev/{seq}"), f"{kind}|{rec.member}|{rec.encode()}")
+        # One atomic append: a poster SIGKILLed mid-post leaves the event whole or absent,
+        # never a numbered hole every reader would wait on. The counter after it only
+        # tells readers that the log grew (one lagging behind is caught up by the next).
+        self.registry.append(self.key("m/log"), f"{kind}|{rec.member}|{rec.encode()}\n")
+        self.registry.add(self.key("m/evn"), 1)
 
     def _catch_up(self) -> None:
         """Apply every event posted since the last call, in log order."""
-        total = int(self.registry.add(self.key("m/evn"), 0))
-        if total <= self._seen:
+        total = self.registry.add(self.key("m/evn"), 0)
+        if total <= self._counted:
             return
-        seqs = [str(i) for i in range(self._seen, total)]
-        # A poster takes its number before writing the event: wait (briefly) for it.
-        self.registry.wait_all(self.key("m/ev/"), seqs, 5.0, "membership event log")
-        for seq, text in zip(range(self._seen, total), self.registry.values(self.key("m/ev/"), seqs)):
-            kind, member, encoded = text.split("|", 2)
+        lines = self.registry.get_or_empty(self.key("m/log")).splitlines()
+        for seq in range(self._seen, len(lines)):
+            kind, member, encoded = lines[seq].split("|", 2)
             self._apply(kind, _Record.decode(member, encoded), seq)
-        self._seen = total
+        self._seen = len(lines)
+        self._counted = total
 
     def _apply(self, kind: str, rec: _Record, seq: int) -> None:
         with self._lock:
