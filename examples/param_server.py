@@ -331,7 +331,7 @@ def main() -> None:
         "epochs": f"{final['epochs']:.1f} (of {args.epochs})",
         "server": (f"{stats['steps']} optimizer steps from {stats['applied']} pushes, version "
                    f"{stats['version']}, lag mean {stats['lag_mean']:.2f} max {stats['lag_max']}"),
-        "secondary reducers": per_trainer,
+        "secondary reducers": per_trainer or "not reported (with --chaos the run ends while they train)",
         "updates/s": f"{stats['steps'] / max(1e-9, final['seconds']):.1f}",
         "time to target": (f"{final['target_at']:.1f} s ({100 * args.target:.0f}% test accuracy)"
                            if final.get("target_at") is not None else "not reached"),
