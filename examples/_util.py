@@ -115,7 +115,7 @@ class Progress:
 
 
 def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
-        timeout_margin: float = 180.0) -> List[Any]:
+        timeout_margin: float = 180.0, chaos_ok: bool = False) -> List[Any]:
     """Run ``worker(world, args)`` on ``world_size`` ranks: spawned locally, as Ray actors
     (``--engine ray``), or in place under torchrun or srun.
 
@@ -128,6 +128,8 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     """
     timeout = args.time_budget + timeout_margin
     chaos = getattr(args, "chaos", None)
+    if chaos is not None and not chaos_ok:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos is not supported by this example yet")
     try:
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
             if chaos is not None:
