@@ -31,7 +31,23 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
                    help="Ray cluster for --engine ray ('host:port' or 'auto'; default: a new local Ray)")
     p.add_argument("--ray-cpus", type=float, default=1.0,
                    help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
+    p.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+                   help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
+                        "restarts it and training goes on (an elastic world; local engine only)")
     return p
+
+
+def member_printer(world: Any, role: str) -> Callable[[Any], None]:
+    """A ``world.on_member_change`` callback printing a line when a member is lost or rejoins."""
+
+    def show(event: Any) -> None:
+        if event.kind == "lost":
+            print(f"[{role}] member {event.member!r} (incarnation {event.incarnation}) was lost", flush=True)
+        elif event.kind == "join" and event.incarnation > 1:
+            print(f"[{role}] member {event.member!r} rejoined (incarnation {event.incarnation})", flush=True)
+
+    world.on_member_change(show)
+    return show
 
 
 class Curve:
@@ -99,18 +115,35 @@ class Progress:
 
 
 def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
-        timeout_margin: float = 180.0) -> List[Any]:
+        timeout_margin: float = 180.0, chaos_ok: bool = False) -> List[Any]:
     """Run ``worker(world, args)`` on ``world_size`` ranks: spawned locally, as Ray actors
     (``--engine ray``), or in place under torchrun or srun.
 
     Ctrl-C or a crashed rank stops every process: the launcher kills the rest and the
     error is printed with the failing rank's traceback.
+
+    With ``--chaos SECONDS`` (local engine): the ranks form an elastic world (no
+    collectives), rank 0 (the learner/server) is essential, and every SECONDS another rank
+    is SIGKILLed and restarted; the restarts are printed at the end.
     """
     timeout = args.time_budget + timeout_margin
+    chaos = getattr(args, "chaos", None)
+    if chaos is not None and not chaos_ok:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos is not supported by this example yet")
     try:
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
+            if chaos is not None:
+                print("--chaos applies to the local engine only: this Ray run kills nobody", file=sys.stderr)
             return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
                                          address=args.ray_address, resources={"num_cpus": args.ray_cpus})
+        if chaos is not None:
+            # Enough restarts for every kill the budget allows (one rank may draw them all).
+            restarts = int((args.time_budget + timeout_margin) / chaos) + 2
+            results = machinlike.launch(worker, world_size, args=(args,), timeout=timeout,
+                                        max_restarts=restarts, essential=[0], chaos=chaos, chaos_seed=args.seed)
+            print(f"chaos: {len(results.restarts)} ranks killed and restarted "
+                  f"({', '.join(r.name for r in results.restarts) or 'none'})", flush=True)
+            return results
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)

@@ -143,6 +143,10 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
         curve.add(seconds=f"{seconds:.2f}", version=model.pp_version, pushes_applied=stats["applied"],
                   epochs=f"{epochs:.2f}", train_loss=f"{train_loss:.4f}", test_loss=f"{test_loss:.4f}",
                   test_accuracy=f"{test_acc:.4f}")
+        last["epochs"] = epochs
+        if test_acc >= args.target and "target_at" not in last:
+            last["target_at"] = seconds
+            print(f"[{seconds:6.1f} s] target test accuracy {100 * args.target:.0f}% reached", flush=True)
         if progress.due() or final:
             rate = (stats["steps"] - last["steps"]) / max(1e-9, seconds - last["t"])
             last.update(steps=stats["steps"], t=seconds)
@@ -151,10 +155,12 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
                   f"max {stats['lag_max']}  train loss {train_loss:.3f}  test acc {100 * test_acc:5.1f}%",
                   flush=True)
         return {"stats": stats, "train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
-                "test_acc": test_acc, "seconds": seconds, "epochs": epochs}
+                "test_acc": test_acc, "seconds": seconds, "epochs": epochs, "target_at": last.get("target_at")}
 
     measure()
     while not finished.all_done.wait(args.eval_every):
+        if args.chaos is not None and last.get("epochs", 0.0) >= args.epochs:
+            break  # with chaos, the run ends once --epochs epochs of pushes are applied
         if time.monotonic() > deadline:
             missing = sorted(finished.expected - set(finished.reports))
             raise TimeoutError(f"trainers {missing} did not finish within the time budget plus 60 s")
@@ -167,7 +173,87 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     return final
 
 
+class _Hosted:
+    """The server's handles in an elastic run, shaped as ``serve()`` expects them."""
+
+    def __init__(self, impl: Any, accessor: Any) -> None:
+        self.impl, self.accessor = impl, accessor
+
+    def __iter__(self) -> Any:
+        return iter([self.accessor])
+
+    def stats(self) -> List[Dict[str, Any]]:
+        return [self.impl.stats()]
+
+    def watch(self) -> None:
+        self.impl.watch()
+
+
+def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--chaos``: an elastic world where trainers die (SIGKILL) and come back.
+
+    Rank 0 ("0") is essential. Each trainer hosts a secondary reducer; one that dies takes
+    its queued pushes with it (the server counts them as dropped) and its replacement
+    rejoins the running server and trains its shard again. The run ends once ``--epochs``
+    epochs of pushes were applied (or every trainer finished its epochs).
+    """
+    from machinlike.exception import PeerLostError
+    from machinlike.server import PushPullGradServerImpl
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    data = {k: torch.from_numpy(v) for k, v in args.data.items()}
+    server_member, trainers = "0", [str(r) for r in range(1, args.num_workers + 1)]
+    options = dict(primary_reducer=server_member, reduce_method="mean", reduce_batch_size=args.reduce_batch,
+                   max_queue_size=args.max_queue)
+    group = world.create_rpc_group(GROUP)  # open: a restarted trainer rejoins at once
+    if world.name == server_member:
+        _util.member_printer(world, "server")
+        finished = Finished(trainers)
+        group.register("done", finished.report)
+        torch.manual_seed(args.seed)
+        impl = PushPullGradServerImpl(SERVER, group, **options)
+        model = make_model(args.hidden)
+        impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=args.lr))
+        impl.start()
+        print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
+              f"{len(trainers)} trainers, server on rank 0, chaos every {args.chaos:g} s", flush=True)
+        accessor = group.get_paired(SERVER).to_here()
+        result = serve(world, _Hosted(impl, accessor), args, data, finished, started)
+        result["members"] = impl.stats()["members"]
+        result["dropped"] = impl.stats()["primary"]["dropped_dead_reducer"]
+        impl.close()
+        return result
+    if world.membership.gone(server_member):
+        return None  # restarted after the server finished
+    try:
+        world.wait_for_members([server_member], timeout=60.0)
+        impl = PushPullGradServerImpl(SERVER, group, **options)
+    except (ValueError, TimeoutError):
+        if world.get_incarnation(server_member) is None:
+            return None  # restarted after the server finished
+        raise
+    impl.start()
+    info: Dict[str, Any] = {"incarnation": world.incarnation}
+    try:
+        info.update(train(world, group.get_paired(SERVER, timeout=60.0).to_here(), args, data, trainers, group))
+        info["secondary"] = impl.stats()["secondary"]
+        info["cpu"] = time.process_time()
+        group.registered_sync("done", (world.name, info))
+        # Stay (hosting the secondary) until the server has flushed it and left.
+        world.wait_for_members([server_member], timeout=args.time_budget + 120.0, gone=True)
+    except PeerLostError as err:
+        if err.member != server_member:
+            raise
+    except KeyError:  # the server withdrew its services: it is finishing
+        pass
+    impl.close()
+    return None
+
+
 def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    if world.elastic:
+        return worker_elastic(world, args)
     torch.set_num_threads(1)  # 2 cores shared by every rank
     if world.world_size < 2:
         raise ValueError(f"param_server needs at least 2 processes (a server and a trainer), got "
@@ -217,6 +303,8 @@ def main() -> None:
                    help="pushes a secondary reducer may hold before refusing more (default 8)")
     p.add_argument("--eval-every", type=float, default=0.5, help="seconds between evaluations (default 0.5)")
     p.add_argument("--print-every", type=float, default=2.0, help="seconds between progress lines (default 2)")
+    p.add_argument("--target", type=float, default=0.95,
+                   help="test accuracy reported as the target (with --chaos the run ends there; default 0.95)")
     args = p.parse_args()
     if args.num_workers < 1:
         p.error("--num-workers must be at least 1 (trainers; rank 0 is the server)")
@@ -227,12 +315,14 @@ def main() -> None:
         p.error("--max-queue must be at least --reduce-batch")
     start = time.monotonic()
     args.data = load_digits_split(args.seed)
-    results = _util.run(worker, args.num_workers + 1, args)
+    results = _util.run(worker, args.num_workers + 1, args, chaos_ok=True)
     final = results[0] if results else None
     if final is None:  # a torchrun rank other than 0: rank 0 prints the summary
         return
     stats = final["stats"]
     png = _util.plot_csv(args.out, "epochs", ["test_accuracy", "train_loss"], "param_server: MLP on digits")
+    if final.get("trainers") is None or args.chaos is not None:
+        final["trainers"] = {m: t for m, t in final.get("trainers", {}).items() if "secondary" in t}
     per_trainer = ", ".join(f"{m}: {t['secondary']['accepted']} pushes taken, {t['secondary']['rejected']} refused"
                             for m, t in final["trainers"].items())
     _util.summary("param_server", {
@@ -241,8 +331,13 @@ def main() -> None:
         "epochs": f"{final['epochs']:.1f} (of {args.epochs})",
         "server": (f"{stats['steps']} optimizer steps from {stats['applied']} pushes, version "
                    f"{stats['version']}, lag mean {stats['lag_mean']:.2f} max {stats['lag_max']}"),
-        "secondary reducers": per_trainer,
+        "secondary reducers": per_trainer or "not reported (with --chaos the run ends while they train)",
         "updates/s": f"{stats['steps'] / max(1e-9, final['seconds']):.1f}",
+        "time to target": (f"{final['target_at']:.1f} s ({100 * args.target:.0f}% test accuracy)"
+                           if final.get("target_at") is not None else "not reached"),
+        **({"chaos": (f"every {args.chaos:g} s: {final['members']['losses']} trainers lost, "
+                      f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
+           if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",

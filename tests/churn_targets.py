@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from machinlike.exception import PeerLostError
-from machinlike.server import PushPullGradServerImpl
+from machinlike.server import PushPullGradServer, PushPullGradServerImpl
 
 SLOTS = 16000
 TIMEOUT = 30.0
@@ -53,13 +53,23 @@ def churn_body(world: Any, run_seconds: float, log_dir: str) -> Dict[str, Any]:
         registry.set(_key(world, "ready"), "1")
         registry.wait_all(_key(world, "done/"), ["c1", "c2"], TIMEOUT + run_seconds, "clients")
         accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
-        accessor.flush(timeout=TIMEOUT)
+        accessor.flush(timeout=TIMEOUT)  # returns once every skipped (dead) secondary is declared gone
+        impl.stats()  # closes the dead sources: nothing of theirs is received from now on
+        accessor.flush(timeout=TIMEOUT)  # applies what they delivered before that
         weights = model.w.detach().clone()
         stats = impl.stats()
         registry.set(_key(world, "end"), "1")
         impl.close()
         return {"w": weights, "stats": stats}
     _wait_key(world, "ready")
+    if registry.get_or_empty(_key(world, "end")):
+        return world.incarnation  # restarted after the run ended: the primary is gone
+    try:  # "ready" may come before this view has seen p join
+        world.wait_for_members(["p"], TIMEOUT)
+    except TimeoutError:
+        if registry.get_or_empty(_key(world, "end")):
+            return world.incarnation  # restarted after the run ended: the primary is gone
+        raise
     if me.startswith("s"):
         try:
             impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4,
@@ -98,3 +108,60 @@ def churn_body(world: Any, run_seconds: float, log_dir: str) -> Dict[str, Any]:
         os.close(fd)
     registry.set(_key(world, f"done/{me}"), "1")
     return pushes
+
+
+def dead_before_flush_body(world: Any) -> Any:
+    """``s1`` acknowledges 3 pushes of ``c1`` (fewer than a batch: they stay queued), then
+    dies by SIGKILL; ``p`` flushes as soon as the process is gone, before the world has
+    declared it lost, and reads its stats at once. Returns p's flush time and stats."""
+    import select
+    import signal
+
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    me = world.name
+    if me == "s1" and world.incarnation > 1:
+        return None  # the restart after the kill: nothing left to do
+    world.wait_for_members(["p", "s1", "c1"], TIMEOUT)  # open group: its members are the live ones seen
+    if me == "p":
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+        model = Slots()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+        registry.set(_key(world, "ready"), "1")
+        _wait_key(world, "pid")
+        pid = int(registry.get_or_empty(_key(world, "pid")))
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            fd = None  # already gone
+        if fd is not None:  # wait for the process to end, without polling
+            assert select.select([fd], [], [], TIMEOUT)[0], "s1 did not die"
+            os.close(fd)
+        accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
+        start = time.monotonic()
+        accessor.flush(timeout=TIMEOUT)
+        took = time.monotonic() - start
+        stats = impl.stats()
+        weights = model.w.detach().clone()
+        impl.close()
+        return {"took": took, "stats": stats, "applied": int((-weights).sum())}
+    _wait_key(world, "ready")
+    if me == "s1":
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+        impl.start()
+        registry.set(_key(world, "s1"), "1")
+        _wait_key(world, "pushed")
+        registry.set(_key(world, "pid"), str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    _wait_key(world, "s1")
+    accessor = PushPullGradServer("grad", group, secondary_reducers=["s1"], timeout=TIMEOUT)
+    model = Slots()
+    acked = 0
+    for slot in range(3):
+        grad = torch.zeros(SLOTS)
+        grad[slot] = 1.0
+        model.w.grad = grad
+        acked += bool(accessor.push(model, pull=False))
+    registry.set(_key(world, "pushed"), "1")
+    return acked

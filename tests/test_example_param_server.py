@@ -34,3 +34,20 @@ def test_param_server_trains_and_writes_its_curve(tmp_path):
 def test_param_server_help():
     done = run_example("param_server.py", "--help", timeout=60)
     assert done.returncode == 0 and "--num-workers" in done.stdout and "--time-budget" in done.stdout
+
+
+def test_param_server_trains_through_a_trainer_killed_by_chaos(tmp_path):
+    # --chaos: an elastic world; every 2 s the launcher SIGKILLs a trainer and restarts it.
+    out = tmp_path / "ps.csv"
+    done = run_example("param_server.py", "--num-workers", 2, "--epochs", 25, "--time-budget", 25, "--chaos", 2,
+                       "--out", out, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    lost = next(i for i, x in enumerate(lines) if x.startswith("[server] member") and "was lost" in x)
+    # Training went on past the kill: a later progress line, and the run applied every epoch.
+    assert any(x.startswith("[") and "pushes applied" in x for x in lines[lost + 1:]), done.stdout
+    with open(out, newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert float(rows[-1]["epochs"]) >= 25
+    chaos = next(x for x in lines if x.strip().startswith("chaos") and "trainers lost" in x)
+    assert " 0 trainers lost" not in chaos

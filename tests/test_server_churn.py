@@ -11,7 +11,7 @@ import pytest
 
 from machinlike import launch
 
-from churn_targets import churn_body
+from churn_targets import churn_body, dead_before_flush_body
 
 
 def _read_log(path):
@@ -24,11 +24,13 @@ def _read_log(path):
     return status
 
 
-@pytest.mark.timeout(90)
+# ~15 s on an idle machine; slow process starts under load stretch it, the launch's
+# timeout bounds it.
+@pytest.mark.timeout(75)
 def test_exact_sums_while_clients_and_secondaries_die(tmp_path):
     names = ["p", "s1", "s2", "c1", "c2"]
     results = launch(churn_body, 5, args=(6.0, str(tmp_path)), names=names, max_restarts=4, essential=["p"],
-                     chaos=1.5, chaos_seed=4, timeout=80)
+                     chaos=1.5, chaos_seed=4, timeout=60)
     kills = [r.name for r in results.restarts]
     assert len(kills) >= 3, results.restarts
     w = results[0]["w"]
@@ -41,7 +43,7 @@ def test_exact_sums_while_clients_and_secondaries_die(tmp_path):
     for client in ("c1", "c2"):
         log = _read_log(os.path.join(tmp_path, f"{client}.log"))
         kinds = collections.Counter(log.values())
-        assert kinds["A"] > 50, kinds
+        assert kinds["A"] > 20, kinds
         acked_lost = sum(1 for s, k in log.items() if k == "A" and applied[s] == 0)
         unsure = [s for s, k in log.items() if k in ("P", "E")]
         unsure_lost = sum(1 for s in unsure if applied[s] == 0)
@@ -55,3 +57,17 @@ def test_exact_sums_while_clients_and_secondaries_die(tmp_path):
     assert stats["dropped_dead_reducer"] == sum(dropped.values())
     seen = results[0]["stats"]["members"]
     assert seen["losses"] >= 1 and seen["rejoins"] >= 1, seen
+
+
+@pytest.mark.timeout(60)
+def test_pushes_of_a_secondary_dead_before_a_flush_are_reported_when_it_returns():
+    # A call to a dead process on this host fails at once, before the world declares it
+    # lost: the flush must not return (and the counts must not be read as final) until
+    # the primary can count what died with it.
+    results = launch(dead_before_flush_body, 3, names=["p", "s1", "c1"], max_restarts=1, essential=["p"],
+                     timeout=45)
+    assert results[2] == 3
+    out = results[0]
+    assert out["applied"] == 0
+    assert out["stats"]["primary"]["dropped_by_client"] == {"c1": 3}, out["stats"]
+    assert out["took"] < 2 * 2.0 + 1.5, out["took"]  # within the loss bound

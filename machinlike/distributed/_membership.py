@@ -317,6 +317,17 @@ class Membership:
         with self._lock:
             return transport in self._gone_transports
 
+    def worker_dead(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` is gone, asking the store when this view has not seen it yet.
+
+        Unlike :meth:`transport_gone` (this process's view, a monitor tick behind), this
+        is true as soon as the worker's process is seen dead here (``/proc``) or its
+        member's claim was cleared or taken by another incarnation. Both stay true.
+        """
+        if self.transport_gone(worker):
+            return True
+        return self._worker_dead(worker)
+
     # -------------------------------------------------------------- callbacks
     def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
         with self._lock:

@@ -15,8 +15,8 @@ died with it::
 
     dropped(client) = sum over settled sources of  acc[source, client] - received[source, client]
 
-The RPC worker name ``w`` is the member name, or ``<name>::<incarnation>`` for an
-incarnation after the first, so it names one process. A source is *settled* once no more
+The RPC worker name ``w`` names one process (an elastic member's transport,
+``<name>_<id>``, is new for every incarnation). A source is *settled* once no more
 of it can arrive: its worker is gone (lost or left), or it was tagged for another primary incarnation (a restarted primary
 refuses those; what it had received is restored from its checkpoint). A forward of a
 settled source is refused under the same lock that counts receipts, so a gradient is
@@ -45,7 +45,7 @@ Origin = Dict[Tuple[str, str], int]
 def parse_source(source: str) -> Tuple[str, str, int]:
     """``"w@p"`` -> (secondary member, its RPC worker, the primary's incarnation)."""
     worker, _, primary = source.rpartition("@")
-    return worker.partition("::")[0], worker, int(primary)
+    return worker.rpartition("_")[0] or worker, worker, int(primary)
 
 
 class _Keys:
@@ -127,6 +127,9 @@ class Ledger:
         self._lock = threading.Lock()
         self._received: Dict[str, Counter] = {}
         self._applied: Dict[str, Counter] = {}
+        # Sources found settled through the store before this view saw their worker go:
+        # once dropped() counted what they never delivered, receive() refuses the rest.
+        self._closed: Set[str] = set()
         self.refused = 0
 
     def _settled(self, source: str) -> Optional[str]:
@@ -134,7 +137,7 @@ class Ledger:
         if primary != self._incarnation:
             return f"they were accepted for incarnation {primary} of the primary reducer, this is {self._incarnation}"
         # Not "not live": a secondary that joined may not be in this member's view yet.
-        if self._keys.members.transport_gone(worker):
+        if source in self._closed or self._keys.members.transport_gone(worker):
             return f"secondary reducer {member!r} (RPC worker {worker!r}) is gone"
         return None
 
@@ -178,7 +181,13 @@ class Ledger:
         out: Counter = Counter()
         for source in self._keys.sources():
             if self._settled(source) is None:
-                continue
+                # This view learns of a loss a monitor tick after the store does (and a
+                # flush that skipped a dead secondary may be answered in between): ask
+                # the store, and close the source so that nothing of it is received later.
+                if not self._keys.members.worker_dead(parse_source(source)[1]):
+                    continue
+                with self._lock:
+                    self._closed.add(source)
             clients = self._keys.clients(source)
             accepted = self._keys.accepted(source, clients)
             with self._lock:

@@ -286,7 +286,10 @@ class PushPullGradServer:
 
         Every reachable secondary reduces and forwards what it holds, then the primary
         steps on what it holds (as many steps as its batches need). Unreachable
-        secondaries are skipped (their gradients are lost) and left out afterwards.
+        secondaries are skipped (their gradients are lost) and left out afterwards; in an
+        elastic world the flush first waits (within the loss bound) until the world has
+        declared each of them gone, so that the primary's ``dropped_by_client`` then
+        counts what died with them.
 
         Args:
             timeout: Seconds for the whole flush; None: the accessor's timeout.
@@ -302,24 +305,51 @@ class PushPullGradServer:
         deadline = time.monotonic() + wait
         # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).
         started = []
+        skipped: List[Tuple[str, Optional[str]]] = []
         for member in self._candidates():
             try:
                 started.append((member, self.group.registered_async(f"{self.server_name}/_flush/{member}",
                                                                     timeout=wait)))
             except (PeerLostError, KeyError) as err:
-                self._skip(member, err)
+                skipped.append(self._skip(member, err))
         for member, fut in started:
             try:
                 fut.wait()
             except (PeerLostError, KeyError) as err:
-                self._skip(member, err)
+                skipped.append(self._skip(member, err))
+        self._await_settled([s for s in skipped if s[1] is not None], deadline)
         left = max(0.001, deadline - time.monotonic())
         return self.group.registered_sync(f"{self.server_name}/_flush", timeout=left)
 
-    def _skip(self, member: str, err: BaseException) -> None:
+    def _skip(self, member: str, err: BaseException) -> Tuple[str, Optional[str]]:
+        """Leave ``member`` out; (member, its RPC worker if this view still has it live)."""
         log.warning("gradient server %r: flush skips unreachable secondary reducer %r: %s",
                     self.server_name, member, err)
         self._mark_lost(member)
+        world = get_world()
+        if world is None or not world.elastic:
+            return member, None
+        try:
+            return member, world.membership.transport_of(member)
+        except PeerLostError:
+            return member, None  # this view saw it go already
+
+    def _await_settled(self, skipped: List[Tuple[str, Optional[str]]], deadline: float) -> None:
+        # A call to a dead process on this host fails at once, before the world declares
+        # it lost; the primary counts a dead secondary's unforwarded pushes as dropped only
+        # once it is declared. Waiting for that (within the loss bound) makes the counts
+        # final when flush() returns: every push acknowledged before it is applied or reported.
+        world = get_world()
+        if not skipped or world is None or world.liveness is None:
+            return
+        members = world.membership
+        bound = min(max(0.001, deadline - time.monotonic()), 2 * world.liveness + 1.0)
+        try:
+            members.wait_until(lambda _: all(members.transport_gone(w) for _, w in skipped), bound)
+        except TimeoutError:
+            log.warning("gradient server %r: flush went on without %s declared gone within %.3g s; pushes "
+                        "they held are reported as dropped once they are", self.server_name,
+                        [m for m, _ in skipped], bound)
 
 
 def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str) -> List[str]:
