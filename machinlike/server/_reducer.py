@@ -401,7 +401,8 @@ class SecondaryReducer(_Reducer):
     def _process(self, items: List[Item]) -> None:
         reduced = reduce_items(items, self.device)
         if self.device.type != "cpu":  # RPC carries CPU tensors
-            reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions)
+            reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions,
+                           reduced.origin)  # keep who it came from: the primary counts receipts by it
         self._drain()
         try:
             self._in_flight = (self._forward(reduced), reduced.count)
