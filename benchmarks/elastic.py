@@ -84,6 +84,16 @@ def _late(address: str) -> None:
         world.wait_for_members(["driver"], timeout=60, gone=True)
 
 
+def _until_answers(group, key: str) -> None:
+    """Call ``key`` until it answers (its owner is joining or re-registering)."""
+    while True:
+        try:
+            group.registered_sync(key, timeout=10)
+            return
+        except (KeyError, ConnectionError):
+            time.sleep(0.001)  # polling is the measurement's resolution
+
+
 def _times_body(world, kills: int) -> Any:
     group = world.create_rpc_group("open")
     if world.name != "driver":
@@ -114,24 +124,14 @@ def _times_body(world, kills: int) -> Any:
         with changed:
             changed.wait_for(lambda: k in lost_at, timeout=10)
         detection.append(lost_at[k] - killed)
-        while True:  # the restarted incarnation answers
-            try:
-                group.registered_sync("ping", timeout=10)
-                break
-            except (KeyError, ConnectionError):
-                time.sleep(0.001)  # polling is the measurement's resolution
+        _until_answers(group, "ping")  # the restarted incarnation
         rejoin.append(time.monotonic() - killed)
     joins = []
     for _ in range(3):
         child = Process(target=_late, args=(world.store_address,))
         start = time.monotonic()
         child.start()
-        while True:
-            try:
-                group.registered_sync("ping-late", timeout=10)
-                break
-            except (KeyError, ConnectionError):
-                time.sleep(0.001)  # polling is the measurement's resolution
+        _until_answers(group, "ping-late")
         joins.append(time.monotonic() - start)
         child.terminate()
         child.join(10)

@@ -15,6 +15,7 @@ from torch import nn
 
 from machinlike.exception import PeerLostError
 from machinlike.server import PushPullGradServer, PushPullGradServerImpl, ServerStoppedError, grad_server_helper
+from grad_targets import GatedSGD, Small
 from machinlike.testing import run_world, world_test
 
 
@@ -39,15 +40,6 @@ class Chain(nn.Module):
 
     def weights(self):
         return (self.fc1.weight.item(), self.fc2.weight.item(), self.fc3.weight.item())
-
-
-class Small(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 2)
-        with torch.no_grad():
-            self.lin.weight.zero_()
-            self.lin.bias.zero_()
 
 
 def _our_threads():
@@ -267,18 +259,6 @@ class ExplodingOptimizer:
 
 def impl_rejected(group):
     return group.registered_sync("rejected")
-
-
-class GatedSGD(torch.optim.SGD):
-    """SGD whose steps wait until ``gate`` is set: jams the server so its queues fill."""
-
-    def __init__(self, params, gate):
-        super().__init__(params, lr=1.0)
-        self.gate = gate
-
-    def step(self, closure=None):
-        assert self.gate.wait(60), "the test never opened the gate"
-        return super().step(closure)
 
 
 @world_test(2, timeout=90)
