@@ -25,7 +25,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chaos loop is shared with the test

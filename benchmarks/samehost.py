@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from typing import Any, Callable, Dict, List
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import sys
 import time
 from typing import Any, Dict
@@ -123,8 +124,6 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     group = world.create_rpc_group("open")
     group.register(f"where/{role}", where)
     if role == "victim":
-        import threading
-
         group.register("block", lambda: threading.Event().wait(60))  # answers only when it is too late
     out: Dict[str, Any] = {"role": role, "members_at_join": world.get_members()}
     world.create_rpc_group("ready", ["host", "remote", "victim"]).barrier(timeout=timeout)
@@ -145,8 +144,6 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
         out["after_leave"] = "answered"
     except KeyError as err:
         out["after_leave"] = f"KeyError: {err}"
-    import threading
-
     pending: Dict[str, Any] = {}
 
     def call_victim() -> None:  # a call in flight when its host goes
