@@ -224,3 +224,53 @@ def test_launch_chaos_kills_and_restarts_non_essential_ranks():
     assert all(r.name != "boss" and "SIGKILL" in r.cause for r in results.restarts), results.restarts
     with pytest.raises(ValueError, match="chaos=1 kills ranks that must come back"):
         launch(_whoami, 2, chaos=1)
+
+
+def _store_host(out_queue) -> None:
+    world = World("h", rank=0, elastic=True, init_method="tcp://127.0.0.1:0", dist_timeout=20)
+    world.create_rpc_group("open").register("h-svc", _whoami)
+    out_queue.put(world.store_address)
+    threading.Event().wait(60)  # until the test SIGKILLs it
+
+
+def _store_client(address, in_queue, out_queue) -> None:
+    world = World("c", elastic=True, init_method=address, dist_timeout=20)
+    group = world.create_rpc_group("open")
+    out_queue.put(group.registered_sync("h-svc", timeout=10))
+    in_queue.get(timeout=30)  # the host (and the store with it) is dead now
+    report = {}
+    start = time.monotonic()
+    try:
+        group.registered_sync("h-svc", timeout=30)
+    except Exception as err:
+        report["call"] = (type(err).__name__, str(err), time.monotonic() - start)
+    start = time.monotonic()
+    world.stop(timeout=5)
+    report["stop"] = time.monotonic() - start
+    out_queue.put(report)
+
+
+def test_the_store_host_dying_fails_every_member_fast():
+    import machinlike
+
+    to_test, to_client = machinlike.SimpleQueue(), machinlike.SimpleQueue()
+    host = Process(target=_store_host, args=(to_test,))
+    host.start()
+    address = to_test.get(timeout=30)
+    client = Process(target=_store_client, args=(address, to_client, to_test))
+    client.start()
+    try:
+        assert to_test.get(timeout=30) == "h#1"
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
+        to_client.put("go")
+        report = to_test.get(timeout=60)
+    finally:
+        for p in (host, client):
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    kind, message, elapsed = report["call"]
+    assert kind in ("PeerLostError", "KeyError"), report
+    assert elapsed < 5, report
+    assert report["stop"] < 5 + 1, report
