@@ -94,14 +94,19 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None), {}, [])
         api._init_rpc_states(agent)
         me = agent.get_worker_info()
+        silent = []
         for worker in agent.get_worker_infos():
             if worker.name == name:
                 continue
             try:
                 api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
-            except RuntimeError as err:  # it died meanwhile: its declarer prunes it
-                log.warning("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
+            except RuntimeError as err:  # it died meanwhile
+                log.info("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
                 forget_worker(worker.name)
+                silent.append(worker.name)
+        gone = [w for w in silent if dead(w)]
+        if gone:  # so that the next joiner does not call it again
+            _prune_locked(store, gone)
     except BaseException:
         try:
             _prune_locked(store, [name])
