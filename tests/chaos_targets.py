@@ -5,7 +5,7 @@ victim and a phase from a seeded schedule; every member creates the group ``it<i
 registers a service and pairs a value, meets at a barrier, calls everyone's service and
 reads everyone's value, and meets again. The victim SIGKILLs itself in its phase:
 
-    create   before creating the group      survivors wait in group creation
+    create   when the others are creating    survivors wait in group creation
     service  inside its own service         survivors are in registered_sync
     pair     right after pairing            survivors wait at the first barrier
     barrier  after the first barrier        survivors are in get_paired / registered_sync
@@ -78,6 +78,11 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
         began = time.monotonic()
         try:
             if dying and phase == "create":
+                # Die while the others are inside group creation: once each has written
+                # its join record (so each waits for this incarnation, not the next).
+                others = [m for m in MEMBERS if m != me]
+                world.membership.registry.wait_all(world.membership.key(f"rg/it{i}/0/join/"), others, SLOW,
+                                                   f"iteration {i}: the others entering group creation")
                 _die()
             group = world.create_rpc_group(f"it{i}", MEMBERS, timeout=SLOW)
             group.register(f"s-{me}", _die if dying and phase == "service" else _echo)
