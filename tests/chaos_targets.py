@@ -114,6 +114,8 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
         finally:
             if group is not None:
                 group.destroy()
+        if dying:
+            _die()  # its trigger was not reached (the others failed first): keep the schedule
     began = time.monotonic()
     world.stop(timeout=STOP)
     return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped, "unexpected": unexpected,
