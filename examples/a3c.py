@@ -214,7 +214,7 @@ class EpisodeLog:
         """A worker's finished episodes and counters; returns whether training is over."""
         with self._lock:
             if self.stop.is_set():  # episodes ending after the stop do not count
-                self.workers[member]["cpu"] = counters["cpu"]
+                self.workers.setdefault(member, dict(counters))["cpu"] = counters["cpu"]
                 return True
             self.workers[member] = counters
             seconds = time.monotonic() - self.started
@@ -271,8 +271,13 @@ def learn(world: machinlike.World, args: argparse.Namespace, group: machinlike.R
             "cpu": time.process_time() + log.total("cpu")}
 
 
-def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.RpcGroup, servers: Any) -> None:
-    """A worker: pull, sample, compute gradients, push; report episodes until told to stop."""
+def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.RpcGroup, servers: Any,
+        label: Optional[str] = None) -> None:
+    """A worker: pull, sample, compute gradients, push; report episodes until told to stop.
+
+    ``label``: the name it reports under (None: its member name); a restarted worker
+    reports under a new one so that its counters, which start afresh, add to the old ones.
+    """
     actor_server, critic_server = servers
     actor, critic = make_actor(args.hidden), make_critic(args.hidden)
     sampler = Sampler(args.envs_per_worker, args.seed * 10000 + world.rank * 100)
@@ -299,7 +304,7 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
                 last_report = now
                 counters = {"steps": sampler.steps, "refused": refused, "entropy": info["entropy"],
                             "cpu": time.process_time()}
-                if group.registered_sync("report", (world.name, sampler.take_finished(), counters)):
+                if group.registered_sync("report", (label or world.name, sampler.take_finished(), counters)):
                     break
     finally:
         sampler.close()
@@ -309,7 +314,111 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
     critic_server.flush()
 
 
+class _Hosted:
+    """The elastic run's servers, shaped as ``learn()`` and ``act()`` use them."""
+
+    def __init__(self, impls: List[Any], accessors: List[Any]) -> None:
+        self.impls, self.accessors = impls, accessors
+
+    def __iter__(self) -> Any:
+        return iter(self.accessors)
+
+    def stats(self) -> List[Dict[str, Any]]:
+        return [impl.stats() for impl in self.impls]
+
+    def watch(self) -> None:
+        for impl in self.impls:
+            impl.watch()
+
+
+def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--chaos``: an elastic world where workers die (SIGKILL) and come back.
+
+    Rank 0 (the learner, "0") is essential and hosts both primaries. Each worker hosts a
+    secondary reducer of each server; one that dies takes its queued pushes with it (the
+    servers count them) and its replacement rejoins the running servers with fresh
+    environments. Once training stops, the learner waits (bounded) for the live workers
+    to say they flushed, then closes the servers.
+    """
+    from machinlike.exception import PeerLostError
+    from machinlike.server import PushPullGradServerImpl
+
+    torch.set_num_threads(1)
+    learner, names = "0", ["a3c_actor", "a3c_critic"]
+    options = dict(primary_reducer=learner, reduce_method="mean", reduce_batch_size=args.reduce_batch,
+                   max_queue_size=max(64, args.reduce_batch))
+    group = world.create_rpc_group(GROUP)  # open: a restarted worker rejoins at once
+    if world.name == learner:
+        _util.member_printer(world, "learner")
+        columns = ["episode", "seconds", "env_steps", "worker", "length", "episode_return", "mean_return_100"]
+        log = EpisodeLog(_util.Curve(args.out, columns), args.target, args.stop_at)
+        bye: set = set()
+        bye_changed = threading.Condition()
+
+        def said_bye(member: str) -> None:
+            with bye_changed:
+                bye.add(member)
+                bye_changed.notify_all()
+
+        group.register("report", log.report)
+        group.register("bye", said_bye)
+        torch.manual_seed(args.seed)
+        impls = []
+        for name, model, lr in ((names[0], make_actor(args.hidden), args.actor_lr),
+                                (names[1], make_critic(args.hidden), args.critic_lr)):
+            impl = PushPullGradServerImpl(name, group, **options)
+            impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=lr))
+            impl.start()
+            impls.append(impl)
+        print(f"A3C on {ENV_ID}: {args.num_workers} workers x {args.envs_per_worker} environments, "
+              f"learner on rank 0, chaos every {args.chaos:g} s", flush=True)
+        hosted = _Hosted(impls, [group.get_paired(n).to_here() for n in names])
+        log.started = time.monotonic()
+        result = learn(world, args, group, hosted, log)
+        # The workers flush their secondaries once told to stop; wait for the live ones
+        # (a worker that dies meanwhile drops out of the live set).
+        deadline = time.monotonic() + 30.0
+        with bye_changed:
+            while not set(world.get_members()) - {learner} <= bye and time.monotonic() < deadline:
+                bye_changed.wait(0.2)  # also re-reads the live set: a loss notifies nobody here
+        for accessor in hosted.accessors:
+            accessor.flush()
+        result["members"] = impls[0].stats()["members"]
+        result["dropped"] = sum(i.stats()["primary"]["dropped_dead_reducer"] for i in impls)
+        for impl in impls:
+            impl.close()
+        return result
+    if world.membership.gone(learner):
+        return None  # restarted after the learner finished
+    try:
+        world.wait_for_members([learner], timeout=60.0)
+        impls = [PushPullGradServerImpl(n, group, **options) for n in names]
+    except (ValueError, TimeoutError):
+        if world.get_incarnation(learner) is None:
+            return None  # restarted after the learner finished
+        raise
+    for impl in impls:
+        impl.start()
+    try:
+        accessors = [group.get_paired(n, timeout=60.0).to_here() for n in names]
+        label = world.name if world.incarnation == 1 else f"{world.name}.{world.incarnation}"
+        act(world, args, group, _Hosted(impls, accessors), label)
+        group.registered_sync("bye", (world.name,))
+        # Stay (hosting the secondaries) until the learner has flushed them and left.
+        world.wait_for_members([learner], timeout=args.time_budget + 120.0, gone=True)
+    except PeerLostError as err:
+        if err.member != learner:
+            raise
+    except KeyError:  # the learner withdrew its services: it is finishing
+        pass
+    for impl in impls:
+        impl.close()
+    return None
+
+
 def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    if world.elastic:
+        return worker_elastic(world, args)
     torch.set_num_threads(1)  # 2 cores shared by every rank
     if world.world_size < 2:
         raise ValueError(f"a3c needs at least 2 processes (a learner and a worker), got {world.world_size}")
@@ -370,7 +479,7 @@ def main() -> None:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     start = time.monotonic()
-    results = _util.run(worker, args.num_workers + 1, args)
+    results = _util.run(worker, args.num_workers + 1, args, chaos_ok=True)
     final = results[0] if results else None
     if final is None:  # a torchrun rank other than 0: rank 0 prints the summary
         return
@@ -388,6 +497,9 @@ def main() -> None:
         "server": (f"{actor['steps']} actor updates from {actor['applied']} pushes, "
                    f"{actor['steps'] / max(1e-9, final['seconds']):.1f} updates/s, version lag mean "
                    f"{actor['lag_mean']:.2f} max {actor['lag_max']}, {final['refused']} pushes refused"),
+        **({"chaos": (f"every {args.chaos:g} s: {final['members']['losses']} workers lost, "
+                      f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
+           if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",
