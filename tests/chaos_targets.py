@@ -2,8 +2,9 @@
 
 Four members: ``d`` (the driver, essential) and ``m1``..``m3``. Iteration ``i`` picks a
 victim and a phase from a seeded schedule; every member creates the group ``it<i>``,
-registers a service and pairs a value, meets at a barrier, calls everyone's service and
-reads everyone's value, and meets again. The victim SIGKILLs itself in its phase:
+registers a service and pairs a value, meets at a barrier, then calls everyone's service
+and reads everyone's value (the group is destroyed once the next one exists, so readers
+never meet a withdrawn key). The victim SIGKILLs itself in its phase:
 
     create   when the others are creating    survivors wait in group creation
     service  inside its own service         survivors are in registered_sync
@@ -64,6 +65,7 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
     failed_fast: List[float] = []
     unexpected: List[str] = []  # failures of iterations in which nobody died
     completed = skipped = 0
+    previous = None  # the last iteration's group, destroyed when the next one exists
     for i in range(start, iterations):
         victim, phase = schedule(i, seed)
         expected = {m: 1 + _deaths_before(m, i, seed) for m in MEMBERS[1:]}
@@ -85,6 +87,11 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                                                    f"iteration {i}: the others entering group creation")
                 _die()
             group = world.create_rpc_group(f"it{i}", MEMBERS, timeout=SLOW)
+            # The previous group goes once everyone is in this one (creating it is where
+            # everyone meets), so nobody still reading it meets a withdrawn key.
+            if previous is not None:
+                previous.destroy()
+                previous = None
             group.register(f"s-{me}", _die if dying and phase == "service" else _echo)
             group.pair(f"v-{me}", i)
             if dying and phase == "pair":
@@ -102,8 +109,6 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                     except RuntimeError as err:  # torch's RRef reports its owner's death as text
                         raise PeerLostError(other, str(err)) from err
                     assert value == i
-            began = time.monotonic()
-            group.barrier(timeout=SLOW)
             completed += 1
         except (PeerLostError, KeyError) as err:
             elapsed = time.monotonic() - began
@@ -113,9 +118,13 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                 unexpected.append(f"iteration {i} {me}#{world.incarnation} t={time.time():.3f}: {err!r}")
         finally:
             if group is not None:
-                group.destroy()
+                if previous is not None:
+                    previous.destroy()
+                previous = group
         if dying:
             _die()  # its trigger was not reached (the others failed first): keep the schedule
+    if previous is not None:
+        previous.destroy()
     began = time.monotonic()
     world.stop(timeout=STOP)
     return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped, "unexpected": unexpected,
