@@ -116,9 +116,16 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     joins and then its host is unplugged by the test (host loss: no word, no RST)."""
     address = f"tcp://{os.environ['MLK_MASTER']}:{os.environ['MLK_PORT']}"
     events = []
+    victim_lost = threading.Event()
+
+    def record(event) -> None:  # runs on the liveness thread, after the views changed
+        events.append((event.kind, event.member, time.monotonic()))
+        if (event.kind, event.member) == ("lost", "victim"):
+            victim_lost.set()
+
     if role == "host":
         world = World("host", rank=0, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
-        world.on_member_change(lambda e: events.append((e.kind, e.member, time.monotonic())))
+        world.on_member_change(record)
     else:
         world = World(role, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
     group = world.create_rpc_group("open")
@@ -162,6 +169,7 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     unplugged = time.monotonic()
     world.wait_for_members(["victim"], timeout=timeout, gone=True)
     out["detected_after"] = time.monotonic() - unplugged
+    victim_lost.wait(timeout)  # the callback runs just after the views changed
     caller.join(timeout)
     out["pending_call"] = pending.get("outcome")
     out["pending_failed_after"] = pending.get("at", float("inf")) - unplugged

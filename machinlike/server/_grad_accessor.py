@@ -128,6 +128,10 @@ class PushPullGradServer:
 
     def _route(self, exclude: Set[str] = frozenset()) -> str:
         live = [m for m in self._candidates() if m not in exclude]
+        if not live and any(not hosts for hosts, _ in self._hosts.values()):
+            # A secondary seen without its service a moment ago may be back: ask again now.
+            self._hosts = {m: seen for m, seen in self._hosts.items() if seen[0]}
+            live = [m for m in self._candidates() if m not in exclude]
         if not live:
             known = {m for m, (hosts, _) in self._hosts.items() if hosts}
             gone = sorted(set(self._lost) | set(exclude) | known) or ["(none)"]
