@@ -7,14 +7,17 @@ RpcGroup use it through the methods below and never touch the keys themselves.
     --------------                                ----------------------------------
     enter:   inc = add(m/inc/<name>)              m/live/<name>   "inc|transport|rank|pid id" or ""
              claim m/live/<name>                  m/hb/<name>     heartbeat counter
-             post "join"                          m/log, m/evn    the event log (join | leave | lost), its growth counter
+             join RPC, post "join"                m/log, m/evn    event log (join | leave | lost) + its counter
     monitor thread, each tick (liveness / 8):     m/own/<transport>  registry keys it claimed
+                                                  m/t/<transport> its member (RPC worker -> name)
              heartbeat, read the others'          m/lost/<name>/<inc>  elects one declarer
              apply new events
              suspect: process gone (same host,    m/gone/<name>/<inc>  set when its keys are free
              read from /proc) or heartbeat
              stalled for 3/4 of liveness
     declare (one winner): release its keys, prune it from the RPC group, clear m/live, post "lost"
+            (a declarer that dies mid-way is taken over after a few leases: m/lostpost keeps it
+            to one "lost" event per incarnation)
     apply "lost" / "leave": forget its RPC worker, wake the waits that need it, run callbacks
 
 Why the store and not RPC: the store is torch's C++ server, reachable while any member
