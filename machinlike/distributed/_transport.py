@@ -63,8 +63,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
     under the membership token and, when one of them is dead, fails with the token still
     held and then waits for it in its own shutdown. This one holds the token in a
     ``finally``, prunes dead workers first, and skips (and forgets) a worker that dies
-    while it is being told about the newcomer (a live one that does not answer fails the
-    attempt, so that no two live workers are left knowing only one side of each other).
+    while it is being told about the newcomer.
 
     Args:
         timeout: Seconds for each call to an existing worker; also the store's timeout.
@@ -101,13 +100,8 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
                 continue
             try:
                 api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
-            except RuntimeError as err:
-                if not dead(worker.name):
-                    # A live worker that did not learn of us could not call us: undo this
-                    # attempt (the caller retries under a fresh name) rather than join halfway.
-                    raise RuntimeError(f"RPC worker {worker.name!r} did not answer the join of {name!r}: {err}") \
-                        from err
-                log.info("RPC join of %r: %r died meanwhile (%s); forgetting it", name, worker.name, err)
+            except RuntimeError as err:  # it died meanwhile, or its agent is gone
+                log.info("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
                 forget_worker(worker.name)
                 silent.append(worker.name)
         gone = [w for w in silent if dead(w)]
