@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["process_identity", "alive_here"]
+__all__ = ["process_identity", "alive_here", "is_here"]
 
 
 def _read(path: str) -> str:
@@ -45,6 +45,12 @@ def _namespace() -> str:
 def process_identity() -> str:
     """``<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
     return f"{_namespace()}/{os.getpid()}"
+
+
+def is_here(identity: str) -> bool:
+    """Whether ``identity`` names a process whose liveness ``/proc`` shows (no file read)."""
+    space = identity.rpartition("/")[0]
+    return "?" not in space and space == _namespace()
 
 
 def alive_here(identity: str) -> Optional[bool]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from ..exception import PeerLostError
 from . import _transport
 from ._calls import LocalTables
-from ._liveness import alive_here, process_identity
+from ._liveness import alive_here, is_here, process_identity
 from ._registry import Registry, deadline_left
 
 __all__ = ["Membership", "MemberEvent", "LOST_MARK"]
@@ -122,6 +122,7 @@ class Membership:
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
         self._gone_transports: Set[str] = set()
         self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
+        self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
         self._declaring: Dict[Tuple[str, int], float] = {}  # losses another member is cleaning up
         self._waits: Dict[int, Tuple[str, Dict[str, str], Optional[Dict[str, int]]]] = {}
         self._wait_ids = 0
@@ -287,8 +288,13 @@ class Membership:
 
     def on_this_host(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
-        identity = self.identity_of(worker)
-        return identity is not None and alive_here(identity) is not None
+        here = self._here.get(worker)
+        if here is None:
+            identity = self.identity_of(worker)
+            if identity is None:
+                return False
+            here = self._here[worker] = is_here(identity)  # fixed for a worker's life
+        return here
 
     def wait_call(self, fut: "torch.futures.Future", worker: str, what: str) -> object:
         """The result of ``fut``, a call to ``worker``; PeerLostError as soon as it is lost.
