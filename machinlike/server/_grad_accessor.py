@@ -237,9 +237,10 @@ class PushPullGradServer:
             try:
                 return self.group.registered_sync(service, (grads, version, me), timeout=self.timeout)
             except KeyError:
-                # Its service is gone (it left or was cleaned up): nothing was queued there.
-                self._hosts.pop(member, None)
-                self._mark_lost(member)
+                # Its service is absent (it left, was cleaned up, or came back and has not
+                # registered yet): nothing was queued there. Not marked lost: a member that
+                # came back registers again, and is asked again next time.
+                self._hosts[member] = (False, time.monotonic())
                 tried.add(member)
             except PeerLostError as err:
                 if err.member == member:  # lost mid-push: the outcome is unknown, so say so
