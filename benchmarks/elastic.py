@@ -143,11 +143,11 @@ def _times_body(world, kills: int) -> Any:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls, kills and iterations")
-    parser.add_argument("--kills", type=int, default=50)
-    parser.add_argument("--chaos-iterations", type=int, default=1000)
+    parser.add_argument("--kills", type=int, default=None, help="default 50 (10 with --quick)")
+    parser.add_argument("--chaos-iterations", type=int, default=None, help="default 1000 (30 with --quick)")
     args = parser.parse_args()
-    kills = 10 if args.quick else args.kills
-    iterations = 30 if args.quick else args.chaos_iterations
+    kills = args.kills or (10 if args.quick else 50)
+    iterations = args.chaos_iterations or (30 if args.quick else 1000)
     calls, blocks = (300, 5) if args.quick else (1000, 9)
 
     print("== cost of liveness on registered_sync (no-op, 2 local members) ==")
