@@ -471,11 +471,11 @@ class Membership:
         if local is not None:
             return local
         key = self.key(f"m/hb/{rec.member}")
-        first = self.registry.values_or_empty(key[: -len(rec.member)], [rec.member])[0]
+        first = self.registry.get_or_empty(key)
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline:  # its heartbeat moving within a lease: alive
             self._stop.wait(min(0.1, deadline_left(deadline)))
-            if self.registry.values_or_empty(key[: -len(rec.member)], [rec.member])[0] != first:
+            if self.registry.get_or_empty(key) != first:
                 return True
         return False
 
@@ -598,10 +598,8 @@ class Membership:
     def _on_store_lost(self, err: PeerLostError) -> None:
         self._store_lost = err
         with self._lock:
-            waits = list(self._waits.values())
             self._changed.notify_all()
         log.error("machinlike: %s; every call of this member now fails", err)
-        del waits
 
     # ------------------------------------------------------------------ leave
     def leave(self, deadline: float) -> None:

@@ -170,26 +170,6 @@ class Registry:
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
-    def barrier(self, tag: str, generation: int, me: str, members: Sequence[str], timeout: float, what: str,
-                stated: Optional[float] = None) -> None:
-        """One barrier round: announce ``me`` for ``generation``, wait for all ``members``.
-
-        The previous round's key of this member is deleted afterwards: by the time anyone
-        passed round g, every member had left round g - 1, so nobody still waits on it.
-        """
-        prefix = f"{tag}/{generation}/"
-        store = self._waiter()
-        try:
-            store.set(prefix + me, "1")
-        except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
-        self.wait_all(prefix, members, timeout, what, stated)
-        if generation:
-            try:
-                store.delete_key(f"{tag}/{generation - 1}/{me}")
-            except (dist.DistNetworkError, ConnectionError) as err:
-                raise self._lost(err) from err
-
     def delete(self, keys: Iterable[str]) -> None:
         """Best-effort removal of bookkeeping keys (the store may be gone at shutdown)."""
         store = self._waiter()
