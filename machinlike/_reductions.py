@@ -33,11 +33,13 @@ it before) and fails with a clear error elsewhere.
 Reference counting of named shared memory: torch keeps the segment alive while it is
 mapped, plus one "in transit" reference that each pickling adds and a load releases.
 Loading the same payload again in the same process releases nothing (a per-process set
-of payload tokens tells first loads from repeats). Loading it in several processes
-releases more than was added; the only effect is that the segment's *name* can go away
-while processes still map it (their memory stays valid), so a load attempted after that
-fails with a clear error. The count cannot be kept exact without knowing, when
-pickling, how often a payload will be loaded.
+of payload tokens tells first loads from repeats). Across processes, the in-transit
+reference goes with a claim file the pickling creates (an empty file under /dev/shm): the
+one load that unlinks it releases the reference, every other load only maps. ``unlink``
+succeeds for exactly one caller, so the count stays exact however many processes load
+one payload; without it the segment's name could go away while the sender still holds
+the tensor, and the sender could not share it again. A payload never loaded keeps its
+segment (as torch's own) and its claim file until torch's manager exits.
 """
 
 from __future__ import annotations
@@ -250,16 +252,45 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     global _uses_manager
     manager, handle, size = storage._share_filename_cpu_()
     _uses_manager = True
+    token = os.urandom(12)
+    claim = _make_claim(token)
     storage._shared_incref()
     _note_undo(storage._shared_decref)
+    if claim is not None:
+        _note_undo(lambda: _take_claim(claim))
     _torch_red.shared_cache[handle] = _torch_red.StorageWeakRef(storage)
-    return (_rebuild_storage_named, (manager, handle, size, os.urandom(12)))
+    return (_rebuild_storage_named, (manager, handle, size, token, claim))
 
 
-def _rebuild_storage_named(manager: bytes, handle: bytes, size: int, token: bytes) -> torch.UntypedStorage:
+_CLAIM_DIR = "/dev/shm"
+
+
+def _make_claim(token: bytes) -> Optional[str]:
+    """Create the claim file of a payload's in-transit reference; None where /dev/shm is
+    not writable (then every process's first load releases it, as torch's own path)."""
+    path = f"{_CLAIM_DIR}/machinlike_claim_{os.getpid()}_{token.hex()}"
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        return None
+    return path
+
+
+def _take_claim(path: str) -> bool:
+    """Whether this caller is the one that removed the claim file (exactly one is)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _rebuild_storage_named(
+    manager: bytes, handle: bytes, size: int, token: bytes, claim: Optional[str] = None
+) -> torch.UntypedStorage:
     global _uses_manager
     _uses_manager = True  # (from here on) loading connects this process to the sender's manager
-    if _first_load(token):
+    if _first_load(token) and (claim is None or _take_claim(claim)):
         # torch's own rebuild: opens (or finds in its cache) and releases the transit ref
         try:
             return _torch_red.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)

@@ -192,6 +192,17 @@ def test_tensor_shared_to_two_children():
     assert torch.equal(t, torch.full((3,), 4.0))
 
 
+def test_payload_loaded_in_two_processes_leaves_the_sender_able_to_share():
+    # Each child maps, releases and exits in turn: had both released the in-transit
+    # reference, the segment's name would be gone although the sender still holds it.
+    t = torch.zeros(3)
+    payload = dumps(t, copy_tensor=False)
+    for _ in range(2):
+        run_child(targets.load_and_add, payload)
+    run_child(targets.load_and_add, dumps(t, copy_tensor=False))
+    assert torch.equal(t, torch.full((3,), 3.0))
+
+
 def test_storage_already_shared_by_file_descriptor_keeps_its_backing():
     from multiprocessing.reduction import ForkingPickler
 
