@@ -133,6 +133,53 @@ def test_a_killed_member_is_detected_freed_and_comes_back():
     assert "SIGKILL" in result.restarts[0].cause
 
 
+def _caller_of_host(address: str, out_queue) -> None:
+    with World("late", elastic=True, init_method=address, dist_timeout=20) as world:
+        group = world.create_rpc_group("open")
+        out_queue.put((group.registered_sync("svc", timeout=10), group.get_paired("value", timeout=10).to_here()))
+
+
+def _probed_body(world):
+    import machinlike
+
+    group = world.create_rpc_group("open")
+    if world.name == "host":
+        group.register("svc", _whoami)
+        group.pair("value", 7)
+    both = world.create_rpc_group("both", ["host", "peer"])  # the host registered first
+    if world.name == "peer":
+        assert group.registered_sync("svc", timeout=10) == "host#1"  # a pipe to the old agent
+        old = world.membership.transport_of("host")
+        both.barrier(timeout=30)
+        world.membership.wait_until(lambda live: world.membership.transport_of("host") != old, 20)
+        assert group.registered_sync("svc", timeout=10) == "host#1"
+        # Its RRefs still work (torch binds a process's RRefs to its first agent).
+        value = group.get_paired("value", timeout=10)
+        assert value.to_here(timeout=10) == 7 and value.rpc_sync(timeout=10).bit_length() == 3
+        both.barrier(timeout=30)
+        return old
+    both.barrier(timeout=30)
+    # Open the port and close it without a word: TensorPipe closes this agent's listener.
+    host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
+    socket.create_connection((host, int(port)), timeout=5).close()
+    results = machinlike.SimpleQueue()
+    child = Process(target=_caller_of_host, args=(world.store_address, results))
+    child.start()
+    answer = results.get(timeout=60)
+    child.join(30)
+    both.barrier(timeout=30)
+    return answer, world.membership.transport
+
+
+def test_a_member_whose_rpc_listener_closed_renews_it():
+    # A later joiner must reach it (its services and values kept), and so must a peer
+    # whose connection went to the old agent.
+    result = launch(_probed_body, 2, names=["host", "peer"], max_restarts=1, timeout=120)
+    (answer, transport), old = result
+    assert answer == ("host#1", 7)
+    assert transport != old
+
+
 def _run_duplicate(world):
     # The second World must come from another process: one World per process.
     import machinlike

@@ -46,6 +46,9 @@ class LocalTables:
         self.values: Dict[str, Any] = {}
         # Lets an owner forward a call for a key it no longer holds (registered_remote).
         self.resolve_owner: Optional[Callable[[str], Optional[str]]] = None
+        # torch's RRef context is bound to the first RPC agent of a process for good; after
+        # another agent started here, an RRef made here names the old one (see _paired_rref).
+        self.rrefs_stale = False
 
 
 _tables: Optional[LocalTables] = None
@@ -87,6 +90,15 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+
+class _Stale:
+    """The owner cannot make RRefs that name its current agent: ask with ``rpc.remote``."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        return _Stale, ()
 _ABSENT = object()
 
 
@@ -150,7 +162,22 @@ def _paired_rref(sid: str) -> Any:
     value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
     if value is _ABSENT:
         return _MISSING
+    if _tables.rrefs_stale:
+        return _Stale()
     return rpc.RRef(value)
+
+
+def _paired_value(sid: str) -> Any:
+    """The paired value itself, for the caller's ``rpc.remote`` (an RRef made by the caller)."""
+    value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
+    if value is _ABSENT:
+        raise KeyError(f"value {sid!r} is no longer paired on {_where()}")
+    return value
+
+
+def _paired_method(sid: str, name: str, args: Tuple, kwargs: Dict) -> Any:
+    """``value.name(*args, **kwargs)`` on a paired value (see ``_paired``)."""
+    return getattr(_paired_value(sid), name)(*args, **kwargs)
 
 
 def _ping() -> None:
@@ -263,6 +290,11 @@ def unwrap(value: Any) -> Any:
     if type(value) is _Failure:
         raise value.exc
     return value
+
+
+def is_stale(value: Any) -> bool:
+    """Whether a paired-value answer asks the caller to make the RRef itself."""
+    return type(value) is _Stale
 
 
 def is_missing(value: Any) -> bool:

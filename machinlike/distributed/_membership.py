@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..exception import PeerLostError
 from . import _transport
 from ._calls import LocalTables
+from ._listener import ListenerWatch
 from ._liveness import alive_here, is_here, process_identity
 from ._registry import Registry, deadline_left
 
@@ -135,6 +136,12 @@ class Membership:
         self._thread: Optional[threading.Thread] = None
         self._store_lost: Optional[PeerLostError] = None
         self._static_order: List[str] = []
+        # Transport renewal (elastic worlds): see _listener. Claims are made and moved
+        # under _claims, so none is noted under a worker name that is being replaced.
+        self._claims = threading.Lock()
+        self._listener: Optional[ListenerWatch] = None
+        self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
+        self._old_transports: Set[str] = set()
         #: This process's handles of the groups it belongs to, by name (owned by RpcGroup).
         self.groups: Dict[str, object] = {}
         #: How many times each group name was created here (static groups' epochs).
@@ -198,16 +205,23 @@ class Membership:
         self.transport = f"{self.name.replace('-', '_')}_{tid}"
         self.registry.set(self.key(f"m/t/{self.transport}"), self.name)
 
-    def join_transport(self, threads: int, timeout: float, deadline: float) -> None:
+    def join_transport(self, threads: int, timeout: float, deadline: float, default_timeout: float) -> None:
         """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
 
         A member that dies while this one joins makes torch's join fail (it calls every
         listed worker); the attempt is then undone and repeated under a fresh worker name
         until ``deadline``.
 
+        Args:
+            threads: RPC worker threads of the agent.
+            timeout: Seconds for each call the join makes.
+            deadline: ``time.monotonic()`` deadline of the whole join.
+            default_timeout: The agent's default RPC timeout afterwards, in seconds.
+
         Raises:
             RuntimeError, TimeoutError: the last attempt's error, when the deadline passed.
         """
+        self._join_args = (threads, timeout, default_timeout)
         store = self._rpc_store()
         while True:
             # A listed worker is stale when no live claim names it (its member was declared
@@ -216,11 +230,17 @@ class Membership:
             try:
                 _transport.start_dynamic(store, self.transport, self._tid, threads, max(0.5, min(timeout, 5.0)),
                                          deadline, self._token_holder_dead, self._worker_dead)
+                _transport.set_default_timeout(default_timeout)
+                self.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
+                self._listener = ListenerWatch(_transport.published_address(store, self.transport))
                 return
             except RuntimeError as err:
                 if deadline_left(deadline) < 1.0:
                     raise
                 log.warning("machinlike: member %r: RPC join attempt failed (%s); retrying", self.name, err)
+                # A pause, not a synchronisation: what failed (a silent peer renewing its
+                # agent, one dying) takes a monitor tick to change.
+                self._stop.wait(max(0.02, (self.liveness or 2.0) / 8))
             old = self._me.encode()
             self._new_transport()
             self._me = _Record(self.name, self.incarnation, self.transport, self.rank, self._me.identity)
@@ -261,6 +281,10 @@ class Membership:
         """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
         with self._lock:
             return None if member in self._live else self._gone.get(member)
+
+    def rpc_address(self) -> Optional[str]:
+        """The address this member's RPC agent listens on (elastic worlds; None if unknown)."""
+        return _transport.published_address(self._rpc_store(), self.transport) if self.elastic else None
 
     def transport_of(self, member: str) -> str:
         """The RPC worker name of live ``member``.
@@ -366,14 +390,26 @@ class Membership:
 
     # ------------------------------------------------------------ owner table
     def claim(self, key: str, holder: str) -> Optional[str]:
-        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies)."""
-        held = self.registry.claim(key, holder)
-        if held is None:
-            self.registry.append(self.key(f"m/own/{self.transport}"), f"{key}\x1f{holder}\n")
+        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
+
+        ``holder`` names this member's RPC worker last (``"<worker>"`` or
+        ``"<tag>:<worker>"``); one naming a worker this member had before a transport
+        renewal is taken as naming the current one.
+        """
+        with self._claims:
+            holder = self._current_holder(holder)
+            held = self.registry.claim(key, holder)
+            if held is None:
+                self.registry.append(self.key(f"m/own/{self.transport}"), f"{key}\x1f{holder}\n")
         return held
 
     def release(self, key: str, holder: str) -> bool:
-        return self.registry.release(key, holder)
+        with self._claims:
+            return self.registry.release(key, self._current_holder(holder))
+
+    def _current_holder(self, holder: str) -> str:
+        tag, colon, worker = holder.rpartition(":")
+        return f"{tag}{colon}{self.transport}" if worker in self._old_transports else holder
 
     def owner(self, key: str) -> Optional[str]:
         return self.registry.owner(key)
@@ -438,6 +474,8 @@ class Membership:
             try:
                 self.registry.add(beat_key, 1)
                 self._catch_up()
+                if self._listener is not None and self._listener.alive() is False:
+                    self._renew()
                 for rec in self._suspects():
                     self._declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
@@ -562,6 +600,9 @@ class Membership:
 
     def _apply(self, kind: str, rec: _Record, seq: int) -> None:
         with self._lock:
+            if kind == "move":
+                self._apply_move(rec)
+                return
             if kind == "join":
                 old = self._live.get(rec.member)
                 if old is not None and old.incarnation >= rec.incarnation:
@@ -576,16 +617,18 @@ class Membership:
                     del self._live[rec.member]
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                 self._gone_transports.add(rec.transport)
-                for done in self._pending.pop(rec.transport, ()):
-                    done.set()  # wait_call sees the future still pending: lost
+                # Its worker, and any it had before a renewal (calls on those may be under way).
+                for worker in [w for w in self._pending if w in self._gone_transports
+                               and self._by_transport.get(w) == rec.member]:
+                    for done in self._pending.pop(worker):
+                        done.set()  # wait_call sees the future still pending: lost
                 self._beats.pop(rec.member, None)
                 wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
                         if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
             callbacks = list(self._callbacks)
             self._changed.notify_all()
         if kind != "join":
-            if self.elastic and rec.transport != self.transport:
-                _transport.forget_worker(rec.transport)
+            # The gone worker stays in this process's RPC agent: see _transport's "why".
             for prefix, name, names in wake:
                 self._wake(prefix, [name], names)
         event = MemberEvent(kind, rec.member, rec.incarnation, rec.rank, seq)
@@ -602,6 +645,47 @@ class Membership:
         log.error("machinlike: %s; every call of this member now fails", err)
 
     # ------------------------------------------------------------------ leave
+    # ------------------------------------------------------- transport renewal
+    def _renew(self) -> None:
+        """Give this member a new RPC agent (and worker name) after its listener closed.
+
+        Its incarnation, services and values stay: the registry keys it holds move to the
+        new worker name, and a "move" event tells the others. The old agent keeps serving
+        the connections it has (calls under way complete), until the World stops.
+        """
+        old = self._me
+        threads, timeout, default_timeout = self._join_args
+        log.warning("machinlike: member %r: the RPC listener of %r closed (a peer vanished while connecting, "
+                    "or something probed its port); restarting its RPC agent", self.name, old.transport)
+        self._listener = None
+        with self._claims:
+            _transport.retire_current()
+            self._old_transports.add(old.transport)
+            self._new_transport()
+            self._me = _Record(self.name, self.incarnation, self.transport, self.rank, old.identity)
+            self.registry.compare_set(self.key(f"m/live/{self.name}"), old.encode(), self._me.encode())
+            self.join_transport(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+            moved = []
+            for line in self.registry.get_or_empty(self.key(f"m/own/{old.transport}")).splitlines():
+                key, _, holder = line.partition("\x1f")
+                new = self._current_holder(holder)
+                if self.registry.compare_set(key, holder, new) == new:
+                    moved.append(f"{key}\x1f{new}\n")
+            if moved:
+                self.registry.append(self.key(f"m/own/{self.transport}"), "".join(moved))
+        self._post("move", self._me)
+        log.warning("machinlike: member %r now answers as RPC worker %r", self.name, self.transport)
+
+    def _apply_move(self, rec: _Record) -> None:
+        """A live member's new RPC worker (called under the lock)."""
+        current = self._live.get(rec.member)
+        if current is None or current.incarnation != rec.incarnation or current.transport == rec.transport:
+            return
+        self._live[rec.member] = rec
+        self._by_transport[rec.transport] = rec.member
+        # New calls go to the new worker; calls under way on the old one still complete.
+        self._gone_transports.add(current.transport)
+
     def leave(self, deadline: float) -> None:
         """Leave the world on purpose: free this member's keys, tell the others."""
         self._stop.set()

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from torch.distributed import rpc
 
 from . import _calls, _checks, _samehost
-from ._calls import RpcFuture, is_async, is_missing, ship_function, translate_error, unwrap
+from ._calls import RpcFuture, is_async, is_missing, is_stale, ship_function, translate_error, unwrap
 from ._membership import Membership
+from ._paired import RenewedOwnerRRef
 from ._registry import deadline_left
 from ._state import require_world
 from ..exception import PeerLostError
@@ -420,7 +421,7 @@ class RpcGroup:
         world = self._check_usable(need_member=False)
         return self._lookup(world, self._value_owners, "v", key, refresh=True) is not None
 
-    def get_paired(self, key: str, timeout: Optional[float] = None) -> rpc.RRef:
+    def get_paired(self, key: str, timeout: Optional[float] = None) -> Union[rpc.RRef, RenewedOwnerRRef]:
         """An RRef to the value paired under ``key`` (owned by the member that paired it).
 
         ``rref.rpc_sync().method(...)`` runs a method of the value on its owner;
@@ -432,7 +433,8 @@ class RpcGroup:
                 ``rpc_timeout``.
 
         Returns:
-            A ``torch.distributed.rpc.RRef``.
+            A ``torch.distributed.rpc.RRef``; when the owner restarted its RPC agent (or
+            built a second World in its process), a wrapper that behaves as one.
 
         Raises:
             KeyError: nothing is paired under ``key``.
@@ -448,6 +450,10 @@ class RpcGroup:
                 break
             value = self._sync(member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
                                f"value {key!r} of group {self._name!r}", wait)
+            if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
+                rref = rpc.remote(member, _calls._paired_value, args=(self._sid + key,),
+                                  timeout=max(0.001, deadline_left(deadline)))
+                return RenewedOwnerRRef(rref, member, self._sid + key)
             if not is_missing(value):
                 return value
         raise KeyError(f"Value with key [{key}] not found on Group [{self._name}]")

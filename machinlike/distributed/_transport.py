@@ -6,8 +6,8 @@ torch upgrade has one file to check (written against torch 2.13):
 - ``rpc._init_rpc_backend``: start an agent on a store we choose. ``rpc.init_rpc`` in
   dynamic mode wraps the store in a prefix taken from a per-process counter, so a process
   that ran an earlier World would land in another namespace than its peers.
-- ``agent._update_group_membership(info, [], {}, False)``: drop a worker from this
-  process's agent (its pipe and name), as torch does for a peer that left gracefully.
+- ``agent._update_group_membership(info, [], {}, True)`` on each listed worker: tell it
+  about a joiner (what torch's dynamic ``init_rpc`` does).
 - The store layout of torch's dynamic join: the joiner takes the token
   ``RpcGroupManagementToken``, reads ``names/_ALL_WORKER_INFOS`` ("name-id," entries) and
   calls every listed worker. A worker that died stays listed (and every later join fails
@@ -16,6 +16,15 @@ torch upgrade has one file to check (written against torch 2.13):
 
 Why a dynamic agent at all: a static agent has a fixed world size and cannot admit a
 process that starts later or comes back after a crash.
+
+Why a gone worker is never removed from an agent (only from the store's list): torch's
+agent guards its worker maps with a lock only in *static* groups, and hands out
+references into them. Removing an entry while another thread sends or frees an RRef is a
+use-after-free: the chaos loop crashed survivors with SIGSEGV, or lost a live worker's
+entry ("could not find destination name"). Entries of gone workers stay (a few bytes
+each; every incarnation has its own name, so none is ever reused); calls never reach them
+because the membership layer refuses a gone member first. The maps then only grow, so
+their rare rehashes are the one unsynchronised mutation left.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "start_dynamic", "forget_worker", "prune_workers", "release_token_of",
+__all__ = ["start_static", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address", "prune_workers", "release_token_of",
            "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -46,6 +55,16 @@ def _options(threads: int, timeout: float, init_method: Optional[str]) -> rpc.Te
                                            init_method=init_method)
 
 
+# Agents this process started. torch's RRef context is made once per process, bound to
+# the first agent: RRefs made here after a second start name the first one.
+_agents_started = 0
+
+
+def rrefs_bound_elsewhere() -> bool:
+    """Whether RRefs made in this process name an agent other than the current one."""
+    return _agents_started > 1
+
+
 def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float) -> None:
     """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous."""
     with warnings.catch_warnings():
@@ -53,6 +72,8 @@ def start_static(name: str, rank: int, world_size: int, init_method: str, thread
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         rpc.init_rpc(name, rank=rank, world_size=world_size,
                      rpc_backend_options=_options(threads, timeout, init_method))
+    global _agents_started
+    _agents_started += 1
 
 
 def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float, deadline: float,
@@ -62,8 +83,8 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
     torch's own dynamic join (``init_rpc`` without a world size) calls every listed worker
     under the membership token and, when one of them is dead, fails with the token still
     held and then waits for it in its own shutdown. This one holds the token in a
-    ``finally``, prunes dead workers first, and skips (and forgets) a worker that dies
-    while it is being told about the newcomer.
+    ``finally``, prunes dead workers first, skips a worker that dies while it is being
+    told about the newcomer, and gives up (to be retried) when a live one stays silent.
 
     Args:
         timeout: Seconds for each call to an existing worker; also the store's timeout.
@@ -73,10 +94,9 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
 
     Raises:
         TimeoutError: the token stayed held by a live joiner until ``deadline``.
-        RuntimeError: the agent could not start.
+        RuntimeError: the agent could not start, or a live worker did not answer.
     """
     from torch.distributed.rpc import TensorPipeAgent, api
-    from torch.distributed.rpc._utils import _update_group_membership
 
     store.set_timeout(datetime.timedelta(seconds=timeout))
     try:
@@ -93,19 +113,14 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
             _prune_locked(store, stale)
         agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None), {}, [])
         api._init_rpc_states(agent)
+        global _agents_started
+        _agents_started += 1
         me = agent.get_worker_info()
-        silent = []
+        gone = []
         for worker in agent.get_worker_infos():
-            if worker.name == name:
-                continue
-            try:
-                api.rpc_sync(worker.name, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
-            except RuntimeError as err:  # it died meanwhile, or its agent is gone
-                log.info("RPC join of %r: %r did not answer (%s); forgetting it", name, worker.name, err)
-                forget_worker(worker.name)
-                silent.append(worker.name)
-        gone = [w for w in silent if dead(w)]
-        if gone:  # so that the next joiner does not call it again
+            if worker.name != name and not _tell(worker.name, me, timeout, dead):
+                gone.append(worker.name)
+        if gone:  # so that the next joiner does not call them again
             _prune_locked(store, gone)
     except BaseException:
         try:
@@ -118,24 +133,57 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         _release_token(store, mine)
 
 
+def published_address(store: dist.Store, worker: str) -> Optional[str]:
+    """The listener address worker ``worker``'s agent published, e.g. ``"uv://10.0.0.2:41235"``."""
+    key = f"addrs/{worker}"
+    return store.get(key).decode() if store.check([key]) else None
+
+
+# Agents replaced by a newer one in this process (a renewal): they keep serving the
+# connections they have until the World stops.
+_retired: List[object] = []
+
+
+def retire_current() -> None:
+    """Let another agent become this process's current one; the old one keeps running.
+
+    Its listener is gone, but the connections peers opened to it still carry their calls
+    (in flight or new), so a renewal fails nothing that was under way. It is shut down
+    with the current agent (:func:`shutdown`).
+    """
+    from torch._C._distributed_rpc import _reset_current_rpc_agent
+
+    _retired.append(rpc.api._get_current_rpc_agent())
+    _reset_current_rpc_agent()
+
+
 def set_default_timeout(seconds: float) -> None:
     """The agent's default RPC timeout from now on."""
     rpc._set_rpc_timeout(seconds)
 
 
-def forget_worker(name: str) -> bool:
-    """Drop worker ``name`` from this process's agent; False when it did not know it."""
+def _tell(worker: str, me: "rpc.WorkerInfo", timeout: float, dead: Callable[[str], bool]) -> bool:
+    """Tell ``worker`` about the joiner ``me``; False when it is dead (skipped).
+
+    A live worker that does not answer is not skipped: it would stay unknown to the
+    joiner for good (agents' worker tables are never repaired). The attempt fails
+    instead and is made again, without the token (the worker may need it: one whose
+    listener closed renews its agent through a join of its own).
+
+    Raises:
+        RuntimeError: it is alive but did not answer.
+    """
+    from torch.distributed.rpc import api
+    from torch.distributed.rpc._utils import _update_group_membership
+
     try:
-        agent = rpc.api._get_current_rpc_agent()
-        info = agent.get_worker_info(name)
-    except RuntimeError:
-        return False
-    try:
-        agent._update_group_membership(info, [], {}, False)
+        api.rpc_sync(worker, _update_group_membership, args=(me, [], {}, True), timeout=timeout)
+        return True
     except RuntimeError as err:
-        log.debug("forgetting RPC worker %r: %s", name, err)
-        return False
-    return True
+        if dead(worker):
+            log.info("RPC join of %r: %r is dead; skipping it", me.name, worker)
+            return False
+        raise RuntimeError(f"RPC join of {me.name!r}: {worker!r} is alive but does not answer ({err})") from err
 
 
 def _acquire_token(store: dist.Store, mine: str, deadline: float, holder_dead: Callable[[str], bool]) -> None:
@@ -220,7 +268,8 @@ def listed_workers(store: dist.Store) -> List[str]:
 
 
 def shutdown(graceful: bool, timeout: float) -> None:
-    """Stop this process's agent; never raises for an agent torch already tore down."""
+    """Stop this process's agent (and retired ones); never raises for an agent torch
+    already tore down."""
     try:
         if graceful:
             rpc.shutdown(graceful=True, timeout=timeout)
@@ -230,3 +279,9 @@ def shutdown(graceful: bool, timeout: float) -> None:
         log.debug("RPC shutdown: %s", err)
         if graceful:
             shutdown(False, timeout)
+    while _retired:
+        agent = _retired.pop()
+        try:
+            agent.shutdown()  # type: ignore[attr-defined]
+        except RuntimeError as err:
+            log.debug("RPC shutdown of a retired agent: %s", err)

@@ -257,6 +257,7 @@ class World:
                 _transport.start_static(self.name, self.rank, self._size, self._rpc_url, rpc_threads,
                                         self.rpc_timeout)
             self._rpc_running = True
+            members.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
         reg.set(f"{ns}w/ready/{self.rank}", "1")
         reg.wait_all(f"{ns}w/ready/", ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
                      self.dist_timeout)
@@ -268,9 +269,8 @@ class World:
         self.rank, self.incarnation = members.rank, members.incarnation
         self._bind_tables()
         with self._network_hint():
-            members.join_transport(rpc_threads, min(self.rpc_timeout, 10.0), deadline)
+            members.join_transport(rpc_threads, min(self.rpc_timeout, 10.0), deadline, self.rpc_timeout)
         self._rpc_running = True
-        _transport.set_default_timeout(self.rpc_timeout)
         members.announce()
 
     def _bind_tables(self) -> None:
