@@ -20,10 +20,10 @@ has none is taken to be at version 0 when pushing, and to have no version when p
 (so it always receives the newest state).
 
 Churn. The host's death reaches clients as :class:`~machinlike.exception.PeerLostError`
-naming it (see :mod:`machinlike.server.ordered`). With ``checkpoint_dir`` the chain is checkpointed as a
-``"model-server"``; a restarted host resumes the last checkpointed state under a version
-above every version handed out before (so a client holding a newer, lost version pulls
-the resumed state on its next pull or rejected push).
+naming it (see :mod:`machinlike.server.ordered`). With ``checkpoint_dir`` the chain is
+checkpointed as a ``"model-server"``; a restarted host resumes the last checkpointed
+state under a version above every version handed out before, so a client holding a
+newer, lost version pulls the resumed state on its next pull or rejected push.
 """
 
 from __future__ import annotations
