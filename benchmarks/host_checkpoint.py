@@ -24,7 +24,6 @@ import argparse
 import os
 import select
 import signal
-import statistics
 import sys
 import tempfile
 import time

@@ -185,6 +185,12 @@ def test_checkpoint_files_are_checked_and_a_closed_host_resumes(world, tmp_path)
     assert again.stats()["resumed_version"] == LEASE_BLOCK + 1
     assert kv.pull("k") == (1, LEASE_BLOCK + 1) and kv.pull("k", 1) == (1, 1)
     again.close()
+    by_time = OrderedServerSimpleImpl("kv4", group, checkpoint_dir=tmp_path, checkpoint_every=1000,
+                                      checkpoint_interval=1e-6)
+    for v in range(3):
+        assert by_time.store("t", v, v, v - 1)
+    assert by_time.stats()["checkpoints"] == 3  # the key's creation, then each version (time is up)
+    by_time.close()
     os.remove(os.path.join(tmp_path, "kv3.lease"))
     with pytest.raises(CheckpointError, match="has no lease file"):
         OrderedServerSimpleImpl("kv3", group, checkpoint_dir=tmp_path)

@@ -30,7 +30,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Hashable, Optional, Tuple
 
 from ..distributed import MemberEvent, get_world
 from ._checkpoint import CheckpointError, Checkpointer
@@ -103,6 +104,28 @@ class HostCheckpoint:
                                   f"{lease['lease']} in {self._lease_file.path!r}: the files do not belong together")
         self.lease = lease["lease"]
         return state, self.lease
+
+    def restore(self, state: Dict[str, Any], lease: int, depth: int,
+                adopt: Optional[Callable[[Hashable, Any], Any]]) -> Tuple[Dict[Hashable, Deque], int]:
+        """Every key's history from ``state``, its newest value again above ``lease``.
+
+        Returns:
+            The keys' ``(version, value)`` deques (``maxlen=depth + 1``) and the version
+            the newest values were republished under (leased here before it is visible).
+        """
+        # Every version up to the lease may have been visible before the crash, some of
+        # them (after the checkpoint) with contents lost now: a number above it names
+        # nothing yet, so no number ever names two contents.
+        fresh = lease + 1
+        self.cover(fresh)
+        data: Dict[Hashable, Deque] = {}
+        for key, entries in state["data"].items():
+            kept: Deque = deque(maxlen=depth + 1)
+            for version, value in entries:
+                kept.append((version, value if adopt is None else adopt(key, value)))
+            kept.append((fresh, kept[-1][1]))
+            data[key] = kept
+        return data, fresh
 
     def cover(self, version: int) -> None:
         """Make ``version`` leased before it becomes visible (the caller serialises calls)."""

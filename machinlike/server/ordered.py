@@ -243,21 +243,10 @@ class OrderedServerSimpleImpl:
 
     # ------------------------------------------------------------ checkpoints
     def _resume(self, state: Dict[str, Any], lease: int) -> None:
-        # Every version up to the lease may have been visible before the crash, some of
-        # them (after the checkpoint) with contents lost now: republish each key's newest
-        # value above the lease, so that no number names two contents.
-        fresh = lease + 1
-        self._checkpoint.cover(fresh)
-        for key, entries in state["data"].items():
-            kept: Deque[Tuple[Any, Any]] = deque(maxlen=self.version_depth + 1)
-            for version, value in entries:
-                kept.append((version, value if self._adopt is None else self._adopt(key, value)))
-            kept.append((fresh, kept[-1][1]))
-            self._data[key] = kept
-        self.resumed_version = fresh
+        self._data, self.resumed_version = self._checkpoint.restore(state, lease, self.version_depth, self._adopt)
         self._checkpoint.save(0, self._snapshot())
         log.warning("ordered server %r resumed %d keys from %r, newest versions republished as %d",
-                    self.server_name, len(self._data), self._checkpoint.path, fresh)
+                    self.server_name, len(self._data), self._checkpoint.path, self.resumed_version)
 
     def _snapshot(self) -> Dict[str, Any]:
         # Under the lock (or before serving). Shallow: a stored value is never edited.
