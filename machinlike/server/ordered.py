@@ -223,11 +223,11 @@ class OrderedServerSimpleImpl:
         services = [self._push_service, self._pull_service, self._pull_if_changed_service]
         done: List[str] = []
         try:
-            # Before the services: a client that finds them gone later can name this member.
-            get_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
             for key, service in zip(self._keys, services, strict=True):
                 group.register(key, service)
                 done.append(key)
+            # Once the name is ours: a client that finds the services gone can name this member.
+            get_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
             group.pair(server_name, OrderedServerSimple(server_name, group))
         except BaseException:
             for key in done:
