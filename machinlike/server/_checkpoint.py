@@ -37,20 +37,21 @@ class Checkpointer:
     Args:
         directory: Directory of the checkpoint (created if missing).
         kind: What is checkpointed (e.g. ``"grad-server"``), checked on load.
-        name: The server's name, checked on load (the file is ``<name>.ckpt`` with "/"
+        name: The server's name, checked on load (the file is ``<name><suffix>`` with "/"
             replaced by "_").
+        suffix: Ending of the file name (a server may keep several files).
 
     Raises:
         TypeError: ``directory`` is not a path.
     """
 
-    def __init__(self, directory: Any, kind: str, name: str) -> None:
+    def __init__(self, directory: Any, kind: str, name: str, suffix: str = ".ckpt") -> None:
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), not {type(directory).__name__}")
         self.directory = os.fspath(directory)
         self.kind = kind
         self.name = name
-        self.path = os.path.join(self.directory, name.replace("/", "_") + ".ckpt")
+        self.path = os.path.join(self.directory, name.replace("/", "_") + suffix)
 
     def exists(self) -> bool:
         return os.path.exists(self.path)

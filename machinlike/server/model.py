@@ -18,6 +18,12 @@ names, shapes and dtypes of the state dict, stored under the key ``"<model_name>
 A model's version is the plain attribute ``model.pp_version`` (machin's name); a model that
 has none is taken to be at version 0 when pushing, and to have no version when pulling
 (so it always receives the newest state).
+
+Churn. The host's death reaches clients as :class:`~machinlike.exception.PeerLostError`
+naming it (see :mod:`machinlike.server.ordered`). With ``checkpoint_dir`` the chain is
+checkpointed as a ``"model-server"``; a restarted host resumes the last checkpointed
+state under a version above every version handed out before, so a client holding a
+newer, lost version pulls the resumed state on its next pull or rejected push.
 """
 
 from __future__ import annotations
@@ -177,6 +183,19 @@ def _share_state(_key: Any, value: Any) -> Any:
     return adopted
 
 
+class _ModelChain(OrderedServerSimpleImpl):
+    """The ordered server a model server hosts, checkpointed under the model server's name."""
+
+    _checkpoint_kind = "model-server"
+
+    def __init__(self, model_server: str, group: RpcGroup, **kwargs: Any) -> None:
+        self._model_server = model_server
+        super().__init__(f"{model_server}/ordered", group, adopt=_share_state, **kwargs)
+
+    def _checkpoint_name(self) -> str:
+        return self._model_server
+
+
 class PushPullModelServerImpl:
     """Host of a model server, in the process that constructs it (a member of ``group``).
 
@@ -189,23 +208,36 @@ class PushPullModelServerImpl:
         group: The RpcGroup clients reach the server through.
         model_name: Key of the model in the ordered server.
         o_server: Accessor of an existing ordered server to keep the chain in; None: host one.
+        checkpoint_dir: Directory where the hosted chain (state dicts and versions) is
+            checkpointed atomically; a host whose directory holds one resumes from it
+            here, under a version above every version handed out before. None: none.
+        checkpoint_every: With ``checkpoint_dir``: write one every this many versions.
+        checkpoint_interval: With ``checkpoint_dir``: also write one when a version is
+            made this many seconds or more after the last; None: by versions only.
 
     Raises:
         KeyError: the name is already used in ``group``.
-        TypeError, ValueError: invalid arguments.
+        TypeError, ValueError: invalid arguments (a checkpoint with an ``o_server``).
+        CheckpointError: the checkpoint is corrupt or another server's (named).
     """
 
     def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
-                 o_server: Optional[OrderedServerBase] = None) -> None:
+                 o_server: Optional[OrderedServerBase] = None, checkpoint_dir: Any = None,
+                 checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
         self.server_name = check_name(server_name, "server_name")
         self.group = check_group(group)
         self.model_name = check_name(model_name, "model_name")
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
         if o_server is None:
-            self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, adopt=_share_state)
+            self.o_server_impl = _ModelChain(server_name, group, checkpoint_dir=checkpoint_dir,
+                                             checkpoint_every=checkpoint_every,
+                                             checkpoint_interval=checkpoint_interval)
             o_server = OrderedServerSimple(f"{server_name}/ordered", group)
         elif not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
+        elif checkpoint_dir is not None:
+            raise ValueError(f"checkpoint_dir={checkpoint_dir!r} needs the ordered server hosted here "
+                             f"(o_server=None); pass checkpoint_dir to the host of {o_server!r} instead")
         self.o_server = o_server
         try:
             group.pair(server_name, PushPullModelServer(model_name, o_server))
@@ -217,6 +249,25 @@ class PushPullModelServerImpl:
 
     def __repr__(self) -> str:
         return f"<PushPullModelServerImpl {self.server_name!r} model {self.model_name!r}>"
+
+    def stats(self) -> Dict[str, Any]:
+        """What the host serves: ``version`` (the newest version of the model, None before
+        the first push), ``since_version``, ``clients`` and, in an elastic world,
+        ``members`` (as for :meth:`OrderedServerSimpleImpl.stats`), and ``ordered``: the
+        hosted ordered server's whole stats.
+
+        Raises:
+            RuntimeError: the chain is kept in an external ordered server (ask its host).
+        """
+        if self.o_server_impl is None:
+            raise RuntimeError(f"model server {self.server_name!r} keeps its chain in {self.o_server!r}: call "
+                               f"stats() on that ordered server's host")
+        ordered = self.o_server_impl.stats()
+        out = {"version": self.o_server_impl.newest_version(self.model_name), "ordered": ordered}
+        for name in ("since_version", "clients", "members"):
+            if name in ordered:
+                out[name] = ordered[name]
+        return out
 
     def close(self) -> None:
         """Withdraw the accessor (and the hosted ordered server); the name can be reused."""

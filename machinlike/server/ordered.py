@@ -14,19 +14,32 @@ Data flow::
 Every call is one RPC round trip to the host (the group caches who hosts the services).
 Values travel through torch RPC, tensors in its tensor table, and come back as copies:
 nothing a client does to a pulled value reaches the server, even on the host itself.
+
+Churn. The host writes its member name in the world's store; a call that finds the
+services gone while that member is lost (or back but not serving yet) raises
+:class:`~machinlike.exception.PeerLostError` naming it, and the same accessor reaches
+the host again once it serves. With ``checkpoint_dir`` a restarted host resumes every
+key's history and continues above every version its predecessor made visible (a version
+lease, see ``_host``).
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 import threading
+import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple
 
-from ..distributed import RpcGroup
+from ..distributed import RpcGroup, get_world
+from ..exception import PeerLostError
 from ._common import check_count, check_group, check_name, check_timeout
+from ._host import HostCheckpoint, MemberLog, check_version
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
+
+log = logging.getLogger(__name__)
 
 
 def _check_key(key: Any) -> Hashable:
@@ -35,6 +48,11 @@ def _check_key(key: Any) -> Hashable:
     except TypeError:
         raise TypeError(f"key must be hashable (e.g. a str), not {type(key).__name__}") from None
     return key
+
+
+def _host_key(group: RpcGroup, server_name: str) -> str:
+    """Store key holding the member that hosts ``server_name`` (outlives the host's claims)."""
+    return get_world().membership.key(f"os/{group.get_group_name()}/{server_name}/host")
 
 
 class OrderedServerBase(abc.ABC):
@@ -105,8 +123,9 @@ class OrderedServerSimple(OrderedServerBase):
         timeout: Seconds per call; None: the world's ``rpc_timeout``.
 
     Every method raises what :meth:`RpcGroup.registered_sync` raises: ``KeyError`` when no
-    host serves ``server_name``, ``TimeoutError``, or
-    :class:`~machinlike.exception.PeerLostError` naming the host when it is gone.
+    host serves ``server_name`` (and none ever did), ``TimeoutError``, or
+    :class:`~machinlike.exception.PeerLostError` naming the host when it is gone, or came
+    back and does not serve yet (the same accessor works again once it does).
     """
 
     def __init__(self, server_name: str, group: RpcGroup, timeout: Optional[float] = None) -> None:
@@ -118,16 +137,27 @@ class OrderedServerSimple(OrderedServerBase):
         return f"<OrderedServerSimple {self.server_name!r} of group {self.group.get_group_name()!r}>"
 
     def push(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
-        return self.group.registered_sync(f"{self.server_name}/_push",
-                                          (_check_key(key), value, version, prev_version), timeout=self.timeout)
+        return self._call("_push", (_check_key(key), value, version, prev_version))
 
     def pull(self, key: Hashable, version: Any = None) -> Optional[Tuple[Any, Any]]:
-        return self.group.registered_sync(f"{self.server_name}/_pull", (_check_key(key), version),
-                                          timeout=self.timeout)
+        return self._call("_pull", (_check_key(key), version))
 
     def pull_if_changed(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
-        return self.group.registered_sync(f"{self.server_name}/_pull_if_changed", (_check_key(key), have_version),
-                                          timeout=self.timeout)
+        return self._call("_pull_if_changed", (_check_key(key), have_version))
+
+    def _call(self, service: str, args: Tuple[Any, ...]) -> Any:
+        try:
+            return self.group.registered_sync(f"{self.server_name}/{service}", args + (self.group.get_cur_name(),),
+                                              timeout=self.timeout)
+        except KeyError as err:
+            # The services vanish with a lost host's claims: say who is gone, not "not found".
+            host = get_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
+            if not host:
+                raise
+            back = get_world().get_incarnation(host)
+            why = ("it was lost; calls fail until it is restarted and serves again" if back is None else
+                   f"it came back (incarnation {back}) and does not serve yet")
+            raise PeerLostError(host, f"host of ordered server {self.server_name!r}: {why}") from err
 
 
 class OrderedServerSimpleImpl:
@@ -141,42 +171,95 @@ class OrderedServerSimpleImpl:
         group: The RpcGroup clients reach the server through.
         version_depth: How many versions older than the newest are retained per key
             (0: only the newest). ``pull(key, v)`` of an evicted version returns None.
-        adopt: Called as ``adopt(key, value)`` on each value pushed through RPC; what it
-            returns is stored. None: the value is stored as it arrived.
+        adopt: Called as ``adopt(key, value)`` on each value pushed through RPC (and on
+            each value restored from a checkpoint); what it returns is stored. None: the
+            value is stored as it arrived.
+        checkpoint_dir: Directory where the host keeps an atomic checkpoint of every
+            key's retained history, and its version lease; a host whose directory holds
+            one resumes from it here, each key's newest value republished under a
+            version above every version ever visible. Versions must then be ints.
+            None: no checkpoints.
+        checkpoint_every: With ``checkpoint_dir``: write one every this many versions
+            made (accepted pushes); creating a key always writes one.
+        checkpoint_interval: With ``checkpoint_dir``: also write one when a version is
+            made this many seconds or more after the last; None: by versions only.
 
     Raises:
         KeyError: ``server_name`` is already used in ``group``.
         TypeError, ValueError: invalid arguments.
+        CheckpointError: the checkpoint is corrupt or another server's (named).
     """
 
+    _checkpoint_kind = "ordered-server"
+
     def __init__(self, server_name: str, group: RpcGroup, version_depth: int = 1,
-                 adopt: Optional[Callable[[Hashable, Any], Any]] = None) -> None:
+                 adopt: Optional[Callable[[Hashable, Any], Any]] = None, checkpoint_dir: Any = None,
+                 checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
         self.server_name = check_name(server_name, "server_name")
         if adopt is not None and not callable(adopt):
             raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
         self._adopt = adopt
         self.group = check_group(group)
         self.version_depth = check_count(version_depth, "version_depth", 0)
+        self._checkpoint: Optional[HostCheckpoint] = None
+        if checkpoint_dir is not None:
+            self._checkpoint = HostCheckpoint(checkpoint_dir, self._checkpoint_kind, self._checkpoint_name(),
+                                              checkpoint_every, checkpoint_interval)
         self._lock = threading.Lock()
         # key -> (version, value), oldest first; maxlen does the eviction.
         self._data: Dict[Hashable, Deque[Tuple[Any, Any]]] = {}
         self._counts = {"pushes_accepted": 0, "pushes_rejected": 0, "pulls": 0, "pulls_unchanged": 0}
+        self._clients: Set[str] = set()
+        self._seq = 0  # versions made by this host since it started (checkpoint cadence)
+        self._made_at = time.monotonic()
+        self._ckpt_failures = 0
+        self.resumed_version: Optional[int] = None
+        if self._checkpoint is not None:
+            loaded = self._checkpoint.load()
+            if loaded is not None:
+                self._resume(*loaded)
         self._keys = [f"{server_name}/_push", f"{server_name}/_pull", f"{server_name}/_pull_if_changed"]
         self._closed = False
         services = [self._push_service, self._pull_service, self._pull_if_changed_service]
-        done = []
+        done: List[str] = []
         try:
             for key, service in zip(self._keys, services, strict=True):
                 group.register(key, service)
                 done.append(key)
+            # Once the name is ours: a client that finds the services gone can name this member.
+            get_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
             group.pair(server_name, OrderedServerSimple(server_name, group))
         except BaseException:
             for key in done:
                 group.deregister(key)
             raise
+        self._members = MemberLog(f"ordered server {server_name!r}")
 
     def __repr__(self) -> str:
         return f"<OrderedServerSimpleImpl {self.server_name!r} version_depth={self.version_depth}>"
+
+    def _checkpoint_name(self) -> str:
+        return self.server_name
+
+    # ------------------------------------------------------------ checkpoints
+    def _resume(self, state: Dict[str, Any], lease: int) -> None:
+        self._data, self.resumed_version = self._checkpoint.restore(state, lease, self.version_depth, self._adopt)
+        self._checkpoint.save(0, self._snapshot())
+        log.warning("ordered server %r resumed %d keys from %r, newest versions republished as %d",
+                    self.server_name, len(self._data), self._checkpoint.path, self.resumed_version)
+
+    def _snapshot(self) -> Dict[str, Any]:
+        # Under the lock (or before serving). Shallow: a stored value is never edited.
+        return {"data": {key: list(entries) for key, entries in self._data.items()}}
+
+    def _save(self, seq: int, snapshot: Dict[str, Any]) -> None:
+        try:
+            self._checkpoint.save(seq, snapshot)
+        except OSError as err:  # the push is stored and visible already: keep serving, say so
+            with self._lock:
+                self._ckpt_failures += 1
+            log.error("ordered server %r could not write checkpoint %r: %s", self.server_name,
+                      self._checkpoint.path, err)
 
     # ------------------------------------------------------------------ the store
     def store(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
@@ -190,42 +273,107 @@ class OrderedServerSimpleImpl:
 
         Returns:
             True if stored, False if rejected.
+
+        Raises:
+            TypeError: with a checkpoint, ``version`` is not an int.
+            OSError: with a checkpoint, the lease or the new key's checkpoint could not
+                be written (nothing was stored).
         """
-        with self._lock:
+        ckpt = self._checkpoint
+        if ckpt is not None:
+            check_version(version, self.server_name)
+        snapshot = None
+        with self._lock:  # what is appended here is visible only once the lock is released
             entries = self._data.get(key)
-            if entries is None:
-                entries = self._data[key] = deque(maxlen=self.version_depth + 1)
-            elif entries[-1][0] != prev_version:
+            if entries is not None and entries[-1][0] != prev_version:
                 self._counts["pushes_rejected"] += 1
                 return False
+            if ckpt is not None:
+                ckpt.cover(version)
+            new = entries is None
+            if new:
+                entries = self._data[key] = deque(maxlen=self.version_depth + 1)
             entries.append((version, value))
+            self._seq += 1
+            if ckpt is not None and new:
+                try:  # a key must outlive a crash once a client may have seen it (see _host)
+                    ckpt.save(self._seq, self._snapshot())
+                except BaseException:
+                    del self._data[key]
+                    self._seq -= 1
+                    raise
+            elif ckpt is not None and ckpt.due(self._seq):
+                snapshot = (self._seq, self._snapshot())
             self._counts["pushes_accepted"] += 1
-            return True
+            self._made_at = time.monotonic()
+        if snapshot is not None:  # outside the lock: pulls go on while a model is written
+            self._save(*snapshot)
+        return True
 
-    def stats(self) -> Dict[str, int]:
-        """Counters since creation: ``keys``, ``pushes_accepted``, ``pushes_rejected``,
-        ``pulls`` and ``pulls_unchanged`` (pull_if_changed calls that sent no value)."""
+    def newest_version(self, key: Hashable) -> Any:
+        """The newest version of ``key`` held here; None when the key is unknown."""
         with self._lock:
-            return dict(self._counts, keys=len(self._data))
+            entries = self._data.get(key)
+            return entries[-1][0] if entries else None
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters since this host started.
+
+        ``keys``, ``pushes_accepted``, ``pushes_rejected``, ``pulls`` and
+        ``pulls_unchanged`` (pull_if_changed calls that sent no value); ``clients`` (the
+        members that called it, sorted); ``since_version`` (seconds since the last version
+        was made, or since the host started). With ``checkpoint_dir`` also
+        ``checkpoints`` (written), ``checkpoint_failures`` (writes after a version that
+        failed, logged) and ``resumed_version`` (the version the newest values were
+        republished under on resume, None if it started afresh). In an elastic world also
+        ``members``: ``losses`` and ``rejoins`` of other members seen.
+        """
+        with self._lock:
+            out: Dict[str, Any] = dict(self._counts, keys=len(self._data), clients=sorted(self._clients),
+                                       since_version=time.monotonic() - self._made_at)
+            if self._checkpoint is not None:
+                out.update(checkpoints=self._checkpoint.written, checkpoint_failures=self._ckpt_failures,
+                           resumed_version=self.resumed_version)
+        members = self._members.stats()
+        if members is not None:
+            out["members"] = members
+        return out
 
     def close(self) -> None:
-        """Withdraw the services and the paired accessor (the name can then be reused)."""
+        """Withdraw the services and the paired accessor (the name can then be reused).
+
+        With ``checkpoint_dir``, first writes a checkpoint of what is held, so that a host
+        started again later resumes from it.
+        """
         if self._closed:
             return
         self._closed = True
+        self._members.close()
         for key in self._keys:
             self.group.deregister(key)
         self.group.unpair(self.server_name)
+        get_world().membership.registry.delete([_host_key(self.group, self.server_name)])
+        if self._checkpoint is not None:
+            with self._lock:
+                snapshot = (self._seq, self._snapshot())
+            self._save(*snapshot)
 
     # ------------------------------------------------------------------- services
     # The value arrived through RPC, so it is already this process's own copy; what goes
-    # back is serialised by RPC, so the caller gets a copy too.
-    def _push_service(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
+    # back is serialised by RPC, so the caller gets a copy too. ``client``: the caller's name.
+    def _push_service(self, key: Hashable, value: Any, version: Any, prev_version: Any, client: str = "") -> bool:
+        self._note(client)
         if self._adopt is not None:
             value = self._adopt(key, value)  # outside the lock: it may copy a whole model
         return self.store(key, value, version, prev_version)
 
-    def _pull_service(self, key: Hashable, version: Any) -> Optional[Tuple[Any, Any]]:
+    def _note(self, client: str) -> None:
+        if client and client not in self._clients:
+            with self._lock:
+                self._clients.add(client)
+
+    def _pull_service(self, key: Hashable, version: Any, client: str = "") -> Optional[Tuple[Any, Any]]:
+        self._note(client)
         with self._lock:
             self._counts["pulls"] += 1
             entries = self._data.get(key)
@@ -239,7 +387,9 @@ class OrderedServerSimpleImpl:
                     return value, found_version
             return None
 
-    def _pull_if_changed_service(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
+    def _pull_if_changed_service(self, key: Hashable, have_version: Any,
+                                 client: str = "") -> Optional[Tuple[Any, Any]]:
+        self._note(client)
         with self._lock:
             self._counts["pulls"] += 1
             entries = self._data.get(key)

@@ -1,0 +1,190 @@
+"""What a versioned host keeps through churn: a checkpoint with a version lease, and a
+count of the members it saw come and go.
+
+Why: the ordered server (and the model server built on it) accepts versions that its
+clients then hold. A host restarted from a checkpoint older than its death must never
+show one of those numbers with other contents, yet writing every version to disk before
+acknowledging it would cost a synchronous write per push. So the host *leases* versions:
+before a version above the lease becomes visible, the lease is raised by
+:data:`LEASE_BLOCK` and written (atomically, like the checkpoint) beside the checkpoint.
+A resumed host republishes every key's newest value above the lease, which is above every
+version its predecessor ever made visible; one small write per ``LEASE_BLOCK`` versions::
+
+    push(key, v)  under the host's lock:   v > lease?  ── write lease = v + LEASE_BLOCK
+                                           new key?    ── checkpoint with it
+                                           append      ── visible, acknowledged
+                  after, outside the lock: N versions or T seconds since the last?
+                                                       ── checkpoint (a snapshot)
+
+    resume:  <dir>/<name>.ckpt   every key's retained (version, value) history
+             <dir>/<name>.lease  L >= every version ever visible
+             ──► each key's newest value again, as version L + 1; lease raised past it
+
+A key created after the last checkpoint would vanish in a resume and could later be
+created again under a number a client holds for other contents: creating a key therefore
+writes a checkpoint before the push is acknowledged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Hashable, Optional, Tuple
+
+from ..distributed import MemberEvent, get_world
+from ._checkpoint import CheckpointError, Checkpointer
+from ._common import check_count, check_timeout
+
+__all__ = ["LEASE_BLOCK", "HostCheckpoint", "MemberLog", "check_version"]
+
+log = logging.getLogger(__name__)
+
+LEASE_BLOCK = 1024  # versions per lease write; a resume jumps by at most this much more
+
+
+def check_version(version: Any, server: str) -> int:
+    """A checkpointed host's versions must be ints (so it can choose fresh ones on resume)."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"ordered server {server!r} keeps a checkpoint, so versions must be ints, not "
+                        f"{type(version).__name__} ({version!r}): push int versions or host it without "
+                        f"checkpoint_dir")
+    return version
+
+
+class HostCheckpoint:
+    """A host's checkpoint file, its version lease and when the next one is due.
+
+    Args:
+        directory: ``checkpoint_dir``.
+        kind: What is checkpointed (``"ordered-server"``, ``"model-server"``).
+        name: The server's name.
+        every: ``checkpoint_every``: a checkpoint every this many versions (>= 1).
+        interval: ``checkpoint_interval``: also one when this many seconds passed since
+            the last, checked when a version is made; None: by versions only.
+
+    Raises:
+        TypeError, ValueError: invalid arguments (named).
+    """
+
+    def __init__(self, directory: Any, kind: str, name: str, every: int, interval: Optional[float]) -> None:
+        self.file = Checkpointer(directory, kind, name)
+        self._lease_file = Checkpointer(directory, kind, name, suffix=".lease")
+        self.every = check_count(every, "checkpoint_every", 1)
+        self.interval = check_timeout(interval, "checkpoint_interval")
+        self.lease = -1  # no version above it was ever visible
+        self.written = 0
+        self._io = threading.Lock()  # one writer at a time; an older snapshot never overwrites a newer
+        self._saved = 0  # sequence number (versions made) of the newest snapshot written
+        self._when = time.monotonic()
+
+    @property
+    def path(self) -> str:
+        return self.file.path
+
+    def load(self) -> Optional[Tuple[Dict[str, Any], int]]:
+        """The saved state and lease; None when there is no checkpoint.
+
+        Raises:
+            CheckpointError: a file is corrupt or another server's, the lease is missing,
+                or the checkpoint holds a version above the lease.
+        """
+        state = self.file.load()
+        if state is None:
+            return None
+        lease = self._lease_file.load()
+        if lease is None:
+            raise CheckpointError(f"checkpoint {self.file.path!r} has no lease file {self._lease_file.path!r}, so the "
+                                  f"versions handed out after it cannot be bounded: restore the lease file, or "
+                                  f"delete the checkpoint to start afresh")
+        top = max((v for entries in state["data"].values() for v, _ in entries), default=-1)
+        if top > lease["lease"]:
+            raise CheckpointError(f"checkpoint {self.file.path!r} holds version {top}, above the lease "
+                                  f"{lease['lease']} in {self._lease_file.path!r}: the files do not belong together")
+        self.lease = lease["lease"]
+        return state, self.lease
+
+    def restore(self, state: Dict[str, Any], lease: int, depth: int,
+                adopt: Optional[Callable[[Hashable, Any], Any]]) -> Tuple[Dict[Hashable, Deque], int]:
+        """Every key's history from ``state``, its newest value again above ``lease``.
+
+        Returns:
+            The keys' ``(version, value)`` deques (``maxlen=depth + 1``) and the version
+            the newest values were republished under (leased here before it is visible).
+        """
+        # Every version up to the lease may have been visible before the crash, some of
+        # them (after the checkpoint) with contents lost now: a number above it names
+        # nothing yet, so no number ever names two contents.
+        fresh = lease + 1
+        self.cover(fresh)
+        data: Dict[Hashable, Deque] = {}
+        for key, entries in state["data"].items():
+            kept: Deque = deque(maxlen=depth + 1)
+            for version, value in entries:
+                kept.append((version, value if adopt is None else adopt(key, value)))
+            kept.append((fresh, kept[-1][1]))
+            data[key] = kept
+        return data, fresh
+
+    def cover(self, version: int) -> None:
+        """Make ``version`` leased before it becomes visible (the caller serialises calls)."""
+        if version > self.lease:
+            lease = version + LEASE_BLOCK
+            self._lease_file.save({"lease": lease})
+            self.lease = lease
+
+    def due(self, seq: int) -> bool:
+        """Whether a checkpoint is due after ``seq`` versions made."""
+        if seq - self._saved >= self.every:
+            return True
+        return self.interval is not None and time.monotonic() - self._when >= self.interval
+
+    def save(self, seq: int, state: Dict[str, Any]) -> None:
+        """Write the snapshot of ``seq`` versions made, unless a newer one was written."""
+        with self._io:
+            if seq < self._saved or (seq == self._saved and self.written):
+                return
+            self.file.save(state)
+            self._saved, self._when = seq, time.monotonic()
+            self.written += 1
+
+
+class MemberLog:
+    """Counts the losses and rejoins of other members a host sees (elastic worlds only).
+
+    Args:
+        what: How the host is named in log lines (e.g. ``"ordered server 'kv'"``).
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self.counts = {"losses": 0, "rejoins": 0}
+        world = get_world()
+        self.active = world is not None and world.elastic
+        self._me = world.name if world is not None else ""
+        if self.active:
+            world.on_member_change(self._on_member)
+
+    def _on_member(self, event: MemberEvent) -> None:
+        # On the liveness thread: count and log only.
+        if event.member == self._me:
+            return
+        if event.kind == "lost":
+            self.counts["losses"] += 1
+            log.warning("%s on %r: member %r (incarnation %d) was lost", self._what, self._me, event.member,
+                        event.incarnation)
+        elif event.kind == "join" and event.incarnation > 1:
+            self.counts["rejoins"] += 1
+            log.warning("%s on %r: member %r rejoined (incarnation %d)", self._what, self._me, event.member,
+                        event.incarnation)
+
+    def stats(self) -> Optional[Dict[str, int]]:
+        """``{"losses": n, "rejoins": m}``; None outside an elastic world."""
+        return dict(self.counts) if self.active else None
+
+    def close(self) -> None:
+        world = get_world()
+        if self.active and world is not None:
+            world.remove_member_callback(self._on_member)
+        self.active = False

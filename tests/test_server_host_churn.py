@@ -1,0 +1,197 @@
+"""The ordered and model servers' host under churn: a SIGKILLed host is named to its
+clients at once, a restarted one resumes from its checkpoint under versions never used
+before, clients go on with the accessors they hold, and the host counts who it serves."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from machinlike import launch
+from machinlike.exception import PeerLostError
+from machinlike.server import (CheckpointError, OrderedServerSimple, OrderedServerSimpleImpl,
+                               PushPullModelServerImpl)
+from machinlike.server._checkpoint import Checkpointer
+from machinlike.server._host import LEASE_BLOCK
+from machinlike.testing import world_test
+
+TIMEOUT = 30.0
+
+
+class Lin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def set(self, value: float) -> "Lin":
+        with torch.no_grad():
+            self.w.fill_(value)
+        return self
+
+
+def _key(world, name):
+    return world.membership.key(f"host-churn/{name}")
+
+
+def _wait(world, name):
+    world.membership.registry.wait_all(_key(world, ""), [name], TIMEOUT, f"key {name!r}")
+
+
+def _kill_and_wait(pid):
+    """SIGKILL ``pid`` and return once the process is gone (a pidfd, no polling)."""
+    fd = os.pidfd_open(pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert select.select([fd], [], [], TIMEOUT)[0], f"process {pid} did not die"
+    finally:
+        os.close(fd)
+    return killed
+
+
+def _host_body(world, directory):
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        if world.incarnation > 1:  # come back only once the client saw the host gone
+            _wait(world, "restart")
+        kv = OrderedServerSimpleImpl("kv", group, version_depth=2, checkpoint_dir=directory, checkpoint_every=3)
+        ms = PushPullModelServerImpl("ms", group, checkpoint_dir=directory, checkpoint_every=2)
+        registry.set(_key(world, "pid"), str(os.getpid()))
+        registry.set(_key(world, f"ready{world.incarnation}"), "1")
+        _wait(world, "end")  # the first incarnation is SIGKILLed while it waits here
+        return {"kv": kv.stats(), "ms": ms.stats()}
+    _wait(world, "ready1")
+    world.wait_for_members(["h"], timeout=TIMEOUT)
+    kv = group.get_paired("kv", timeout=TIMEOUT).to_here()
+    ms = group.get_paired("ms", timeout=TIMEOUT).to_here()
+    # kv: creating "b" and "a" writes checkpoints; then every 3rd version: a3 is the last saved.
+    assert kv.push("b", "b7", 7, None)
+    for v in range(5):
+        assert kv.push("a", f"a{v}", v, v - 1)
+    # ms: the spec and version 1 create keys (saved), then every 2nd version: 3 is the last saved.
+    model = Lin()
+    for v in range(1, 5):
+        assert ms.push(model.set(float(v)))
+    assert model.pp_version == 4
+    killed = _kill_and_wait(int(registry.get_or_empty(_key(world, "pid"))))
+    with pytest.raises(PeerLostError, match="'h'"):
+        ms.pull(model)  # the call fails at once, naming the host
+    named_in = time.monotonic() - killed
+    world.membership.wait_until(lambda live: world.get_incarnation("h") != 1, TIMEOUT)
+    with pytest.raises(PeerLostError, match="'h'.*host of ordered server 'kv'"):
+        kv.pull("a")  # once declared lost its services are gone: still named, not "not found"
+    registry.set(_key(world, "restart"), "1")
+    _wait(world, "ready2")
+    world.membership.wait_until(lambda live: world.get_incarnation("h") == 2, TIMEOUT)
+    out = {"named_in": named_in}
+    # The same accessors go on. a4 died unsaved: its number never comes back with other contents.
+    out["a"] = kv.pull("a")
+    out["a_history"] = [kv.pull("a", v) for v in (2, 3, 4)]
+    out["a_holder"] = kv.pull_if_changed("a", 4)  # a client still holding the lost a4 is told it changed
+    out["b"] = kv.pull_if_changed("b", 7)
+    fresh = out["a"][1]
+    out["a_next"] = kv.push("a", "a5", fresh + 1, fresh), kv.pull("a")
+    with pytest.raises(TypeError, match="versions must be ints"):
+        kv.push("c", "x", "v1", None)
+    out["rejected"] = ms.push(model.set(9.0))  # on top of the lost version 4: rejected, pulls the resumed state
+    out["model"] = (model.w.detach().clone(), model.pp_version)
+    out["pushed"] = ms.push(model.set(6.0)), model.pp_version
+    registry.set(_key(world, "end"), "1")
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_host_is_named_and_resumes_above_every_version(tmp_path):
+    result = launch(_host_body, 2, args=(str(tmp_path),), names=["c", "h"], max_restarts=1, essential=["c"],
+                    timeout=75)
+    out, host = result[0], result[1]
+    assert [r.name for r in result.restarts] == ["h"]
+    assert out["named_in"] < 2.0 + 1.0, out["named_in"]  # within the loss bound (2 s liveness), with slack
+    fresh = 7 + LEASE_BLOCK + 1  # the lease covered version 7 first; a resume goes past it
+    assert out["a"] == ("a3", fresh)
+    assert out["a_history"] == [("a2", 2), ("a3", 3), None]  # version 4 is not retained, never reused
+    assert out["a_holder"] == ("a3", fresh)
+    assert out["b"] == ("b7", fresh)
+    assert out["a_next"] == (True, ("a5", fresh + 1))
+    assert out["rejected"] is False
+    w, version = out["model"]
+    assert torch.equal(w, torch.full((3,), 3.0)) and version == LEASE_BLOCK + 1 > 4
+    assert out["pushed"] == (True, LEASE_BLOCK + 2)
+    kv, ms = host["kv"], host["ms"]
+    assert kv["resumed_version"] == fresh and kv["clients"] == ["c"] and kv["checkpoint_failures"] == 0
+    assert ms["version"] == LEASE_BLOCK + 2 and ms["clients"] == ["c"]
+    assert ms["ordered"]["resumed_version"] == LEASE_BLOCK + 1 and 0 <= ms["since_version"] < TIMEOUT
+
+
+def _visible_body(world):
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        impl = OrderedServerSimpleImpl("kv", group)
+        rejoined = threading.Event()
+        # Callbacks run in order on one thread: once this one sees the rejoin, the host's has.
+        world.on_member_change(lambda e: e.member == "c" and e.incarnation == 2 and rejoined.set())
+        registry.set(_key(world, "ready"), "1")
+        _wait(world, "done")
+        assert rejoined.wait(TIMEOUT), "the host never saw c rejoin"
+        return impl.stats()
+    _wait(world, "ready")
+    world.wait_for_members(["h"], timeout=TIMEOUT)
+    kv = group.get_paired("kv", timeout=TIMEOUT).to_here()
+    kv.push(f"x{world.incarnation}", world.incarnation, 0, None)
+    if world.incarnation == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    registry.set(_key(world, "done"), "1")
+    return kv.pull("x1")
+
+
+@pytest.mark.timeout(60)
+def test_the_host_reports_clients_losses_and_rejoins():
+    result = launch(_visible_body, 2, names=["h", "c"], max_restarts=1, essential=["h"], timeout=45)
+    stats = result[0]
+    assert result[1] == (1, 0)  # what the dead incarnation pushed is still there
+    assert stats["clients"] == ["c"] and stats["keys"] == 2
+    assert stats["members"] == {"losses": 1, "rejoins": 1}, stats
+    assert 0 <= stats["since_version"] < TIMEOUT
+
+
+@world_test(1, timeout=60)
+def test_checkpoint_files_are_checked_and_a_closed_host_resumes(world, tmp_path):
+    group = world.create_rpc_group("g", [world.name])
+    Checkpointer(tmp_path, "grad-server", "kv").save({"version": 1})
+    with pytest.raises(CheckpointError, match=f"{os.path.join(str(tmp_path), 'kv.ckpt')!r} belongs to kind "
+                                              f"'grad-server', not 'ordered-server'"):
+        OrderedServerSimpleImpl("kv", group, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="checkpoint_every=0 must be at least 1"):
+        OrderedServerSimpleImpl("kv2", group, checkpoint_dir=tmp_path, checkpoint_every=0)
+    with pytest.raises(ValueError, match="needs the ordered server hosted here"):
+        PushPullModelServerImpl("ms", group, o_server=OrderedServerSimple("elsewhere", group), checkpoint_dir=tmp_path)
+    impl = OrderedServerSimpleImpl("kv3", group, checkpoint_dir=tmp_path, checkpoint_every=1000)
+    kv = group.get_paired("kv3").to_here()
+    assert kv.push("k", 0, 0, None) and kv.push("k", 1, 1, 0)
+    with pytest.raises(TypeError, match="versions must be ints"):
+        impl.store("k", 2, True, 1)
+    assert impl.stats()["checkpoints"] == 1  # the key's creation; version 1 is not due yet
+    impl.close()  # writes what it holds
+    again = OrderedServerSimpleImpl("kv3", group, checkpoint_dir=tmp_path, checkpoint_every=1000)
+    assert again.stats()["resumed_version"] == LEASE_BLOCK + 1
+    assert kv.pull("k") == (1, LEASE_BLOCK + 1) and kv.pull("k", 1) == (1, 1)
+    again.close()
+    by_time = OrderedServerSimpleImpl("kv4", group, checkpoint_dir=tmp_path, checkpoint_every=1000,
+                                      checkpoint_interval=1e-6)
+    for v in range(3):
+        assert by_time.store("t", v, v, v - 1)
+    assert by_time.stats()["checkpoints"] == 3  # the key's creation, then each version (time is up)
+    by_time.close()
+    os.remove(os.path.join(tmp_path, "kv3.lease"))
+    with pytest.raises(CheckpointError, match="has no lease file"):
+        OrderedServerSimpleImpl("kv3", group, checkpoint_dir=tmp_path)
+    group.destroy()
