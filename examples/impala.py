@@ -334,8 +334,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         server = group.get_paired(SERVER).to_here()
         server.push(model)  # version 1: what the actors start from
         learners = collective.size() if collective else 1
-        print(f"[learner 0] {learners + actors} processes: {learners} learner(s), {actors} actor(s) x {args.envs_per_actor} envs; metric: mean return of the last "
-              f"{args.window} training episodes of all actors", flush=True)
+        print(f"[learner 0] {learners + actors} processes: {learners} learner(s), {actors} actor(s) x "
+              f"{args.envs_per_actor} envs; metric: mean return of the last {args.window} training episodes "
+              f"of all actors", flush=True)
     (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
 
     progress = _util.Progress(args.print_every)
