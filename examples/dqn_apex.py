@@ -2,6 +2,8 @@
 
 Run it locally (1 learner + 3 actors; the launcher starts the processes):
     python examples/dqn_apex.py
+With an actor SIGKILLed and restarted every 10 s (an elastic world; see ``worker_elastic``):
+    python examples/dqn_apex.py --chaos 10
 Under torchrun, unchanged (rank 0 learns, the others act):
     torchrun --standalone --nproc-per-node 4 examples/dqn_apex.py
 

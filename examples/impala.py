@@ -4,6 +4,9 @@ Run it locally (1 learner + 2 actors; the launcher starts the processes):
     python examples/impala.py
 Two learners in a CollectiveGroup, the model wrapped in DistributedDataParallel:
     python examples/impala.py --learners 2
+With an actor SIGKILLed and restarted every 3 s (an elastic world, one learner; see
+``worker_elastic``):
+    python examples/impala.py --chaos 3
 Under torchrun, unchanged (the world size is torchrun's: learners first, the rest act):
     torchrun --standalone --nproc-per-node 3 examples/impala.py
 
