@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import queue
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -37,17 +39,120 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
     return p
 
 
-def member_printer(world: Any, role: str) -> Callable[[Any], None]:
-    """A ``world.on_member_change`` callback printing a line when a member is lost or rejoins."""
+class MemberLog:
+    """A ``world.on_member_change`` callback: prints a line when a member is lost or rejoins
+    and counts both (``losses``, ``rejoins``) for the example's summary."""
 
-    def show(event: Any) -> None:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.losses = 0
+        self.rejoins = 0
+
+    def __call__(self, event: Any) -> None:
         if event.kind == "lost":
-            print(f"[{role}] member {event.member!r} (incarnation {event.incarnation}) was lost", flush=True)
+            self.losses += 1
+            print(f"[{self.role}] member {event.member!r} (incarnation {event.incarnation}) was lost", flush=True)
         elif event.kind == "join" and event.incarnation > 1:
-            print(f"[{role}] member {event.member!r} rejoined (incarnation {event.incarnation})", flush=True)
+            self.rejoins += 1
+            print(f"[{self.role}] member {event.member!r} rejoined (incarnation {event.incarnation})", flush=True)
 
+
+def member_printer(world: Any, role: str) -> MemberLog:
+    """Subscribe a :class:`MemberLog` to ``world``'s member changes and return it."""
+    show = MemberLog(role)
     world.on_member_change(show)
     return show
+
+
+class ReadyGate:
+    """An elastic world's start line: members that join at any time wait, without polling,
+    until a host has set up its services.
+
+    The host calls :meth:`open` once its services exist; a member calls :meth:`wait`. Each
+    side first publishes its own half, then tries the other's: the member registers
+    ``<key>/<name>`` and calls the host's ``<key>``; the host registers ``<key>`` and calls
+    ``<key>/<name>`` of every member it sees now or later (a join event). Whoever comes
+    second finds the other's half, so no member waits for a host that is already open.
+    """
+
+    def __init__(self, world: Any, group: Any, key: str) -> None:
+        self.world, self.group, self.key = world, group, key
+        self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    # ----------------------------------------------------------------- the host
+    def open(self) -> None:
+        """Host: say ready to every member, present and future (until :meth:`close`)."""
+        self.world.on_member_change(self._on_member)  # before the snapshot: no join slips between
+        self.group.register(self.key, lambda: True)
+        for member in self.world.get_members():
+            self._queue.put(member)
+        self._thread = threading.Thread(target=self._tell, name=f"gate {self.key}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Host: stop telling members (joins from now on find the gate closed, see :meth:`wait`)."""
+        self.world.remove_member_callback(self._on_member)
+        self.group.deregister(self.key)
+        self._queue.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=30.0)
+
+    def _on_member(self, event: Any) -> None:
+        if event.kind == "join":  # on the liveness thread: hand the call to ours
+            self._queue.put(event.member)
+
+    def _tell(self) -> None:
+        from machinlike.exception import PeerLostError
+
+        while True:
+            member = self._queue.get()
+            if member is None:
+                return
+            if member == self.world.name:
+                continue
+            try:
+                self.group.registered_sync(f"{self.key}/{member}", timeout=10.0)
+            except (KeyError, PeerLostError, TimeoutError):
+                pass  # not waiting yet (it finds our half), or gone (a rejoin is a new join event)
+
+    # --------------------------------------------------------------- a member
+    def wait(self, host: str, timeout: float) -> bool:
+        """Member: block until ``host`` opened the gate.
+
+        Returns:
+            True once open; False when ``host`` left or was lost first (it finished).
+
+        Raises:
+            TimeoutError: neither within ``timeout`` seconds.
+        """
+        from machinlike.exception import PeerLostError
+
+        told = threading.Event()
+
+        def host_gone(event: Any) -> None:
+            if event.member == host and event.kind in ("lost", "leave"):
+                told.set()
+
+        mine = f"{self.key}/{self.world.name}"
+        self.world.on_member_change(host_gone)
+        self.group.register(mine, told.set)
+        try:
+            try:
+                self.group.registered_sync(self.key, timeout=timeout)
+                return True
+            except KeyError:
+                pass  # not open yet: the host calls our half once it is
+            except PeerLostError:
+                return False
+            if self.world.get_incarnation(host) is None:
+                return False
+            if not told.wait(timeout):
+                raise TimeoutError(f"{host!r} did not open {self.key!r} within {timeout:g} s")
+            return self.world.get_incarnation(host) is not None
+        finally:
+            self.world.remove_member_callback(host_gone)
+            self.group.deregister(mine)
 
 
 class Curve:

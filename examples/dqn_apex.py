@@ -2,6 +2,8 @@
 
 Run it locally (1 learner + 3 actors; the launcher starts the processes):
     python examples/dqn_apex.py
+With an actor SIGKILLed and restarted every 10 s (an elastic world; see ``worker_elastic``):
+    python examples/dqn_apex.py --chaos 10
 Under torchrun, unchanged (rank 0 learns, the others act):
     torchrun --standalone --nproc-per-node 4 examples/dqn_apex.py
 
@@ -45,7 +47,7 @@ import collections
 import copy
 import threading
 import time
-from typing import Any, Deque, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -57,6 +59,7 @@ from torch.distributed import rpc
 import _util
 import machinlike
 from _episodes import EpisodeLog, collect_columns, cpu_seconds, format_mean
+from machinlike.exception import PeerLostError
 from machinlike.server import PushPullModelServerImpl
 
 GROUP = "apex"
@@ -95,10 +98,13 @@ class ReplayShard:
     """An actor's share of the prioritised replay buffer (a ring); RPC threads and the actor share it.
 
     Priorities are stored raised to ``alpha``. Each slot has a generation number, so a
-    priority update for a transition that has since been overwritten is dropped.
+    priority update for a transition that has since been overwritten is dropped, and so is
+    one carrying another ``token`` (with ``--chaos``: the actor's incarnation, so that an
+    update meant for a killed actor's shard never lands in its replacement's).
     """
 
-    def __init__(self, capacity: int, obs_dim: int, alpha: float, seed: int) -> None:
+    def __init__(self, capacity: int, obs_dim: int, alpha: float, seed: int, token: int = 1) -> None:
+        self._token = token
         self._capacity = capacity
         self._alpha = alpha
         self._obs = np.zeros((capacity, obs_dim), np.float32)
@@ -133,7 +139,7 @@ class ReplayShard:
         """Service: ``count`` transitions drawn in proportion to priority ** alpha (stratified).
 
         Returns the transitions, their slots and generations (for ``update``), their
-        ``priority`` (raised to alpha), and the shard's size and total at sampling time.
+        ``priority`` (raised to alpha), and the shard's size, total and token at sampling time.
         """
         with self._lock:
             held = min(self._written, self._capacity)
@@ -148,11 +154,15 @@ class ReplayShard:
                      "action": self._action[slots], "ret": self._ret[slots], "next_obs": self._next_obs[slots],
                      "discount": self._discount[slots], "priority": self._priority[slots]}
         out = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in batch.items()}
-        out.update(size=held, total=total)
+        out.update(size=held, total=total, token=self._token)
         return out
 
-    def update(self, slots: torch.Tensor, generations: torch.Tensor, priorities: torch.Tensor) -> None:
-        """Service: set new priorities; slots overwritten since they were sampled are skipped."""
+    def update(self, slots: torch.Tensor, generations: torch.Tensor, priorities: torch.Tensor,
+               token: Optional[int] = None) -> None:
+        """Service: set new priorities; slots overwritten since they were sampled are skipped,
+        and everything when ``token`` is not this shard's (None: not checked)."""
+        if token is not None and token != self._token:
+            return
         slots, generations = slots.numpy(), generations.numpy()
         values = priorities.double().numpy() ** self._alpha
         with self._lock:
@@ -249,34 +259,47 @@ class Pacer:
 
 # ---------------------------------------------------------------------------- actors
 def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace, index: int,
-        actors: int, epsilon: float) -> Dict[str, Any]:
-    """An actor: act epsilon-greedily, fill its shard, keep pace with the learner, until told to stop."""
-    shard = ReplayShard(args.shard_capacity, 4, args.alpha, args.seed * 7919 + index)
+        actors: int, epsilon: float, ready: Optional[Callable[[], bool]] = None) -> Dict[str, Any]:
+    """An actor: act epsilon-greedily, fill its shard, keep pace with the learner, until told to stop.
+
+    ``ready``: waits for the learner's services and version 1, False if the learner finished
+    first; None: a barrier of the group.
+    """
+    # A restarted actor (--chaos) explores afresh instead of replaying its predecessor's episodes.
+    seed = index + 100_003 * (world.incarnation - 1)
+    shard = ReplayShard(args.shard_capacity, 4, args.alpha, args.seed * 7919 + seed, token=world.incarnation)
     name = world.name
     group.register(f"{GROUP}/replay/{name}/size", shard.size)
     group.register(f"{GROUP}/replay/{name}/sample", shard.sample)
     group.register(f"{GROUP}/replay/{name}/update", shard.update)
-    group.barrier()  # shards and the learner's services are registered; version 1 is published
+    if ready is None:
+        group.barrier()  # shards and the learner's services are registered; version 1 is published
+    elif not ready():
+        return {"role": "actor", "name": name, "steps": 0, "epsilon": epsilon}
     server = group.get_paired(SERVER).to_here()
     model = QNet()
     server.pull(model)
     env = gym.make(ENV)
-    obs, _ = env.reset(seed=args.seed * 10_000 + index)
-    rng = np.random.default_rng(args.seed * 104_729 + index)
+    obs, _ = env.reset(seed=args.seed * 10_000 + seed)
+    rng = np.random.default_rng(args.seed * 104_729 + seed)
     nstep = NStep(args.n_step, args.gamma)
     pending: List[Tuple[np.ndarray, int, float, np.ndarray, float]] = []
     episode_return, finished = 0.0, []
     steps, unreported, since_pull = 0, 0, 0
-    # This actor's share of the steps allowed so far: the warm-up, then steps_per_update per update.
-    allowed = args.warmup // actors
+    # This actor's share of the steps allowed so far: the warm-up, then steps_per_update per
+    # update since ``base``, the learner's update count when it started (a restarted actor
+    # asks for it after its warm-up, with needed = 0, rather than sprint to catch up).
+    warm = args.warmup // actors
+    allowed, base = warm, 0 if world.incarnation == 1 else None
     reporting = None
     while True:
         if steps >= allowed:
-            needed = (steps - args.warmup // actors) * actors // args.steps_per_update + 1
+            needed = 0 if base is None else base + (steps - warm) * actors // args.steps_per_update + 1
             updates = group.registered_sync(f"{GROUP}/pace", args=(name, needed), timeout=args.rpc_timeout)
             if updates < 0:
                 break  # training is over
-            allowed = args.warmup // actors + updates * args.steps_per_update // actors
+            base = updates if base is None else base
+            allowed = warm + (updates - base) * args.steps_per_update // actors
             continue
         if since_pull >= args.pull_every:
             server.pull(model)
@@ -335,10 +358,15 @@ class Sampler:
     One request fetches ``chunks`` minibatches at once (one sample call per shard), and the
     new priorities of a whole fetch go back in one update call per shard: RPC round trips,
     not arithmetic, are what an update costs on a busy machine.
+
+    ``elastic`` (``--chaos``): a shard whose actor is gone (a call fails with
+    ``PeerLostError``, or its services are not registered yet) counts as empty for that
+    fetch, and the failure in :attr:`missed`; every fetch asks every shard again (a sample
+    of 0 reports its total), so a restarted actor's shard is drawn from once it holds data.
     """
 
     def __init__(self, group: machinlike.RpcGroup, shards: Sequence[str], batch_size: int, chunks: int,
-                 beta: float, seed: int, timeout: float) -> None:
+                 beta: float, seed: int, timeout: float, elastic: bool = False) -> None:
         self._group = group
         self._shards = list(shards)
         self._batch_size = batch_size
@@ -348,61 +376,85 @@ class Sampler:
         self._timeout = timeout
         self._totals = np.zeros(len(shards))
         self._updating: List[Any] = []
+        self._absent: Tuple[type, ...] = (PeerLostError, KeyError) if elastic else ()
+        self.missed = 0  # shard calls that failed with a dead or not yet registered actor
+
+    def _call(self, shard: str, service: str, args: Tuple[Any, ...] = ()) -> Any:
+        try:
+            return self._group.registered_async(f"{GROUP}/replay/{shard}/{service}", args=args,
+                                                timeout=self._timeout)
+        except self._absent:
+            self.missed += 1
+            return None
+
+    def _wait(self, future: Any) -> Any:
+        if future is None:
+            return None
+        try:
+            return future.wait()
+        except self._absent:
+            self.missed += 1
+            return None
 
     def sizes(self) -> Tuple[int, float]:
-        futures = [self._group.registered_async(f"{GROUP}/replay/{s}/size", timeout=self._timeout)
-                   for s in self._shards]
-        sizes = [f.wait() for f in futures]
+        sizes = [self._wait(f) or (0, 0.0) for f in [self._call(s, "size") for s in self._shards]]
         self._totals = np.array([total for _, total in sizes])
         return sum(size for size, _ in sizes), float(self._totals.sum())
 
     def request(self) -> Tuple[np.ndarray, List[Any]]:
         """Start fetching a batch (the learner trains on the previous one meanwhile)."""
-        shares = self._totals / self._totals.sum()
-        counts = self._rng.multinomial(self._batch_size * self._chunks, shares)
-        futures = [self._group.registered_async(f"{GROUP}/replay/{s}/sample", args=(int(c),), timeout=self._timeout)
-                   for s, c in zip(self._shards, counts)]
-        return shares, futures
+        total = self._totals.sum()
+        # No shard holds anything (only with --chaos, every actor lost at once): ask them all for nothing.
+        shares = self._totals / total if total > 0 else np.zeros(len(self._shards))
+        counts = self._rng.multinomial(self._batch_size * self._chunks, shares) if total > 0 else shares.astype(int)
+        return shares, [self._call(s, "sample", (int(c),)) for s, c in zip(self._shards, counts)]
 
     def collect(self, request: Tuple[np.ndarray, List[Any]]) -> Tuple[Dict[str, torch.Tensor], List[torch.Tensor]]:
         """The fetched transitions and their split into minibatches (index tensors)."""
         shares, futures = request
-        parts = [f.wait() for f in futures]
-        self._totals = np.array([p["total"] for p in parts])
-        held = sum(p["size"] for p in parts)
+        got = [(k, self._wait(f)) for k, f in enumerate(futures)]
+        self._totals = np.array([p["total"] if p is not None else 0.0 for _, p in got])
+        got = [(k, p) for k, p in got if p is not None]
+        if not got:  # every shard gone at once (only with --chaos): an empty fetch
+            keys = ("obs", "action", "ret", "next_obs", "discount", "slot", "generation", "is_weight", "shard", "token")
+            return {key: torch.zeros(0, dtype=torch.int64) for key in keys}, []
+        held = sum(p["size"] for _, p in got)
         # P(j) = P(shard k) * P(j | shard k): the multinomial split times the shard's own draw.
-        probs = torch.cat([torch.as_tensor(share) * p["priority"] / max(p["total"], 1e-12)
-                           for share, p in zip(shares, parts)])
+        probs = torch.cat([torch.as_tensor(shares[k]) * p["priority"] / max(p["total"], 1e-12) for k, p in got])
         weights = (held * probs).pow(-self._beta)
-        batch = {key: torch.cat([p[key] for p in parts]) for key in ("obs", "action", "ret", "next_obs", "discount",
-                                                                     "slot", "generation")}
+        batch = {key: torch.cat([p[key] for _, p in got]) for key in ("obs", "action", "ret", "next_obs", "discount",
+                                                                      "slot", "generation")}
         batch["is_weight"] = weights.float()  # normalised per minibatch by the learner
-        batch["shard"] = torch.cat([torch.full((len(p["slot"]),), k, dtype=torch.int64) for k, p in enumerate(parts)])
+        batch["shard"] = torch.cat([torch.full((len(p["slot"]),), k, dtype=torch.int64) for k, p in got])
+        batch["token"] = torch.cat([torch.full((len(p["slot"]),), p["token"], dtype=torch.int64) for _, p in got])
         order = torch.from_numpy(self._rng.permutation(len(batch["slot"])))
         return batch, list(order.split(self._batch_size))
 
     def update(self, batch: Dict[str, torch.Tensor], priorities: torch.Tensor) -> None:
         """Send new priorities to each shard (one update per shard in flight)."""
-        for future in self._updating:
-            future.wait()
-        self._updating = []
+        self.drain()
         for k, shard in enumerate(self._shards):
             mine = batch["shard"] == k
             if mine.any():
-                self._updating.append(self._group.registered_async(
-                    f"{GROUP}/replay/{shard}/update",
-                    args=(batch["slot"][mine], batch["generation"][mine], priorities[mine]), timeout=self._timeout))
+                token = int(batch["token"][mine][0])  # the shard's incarnation when it was sampled
+                self._updating.append(self._call(
+                    shard, "update", (batch["slot"][mine], batch["generation"][mine], priorities[mine], token)))
 
-    def drain(self) -> None:
-        for future in self._updating:
-            future.wait()
+    def drain(self, request: Optional[Tuple[np.ndarray, List[Any]]] = None) -> None:
+        """Wait for the priority updates in flight, and for ``request``'s samples (dropped)."""
+        for future in self._updating + (request[1] if request is not None else []):
+            self._wait(future)
         self._updating = []
 
 
 def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
-          epsilons: Sequence[float]) -> Dict[str, Any]:
-    """The learner; it also hosts the model server, the pacer and the episode log."""
-    actors = [str(rank) for rank in range(1, world.world_size)]
+          epsilons: Sequence[float], ready: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """The learner; it also hosts the model server, the pacer and the episode log.
+
+    ``ready``: called once every service and version 1 exist; None: a barrier of the group
+    (the actors wait in theirs), and shard calls that fail end the run.
+    """
+    actors = [str(rank) for rank in range(1, len(epsilons) + 1)]
     counted = [a for a, e in zip(actors, epsilons) if e <= args.eval_epsilon]
     why = f"epsilon <= {args.eval_epsilon:g}"
     if not counted:
@@ -423,10 +475,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     described = ", ".join(f"{a}: {e:.3g}" for a, e in zip(actors, epsilons))
     print(f"[learner] {len(actors)} actors, epsilon {described}; metric: mean return of the last {args.window} "
           f"training episodes of actor(s) {', '.join(counted)} ({why})", flush=True)
-    group.barrier()  # every shard and service exists from here on
+    (ready or group.barrier)()  # every service exists from here on (and every shard, without --chaos)
 
     pacer.wait_actors(len(actors), args.rpc_timeout)
-    sampler = Sampler(group, actors, args.batch_size, args.fetch_batches, args.beta, args.seed, args.rpc_timeout)
+    sampler = Sampler(group, actors, args.batch_size, args.fetch_batches, args.beta, args.seed, args.rpc_timeout,
+                      elastic=ready is not None)
     held, _ = sampler.sizes()
     print(f"[learner] warm-up done: {held} transitions in {len(actors)} shards", flush=True)
     progress = _util.Progress(args.print_every)
@@ -468,17 +521,61 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"actor version lag max {max(lags, default=0)}  loss {loss_sum / max(window_updates, 1):.4f}", flush=True)
             window_updates, window_start, loss_sum = 0, now, 0.0
     pacer.close()  # parked and later pace requests answer "stop"
-    for future in request[1]:
-        future.wait()
-    sampler.drain()
+    sampler.drain(request)
     snap = log.snapshot()
     snap.pop("versions")
     return dict(snap, role="learner", name=world.name, updates=state["updates"], reason=log.reason, impl=impl,
-                curve=curve, counted=counted)
+                curve=curve, counted=counted, missed=sampler.missed)
 
 
 # ------------------------------------------------------------------------------ roles
+def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--chaos``: an elastic world where actors die (SIGKILL) and come back.
+
+    The learner ("0", essential) opens a :class:`_util.ReadyGate` once its services and
+    version 1 exist. An actor, first or restarted, registers its shard, waits at the gate
+    and acts; a restarted one keeps its name (and epsilon), fills a fresh shard, and paces
+    itself from the learner's update count when it came back. A killed actor's shard dies
+    with it: the learner's sampler treats it as empty until the replacement's holds data.
+    Episode reports carry the steps since the actor's last report, so nothing counts twice.
+    Once told to stop, the actors keep their shards up until the learner is gone.
+    """
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    learner, actors = "0", args.num_workers
+    epsilons = [actor_epsilon(i, actors, args.epsilon, args.epsilon_alpha) for i in range(actors)]
+    group = world.create_rpc_group(GROUP)  # open: a restarted actor rejoins at once
+    gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
+    if world.name == learner:
+        members = _util.member_printer(world, "learner")
+        result = learn(world, group, args, epsilons, ready=gate.open)
+        gate.close()
+        result.pop("impl").close()
+        result.pop("curve")
+        result.update(train_time=time.monotonic() - start, png=None, cpu=cpu_seconds(), losses=members.losses,
+                      rejoins=members.rejoins)
+        return result
+    if world.membership.gone(learner):
+        return None  # restarted after the learner finished
+    result: Dict[str, Any] = {"role": "actor", "name": world.name}
+    try:
+        world.wait_for_members([learner], timeout=60.0)
+        result = act(world, group, args, world.rank - 1, actors, epsilons[world.rank - 1],
+                     ready=lambda: gate.wait(learner, timeout=60.0))
+        # The learner may still be fetching from this shard: keep it up until the learner is gone.
+        world.wait_for_members([learner], timeout=args.rpc_timeout, gone=True)
+    except PeerLostError as err:  # the learner finished (left) while this actor was calling it
+        if err.member != learner:
+            raise
+    except KeyError:  # the learner withdrew its services: it is finishing
+        pass
+    result["cpu"] = cpu_seconds()
+    return result
+
+
 def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
+    if world.elastic:
+        return worker_elastic(world, args)
     torch.set_num_threads(1)  # 2 cores, several processes: one thread each
     if world.world_size < 2:
         raise ValueError("Ape-X needs a learner and at least one actor: start at least 2 processes")
@@ -536,11 +633,15 @@ def main() -> None:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.monotonic()
-    results = _util.run(worker, 1 + args.num_workers, args)
+    results = [r for r in _util.run(worker, 1 + args.num_workers, args, chaos_ok=True) if r]
     for result in results:
         if result.get("name") == "0":
+            if args.chaos is not None:  # the ranks are done: plot here (see _util.plot_csv)
+                result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return_all", "mean_return"],
+                                               f"Ape-X DQN on {ENV}: episode returns (mean_return: low-epsilon actors)")
             # Launched here: every rank's time plus this parent's. Under torchrun: this rank's.
-            cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 else 0.0)
+            # (With --chaos: the ranks that returned; a killed actor's time is not reported.)
+            cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)
             _util.summary("Ape-X DQN on " + ENV, {
                 "stopped": result["reason"],
                 f"metric: mean return, last {args.window} episodes of actor(s) {', '.join(result['counted'])}":
@@ -552,6 +653,9 @@ def main() -> None:
                 "training time (incl. set-up)": f"{result['train_time']:.1f} s",
                 "wall time": f"{time.monotonic() - start:.1f} s",
                 "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
+                **({"chaos": (f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} "
+                              f"rejoined, {result['missed']} shard calls found their actor gone")}
+                   if args.chaos is not None else {}),
                 "learning curve": args.out + (f", {result['png']}" if result["png"] else ""),
             })
 

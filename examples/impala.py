@@ -4,6 +4,9 @@ Run it locally (1 learner + 2 actors; the launcher starts the processes):
     python examples/impala.py
 Two learners in a CollectiveGroup, the model wrapped in DistributedDataParallel:
     python examples/impala.py --learners 2
+With an actor SIGKILLed and restarted every 3 s (an elastic world, one learner; see
+``worker_elastic``):
+    python examples/impala.py --chaos 3
 Under torchrun, unchanged (the world size is torchrun's: learners first, the rest act):
     torchrun --standalone --nproc-per-node 3 examples/impala.py
 
@@ -36,7 +39,7 @@ import argparse
 import collections
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import gymnasium as gym
 import numpy as np
@@ -203,9 +206,11 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
     """An actor: pull the newest policy, unroll, ship the trajectory; until a reply says stop."""
     server = group.get_paired(SERVER).to_here()
     model = ActorCritic()
+    # A restarted actor (--chaos) explores afresh instead of replaying its predecessor's episodes.
+    index += 100_003 * (world.incarnation - 1)
     generator = torch.Generator().manual_seed(args.seed * 7919 + index)
     sampler = Sampler(args.envs_per_actor, args.seed * 10_000 + index * args.envs_per_actor, generator)
-    learner = learners[index % len(learners)]
+    learner = learners[index % len(learners)] if len(learners) > 1 else learners[0]
     sending: Optional[machinlike.distributed.RpcFuture] = None
     reporting: Optional[machinlike.distributed.RpcFuture] = None
     unrolls, steps = 0, 0
@@ -306,8 +311,13 @@ def vtrace_loss(net: nn.Module, model: ActorCritic, batch: List[Dict[str, Any]],
 
 
 def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
-          collective: Optional[machinlike.CollectiveGroup], actors: int) -> Dict[str, Any]:
-    """A learner; rank 0 also hosts the model server and the episode log and decides when to stop."""
+          collective: Optional[machinlike.CollectiveGroup], actors: int,
+          ready: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """A learner; rank 0 also hosts the model server and the episode log and decides when to stop.
+
+    ``ready``: called once the services, the episode log and version 1 exist; None: a
+    barrier of the group (the actors wait in theirs).
+    """
     lead = world.rank == 0
     inbox = Inbox(args.queue_size)
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
@@ -326,10 +336,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         group.register(f"{GROUP}/episodes", log.report)
         server = group.get_paired(SERVER).to_here()
         server.push(model)  # version 1: what the actors start from
-        print(f"[learner 0] {len(world.get_members())} processes: {collective.size() if collective else 1} "
-              f"learner(s), {actors} actor(s) x {args.envs_per_actor} envs; metric: mean return of the last "
-              f"{args.window} training episodes of all actors", flush=True)
-    group.barrier()  # services, the episode log and version 1 exist from here on
+        learners = collective.size() if collective else 1
+        print(f"[learner 0] {learners + actors} processes: {learners} learner(s), {actors} actor(s) x "
+              f"{args.envs_per_actor} envs; metric: mean return of the last {args.window} training episodes "
+              f"of all actors", flush=True)
+    (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
 
     progress = _util.Progress(args.print_every)
     window_updates, window_start = 0, time.monotonic()
@@ -377,7 +388,55 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
 
 
 # ------------------------------------------------------------------------------ roles
+def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--chaos``: an elastic world where actors die (SIGKILL) and come back.
+
+    One learner ("0", essential; no DDP: gloo groups need fixed members). It opens a
+    :class:`_util.ReadyGate` once its services and version 1 exist; an actor, first or
+    restarted, waits at the gate and then acts as in a static run. A trajectory counts once:
+    it is in the learner's inbox or it is not (an actor killed mid-send loses only its own
+    unsent work), and episode reports carry the steps since the actor's last report, so a
+    restarted actor adds to the totals without repeating its predecessor's.
+    """
+    from machinlike.exception import PeerLostError
+
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    learner = "0"
+    group = world.create_rpc_group(GROUP)  # open: a restarted actor rejoins at once
+    gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
+    if world.name == learner:
+        members = _util.member_printer(world, "learner 0")
+        result = learn(world, group, args, None, args.num_workers, ready=gate.open)
+        # The actors stop at their next send's reply (False); leaving before they did would
+        # fail their last calls. Bounded: a restart may still be starting up.
+        try:
+            world.wait_for_members([str(r) for r in range(1, args.num_workers + 1)], timeout=30.0, gone=True)
+        except TimeoutError as err:
+            print(f"[learner 0] not every actor stopped within 30 s: {err}", flush=True)
+        gate.close()
+        result.pop("impl").close()
+        result.pop("curve")
+        result.update(train_time=time.monotonic() - start, png=None, cpu=cpu_seconds(),
+                      losses=members.losses, rejoins=members.rejoins)
+        return result
+    if world.membership.gone(learner):
+        return None  # restarted after the learner finished
+    try:
+        world.wait_for_members([learner], timeout=60.0)
+        if gate.wait(learner, timeout=60.0):  # False: the learner finished before this actor got going
+            act(world, group, args, world.rank - 1, [learner])
+    except PeerLostError as err:  # the learner finished (left) while this actor was calling it
+        if err.member != learner:
+            raise
+    except KeyError:  # the learner withdrew its services: it is finishing
+        pass
+    return {"role": "actor", "name": world.name, "cpu": cpu_seconds()}
+
+
 def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
+    if world.elastic:
+        return worker_elastic(world, args)
     torch.set_num_threads(1)  # 2 cores, several processes: one thread each
     learners = args.learners
     if world.world_size < 2 * learners:
@@ -435,12 +494,18 @@ def main() -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.queue_size < args.batch_size:
         parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
+    if args.chaos is not None and args.learners != 1:
+        parser.error("--chaos needs --learners 1: DDP's gloo group has fixed members")
     start = time.monotonic()
-    results = _util.run(worker, args.learners + args.num_workers, args)
+    results = [r for r in _util.run(worker, args.learners + args.num_workers, args, chaos_ok=True) if r]
     for result in results:
         if result.get("name") == "0":
+            if args.chaos is not None:  # the ranks are done: plot here (see _util.plot_csv)
+                result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return"],
+                                               f"IMPALA on {ENV}: episode returns")
             # Launched here: every rank's time plus this parent's. Under torchrun: this rank's.
-            cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 else 0.0)
+            # (With --chaos: the ranks that returned; a killed actor's time is not reported.)
+            cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)
             _util.summary("IMPALA on " + ENV, {
                 "stopped": result["reason"],
                 f"mean return, last {args.window} episodes (all actors)": format_mean(result["mean_return"]),
@@ -450,6 +515,8 @@ def main() -> None:
                 "training time (incl. set-up)": f"{result['train_time']:.1f} s",
                 "wall time": f"{time.monotonic() - start:.1f} s",
                 "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
+                **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
+                   if args.chaos is not None else {}),
                 "learning curve": args.out + (f", {result['png']}" if result["png"] else ""),
             })
 

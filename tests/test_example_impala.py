@@ -94,3 +94,39 @@ def test_smoke_one_learner(tmp_path):
 def test_smoke_two_ddp_learners(tmp_path):
     proc = _run_script(tmp_path, "--learners", "2", "--num-workers", "2")
     assert "2 learner(s), 2 actor(s)" in proc.stdout
+
+
+def _progress_steps(line):
+    """The env-step count of a learner's progress line ('... env steps  12,345  ...'), else None."""
+    if " env steps " not in line:
+        return None
+    return int(line.split(" env steps ", 1)[1].split()[0].replace(",", ""))
+
+
+def test_trains_through_an_actor_killed_by_chaos(tmp_path):
+    # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
+    out = tmp_path / "curve.csv"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala.py"), "--time-budget", "12", "--target", "0",
+                           "--chaos", "3", "--print-every", "0.5", "--envs-per-actor", "4", "--out", str(out)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    lost = next(i for i, x in enumerate(lines) if x.startswith("[learner 0] member") and "was lost" in x)
+    before = [s for s in map(_progress_steps, lines[:lost]) if s is not None]
+    after = [s for s in map(_progress_steps, lines[lost + 1:]) if s is not None]
+    # Training went on past the kill: later progress lines, with more environment steps.
+    assert after and after[-1] > (before[-1] if before else 0), proc.stdout
+    assert "time budget used up" in proc.stdout
+    chaos = next(x for x in lines if x.strip().startswith("chaos") and "actors lost" in x)
+    assert " 0 actors lost" not in chaos
+    killed = next(x for x in lines if x.startswith("chaos:") and "ranks killed" in x)
+    assert not killed.startswith("chaos: 0 ")
+
+
+def test_chaos_refuses_two_ddp_learners(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala.py"), "--learners", "2", "--chaos", "3",
+                           "--out", str(tmp_path / "curve.csv")],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--chaos needs --learners 1" in proc.stderr

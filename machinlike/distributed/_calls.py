@@ -272,6 +272,8 @@ _LOST_MARKERS = (
     "eof", "pipe closed", "connection refused", "econnrefused", "connection reset",
     "econnreset", "broken pipe", "epipe", "shut down", "shutdown", "no route to host",
     "unknown destination worker", "could not find destination",
+    # tensorpipe's CMA channel reading a same-host sender's memory after it died (ESRCH)
+    "process_vm_readv: no such process",
 )
 
 
