@@ -176,8 +176,11 @@ def main() -> None:
     driver = out[0]
     print(f"  {deaths} SIGKILLs, {len(out.restarts)} restarts, 0 hangs; driver: {driver['completed']} "
           f"iterations completed, {driver['failed_fast']} failed fast (slowest "
-          f"{driver['slowest_failure'] * 1e3:.0f} ms), {driver['skipped']} skipped; "
-          f"stop {max(r['stop'] for r in out):.2f} s max; {time.monotonic() - start:.0f} s in all")
+          f"{driver['slowest_failure'] * 1e3:.0f} ms), {driver['skipped']} skipped, "
+          f"{sum(len(r['unexpected']) for r in out)} unexpected failures (iterations nobody died in); "
+          f"{sum(r['renewals'] for r in out)} RPC agents renewed by the final incarnations (listener closed "
+          f"by a peer dying mid-connect); stop {max(r['stop'] for r in out):.2f} s max; "
+          f"{time.monotonic() - start:.0f} s in all")
 
 
 if __name__ == "__main__":

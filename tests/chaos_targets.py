@@ -125,7 +125,9 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
             _die()  # its trigger was not reached (the others failed first): keep the schedule
     if previous is not None:
         previous.destroy()
+    renewals = world.membership.renewals
     began = time.monotonic()
     world.stop(timeout=STOP)
     return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped, "unexpected": unexpected,
+            "renewals": renewals,
             "slowest_failure": max(failed_fast, default=0.0), "stop": time.monotonic() - began}

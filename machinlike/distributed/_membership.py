@@ -11,14 +11,17 @@ RpcGroup use it through the methods below and never touch the keys themselves.
     monitor thread, each tick (liveness / 8):     m/own/<transport>  registry keys it claimed
                                                   m/t/<transport> its member (RPC worker -> name)
              heartbeat, read the others'          m/lost/<name>/<inc>  elects one declarer
-             apply new events
+             apply new events, check this member's RPC listener
              suspect: process gone (same host,    m/gone/<name>/<inc>  set when its keys are free
              read from /proc) or heartbeat
              stalled for 3/4 of liveness
     declare (one winner): release its keys, prune it from the RPC group, clear m/live, post "lost"
             (a declarer that dies mid-way is taken over after a few leases: m/lostpost keeps it
             to one "lost" event per incarnation)
-    apply "lost" / "leave": forget its RPC worker, wake the waits that need it, run callbacks
+    apply "lost" / "leave": wake the waits that need it, run callbacks (its RPC worker stays
+            known to torch's agent: see _transport)
+    own RPC listener closed (see _listener): renew the agent under a new worker name, move the
+            claims to it, post "move"; the others route new calls to the new worker
 
 Why the store and not RPC: the store is torch's C++ server, reachable while any member
 lives, and its compare-and-set gives one winner for every claim without a coordinator.
@@ -142,6 +145,8 @@ class Membership:
         self._listener: Optional[ListenerWatch] = None
         self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
         self._old_transports: Set[str] = set()
+        #: How many times this member renewed its RPC agent (its listener had closed).
+        self.renewals = 0
         #: This process's handles of the groups it belongs to, by name (owned by RpcGroup).
         self.groups: Dict[str, object] = {}
         #: How many times each group name was created here (static groups' epochs).
@@ -673,6 +678,7 @@ class Membership:
                     moved.append(f"{key}\x1f{new}\n")
             if moved:
                 self.registry.append(self.key(f"m/own/{self.transport}"), "".join(moved))
+        self.renewals += 1
         self._post("move", self._me)
         log.warning("machinlike: member %r now answers as RPC worker %r", self.name, self.transport)
 
