@@ -55,21 +55,28 @@ class SameHost:
         self.threshold = threshold
         self._identity_of = identity_of
         self._space = process_identity().rpartition("/")[0]
-        self._verdicts: Dict[str, bool] = {}
+        self._verdicts: Dict[str, bool] = {}  # by process identity
+        # By RPC worker: a worker name is never reused and its process never changes, so
+        # a call asks one dict instead of the membership tables (small calls pay for it).
+        self._by_worker: Dict[str, bool] = {}
         if enabled:
             _shm.cache().set_limit(cache_bytes)
             _receive.set_limit(cache_bytes)
 
     def local(self, member: str) -> bool:
         """Whether ``member``'s process shares this host's memory and ``/proc`` with us."""
+        verdict = self._by_worker.get(member)
+        if verdict is not None:
+            return verdict
         identity = self._identity_of(member)
         if identity is None:
-            return False
+            return False  # not known yet: asked again next time
         verdict = self._verdicts.get(identity)
         if verdict is None:
             space, _, pid = identity.rpartition("/")
             verdict = space == self._space and "?" not in space and _shm.reachable(int(pid))
             self._verdicts[identity] = verdict
+        self._by_worker[member] = verdict
         return verdict
 
     def close(self) -> None:
