@@ -2,9 +2,10 @@
 count of the members it saw come and go.
 
 Why: the ordered server (and the model server built on it, and the gradient server's
-primary, see ``_grad_checkpoint``) makes versions that its clients then hold. A host restarted from a checkpoint older than its death must never
-show one of those numbers with other contents, yet writing every version to disk before
-acknowledging it would cost a synchronous write per push. So the host *leases* versions:
+primary, see ``_grad_checkpoint``) makes versions that its clients then hold. A host
+restarted from a checkpoint older than its death must never show one of those numbers
+with other contents, yet writing every version to disk before acknowledging it would
+cost a synchronous write per push. So the host *leases* versions:
 before a version above the lease becomes visible, the lease is raised by
 :data:`LEASE_BLOCK` and written (atomically, like the checkpoint) beside the checkpoint.
 A resumed host republishes every key's newest value above the lease, which is above every
