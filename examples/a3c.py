@@ -337,8 +337,10 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     Rank 0 (the learner, "0") is essential and hosts both primaries. Each worker hosts a
     secondary reducer of each server; one that dies takes its queued pushes with it (the
     servers count them) and its replacement rejoins the running servers with fresh
-    environments. Once training stops, the learner waits (bounded) for the live workers
-    to say they flushed, then closes the servers.
+    environments. A worker, first or restarted, waits at a :class:`_util.ReadyGate` that
+    the learner opens once both servers exist (the learner may still be building them
+    when a worker joins). Once training stops, the learner waits (bounded) for the live
+    workers to say they flushed, then closes the servers.
     """
     from machinlike.exception import PeerLostError
     from machinlike.server import PushPullGradServerImpl
@@ -348,6 +350,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     options = dict(primary_reducer=learner, reduce_method="mean", reduce_batch_size=args.reduce_batch,
                    max_queue_size=max(64, args.reduce_batch))
     group = world.create_rpc_group(GROUP)  # open: a restarted worker rejoins at once
+    gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
     if world.name == learner:
         _util.member_printer(world, "learner")
         columns = ["episode", "seconds", "env_steps", "worker", "length", "episode_return", "mean_return_100"]
@@ -373,6 +376,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         print(f"A3C on {ENV_ID}: {args.num_workers} workers x {args.envs_per_worker} environments, "
               f"learner on rank 0, chaos every {args.chaos:g} s", flush=True)
         hosted = _Hosted(impls, [group.get_paired(n).to_here() for n in names])
+        gate.open()  # both servers and the report services exist: workers may start
         log.started = time.monotonic()
         result = learn(world, args, group, hosted, log)
         # The workers flush their secondaries once told to stop; wait for the live ones
@@ -381,6 +385,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         with bye_changed:
             while not set(world.get_members()) - {learner} <= bye and time.monotonic() < deadline:
                 bye_changed.wait(0.2)  # also re-reads the live set: a loss notifies nobody here
+        gate.close()
         for accessor in hosted.accessors:
             accessor.flush()
         result["members"] = impls[0].stats()["members"]
@@ -390,11 +395,17 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         return result
     if world.membership.gone(learner):
         return None  # restarted after the learner finished
+    me = f"[worker {world.name}]"
     try:
         world.wait_for_members([learner], timeout=60.0)
+        # The learner may be a member still building its servers: wait until it says they exist.
+        if not gate.wait(learner, timeout=60.0):
+            print(f"{me} the learner finished before this worker could start", flush=True)
+            return None
         impls = [PushPullGradServerImpl(n, group, **options) for n in names]
     except (ValueError, TimeoutError):
         if world.get_incarnation(learner) is None:
+            print(f"{me} the learner finished before this worker could start", flush=True)
             return None  # restarted after the learner finished
         raise
     for impl in impls:
@@ -409,8 +420,8 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     except PeerLostError as err:
         if err.member != learner:
             raise
-    except KeyError:  # the learner withdrew its services: it is finishing
-        pass
+    except KeyError as err:  # past the gate, a missing service means the learner withdrew it: finishing
+        print(f"{me} stopped: the learner withdrew its services ({err})", flush=True)
     for impl in impls:
         impl.close()
     return None

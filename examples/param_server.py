@@ -194,8 +194,9 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
 
     Rank 0 ("0") is essential. Each trainer hosts a secondary reducer; one that dies takes
     its queued pushes with it (the server counts them as dropped) and its replacement
-    rejoins the running server and trains its shard again. The run ends once ``--epochs``
-    epochs of pushes were applied (or every trainer finished its epochs).
+    rejoins the running server and trains its shard again. A trainer, first or restarted,
+    waits at a :class:`_util.ReadyGate` that rank 0 opens once the server exists. The run
+    ends once ``--epochs`` epochs of pushes were applied (or every trainer finished its epochs).
     """
     from machinlike.exception import PeerLostError
     from machinlike.server import PushPullGradServerImpl
@@ -207,6 +208,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     options = dict(primary_reducer=server_member, reduce_method="mean", reduce_batch_size=args.reduce_batch,
                    max_queue_size=args.max_queue)
     group = world.create_rpc_group(GROUP)  # open: a restarted trainer rejoins at once
+    gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
     if world.name == server_member:
         _util.member_printer(world, "server")
         finished = Finished(trainers)
@@ -219,18 +221,26 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
               f"{len(trainers)} trainers, server on rank 0, chaos every {args.chaos:g} s", flush=True)
         accessor = group.get_paired(SERVER).to_here()
+        gate.open()  # the server and the "done" service exist: trainers may start
         result = serve(world, _Hosted(impl, accessor), args, data, finished, started)
+        gate.close()
         result["members"] = impl.stats()["members"]
         result["dropped"] = impl.stats()["primary"]["dropped_dead_reducer"]
         impl.close()
         return result
     if world.membership.gone(server_member):
         return None  # restarted after the server finished
+    me = f"[trainer {world.name}]"
     try:
         world.wait_for_members([server_member], timeout=60.0)
+        # The server may be a member still building its services: wait until it says they exist.
+        if not gate.wait(server_member, timeout=60.0):
+            print(f"{me} the server finished before this trainer could start", flush=True)
+            return None
         impl = PushPullGradServerImpl(SERVER, group, **options)
     except (ValueError, TimeoutError):
         if world.get_incarnation(server_member) is None:
+            print(f"{me} the server finished before this trainer could start", flush=True)
             return None  # restarted after the server finished
         raise
     impl.start()
@@ -245,8 +255,8 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     except PeerLostError as err:
         if err.member != server_member:
             raise
-    except KeyError:  # the server withdrew its services: it is finishing
-        pass
+    except KeyError as err:  # past the gate, a missing service means the server withdrew it: finishing
+        print(f"{me} stopped: the server withdrew its services ({err})", flush=True)
     impl.close()
     return None
 

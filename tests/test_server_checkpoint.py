@@ -10,10 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from machinlike import launch
+from machinlike import get_world, launch
 from machinlike.exception import PeerLostError
-from machinlike.server import CheckpointError, PushPullGradServerImpl
+from machinlike.server import (CheckpointError, OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl,
+                               PushPullGradServerImpl)
 from machinlike.server._checkpoint import Checkpointer
+from machinlike.server._grad_checkpoint import PrimaryCheckpoint
 
 
 def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
@@ -104,3 +106,90 @@ def test_a_killed_primary_resumes_from_its_checkpoint(tmp_path):
     w_final, v_final = out["final"]
     assert torch.equal(w_final, torch.tensor([-4.0, -7.0])) and v_final > v_after
     assert [r.name for r in result.restarts] == ["p"]
+
+
+class _DiesOncePublished(OrderedServerBase):
+    """The primary's way to an ordered server hosted elsewhere; the first incarnation of
+    the primary SIGKILLs itself the moment version ``at`` is stored there: visible to
+    clients, before the gradient server did anything else about it."""
+
+    def __init__(self, inner: OrderedServerBase, at: int) -> None:
+        self.inner, self.at = inner, at
+
+    def push(self, key, value, version, prev_version):
+        stored = self.inner.push(key, value, version, prev_version)
+        if stored and version == self.at and get_world().incarnation == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return stored
+
+    def pull(self, key, version=None):
+        return self.inner.pull(key, version)
+
+    def pull_if_changed(self, key, have_version):
+        return self.inner.pull_if_changed(key, have_version)
+
+
+def _published_body(world, directory, every):
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    if world.name == "p":
+        registry.wait_all(_key(world, ""), ["restart" if world.incarnation > 1 else "ordered"], 60, "the client")
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", secondary_reducers=None,
+                                      o_server=_DiesOncePublished(OrderedServerSimple("ord", group), at=3),
+                                      reduce_batch_size=1, max_queue_size=8, checkpoint_dir=directory,
+                                      checkpoint_every=every)
+        model = Two()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+        registry.set(_key(world, f"ready{world.incarnation}"), "1")
+        registry.wait_all(_key(world, ""), ["end"], 60, "the client")
+        return impl.stats()["primary"]["version"]
+    ordered = OrderedServerSimpleImpl("ord", group)  # on the client: outlives the primary
+    registry.set(_key(world, "ordered"), "1")
+    registry.wait_all(_key(world, ""), ["ready1"], 60, "the primary")
+    world.wait_for_members(["p"], timeout=30)
+    server = group.get_paired("grad", timeout=30).to_here()
+    model = Two()
+    for _ in range(3):  # versions 1, 2 and 3; the primary dies once 3 is visible
+        model.w.grad = torch.tensor([1.0, 2.0])
+        assert server.push(model, pull=False)
+    world.membership.wait_until(lambda live: world.get_incarnation("p") != 1, 30)
+    assert server.pull(model)
+    seen = (model.w.detach().clone(), model.pp_version)
+    registry.set(_key(world, "restart"), "1")
+    registry.wait_all(_key(world, ""), ["ready2"], 60, "the restarted primary")
+    changed = server.pull(model)
+    registry.set(_key(world, "end"), "1")
+    world.wait_for_members(["p"], timeout=30, gone=True)
+    ordered.close()
+    return {"seen": seen, "changed": changed, "after": (model.w.detach().clone(), model.pp_version)}
+
+
+# every=1: the checkpoint holds version 2; every=100: only the one written before version 0.
+@pytest.mark.parametrize("every, resumed", [(1, [-2.0, -4.0]), (100, [0.0, 0.0])])
+def test_a_primary_killed_right_after_publishing_never_reuses_that_version(tmp_path, every, resumed):
+    # The kill lands after version 3 became visible and before the primary noted or
+    # checkpointed it: the resumed primary must still publish above 3, or a client
+    # holding 3 would never pull the different contents.
+    result = launch(_published_body, 2, args=(str(tmp_path), every), names=["c", "p"], max_restarts=1,
+                    essential=["c"], timeout=90)
+    out = result[0]
+    w_seen, v_seen = out["seen"]
+    assert v_seen == 3 and torch.equal(w_seen, torch.tensor([-3.0, -6.0]))
+    w_after, v_after = out["after"]
+    assert out["changed"] and v_after > v_seen, (v_seen, v_after)
+    assert torch.equal(w_after, torch.tensor(resumed))  # the checkpoint's, under a fresh version
+    assert result[1] == v_after and [r.name for r in result.restarts] == ["p"]
+
+
+def test_a_primary_checkpoint_needs_its_lease(tmp_path):
+    params = dict(Two().named_parameters())
+    state = {"params": {"w": torch.zeros(2)}, "optimizer": {}, "lr_scheduler": None, "version": 7, "applied": {}}
+    ckpt = PrimaryCheckpoint(tmp_path, "g", every=1, interval=None)
+    assert ckpt.resume(params, torch.optim.SGD(params.values(), lr=1.0), None) is None
+    Checkpointer(tmp_path, "grad-server", "g").save(state)
+    with pytest.raises(CheckpointError, match="has no lease file .*g.lease"):
+        ckpt.resume(params, torch.optim.SGD(params.values(), lr=1.0), None)
+    Checkpointer(tmp_path, "grad-server", "g", suffix=".lease").save({"lease": 5})
+    with pytest.raises(CheckpointError, match="holds version 7, above the lease 5"):
+        ckpt.resume(params, torch.optim.SGD(params.values(), lr=1.0), None)

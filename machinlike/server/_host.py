@@ -1,10 +1,11 @@
 """What a versioned host keeps through churn: a checkpoint with a version lease, and a
 count of the members it saw come and go.
 
-Why: the ordered server (and the model server built on it) accepts versions that its
-clients then hold. A host restarted from a checkpoint older than its death must never
-show one of those numbers with other contents, yet writing every version to disk before
-acknowledging it would cost a synchronous write per push. So the host *leases* versions:
+Why: the ordered server (and the model server built on it, and the gradient server's
+primary, see ``_grad_checkpoint``) makes versions that its clients then hold. A host
+restarted from a checkpoint older than its death must never show one of those numbers
+with other contents, yet writing every version to disk before acknowledging it would
+cost a synchronous write per push. So the host *leases* versions:
 before a version above the lease becomes visible, the lease is raised by
 :data:`LEASE_BLOCK` and written (atomically, like the checkpoint) beside the checkpoint.
 A resumed host republishes every key's newest value above the lease, which is above every
@@ -53,6 +54,10 @@ def check_version(version: Any, server: str) -> int:
     return version
 
 
+def _newest_in_data(state: Dict[str, Any]) -> int:
+    return max((v for entries in state["data"].values() for v, _ in entries), default=-1)
+
+
 class HostCheckpoint:
     """A host's checkpoint file, its version lease and when the next one is due.
 
@@ -83,8 +88,12 @@ class HostCheckpoint:
     def path(self) -> str:
         return self.file.path
 
-    def load(self) -> Optional[Tuple[Dict[str, Any], int]]:
+    def load(self, newest: Optional[Callable[[Dict[str, Any]], int]] = None) -> Optional[Tuple[Dict[str, Any], int]]:
         """The saved state and lease; None when there is no checkpoint.
+
+        Args:
+            newest: The highest version a saved state holds; None: the newest of every
+                key's history (``state["data"]``, the ordered server's layout).
 
         Raises:
             CheckpointError: a file is corrupt or another server's, the lease is missing,
@@ -98,7 +107,7 @@ class HostCheckpoint:
             raise CheckpointError(f"checkpoint {self.file.path!r} has no lease file {self._lease_file.path!r}, so the "
                                   f"versions handed out after it cannot be bounded: restore the lease file, or "
                                   f"delete the checkpoint to start afresh")
-        top = max((v for entries in state["data"].values() for v, _ in entries), default=-1)
+        top = _newest_in_data(state) if newest is None else newest(state)
         if top > lease["lease"]:
             raise CheckpointError(f"checkpoint {self.file.path!r} holds version {top}, above the lease "
                                   f"{lease['lease']} in {self._lease_file.path!r}: the files do not belong together")

@@ -47,12 +47,13 @@ import torch
 from torch.distributed import rpc
 
 from ..distributed import MemberEvent, RpcGroup, get_world
-from ._checkpoint import CheckpointError, Checkpointer
+from ._checkpoint import CheckpointError
 from ._churn import Admission, Ledger
 from ._common import check_count, check_group, check_name, check_timeout
+from ._grad_checkpoint import PrimaryCheckpoint
 from ._grad_accessor import PushPullGradServer, check_members, hosted, rpc_timeout
 from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
-from ._spec import Spec, check_module, mismatch, spec_of
+from ._spec import Spec, check_module, spec_of
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "CheckpointError"]
@@ -95,10 +96,12 @@ class PushPullGradServerImpl:
         max_queue_size: Pushes a secondary (or partial sums the primary) may hold
             (>= reduce_batch_size).
         checkpoint_dir: Directory where the primary keeps an atomic checkpoint
-            (parameters, optimizer and lr-scheduler state, version, push accounting);
-            a primary whose directory holds one resumes from it in
-            :meth:`manage_model`. None: no checkpoints.
-        checkpoint_every: With ``checkpoint_dir``: write one every this many versions.
+            (parameters, optimizer and lr-scheduler state, version, push accounting)
+            and its version lease; a primary whose directory holds one resumes from it
+            in :meth:`manage_model`, publishing above every version ever published.
+            None: no checkpoints.
+        checkpoint_every: With ``checkpoint_dir``: write one every this many versions
+            (and one before version 0).
         checkpoint_interval: With ``checkpoint_dir``: also write one when this many
             seconds passed since the last; None: by versions only.
 
@@ -138,10 +141,10 @@ class PushPullGradServerImpl:
                              f"could ever fill")
         if o_server is not None and not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
-        self._checkpoint = None if checkpoint_dir is None else Checkpointer(checkpoint_dir, "grad-server", server_name)
-        self._ckpt_every = check_count(checkpoint_every, "checkpoint_every", 1)
-        self._ckpt_interval = check_timeout(checkpoint_interval, "checkpoint_interval")
-        self._ckpt_last = (0, time.monotonic())  # (version, when) of the last checkpoint
+        check_count(checkpoint_every, "checkpoint_every", 1)  # named even without a directory
+        check_timeout(checkpoint_interval, "checkpoint_interval")
+        self._checkpoint = None if checkpoint_dir is None else PrimaryCheckpoint(
+            checkpoint_dir, server_name, checkpoint_every, checkpoint_interval)
         self.member = group.get_cur_name()
         if self.member != self.primary_reducer and self.member not in self.secondary_reducers:
             raise ValueError(f"member {self.member!r} is neither the primary reducer ({self.primary_reducer!r}) nor "
@@ -269,6 +272,8 @@ class PushPullGradServerImpl:
             raise ValueError("the managed model has no parameters")
         self._model, self._params, self._spec = model, params, spec_of(params)
         self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
+        if self._checkpoint is not None:
+            self._checkpoint.manage(self._checkpoint_state)
         if self._resume():
             return
         self._publish_first()
@@ -276,29 +281,14 @@ class PushPullGradServerImpl:
     # ------------------------------------------------------------ checkpoints
     def _resume(self) -> bool:
         """Load the checkpoint, if any, and publish it under a never-used version."""
-        state = None if self._checkpoint is None else self._checkpoint.load()
-        if state is None:
+        if self._checkpoint is None:
             return False
-        path = self._checkpoint.path
-        saved = state["params"]
-        diff = mismatch(spec_of(saved), self._spec, f"checkpoint {path!r}", "the managed model")
-        if diff is not None:
-            raise CheckpointError(f"checkpoint {path!r} does not fit the managed model: {diff}")
-        with torch.no_grad():
-            for name, param in self._params.items():
-                param.copy_(saved[name])
-        self._optimizer.load_state_dict(state["optimizer"])
-        if (self._lr_scheduler is None) != (state["lr_scheduler"] is None):
-            raise CheckpointError(f"checkpoint {path!r} was written {'with' if state['lr_scheduler'] else 'without'} "
-                                  f"an lr_scheduler; manage_model() got "
-                                  f"{'one' if self._lr_scheduler is not None else 'none'}")
-        if self._lr_scheduler is not None:
-            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        loaded = self._checkpoint.resume(self._params, self._optimizer, self._lr_scheduler)
+        if loaded is None:
+            return False
+        state, resume = loaded
         if self._ledger is not None:
             self._ledger.restore(state["applied"])
-        # The dead primary may have published versions after its last checkpoint: go past
-        # every version ever published, so no version names two different contents.
-        resume = max(state["version"], self._published_max()) + 1
         snapshot = self._snapshot()
         if self.o_server_impl is not None:
             stored = self.o_server_impl.store(self.model_name, snapshot, resume, None)
@@ -308,50 +298,23 @@ class PushPullGradServerImpl:
         if not stored:
             raise RuntimeError(f"the ordered server refused resumed version {resume} of {self.model_name!r}")
         self._version = resume
-        self._note_published()
-        self._ckpt_last = (resume, time.monotonic())
+        self._published_at = time.monotonic()
         log.warning("gradient server %r: primary resumed from %r (checkpoint version %d) as version %d",
-                    self.server_name, path, state["version"], resume)
+                    self.server_name, self._checkpoint.path, state["version"], resume)
         return True
 
-    def _published_key(self) -> Optional[str]:
-        world = get_world()
-        if not self._elastic or world is None:
-            return None
-        return world.membership.key(f"gs/{self.group.get_group_name()}/{self.server_name}/published")
-
-    def _published_max(self) -> int:
-        key = self._published_key()
-        if key is None:
-            return -1
-        text = get_world().membership.registry.get_or_empty(key)
-        return int(text) if text else -1
-
-    def _note_published(self) -> None:
-        self._published_at = time.monotonic()
-        key = self._published_key()
-        if key is not None:  # versions only grow on one primary at a time: a plain set suffices
-            get_world().membership.registry.set(key, str(self._version))
-
-    def _maybe_checkpoint(self) -> None:
-        if self._checkpoint is None:
-            return
-        version, when = self._ckpt_last
-        due = self._version - version >= self._ckpt_every
-        if self._ckpt_interval is not None and time.monotonic() - when >= self._ckpt_interval:
-            due = True
-        if not due:
-            return
+    def _checkpoint_state(self) -> Dict[str, Any]:
         scheduler = self._lr_scheduler.state_dict() if self._lr_scheduler is not None else None
-        self._checkpoint.save({"params": self._snapshot(), "optimizer": self._optimizer.state_dict(),
-                               "lr_scheduler": scheduler, "version": self._version,
-                               "applied": self._ledger.state() if self._ledger is not None else {}})
-        self._ckpt_last = (self._version, time.monotonic())
+        return {"params": self._snapshot(), "optimizer": self._optimizer.state_dict(), "lr_scheduler": scheduler,
+                "version": self._version, "applied": self._ledger.state() if self._ledger is not None else {}}
 
     def _snapshot(self) -> Dict[str, torch.Tensor]:
         return {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
 
     def _publish_first(self) -> None:
+        if self._checkpoint is not None:  # on disk before anything is visible (see _grad_checkpoint)
+            self._checkpoint.first()
+            self._checkpoint.cover(0)
         snapshot = self._snapshot()
         if self.o_server_impl is not None:
             stored = self.o_server_impl.store(self.model_name, snapshot, 0, None)
@@ -359,7 +322,7 @@ class PushPullGradServerImpl:
             stored = self.o_server.push(self.model_name, snapshot, 0, None)
         if stored:
             self._version = 0
-            self._note_published()
+            self._published_at = time.monotonic()
             return
         # A custom ordered server that already holds a chain under this key: continue it.
         got = self.o_server.pull(self.model_name)
@@ -370,6 +333,8 @@ class PushPullGradServerImpl:
         self._publish(self._version + 1)
 
     def _publish(self, version: int) -> None:
+        if self._checkpoint is not None:
+            self._checkpoint.cover(version)  # leased before visible: a resume goes above it
         snapshot = self._snapshot()
         if self.o_server_impl is not None:
             stored = self.o_server_impl.store(self.model_name, snapshot, version, self._version)
@@ -379,7 +344,7 @@ class PushPullGradServerImpl:
             raise RuntimeError(f"the ordered server refused version {version} of {self.model_name!r}: something "
                                f"else pushes to that key")
         self._version = version
-        self._note_published()
+        self._published_at = time.monotonic()
 
     def _apply(self, item: Item) -> None:
         # Runs on the primary's thread only.
@@ -404,7 +369,8 @@ class PushPullGradServerImpl:
         self._publish(self._version + 1)
         if self._ledger is not None and item.origin is not None:
             self._ledger.applied(item.origin)
-        self._maybe_checkpoint()
+        if self._checkpoint is not None:
+            self._checkpoint.made()
 
     # ------------------------------------------------------------ services
     def _forward(self, item: Item) -> Any:
