@@ -50,8 +50,8 @@ napoleon_use_ivar = True
 # Without intersphinx (the build runs offline), references to torch, the standard
 # library and typing cannot resolve and are ignored.
 nitpicky = True
-# A private machinlike name (``machinlike.event._CompositeEvent`` in an annotation), or one in a private module, is
-# not documented either; it renders as plain text.
+# A private machinlike name (``machinlike.event._CompositeEvent`` in an annotation), or a
+# name in a private module, is not documented either; it renders as plain text.
 nitpick_ignore_regex = [(r"py:.*", r"(?!machinlike\b).*"), (r"py:.*", r"machinlike(\.\w+)*\._\w+(\.\w+)*")]
 
 
