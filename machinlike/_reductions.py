@@ -44,6 +44,7 @@ segment (as torch's own) and its claim file until torch's manager exits.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import copyreg
 import multiprocessing.reduction
@@ -253,7 +254,7 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     manager, handle, size = storage._share_filename_cpu_()
     _uses_manager = True
     token = os.urandom(12)
-    claim = _make_claim(token)
+    claim = _make_claim(token, handle)
     storage._shared_incref()
     _note_undo(storage._shared_decref)
     if claim is not None:
@@ -263,17 +264,49 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
 
 
 _CLAIM_DIR = "/dev/shm"
+_CLAIM_PREFIX = "machinlike_claim_"
+_swept_by = 0  # pid of the process that swept stale claims (once per process)
 
 
-def _make_claim(token: bytes) -> Optional[str]:
+def _make_claim(token: bytes, handle: bytes) -> Optional[str]:
     """Create the claim file of a payload's in-transit reference; None where /dev/shm is
-    not writable (then every process's first load releases it, as torch's own path)."""
-    path = f"{_CLAIM_DIR}/machinlike_claim_{os.getpid()}_{token.hex()}"
+    not writable (then every process's first load releases it, as torch's own path).
+
+    The file holds the segment's name, so a claim whose segment is gone (a payload never
+    loaded, once torch's manager exited) is known to be garbage and swept.
+    """
+    global _swept_by
+    if _swept_by != os.getpid():
+        _swept_by = os.getpid()
+        _sweep_claims()
+        atexit.register(_sweep_claims)
+    path = f"{_CLAIM_DIR}/{_CLAIM_PREFIX}{os.getpid()}_{token.hex()}"
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     except OSError:
         return None
+    try:
+        os.write(fd, handle)
+    finally:
+        os.close(fd)
     return path
+
+
+def _sweep_claims() -> None:
+    """Remove claim files whose segment no longer exists (nobody can load their payload)."""
+    try:
+        names = [n for n in os.listdir(_CLAIM_DIR) if n.startswith(_CLAIM_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = f"{_CLAIM_DIR}/{name}"
+        try:
+            with open(path, "rb") as stream:
+                segment = stream.read().decode(errors="replace").lstrip("/")
+            if not segment or not os.path.exists(f"{_CLAIM_DIR}/{segment}"):
+                os.unlink(path)
+        except OSError:  # taken by a load meanwhile, or another user's
+            continue
 
 
 def _take_claim(path: str) -> bool:
