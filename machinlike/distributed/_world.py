@@ -1,59 +1,36 @@
 """World: this process's membership in the distributed job (one per process).
 
-Two kinds of world share this class:
+Two kinds of world share this class: *static* (the default, machin's ``World(name, rank,
+world_size)``), a fixed set of ranks, and *elastic* (``elastic=True``), whose members join
+a running world by its address and a name, leave it, die and come back.
 
-*static* (the default, machin's ``World(name, rank, world_size)``): a fixed set of ranks.
-``World(...)`` returns only after the last step below, on every rank, so no request can
-reach a half-built world:
-
-    open the store (host it on rank 0, or join)        _rendezvous.open_store
-    exchange member names (duplicates refused)         store keys  mlk/<n>/w/name/<rank>
-    init the default process group (collective=True)   store prefix  mlk/<n>/pg
-    init RPC over TensorPipe (init_rpc=True)           rendezvous through the same store
-    ready barrier, then the liveness monitor starts    store keys  mlk/<n>/w/ready/<rank>
-
-*elastic* (``elastic=True``): members join a running world by its address and a name,
-leave it, die and come back; no world size:
-
-    open the store (host it when rank=0, or join)
-    claim the name (a dead incarnation's claim is taken over)   Membership.enter
-    join the dynamic RPC group, pruning the dead first          Membership.join_transport
-    post "join", start the liveness monitor                     Membership.announce
-
-``stop(timeout)`` never waits past its deadline. Static: a stop barrier (a lost member
-wakes it at once), a graceful RPC shutdown only when every peer arrived, else a local one.
-Elastic: free this member's keys, post "leave", stop RPC locally. Local teardown always
-completes (``finally``), so a failed stop never keeps the process from building a new World.
+The World's state lives here (``World.__init__``); two mixins hold the methods of its two
+paths: ``_world_start`` (start-up of either kind, with its steps) and ``_world_stop``
+(``stop``, which never waits past its deadline, and the local teardown that always
+completes). Here are the accessors, membership queries and group creation.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import logging
-import os
 import threading
-import time
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _calls, _checks, _netif, _rendezvous, _samehost, _state, _transport
+from . import _checks, _netif, _rendezvous, _samehost, _state
 from ._collective import CollectiveGroup
-from ._liveness import process_identity
 from ._membership import MemberEvent, Membership
-from ._registry import deadline_left
 from ._rpc_group import RpcGroup, create_group, open_group
 from ._state import require_world
+from ._world_start import WorldStart
+from ._world_stop import WorldStop
 
 __all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
-
-log = logging.getLogger(__name__)
 
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
-class World:
+class World(WorldStart, WorldStop):
     """This process's place in a distributed job: RPC, collectives and the group registry.
 
     Args:
@@ -199,114 +176,6 @@ class World:
         except BaseException:
             self._teardown_local()
             raise
-
-    # ------------------------------------------------------------------- start-up
-    def _open(self, init_method: Optional[str], store: Optional[dist.Store],
-              interface: Optional[str]) -> _rendezvous.StoreInfo:
-        if store is None:
-            info = _rendezvous.open_store(self.rank, None if self.elastic else self._size, init_method,
-                                          self.dist_timeout)
-        else:
-            base = store
-            while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
-                base = base.underlying_store
-            info = _rendezvous.StoreInfo(store, getattr(base, "host", "?"), getattr(base, "port", 0),
-                                         False, "the launcher")
-        self._store_info = info
-        self.store_address = f"tcp://{info.host}:{info.port}"
-        self._set_interface(interface, info.host, info.port)
-        return info
-
-    def _start(self, init_method: Optional[str], backend: str, rpc_threads: int,
-               store: Optional[dist.Store], interface: Optional[str]) -> None:
-        deadline = time.monotonic() + self.dist_timeout
-        info = self._open(init_method, store, interface)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        if self.elastic:
-            self._start_elastic(info, f"mlk/{restart}/e/", rpc_threads, deadline)
-            return
-        # A namespace per world incarnation: a store may outlive a world (torchrun's agent
-        # store outlives restarted workers, and a process may build a new World on it), and
-        # stale keys (gloo addresses, names, barriers) must not leak into the next one. The
-        # k-th World of every rank on this store meets the k-th World of the others.
-        incarnation = info.store.add(f"mlk/{restart}/incarnation/{self.rank}", 1)
-        ns = f"mlk/{restart}/{incarnation}/"
-        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, False)
-        reg = members.registry
-        ranks = [str(r) for r in range(self._size)]
-        reg.set(f"{ns}w/proc/{self.rank}", process_identity())
-        reg.set(f"{ns}w/name/{self.rank}", self.name)
-        reg.wait_all(f"{ns}w/name/", ranks, deadline_left(deadline), "World start-up: ranks", self.dist_timeout)
-        names = reg.values(f"{ns}w/name/", ranks)
-        if len(set(names)) != len(names):
-            clash = sorted({n for n in names if names.count(n) > 1})
-            raise ValueError(f"member names must be unique; ranks {names} share {clash}")
-        members.enter_static(self.rank, names, reg.values(f"{ns}w/proc/", ranks))
-        self._bind_tables()
-        if self._collective_on:
-            with self._network_hint():
-                dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"{ns}pg", info.store), rank=self.rank,
-                    world_size=self._size, timeout=datetime.timedelta(seconds=self.dist_timeout),
-                )
-            self._pg_running = True
-        if self._rpc_on:
-            self._rpc_url = _rendezvous.rpc_init_method(dist.PrefixStore(f"{ns}rpc", info.store), self.rank,
-                                                        self._size)
-            with self._network_hint():
-                _transport.start_static(self.name, self.rank, self._size, self._rpc_url, rpc_threads,
-                                        self.rpc_timeout)
-            self._rpc_running = True
-            members.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
-        reg.set(f"{ns}w/ready/{self.rank}", "1")
-        reg.wait_all(f"{ns}w/ready/", ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
-                     self.dist_timeout)
-        members.start_monitor()
-
-    def _start_elastic(self, info: _rendezvous.StoreInfo, ns: str, rpc_threads: int, deadline: float) -> None:
-        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, True)
-        members.enter(None if self.rank < 0 else self.rank, deadline)
-        self.rank, self.incarnation = members.rank, members.incarnation
-        self._bind_tables()
-        with self._network_hint():
-            members.join_transport(rpc_threads, min(self.rpc_timeout, 10.0), deadline, self.rpc_timeout)
-        self._rpc_running = True
-        members.announce()
-
-    def _bind_tables(self) -> None:
-        tables = self.membership.tables
-        tables.resolve_owner = self._resolve_service_owner
-        _calls.bind_tables(tables)
-        self._samehost = _samehost.SameHost(*self._shm_settings, self.membership.identity_of)  # [shm hook]
-        _samehost.bind(self._samehost)
-
-    def _set_interface(self, interface: Optional[str], master_host: str, master_port: int) -> None:
-        # TensorPipe reads its interface from the environment when RPC starts, gloo each
-        # time a group is created, so the setting stays for the World's life and the
-        # previous values come back at teardown (the next World may have another master).
-        self.interface, settings = _netif.plan_interface(interface, master_host, master_port)
-        _netif.refuse_loopback_for_remote_master(settings, master_host)
-        for var, value in settings.items():
-            if os.environ.get(var) != value:
-                self._saved_env.setdefault(var, os.environ.get(var))
-                os.environ[var] = value
-        log.debug("World %r: TensorPipe and gloo use %s (master %s:%s)", self.name, settings or "their own guess",
-                  master_host, master_port)
-
-    @contextlib.contextmanager
-    def _network_hint(self) -> Iterator[None]:
-        # gloo and TensorPipe report an unreachable peer as a bare connection error.
-        try:
-            yield
-        except RuntimeError as err:
-            if hasattr(err, "add_note"):  # Python 3.11+
-                err.add_note(_netif.describe(self.interface))
-            raise
-
-    def _resolve_service_owner(self, sid: str) -> Optional[str]:
-        group, epoch, key = sid.split("/", 2)
-        held = self.membership.owner(self.membership.key(f"rg/{group}/{epoch}/s/{key}"))
-        return held[2:] if held else None
 
     # ------------------------------------------------------------------- accessors
     @property
@@ -479,111 +348,6 @@ class World:
     def _require_live(self) -> None:
         if self._stopped:
             raise RuntimeError(f"World {self.name!r} has been stopped; create a new World")
-
-    # -------------------------------------------------------------------- shutdown
-    def stop(self, timeout: Optional[float] = None) -> None:
-        """Leave the world.
-
-        Static world: gracefully when every peer stops too, else locally. Waits at most
-        ``timeout`` seconds for every member to call ``stop`` (a member known to be lost is
-        not waited for). When all did, RPC shuts down gracefully (pending calls finish);
-        otherwise, or when the graceful shutdown fails, locally.
-
-        Elastic world: this member's services and values are withdrawn, the others see it
-        leave, and RPC stops locally; the process hosting the store first waits (within
-        ``timeout``) for the other members to leave, since they need the store.
-
-        Safe to call twice; called on leaving a ``with World(...)`` block.
-
-        Args:
-            timeout: Seconds to wait for the peers. None: ``dist_timeout``.
-
-        Raises:
-            ValueError: ``timeout`` is not a positive number.
-        """
-        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
-        with self._stop_lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        deadline = time.monotonic() + wait
-        try:
-            if self._membership is not None:
-                self._leave_elastic(deadline) if self.elastic else self._leave_static(deadline, wait)
-        except Exception as err:  # the local teardown below still has to happen
-            log.warning("World %r: stop did not complete (%s); tearing down locally", self.name, err)
-        finally:
-            self._teardown_local()
-
-    def _leave_static(self, deadline: float, wait: float) -> None:
-        members = self.membership
-        everyone = False
-        names = [str(r) for r in range(self._size)]
-        order = members.names_by_rank()
-        try:
-            members.registry.set(members.key(f"w/stop/{self.rank}"), "1")
-            members.wait_all(members.key("w/stop/"), names, order, deadline_left(deadline), "World.stop: ranks", wait)
-            everyone = not self._rpc_running or members.members() == sorted(order)
-        except (TimeoutError, ConnectionError) as err:
-            log.warning("World %r stops without its peers: %s", self.name, err)
-        members.close()
-        if self._rpc_running:
-            self._rpc_running = False
-            if everyone:
-                self._store_info.store.set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
-            _transport.shutdown(everyone, max(deadline_left(deadline), 0.5))
-        if self._pg_running:
-            self._pg_running = False
-            dist.destroy_process_group()
-        if not everyone:
-            return
-        try:
-            members.registry.set(members.key(f"w/left/{self.rank}"), "1")
-            if self._store_info.hosted_here:
-                # Peers may still be talking to the store inside their own shutdown.
-                members.wait_all(members.key("w/left/"), names[1:], order[1:], deadline_left(deadline),
-                                 "World.stop: ranks leaving", wait)
-        except (TimeoutError, ConnectionError) as err:
-            log.warning("World %r closes its store before all peers left: %s", self.name, err)
-
-    def _leave_elastic(self, deadline: float) -> None:
-        members = self.membership
-        for group in list(members.groups.values()):
-            group.destroy()
-        members.leave(deadline)
-        if self._store_info.hosted_here:
-            try:
-                members.wait_until(lambda live: live in ([], [self.name]), deadline_left(deadline))
-            except TimeoutError as err:
-                log.warning("World %r closes the store while members remain: %s", self.name, err)
-
-    def _teardown_local(self) -> None:
-        self._stopped = True
-        try:
-            if self._membership is not None:
-                self._membership.close()
-            if self._rpc_url is not None:
-                _rendezvous.forget_rpc_store(self._rpc_url)
-            if self._rpc_running:
-                self._rpc_running = False
-                _transport.shutdown(False, 1.0)
-            if self._pg_running:
-                self._pg_running = False
-                dist.destroy_process_group()
-        finally:
-            for var, value in self._saved_env.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
-            self._saved_env.clear()
-            with _state.lock:
-                if _state.current is self:
-                    _calls.bind_tables(None)
-                    _samehost.bind(None)  # [shm hook] then free this process's segments
-                    if self._samehost is not None:
-                        self._samehost.close()
-                    _state.current = None
 
     def __enter__(self) -> "World":
         return self
