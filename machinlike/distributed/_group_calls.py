@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from torch.distributed import rpc
 
@@ -21,6 +21,10 @@ from ..exception import PeerLostError
 __all__ = ["GroupCalls"]
 
 
+def _text(what: Union[str, Callable[[], str]]) -> str:
+    return what if isinstance(what, str) else what()
+
+
 class GroupCalls:
     """The plain calls of :class:`~machinlike.distributed.RpcGroup` (a mixin it inherits).
 
@@ -30,20 +34,26 @@ class GroupCalls:
     """
 
     # ------------------------------------------------------------------ the call
-    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: str,
+    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: Union[str, Callable[[], str]],
               stated: Optional[float] = None) -> Any:
-        """One blocking call; ``stated`` is the caller's timeout to quote (None: ``timeout``)."""
+        """One blocking call.
+
+        Args:
+            what: The call, for messages; a callable makes it only when needed (a small
+                call should not pay for formatting it).
+            stated: The caller's timeout to quote (None: ``timeout``).
+        """
         members = require_world().membership
         if members.transport_gone(worker):
-            raise PeerLostError(members.member_of(worker), f"{what}: it left or was lost")
+            raise PeerLostError(members.member_of(worker), f"{_text(what)}: it left or was lost")
         try:
             if members.on_this_host(worker):
                 # A dead process here closes its sockets: the call fails at once by itself.
                 return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
             # Another host may vanish without a word: the liveness monitor ends the wait.
-            return members.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, what)
+            return members.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
         except RuntimeError as err:
-            raise translate_error(err, members.member_of(worker), what,
+            raise translate_error(err, members.member_of(worker), _text(what),
                                   timeout if stated is None else stated) from err
 
     # ---------------------------------------------------------------- plain calls

@@ -151,7 +151,7 @@ class GroupKeys:
             member, entry = self._service_target(world, key, refresh)
             left = max(0.001, deadline_left(deadline))
             value = self._sync(member, entry, _samehost.outgoing(member, call), left,  # [shm hook]
-                               f"service {key!r} of group {self._name!r}", wait)
+                               lambda: f"service {key!r} of group {self._name!r}", wait)
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")

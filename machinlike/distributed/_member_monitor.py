@@ -247,7 +247,12 @@ class MembershipMonitor:
             self._new_transport()
             self._me = MemberRecord(self.name, self.incarnation, self.transport, self.rank, old.identity)
             self.registry.compare_set(self.key(f"m/live/{self.name}"), old.encode(), self._me.encode())
-            self.join_transport(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+            try:
+                self.join_transport(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+            except (RuntimeError, TimeoutError) as err:
+                log.error("machinlike: member %r could not renew its RPC agent (%s): nobody can call it any "
+                          "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)
+                raise
             moved = []
             for line in self.registry.get_or_empty(self.key(f"m/own/{old.transport}")).splitlines():
                 key, _, holder = line.partition("\x1f")
@@ -258,6 +263,9 @@ class MembershipMonitor:
                 self.registry.append(self.key(f"m/own/{self.transport}"), "".join(moved))
         self.renewals += 1
         self._post("move", self._me)
+        with self._lock:  # this process routes to the new agent at once (the log follows)
+            self._apply_move(self._me)
+            self._changed.notify_all()
         log.warning("machinlike: member %r now answers as RPC worker %r", self.name, self.transport)
 
     def _apply_move(self, rec: MemberRecord) -> None:

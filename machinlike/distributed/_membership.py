@@ -224,8 +224,9 @@ class Membership(MembershipMonitor, MembershipWaits):
             return self._by_transport.get(transport, transport)
 
     def transport_gone(self, transport: str) -> bool:
-        with self._lock:
-            return transport in self._gone_transports
+        # No lock: one set look-up is atomic, the set only grows (under the lock), and
+        # every call asks this twice.
+        return transport in self._gone_transports
 
     def worker_dead(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` is gone, asking the store when this view has not seen it yet.
@@ -298,6 +299,7 @@ class Membership(MembershipMonitor, MembershipWaits):
         with self._lock:
             if kind == "move":
                 self._apply_move(rec)
+                self._changed.notify_all()
                 return
             if kind == "join":
                 old = self._live.get(rec.member)
