@@ -12,7 +12,10 @@ Run:  python benchmarks/elastic.py [--quick] [--kills 50] [--chaos-iterations 10
    timed from ``Process.start()`` to the driver's first successful call to it (join).
    torch RPC alone has no detection: a dead peer's registrations stay and a remote
    peer is noticed at the RPC timeout (60 s by default).
-3. The fault-injection loop of ``tests/chaos_targets.py`` (random SIGKILLs of a 4-member
+3. Listener renewal: a member opens and closes its own RPC port without a message (what
+   a peer dying mid-connect or a port probe does), which makes TensorPipe stop listening
+   for good; timed until the member answers under its renewed agent.
+4. The fault-injection loop of ``tests/chaos_targets.py`` (random SIGKILLs of a 4-member
    world during group creation, services, pair/get_paired and barriers), long.
 """
 
@@ -21,11 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import statistics
 import sys
 import threading
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chaos loop is shared with the test
@@ -139,6 +143,22 @@ def _times_body(world, kills: int) -> Any:
     return {"detection": detection, "rejoin": rejoin, "join": joins}
 
 
+# ------------------------------------------------------------- listener renewal
+def _renewal_body(world, rounds: int) -> List[float]:
+    """Close this member's RPC listener (open its port, close it) and time the renewal."""
+    group = world.create_rpc_group("open")
+    group.register("ping", noop)
+    times = []
+    for _ in range(rounds):
+        old = world.membership.transport
+        host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
+        start = time.monotonic()
+        socket.create_connection((host, int(port)), timeout=5).close()
+        world.membership.wait_until(lambda live: world.membership.transport_of(world.name) != old, 30)
+        times.append(time.monotonic() - start)
+    return times
+
+
 # -------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -166,6 +186,14 @@ def main() -> None:
     print("  peer: torch RPC alone never declares a member dead; a remote peer's call fails at "
           "its rpc_timeout (60 s default)")
 
+    rounds = 5 if args.quick else 20
+    print(f"\n== RPC listener renewal ({rounds} probes: the port opened and closed, no message) ==")
+    times = launch(_renewal_body, 1, args=(rounds,), names=["host"], max_restarts=1, timeout=120)[0]
+    print(f"  renewed within median {statistics.median(times) * 1e3:7.1f} ms   max {max(times) * 1e3:7.1f} ms"
+          f"   (n={len(times)}; services and values kept)")
+    print("  peer: torch RPC alone never listens again: every process that had not called it yet "
+          "gets ECONNREFUSED for good")
+
     from chaos_targets import MEMBERS, chaos_body, schedule
 
     print(f"\n== fault injection: {iterations} iterations, 4 members, seed 7 ==")
@@ -181,6 +209,9 @@ def main() -> None:
           f"{sum(r['renewals'] for r in out)} RPC agents renewed by the final incarnations (listener closed "
           f"by a peer dying mid-connect); stop {max(r['stop'] for r in out):.2f} s max; "
           f"{time.monotonic() - start:.0f} s in all")
+    for result in out:
+        for line in result["unexpected"]:
+            print(f"  unexpected: {line}")
 
 
 if __name__ == "__main__":

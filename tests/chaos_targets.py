@@ -123,6 +123,8 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                 previous = group
         if dying:
             _die()  # its trigger was not reached (the others failed first): keep the schedule
+    # Nobody leaves while another still reads the last iteration's group.
+    world.create_rpc_group("end", MEMBERS, timeout=SLOW).barrier(timeout=SLOW)
     if previous is not None:
         previous.destroy()
     renewals = world.membership.renewals
