@@ -123,7 +123,11 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                 previous = group
         if dying:
             _die()  # its trigger was not reached (the others failed first): keep the schedule
-    # Nobody leaves while another still reads the last iteration's group.
+    # Nobody leaves while another still reads the last iteration's group; the meeting is
+    # among the final incarnations (a victim of the last iteration is back first).
+    final = {m: 1 + _deaths_before(m, iterations, seed) for m in MEMBERS[1:]}
+    world.membership.wait_until(
+        lambda live: all((world.get_incarnation(m) or 0) >= n for m, n in final.items()), SLOW)
     world.create_rpc_group("end", MEMBERS, timeout=SLOW).barrier(timeout=SLOW)
     if previous is not None:
         previous.destroy()
