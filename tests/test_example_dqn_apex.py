@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from example_chaos import trains_through_chaos
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -123,21 +125,8 @@ def _progress_updates(line):
 
 def test_trains_through_an_actor_killed_by_chaos(tmp_path):
     # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
-    out = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "dqn_apex.py"), "--time-budget", "15",
-                           "--warmup", "200", "--target", "0", "--num-workers", "2", "--chaos", "3",
-                           "--print-every", "0.5", "--out", str(out)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    lost = next(i for i, x in enumerate(lines) if x.startswith("[learner] member") and "was lost" in x)
-    before = [u for u in map(_progress_updates, lines[:lost]) if u is not None]
-    after = [u for u in map(_progress_updates, lines[lost + 1:]) if u is not None]
-    # The learner kept updating past the kill, sampling the surviving shards.
-    assert after and after[-1] > (before[-1] if before else 0), proc.stdout
-    assert "time budget used up" in proc.stdout
-    chaos = next(x for x in lines if x.strip().startswith("chaos") and "actors lost" in x)
-    assert " 0 actors lost" not in chaos
-    killed = next(x for x in lines if x.startswith("chaos:") and "ranks killed" in x)
-    assert not killed.startswith("chaos: 0 ")
+    # The learner keeps updating past the kill, sampling the surviving shards.
+    trains_through_chaos("dqn_apex.py", ["--time-budget", "15", "--warmup", "200", "--target", "0",
+                                         "--num-workers", "2", "--chaos", "3", "--print-every", "0.5",
+                                         "--out", str(tmp_path / "curve.csv")],
+                         "[learner]", _progress_updates)

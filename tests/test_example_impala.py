@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 
+from example_chaos import trains_through_chaos
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
@@ -105,23 +107,9 @@ def _progress_steps(line):
 
 def test_trains_through_an_actor_killed_by_chaos(tmp_path):
     # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
-    out = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala.py"), "--time-budget", "12", "--target", "0",
-                           "--chaos", "3", "--print-every", "0.5", "--envs-per-actor", "4", "--out", str(out)],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    lost = next(i for i, x in enumerate(lines) if x.startswith("[learner 0] member") and "was lost" in x)
-    before = [s for s in map(_progress_steps, lines[:lost]) if s is not None]
-    after = [s for s in map(_progress_steps, lines[lost + 1:]) if s is not None]
-    # Training went on past the kill: later progress lines, with more environment steps.
-    assert after and after[-1] > (before[-1] if before else 0), proc.stdout
-    assert "time budget used up" in proc.stdout
-    chaos = next(x for x in lines if x.strip().startswith("chaos") and "actors lost" in x)
-    assert " 0 actors lost" not in chaos
-    killed = next(x for x in lines if x.startswith("chaos:") and "ranks killed" in x)
-    assert not killed.startswith("chaos: 0 ")
+    trains_through_chaos("impala.py", ["--time-budget", "12", "--target", "0", "--chaos", "3", "--print-every", "0.5",
+                                       "--envs-per-actor", "4", "--out", str(tmp_path / "curve.csv")],
+                         "[learner 0]", _progress_steps)
 
 
 def test_chaos_refuses_two_ddp_learners(tmp_path):

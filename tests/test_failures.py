@@ -35,6 +35,9 @@ def _killed_member_body(world):
     if world.name == "2":
         return "victim"  # then waits in World.stop until member 0 has it killed
     if world.name == "0":
+        # Kill it once it is inside World.stop (it reported its result before that).
+        members = world.membership
+        members.registry.wait_all(members.key("w/stop/"), ["2"], 20, "member 2 entering World.stop")
         start = time.monotonic()
         with pytest.raises(PeerLostError, match="member '2' is unreachable"):
             g.registered_sync("die", timeout=10)

@@ -1,0 +1,41 @@
+"""Runs a training example with ``--chaos`` as a user would, and checks that training went
+on past the first member the launcher killed (shared by the examples' smoke tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Callable, List, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def trains_through_chaos(script: str, args: Sequence[str], learner: str,
+                         progress: Callable[[str], Optional[int]]) -> List[str]:
+    """Run ``examples/<script> *args`` and check it trained past the first loss.
+
+    Args:
+        learner: How the learner's lines start (``"[learner]"``); its "member ... was
+            lost" line marks the kill.
+        progress: A progress line's count (steps, updates), None for other lines.
+
+    Returns:
+        The example's output lines.
+    """
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], check=False, cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    lost = next(i for i, x in enumerate(lines) if x.startswith(f"{learner} member") and "was lost" in x)
+    before = [n for n in map(progress, lines[:lost]) if n is not None]
+    after = [n for n in map(progress, lines[lost + 1:]) if n is not None]
+    # Training went on past the kill: later progress lines, with a larger count.
+    assert after and after[-1] > (before[-1] if before else 0), proc.stdout
+    assert "time budget used up" in proc.stdout
+    chaos = next(x for x in lines if x.strip().startswith("chaos") and "actors lost" in x)
+    assert " 0 actors lost" not in chaos
+    killed = next(x for x in lines if x.startswith("chaos:") and "ranks killed" in x)
+    assert not killed.startswith("chaos: 0 ")
+    return lines
