@@ -34,6 +34,7 @@ from typing import Any, Dict, List
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the chaos loop is shared with the test
 
+from _pin import pin_to_core  # noqa: E402
 from machinlike import launch  # noqa: E402
 from machinlike.distributed import MemberEvent, World  # noqa: E402
 from machinlike.process import Process  # noqa: E402
@@ -49,6 +50,7 @@ def _die() -> None:
 
 # ----------------------------------------------------------------- cost of liveness
 def _cost_body(world, calls: int, blocks: int) -> Any:
+    pin_to_core(int(world.name))  # see _pin: comparable runs on a small machine
     group = world.create_rpc_group("g", ["0", "1"])
     if world.name == "1":
         group.register("noop", noop)

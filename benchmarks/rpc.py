@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import rpc
 
+from _pin import pin_to_core
 from machinlike import launch
 
 
@@ -76,6 +77,8 @@ def _async_rate(submit: Callable[[], Any], total: int, in_flight: int) -> float:
 
 
 def _body(world: Any, quick: bool) -> Dict[str, Any]:
+    if world.rank < 2:
+        pin_to_core(world.rank)  # the caller and the callee on a core each (see _pin)
     group = world.create_rpc_group("bench", world.get_members())
     if world.rank == 1:
         group.register("noop", noop)

@@ -102,12 +102,19 @@ def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
         return (*call, 0)
     threshold = settings.threshold
     what, args, kwargs = call
-    return (what, _shm.encode(args, threshold), _shm.encode(kwargs, threshold), threshold)
+    if args:
+        args = _shm.encode(args, threshold)
+    if kwargs:
+        kwargs = _shm.encode(kwargs, threshold)
+    return (what, args, kwargs, threshold)
+
+
+_SCALARS = (bool, int, float, str, bytes)
 
 
 def reply(value: Any, threshold: int) -> Any:
     """The callee's result, its large tensors as placeholders when the caller asked."""
-    if not threshold:
+    if not threshold or value is None or type(value) in _SCALARS:  # the common small replies, at once
         return value
     settings = _current
     if settings is None or not settings.enabled:
