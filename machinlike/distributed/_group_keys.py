@@ -54,6 +54,9 @@ class GroupKeys:
         return held
 
     def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        held = None if refresh else self._service_owners.get(key)
+        if held is not None and not world.membership.transport_gone(held[2:]):  # the common case, at once
+            return held[2:], _calls._call_async_service if held[0] == "a" else _calls._call_service
         held = self._lookup(world, self._service_owners, "s", key, refresh)
         if held is None:
             raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -149,9 +152,9 @@ class GroupKeys:
         deadline = time.monotonic() + wait  # a retry after a stale owner shares it
         for refresh in (False, True):
             member, entry = self._service_target(world, key, refresh)
-            left = max(0.001, deadline_left(deadline))
-            value = self._sync(member, entry, _samehost.outgoing(member, call), left,  # [shm hook]
-                               lambda: f"service {key!r} of group {self._name!r}", wait)
+            left = deadline - time.monotonic()
+            value = self._sync(member, entry, _samehost.outgoing(member, call), left if left > 0.001 else 0.001,
+                               lambda: f"service {key!r} of group {self._name!r}", wait)  # [shm hook] above
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
