@@ -26,8 +26,8 @@ or a tensor received through torch's own queues) moves to named shared memory (w
 process can be using it: never sent or received through a reducer, and mapped by no
 other process (``/proc/<pid>/maps``). Its payload then outlives the sender like any named
 one (machin's case: a child shares a tensor, sends it and exits). Otherwise it keeps its
-backing: moving it would silently cut it off from the processes that already share it. Its payload carries a descriptor that one load takes; loading it again
-works in a process that already maps the storage (the sender, or a process that loaded
+backing: moving it would silently cut it off from the processes that already share it.
+Its payload carries a descriptor that one load takes; loading it again works in a process that already maps the storage (the sender, or a process that loaded
 it before) and fails with a clear error elsewhere.
 
 Reference counting of named shared memory: torch keeps the segment alive while it is

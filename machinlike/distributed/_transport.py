@@ -8,6 +8,9 @@ torch upgrade has one file to check (written against torch 2.13):
   that ran an earlier World would land in another namespace than its peers.
 - ``agent._update_group_membership(info, [], {}, True)`` on each listed worker: tell it
   about a joiner (what torch's dynamic ``init_rpc`` does).
+- ``_reset_current_rpc_agent`` and ``api._get_current_rpc_agent``: retire an agent whose
+  listener closed, so that a new one can start while the old one keeps serving.
+- The store key ``addrs/<worker>``: the address an agent listens on.
 - The store layout of torch's dynamic join: the joiner takes the token
   ``RpcGroupManagementToken``, reads ``names/_ALL_WORKER_INFOS`` ("name-id," entries) and
   calls every listed worker. A worker that died stays listed (and every later join fails
@@ -39,8 +42,8 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address", "prune_workers", "release_token_of",
-           "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
+__all__ = ["start_static", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address",
+           "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
 

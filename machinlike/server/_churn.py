@@ -17,8 +17,9 @@ died with it::
 
 The RPC worker name ``w`` names one process (an elastic member's transport,
 ``<name>_<id>``, is new for every incarnation). A source is *settled* once no more
-of it can arrive: its worker is gone (lost or left), or it was tagged for another primary incarnation (a restarted primary
-refuses those; what it had received is restored from its checkpoint). A forward of a
+of it can arrive: its worker is gone (lost or left), or it was tagged for another
+primary incarnation (a restarted primary refuses those; what it had received is
+restored from its checkpoint). A forward of a
 settled source is refused under the same lock that counts receipts, so a gradient is
 either received (and applied) or dropped, never both.
 
