@@ -105,6 +105,7 @@ def _times_body(world, kills: int) -> Any:
     if world.name != "driver":
         group.register("die", _die)
         group.register("ping", noop)
+        world.wait_for_members(["driver"], timeout=60)  # see it first: not yet there is not gone
         world.wait_for_members(["driver"], timeout=600, gone=True)
         return None
     lost_at: Dict[int, float] = {}

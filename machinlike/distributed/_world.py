@@ -228,7 +228,8 @@ class World(WorldStart, WorldStop):
             members: Names that must all be live, or a number of live members to reach.
             timeout: Seconds; None: ``dist_timeout``.
             gone: Wait for the opposite instead: none of the named members is live (they
-                left or were lost).
+                left or were lost; one that has not joined yet is not live either: to wait
+                for a departure, ``membership.gone(name)`` tells the two apart).
 
         Returns:
             The live members at that moment, sorted.

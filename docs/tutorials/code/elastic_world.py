@@ -22,8 +22,10 @@ def actor(world: machinlike.World) -> str:
         os.kill(os.getpid(), signal.SIGKILL)  # an environment bug, an OOM kill, ...
     if world.name == "actor-1":  # back: tell the learner its service is up again
         world.create_rpc_group("ready", ["learner", "actor-1"]).barrier(timeout=30)
-    # Serve until the learner is done (it leaves the world when its function returns).
-    world.wait_for_members(["learner"], timeout=60, gone=True)
+    # Serve until the learner has left (it leaves the world when its function returns).
+    # membership.gone() tells "left" from "not here yet", and knows a learner that came
+    # and went while this actor was busy.
+    world.membership.wait_until(lambda live: world.membership.gone("learner") is not None, 60)
     return f"{world.name} incarnation {world.incarnation}"
 # [/actor]
 
