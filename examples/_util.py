@@ -64,6 +64,30 @@ def member_printer(world: Any, role: str) -> MemberLog:
     return show
 
 
+def after_host(world: Any, gate: "ReadyGate", host: str, who: str, host_role: str,
+               build: Callable[[], Any]) -> Any:
+    """``build()`` once ``host`` has opened ``gate`` (its services exist); None, said
+    aloud, when the host finished before this member could start.
+
+    Args:
+        who: How this member calls itself in messages (``"worker"``).
+        host_role: How the host is called (``"learner"``).
+    """
+    late = f"[{who} {world.name}] the {host_role} finished before this {who} could start"
+    try:
+        world.wait_for_members([host], timeout=60.0)
+        # The host may be a member still building its services: wait until it says they exist.
+        if not gate.wait(host, timeout=60.0):
+            print(late, flush=True)
+            return None
+        return build()
+    except (ValueError, TimeoutError):
+        if world.get_incarnation(host) is None:
+            print(late, flush=True)
+            return None  # restarted after the host finished
+        raise
+
+
 class ReadyGate:
     """An elastic world's start line: members that join at any time wait, without polling,
     until a host has set up its services.

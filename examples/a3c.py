@@ -395,19 +395,10 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         return result
     if world.membership.gone(learner):
         return None  # restarted after the learner finished
-    me = f"[worker {world.name}]"
-    try:
-        world.wait_for_members([learner], timeout=60.0)
-        # The learner may be a member still building its servers: wait until it says they exist.
-        if not gate.wait(learner, timeout=60.0):
-            print(f"{me} the learner finished before this worker could start", flush=True)
-            return None
-        impls = [PushPullGradServerImpl(n, group, **options) for n in names]
-    except (ValueError, TimeoutError):
-        if world.get_incarnation(learner) is None:
-            print(f"{me} the learner finished before this worker could start", flush=True)
-            return None  # restarted after the learner finished
-        raise
+    impls = _util.after_host(world, gate, learner, "worker", "learner",
+                             lambda: [PushPullGradServerImpl(n, group, **options) for n in names])
+    if impls is None:
+        return None
     for impl in impls:
         impl.start()
     try:
@@ -421,7 +412,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         if err.member != learner:
             raise
     except KeyError as err:  # past the gate, a missing service means the learner withdrew it: finishing
-        print(f"{me} stopped: the learner withdrew its services ({err})", flush=True)
+        print(f"[worker {world.name}] stopped: the learner withdrew its services ({err})", flush=True)
     for impl in impls:
         impl.close()
     return None

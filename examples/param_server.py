@@ -230,19 +230,10 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         return result
     if world.membership.gone(server_member):
         return None  # restarted after the server finished
-    me = f"[trainer {world.name}]"
-    try:
-        world.wait_for_members([server_member], timeout=60.0)
-        # The server may be a member still building its services: wait until it says they exist.
-        if not gate.wait(server_member, timeout=60.0):
-            print(f"{me} the server finished before this trainer could start", flush=True)
-            return None
-        impl = PushPullGradServerImpl(SERVER, group, **options)
-    except (ValueError, TimeoutError):
-        if world.get_incarnation(server_member) is None:
-            print(f"{me} the server finished before this trainer could start", flush=True)
-            return None  # restarted after the server finished
-        raise
+    impl = _util.after_host(world, gate, server_member, "trainer", "server",
+                            lambda: PushPullGradServerImpl(SERVER, group, **options))
+    if impl is None:
+        return None
     impl.start()
     info: Dict[str, Any] = {"incarnation": world.incarnation}
     try:
@@ -256,7 +247,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         if err.member != server_member:
             raise
     except KeyError as err:  # past the gate, a missing service means the server withdrew it: finishing
-        print(f"{me} stopped: the server withdrew its services ({err})", flush=True)
+        print(f"[trainer {world.name}] stopped: the server withdrew its services ({err})", flush=True)
     impl.close()
     return None
 
