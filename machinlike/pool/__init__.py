@@ -253,7 +253,7 @@ class CtxPool(Pool):
         )
 
 
-class ThreadPool(Pool):
+class ThreadPool(PoolBase):
     """A pool of threads with the same API; nothing is pickled (see the module docstring).
 
     Args:

@@ -23,11 +23,13 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._errors import BrokenPoolError, PoolTerminatedError
+from ._result import Job
+from ._state import PoolFlags, PoolState
 from ._worker import run_chunk
 
 __all__ = ["ThreadCore"]
 
-RUN, CLOSE, TERMINATE, BROKEN = "running", "closed", "terminated", "broken"
+RUN, CLOSE, TERMINATE, BROKEN = PoolState.RUN, PoolState.CLOSE, PoolState.TERMINATE, PoolState.BROKEN
 
 _CALL, _MAP = 1, 2
 _STOP = None
@@ -61,12 +63,10 @@ class ThreadCore:
         self._maxtasks = maxtasks
         self._daemon = daemon
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._flags = PoolFlags()
+        self._lock = self._flags.lock  # guards the flags, _jobs, _threads, _stops_sent
         self._callback_lock = threading.Lock()
-        self._state = RUN
-        self._broken_error: Optional[BaseException] = None
         self._jobs: Dict[int, List[Any]] = {}  # id(job) -> [job, tasks not yet settled]
-        self._feeds_open = 0
         self._stops_sent = False
         self._threads: List[threading.Thread] = []
         self._generation = itertools.count()
@@ -78,22 +78,15 @@ class ThreadCore:
     # ------------------------------------------------------------------ public side
 
     @property
-    def state(self) -> str:
-        return self._state
+    def state(self) -> PoolState:
+        return self._flags.state
 
     def ahead(self) -> int:
         return self.processes * 2
 
     def check_running(self) -> None:
-        """Raise unless new work is accepted (see ProcessCore.check_running)."""
-        state = self._state
-        if state is RUN:
-            return
-        if state is BROKEN:
-            error = BrokenPoolError(*self._broken_error.args)  # type: ignore[union-attr]
-            error.__cause__ = self._broken_error.__cause__  # type: ignore[union-attr]
-            raise error
-        raise ValueError(f"Pool not running: it was {state} (close() or terminate() was called)")
+        """Raise unless new work is accepted (see ``PoolFlags.check_running``)."""
+        self._flags.check_running()
 
     def delivers_in_this_thread(self) -> bool:
         return False  # any worker thread may deliver; waiting in one is the user's call
@@ -111,25 +104,23 @@ class ThreadCore:
 
     def feed_opened(self) -> None:
         with self._lock:
-            self._feeds_open += 1
+            self._flags.feeds_open += 1
 
     def feed_closed(self) -> None:
         with self._lock:
-            self._feeds_open -= 1
+            self._flags.feeds_open -= 1
             self._stop_when_done()
 
     def close(self) -> None:
         with self._lock:
-            if self._state is RUN:
-                self._state = CLOSE
+            self._flags.close()
             self._stop_when_done()
 
     def terminate(self) -> None:
         with self._lock:
-            if self._state is TERMINATE:
+            if self._flags.state is TERMINATE:
                 return
-            if self._state is not BROKEN:
-                self._state = TERMINATE
+            self._flags.terminate()  # a broken pool stays broken
             jobs = [entry[0] for entry in self._jobs.values()]
             self._jobs.clear()
             self._send_stops()
@@ -144,7 +135,7 @@ class ThreadCore:
             ValueError: the pool is still running.
             TimeoutError: threads still run after ``timeout`` seconds.
         """
-        if self._state is RUN:
+        if self._flags.state is RUN:
             raise ValueError("Pool is still running: call close() or terminate() before join()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -162,8 +153,7 @@ class ThreadCore:
 
     def _put(self, items: List[tuple], job: Any, count: int) -> None:
         with self._lock:
-            state = self._state
-            if state is TERMINATE or state is BROKEN:
+            if self._flags.ended():
                 refused = True
             else:
                 refused = False
@@ -190,7 +180,7 @@ class ThreadCore:
     def _stop_when_done(self) -> None:
         # lock held: once closed and nothing is left to feed, one STOP per thread, queued
         # after every task (the queue is FIFO)
-        if self._state is CLOSE and not self._feeds_open:
+        if self._flags.state is CLOSE and not self._flags.feeds_open:
             self._send_stops()
 
     def _send_stops(self) -> None:
@@ -213,13 +203,13 @@ class ThreadCore:
             item = get()
             if item is _STOP:
                 return
-            if self._state is TERMINATE or self._state is BROKEN:
+            if self._flags.ended():
                 continue  # its job was failed already; drain until our STOP
             self._execute(item, context)
             done += 1
             if self._maxtasks is not None and done >= self._maxtasks:
                 with self._lock:
-                    if self._state is RUN or self._state is CLOSE:
+                    if not self._flags.ended():
                         self.replaced += 1
                         self._start_thread(slot)  # inherits this slot and its context
                         return
@@ -261,10 +251,8 @@ class ThreadCore:
         error = BrokenPoolError(f"{self.name} is broken: the initializer raised in thread slot {slot}: {cause!r}")
         error.__cause__ = cause
         with self._lock:
-            if self._state is TERMINATE or self._state is BROKEN:
+            if not self._flags.break_(error):
                 return
-            self._state = BROKEN
-            self._broken_error = error
             jobs = [entry[0] for entry in self._jobs.values()]
             self._jobs.clear()
             self._send_stops()
