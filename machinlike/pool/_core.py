@@ -185,9 +185,12 @@ class ProcessCore:
             return
         self._enqueue([Task(job, 0, 1, TASK_CALL, 0, None, payload, bool(kept))], None, False)
 
-    def map(self, job: Job, function: Function, star: bool, chunks: Iterable[Tuple[int, list]], final: bool) -> None:
+    def map(self, job: Optional[Job], function: Function, star: bool, chunks: Iterable[Tuple[int, list]], final: bool) -> None:
         """Queue chunks ``(start, items)`` of ``job``; ``final``: no more will come."""
-        tasks = []
+        tasks: List[Task] = []
+        if job is None:  # an imap's last call: no chunks, only "final"
+            self._enqueue(tasks, function, final)
+            return
         encode = self._codec.dumps_tracked
         flag = 1 if star else 0
         for start, items in chunks:

@@ -11,15 +11,25 @@ concurrently (one lock), as in the standard pool where one thread runs them all.
 Threads cannot be killed: ``terminate()`` fails every pending task at once and stops the
 threads, but a task that is running finishes in the background (its result is dropped);
 ``join()`` waits for it.
+
+Interpreter exit: a pool left open is terminated, and its threads are *joined* (up to
+``EXIT_WAIT`` seconds for all pools together) before the interpreter finalizes. A daemon
+thread still alive then is stopped by CPython when it next takes the GIL, with
+``pthread_exit``; if it is inside torch at that moment (a GIL-releasing operator), the
+forced unwind crosses a ``noexcept`` C++ frame and the process aborts with "terminate
+called without an active exception", exit code 134 (the standard ``ThreadPool`` does the
+same). The hook is registered once, when the first thread pool starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._errors import BrokenPoolError, PoolTerminatedError
@@ -27,13 +37,43 @@ from ._result import Job
 from ._state import PoolFlags, PoolState
 from ._worker import run_chunk
 
-__all__ = ["ThreadCore"]
+__all__ = ["ThreadCore", "EXIT_WAIT"]
+
+#: Seconds interpreter exit waits, for all thread pools together, for their threads.
+EXIT_WAIT = 5.0
 
 RUN, CLOSE, TERMINATE, BROKEN = PoolState.RUN, PoolState.CLOSE, PoolState.TERMINATE, PoolState.BROKEN
 
 _CALL, _MAP = 1, 2
 _STOP = None
 _counter = itertools.count(1)
+_exit_lock = threading.Lock()
+_open_cores: "Optional[weakref.WeakSet[ThreadCore]]" = None  # created with the exit hook
+
+
+def _track(core: "ThreadCore") -> None:
+    """Register ``core`` for the exit hook (registered on the first call)."""
+    global _open_cores
+    with _exit_lock:
+        if _open_cores is None:
+            _open_cores = weakref.WeakSet()
+            # atexit runs its hooks last-in first-out: this one runs before
+            # multiprocessing's finalizers, while daemon threads still run normally.
+            atexit.register(_end_at_exit)
+        _open_cores.add(core)
+
+
+def _end_at_exit() -> None:
+    with _exit_lock:
+        cores = list(_open_cores or ())
+    deadline = time.monotonic() + EXIT_WAIT
+    for core in cores:
+        core.terminate()
+    for core in cores:
+        try:
+            core.join(max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, ValueError):  # a task still runs: leave it, as before
+            pass
 
 
 class ThreadCore:
@@ -74,6 +114,7 @@ class ThreadCore:
         with self._lock:
             for slot in range(processes):
                 self._start_thread(slot)
+        _track(self)
 
     # ------------------------------------------------------------------ public side
 
@@ -94,10 +135,10 @@ class ThreadCore:
     def function(self, func: Callable[..., Any]) -> Callable[..., Any]:
         return func
 
-    def call(self, job: Any, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
+    def call(self, job: Job, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
         self._put([(_CALL, job, func, args, kwds, 0, 1)], job, 1)
 
-    def map(self, job: Any, func: Callable[..., Any], star: bool, chunks: Any, final: bool) -> None:
+    def map(self, job: Optional[Job], func: Callable[..., Any], star: bool, chunks: Any, final: bool) -> None:
         items = [(_MAP, job, func, star, chunk, start, len(chunk)) for start, chunk in chunks]
         if items:
             self._put(items, job, len(items))
@@ -206,6 +247,7 @@ class ThreadCore:
             if self._flags.ended():
                 continue  # its job was failed already; drain until our STOP
             self._execute(item, context)
+            del item  # an idle thread holds nothing of its last task (tensors, graphs)
             done += 1
             if self._maxtasks is not None and done >= self._maxtasks:
                 with self._lock:
