@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from torch.distributed import rpc
 
-from . import _calls, _checks, _samehost
+from .. import _checks
+from . import _calls, _samehost
 from ._calls import RpcFuture, is_async, ship_function, translate_error, unwrap
 from ._state import require_world
 from ..exception import PeerLostError

@@ -20,7 +20,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from torch.distributed import rpc
 
-from . import _calls, _checks, _samehost
+from .. import _checks
+from . import _calls, _samehost
 from ._calls import RpcFuture, is_async, is_missing, is_stale, unwrap
 from ._paired import RenewedOwnerRRef
 from ._registry import deadline_left

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch.distributed as dist
 
-from . import _checks
+from .. import _checks
 from .._lifeline import watch_parent
 from .._procs import end_processes
 from .._warm import resolve_context

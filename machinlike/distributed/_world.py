@@ -17,7 +17,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _checks, _netif, _rendezvous, _samehost, _state
+from .. import _checks
+from . import _netif, _rendezvous, _samehost, _state
 from ._collective import CollectiveGroup
 from ._membership import MemberEvent, Membership
 from ._rpc_group import RpcGroup, create_group, open_group

@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _calls, _checks, _rendezvous, _samehost, _state, _transport
+from .. import _checks
+from . import _calls, _rendezvous, _samehost, _state, _transport
 from ._registry import deadline_left
 
 __all__ = ["WorldStop"]
