@@ -53,7 +53,7 @@ def test_rows_reach_their_callers_and_are_batched(world):
     if world.rank == 0:
         impls = [InferenceServerImpl("tag", group, _tagged, max_batch=32, max_wait=0.01),
                  InferenceServerImpl("frames", group, _frames_mean),
-                 InferenceServerImpl("pair", group, _pair)]
+                 InferenceServerImpl("pair", group, _pair, max_wait=0)]  # run on the RPC thread when idle
     group.barrier()
     if world.rank != 0:
         server = group.get_paired("tag").to_here()

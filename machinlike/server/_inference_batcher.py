@@ -16,7 +16,9 @@ future is completed here later, so no RPC thread waits on a batch)::
 
 Why one thread: ``fn`` is one model (one set of weights, often one device); a second
 thread would only contend for the same cores. The weights change between batches only
-(see ``ModelSlot`` in :mod:`machinlike.server.inference`).
+(see ``ModelSlot`` in :mod:`machinlike.server.inference`, whose lock also keeps two
+calls of ``fn`` apart). One exception saves a thread hand-over: with ``max_wait=0`` a
+request that finds nothing waiting and no batch running is run at once on its RPC thread.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class Batcher:
         self._queue: Deque[Request] = deque()
         self._rows_by_sig: Dict[Hashable, int] = {}
         self._closed = False
+        self._busy = False  # a batch is being taken or run (by either thread)
         self._counts = {"requests": 0, "batches": 0, "rows": 0, "batched_requests": 0, "dropped": 0,
                         "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
         self._waits: Deque[float] = deque(maxlen=_WINDOW)
@@ -119,10 +122,22 @@ class Batcher:
                 raise RuntimeError(f"inference server {self._what!r} has {len(self._queue)} requests waiting "
                                    f"(max_pending={self.max_pending}): fn cannot keep up with its callers; "
                                    f"send larger requests, or raise max_pending / max_batch")
-            self._queue.append(request)
-            self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
             self._counts["requests"] += 1
-            self._cond.notify()
+            # Nothing to wait for (max_wait 0), nothing waiting, no batch running: run it
+            # here, on the RPC thread, and save the hand-over to the batcher thread.
+            inline = not self.max_wait and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append(request)
+                self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
+                self._cond.notify()
+        if inline:
+            try:
+                self._run([request])
+            finally:
+                with self._cond:
+                    self._busy = False
 
     def _remove(self, request: Request) -> None:
         # Under the lock.
@@ -171,6 +186,7 @@ class Batcher:
                     continue
                 self._remove(req)
             self._queue = kept
+            self._busy = True
             return batch, failed
 
     # ---------------------------------------------------------------- the thread
@@ -183,8 +199,12 @@ class Batcher:
                 batch, failed = taken
                 for req, exc in failed:
                     self._settle(req, exc=exc)
-                if batch:
-                    self._run(batch)
+                try:
+                    if batch:
+                        self._run(batch)
+                finally:
+                    with self._cond:
+                        self._busy = False
         except BaseException as exc:  # never leave callers waiting on a dead thread
             log.exception("inference server %r: the batcher thread failed", self._what)
             self._fail_all(ServerStoppedError(f"inference server {self._what!r} stopped: its batcher thread "

@@ -187,11 +187,12 @@ class ModelSlot:
         self.module = fn if isinstance(fn, torch.nn.Module) else None
         self.device = device
         self._lock = threading.Lock()  # a batch, or a weight swap: never both
+        self._no_grad = torch.no_grad()  # one, reused: entered under the lock only
         self.version = version
 
     def run(self, batch: Inputs) -> Tuple[Any, int]:
         batch = to_device(batch, self.device)
-        with self._lock, torch.no_grad():
+        with self._lock, self._no_grad:
             return (self.fn(*batch) if isinstance(batch, tuple) else self.fn(batch)), self.version
 
     def load(self, state: Mapping[str, Any], version: int) -> None:
