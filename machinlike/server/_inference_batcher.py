@@ -53,13 +53,13 @@ class Request:
         caller: The caller's member name, and its incarnation (a restarted caller is
             another process: the old one's requests are dropped).
         deadline: ``time.monotonic()`` after which the caller stopped waiting.
-        reply: Turns the result into what travels back (same-host encoding).
+        reply: Turns the result into what travels back (same-host encoding); None: as it is.
     """
 
     __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
 
     def __init__(self, x: Inputs, rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
-                 incarnation: int, deadline: float, reply: Callable[[Any], Any]) -> None:
+                 incarnation: int, deadline: float, reply: Optional[Callable[[Any], Any]]) -> None:
         self.x, self.rows, self.sig, self.fut = x, rows, sig, fut
         self.caller, self.incarnation = caller, incarnation
         self.arrived = time.monotonic()
@@ -89,6 +89,7 @@ class Batcher:
     def __init__(self, what: str, run: Callable[[Inputs], Tuple[Any, Any]], alive: Callable[[str, int], bool],
                  max_batch: int, max_wait: float, max_pending: int) -> None:
         self._what = what
+        self._fn_what = f"fn of inference server {what!r}"
         self._run_model = run
         self._alive = alive
         self.max_batch = max_batch
@@ -134,7 +135,7 @@ class Batcher:
                 self._cond.notify()
         if inline:
             try:
-                self._run([request])
+                self._run([request], inline=True)
             finally:
                 with self._cond:
                     self._busy = False
@@ -211,11 +212,11 @@ class Batcher:
                                               f"failed ({type(exc).__name__}: {exc})"))
             raise
 
-    def _run(self, batch: List[Request]) -> None:
+    def _run(self, batch: List[Request], inline: bool = False) -> None:
         start = time.monotonic()
         try:
             out, version = self._run_model(join([req.x for req in batch]))
-            pieces = split(out, [req.rows for req in batch], f"fn of inference server {self._what!r}")
+            pieces = split(out, [req.rows for req in batch], self._fn_what)
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
             if len(batch) == 1:
@@ -231,20 +232,22 @@ class Batcher:
             return
         self._count_fn(batch, start, ok=True)
         for req, piece in zip(batch, pieces):
-            if not self._alive(req.caller, req.incarnation):
+            if not inline and not self._alive(req.caller, req.incarnation):  # inline: it waits right now
                 with self._cond:
                     self._counts["dropped"] += req.rows
             self._settle(req, value=(piece, version))
 
     def _count_fn(self, batch: List[Request], start: float, ok: bool) -> None:
         took = time.monotonic() - start
+        counts = self._counts
         with self._cond:
-            self._counts["batches"] += 1
+            counts["batches"] += 1
             self._fn_times.append(took)
             if ok:
-                self._counts["rows"] += sum(req.rows for req in batch)
-                self._counts["batched_requests"] += len(batch)
-                self._waits.extend(start - req.arrived for req in batch)
+                counts["batched_requests"] += len(batch)
+                for req in batch:
+                    counts["rows"] += req.rows
+                    self._waits.append(start - req.arrived)
 
     def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
@@ -252,7 +255,7 @@ class Batcher:
             if exc is not None:
                 req.fut.set_exception(exc)
             else:
-                req.fut.set_result(req.reply(value))
+                req.fut.set_result(value if req.reply is None else req.reply(value))
         except Exception:  # a reply that cannot be made must not stop the others'
             log.exception("inference server %r: answering %r failed", self._what, req.caller)
 

@@ -235,6 +235,14 @@ class _Puller:
         self._thread.join(timeout)
 
 
+def _large(out: Any, threshold: int) -> bool:
+    """Whether an output holds a tensor worth sending through shared memory."""
+    if isinstance(out, torch.Tensor):
+        return out.nbytes >= threshold
+    values = out.values() if isinstance(out, dict) else out
+    return any(t.nbytes >= threshold for t in values)
+
+
 def _check_wait(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"max_wait={value!r} must be a number of seconds, not {type(value).__name__}")
@@ -340,7 +348,8 @@ class InferenceServerImpl:
             if got != rows:
                 raise ValueError(f"inference server {what!r}: a request of {got} rows said {rows}")
             fut: torch.futures.Future = torch.futures.Future()
-            encode = (lambda value: _shm.encode(value, reply)) if reply else (lambda value: value)
+            encode = None if not reply else \
+                (lambda value: _shm.encode(value, reply) if _large(value[0], reply) else value)
             batcher.submit(Request(x, rows, signature(x), fut, caller, incarnation, time.monotonic() + timeout,
                                    encode))
             return fut
