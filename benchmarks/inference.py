@@ -97,7 +97,7 @@ def _round_trips(world: Any, quick: bool) -> Dict[str, Any]:
         out["frames"] = _paired(lambda: group.registered_sync("echo", (frames,)), lambda: noop.infer(frames),
                                 calls, blocks)
         out["frames_noshm"] = _paired(lambda: noshm.infer(frames), lambda: noop.infer(frames), calls, blocks)
-    group.barrier()
+    group.barrier(timeout=1200)  # the measurements take minutes on a busy machine
     if world.rank == 1:
         for server in servers:
             server.close()
@@ -129,7 +129,7 @@ def _throughput(world: Any, seconds: float, rows_list: List[int]) -> Dict[str, A
                     while time.perf_counter() - start < seconds:
                         call()
                         done += rows
-            group.barrier()
+            group.barrier(timeout=600)
             took = time.perf_counter() - start
             if world.rank == 0:
                 stats = impl.stats()
