@@ -58,7 +58,7 @@ class Request:
 
     __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
 
-    def __init__(self, x: Inputs, rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
+    def __init__(self, x: Optional[Inputs], rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
                  incarnation: int, deadline: float, reply: Optional[Callable[[Any], Any]]) -> None:
         self.x, self.rows, self.sig, self.fut = x, rows, sig, fut
         self.caller, self.incarnation = caller, incarnation
@@ -215,7 +215,7 @@ class Batcher:
     def _run(self, batch: List[Request], inline: bool = False) -> None:
         start = time.monotonic()
         try:
-            out, version = self._run_model(join([req.x for req in batch]))
+            out, version = self._run_model(join([req.x for req in batch]))  # type: ignore[misc]
             pieces = split(out, [req.rows for req in batch], self._fn_what)
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
