@@ -188,22 +188,28 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     group.destroy()
 
 
-def _killed_caller_body(world):
-    group = world.create_rpc_group("g", world.get_members())
+def _killed_caller_body(world, elastic):
+    group = world.create_rpc_group("g")
     if world.name == "h":
         impl = InferenceServerImpl("inf", group, nn.Linear(4, 2), max_wait=2.0, max_batch=64)
         _set(world, "ready")
         _wait(world, "done")
+        if elastic:
+            _wait(world, "again")
         stats = impl.stats()
         impl.close()
         return stats
     _wait(world, "ready")
     server = group.get_paired("inf", timeout=TIMEOUT).to_here()
     if world.name == "a":
+        if world.incarnation > 1:  # the restarted caller (elastic): served as any other
+            out = server.infer(torch.ones(5, 4), timeout=TIMEOUT)
+            _set(world, "again")
+            return tuple(out.shape)
         threading.Thread(target=server.infer, args=(torch.ones(3, 4),), daemon=True).start()
         time.sleep(0.2)  # the request waits for company on the host (max_wait 2 s)
         os.kill(os.getpid(), signal.SIGKILL)
-    world.wait_for_members(["a"], gone=True, timeout=TIMEOUT)
+    world.membership.wait_until(lambda live: world.get_incarnation("a") != 1, TIMEOUT)  # lost (or back)
     took = []
     for rows in (2, 64):  # joins the dead caller's batch; then a full batch, run at once
         start = time.monotonic()
@@ -214,14 +220,20 @@ def _killed_caller_body(world):
 
 
 @pytest.mark.timeout(120)
-def test_a_caller_killed_mid_request_stalls_no_one():
-    result = launch(_killed_caller_body, 3, names=["h", "a", "b"], return_exceptions=True, timeout=90,
-                    stop_timeout=10)
-    stats, killed, took = result
-    assert isinstance(killed, Exception) and "SIGKILL" in str(killed), killed
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_a_caller_killed_mid_request_stalls_no_one(elastic):
+    how = dict(max_restarts=1, essential=["h", "b"]) if elastic else dict(return_exceptions=True)
+    result = launch(_killed_caller_body, 3, args=(elastic,), names=["h", "a", "b"], timeout=90, stop_timeout=10,
+                    **how)
+    stats, victim, took = result
+    if elastic:
+        assert victim == (5, 2) and [r.name for r in result.restarts] == ["a"], (victim, result.restarts)
+    else:
+        assert isinstance(victim, Exception) and "SIGKILL" in str(victim), victim
     assert took[0] < 2.0 + 3.0 and took[1] < 3.0, took  # max_wait, and slack for a loaded machine
-    assert stats["dropped"] == 3 and stats["rows"] == 2 + 64, stats
-    assert stats["requests"] == 3 and stats["pending"] == 0, stats
+    extra = 5 if elastic else 0  # the restarted caller's request
+    assert stats["dropped"] == 3 and stats["rows"] == 2 + 64 + extra, stats
+    assert stats["requests"] == 3 + (1 if elastic else 0) and stats["pending"] == 0, stats
 
 
 def _suicidal(x):
