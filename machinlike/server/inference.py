@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch.distributed import rpc
 
-from .. import _shm
-from ..distributed import RpcGroup, _checks, get_world
+from .. import _checks, _shm
+from ..distributed import RpcGroup, get_world
 from ..exception import PeerLostError
 from ._common import check_group, check_name
 from ._inference_batch import Inputs, check_inputs, signature
