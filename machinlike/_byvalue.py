@@ -190,7 +190,7 @@ def _copy_function(func: types.FunctionType) -> types.FunctionType:
     copy.__kwdefaults__ = dict(func.__kwdefaults__) if func.__kwdefaults__ else None
     copy.__annotations__ = dict(func.__annotations__)
     if hasattr(func, "__type_params__"):  # Python >= 3.12
-        copy.__type_params__ = func.__type_params__
+        setattr(copy, "__type_params__", getattr(func, "__type_params__"))  # unknown to older typeshed
     return copy
 
 

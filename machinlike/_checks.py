@@ -1,33 +1,50 @@
-"""Argument checks at the public boundary of ``machinlike.distributed``: one family, one wording.
+"""Argument checks at machinlike's public boundaries: one family, one wording.
 
-Each check raises before anything is sent, with the parameter, the value and the fix.
+Each check raises before anything is sent or waited for, naming the parameter, the value
+and the fix: ``TypeError`` for a value of the wrong type (a bool is not a number),
+``ValueError`` for one out of range. Timeouts are seconds, finite; a wait that may just
+poll says so with ``allow_zero=True``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
-__all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int"]
+__all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
+           "sequence_of_str", "optional_str", "nonempty_str"]
 
 
-def seconds(param: str, value: Any) -> float:
-    """``value`` as a positive, finite number of seconds.
+def seconds(param: str, value: Any, *, allow_zero: bool = False) -> float:
+    """``value`` as a positive (or, with ``allow_zero``, non-negative), finite number of seconds.
 
     Raises:
         TypeError: not a number (bool counts as not a number).
-        ValueError: zero, negative, NaN or infinite.
+        ValueError: negative, NaN or infinite; zero unless ``allow_zero``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{param}={value!r} must be a number of seconds, not {type(value).__name__}")
-    if not (value > 0 and math.isfinite(value)):
+    if allow_zero:
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{param}={value!r} must be a number of seconds >= 0 (finite), or None to wait "
+                             f"without a limit")
+    elif not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{param}={value!r} must be a positive number of seconds (finite)")
     return float(value)
 
 
-def seconds_or_none(param: str, value: Any, default: float) -> float:
-    """Like :func:`seconds`, with None standing for ``default``."""
-    return default if value is None else seconds(param, value)
+@overload
+def seconds_or_none(param: str, value: Any, default: float, *, allow_zero: bool = False) -> float: ...
+
+
+@overload
+def seconds_or_none(param: str, value: Any, default: None = None, *, allow_zero: bool = False) -> Optional[float]: ...
+
+
+def seconds_or_none(param: str, value: Any, default: Optional[float] = None, *,
+                    allow_zero: bool = False) -> Optional[float]:
+    """Like :func:`seconds`, with None standing for ``default`` (None: no limit)."""
+    return default if value is None else seconds(param, value, allow_zero=allow_zero)
 
 
 def positive_int(param: str, value: Any, minimum: int = 1) -> int:
@@ -57,6 +74,20 @@ def member_name(value: Any, param: str = "name") -> str:
     if not value or len(value) > 100 or not all(c.isalnum() or c in "_:-" for c in value):
         raise ValueError(f"{param}={value!r} is not a valid member name: use 1-100 letters, digits, "
                          f"'_', ':' or '-'")
+    return value
+
+
+def nonempty_str(param: str, value: Any) -> str:
+    """``value`` as a non-empty str (a name).
+
+    Raises:
+        TypeError: not a str.
+        ValueError: empty.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{param} must be a str, not {type(value).__name__} ({value!r})")
+    if not value:
+        raise ValueError(f"{param}='' is empty: give it a name")
     return value
 
 

@@ -79,12 +79,12 @@ class DispatchTable(dict):
     """
 
     def __missing__(self, cls: type) -> Callable[[Any], Any]:
-        reducer = ForkingPickler._extra_reducers.get(cls)
+        reducer = ForkingPickler._extra_reducers.get(cls)  # type: ignore[attr-defined]  # stdlib private
         if reducer is None:
             reducer = copyreg.dispatch_table[cls]  # KeyError: the pickler falls back
         return reducer
 
-    def get(self, cls: type, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, cls: type, default: Any = None) -> Any:
         try:
             return self[cls]
         except KeyError:
@@ -97,7 +97,7 @@ class DispatchTable(dict):
 
 class _Ledger(threading.local):
     def __init__(self) -> None:
-        self.entries: List[Callable[[], None]] = []
+        self.entries: List[Callable[[], object]] = []
         self.depth = 0
 
 
@@ -130,7 +130,7 @@ def undo_release() -> None:
         ledger.entries.clear()
 
 
-def _note_undo(undo: Callable[[], None]) -> None:
+def _note_undo(undo: Callable[[], object]) -> None:
     ledger = _ledger
     if ledger.depth:
         ledger.entries.append(undo)
@@ -201,7 +201,7 @@ def _is_fd_backed(storage: torch.UntypedStorage) -> bool:
     if not storage.is_shared():
         return False
     try:
-        storage._get_shared_fd()
+        storage._get_shared_fd()  # type: ignore[attr-defined]  # torch internal, absent from its stubs
     except RuntimeError:
         return False
     return True
@@ -217,7 +217,8 @@ def _movable(storage: torch.UntypedStorage) -> bool:
     every process we may read. Without ``/proc`` nothing is moved.
     """
     try:
-        dev, inode = _torch_red.fd_id(storage._get_shared_fd())
+        # Torch internal, absent from its stubs.
+        dev, inode = _torch_red.fd_id(storage._get_shared_fd())  # type: ignore[attr-defined]
     except (RuntimeError, OSError):
         return False
     if (dev, inode) in _torch_red.shared_cache or not os.path.isdir("/proc/self"):
@@ -357,7 +358,8 @@ def _rebuild_storage_fd(handle: Any, size: int, key: Tuple[int, int], token: byt
         try:
             storage = _torch_red.storage_from_cache(torch.UntypedStorage, _torch_red.fd_id(fd))
             if storage is None:
-                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+                # Torch internal, absent from its stubs.
+                storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)  # type: ignore[attr-defined]
                 _torch_red.shared_cache[_torch_red.fd_id(fd)] = _torch_red.StorageWeakRef(storage)
             return storage
         finally:
@@ -398,7 +400,7 @@ def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
     # The array views the tensor's memory; PickleBuffer lets the pickler copy it straight
     # into the stream (one copy), and the loader gets a bytearray it can wrap without copy.
     flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return pickle.PickleBuffer(flat.numpy())
+    return pickle.PickleBuffer(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
 
 
 def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
@@ -423,7 +425,7 @@ def _rebuild_tensor_copy(
         tensor = torch.empty(shape, dtype=dtype)
     else:
         storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch stubs
     if device != "cpu":
         tensor = tensor.to(device)
     if cls is torch.nn.Parameter:

@@ -28,7 +28,7 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import resource_tracker as _resource_tracker
 from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
-from typing import Dict, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 __all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE"]
 
@@ -60,6 +60,14 @@ class _WarmForkServer(_forkserver.ForkServer):
     #: as long as this child, since the child holds one of its "alive" fds).
     borrowed = False
 
+    # The standard ForkServer's private fields this subclass drives (CPython's
+    # multiprocessing/forkserver.py; typeshed leaves them out).
+    _lock: threading.Lock
+    _forkserver_address: Optional[str]
+    _forkserver_alive_fd: Optional[int]
+    _forkserver_pid: Optional[int]
+    _preload_modules: List[str]
+
     def ensure_running(self) -> None:
         with self._lock:
             _resource_tracker.ensure_running()
@@ -68,11 +76,12 @@ class _WarmForkServer(_forkserver.ForkServer):
             if self._forkserver_pid is not None:
                 if os.waitpid(self._forkserver_pid, os.WNOHANG)[0] == 0:
                     return  # still serving
-                os.close(self._forkserver_alive_fd)
+                if self._forkserver_alive_fd is not None:
+                    os.close(self._forkserver_alive_fd)
                 self._forkserver_address = None
                 self._forkserver_alive_fd = None
                 self._forkserver_pid = None
-            address = _connection.arbitrary_address("AF_UNIX")
+            address = _connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # stdlib private
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(address)
                 if not _util.is_abstract_socket_namespace(address):
@@ -87,8 +96,9 @@ class _WarmForkServer(_forkserver.ForkServer):
                         f"main({listener.fileno()}, {alive_r}, {self._preload_modules!r})"
                     )
                     exe = _spawn.get_executable()
-                    argv = [exe, *_util._args_from_interpreter_flags(), "-c", command]
-                    pid = _util.spawnv_passfds(exe, argv, [listener.fileno(), alive_r])
+                    argv = [exe, *_util._args_from_interpreter_flags(), "-c", command]  # type: ignore[attr-defined]
+                    # typeshed wants bytes; CPython's own forkserver passes this str path
+                    pid = _util.spawnv_passfds(exe, argv, [listener.fileno(), alive_r])  # type: ignore[arg-type]
                 except BaseException:
                     os.close(alive_w)
                     raise
@@ -117,7 +127,7 @@ def _borrow_parent_server() -> None:
     # that server's address (set by its main loop) and an "alive" fd (set for the child):
     # reuse them for every profile, so that a child starting processes of its own does
     # not pay for another server importing torch again.
-    stdlib = _forkserver._forkserver
+    stdlib: Any = _forkserver._forkserver  # its fields are private (typeshed leaves them out)
     if stdlib._forkserver_address is None or stdlib._forkserver_alive_fd is None:
         return
     server = _WarmForkServer()
@@ -136,15 +146,16 @@ if WARM_AVAILABLE:
         """A forkserver Popen that talks to our private server instead of the global one."""
 
         _profile = "light"
+        _fds: List[int]  # the stdlib Popen's private list of fds to pass (typeshed leaves it out)
 
         def _launch(self, process_obj: _process.BaseProcess) -> None:
             payload = io.BytesIO()
             # A forked child would write to the server's stdout/stderr (fixed when the
             # server started); hand it the parent's current ones, as spawn does.
-            process_obj._stdio_slots = tuple(self.duplicate_for_child(fd) for fd in (1, 2))
+            setattr(process_obj, "_stdio_slots", tuple(self.duplicate_for_child(fd) for fd in (1, 2)))
             _context.set_spawning_popen(self)
             try:
-                _reduction.dump(_spawn.get_preparation_data(process_obj._name), payload)
+                _reduction.dump(_spawn.get_preparation_data(process_obj.name), payload)
                 _reduction.dump(process_obj, payload)
             finally:
                 _context.set_spawning_popen(None)
@@ -152,7 +163,8 @@ if WARM_AVAILABLE:
             # The child watches this pipe as its parent sentinel, so one copy of the write
             # end stays open for as long as this Popen lives.
             parent_keep = os.dup(data_w)
-            self.finalizer = _util.Finalize(self, _util.close_fds, (parent_keep, self.sentinel))
+            self.finalizer = _util.Finalize(self, _util.close_fds,  # type: ignore[attr-defined]  # stdlib private
+                                            (parent_keep, self.sentinel))
             with open(data_w, "wb", closefd=True) as stream:
                 stream.write(payload.getbuffer())
             self.pid = _forkserver.read_signed(self.sentinel)
@@ -184,7 +196,7 @@ class _WarmProcess(_process.BaseProcess):
 
     def _bootstrap(self, parent_sentinel: Optional[int] = None) -> int:
         child_setup(self)
-        return super()._bootstrap(parent_sentinel)
+        return super()._bootstrap(parent_sentinel)  # type: ignore[misc]  # stdlib private, absent from typeshed
 
     @staticmethod
     def _Popen(process_obj: _process.BaseProcess) -> "_WarmPopen":

@@ -21,10 +21,11 @@ may go unnoticed; signal with ``set()`` and let the consumer ``clear()``.
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
 from typing import Optional, Union
+
+from . import _checks
 
 __all__ = ["Event", "OrEvent", "AndEvent"]
 
@@ -110,13 +111,9 @@ class _CompositeEvent(_Observed):
 
         Raises:
             TypeError: ``timeout`` is not a number.
-            ValueError: ``timeout`` is negative or NaN.
+            ValueError: ``timeout`` is negative, NaN or infinite.
         """
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-                raise TypeError(f"timeout must be None or a number of seconds, not {type(timeout).__name__}")
-            if math.isnan(timeout) or timeout < 0:
-                raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
         if self.is_set():
             return True
         with self._cond:

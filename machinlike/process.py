@@ -43,9 +43,9 @@ import weakref
 from multiprocessing import connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
-from . import _lifeline, _reductions, _warm
+from . import _checks, _lifeline, _reductions, _warm
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
@@ -59,16 +59,6 @@ _EXIT = "exit"
 def _check_callable(value: Any, param: str) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{param} must be callable or None, not {type(value).__name__}")
-
-
-def _check_timeout(timeout: Optional[float]) -> Optional[float]:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be None or a number of seconds, not {type(timeout).__name__}")
-    if not timeout >= 0:
-        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-    return float(timeout)
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -192,6 +182,12 @@ class Process(BaseProcess):
         ValueError: ``group`` is not None, or ``ctx`` names an unknown start method.
     """
 
+    # BaseProcess's private fields this class drives (CPython's multiprocessing/process.py;
+    # typeshed leaves them out), and the warm start's stdio slots.
+    _popen: Any
+    _check_closed: Callable[[], None]
+    _stdio_slots: Tuple[int, ...]
+
     def __init__(
         self,
         group: None = None,
@@ -214,7 +210,8 @@ class Process(BaseProcess):
             raise TypeError(f"args must be an iterable, not {type(args).__name__}") from None
         if not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a mapping, not {type(kwargs).__name__}")
-        self._ctx = resolve_context(ctx)
+        # A context object (typeshed's BaseContext has no .Process); None in the child.
+        self._ctx: Any = cast(Any, resolve_context(ctx))
         super().__init__(None, target, name, args, dict(kwargs), daemon=daemon)
         self._start_method = getattr(self._ctx.Process, "_start_method", None)
         self._cleaner = cleaner
@@ -373,7 +370,7 @@ class Process(BaseProcess):
         Raises:
             ValueError: the process was not started, or is closed.
         """
-        timeout = _check_timeout(timeout)
+        timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
         self._check_closed()
         if self._popen is None:
             raise ValueError("can only join a started process")
@@ -381,8 +378,9 @@ class Process(BaseProcess):
         sentinel = self.sentinel
         while True:
             reader = self._report_reader
-            idle = reader is None or reader.closed or self._record is not None
-            watch = [sentinel] if idle else [sentinel, reader]
+            watch: List[Union[int, connection.Connection]] = [sentinel]
+            if reader is not None and not reader.closed and self._record is None:
+                watch.append(reader)
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 ready = connection.wait(watch, remaining)

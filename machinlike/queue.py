@@ -29,13 +29,13 @@ process tree exits (torch's shared-memory manager then cleans up).
 from __future__ import annotations
 
 import builtins
-import math
 import multiprocessing
 import time
 from multiprocessing import connection, context
 from multiprocessing.context import BaseContext
 from typing import Any, Dict, Optional, Tuple, Union
 
+from . import _checks
 from ._warm import resolve_context
 from .pickle import dumps, loads
 
@@ -48,16 +48,6 @@ class TimeoutError(multiprocessing.TimeoutError, builtins.TimeoutError):  # noqa
     Both ``multiprocessing.TimeoutError`` (what machin's ``machin.parallel.queue.TimeoutError``
     was) and the built-in ``TimeoutError``, so code written for either catches it.
     """
-
-
-def _check_timeout(timeout: Optional[float]) -> Optional[float]:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be None or a number of seconds, not {type(timeout).__name__}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-    return float(timeout)
 
 
 def _check_copy_tensor(copy_tensor: Any) -> bool:
@@ -147,7 +137,7 @@ class SimpleQueue(_PipeQueue):
             TimeoutError: the write lock was not free within ``timeout``.
             pickle.PicklingError, TypeError: ``obj`` cannot be pickled (nothing is sent).
         """
-        timeout = _check_timeout(timeout)
+        timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
         data = dumps(obj, copy_tensor=self._copy_tensor)
         if not self._wlock.acquire(True, timeout):
             _discard(data, self._copy_tensor)
@@ -170,7 +160,7 @@ class SimpleQueue(_PipeQueue):
             TimeoutError: no item arrived within ``timeout``.
             EOFError: every writing end of the queue was closed.
         """
-        timeout = _check_timeout(timeout)
+        timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
         if timeout is None:
             with self._rlock:
                 data = self._reader.recv_bytes()
@@ -243,7 +233,7 @@ class SimpleP2PQueue(_PipeQueue):
             TimeoutError: no item arrived within ``timeout``.
             EOFError: the writing end was closed.
         """
-        return loads(_recv(self._reader, _check_timeout(timeout), "SimpleP2PQueue.get()"))
+        return loads(_recv(self._reader, _checks.seconds_or_none("timeout", timeout, allow_zero=True), "SimpleP2PQueue.get()"))
 
 
 class MultiP2PQueue:
@@ -326,7 +316,7 @@ class MultiP2PQueue:
         Raises:
             TimeoutError: no channel had an item within ``timeout``.
         """
-        timeout = _check_timeout(timeout)
+        timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
         readers = [q.reader for q in self._queues]
         ready = connection.wait(readers, timeout)
         if not ready:

@@ -27,6 +27,7 @@ import inspect
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from . import _checks
 from .distributed import launch
 
 __all__ = ["run_world", "world_test"]
@@ -52,13 +53,15 @@ def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] =
         ``fn``'s return value of each rank, in rank order.
 
     Raises:
-        ValueError: ``timeout`` is None or not positive.
+        ValueError: ``timeout`` is None, not positive or not finite.
+        TypeError: ``timeout`` is not a number.
         Exception: the first failure of any rank (see :func:`machinlike.launch`).
         TimeoutError: the run exceeded ``timeout``; every rank's stack went to stderr.
     """
-    if timeout is None or not timeout > 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-    return launch(fn, world_size, args, kwargs, timeout=timeout, stop_timeout=min(30.0, timeout), **world_kwargs)
+    if timeout is None:  # mandatory here: a hanging test must fail, not block the suite
+        raise ValueError("timeout=None must be a positive number of seconds: run_world needs a bound")
+    wait = _checks.seconds("timeout", timeout)
+    return launch(fn, world_size, args, kwargs, timeout=wait, stop_timeout=min(30.0, wait), **world_kwargs)
 
 
 def _import_test_module(name: str) -> Any:
@@ -71,20 +74,21 @@ def _import_test_module(name: str) -> Any:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.find_spec(name)
+    origin = spec.origin if spec is not None else None
     try:
         from _pytest.assertion.rewrite import rewrite_asserts
     except ImportError:
-        rewrite_asserts = None
-    if rewrite_asserts is None or spec is None or not (spec.origin or "").endswith(".py"):
         return importlib.import_module(name)
-    with open(spec.origin, "rb") as stream:
+    if spec is None or origin is None or not origin.endswith(".py"):
+        return importlib.import_module(name)
+    with open(origin, "rb") as stream:
         source = stream.read()
-    tree = ast.parse(source, filename=spec.origin)
-    rewrite_asserts(tree, source, spec.origin)
+    tree = ast.parse(source, filename=origin)
+    rewrite_asserts(tree, source, origin)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        exec(compile(tree, spec.origin, "exec", dont_inherit=True), module.__dict__)
+        exec(compile(tree, origin, "exec", dont_inherit=True), module.__dict__)
     except BaseException:
         del sys.modules[name]
         raise

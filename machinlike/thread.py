@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from .process import call_with_cleaner
 
@@ -63,11 +63,15 @@ class Thread(threading.Thread):
             name = f"machinlike-thread-{next(_counter)}"
         # the target stays with us (run() is ours), not in threading.Thread's attributes
         super().__init__(None, None, name, daemon=daemon)
-        self._call = (target, args, dict(kwargs), cleaner)
+        # None once run() took it (a thread runs once)
+        self._call: Optional[Tuple[Optional[Callable[..., Any]], Tuple[Any, ...], Dict[str, Any],
+                                   Optional[Callable[[], Any]]]] = (target, args, dict(kwargs), cleaner)
         self._exception: Optional[BaseException] = None
 
     def run(self) -> None:
         """The thread's body: target, then cleaner; a failure is kept, not printed."""
+        if self._call is None:
+            return  # ran already
         target, args, kwargs, cleaner = self._call
         self._call = None  # like threading.Thread: do not keep the target's references
         try:

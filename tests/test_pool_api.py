@@ -245,7 +245,8 @@ def test_argument_validation():
             (lambda: pool.map(targets.square, range(3), chunksize=0), ValueError, "chunksize must be >= 1"),
             (lambda: pool.map(targets.square, 5), TypeError, "iterable must be iterable"),
             (lambda: pool.imap(targets.square, range(3), chunksize=None), TypeError, "chunksize must be an int"),
-            (lambda: pool.apply_async(targets.square, (1,)).get(-1), ValueError, "timeout must be"),
+            (lambda: pool.apply_async(targets.square, (1,)).get(-1), ValueError,
+             "timeout=-1 must be a number of seconds >= 0"),
             (lambda: pool.join(), ValueError, "still running"),
         ]
         for call, kind, message in bad_calls:

@@ -328,7 +328,7 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
     if world.name == "0":
         bad = [
             (dict(reduce_method="median"), ValueError, "reduce_method='median' must be 'sum' or 'mean'"),
-            (dict(reduce_batch_size=0), ValueError, "reduce_batch_size=0 must be at least 1"),
+            (dict(reduce_batch_size=0), ValueError, "reduce_batch_size=0 must be a positive int"),
             (dict(max_queue_size=2), ValueError, "max_queue_size=2 must be at least reduce_batch_size=4"),
             (dict(primary_reducer="9"), ValueError, "primary_reducer='9' is not a member"),
             (dict(secondary_reducers=["0", "0"]), ValueError, "must be distinct members"),

@@ -54,11 +54,11 @@ def test_machin_push_pull_sequence(world):
 def test_depth_copies_and_local_use(world):
     group = world.create_rpc_group("g", ["0", "1"])
     if world.name == "0":
-        with pytest.raises(ValueError, match="version_depth=-1 must be at least 0"):
+        with pytest.raises(ValueError, match="version_depth=-1 must be an int of at least 0"):
             OrderedServerSimpleImpl("bad", group, version_depth=-1)
         with pytest.raises(TypeError, match="group must be an RpcGroup"):
             OrderedServerSimpleImpl("bad", "g")
-        with pytest.raises(ValueError, match="server_name must be a non-empty string"):
+        with pytest.raises(ValueError, match="server_name=.. is empty"):
             OrderedServerSimpleImpl("", group)
         OrderedServerSimpleImpl("deep", group, version_depth=3)
         OrderedServerSimpleImpl("shallow", group, version_depth=0)

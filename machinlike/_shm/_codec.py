@@ -73,7 +73,7 @@ def _fd_of(storage: torch.UntypedStorage) -> Optional[int]:
     if not storage.is_shared():
         return None
     try:
-        return storage._get_shared_fd()
+        return storage._get_shared_fd()  # type: ignore[attr-defined]  # torch internal, absent from its stubs
     except RuntimeError:  # shared by name (torch's file_system strategy)
         return None
 
@@ -174,7 +174,7 @@ def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, sh
             raise RuntimeError("a tensor this process shared came back after its memory was freed")
         storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
     else:
-        storage = _receive.attach(pid, fd, inode, size, lent=False).storage
+        storage = _receive.attach(pid, fd, inode, size, lent=False).shared_storage()
     tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
     return _finish(tensor, requires_grad, parameter)
 

@@ -48,12 +48,34 @@ class Mapping:
         self.lent = mapped is not None
         if mapped is not None:
             self.address = np.frombuffer(mapped, dtype=np.uint8, count=1).ctypes.data
-        else:
+        elif storage is not None:
             self.address = storage.data_ptr()
+        else:
+            raise ValueError("a Mapping holds a lent segment's map or a shared storage; got neither")
         self.origin = origin  # (pid, fd, inode, size): how to name it to a third process
 
+    def lent_map(self) -> mmap.mmap:
+        """The lent segment's map.
+
+        Raises:
+            RuntimeError: this is a shared storage, not a lent segment.
+        """
+        if self.map is None:
+            raise RuntimeError(f"mapping {self.origin} is a shared storage, not a lent segment")
+        return self.map
+
+    def shared_storage(self) -> torch.UntypedStorage:
+        """The shared storage.
+
+        Raises:
+            RuntimeError: this is a lent segment, not a shared storage.
+        """
+        if self.storage is None:
+            raise RuntimeError(f"mapping {self.origin} is a lent segment, not a shared storage")
+        return self.storage
+
     def retired(self) -> bool:
-        return self.lent and int(np.frombuffer(self.map, dtype=np.int64, count=1)[0]) == RETIRED
+        return self.map is not None and int(np.frombuffer(self.map, dtype=np.int64, count=1)[0]) == RETIRED
 
 
 _lock = threading.Lock()
@@ -88,7 +110,8 @@ def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optiona
         # A shared storage becomes a torch storage of its own (is_shared(), picklable by
         # torch like any other). Its pages are faulted in by the first use, which is the
         # receiver's computation, not the transfer; the cached mapping keeps them.
-        return None, torch.UntypedStorage._new_shared_fd_cpu(handle, size)
+        # Torch internal, absent from its stubs.
+        return None, torch.UntypedStorage._new_shared_fd_cpu(handle, size)  # type: ignore[attr-defined]
     finally:
         os.close(handle)
 
@@ -212,7 +235,7 @@ def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torc
             raise RuntimeError(f"this process's shared-memory segment {inode} was closed before its payload was loaded")
         mapped = seg.map
     else:
-        mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).map
+        mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).lent_map()
     header = np.frombuffer(mapped, dtype=np.int64, count=2)
     header[1] = os.getpid()
     data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)

@@ -149,7 +149,7 @@ def _resolve_devices(
         count = torch.cuda.device_count()
         if count:
             return _cuda_specs(range(count))
-        return [DeviceSpec("cpu", _cpu_available_mb(), cpu_weight)]
+        return [DeviceSpec(torch.device("cpu"), _cpu_available_mb(), cpu_weight)]
     if isinstance(devices, (str, torch.device, DeviceSpec)) or not isinstance(
         devices, Sequence
     ):
@@ -179,15 +179,16 @@ def _resolve_devices(
         wanted_gpus.append((pos, device.index))
     for (pos, _), spec in zip(wanted_gpus, _cuda_specs([i for _, i in wanted_gpus])):
         specs[pos] = spec
+    filled = [spec for spec in specs if spec is not None]  # every GPU placeholder was filled above
     seen: dict[torch.device, int] = {}
-    for pos, spec in enumerate(specs):
+    for pos, spec in enumerate(filled):
         if spec.device in seen:
             raise ValueError(
                 f"devices[{pos}]: {spec.device} is listed twice "
                 f"(also devices[{seen[spec.device]}]); list each device once"
             )
         seen[spec.device] = pos
-    return specs  # type: ignore[return-value]
+    return filled
 
 
 def _distance_matrix(

@@ -35,6 +35,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .. import _checks
 from ..exception import ExceptionWithTraceback, ProcessExitedError
 from ..pickle import dumps, loads
 
@@ -262,8 +263,7 @@ def launch_ray(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     for param, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stop_timeout", stop_timeout)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{param}={value!r} must be a positive number of seconds")
+        _checks.seconds_or_none(param, value)
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be a non-negative int")
     reserved = _RESERVED & set(world_kwargs)

@@ -18,7 +18,6 @@ A callback that raises does not break the pool: its exception goes to
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from _thread import allocate_lock
 from collections import deque
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
+from .. import _checks
 from ._errors import PoolTimeoutError
 
 __all__ = ["AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator", "ApplyResult", "Job"]
@@ -39,14 +39,8 @@ _settle_guard = allocate_lock()
 
 
 def check_timeout(timeout: Any) -> Optional[float]:
-    """Validate a ``timeout`` argument (None or a number of seconds >= 0)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be None or a number of seconds, not {type(timeout).__name__}")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-    return float(timeout)
+    """Validate a ``timeout`` argument (None or a finite number of seconds >= 0)."""
+    return _checks.seconds_or_none("timeout", timeout, allow_zero=True)
 
 
 def report_callback_error(callback: Any, exc: BaseException) -> None:

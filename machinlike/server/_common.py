@@ -1,4 +1,5 @@
-"""Argument checks shared by the servers' public entrances, and the World's default timeout.
+"""Argument checks shared by the servers' public entrances (in the package's wording,
+``machinlike._checks``), and the World's default timeout.
 
 Each public constructor and helper checks its arguments once, here, and hands the
 checked, typed values inward; the server's inner parts (reducers, checkpoints, the
@@ -9,17 +10,15 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
-from ..distributed import RpcGroup, get_world
+from .. import _checks
+from ..distributed import RpcGroup, World, get_world
 
-__all__ = ["check_name", "check_group", "check_timeout", "check_count", "check_members", "rpc_timeout"]
+__all__ = ["check_name", "check_group", "check_timeout", "check_count", "check_members", "rpc_timeout",
+           "current_world"]
 
 
 def check_name(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{param} must be a str, not {type(value).__name__} ({value!r})")
-    if not value:
-        raise ValueError(f"{param} must be a non-empty string")
-    return value
+    return _checks.nonempty_str(param, value)
 
 
 def check_group(group: Any, param: str = "group") -> RpcGroup:
@@ -29,20 +28,12 @@ def check_group(group: Any, param: str = "group") -> RpcGroup:
 
 
 def check_timeout(timeout: Any, param: str = "timeout") -> Optional[float]:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{param}={timeout!r} must be a positive number of seconds, or None for the "
-                         f"world's rpc_timeout")
-    return float(timeout)
+    """None (the World's ``rpc_timeout`` or ``dist_timeout``, as documented) or positive seconds."""
+    return _checks.seconds_or_none(param, timeout)
 
 
 def check_count(value: Any, param: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{param} must be an int, not {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{param}={value} must be at least {minimum}")
-    return value
+    return _checks.positive_int(param, value, minimum)
 
 
 def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str) -> List[str]:
@@ -65,13 +56,22 @@ def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str)
     return chosen
 
 
+def current_world() -> World:
+    """This process's World.
+
+    Raises:
+        RuntimeError: there is none (a server's group lives in one).
+    """
+    world = get_world()
+    if world is None:
+        raise RuntimeError("no World in this process: a server's calls need the World its group belongs to")
+    return world
+
+
 def rpc_timeout() -> float:
     """The World's ``rpc_timeout`` in seconds: what a server's ``timeout=None`` stands for.
 
     Raises:
         RuntimeError: this process has no World (a server's group lives in one).
     """
-    world = get_world()
-    if world is None:
-        raise RuntimeError("no World in this process: a server's calls need the World its group belongs to")
-    return world.rpc_timeout
+    return current_world().rpc_timeout

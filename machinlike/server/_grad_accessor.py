@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -126,7 +126,7 @@ class PushPullGradServer:
                 live.append(member)
         return live
 
-    def _route(self, exclude: Set[str] = frozenset()) -> str:
+    def _route(self, exclude: AbstractSet[str] = frozenset()) -> str:
         live = [m for m in self._candidates() if m not in exclude]
         if not live and any(not hosts for hosts, _ in self._hosts.values()):
             # A secondary seen without its service a moment ago may be back: ask again now.
@@ -326,7 +326,7 @@ class PushPullGradServer:
                 skipped.append(self._skip(member, err))
             except KeyError as err:
                 skipped.append(self._skip(member, err))
-        self._await_settled([s for s in skipped if s[1] is not None], deadline)
+        self._await_settled([(m, w) for m, w in skipped if w is not None], deadline)
         left = max(0.001, deadline - time.monotonic())
         return self.group.registered_sync(f"{self.server_name}/_flush", timeout=left)
 
@@ -343,7 +343,7 @@ class PushPullGradServer:
         except PeerLostError:
             return member, None  # this view saw it go already
 
-    def _await_settled(self, skipped: List[Tuple[str, Optional[str]]], deadline: float) -> None:
+    def _await_settled(self, skipped: List[Tuple[str, str]], deadline: float) -> None:
         # A call to a dead process on this host fails at once, before the world declares
         # it lost; the primary counts a dead secondary's unforwarded pushes as dropped only
         # once it is declared. Waiting for that (within the loss bound) makes the counts

@@ -189,7 +189,7 @@ class MemberLog:
         world = get_world()
         self.active = world is not None and world.elastic
         self._me = world.name if world is not None else ""
-        if self.active:
+        if world is not None and self.active:
             world.on_member_change(self._on_member)
 
     def _on_member(self, event: MemberEvent) -> None:

@@ -6,9 +6,9 @@ next to it, and the host (``grad``) builds the accessor; a table both can import
 imports neither, keeps the two from importing each other::
 
     PushPullGradServerImpl ── holds ──► Hosting(group, server, secondary) ◄── weak ── table
-                                                                                  │
-    PushPullGradServer.push ── hosted_secondary(group, server) ──────────────────┘
-                                  └─► that SecondaryReducer, or None: push over RPC
+                                                                                   │
+    PushPullGradServer.push ── hosted_secondary(group, server) ────────────────────┘
+                                └─► that SecondaryReducer, or None: push over RPC
 
 The table holds each :class:`Hosting` weakly and the host holds it strongly, so a share
 that is closed (``withdraw()``) or garbage collected leaves the table by itself.

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,7 +45,8 @@ class ServerStoppedError(RuntimeError):
     """A gradient server refused work because it is stopped or its reducer thread failed."""
 
 
-class Item(NamedTuple):
+@dataclass(frozen=True)
+class Item:
     """One queued unit: a gradient dict (or partial sum), how many pushes it holds, the
     parameter versions those pushes were computed on (-1: unknown), and, in an elastic
     world, how many pushes of each (source, client) it holds (see ``_churn``; None: not
@@ -457,14 +459,13 @@ class PrimaryReducer(_Reducer):
     """Reduces partial sums from the secondaries and applies them to the managed model.
 
     Args:
-        apply: ``apply(item) -> version``: sets ``.grad``, steps, publishes; returns the
-            new version.
+        apply: ``apply(item)``: sets ``.grad``, steps, publishes the next version.
         version: The version published before the first step.
     """
 
     role = "primary"
 
-    def __init__(self, *args: Any, apply: Callable[[Item], int], version: Callable[[], int],
+    def __init__(self, *args: Any, apply: Callable[[Item], None], version: Callable[[], int],
                  receive: Optional[Callable[[Dict[Tuple[str, str], int]], Optional[BaseException]]] = None) -> None:
         super().__init__(*args)
         self._apply = apply
@@ -479,7 +480,7 @@ class PrimaryReducer(_Reducer):
     def accept(self, item: Item) -> torch.futures.Future:
         """Queue a partial sum; the future completes when it is queued (not yet applied)."""
         with self._cond:
-            error = self.refusal()
+            error: Optional[BaseException] = self.refusal()
             if error is None and self._receive is not None and item.origin is not None:
                 error = self._receive(item.origin)
             if error is None:

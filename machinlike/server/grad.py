@@ -167,7 +167,9 @@ class PushPullGradServerImpl:
         # The World's setting, read once: the reducer threads wait with it, even while
         # the World is stopping.
         self._rpc_timeout = rpc_timeout()
-        o_server = settings.o_server
+        # The primary's (None: the default one it hosts, built below).
+        o_server: OrderedServerBase = (OrderedServerSimple._checked(f"{server_name}/ordered", group)
+                                       if settings.o_server is None else settings.o_server)
 
         self._model: Optional[torch.nn.Module] = None
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -210,9 +212,8 @@ class PushPullGradServerImpl:
                 self._register(f"{server_name}/_reduce", self._reduce_service)
                 self._register(f"{server_name}/_flush", self._flush_primary_service)
                 self._register(f"{server_name}/_spec", self._spec_service)
-                if o_server is None:
+                if settings.o_server is None:
                     self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1)
-                    o_server = OrderedServerSimple._checked(f"{server_name}/ordered", group)
                 group.pair(server_name, PushPullGradServer._checked(
                     server_name, group, self.model_name, None if self._dynamic else self.secondary_reducers,
                     o_server, None))
@@ -222,7 +223,7 @@ class PushPullGradServerImpl:
             self._withdraw()
             raise
         self.o_server = o_server
-        if self._elastic:
+        if world is not None and self._elastic:
             world.on_member_change(self._on_member)
 
     def _on_member(self, event: MemberEvent) -> None:
@@ -409,23 +410,34 @@ class PushPullGradServerImpl:
         return PeerLostError(self.primary_reducer, f"the primary reducer of gradient server {self.server_name!r} "
                                                    f"is gone ({why})")
 
+    # Registered only on a member with that role (see _open).
+    def _the_primary(self) -> PrimaryReducer:
+        if self.primary is None:
+            raise RuntimeError(f"member {self.member!r} hosts no primary reducer of {self.server_name!r}")
+        return self.primary
+
+    def _the_secondary(self) -> SecondaryReducer:
+        if self.secondary is None:
+            raise RuntimeError(f"member {self.member!r} hosts no secondary reducer of {self.server_name!r}")
+        return self.secondary
+
     @rpc.functions.async_execution
     def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int],
                         origin: Optional[Dict[Any, int]] = None) -> torch.futures.Future:
-        return self.primary.accept(Item(grads, count, versions, origin))
+        return self._the_primary().accept(Item(grads, count, versions, origin))
 
     @rpc.functions.async_execution
     def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int,
                            client: str = "") -> torch.futures.Future:
-        return self.secondary.offer(grads, version, client)
+        return self._the_secondary().offer(grads, version, client)
 
     @rpc.functions.async_execution
     def _flush_secondary_service(self) -> torch.futures.Future:
-        return self.secondary.flush()
+        return self._the_secondary().flush()
 
     @rpc.functions.async_execution
     def _flush_primary_service(self) -> torch.futures.Future:
-        return self.primary.flush()
+        return self._the_primary().flush()
 
     def _spec_service(self) -> Spec:
         if self._spec is None:

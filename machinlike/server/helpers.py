@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..distributed import RpcGroup, get_world
-from ._common import check_count, check_group, check_name, check_timeout
+from ._common import check_count, check_group, check_name, check_timeout, current_world
 from ._grad_settings import grad_settings
 from .grad import PushPullGradServerImpl
 from .model import PushPullModelServerImpl
@@ -36,6 +36,8 @@ class ServerHandles(tuple):
 
     group: RpcGroup
     impls: Tuple[Any, ...]
+    _owns_group: bool  # destroy the group on close (the helper created it)
+    _closed: bool
 
     def __new__(cls, accessors: Sequence[Any], group: RpcGroup, impls: Sequence[Any],
                 owns_group: bool) -> "ServerHandles":
@@ -74,7 +76,7 @@ class ServerHandles(tuple):
         """
         if self._closed:
             return
-        wait = check_timeout(timeout) or get_world().dist_timeout
+        wait = check_timeout(timeout) or current_world().dist_timeout
         deadline = time.monotonic() + wait
 
         def left() -> float:

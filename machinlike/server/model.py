@@ -186,7 +186,9 @@ def _share_state(_key: Any, value: Any) -> Any:
         if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.nbytes >= _SHARE_FROM \
                 and not tensor.requires_grad and _shm.shm_eligible(tensor):
             storage = torch.UntypedStorage._new_shared(tensor.nbytes)  # by descriptor: /proc-reachable
-            copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape).copy_(tensor)
+            # torch's stubs lack the (UntypedStorage, offset, size) overload of set_
+            copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)  # type: ignore[call-overload]
+            copy.copy_(tensor)
             tensor = _shm.share(copy)
         adopted[name] = tensor
     return adopted

@@ -32,9 +32,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple
 
-from ..distributed import RpcGroup, get_world
+from ..distributed import RpcGroup
 from ..exception import PeerLostError
-from ._common import check_count, check_group, check_name, check_timeout
+from ._common import check_count, check_group, check_name, check_timeout, current_world
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
@@ -52,7 +52,7 @@ def _check_key(key: Any) -> Hashable:
 
 def _host_key(group: RpcGroup, server_name: str) -> str:
     """Store key holding the member that hosts ``server_name`` (outlives the host's claims)."""
-    return get_world().membership.key(f"os/{group.get_group_name()}/{server_name}/host")
+    return current_world().membership.key(f"os/{group.get_group_name()}/{server_name}/host")
 
 
 class OrderedServerBase(abc.ABC):
@@ -158,10 +158,10 @@ class OrderedServerSimple(OrderedServerBase):
                                               timeout=self.timeout)
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
-            host = get_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
+            host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
             if not host:
                 raise
-            back = get_world().get_incarnation(host)
+            back = current_world().get_incarnation(host)
             why = ("it was lost; calls fail until it is restarted and serves again" if back is None else
                    f"it came back (incarnation {back}) and does not serve yet")
             raise PeerLostError(host, f"host of ordered server {self.server_name!r}: {why}") from err
@@ -245,14 +245,14 @@ class OrderedServerSimpleImpl:
                 self._resume(checkpoint, *loaded)
         self._keys = [f"{server_name}/_push", f"{server_name}/_pull", f"{server_name}/_pull_if_changed"]
         self._closed = False
-        services = [self._push_service, self._pull_service, self._pull_if_changed_service]
+        services: List[Callable[..., Any]] = [self._push_service, self._pull_service, self._pull_if_changed_service]
         done: List[str] = []
         try:
             for key, service in zip(self._keys, services, strict=True):
                 group.register(key, service)
                 done.append(key)
             # Once the name is ours: a client that finds the services gone can name this member.
-            get_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
+            current_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
             group.pair(server_name, OrderedServerSimple._checked(server_name, group))
         except BaseException:
             for key in done:
@@ -275,14 +275,14 @@ class OrderedServerSimpleImpl:
         # Under the lock (or before serving). Shallow: a stored value is never edited.
         return {"data": {key: list(entries) for key, entries in self._data.items()}}
 
-    def _save(self, seq: int, snapshot: Dict[str, Any]) -> None:
+    def _save(self, checkpoint: HostCheckpoint, seq: int, snapshot: Dict[str, Any]) -> None:
         try:
-            self._checkpoint.save(seq, snapshot)
+            checkpoint.save(seq, snapshot)
         except OSError as err:  # the push is stored and visible already: keep serving, say so
             with self._lock:
                 self._ckpt_failures += 1
             log.error("ordered server %r could not write checkpoint %r: %s", self.server_name,
-                      self._checkpoint.path, err)
+                      checkpoint.path, err)
 
     # ------------------------------------------------------------------ the store
     def store(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
@@ -314,7 +314,7 @@ class OrderedServerSimpleImpl:
             if ckpt is not None:
                 ckpt.cover(version)
             new = entries is None
-            if new:
+            if entries is None:
                 entries = self._data[key] = deque(maxlen=self.version_depth + 1)
             entries.append((version, value))
             self._seq += 1
@@ -329,8 +329,8 @@ class OrderedServerSimpleImpl:
                 snapshot = (self._seq, self._snapshot())
             self._counts["pushes_accepted"] += 1
             self._made_at = time.monotonic()
-        if snapshot is not None:  # outside the lock: pulls go on while a model is written
-            self._save(*snapshot)
+        if ckpt is not None and snapshot is not None:  # outside the lock: pulls go on while a model is written
+            self._save(ckpt, *snapshot)
         return True
 
     def newest_version(self, key: Hashable) -> Any:
@@ -375,11 +375,11 @@ class OrderedServerSimpleImpl:
         for key in self._keys:
             self.group.deregister(key)
         self.group.unpair(self.server_name)
-        get_world().membership.registry.delete([_host_key(self.group, self.server_name)])
+        current_world().membership.registry.delete([_host_key(self.group, self.server_name)])
         if self._checkpoint is not None:
             with self._lock:
-                snapshot = (self._seq, self._snapshot())
-            self._save(*snapshot)
+                seq, snapshot = self._seq, self._snapshot()
+            self._save(self._checkpoint, seq, snapshot)
 
     # ------------------------------------------------------------------- services
     # The value arrived through RPC, so it is already this process's own copy; what goes
