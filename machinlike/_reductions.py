@@ -490,13 +490,20 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
     return _torch_red.reduce_tensor(copy)
 
 
+def _reduce_cuda_event(event: Any) -> Tuple[Any, ...]:
+    """torch's reducer of a CUDA event (an IPC handle), under either of its names: torch
+    2.15 renamed ``reduce_event`` to ``_reduce_event`` when it took XPU events too."""
+    reduce = getattr(_torch_red, "reduce_event", None) or getattr(_torch_red, "_reduce_event")
+    return reduce(event)
+
+
 def share_reducers() -> DispatchTable:
     """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
     table = DispatchTable(_typed_storage_entries())
     for cls in _tensor_types():
         table[cls] = reduce_tensor_share
     table[torch.UntypedStorage] = _reduce_storage_share
-    table[torch.cuda.Event] = _torch_red.reduce_event
+    table[torch.cuda.Event] = _reduce_cuda_event
     return table
 
 
@@ -506,6 +513,6 @@ def copy_reducers() -> DispatchTable:
     for cls in _tensor_types():
         table[cls] = _reduce_tensor_copy
     table[torch.UntypedStorage] = _reduce_storage_copy
-    table[torch.cuda.Event] = _torch_red.reduce_event
+    table[torch.cuda.Event] = _reduce_cuda_event
     return table
 
