@@ -2,7 +2,8 @@
 
 Share policy (``copy_tensor=False``)::
 
-    Tensor, Parameter ──> torch's reduce_tensor ──┬─ CUDA: IPC handle (torch)
+    Tensor, Parameter ──> torch's reduce_tensor ──┬─ CUDA: IPC handle (torch; a device copy of a
+                                                  │  tensor received through IPC: reduce_tensor_share)
                                                   └─ CPU: TypedStorage ─> torch's reduce_typed_storage
                                                                              │
     UntypedStorage (CPU) <───────────────────────────────────────────────────┘
@@ -61,6 +62,7 @@ __all__ = [
     "DispatchTable",
     "manager_primer",
     "share_reducers",
+    "reduce_tensor_share",
     "copy_reducers",
     "undo_mark",
     "undo_rollback",
@@ -467,13 +469,43 @@ def _typed_storage_entries() -> Dict[type, Callable[[Any], Any]]:
     return entries
 
 
+def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    """torch's sharing reduction (CUDA: an IPC handle); a CUDA tensor this process itself
+    received through CUDA IPC goes as a device copy.
+
+    Why the copy: CUDA cannot export memory a process imported, and torch refuses with
+    "Attempted to send CUDA tensor received from another process" (a pool worker that
+    returns the tensor it was given). The copy stays on the device (no trip through the
+    host), and torch's IPC reference counting keeps it alive until the receiver let go.
+    The check happens before torch does anything, so nothing is left to undo.
+    """
+    try:
+        return _torch_red.reduce_tensor(tensor)
+    except RuntimeError as err:
+        if tensor.device.type != "cuda" or "received from another process" not in str(err):
+            raise
+    copy = tensor.detach().clone()
+    if isinstance(tensor, torch.nn.Parameter):
+        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+    else:
+        copy.requires_grad_(tensor.requires_grad)
+    return _torch_red.reduce_tensor(copy)
+
+
+def _reduce_cuda_event(event: Any) -> Tuple[Any, ...]:
+    """torch's reducer of a CUDA event (an IPC handle), under either of its names: torch
+    2.15 renamed ``reduce_event`` to ``_reduce_event`` when it took XPU events too."""
+    reduce = getattr(_torch_red, "reduce_event", None) or getattr(_torch_red, "_reduce_event")
+    return reduce(event)
+
+
 def share_reducers() -> DispatchTable:
     """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
     table = DispatchTable(_typed_storage_entries())
     for cls in _tensor_types():
-        table[cls] = _torch_red.reduce_tensor
+        table[cls] = reduce_tensor_share
     table[torch.UntypedStorage] = _reduce_storage_share
-    table[torch.cuda.Event] = _torch_red.reduce_event
+    table[torch.cuda.Event] = _reduce_cuda_event
     return table
 
 
@@ -483,6 +515,6 @@ def copy_reducers() -> DispatchTable:
     for cls in _tensor_types():
         table[cls] = _reduce_tensor_copy
     table[torch.UntypedStorage] = _reduce_storage_copy
-    table[torch.cuda.Event] = _torch_red.reduce_event
+    table[torch.cuda.Event] = _reduce_cuda_event
     return table
 

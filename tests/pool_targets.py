@@ -335,3 +335,10 @@ def kill_self_holding(tensor: torch.Tensor) -> None:
 
 def reverse_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.flip(0).contiguous()
+
+
+def cuda_views(tensor: torch.Tensor, param: torch.nn.Parameter):
+    """Returns what it was given through CUDA IPC (the tensor, a view of it, the
+    Parameter) next to a tensor it made itself."""
+    tensor.add_(1)
+    return tensor, tensor[2:6], param, tensor * 2

@@ -139,3 +139,106 @@ def test_ddp_on_a_collective_group(world):
     assert torch.equal(grads[0], grads[1])  # DDP averaged the gradients over the group
     assert torch.allclose(grads[0], torch.full_like(grads[0], 8 * 1.5))
     g.destroy()
+
+
+def _refusing_all_to_all(calls):
+    """What dist.all_to_all does on a build whose backend has no alltoall (gloo in torch
+    2.11 words it so): the call raises before anything is sent."""
+    def all_to_all(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Backend gloo does not support alltoall")
+    return all_to_all
+
+
+@pytest.mark.parametrize("path", ["native", "fallback"])
+@world_test(3, timeout=90)
+def test_all_to_all_native_and_pairwise_fallback(world, path):
+    """Uneven pieces, complex and non-contiguous tensors, async handles and a sub-group,
+    through the backend's alltoall and through the send/receive fallback of builds
+    whose backend lacks it (forced here by a dist.all_to_all that refuses as they do)."""
+    calls = []
+    native = dist.all_to_all
+    if path == "fallback":
+        dist.all_to_all = _refusing_all_to_all(calls)
+    else:
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return native(*args, **kwargs)
+        dist.all_to_all = counting
+    try:
+        g = world.create_collective_group([0, 1, 2])
+        r, n = world.rank, 3
+        outs = [torch.zeros(3) for _ in range(n)]
+        g.all_to_all(outs, [torch.full((3,), float(r * 10 + i)) for i in range(n)])
+        assert [o.tolist() for o in outs] == [[float(s * 10 + r)] * 3 for s in range(n)]
+
+        outs = [torch.zeros(2, dtype=torch.complex64) for _ in range(n)]
+        work = g.all_to_all(outs, [torch.tensor([complex(r, i)] * 2, dtype=torch.complex64) for i in range(n)],
+                            async_op=True)
+        work.wait()
+        assert [o.tolist() for o in outs] == [[complex(s, r)] * 2 for s in range(n)]
+
+        if path == "fallback":
+            # Member r sends i + 1 values to member i: pieces of several sizes (which
+            # gloo's own alltoall refuses).
+            outs = [torch.zeros(r + 1) for _ in range(n)]
+            g.all_to_all(outs, [torch.full((i + 1,), float(r * 10 + i)) for i in range(n)])
+            assert [o.tolist() for o in outs] == [[float(s * 10 + r)] * (r + 1) for s in range(n)]
+            # A strided output (a column) is filled in place too.
+            grid = torch.zeros(2, n)
+            g.all_to_all([grid[:, j] for j in range(n)], [torch.tensor([float(r), float(i)]) for i in range(n)])
+            assert grid.tolist() == [[0.0, 1.0, 2.0], [float(r)] * n]
+            # The refusal is remembered: the backend was asked once, not on every call.
+            assert len(calls) == 1
+        else:
+            assert len(calls) == 2
+
+        with pytest.raises(ValueError, match=r"input_tensor_list holds 2 tensors; CollectiveGroup \[0, 1, 2\] needs "
+                                             r"one per member \(3\)"):
+            g.all_to_all([torch.zeros(1)] * 3, [torch.zeros(1)] * 2)
+
+        sub = world.create_collective_group([0, 2])
+        if sub.is_member():
+            outs = [torch.zeros(1) for _ in range(2)]
+            sub.all_to_all(outs, [torch.tensor([float(r * 10 + peer)]) for peer in (0, 2)])
+            assert [o.item() for o in outs] == [float(peer * 10 + r) for peer in (0, 2)]
+        g.barrier()
+        sub.destroy()
+        g.destroy()
+    finally:
+        dist.all_to_all = native
+
+
+@world_test(2, timeout=60)
+def test_all_to_all_passes_on_other_errors(world):
+    """Only a backend's "does not support alltoall" selects the fallback; any other error
+    of the native call reaches the caller as it is."""
+    native = dist.all_to_all
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [10.0.0.7]:29500")
+
+    dist.all_to_all = failing
+    try:
+        g = world.create_collective_group([0, 1])
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            g.all_to_all([torch.zeros(1)] * 2, [torch.zeros(1)] * 2)
+        g.barrier()
+        g.destroy()
+    finally:
+        dist.all_to_all = native
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@world_test(2, timeout=90)
+def test_all_to_all_of_cuda_tensors_on_gloo(world):
+    """CUDA pieces over gloo, natively where the build can and staged through the CPU by
+    the fallback where it cannot."""
+    g = world.create_collective_group([0, 1])
+    r = world.rank
+    outs = [torch.zeros(4, device="cuda:0") for _ in range(2)]
+    g.all_to_all(outs, [torch.full((4,), float(r * 10 + i), device="cuda:0") for i in range(2)])
+    assert [o.device.type for o in outs] == ["cuda", "cuda"]
+    assert [o.tolist() for o in outs] == [[float(s * 10 + r)] * 4 for s in range(2)]
+    g.destroy()

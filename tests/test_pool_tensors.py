@@ -119,3 +119,23 @@ def test_cuda_share_mode_passes_cuda_tensors_by_reference():
         t = torch.zeros(8, device="cuda")
         back = pool.apply(targets.add_one_, (t,))
         assert back.device.type == "cuda" and torch.count_nonzero(t) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_share_mode_returns_the_tensors_it_received():
+    """A worker returning the CUDA tensors it was given (torch refuses to re-export
+    imported CUDA memory): they come back as device copies, alongside its own by IPC."""
+    with Pool(2, is_copy_tensor=False, share_method="cuda") as pool:
+        t = torch.zeros(8, device="cuda")
+        param = torch.nn.Parameter(torch.full((3,), 5.0, device="cuda"))
+        for _ in range(3):  # the same tensors again: every round trip works
+            same, view, back_param, made = pool.apply(targets.cuda_views, (t, param))
+            torch.cuda.synchronize()
+        assert torch.equal(t.cpu(), torch.full((8,), 3.0))  # the worker's edits reached t
+        assert same.device.type == view.device.type == made.device.type == "cuda"
+        assert same.tolist() == [3.0] * 8 and view.tolist() == [3.0] * 4 and made.tolist() == [6.0] * 8
+        assert isinstance(back_param, torch.nn.Parameter) and back_param.requires_grad
+        assert back_param.tolist() == [5.0] * 3
+        results = pool.map(targets.add_one_, [torch.zeros(4, device="cuda") for _ in range(4)])
+        assert [r.tolist() for r in results] == [[1.0] * 4] * 4

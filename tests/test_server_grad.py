@@ -368,9 +368,13 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
         wide.lin = nn.Linear(4, 2)
         with pytest.raises(ValueError, match=r"shapes differ \('lin.weight': \[2, 4\] instead of \[2, 3\]\)"):
             server.push(wide)
-        with pytest.raises(ValueError, match=r"dtypes differ \('lin.weight': torch.float64 instead of torch.float32; "
-                                             r"'lin.bias': torch.float64"):
-            server.push(Small().double())
+        complex_model = Small().to(torch.complex64)
+        for p in complex_model.parameters():
+            p.grad = torch.ones_like(p)
+        with pytest.raises(ValueError, match=r"cannot be cast to the managed model's dtypes \('lin.weight': "
+                                             r"torch.complex64 to torch.float32, the imaginary part would be "
+                                             r"dropped; 'lin.bias': torch.complex64"):
+            server.push(complex_model)
         model = Small()
         with pytest.raises(ValueError, match=r"no gradient \(.grad is None\) for 'lin.weight', 'lin.bias': run "
                                              r"backward\(\) before push\(\), or pass none_as_zero=True"):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from machinlike.server import PushPullGradServerImpl
+from machinlike.server._spec import cast_loss, uncastable
 from grad_targets import GatedSGD, Small
 from machinlike.testing import world_test
 
@@ -113,8 +114,36 @@ def test_default_push_pulls_clears_and_waits_for_room(world):
         impl.close()
 
 
+@pytest.mark.parametrize("source, target, loss", [
+    (torch.float64, torch.float32, None),
+    (torch.float32, torch.bfloat16, None),
+    (torch.float16, torch.float64, None),
+    (torch.float32, torch.complex64, None),
+    (torch.complex128, torch.complex64, None),
+    (torch.complex64, torch.float32, "the imaginary part would be dropped"),
+    (torch.float32, torch.int64, "the values would be truncated"),
+    (torch.complex64, torch.bool, "the imaginary part would be dropped"),
+    (torch.float16, torch.uint8, "the values would be truncated"),
+    (torch.int32, torch.float32, None),
+])
+def test_cast_rules(source, target, loss):
+    assert cast_loss(source, target) == loss
+
+
+def test_uncastable_lists_every_lossy_entry():
+    assert uncastable({"a": torch.float64, "b": torch.float16}, {"a": torch.float32, "b": torch.float32}) is None
+    names = [f"p{i}" for i in range(8)]
+    text = uncastable({n: torch.complex64 for n in names}, {n: torch.float32 for n in names[1:]})
+    assert text.startswith("'p1': torch.complex64 to torch.float32, the imaginary part would be dropped; 'p2'")
+    assert text.endswith("; and 1 more") and "'p0'" not in text  # absent names are mismatch()'s
+
+
 @world_test(2, timeout=90)
-def test_pull_converts_dtype_and_push_stays_strict(world):
+def test_push_and_pull_cast_dtypes(world):
+    """machin's A3C tests: float64 clients of a float32 server. Their gradients are cast
+    to float32 and applied, through the remote path (member 1) and the local one (member
+    0 hosts the secondary); pulls cast back to float64. A cast that would lose meaning
+    (complex to real) is refused before anything is sent."""
     group = world.create_rpc_group("dtypes", ["0", "1"])
     if world.name == "0":
         impl = PushPullGradServerImpl("server", group, primary_reducer="0", secondary_reducers=["0"],
@@ -124,19 +153,48 @@ def test_pull_converts_dtype_and_push_stays_strict(world):
             managed.lin.weight.fill_(0.25)
         impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1.0))
         impl.start()
+        group.register("managed_dtype", lambda: str(managed.lin.weight.dtype))
     group.barrier()
+    server = group.get_paired("server").to_here()
     if world.name == "1":
-        server = group.get_paired("server").to_here()
-        double = Small().double()  # machin's A3C tests: float64 clients, float32 server
+        double = Small().double()
         assert server.pull(double)
         assert double.lin.weight.dtype == torch.float64 and double.lin.weight.tolist() == [[0.25] * 3] * 2
         _set_grads(double, 1)
-        with pytest.raises(ValueError, match=r"dtypes differ \('lin.weight': torch.float64 instead of torch.float32"):
-            server.push(double)  # push stays strict: the client model does not match the server's
+        assert server.push(double, pull=False)
+        server.flush(timeout=30)
+        assert server.pull(double)
+        assert double.lin.weight.dtype == torch.float64 and double.lin.weight.tolist() == [[-0.75] * 3] * 2
+        assert double.lin.bias.tolist() == [-1.0, -1.0]
+        assert group.registered_sync("managed_dtype") == "torch.float32"
+
+        complex_model = Small().to(torch.complex64)
+        for p in complex_model.parameters():
+            p.grad = torch.full_like(p, 1 + 1j)
+        with pytest.raises(ValueError, match=r"cannot push to gradient server 'server': gradients cannot be cast to "
+                                             r"the managed model's dtypes \('lin.weight': torch.complex64 to "
+                                             r"torch.float32, the imaginary part would be dropped"):
+            server.push(complex_model)
         wide = nn.Module()
         wide.lin = nn.Linear(4, 2).double()
         with pytest.raises(ValueError, match=r"shapes differ"):
-            server.pull(wide)  # names and shapes stay strict on pull
+            server.pull(wide)  # names and shapes stay strict
+        with pytest.raises(ValueError, match=r"shapes differ"):
+            server.push(wide)
+    group.barrier()
+    if world.name == "0":
+        # The local path (this process hosts the secondary): a float64 push, with the
+        # gradients copied, so changing them afterwards changes nothing.
+        double = Small().double()
+        assert server.pull(double)
+        for p in double.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        assert server.push(double, pull=False)
+        for p in double.parameters():
+            p.grad.fill_(100.0)
+        server.flush(timeout=30)
+        assert server.pull(double)
+        assert double.lin.weight.tolist() == [[-1.25] * 3] * 2
     group.barrier()
     if world.name == "0":
         impl.close()
@@ -174,3 +232,49 @@ def test_flush_does_not_wait_for_a_reducer_nobody_started(world):
     impl.stop(timeout=10)
     group.barrier()
     impl.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(2, timeout=90)
+def test_push_and_pull_cast_devices(world):
+    """A learner's model on cuda:0 (float32) takes a CPU float64 actor's gradients; a
+    CPU server takes a CUDA float16 client's; each pull lands on the client's device and
+    in its dtype."""
+    group = world.create_rpc_group("devices", ["0", "1"])
+    if world.name == "0":
+        on_gpu = Small().cuda()
+        gpu_impl = PushPullGradServerImpl("gpu", group, primary_reducer="0", secondary_reducers=["0"],
+                                          reduce_batch_size=1)
+        gpu_impl.manage_model(on_gpu, torch.optim.SGD(on_gpu.parameters(), lr=1.0))
+        gpu_impl.start()
+        on_cpu = Small()
+        cpu_impl = PushPullGradServerImpl("cpu", group, primary_reducer="0", secondary_reducers=["0"],
+                                          reduce_batch_size=1)
+        cpu_impl.manage_model(on_cpu, torch.optim.SGD(on_cpu.parameters(), lr=1.0))
+        cpu_impl.start()
+    group.barrier()
+    if world.name == "1":
+        gpu_server = group.get_paired("gpu").to_here()
+        actor = Small().double()
+        _set_grads(actor, 2)
+        assert gpu_server.push(actor, pull=False)
+        gpu_server.flush(timeout=30)
+        assert gpu_server.pull(actor)
+        assert actor.lin.weight.device.type == "cpu" and actor.lin.weight.dtype == torch.float64
+        assert actor.lin.weight.tolist() == [[-2.0] * 3] * 2
+
+        cpu_server = group.get_paired("cpu").to_here()
+        learner = Small().half().cuda()
+        _set_grads(learner, 0.5)
+        assert cpu_server.push(learner, pull=False)
+        cpu_server.flush(timeout=30)
+        assert cpu_server.pull(learner)
+        assert learner.lin.weight.device.type == "cuda" and learner.lin.weight.dtype == torch.float16
+        assert learner.lin.weight.tolist() == [[-0.5] * 3] * 2
+    group.barrier()
+    if world.name == "0":
+        assert on_gpu.lin.weight.device.type == "cuda" and on_gpu.lin.weight.dtype == torch.float32
+        assert on_gpu.lin.weight.tolist() == [[-2.0] * 3] * 2
+        gpu_impl.close()
+        cpu_impl.close()

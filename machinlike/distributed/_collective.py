@@ -18,6 +18,66 @@ __all__ = ["CollectiveGroup"]
 
 ReduceOp = dist.ReduceOp
 
+# The point-to-point tag of all_to_all's fallback (a value user code is unlikely to
+# pick), so that its pieces never match a user's receive.
+_ALL_TO_ALL_TAG = 5000000
+
+
+def _lacks_all_to_all(exc: BaseException) -> bool:
+    """Whether ``exc`` is a backend saying it has no alltoall (torch's c10d words it as
+    "Backend gloo does not support alltoall"; some builds say "unsupported")."""
+    text = str(exc).lower()
+    return "alltoall" in text.replace("_", "") and ("not support" in text or "unsupported" in text)
+
+
+class _PairwiseAllToAll:
+    """all_to_all as one send and one receive per peer; ``wait()`` completes it.
+
+    Pieces for this member itself are copied locally. Where the backend is gloo, which
+    sends CPU tensors only on some builds, CUDA pieces travel as CPU copies and are
+    copied into the outputs in ``wait()``.
+    """
+
+    def __init__(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], group: Any,
+                 ranks: List[int], my_rank: int) -> None:
+        stage = dist.get_backend(group) == "gloo"
+        self._copy_back: List[tuple] = []  # (output, CPU buffer) pairs filled by receives
+        self._works: List[Any] = []
+        for peer, out, inp in zip(ranks, outputs, inputs):
+            if peer == my_rank:
+                out.copy_(inp)
+                continue
+            send = inp.cpu() if stage and inp.device.type != "cpu" else inp
+            recv = out
+            if stage and out.device.type != "cpu":
+                recv = torch.empty(out.shape, dtype=out.dtype)
+                self._copy_back.append((out, recv))
+            elif not out.is_contiguous():
+                recv = torch.empty_like(out, memory_format=torch.contiguous_format)
+                self._copy_back.append((out, recv))
+            # Complex tensors travel as their real views, as torch's own collectives do.
+            self._works.append(dist.isend(_real(send.contiguous()), peer, group=group, tag=_ALL_TO_ALL_TAG))
+            self._works.append(dist.irecv(_real(recv), peer, group=group, tag=_ALL_TO_ALL_TAG))
+        self._done = False
+
+    def wait(self) -> bool:
+        """Block until every piece was sent and received (at most the group's timeout)."""
+        for work in self._works:
+            work.wait()
+        if not self._done:
+            for out, buffer in self._copy_back:
+                out.copy_(buffer)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        # Staged pieces reach their outputs in wait(), so only then is it complete.
+        return self._done or (not self._copy_back and all(work.is_completed() for work in self._works))
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
 
 class _AnySourceRecv:
     """Handle of a receive from any source; ``wait()`` returns the global sender rank."""
@@ -69,6 +129,8 @@ class CollectiveGroup:
         self.ranks = sorted(ranks)
         self._my_rank = my_rank
         self._destroyed = False
+        # None: all_to_all not tried yet; False: the backend lacks it (pairwise fallback).
+        self._native_all_to_all: Optional[bool] = None
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
@@ -240,12 +302,48 @@ class CollectiveGroup:
         """Send ``input_tensor_list[i]`` to the ``i``-th member and receive the ``j``-th
         member's piece into ``output_tensor_list[j]`` (members in rank order).
 
+        Works on every backend: where the backend has no ``alltoall`` (gloo before torch
+        2.13, for one), the pieces travel as point-to-point sends and receives on a tag
+        reserved for this (5000000; do not use it for your own sends), CUDA
+        tensors staged through the CPU where the backend cannot send them.
+
         Args:
-            output_tensor_list: ``size()`` tensors, filled in place.
+            output_tensor_list: ``size()`` tensors, filled in place; piece ``j`` has the
+                size of what member ``j`` sends here (pieces of different sizes need a
+                backend that allows them: NCCL, MPI or the fallback; gloo's alltoall
+                wants one size).
             input_tensor_list: ``size()`` tensors to send.
             async_op: Return a work handle instead of waiting.
+
+        Raises:
+            ValueError: A list does not hold exactly ``size()`` tensors.
         """
-        return dist.all_to_all(output_tensor_list, input_tensor_list, group=self._g(), async_op=async_op)
+        group = self._g()
+        for name, tensors in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+            if len(tensors) != len(self.ranks):
+                raise ValueError(f"{name} holds {len(tensors)} tensors; CollectiveGroup {self.ranks} needs "
+                                 f"one per member ({len(self.ranks)})")
+        if self._native_all_to_all is not False:
+            try:
+                # async_op=True so that an error here is the backend refusing the call
+                # (before anything was sent), not a failure of the exchange itself.
+                work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
+            except (RuntimeError, NotImplementedError) as exc:
+                if not _lacks_all_to_all(exc):
+                    raise
+                # Every member's backend refuses alike, so every member falls back alike.
+                self._native_all_to_all = False
+            else:
+                self._native_all_to_all = True
+                if async_op:
+                    return work
+                work.wait()
+                return None
+        pairwise = _PairwiseAllToAll(output_tensor_list, input_tensor_list, group, self.ranks, self._my_rank)
+        if async_op:
+            return pairwise
+        pairwise.wait()
+        return None
 
     def barrier(self, async_op: bool = False) -> Any:
         """Wait until every member reached the barrier (at most the group's timeout).

@@ -9,7 +9,9 @@ with a dispatch table per policy::
                                  segment lent to the receiver
     share_method="cpu"           shared memory (moved there once),  data in the pickle
                                  mapped once per receiver
-    share_method="cuda"          as in copy                         CUDA IPC handle
+    share_method="cuda"          as in copy                         CUDA IPC handle (a tensor
+                                                                    received through IPC and
+                                                                    sent on: a device copy)
 
 Copy mode still shares *a copy*: a large tensor is copied once, into a pre-faulted
 segment of the sender's (``machinlike._shm``) that nobody else uses until the receiver's
@@ -124,7 +126,9 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
                 return _lend(tensor) or _copy_through_shared_memory(tensor)
             return copy_tensor(tensor)
         if kind == "cuda" and share_cuda:
-            return _torch_red.reduce_tensor(tensor)
+            # A tensor the worker was given and returns goes back as a device copy
+            # (CUDA cannot re-export imported memory; see reduce_tensor_share).
+            return _reductions.reduce_tensor_share(tensor)
         return copy_tensor(tensor)
 
     table = _reductions.copy_reducers()

@@ -14,7 +14,7 @@ from ..exception import PeerLostError
 from ._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from ._hosted import hosted_secondary
 from ._reducer import SecondaryReducer, wait_future
-from ._spec import Spec, check_module, mismatch, spec_of
+from ._spec import Spec, check_module, mismatch, spec_of, uncastable
 from .model import get_version, set_version
 from .ordered import OrderedServerBase, OrderedServerSimple
 
@@ -165,6 +165,10 @@ class PushPullGradServer:
         ``model.pp_version`` (the version the gradients were computed on, set by
         :meth:`pull`) travels along for the server's staleness statistics.
 
+        Gradients of another dtype or device than the managed model's are cast to its
+        parameters' dtypes here (a float64 client of a float32 server sends float32) and
+        moved to their device by the primary, as ``load_state_dict`` would.
+
         Args:
             model: A model of the managed architecture, after ``backward()``.
             none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
@@ -178,9 +182,10 @@ class PushPullGradServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``, or a gradient is sparse.
-            ValueError: the parameters differ from the managed model's (names, shapes,
-                dtypes: the message lists them), or gradients are None without
-                ``none_as_zero``.
+            ValueError: the parameters differ from the managed model's (names or shapes:
+                the message lists them), a gradient cannot be cast to its parameter's
+                dtype without losing meaning (complex to real, floating to integer), or
+                gradients are None without ``none_as_zero``.
             ServerStoppedError: the chosen reducer is stopped or failed.
             PeerLostError: the chosen secondary was lost during the push (later pushes
                 avoid it; the push may have been accepted, and is then either applied or
@@ -194,8 +199,11 @@ class PushPullGradServer:
             raise TypeError(f"pull must be a bool, not {type(pull).__name__}")
         check_module(model)
         params = dict(model.named_parameters())
-        diff = mismatch(self._server_spec(), spec_of(params), f"the model of gradient server {self.server_name!r}",
-                        "this model")
+        spec = self._server_spec()
+        # Dtypes may differ: gradients are cast to the managed model's (below), unless a
+        # cast would lose their meaning.
+        diff = mismatch(spec, spec_of(params), f"the model of gradient server {self.server_name!r}",
+                        "this model", check_dtypes=False)
         if diff is not None:
             raise ValueError(f"cannot push to gradient server {self.server_name!r}: {diff}")
         grads, absent = {}, []
@@ -211,19 +219,26 @@ class PushPullGradServer:
             shown = ", ".join(repr(n) for n in absent[:6]) + (f" and {len(absent) - 6} more" if len(absent) > 6 else "")
             raise ValueError(f"no gradient (.grad is None) for {shown}: run backward() before push(), or pass "
                              f"none_as_zero=True to count them as zero")
+        lossy = uncastable({k: g.dtype for k, g in grads.items()}, {k: d for k, (_, d) in spec.items()})
+        if lossy is not None:
+            raise ValueError(f"cannot push to gradient server {self.server_name!r}: gradients cannot be cast to the "
+                             f"managed model's dtypes ({lossy}); compute them in a real floating dtype")
         version = get_version(model)
         version = version if isinstance(version, int) and not isinstance(version, bool) else -1
         me = self.group.get_cur_name()
         local = self._local_secondary()
         if local is not None:
             # The client may change its .grad right after we return: hand over copies.
-            copies = {k: g.to("cpu", copy=True) for k, g in grads.items()}
+            copies = {k: g.to("cpu", dtype=spec[k][1], copy=True) for k, g in grads.items()}
             if not pull:
                 return local.accept(copies, version, me)
             wait_future(local.offer(copies, version, me), self.timeout or rpc_timeout(),
                         f"push to gradient server {self.server_name!r} (waiting for room in its queue)")
         else:
-            queued = self._push_remote({k: g.cpu() for k, g in grads.items()}, version, me, pull)
+            # Sent in the managed model's dtypes, on the CPU (what RPC carries); the primary
+            # moves them to the model's device when it applies them.
+            queued = self._push_remote({k: g.to("cpu", dtype=spec[k][1]) for k, g in grads.items()}, version, me,
+                                       pull)
             if not pull:
                 return queued
         model.zero_grad()
@@ -265,8 +280,8 @@ class PushPullGradServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: the published parameters' names or shapes do not fit ``model``
-                (nothing is loaded).
+            ValueError: the published parameters' names or shapes do not fit ``model``,
+                or a cast would lose meaning (complex to real; nothing is loaded).
         """
         check_module(model)
         got = self.o_server.pull_if_changed(self.model_name, get_version(model))
@@ -276,6 +291,10 @@ class PushPullGradServer:
         params = dict(model.named_parameters())
         diff = mismatch(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
                         "this model", check_dtypes=False)
+        if diff is None:
+            lossy = uncastable({k: t.dtype for k, t in state.items() if isinstance(t, torch.Tensor)},
+                               {k: p.dtype for k, p in params.items()})
+            diff = None if lossy is None else f"values cannot be cast to this model's dtypes ({lossy})"
         if diff is not None:
             raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
         with torch.no_grad():

@@ -11,7 +11,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["Spec", "spec_of", "mismatch", "check_module"]
+__all__ = ["Spec", "spec_of", "mismatch", "cast_loss", "uncastable", "check_module"]
 
 # name -> (shape, dtype)
 Spec = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
@@ -59,6 +59,33 @@ def mismatch(expected: Spec, got: Spec, expected_is: str, got_is: str, *, check_
         problems.append("dtypes differ (" + "; ".join(dtypes[:_SHOWN])
                         + (f"; and {len(dtypes) - _SHOWN} more" if len(dtypes) > _SHOWN else "") + ")")
     return "; ".join(problems) if problems else None
+
+
+def cast_loss(source: torch.dtype, target: torch.dtype) -> Optional[str]:
+    """What converting values of ``source`` to ``target`` would destroy; None when the
+    cast keeps their meaning.
+
+    The rules of the servers' casts: between floating dtypes, whatever the precision
+    (float64 to float32 or bfloat16 rounds, as ``load_state_dict`` does), and from real
+    to complex, a cast keeps the meaning. Complex to real would drop the imaginary part;
+    floating or complex to an integer or bool dtype would truncate.
+    """
+    if source.is_complex and not target.is_complex:
+        return "the imaginary part would be dropped"
+    if (source.is_floating_point or source.is_complex) and not (target.is_floating_point or target.is_complex):
+        return "the values would be truncated"
+    return None
+
+
+def uncastable(source: Mapping[str, torch.dtype], target: Mapping[str, torch.dtype]) -> Optional[str]:
+    """List the entries of ``source`` whose cast to ``target``'s dtype of the same name
+    would lose meaning (:func:`cast_loss`); None when every cast keeps it. Names absent
+    from ``target`` are left out (:func:`mismatch` reports them)."""
+    bad = [f"{n!r}: {d} to {target[n]}, {cast_loss(d, target[n])}" for n, d in source.items()
+           if n in target and cast_loss(d, target[n]) is not None]
+    if not bad:
+        return None
+    return "; ".join(bad[:_SHOWN]) + (f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
 
 
 def check_module(model: object, param: str = "model") -> torch.nn.Module:

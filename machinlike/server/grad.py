@@ -27,6 +27,16 @@ secondaries. A secondary that cannot be reached fails that push with
 accessor then leaves it out, so later pushes are rerouted to the remaining secondaries.
 Gradients queued on a secondary that died are lost with it.
 
+Dtypes and devices. A client's model may differ from the managed one in dtype and
+device; names and shapes must match. ``push`` casts the gradients to the managed
+parameters' dtypes at the client (a float64 actor of a float32 learner sends float32) and
+sends them through the CPU; the primary moves them to each parameter's device when it
+applies them. ``pull`` casts the published values to the client's parameters' dtypes and
+devices, as ``load_state_dict`` does. Any floating dtype casts to any other (rounding to
+the narrower one), and real to complex; the casts that would lose meaning are refused
+with ``ValueError`` before anything is sent or loaded: complex to real (the imaginary
+part), floating or complex to an integer or bool dtype (truncation).
+
 Back-pressure. A secondary holds at most ``max_queue_size`` pushes. A push made the machin
 way (``push(model)``: push, then pull) that finds the queue full waits for room, bounded
 by the accessor's timeout; a fast-path push (``push(model, pull=False)``) is refused
@@ -261,7 +271,8 @@ class PushPullGradServerImpl:
     def manage_model(self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None) -> None:
         """Hand the primary the model it optimises; publishes its parameters as version 0.
 
-        The model stays on its device (gradients are moved to it). Do not use it
+        The model stays on its device and dtype (gradients are cast and moved to them:
+        see the module's "Dtypes and devices"). Do not use it
         elsewhere once :meth:`start` ran: the primary's thread steps it.
 
         Args:

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Run machinlike's tests against each torch it claims, each in a fresh virtual
+# environment, and print one table row per torch (the README's "Tested versions" table
+# is this output).
+#
+# Usage: tools/torch_matrix.sh [--full | --install-only] [--python PY] [VERSION ...]
+#   VERSION         torch releases to test (default: the claimed ones, $CLAIMED below)
+#   --full          the whole suite instead of the smoke subset ($SMOKE below)
+#   --install-only  make the environments, test nothing (several such runs can go in
+#                   parallel, downloads overlapping; a later run tests)
+#   --python        the interpreter the environments are made from (default: python3)
+#
+# Environment:
+#   MATRIX_DIR  where the environments live (default /tmp/machinlike-torch-matrix); one
+#               that exists already is reused, so a second run only tests
+#   FRESH=1     remake the environments
+#
+# Why a fresh environment per torch: pip cannot hold two torch releases side by side, and
+# the project's shared environment must keep the pinned one (constraints.txt). Tests run
+# from this checkout through PYTHONPATH (spawned ranks inherit it), so nothing of
+# machinlike is installed. The runs are niced: this is background work on shared machines.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+# The claimed range: the oldest release setup.cfg allows (also the pinned one), the
+# newest that lies on this machine's disk (a CUDA build: pulls its nvidia packages) and
+# the newest release. Keep it in step with setup.cfg's torch bound and the README's table.
+# (2.2.2, the old bound, fails: no TCPStore.check, gloo without reduce_scatter; releases
+# between 2.2 and 2.13 are untested: `tools/torch_matrix.sh 2.6.0` tries one.)
+CLAIMED=(2.13.0 2.14.1 2.15.0)
+# The smoke subset: the modules where torch's API is used most directly (pickling and
+# sharing, collectives, RPC groups, servers, pools); a few minutes per torch.
+SMOKE=(tests/test_exports.py tests/test_pickle.py tests/test_collective.py tests/test_rpc_group.py
+       tests/test_server_grad_machin.py tests/test_pool_tensors.py)
+
+full=0
+install_only=0
+python=python3
+versions=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --full) full=1 ;;
+    --install-only) install_only=1 ;;
+    --python) shift; python=$1 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -*) echo "torch_matrix.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    *) versions+=("$1") ;;
+  esac
+  shift
+done
+[ ${#versions[@]} -gt 0 ] || versions=("${CLAIMED[@]}")
+matrix_dir=${MATRIX_DIR:-/tmp/machinlike-torch-matrix}
+mkdir -p "$matrix_dir"
+pyver=$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])') || {
+  echo "torch_matrix.sh: cannot run $python" >&2; exit 2; }
+if [ $full = 1 ]; then tests=(tests); scope=full; else tests=("${SMOKE[@]}"); scope=smoke; fi
+
+# An empty constraints file: the machine-wide pip constraint may cap torch below the
+# release asked for; the requirement below names the release exactly instead.
+no_cap="$matrix_dir/no-constraints.txt"
+: > "$no_cap"
+
+rows=()
+for v in "${versions[@]}"; do
+  env_dir="$matrix_dir/py$pyver-torch-$v"
+  log="$matrix_dir/py$pyver-torch-$v.log"
+  [ "${FRESH:-0}" = 1 ] && rm -rf "$env_dir"
+  status=ok
+  if [ ! -x "$env_dir/bin/python" ]; then
+    echo "== torch $v: making $env_dir (log: $log)"
+    # NumPy 2 breaks torch releases built before it (2.2 and older).
+    numpy=numpy
+    if "$python" -c "import sys; v = tuple(map(int, '$v'.split('.')[:2])); sys.exit(v >= (2, 3))"; then
+      numpy="numpy<2"
+    fi
+    if ! { "$python" -m venv "$env_dir" &&
+           PIP_CONSTRAINT="$no_cap" nice -n 10 "$env_dir/bin/pip" install -q "torch==$v" "$numpy" \
+             "dill>=0.3.6" "pytest>=7.4" "pytest-timeout>=2.2"; } > "$log" 2>&1; then
+      status="install failed"
+      rm -rf "$env_dir"
+    fi
+  fi
+  if [ "$status" = ok ] && [ $install_only = 1 ]; then
+    rows+=("| $v | $("$env_dir/bin/python" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1) | $pyver | - | installed | - |")
+  elif [ "$status" = ok ]; then
+    got=$("$env_dir/bin/python" -c 'import torch; print(torch.__version__)' 2>>"$log") || got="import failed"
+    echo "== torch $got ($scope): ${tests[*]}"
+    start=$(date +%s)
+    before=$(wc -l < "$log")  # the log is appended to: read this run's lines only
+    PYTHONPATH="$root" nice -n 10 "$env_dir/bin/python" -m pytest "${tests[@]}" -q -p no:cacheprovider \
+      >> "$log" 2>&1
+    code=$?
+    secs=$(( $(date +%s) - start ))
+    summary=$(tail -n +$((before + 1)) "$log" | grep -E '^(=+ )?[0-9]+ (passed|failed|error)' | tail -1 |
+              sed -E 's/=+//g; s/^ +| +$//g')
+    [ $code = 0 ] && status="ok" || status="FAILED"
+    rows+=("| $v | $got | $pyver | $scope | $status: ${summary:-no summary, see $log} | $secs s |")
+  else
+    rows+=("| $v | - | $pyver | $scope | $status (see $log) | - |")
+  fi
+done
+
+echo
+echo "| torch asked | torch run | Python | tests | result | time |"
+echo "|---|---|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
+for row in "${rows[@]}"; do
+  case "$row" in *"| ok:"*|*"| installed |"*) ;; *) exit 1 ;; esac
+done
