@@ -125,9 +125,9 @@ class RunMetrics:
             self._metrics.close()
 
 
-def plot_metrics(logdir: str, title: str) -> Optional[str]:
+def plot_metrics(logdir: str, title: str, x: str = "environment steps") -> Optional[str]:
     """``<logdir>/metrics.png`` from ``<logdir>/metrics.csv``: one panel per kind of figure
-    (the tag's part before ``/``), x = environment steps, a red line at every death (a
+    (the tag's part before ``/``), x = the points' step (named ``x``), a red line at every death (a
     chaos kill) seen in ``world/deaths``. None when matplotlib or the CSV is missing."""
     import csv
 
@@ -154,10 +154,11 @@ def plot_metrics(logdir: str, title: str) -> Optional[str]:
                 continue  # the x axis and the rates say it better; ages saw-tooth
             # A panel per kind: the learner's figures differ in scale, so each has its own
             # (the losses share one); the other groups are one kind each.
-            panel = group if group != "learner" else "learner: " + ("losses" if name.startswith("loss") else name)
+            panel = group if group not in ("learner", "eval") else \
+                f"{group}: " + ("losses" if "loss" in name else "accuracy" if "accuracy" in name else name)
             series[panel][name].append((step, value))
     kills = [step for (step, n), (_, before) in zip(deaths[1:], deaths) if n > before]
-    order = "episode env learner server world rss_mb".split()
+    order = "eval episode env learner server world rss_mb".split()
     panels = sorted(series, key=lambda p: (order.index(p.split(":")[0]) if p.split(":")[0] in order else 99, p))
     if not panels:
         return None
@@ -172,7 +173,7 @@ def plot_metrics(logdir: str, title: str) -> Optional[str]:
             axis.axvline(step, color="red", alpha=0.35, linestyle="--", linewidth=0.8,
                          label="member lost" if i == 0 else None)
         axis.set_title(panel)
-        axis.set_xlabel("environment steps")
+        axis.set_xlabel(x)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")
     for axis in list(axes.flat)[len(panels):]:

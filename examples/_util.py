@@ -291,7 +291,7 @@ def announce_watch(world: Any, logdir: str, off: bool, who: str) -> None:
           + ("" if off else f"   |   tensorboard --logdir {logdir}"), flush=True)
 
 
-def metrics_summary(args: argparse.Namespace, title: str) -> Dict[str, str]:
+def metrics_summary(args: argparse.Namespace, title: str, x: str = "environment steps") -> Dict[str, str]:
     """The summary's metrics line, after drawing ``metrics.png`` (here, in the launching
     process: see :func:`plot_csv`); empty with ``--no-metrics``."""
     if args.no_metrics:
@@ -299,7 +299,7 @@ def metrics_summary(args: argparse.Namespace, title: str) -> Dict[str, str]:
     from _metrics import logdir_of, plot_metrics
 
     logdir = logdir_of(args)
-    png = plot_metrics(logdir, title)
+    png = plot_metrics(logdir, title, x)
     return {"metrics (tensorboard --logdir)": logdir + (f", {png}" if png else "")}
 
 

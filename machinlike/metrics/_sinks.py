@@ -65,7 +65,11 @@ class CsvSink:
 
 
 class TensorBoardSink:
-    """TensorBoard event files in ``logdir`` (torch's ``SummaryWriter``).
+    """TensorBoard event files in ``logdir`` (torch's ``FileWriter``).
+
+    Points of one batch that share a step and wall time become one event holding all
+    their values (as ``SummaryWriter.add_scalars`` does, without its per-tag folders):
+    one protobuf per logged step instead of one per point.
 
     Raises:
         ImportError: ``tensorboard`` is not installed (``pip install tensorboard``).
@@ -75,14 +79,21 @@ class TensorBoardSink:
         if not tensorboard_available():
             raise ImportError("the 'tensorboard' sink needs the tensorboard package: pip install tensorboard "
                               "(or machinlike[examples]); or pass sinks=('csv',)")
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.writer import FileWriter
 
-        # flush_secs: the writer flushes on our schedule (Metrics.flush_every) as well.
-        self._writer = SummaryWriter(log_dir=logdir, flush_secs=30)
+        self._summary = Summary
+        # flush_secs: Metrics flushes on its own schedule (flush_every) as well.
+        self._writer = FileWriter(logdir, max_queue=1000, flush_secs=30)
 
     def write(self, points: Sequence[Point]) -> None:
-        for tag, value, step, wall in points:
-            self._writer.add_scalar(tag, value, global_step=step, walltime=wall)
+        values: List[Any] = []
+        for i, (tag, value, step, wall) in enumerate(points):
+            values.append(self._summary.Value(tag=tag, simple_value=value))
+            nxt = points[i + 1] if i + 1 < len(points) else None
+            if nxt is None or nxt[2] != step or nxt[3] != wall:
+                self._writer.add_summary(self._summary(value=values), step, wall)
+                values = []
 
     def flush(self) -> None:
         self._writer.flush()

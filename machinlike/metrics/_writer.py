@@ -1,15 +1,15 @@
 """Metrics: a scalar writer whose sinks run on a thread of their own, behind a bounded queue.
 
-    training loop                 bounded queue (max_pending)          writer thread
-    -------------                 ---------------------------          -------------
-    scalar / scalars ──put_nowait──►  [point, point, ...]  ──get──► batch ─► every sink.write
-        full? count it in dropped                                   every flush_every s: sink.flush
+    training loop                 queue of batches, <= max_pending points   writer thread
+    -------------                 ---------------------------------------   -------------
+    scalar / scalars ──one put──►  [[points of a call], ...]  ──get all──► one batch ─► every sink.write
+        no room? count it in dropped                                        every flush_every s: sink.flush
     flush(timeout) ──────────────────► marker ────────────────────► flush, then set the marker
     close(timeout) ──────────────────► stop ──────────────────────► drain, flush, sink.close
 
 Why a thread and a queue: a sink's write is file or network I/O (TensorBoard's protobuf
 encoding, a CSV row, a W&B request) that must not stall a learner; the caller only
-appends a tuple. Why bounded: a sink slower than the loop must not grow memory without
+appends a list. Why bounded: a sink slower than the loop must not grow memory without
 bound; what does not fit is dropped and counted (``dropped``), never waited for.
 
 The thread holds the queue and the sinks, not the :class:`Metrics` object, so a writer
@@ -67,12 +67,39 @@ def _open_sinks(logdir: str, sinks: Optional[Sequence[SinkSpec]],
     return made
 
 
-def _run(pending: "queue.Queue[Any]", sinks: List[Sink], flush_every: float, errors: List[int]) -> None:
+class _Pending:
+    """The points waiting for the writer thread: batches (one per call) and their count.
+
+    The count, not the queue, enforces the bound, so that a call costs one queue put
+    whatever its number of points.
+    """
+
+    def __init__(self, max_points: int) -> None:
+        self.queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.max_points = max_points
+        self.lock = threading.Lock()
+        self.points = 0  # queued and not yet taken by the writer
+        self.dropped = 0
+
+    def put(self, batch: List[Point]) -> None:
+        with self.lock:
+            if self.points + len(batch) > self.max_points:
+                self.dropped += len(batch)
+                return
+            self.points += len(batch)
+        self.queue.put(batch)
+
+    def taken(self, count: int) -> None:
+        with self.lock:
+            self.points -= count
+
+
+def _run(pending: _Pending, sinks: List[Sink], flush_every: float, errors: List[int]) -> None:
     """The writer thread: batches what is queued, writes it, flushes on schedule."""
     next_flush = time.monotonic() + flush_every
     while True:
         try:
-            item = pending.get(timeout=max(0.0, next_flush - time.monotonic()))
+            item = pending.queue.get(timeout=max(0.0, next_flush - time.monotonic()))
         except queue.Empty:
             item = None
         batch: List[Point] = []
@@ -84,11 +111,12 @@ def _run(pending: "queue.Queue[Any]", sinks: List[Sink], flush_every: float, err
             elif isinstance(item, threading.Event):
                 markers.append(item)
             else:
-                batch.append(item)
+                batch += item
             try:
-                item = pending.get_nowait()
+                item = pending.queue.get_nowait()
             except queue.Empty:
                 item = None
+        pending.taken(len(batch))
         flush = stop or bool(markers) or time.monotonic() >= next_flush
         for sink in sinks:
             try:
@@ -110,11 +138,8 @@ def _run(pending: "queue.Queue[Any]", sinks: List[Sink], flush_every: float, err
             return
 
 
-def _finish(pending: "queue.Queue[Any]", thread: threading.Thread, timeout: float) -> None:
-    try:
-        pending.put(_STOP, timeout=timeout)
-    except queue.Full:
-        return  # the thread is stuck in a sink: it is a daemon, exit does not wait for it
+def _finish(pending: _Pending, thread: threading.Thread, timeout: float) -> None:
+    pending.queue.put(_STOP)
     thread.join(timeout)
 
 
@@ -161,8 +186,7 @@ class Metrics:
         self.logdir = os.fspath(logdir)
         os.makedirs(self.logdir, exist_ok=True)
         self._sinks = _open_sinks(self.logdir, sinks, wandb_options)
-        self._pending: "queue.Queue[Any]" = queue.Queue(max_pending)
-        self._dropped = 0  # only the logging threads write it, under _lock
+        self._pending = _Pending(max_pending)
         self._errors = [0]  # the writer thread's count of sink failures
         self._lock = threading.Lock()
         self._closed = False
@@ -193,7 +217,7 @@ class Metrics:
             raise TypeError(f"the value of {tag!r} must be a real number, not {value!r}")
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, not {step!r} (for {tag!r})")
-        self._put((tag, float(value), step, time.time() if wall_time is None else float(wall_time)))
+        self._put([(tag, float(value), step, time.time() if wall_time is None else float(wall_time))])
 
     def scalars(self, values: Mapping[str, float], step: int, wall_time: Optional[float] = None) -> None:
         """Queue several points of the same step (see :meth:`scalar`); None values are skipped.
@@ -214,24 +238,21 @@ class Metrics:
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise TypeError(f"the value of {tag!r} must be a real number, not {value!r}")
             points.append((tag, float(value), step, wall))
-        for point in points:
-            self._put(point)
+        if points:
+            self._put(points)
 
-    def _put(self, point: Point) -> None:
+    def _put(self, points: List[Point]) -> None:
         if self._closed:
             raise RuntimeError(f"Metrics({self.logdir!r}) is closed")
-        try:
-            self._pending.put_nowait(point)
-        except queue.Full:
-            with self._lock:
-                self._dropped += 1
+        self._pending.put(points)
 
     # ------------------------------------------------------------------ state
     @property
     def dropped(self) -> int:
-        """Points dropped because ``max_pending`` were already waiting."""
-        with self._lock:
-            return self._dropped
+        """Points dropped because ``max_pending`` were already waiting (a call's points are
+        kept or dropped together)."""
+        with self._pending.lock:
+            return self._pending.dropped
 
     @property
     def sink_errors(self) -> int:
@@ -241,7 +262,8 @@ class Metrics:
     @property
     def pending(self) -> int:
         """Points queued and not yet handed to the sinks."""
-        return self._pending.qsize()
+        with self._pending.lock:
+            return self._pending.points
 
     # -------------------------------------------------------------- flush, close
     def flush(self, timeout: float = 10.0) -> bool:
@@ -258,13 +280,9 @@ class Metrics:
         """
         if self._closed:
             raise RuntimeError(f"Metrics({self.logdir!r}) is closed")
-        deadline = time.monotonic() + timeout
         done = threading.Event()
-        try:
-            self._pending.put(done, timeout=timeout)
-        except queue.Full:
-            return False
-        return done.wait(max(0.0, deadline - time.monotonic()))
+        self._pending.queue.put(done)  # markers are not points: never dropped
+        return done.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is queued, flush and close every sink, stop the thread; idempotent.
