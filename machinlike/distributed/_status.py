@@ -27,13 +27,14 @@ from __future__ import annotations
 import datetime
 import socket
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from ._member_records import MemberRecord
 
-__all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "read_status", "connect_read_only"]
+__all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
+           "event_counts"]
 
 _PREFIX = "mlk/"
 _MAX_RESTARTS = 10_000  # torchrun restart counts probed before giving up
@@ -175,6 +176,37 @@ def _log(store: ReadOnlyStore, ns: str) -> List[Tuple[str, MemberRecord]]:
     return out
 
 
+@dataclass(frozen=True)
+class EventCounts:
+    """How many of each membership event a world's log holds so far.
+
+    Attributes:
+        events: Every event (its length; the next event's ``seq``).
+        deaths: ``"lost"`` events.
+        rejoins: Joins of an incarnation after the first.
+        leaves: ``"leave"`` events.
+    """
+
+    events: int
+    deaths: int
+    rejoins: int
+    leaves: int
+
+
+def _count(log: List[Tuple[str, MemberRecord]]) -> EventCounts:
+    kinds = [k for k, _ in log]
+    return EventCounts(events=len(log), deaths=kinds.count("lost"), leaves=kinds.count("leave"),
+                       rejoins=sum(1 for k, r in log if k == "join" and r.incarnation > 1))
+
+
+def event_counts(membership: Any) -> EventCounts:
+    """The event counts of the world ``membership`` (a started World's) belongs to, from its store.
+
+    What a member's own callbacks cannot give: the events posted before it subscribed.
+    """
+    return _count(_log(ReadOnlyStore(membership._store), membership.ns))
+
+
 def _holdings(store: ReadOnlyStore, ns: str, transport: str) -> Tuple[List[str], List[str]]:
     """(services, values) that ``transport`` still holds, each ``"<group>:<key>"``."""
     services: List[str] = []
@@ -233,7 +265,6 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             started=int(started_text) if started_text else 1, rank=rec.rank,
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
-    kinds = [k for k, _ in log]
-    return WorldStatus(kind=kind, namespace=ns, members=members, deaths=kinds.count("lost"),
-                       rejoins=sum(1 for k, r in log if k == "join" and r.incarnation > 1),
-                       leaves=kinds.count("leave"), events=len(log))
+    counts = _count(log)
+    return WorldStatus(kind=kind, namespace=ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
+                       leaves=counts.leaves, events=counts.events)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import threading
 from numbers import Real
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
+from ..distributed._status import event_counts
 from ..exception import PeerLostError
 
 __all__ = ["WorldFigures", "flatten_stats", "rss_bytes"]
@@ -51,9 +52,11 @@ def flatten_stats(stats: Mapping[str, Any], prefix: str) -> Dict[str, float]:
 class WorldFigures:
     """Members alive, deaths and rejoins of a world, and each local member's resident memory.
 
-    Make one in the process that writes the metrics (it subscribes to the world's member
-    events; :meth:`close` unsubscribes). Deaths are ``"lost"`` events (a process that died
-    or went silent), rejoins are joins of an incarnation after the first.
+    Make one in the process that writes the metrics: it reads the world's event log once
+    (from the store) and then follows its member events (:meth:`close` stops that), so
+    the counts cover the world's whole life, not only this object's. Deaths are
+    ``"lost"`` events (a process that died or went silent), rejoins are joins of an
+    incarnation after the first.
 
     Args:
         world: A started :class:`~machinlike.distributed.World`.
@@ -62,19 +65,36 @@ class WorldFigures:
     def __init__(self, world: Any) -> None:
         self._world = world
         self._lock = threading.Lock()
-        self._deaths = 0
-        self._rejoins = 0
-        self._leaves = 0
+        self._deaths = self._rejoins = self._leaves = 0
+        # Subscribe first, then count what the log already holds: each event is counted by
+        # exactly one of the two (by seq); events that arrive while the log is read wait.
+        self._logged: Optional[int] = None  # events in the log when it was read
+        self._early: List[Any] = []
         world.on_member_change(self._on_event)
+        counts = event_counts(world.membership)
+        with self._lock:
+            self._deaths, self._rejoins, self._leaves = counts.deaths, counts.rejoins, counts.leaves
+            self._logged = counts.events
+            for event in self._early:
+                self._count(event)
+            self._early = []
 
     def _on_event(self, event: Any) -> None:
         with self._lock:
-            if event.kind == "lost":
-                self._deaths += 1
-            elif event.kind == "leave":
-                self._leaves += 1
-            elif event.kind == "join" and event.incarnation > 1:
-                self._rejoins += 1
+            if self._logged is None:
+                self._early.append(event)
+            else:
+                self._count(event)
+
+    def _count(self, event: Any) -> None:  # under _lock
+        if self._logged is not None and event.seq < self._logged:
+            return  # in the log when it was read: counted there
+        if event.kind == "lost":
+            self._deaths += 1
+        elif event.kind == "leave":
+            self._leaves += 1
+        elif event.kind == "join" and event.incarnation > 1:
+            self._rejoins += 1
 
     def sample(self) -> Dict[str, float]:
         """The figures now: ``world/members_alive``, ``world/deaths``, ``world/rejoins``,
