@@ -492,6 +492,15 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     progress = _util.Progress(args.print_every)
     window_updates, window_start, loss_sum, updates = 0, time.monotonic(), 0.0, 0
     request = sampler.request()
+
+    def log_metrics(figures: Dict[str, float]) -> None:
+        snap = log.snapshot()
+        metrics.log(snap["env_steps"], updates, learner={
+            **figures, "policy_lag": max((online.pp_version - v for v in snap["versions"].values()), default=0),
+            "return_mean100_low_epsilon": snap["mean_return"], "shard_calls_missed": sampler.missed},
+            servers=flatten_stats(impl.stats(), "server/model"))
+
+    figures: Dict[str, float] = {}
     while not log.should_stop():
         fetched, minibatches = sampler.collect(request)
         request = sampler.request()  # fetched while these minibatches train
@@ -512,13 +521,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                 target.load_state_dict(online.state_dict())
             window_updates += 1
             loss_sum += loss.item()
+        figures = {"loss_td": loss.item(), "grad_norm": grad_norm, "q_mean": q.mean().item()}
         if metrics.due():
-            snap = log.snapshot()
-            metrics.log(snap["env_steps"], updates, learner={
-                "loss_td": loss.item(), "grad_norm": grad_norm, "q_mean": q.mean().item(),
-                "policy_lag": max((online.pp_version - v for v in snap["versions"].values()), default=0),
-                "return_mean100_low_epsilon": snap["mean_return"], "shard_calls_missed": sampler.missed},
-                servers=flatten_stats(impl.stats(), "server/model"))
+            log_metrics(figures)
         sampler.update(fetched, priorities)
         pacer.advance(updates)
         if updates // args.publish_every > (updates - len(minibatches)) // args.publish_every:
@@ -535,6 +540,8 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"actor version lag max {max(lags, default=0)}  loss {loss_sum / max(window_updates, 1):.4f}", flush=True)
             window_updates, window_start, loss_sum = 0, now, 0.0
     pacer.close()  # parked and later pace requests answer "stop"
+    if figures:  # the last point: a short run's curves end where training did
+        log_metrics(figures)
     metrics.close()
     sampler.drain(request)
     snap = log.snapshot()

@@ -358,6 +358,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     window_updates, window_start = 0, time.monotonic()
     lags: List[int] = []
     stats: Dict[str, float] = {}
+    figures: Dict[str, float] = {}
     while True:
         stop = log.should_stop() if lead else False
         if collective is not None:
@@ -381,12 +382,12 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         if lead:
             server.push(model)
             lags += batch_lags
+            figures = {"loss_policy": stats["policy_loss"], "loss_value": stats["value_loss"],
+                       "entropy": stats["entropy"], "grad_norm": grad_norm, "rho_mean": stats["rho_mean"],
+                       "policy_lag": sum(batch_lags) / len(batch_lags), "queue": len(inbox)}
             if metrics.due():
-                metrics.log(log.snapshot()["env_steps"], state["updates"], learner={
-                    "loss_policy": stats["policy_loss"], "loss_value": stats["value_loss"],
-                    "entropy": stats["entropy"], "grad_norm": grad_norm, "rho_mean": stats["rho_mean"],
-                    "policy_lag": sum(batch_lags) / len(batch_lags), "queue": len(inbox)},
-                    servers=flatten_stats(impl.stats(), "server/model"))
+                metrics.log(log.snapshot()["env_steps"], state["updates"], learner=figures,
+                            servers=flatten_stats(impl.stats(), "server/model"))
             if progress.due():
                 now = time.monotonic()
                 snap = log.snapshot()
@@ -398,6 +399,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                       f"{args.queue_size}  entropy {stats['entropy']:.3f}", flush=True)
                 window_updates, window_start, lags = 0, now, []
     inbox.close()  # parked and later sends answer "stop"
+    if lead and state["updates"]:  # the last point: a short run's curves end where training did
+        metrics.log(log.snapshot()["env_steps"], state["updates"], learner=figures,
+                    servers=flatten_stats(impl.stats(), "server/model"))
     metrics.close()
     result: Dict[str, Any] = {"role": "learner", "name": world.name, "updates": state["updates"]}
     if lead:
