@@ -148,10 +148,12 @@ def _startup_body(world: Any, rounds: int, port_base: int) -> Dict[str, List[flo
                     dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store),
                                             rank=rank, world_size=size)
                 from machinlike.distributed._rendezvous import rpc_init_method
+                from machinlike.distributed._transport import static_start_quiet
 
                 options = rpc.TensorPipeRpcBackendOptions(
                     init_method=rpc_init_method(dist.PrefixStore(prefix + "/rpc", store), rank, size))
-                rpc.init_rpc(str(rank), rank=rank, world_size=size, rpc_backend_options=options)
+                with static_start_quiet():  # torch warns at its own static start-up (see there)
+                    rpc.init_rpc(str(rank), rank=rank, world_size=size, rpc_backend_options=options)
                 rpc.shutdown()
                 if kind == "raw_full":
                     dist.destroy_process_group()

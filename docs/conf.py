@@ -27,12 +27,12 @@ extensions = [
 exclude_patterns = ["_build", "tutorials/code"]
 
 root_doc = "index"
-html_theme = "alabaster"
+# furo: the layout follows the screen (the sidebars fold away on a phone), and wide
+# tables and code scroll inside their own box instead of the page.
+html_theme = "furo"
 html_title = "machinlike"
-html_static_path: list = []
-html_theme_options = {"description": "torch.distributed building blocks for RL and parameter servers",
-                      "fixed_sidebar": True, "page_width": "1240px", "sidebar_width": "230px"}
-pygments_style = "sphinx"
+html_static_path = ["_static"]
+html_css_files = ["narrow.css"]
 
 # -- autodoc / napoleon --------------------------------------------------------------
 autodoc_default_options = {"show-inheritance": True}

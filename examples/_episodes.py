@@ -33,6 +33,7 @@ class EpisodeLog:
             others still count in ``mean_return_all`` and the step counts.
         extra: Called under the lock for each CSV row; returns the learner's columns
             (updates, version lag, ...).
+        listener: Called with each report's returns and lengths (the run's metrics).
     """
 
     COLUMNS = ("time_s", "env_steps", "episode", "actor", "policy_version", "return", "mean_return",
@@ -40,7 +41,8 @@ class EpisodeLog:
 
     def __init__(self, curve: Curve, window: int, target: float, budget: float,
                  counted: Optional[Iterable[str]] = None,
-                 extra: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
+                 extra: Optional[Callable[[], Dict[str, Any]]] = None,
+                 listener: Optional[Callable[[Sequence[float], Sequence[int]], None]] = None) -> None:
         self._curve = curve
         self._window = window
         self._target = target
@@ -48,6 +50,7 @@ class EpisodeLog:
         self._deadline = self._start + budget
         self._counted = None if counted is None else set(counted)
         self._extra = extra or dict
+        self._listener = listener
         self._lock = threading.Lock()
         self._returns: Deque[float] = collections.deque(maxlen=window)
         self._returns_all: Deque[float] = collections.deque(maxlen=window)
@@ -57,7 +60,8 @@ class EpisodeLog:
         self._versions: Dict[str, int] = {}
         self._reason: Optional[str] = None
 
-    def report(self, actor: str, returns: Sequence[float], steps: int, version: int) -> bool:
+    def report(self, actor: str, returns: Sequence[float], steps: int, version: int,
+               lengths: Sequence[int] = ()) -> bool:
         """Record an actor's finished episodes and its environment steps since its last report.
 
         Args:
@@ -65,10 +69,13 @@ class EpisodeLog:
             returns: Returns of the episodes it finished since its last report (maybe none).
             steps: Environment steps it took since its last report.
             version: Model-server version of the policy it acted with.
+            lengths: Lengths (steps) of those episodes, when the actor counts them.
 
         Returns:
             Whether the actor should keep going (False once training stopped).
         """
+        if self._listener is not None and returns:
+            self._listener(returns, lengths)
         with self._lock:
             self._env_steps += int(steps)
             self._versions[actor] = int(version)

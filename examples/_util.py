@@ -33,6 +33,12 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
                    help="Ray cluster for --engine ray ('host:port' or 'auto'; default: a new local Ray)")
     p.add_argument("--ray-cpus", type=float, default=1.0,
                    help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
+    p.add_argument("--logdir", default=None,
+                   help="folder of the run's metrics (TensorBoard event files, metrics.csv, metrics.png; "
+                        "default: --out without its extension, e.g. runs/<name>)")
+    p.add_argument("--metrics-every", type=float, default=1.0,
+                   help="seconds between metric points (default 1)")
+    p.add_argument("--no-metrics", action="store_true", help="write no metrics (the CSV curve stays)")
     p.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
                    help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
                         "restarts it and training goes on (an elastic world; local engine only)")
@@ -277,6 +283,24 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+def announce_watch(world: Any, logdir: str, off: bool, who: str) -> None:
+    """Print how to watch this run from another terminal (the status view, TensorBoard)."""
+    print(f"[{who}] watch it: python -m machinlike status {world.store_address}"
+          + ("" if off else f"   |   tensorboard --logdir {logdir}"), flush=True)
+
+
+def metrics_summary(args: argparse.Namespace, title: str, x: str = "environment steps") -> Dict[str, str]:
+    """The summary's metrics line, after drawing ``metrics.png`` (here, in the launching
+    process: see :func:`plot_csv`); empty with ``--no-metrics``."""
+    if args.no_metrics:
+        return {}
+    from _metrics import logdir_of, plot_metrics
+
+    logdir = logdir_of(args)
+    png = plot_metrics(logdir, title, x)
+    return {"metrics (tensorboard --logdir)": logdir + (f", {png}" if png else "")}
 
 
 def summary(title: str, values: Dict[str, Any]) -> None:

@@ -31,14 +31,16 @@ import argparse
 import collections
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import _util  # the examples' shared plumbing, beside this script
+from _metrics import RunMetrics, logdir_of
 import machinlike
+from machinlike.metrics import flatten_stats
 from machinlike.server import grad_server_helper
 
 GROUP = "a3c"
@@ -200,6 +202,8 @@ class EpisodeLog:
         self.stopped: Optional[str] = None
         self.stop = threading.Event()
         self._lock = threading.Lock()
+        #: Called with each report's returns and lengths (the run's metrics); None: nobody.
+        self.listener: Optional[Callable[[List[float], List[int]], None]] = None
 
     def mean(self) -> float:
         return float(np.mean(self.last100)) if self.last100 else 0.0
@@ -212,6 +216,8 @@ class EpisodeLog:
 
     def report(self, member: str, episodes: List[Tuple[float, int]], counters: Dict[str, float]) -> bool:
         """A worker's finished episodes and counters; returns whether training is over."""
+        if self.listener is not None and episodes and not self.stop.is_set():
+            self.listener([r for r, _ in episodes], [n for _, n in episodes])
         with self._lock:
             if self.stop.is_set():  # episodes ending after the stop do not count
                 self.workers.setdefault(member, dict(counters))["cpu"] = counters["cpu"]
@@ -243,16 +249,30 @@ def learn(world: machinlike.World, args: argparse.Namespace, group: machinlike.R
           log: EpisodeLog) -> Dict[str, Any]:
     """Rank 0: the primaries step the optimizers on their threads; here we print progress."""
     deadline = log.started + args.time_budget
-    progress_every = args.print_every
+    progress = _util.Progress(args.print_every)
+    metrics = RunMetrics(logdir_of(args), world, args.metrics_every, enabled=not args.no_metrics)
+    log.listener = metrics.episodes
+    _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner")
     last = {"t": 0.0, "steps": 0, "updates": 0}
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             log.finish(f"the time budget of {args.time_budget:g} s ran out")
-        if log.stop.wait(max(0.0, min(progress_every, left))):
+        wake = args.print_every if args.no_metrics else min(args.print_every, args.metrics_every)
+        if log.stop.wait(max(0.0, min(wake, left))):
             break
         servers.watch()  # a failed reducer thread ends the run with its own error
-        actor = servers.stats()[0]["primary"]
+        stats = servers.stats()
+        actor = stats[0]["primary"]
+        if metrics.due():
+            workers = max(1, len(log.workers))
+            metrics.log(log.env_steps(), actor["steps"], learner={
+                "loss_actor": log.total("actor_loss") / workers, "loss_critic": log.total("critic_loss") / workers,
+                "entropy": log.total("entropy") / workers, "grad_norm": log.total("grad_norm") / workers,
+                "policy_lag": actor["lag_mean"], "pushes_refused": log.total("refused")},
+                servers={**flatten_stats(stats[0], "server/actor"), **flatten_stats(stats[1], "server/critic")})
+        if not progress.due():
+            continue
         seconds = time.monotonic() - log.started
         steps = log.env_steps()
         span = max(1e-9, seconds - last["t"])
@@ -264,6 +284,7 @@ def learn(world: machinlike.World, args: argparse.Namespace, group: machinlike.R
               flush=True)
         last.update(t=seconds, steps=steps, updates=actor["steps"])
     servers.watch()
+    metrics.close()
     stats = [s["primary"] for s in servers.stats()]
     return {"stats": stats, "episodes": log.episodes, "env_steps": log.env_steps(), "mean": log.mean(),
             "full": len(log.last100) == 100, "reached": log.reached, "stopped": log.stopped,
@@ -293,7 +314,7 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
             actor.zero_grad(set_to_none=False)
             critic.zero_grad(set_to_none=False)
             (actor_loss + critic_loss).backward()  # the two networks share no parameters
-            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.clip)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(actor.parameters(), args.clip))
             torch.nn.utils.clip_grad_norm_(critic.parameters(), args.clip)
             # False: the local secondary's queue was full and dropped the push (not expected
             # with --reduce-batch 1 unless rank 0 is starved of CPU); counted, not hidden.
@@ -303,7 +324,8 @@ def act(world: machinlike.World, args: argparse.Namespace, group: machinlike.Rpc
             if sampler.finished or now - last_report >= 1.0:
                 last_report = now
                 counters = {"steps": sampler.steps, "refused": refused, "entropy": info["entropy"],
-                            "cpu": time.process_time()}
+                            "cpu": time.process_time(), "actor_loss": actor_loss.item(),
+                            "critic_loss": critic_loss.item(), "grad_norm": grad_norm}
                 if group.registered_sync("report", (label or world.name, sampler.take_finished(), counters)):
                     break
     finally:
@@ -503,6 +525,7 @@ def main() -> None:
                       f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
            if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
+        **_util.metrics_summary(args, f"a3c: {ENV_ID}"),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",
     })

@@ -58,6 +58,8 @@ from torch.distributed import rpc
 
 import _util
 import machinlike
+from _metrics import RunMetrics, logdir_of
+from machinlike.metrics import flatten_stats
 from _episodes import EpisodeLog, collect_columns, cpu_seconds, format_mean
 from machinlike.exception import PeerLostError
 from machinlike.server import PushPullModelServerImpl
@@ -284,7 +286,7 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
     rng = np.random.default_rng(args.seed * 104_729 + seed)
     nstep = NStep(args.n_step, args.gamma)
     pending: List[Tuple[np.ndarray, int, float, np.ndarray, float]] = []
-    episode_return, finished = 0.0, []
+    episode_return, episode_length, finished, lengths = 0.0, 0, [], []
     steps, unreported, since_pull = 0, 0, 0
     # This actor's share of the steps allowed so far: the warm-up, then steps_per_update per
     # update since ``base``, the learner's update count when it started (a restarted actor
@@ -314,12 +316,14 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
         unreported += 1
         since_pull += 1
         episode_return += reward
+        episode_length += 1
         ended = terminated or truncated
         pending += nstep.step(obs, action, float(reward), next_obs, terminated, ended)
         obs = next_obs
         if ended:
             finished.append(episode_return)
-            episode_return = 0.0
+            lengths.append(episode_length)
+            episode_return, episode_length = 0.0, 0
             obs, _ = env.reset()
         if len(pending) >= args.add_batch or (ended and pending):
             add_with_priorities(shard, model, pending)
@@ -328,9 +332,9 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
             if reporting is not None and not reporting.wait():
                 break
             reporting = group.registered_async(f"{GROUP}/episodes",
-                                               args=(name, finished, unreported, model.pp_version),
+                                               args=(name, finished, unreported, model.pp_version, lengths),
                                                timeout=args.rpc_timeout)
-            finished, unreported = [], 0
+            finished, lengths, unreported = [], [], 0
     if reporting is not None:
         reporting.wait()
     return {"role": "actor", "name": name, "steps": steps, "epsilon": epsilon}
@@ -465,7 +469,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     optimizer = torch.optim.Adam(online.parameters(), lr=args.lr)
     state: Dict[str, Any] = {"updates": 0, "learner_version": 1}
     curve = _util.Curve(args.out, collect_columns(["updates", "learner_version"]))
-    log = EpisodeLog(curve, args.window, args.target, args.time_budget, counted=counted, extra=lambda: dict(state))
+    metrics = RunMetrics(logdir_of(args), world, args.metrics_every, args.window, enabled=not args.no_metrics)
+    log = EpisodeLog(curve, args.window, args.target, args.time_budget, counted=counted, extra=lambda: dict(state),
+                     listener=metrics.episodes)
     pacer = Pacer()
     impl = PushPullModelServerImpl(SERVER, group)
     group.register(f"{GROUP}/episodes", log.report)
@@ -475,6 +481,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     described = ", ".join(f"{a}: {e:.3g}" for a, e in zip(actors, epsilons))
     print(f"[learner] {len(actors)} actors, epsilon {described}; metric: mean return of the last {args.window} "
           f"training episodes of actor(s) {', '.join(counted)} ({why})", flush=True)
+    _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner")
     (ready or group.barrier)()  # every service exists from here on (and every shard, without --chaos)
 
     pacer.wait_actors(len(actors), args.rpc_timeout)
@@ -485,6 +492,15 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     progress = _util.Progress(args.print_every)
     window_updates, window_start, loss_sum, updates = 0, time.monotonic(), 0.0, 0
     request = sampler.request()
+
+    def log_metrics(figures: Dict[str, float]) -> None:
+        snap = log.snapshot()
+        metrics.log(snap["env_steps"], updates, learner={
+            **figures, "policy_lag": max((online.pp_version - v for v in snap["versions"].values()), default=0),
+            "return_mean100_low_epsilon": snap["mean_return"], "shard_calls_missed": sampler.missed},
+            servers=flatten_stats(impl.stats(), "server/model"))
+
+    figures: Dict[str, float] = {}
     while not log.should_stop():
         fetched, minibatches = sampler.collect(request)
         request = sampler.request()  # fetched while these minibatches train
@@ -496,7 +512,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             loss = (weight * F.smooth_l1_loss(q, goal, reduction="none")).mean()
             optimizer.zero_grad()
             loss.backward()
-            nn.utils.clip_grad_norm_(online.parameters(), args.max_grad_norm)
+            grad_norm = float(nn.utils.clip_grad_norm_(online.parameters(), args.max_grad_norm))
             optimizer.step()
             priorities[rows] = (goal - q).detach().abs() + 1e-3
             state["updates"] += 1
@@ -505,6 +521,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                 target.load_state_dict(online.state_dict())
             window_updates += 1
             loss_sum += loss.item()
+        figures = {"loss_td": loss.item(), "grad_norm": grad_norm, "q_mean": q.mean().item()}
+        if metrics.due():
+            log_metrics(figures)
         sampler.update(fetched, priorities)
         pacer.advance(updates)
         if updates // args.publish_every > (updates - len(minibatches)) // args.publish_every:
@@ -521,6 +540,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"actor version lag max {max(lags, default=0)}  loss {loss_sum / max(window_updates, 1):.4f}", flush=True)
             window_updates, window_start, loss_sum = 0, now, 0.0
     pacer.close()  # parked and later pace requests answer "stop"
+    if figures:  # the last point: a short run's curves end where training did
+        log_metrics(figures)
+    metrics.close()
     sampler.drain(request)
     snap = log.snapshot()
     snap.pop("versions")
@@ -657,6 +679,7 @@ def main() -> None:
                               f"rejoined, {result['missed']} shard calls found their actor gone")}
                    if args.chaos is not None else {}),
                 "learning curve": args.out + (f", {result['png']}" if result["png"] else ""),
+                **_util.metrics_summary(args, f"Ape-X DQN on {ENV}"),
             })
 
 

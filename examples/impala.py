@@ -51,7 +51,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import _util
 import machinlike
+from _metrics import RunMetrics, logdir_of
 from _episodes import EpisodeLog, collect_columns, cpu_seconds, format_mean
+from machinlike.metrics import flatten_stats
 from machinlike.server import PushPullModelServerImpl
 
 GROUP = "impala"
@@ -150,6 +152,8 @@ class Sampler:
         self.envs = [gym.make(ENV) for _ in range(envs)]
         self.obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(self.envs)]).astype(np.float32)
         self.episode_returns = np.zeros(envs)
+        self.episode_lengths = np.zeros(envs, np.int64)
+        self.finished_lengths: List[int] = []  # of the episodes in the last unroll's returns
         self.generator = generator
 
     def unroll(self, model: ActorCritic, length: int) -> Tuple[Dict[str, Any], List[float]]:
@@ -169,6 +173,7 @@ class Sampler:
         trunc_index: List[Tuple[int, int]] = []
         trunc_obs: List[np.ndarray] = []
         finished: List[float] = []
+        self.finished_lengths = []
         for t in range(length):
             obs[t] = self.obs
             with torch.no_grad():
@@ -181,13 +186,16 @@ class Sampler:
                 nxt, reward, terminated, truncated, _ = env.step(int(actions[t, e]))
                 rewards[t, e] = reward
                 self.episode_returns[e] += reward
+                self.episode_lengths[e] += 1
                 if terminated or truncated:
                     done[t, e] = 1.0
                     if truncated and not terminated:
                         trunc_index.append((t, e))
                         trunc_obs.append(nxt)
                     finished.append(float(self.episode_returns[e]))
+                    self.finished_lengths.append(int(self.episode_lengths[e]))
                     self.episode_returns[e] = 0.0
+                    self.episode_lengths[e] = 0
                     nxt, _ = env.reset()
                 self.obs[e] = nxt
         obs[length] = self.obs
@@ -230,7 +238,8 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
         sending = group.registered_async(f"{GROUP}/trajectories/{learner}", args=(trajectory,),
                                          timeout=args.rpc_timeout)
         reporting = group.registered_async(f"{GROUP}/episodes",
-                                           args=(world.name, finished, steps, trajectory["version"]),
+                                           args=(world.name, finished, steps, trajectory["version"],
+                                                 sampler.finished_lengths),
                                            timeout=args.rpc_timeout)
         steps = 0
     if reporting is not None:
@@ -329,9 +338,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
     state = {"updates": 0, "version_lag": ""}
     log = None
+    metrics = RunMetrics(logdir_of(args), world, args.metrics_every, args.window, enabled=lead and not args.no_metrics)
     if lead:
         curve = _util.Curve(args.out, collect_columns(["updates", "version_lag"]))
-        log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state))
+        log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state),
+                         listener=metrics.episodes)
         impl = PushPullModelServerImpl(SERVER, group)
         group.register(f"{GROUP}/episodes", log.report)
         server = group.get_paired(SERVER).to_here()
@@ -340,12 +351,14 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         print(f"[learner 0] {learners + actors} processes: {learners} learner(s), {actors} actor(s) x "
               f"{args.envs_per_actor} envs; metric: mean return of the last {args.window} training episodes "
               f"of all actors", flush=True)
+        _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner 0")
     (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
 
     progress = _util.Progress(args.print_every)
     window_updates, window_start = 0, time.monotonic()
     lags: List[int] = []
     stats: Dict[str, float] = {}
+    figures: Dict[str, float] = {}
     while True:
         stop = log.should_stop() if lead else False
         if collective is not None:
@@ -361,7 +374,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         loss, stats = vtrace_loss(net, model, batch, args)
         optimizer.zero_grad()
         loss.backward()
-        nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
+        grad_norm = float(nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm))
         optimizer.step()
         state["updates"] += 1
         state["version_lag"] = f"{sum(batch_lags) / len(batch_lags):.2f}"
@@ -369,6 +382,12 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         if lead:
             server.push(model)
             lags += batch_lags
+            figures = {"loss_policy": stats["policy_loss"], "loss_value": stats["value_loss"],
+                       "entropy": stats["entropy"], "grad_norm": grad_norm, "rho_mean": stats["rho_mean"],
+                       "policy_lag": sum(batch_lags) / len(batch_lags), "queue": len(inbox)}
+            if metrics.due():
+                metrics.log(log.snapshot()["env_steps"], state["updates"], learner=figures,
+                            servers=flatten_stats(impl.stats(), "server/model"))
             if progress.due():
                 now = time.monotonic()
                 snap = log.snapshot()
@@ -380,6 +399,10 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                       f"{args.queue_size}  entropy {stats['entropy']:.3f}", flush=True)
                 window_updates, window_start, lags = 0, now, []
     inbox.close()  # parked and later sends answer "stop"
+    if lead and state["updates"]:  # the last point: a short run's curves end where training did
+        metrics.log(log.snapshot()["env_steps"], state["updates"], learner=figures,
+                    servers=flatten_stats(impl.stats(), "server/model"))
+    metrics.close()
     result: Dict[str, Any] = {"role": "learner", "name": world.name, "updates": state["updates"]}
     if lead:
         snap = log.snapshot()
@@ -518,6 +541,7 @@ def main() -> None:
                 **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
                    if args.chaos is not None else {}),
                 "learning curve": args.out + (f", {result['png']}" if result["png"] else ""),
+                **_util.metrics_summary(args, f"IMPALA on {ENV}"),
             })
 
 

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 
 import _util  # the examples' shared plumbing, beside this script
 import machinlike
+from _metrics import logdir_of
+from machinlike.metrics import Metrics, WorldFigures, flatten_stats
 from machinlike.server import grad_server_helper
 
 GROUP = "ps"
@@ -132,6 +134,11 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     progress = _util.Progress(args.print_every)
     deadline = time.monotonic() + args.time_budget + 60.0  # the trainers stop at the budget
     last = {"steps": 0, "t": 0.0}
+    # The library's writer used directly (the RL examples wrap it in _metrics.RunMetrics):
+    # x = pushes applied, the supervised run's "environment steps".
+    metrics = None if args.no_metrics else Metrics(logdir_of(args))
+    figures = None if metrics is None else WorldFigures(world)
+    _util.announce_watch(world, logdir_of(args), args.no_metrics, "server")
 
     def measure(final: bool = False) -> Dict[str, Any]:
         server.pull(model)
@@ -144,6 +151,10 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
                   epochs=f"{epochs:.2f}", train_loss=f"{train_loss:.4f}", test_loss=f"{test_loss:.4f}",
                   test_accuracy=f"{test_acc:.4f}")
         last["epochs"] = epochs
+        if metrics is not None:
+            metrics.scalars({"eval/test_accuracy": test_acc, "eval/test_loss": test_loss, "eval/train_loss": train_loss,
+                             "eval/train_accuracy": train_acc, "eval/epochs": epochs,
+                             **flatten_stats(stats, "server/primary"), **figures.sample()}, int(stats["applied"]))
         if test_acc >= args.target and "target_at" not in last:
             last["target_at"] = seconds
             print(f"[{seconds:6.1f} s] target test accuracy {100 * args.target:.0f}% reached", flush=True)
@@ -168,6 +179,9 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
         measure()
     server.flush()  # apply every push still queued, partial batches included
     final = measure(final=True)
+    if metrics is not None:
+        figures.close()
+        metrics.close()
     final["trainers"] = dict(sorted(finished.reports.items(), key=lambda kv: int(kv[0])))
     final["cpu"] = time.process_time() + sum(t["cpu"] for t in finished.reports.values())
     return final
@@ -340,6 +354,7 @@ def main() -> None:
                       f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
            if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
+        **_util.metrics_summary(args, "param_server: MLP on digits", x="pushes applied"),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
         "wall time": f"{time.monotonic() - start:.1f} s",
     })

@@ -39,3 +39,18 @@ def trains_through_chaos(script: str, args: Sequence[str], learner: str,
     killed = next(x for x in lines if x.startswith("chaos:") and "ranks killed" in x)
     assert not killed.startswith("chaos: 0 ")
     return lines
+
+
+def read_scalars(logdir: str) -> dict:
+    """``{tag: [(step, value), ...]}`` of the TensorBoard event files in ``logdir``, read with
+    TensorBoard's own reader (``EventAccumulator``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+#: What every training example writes (the field's usual set and the library's own figures).
+COMMON_TAGS = ["env/steps", "env/steps_per_s", "episode/return_mean100", "episode/length_mean100",
+               "world/members_alive", "world/deaths", "world/rejoins", "rss_mb/0"]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from example_chaos import COMMON_TAGS, read_scalars
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "a3c.py")
 
@@ -21,7 +23,7 @@ def example_env():
 def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     out = tmp_path / "a3c.csv"
     done = subprocess.run([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
-                           "--time-budget", "3", "--out", str(out)],
+                           "--time-budget", "3", "--out", str(out), "--metrics-every", "0.3"],
                           cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out, newline="") as stream:
@@ -29,6 +31,14 @@ def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     assert rows, "no episode finished"
     assert {r["worker"] for r in rows} <= {"1", "2"} and int(rows[-1]["episode"]) == len(rows)
     assert "time budget of 3 s ran out" in done.stdout and "mean return" in done.stdout
+    scalars = read_scalars(str(tmp_path / "a3c"))  # runs/<name>/ beside the curve
+    missing = [t for t in COMMON_TAGS + ["learner/loss_actor", "learner/loss_critic", "learner/entropy",
+                                         "learner/grad_norm", "learner/policy_lag", "server/actor/primary/applied",
+                                         "server/actor/primary/dropped"] if t not in scalars]
+    assert not missing, sorted(scalars)
+    last = {tag: points[-1][1] for tag, points in scalars.items()}
+    assert last["world/members_alive"] == 3 and last["server/actor/primary/applied"] > 0
+    assert last["env/steps"] > 0 and 0 < last["learner/entropy"] <= 0.7
 
 
 def test_ctrl_c_stops_the_whole_example(tmp_path):

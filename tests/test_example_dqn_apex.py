@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from example_chaos import trains_through_chaos
+from example_chaos import COMMON_TAGS, read_scalars, trains_through_chaos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -95,7 +95,8 @@ def test_smoke(tmp_path):
     out = tmp_path / "curve.csv"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "dqn_apex.py"), "--time-budget", "3",
-                           "--warmup", "200", "--target", "0", "--num-workers", "2", "--out", str(out)],
+                           "--warmup", "200", "--target", "0", "--num-workers", "2", "--out", str(out),
+                           "--metrics-every", "0.3"],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out, newline="") as stream:
@@ -103,6 +104,12 @@ def test_smoke(tmp_path):
     assert rows and float(rows[-1]["env_steps"]) > 0
     assert "== Ape-X DQN on CartPole-v1" in proc.stdout and "time budget used up" in proc.stdout
     assert "warm-up done" in proc.stdout
+    scalars = read_scalars(str(tmp_path / "curve"))  # runs/<name>/ beside the curve
+    missing = [t for t in COMMON_TAGS + ["learner/loss_td", "learner/grad_norm", "learner/policy_lag",
+                                         "learner/updates_per_s", "server/model/version"] if t not in scalars]
+    assert not missing, sorted(scalars)
+    last = {tag: points[-1][1] for tag, points in scalars.items()}
+    assert last["world/members_alive"] == 3 and last["learner/loss_td"] >= 0 and last["env/steps"] > 0
 
 
 def test_shard_drops_priority_updates_meant_for_a_previous_incarnation(apex):

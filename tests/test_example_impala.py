@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from example_chaos import trains_through_chaos
+from example_chaos import COMMON_TAGS, read_scalars, trains_through_chaos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -89,8 +89,22 @@ def _run_script(tmp_path, *extra):
 
 
 def test_smoke_one_learner(tmp_path):
-    proc = _run_script(tmp_path)
+    proc = _run_script(tmp_path, "--metrics-every", "0.2")
     assert "1 learner(s), 2 actor(s)" in proc.stdout
+    assert "watch it: python -m machinlike status tcp://" in proc.stdout
+    # runs/<name>/ beside the curve: TensorBoard's event files hold the usual figures.
+    scalars = read_scalars(str(tmp_path / "curve"))
+    missing = [t for t in COMMON_TAGS + ["learner/loss_policy", "learner/loss_value", "learner/entropy",
+                                         "learner/grad_norm", "learner/policy_lag", "learner/updates_per_s",
+                                         "server/model/version"] if t not in scalars]
+    assert not missing, sorted(scalars)
+    last = {tag: points[-1][1] for tag, points in scalars.items()}
+    assert last["world/members_alive"] == 3 and last["world/deaths"] == 0
+    assert last["env/steps"] > 0 and 0 < last["learner/entropy"] <= 0.7
+    assert max(v for _, v in scalars["env/steps_per_s"]) > 0  # the last interval may see no report (a loaded host)
+    assert 8 <= last["episode/return_mean100"] == last["episode/length_mean100"] <= 500  # CartPole: 1 per step
+    assert 50 < last["rss_mb/0"] < 4000 and last["learner/grad_norm"] > 0
+    assert (tmp_path / "curve" / "metrics.png").exists()
 
 
 def test_smoke_two_ddp_learners(tmp_path):
@@ -108,8 +122,11 @@ def _progress_steps(line):
 def test_trains_through_an_actor_killed_by_chaos(tmp_path):
     # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
     trains_through_chaos("impala.py", ["--time-budget", "12", "--target", "0", "--chaos", "3", "--print-every", "0.5",
-                                       "--envs-per-actor", "4", "--out", str(tmp_path / "curve.csv")],
+                                       "--envs-per-actor", "4", "--out", str(tmp_path / "curve.csv"),
+                                       "--metrics-every", "0.3"],
                          "[learner 0]", _progress_steps)
+    deaths = read_scalars(str(tmp_path / "curve"))["world/deaths"]
+    assert deaths[-1][1] >= 1, deaths  # the kills show in the metrics
 
 
 def test_chaos_refuses_two_ddp_learners(tmp_path):

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from example_chaos import read_scalars
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,6 +31,13 @@ def test_param_server_trains_and_writes_its_curve(tmp_path):
     # Both trainers' pushes went through their own secondary reducer.
     line = next(x for x in done.stdout.splitlines() if "secondary reducers" in x)
     assert line.count("pushes taken") == 2 and " 0 pushes taken" not in line
+    scalars = read_scalars(str(tmp_path / "ps"))  # runs/<name>/ beside the curve, x = pushes applied
+    missing = [t for t in ("eval/test_accuracy", "eval/train_loss", "server/primary/applied",
+                           "server/primary/dropped", "server/primary/lag_mean", "world/members_alive",
+                           "world/deaths", "rss_mb/0", "rss_mb/1") if t not in scalars]
+    assert not missing, sorted(scalars)
+    accuracy = scalars["eval/test_accuracy"]
+    assert 0 <= accuracy[0][1] <= 1 and accuracy[-1][1] > 0.5 and accuracy[-1][0] == scalars["server/primary/applied"][-1][1]
 
 
 def test_param_server_help():
@@ -52,3 +61,5 @@ def test_param_server_trains_through_a_trainer_killed_by_chaos(tmp_path):
     assert float(rows[-1]["epochs"]) >= 25
     chaos = next(x for x in lines if x.strip().startswith("chaos") and "trainers lost" in x)
     assert " 0 trainers lost" not in chaos
+    deaths = read_scalars(str(tmp_path / "ps"))["world/deaths"]
+    assert deaths[-1][1] >= 1, deaths  # the kills show in the metrics (and as red lines in metrics.png)

@@ -26,6 +26,7 @@ MODULES = [
     "machinlike.event",
     "machinlike.exception",
     "machinlike.testing",
+    "machinlike.metrics",
     "machinlike.compat.machin",  # inert until install()
 ]
 

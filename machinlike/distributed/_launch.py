@@ -219,6 +219,8 @@ def launch(
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
+    log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
+             "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
     job = _Job(context, names, store.port, payload, world_kwargs, stop_timeout, elastic)
     try:
         for rank in range(world_size):

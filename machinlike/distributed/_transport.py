@@ -32,17 +32,18 @@ their rare rehashes are the one unsynchronised mutation left.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import time
 import warnings
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,26 @@ def rrefs_bound_elsewhere() -> bool:
     return _agents_started > 1
 
 
+@contextlib.contextmanager
+def static_start_quiet() -> Iterator[None]:
+    """Around torch's static ``init_rpc``: hide the one deprecation warning torch raises at itself.
+
+    Where it comes from: a static TensorPipe start (``world_size`` given) builds a bare
+    gloo *Backend* (``rpc/backend_registry.py: _init_process_group`` calls
+    ``dist.ProcessGroupGloo(store, rank, size, timeout)``) and hands it to
+    ``dist.all_gather_object`` to exchange device maps, whose ``_get_object_coll_device``
+    warns that a Backend is not a ProcessGroup. Neither object is ours, and torch offers
+    no way to pass a ProcessGroup there, so the warning is hidden for exactly that call,
+    in this thread's warning state, and nothing else.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        yield
+
+
 def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float) -> None:
     """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous."""
-    with warnings.catch_warnings():
-        # torch's TensorPipe start-up goes through a c10d path it deprecated itself.
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+    with static_start_quiet():
         rpc.init_rpc(name, rank=rank, world_size=world_size,
                      rpc_backend_options=_options(threads, timeout, init_method))
     global _agents_started

@@ -1,0 +1,156 @@
+"""``python -m machinlike status ADDRESS``: a world's members, refreshed like ``top``.
+
+    store (read only) ──read_status──► WorldStatus ──► BeatClock (when each heartbeat last moved)
+                                                   └─► render ──► the terminal (cleared each refresh)
+
+The view reads the store through ``distributed._status`` only; it keeps no state but the
+:class:`BeatClock`, which turns heartbeat counters into "last beat N s ago" by watching
+them move between reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+
+from .distributed._status import MemberStatus, ReadOnlyStore, WorldStatus, connect_read_only, read_status
+
+__all__ = ["BeatClock", "render", "main"]
+
+
+class BeatClock:
+    """When each member's heartbeat counter last moved, as bounded by successive reads.
+
+    A counter that changed between reads at ``t0`` and ``t1`` last beat after ``t0``:
+    shown as "< now - t0 s ago". One that did not change since the read at ``t1`` has
+    not beaten since: "> now - t1 s ago" (a reader sees no finer than its refresh).
+    """
+
+    def __init__(self) -> None:
+        self._last: Dict[Tuple[str, int], Tuple[int, float]] = {}  # counter, when read
+        self._moved: Dict[Tuple[str, int], Tuple[float, float]] = {}  # read before, read that saw it move
+
+    def observe(self, status: Optional[WorldStatus], now: float) -> None:
+        for member in status.members if status is not None else ():
+            if member.beats is None:
+                continue
+            key = (member.name, member.incarnation)
+            seen = self._last.get(key)
+            if seen is not None and seen[0] != member.beats:
+                self._moved[key] = (seen[1], now)
+            if seen is None or seen[0] != member.beats:
+                self._last[key] = (member.beats, now)
+
+    def describe(self, member: MemberStatus, now: float) -> str:
+        if member.beats is None:
+            return "none"
+        if member.state != "alive":
+            return "stopped"
+        key = (member.name, member.incarnation)
+        moved = self._moved.get(key)
+        last = self._last.get(key)
+        if moved is not None and last is not None and moved[1] == last[1]:
+            if moved[1] == now:
+                return f"<{now - moved[0]:.1f}s ago"
+            return f">{now - moved[1]:.1f}s ago"
+        if last is not None and now > last[1]:
+            return f">{now - last[1]:.1f}s ago"
+        return "?"
+
+
+def _cell(items: Sequence[str], width: int) -> str:
+    text = ", ".join(items) or "-"
+    return text if len(text) <= width else text[:max(0, width - 3)] + "..."
+
+
+def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: float, width: int) -> str:
+    """The screen for one read (plain text, ``width`` columns at most)."""
+    stamp = time.strftime("%H:%M:%S")
+    if status is None:
+        return f"machinlike status {address}  {stamp}\nno machinlike world in this store (yet)\n"
+    alive = status.alive()
+    head = (f"machinlike {status.kind} world at {address}  {stamp}\n"
+            f"members {len(alive)} alive of {len(status.members)}; deaths {status.deaths}, rejoins "
+            f"{status.rejoins}, leaves {status.leaves}; events {status.events}; keys under {status.namespace}\n")
+    columns = ("MEMBER", "STATE", "INC", "RESTARTS", "RANK", "PID", "LAST BEAT")
+    rows: List[Tuple[str, ...]] = [columns]
+    for m in status.members:
+        rows.append((m.name, m.state, str(m.incarnation), str(m.restarts), str(m.rank),
+                     str(m.pid) if m.pid is not None else "-", clock.describe(m, now)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    fixed = sum(widths) + 2 * len(columns)
+    rest = max(20, width - fixed)
+    lines = []
+    for i, row in enumerate(rows):
+        left = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        if i == 0:
+            lines.append(f"{left}  SERVICES / SERVERS (group:key)")
+        else:
+            m = status.members[i - 1]
+            parts = m.services + [f"{v} (paired)" for v in m.values]
+            lines.append(f"{left}  {_cell(parts, rest)}")
+    return head + "\n".join(line[:width] for line in lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m machinlike", description="Tools for machinlike jobs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="a live view of a world's members, read from its store (read only)",
+                       description="Show a world's members, incarnations, heartbeats, restarts, services and "
+                                   "servers, refreshing like top. Reads the world's store; never joins the world.")
+    s.add_argument("address", help="the world's store: 'host:port' or 'tcp://host:port' (World.store_address; "
+                                   "the examples print it at start)")
+    s.add_argument("--once", action="store_true", help="print one view and exit (for scripts)")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    s.add_argument("--beat-window", type=float, default=0.6,
+                   help="with --once: seconds between the two reads that tell a beating member from a "
+                        "silent one (default 0.6; a member beats every liveness/8 s)")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store (default 5)")
+    return p
+
+
+def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Run the command line; the exit status (0 fine, 1 the store is unreachable, 2 usage)."""
+    args = _parser().parse_args(list(argv))
+    for name in ("interval", "beat_window", "timeout"):
+        if not getattr(args, name) > 0:
+            print(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    try:
+        store = connect_read_only(args.address, args.timeout)
+    except (ValueError, ConnectionError) as err:
+        print(f"machinlike status: {err}", file=sys.stderr)
+        return 1 if isinstance(err, ConnectionError) else 2
+    clock = BeatClock()
+    try:
+        if args.once:
+            clock.observe(_read(store), time.monotonic())
+            time.sleep(args.beat_window)
+            now = time.monotonic()
+            status = _read(store)
+            clock.observe(status, now)
+            out.write(render(args.address, status, clock, now, shutil.get_terminal_size((120, 40)).columns))
+            return 0
+        while True:
+            now = time.monotonic()
+            status = _read(store)
+            clock.observe(status, now)
+            screen = render(args.address, status, clock, now, shutil.get_terminal_size((120, 40)).columns)
+            out.write("\x1b[H\x1b[2J" + screen + f"\n(every {args.interval:g} s; Ctrl-C to quit)\n")
+            out.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    except ConnectionError as err:
+        print(f"machinlike status: {err}", file=sys.stderr)
+        return 1
+
+
+def _read(store: ReadOnlyStore) -> Optional[WorldStatus]:
+    try:
+        return read_status(store)
+    except (RuntimeError, OSError) as err:  # the store went away: the world ended
+        raise ConnectionError(f"the world's store stopped answering ({err}); has the world ended?") from err

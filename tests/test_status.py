@@ -1,0 +1,133 @@
+"""``python -m machinlike status``: a live elastic world's members before and after a SIGKILL,
+read from its store without writing to it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+
+from machinlike.distributed._status import ReadOnlyStore, read_status
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MEMBER = """
+import sys
+from machinlike.distributed import World
+world = World(sys.argv[1], elastic=True, init_method=sys.argv[2], liveness=1.0, dist_timeout=60)
+group = world.create_rpc_group("obs")
+group.register("svc/" + world.name, lambda: 1)
+print("ready", flush=True)
+sys.stdin.read()  # until the test closes our stdin
+world.stop()
+"""
+
+
+class _Recording:
+    """A store that records every method called on it (the reader must only read)."""
+
+    def __init__(self, store):
+        self._store = store
+        self.calls = set()
+
+    def __getattr__(self, name):
+        self.calls.add(name)
+        return getattr(self._store, name)
+
+
+def _status(address):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", address, "--once"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[0]: line.split() for line in proc.stdout.splitlines()[3:] if line.strip()}, proc.stdout
+
+
+def _quiet_key_count(store, quiet=1.0, timeout=20.0):
+    """The store's key count once it held still for ``quiet`` seconds (the members' start-up
+    is over), so that a key created next is the reader's."""
+    deadline = time.monotonic() + timeout
+    count = store.num_keys()
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = store.num_keys()
+        if now == count:
+            return count
+        count = now
+    raise AssertionError(f"the world kept creating keys for {timeout:g} s")
+
+
+@pytest.fixture
+def world_store():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    host = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+    yield f"tcp://127.0.0.1:{port}", host
+
+
+def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store):
+    address, host = world_store
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = {}
+    try:
+        for name in ("learner", "actor"):
+            procs[name] = subprocess.Popen([sys.executable, "-c", MEMBER, name, address], env=env, cwd=ROOT,
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for name, proc in procs.items():
+            assert proc.stdout.readline().strip() == "ready", name
+        keys_before = _quiet_key_count(host)
+        rows, text = _status(address)
+        assert host.num_keys() == keys_before, "the status view created keys"
+        assert {n: rows[n][1] for n in procs} == {n: "alive" for n in procs}, text
+        assert rows["actor"][5] == str(procs["actor"].pid) and "obs:svc/actor" in text
+        assert rows["learner"][6].startswith("<"), text  # its heartbeat moved between the two reads
+
+        procs["actor"].send_signal(signal.SIGKILL)
+        procs["actor"].wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = read_status(ReadOnlyStore(host))
+            if status.deaths:
+                break
+            time.sleep(0.2)
+        rows, text = _status(address)
+        assert rows["actor"][1] == "lost" and rows["learner"][1] == "alive", text
+        assert "1 alive of 2; deaths 1" in text and "obs:svc/actor" not in text and "obs:svc/learner" in text
+
+        recording = _Recording(dist.TCPStore("127.0.0.1", int(address.rsplit(":", 1)[1]), is_master=False,
+                                             timeout=datetime.timedelta(seconds=10), wait_for_workers=False))
+        status = read_status(ReadOnlyStore(recording))
+        assert status.alive() == ["learner"] and recording.calls <= {"check", "get"}, recording.calls
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.stdin.close()
+        for proc in procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_status_of_an_address_where_nothing_listens_says_so():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{port}", "--once",
+                           "--timeout", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "no world's store answers at 127.0.0.1:" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", "nowhere", "--once"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "address must be 'host:port'" in proc.stderr
