@@ -22,6 +22,7 @@ from torch.distributed import rpc
 
 from . import _calls, _checks, _samehost
 from ._calls import RpcFuture, is_async, is_missing, is_stale, unwrap
+from ._keys import ServiceOwner
 from ._paired import RenewedOwnerRRef
 from ._registry import deadline_left
 
@@ -40,28 +41,41 @@ class GroupKeys:
     """
 
     # ------------------------------------------------------------------ look-ups
-    def _lookup(self, world: Any, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
+    def _lookup_value(self, world: Any, key: str, refresh: bool) -> Optional[str]:
+        """The RPC worker that paired ``key`` (cached unless ``refresh``), None if nobody."""
         members = world.membership
         if not refresh:
-            held = cache.get(key)
-            if held is not None and not members.transport_gone(held.partition(":")[2] if kind == "s" else held):
+            held = self._value_owners.get(key)
+            if held is not None and not members.transport_gone(held):
                 return held
-        held = members.owner(self._key(world, kind, key))
+        held = members.owner(self._key(world, "v", key))
         if held is None:
-            cache.pop(key, None)
+            self._value_owners.pop(key, None)
         else:
-            cache[key] = held
+            self._value_owners[key] = held
         return held
 
-    def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
-        held = None if refresh else self._service_owners.get(key)
-        if held is not None and not world.membership.transport_gone(held[2:]):  # the common case, at once
-            return held[2:], _calls._call_async_service if held[0] == "a" else _calls._call_service
-        held = self._lookup(world, self._service_owners, "s", key, refresh)
+    def _lookup_service(self, world: Any, key: str, refresh: bool) -> Optional[ServiceOwner]:
+        """Who serves ``key`` (cached unless ``refresh``), None if nobody."""
+        members = world.membership
+        if not refresh:
+            owner = self._service_owners.get(key)
+            if owner is not None and not members.transport_gone(owner.worker):
+                return owner
+        held = members.owner(self._key(world, "s", key))
         if held is None:
-            raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
-        entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
-        return held[2:], entry
+            self._service_owners.pop(key, None)
+            return None
+        owner = self._service_owners[key] = ServiceOwner.decode(held)
+        return owner
+
+    def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        owner = None if refresh else self._service_owners.get(key)
+        if owner is None or world.membership.transport_gone(owner.worker):  # else the common case, at once
+            owner = self._lookup_service(world, key, refresh)
+            if owner is None:
+                raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
+        return owner.worker, _calls._call_async_service if owner.is_async else _calls._call_service
 
     # ------------------------------------------------------------------- services
     def register(self, key: str, service: Callable[..., Any]) -> None:
@@ -84,16 +98,16 @@ class GroupKeys:
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
         world = self._check_usable(need_member=True)
-        holder = f"{'a' if is_async(service) else 's'}:{world.membership.transport}"
+        holder = ServiceOwner(world.membership.transport, is_async(service))
         with self._lock:
             if key in self._my_services:
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
             world.membership.tables.services[self._sid + key] = service
-            taken = world.membership.claim(self._key(world, "s", key), holder)
+            taken = world.membership.claim(self._key(world, "s", key), holder.encode())
             if taken is not None:
                 del world.membership.tables.services[self._sid + key]
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
-                               f"(by member {world.membership.member_of(taken[2:])!r})")
+                               f"(by member {world.membership.member_of(ServiceOwner.worker_of(taken))!r})")
             self._my_services.add(key)
             self._service_owners[key] = holder
 
@@ -111,7 +125,8 @@ class GroupKeys:
         with self._lock:
             if key not in self._my_services:
                 raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
-            world.membership.release(self._key(world, "s", key), self._service_owners.get(key, ""))
+            owner = self._service_owners.get(key)
+            world.membership.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
             self._my_services.discard(key)
             self._service_owners.pop(key, None)
             world.membership.tables.services.pop(self._sid + key, None)
@@ -124,7 +139,7 @@ class GroupKeys:
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
-        return self._lookup(world, self._service_owners, "s", key, refresh=True) is not None
+        return self._lookup_service(world, key, refresh=True) is not None
 
     def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                         timeout: Optional[float] = None) -> Any:
@@ -270,7 +285,7 @@ class GroupKeys:
         """
         _check_key(key)
         world = self._check_usable(need_member=False)
-        return self._lookup(world, self._value_owners, "v", key, refresh=True) is not None
+        return self._lookup_value(world, key, refresh=True) is not None
 
     def get_paired(self, key: str, timeout: Optional[float] = None) -> Union[rpc.RRef, RenewedOwnerRRef]:
         """An RRef to the value paired under ``key`` (owned by the member that paired it).
@@ -296,7 +311,7 @@ class GroupKeys:
         wait = self._timeout(world, timeout)
         deadline = time.monotonic() + wait
         for refresh in (False, True):
-            member = self._lookup(world, self._value_owners, "v", key, refresh)
+            member = self._lookup_value(world, key, refresh)
             if member is None:
                 break
             value = self._sync(member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),

@@ -30,7 +30,7 @@ from ..exception import PeerLostError
 from . import _transport
 from ._listener import ListenerWatch
 from ._liveness import alive_here
-from ._member_records import MemberRecord
+from ._keys import MemberRecord, OwnedKey
 from ._registry import deadline_left
 
 __all__ = ["MembershipMonitor"]
@@ -60,7 +60,7 @@ class MembershipMonitor:
 
     def _monitor(self) -> None:
         tick = max(0.02, (self.liveness or 2.0) / 8)
-        beat_key = self.key(f"m/hb/{self.name}")
+        beat_key = self.keys.heartbeat(self.name)
         while not self._stop.wait(tick):
             try:
                 self.registry.add(beat_key, 1)
@@ -80,7 +80,7 @@ class MembershipMonitor:
             others = [r for m, r in self._live.items() if m != self.name]
         if not others:
             return []
-        counts = self.registry.values_or_empty(self.key("m/hb/"), [r.member for r in others])
+        counts = self.registry.values_or_empty(self.keys.heartbeat_prefix(), [r.member for r in others])
         now = time.monotonic()
         out = []
         for rec, count in zip(others, counts):
@@ -99,7 +99,7 @@ class MembershipMonitor:
         local = alive_here(rec.identity)
         if local is not None:
             return local
-        key = self.key(f"m/hb/{rec.member}")
+        key = self.keys.heartbeat(rec.member)
         first = self.registry.get_or_empty(key)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:  # its heartbeat moving within a lease: alive
@@ -110,8 +110,8 @@ class MembershipMonitor:
 
     def _worker_dead(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
-        member = self.registry.get_or_empty(self.key(f"m/t/{worker}"))
-        held = self.registry.get_or_empty(self.key(f"m/live/{member}")) if member else ""
+        member = self.registry.get_or_empty(self.keys.worker(worker))
+        held = self.registry.get_or_empty(self.keys.live(member)) if member else ""
         if not held:
             return True
         rec = MemberRecord.decode(member, held)
@@ -129,10 +129,10 @@ class MembershipMonitor:
                 to be free; the monitor does not (the event will come).
         """
         reg = self.registry
-        if reg.add(self.key(f"m/lost/{rec.member}/{rec.incarnation}"), 1) != 1:
+        if reg.add(self.keys.lost(rec.member, rec.incarnation), 1) != 1:
             if wait:
                 try:
-                    reg.wait_all(self.key(f"m/gone/{rec.member}/"), [str(rec.incarnation)],
+                    reg.wait_all(self.keys.gone_prefix(rec.member), [str(rec.incarnation)],
                                  max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
                     return
                 except TimeoutError:
@@ -151,14 +151,13 @@ class MembershipMonitor:
                         rec.rank)
         self._free(rec, deadline)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
-        if reg.add(self.key(f"m/lostpost/{rec.member}/{rec.incarnation}"), 1) == 1:
+        if reg.add(self.keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
             self._post("lost", rec)
 
     def _free(self, rec: MemberRecord, deadline: float) -> None:
         reg = self.registry
-        for line in reg.get_or_empty(self.key(f"m/own/{rec.transport}")).splitlines():
-            key, _, holder = line.partition("\x1f")
-            reg.release(key, holder)
+        for owned in OwnedKey.decode_all(reg.get_or_empty(self.keys.owned(rec.transport))):
+            reg.release(owned.key, owned.holder)
         if self.elastic:
             # Best effort, briefly: whoever joins next prunes stale workers itself.
             try:
@@ -166,8 +165,8 @@ class MembershipMonitor:
                                          min(deadline, time.monotonic() + 0.5), self._token_holder_dead)
             except TimeoutError as err:
                 log.info("machinlike: %r stays listed in the RPC group for now: %s", rec.transport, err)
-        reg.compare_set(self.key(f"m/live/{rec.member}"), rec.encode(), "")
-        reg.set(self.key(f"m/gone/{rec.member}/{rec.incarnation}"), "1")
+        reg.compare_set(self.keys.live(rec.member), rec.encode(), "")
+        reg.set(self.keys.gone(rec.member, rec.incarnation), "1")
 
     def _on_store_lost(self, err: PeerLostError) -> None:
         self._store_lost = err
@@ -178,14 +177,14 @@ class MembershipMonitor:
     # ------------------------------------------------------------ RPC worker
     def _new_transport(self) -> None:
         """Take a fresh RPC worker id and name (each join attempt needs its own)."""
-        tid = self.registry.add(self.key("m/tid"), 1) - 1
+        tid = self.registry.add(self.keys.worker_ids(), 1) - 1
         if tid > 32000:
             raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
         self._tid = tid
         # torch's dynamic join parses its worker list as "name-id," entries, so a worker
         # name must not contain "-"; the unique id keeps every incarnation's name apart.
         self.transport = f"{self.name.replace('-', '_')}_{tid}"
-        self.registry.set(self.key(f"m/t/{self.transport}"), self.name)
+        self.registry.set(self.keys.worker(self.transport), self.name)
 
     def join_transport(self, threads: int, timeout: float, deadline: float, default_timeout: float) -> None:
         """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
@@ -226,7 +225,7 @@ class MembershipMonitor:
             old = self._me.encode()
             self._new_transport()
             self._me = MemberRecord(self.name, self.incarnation, self.transport, self.rank, self._me.identity)
-            self.registry.compare_set(self.key(f"m/live/{self.name}"), old, self._me.encode())
+            self.registry.compare_set(self.keys.live(self.name), old, self._me.encode())
 
     # ------------------------------------------------------- transport renewal
     def _renew(self) -> None:
@@ -246,7 +245,7 @@ class MembershipMonitor:
             self._old_transports.add(old.transport)
             self._new_transport()
             self._me = MemberRecord(self.name, self.incarnation, self.transport, self.rank, old.identity)
-            self.registry.compare_set(self.key(f"m/live/{self.name}"), old.encode(), self._me.encode())
+            self.registry.compare_set(self.keys.live(self.name), old.encode(), self._me.encode())
             try:
                 self.join_transport(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
             except (RuntimeError, TimeoutError) as err:
@@ -254,13 +253,12 @@ class MembershipMonitor:
                           "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)
                 raise
             moved = []
-            for line in self.registry.get_or_empty(self.key(f"m/own/{old.transport}")).splitlines():
-                key, _, holder = line.partition("\x1f")
-                new = self._current_holder(holder)
-                if self.registry.compare_set(key, holder, new) == new:
-                    moved.append(f"{key}\x1f{new}\n")
+            for owned in OwnedKey.decode_all(self.registry.get_or_empty(self.keys.owned(old.transport))):
+                new = self._current_holder(owned.holder)
+                if self.registry.compare_set(owned.key, owned.holder, new) == new:
+                    moved.append(OwnedKey(owned.key, new).encode())
             if moved:
-                self.registry.append(self.key(f"m/own/{self.transport}"), "".join(moved))
+                self.registry.append(self.keys.owned(self.transport), "".join(moved))
         self.renewals += 1
         self._post("move", self._me)
         with self._lock:  # this process routes to the new agent at once (the log follows)

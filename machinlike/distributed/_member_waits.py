@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch
 
 from ..exception import PeerLostError
-from ._member_records import LOST_MARK, WOKEN_MARK
+from ._keys import LOST_MARK, WOKEN_MARK
 
 __all__ = ["MembershipWaits"]
 

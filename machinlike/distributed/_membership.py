@@ -38,7 +38,8 @@ from ._calls import LocalTables
 from ._listener import ListenerWatch
 from ._liveness import is_here, process_identity
 from ._member_monitor import MembershipMonitor
-from ._member_records import LOST_MARK, MemberEvent, MemberRecord
+from ._keys import LOST_MARK, Keys, LogEntry, MemberRecord, OwnedKey, rebind_holder
+from ._member_records import MemberEvent
 from ._member_waits import MembershipWaits
 from ._registry import Registry, deadline_left
 
@@ -52,16 +53,16 @@ class Membership(MembershipMonitor, MembershipWaits):
 
     Args:
         store: The world's store.
-        ns: Key prefix of this world in the store (ends with ``/``).
+        keys: The keys of this world in the store.
         store_owner: Who hosts the store, for error messages.
         name: This member's name.
         liveness: Seconds within which a dead member is detected; None: no monitor.
         elastic: Whether RPC is a dynamic agent group (members may join and leave).
     """
 
-    def __init__(self, store: dist.Store, ns: str, store_owner: str, name: str,
+    def __init__(self, store: dist.Store, keys: Keys, store_owner: str, name: str,
                  liveness: Optional[float], elastic: bool) -> None:
-        self.ns = ns
+        self.keys = keys
         self.name = name
         self.elastic = elastic
         self.liveness = liveness
@@ -105,12 +106,8 @@ class Membership(MembershipMonitor, MembershipWaits):
         #: How many times each group name was created here (static groups' epochs).
         self.group_epochs: Dict[str, int] = {}
 
-    # ------------------------------------------------------------------ keys
-    def key(self, suffix: str) -> str:
-        return self.ns + suffix
-
     def _rpc_store(self) -> dist.Store:
-        return dist.PrefixStore(self.ns + "rpc", self._store)
+        return dist.PrefixStore(self.keys.rpc_prefix(), self._store)
 
     # ----------------------------------------------------------------- enter
     def enter(self, rank: Optional[int], deadline: float) -> None:
@@ -123,11 +120,11 @@ class Membership(MembershipMonitor, MembershipWaits):
             TimeoutError: the previous incarnation's clean-up did not finish in time.
         """
         reg = self.registry
-        self.incarnation = int(reg.add(self.key(f"m/inc/{self.name}"), 1))
+        self.incarnation = int(reg.add(self.keys.incarnations(self.name), 1))
         self._new_transport()
         self.rank = self._tid if rank is None else rank
         mine = MemberRecord(self.name, self.incarnation, self.transport, self.rank, process_identity())
-        live_key = self.key(f"m/live/{self.name}")
+        live_key = self.keys.live(self.name)
         while True:
             held = reg.claim(live_key, mine.encode())
             if held is None:
@@ -150,7 +147,7 @@ class Membership(MembershipMonitor, MembershipWaits):
                 self._by_transport[member] = member
         self._me = self._live[self.name]
         self._static_order = list(names)
-        self.registry.set(self.key(f"m/live/{self.name}"), self._me.encode())
+        self.registry.set(self.keys.live(self.name), self._me.encode())
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""
@@ -261,7 +258,7 @@ class Membership(MembershipMonitor, MembershipWaits):
             holder = self._current_holder(holder)
             held = self.registry.claim(key, holder)
             if held is None:
-                self.registry.append(self.key(f"m/own/{self.transport}"), f"{key}\x1f{holder}\n")
+                self.registry.append(self.keys.owned(self.transport), OwnedKey(key, holder).encode())
         return held
 
     def release(self, key: str, holder: str) -> bool:
@@ -269,8 +266,7 @@ class Membership(MembershipMonitor, MembershipWaits):
             return self.registry.release(key, self._current_holder(holder))
 
     def _current_holder(self, holder: str) -> str:
-        tag, colon, worker = holder.rpartition(":")
-        return f"{tag}{colon}{self.transport}" if worker in self._old_transports else holder
+        return rebind_holder(holder, self._old_transports, self.transport)
 
     def owner(self, key: str) -> Optional[str]:
         return self.registry.owner(key)
@@ -280,19 +276,18 @@ class Membership(MembershipMonitor, MembershipWaits):
         # One atomic append: a poster SIGKILLed mid-post leaves the event whole or absent,
         # never a numbered hole every reader would wait on. The counter after it only
         # tells readers that the log grew (one lagging behind is caught up by the next).
-        self.registry.append(self.key("m/log"), f"{kind}|{rec.member}|{rec.encode()}\n")
-        self.registry.add(self.key("m/evn"), 1)
+        self.registry.append(self.keys.log(), LogEntry(kind, rec).encode())
+        self.registry.add(self.keys.log_count(), 1)
 
     def _catch_up(self) -> None:
         """Apply every event posted since the last call, in log order."""
-        total = self.registry.add(self.key("m/evn"), 0)
+        total = self.registry.add(self.keys.log_count(), 0)
         if total <= self._counted:
             return
-        lines = self.registry.get_or_empty(self.key("m/log")).splitlines()
-        for seq in range(self._seen, len(lines)):
-            kind, member, encoded = lines[seq].split("|", 2)
-            self._apply(kind, MemberRecord.decode(member, encoded), seq)
-        self._seen = len(lines)
+        entries = LogEntry.decode_log(self.registry.get_or_empty(self.keys.log()))
+        for seq in range(self._seen, len(entries)):
+            self._apply(entries[seq].kind, entries[seq].record, seq)
+        self._seen = len(entries)
         self._counted = total
 
     def _apply(self, kind: str, rec: MemberRecord, seq: int) -> None:

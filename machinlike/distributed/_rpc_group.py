@@ -6,8 +6,8 @@ The group's state (its members, owner caches, barrier rounds) lives here, in
 calls to a named member, and the blocking call every group call makes). Creation,
 barrier, destruction and the accessors are here.
 
-Store keys of one group incarnation (``epoch`` counts re-creations of the name; an open
-group, created with ``members=None``, has the epoch ``o``):
+Store keys of one group incarnation, all built by ``_keys`` (``epoch`` counts
+re-creations of the name; an open group, created with ``members=None``, has the epoch ``o``):
 
     <ns>rg/<group>/current                  "<epoch>/<members>" ("*" for an open group)
     <ns>rg/<group>/<epoch>/join/<member>    member lists, written at creation
@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 from . import _checks
 from ._group_calls import GroupCalls
 from ._group_keys import GroupKeys
+from ._keys import OPEN_EPOCH, GroupRecord, ServiceOwner
 from ._membership import Membership
 from ._registry import deadline_left
 from ._state import require_world
@@ -80,8 +81,9 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
         raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
     epoch = members_view.group_epochs.get(name, 0)
     members_view.group_epochs[name] = epoch + 1
-    prefix = members_view.key(f"rg/{name}/{epoch}/join/")
-    listing = ",".join(members)
+    keys = members_view.keys
+    prefix = keys.group_join_prefix(name, str(epoch))
+    listing = GroupRecord.listing(members)
     # In an elastic world the group is made of these incarnations: one that dies and
     # comes back is a new process, gone for this group (it creates a new one).
     incarnations = members_view.incarnations(members) if members_view.elastic else None
@@ -91,7 +93,7 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
     odd = [m for m, v in zip(members, members_view.registry.values(prefix, members)) if v != listing]
     if odd:
         raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
-    members_view.registry.set(members_view.key(f"rg/{name}/current"), f"{epoch}/{listing}")
+    members_view.registry.set(keys.group(name), GroupRecord(str(epoch), tuple(members)).encode())
     group = RpcGroup(name, members, str(epoch), incarnations)
     members_view.groups[name] = group
     return group
@@ -102,11 +104,13 @@ def open_group(members_view: Membership, name: str) -> "RpcGroup":
     check_group_name(name)
     if name in members_view.groups:
         raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
-    held = members_view.registry.compare_set(members_view.key(f"rg/{name}/current"), "", "o/*")
-    if held != "o/*":
-        raise ValueError(f"RpcGroup {name!r} exists with fixed members ({held.split('/', 1)[1]}); "
+    opened = GroupRecord(OPEN_EPOCH, None).encode()
+    held = members_view.registry.compare_set(members_view.keys.group(name), "", opened)
+    if held != opened:
+        fixed = GroupRecord.listing(GroupRecord.decode(held).members or ())
+        raise ValueError(f"RpcGroup {name!r} exists with fixed members ({fixed}); "
                          f"open groups (members=None) need a name of their own")
-    group = RpcGroup(name, None, "o")
+    group = RpcGroup(name, None, OPEN_EPOCH)
     members_view.groups[name] = group
     return group
 
@@ -140,7 +144,7 @@ class RpcGroup(GroupKeys, GroupCalls):
         self._lock = threading.Lock()
         self._barrier_lock = threading.Lock()
         self._barrier_gen = 0
-        self._service_owners: Dict[str, str] = {}
+        self._service_owners: Dict[str, ServiceOwner] = {}
         self._value_owners: Dict[str, str] = {}
         self._my_services: Set[str] = set()
         self._my_values: Set[str] = set()
@@ -154,7 +158,8 @@ class RpcGroup(GroupKeys, GroupCalls):
 
     # ------------------------------------------------------------------ plumbing
     def _key(self, world: Any, kind: str, key: str) -> str:
-        return world.membership.key(f"rg/{self._sid}{kind}/{key}")
+        keys = world.membership.keys
+        return (keys.service if kind == "s" else keys.value)(self._name, self._epoch, key)
 
     def _timeout(self, world: Any, timeout: Optional[float]) -> float:
         return _checks.seconds_or_none("timeout", timeout, world.rpc_timeout)
@@ -197,12 +202,12 @@ class RpcGroup(GroupKeys, GroupCalls):
         try:
             generation = self._barrier_gen
             self._barrier_gen += 1
-            prefix = self._key(world, "bar", f"{generation}/")
+            prefix = world.membership.keys.barrier_prefix(self._name, self._epoch, generation)
             members.registry.set(prefix + world.name, "1")
             members.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
                              f"barrier of RpcGroup {self._name!r}: members", wait, self._incarnations)
             if generation:
-                members.registry.delete([self._key(world, "bar", f"{generation - 1}/{world.name}")])
+                members.registry.delete([members.keys.barrier_prefix(self._name, self._epoch, generation - 1) + world.name])
         finally:
             self._barrier_lock.release()
 
@@ -221,7 +226,8 @@ class RpcGroup(GroupKeys, GroupCalls):
             if self._destroyed:
                 return
             for key in list(self._my_services):
-                world.membership.release(self._key(world, "s", key), self._service_owners.get(key, ""))
+                owner = self._service_owners.get(key)
+                world.membership.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
                 world.membership.tables.services.pop(self._sid + key, None)
             for key in list(self._my_values):
                 world.membership.release(self._key(world, "v", key), world.membership.transport)

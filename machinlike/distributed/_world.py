@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import _checks, _netif, _rendezvous, _samehost, _state
 from ._collective import CollectiveGroup
+from ._keys import GroupRecord
 from ._membership import MemberEvent, Membership
 from ._rpc_group import RpcGroup, create_group, open_group
 from ._state import require_world
@@ -310,11 +311,11 @@ class World(WorldStart, WorldStop):
         group = self.membership.groups.get(group_name)
         if group is not None:
             return group
-        record = self.membership.owner(self.membership.key(f"rg/{group_name}/current"))
-        if record is None:
+        held = self.membership.owner(self.membership.keys.group(group_name))
+        if held is None:
             return None
-        epoch, members = record.split("/", 1)
-        return RpcGroup(group_name, None if members == "*" else members.split(","), epoch)
+        record = GroupRecord.decode(held)
+        return RpcGroup(group_name, record.members, record.epoch)
 
     def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
                                 timeout: Optional[float] = None) -> CollectiveGroup:

@@ -31,6 +31,7 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from . import _calls, _netif, _rendezvous, _samehost, _transport
+from ._keys import Keys, ServiceOwner
 from ._liveness import process_identity
 from ._membership import Membership
 from ._registry import deadline_left
@@ -72,48 +73,47 @@ class WorldStart:
         info = self._open(init_method, store, interface)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         if self.elastic:
-            self._start_elastic(info, f"mlk/{restart}/e/", rpc_threads, deadline)
+            self._start_elastic(info, Keys.elastic_world(restart), rpc_threads, deadline)
             return
         # A namespace per world incarnation: a store may outlive a world (torchrun's agent
         # store outlives restarted workers, and a process may build a new World on it), and
         # stale keys (gloo addresses, names, barriers) must not leak into the next one. The
         # k-th World of every rank on this store meets the k-th World of the others.
-        incarnation = info.store.add(f"mlk/{restart}/incarnation/{self.rank}", 1)
-        ns = f"mlk/{restart}/{incarnation}/"
-        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, False)
+        keys = Keys.static_world(restart, info.store.add(Keys.static_counter(restart, self.rank), 1))
+        self._membership = members = Membership(info.store, keys, info.owner, self.name, self.liveness, False)
         reg = members.registry
         ranks = [str(r) for r in range(self._size)]
-        reg.set(f"{ns}w/proc/{self.rank}", process_identity())
-        reg.set(f"{ns}w/name/{self.rank}", self.name)
-        reg.wait_all(f"{ns}w/name/", ranks, deadline_left(deadline), "World start-up: ranks", self.dist_timeout)
-        names = reg.values(f"{ns}w/name/", ranks)
+        reg.set(keys.proc_prefix() + str(self.rank), process_identity())
+        reg.set(keys.name_prefix() + str(self.rank), self.name)
+        reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", self.dist_timeout)
+        names = reg.values(keys.name_prefix(), ranks)
         if len(set(names)) != len(names):
             clash = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"member names must be unique; ranks {names} share {clash}")
-        members.enter_static(self.rank, names, reg.values(f"{ns}w/proc/", ranks))
+        members.enter_static(self.rank, names, reg.values(keys.proc_prefix(), ranks))
         self._bind_tables()
         if self._collective_on:
             with self._network_hint():
                 dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"{ns}pg", info.store), rank=self.rank,
+                    backend, store=dist.PrefixStore(keys.pg_prefix(), info.store), rank=self.rank,
                     world_size=self._size, timeout=datetime.timedelta(seconds=self.dist_timeout),
                 )
             self._pg_running = True
         if self._rpc_on:
-            self._rpc_url = _rendezvous.rpc_init_method(dist.PrefixStore(f"{ns}rpc", info.store), self.rank,
+            self._rpc_url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), info.store), self.rank,
                                                         self._size)
             with self._network_hint():
                 _transport.start_static(self.name, self.rank, self._size, self._rpc_url, rpc_threads,
                                         self.rpc_timeout)
             self._rpc_running = True
             members.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
-        reg.set(f"{ns}w/ready/{self.rank}", "1")
-        reg.wait_all(f"{ns}w/ready/", ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
+        reg.set(keys.ready_prefix() + str(self.rank), "1")
+        reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
                      self.dist_timeout)
         members.start_monitor()
 
-    def _start_elastic(self, info: _rendezvous.StoreInfo, ns: str, rpc_threads: int, deadline: float) -> None:
-        self._membership = members = Membership(info.store, ns, info.owner, self.name, self.liveness, True)
+    def _start_elastic(self, info: _rendezvous.StoreInfo, keys: Keys, rpc_threads: int, deadline: float) -> None:
+        self._membership = members = Membership(info.store, keys, info.owner, self.name, self.liveness, True)
         members.enter(None if self.rank < 0 else self.rank, deadline)
         self.rank, self.incarnation = members.rank, members.incarnation
         self._bind_tables()
@@ -154,5 +154,5 @@ class WorldStart:
 
     def _resolve_service_owner(self, sid: str) -> Optional[str]:
         group, epoch, key = sid.split("/", 2)
-        held = self.membership.owner(self.membership.key(f"rg/{group}/{epoch}/s/{key}"))
-        return held[2:] if held else None
+        held = self.membership.owner(self.membership.keys.service(group, epoch, key))
+        return ServiceOwner.decode(held).worker if held else None
