@@ -43,7 +43,8 @@ class GroupCalls:
                 call should not pay for formatting it).
             stated: The caller's timeout to quote (None: ``timeout``).
         """
-        members = require_world().membership
+        membership = require_world().membership
+        members, waits = membership.roster, membership.waits
         if members.transport_gone(worker):
             raise PeerLostError(members.member_of(worker), f"{_text(what)}: it left or was lost")
         try:
@@ -51,7 +52,7 @@ class GroupCalls:
                 # A dead process here closes its sockets: the call fails at once by itself.
                 return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
             # Another host may vanish without a word: the liveness monitor ends the wait.
-            return members.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
+            return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
         except RuntimeError as err:
             raise translate_error(err, members.member_of(worker), _text(what),
                                   timeout if stated is None else stated) from err

@@ -46,9 +46,9 @@ class GroupKeys:
         members = world.membership
         if not refresh:
             held = self._value_owners.get(key)
-            if held is not None and not members.transport_gone(held):
+            if held is not None and not members.roster.transport_gone(held):
                 return held
-        held = members.owner(self._key(world, "v", key))
+        held = members.claims.owner(self._key(world, "v", key))
         if held is None:
             self._value_owners.pop(key, None)
         else:
@@ -60,9 +60,9 @@ class GroupKeys:
         members = world.membership
         if not refresh:
             owner = self._service_owners.get(key)
-            if owner is not None and not members.transport_gone(owner.worker):
+            if owner is not None and not members.roster.transport_gone(owner.worker):
                 return owner
-        held = members.owner(self._key(world, "s", key))
+        held = members.claims.owner(self._key(world, "s", key))
         if held is None:
             self._service_owners.pop(key, None)
             return None
@@ -71,7 +71,7 @@ class GroupKeys:
 
     def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
         owner = None if refresh else self._service_owners.get(key)
-        if owner is None or world.membership.transport_gone(owner.worker):  # else the common case, at once
+        if owner is None or world.membership.roster.transport_gone(owner.worker):  # else the common case, at once
             owner = self._lookup_service(world, key, refresh)
             if owner is None:
                 raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -103,11 +103,11 @@ class GroupKeys:
             if key in self._my_services:
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
             world.membership.tables.services[self._sid + key] = service
-            taken = world.membership.claim(self._key(world, "s", key), holder.encode())
+            taken = world.membership.claims.claim(self._key(world, "s", key), holder.encode())
             if taken is not None:
                 del world.membership.tables.services[self._sid + key]
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
-                               f"(by member {world.membership.member_of(ServiceOwner.worker_of(taken))!r})")
+                               f"(by member {world.membership.roster.member_of(ServiceOwner.worker_of(taken))!r})")
             self._my_services.add(key)
             self._service_owners[key] = holder
 
@@ -126,7 +126,7 @@ class GroupKeys:
             if key not in self._my_services:
                 raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
             owner = self._service_owners.get(key)
-            world.membership.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
+            world.membership.claims.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
             self._my_services.discard(key)
             self._service_owners.pop(key, None)
             world.membership.tables.services.pop(self._sid + key, None)
@@ -198,7 +198,7 @@ class GroupKeys:
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
         member, entry = self._service_target(world, key)
         fut = rpc.rpc_async(member, entry, args=_samehost.outgoing(member, call), timeout=wait)  # [shm hook]
-        return RpcFuture(fut, world.membership.member_of(member), f"service {key!r} of group {self._name!r}", wait,
+        return RpcFuture(fut, world.membership.roster.member_of(member), f"service {key!r} of group {self._name!r}", wait,
                          retry=lambda: self.registered_sync(key, args, kwargs, timeout))
 
     def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
@@ -250,11 +250,11 @@ class GroupKeys:
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by this member)")
             world.membership.tables.values[self._sid + key] = value
             me = world.membership.transport
-            taken = world.membership.claim(self._key(world, "v", key), me)
+            taken = world.membership.claims.claim(self._key(world, "v", key), me)
             if taken is not None:
                 del world.membership.tables.values[self._sid + key]
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] "
-                               f"(by member {world.membership.member_of(taken)!r})")
+                               f"(by member {world.membership.roster.member_of(taken)!r})")
             self._my_values.add(key)
             self._value_owners[key] = me
 
@@ -272,7 +272,7 @@ class GroupKeys:
         with self._lock:
             if key not in self._my_values:
                 raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {world.name!r}")
-            world.membership.release(self._key(world, "v", key), world.membership.transport)
+            world.membership.claims.release(self._key(world, "v", key), world.membership.transport)
             self._my_values.discard(key)
             self._value_owners.pop(key, None)
             world.membership.tables.values.pop(self._sid + key, None)

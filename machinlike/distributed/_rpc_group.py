@@ -88,7 +88,7 @@ def create_group(members_view: Membership, name: str, members: Sequence[str], wa
     # comes back is a new process, gone for this group (it creates a new one).
     incarnations = members_view.incarnations(members) if members_view.elastic else None
     members_view.registry.set(prefix + members_view.name, listing)
-    members_view.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
+    members_view.waits.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
                           f"creating RpcGroup {name!r}: members", wait, incarnations)
     odd = [m for m, v in zip(members, members_view.registry.values(prefix, members)) if v != listing]
     if odd:
@@ -204,7 +204,7 @@ class RpcGroup(GroupKeys, GroupCalls):
             self._barrier_gen += 1
             prefix = world.membership.keys.barrier_prefix(self._name, self._epoch, generation)
             members.registry.set(prefix + world.name, "1")
-            members.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
+            members.waits.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
                              f"barrier of RpcGroup {self._name!r}: members", wait, self._incarnations)
             if generation:
                 members.registry.delete([members.keys.barrier_prefix(self._name, self._epoch, generation - 1) + world.name])
@@ -227,10 +227,10 @@ class RpcGroup(GroupKeys, GroupCalls):
                 return
             for key in list(self._my_services):
                 owner = self._service_owners.get(key)
-                world.membership.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
+                world.membership.claims.release(self._key(world, "s", key), owner.encode() if owner is not None else "")
                 world.membership.tables.services.pop(self._sid + key, None)
             for key in list(self._my_values):
-                world.membership.release(self._key(world, "v", key), world.membership.transport)
+                world.membership.claims.release(self._key(world, "v", key), world.membership.transport)
                 world.membership.tables.values.pop(self._sid + key, None)
             self._my_services.clear()
             self._my_values.clear()

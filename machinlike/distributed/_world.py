@@ -201,7 +201,7 @@ class World(WorldStart, WorldStop):
 
     def get_ranks(self) -> List[int]:
         """Ranks of the live members, sorted."""
-        return self.membership.ranks()
+        return self.membership.roster.ranks()
 
     def on_member_change(self, callback: Callable[[MemberEvent], None]) -> None:
         """Call ``callback(event)`` on every join, leave and loss from now on.
@@ -311,7 +311,7 @@ class World(WorldStart, WorldStop):
         group = self.membership.groups.get(group_name)
         if group is not None:
             return group
-        held = self.membership.owner(self.membership.keys.group(group_name))
+        held = self.membership.claims.owner(self.membership.keys.group(group_name))
         if held is None:
             return None
         record = GroupRecord.decode(held)

@@ -15,7 +15,7 @@ leave it, die and come back; no world size:
 
     open the store (host it when rank=0, or join)
     claim the name (a dead incarnation's claim is taken over)   Membership.enter
-    join the dynamic RPC group, pruning the dead first          Membership.join_transport
+    join the dynamic RPC group, pruning the dead first          Endpoint.join            
     post "join", start the liveness monitor                     Membership.announce
 """
 
@@ -110,15 +110,15 @@ class WorldStart:
         reg.set(keys.ready_prefix() + str(self.rank), "1")
         reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
                      self.dist_timeout)
-        members.start_monitor()
+        members.monitor.start()
 
     def _start_elastic(self, info: _rendezvous.StoreInfo, keys: Keys, rpc_threads: int, deadline: float) -> None:
         self._membership = members = Membership(info.store, keys, info.owner, self.name, self.liveness, True)
         members.enter(None if self.rank < 0 else self.rank, deadline)
-        self.rank, self.incarnation = members.rank, members.incarnation
+        self.rank, self.incarnation = members.endpoint.rank, members.endpoint.incarnation
         self._bind_tables()
         with self._network_hint():
-            members.join_transport(rpc_threads, min(self.rpc_timeout, 10.0), deadline, self.rpc_timeout)
+            members.endpoint.join(rpc_threads, min(self.rpc_timeout, 10.0), deadline, self.rpc_timeout)
         self._rpc_running = True
         members.announce()
 
@@ -126,7 +126,7 @@ class WorldStart:
         tables = self.membership.tables
         tables.resolve_owner = self._resolve_service_owner
         _calls.bind_tables(tables)
-        self._samehost = _samehost.SameHost(*self._shm_settings, self.membership.identity_of)  # [shm hook]
+        self._samehost = _samehost.SameHost(*self._shm_settings, self.membership.roster.identity_of)  # [shm hook]
         _samehost.bind(self._samehost)
 
     def _set_interface(self, interface: Optional[str], master_host: str, master_port: int) -> None:
@@ -154,5 +154,5 @@ class WorldStart:
 
     def _resolve_service_owner(self, sid: str) -> Optional[str]:
         group, epoch, key = sid.split("/", 2)
-        held = self.membership.owner(self.membership.keys.service(group, epoch, key))
+        held = self.membership.claims.owner(self.membership.keys.service(group, epoch, key))
         return ServiceOwner.decode(held).worker if held else None

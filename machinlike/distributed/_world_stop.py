@@ -79,10 +79,10 @@ class WorldStop:
         members = self.membership
         everyone = False
         names = [str(r) for r in range(self._size)]
-        order = members.names_by_rank()
+        order = members.roster.names_by_rank()
         try:
             members.registry.set(members.keys.stop_prefix() + str(self.rank), "1")
-            members.wait_all(members.keys.stop_prefix(), names, order, deadline_left(deadline), "World.stop: ranks", wait)
+            members.waits.wait_all(members.keys.stop_prefix(), names, order, deadline_left(deadline), "World.stop: ranks", wait)
             everyone = not self._rpc_running or members.members() == sorted(order)
         except (TimeoutError, ConnectionError) as err:
             log.warning("World %r stops without its peers: %s", self.name, err)
@@ -101,7 +101,7 @@ class WorldStop:
             members.registry.set(members.keys.left_prefix() + str(self.rank), "1")
             if self._store_info.hosted_here:
                 # Peers may still be talking to the store inside their own shutdown.
-                members.wait_all(members.keys.left_prefix(), names[1:], order[1:], deadline_left(deadline),
+                members.waits.wait_all(members.keys.left_prefix(), names[1:], order[1:], deadline_left(deadline),
                                  "World.stop: ranks leaving", wait)
         except (TimeoutError, ConnectionError) as err:
             log.warning("World %r closes its store before all peers left: %s", self.name, err)
