@@ -87,10 +87,6 @@ class Membership:
         self.events = EventLog(self.registry, keys, self._deliver)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                liveness, elastic, self._closing)
-        #: This process's handles of the groups it belongs to, by name (owned by RpcGroup).
-        self.groups: Dict[str, object] = {}
-        #: How many times each group name was created here (static groups' epochs).
-        self.group_epochs: Dict[str, int] = {}
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record

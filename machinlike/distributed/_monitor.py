@@ -70,7 +70,7 @@ class Monitor:
         self._closing = closing
         self._thread: Optional[threading.Thread] = None
         # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
-        self._beats: Dict[Tuple[str, int], Tuple[int, float]] = {}
+        self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
         # Losses another member began to clean up -> when this one first saw that.
         self._declaring: Dict[Tuple[str, int], float] = {}
 

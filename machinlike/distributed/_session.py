@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import _calls, _netif, _rendezvous, _samehost, _transport
 from ._keys import Keys, ServiceOwner
 from ._liveness import process_identity
+from ._group_directory import GroupDirectory
 from ._membership import Membership
 from ._registry import deadline_left
 from ._settings import Settings
@@ -83,6 +84,7 @@ class Session:
         store_address: ``"tcp://host:port"`` of the store (None until opened).
         interface: The interface TensorPipe and gloo use here (None: their own guess).
         membership: The world's members and tables (None until the store is open).
+        groups: This process's RpcGroups and what they use of the world (with ``membership``).
         rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
         process_group: The process group's destruction step, None when it did not start.
     """
@@ -95,6 +97,7 @@ class Session:
         self.store_address: Optional[str] = None
         self.interface: Optional[str] = None
         self.membership: Optional[Membership] = None
+        self.groups: Optional[GroupDirectory] = None
         self.rpc: Optional[Once] = None
         self.process_group: Optional[Once] = None
         self._undo = contextlib.ExitStack()
@@ -178,6 +181,8 @@ def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Me
     members = session.membership = Membership(info.store, keys, info.owner, s.name, s.liveness, s.elastic)
     # Its thread starts last; stopping it is the first undo (see the step list).
     session._undo.callback(members.close)
+    groups = session.groups = GroupDirectory(members, s.rpc_timeout, s.dist_timeout)
+    session._undo.callback(groups.close)
     return members
 
 

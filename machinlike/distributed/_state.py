@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from ._world import World
 
 __all__ = ["current", "lock", "require_world"]
 
 #: The running World of this process, None when there is none.
-current: Optional[Any] = None
+current: Optional["World"] = None
 #: Held while a World claims or releases ``current``.
 lock = threading.Lock()
 
 
-def require_world() -> Any:
+def require_world() -> "World":
     """This process's World.
 
     Raises:

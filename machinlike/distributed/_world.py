@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 from . import _checks, _rendezvous, _state
 from ._collective import CollectiveGroup
-from ._keys import GroupRecord
 from ._membership import MemberEvent, Membership
-from ._rpc_group import RpcGroup, create_group, open_group
+from ._group_directory import GroupDirectory
+from ._rpc_group import RpcGroup, create_group, find_group, open_group
 from ._session import Session, start_elastic, start_static
 from ._settings import Settings, settings
 from ._state import require_world
@@ -206,6 +206,14 @@ class World:
             raise RuntimeError(f"World {self.name!r} is not started")
         return members
 
+    # Internal: what an RpcGroup handle of this World uses of it (its typed seam).
+    @property
+    def groups(self) -> GroupDirectory:
+        groups = self._session.groups
+        if groups is None:
+            raise RuntimeError(f"World {self.name!r} is not started")
+        return groups
+
     @property
     def world_size(self) -> int:
         """Number of ranks of a static world; the number of live members of an elastic one."""
@@ -313,8 +321,8 @@ class World:
             raise RuntimeError("this World was created with init_rpc=False; RpcGroups need RPC")
         wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
         if members is None:
-            return open_group(self.membership, group_name)
-        return create_group(self.membership, group_name, _checks.sequence_of_str("members", members), wait)
+            return open_group(self.groups, group_name)
+        return create_group(self.groups, group_name, _checks.sequence_of_str("members", members), wait)
 
     def get_rpc_group(self, group_name: str) -> Optional[RpcGroup]:
         """The RpcGroup ``group_name``: this process's own, else a handle if it exists, else None.
@@ -328,14 +336,7 @@ class World:
         Returns:
             The group, or None when no group of that name exists in the world.
         """
-        group = self.membership.groups.get(group_name)
-        if group is not None:
-            return group
-        held = self.membership.claims.owner(self.membership.keys.group(group_name))
-        if held is None:
-            return None
-        record = GroupRecord.decode(held)
-        return RpcGroup(group_name, record.members, record.epoch)
+        return find_group(self.groups, group_name)
 
     def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
                                 timeout: Optional[float] = None) -> CollectiveGroup:

@@ -69,8 +69,9 @@ def leave_elastic(session: Session, deadline: float) -> None:
     members, info, name = session.membership, session.store, session.settings.name
     if members is None or info is None:
         return
-    for group in list(members.groups.values()):
-        group.destroy()  # type: ignore[attr-defined]
+    if session.groups is not None:
+        for group in session.groups.local_groups():
+            group.destroy()
     members.leave(deadline)
     if info.hosted_here:
         try:
