@@ -34,7 +34,7 @@ from ._group_directory import GroupDirectory
 from ._rpc_group import RpcGroup, create_group, find_group, open_group
 from ._session import Session, start_elastic, start_static
 from ._settings import Settings, settings
-from ._state import require_world
+from ._state import get_cur_name, get_cur_rank, get_world, is_world_initialized
 from ._world_stop import leave_elastic, leave_static
 
 __all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
@@ -422,31 +422,3 @@ class World:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
-
-
-def get_world() -> Optional[World]:
-    """This process's World, None if there is none (or it was stopped)."""
-    return _state.current
-
-
-def is_world_initialized() -> bool:
-    """Whether this process has a running World."""
-    return _state.current is not None
-
-
-def get_cur_rank() -> int:
-    """Rank of this process.
-
-    Raises:
-        RuntimeError: this process has no World.
-    """
-    return require_world().rank
-
-
-def get_cur_name() -> str:
-    """Member name of this process.
-
-    Raises:
-        RuntimeError: this process has no World.
-    """
-    return require_world().name
