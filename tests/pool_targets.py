@@ -14,6 +14,7 @@ import select
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -246,10 +247,28 @@ class AnnounceFifo:
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
 
     def read_pid(self, timeout: float = 60.0) -> int:
-        readable, _, _ = select.select([self._fd], [], [], timeout)
-        if not readable:
-            raise TimeoutError(f"no process announced itself on {self.path} within {timeout} s")
-        return int(os.read(self._fd, 64))
+        """The pid a process wrote, waiting up to ``timeout`` seconds in all.
+
+        ``select`` may call the FIFO readable with nothing to read: once a writer has come
+        and gone it reports end of file (``read`` then returns b""), and a writer that
+        opens between the two calls turns that into EAGAIN. Both only mean "not yet".
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self._fd], [], [], remaining)[0]:
+                raise TimeoutError(f"no process announced itself on {self.path} within {timeout} s")
+            try:
+                data = os.read(self._fd, 64)
+            except BlockingIOError:  # a writer is there, it has not written yet
+                continue
+            if data:
+                return int(data)  # one short write: atomic on a pipe
+            # End of file: a writer left without writing. The FIFO stays "readable" until
+            # it is opened afresh (the new descriptor comes first, so a reader always exists).
+            fresh = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+            os.close(self._fd)
+            self._fd = fresh
 
     def close(self) -> None:
         os.close(self._fd)

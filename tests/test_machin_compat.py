@@ -78,7 +78,9 @@ def _a3c(world):
     from machin.frame.algorithms import A3C
     from machin.frame.helpers.servers import grad_server_helper
 
-    from machinlike.server._grad_accessor import hosted  # the primary's server objects
+    import gc
+
+    from machinlike.server import PushPullGradServerImpl
 
     # machin's own helper: impls on every member, manage_model/start on the primary only
     servers = grad_server_helper([Actor, Critic], "a3c_grad", learning_rate=1e-3)
@@ -93,7 +95,10 @@ def _a3c(world):
     if world.name == "0":
         for server in servers:
             server.flush(timeout=30)
-        applied = [hosted[("a3c_grad", f"grad_server_{i}")].stats()["primary"]["applied"] for i in range(2)]
+        # machin's helper keeps no reference to the primary's server objects: find them
+        impls = {o.server_name: o for o in gc.get_objects() if isinstance(o, PushPullGradServerImpl)
+                 and o.group is group and o.primary is not None}
+        applied = [impls[f"grad_server_{i}"].stats()["primary"]["applied"] for i in range(2)]
         # every member's gradients reached the primary: 3 members x 3 updates, per model
         assert applied == [3 * updates, 3 * updates], applied
     group.barrier()

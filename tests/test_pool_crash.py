@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import types
 
 import pool_targets as targets
 import pytest
@@ -213,3 +215,29 @@ def test_callback_errors_are_reported_and_do_not_stop_the_pool(monkeypatch):
         assert first.get(WAIT) == 9
         assert pool.apply(targets.square, (4,)) == 16
     assert len(reported) == 1 and "callback saw 9" in str(reported[0].exc_value)
+
+
+def test_announce_fifo_reads_through_wake_ups_without_data(tmp_path, monkeypatch):
+    """select() said readable, read() said EAGAIN (a flake of test_crash_matrix): a writer
+    that came and went leaves the FIFO at end of file, and one that opens right after the
+    select makes the read find a writer and no data. Both must mean "wait on"."""
+    announce = targets.AnnounceFifo(tmp_path / "pid")
+    writer = []
+    real_select = targets.select.select
+
+    def select_then_a_writer_opens(*args):
+        ready = real_select(*args)
+        if not writer:  # between this select and the read, as under load
+            writer.append(os.open(announce.path, os.O_WRONLY | os.O_NONBLOCK))
+            threading.Timer(0.2, lambda: (os.write(writer[0], b"4242"), os.close(writer[0]))).start()
+        return ready
+
+    try:
+        os.close(os.open(announce.path, os.O_WRONLY | os.O_NONBLOCK))  # came and went: end of file
+        assert real_select([announce._fd], [], [], 0)[0], "the FIFO should poll readable at end of file"
+        # only pool_targets' own view of select: nothing else in the process is touched
+        monkeypatch.setattr(targets, "select", types.SimpleNamespace(select=select_then_a_writer_opens))
+        assert announce.read_pid(10) == 4242
+        assert writer, "the test did not provoke the race"
+    finally:
+        announce.close()

@@ -18,10 +18,10 @@ WAIT = 60.0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_script(body: str, timeout: float = 120.0, extra_args=()) -> subprocess.CompletedProcess:
+def _run_script(body: str, timeout: float = 120.0, extra_args=(), argv=()) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
     return subprocess.run(
-        [sys.executable, *extra_args, "-c", textwrap.dedent(body)],
+        [sys.executable, *extra_args, "-c", textwrap.dedent(body), *argv],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
     )
 
@@ -91,6 +91,43 @@ def test_garbage_collection_ends_an_unclosed_pool_and_warns():
     assert done.returncode == 0, done.stderr
     assert "REAPED" in done.stdout
     assert "unclosed running pool" in done.stderr  # __del__ only warns
+
+
+THREAD_POOL_AT_EXIT = """
+    import sys, threading, time, torch
+    from machinlike.pool import ThreadPool
+
+    def train_step(seed):  # what MADDPG's update runs on its pool: autograd on CPU
+        torch.manual_seed(seed)
+        w = torch.randn(64, 64, requires_grad=True)
+        (torch.tanh(torch.randn(32, 64) @ w) ** 2).sum().backward()
+        return float(w.grad.abs().sum())
+
+    def busy(seconds):  # inside torch operators (GIL released) until the interpreter exits
+        a = torch.randn(300, 300)
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            a @ a
+        return 1
+
+    pool = ThreadPool(2)  # never closed, as MADDPG never closes its pool
+    assert len(pool.starmap(train_step, [(i,) for i in range(8)])) == 8
+    if sys.argv[1] == "running":
+        pool.apply_async(busy, (1.0,))
+        time.sleep(0.2)  # the task is inside torch now
+    print("EXITING", flush=True)
+"""
+
+
+@pytest.mark.parametrize("at_exit", ["idle", "running"])
+def test_an_open_thread_pool_whose_tasks_used_torch_exits_quietly(at_exit):
+    """A thread pool left open at exit ends before the interpreter finalizes: a daemon
+    thread caught inside torch then would abort the process ("terminate called without an
+    active exception", exit code 134; the standard ThreadPool does)."""
+    done = _run_script(THREAD_POOL_AT_EXIT, argv=(at_exit,))
+    assert "EXITING" in done.stdout, done.stderr
+    assert "terminate called" not in done.stderr, done.stderr
+    assert done.returncode == 0, (done.returncode, done.stderr)
 
 
 @pidfd_only

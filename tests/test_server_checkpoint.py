@@ -16,6 +16,7 @@ from machinlike.server import (CheckpointError, OrderedServerBase, OrderedServer
                                PushPullGradServerImpl)
 from machinlike.server._checkpoint import Checkpointer
 from machinlike.server._grad_checkpoint import PrimaryCheckpoint
+from machinlike.server._host import HostCheckpoint
 
 
 def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
@@ -185,7 +186,7 @@ def test_a_primary_killed_right_after_publishing_never_reuses_that_version(tmp_p
 def test_a_primary_checkpoint_needs_its_lease(tmp_path):
     params = dict(Two().named_parameters())
     state = {"params": {"w": torch.zeros(2)}, "optimizer": {}, "lr_scheduler": None, "version": 7, "applied": {}}
-    ckpt = PrimaryCheckpoint(tmp_path, "g", every=1, interval=None)
+    ckpt = PrimaryCheckpoint(HostCheckpoint(tmp_path, "grad-server", "g", every=1, interval=None))
     assert ckpt.resume(params, torch.optim.SGD(params.values(), lr=1.0), None) is None
     Checkpointer(tmp_path, "grad-server", "g").save(state)
     with pytest.raises(CheckpointError, match="has no lease file .*g.lease"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 
 import pytest
@@ -139,3 +140,37 @@ def test_pull_converts_dtype_and_push_stays_strict(world):
     group.barrier()
     if world.name == "0":
         impl.close()
+
+
+@world_test(3, timeout=90)
+def test_flush_does_not_wait_for_a_reducer_nobody_started(world):
+    """Built the machin way, member '2' never pushes, so its secondary never starts: a flush
+    on the primary returns at once instead of waiting its whole timeout on it."""
+    group = world.create_rpc_group("unstarted", ["0", "1", "2"])
+    impl = PushPullGradServerImpl("grad_server_0", group, primary_reducer="0", reduce_batch_size=2)
+    if world.name == "0":
+        model = Small()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+    group.barrier()
+    server = group.get_paired("grad_server_0").to_here()
+    if world.name == "1":
+        model = Small()
+        for _ in range(2):
+            _set_grads(model, 1)
+            server.push(model)  # starts member '1''s secondary
+    group.barrier()
+    if world.name == "0":
+        start = time.monotonic()
+        version = server.flush(timeout=60)
+        took = time.monotonic() - start
+        assert took < 10, f"flush waited {took:.1f} s on the secondary nobody started"
+        assert version == 1
+        fresh = Small()
+        assert server.pull(fresh) and fresh.lin.weight.tolist() == [[-2.0] * 3] * 2
+    group.barrier()
+    if world.name == "2":
+        assert impl.threads() == [] and impl.stats()["secondary"]["state"] == "new"
+    impl.stop(timeout=10)
+    group.barrier()
+    impl.close()

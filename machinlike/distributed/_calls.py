@@ -32,7 +32,7 @@ from torch.distributed import rpc
 
 from ..exception import ExceptionWithTraceback, PeerLostError
 from ..pickle import dumps, loads
-from ._checks import call_args
+from .._checks import call_args
 from ._samehost import reply as _reply
 
 if TYPE_CHECKING:

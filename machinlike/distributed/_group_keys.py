@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple, Union
 
 from torch.distributed import rpc
 
-from . import _calls, _checks, _samehost
+from .. import _checks
+from . import _calls, _samehost
 from ._calls import RpcFuture, is_async, is_missing, is_stale, sync_call, unwrap
 from ._group_directory import GroupDirectory
 from ._keys import ServiceOwner

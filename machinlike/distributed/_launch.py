@@ -32,8 +32,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch.distributed as dist
 
-from . import _checks
+from .. import _checks
 from .._lifeline import watch_parent
+from .._procs import end_processes
 from .._warm import resolve_context
 from ..exception import ExceptionWithTraceback, ProcessExitedError
 from ..pickle import dumps, loads
@@ -126,19 +127,6 @@ def _host_store(world_size: int, timeout: float) -> dist.TCPStore:
     port = sock.getsockname()[1]
     return dist.TCPStore("127.0.0.1", port, world_size, True, datetime.timedelta(seconds=timeout),
                          wait_for_workers=False, master_listen_fd=sock.detach())
-
-
-def _kill_all(processes: Sequence[Any], grace: float = 2.0) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + grace
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
 
 
 def launch(
@@ -237,7 +225,7 @@ def launch(
             job.start(rank)
         return job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
     finally:
-        _kill_all([p for p in job.processes if p is not None])
+        end_processes([p for p in job.processes if p is not None], grace=2.0, reap=5.0)
         for reader in job.readers:
             reader.close()
         del store

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set
 
-from . import _checks
+from .. import _checks
 from ._group_calls import GroupCalls
 from ._group_keys import GroupKeys
 from ._keys import OPEN_EPOCH, GroupRecord, ServiceOwner

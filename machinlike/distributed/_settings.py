@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import _checks, _netif, _rendezvous, _samehost
+from .. import _checks
+from . import _netif, _rendezvous, _samehost
 
 __all__ = ["Settings", "settings", "BACKENDS"]
 

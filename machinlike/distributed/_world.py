@@ -27,7 +27,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _checks, _rendezvous, _state
+from .. import _checks
+from . import _rendezvous, _state
 from ._collective import CollectiveGroup
 from ._membership import MemberEvent, Membership
 from ._group_directory import GroupDirectory

@@ -74,7 +74,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from .._warm import resolve_context
 from ..exception import WorkerLostError
-from ._api import PoolBase, as_args, check_bool, check_callable, check_contexts, check_maxtasks, check_processes
+from ._api import PoolBase
+from ._args import as_args, check_bool, check_callable, check_contexts, check_maxtasks, check_processes
 from ._core import ProcessCore
 from ._errors import BrokenPoolError, PoolTerminatedError, PoolTimeoutError
 from ._policy import LARGE_TENSOR_BYTES, Codec
@@ -253,7 +254,7 @@ class CtxPool(Pool):
         )
 
 
-class ThreadPool(Pool):
+class ThreadPool(PoolBase):
     """A pool of threads with the same API; nothing is pickled (see the module docstring).
 
     Args:

@@ -18,11 +18,17 @@ import itertools
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable, Deque, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Deque, Iterator, Optional
 
 from ._errors import PoolTerminatedError
+from ._state import PoolState
+
+if TYPE_CHECKING:
+    from ._engine import Engine
 
 __all__ = ["Feeder"]
+
+_ENDED = (PoolState.TERMINATE, PoolState.BROKEN)
 
 
 class _Feed:
@@ -52,7 +58,7 @@ class Feeder:
         name: Prefix for the thread name.
     """
 
-    def __init__(self, backend: Any, name: str) -> None:
+    def __init__(self, backend: "Engine", name: str) -> None:
         self._backend = backend
         self._name = name
         # Reentrant: the abandonment callback (a weakref callback, run by the garbage
@@ -134,7 +140,7 @@ class Feeder:
             self._advance(feed)
 
     def _next_feed(self) -> Optional[_Feed]:
-        halted = self._stopped or self._backend.state in ("terminated", "broken")
+        halted = self._stopped or self._backend.state in _ENDED
         feeds = self._feeds
         for _ in range(len(feeds)):
             feed = feeds[0]
@@ -149,9 +155,9 @@ class Feeder:
             self._finish(feed, close_source=True)
             return
         backend = self._backend
-        if self._stopped or backend.state in ("terminated", "broken"):
+        if self._stopped or backend.state in _ENDED:
             error: BaseException = PoolTerminatedError("the pool was terminated before this imap finished")
-            if backend.state == "broken":
+            if backend.state is PoolState.BROKEN:
                 try:
                     backend.check_running()
                 except Exception as exc:  # the BrokenPoolError, with its cause

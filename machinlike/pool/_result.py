@@ -25,11 +25,11 @@ import time
 import types
 from _thread import allocate_lock
 from collections import deque
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 from ._errors import PoolTimeoutError
 
-__all__ = ["AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator", "ApplyResult"]
+__all__ = ["AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator", "ApplyResult", "Job"]
 
 _PENDING, _SETTLING, _DONE = 0, 1, 2
 
@@ -61,6 +61,20 @@ def report_callback_error(callback: Any, exc: BaseException) -> None:
             object=callback,
         )
     )
+
+
+class Job(Protocol):
+    """What an engine settles: every result class here (see the module docstring)."""
+
+    def _done(self, start: int, count: int, value: Any) -> None: ...
+
+    def _failed(self, start: int, count: int, exc: BaseException) -> None: ...
+
+    def _partial(self, start: int, values: List[Any], errors: Dict[int, BaseException]) -> None: ...
+
+    def _abort(self, exc: BaseException) -> None: ...
+
+    def _is_done(self) -> bool: ...
 
 
 def _first_error(errors: Dict[int, BaseException]) -> BaseException:

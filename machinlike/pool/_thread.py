@@ -11,27 +11,69 @@ concurrently (one lock), as in the standard pool where one thread runs them all.
 Threads cannot be killed: ``terminate()`` fails every pending task at once and stops the
 threads, but a task that is running finishes in the background (its result is dropped);
 ``join()`` waits for it.
+
+Interpreter exit: a pool left open is terminated, and its threads are *joined* (up to
+``EXIT_WAIT`` seconds for all pools together) before the interpreter finalizes. A daemon
+thread still alive then is stopped by CPython when it next takes the GIL, with
+``pthread_exit``; if it is inside torch at that moment (a GIL-releasing operator), the
+forced unwind crosses a ``noexcept`` C++ frame and the process aborts with "terminate
+called without an active exception", exit code 134 (the standard ``ThreadPool`` does the
+same). The hook is registered once, when the first thread pool starts.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._errors import BrokenPoolError, PoolTerminatedError
+from ._result import Job
+from ._state import PoolFlags, PoolState
 from ._worker import run_chunk
 
-__all__ = ["ThreadCore"]
+__all__ = ["ThreadCore", "EXIT_WAIT"]
 
-RUN, CLOSE, TERMINATE, BROKEN = "running", "closed", "terminated", "broken"
+#: Seconds interpreter exit waits, for all thread pools together, for their threads.
+EXIT_WAIT = 5.0
+
+RUN, CLOSE, TERMINATE, BROKEN = PoolState.RUN, PoolState.CLOSE, PoolState.TERMINATE, PoolState.BROKEN
 
 _CALL, _MAP = 1, 2
 _STOP = None
 _counter = itertools.count(1)
+_exit_lock = threading.Lock()
+_open_cores: "Optional[weakref.WeakSet[ThreadCore]]" = None  # created with the exit hook
+
+
+def _track(core: "ThreadCore") -> None:
+    """Register ``core`` for the exit hook (registered on the first call)."""
+    global _open_cores
+    with _exit_lock:
+        if _open_cores is None:
+            _open_cores = weakref.WeakSet()
+            # atexit runs its hooks last-in first-out: this one runs before
+            # multiprocessing's finalizers, while daemon threads still run normally.
+            atexit.register(_end_at_exit)
+        _open_cores.add(core)
+
+
+def _end_at_exit() -> None:
+    with _exit_lock:
+        cores = list(_open_cores or ())
+    deadline = time.monotonic() + EXIT_WAIT
+    for core in cores:
+        core.terminate()
+    for core in cores:
+        try:
+            core.join(max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, ValueError):  # a task still runs: leave it, as before
+            pass
 
 
 class ThreadCore:
@@ -61,12 +103,10 @@ class ThreadCore:
         self._maxtasks = maxtasks
         self._daemon = daemon
         self._queue: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._flags = PoolFlags()
+        self._lock = self._flags.lock  # guards the flags, _jobs, _threads, _stops_sent
         self._callback_lock = threading.Lock()
-        self._state = RUN
-        self._broken_error: Optional[BaseException] = None
         self._jobs: Dict[int, List[Any]] = {}  # id(job) -> [job, tasks not yet settled]
-        self._feeds_open = 0
         self._stops_sent = False
         self._threads: List[threading.Thread] = []
         self._generation = itertools.count()
@@ -74,26 +114,20 @@ class ThreadCore:
         with self._lock:
             for slot in range(processes):
                 self._start_thread(slot)
+        _track(self)
 
     # ------------------------------------------------------------------ public side
 
     @property
-    def state(self) -> str:
-        return self._state
+    def state(self) -> PoolState:
+        return self._flags.state
 
     def ahead(self) -> int:
         return self.processes * 2
 
     def check_running(self) -> None:
-        """Raise unless new work is accepted (see ProcessCore.check_running)."""
-        state = self._state
-        if state is RUN:
-            return
-        if state is BROKEN:
-            error = BrokenPoolError(*self._broken_error.args)  # type: ignore[union-attr]
-            error.__cause__ = self._broken_error.__cause__  # type: ignore[union-attr]
-            raise error
-        raise ValueError(f"Pool not running: it was {state} (close() or terminate() was called)")
+        """Raise unless new work is accepted (see ``PoolFlags.check_running``)."""
+        self._flags.check_running()
 
     def delivers_in_this_thread(self) -> bool:
         return False  # any worker thread may deliver; waiting in one is the user's call
@@ -101,35 +135,33 @@ class ThreadCore:
     def function(self, func: Callable[..., Any]) -> Callable[..., Any]:
         return func
 
-    def call(self, job: Any, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
+    def call(self, job: Job, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
         self._put([(_CALL, job, func, args, kwds, 0, 1)], job, 1)
 
-    def map(self, job: Any, func: Callable[..., Any], star: bool, chunks: Any, final: bool) -> None:
+    def map(self, job: Optional[Job], func: Callable[..., Any], star: bool, chunks: Any, final: bool) -> None:
         items = [(_MAP, job, func, star, chunk, start, len(chunk)) for start, chunk in chunks]
         if items:
             self._put(items, job, len(items))
 
     def feed_opened(self) -> None:
         with self._lock:
-            self._feeds_open += 1
+            self._flags.feeds_open += 1
 
     def feed_closed(self) -> None:
         with self._lock:
-            self._feeds_open -= 1
+            self._flags.feeds_open -= 1
             self._stop_when_done()
 
     def close(self) -> None:
         with self._lock:
-            if self._state is RUN:
-                self._state = CLOSE
+            self._flags.close()
             self._stop_when_done()
 
     def terminate(self) -> None:
         with self._lock:
-            if self._state is TERMINATE:
+            if self._flags.state is TERMINATE:
                 return
-            if self._state is not BROKEN:
-                self._state = TERMINATE
+            self._flags.terminate()  # a broken pool stays broken
             jobs = [entry[0] for entry in self._jobs.values()]
             self._jobs.clear()
             self._send_stops()
@@ -144,7 +176,7 @@ class ThreadCore:
             ValueError: the pool is still running.
             TimeoutError: threads still run after ``timeout`` seconds.
         """
-        if self._state is RUN:
+        if self._flags.state is RUN:
             raise ValueError("Pool is still running: call close() or terminate() before join()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -162,8 +194,7 @@ class ThreadCore:
 
     def _put(self, items: List[tuple], job: Any, count: int) -> None:
         with self._lock:
-            state = self._state
-            if state is TERMINATE or state is BROKEN:
+            if self._flags.ended():
                 refused = True
             else:
                 refused = False
@@ -190,7 +221,7 @@ class ThreadCore:
     def _stop_when_done(self) -> None:
         # lock held: once closed and nothing is left to feed, one STOP per thread, queued
         # after every task (the queue is FIFO)
-        if self._state is CLOSE and not self._feeds_open:
+        if self._flags.state is CLOSE and not self._flags.feeds_open:
             self._send_stops()
 
     def _send_stops(self) -> None:
@@ -213,13 +244,14 @@ class ThreadCore:
             item = get()
             if item is _STOP:
                 return
-            if self._state is TERMINATE or self._state is BROKEN:
+            if self._flags.ended():
                 continue  # its job was failed already; drain until our STOP
             self._execute(item, context)
+            del item  # an idle thread holds nothing of its last task (tensors, graphs)
             done += 1
             if self._maxtasks is not None and done >= self._maxtasks:
                 with self._lock:
-                    if self._state is RUN or self._state is CLOSE:
+                    if not self._flags.ended():
                         self.replaced += 1
                         self._start_thread(slot)  # inherits this slot and its context
                         return
@@ -261,10 +293,8 @@ class ThreadCore:
         error = BrokenPoolError(f"{self.name} is broken: the initializer raised in thread slot {slot}: {cause!r}")
         error.__cause__ = cause
         with self._lock:
-            if self._state is TERMINATE or self._state is BROKEN:
+            if not self._flags.break_(error):
                 return
-            self._state = BROKEN
-            self._broken_error = error
             jobs = [entry[0] for entry in self._jobs.values()]
             self._jobs.clear()
             self._send_stops()

@@ -1,18 +1,8 @@
 """A process pool worker: read task frames, run them, write result frames.
 
-One worker, two private pipes (see ``_wire``), and a small shared-memory block the pool
-reads without asking::
-
-    shared[0]          sequence number of the last task frame taken (claimed or skipped)
-    shared[1]          phase of that task: loading / running / pickling its result
-    shared[2 + s % R]  == s when the pool took task s back (work stealing)
-
-A task frame is *claimed* under the worker's lock: the worker notes its sequence number
-in ``shared[0]`` unless the pool has marked it as taken back, in which case it skips it.
-The pool takes tasks back under the same lock, and only those whose number is above
-``shared[0]``. So a task runs exactly once, and when the worker dies the pool knows which
-of its tasks it had started (those fail with WorkerLostError) and which it had not (those
-go to other workers).
+One worker, two private pipes (see ``_wire``), and the claim/take-back ledger it shares
+with the pool (``_ledger``: the worker claims each task frame there before it runs it, and
+notes its phase, so the pool knows what a dead worker had started and what it was doing).
 
 ``sys.exit`` in a task ends the worker (after an ``EXITING`` frame naming the code); any
 other exception fails only its task. SIGINT is ignored: Ctrl-C is the parent's to handle
@@ -30,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import _lifeline
 from ..exception import ExceptionWithTraceback
 from ..pickle import dumps as _plain_dumps
+from ._ledger import IDLE, LOADING, PHASES, PICKLING, RUNNING, Ledger
 from ._policy import Codec
 from ._wire import (
     DONE,
@@ -47,18 +38,7 @@ from ._wire import (
     write_frame,
 )
 
-__all__ = ["main", "run_chunk", "IDLE", "LOADING", "RUNNING", "PICKLING", "PHASES", "RING"]
-
-IDLE, LOADING, RUNNING, PICKLING = 0, 1, 2, 3
-#: What a worker was doing when it died, by phase (for WorkerLostError's detail).
-PHASES = {
-    IDLE: "between tasks",
-    LOADING: "while loading its task (unpickling the arguments)",
-    RUNNING: "while running its task",
-    PICKLING: "while pickling its task's result",
-}
-#: Slots of the revocation ring: more than the frames a channel ever holds unread.
-RING = 256
+__all__ = ["main", "run_chunk"]
 
 
 def run_chunk(call: Callable[..., Any], items: List[Any], star: bool) -> Tuple[List[Any], Optional[Dict[int, BaseException]]]:
@@ -102,13 +82,12 @@ class _Exit(Exception):
 
 class _Worker:
     def __init__(
-        self, task_fd: int, result_fd: int, lock: Any, shared: Any, codec: Codec, slot: int,
+        self, task_fd: int, result_fd: int, ledger: Ledger, codec: Codec, slot: int,
         context: Any, has_context: bool,
     ) -> None:
         self._reader = FrameReader(task_fd)
         self._out = result_fd
-        self._lock = lock
-        self._shared = shared
+        self._ledger = ledger
         self._codec = codec
         self._where = f"pool worker {slot}"
         self._context = context
@@ -116,7 +95,7 @@ class _Worker:
         self._functions: Dict[int, list] = {}
 
     def serve(self) -> None:
-        claim = self._claim
+        claim = self._ledger.claim
         functions = self._functions
         next_frame = self._reader.next_frame
         while True:
@@ -134,13 +113,6 @@ class _Worker:
             elif kind == STOP:
                 return
 
-    def _claim(self, seq: int) -> bool:
-        shared = self._shared
-        with self._lock:
-            taken_back = shared[2 + seq % RING] == seq
-            shared[0] = seq
-        return not taken_back
-
     def _function(self, function_id: int) -> Callable[..., Any]:
         entry = self._functions[function_id]
         if entry[1] is None:
@@ -149,9 +121,9 @@ class _Worker:
         return entry[1]
 
     def _run(self, kind: int, star: int, seq: int, function_id: int, payload: bytes) -> None:
-        shared = self._shared
+        phase = self._ledger.set_phase
         codec = self._codec
-        shared[1] = LOADING
+        phase(LOADING)
         try:
             if kind == TASK_CALL:
                 func, args, kwds = codec.loads(payload)
@@ -161,7 +133,7 @@ class _Worker:
             del payload
         except BaseException as exc:
             return self._fail(seq, exc, "while loading the task in the worker")
-        shared[1] = RUNNING
+        phase(RUNNING)
         if kind == TASK_CALL:
             try:
                 if self._has_context:
@@ -170,7 +142,7 @@ class _Worker:
                     value = func(*args, **(kwds or {}))
             except BaseException as exc:
                 return self._fail(seq, exc, None)
-            shared[1] = PICKLING
+            phase(PICKLING)
             try:
                 data = codec.dumps(value)
             except BaseException as exc:
@@ -185,7 +157,7 @@ class _Worker:
                 values, errors = run_chunk(call, items, bool(star))
             except SystemExit as exc:
                 return self._fail(seq, exc, None)
-            shared[1] = PICKLING
+            phase(PICKLING)
             if errors is None:
                 try:
                     data = codec.dumps(values)
@@ -196,12 +168,12 @@ class _Worker:
                 if data is not None:
                     write_frame(self._out, DONE, 0, seq, 0, data)
                     del call, func, items  # after the send, as above
-                    shared[1] = IDLE
+                    phase(IDLE)
                     return
                 errors = {}
             self._send_partial(seq, values, errors)
             del call, func, items
-        shared[1] = IDLE
+        phase(IDLE)
 
     def _send_partial(self, seq: int, values: List[Any], errors: Dict[int, BaseException]) -> None:
         # Each value is pickled once, on its own, so that one unpicklable result fails
@@ -230,13 +202,13 @@ class _Worker:
             carried = ExceptionWithTraceback(exc, where=self._where)
             code = exc.code
             exitcode = code if isinstance(code, int) else (0 if code is None else 1)
-            phase = PHASES.get(self._shared[1], "")
+            phase = PHASES.get(self._ledger.phase(), "")
             write_frame(self._out, EXITING, 0, seq, 0, _plain_dumps((repr(code), exitcode, carried.tb_text, phase)))
             raise _Exit(code)
         if note is not None:
             _note(exc, note)
         write_frame(self._out, FAILED, 0, seq, 0, _dump_error(exc, self._where))
-        self._shared[1] = IDLE
+        self._ledger.set_phase(IDLE)
 
 
 def _note(exc: BaseException, note: str) -> None:
@@ -253,7 +225,7 @@ def _dump_error(exc: BaseException, where: str) -> bytes:
 
 
 def main(
-    task_conn: Any, result_conn: Any, lock: Any, shared: Any, codec: Codec, slot: int,
+    task_conn: Any, result_conn: Any, ledger: Ledger, codec: Codec, slot: int,
     init_payload: bytes, primer_payload: Optional[bytes],
 ) -> None:
     """The worker process's target (started by the pool; not for direct use)."""
@@ -275,7 +247,7 @@ def main(
         except OSError:
             pass
         os._exit(1)
-    worker = _Worker(task_fd, result_fd, lock, shared, codec, slot, context, has_context)
+    worker = _Worker(task_fd, result_fd, ledger, codec, slot, context, has_context)
     try:
         write_frame(result_fd, READY, 0, 0, 0)
         worker.serve()

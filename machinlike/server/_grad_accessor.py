@@ -4,35 +4,23 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..distributed import RpcGroup, get_world
 from ..exception import PeerLostError
-from ._common import check_group, check_name, check_timeout
+from ._common import check_group, check_members, check_name, check_timeout, rpc_timeout
+from ._hosted import hosted_secondary
 from ._reducer import SecondaryReducer, wait_future
 from ._spec import Spec, check_module, mismatch, spec_of
 from .model import get_version, set_version
 from .ordered import OrderedServerBase, OrderedServerSimple
 
-if TYPE_CHECKING:
-    from .grad import PushPullGradServerImpl
-
-__all__ = ["PushPullGradServer", "hosted", "check_members", "rpc_timeout"]
+__all__ = ["PushPullGradServer"]
 
 log = logging.getLogger(__name__)
-
-# The servers hosted by this process, so that a client can push to a secondary of its own
-# process without an RPC. Keyed by (group name, server name); weak, so closing is enough.
-hosted: "weakref.WeakValueDictionary[Tuple[str, str], PushPullGradServerImpl]" = weakref.WeakValueDictionary()
-
-
-def rpc_timeout() -> float:
-    world = get_world()
-    return world.rpc_timeout if world is not None else 60.0
 
 
 class PushPullGradServer:
@@ -56,20 +44,34 @@ class PushPullGradServer:
     def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
                  secondary_reducers: Optional[Sequence[str]] = None, o_server: Optional[OrderedServerBase] = None,
                  *, timeout: Optional[float] = None) -> None:
-        self.server_name = check_name(server_name, "server_name")
-        self.group = check_group(group)
-        self.model_name = check_name(model_name, "model_name")
+        check_name(server_name, "server_name")
+        check_group(group)
+        check_name(model_name, "model_name")
         world = get_world()
-        #: None: discovered (elastic world, secondary_reducers=None).
-        self.secondary_reducers: Optional[List[str]] = (
-            None if secondary_reducers is None and world is not None and world.elastic
-            else check_members(group, secondary_reducers, "secondary_reducers"))
-        if o_server is None:
-            o_server = OrderedServerSimple(f"{server_name}/ordered", group, timeout=timeout)
-        elif not isinstance(o_server, OrderedServerBase):
+        discovered = secondary_reducers is None and world is not None and world.elastic
+        members = None if discovered else check_members(group, secondary_reducers, "secondary_reducers")
+        if o_server is not None and not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
-        self.o_server = o_server
-        self.timeout = check_timeout(timeout)
+        self._init(server_name, group, model_name, members, o_server, check_timeout(timeout))
+
+    @classmethod
+    def _checked(cls, server_name: str, group: RpcGroup, model_name: str, secondary_reducers: Optional[List[str]],
+                 o_server: Optional[OrderedServerBase], timeout: Optional[float]) -> "PushPullGradServer":
+        """Built from values its host checked already (None secondaries: discovered)."""
+        self = cls.__new__(cls)
+        self._init(server_name, group, model_name, secondary_reducers, o_server, timeout)
+        return self
+
+    def _init(self, server_name: str, group: RpcGroup, model_name: str, secondary_reducers: Optional[List[str]],
+              o_server: Optional[OrderedServerBase], timeout: Optional[float]) -> None:
+        self.server_name = server_name
+        self.group = group
+        self.model_name = model_name
+        #: None: discovered (elastic world, secondary_reducers=None).
+        self.secondary_reducers = secondary_reducers
+        self.o_server: OrderedServerBase = (
+            OrderedServerSimple._checked(f"{server_name}/ordered", group, timeout) if o_server is None else o_server)
+        self.timeout = timeout
         self._reset_caches()
 
     def _reset_caches(self) -> None:
@@ -95,10 +97,8 @@ class PushPullGradServer:
 
     # ------------------------------------------------------------------ routing
     def _local_secondary(self) -> Optional[SecondaryReducer]:
-        impl = hosted.get((self.group.get_group_name(), self.server_name))
-        if impl is None or impl.group is not self.group or impl.secondary is None:
-            return None
-        return impl.secondary if impl.member not in self._lost else None
+        secondary = hosted_secondary(self.group, self.server_name)
+        return secondary if secondary is not None and secondary.member not in self._lost else None
 
     def _mark_lost(self, member: str) -> None:
         world = get_world()
@@ -320,7 +320,11 @@ class PushPullGradServer:
         for member, fut in started:
             try:
                 fut.wait()
-            except (PeerLostError, KeyError) as err:
+            except PeerLostError as err:
+                if err.member != member:  # the secondary is fine, another member (its primary) is not
+                    raise
+                skipped.append(self._skip(member, err))
+            except KeyError as err:
                 skipped.append(self._skip(member, err))
         self._await_settled([s for s in skipped if s[1] is not None], deadline)
         left = max(0.001, deadline - time.monotonic())
@@ -356,17 +360,3 @@ class PushPullGradServer:
                         "they held are reported as dropped once they are", self.server_name,
                         [m for m, _ in skipped], bound)
 
-
-def check_members(group: RpcGroup, members: Optional[Sequence[str]], param: str) -> List[str]:
-    """``members`` checked against the group (None: every member), as a list."""
-    everyone = group.get_group_members()
-    if members is None:
-        return everyone
-    if isinstance(members, str) or not all(isinstance(m, str) for m in members):
-        raise TypeError(f"{param} must be a list of member names, not {members!r}")
-    members = list(members)
-    strangers = [m for m in members if m not in everyone]
-    if not members or strangers or len(set(members)) != len(members):
-        raise ValueError(f"{param}={members!r} must be distinct members of group {group.get_group_name()!r} "
-                         f"({everyone}); not members: {strangers}")
-    return members

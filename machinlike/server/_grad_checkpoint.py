@@ -37,18 +37,12 @@ class PrimaryCheckpoint:
     """Checkpoint file, version lease and cadence of one gradient server's primary.
 
     Args:
-        directory: ``checkpoint_dir``.
-        server_name: The server's name (the file is ``<server_name>.ckpt``).
-        every: ``checkpoint_every``: one every this many versions made (>= 1).
-        interval: ``checkpoint_interval``: also one when a version is made this many
-            seconds or more after the last; None: by versions only.
-
-    Raises:
-        TypeError, ValueError: invalid arguments (named).
+        host: The file, lease and cadence, checked by the server's public entrance (kind
+            ``"grad-server"``, named after the server: ``<server_name>.ckpt``).
     """
 
-    def __init__(self, directory: Any, server_name: str, every: int, interval: Optional[float]) -> None:
-        self._host = HostCheckpoint(directory, "grad-server", server_name, every, interval)
+    def __init__(self, host: HostCheckpoint) -> None:
+        self._host = host
         self._state: Optional[Callable[[], Dict[str, Any]]] = None
         self._made = 0  # versions made by this primary since it started (the cadence)
 

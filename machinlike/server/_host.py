@@ -38,7 +38,7 @@ from ..distributed import MemberEvent, get_world
 from ._checkpoint import CheckpointError, Checkpointer
 from ._common import check_count, check_timeout
 
-__all__ = ["LEASE_BLOCK", "HostCheckpoint", "MemberLog", "check_version"]
+__all__ = ["LEASE_BLOCK", "HostCheckpoint", "MemberLog", "check_version", "host_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,23 @@ def _newest_in_data(state: Dict[str, Any]) -> int:
     return max((v for entries in state["data"].values() for v, _ in entries), default=-1)
 
 
+def host_checkpoint(directory: Any, kind: str, name: str, every: Any, interval: Any) -> Optional["HostCheckpoint"]:
+    """A public entrance's checkpoint arguments checked, as the host's checkpoint.
+
+    ``every`` and ``interval`` are checked even without a directory, so a mistake is
+    named before it matters.
+
+    Returns:
+        None when ``directory`` is None (no checkpoints).
+
+    Raises:
+        TypeError, ValueError: invalid arguments (named).
+    """
+    every = check_count(every, "checkpoint_every", 1)
+    interval = check_timeout(interval, "checkpoint_interval")
+    return None if directory is None else HostCheckpoint(directory, kind, name, every, interval)
+
+
 class HostCheckpoint:
     """A host's checkpoint file, its version lease and when the next one is due.
 
@@ -65,19 +82,19 @@ class HostCheckpoint:
         directory: ``checkpoint_dir``.
         kind: What is checkpointed (``"ordered-server"``, ``"model-server"``).
         name: The server's name.
-        every: ``checkpoint_every``: a checkpoint every this many versions (>= 1).
-        interval: ``checkpoint_interval``: also one when this many seconds passed since
-            the last, checked when a version is made; None: by versions only.
+        every: ``checkpoint_every``, checked: a checkpoint every this many versions (>= 1).
+        interval: ``checkpoint_interval``, checked: also one when this many seconds passed
+            since the last, checked when a version is made; None: by versions only.
 
     Raises:
-        TypeError, ValueError: invalid arguments (named).
+        TypeError, ValueError: ``directory`` is not a usable path (named).
     """
 
     def __init__(self, directory: Any, kind: str, name: str, every: int, interval: Optional[float]) -> None:
         self.file = Checkpointer(directory, kind, name)
         self._lease_file = Checkpointer(directory, kind, name, suffix=".lease")
-        self.every = check_count(every, "checkpoint_every", 1)
-        self.interval = check_timeout(interval, "checkpoint_interval")
+        self.every = every
+        self.interval = interval
         self.lease = -1  # no version above it was ever visible
         self.written = 0
         self._io = threading.Lock()  # one writer at a time; an older snapshot never overwrites a newer

@@ -31,6 +31,8 @@ from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Seque
 
 import torch
 
+from ..exception import PeerLostError
+
 __all__ = ["ServerStoppedError", "Item", "reduce_items", "wait_future", "SecondaryReducer", "PrimaryReducer"]
 
 log = logging.getLogger(__name__)
@@ -172,11 +174,18 @@ class _Reducer:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def refusal(self) -> Optional[ServerStoppedError]:
-        """Why new work is refused now (call with the condition held), or None."""
+    def refusal(self) -> Optional[Exception]:
+        """Why new work is refused now (call with the condition held), or None.
+
+        :class:`ServerStoppedError`, or :class:`~machinlike.exception.PeerLostError` naming
+        the member whose loss ended this reducer (a secondary's primary).
+        """
         if self._state == "stopped":
             return ServerStoppedError(f"gradient server {self.server_name!r}: the {self.role} reducer on member "
                                       f"{self.member!r} is stopped")
+        if self._state == "failed" and isinstance(self.error, PeerLostError):
+            return PeerLostError(self.error.member, f"{self.error.detail}; the {self.role} reducer on member "
+                                                    f"{self.member!r} stopped with it and refuses new work")
         if self._state == "failed":
             return ServerStoppedError(f"gradient server {self.server_name!r}: the {self.role} reducer on member "
                                       f"{self.member!r} failed with {self.error!r}; watch() on that member "
@@ -219,13 +228,24 @@ class _Reducer:
     def flush(self) -> torch.futures.Future:
         """A future completed once everything queued before this call is processed."""
         fut: torch.futures.Future = torch.futures.Future()
+        idle = False
         with self._cond:
             error = self.refusal()
-            if error is None:
+            if error is None and self._state == "new":
+                # Never started, so no thread would ever settle it (machin's helper starts
+                # the primary only): done now when nothing is queued, refused otherwise.
+                idle = self._enqueued == self._consumed
+                if not idle:
+                    error = RuntimeError(f"gradient server {self.server_name!r}: the {self.role} reducer on member "
+                                         f"{self.member!r} holds {self._enqueued - self._consumed} items but was "
+                                         f"never started: call start() on that member")
+            elif error is None:
                 self._flushes.append((self._enqueued, fut))
                 self._cond.notify_all()
         if error is not None:
             fut.set_exception(error)
+        elif idle:
+            fut.set_result(self._flush_result())
         return fut
 
     def _settle_flushes(self) -> None:

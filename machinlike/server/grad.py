@@ -46,12 +46,16 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch.distributed import rpc
 
-from ..distributed import MemberEvent, RpcGroup, get_world
+from ..distributed import MemberEvent, RpcGroup, RpcFuture, get_world
+from ..exception import PeerLostError
 from ._checkpoint import CheckpointError
 from ._churn import Admission, Ledger
-from ._common import check_count, check_group, check_name, check_timeout
+from ._common import check_group, check_timeout, rpc_timeout
 from ._grad_checkpoint import PrimaryCheckpoint
-from ._grad_accessor import PushPullGradServer, check_members, hosted, rpc_timeout
+from ._grad_accessor import PushPullGradServer
+from ._grad_settings import GradSettings, grad_settings
+from ._host import host_checkpoint
+from ._hosted import Hosting, check_not_hosted
 from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
 from ._spec import Spec, check_module, spec_of
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
@@ -64,12 +68,27 @@ log = logging.getLogger(__name__)
 class _LocalForward:
     """A forward to the primary of the same process, waited on with a timeout."""
 
-    def __init__(self, fut: torch.futures.Future, what: str) -> None:
+    def __init__(self, fut: torch.futures.Future, timeout: float, what: str) -> None:
         self._fut = fut
+        self._timeout = timeout
         self._what = what
 
     def wait(self) -> Any:
-        return wait_future(self._fut, rpc_timeout(), self._what)
+        return wait_future(self._fut, self._timeout, self._what)
+
+
+class _RemoteForward:
+    """A forward to the primary in another process; its loss is named as the primary's."""
+
+    def __init__(self, fut: RpcFuture, lost: Any) -> None:
+        self._fut = fut
+        self._lost = lost
+
+    def wait(self) -> Any:
+        try:
+            return self._fut.wait()
+        except (PeerLostError, KeyError) as err:
+            raise self._lost(err) from err
 
 
 class PushPullGradServerImpl:
@@ -116,43 +135,39 @@ class PushPullGradServerImpl:
                  reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64,
                  checkpoint_dir: Any = None, checkpoint_every: int = 100,
                  checkpoint_interval: Optional[float] = None) -> None:
-        self.server_name = check_name(server_name, "server_name")
-        self.group = check_group(group)
-        self.model_name = check_name(model_name, "model_name")
-        members = group.get_group_members()
-        self.primary_reducer = members[0] if primary_reducer is None else primary_reducer
-        if self.primary_reducer not in members:
-            raise ValueError(f"primary_reducer={primary_reducer!r} is not a member of group "
-                             f"{group.get_group_name()!r} ({members})")
-        self.secondary_reducers = check_members(group, secondary_reducers, "secondary_reducers")
-        if reduce_method not in ("sum", "mean"):
-            raise ValueError(f"reduce_method={reduce_method!r} must be 'sum' or 'mean'")
-        self.reduce_method = reduce_method
-        try:
-            self.reduce_device = torch.device(reduce_device)
-        except (TypeError, RuntimeError) as err:
-            raise ValueError(f"reduce_device={reduce_device!r} is not a torch device: {err}") from None
-        if self.reduce_device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"reduce_device={reduce_device!r} but CUDA is not available here; use 'cpu'")
-        batch = check_count(reduce_batch_size, "reduce_batch_size", 1)
-        limit = check_count(max_queue_size, "max_queue_size", 1)
-        if limit < batch:
-            raise ValueError(f"max_queue_size={limit} must be at least reduce_batch_size={batch}, or no batch "
-                             f"could ever fill")
-        if o_server is not None and not isinstance(o_server, OrderedServerBase):
-            raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
-        check_count(checkpoint_every, "checkpoint_every", 1)  # named even without a directory
-        check_timeout(checkpoint_interval, "checkpoint_interval")
-        self._checkpoint = None if checkpoint_dir is None else PrimaryCheckpoint(
-            checkpoint_dir, server_name, checkpoint_every, checkpoint_interval)
+        self._open(grad_settings(server_name, check_group(group), model_name, primary_reducer, secondary_reducers,
+                                 o_server, reduce_method, reduce_device, reduce_batch_size, max_queue_size,
+                                 checkpoint_dir, checkpoint_every, checkpoint_interval))
+
+    @classmethod
+    def _checked(cls, settings: GradSettings) -> "PushPullGradServerImpl":
+        """Built from :func:`grad_settings` a helper checked already."""
+        self = cls.__new__(cls)
+        self._open(settings)
+        return self
+
+    def _open(self, settings: GradSettings) -> None:
+        server_name, group = settings.server_name, settings.group
+        self.server_name = server_name
+        self.group = group
+        self.model_name = settings.model_name
+        self.primary_reducer = settings.primary
+        self.secondary_reducers = settings.secondaries
+        self.reduce_method = settings.reduce_method
+        self.reduce_device = settings.reduce_device
+        checkpoint = host_checkpoint(settings.checkpoint_dir, "grad-server", server_name, settings.checkpoint_every,
+                                     settings.checkpoint_interval)
+        self._checkpoint = None if checkpoint is None else PrimaryCheckpoint(checkpoint)
         self.member = group.get_cur_name()
         if self.member != self.primary_reducer and self.member not in self.secondary_reducers:
             raise ValueError(f"member {self.member!r} is neither the primary reducer ({self.primary_reducer!r}) nor "
                              f"a secondary one ({self.secondary_reducers}): construct PushPullGradServerImpl only "
                              f"on reducers; clients use the PushPullGradServer accessor")
-        if (group.get_group_name(), server_name) in hosted:
-            raise ValueError(f"this process already hosts gradient server {server_name!r} of group "
-                             f"{group.get_group_name()!r}; close() it first")
+        check_not_hosted(group, server_name)
+        # The World's setting, read once: the reducer threads wait with it, even while
+        # the World is stopping.
+        self._rpc_timeout = rpc_timeout()
+        o_server = settings.o_server
 
         self._model: Optional[torch.nn.Module] = None
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -165,14 +180,14 @@ class PushPullGradServerImpl:
         self._paired = False
         self._closed = False
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
-        args = (server_name, self.member, batch, limit, self.reduce_device)
+        args = (server_name, self.member, settings.batch, settings.max_queue, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
         world = get_world()
         # Elastic worlds: pushes are counted in the store so that what dies with a
         # secondary is reported (see _churn); secondaries are whoever hosts one, now or later.
         self._elastic = world is not None and world.elastic
-        self._dynamic = self._elastic and secondary_reducers is None
+        self._dynamic = self._elastic and settings.discover
         self._admission = self._ledger = None
         self._events = {"losses": 0, "rejoins": 0}
         self._published_at = time.monotonic()
@@ -196,17 +211,17 @@ class PushPullGradServerImpl:
                 self._register(f"{server_name}/_flush", self._flush_primary_service)
                 self._register(f"{server_name}/_spec", self._spec_service)
                 if o_server is None:
-                    self.o_server_impl = OrderedServerSimpleImpl(f"{server_name}/ordered", group, version_depth=1)
-                    o_server = OrderedServerSimple(f"{server_name}/ordered", group)
-                group.pair(server_name, PushPullGradServer(server_name, group, model_name,
-                                                           None if self._dynamic else self.secondary_reducers,
-                                                           o_server))
+                    self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1)
+                    o_server = OrderedServerSimple._checked(f"{server_name}/ordered", group)
+                group.pair(server_name, PushPullGradServer._checked(
+                    server_name, group, self.model_name, None if self._dynamic else self.secondary_reducers,
+                    o_server, None))
                 self._paired = True
+            self._hosting = Hosting(group, server_name, self.secondary)
         except BaseException:
             self._withdraw()
             raise
         self.o_server = o_server
-        hosted[(group.get_group_name(), server_name)] = self
         if self._elastic:
             world.on_member_change(self._on_member)
 
@@ -375,9 +390,24 @@ class PushPullGradServerImpl:
     # ------------------------------------------------------------ services
     def _forward(self, item: Item) -> Any:
         if self.primary is not None:  # primary and secondary share this process
-            return _LocalForward(self.primary.accept(item), f"forward to the primary of {self.server_name!r}")
-        return self.group.registered_async(f"{self.server_name}/_reduce",
-                                           (item.grads, item.count, item.versions, item.origin))
+            return _LocalForward(self.primary.accept(item), self._rpc_timeout,
+                                 f"forward to the primary of {self.server_name!r}")
+        try:
+            fut = self.group.registered_async(f"{self.server_name}/_reduce",
+                                              (item.grads, item.count, item.versions, item.origin))
+        except (PeerLostError, KeyError) as err:
+            raise self._primary_lost(err) from err
+        return _RemoteForward(fut, self._primary_lost)
+
+    def _primary_lost(self, err: BaseException) -> BaseException:
+        """A forward's failure as the loss of the primary, named: its service is gone (KeyError:
+        its keys were freed, or it closed) or the primary did not answer. Another member's
+        loss is passed on as it is."""
+        if isinstance(err, PeerLostError) and err.member != self.primary_reducer:
+            return err
+        why = err.detail if isinstance(err, PeerLostError) else (err.args[0] if err.args else repr(err))
+        return PeerLostError(self.primary_reducer, f"the primary reducer of gradient server {self.server_name!r} "
+                                                   f"is gone ({why})")
 
     @rpc.functions.async_execution
     def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int],
@@ -437,7 +467,7 @@ class PushPullGradServerImpl:
         self._stop_roles(("secondary", "primary"), timeout)
 
     def _stop_roles(self, roles: Sequence[str], timeout: Optional[float]) -> None:
-        wait = check_timeout(timeout) or rpc_timeout()
+        wait = check_timeout(timeout) or self._rpc_timeout
         deadline = time.monotonic() + wait
         for reducer in self._reducers():
             if reducer.role in roles:
@@ -469,7 +499,7 @@ class PushPullGradServerImpl:
         if self._elastic and world is not None:
             world.remove_member_callback(self._on_member)
         self._withdraw()
-        hosted.pop((self.group.get_group_name(), self.server_name), None)
+        self._hosting.withdraw()
 
     def threads(self) -> List[str]:
         """Names of this member's live reducer threads."""

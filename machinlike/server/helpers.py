@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..distributed import RpcGroup, get_world
-from ._common import check_count, check_group, check_timeout
+from ._common import check_count, check_group, check_name, check_timeout
+from ._grad_settings import grad_settings
 from .grad import PushPullGradServerImpl
 from .model import PushPullModelServerImpl
 
@@ -145,10 +146,11 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
     """
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
+    check_name(server_name, "server_name")
     group, owned = _resolve_group(group, members, server_name, timeout)
     host = group.get_group_members()[0]
     names = [f"{server_name}_{i}" for i in range(model_num)]
-    impls = [PushPullModelServerImpl(n, group) for n in names] if group.get_cur_name() == host else []
+    impls = [PushPullModelServerImpl._checked(n, group) for n in names] if group.get_cur_name() == host else []
     group.barrier(timeout=timeout)
     accessors = [group.get_paired(n).to_here() for n in names]
     return ServerHandles(accessors, group, impls, owned)
@@ -207,18 +209,23 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
     sched_args = _per_model(lr_scheduler_args, count, "lr_scheduler_args", tuple, ())
     sched_kwargs = _per_model(lr_scheduler_kwargs, count, "lr_scheduler_kwargs", dict, (dict,))
     timeout = check_timeout(timeout)
+    check_name(server_name, "server_name")
     group, owned = _resolve_group(group, members, server_name, timeout)
     names = [f"{server_name}_{i}" for i in range(count)]
-    primary = group.get_group_members()[0] if primary_reducer is None else primary_reducer
-    secondaries = group.get_group_members() if secondary_reducers is None else list(secondary_reducers)
+    # Checked once for all models (every member checks, reducer or not). The secondaries
+    # are always listed: a helper's servers use the members it was given, never discover.
+    settings = grad_settings(names[0], group, primary_reducer=primary_reducer,
+                             secondary_reducers=(group.get_group_members() if secondary_reducers is None
+                                                 else secondary_reducers),
+                             reduce_method=reduce_method, reduce_device=reduce_device,
+                             reduce_batch_size=reduce_batch_size, max_queue_size=max_queue_size)
+    primary, secondaries = settings.primary, settings.secondaries
     me = group.get_cur_name()
     impls: List[PushPullGradServerImpl] = []
     try:
         if me == primary or me in secondaries:
             for i, name in enumerate(names):
-                impl = PushPullGradServerImpl(name, group, primary_reducer=primary, secondary_reducers=secondaries,
-                                              reduce_method=reduce_method, reduce_device=reduce_device,
-                                              reduce_batch_size=reduce_batch_size, max_queue_size=max_queue_size)
+                impl = PushPullGradServerImpl._checked(settings._replace(server_name=name))
                 impls.append(impl)
                 if me == primary:
                     model = model_creators[i]()

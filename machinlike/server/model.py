@@ -35,6 +35,7 @@ import torch
 from .. import _shm
 from ..distributed import RpcGroup
 from ._common import check_group, check_name
+from ._host import HostCheckpoint, host_checkpoint
 from ._spec import Spec, check_module, mismatch, spec_of
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
@@ -74,6 +75,14 @@ class PushPullModelServer:
                             f"get a ready accessor with group.get_paired(server_name).to_here()")
         self.o_server = o_server
         self._spec: Optional[Spec] = None
+
+    @classmethod
+    def _checked(cls, model_name: str, o_server: OrderedServerBase) -> "PushPullModelServer":
+        """Built from values its host checked already."""
+        self = cls.__new__(cls)
+        self.model_name, self.o_server = model_name, o_server
+        self._spec = None
+        return self
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -183,19 +192,6 @@ def _share_state(_key: Any, value: Any) -> Any:
     return adopted
 
 
-class _ModelChain(OrderedServerSimpleImpl):
-    """The ordered server a model server hosts, checkpointed under the model server's name."""
-
-    _checkpoint_kind = "model-server"
-
-    def __init__(self, model_server: str, group: RpcGroup, **kwargs: Any) -> None:
-        self._model_server = model_server
-        super().__init__(f"{model_server}/ordered", group, adopt=_share_state, **kwargs)
-
-    def _checkpoint_name(self) -> str:
-        return self._model_server
-
-
 class PushPullModelServerImpl:
     """Host of a model server, in the process that constructs it (a member of ``group``).
 
@@ -224,23 +220,39 @@ class PushPullModelServerImpl:
     def __init__(self, server_name: str, group: RpcGroup, model_name: str = "model",
                  o_server: Optional[OrderedServerBase] = None, checkpoint_dir: Any = None,
                  checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
-        self.server_name = check_name(server_name, "server_name")
-        self.group = check_group(group)
-        self.model_name = check_name(model_name, "model_name")
-        self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
-        if o_server is None:
-            self.o_server_impl = _ModelChain(server_name, group, checkpoint_dir=checkpoint_dir,
-                                             checkpoint_every=checkpoint_every,
-                                             checkpoint_interval=checkpoint_interval)
-            o_server = OrderedServerSimple(f"{server_name}/ordered", group)
-        elif not isinstance(o_server, OrderedServerBase):
+        check_name(server_name, "server_name")
+        check_group(group)
+        check_name(model_name, "model_name")
+        if o_server is not None and not isinstance(o_server, OrderedServerBase):
             raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
-        elif checkpoint_dir is not None:
+        # The chain hosted here is checkpointed as a model server, under this server's name.
+        checkpoint = host_checkpoint(checkpoint_dir, "model-server", server_name, checkpoint_every,
+                                     checkpoint_interval)
+        if o_server is not None and checkpoint is not None:
             raise ValueError(f"checkpoint_dir={checkpoint_dir!r} needs the ordered server hosted here "
                              f"(o_server=None); pass checkpoint_dir to the host of {o_server!r} instead")
+        self._open(server_name, group, model_name, o_server, checkpoint)
+
+    @classmethod
+    def _checked(cls, server_name: str, group: RpcGroup, model_name: str = "model") -> "PushPullModelServerImpl":
+        """Built from values a helper checked already (the chain hosted here, no checkpoint)."""
+        self = cls.__new__(cls)
+        self._open(server_name, group, model_name, None, None)
+        return self
+
+    def _open(self, server_name: str, group: RpcGroup, model_name: str, o_server: Optional[OrderedServerBase],
+              checkpoint: Optional[HostCheckpoint]) -> None:
+        self.server_name = server_name
+        self.group = group
+        self.model_name = model_name
+        self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
+        if o_server is None:
+            self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1, _share_state,
+                                                                  checkpoint)
+            o_server = OrderedServerSimple._checked(f"{server_name}/ordered", group)
         self.o_server = o_server
         try:
-            group.pair(server_name, PushPullModelServer(model_name, o_server))
+            group.pair(server_name, PushPullModelServer._checked(model_name, o_server))
         except BaseException:
             if self.o_server_impl is not None:
                 self.o_server_impl.close()

@@ -35,7 +35,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tu
 from ..distributed import RpcGroup, get_world
 from ..exception import PeerLostError
 from ._common import check_count, check_group, check_name, check_timeout
-from ._host import HostCheckpoint, MemberLog, check_version
+from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
 
@@ -133,6 +133,13 @@ class OrderedServerSimple(OrderedServerBase):
         self.group = check_group(group)
         self.timeout = check_timeout(timeout)
 
+    @classmethod
+    def _checked(cls, server_name: str, group: RpcGroup, timeout: Optional[float] = None) -> "OrderedServerSimple":
+        """Built from values a host checked already."""
+        self = cls.__new__(cls)
+        self.server_name, self.group, self.timeout = server_name, group, timeout
+        return self
+
     def __repr__(self) -> str:
         return f"<OrderedServerSimple {self.server_name!r} of group {self.group.get_group_name()!r}>"
 
@@ -190,21 +197,39 @@ class OrderedServerSimpleImpl:
         CheckpointError: the checkpoint is corrupt or another server's (named).
     """
 
-    _checkpoint_kind = "ordered-server"
-
     def __init__(self, server_name: str, group: RpcGroup, version_depth: int = 1,
                  adopt: Optional[Callable[[Hashable, Any], Any]] = None, checkpoint_dir: Any = None,
                  checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
-        self.server_name = check_name(server_name, "server_name")
+        check_name(server_name, "server_name")
         if adopt is not None and not callable(adopt):
             raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
+        check_group(group)
+        depth = check_count(version_depth, "version_depth", 0)
+        checkpoint = host_checkpoint(checkpoint_dir, "ordered-server", server_name, checkpoint_every,
+                                     checkpoint_interval)
+        self._open(server_name, group, depth, adopt, checkpoint)
+
+    @classmethod
+    def _checked(cls, server_name: str, group: RpcGroup, version_depth: int,
+                 adopt: Optional[Callable[[Hashable, Any], Any]] = None,
+                 checkpoint: Optional[HostCheckpoint] = None) -> "OrderedServerSimpleImpl":
+        """Built from values a host (a model or gradient server) checked already.
+
+        Args:
+            checkpoint: Where the history is kept, under the building server's name and
+                kind; None: no checkpoints.
+        """
+        self = cls.__new__(cls)
+        self._open(server_name, group, version_depth, adopt, checkpoint)
+        return self
+
+    def _open(self, server_name: str, group: RpcGroup, version_depth: int,
+              adopt: Optional[Callable[[Hashable, Any], Any]], checkpoint: Optional[HostCheckpoint]) -> None:
+        self.server_name = server_name
         self._adopt = adopt
-        self.group = check_group(group)
-        self.version_depth = check_count(version_depth, "version_depth", 0)
-        self._checkpoint: Optional[HostCheckpoint] = None
-        if checkpoint_dir is not None:
-            self._checkpoint = HostCheckpoint(checkpoint_dir, self._checkpoint_kind, self._checkpoint_name(),
-                                              checkpoint_every, checkpoint_interval)
+        self.group = group
+        self.version_depth = version_depth
+        self._checkpoint = checkpoint
         self._lock = threading.Lock()
         # key -> (version, value), oldest first; maxlen does the eviction.
         self._data: Dict[Hashable, Deque[Tuple[Any, Any]]] = {}
@@ -214,10 +239,10 @@ class OrderedServerSimpleImpl:
         self._made_at = time.monotonic()
         self._ckpt_failures = 0
         self.resumed_version: Optional[int] = None
-        if self._checkpoint is not None:
-            loaded = self._checkpoint.load()
+        if checkpoint is not None:
+            loaded = checkpoint.load()
             if loaded is not None:
-                self._resume(*loaded)
+                self._resume(checkpoint, *loaded)
         self._keys = [f"{server_name}/_push", f"{server_name}/_pull", f"{server_name}/_pull_if_changed"]
         self._closed = False
         services = [self._push_service, self._pull_service, self._pull_if_changed_service]
@@ -228,7 +253,7 @@ class OrderedServerSimpleImpl:
                 done.append(key)
             # Once the name is ours: a client that finds the services gone can name this member.
             get_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
-            group.pair(server_name, OrderedServerSimple(server_name, group))
+            group.pair(server_name, OrderedServerSimple._checked(server_name, group))
         except BaseException:
             for key in done:
                 group.deregister(key)
@@ -238,15 +263,13 @@ class OrderedServerSimpleImpl:
     def __repr__(self) -> str:
         return f"<OrderedServerSimpleImpl {self.server_name!r} version_depth={self.version_depth}>"
 
-    def _checkpoint_name(self) -> str:
-        return self.server_name
-
     # ------------------------------------------------------------ checkpoints
-    def _resume(self, state: Dict[str, Any], lease: int) -> None:
-        self._data, self.resumed_version = self._checkpoint.restore(state, lease, self.version_depth, self._adopt)
-        self._checkpoint.save(0, self._snapshot())
+    def _resume(self, checkpoint: HostCheckpoint, state: Dict[str, Any], lease: int) -> None:
+        self._data, resumed = checkpoint.restore(state, lease, self.version_depth, self._adopt)
+        self.resumed_version = resumed
+        checkpoint.save(0, self._snapshot())
         log.warning("ordered server %r resumed %d keys from %r, newest versions republished as %d",
-                    self.server_name, len(self._data), self._checkpoint.path, self.resumed_version)
+                    self.server_name, len(self._data), checkpoint.path, resumed)
 
     def _snapshot(self) -> Dict[str, Any]:
         # Under the lock (or before serving). Shallow: a stored value is never edited.

@@ -1,0 +1,78 @@
+"""Ending child processes: the one escalation every part of machinlike uses.
+
+::
+
+    end_processes(processes, grace)
+      already ended? ─> reap
+      else SIGTERM ──(wait on the sentinels, up to `grace` s)──> SIGKILL what is left
+      └──> reap everything (up to `reap` s more: a SIGKILLed process ends at once,
+           unless it sleeps uninterruptibly in the kernel, which no signal shortens)
+
+Why one routine: the pool's workers and ``launch()``'s members end the same way, and a
+second copy drifts (one waited per process, so a list of stuck processes took the grace
+period once each). Waiting blocks on the processes' sentinels, never polls.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing import connection as _mp_connection
+from typing import Any, Dict, Sequence
+
+__all__ = ["end_processes", "REAP_WAIT"]
+
+#: Seconds to wait for SIGKILLed processes to be reaped.
+REAP_WAIT = 10.0
+
+
+def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAIT, close: bool = False) -> None:
+    """End ``processes``: SIGTERM, up to ``grace`` seconds, SIGKILL, then reap them.
+
+    One deadline covers the whole list: ``grace`` bounds the wait for all of them
+    together, not for each in turn.
+
+    Args:
+        processes: ``multiprocessing`` process objects (started or already ended).
+        grace: Seconds between SIGTERM and SIGKILL; 0 kills at once.
+        reap: Seconds to wait, all processes together, for the SIGKILLed ones to end;
+            one still running after that (uninterruptible sleep) is left as it is.
+        close: Also ``close()`` each reaped process object (frees its descriptors).
+    """
+    alive = [p for p in processes if _running(p)]
+    if grace > 0:
+        for p in alive:
+            try:
+                p.terminate()
+            except (OSError, ValueError):  # ended meanwhile, or already closed
+                pass
+        deadline = time.monotonic() + grace
+        pending: Dict[Any, Any] = {p.sentinel: p for p in alive}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for sentinel in _mp_connection.wait(list(pending), remaining):
+                pending.pop(sentinel, None)
+        alive = list(pending.values())
+    for p in alive:
+        try:
+            p.kill()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + reap
+    for p in processes:
+        if p.pid is None:  # never started: nothing to reap
+            continue
+        try:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if close:
+                p.close()
+        except ValueError:  # still running after SIGKILL, or closed already: leave it
+            pass
+
+
+def _running(process: Any) -> bool:
+    try:
+        return process.pid is not None and process.exitcode is None
+    except ValueError:  # closed: it was reaped already
+        return False
