@@ -65,7 +65,7 @@ def _static_rate(per_rank: List[List[Dict[str, Any]]]) -> float:
 
 
 def _key(world: Any, name: str) -> str:
-    return world.membership.key(f"churn-bench/{name}")
+    return world.membership.keys.scratch(f"churn-bench/{name}")
 
 
 def _impl(group: Any) -> PushPullGradServerImpl:

@@ -105,7 +105,7 @@ def _static_body(world: Any, quick: bool, directory: str) -> Dict[str, Any]:
 
 
 def _key(world: Any, name: str) -> str:
-    return world.membership.key(f"bench-host/{name}")
+    return world.membership.keys.scratch(f"bench-host/{name}")
 
 
 def _kill_body(world: Any, directory: str) -> Dict[str, float]:

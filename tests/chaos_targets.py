@@ -83,7 +83,7 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
                 # Die while the others are inside group creation: once each has written
                 # its join record (so each waits for this incarnation, not the next).
                 others = [m for m in MEMBERS if m != me]
-                world.membership.registry.wait_all(world.membership.key(f"rg/it{i}/0/join/"), others, SLOW,
+                world.membership.registry.wait_all(world.membership.keys.group_join_prefix(f"it{i}", "0"), others, SLOW,
                                                    f"iteration {i}: the others entering group creation")
                 _die()
             group = world.create_rpc_group(f"it{i}", MEMBERS, timeout=SLOW)

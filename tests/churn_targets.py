@@ -32,7 +32,7 @@ class Slots(nn.Module):
 
 
 def _key(world: Any, name: str) -> str:
-    return world.membership.key(f"churn-test/{name}")
+    return world.membership.keys.scratch(f"churn-test/{name}")
 
 
 def _wait_key(world: Any, name: str) -> None:

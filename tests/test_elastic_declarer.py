@@ -20,7 +20,7 @@ def _body(world):
         os.kill(os.getpid(), signal.SIGKILL)
     # Play the part of a declarer that claimed the victim's clean-up, then died: its
     # claim is this counter, and it never wrote the victim's "gone" key.
-    world.membership.registry.add(world.membership.key("m/lost/victim/1"), 1)
+    world.membership.registry.add(world.membership.keys.lost("victim", 1), 1)
     lost = threading.Event()
     world.on_member_change(lambda e: lost.set() if (e.kind, e.member, e.incarnation) == ("lost", "victim", 1)
                            else None)

@@ -37,7 +37,7 @@ def _killed_member_body(world):
     if world.name == "0":
         # Kill it once it is inside World.stop (it reported its result before that).
         members = world.membership
-        members.registry.wait_all(members.key("w/stop/"), ["2"], 20, "member 2 entering World.stop")
+        members.registry.wait_all(members.keys.stop_prefix(), ["2"], 20, "member 2 entering World.stop")
         start = time.monotonic()
         with pytest.raises(PeerLostError, match="member '2' is unreachable"):
             g.registered_sync("die", timeout=10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -273,6 +274,41 @@ def test_stale_owner_cache_is_corrected(world):
     with pytest.raises(KeyError, match="not found on Group"):
         g.registered_sync("svc")
     g.barrier()
+    g.destroy()
+
+
+def _slow_whoami(seconds):
+    import time as _time
+
+    _time.sleep(seconds)
+    return _whoami()
+
+
+@world_test(3, timeout=90)
+def test_async_retry_after_a_stale_owner_keeps_the_callers_deadline(world):
+    # registered_async(...).wait() meeting a stale owner retries with what is LEFT of the
+    # caller's timeout (issue 21), not a fresh full one: here the retry's new owner
+    # answers after the caller's deadline, so the wait fails at about that deadline.
+    g = world.create_rpc_group("stale-deadline", MEMBERS)
+    if world.name == "0":
+        g.register("svc", _whoami)
+    g.barrier()
+    assert g.registered_sync("svc") == "0"  # member 1 caches owner 0
+    g.barrier()
+    if world.name == "0":
+        g.deregister("svc")
+    g.barrier()
+    if world.name == "2":
+        g.register("svc", _slow_whoami)
+    g.barrier()
+    if world.name == "1":
+        start = time.monotonic()
+        fut = g.registered_async("svc", args=(4.0,), timeout=3.0)
+        time.sleep(2.0)  # the stale owner has answered "missing" by now
+        with pytest.raises(TimeoutError, match=r"did not answer within 3 s"):
+            fut.wait()  # a fresh 3 s retry would end at about 5 s
+        assert time.monotonic() - start < 4.2
+    g.barrier(timeout=30)
     g.destroy()
 
 

@@ -47,7 +47,7 @@ class Two(nn.Module):
 
 
 def _key(world, name):
-    return world.membership.key(f"ckpt-test/{name}")
+    return world.membership.keys.scratch(f"ckpt-test/{name}")
 
 
 def _body(world, directory):

@@ -37,7 +37,7 @@ class Lin(nn.Module):
 
 
 def _key(world, name):
-    return world.membership.key(f"host-churn/{name}")
+    return world.membership.keys.scratch(f"host-churn/{name}")
 
 
 def _wait(world, name):

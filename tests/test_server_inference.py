@@ -23,7 +23,7 @@ TIMEOUT = 30.0
 
 
 def _key(world, name):
-    return world.membership.key(f"infer-test/{name}")
+    return world.membership.keys.scratch(f"infer-test/{name}")
 
 
 def _set(world, name, value="1"):

@@ -25,16 +25,21 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed import rpc
 
 from ..exception import ExceptionWithTraceback, PeerLostError
 from ..pickle import dumps, loads
+from .._checks import call_args
 from ._samehost import reply as _reply
 
-__all__ = ["RpcFuture", "LocalTables"]
+if TYPE_CHECKING:
+    from ._roster import Roster
+    from ._waits import Waits
+
+__all__ = ["RpcFuture", "LocalTables", "sync_call", "prepare_call"]
 
 
 class LocalTables:
@@ -285,6 +290,53 @@ def translate_error(err: BaseException, member: str, what: str, timeout: float) 
     if any(marker in text for marker in _LOST_MARKERS):
         return PeerLostError(member, f"{what} failed: {err}")
     return err
+
+
+# ------------------------------------------------------------------ the blocking call
+def _text(what: Union[str, Callable[[], str]]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: Tuple, timeout: float,
+              what: Union[str, Callable[[], str]], stated: Optional[float] = None) -> Any:
+    """One blocking call of ``entry`` on RPC worker ``worker``, the way every group call makes it.
+
+        worker gone in this view       -> PeerLostError at once
+        worker on this host (/proc)    -> rpc_sync: its death closes the sockets
+        worker elsewhere               -> rpc_async + Waits.wait_call: the liveness
+                                          monitor ends the wait
+
+    Args:
+        timeout: Seconds for this call.
+        what: The call, for messages; a callable makes it only when needed (a small
+            call should not pay for formatting it).
+        stated: The caller's timeout to quote (None: ``timeout``).
+
+    Raises:
+        PeerLostError, TimeoutError: the worker is gone / did not answer (its member named).
+    """
+    if roster.transport_gone(worker):
+        raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
+    try:
+        if roster.on_this_host(worker):
+            # A dead process here closes its sockets: the call fails at once by itself.
+            return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
+        # Another host may vanish without a word: the liveness monitor ends the wait.
+        return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
+    except RuntimeError as err:
+        raise translate_error(err, roster.member_of(worker), _text(what),
+                              timeout if stated is None else stated) from err
+
+
+def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
+    """``(shipped func, args, kwargs)`` of a plain call, checked before anything is sent.
+
+    Raises:
+        TypeError: ``func`` is not callable, or ``args``/``kwargs`` are not a sequence / dict.
+    """
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    return (ship_function(func),) + call_args(args, kwargs)
 
 
 def unwrap(value: Any) -> Any:

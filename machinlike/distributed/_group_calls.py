@@ -1,10 +1,5 @@
 """RpcGroup's plain calls: run any function on a named member (``rpc_sync``, ``rpc_async``,
-``remote``), and the one blocking call every group call makes.
-
-    _sync(worker, ...)   worker gone in this view       -> PeerLostError at once
-                         worker on this host (/proc)     -> rpc_sync: its death closes the sockets
-                         worker elsewhere                -> rpc_async + Membership.wait_call: the
-                                                            liveness monitor ends the wait
+``remote``). The blocking call itself is ``_calls.sync_call``.
 """
 
 from __future__ import annotations
@@ -13,64 +8,37 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from torch.distributed import rpc
 
-from .. import _checks
 from . import _calls, _samehost
-from ._calls import RpcFuture, is_async, ship_function, translate_error, unwrap
-from ._state import require_world
-from ..exception import PeerLostError
+from ._calls import RpcFuture, is_async, prepare_call, sync_call, unwrap
+from ._group_directory import GroupDirectory
 
 __all__ = ["GroupCalls"]
-
-
-def _text(what: Union[str, Callable[[], str]]) -> str:
-    return what if isinstance(what, str) else what()
 
 
 class GroupCalls:
     """The plain calls of :class:`~machinlike.distributed.RpcGroup` (a mixin it inherits).
 
-    Holds no state of its own: what these methods use (``_name``, ``_members``) is
-    initialised in ``RpcGroup.__init__``, which owns it; ``_timeout`` and
-    ``_check_usable`` come from the group too.
+    Holds no state of its own; it declares what it reads of the group's (initialised in
+    ``RpcGroup.__init__``, which owns it) and the two group methods it calls.
     """
 
-    # ------------------------------------------------------------------ the call
-    def _sync(self, worker: str, entry: Any, args: Tuple, timeout: float, what: Union[str, Callable[[], str]],
-              stated: Optional[float] = None) -> Any:
-        """One blocking call.
+    _name: str
+    _members: Optional[Tuple[str, ...]]
 
-        Args:
-            what: The call, for messages; a callable makes it only when needed (a small
-                call should not pay for formatting it).
-            stated: The caller's timeout to quote (None: ``timeout``).
-        """
-        members = require_world().membership
-        if members.transport_gone(worker):
-            raise PeerLostError(members.member_of(worker), f"{_text(what)}: it left or was lost")
-        try:
-            if members.on_this_host(worker):
-                # A dead process here closes its sockets: the call fails at once by itself.
-                return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
-            # Another host may vanish without a word: the liveness monitor ends the wait.
-            return members.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
-        except RuntimeError as err:
-            raise translate_error(err, members.member_of(worker), _text(what),
-                                  timeout if stated is None else stated) from err
+    def _check_usable(self, need_member: bool) -> GroupDirectory:
+        raise NotImplementedError  # RpcGroup's
+
+    def _timeout(self, d: GroupDirectory, timeout: Optional[float]) -> float:
+        raise NotImplementedError  # RpcGroup's
 
     # ---------------------------------------------------------------- plain calls
-    def _target(self, to: str) -> str:
+    def _target(self, d: GroupDirectory, to: str) -> str:
         """The RPC worker of member ``to``; refuses non-members, fails fast for the gone."""
-        world = require_world()
         if not isinstance(to, str):
             raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r})")
         if self._members is not None and to not in self._members:
             raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
-        return world.membership.transport_of(to)
-
-    def _prepare(self, func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
-        if not callable(func):
-            raise TypeError(f"func must be callable, not {type(func).__name__}")
-        return (ship_function(func),) + _checks.call_args(args, kwargs)
+        return d.roster.transport_of(to)
 
     def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
                  args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -96,11 +64,12 @@ class GroupCalls:
             TimeoutError, PeerLostError: ``to`` did not answer in time / is gone (named).
             Exception: whatever ``func`` raised, with its remote traceback as cause.
         """
-        wait = self._timeout(self._check_usable(need_member=False), timeout)
-        call = self._prepare(func, args, kwargs)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
+        call = prepare_call(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        worker = self._target(to)
-        return unwrap(self._sync(worker, entry, _samehost.outgoing(worker, call), wait,  # [shm hook]
+        worker = self._target(d, to)
+        return unwrap(sync_call(d.roster, d.waits, worker, entry, _samehost.outgoing(worker, call), wait,  # [shm hook]
                                  f"rpc_sync of {func!r}"))
 
     def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
@@ -122,10 +91,11 @@ class GroupCalls:
             ValueError: ``to`` is not a member of the group.
             TypeError: ``func`` is not callable.
         """
-        wait = self._timeout(self._check_usable(need_member=False), timeout)
-        call = self._prepare(func, args, kwargs)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
+        call = prepare_call(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
-        worker = self._target(to)
+        worker = self._target(d, to)
         fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
 
@@ -150,8 +120,9 @@ class GroupCalls:
             ValueError: ``to`` is not a member of the group.
             TypeError: ``func`` is not callable.
         """
-        wait = self._timeout(self._check_usable(need_member=False), timeout)
-        call = self._prepare(func, args, kwargs)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
+        call = prepare_call(func, args, kwargs)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        worker = self._target(to)
+        worker = self._target(d, to)
         return rpc.remote(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]

@@ -1,6 +1,6 @@
 """RpcGroup's services and values: keys that members own, which any process calls or reads.
 
-Who owns a key lives in the world's store (kept by ``_membership``); callers cache owners
+Who owns a key lives in the world's store (claimed through ``Claims``); callers cache owners
 and correct the cache when it went stale: an owner that no longer holds the key answers
 "missing" (or is known to be gone), the caller looks the key up again and retries once,
 within the same deadline. A cached call is therefore a single RPC round trip, like a raw
@@ -15,14 +15,17 @@ can take them over.
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Set, Tuple, Union
 
 from torch.distributed import rpc
 
 from .. import _checks
 from . import _calls, _samehost
-from ._calls import RpcFuture, is_async, is_missing, is_stale, unwrap
+from ._calls import RpcFuture, is_async, is_missing, is_stale, sync_call, unwrap
+from ._group_directory import GroupDirectory
+from ._keys import ServiceOwner
 from ._paired import RenewedOwnerRRef
 from ._registry import deadline_left
 
@@ -34,35 +37,62 @@ _check_key = _checks.service_key
 class GroupKeys:
     """The services and values of :class:`~machinlike.distributed.RpcGroup` (a mixin it inherits).
 
-    Holds no state of its own: what these methods use (``_name``, ``_sid``, ``_lock``,
-    ``_service_owners``, ``_value_owners``, ``_my_services``, ``_my_values``) is
-    initialised in ``RpcGroup.__init__``, which owns it; ``_key``, ``_timeout``,
-    ``_check_usable`` and ``_sync`` come from the group too.
+    Holds no state of its own; it declares what it uses of the group's (initialised in
+    ``RpcGroup.__init__``, which owns it) and the group methods it calls. Everything of
+    the world comes from the group's :class:`GroupDirectory`.
     """
 
+    _name: str
+    _sid: str
+    _lock: threading.Lock
+    _service_owners: Dict[str, ServiceOwner]
+    _value_owners: Dict[str, str]
+    _my_services: Set[str]
+    _my_values: Set[str]
+
+    def _check_usable(self, need_member: bool) -> GroupDirectory:
+        raise NotImplementedError  # RpcGroup's
+
+    def _timeout(self, d: GroupDirectory, timeout: Optional[float]) -> float:
+        raise NotImplementedError  # RpcGroup's
+
+    def _key(self, d: GroupDirectory, kind: str, key: str) -> str:
+        raise NotImplementedError  # RpcGroup's
+
     # ------------------------------------------------------------------ look-ups
-    def _lookup(self, world: Any, cache: Dict[str, str], kind: str, key: str, refresh: bool) -> Optional[str]:
-        members = world.membership
+    def _lookup_value(self, d: GroupDirectory, key: str, refresh: bool) -> Optional[str]:
+        """The RPC worker that paired ``key`` (cached unless ``refresh``), None if nobody."""
         if not refresh:
-            held = cache.get(key)
-            if held is not None and not members.transport_gone(held.partition(":")[2] if kind == "s" else held):
+            held = self._value_owners.get(key)
+            if held is not None and not d.roster.transport_gone(held):
                 return held
-        held = members.owner(self._key(world, kind, key))
+        held = d.claims.owner(self._key(d, "v", key))
         if held is None:
-            cache.pop(key, None)
+            self._value_owners.pop(key, None)
         else:
-            cache[key] = held
+            self._value_owners[key] = held
         return held
 
-    def _service_target(self, world: Any, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
-        held = None if refresh else self._service_owners.get(key)
-        if held is not None and not world.membership.transport_gone(held[2:]):  # the common case, at once
-            return held[2:], _calls._call_async_service if held[0] == "a" else _calls._call_service
-        held = self._lookup(world, self._service_owners, "s", key, refresh)
+    def _lookup_service(self, d: GroupDirectory, key: str, refresh: bool) -> Optional[ServiceOwner]:
+        """Who serves ``key`` (cached unless ``refresh``), None if nobody."""
+        if not refresh:
+            owner = self._service_owners.get(key)
+            if owner is not None and not d.roster.transport_gone(owner.worker):
+                return owner
+        held = d.claims.owner(self._key(d, "s", key))
         if held is None:
-            raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
-        entry = _calls._call_async_service if held[0] == "a" else _calls._call_service
-        return held[2:], entry
+            self._service_owners.pop(key, None)
+            return None
+        owner = self._service_owners[key] = ServiceOwner.decode(held)
+        return owner
+
+    def _service_target(self, d: GroupDirectory, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        owner = None if refresh else self._service_owners.get(key)
+        if owner is None or d.roster.transport_gone(owner.worker):  # else the common case, at once
+            owner = self._lookup_service(d, key, refresh)
+            if owner is None:
+                raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
+        return owner.worker, _calls._call_async_service if owner.is_async else _calls._call_service
 
     # ------------------------------------------------------------------- services
     def register(self, key: str, service: Callable[..., Any]) -> None:
@@ -84,17 +114,17 @@ class GroupKeys:
         _check_key(key)
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
-        world = self._check_usable(need_member=True)
-        holder = f"{'a' if is_async(service) else 's'}:{world.membership.transport}"
+        d = self._check_usable(need_member=True)
+        holder = ServiceOwner(d.endpoint.transport, is_async(service))
         with self._lock:
             if key in self._my_services:
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] (by this member)")
-            world.membership.tables.services[self._sid + key] = service
-            taken = world.membership.claim(self._key(world, "s", key), holder)
+            d.tables.services[self._sid + key] = service
+            taken = d.claims.claim(self._key(d, "s", key), holder.encode())
             if taken is not None:
-                del world.membership.tables.services[self._sid + key]
+                del d.tables.services[self._sid + key]
                 raise KeyError(f"Service [{key}] already registered in Group [{self._name}] "
-                               f"(by member {world.membership.member_of(taken[2:])!r})")
+                               f"(by member {d.roster.member_of(ServiceOwner.worker_of(taken))!r})")
             self._my_services.add(key)
             self._service_owners[key] = holder
 
@@ -108,14 +138,15 @@ class GroupKeys:
             KeyError: this member has not registered ``key``.
         """
         _check_key(key)
-        world = self._check_usable(need_member=True)
+        d = self._check_usable(need_member=True)
         with self._lock:
             if key not in self._my_services:
-                raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {world.name!r}")
-            world.membership.release(self._key(world, "s", key), self._service_owners.get(key, ""))
+                raise KeyError(f"Service [{key}] not registered in Group [{self._name}] by member {d.name!r}")
+            owner = self._service_owners.get(key)
+            d.claims.release(self._key(d, "s", key), owner.encode() if owner is not None else "")
             self._my_services.discard(key)
             self._service_owners.pop(key, None)
-            world.membership.tables.services.pop(self._sid + key, None)
+            d.tables.services.pop(self._sid + key, None)
 
     def is_registered(self, key: str) -> bool:
         """Whether any member holds a service under ``key`` (asks the store).
@@ -124,8 +155,8 @@ class GroupKeys:
             key: Name of the service.
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
-        return self._lookup(world, self._service_owners, "s", key, refresh=True) is not None
+        d = self._check_usable(need_member=False)
+        return self._lookup_service(d, key, refresh=True) is not None
 
     def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                         timeout: Optional[float] = None) -> Any:
@@ -147,15 +178,21 @@ class GroupKeys:
             Exception: whatever the service raised, with its remote traceback as cause.
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
-        wait = self._timeout(world, timeout)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
-        deadline = time.monotonic() + wait  # a retry after a stale owner shares it
-        for refresh in (False, True):
-            member, entry = self._service_target(world, key, refresh)
+        # A retry after a stale owner shares the deadline.
+        return self._call_until(d, key, call, time.monotonic() + wait, wait, (False, True))
+
+    def _call_until(self, d: GroupDirectory, key: str, call: Tuple, deadline: float, stated: float,
+                    refreshes: Sequence[bool]) -> Any:
+        """Call service ``key`` once per entry of ``refreshes`` (True: look its owner up
+        first) until an owner holds it, all within ``deadline``; quote ``stated``."""
+        for refresh in refreshes:
+            member, entry = self._service_target(d, key, refresh)
             left = deadline - time.monotonic()
-            value = self._sync(member, entry, _samehost.outgoing(member, call), left if left > 0.001 else 0.001,
-                               lambda: f"service {key!r} of group {self._name!r}", wait)  # [shm hook] above
+            value = sync_call(d.roster, d.waits, member, entry, _samehost.outgoing(member, call), left if left > 0.001 else 0.001,
+                               lambda: f"service {key!r} of group {self._name!r}", stated)  # [shm hook] above
             if not is_missing(value):
                 return unwrap(value)
         raise KeyError(f"Service [{key}] not found on Group [{self._name}]")
@@ -179,13 +216,16 @@ class GroupKeys:
             KeyError: no member registered ``key`` (raised here, not by ``wait()``).
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
-        wait = self._timeout(world, timeout)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
-        member, entry = self._service_target(world, key)
+        deadline = time.monotonic() + wait
+        member, entry = self._service_target(d, key)
         fut = rpc.rpc_async(member, entry, args=_samehost.outgoing(member, call), timeout=wait)  # [shm hook]
-        return RpcFuture(fut, world.membership.member_of(member), f"service {key!r} of group {self._name!r}", wait,
-                         retry=lambda: self.registered_sync(key, args, kwargs, timeout))
+        # The owner answered "missing" (a stale cache): look it up again and call the new
+        # one with what is left of this call's timeout, not a fresh one.
+        return RpcFuture(fut, d.roster.member_of(member), f"service {key!r} of group {self._name!r}",
+                         wait, retry=lambda: self._call_until(d, key, call, deadline, wait, (True,)))
 
     def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                           timeout: Optional[float] = None) -> rpc.RRef:
@@ -209,10 +249,10 @@ class GroupKeys:
             KeyError: no member registered ``key``.
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
+        d = self._check_usable(need_member=False)
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
-        wait = self._timeout(world, timeout)
-        member, _ = self._service_target(world, key)
+        wait = self._timeout(d, timeout)
+        member, _ = self._service_target(d, key)
         return rpc.remote(member, _calls._remote_service, args=_samehost.outgoing(member, call),  # [shm hook]
                           timeout=wait)
 
@@ -230,17 +270,17 @@ class GroupKeys:
             KeyError: ``key`` is already paired in the group (by any member).
         """
         _check_key(key)
-        world = self._check_usable(need_member=True)
+        d = self._check_usable(need_member=True)
         with self._lock:
             if key in self._my_values:
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] (by this member)")
-            world.membership.tables.values[self._sid + key] = value
-            me = world.membership.transport
-            taken = world.membership.claim(self._key(world, "v", key), me)
+            d.tables.values[self._sid + key] = value
+            me = d.endpoint.transport
+            taken = d.claims.claim(self._key(d, "v", key), me)
             if taken is not None:
-                del world.membership.tables.values[self._sid + key]
+                del d.tables.values[self._sid + key]
                 raise KeyError(f"Value with key [{key}] already paired to Group [{self._name}] "
-                               f"(by member {world.membership.member_of(taken)!r})")
+                               f"(by member {d.roster.member_of(taken)!r})")
             self._my_values.add(key)
             self._value_owners[key] = me
 
@@ -254,14 +294,14 @@ class GroupKeys:
             KeyError: this member has not paired ``key``.
         """
         _check_key(key)
-        world = self._check_usable(need_member=True)
+        d = self._check_usable(need_member=True)
         with self._lock:
             if key not in self._my_values:
-                raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {world.name!r}")
-            world.membership.release(self._key(world, "v", key), world.membership.transport)
+                raise KeyError(f"Value with key [{key}] not paired to Group [{self._name}] by member {d.name!r}")
+            d.claims.release(self._key(d, "v", key), d.endpoint.transport)
             self._my_values.discard(key)
             self._value_owners.pop(key, None)
-            world.membership.tables.values.pop(self._sid + key, None)
+            d.tables.values.pop(self._sid + key, None)
 
     def is_paired(self, key: str) -> bool:
         """Whether any member paired a value under ``key`` (asks the store).
@@ -270,8 +310,8 @@ class GroupKeys:
             key: Name of the value.
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
-        return self._lookup(world, self._value_owners, "v", key, refresh=True) is not None
+        d = self._check_usable(need_member=False)
+        return self._lookup_value(d, key, refresh=True) is not None
 
     def get_paired(self, key: str, timeout: Optional[float] = None) -> Union[rpc.RRef, RenewedOwnerRRef]:
         """An RRef to the value paired under ``key`` (owned by the member that paired it).
@@ -293,14 +333,14 @@ class GroupKeys:
             TimeoutError, PeerLostError: the owner did not answer / is gone (named).
         """
         _check_key(key)
-        world = self._check_usable(need_member=False)
-        wait = self._timeout(world, timeout)
+        d = self._check_usable(need_member=False)
+        wait = self._timeout(d, timeout)
         deadline = time.monotonic() + wait
         for refresh in (False, True):
-            member = self._lookup(world, self._value_owners, "v", key, refresh)
+            member = self._lookup_value(d, key, refresh)
             if member is None:
                 break
-            value = self._sync(member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
+            value = sync_call(d.roster, d.waits, member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
                                f"value {key!r} of group {self._name!r}", wait)
             if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
                 rref = rpc.remote(member, _calls._paired_value, args=(self._sid + key,),

@@ -1,22 +1,14 @@
-"""What membership records and reports: a member's claim, its events, and the wait marks.
+"""What membership reports to its subscribers: :class:`MemberEvent`.
 
-A live member's claim ``m/live/<name>`` holds a :class:`MemberRecord` encoded as
-``"inc|transport|rank|pid id"``; the event log ``m/log`` holds one ``"kind|member|record"``
-line per event, seen by every member in the same order as :class:`MemberEvent` objects.
-No state: the tables that use these live in ``_membership``.
+Events are read from the world's log (see ``_keys.LogEntry``) and seen by every member in
+the same order. No state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MemberEvent", "MemberRecord", "LOST_MARK", "WOKEN_MARK"]
-
-#: Written into a waited-for key of a member that is gone, to wake its waiters.
-LOST_MARK = "\x00lost"
-#: Written into the other keys of such a wait that are still absent: a store wait ends
-#: only when every key it waits for exists. A member arriving later overwrites it.
-WOKEN_MARK = "\x00woken"
+__all__ = ["MemberEvent"]
 
 
 @dataclass(frozen=True)
@@ -36,30 +28,3 @@ class MemberEvent:
     incarnation: int
     rank: int
     seq: int
-
-
-@dataclass
-class MemberRecord:
-    """One incarnation of a member, as its claim in the store holds it.
-
-    Attributes:
-        member: The member's name.
-        incarnation: 1 for its first process, 2 for the first replacement, ...
-        transport: Its RPC worker name (changes when it renews its agent).
-        rank: Its rank.
-        identity: Its process identity (see ``_liveness.process_identity``).
-    """
-
-    member: str
-    incarnation: int
-    transport: str
-    rank: int
-    identity: str
-
-    def encode(self) -> str:
-        return f"{self.incarnation}|{self.transport}|{self.rank}|{self.identity}"
-
-    @staticmethod
-    def decode(member: str, text: str) -> "MemberRecord":
-        inc, transport, rank, identity = text.split("|", 3)
-        return MemberRecord(member, int(inc), transport, int(rank), identity)

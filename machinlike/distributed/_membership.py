@@ -1,118 +1,104 @@
 """Membership: who is in the world, alive or not, and who owns which registry key.
 
-This is the one owner of the world's shared tables (store keys under ``<ns>``); World and
-RpcGroup use it through the methods below and never touch the keys themselves. Its state
-lives here (``Membership.__init__``); two mixins hold the methods of two concerns:
-``_member_monitor`` (liveness, clean-up after the lost, this member's RPC worker) and
-``_member_waits`` (waits that end when a member they need is gone).
+The composition root of one member's view of the world. It builds the parts below once,
+hands each its collaborators, and wires the one path they share: an event read from the
+log is applied to the Roster, then ends the Waits that need a departed member, then
+reaches the subscribers.
 
-    member process                                the world's store (c10d TCPStore)
-    --------------                                ----------------------------------
-    enter:   inc = add(m/inc/<name>)              m/live/<name>   "inc|transport|rank|pid id" or ""
-             claim m/live/<name>                  m/hb/<name>     heartbeat counter
-             join RPC, post "join"                m/log, m/evn    event log (join | leave | lost) + its counter
-    monitor thread, each tick (liveness / 8):     m/own/<transport>  registry keys it claimed
-             see _member_monitor                  m/t/<transport> its member (RPC worker -> name)
-                                                  m/lost/<name>/<inc>  elects one declarer
-                                                  m/gone/<name>/<inc>  set when its keys are free
-    declare (one winner): release its keys, prune it from the RPC group, clear m/live, post "lost"
-    apply "lost" / "leave": wake the waits that need it, run callbacks (its RPC worker stays
-            known to torch's agent: see _transport)
-    apply "move": a live member renewed its RPC agent; new calls go to its new worker
+    Membership ─┬─ Registry   the store's tables, one round trip each          (_registry)
+                ├─ Roster     live members, workers, gone, callbacks; its lock (_roster)
+                ├─ Waits      store waits and pending calls, ended when a
+                │             member they need goes                            (_waits)
+                ├─ Endpoint   this member: incarnation, RPC worker, listener   (_endpoint)
+                ├─ Claims     registry keys this member holds; their lock      (_claims)
+                ├─ EventLog   post / read the event log in one order           (_event_log)
+                └─ Monitor    the liveness thread; declares and frees the lost (_monitor)
+
+    EventLog.catch_up ─► _deliver ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
+
+Why this cut: each part owns one lock or none, and the state each lock guards sits in
+the same object (the Roster's lock guards the tables ``wait_until`` reads; the Claims
+lock makes "claim" and "move to a new worker" exclusive). The review's separate
+``Liveness`` became the Monitor, which also declares the lost, since both the tick and
+the declaration read the same heartbeat table. Parts talk only through what they were
+given in their constructors; none reaches back into this root.
 
 Why the store and not RPC: the store is torch's C++ server, reachable while any member
 lives, and its compare-and-set gives one winner for every claim without a coordinator.
+Every key is spelled in ``_keys``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
 
 from ..exception import PeerLostError
-from . import _transport
 from ._calls import LocalTables
-from ._listener import ListenerWatch
-from ._liveness import is_here, process_identity
-from ._member_monitor import MembershipMonitor
-from ._member_records import LOST_MARK, MemberEvent, MemberRecord
-from ._member_waits import MembershipWaits
+from ._claims import Claims
+from ._endpoint import Endpoint
+from ._event_log import EventLog
+from ._keys import Keys, LogEntry, MemberRecord
+from ._member_records import MemberEvent
+from ._monitor import Monitor
 from ._registry import Registry, deadline_left
+from ._roster import Roster
+from ._waits import Waits
 
-__all__ = ["Membership", "MemberEvent", "LOST_MARK"]
+__all__ = ["Membership", "MemberEvent"]
 
 log = logging.getLogger(__name__)
 
 
-class Membership(MembershipMonitor, MembershipWaits):
+class Membership:
     """This process's view of the world's members, and its handle on the shared tables.
+
+    ``World.membership`` returns it. The documented queries are :meth:`members`,
+    :meth:`incarnation_of`, :meth:`incarnations`, :meth:`gone`, :meth:`subscribe`,
+    :meth:`unsubscribe` and :meth:`wait_until`.
 
     Args:
         store: The world's store.
-        ns: Key prefix of this world in the store (ends with ``/``).
+        keys: The keys of this world in the store.
         store_owner: Who hosts the store, for error messages.
         name: This member's name.
         liveness: Seconds within which a dead member is detected; None: no monitor.
         elastic: Whether RPC is a dynamic agent group (members may join and leave).
     """
 
-    def __init__(self, store: dist.Store, ns: str, store_owner: str, name: str,
+    def __init__(self, store: dist.Store, keys: Keys, store_owner: str, name: str,
                  liveness: Optional[float], elastic: bool) -> None:
-        self.ns = ns
         self.name = name
         self.elastic = elastic
         self.liveness = liveness
+        self.keys = keys
         self.registry = Registry(store, store_owner)
+        #: What this process serves (bound for incoming calls by the World).
         self.tables = LocalTables(name)
-        self.incarnation = 1
-        self.transport = name
-        self.rank = -1
-        self._store = store
-        # Re-entrant: wait_until evaluates the caller's predicate under it, and the
-        # predicate may ask this object again (incarnation_of, members).
-        self._lock = threading.RLock()
-        self._live: Dict[str, MemberRecord] = {}
-        self._by_transport: Dict[str, str] = {}
-        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
-        self._gone_transports: Set[str] = set()
-        self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
-        self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
-        self._declaring: Dict[Tuple[str, int], float] = {}  # losses another member is cleaning up
-        self._waits: Dict[int, Tuple[str, Dict[str, str], Optional[Dict[str, int]]]] = {}
-        self._wait_ids = 0
-        self._callbacks: List[Callable[[MemberEvent], None]] = []
-        self._changed = threading.Condition(self._lock)
-        self._seen = 0  # events of the log applied here
-        self._counted = 0  # the log's counter when it was last read
-        self._beats: Dict[str, Tuple[int, float]] = {}
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._store_lost: Optional[PeerLostError] = None
-        self._static_order: List[str] = []
-        # Transport renewal (elastic worlds): see _listener. Claims are made and moved
-        # under _claims, so none is noted under a worker name that is being replaced.
-        self._claims = threading.Lock()
-        self._listener: Optional[ListenerWatch] = None
-        self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
-        self._old_transports: Set[str] = set()
-        #: How many times this member renewed its RPC agent (its listener had closed).
-        self.renewals = 0
-        #: This process's handles of the groups it belongs to, by name (owned by RpcGroup).
-        self.groups: Dict[str, object] = {}
-        #: How many times each group name was created here (static groups' epochs).
-        self.group_epochs: Dict[str, int] = {}
+        # Set when this member leaves or stops: ends the monitor and any pause.
+        self._closing = threading.Event()
+        self.roster = Roster()
+        self.waits = Waits(self.registry, self.roster)
+        self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness)
+        self.claims = Claims(self.registry, keys, self.endpoint)
+        self.events = EventLog(self.registry, keys, self._deliver)
+        self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
+                               liveness, elastic, self._closing)
 
-    # ------------------------------------------------------------------ keys
-    def key(self, suffix: str) -> str:
-        return self.ns + suffix
+    def _deliver(self, entry: LogEntry, seq: int) -> None:
+        rec = entry.record
+        workers = self.roster.apply(entry.kind, rec)
+        if workers is None:
+            return
+        if entry.kind != "join":
+            # The gone worker stays in this process's RPC agent: see _transport's "why".
+            self.waits.on_gone(rec, workers)
+        self.roster.publish(MemberEvent(entry.kind, rec.member, rec.incarnation, rec.rank, seq))
 
-    def _rpc_store(self) -> dist.Store:
-        return dist.PrefixStore(self.ns + "rpc", self._store)
-
-    # ----------------------------------------------------------------- enter
+    # ------------------------------------------------------------------ entry
     def enter(self, rank: Optional[int], deadline: float) -> None:
         """Claim this member's name for a new incarnation (elastic worlds).
 
@@ -122,111 +108,89 @@ class Membership(MembershipMonitor, MembershipWaits):
             ValueError: a live member already uses the name (named).
             TimeoutError: the previous incarnation's clean-up did not finish in time.
         """
-        reg = self.registry
-        self.incarnation = int(reg.add(self.key(f"m/inc/{self.name}"), 1))
-        self._new_transport()
-        self.rank = self._tid if rank is None else rank
-        mine = MemberRecord(self.name, self.incarnation, self.transport, self.rank, process_identity())
-        live_key = self.key(f"m/live/{self.name}")
+        mine = self.endpoint.new_incarnation(rank)
         while True:
-            held = reg.claim(live_key, mine.encode())
+            held = self.registry.claim(self.keys.live(self.name), mine.encode())
             if held is None:
                 break
             old = MemberRecord.decode(self.name, held)
-            if self._record_alive(old, wait=min(deadline_left(deadline), self._lease())):
+            if self.monitor.record_alive(old, wait=min(deadline_left(deadline), self.monitor.lease())):
                 raise ValueError(f"a member named {self.name!r} is alive in this world (incarnation "
                                  f"{old.incarnation}, rank {old.rank}); pick another name or stop it first")
-            self._declare(old, deadline)
-        self._me = mine
+            self.monitor.declare(old, deadline)
+        self.endpoint.claimed(mine)
 
     def enter_static(self, rank: int, names: Sequence[str], identities: Sequence[str]) -> None:
         """Record the members of a static world (rank ``i`` is ``names[i]``)."""
-        self.rank = rank
-        self._tid = rank
-        with self._lock:
-            for r, (member, identity) in enumerate(zip(names, identities)):
-                rec = MemberRecord(member, 1, member, r, identity)
-                self._live[member] = rec
-                self._by_transport[member] = member
-        self._me = self._live[self.name]
-        self._static_order = list(names)
-        self.registry.set(self.key(f"m/live/{self.name}"), self._me.encode())
+        records = [MemberRecord(member, 1, member, r, identity)
+                   for r, (member, identity) in enumerate(zip(names, identities))]
+        self.roster.seed_static(records)
+        self.endpoint.enter_static(rank, records[rank])
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""
-        self._post("join", self._me)
-        self.start_monitor()
+        self.events.post("join", self.endpoint.me)
+        self.monitor.start()
 
-    # --------------------------------------------------------------- queries
+    # ------------------------------------------------------------------ leave
+    def leave(self, deadline: float) -> None:
+        """Leave the world on purpose: free this member's keys, tell the others."""
+        self._closing.set()
+        self.monitor.join(max(0.0, min(deadline_left(deadline), 5.0)))
+        if self.roster.store_lost is not None:
+            return
+        try:
+            self.monitor.free(self.endpoint.me, deadline)
+            self.events.post("leave", self.endpoint.me)
+        except (PeerLostError, TimeoutError) as err:
+            log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
+
+    def close(self) -> None:
+        """Stop the monitor (local teardown; tells nobody)."""
+        self._closing.set()
+        self.monitor.join(5.0)
+
+    # ------------------------------------------------------- documented queries
     def members(self) -> List[str]:
         """Names of the live members, sorted."""
-        with self._lock:
-            return sorted(self._live)
-
-    def names_by_rank(self) -> List[str]:
-        """A static world's member names in rank order (dead ones included)."""
-        return list(self._static_order)
-
-    def ranks(self) -> List[int]:
-        with self._lock:
-            return sorted(r.rank for r in self._live.values())
+        return self.roster.members()
 
     def incarnation_of(self, member: str) -> Optional[int]:
-        with self._lock:
-            rec = self._live.get(member)
-            return None if rec is None else rec.incarnation
+        """The incarnation of live ``member``; None when it is not live."""
+        return self.roster.incarnation_of(member)
+
+    def incarnations(self, members: Iterable[str]) -> Dict[str, int]:
+        """The current incarnation of each live member among ``members``."""
+        return self.roster.incarnations(members)
 
     def gone(self, member: str) -> Optional[str]:
         """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
-        with self._lock:
-            return None if member in self._live else self._gone.get(member)
+        return self.roster.gone(member)
 
-    def rpc_address(self) -> Optional[str]:
-        """The address this member's RPC agent listens on (elastic worlds; None if unknown)."""
-        return _transport.published_address(self._rpc_store(), self.transport) if self.elastic else None
+    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every join, leave and loss from now on."""
+        self.roster.subscribe(callback)
 
-    def transport_of(self, member: str) -> str:
-        """The RPC worker name of live ``member``.
+    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not subscribed)."""
+        self.roster.unsubscribe(callback)
+
+    def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
+        """Block until ``predicate(live members)`` holds; return the members then.
 
         Raises:
-            PeerLostError: the member is gone (left or lost) or the store is.
+            TimeoutError: it did not hold within ``timeout`` seconds.
         """
-        with self._lock:
-            rec = self._live.get(member)
-            gone = self._gone.get(member)
-        if self._store_lost is not None:
-            raise self._store_lost
-        if rec is None:
-            raise PeerLostError(member, f"it {gone} the world" if gone == "left" else
-                                "it was lost (its process died or went silent)" if gone else
-                                "it is not a member of this world")
-        return rec.transport
+        return self.roster.wait_until(predicate, timeout)
 
-    def identity_of(self, worker: str) -> Optional[str]:
-        """The process identity of RPC worker ``worker`` (a live member's), None if unknown."""
-        with self._lock:
-            member = self._by_transport.get(worker)
-            rec = self._live.get(member) if member is not None else None
-            return rec.identity if rec is not None and rec.transport == worker else None
+    # ----------------------------------------- what the servers and tools ask
+    def transport_of(self, member: str) -> str:
+        """The RPC worker name of live ``member`` (PeerLostError when it is gone)."""
+        return self.roster.transport_of(member)
 
-    def on_this_host(self, worker: str) -> bool:
-        """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
-        here = self._here.get(worker)
-        if here is None:
-            identity = self.identity_of(worker)
-            if identity is None:
-                return False
-            here = self._here[worker] = is_here(identity)  # fixed for a worker's life
-        return here
-
-    def member_of(self, transport: str) -> str:
-        with self._lock:
-            return self._by_transport.get(transport, transport)
-
-    def transport_gone(self, transport: str) -> bool:
-        # No lock: one set look-up is atomic, the set only grows (under the lock), and
-        # every call asks this twice.
-        return transport in self._gone_transports
+    def transport_gone(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` left, was lost or was replaced (this view)."""
+        return self.roster.transport_gone(worker)
 
     def worker_dead(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` is gone, asking the store when this view has not seen it yet.
@@ -235,124 +199,18 @@ class Membership(MembershipMonitor, MembershipWaits):
         is true as soon as the worker's process is seen dead here (``/proc``) or its
         member's claim was cleared or taken by another incarnation. Both stay true.
         """
-        if self.transport_gone(worker):
-            return True
-        return self._worker_dead(worker)
+        return self.roster.transport_gone(worker) or self.endpoint.worker_dead(worker)
 
-    # -------------------------------------------------------------- callbacks
-    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
-        with self._lock:
-            self._callbacks.append(callback)
+    @property
+    def transport(self) -> str:
+        """The RPC worker this member answers as."""
+        return self.endpoint.transport
 
-    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
-        with self._lock:
-            if callback in self._callbacks:
-                self._callbacks.remove(callback)
+    @property
+    def renewals(self) -> int:
+        """How many times this member renewed its RPC agent (its listener had closed)."""
+        return self.endpoint.renewals
 
-    # ------------------------------------------------------------ owner table
-    def claim(self, key: str, holder: str) -> Optional[str]:
-        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
-
-        ``holder`` names this member's RPC worker last (``"<worker>"`` or
-        ``"<tag>:<worker>"``); one naming a worker this member had before a transport
-        renewal is taken as naming the current one.
-        """
-        with self._claims:
-            holder = self._current_holder(holder)
-            held = self.registry.claim(key, holder)
-            if held is None:
-                self.registry.append(self.key(f"m/own/{self.transport}"), f"{key}\x1f{holder}\n")
-        return held
-
-    def release(self, key: str, holder: str) -> bool:
-        with self._claims:
-            return self.registry.release(key, self._current_holder(holder))
-
-    def _current_holder(self, holder: str) -> str:
-        tag, colon, worker = holder.rpartition(":")
-        return f"{tag}{colon}{self.transport}" if worker in self._old_transports else holder
-
-    def owner(self, key: str) -> Optional[str]:
-        return self.registry.owner(key)
-
-    # ---------------------------------------------------------------- events
-    def _post(self, kind: str, rec: MemberRecord) -> None:
-        # One atomic append: a poster SIGKILLed mid-post leaves the event whole or absent,
-        # never a numbered hole every reader would wait on. The counter after it only
-        # tells readers that the log grew (one lagging behind is caught up by the next).
-        self.registry.append(self.key("m/log"), f"{kind}|{rec.member}|{rec.encode()}\n")
-        self.registry.add(self.key("m/evn"), 1)
-
-    def _catch_up(self) -> None:
-        """Apply every event posted since the last call, in log order."""
-        total = self.registry.add(self.key("m/evn"), 0)
-        if total <= self._counted:
-            return
-        lines = self.registry.get_or_empty(self.key("m/log")).splitlines()
-        for seq in range(self._seen, len(lines)):
-            kind, member, encoded = lines[seq].split("|", 2)
-            self._apply(kind, MemberRecord.decode(member, encoded), seq)
-        self._seen = len(lines)
-        self._counted = total
-
-    def _apply(self, kind: str, rec: MemberRecord, seq: int) -> None:
-        with self._lock:
-            if kind == "move":
-                self._apply_move(rec)
-                self._changed.notify_all()
-                return
-            if kind == "join":
-                old = self._live.get(rec.member)
-                if old is not None and old.incarnation >= rec.incarnation:
-                    return  # a static member's record, or a replayed join
-                self._live[rec.member] = rec
-                self._by_transport[rec.transport] = rec.member
-                self._gone.pop(rec.member, None)
-                wake: List[Tuple[str, str, List[str]]] = []
-            else:
-                current = self._live.get(rec.member)
-                if current is not None and current.incarnation == rec.incarnation:
-                    del self._live[rec.member]
-                    self._gone[rec.member] = "left" if kind == "leave" else "lost"
-                self._gone_transports.add(rec.transport)
-                # Its worker, and any it had before a renewal (calls on those may be under way).
-                for worker in [w for w in self._pending if w in self._gone_transports
-                               and self._by_transport.get(w) == rec.member]:
-                    for done in self._pending.pop(worker):
-                        done.set()  # wait_call sees the future still pending: lost
-                self._beats.pop(rec.member, None)
-                wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
-                        if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
-            callbacks = list(self._callbacks)
-            self._changed.notify_all()
-        if kind != "join":
-            # The gone worker stays in this process's RPC agent: see _transport's "why".
-            for prefix, name, names in wake:
-                self._wake(prefix, [name], names)
-        event = MemberEvent(kind, rec.member, rec.incarnation, rec.rank, seq)
-        for callback in callbacks:
-            try:
-                callback(event)
-            except Exception:  # a user callback must not stop the monitor
-                log.exception("membership callback %r failed on %s", callback, event)
-
-    # ------------------------------------------------------------------ leave
-    def leave(self, deadline: float) -> None:
-        """Leave the world on purpose: free this member's keys, tell the others."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(max(0.0, min(deadline_left(deadline), 5.0)))
-        if self._store_lost is not None:
-            return
-        try:
-            self._free(self._me, deadline)
-            self._post("leave", self._me)
-        except (PeerLostError, TimeoutError) as err:
-            log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
-
-    def close(self) -> None:
-        """Stop the monitor (local teardown; tells nobody)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(5.0)
+    def rpc_address(self) -> Optional[str]:
+        """The address this member's RPC agent listens on (elastic worlds; None if unknown)."""
+        return self.endpoint.rpc_address() if self.elastic else None

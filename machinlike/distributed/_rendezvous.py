@@ -311,8 +311,8 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def open_store(rank: int, world_size: int, init_method: Optional[str], timeout: float) -> StoreInfo:
-    """Host or join the world's TCPStore.
+def open_store(rank: int, world_size: Optional[int], init_method: Optional[str], timeout: float) -> StoreInfo:
+    """Host or join the world's TCPStore (``world_size`` None: an elastic world, no fixed size).
 
     Raises:
         ValueError: unsupported ``init_method`` or bad environment.

@@ -1,7 +1,7 @@
 """A read-only view of a running world, from its store alone (``python -m machinlike status``).
 
-Every store key this view reads is spelled in this module and nowhere else in it; the
-records are decoded with membership's own types (``_member_records``). It never joins the
+Every store key this view reads comes from :mod:`._keys` (the one module that spells
+them), and the records are decoded with its types. It never joins the
 world and never writes: it holds the store only through :class:`ReadOnlyStore`, which
 offers ``check`` and ``get`` and nothing else.
 
@@ -31,12 +31,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ._member_records import MemberRecord
+from ._keys import Keys, LogEntry, MemberRecord, OwnedKey
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
            "event_counts"]
 
-_PREFIX = "mlk/"
 _MAX_RESTARTS = 10_000  # torchrun restart counts probed before giving up
 
 
@@ -152,28 +151,23 @@ class WorldStatus:
         return [m.name for m in self.members if m.state == "alive"]
 
 
-def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, str]]:
-    """(kind, namespace) of the newest world on the store, None when there is none."""
-    found: Optional[Tuple[str, str]] = None
+def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, Keys]]:
+    """(kind, keys) of the newest world on the store, None when there is none."""
+    found: Optional[Tuple[str, Keys]] = None
     for restart in range(_MAX_RESTARTS):
-        base = f"{_PREFIX}{restart}/"
-        if store.has(f"{base}e/m/evn"):
-            found = ("elastic", f"{base}e/")
+        elastic = Keys.elastic_world(str(restart))
+        if store.has(elastic.log_count()):
+            found = ("elastic", elastic)
         else:
-            latest = store.get(f"{base}incarnation/0")
+            latest = store.get(Keys.static_counter(str(restart), 0))
             if latest is None:
                 break
-            found = ("static", f"{base}{int(latest)}/")
+            found = ("static", Keys.static_world(str(restart), int(latest)))
     return found
 
 
-def _log(store: ReadOnlyStore, ns: str) -> List[Tuple[str, MemberRecord]]:
-    lines = (store.get(f"{ns}m/log") or "").splitlines()
-    out = []
-    for line in lines:
-        kind, member, encoded = line.split("|", 2)
-        out.append((kind, MemberRecord.decode(member, encoded)))
-    return out
+def _log(text: str) -> List[Tuple[str, MemberRecord]]:
+    return [(entry.kind, entry.record) for entry in LogEntry.decode_log(text)]
 
 
 @dataclass(frozen=True)
@@ -204,24 +198,23 @@ def event_counts(membership: Any) -> EventCounts:
 
     What a member's own callbacks cannot give: the events posted before it subscribed.
     """
-    return _count(_log(ReadOnlyStore(membership._store), membership.ns))
+    return _count(_log(membership.registry.get_or_empty(membership.keys.log())))
 
 
-def _holdings(store: ReadOnlyStore, ns: str, transport: str) -> Tuple[List[str], List[str]]:
+def _holdings(store: ReadOnlyStore, keys: Keys, transport: str) -> Tuple[List[str], List[str]]:
     """(services, values) that ``transport`` still holds, each ``"<group>:<key>"``."""
     services: List[str] = []
     values: List[str] = []
     seen = set()
-    for line in (store.get(f"{ns}m/own/{transport}") or "").splitlines():
-        key, _, holder = line.partition("\x1f")
-        if key in seen or not key.startswith(f"{ns}rg/"):
+    for owned in OwnedKey.decode_all(store.get(keys.owned(transport)) or ""):
+        held = keys.holding(owned.key)
+        if held is None or owned.key in seen:
             continue
-        seen.add(key)
-        if store.get(key) != holder:
+        seen.add(owned.key)
+        if store.get(owned.key) != owned.holder:
             continue  # released since (a tombstone) or taken over by another member
-        parts = key[len(ns) + 3:].split("/", 3)  # group, epoch, kind, key
-        if len(parts) == 4 and parts[2] in ("s", "v"):
-            (services if parts[2] == "s" else values).append(f"{parts[0]}:{parts[3]}")
+        kind, group, key = held
+        (services if kind == "s" else values).append(f"{group}:{key}")
     return services, values
 
 
@@ -230,13 +223,13 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
     located = _find_namespace(store)
     if located is None:
         return None
-    kind, ns = located
-    log = _log(store, ns)
+    kind, keys = located
+    log = _log(store.get(keys.log()) or "")
     names: List[str] = []
     if kind == "static":
         rank = 0
         while True:
-            name = store.get(f"{ns}w/name/{rank}")
+            name = store.get(f"{keys.name_prefix()}{rank}")
             if name is None:
                 break
             names.append(name)
@@ -249,9 +242,9 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             last_event[rec.member] = (event_kind, rec)
     members = []
     for index, name in enumerate(names):
-        held = store.get(f"{ns}m/live/{name}") or ""
-        started_text = store.get(f"{ns}m/inc/{name}")
-        beats_text = store.get(f"{ns}m/hb/{name}")
+        held = store.get(keys.live(name)) or ""
+        started_text = store.get(keys.incarnations(name))
+        beats_text = store.get(keys.heartbeat(name))
         if held:
             rec = MemberRecord.decode(name, held)
             state = "alive"
@@ -259,12 +252,12 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             event_kind, rec = last_event.get(name, ("", MemberRecord(name, 1, name, index, "")))
             state = {"lost": "lost", "leave": "left"}.get(event_kind, "gone")
         space, _, pid = rec.identity.rpartition("/")
-        services, values = _holdings(store, ns, rec.transport) if state == "alive" else ([], [])
+        services, values = _holdings(store, keys, rec.transport) if state == "alive" else ([], [])
         members.append(MemberStatus(
             name=name, state=state, incarnation=rec.incarnation,
             started=int(started_text) if started_text else 1, rank=rec.rank,
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
     counts = _count(log)
-    return WorldStatus(kind=kind, namespace=ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
+    return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
                        leaves=counts.leaves, events=counts.events)

@@ -4,34 +4,46 @@ Two kinds of world share this class: *static* (the default, machin's ``World(nam
 world_size)``), a fixed set of ranks, and *elastic* (``elastic=True``), whose members join
 a running world by its address and a name, leave it, die and come back.
 
-The World's state lives here (``World.__init__``); two mixins hold the methods of its two
-paths: ``_world_start`` (start-up of either kind, with its steps) and ``_world_stop``
-(``stop``, which never waits past its deadline, and the local teardown that always
-completes). Here are the accessors, membership queries and group creation.
+A World holds two objects and a stop flag:
+
+    World ─┬─ Settings  the validated arguments, frozen                     (_settings)
+           └─ Session   what start-up built, each step with its undo        (_session)
+                          store, interface, Membership, RPC, process group
+    World(...)  settings(...) -> claim this process's World slot -> start_static /
+                start_elastic(session); on failure session.close(), slot released
+    stop()      leave_static / leave_elastic (never past the deadline)     (_world_stop)
+                then, always: session.close(), slot released
+
+Here are the accessors, membership queries and group creation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
 from .. import _checks
-from . import _netif, _rendezvous, _samehost, _state
+from . import _rendezvous, _state
 from ._collective import CollectiveGroup
 from ._membership import MemberEvent, Membership
-from ._rpc_group import RpcGroup, create_group, open_group
-from ._state import require_world
-from ._world_start import WorldStart
-from ._world_stop import WorldStop
+from ._group_directory import GroupDirectory
+from ._rpc_group import RpcGroup, create_group, find_group, open_group
+from ._session import Session, start_elastic, start_static
+from ._settings import Settings, settings
+from ._state import get_cur_name, get_cur_rank, get_world, is_world_initialized
+from ._world_stop import leave_elastic, leave_static
 
 __all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
 
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+log = logging.getLogger(__name__)
 
 
-class World(WorldStart, WorldStop):
+class World:
     """This process's place in a distributed job: RPC, collectives and the group registry.
 
     Args:
@@ -119,53 +131,16 @@ class World(WorldStart, WorldStop):
         shm_threshold: int = 1 << 20,
         shm_cache_bytes: int = 1 << 30,
     ) -> None:
-        collective = collective if init_dist is None else bool(init_dist)
-        backend = dist_backend or backend
-        init_method = init_method or dist_init_method or rpc_init_method
-        _checks.optional_str("init_method", init_method)
-        if not isinstance(backend, str) or backend.lower() not in _BACKENDS:
-            raise ValueError(f"backend={backend!r} is not a torch.distributed backend; use one of {list(_BACKENDS)}")
-        self.elastic = bool(elastic)
-        if self.elastic:
-            if world_size is not None:
-                raise ValueError(f"world_size={world_size!r}: an elastic world has no fixed size; pass "
-                                 f"world_size=None (or elastic=False for a static world)")
-            if rank is not None:
-                _checks.positive_int("rank", rank, minimum=0)
-            self.rank = rank if rank is not None else -1
-            self._size = 0
-            collective = False
-        else:
-            self.rank, self._size = _rendezvous.resolve_rank_and_size(rank, world_size)
-        self.name = str(self.rank) if name is None else name
-        if self.elastic and name is None and rank is None:
-            raise ValueError("an elastic World needs a name (or a rank): World(name='actor-3', elastic=True, ...)")
-        _checks.member_name(self.name)
-        self.rpc_timeout = _checks.seconds("rpc_timeout", rpc_timeout)
-        self.dist_timeout = _checks.seconds("dist_timeout", dist_timeout)
-        self.liveness = None if liveness is None else _checks.seconds("liveness", liveness)
-        _checks.positive_int("rpc_threads", rpc_threads)
-        if store is not None and not isinstance(store, dist.Store):
-            raise TypeError(f"store must be a torch.distributed.Store, not {type(store).__name__}")
-        if self.elastic and not init_rpc:
-            raise ValueError("an elastic World needs RPC (init_rpc=True): membership travels through it")
-        interface = _netif.configured_interface(interface)
-        self.incarnation = 1
-        _samehost.check_settings(same_host_shm, shm_threshold, shm_cache_bytes)  # [shm hook]
-        self._shm_settings = (same_host_shm, shm_threshold, shm_cache_bytes)
-        self._samehost: Optional[_samehost.SameHost] = None
-        self._collective_on = bool(collective)
-        self._rpc_on = bool(init_rpc)
+        self._settings: Settings = settings(
+            name, rank, world_size, init_method=init_method, backend=backend, rpc_timeout=rpc_timeout,
+            rpc_threads=rpc_threads, collective=collective, init_rpc=init_rpc, dist_timeout=dist_timeout,
+            store=store, interface=interface, elastic=elastic, liveness=liveness, init_dist=init_dist,
+            dist_backend=dist_backend, dist_init_method=dist_init_method, rpc_init_method=rpc_init_method,
+            same_host_shm=same_host_shm, shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
+        )
+        self._session = Session(self._settings)
         self._stopped = False
         self._stop_lock = threading.Lock()
-        self._collective_groups: List[CollectiveGroup] = []
-        self._rpc_url: Optional[str] = None
-        self._rpc_running = False
-        self._pg_running = False
-        self._membership: Optional[Membership] = None
-        self._saved_env: dict = {}
-        self.interface: Optional[str] = None
-
         with _state.lock:
             if _state.current is not None:
                 raise RuntimeError(
@@ -173,23 +148,77 @@ class World(WorldStart, WorldStop):
                 )
             _state.current = self
         try:
-            self._start(init_method, backend, rpc_threads, store, interface)
+            (start_elastic if self._settings.elastic else start_static)(self._session)
         except BaseException:
-            self._teardown_local()
+            self._teardown()
             raise
 
     # ------------------------------------------------------------------- accessors
+    # The attributes of the class docstring, read-only (no docstrings here: the class
+    # documents them once).
+    @property
+    def name(self) -> str:
+        return self._settings.name
+
+    @property
+    def rank(self) -> int:
+        return self._session.rank
+
+    @property
+    def incarnation(self) -> int:
+        return self._session.incarnation
+
+    @property
+    def rpc_timeout(self) -> float:
+        return self._settings.rpc_timeout
+
+    @property
+    def dist_timeout(self) -> float:
+        return self._settings.dist_timeout
+
+    @property
+    def liveness(self) -> Optional[float]:
+        return self._settings.liveness
+
+    @property
+    def elastic(self) -> bool:
+        return self._settings.elastic
+
+    @property
+    def interface(self) -> Optional[str]:
+        return self._session.interface
+
+    @property
+    def store_address(self) -> Optional[str]:
+        return self._session.store_address
+
+    @property
+    def _store_info(self) -> Optional[_rendezvous.StoreInfo]:
+        return self._session.store
+
+    def _network_hint(self) -> "contextlib.AbstractContextManager[None]":
+        return self._session.network_hint()
+
     @property
     def membership(self) -> Membership:
         """This world's membership tables (live members, events, registry keys)."""
-        if self._membership is None:
+        members = self._session.membership
+        if members is None:
             raise RuntimeError(f"World {self.name!r} is not started")
-        return self._membership
+        return members
+
+    # Internal: what an RpcGroup handle of this World uses of it (its typed seam).
+    @property
+    def groups(self) -> GroupDirectory:
+        groups = self._session.groups
+        if groups is None:
+            raise RuntimeError(f"World {self.name!r} is not started")
+        return groups
 
     @property
     def world_size(self) -> int:
         """Number of ranks of a static world; the number of live members of an elastic one."""
-        return len(self.membership.members()) if self.elastic else self._size
+        return len(self.membership.members()) if self.elastic else self._settings.size
 
     def get_members(self) -> List[str]:
         """Names of the live members of the world, sorted."""
@@ -201,7 +230,7 @@ class World(WorldStart, WorldStop):
 
     def get_ranks(self) -> List[int]:
         """Ranks of the live members, sorted."""
-        return self.membership.ranks()
+        return self.membership.roster.ranks()
 
     def on_member_change(self, callback: Callable[[MemberEvent], None]) -> None:
         """Call ``callback(event)`` on every join, leave and loss from now on.
@@ -249,7 +278,7 @@ class World(WorldStart, WorldStop):
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
-        kind = "elastic" if self.elastic else f"rank {self.rank}/{self._size}"
+        kind = "elastic" if self.elastic else f"rank {self.rank}/{self._settings.size}"
         return f"<World {self.name!r} {kind} {state}>"
 
     def __reduce__(self) -> Any:
@@ -289,12 +318,12 @@ class World(WorldStart, WorldStop):
             group_name = name
         if group_name is None:
             raise TypeError("create_rpc_group() needs group_name")
-        if not self._rpc_on:
+        if not self._settings.rpc:
             raise RuntimeError("this World was created with init_rpc=False; RpcGroups need RPC")
         wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
         if members is None:
-            return open_group(self.membership, group_name)
-        return create_group(self.membership, group_name, _checks.sequence_of_str("members", members), wait)
+            return open_group(self.groups, group_name)
+        return create_group(self.groups, group_name, _checks.sequence_of_str("members", members), wait)
 
     def get_rpc_group(self, group_name: str) -> Optional[RpcGroup]:
         """The RpcGroup ``group_name``: this process's own, else a handle if it exists, else None.
@@ -308,14 +337,7 @@ class World(WorldStart, WorldStop):
         Returns:
             The group, or None when no group of that name exists in the world.
         """
-        group = self.membership.groups.get(group_name)
-        if group is not None:
-            return group
-        record = self.membership.owner(self.membership.key(f"rg/{group_name}/current"))
-        if record is None:
-            return None
-        epoch, members = record.split("/", 1)
-        return RpcGroup(group_name, None if members == "*" else members.split(","), epoch)
+        return find_group(self.groups, group_name)
 
     def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
                                 timeout: Optional[float] = None) -> CollectiveGroup:
@@ -339,13 +361,58 @@ class World(WorldStart, WorldStop):
                 (gloo groups are fixed at creation), or is stopped.
         """
         self._require_live()
-        if not self._collective_on:
+        if not self._settings.collective:
             why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
             raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
-        group = CollectiveGroup.create(ranks, self.rank, self._size, backend,
-                                       _checks.seconds_or_none("timeout", timeout, self.dist_timeout))
-        self._collective_groups.append(group)
-        return group
+        return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
+                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout))
+
+    # -------------------------------------------------------------------- shutdown
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Leave the world.
+
+        Static world: gracefully when every peer stops too, else locally. Waits at most
+        ``timeout`` seconds for every member to call ``stop`` (a member known to be lost is
+        not waited for). When all did, RPC shuts down gracefully (pending calls finish);
+        otherwise, or when the graceful shutdown fails, locally.
+
+        Elastic world: this member's services and values are withdrawn, the others see it
+        leave, and RPC stops locally; the process hosting the store first waits (within
+        ``timeout``) for the other members to leave, since they need the store.
+
+        Safe to call twice; called on leaving a ``with World(...)`` block.
+
+        Args:
+            timeout: Seconds to wait for the peers. None: ``dist_timeout``.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive number.
+        """
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        deadline = time.monotonic() + wait
+        try:
+            if self.elastic:
+                leave_elastic(self._session, deadline)
+            else:
+                leave_static(self._session, deadline, wait)
+        except Exception as err:  # the local teardown below still has to happen
+            log.warning("World %r: stop did not complete (%s); tearing down locally", self.name, err)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Undo every start step, then free this process's World slot (always completes)."""
+        self._stopped = True
+        try:
+            self._session.close()
+        finally:
+            with _state.lock:
+                if _state.current is self:
+                    _state.current = None
 
     def _require_live(self) -> None:
         if self._stopped:
@@ -356,31 +423,3 @@ class World(WorldStart, WorldStop):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
-
-
-def get_world() -> Optional[World]:
-    """This process's World, None if there is none (or it was stopped)."""
-    return _state.current
-
-
-def is_world_initialized() -> bool:
-    """Whether this process has a running World."""
-    return _state.current is not None
-
-
-def get_cur_rank() -> int:
-    """Rank of this process.
-
-    Raises:
-        RuntimeError: this process has no World.
-    """
-    return require_world().rank
-
-
-def get_cur_name() -> str:
-    """Member name of this process.
-
-    Raises:
-        RuntimeError: this process has no World.
-    """
-    return require_world().name

@@ -53,7 +53,7 @@ class _Keys:
     def __init__(self, world: Any, group_name: str, server_name: str) -> None:
         self.members = world.membership
         self.registry = world.membership.registry
-        self.base = world.membership.key(f"gs/{group_name}/{server_name}/")
+        self.base = world.membership.keys.server("gs", group_name, server_name)
 
     def sources(self) -> List[str]:
         return _entries(self.registry.get_or_empty(self.base + "src"))

@@ -52,7 +52,7 @@ def _check_key(key: Any) -> Hashable:
 
 def _host_key(group: RpcGroup, server_name: str) -> str:
     """Store key holding the member that hosts ``server_name`` (outlives the host's claims)."""
-    return current_world().membership.key(f"os/{group.get_group_name()}/{server_name}/host")
+    return current_world().membership.keys.server("os", group.get_group_name(), server_name) + "host"
 
 
 class OrderedServerBase(abc.ABC):

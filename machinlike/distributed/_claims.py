@@ -1,0 +1,95 @@
+"""Claims: registry keys this member holds, noted so that they are freed when it dies.
+
+Owns the lock under which keys are claimed and moved, and the RPC workers this member
+answered as before a renewal. A claim is one compare-and-set (``Registry.claim``) plus a
+line in ``m/own/<worker>``; whoever declares the worker lost releases every key listed
+there (:meth:`free`), so a survivor can take them over.
+
+    claim(key, holder)    compare_set(key, "", holder); won -> append OwnedKey to m/own/<worker>
+    release(key, holder)  compare_set(key, holder, "")
+    renewed(renew)        under the lock: the endpoint renews its worker, then every key
+                          listed under the old worker moves to the new one
+    free(worker)          release every key listed under a (gone) worker
+
+Why one lock: a claim made while the worker is being replaced would be noted under the
+old name and never moved; a holder naming an old worker is read as naming the current one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional, Set
+
+from ._endpoint import Endpoint
+from ._keys import Keys, MemberRecord, OwnedKey, rebind_holder
+from ._registry import Registry
+
+__all__ = ["Claims"]
+
+
+class Claims:
+    """The registry keys of this member.
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        endpoint: This member (its current RPC worker names the claims).
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, endpoint: Endpoint) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        self._old_workers: Set[str] = set()
+
+    def claim(self, key: str, holder: str) -> Optional[str]:
+        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
+
+        ``holder`` names this member's RPC worker (a worker name or a ``ServiceOwner``'s
+        encoding); one naming a worker this member had before a renewal is taken as
+        naming the current one.
+
+        Returns:
+            None when claimed; else who holds it.
+        """
+        with self._lock:
+            holder = self._current(holder)
+            held = self._registry.claim(key, holder)
+            if held is None:
+                self._registry.append(self._keys.owned(self._endpoint.transport), OwnedKey(key, holder).encode())
+        return held
+
+    def release(self, key: str, holder: str) -> bool:
+        """Free ``key`` if ``holder`` holds it; False when it does not."""
+        with self._lock:
+            return self._registry.release(key, self._current(holder))
+
+    def owner(self, key: str) -> Optional[str]:
+        """Who holds ``key`` right now (its holder text), None if nobody."""
+        return self._registry.owner(key)
+
+    def _current(self, holder: str) -> str:
+        return rebind_holder(holder, self._old_workers, self._endpoint.transport)
+
+    def renewed(self, renew: Callable[[], MemberRecord]) -> None:
+        """Run ``renew`` (the endpoint takes a new worker), then move the keys to that worker.
+
+        Args:
+            renew: Returns the record before the renewal; may raise (nothing is moved).
+        """
+        with self._lock:
+            self._old_workers.add(self._endpoint.transport)
+            old = renew()
+            moved = []
+            for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(old.transport))):
+                new = self._current(owned.holder)
+                if self._registry.compare_set(owned.key, owned.holder, new) == new:
+                    moved.append(OwnedKey(owned.key, new).encode())
+            if moved:
+                self._registry.append(self._keys.owned(self._endpoint.transport), "".join(moved))
+
+    def free(self, worker: str) -> None:
+        """Release every key ``worker`` (a gone member's) claimed; idempotent."""
+        for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
+            self._registry.release(owned.key, owned.holder)

@@ -1,0 +1,224 @@
+"""Endpoint: this member's own identity in the world and its RPC worker.
+
+Owns who this process is (name, rank, incarnation, its :class:`MemberRecord`), the RPC
+worker it answers as (id and name, new for every join attempt and every renewal), the
+watch on that worker's listener, and how many times it was renewed. It writes only its
+own keys: ``m/inc/<name>``, ``m/tid``, ``m/t/<worker>`` and (after a claim) ``m/live/<name>``.
+
+    new_incarnation(rank)   inc = add(m/inc/<name>); a fresh worker (below)
+    new_worker()            id = add(m/tid) - 1; name "<name, '_' for '-'>_<id>";
+                            m/t/<worker> = <name>
+    join(...)               join the dynamic RPC group under the current worker, pruning
+                            the dead first; on failure a fresh worker, until the deadline
+    renew()                 (the listener closed) retire the agent, a fresh worker, join;
+                            Claims moves the keys, the monitor posts "move"
+
+Why a fresh worker name per attempt: torch's dynamic RPC group remembers every name it
+saw, so a name is never reused, and the ids keep every incarnation's name apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+
+from . import _transport
+from ._calls import LocalTables
+from ._keys import Keys, MemberRecord
+from ._listener import ListenerWatch
+from ._liveness import alive_here, process_identity
+from ._registry import Registry, deadline_left
+
+__all__ = ["Endpoint"]
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint:
+    """This member as the others see it.
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        store: The world's store (torch's RPC rendezvous runs under its ``rpc`` prefix).
+        name: This member's name.
+        tables: What this process serves (told whether its RRefs name a stale agent).
+        closing: Set when this member leaves; ends a pause between join attempts.
+        liveness: The world's liveness bound, seconds (paces retries); None: off.
+
+    Attributes:
+        name: This member's name.
+        rank: Its rank (-1 until it entered).
+        incarnation: 1 for a member's first process, 2 for its first replacement, ...
+        transport: The RPC worker it answers as (its name in a static world).
+        renewals: How many times it renewed its RPC agent (its listener had closed).
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str, tables: LocalTables,
+                 closing: threading.Event, liveness: Optional[float]) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._rpc_store = dist.PrefixStore(keys.rpc_prefix(), store)
+        self._tables = tables
+        self._closing = closing
+        self._liveness = liveness
+        self.name = name
+        self.rank = -1
+        self.incarnation = 1
+        self.transport = name
+        self.renewals = 0
+        self._tid = -1
+        self._me: Optional[MemberRecord] = None
+        self._listener: Optional[ListenerWatch] = None
+        self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
+
+    @property
+    def me(self) -> MemberRecord:
+        """This member's record (what its claim ``m/live/<name>`` holds)."""
+        if self._me is None:
+            raise RuntimeError(f"member {self.name!r} has not entered the world yet")
+        return self._me
+
+    # -------------------------------------------------------------------- entry
+    def enter_static(self, rank: int, rec: MemberRecord) -> None:
+        """Be rank ``rank`` of a static world, as ``rec``; publish the claim."""
+        self.rank = rank
+        self._tid = rank
+        self._me = rec
+        self._registry.set(self._keys.live(self.name), rec.encode())
+
+    def new_incarnation(self, rank: Optional[int]) -> MemberRecord:
+        """Count a new incarnation with a fresh worker; the record to claim (elastic worlds).
+
+        Args:
+            rank: This member's rank; None: its worker id (unique in the world).
+        """
+        self.incarnation = int(self._registry.add(self._keys.incarnations(self.name), 1))
+        self._new_worker()
+        self.rank = self._tid if rank is None else rank
+        return MemberRecord(self.name, self.incarnation, self.transport, self.rank, process_identity())
+
+    def claimed(self, rec: MemberRecord) -> None:
+        """``rec`` is this member's claim now (the caller won ``m/live/<name>``)."""
+        self._me = rec
+
+    def _new_worker(self) -> None:
+        """Take a fresh RPC worker id and name (each join attempt needs its own)."""
+        tid = self._registry.add(self._keys.worker_ids(), 1) - 1
+        if tid > 32000:
+            raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
+        self._tid = tid
+        # torch's dynamic join parses its worker list as "name-id," entries, so a worker
+        # name must not contain "-"; the unique id keeps every incarnation's name apart.
+        self.transport = f"{self.name.replace('-', '_')}_{tid}"
+        self._registry.set(self._keys.worker(self.transport), self.name)
+
+    def _rename(self) -> None:
+        """A fresh worker, and this member's claim rewritten to name it."""
+        old = self.me
+        self._new_worker()
+        self._me = old.with_transport(self.transport)
+        self._registry.compare_set(self._keys.live(self.name), old.encode(), self._me.encode())
+
+    # --------------------------------------------------------------------- RPC
+    def join(self, threads: int, timeout: float, deadline: float, default_timeout: float) -> None:
+        """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
+
+        A member that dies while this one joins makes torch's join fail (it calls every
+        listed worker); the attempt is then undone and repeated under a fresh worker name
+        until ``deadline``.
+
+        Args:
+            threads: RPC worker threads of the agent.
+            timeout: Seconds for each call the join makes.
+            deadline: ``time.monotonic()`` deadline of the whole join.
+            default_timeout: The agent's default RPC timeout afterwards, in seconds.
+
+        Raises:
+            RuntimeError, TimeoutError: the last attempt's error, when the deadline passed.
+        """
+        self._join_args = (threads, timeout, default_timeout)
+        while True:
+            # A listed worker is stale when no live claim names it (its member was declared
+            # gone, or came back as another incarnation) or its process is gone. The live
+            # claims decide, not the event log: a member joins RPC before it posts "join".
+            try:
+                _transport.start_dynamic(self._rpc_store, self.transport, self._tid, threads,
+                                         max(0.5, min(timeout, 5.0)), deadline, self.token_holder_dead,
+                                         self.worker_dead)
+                _transport.set_default_timeout(default_timeout)
+                self._tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
+                self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.transport))
+                return
+            except RuntimeError as err:
+                if deadline_left(deadline) < 1.0:
+                    raise
+                log.warning("machinlike: member %r: RPC join attempt failed (%s); retrying", self.name, err)
+                # A pause, not a synchronisation: what failed (a silent peer renewing its
+                # agent, one dying) takes a monitor tick to change.
+                self._closing.wait(max(0.02, (self._liveness or 2.0) / 8))
+            self._rename()
+
+    def listener_closed(self) -> bool:
+        """Whether this member's RPC listener is known closed (see ``_listener``)."""
+        return self._listener is not None and self._listener.alive() is False
+
+    def renew(self) -> MemberRecord:
+        """Give this member a new RPC agent (and worker name) after its listener closed.
+
+        Its incarnation stays; the caller moves its registry keys (``Claims.renewed``)
+        and tells the others. The old agent keeps serving the connections it has (calls
+        under way complete), until the World stops.
+
+        Returns:
+            The record before the renewal.
+
+        Raises:
+            RuntimeError, TimeoutError: the new agent could not join (logged: nobody can
+                call this member any more).
+        """
+        old = self.me
+        threads, timeout, default_timeout = self._join_args
+        log.warning("machinlike: member %r: the RPC listener of %r closed (a peer vanished while connecting, "
+                    "or something probed its port); restarting its RPC agent", self.name, old.transport)
+        self._listener = None
+        _transport.retire_current()
+        self._rename()
+        try:
+            self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+        except (RuntimeError, TimeoutError) as err:
+            log.error("machinlike: member %r could not renew its RPC agent (%s): nobody can call it any "
+                      "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)
+            raise
+        self.renewals += 1
+        return old
+
+    def rpc_address(self) -> Optional[str]:
+        """The address this member's RPC agent listens on (None if unknown)."""
+        return _transport.published_address(self._rpc_store, self.transport)
+
+    def prune(self, worker: str, deadline: float) -> None:
+        """Drop ``worker`` (a gone member's) from the dynamic RPC group, briefly and best effort."""
+        try:
+            _transport.prune_workers(self._rpc_store, self.transport, [worker],
+                                     min(deadline, time.monotonic() + 0.5), self.token_holder_dead)
+        except TimeoutError as err:  # whoever joins next prunes stale workers itself
+            log.info("machinlike: %r stays listed in the RPC group for now: %s", worker, err)
+
+    # ------------------------------------------------------------ other workers
+    def worker_dead(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
+        member = self._registry.get_or_empty(self._keys.worker(worker))
+        held = self._registry.get_or_empty(self._keys.live(member)) if member else ""
+        if not held:
+            return True
+        rec = MemberRecord.decode(member, held)
+        return rec.transport != worker or alive_here(rec.identity) is False
+
+    def token_holder_dead(self, token: str) -> bool:
+        holder = _transport.token_holder(token)
+        return holder is not None and holder != self.transport and self.worker_dead(holder)

@@ -1,0 +1,202 @@
+"""Monitor: the liveness thread, and the clean-up after a lost member.
+
+Owns the one thread of membership, what it last saw of each member's heartbeat, and the
+losses another member began to clean up. Each tick it beats, catches up with the log,
+checks this member's RPC listener, and declares the suspects lost.
+
+    each tick (liveness / 8)                          the world's store
+      heartbeat, read the others'                     m/hb/<name>   heartbeat counter
+      EventLog.catch_up (Roster, Waits, callbacks)    m/log, m/evn
+      listener closed? renew (Endpoint, Claims),
+        post "move"
+      suspect: process gone (same host, /proc) or
+        heartbeat stalled for 3/4 of liveness
+    declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
+      free its keys (Claims.free), prune its worker,  m/own/<worker>
+      clear m/live, set m/gone, post "lost"           m/gone/<name>/<inc>, m/lostpost/...
+      (a declarer that dies mid-way is taken over after a few leases; m/lostpost keeps it
+      to one "lost" event per incarnation)
+
+Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
+next tick through /proc (no false alarm under load), a remote one by its silent lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from ..exception import PeerLostError
+from ._claims import Claims
+from ._endpoint import Endpoint
+from ._event_log import EventLog
+from ._keys import Keys, MemberRecord
+from ._liveness import alive_here
+from ._registry import Registry, deadline_left
+from ._roster import Roster
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    """Liveness of the world as this member checks it.
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        roster: Who is live (read; told when the store is lost).
+        events: The event log (read each tick; "lost" and "move" posted).
+        claims: This member's keys (moved on renewal) and the lost ones' (freed).
+        endpoint: This member (heartbeat name, RPC worker, renewal).
+        liveness: Seconds within which a dead member is detected; None: no thread.
+        elastic: Whether RPC is a dynamic group (a lost worker is pruned from it).
+        closing: Set when this member leaves or stops: the thread ends.
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
+                 endpoint: Endpoint, liveness: Optional[float], elastic: bool, closing: threading.Event) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._roster = roster
+        self._events = events
+        self._claims = claims
+        self._endpoint = endpoint
+        self._liveness = liveness
+        self._elastic = elastic
+        self._closing = closing
+        self._thread: Optional[threading.Thread] = None
+        # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
+        self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
+        # Losses another member began to clean up -> when this one first saw that.
+        self._declaring: Dict[Tuple[str, int], float] = {}
+
+    def _tick(self) -> float:
+        return max(0.02, (self._liveness or 2.0) / 8)
+
+    def lease(self) -> float:
+        """Seconds a heartbeat may stall before its member is suspected."""
+        return 0.75 * (self._liveness or 2.0)
+
+    # ------------------------------------------------------------------- thread
+    def start(self) -> None:
+        """Catch up with the log, then start the thread (once; none without liveness)."""
+        self._events.catch_up()
+        if self._liveness is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"machinlike-liveness-{self._endpoint.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (``closing`` must be set)."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        tick = self._tick()
+        beat_key = self._keys.heartbeat(self._endpoint.name)
+        while not self._closing.wait(tick):
+            try:
+                self._registry.add(beat_key, 1)
+                self._events.catch_up()
+                if self._endpoint.listener_closed():
+                    self._renew()
+                for rec in self._suspects():
+                    self.declare(rec, time.monotonic() + 10 * tick, wait=False)
+            except PeerLostError as err:
+                self._roster.mark_store_lost(err)
+                log.error("machinlike: %s; every call of this member now fails", err)
+                return
+            except Exception:  # never let the monitor die silently
+                log.exception("machinlike liveness monitor of %r", self._endpoint.name)
+
+    def _suspects(self) -> List[MemberRecord]:
+        others = self._roster.others(self._endpoint.name)
+        current = {(r.member, r.incarnation) for r in others}
+        for gone in [k for k in self._beats if k not in current]:  # bounded by the live members
+            del self._beats[gone]
+        if not others:
+            return []
+        counts = self._registry.values_or_empty(self._keys.heartbeat_prefix(), [r.member for r in others])
+        now = time.monotonic()
+        out = []
+        for rec, count in zip(others, counts):
+            local = alive_here(rec.identity)
+            if local is False:
+                out.append(rec)
+                continue
+            key = (rec.member, rec.incarnation)
+            last = self._beats.get(key)
+            if last is None or last[0] != count or local:
+                self._beats[key] = (count, now)
+            elif now - last[1] > self.lease():
+                out.append(rec)
+        return out
+
+    def _renew(self) -> None:
+        self._claims.renewed(self._endpoint.renew)
+        me = self._endpoint.me
+        self._events.post("move", me)
+        self._roster.apply("move", me)  # this process routes to the new agent at once (the log follows)
+        log.warning("machinlike: member %r now answers as RPC worker %r", me.member, me.transport)
+
+    # ---------------------------------------------------------------- the lost
+    def record_alive(self, rec: MemberRecord, wait: float) -> bool:
+        """Whether ``rec``'s process lives: ``/proc`` here, else its heartbeat moving within ``wait`` s."""
+        local = alive_here(rec.identity)
+        if local is not None:
+            return local
+        key = self._keys.heartbeat(rec.member)
+        first = self._registry.get_or_empty(key)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:  # its heartbeat moving within a lease: alive
+            self._closing.wait(min(0.1, deadline_left(deadline)))
+            if self._registry.get_or_empty(key) != first:
+                return True
+        return False
+
+    def declare(self, rec: MemberRecord, deadline: float, wait: bool = True) -> None:
+        """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it.
+
+        Args:
+            wait: When another member declares it, wait (until ``deadline``) for its keys
+                to be free; the monitor does not (the event will come).
+        """
+        reg = self._registry
+        if reg.add(self._keys.lost(rec.member, rec.incarnation), 1) != 1:
+            if wait:
+                try:
+                    reg.wait_all(self._keys.gone_prefix(rec.member), [str(rec.incarnation)],
+                                 max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+                    return
+                except TimeoutError:
+                    pass  # the declarer died or stalls mid-clean-up: finish it here (below)
+            else:
+                # The monitor never blocks on another's clean-up; it takes over only when
+                # the declarer has not finished within a few ticks (it may have died too).
+                first = self._declaring.setdefault((rec.member, rec.incarnation), time.monotonic())
+                if time.monotonic() - first < 4 * self.lease():
+                    return
+            log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
+                        "member began", rec.member, rec.incarnation)
+            deadline = time.monotonic() + 10 * self._tick()
+        else:
+            log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
+                        rec.rank)
+        self.free(rec, deadline)  # idempotent: releases compare the holder
+        # One "lost" event per incarnation, whoever finished the clean-up.
+        if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
+            self._events.post("lost", rec)
+
+    def free(self, rec: MemberRecord, deadline: float) -> None:
+        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone."""
+        self._claims.free(rec.transport)
+        if self._elastic:
+            self._endpoint.prune(rec.transport, deadline)
+        self._registry.compare_set(self._keys.live(rec.member), rec.encode(), "")
+        self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")

@@ -1,0 +1,230 @@
+"""Roster: this process's view of who is in the world, and the subscribers to its changes.
+
+Owns the live table (member -> :class:`MemberRecord`), the RPC-worker index, who is
+gone and why, the callbacks, and one re-entrant lock with its Condition. Nothing else
+writes these: events reach it through :meth:`Roster.apply`, in the world's log order.
+
+    EventLog.catch_up ──► Membership._deliver ──► Roster.apply(entry)   (under the lock)
+                                                │    join / leave / lost / move
+                                                ├─► Waits.on_gone(...)  (workers now gone)
+                                                └─► Roster.publish(event) (callbacks, no lock)
+    queries (members, transport_of, wait_until, ...)   read under the lock
+
+Why re-entrant: :meth:`wait_until` evaluates the caller's predicate under the lock, and a
+predicate may ask the roster again (``incarnation_of``, ``members``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
+
+from ..exception import PeerLostError
+from ._keys import MemberRecord
+from ._liveness import is_here
+from ._member_records import MemberEvent
+
+__all__ = ["Roster"]
+
+log = logging.getLogger(__name__)
+
+
+class Roster:
+    """The world's members as this process has seen them (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._live: Dict[str, MemberRecord] = {}
+        self._by_transport: Dict[str, str] = {}  # RPC worker -> member (every worker seen)
+        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
+        # Only grows, under the lock; read without it (one set look-up is atomic).
+        self._gone_transports: Set[str] = set()
+        self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
+        self._callbacks: List[Callable[[MemberEvent], None]] = []
+        self._static_order: List[str] = []
+        self._store_lost: Optional[PeerLostError] = None
+
+    # ------------------------------------------------------------------ changes
+    def seed_static(self, records: Sequence[MemberRecord]) -> None:
+        """Record the members of a static world (``records[i]`` has rank ``i``)."""
+        with self._lock:
+            for rec in records:
+                self._live[rec.member] = rec
+                self._by_transport[rec.transport] = rec.member
+            self._static_order = [rec.member for rec in records]
+
+    def apply(self, kind: str, rec: MemberRecord) -> Optional[List[str]]:
+        """Apply one event of the log.
+
+        Returns:
+            None when subscribers are not told (a ``"move"``, a replayed ``"join"``);
+            else, for ``"leave"``/``"lost"``, the departed member's RPC workers that are
+            gone (calls pending on them must end), and ``[]`` for a ``"join"``.
+        """
+        with self._lock:
+            try:
+                if kind == "move":
+                    self._move(rec)
+                    return None
+                if kind == "join":
+                    old = self._live.get(rec.member)
+                    if old is not None and old.incarnation >= rec.incarnation:
+                        return None  # a static member's record, or a replayed join
+                    self._live[rec.member] = rec
+                    self._by_transport[rec.transport] = rec.member
+                    self._gone.pop(rec.member, None)
+                    return []
+                current = self._live.get(rec.member)
+                if current is not None and current.incarnation == rec.incarnation:
+                    del self._live[rec.member]
+                    self._gone[rec.member] = "left" if kind == "leave" else "lost"
+                self._gone_transports.add(rec.transport)
+                # Its worker, and any it had before a renewal (calls on those may be under way).
+                return [w for w, m in self._by_transport.items() if m == rec.member and w in self._gone_transports]
+            finally:
+                self._changed.notify_all()
+
+    def _move(self, rec: MemberRecord) -> None:
+        current = self._live.get(rec.member)
+        if current is None or current.incarnation != rec.incarnation or current.transport == rec.transport:
+            return
+        self._live[rec.member] = rec
+        self._by_transport[rec.transport] = rec.member
+        # New calls go to the new worker; calls under way on the old one still complete.
+        self._gone_transports.add(current.transport)
+
+    def publish(self, event: MemberEvent) -> None:
+        """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:  # a user callback must not stop the monitor
+                log.exception("membership callback %r failed on %s", callback, event)
+
+    def mark_store_lost(self, err: PeerLostError) -> None:
+        """The world's store is gone: every later look-up of a member raises ``err``."""
+        self._store_lost = err
+        with self._lock:
+            self._changed.notify_all()
+
+    @property
+    def store_lost(self) -> Optional[PeerLostError]:
+        return self._store_lost
+
+    # ------------------------------------------------------------------ queries
+    def members(self) -> List[str]:
+        """Names of the live members, sorted."""
+        with self._lock:
+            return sorted(self._live)
+
+    def names_by_rank(self) -> List[str]:
+        """A static world's member names in rank order (dead ones included)."""
+        return list(self._static_order)
+
+    def ranks(self) -> List[int]:
+        with self._lock:
+            return sorted(r.rank for r in self._live.values())
+
+    def others(self, me: str) -> List[MemberRecord]:
+        """The live members' records, but ``me``'s."""
+        with self._lock:
+            return [r for m, r in self._live.items() if m != me]
+
+    def incarnation_of(self, member: str) -> Optional[int]:
+        """The incarnation of live ``member``; None when it is not live."""
+        with self._lock:
+            rec = self._live.get(member)
+            return None if rec is None else rec.incarnation
+
+    def incarnations(self, members: Iterable[str]) -> Dict[str, int]:
+        """The current incarnation of each live member among ``members``."""
+        with self._lock:
+            return {m: self._live[m].incarnation for m in members if m in self._live}
+
+    def not_current(self, members: Sequence[str], incarnations: Optional[Dict[str, int]]) -> List[str]:
+        """The members that are not live (or, given ``incarnations``, live as another one)."""
+        with self._lock:
+            return [m for m in members if m not in self._live
+                    or (incarnations is not None and self._live[m].incarnation != incarnations.get(m))]
+
+    def gone(self, member: str) -> Optional[str]:
+        """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
+        with self._lock:
+            return None if member in self._live else self._gone.get(member)
+
+    def transport_of(self, member: str) -> str:
+        """The RPC worker name of live ``member``.
+
+        Raises:
+            PeerLostError: the member is gone (left or lost) or the store is.
+        """
+        with self._lock:
+            rec = self._live.get(member)
+            gone = self._gone.get(member)
+        if self._store_lost is not None:
+            raise self._store_lost
+        if rec is None:
+            raise PeerLostError(member, f"it {gone} the world" if gone == "left" else
+                                "it was lost (its process died or went silent)" if gone else
+                                "it is not a member of this world")
+        return rec.transport
+
+    def identity_of(self, worker: str) -> Optional[str]:
+        """The process identity of RPC worker ``worker`` (a live member's), None if unknown."""
+        with self._lock:
+            member = self._by_transport.get(worker)
+            rec = self._live.get(member) if member is not None else None
+            return rec.identity if rec is not None and rec.transport == worker else None
+
+    def on_this_host(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
+        here = self._here.get(worker)
+        if here is None:
+            identity = self.identity_of(worker)
+            if identity is None:
+                return False
+            here = self._here[worker] = is_here(identity)  # fixed for a worker's life
+        return here
+
+    def member_of(self, transport: str) -> str:
+        with self._lock:
+            return self._by_transport.get(transport, transport)
+
+    def transport_gone(self, transport: str) -> bool:
+        # No lock: one set look-up is atomic, the set only grows (under the lock), and
+        # every call asks this twice.
+        return transport in self._gone_transports
+
+    # ---------------------------------------------------------------- callbacks
+    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every event applied from now on."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not subscribed)."""
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
+        """Block until ``predicate(live members)`` holds; return the members then.
+
+        Raises:
+            TimeoutError: it did not hold within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                members = sorted(self._live)
+                if predicate(members):
+                    return members
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"membership condition not met within {timeout:g} s (members: {members})")
+                self._changed.wait(left)

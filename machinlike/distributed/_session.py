@@ -1,0 +1,248 @@
+"""Session: what a started World holds, and the undo of every step that started it.
+
+``start_static`` and ``start_elastic`` fill one :class:`Session` step by step; each step
+pushes its own undo onto the session's ``ExitStack`` as soon as it succeeded, so a
+start-up that fails half-way, a ``stop``, and a World that is simply dropped all take
+down exactly what was set up, in reverse order, once.
+
+*static* (the default, machin's ``World(name, rank, world_size)``): a fixed set of ranks.
+``World(...)`` returns only after the last step, on every rank, so no request can reach
+a half-built world:
+
+    step                                              undo
+    open the store (host it on rank 0, or join)       -
+    choose the interface: set its environment         restore the environment
+    exchange member names (duplicates refused)        -                (w/name/<rank>)
+    bind the local tables and same-host settings      unbind, free this process's segments
+    init the default process group (collective=True)  destroy_process_group (pg prefix)
+    init RPC over TensorPipe (init_rpc=True)          local RPC shutdown, forget the URL
+    ready barrier, then the liveness monitor          stop the monitor  (w/ready/<rank>)
+
+*elastic* (``elastic=True``): members join a running world by its address and a name:
+
+    open the store, choose the interface              restore the environment
+    claim the name (a dead incarnation's claim is     -
+      taken over)                       Membership.enter
+    bind the local tables and same-host settings      unbind
+    join the dynamic RPC group, pruning the dead      local RPC shutdown
+      first                             Endpoint.join
+    post "join", start the liveness monitor           stop the monitor
+
+A step whose undo may run early (RPC's graceful shutdown and the process group's
+destruction in a static ``stop``) is a :class:`Once`: the stack's later call does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch.distributed as dist
+
+from . import _calls, _netif, _rendezvous, _samehost, _transport
+from ._keys import Keys, ServiceOwner
+from ._liveness import process_identity
+from ._group_directory import GroupDirectory
+from ._membership import Membership
+from ._registry import deadline_left
+from ._settings import Settings
+
+__all__ = ["Session", "Once", "start_static", "start_elastic"]
+
+log = logging.getLogger(__name__)
+
+
+class Once:
+    """An undo step that runs at most once, whether early (``stop``) or from the stack."""
+
+    def __init__(self, undo: Callable[..., None]) -> None:
+        self._undo = undo
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self, *args: Any) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._undo(*args)
+
+
+class Session:
+    """One World's started state (see the module doc); built by the start functions.
+
+    Attributes:
+        settings: The World's validated arguments.
+        rank: This process's rank (an elastic member's is known once it entered).
+        incarnation: 1 for a member's first process, 2 for its first replacement, ...
+        store: The world's store and who hosts it (None until opened).
+        store_address: ``"tcp://host:port"`` of the store (None until opened).
+        interface: The interface TensorPipe and gloo use here (None: their own guess).
+        membership: The world's members and tables (None until the store is open).
+        groups: This process's RpcGroups and what they use of the world (with ``membership``).
+        rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
+        process_group: The process group's destruction step, None when it did not start.
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.rank = settings.rank
+        self.incarnation = 1
+        self.store: Optional[_rendezvous.StoreInfo] = None
+        self.store_address: Optional[str] = None
+        self.interface: Optional[str] = None
+        self.membership: Optional[Membership] = None
+        self.groups: Optional[GroupDirectory] = None
+        self.rpc: Optional[Once] = None
+        self.process_group: Optional[Once] = None
+        self._undo = contextlib.ExitStack()
+
+    def close(self) -> None:
+        """Undo every step that ran, last first; the last error (if any) propagates after all ran."""
+        self._undo.close()
+
+    @contextlib.contextmanager
+    def network_hint(self) -> Iterator[None]:
+        """Add to a start-up error what this host advertises (gloo and TensorPipe report
+        an unreachable peer as a bare connection error)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(_netif.describe(self.interface))
+            raise
+
+
+# ------------------------------------------------------------------------ steps
+def _open(session: Session) -> _rendezvous.StoreInfo:
+    s = session.settings
+    if s.store is None:
+        info = _rendezvous.open_store(s.rank, None if s.elastic else s.size, s.init_method, s.dist_timeout)
+    else:
+        base = s.store
+        while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
+            base = base.underlying_store
+        info = _rendezvous.StoreInfo(s.store, getattr(base, "host", "?"), getattr(base, "port", 0),
+                                     False, "the launcher")
+    session.store = info
+    session.store_address = f"tcp://{info.host}:{info.port}"
+    # TensorPipe reads its interface from the environment when RPC starts, gloo each
+    # time a group is created, so the setting stays for the World's life and the
+    # previous values come back at teardown (the next World may have another master).
+    session.interface, env = _netif.plan_interface(s.interface, info.host, info.port)
+    _netif.refuse_loopback_for_remote_master(env, info.host)
+    for var, value in env.items():
+        if os.environ.get(var) != value:
+            session._undo.callback(_restore, var, os.environ.get(var))
+            os.environ[var] = value
+    log.debug("World %r: TensorPipe and gloo use %s (master %s:%s)", s.name, env or "their own guess",
+              info.host, info.port)
+    return info
+
+
+def _restore(var: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
+def _bind(session: Session, members: Membership) -> None:
+    """Serve this member's tables to incoming calls, and its same-host settings to outgoing ones."""
+    s = session.settings
+    keys, claims = members.keys, members.claims
+
+    def resolve_service_owner(sid: str) -> Optional[str]:
+        group, epoch, key = sid.split("/", 2)
+        held = claims.owner(keys.service(group, epoch, key))
+        return ServiceOwner.decode(held).worker if held else None
+
+    members.tables.resolve_owner = resolve_service_owner
+    samehost = _samehost.SameHost(s.same_host_shm, s.shm_threshold, s.shm_cache_bytes,
+                                  members.roster.identity_of)  # [shm hook]
+    _calls.bind_tables(members.tables)
+    _samehost.bind(samehost)
+    session._undo.callback(_unbind, samehost)
+
+
+def _unbind(samehost: _samehost.SameHost) -> None:
+    _calls.bind_tables(None)
+    _samehost.bind(None)  # [shm hook] then free this process's segments
+    samehost.close()
+
+
+def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Membership:
+    s = session.settings
+    members = session.membership = Membership(info.store, keys, info.owner, s.name, s.liveness, s.elastic)
+    # Its thread starts last; stopping it is the first undo (see the step list).
+    session._undo.callback(members.close)
+    groups = session.groups = GroupDirectory(members, s.rpc_timeout, s.dist_timeout)
+    session._undo.callback(groups.close)
+    return members
+
+
+# ---------------------------------------------------------------------- start-up
+def start_static(session: Session) -> None:
+    """Start a static World (the steps in the module doc)."""
+    s = session.settings
+    deadline = time.monotonic() + s.dist_timeout
+    info = _open(session)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # A namespace per world incarnation (see Keys.static_counter).
+    keys = Keys.static_world(restart, info.store.add(Keys.static_counter(restart, s.rank), 1))
+    members = _membership(session, info, keys)
+    reg = members.registry
+    ranks = [str(r) for r in range(s.size)]
+    reg.set(keys.proc_prefix() + str(s.rank), process_identity())
+    reg.set(keys.name_prefix() + str(s.rank), s.name)
+    reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
+    names = reg.values(keys.name_prefix(), ranks)
+    if len(set(names)) != len(names):
+        clash = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"member names must be unique; ranks {names} share {clash}")
+    members.enter_static(s.rank, names, reg.values(keys.proc_prefix(), ranks))
+    _bind(session, members)
+    if s.collective:
+        with session.network_hint():
+            dist.init_process_group(
+                s.backend, store=dist.PrefixStore(keys.pg_prefix(), info.store), rank=s.rank,
+                world_size=s.size, timeout=datetime.timedelta(seconds=s.dist_timeout),
+            )
+        session.process_group = Once(dist.destroy_process_group)
+        session._undo.callback(session.process_group)
+    if s.rpc:
+        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), info.store), s.rank, s.size)
+        session._undo.callback(_rendezvous.forget_rpc_store, url)
+        with session.network_hint():
+            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout)
+        session.rpc = Once(_transport.shutdown)
+        session._undo.callback(session.rpc, False, 1.0)
+        members.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
+    reg.set(keys.ready_prefix() + str(s.rank), "1")
+    reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
+                 s.dist_timeout)
+    members.monitor.start()
+    session._undo.callback(members.close)
+
+
+def start_elastic(session: Session) -> None:
+    """Join (or, with ``rank=0``, found) an elastic world (the steps in the module doc)."""
+    s = session.settings
+    deadline = time.monotonic() + s.dist_timeout
+    info = _open(session)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    members = _membership(session, info, Keys.elastic_world(restart))
+    members.enter(None if s.rank < 0 else s.rank, deadline)
+    session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
+    _bind(session, members)
+    with session.network_hint():
+        members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout)
+    session.rpc = Once(_transport.shutdown)
+    session._undo.callback(session.rpc, False, 1.0)
+    members.announce()
+    session._undo.callback(members.close)
