@@ -317,6 +317,7 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     """
     if roster.transport_gone(worker):
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
+    roster.pipes.called(worker)
     try:
         if roster.on_this_host(worker):
             # A dead process here closes its sockets: the call fails at once by itself.

@@ -88,6 +88,8 @@ class Claims:
                     moved.append(OwnedKey(owned.key, new).encode())
             if moved:
                 self._registry.append(self._keys.owned(self._endpoint.transport), "".join(moved))
+            # Every claim moved: no key is left per retired worker.
+            self._registry.delete([self._keys.owned(old.transport)])
 
     def free(self, worker: str) -> None:
         """Release every key ``worker`` (a gone member's) claimed; idempotent."""

@@ -31,6 +31,7 @@ from ._calls import LocalTables
 from ._keys import Keys, MemberRecord
 from ._listener import ListenerWatch
 from ._liveness import alive_here, process_identity
+from ._pipes import PipeLedger
 from ._registry import Registry, deadline_left
 
 __all__ = ["Endpoint"]
@@ -56,10 +57,13 @@ class Endpoint:
         incarnation: 1 for a member's first process, 2 for its first replacement, ...
         transport: The RPC worker it answers as (its name in a static world).
         renewals: How many times it renewed its RPC agent (its listener had closed).
+        recycles: How many times it recycled its RPC agent (too many pipes to gone
+            workers; see _pipes).
+        pipes: The current agent's pipes (reset when the agent is replaced).
     """
 
     def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str, tables: LocalTables,
-                 closing: threading.Event, liveness: Optional[float]) -> None:
+                 closing: threading.Event, liveness: Optional[float], pipes: PipeLedger) -> None:
         self._registry = registry
         self._keys = keys
         self._rpc_store = dist.PrefixStore(keys.rpc_prefix(), store)
@@ -71,6 +75,8 @@ class Endpoint:
         self.incarnation = 1
         self.transport = name
         self.renewals = 0
+        self.recycles = 0
+        self.pipes = pipes
         self._tid = -1
         self._me: Optional[MemberRecord] = None
         self._listener: Optional[ListenerWatch] = None
@@ -163,16 +169,22 @@ class Endpoint:
                 self._closing.wait(max(0.02, (self._liveness or 2.0) / 8))
             self._rename()
 
+    @property
+    def rpc_timeout(self) -> float:
+        """The agent's default RPC timeout in seconds (a call under way ends within it)."""
+        return self._join_args[2]
+
     def listener_closed(self) -> bool:
         """Whether this member's RPC listener is known closed (see ``_listener``)."""
         return self._listener is not None and self._listener.alive() is False
 
-    def renew(self) -> MemberRecord:
-        """Give this member a new RPC agent (and worker name) after its listener closed.
+    def renew(self, recycle: bool = False) -> MemberRecord:
+        """Give this member a new RPC agent (and worker name): its listener closed, or
+        (``recycle``) the agent holds too many pipes to gone workers (see _pipes).
 
         Its incarnation stays; the caller moves its registry keys (``Claims.renewed``)
         and tells the others. The old agent keeps serving the connections it has (calls
-        under way complete), until the World stops.
+        under way complete) until :func:`_transport.reap_retired` shuts it down.
 
         Returns:
             The record before the renewal.
@@ -183,8 +195,13 @@ class Endpoint:
         """
         old = self.me
         threads, timeout, default_timeout = self._join_args
-        log.warning("machinlike: member %r: the RPC listener of %r closed (a peer vanished while connecting, "
-                    "or something probed its port); restarting its RPC agent", self.name, old.transport)
+        if recycle:
+            log.info("machinlike: member %r: RPC agent %r holds pipes to %d gone workers; recycling it",
+                     self.name, old.transport, self.pipes.dead())
+        else:
+            log.warning("machinlike: member %r: the RPC listener of %r closed (a peer vanished while "
+                        "connecting, or something probed its port); restarting its RPC agent",
+                        self.name, old.transport)
         self._listener = None
         _transport.retire_current()
         self._rename()
@@ -194,7 +211,11 @@ class Endpoint:
             log.error("machinlike: member %r could not renew its RPC agent (%s): nobody can call it any "
                       "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)
             raise
-        self.renewals += 1
+        self.pipes.reset()
+        if recycle:
+            self.recycles += 1
+        else:
+            self.renewals += 1
         return old
 
     def rpc_address(self) -> Optional[str]:

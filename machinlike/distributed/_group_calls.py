@@ -96,6 +96,7 @@ class GroupCalls:
         call = prepare_call(func, args, kwargs)
         entry = _calls._run_async if is_async(func) else _calls._run
         worker = self._target(d, to)
+        d.roster.pipes.called(worker)
         fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
         return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
 
@@ -125,4 +126,5 @@ class GroupCalls:
         call = prepare_call(func, args, kwargs)
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
         worker = self._target(d, to)
+        d.roster.pipes.called(worker)
         return rpc.remote(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]

@@ -221,6 +221,7 @@ class GroupKeys:
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
         deadline = time.monotonic() + wait
         member, entry = self._service_target(d, key)
+        d.roster.pipes.called(member)
         fut = rpc.rpc_async(member, entry, args=_samehost.outgoing(member, call), timeout=wait)  # [shm hook]
         # The owner answered "missing" (a stale cache): look it up again and call the new
         # one with what is left of this call's timeout, not a fresh one.
@@ -253,6 +254,7 @@ class GroupKeys:
         call = (self._sid + key,) + _checks.call_args(args, kwargs)
         wait = self._timeout(d, timeout)
         member, _ = self._service_target(d, key)
+        d.roster.pipes.called(member)
         return rpc.remote(member, _calls._remote_service, args=_samehost.outgoing(member, call),  # [shm hook]
                           timeout=wait)
 
@@ -343,6 +345,7 @@ class GroupKeys:
             value = sync_call(d.roster, d.waits, member, _calls._paired_rref, (self._sid + key,), max(0.001, deadline_left(deadline)),
                                f"value {key!r} of group {self._name!r}", wait)
             if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
+                d.roster.pipes.called(member)
                 rref = rpc.remote(member, _calls._paired_value, args=(self._sid + key,),
                                   timeout=max(0.001, deadline_left(deadline)))
                 return RenewedOwnerRRef(rref, member, self._sid + key)

@@ -44,9 +44,14 @@ from ._event_log import EventLog
 from ._keys import Keys, LogEntry, MemberRecord
 from ._member_records import MemberEvent
 from ._monitor import Monitor
+from ._pipes import PipeLedger
 from ._registry import Registry, deadline_left
 from ._roster import Roster
 from ._waits import Waits
+
+# Gone workers this member's agent called before it recycles the agent (see _pipes): on
+# one host each holds about 8 MB, 24 maps and 24 descriptors until then.
+RECYCLE_AFTER = 8
 
 __all__ = ["Membership", "MemberEvent"]
 
@@ -80,9 +85,11 @@ class Membership:
         self.tables = LocalTables(name)
         # Set when this member leaves or stops: ends the monitor and any pause.
         self._closing = threading.Event()
-        self.roster = Roster()
+        # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
+        pipes = PipeLedger(RECYCLE_AFTER if elastic else 0)
+        self.roster = Roster(pipes)
         self.waits = Waits(self.registry, self.roster)
-        self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness)
+        self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
         self.events = EventLog(self.registry, keys, self._deliver)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,

@@ -29,6 +29,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..exception import PeerLostError
+from . import _transport
 from ._claims import Claims
 from ._endpoint import Endpoint
 from ._event_log import EventLog
@@ -106,6 +107,13 @@ class Monitor:
                 self._events.catch_up()
                 if self._endpoint.listener_closed():
                     self._renew()
+                elif self._endpoint.pipes.due():
+                    self._renew(recycle=True)
+                # A retired agent goes once idle and every member has seen the move (they
+                # catch up every tick), or once any call on it would have timed out.
+                now = time.monotonic()
+                if _transport.reap_retired(now - 2 * (self._liveness or 2.0), now - self._endpoint.rpc_timeout - 2 * tick):
+                    log.info("machinlike: member %r shut down a retired RPC agent", self._endpoint.name)
                 for rec in self._suspects():
                     self.declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
@@ -138,8 +146,8 @@ class Monitor:
                 out.append(rec)
         return out
 
-    def _renew(self) -> None:
-        self._claims.renewed(self._endpoint.renew)
+    def _renew(self, recycle: bool = False) -> None:
+        self._claims.renewed(lambda: self._endpoint.renew(recycle))
         me = self._endpoint.me
         self._events.post("move", me)
         self._roster.apply("move", me)  # this process routes to the new agent at once (the log follows)

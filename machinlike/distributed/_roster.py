@@ -25,6 +25,7 @@ from ..exception import PeerLostError
 from ._keys import MemberRecord
 from ._liveness import is_here
 from ._member_records import MemberEvent
+from ._pipes import PipeLedger
 
 __all__ = ["Roster"]
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 class Roster:
     """The world's members as this process has seen them (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pipes: PipeLedger) -> None:
+        #: The current agent's pipes: told of every worker that goes (see _pipes).
+        self.pipes = pipes
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._live: Dict[str, MemberRecord] = {}
@@ -82,6 +85,8 @@ class Roster:
                     del self._live[rec.member]
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                 self._gone_transports.add(rec.transport)
+                self._here.pop(rec.transport, None)
+                self.pipes.gone(rec.transport)
                 # Its worker, and any it had before a renewal (calls on those may be under way).
                 return [w for w, m in self._by_transport.items() if m == rec.member and w in self._gone_transports]
             finally:
@@ -95,6 +100,8 @@ class Roster:
         self._by_transport[rec.transport] = rec.member
         # New calls go to the new worker; calls under way on the old one still complete.
         self._gone_transports.add(current.transport)
+        self._here.pop(current.transport, None)
+        self.pipes.gone(current.transport)
 
     def publish(self, event: MemberEvent) -> None:
         """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""

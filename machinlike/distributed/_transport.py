@@ -37,13 +37,13 @@ import datetime
 import logging
 import time
 import warnings
-from typing import Callable, Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "reap_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ def _options(threads: int, timeout: float, init_method: Optional[str]) -> rpc.Te
 # Agents this process started. torch's RRef context is made once per process, bound to
 # the first agent: RRefs made here after a second start name the first one.
 _agents_started = 0
+# The first of them, once it is started dynamically (held only to tell it apart).
+_first: List[object] = []
 
 
 def rrefs_bound_elsewhere() -> bool:
@@ -134,6 +136,8 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         api._init_rpc_states(agent)
         global _agents_started
         _agents_started += 1
+        if _agents_started == 1:
+            _first.append(agent)
         me = agent.get_worker_info()
         gone = []
         for worker in agent.get_worker_infos():
@@ -158,22 +162,59 @@ def published_address(store: dist.Store, worker: str) -> Optional[str]:
     return store.get(key).decode() if store.check([key]) else None
 
 
-# Agents replaced by a newer one in this process (a renewal): they keep serving the
-# connections they have until the World stops.
-_retired: List[object] = []
+# Agents replaced by a newer one in this process (a renewal or a recycling), with the
+# time they were retired: they keep serving the connections they have until reaped.
+_retired: List[Tuple[object, float]] = []
 
 
 def retire_current() -> None:
     """Let another agent become this process's current one; the old one keeps running.
 
-    Its listener is gone, but the connections peers opened to it still carry their calls
-    (in flight or new), so a renewal fails nothing that was under way. It is shut down
-    with the current agent (:func:`shutdown`).
+    Its connections still carry the calls under way (either way), so a renewal fails
+    nothing that was under way. :func:`reap_retired` shuts it down later, :func:`shutdown`
+    at the latest.
     """
     from torch._C._distributed_rpc import _reset_current_rpc_agent
 
-    _retired.append(rpc.api._get_current_rpc_agent())
+    _retired.append((rpc.api._get_current_rpc_agent(), time.monotonic()))
     _reset_current_rpc_agent()
+
+
+def reap_retired(idle_before: float, retired_before: float) -> int:
+    """Shut down the retired agents that are done: retired before ``idle_before`` and
+    with no call under way (either way), or retired before ``retired_before`` (times of
+    ``time.monotonic()``; a call under way that long has timed out by then).
+
+    This is what frees the pipes an agent kept to every worker it ever called (torch
+    never drops one; on one host each holds TensorPipe's shared-memory ring buffers: about
+    8 MB, 24 maps and 24 descriptors). The process's first agent is never shut down:
+    torch's RRef context holds it for the life of the process.
+
+    Returns:
+        How many agents were shut down.
+    """
+    first = _first_agent()
+    due = [(a, t) for a, t in _retired
+           if a is not first and (t < retired_before or (t < idle_before and _idle(a)))]
+    for entry in due:
+        _retired.remove(entry)
+        try:
+            entry[0].shutdown()  # type: ignore[attr-defined]
+        except RuntimeError as err:
+            log.debug("RPC shutdown of a retired agent: %s", err)
+    return len(due)
+
+
+def _idle(agent: object) -> bool:
+    """Whether ``agent`` has no call under way, sent or served (torch's own counters)."""
+    metrics = agent.get_metrics()  # type: ignore[attr-defined]
+    return all(metrics.get(k, "0") == "0" for k in
+               ("agent.client_active_calls", "agent.server_active_calls", "agent.server_active_async_calls"))
+
+
+def _first_agent() -> Optional[object]:
+    """The agent torch's RRef context is bound to (the process's first), if it is retired."""
+    return _first[0] if _first else None
 
 
 def set_default_timeout(seconds: float) -> None:
@@ -299,7 +340,7 @@ def shutdown(graceful: bool, timeout: float) -> None:
         if graceful:
             shutdown(False, timeout)
     while _retired:
-        agent = _retired.pop()
+        agent, _ = _retired.pop()
         try:
             agent.shutdown()  # type: ignore[attr-defined]
         except RuntimeError as err:
