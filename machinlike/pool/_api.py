@@ -19,6 +19,7 @@ from ._args import PoolPicklingError, as_args, check_callable
 from ._engine import Engine
 from ._feed import Feeder
 from ._result import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult, check_timeout
+from ._state import PoolState
 
 __all__ = ["PoolBase"]
 
@@ -360,7 +361,7 @@ class PoolBase:
 
     def __del__(self) -> None:
         try:
-            if self._backend.state == "running":
+            if self._backend.state is PoolState.RUN:
                 warnings.warn(f"unclosed running pool {self!r}; it is terminated now", ResourceWarning, source=self)
         except Exception:  # interpreter shutdown, or a constructor that failed early
             pass

@@ -17,8 +17,8 @@ Data flow::
         result frames ─> match worker i's oldest task ─> decode, settle, callbacks
         sentinel      ─> bury worker i: drain its pipe; tasks it had started fail with
                          WorkerLostError (exit code / signal, phase); tasks it had not
-                         started go back to the front of the backlog; a replacement
-                         starts in its slot (same context)
+                         started go back to the front of the backlog; the supervisor
+                         starts a replacement in its slot (same context)
         then: pump the backlog, steal for idle workers, stop workers once closed & done
 
 Why per-worker channels: the pool always knows which tasks a worker holds. With one
@@ -29,7 +29,7 @@ queue's lock blocks every other one.
 Scheduling: a worker's channel holds at most ``window`` unfinished tasks; the rest wait
 in the backlog and go, oldest first, to the least-loaded worker with room. When the
 backlog is empty and a worker is idle, it takes back the newest unstarted half of the
-tasks of the worker with the most (see ``_worker``: claims and take-backs are atomic under
+tasks of the worker with the most (see ``_ledger``: claims and take-backs are atomic under
 that worker's lock), so no worker idles while another has a backlog.
 
 Post-crash state: the pool keeps serving. A dead worker fails only the task it had

@@ -132,12 +132,13 @@ class Dispatcher:
         backlog = self.backlog
         if not backlog:
             return
-        candidates = [w for w in self.workers if w.takes_tasks()]
-        if not candidates:
-            return
         window, maxtasks = self.window, self._maxtasks
+        candidates = [w for w in self.workers if w.takes_tasks()]
         loads = [len(w.inflight) for w in candidates]
-        capacities = [w.capacity(window, maxtasks) for w in candidates]
+        if not candidates or min(loads) >= window:
+            return  # every channel is full: the common case while a backlog waits
+        # only a worker below its window can have room: skip the ledger read for the others
+        capacities = [w.capacity(window, maxtasks) if load < window else 0 for w, load in zip(candidates, loads)]
         touched = set()
         while backlog:
             i = pick(loads, capacities, self._rotation)
