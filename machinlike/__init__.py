@@ -56,6 +56,7 @@ from .pool import (
 from .process import Process
 from .queue import MultiP2PQueue, SimpleP2PQueue, SimpleQueue
 from .server import (
+    InferenceServer,
     OrderedServerSimple,
     PushPullGradServer,
     PushPullModelServer,
@@ -84,6 +85,7 @@ __all__ = [
     "OrderedServerSimple",
     "PushPullModelServer",
     "PushPullGradServer",
+    "InferenceServer",
     "ServerHandles",
     "ServerStoppedError",
     "grad_server_helper",

@@ -13,6 +13,7 @@ DOCUMENTED = {
     "machinlike.server.model": ["PushPullModelServer", "PushPullModelServerImpl"],
     "machinlike.server.grad": ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError",
                                "CheckpointError"],
+    "machinlike.server.inference": ["InferenceServer", "InferenceServerImpl"],
     "machinlike.server.helpers": ["ServerHandles", "grad_server_helper", "model_server_helper"],
 }
 

@@ -8,10 +8,13 @@ Module layout (machin's ``machin.parallel.server``):
   models on a version chain (``model.pp_version``).
 - :mod:`.grad`: :class:`PushPullGradServer` / :class:`PushPullGradServerImpl`: gradient
   push, tree reduction, optimizer step on the primary, parameter pull.
+- :mod:`.inference`: :class:`InferenceServer` / :class:`InferenceServerImpl`: batched
+  central inference, many members' rows through one ``fn`` per batch.
 - :mod:`.helpers`: :func:`grad_server_helper`, :func:`model_server_helper`.
 """
 
 from .grad import CheckpointError, PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
+from .inference import InferenceServer, InferenceServerImpl
 from .helpers import ServerHandles, grad_server_helper, model_server_helper
 from .model import PushPullModelServer, PushPullModelServerImpl
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
@@ -24,6 +27,8 @@ __all__ = [
     "PushPullModelServerImpl",
     "PushPullGradServer",
     "PushPullGradServerImpl",
+    "InferenceServer",
+    "InferenceServerImpl",
     "ServerStoppedError",
     "CheckpointError",
     "ServerHandles",

@@ -1,0 +1,117 @@
+"""Rows of inference requests: their shape signature, joining many into one batch, and
+handing a batch's output rows back to each request.
+
+A request's input is a tensor, or a tuple of tensors, with rows along dim 0. Requests
+join one batch only when their *signatures* are equal: the same structure, and per tensor
+the same trailing shape and dtype; only the row counts differ. ``fn``'s output is a
+tensor, a tuple or list of tensors, or a dict of tensors, each with one row per input row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, List, Sequence, Tuple, Union
+
+import torch
+
+__all__ = ["Inputs", "check_inputs", "signature", "join", "split", "nbytes", "to_device"]
+
+Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+
+
+def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
+    """``x`` as sent (a tensor or a tuple of tensors) and its row count.
+
+    Raises:
+        TypeError: ``x`` is not a tensor or a non-empty tuple/list of tensors.
+        ValueError: a tensor has no dim 0, no rows, or the tensors' row counts differ.
+    """
+    if isinstance(x, torch.Tensor):
+        tensors: Tuple[torch.Tensor, ...] = (x,)
+    elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        tensors = tuple(x)
+    else:
+        raise TypeError(f"{param} must be a tensor or a non-empty tuple of tensors (rows along dim 0), not "
+                        f"{type(x).__name__}" + (f" of {[type(t).__name__ for t in x][:4]}"
+                                                 if isinstance(x, (tuple, list)) else ""))
+    rows = [t.shape[0] if t.dim() else -1 for t in tensors]
+    if min(rows) < 1:
+        raise ValueError(f"{param} has a tensor of shape {list(tensors[rows.index(min(rows))].shape)}: every "
+                         f"tensor needs rows along dim 0 (at least one); add a batch dim with x.unsqueeze(0)")
+    if len(set(rows)) > 1:
+        raise ValueError(f"{param}'s tensors have different row counts {rows}: they must all have the same "
+                         f"number of rows along dim 0")
+    # requires_grad / autograd history would make RPC record distributed autograd.
+    tensors = tuple(t.detach() for t in tensors)
+    return (tensors[0] if isinstance(x, torch.Tensor) else tensors), rows[0]
+
+
+def signature(x: Inputs) -> Hashable:
+    """What must agree for two requests to share a batch (everything but the row count)."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape[1:]), x.dtype, x.device.type)
+    return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in x)
+
+
+def join(inputs: Sequence[Inputs]) -> Inputs:
+    """One batch of the requests' rows, in order (the inputs share a signature)."""
+    if len(inputs) == 1:
+        return inputs[0]
+    if isinstance(inputs[0], torch.Tensor):
+        return torch.cat(inputs)  # type: ignore[arg-type]
+    return tuple(torch.cat([x[i] for x in inputs]) for i in range(len(inputs[0])))
+
+
+def _rows(value: Any, total: int, what: str) -> List[torch.Tensor]:
+    tensors = list(value.values()) if isinstance(value, dict) else \
+        list(value) if isinstance(value, (tuple, list)) else [value]
+    bad = [type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)]
+    if bad or not tensors:
+        raise TypeError(f"{what} must return a tensor, or a tuple, list or dict of tensors, not "
+                        f"{type(value).__name__}" + (f" holding {bad[:4]}" if bad else ""))
+    wrong = [list(t.shape) for t in tensors if not t.dim() or t.shape[0] != total]
+    if wrong:
+        raise ValueError(f"{what} returned shapes {wrong} for {total} input rows: every output needs one "
+                         f"row per input row along dim 0")
+    return tensors
+
+
+def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
+    """``out`` cut into one piece per request (``counts`` rows each), as CPU tensors.
+
+    Pieces are copies when ``out`` is cut, so none of them drags the whole batch's
+    storage along when it is sent.
+
+    Raises:
+        TypeError, ValueError: ``out`` is not tensors with one row per input row (naming
+            ``what``, the callable).
+    """
+    total = sum(counts)
+    tensors = [t.detach().cpu() for t in _rows(out, total, what)]
+    if len(counts) == 1:
+        columns = [[t] for t in tensors]
+    else:
+        columns = [[piece.clone() for piece in torch.split(t, list(counts))] for t in tensors]
+    pieces: List[Any] = []
+    for i in range(len(counts)):
+        row = [column[i] for column in columns]
+        if isinstance(out, dict):
+            pieces.append(dict(zip(out.keys(), row)))
+        elif isinstance(out, (tuple, list)):
+            pieces.append(tuple(row))
+        else:
+            pieces.append(row[0])
+    return pieces
+
+
+def nbytes(x: Inputs) -> int:
+    """Bytes of a request's tensors."""
+    return x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in x)
+
+
+def to_device(x: Inputs, device: Union[None, torch.device]) -> Inputs:
+    if device is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    return tuple(t.to(device, non_blocking=True) for t in x)
+

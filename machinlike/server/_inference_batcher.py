@@ -1,0 +1,274 @@
+"""The inference host's batcher: one thread that turns waiting requests into calls of ``fn``.
+
+It owns the queue of requests, its lock and condition, the counters and the timing
+windows. Requests arrive from RPC handlers (``submit`` returns at once: the handler's
+future is completed here later, so no RPC thread waits on a batch)::
+
+    submit(request) ─► queue (FIFO, at most max_pending) ─┐ notify
+                                                          ▼
+    batcher thread:  the oldest request fixes the signature (trailing shapes, dtypes)
+                     wait until max_batch rows of it wait, or max_wait after its arrival
+                     take it and the later ones of the same signature up to max_batch
+                     rows (others keep their places); skip expired requests and those
+                     whose caller is gone
+                     run(join(rows)) ─► split ─► each request's future
+                     fn raised? run each request alone: only the culprit fails
+
+Why one thread: ``fn`` is one model (one set of weights, often one device); a second
+thread would only contend for the same cores. The weights change between batches only
+(see ``ModelSlot`` in :mod:`machinlike.server.inference`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
+
+import torch
+
+from ._inference_batch import Inputs, join, split
+from ._reducer import ServerStoppedError
+
+__all__ = ["Request", "Batcher"]
+
+log = logging.getLogger(__name__)
+
+_WINDOW = 4096  # timing samples kept for the percentiles (the newest)
+
+
+class Request:
+    """One caller's rows, waiting for a batch.
+
+    Args:
+        x: The rows (a tensor or a tuple of tensors).
+        rows: Their count.
+        sig: Their signature (see ``_inference_batch.signature``).
+        fut: Completed with ``(output rows, version)`` or fn's exception.
+        caller: The caller's member name, and its incarnation (a restarted caller is
+            another process: the old one's requests are dropped).
+        deadline: ``time.monotonic()`` after which the caller stopped waiting.
+        reply: Turns the result into what travels back (same-host encoding).
+    """
+
+    __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
+
+    def __init__(self, x: Inputs, rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
+                 incarnation: int, deadline: float, reply: Callable[[Any], Any]) -> None:
+        self.x, self.rows, self.sig, self.fut = x, rows, sig, fut
+        self.caller, self.incarnation = caller, incarnation
+        self.arrived = time.monotonic()
+        self.deadline = deadline
+        self.reply = reply
+
+
+def _percentile(samples: List[float], q: float) -> Optional[float]:
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+class Batcher:
+    """The queue and the thread that runs ``fn`` over batches of it.
+
+    Args:
+        what: The server, for messages and the thread's name.
+        run: Runs the model over one batch; returns ``(output, version)``.
+        alive: ``alive(member, incarnation)``: whether that caller still waits.
+        max_batch: Rows per call of ``fn`` at most (a single larger request runs alone).
+        max_wait: Seconds the oldest request waits for more rows (0: none).
+        max_pending: Requests waiting at most; a request beyond is refused.
+    """
+
+    def __init__(self, what: str, run: Callable[[Inputs], Tuple[Any, Any]], alive: Callable[[str, int], bool],
+                 max_batch: int, max_wait: float, max_pending: int) -> None:
+        self._what = what
+        self._run_model = run
+        self._alive = alive
+        self.max_batch = max_batch
+        self.max_wait = max_wait
+        self.max_pending = max_pending
+        self._cond = threading.Condition(threading.Lock())  # guards everything below
+        self._queue: Deque[Request] = deque()
+        self._rows_by_sig: Dict[Hashable, int] = {}
+        self._closed = False
+        self._counts = {"requests": 0, "batches": 0, "rows": 0, "batched_requests": 0, "dropped": 0,
+                        "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
+        self._waits: Deque[float] = deque(maxlen=_WINDOW)
+        self._fn_times: Deque[float] = deque(maxlen=_WINDOW)
+        self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-{what}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the queue
+    def submit(self, request: Request) -> None:
+        """Queue ``request`` (called on an RPC thread; returns at once).
+
+        Raises:
+            ServerStoppedError: the server was closed.
+            RuntimeError: ``max_pending`` requests are waiting already.
+        """
+        with self._cond:
+            if self._closed:
+                raise ServerStoppedError(f"inference server {self._what!r} is closed")
+            if len(self._queue) >= self.max_pending:
+                self._counts["rejected"] += 1
+                raise RuntimeError(f"inference server {self._what!r} has {len(self._queue)} requests waiting "
+                                   f"(max_pending={self.max_pending}): fn cannot keep up with its callers; "
+                                   f"send larger requests, or raise max_pending / max_batch")
+            self._queue.append(request)
+            self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
+            self._counts["requests"] += 1
+            self._cond.notify()
+
+    def _remove(self, request: Request) -> None:
+        # Under the lock.
+        left = self._rows_by_sig[request.sig] - request.rows
+        if left:
+            self._rows_by_sig[request.sig] = left
+        else:
+            del self._rows_by_sig[request.sig]
+
+    def _take(self) -> Optional[Tuple[List[Request], List[Tuple[Request, BaseException]]]]:
+        """The next batch and the requests to fail (expired, caller gone); None once closed."""
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            first = self._queue[0]  # only this thread removes requests: it stays first
+            until = first.arrived + self.max_wait
+            while not self._closed and self._rows_by_sig[first.sig] < self.max_batch:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if self._closed:
+                return None
+            now = time.monotonic()
+            batch: List[Request] = []
+            failed: List[Tuple[Request, BaseException]] = []
+            kept: Deque[Request] = deque()
+            rows = 0
+            for req in self._queue:
+                if req.deadline <= now:
+                    self._counts["expired"] += 1
+                    failed.append((req, TimeoutError(f"inference server {self._what!r}: the request waited past "
+                                                     f"its caller's timeout")))
+                elif req.sig == first.sig and (not batch or rows + req.rows <= self.max_batch) \
+                        and rows < self.max_batch:
+                    if self._alive(req.caller, req.incarnation):
+                        batch.append(req)
+                        rows += req.rows
+                    else:
+                        self._counts["dropped"] += req.rows
+                        failed.append((req, RuntimeError(f"caller {req.caller!r} is gone")))
+                else:
+                    kept.append(req)
+                    continue
+                self._remove(req)
+            self._queue = kept
+            return batch, failed
+
+    # ---------------------------------------------------------------- the thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                taken = self._take()
+                if taken is None:
+                    return
+                batch, failed = taken
+                for req, exc in failed:
+                    self._settle(req, exc=exc)
+                if batch:
+                    self._run(batch)
+        except BaseException as exc:  # never leave callers waiting on a dead thread
+            log.exception("inference server %r: the batcher thread failed", self._what)
+            self._fail_all(ServerStoppedError(f"inference server {self._what!r} stopped: its batcher thread "
+                                              f"failed ({type(exc).__name__}: {exc})"))
+            raise
+
+    def _run(self, batch: List[Request]) -> None:
+        start = time.monotonic()
+        try:
+            out, version = self._run_model(join([req.x for req in batch]))
+            pieces = split(out, [req.rows for req in batch], f"fn of inference server {self._what!r}")
+        except Exception as exc:
+            self._count_fn(batch, start, ok=False)
+            if len(batch) == 1:
+                with self._cond:
+                    self._counts["errors"] += 1
+                self._settle(batch[0], exc=exc)
+                return
+            # Who made fn fail? Run each request alone: only the culprit's caller hears of it.
+            with self._cond:
+                self._counts["isolations"] += 1
+            for req in batch:
+                self._run([req])
+            return
+        self._count_fn(batch, start, ok=True)
+        for req, piece in zip(batch, pieces):
+            if not self._alive(req.caller, req.incarnation):
+                with self._cond:
+                    self._counts["dropped"] += req.rows
+            self._settle(req, value=(piece, version))
+
+    def _count_fn(self, batch: List[Request], start: float, ok: bool) -> None:
+        took = time.monotonic() - start
+        with self._cond:
+            self._counts["batches"] += 1
+            self._fn_times.append(took)
+            if ok:
+                self._counts["rows"] += sum(req.rows for req in batch)
+                self._counts["batched_requests"] += len(batch)
+                self._waits.extend(start - req.arrived for req in batch)
+
+    def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
+        req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
+        try:
+            if exc is not None:
+                req.fut.set_exception(exc)
+            else:
+                req.fut.set_result(req.reply(value))
+        except Exception:  # a reply that cannot be made must not stop the others'
+            log.exception("inference server %r: answering %r failed", self._what, req.caller)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._cond:
+            self._closed = True
+            pending, self._queue = list(self._queue), deque()
+            self._rows_by_sig.clear()
+        for req in pending:
+            self._settle(req, exc=exc)
+
+    # ---------------------------------------------------------------- outside
+    def stats(self) -> Dict[str, Any]:
+        """Counters and timing percentiles (see ``InferenceServerImpl.stats``)."""
+        with self._cond:
+            out: Dict[str, Any] = dict(self._counts)
+            waits, times = list(self._waits), list(self._fn_times)
+            out["pending"] = len(self._queue)
+        batches = out["batches"] - 0
+        out["mean_batch"] = out["rows"] / batches if batches else 0.0
+        out["mean_requests"] = out["batched_requests"] / batches if batches else 0.0
+        out["queue_wait_p50"], out["queue_wait_p95"] = _percentile(waits, 0.5), _percentile(waits, 0.95)
+        out["fn_time_p50"], out["fn_time_p95"] = _percentile(times, 0.5), _percentile(times, 0.95)
+        return out
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread; waiting requests fail with :class:`ServerStoppedError`.
+
+        Raises:
+            TimeoutError: the thread was still running a batch after ``timeout`` seconds.
+        """
+        self._fail_all(ServerStoppedError(f"inference server {self._what!r} was closed"))
+        with self._cond:
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"inference server {self._what!r}: the batcher thread was still running a "
+                                   f"batch after {timeout:g} s")

@@ -1,0 +1,419 @@
+"""Batched central inference: one member runs the policy for many callers' rows at once.
+
+Data flow::
+
+    caller (any member)                              host (InferenceServerImpl)
+    -------------------                              --------------------------
+    infer(x): rows along dim 0                       "<name>/infer", an asynchronous service:
+      same host? large tensors into shared    ──►    a Request (rows, signature, caller,
+      memory (a lent segment, no pickling)           deadline) queued; the RPC thread is free
+                                                     batcher thread (see _inference_batcher):
+                                                     join waiting rows of one signature up to
+                                                     max_batch, waiting max_wait at most;
+                                                     fn(batch) under no_grad; split the rows
+      (output rows, version)                  ◄──    back; same host: through shared memory
+                                                     ModelSlot: update() / the model-server
+                                                     puller swap weights between batches
+
+Why: a convolutional policy over pixels costs little per row at batch 16-64 and a lot at
+batch 1, and one set of weights serves every actor. Batching requests of many callers (and
+of concurrent calls of one caller) on one member is what SEED RL, TorchBeast's dynamic
+batcher and Sample Factory's policy workers do. It loses where ``fn`` is so cheap that a
+round trip costs more than running it locally: measure (``benchmarks/inference.py``).
+
+Failure semantics. A request that makes ``fn`` raise fails its caller only: a failed batch
+is run again request by request, and each culprit's caller gets ``fn``'s exception (its
+type, the host's traceback as ``__cause__``). A caller that died is skipped (its rows
+counted as ``dropped``); the host's death reaches callers as
+:class:`~machinlike.exception.PeerLostError` naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+from torch.distributed import rpc
+
+from .. import _shm
+from ..distributed import RpcGroup, _checks, get_world
+from ..exception import PeerLostError
+from ._common import check_group, check_name
+from ._inference_batch import Inputs, check_inputs, signature, to_device
+from ._inference_batcher import Batcher, Request
+from ._spec import mismatch, spec_of
+from .model import PushPullModelServer
+
+__all__ = ["InferenceServer", "InferenceServerImpl"]
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as stream:
+            return stream.read().strip()
+    except OSError:
+        return "?"
+
+
+def _process_space() -> str:
+    """``<boot id>/<pid namespace>``: processes that share it can reach each other's memory."""
+    try:
+        space = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        space = "?"
+    return f"{_read('/proc/sys/kernel/random/boot_id')}/{space}"
+
+
+class InferenceServer:
+    """Accessor of an :class:`InferenceServerImpl`; picklable, usable from any member.
+
+    Get it with ``group.get_paired(server_name).to_here()``.
+
+    Args:
+        server_name: The host's ``server_name``.
+        group: The host's RpcGroup.
+        host: The hosting member's name (for :class:`~machinlike.exception.PeerLostError`).
+        host_incarnation: Its incarnation (a restarted host is another server).
+        host_process: ``<boot id>/<pid namespace>/<pid>`` of the host, to tell whether
+            this process shares its memory.
+        shm_threshold: Bytes from which a tensor travels through shared memory to a host
+            on this host; None: as every RpcGroup call (the World's ``shm_threshold``).
+    """
+
+    def __init__(self, server_name: str, group: RpcGroup, host: str, host_incarnation: int = 1,
+                 host_process: str = "", shm_threshold: Optional[int] = None) -> None:
+        self.server_name = check_name(server_name, "server_name")
+        self.group = check_group(group)
+        self.host = host
+        self.host_incarnation = host_incarnation
+        self.host_process = host_process
+        self.shm_threshold = shm_threshold
+        self._key = f"{server_name}/infer"
+        self._local: Optional[bool] = None  # decided once per process
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_local"] = None  # a verdict of this process only
+        return state
+
+    def __repr__(self) -> str:
+        return f"<InferenceServer {self.server_name!r} on {self.host!r}>"
+
+    def _same_host(self) -> bool:
+        if self._local is None:
+            space, _, pid = self.host_process.rpartition("/")
+            self._local = bool(self.shm_threshold is not None and pid and "?" not in space
+                               and space == _process_space() and _shm.reachable(int(pid)))
+        return self._local
+
+    def infer(self, x: Union[torch.Tensor, Tuple[torch.Tensor, ...]], timeout: Optional[float] = None,
+              with_version: bool = False) -> Any:
+        """``fn``'s output for the rows of ``x``, computed in a batch with other callers' rows.
+
+        Thread-safe: concurrent calls of one process are batched together too.
+
+        Args:
+            x: A tensor, or a tuple of tensors with the same number of rows (along dim 0).
+                A tuple reaches ``fn`` as separate positional arguments.
+            timeout: Seconds for the whole call (the wait for a batch included); None: the
+                world's ``rpc_timeout``.
+            with_version: Return ``(output, version)``: the version of the weights that
+                computed it (see :meth:`InferenceServerImpl.update`).
+
+        Returns:
+            ``fn``'s output rows for ``x`` (a tensor, tuple or dict of tensors, as ``fn``
+            returns), on the CPU; with ``with_version``, ``(output, version)``.
+
+        Raises:
+            TypeError, ValueError: ``x`` is not rows of tensors, or a bad ``timeout``
+                (nothing is sent).
+            PeerLostError: the host is gone (named).
+            TimeoutError: no answer within ``timeout``.
+            ServerStoppedError: the server was closed.
+            RuntimeError: the host's queue is full (``max_pending``).
+            Exception: what ``fn`` raised on these rows (its type; the host's traceback
+                as ``__cause__``).
+        """
+        world = get_world()
+        if world is None:
+            raise RuntimeError("infer() needs a World in this process (machinlike.distributed.World)")
+        wait = _checks.seconds_or_none("timeout", timeout, world.rpc_timeout)
+        if not isinstance(with_version, bool):
+            raise TypeError(f"with_version must be a bool, not {type(with_version).__name__}")
+        x, rows = check_inputs(x)
+        reply = 0
+        if self._same_host() and all(t.device.type == "cpu" for t in (x if isinstance(x, tuple) else (x,))):
+            reply = self.shm_threshold
+            x = _shm.encode(x, reply)
+        try:
+            out, version = self.group.registered_sync(
+                self._key, (x, rows, world.name, world.incarnation, wait, reply), timeout=wait)
+        except PeerLostError as err:
+            if err.member == self.host:
+                raise
+            # The RPC worker of a host just declared lost may no longer map to its member.
+            raise PeerLostError(self.host, f"host of inference server {self.server_name!r}: {err.detail}") from err
+        except KeyError as err:
+            # A lost host's services vanish with its claims: say who is gone, not "not found".
+            now = world.get_incarnation(self.host)
+            if now == self.host_incarnation:
+                raise  # the host lives and closed the server
+            why = ("it left or was lost" if now is None else
+                   f"it came back (incarnation {now}) and this accessor names incarnation "
+                   f"{self.host_incarnation}: get a new one with group.get_paired({self.server_name!r})")
+            raise PeerLostError(self.host, f"host of inference server {self.server_name!r}: {why}") from err
+        return (out, version) if with_version else out
+
+
+class ModelSlot:
+    """``fn`` and the version of its weights; weights change only between batches.
+
+    Args:
+        fn: The callable or module run over each batch.
+        version: The version of its weights now.
+        device: Where batches go before ``fn`` (None: where they are, the CPU).
+    """
+
+    def __init__(self, fn: Callable[..., Any], version: int, device: Optional[torch.device]) -> None:
+        self.fn = fn
+        self.module = fn if isinstance(fn, torch.nn.Module) else None
+        self.device = device
+        self._lock = threading.Lock()  # a batch, or a weight swap: never both
+        self.version = version
+
+    def run(self, batch: Inputs) -> Tuple[Any, int]:
+        batch = to_device(batch, self.device)
+        with self._lock, torch.no_grad():
+            return (self.fn(*batch) if isinstance(batch, tuple) else self.fn(batch)), self.version
+
+    def load(self, state: Mapping[str, Any], version: int) -> None:
+        with self._lock:
+            self.module.load_state_dict(state)
+            self.version = version
+
+
+class _Puller:
+    """A thread that pulls a model server's newest weights into a private copy of ``fn``
+    every ``every`` seconds and hands new ones to the slot (the batcher never waits on it)."""
+
+    def __init__(self, what: str, model_server: PushPullModelServer, slot: ModelSlot, every: float) -> None:
+        self._model_server = model_server
+        self._slot = slot
+        self._every = every
+        self._what = what
+        self._shadow = copy.deepcopy(slot.module)
+        self._stop = threading.Event()
+        self.pulls = 0
+        self.failures = 0
+        self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-pull-{what}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        wait = 0.0  # the first pull at once
+        while not self._stop.wait(wait):
+            wait = self._every
+            try:
+                if self._model_server.pull(self._shadow):
+                    self._slot.load(self._shadow.state_dict(), self._shadow.pp_version)
+                    self.pulls += 1
+            except Exception as exc:  # the server keeps serving the weights it has; say so
+                self.failures += 1
+                log.warning("inference server %r: pulling from %r failed: %s: %s", self._what,
+                            self._model_server, type(exc).__name__, exc)
+
+    def close(self, timeout: float) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+def _check_wait(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"max_wait={value!r} must be a number of seconds, not {type(value).__name__}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"max_wait={value!r} must be zero (take what waits) or a positive number of seconds")
+    return float(value)
+
+
+def _check_version(value: Any, param: str = "version") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{param} must be an int, not {type(value).__name__} ({value!r})")
+    return value
+
+
+class InferenceServerImpl:
+    """Host of a batched inference server, in the process that constructs it.
+
+    It registers the asynchronous service ``"<server_name>/infer"`` in ``group`` and pairs
+    an :class:`InferenceServer` accessor under ``server_name``; callers get it with
+    ``group.get_paired(server_name).to_here()``.
+
+    Args:
+        server_name: Name of the server, unique in ``group``.
+        group: The RpcGroup callers reach it through (this process must be a member).
+        fn: A callable or ``nn.Module`` taking the joined rows of many requests (a tuple
+            input as separate positional arguments) and returning a tensor, or a tuple,
+            list or dict of tensors, one row per input row. Run under ``torch.no_grad``
+            by one thread.
+        max_batch: Rows per call of ``fn`` at most; a single larger request runs alone.
+        max_wait: Seconds the oldest waiting request waits for more rows (0: none).
+        model_server: A :class:`PushPullModelServer` accessor whose newest weights are
+            pulled into ``fn`` (a module) every ``pull_every`` seconds, swapped in between
+            batches; None: weights change through :meth:`update` only.
+        pull_every: Seconds between pulls from ``model_server``.
+        version: The version of ``fn``'s weights now.
+        device: Where batches go before ``fn`` (outputs come back to the CPU); None: the CPU.
+        max_pending: Requests waiting at most; beyond, requests fail with RuntimeError.
+        shm_threshold: Bytes from which a tensor of a caller on this host travels
+            through shared memory (below, through TensorPipe); None: leave it to the
+            World's ``shm_threshold`` as every RpcGroup call.
+
+    Raises:
+        KeyError: ``server_name`` is already used in ``group``.
+        TypeError, ValueError: invalid arguments (named).
+    """
+
+    def __init__(self, server_name: str, group: RpcGroup, fn: Callable[..., Any], *, max_batch: int = 64,
+                 max_wait: float = 0.002, model_server: Optional[PushPullModelServer] = None,
+                 pull_every: float = 1.0, version: int = 0, device: Union[None, str, torch.device] = None,
+                 max_pending: int = 4096, shm_threshold: Optional[int] = 64 << 10) -> None:
+        self.server_name = check_name(server_name, "server_name")
+        self.group = check_group(group)
+        if not callable(fn):
+            raise TypeError(f"fn must be a callable or an nn.Module, not {type(fn).__name__}")
+        max_batch = _checks.positive_int("max_batch", max_batch)
+        max_wait = _check_wait(max_wait)
+        max_pending = _checks.positive_int("max_pending", max_pending)
+        pull_every = _checks.seconds("pull_every", pull_every)
+        if shm_threshold is not None:
+            shm_threshold = _checks.positive_int("shm_threshold", shm_threshold)
+        if model_server is not None:
+            if not isinstance(model_server, PushPullModelServer):
+                raise TypeError(f"model_server must be a PushPullModelServer accessor or None, not "
+                                f"{type(model_server).__name__}")
+            if not isinstance(fn, torch.nn.Module):
+                raise TypeError(f"model_server needs fn to be an nn.Module to load weights into, not "
+                                f"{type(fn).__name__}")
+        world = get_world()
+        if world is None:
+            raise RuntimeError("InferenceServerImpl needs a World in this process")
+        self._slot = ModelSlot(fn, _check_version(version), None if device is None else torch.device(device))
+        self._batcher = Batcher(server_name, self._slot.run, self._alive, max_batch, max_wait, max_pending)
+        self._world = world
+        self._key = f"{server_name}/infer"
+        self._closed = False
+        try:
+            group.register(self._key, self._service())
+            try:
+                group.pair(server_name, InferenceServer(server_name, group, world.name, world.incarnation,
+                                                        f"{_process_space()}/{os.getpid()}", shm_threshold))
+            except BaseException:
+                group.deregister(self._key)
+                raise
+        except BaseException:
+            self._batcher.close(1.0)
+            raise
+        self._puller = None if model_server is None else \
+            _Puller(server_name, model_server, self._slot, pull_every)
+
+    def __repr__(self) -> str:
+        return f"<InferenceServerImpl {self.server_name!r} max_batch={self._batcher.max_batch}>"
+
+    def _alive(self, member: str, incarnation: int) -> bool:
+        return self._world.get_incarnation(member) == incarnation
+
+    def _service(self) -> Callable[..., Any]:
+        batcher, what = self._batcher, self.server_name
+
+        @rpc.functions.async_execution
+        def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,
+                  reply: int) -> torch.futures.Future:
+            x, got = check_inputs(x)
+            if got != rows:
+                raise ValueError(f"inference server {what!r}: a request of {got} rows said {rows}")
+            fut: torch.futures.Future = torch.futures.Future()
+            encode = (lambda value: _shm.encode(value, reply)) if reply else (lambda value: value)
+            batcher.submit(Request(x, rows, signature(x), fut, caller, incarnation, time.monotonic() + timeout,
+                                   encode))
+            return fut
+
+        return infer
+
+    def update(self, state: Union[torch.nn.Module, Mapping[str, Any]], version: int) -> None:
+        """Load new weights into ``fn`` between two batches; later outputs carry ``version``.
+
+        Args:
+            state: A module of ``fn``'s architecture, or its state dict.
+            version: The version of these weights (returned by ``infer(with_version=True)``).
+
+        Raises:
+            TypeError: ``fn`` is not an ``nn.Module``, or ``state`` / ``version`` has the
+                wrong type.
+            ValueError: ``state`` does not fit ``fn`` (names, shapes; nothing is loaded).
+        """
+        module = self._slot.module
+        if module is None:
+            raise TypeError(f"inference server {self.server_name!r} runs {type(self._slot.fn).__name__}, not an "
+                            f"nn.Module: it has no weights to update")
+        if isinstance(state, torch.nn.Module):
+            state = state.state_dict()
+        elif not isinstance(state, Mapping):
+            raise TypeError(f"state must be an nn.Module or a state dict, not {type(state).__name__}")
+        _check_version(version)
+        diff = mismatch(spec_of(module.state_dict()), spec_of(state), "fn", "state", check_dtypes=False)
+        if diff is not None:
+            raise ValueError(f"cannot update inference server {self.server_name!r} (nothing was loaded): {diff}")
+        self._slot.load(state, version)
+
+    @property
+    def version(self) -> int:
+        """The version of the weights the next batch runs with."""
+        return self._slot.version
+
+    def stats(self) -> Dict[str, Any]:
+        """What the host did since it started.
+
+        Keys: ``requests`` (accepted), ``batches`` (calls of ``fn``), ``rows`` (answered),
+        ``mean_batch`` (rows per call), ``mean_requests`` (requests per call),
+        ``queue_wait_p50`` / ``queue_wait_p95`` (seconds from a request's arrival to its
+        batch's start) and ``fn_time_p50`` / ``fn_time_p95`` (seconds per call), over the
+        last 4096 samples (None before any), ``dropped`` (rows of requests whose caller
+        was seen gone before they were answered),
+        ``expired`` (requests that outwaited their caller's timeout), ``errors`` (requests
+        failed by ``fn``), ``isolations`` (failed batches re-run request by request),
+        ``rejected`` (over ``max_pending``), ``pending`` (waiting now), ``version``; with
+        a ``model_server`` also ``pulls`` (new weights loaded) and ``pull_failures``.
+        """
+        out = self._batcher.stats()
+        out["version"] = self._slot.version
+        if self._puller is not None:
+            out["pulls"], out["pull_failures"] = self._puller.pulls, self._puller.failures
+        return out
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Withdraw the service and the accessor; waiting requests fail with
+        :class:`ServerStoppedError`. Safe to call twice.
+
+        Args:
+            timeout: Seconds to wait for a running batch and a running pull; None: the
+                world's ``rpc_timeout``.
+
+        Raises:
+            TimeoutError: the batcher was still running a batch when the time ran out.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        wait = _checks.seconds_or_none("timeout", timeout, self._world.rpc_timeout)
+        self.group.deregister(self._key)
+        self.group.unpair(self.server_name)
+        if self._puller is not None:
+            self._puller.close(wait)
+        self._batcher.close(wait)

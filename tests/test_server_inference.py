@@ -1,0 +1,324 @@
+"""The batched inference server across real processes: rows reach their callers under
+concurrency and are really batched, frames take shared memory on one host, a failing or
+misshapen request hurts only its caller, a SIGKILLed caller stalls no one, the host's
+death is named, weights and versions change between batches, in static and elastic worlds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from machinlike import _shm, launch
+from machinlike.exception import PeerLostError, RemoteTraceback
+from machinlike.server import InferenceServer, InferenceServerImpl, PushPullModelServerImpl, ServerStoppedError
+from machinlike.testing import world_test
+
+TIMEOUT = 30.0
+
+
+def _key(world, name):
+    return world.membership.key(f"infer-test/{name}")
+
+
+def _set(world, name, value="1"):
+    world.membership.registry.set(_key(world, name), value)
+
+
+def _wait(world, name):
+    world.membership.registry.wait_all(_key(world, ""), [name], TIMEOUT, f"key {name!r}")
+
+
+def _tagged(x):
+    time.sleep(0.002)  # a policy's cost: lets concurrent requests gather
+    return x[:, :1] * 10, x.sum(1)
+
+
+def _frames_mean(frames):
+    return frames.float().mean((1, 2, 3))
+
+
+def _pair(obs, mask):
+    return {"q": obs * mask, "n": mask.sum(1)}
+
+
+@world_test(3, timeout=90)
+def test_rows_reach_their_callers_and_are_batched(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impls = [InferenceServerImpl("tag", group, _tagged, max_batch=32, max_wait=0.01),
+                 InferenceServerImpl("frames", group, _frames_mean),
+                 InferenceServerImpl("pair", group, _pair)]
+    group.barrier()
+    if world.rank != 0:
+        server = group.get_paired("tag").to_here()
+        assert isinstance(server, InferenceServer) and server.host == "0"
+        errors = []
+
+        def calls(thread):
+            try:
+                for call in range(12):
+                    rows = 1 + (thread + call) % 5
+                    x = torch.arange(rows * 3, dtype=torch.float64).view(rows, 3) \
+                        + world.rank * 10000 + thread * 1000 + call * 10
+                    head, total = server.infer(x, timeout=TIMEOUT)
+                    assert torch.equal(head, x[:, :1] * 10) and torch.equal(total, x.sum(1)), (thread, call)
+            except BaseException as exc:  # reported below, on the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not errors, errors
+        out, version = server.infer(torch.ones(2, 3, dtype=torch.float64), with_version=True)
+        assert version == 0 and torch.equal(out[0], torch.full((2, 1), 10.0, dtype=torch.float64))
+        # Atari-sized frames from a caller on this host travel through shared memory.
+        frames = group.get_paired("frames").to_here()
+        batch = torch.randint(0, 255, (16, 84, 84, 4), dtype=torch.uint8)
+        leases = _shm.cache().stats["leases"]
+        assert torch.allclose(frames.infer(batch), _frames_mean(batch))
+        assert _shm.cache().stats["leases"] > leases
+        # A tuple of tensors reaches fn as its arguments; a dict comes back.
+        got = group.get_paired("pair").to_here().infer((torch.ones(3, 2), torch.full((3, 2), 2.0)))
+        assert torch.equal(got["q"], torch.full((3, 2), 2.0)) and torch.equal(got["n"], torch.full((3,), 4.0))
+    group.barrier()
+    if world.rank == 0:
+        stats = impls[0].stats()
+        calls = 2 * (6 * 12 + 1)
+        assert stats["requests"] == calls and stats["batched_requests"] == calls, stats
+        assert stats["errors"] == stats["dropped"] == stats["expired"] == stats["pending"] == 0, stats
+        assert stats["mean_requests"] > 1.0, stats  # 12 threads calling: fn ran over several requests at once
+        assert stats["rows"] == pytest.approx(stats["mean_batch"] * stats["batches"])
+        assert 0 <= stats["queue_wait_p50"] <= stats["queue_wait_p95"] and stats["fn_time_p95"] >= 0.002, stats
+        for impl in impls:
+            impl.close()
+        with pytest.raises(KeyError):
+            InferenceServer("tag", group, "0").infer(torch.ones(1, 3))  # withdrawn; its host lives
+    group.barrier()
+    group.destroy()
+
+
+class _Picky(nn.Module):
+    """Refuses rows that start with a negative number."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        if (x[:, 0] < 0).any():
+            raise ValueError("negative rows are refused")
+        return self.lin(x)
+
+
+@world_test(3, timeout=90)
+def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impl = InferenceServerImpl("picky", group, _Picky(), max_wait=0.5)
+        for bad, error, match in [
+                (dict(fn=3), TypeError, "fn must be a callable"),
+                (dict(max_batch=0), ValueError, "max_batch=0 must be a positive int"),
+                (dict(max_wait=-1), ValueError, "max_wait=-1 must be zero"),
+                (dict(pull_every=0), ValueError, "pull_every=0 must be a positive number"),
+                (dict(fn=_tagged, model_server=object()), TypeError, "model_server must be a PushPullModelServer")]:
+            kwargs = dict(dict(fn=_Picky()), **bad)
+            with pytest.raises(error, match=match):
+                InferenceServerImpl("other", group, kwargs.pop("fn"), **kwargs)
+        with pytest.raises(KeyError):
+            InferenceServerImpl("picky", group, _tagged)
+        with pytest.raises(ValueError, match="cannot update.*lin.weight"):
+            impl.update(nn.Linear(4, 2), 1)
+        with pytest.raises(TypeError, match="version must be an int"):
+            impl.update(_Picky(), "new")
+    group.barrier()
+    if world.rank != 0:
+        server = group.get_paired("picky").to_here()
+        for bad, error, match in [(("x",), TypeError, "x must be a tensor"),
+                                  ((torch.zeros(0, 4),), ValueError, "needs rows along dim 0"),
+                                  (((torch.zeros(2, 4), torch.zeros(3, 4)),), ValueError, "different row counts"),
+                                  ((torch.zeros(2, 4), -1.0), ValueError, "timeout=-1.0 must be a positive"),
+                                  ((torch.zeros(2, 4), None, 1), TypeError, "with_version must be a bool")]:
+            with pytest.raises(error, match=match):
+                server.infer(*bad)
+        results = {}
+
+        def call(name, x):
+            try:
+                results[name] = server.infer(x, timeout=TIMEOUT)
+            except Exception as exc:
+                results[name] = exc
+
+        # Within one 0.5 s window: rank 1's culprit and misfit, rank 2's good rows.
+        group.barrier()
+        if world.rank == 1:
+            jobs = {"culprit": -torch.ones(3, 4), "misfit": torch.ones(2, 5), "good1": torch.ones(2, 4)}
+        else:
+            jobs = {f"good{i}": torch.full((i, 4), float(i)) for i in range(2, 6)}
+        threads = [threading.Thread(target=call, args=item) for item in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        for name, got in results.items():
+            if name == "culprit":
+                assert type(got) is ValueError and "negative rows are refused" in str(got)
+                assert isinstance(got.__cause__, RemoteTraceback) and "on member '0'" in str(got.__cause__)
+            elif name == "misfit":
+                assert type(got) is RuntimeError and "shapes cannot be multiplied" in str(got), got
+            else:
+                assert isinstance(got, torch.Tensor) and got.shape == (jobs[name].shape[0], 2), (name, got)
+    else:
+        group.barrier()
+    group.barrier()
+    if world.rank == 0:
+        stats = impl.stats()
+        assert stats["errors"] == 2 and stats["isolations"] >= 1, stats  # the culprit shared a batch
+        assert stats["rows"] == 2 + 2 + 3 + 4 + 5, stats
+        impl.close()
+        impl.close()
+    group.barrier()
+    group.destroy()
+
+
+def _killed_caller_body(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.name == "h":
+        impl = InferenceServerImpl("inf", group, nn.Linear(4, 2), max_wait=2.0, max_batch=64)
+        _set(world, "ready")
+        _wait(world, "done")
+        stats = impl.stats()
+        impl.close()
+        return stats
+    _wait(world, "ready")
+    server = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    if world.name == "a":
+        threading.Thread(target=server.infer, args=(torch.ones(3, 4),), daemon=True).start()
+        time.sleep(0.2)  # the request waits for company on the host (max_wait 2 s)
+        os.kill(os.getpid(), signal.SIGKILL)
+    world.wait_for_members(["a"], gone=True, timeout=TIMEOUT)
+    took = []
+    for rows in (2, 64):  # joins the dead caller's batch; then a full batch, run at once
+        start = time.monotonic()
+        assert server.infer(torch.ones(rows, 4), timeout=TIMEOUT).shape == (rows, 2)
+        took.append(time.monotonic() - start)
+    _set(world, "done")
+    return took
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_killed_mid_request_stalls_no_one():
+    result = launch(_killed_caller_body, 3, names=["h", "a", "b"], return_exceptions=True, timeout=90,
+                    stop_timeout=10)
+    stats, killed, took = result
+    assert isinstance(killed, Exception) and "SIGKILL" in str(killed), killed
+    assert took[0] < 2.0 + 3.0 and took[1] < 3.0, took  # max_wait, and slack for a loaded machine
+    assert stats["dropped"] == 3 and stats["rows"] == 2 + 64, stats
+    assert stats["requests"] == 3 and stats["pending"] == 0, stats
+
+
+def _suicidal(x):
+    if (x[:, 0] == -1).any():
+        os.kill(os.getpid(), signal.SIGKILL)  # the host dies while a caller waits
+    return x * 2
+
+
+def _host_death_body(world):
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        if world.incarnation > 1:  # come back only once the client saw the host gone
+            _wait(world, "restart")
+        impl = InferenceServerImpl("inf", group, _suicidal, version=world.incarnation)
+        _set(world, f"ready{world.incarnation}")
+        _wait(world, "end")
+        stats = impl.stats()
+        impl.close()
+        return stats
+    _wait(world, "ready1")
+    server = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    assert torch.equal(server.infer(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="'h'"):
+        server.infer(-torch.ones(1, 3), timeout=TIMEOUT)
+    named_in = time.monotonic() - start
+    world.membership.wait_until(lambda live: world.get_incarnation("h") != 1, TIMEOUT)
+    with pytest.raises(PeerLostError, match="'h'"):
+        server.infer(torch.ones(1, 3), timeout=TIMEOUT)  # lost, not serving: named again, not "not found"
+    _set(world, "restart")
+    _wait(world, "ready2")
+    again = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    out, version = again.infer(torch.ones(1, 3), with_version=True, timeout=TIMEOUT)
+    _set(world, "end")
+    return named_in, out, version
+
+
+@pytest.mark.timeout(120)
+def test_the_host_death_is_named_and_a_restarted_host_serves_in_an_elastic_world():
+    result = launch(_host_death_body, 2, names=["c", "h"], max_restarts=1, essential=["c"], timeout=90)
+    (named_in, out, version), stats = result
+    assert [r.name for r in result.restarts] == ["h"]
+    assert named_in < TIMEOUT / 2, named_in  # the lost connection, not the call's timeout
+    assert torch.equal(out, torch.full((1, 3), 2.0)) and version == 2
+    assert stats["requests"] == stats["rows"] == 1 and stats["version"] == 2, stats
+
+
+@world_test(2, timeout=90)
+def test_weights_update_between_batches_and_tag_outputs_with_their_version(world):
+    group = world.create_rpc_group("g", world.get_members())
+    x = torch.ones(2, 4)
+    if world.rank == 0:
+        net = nn.Linear(4, 2)
+        nn.init.zeros_(net.weight)
+        nn.init.zeros_(net.bias)
+        impl = InferenceServerImpl("inf", group, net)
+        models = PushPullModelServerImpl("ms", group)
+        follower = InferenceServerImpl("follower", group, nn.Linear(4, 2), version=-1,
+                                       model_server=group.get_paired("ms").to_here(), pull_every=0.05)
+        plain = InferenceServerImpl("plain", group, _tagged)
+        with pytest.raises(TypeError, match="no weights to update"):
+            plain.update(net, 1)
+        plain.close()
+    group.barrier()
+    if world.rank == 1:
+        server = group.get_paired("inf").to_here()
+        out, version = server.infer(x, with_version=True)
+        assert version == 0 and torch.equal(out, torch.zeros(2, 2))
+    group.barrier()
+    if world.rank == 0:
+        ones = nn.Linear(4, 2)
+        nn.init.ones_(ones.weight)
+        nn.init.zeros_(ones.bias)
+        impl.update(ones, 7)
+        assert impl.version == 7
+    group.barrier()
+    if world.rank == 1:
+        out, version = server.infer(x, with_version=True)
+        assert version == 7 and torch.equal(out, torch.full((2, 2), 4.0))
+        # A learner pushes to the model server; the follower pulls it between batches.
+        pushed = nn.Linear(4, 2)
+        assert group.get_paired("ms").to_here().push(pushed)
+        deadline = time.monotonic() + TIMEOUT
+        follower_server = group.get_paired("follower").to_here()
+        while True:
+            out, version = follower_server.infer(x, with_version=True)
+            if version == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)  # the pull runs every 0.05 s
+        assert version == 1 and torch.allclose(out, pushed(x).detach())
+    group.barrier()
+    if world.rank == 0:
+        stats = follower.stats()
+        assert stats["pulls"] == 1 and stats["pull_failures"] == 0 and stats["version"] == 1, stats
+        for server in (impl, follower, models):
+            server.close()
+        with pytest.raises(ServerStoppedError):
+            impl._batcher.submit(None)
+    group.barrier()
+    group.destroy()
