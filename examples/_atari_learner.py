@@ -165,10 +165,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     if args.inference != "local":
         from machinlike.server import InferenceServerImpl
 
+        # Its own copy of the weights: the batcher thread runs it while this one trains.
         acting = net_class(args.actions)
         acting.load_state_dict(model.state_dict())
-        infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait)
-        infer_impl.update(model, 1)
+        infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
+                                         version=1)
     print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
           f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "
@@ -192,7 +193,8 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         state["updates"] += 1
-        models.push(model)
+        if args.inference != "central":  # only local inference reads the model server
+            models.push(model)
         if infer_impl is not None:
             infer_impl.update(model, state["updates"] + 1)
         lags += batch_lags
@@ -259,5 +261,7 @@ def _infer_text(mode: str, impl: Any, reports: Reports, args: argparse.Namespace
     if mode == "local" or impl is None:
         return f"local batch {args.envs_per_worker} p95 {reports.call_p95():.1f} ms"
     stats = impl.stats()
+    if not stats["batches"]:
+        return "central (no batch yet)"
     return (f"central batch {stats['mean_batch']:.1f} p95 {reports.call_p95():.1f} ms "
-            f"(wait p95 {1e3 * stats['queue_wait_p95']:.1f} ms)")
+            f"(server wait p95 {1e3 * (stats['queue_wait_p95'] or 0.0):.1f} ms)")
