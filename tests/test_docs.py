@@ -41,7 +41,7 @@ DOCS = ROOT / "docs"
 CODE = DOCS / "tutorials" / "code"
 
 # Programs run in this process, in the order of the tutorials.
-IN_PROCESS = ["quickstart", "rpc_services", "elastic_world", "collective_ddp", "param_servers", "pickling_tour",
+IN_PROCESS = ["quickstart", "rpc_services", "elastic_world", "collective_ddp", "param_servers", "inference", "pickling_tour",
               "pool_tour", "placement", "multihost_train", "clusters"]
 
 

@@ -53,7 +53,7 @@ def test_rows_reach_their_callers_and_are_batched(world):
     if world.rank == 0:
         impls = [InferenceServerImpl("tag", group, _tagged, max_batch=32, max_wait=0.01),
                  InferenceServerImpl("frames", group, _frames_mean),
-                 InferenceServerImpl("pair", group, _pair)]
+                 InferenceServerImpl("pair", group, _pair, max_wait=0)]  # run on the RPC thread when idle
     group.barrier()
     if world.rank != 0:
         server = group.get_paired("tag").to_here()
@@ -322,3 +322,74 @@ def test_weights_update_between_batches_and_tag_outputs_with_their_version(world
             impl._batcher.submit(None)
     group.barrier()
     group.destroy()
+
+
+def _bounds_body(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.name == "h":
+        gates = {1: threading.Event(), 2: threading.Event()}
+
+        def gated(x):
+            if x[0, 0] > 0:  # a gated request: hold the server busy until the test opens it
+                _set(world, f"entered{int(x[0, 0])}")
+                assert gates[int(x[0, 0])].wait(TIMEOUT)
+            return x
+
+        impl = InferenceServerImpl("inf", group, gated, max_wait=0.001, max_pending=2)
+        _set(world, "ready")
+        deadline = time.monotonic() + TIMEOUT
+        while impl.stats()["pending"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a test condition: both requests wait behind the gated one
+        _set(world, "full")
+        _wait(world, "open1")
+        gates[1].set()
+        _wait(world, "close")
+        stats = impl.stats()
+        threading.Timer(0.5, gates[2].set).start()
+        impl.close()  # the request still waiting fails; the running one is answered
+        return stats
+    _wait(world, "ready")
+    server = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    results = {}
+
+    def call(name, x, timeout=TIMEOUT):
+        try:
+            results[name] = server.infer(x, timeout=timeout)
+        except Exception as exc:
+            results[name] = exc
+
+    def start(name, x, timeout=TIMEOUT):
+        thread = threading.Thread(target=call, args=(name, x, timeout))
+        thread.start()
+        return thread
+
+    zeros = torch.zeros(1, 2)
+    held = start("held", torch.ones(1, 2))  # holds the batcher thread
+    _wait(world, "entered1")
+    late = start("late", zeros, 0.3)  # waits behind it past its timeout
+    queued = start("queued", zeros)
+    _wait(world, "full")
+    call("refused", zeros, 5.0)  # the queue holds max_pending=2 requests: refused at once
+    late.join(TIMEOUT)
+    time.sleep(0.3)  # the host counts the timeout from the request's arrival, a little later
+    _set(world, "open1")
+    held.join(TIMEOUT)
+    queued.join(TIMEOUT)
+    held2 = start("held2", torch.full((1, 2), 2.0))
+    _wait(world, "entered2")
+    waiting = start("waiting", zeros)
+    time.sleep(0.2)  # let it reach the host's queue (it fails either way, at close or after)
+    _set(world, "close")
+    waiting.join(TIMEOUT)
+    held2.join(TIMEOUT)
+    return {k: (type(v).__name__, str(v)) if isinstance(v, Exception) else v.tolist() for k, v in results.items()}
+
+
+@pytest.mark.timeout(120)
+def test_timeouts_the_pending_bound_and_close_fail_only_the_requests_they_concern():
+    stats, got = launch(_bounds_body, 2, names=["h", "c"], timeout=90)
+    assert got["held"] == [[1.0, 1.0]] and got["queued"] == [[0.0, 0.0]] and got["held2"] == [[2.0, 2.0]], got
+    assert got["late"][0] == "TimeoutError", got
+    assert got["refused"][0] == "RuntimeError" and "max_pending=2" in got["refused"][1], got
+    assert got["waiting"][0] in ("ServerStoppedError", "KeyError"), got  # closed while it waited, or after
+    assert stats["expired"] == 1 and stats["rejected"] >= 1 and stats["rows"] == 2, stats

@@ -41,7 +41,8 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
         raise ValueError(f"{param}'s tensors have different row counts {rows}: they must all have the same "
                          f"number of rows along dim 0")
     # requires_grad / autograd history would make RPC record distributed autograd.
-    tensors = tuple(t.detach() for t in tensors)
+    if any(t.requires_grad for t in tensors):
+        tensors = tuple(t.detach() for t in tensors)
     return (tensors[0] if isinstance(x, torch.Tensor) else tensors), rows[0]
 
 
@@ -86,6 +87,9 @@ def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
             ``what``, the callable).
     """
     total = sum(counts)
+    if len(counts) == 1 and type(out) is torch.Tensor and out.dim() and out.shape[0] == total \
+            and out.device.type == "cpu":
+        return [out.detach() if out.requires_grad else out]  # one request, one tensor: the common call
     tensors = [t.detach().cpu() for t in _rows(out, total, what)]
     if len(counts) == 1:
         columns = [[t] for t in tensors]

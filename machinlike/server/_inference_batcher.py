@@ -16,7 +16,9 @@ future is completed here later, so no RPC thread waits on a batch)::
 
 Why one thread: ``fn`` is one model (one set of weights, often one device); a second
 thread would only contend for the same cores. The weights change between batches only
-(see ``ModelSlot`` in :mod:`machinlike.server.inference`).
+(see ``ModelSlot`` in :mod:`machinlike.server.inference`, whose lock also keeps two
+calls of ``fn`` apart). One exception saves a thread hand-over: with ``max_wait=0`` a
+request that finds nothing waiting and no batch running is run at once on its RPC thread.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ class Request:
         caller: The caller's member name, and its incarnation (a restarted caller is
             another process: the old one's requests are dropped).
         deadline: ``time.monotonic()`` after which the caller stopped waiting.
-        reply: Turns the result into what travels back (same-host encoding).
+        reply: Turns the result into what travels back (same-host encoding); None: as it is.
     """
 
     __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
 
-    def __init__(self, x: Inputs, rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
-                 incarnation: int, deadline: float, reply: Callable[[Any], Any]) -> None:
+    def __init__(self, x: Optional[Inputs], rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
+                 incarnation: int, deadline: float, reply: Optional[Callable[[Any], Any]]) -> None:
         self.x, self.rows, self.sig, self.fut = x, rows, sig, fut
         self.caller, self.incarnation = caller, incarnation
         self.arrived = time.monotonic()
@@ -87,6 +89,7 @@ class Batcher:
     def __init__(self, what: str, run: Callable[[Inputs], Tuple[Any, Any]], alive: Callable[[str, int], bool],
                  max_batch: int, max_wait: float, max_pending: int) -> None:
         self._what = what
+        self._fn_what = f"fn of inference server {what!r}"
         self._run_model = run
         self._alive = alive
         self.max_batch = max_batch
@@ -96,6 +99,7 @@ class Batcher:
         self._queue: Deque[Request] = deque()
         self._rows_by_sig: Dict[Hashable, int] = {}
         self._closed = False
+        self._busy = False  # a batch is being taken or run (by either thread)
         self._counts = {"requests": 0, "batches": 0, "rows": 0, "batched_requests": 0, "dropped": 0,
                         "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
         self._waits: Deque[float] = deque(maxlen=_WINDOW)
@@ -119,10 +123,22 @@ class Batcher:
                 raise RuntimeError(f"inference server {self._what!r} has {len(self._queue)} requests waiting "
                                    f"(max_pending={self.max_pending}): fn cannot keep up with its callers; "
                                    f"send larger requests, or raise max_pending / max_batch")
-            self._queue.append(request)
-            self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
             self._counts["requests"] += 1
-            self._cond.notify()
+            # Nothing to wait for (max_wait 0), nothing waiting, no batch running: run it
+            # here, on the RPC thread, and save the hand-over to the batcher thread.
+            inline = not self.max_wait and not self._queue and not self._busy
+            if inline:
+                self._busy = True
+            else:
+                self._queue.append(request)
+                self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
+                self._cond.notify()
+        if inline:
+            try:
+                self._run([request], inline=True)
+            finally:
+                with self._cond:
+                    self._busy = False
 
     def _remove(self, request: Request) -> None:
         # Under the lock.
@@ -171,6 +187,7 @@ class Batcher:
                     continue
                 self._remove(req)
             self._queue = kept
+            self._busy = True
             return batch, failed
 
     # ---------------------------------------------------------------- the thread
@@ -183,19 +200,23 @@ class Batcher:
                 batch, failed = taken
                 for req, exc in failed:
                     self._settle(req, exc=exc)
-                if batch:
-                    self._run(batch)
+                try:
+                    if batch:
+                        self._run(batch)
+                finally:
+                    with self._cond:
+                        self._busy = False
         except BaseException as exc:  # never leave callers waiting on a dead thread
             log.exception("inference server %r: the batcher thread failed", self._what)
             self._fail_all(ServerStoppedError(f"inference server {self._what!r} stopped: its batcher thread "
                                               f"failed ({type(exc).__name__}: {exc})"))
             raise
 
-    def _run(self, batch: List[Request]) -> None:
+    def _run(self, batch: List[Request], inline: bool = False) -> None:
         start = time.monotonic()
         try:
-            out, version = self._run_model(join([req.x for req in batch]))
-            pieces = split(out, [req.rows for req in batch], f"fn of inference server {self._what!r}")
+            out, version = self._run_model(join([req.x for req in batch]))  # type: ignore[misc]
+            pieces = split(out, [req.rows for req in batch], self._fn_what)
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
             if len(batch) == 1:
@@ -211,20 +232,22 @@ class Batcher:
             return
         self._count_fn(batch, start, ok=True)
         for req, piece in zip(batch, pieces):
-            if not self._alive(req.caller, req.incarnation):
+            if not inline and not self._alive(req.caller, req.incarnation):  # inline: it waits right now
                 with self._cond:
                     self._counts["dropped"] += req.rows
             self._settle(req, value=(piece, version))
 
     def _count_fn(self, batch: List[Request], start: float, ok: bool) -> None:
         took = time.monotonic() - start
+        counts = self._counts
         with self._cond:
-            self._counts["batches"] += 1
+            counts["batches"] += 1
             self._fn_times.append(took)
             if ok:
-                self._counts["rows"] += sum(req.rows for req in batch)
-                self._counts["batched_requests"] += len(batch)
-                self._waits.extend(start - req.arrived for req in batch)
+                counts["batched_requests"] += len(batch)
+                for req in batch:
+                    counts["rows"] += req.rows
+                    self._waits.append(start - req.arrived)
 
     def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
@@ -232,7 +255,7 @@ class Batcher:
             if exc is not None:
                 req.fut.set_exception(exc)
             else:
-                req.fut.set_result(req.reply(value))
+                req.fut.set_result(value if req.reply is None else req.reply(value))
         except Exception:  # a reply that cannot be made must not stop the others'
             log.exception("inference server %r: answering %r failed", self._what, req.caller)
 

@@ -30,11 +30,9 @@ counted as ``dropped``); the host's death reaches callers as
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
-import threading
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -45,8 +43,9 @@ from .. import _shm
 from ..distributed import RpcGroup, _checks, get_world
 from ..exception import PeerLostError
 from ._common import check_group, check_name
-from ._inference_batch import Inputs, check_inputs, signature, to_device
+from ._inference_batch import Inputs, check_inputs, signature
 from ._inference_batcher import Batcher, Request
+from ._inference_model import ModelSlot, Puller
 from ._spec import mismatch, spec_of
 from .model import PushPullModelServer
 
@@ -151,7 +150,7 @@ class InferenceServer:
         x, rows = check_inputs(x)
         reply = 0
         if self._same_host() and all(t.device.type == "cpu" for t in (x if isinstance(x, tuple) else (x,))):
-            reply = self.shm_threshold
+            reply = self.shm_threshold or 0
             x = _shm.encode(x, reply)
         try:
             out, version = self.group.registered_sync(
@@ -173,65 +172,12 @@ class InferenceServer:
         return (out, version) if with_version else out
 
 
-class ModelSlot:
-    """``fn`` and the version of its weights; weights change only between batches.
-
-    Args:
-        fn: The callable or module run over each batch.
-        version: The version of its weights now.
-        device: Where batches go before ``fn`` (None: where they are, the CPU).
-    """
-
-    def __init__(self, fn: Callable[..., Any], version: int, device: Optional[torch.device]) -> None:
-        self.fn = fn
-        self.module = fn if isinstance(fn, torch.nn.Module) else None
-        self.device = device
-        self._lock = threading.Lock()  # a batch, or a weight swap: never both
-        self.version = version
-
-    def run(self, batch: Inputs) -> Tuple[Any, int]:
-        batch = to_device(batch, self.device)
-        with self._lock, torch.no_grad():
-            return (self.fn(*batch) if isinstance(batch, tuple) else self.fn(batch)), self.version
-
-    def load(self, state: Mapping[str, Any], version: int) -> None:
-        with self._lock:
-            self.module.load_state_dict(state)
-            self.version = version
-
-
-class _Puller:
-    """A thread that pulls a model server's newest weights into a private copy of ``fn``
-    every ``every`` seconds and hands new ones to the slot (the batcher never waits on it)."""
-
-    def __init__(self, what: str, model_server: PushPullModelServer, slot: ModelSlot, every: float) -> None:
-        self._model_server = model_server
-        self._slot = slot
-        self._every = every
-        self._what = what
-        self._shadow = copy.deepcopy(slot.module)
-        self._stop = threading.Event()
-        self.pulls = 0
-        self.failures = 0
-        self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-pull-{what}", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        wait = 0.0  # the first pull at once
-        while not self._stop.wait(wait):
-            wait = self._every
-            try:
-                if self._model_server.pull(self._shadow):
-                    self._slot.load(self._shadow.state_dict(), self._shadow.pp_version)
-                    self.pulls += 1
-            except Exception as exc:  # the server keeps serving the weights it has; say so
-                self.failures += 1
-                log.warning("inference server %r: pulling from %r failed: %s: %s", self._what,
-                            self._model_server, type(exc).__name__, exc)
-
-    def close(self, timeout: float) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
+def _large(out: Any, threshold: int) -> bool:
+    """Whether an output holds a tensor worth sending through shared memory."""
+    if isinstance(out, torch.Tensor):
+        return out.nbytes >= threshold
+    values = out.values() if isinstance(out, dict) else out
+    return any(t.nbytes >= threshold for t in values)
 
 
 def _check_wait(value: Any) -> float:
@@ -321,7 +267,7 @@ class InferenceServerImpl:
             self._batcher.close(1.0)
             raise
         self._puller = None if model_server is None else \
-            _Puller(server_name, model_server, self._slot, pull_every)
+            Puller(server_name, model_server, self._slot, pull_every)
 
     def __repr__(self) -> str:
         return f"<InferenceServerImpl {self.server_name!r} max_batch={self._batcher.max_batch}>"
@@ -339,7 +285,8 @@ class InferenceServerImpl:
             if got != rows:
                 raise ValueError(f"inference server {what!r}: a request of {got} rows said {rows}")
             fut: torch.futures.Future = torch.futures.Future()
-            encode = (lambda value: _shm.encode(value, reply)) if reply else (lambda value: value)
+            encode = None if not reply else \
+                (lambda value: _shm.encode(value, reply) if _large(value[0], reply) else value)
             batcher.submit(Request(x, rows, signature(x), fut, caller, incarnation, time.monotonic() + timeout,
                                    encode))
             return fut
