@@ -134,7 +134,8 @@ def ours(inference: str, seconds: float, out_dir: str) -> Tuple[Optional[float],
                            "--out", os.path.join(out_dir, f"{inference}.csv")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds + 300, check=False)
     found = re.search(r"training throughput\s+([\d,]+) agent steps/s", proc.stdout)
-    detail = next((line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("inference ")), "")
+    detail = next((" ".join(line.split()) for line in proc.stdout.splitlines()
+                   if line.strip().startswith("inference ")), "")
     if proc.returncode != 0 or not found:
         return None, (proc.stdout + proc.stderr)[-1500:]
     return float(found.group(1).replace(",", "")), detail
@@ -182,13 +183,9 @@ def sample_factory(wall: float, wanted: int, out_dir: str) -> Tuple[Optional[flo
         proc = subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own group: its workers stop with it
     deadline = time.monotonic() + wall
-    fps: List[float] = []
     try:
-        while proc.poll() is None and time.monotonic() < deadline and len(fps) < wanted + 2:
+        while proc.poll() is None and time.monotonic() < deadline and len(_sf_steady(path)) < wanted:
             time.sleep(5.0)  # SF reports through its log only
-            with open(path, errors="replace") as stream:
-                text = stream.read()
-            fps = [float(v) for v in re.findall(r"Fps is \(10 sec: ([\d.]+)", text)]  # 'nan' at first
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -199,14 +196,21 @@ def sample_factory(wall: float, wanted: int, out_dir: str) -> Tuple[Optional[flo
                 proc.wait(20)
     with open(path, errors="replace") as stream:
         text = stream.read()
-    fps = [float(v) for v in re.findall(r"Fps is \(10 sec: ([\d.]+)", text)]
-    steady = fps[2:]  # the first two reports include start-up
+    steady = _sf_steady(path)
     if not steady:
-        return None, f"no steady throughput report within {wall:g} s ({len(fps)} reports); its log ends: " + \
-            text[-1200:]
+        return None, f"no steady throughput report within {wall:g} s; its log ends: " + text[-1200:]
     lag = re.findall(r"Policy #0 lag: \(([^)]*)\)", text)
     return statistics.mean(steady) / 4, (f"{len(steady)} 10-s reports after start-up, {statistics.mean(steady):,.0f} "
                                          f"frames/s" + (f"; policy lag {lag[-1]}" if lag else ""))
+
+
+def _sf_steady(path: str) -> List[float]:
+    """SF's 10-s frames/s reports after its start-up: it reports 'nan', then 0 while its
+    workers start; the first two non-zero reports still include the start."""
+    with open(path, errors="replace") as stream:
+        fps = [float(v) for v in re.findall(r"Fps is \(10 sec: ([\d.]+)", stream.read())]
+    first = next((i for i, value in enumerate(fps) if value > 0), len(fps))
+    return fps[first + 2:]
 
 
 # --------------------------------------------------------------- (d) collection only
@@ -312,8 +316,8 @@ def main() -> None:
 
     sf_rate: Optional[float] = None
     if "c" in parts:
-        sf_rate, sf_detail = sample_factory(240.0 if quick else 600.0, 6 if quick else 24, out_dir)
-        if sf_rate:
+        sf_rate, sf_detail = sample_factory(360.0 if quick else 900.0, 6 if quick else 24, out_dir)
+        if sf_rate is not None:
             print(f"(c) Sample Factory 2.1.1 APPO, 2 workers x 8 envs: {sf_rate:,.0f} agent steps/s "
                   f"({4 * sf_rate:,.0f} frames/s); {sf_detail}", flush=True)
         else:
@@ -331,7 +335,7 @@ def main() -> None:
     print(f"total {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.1f}", flush=True)
     best = max((r for r in rates.values() if r), default=None)
     r1 = f"{best / c['train']:.2f}" if best and c["train"] == c["train"] else "n/a"
-    r2 = f"{best / sf_rate:.2f}" if best and sf_rate else "n/a"
+    r2 = f"{best / sf_rate:.2f}" if best and sf_rate else "n/a"  # n/a: said in (c)
     print(f"atari: ours/ceiling {r1}, ours/sample-factory {r2}")
 
 
