@@ -220,6 +220,7 @@ def _noop(x: torch.Tensor) -> torch.Tensor:
 
 def _collect(world: Any, seconds: float) -> Dict[str, Any]:
     group = world.create_rpc_group("bench", world.get_members())
+    wait = 20 * seconds + 600  # a barrier waits for the others' whole phase (set-up included)
     out: Dict[str, Any] = {}
     if world.rank == 0:
         torch.set_num_threads(2)  # it runs every actor's forward
@@ -230,7 +231,7 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
         torch.set_num_threads(1)
         sampler = Sampler(GAME, ENVS, 1000 * world.rank, torch.Generator().manual_seed(world.rank))
         model = NatureCNN(ACTIONS)
-    group.barrier()
+    group.barrier(timeout=wait)
     if world.rank == 1:  # a no-op round trip, blocks alternated so that noise hits both
         x, acc = torch.zeros(1, 1), group.get_paired("noop").to_here()
         infer_t, raw_t = [], []
@@ -242,7 +243,7 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
                     call()
                     times.append(time.perf_counter() - began)
         out.update(noop_infer_us=statistics.median(infer_t) * 1e6, noop_raw_us=statistics.median(raw_t) * 1e6)
-    group.barrier()
+    group.barrier(timeout=wait)
     for mode in ("local", "central"):
         if world.rank > 0:
             if mode == "local":
@@ -261,7 +262,7 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
                 sampler.unroll(act, UNROLL)
                 steps += UNROLL * ENVS
             out[mode] = steps / (time.monotonic() - began)
-        group.barrier()
+        group.barrier(timeout=wait)
     if world.rank == 0:
         out["server"] = policy.stats()
         policy.close()
@@ -271,7 +272,7 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
 
 
 def collection(quick: bool) -> Dict[str, Any]:
-    results = launch(_collect, 3, args=(10.0 if quick else 30.0,), timeout=600)
+    results = launch(_collect, 3, args=(10.0 if quick else 30.0,), timeout=1800)
     actors = results[1:]
     server = results[0]["server"]
     return {"local": sum(r["local"] for r in actors), "central": sum(r["central"] for r in actors),
