@@ -222,7 +222,8 @@ class Curve:
         axis.set_xlabel(x)
         axis.set_title(title)
         axis.grid(alpha=0.3)
-        axis.legend()
+        if axis.get_legend_handles_labels()[0]:  # no rows yet (a short run): no legend, no warning
+            axis.legend()
         png = os.path.splitext(self.path)[0] + ".png"
         figure.tight_layout()
         figure.savefig(png, dpi=100)

@@ -1,0 +1,267 @@
+"""The learner of ``impala_atari.py``: V-trace on stacked uint8 frames, the actors' reports,
+and the choice between local and central inference.
+
+Not part of the library: the example imports it from its own folder. Everything here lives
+in rank 0's process:
+
+    actors ──► Inbox ──► learn(): take B, vtrace_loss, RMSprop step ──► publish version v:
+                                   model server (local inference) and/or
+                                   InferenceServerImpl.update (central inference)
+    actors ──► Reports.report(): EpisodeLog (metric, CSV, stop), the policy calls' p95,
+                                 and the reply: the inference mode from ModeChooser
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _util
+import machinlike
+from _episodes import EpisodeLog, collect_columns, format_mean
+from _impala_core import Inbox, vtrace
+from machinlike.server import PushPullModelServerImpl
+
+__all__ = ["ModeChooser", "Reports", "vtrace_loss", "learn"]
+
+GROUP = "atari"
+SERVER = "atari_model"
+INFER = "atari_infer"
+
+
+class ModeChooser:
+    """Which inference mode the actors use; for ``auto``, a trial of both, then the faster.
+
+    Trial: ``local`` for ``settle + measure`` seconds, then ``central`` as long; agent steps
+    per second are counted over each ``measure`` window only (the first ``settle`` seconds
+    let every actor switch and the queues refill). The clock starts with the first steps.
+    """
+
+    def __init__(self, requested: str, settle: float, measure: float) -> None:
+        self._lock = threading.Lock()
+        self._auto = requested == "auto"
+        self._mode = "local" if self._auto else requested
+        self._settle, self._measure = settle, measure
+        self._phase_start: Optional[float] = None
+        self._window: Optional[Tuple[float, int]] = None  # (start time, steps then)
+        self._rates: Dict[str, float] = {}
+
+    def mode(self) -> str:
+        with self._lock:
+            return self._mode
+
+    @property
+    def deciding(self) -> bool:
+        """Whether the trial still runs (its numbers are not the run's steady throughput)."""
+        with self._lock:
+            return self._auto and len(self._rates) < 2
+
+    def observe(self, steps: int) -> Optional[str]:
+        """Feed the total agent steps so far; returns a line to print when a decision falls."""
+        with self._lock:
+            if not self._auto or len(self._rates) == 2 or steps == 0:
+                return None
+            now = time.monotonic()
+            if self._phase_start is None:
+                self._phase_start = now
+            elapsed = now - self._phase_start
+            if self._window is None and elapsed >= self._settle:
+                self._window = (now, steps)
+            if self._window is None or elapsed < self._settle + self._measure:
+                return None
+            self._rates[self._mode] = (steps - self._window[1]) / (now - self._window[0])
+            self._phase_start, self._window = now, None
+            if len(self._rates) == 1:
+                self._mode = "central"
+                return f"auto: local inference trained at {self._rates['local']:,.0f} agent steps/s; trying central"
+            self._mode = max(self._rates, key=self._rates.__getitem__)
+            return (f"auto: local {self._rates['local']:,.0f}, central {self._rates['central']:,.0f} agent steps/s: "
+                    f"keeping {self._mode} inference")
+
+
+class Reports:
+    """The actors' report service: episodes into the EpisodeLog, the p95 of their policy
+    calls kept for the progress line, and the reply: the mode to use next."""
+
+    def __init__(self, log: EpisodeLog, chooser: ModeChooser) -> None:
+        self._log, self._chooser = log, chooser
+        self._lock = threading.Lock()
+        self._p95: Deque[float] = collections.deque(maxlen=16)  # the latest unrolls' p95 (ms)
+
+    def report(self, actor: str, returns: Sequence[float], steps: int, version: int, p95_ms: float) -> str:
+        self._log.report(actor, returns, steps, version)
+        with self._lock:
+            self._p95.append(float(p95_ms))
+        return self._chooser.mode()
+
+    def call_p95(self) -> float:
+        """The median of the latest unrolls' p95 of the actors' policy calls, ms (0: none
+        yet); the median, so that one actor's first, warm-up unroll does not stick."""
+        with self._lock:
+            recent = sorted(self._p95)
+        return recent[len(recent) // 2] if recent else 0.0
+
+
+def vtrace_loss(net: nn.Module, batch: List[Dict[str, torch.Tensor]],
+                args: argparse.Namespace) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """The IMPALA loss, summed over the batch's T x N steps as in Espeholt et al. (2018):
+    policy gradient with V-trace advantages, value regression onto v_s, entropy bonus.
+    Rewards are clipped to [-1, 1]."""
+    obs = torch.cat([t["obs"] for t in batch], dim=1)            # [T+1, N, 4, 84, 84] uint8
+    actions = torch.cat([t["actions"] for t in batch], dim=1)    # [T, N]
+    rewards = torch.cat([t["rewards"] for t in batch], dim=1).clamp(-1.0, 1.0)
+    done = torch.cat([t["done"] for t in batch], dim=1)
+    behaviour_logp = torch.cat([t["logp"] for t in batch], dim=1)
+    length, width = actions.shape
+    logits, values = net(obs.reshape(-1, *obs.shape[2:]))
+    logits = logits.reshape(length + 1, width, -1)[:-1]
+    values = values.reshape(length + 1, width)
+    log_probs = F.log_softmax(logits, dim=-1)
+    logp = log_probs.gather(2, actions.unsqueeze(2)).squeeze(2)
+    with torch.no_grad():
+        log_rhos = logp - behaviour_logp
+        vs, advantages = vtrace(values[:-1], values[-1], rewards, args.gamma * (1.0 - done), log_rhos)
+    policy_loss = -(logp * advantages).sum()
+    value_loss = 0.5 * (vs - values[:-1]).pow(2).sum()
+    entropy = -(log_probs.exp() * log_probs).sum()
+    loss = policy_loss + args.baseline_cost * value_loss - args.entropy_cost * entropy
+    return loss, {"entropy": entropy.item() / (length * width)}
+
+
+def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
+          net_class: Callable[[int], nn.Module], ready: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
+    """The learner; it also hosts the model server, the inference server (central or auto),
+    the episode log and the report service, and decides when to stop.
+
+    ``ready``: called once the services, the episode log and version 1 exist; None: a
+    barrier of the group (the actors wait in theirs).
+
+    Returns:
+        The figures of the run, and ``close``: call it once no actor calls any more.
+    """
+    torch.manual_seed(args.seed)
+    model = net_class(args.actions)
+    # The IMPALA paper's optimiser for Atari: RMSprop, decay 0.99, eps 0.01 (on summed losses).
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.lr, alpha=0.99, eps=0.01)
+    inbox = Inbox(args.queue_size)
+    group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
+    state = {"updates": 0, "version_lag": "", "agent_steps_per_s": "", "inference": ""}
+    curve = _util.Curve(args.out, collect_columns(["updates", "version_lag", "agent_steps_per_s", "inference"]))
+    log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state))
+    chooser = ModeChooser(args.inference, settle=min(5.0, args.auto_seconds), measure=args.auto_seconds)
+    reports = Reports(log, chooser)
+    group.register(f"{GROUP}/report", reports.report)
+    model_impl = PushPullModelServerImpl(SERVER, group)
+    models = group.get_paired(SERVER).to_here()
+    models.push(model)  # version 1: what the actors start from
+    infer_impl = None
+    if args.inference != "local":
+        from machinlike.server import InferenceServerImpl
+
+        # Its own copy of the weights: the batcher thread runs it while this one trains.
+        acting = net_class(args.actions)
+        acting.load_state_dict(model.state_dict())
+        infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
+                                         version=1)
+    print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads), "
+          f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
+          f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "
+          f"the last {args.window} episodes", flush=True)
+    (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
+
+    progress = _util.Progress(args.print_every)
+    window = {"time": time.monotonic(), "steps": 0, "updates": 0}
+    steady: List[Tuple[float, int]] = []  # (time, steps) after warm-up and any auto trial
+    lags: List[float] = []
+    stats: Dict[str, float] = {"entropy": float("nan")}
+    while True:
+        batch = _next_batch(inbox, log, args)
+        if batch is None:
+            break
+        version = state["updates"] + 1  # the version the actors were last given
+        batch_lags = [version - t["versions"].double().mean().item() for t in batch]
+        loss, stats = vtrace_loss(model, batch, args)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        state["updates"] += 1
+        if args.inference != "central":  # only local inference reads the model server
+            models.push(model)
+        if infer_impl is not None:
+            infer_impl.update(model, state["updates"] + 1)
+        lags += batch_lags
+        state["version_lag"] = f"{sum(batch_lags) / len(batch_lags):.2f}"
+        steps = log.snapshot()["env_steps"]
+        said = chooser.observe(steps)
+        if said:
+            print(f"[learner] {said}", flush=True)
+        if steps and not chooser.deciding and progress.elapsed() > 15.0:
+            steady.append((time.monotonic(), steps))
+        if progress.due():
+            now = time.monotonic()
+            snap = log.snapshot()
+            span = max(now - window["time"], 1e-9)
+            rate = (snap["env_steps"] - window["steps"]) / span
+            state["agent_steps_per_s"] = f"{rate:.0f}"
+            state["inference"] = _infer_text(chooser.mode(), infer_impl, reports, args)
+            print(f"[learner] {progress.elapsed():6.1f} s  frames {4 * snap['env_steps']:>10,} ({4 * rate:5,.0f}/s)  "
+                  f"agent steps {rate:5,.0f}/s  episodes {snap['episodes']:>5}  mean return (last {args.window}) "
+                  f"{format_mean(snap['mean_return']):>6}  updates {state['updates']:>5} "
+                  f"({(state['updates'] - window['updates']) / span:4.2f}/s)  policy lag "
+                  f"{sum(lags) / max(len(lags), 1):.1f}  inference {state['inference']}  queue "
+                  f"{len(inbox)}/{args.queue_size}  entropy {stats['entropy']:.3f}", flush=True)
+            window.update(time=now, steps=snap["env_steps"], updates=state["updates"])
+            lags = []
+    inbox.close()  # parked and later sends answer "stop"
+    snap = log.snapshot()
+    throughput = "not measured (too short)"
+    if len(steady) > 1 and steady[-1][0] > steady[0][0]:
+        rate = (steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
+        throughput = f"{rate:,.0f} agent steps/s ({4 * rate:,.0f} frames/s), after warm-up"
+
+    def close() -> None:
+        if infer_impl is not None:
+            infer_impl.close()
+        model_impl.close()
+
+    return {"role": "learner", "name": world.name, "updates": state["updates"], "reason": log.reason,
+            "throughput": throughput, "inference": _infer_text(chooser.mode(), infer_impl, reports, args),
+            **snap, "close": close}
+
+
+def _next_batch(inbox: Inbox, log: EpisodeLog, args: argparse.Namespace) -> Optional[List[Dict[str, Any]]]:
+    """The next batch of trajectories, or None once training is over (checked every second
+    while the inbox is short: a budget must not wait for a slow actor).
+
+    Raises:
+        TimeoutError: no batch for ``--rpc-timeout`` seconds.
+    """
+    deadline = time.monotonic() + args.rpc_timeout
+    while not log.should_stop():
+        try:
+            return inbox.take(args.batch_size, timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+    return None
+
+
+def _infer_text(mode: str, impl: Any, reports: Reports, args: argparse.Namespace) -> str:
+    """'local batch 16 p95 1.9 ms' or 'central batch 23.5 p95 4.1 ms (wait p95 1.2 ms)':
+    rows per forward and the p95 of an actor's policy call (forward and sampling; for
+    central, the whole round trip)."""
+    if mode == "local" or impl is None:
+        return f"local batch {args.envs_per_worker} p95 {reports.call_p95():.1f} ms"
+    stats = impl.stats()
+    if not stats["batches"]:
+        return "central (no batch yet)"
+    return (f"central batch {stats['mean_batch']:.1f} p95 {reports.call_p95():.1f} ms "
+            f"(server wait p95 {1e3 * (stats['queue_wait_p95'] or 0.0):.1f} ms)")

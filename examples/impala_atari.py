@@ -1,0 +1,342 @@
+"""IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains a
+Nature-CNN with V-trace.
+
+Run it locally (1 learner + 2 actors x 16 games of Pong; the launcher starts the processes):
+    python examples/impala_atari.py
+Another game, a fixed budget, inference on the learner for every actor's games at once:
+    python examples/impala_atari.py --env breakout --time-budget 600 --inference central
+An actor SIGKILLed and restarted every 20 s (an elastic world):
+    python examples/impala_atari.py --chaos 20
+
+    actor (ranks 1..W)                                    learner (rank 0)
+    ------------------                                    ----------------
+    ale-py AtariVectorEnv: E games, 84x84 grey,
+    frameskip 4, 4-frame stack, uint8 throughout
+    policy per step, one of:
+      local:   model_server.pull(cnn); cnn(obs)  ◄─ v ── pushes after every update
+      central: infer(obs) ─────────────────────────────►  InferenceServerImpl: one batched
+                                                          forward for all actors' waiting rows
+    registered_async("atari/trajectories/0", ...) ────►  Inbox (bounded; full: reply parked)
+        T+1 x E stacked frames, actions, rewards,          take B, V-trace, RMSprop step,
+        behaviour log-probs, policy versions               lag = learner version - behaviour v
+    registered_async("atari/report", ...) ────────────►  EpisodeLog (metric, CSV, stop) and
+        ◄── reply: the inference mode to use next          the inference mode (--inference auto)
+
+The metric is the mean (unclipped) return of the last 100 episodes the actors finished;
+the learner trains on rewards clipped to [-1, 1]. Training stops at ``--target`` or when
+``--time-budget`` runs out. ``--inference auto`` runs local inference, then central, for
+``--auto-seconds`` each (after a few seconds to settle), and keeps the one that trained
+faster, saying so. An episode ends at the game's end or at ale-py's frame cap; either cuts
+the V-trace (no bootstrap past the cap: 108k frames are far beyond a Pong game).
+
+Two cores: each actor uses one torch thread, the learner ``--learner-threads`` (its
+forward+backward is most of the work); frames stay uint8 until the CNN's first layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import _util
+import machinlike
+from _atari_learner import GROUP, INFER, SERVER, learn
+from _episodes import cpu_seconds, format_mean
+
+
+def ale_game(name: str) -> str:
+    """ale-py's ROM id for ``name``: 'pong', 'Pong', 'ALE/Pong-v5', 'PongNoFrameskip-v4',
+    'SpaceInvaders' and 'space_invaders' all name a game.
+
+    Raises:
+        ValueError: no bundled ROM has that name (the message lists a few that do).
+    """
+    from ale_py.roms import get_all_rom_ids
+
+    core = re.sub(r"^ALE/", "", name)
+    core = re.sub(r"(NoFrameskip)?-v\d+$", "", core)
+    game = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", core).lower()
+    known = get_all_rom_ids()
+    if game not in known:
+        raise ValueError(f"--env {name!r}: ale-py has no ROM {game!r}; try one of {', '.join(sorted(known)[:12])}, ...")
+    return game
+
+
+class NatureCNN(nn.Module):
+    """The DQN paper's network (Mnih et al., 2015) with a policy and a value head.
+
+    ``forward`` takes uint8 frames [N, 4, 84, 84] and gives (logits [N, actions], value [N]).
+    """
+
+    def __init__(self, actions: int) -> None:
+        super().__init__()
+        self.torso = nn.Sequential(
+            nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU())
+        self.policy = nn.Linear(512, actions)
+        self.value = nn.Linear(512, 1)
+
+    def forward(self, frames: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.torso(frames.float().mul_(1.0 / 255.0))
+        return self.policy(hidden), self.value(hidden).squeeze(-1)
+
+
+def make_envs(game: str, count: int) -> Any:
+    """``count`` games in one ale-py vector env (one C++ thread: the process is the unit of
+    parallelism here); the observations of a finished game are the next game's first
+    (SameStep autoreset). Rewards stay unclipped: the metric is the game's score."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    return AtariVectorEnv(game, count, num_threads=1, autoreset_mode="SameStep", reward_clipping=False)
+
+
+class Sampler:
+    """``E`` games stepped together, one policy call per step for all of them."""
+
+    def __init__(self, game: str, envs: int, seed: int, generator: torch.Generator) -> None:
+        self.env = make_envs(game, envs)
+        self.obs = self.env.reset(seed=seed)[0]  # a reset costs ~40 ms per game: only this one
+        self.returns = np.zeros(envs)
+        self.generator = generator
+
+    def unroll(self, policy: Callable[[torch.Tensor], Tuple[torch.Tensor, int]],
+               length: int) -> Tuple[Dict[str, torch.Tensor], List[float], List[float]]:
+        """``length`` steps of every game.
+
+        Returns:
+            (trajectory, returns of the episodes finished, seconds of each policy call).
+            ``done[t, e]``: game e ended at step t, so ``obs[t + 1, e]`` starts a new one.
+        """
+        count = self.returns.shape[0]
+        obs = np.empty((length + 1, *self.obs.shape), np.uint8)
+        actions = np.empty((length, count), np.int64)
+        rewards = np.empty((length, count), np.float32)
+        done = np.empty((length, count), np.float32)
+        logp = np.empty((length, count), np.float32)
+        versions = np.empty(length, np.int64)
+        finished: List[float] = []
+        calls: List[float] = []
+        for t in range(length):
+            obs[t] = self.obs
+            began = time.perf_counter()
+            logits, versions[t] = policy(torch.from_numpy(obs[t]))
+            log_probs = F.log_softmax(logits, dim=-1)
+            chosen = torch.multinomial(log_probs.exp(), 1, generator=self.generator)
+            calls.append(time.perf_counter() - began)
+            logp[t] = log_probs.gather(1, chosen).squeeze(1).numpy()
+            actions[t] = chosen.squeeze(1).numpy()
+            self.obs, reward, terminated, truncated, _ = self.env.step(actions[t])
+            rewards[t] = reward
+            ended = np.logical_or(terminated, truncated)
+            done[t] = ended
+            self.returns += reward
+            for e in np.flatnonzero(ended):
+                finished.append(float(self.returns[e]))
+                self.returns[e] = 0.0
+        obs[length] = self.obs
+        trajectory = {"obs": torch.from_numpy(obs), "actions": torch.from_numpy(actions),
+                      "rewards": torch.from_numpy(rewards), "done": torch.from_numpy(done),
+                      "logp": torch.from_numpy(logp), "versions": torch.from_numpy(versions)}
+        return trajectory, finished, calls
+
+
+def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace, index: int,
+        learner: str) -> Dict[str, Any]:
+    """An actor: unroll with the mode's policy, ship the trajectory, report episodes and the
+    policy calls' timing; until the learner's reply says stop."""
+    server = group.get_paired(SERVER).to_here()
+    model = NatureCNN(args.actions)
+    central: Any = None  # the inference server's accessor, fetched on first use
+
+    def local(obs: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        with torch.no_grad():
+            return model(obs)[0], model.pp_version
+
+    def remote(obs: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        (logits, _), version = central.infer(obs, timeout=args.rpc_timeout, with_version=True)
+        return logits, version
+
+    # A restarted actor (--chaos) plays new games instead of replaying its predecessor's.
+    index += 100_003 * (world.incarnation - 1)
+    generator = torch.Generator().manual_seed(args.seed * 7919 + index)
+    sampler = Sampler(args.game, args.envs_per_worker, args.seed * 10_000 + index * args.envs_per_worker, generator)
+    mode = "local" if args.inference == "auto" else args.inference
+    sending: Optional[machinlike.distributed.RpcFuture] = None
+    reporting: Optional[machinlike.distributed.RpcFuture] = None
+    unrolls, steps = 0, 0
+    while True:
+        if mode == "local":
+            server.pull(model)  # transfers nothing when the actor already has the newest version
+        elif central is None:
+            central = group.get_paired(INFER).to_here()
+        trajectory, finished, calls = sampler.unroll(local if mode == "local" else remote, args.unroll)
+        unrolls += 1
+        steps += args.unroll * args.envs_per_worker
+        # One send and one report in flight: the learner's parked replies pace the actors,
+        # and only its reply to a send stops them (see impala.py).
+        if reporting is not None:
+            mode = reporting.wait()
+        if sending is not None and not sending.wait():
+            break
+        sending = group.registered_async(f"{GROUP}/trajectories/{learner}", args=(trajectory,),
+                                         timeout=args.rpc_timeout)
+        p95 = float(np.percentile(calls, 95)) * 1e3
+        reporting = group.registered_async(f"{GROUP}/report", args=(world.name, finished, steps,
+                                                                    int(trajectory["versions"][-1]), p95),
+                                           timeout=args.rpc_timeout)
+        steps = 0
+    if reporting is not None:
+        reporting.wait()
+    return {"role": "actor", "name": world.name, "unrolls": unrolls, "cpu": cpu_seconds()}
+
+
+# ------------------------------------------------------------------------------ roles
+def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    """``--chaos``: an elastic world where actors die (SIGKILL) and come back.
+
+    The learner ("0", essential) opens a :class:`_util.ReadyGate` once its services and
+    version 1 exist; an actor, first or restarted, waits at the gate and then acts as in a
+    static run. A trajectory counts once (it is in the inbox or it is not); reports carry
+    the steps since the actor's last one, so a restart adds without repeating.
+    """
+    from machinlike.exception import PeerLostError
+
+    start = time.monotonic()
+    learner = "0"
+    group = world.create_rpc_group(GROUP)  # open: a restarted actor rejoins at once
+    gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
+    if world.name == learner:
+        torch.set_num_threads(args.learner_threads)
+        members = _util.member_printer(world, "learner")
+        result = learn(world, group, args, NatureCNN, ready=gate.open)
+        # The actors stop at their next send's reply; leaving first would fail their last calls.
+        try:
+            world.wait_for_members([str(r) for r in range(1, args.num_workers + 1)], timeout=30.0, gone=True)
+        except TimeoutError as err:
+            print(f"[learner] not every actor stopped within 30 s: {err}", flush=True)
+        gate.close()
+        result.pop("close")()
+        result.update(train_time=time.monotonic() - start, cpu=cpu_seconds(), losses=members.losses,
+                      rejoins=members.rejoins)
+        return result
+    torch.set_num_threads(1)
+    if world.membership.gone(learner):
+        return None  # restarted after the learner finished
+    try:
+        world.wait_for_members([learner], timeout=60.0)
+        if gate.wait(learner, timeout=60.0):  # False: the learner finished before this actor got going
+            act(world, group, args, world.rank - 1, learner)
+    except PeerLostError as err:  # the learner finished (left) while this actor was calling it
+        if err.member != learner:
+            raise
+    except KeyError:  # the learner withdrew its services: it is finishing
+        pass
+    return {"role": "actor", "name": world.name, "cpu": cpu_seconds()}
+
+
+def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    if world.elastic:
+        return worker_elastic(world, args)
+    start = time.monotonic()
+    group = world.create_rpc_group(GROUP, world.get_members())
+    if world.rank == 0:
+        torch.set_num_threads(args.learner_threads)
+        result = learn(world, group, args, NatureCNN)
+    else:
+        torch.set_num_threads(1)  # 2 cores, several processes: the learner gets the spare cycles
+        group.barrier()  # the learner registered its services and published version 1
+        result = act(world, group, args, world.rank - 1, "0")
+    group.barrier()  # nobody calls a service any more
+    if world.rank == 0:
+        result["train_time"] = time.monotonic() - start
+        result.pop("close")()
+    group.destroy()
+    result["cpu"] = cpu_seconds()
+    return result
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = _util.parser(__doc__.splitlines()[0], workers=2, budget=600, out="runs/impala_atari.csv")
+    parser.add_argument("--env", default="pong", help="ALE game: pong, breakout, ALE/Pong-v5, ... (default pong)")
+    parser.add_argument("--envs-per-worker", type=int, default=16, help="games each actor steps (default 16)")
+    parser.add_argument("--inference", choices=("local", "central", "auto"), default="local",
+                        help="where the acting policy runs: a copy in each actor, one batched server on the "
+                             "learner, or whichever trains faster in a short trial (default local)")
+    parser.add_argument("--auto-seconds", type=float, default=10.0,
+                        help="--inference auto: seconds each mode is measured (default 10)")
+    parser.add_argument("--max-batch", type=int, default=64, help="central inference: rows per forward (default 64)")
+    parser.add_argument("--max-wait", type=float, default=0.002,
+                        help="central inference: seconds a forward waits for more rows (default 0.002)")
+    parser.add_argument("--learner-threads", type=int, default=2, help="torch threads of the learner (default 2)")
+    parser.add_argument("--unroll", type=int, default=32, help="trajectory length T, steps (default 32)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="actor messages (E games x T steps each) per update (default 1)")
+    parser.add_argument("--queue-size", type=int, default=4, help="messages the learner queues (default 4)")
+    parser.add_argument("--lr", type=float, default=6e-4, help="RMSprop learning rate (default 6e-4)")
+    parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
+    parser.add_argument("--entropy-cost", type=float, default=0.01, help="(default 0.01)")
+    parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
+    parser.add_argument("--max-grad-norm", type=float, default=40.0, help="gradient clipping (default 40)")
+    parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="stop when the mean return reaches this; 0: use the whole budget "
+                             "(default 18 for Pong, else 0)")
+    parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
+    parser.add_argument("--print-every", type=float, default=10.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+    for name in ("num_workers", "envs_per_worker", "unroll", "batch_size", "queue_size", "window", "max_batch",
+                 "learner_threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.queue_size < args.batch_size:
+        parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
+    if args.max_wait < 0 or args.auto_seconds <= 0:
+        parser.error("--max-wait must be >= 0 and --auto-seconds > 0")
+    try:
+        args.game = ale_game(args.env)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.target is None:
+        args.target = 18.0 if args.game == "pong" else 0.0
+    env = make_envs(args.game, 1)  # the action count, before any process starts
+    args.actions = int(env.single_action_space.n)
+    env.close()
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.monotonic()
+    results = [r for r in _util.run(worker, 1 + args.num_workers, args, chaos_ok=True) if r]
+    for result in results:
+        if result.get("name") != "0":
+            continue
+        title = f"IMPALA on ALE {args.game}"
+        png = _util.plot_csv(args.out, "env_steps", ["return", "mean_return"], f"{title}: episode returns")
+        cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)
+        _util.summary(title, {
+            "stopped": result["reason"],
+            f"mean return, last {args.window} episodes": format_mean(result["mean_return"]),
+            "episodes": result["episodes"],
+            "frames (agent steps x 4)": f"{4 * result['env_steps']:,}",
+            "learner updates": result["updates"],
+            "training throughput": result["throughput"],
+            "inference": result["inference"],
+            "training time (incl. set-up)": f"{result['train_time']:.1f} s",
+            "wall time": f"{time.monotonic() - start:.1f} s",
+            "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
+            **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
+               if args.chaos is not None else {}),
+            "learning curve": args.out + (f", {png}" if png else ""),
+        })
+
+
+if __name__ == "__main__":
+    main()

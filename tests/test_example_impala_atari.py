@@ -1,0 +1,85 @@
+"""examples/impala_atari.py: game names, the auto-inference trial, and a smoke run of the
+whole script as a user starts it (frames flow, the learner updates, an actor SIGKILLed by
+--chaos is survived)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("ale_py", reason="the Atari example needs ale-py (the test extra installs it)")
+
+from example_chaos import trains_through_chaos  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+@pytest.fixture(scope="module")
+def atari():
+    sys.path.insert(0, EXAMPLES)
+    try:
+        yield importlib.import_module("impala_atari"), importlib.import_module("_atari_learner")
+    finally:
+        sys.path.remove(EXAMPLES)
+
+
+def test_game_names_map_to_ale_roms(atari):
+    example, _ = atari
+    for name in ("pong", "Pong", "ALE/Pong-v5", "PongNoFrameskip-v4"):
+        assert example.ale_game(name) == "pong"
+    assert example.ale_game("SpaceInvaders") == "space_invaders"
+    with pytest.raises(ValueError, match="no ROM 'pongg'"):
+        example.ale_game("pongg")
+
+
+def test_nature_cnn_takes_uint8_stacks(atari):
+    import torch
+
+    example, _ = atari
+    logits, value = example.NatureCNN(6)(torch.zeros(3, 4, 84, 84, dtype=torch.uint8))
+    assert logits.shape == (3, 6) and value.shape == (3,)
+
+
+def test_auto_trial_keeps_the_faster_mode(atari, monkeypatch):
+    _, learner = atari
+    clock = [100.0]
+    monkeypatch.setattr(learner.time, "monotonic", lambda: clock[0])
+    chooser = learner.ModeChooser("auto", settle=1.0, measure=2.0)
+    assert chooser.mode() == "local" and chooser.deciding
+    assert chooser.observe(0) is None  # the clock starts with the first steps
+    chooser.observe(10)
+    clock[0] += 1.0
+    chooser.observe(50)                 # settled: the local window opens at 50 steps
+    clock[0] += 2.0
+    said = chooser.observe(250)         # 200 steps in 2 s
+    assert chooser.mode() == "central" and "100 agent steps/s" in said
+    clock[0] += 1.0
+    chooser.observe(300)
+    clock[0] += 2.0
+    said = chooser.observe(900)         # 600 steps in 2 s
+    assert chooser.mode() == "central" and not chooser.deciding
+    assert "local 100, central 300 agent steps/s: keeping central inference" in said
+    fixed = learner.ModeChooser("local", settle=1.0, measure=2.0)
+    assert fixed.observe(1000) is None and fixed.mode() == "local" and not fixed.deciding
+
+
+def _progress_frames(line):
+    """The frame count of a learner's progress line ('... frames  12,345 (...'), else None."""
+    match = re.search(r"\] +[\d.]+ s  frames +([\d,]+) ", line)
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
+    # Small batches so that a loaded CI machine still makes several updates in the budget.
+    lines = trains_through_chaos(
+        "impala_atari.py", ["--time-budget", "30", "--chaos", "10", "--print-every", "1", "--envs-per-worker", "2",
+                            "--unroll", "8", "--learner-threads", "1", "--out", str(tmp_path / "curve.csv")],
+        "[learner]", _progress_frames)
+    updates = int(next(x for x in lines if x.strip().startswith("learner updates")).split()[-1])
+    assert updates > 1, "\n".join(lines)
+    assert os.path.exists(tmp_path / "curve.csv")
