@@ -156,7 +156,7 @@ def _remote_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> torc
     service = _tables.services.get(sid) if _tables is not None else None
     if service is None:
         owner = _tables.resolve_owner(sid) if _tables is not None and _tables.resolve_owner else None
-        if owner is None or owner == _tables.member:
+        if owner is None or _tables is None or owner == _tables.member:
             raise KeyError(f"service {sid!r} is not registered on any member")
         return rpc.rpc_async(owner, _remote_service, args=(sid, args, kwargs))
     result = service(*args, **kwargs)
@@ -167,7 +167,7 @@ def _paired_rref(sid: str) -> Any:
     value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
     if value is _ABSENT:
         return _MISSING
-    if _tables.rrefs_stale:
+    if _tables is not None and _tables.rrefs_stale:
         return _Stale()
     return rpc.RRef(value)
 

@@ -321,6 +321,7 @@ class _Job:
                 left = to_kill if left is None else min(left, to_kill)
             ready = wait(list(waiting), timeout=left)
             if next_kill is not None and time.monotonic() >= next_kill:
+                assert chaos is not None  # an invariant: next_kill is set only with chaos
                 next_kill = time.monotonic() + chaos
                 self._chaos_kill(rng, vital, results, used, max_restarts, chaos)
                 continue
@@ -332,7 +333,7 @@ class _Job:
                 kind, rank = waiting.pop(handle)
                 report = None
                 if kind == "report":
-                    report = _read(handle)
+                    report = _read(handle)  # type: ignore[arg-type]  # a "report" handle is a Connection
                 elif rank not in results:
                     # The process ended; its report may still sit in the pipe.
                     reader = self.reader_of[rank]

@@ -213,7 +213,7 @@ def refuse_loopback_for_remote_master(settings: Dict[str, str], master_host: str
     """
     table = interface_addresses()
     try:
-        master = {ipaddress.ip_address(info[4][0].split("%", 1)[0])
+        master = {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
                   for info in socket.getaddrinfo(master_host, None, type=socket.SOCK_STREAM)}
     except (socket.gaierror, UnicodeError, ValueError):
         return

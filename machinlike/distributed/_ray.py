@@ -302,7 +302,8 @@ def launch_ray(
         runs = {}
         pids = []
         for rank, bundle in enumerate(bundles):
-            actor = actor_class.options(
+            # Any: ray's stubs type an actor's methods as plain callables, without .remote
+            actor: Any = actor_class.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
                 resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                 max_concurrency=2, max_restarts=max_restarts, max_task_retries=max_restarts,

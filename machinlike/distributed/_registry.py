@@ -101,7 +101,7 @@ class Registry:
 
     def append(self, key: str, text: str) -> None:
         try:
-            self._store.append(key, text)
+            self._store.append(key, text)  # type: ignore[attr-defined]  # in torch, not in its stubs
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 

@@ -183,18 +183,18 @@ class Metrics:
             raise ValueError(f"max_pending must be an int >= 1, got {max_pending!r}")
         if not isinstance(flush_every, Real) or not flush_every > 0:
             raise ValueError(f"flush_every must be a number of seconds > 0, got {flush_every!r}")
-        self.logdir = os.fspath(logdir)
+        self.logdir: str = os.fspath(logdir)
         os.makedirs(self.logdir, exist_ok=True)
-        self._sinks = _open_sinks(self.logdir, sinks, wandb_options)
-        self._pending = _Pending(max_pending)
-        self._errors = [0]  # the writer thread's count of sink failures
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=_run, args=(self._pending, self._sinks, float(flush_every),
+        self._sinks: List[Any] = _open_sinks(self.logdir, sinks, wandb_options)
+        self._pending: _Pending = _Pending(max_pending)
+        self._errors: List[int] = [0]  # the writer thread's count of sink failures
+        self._lock: threading.Lock = threading.Lock()
+        self._closed: bool = False
+        self._thread: threading.Thread = threading.Thread(target=_run, args=(self._pending, self._sinks, float(flush_every),
                                                            self._errors),
                                         name=f"machinlike-metrics {self.logdir}", daemon=True)
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _finish, self._pending, self._thread, 5.0)
+        self._finalizer: weakref.finalize = weakref.finalize(self, _finish, self._pending, self._thread, 5.0)
 
     # --------------------------------------------------------------------- logging
     def scalar(self, tag: str, value: float, step: int, wall_time: Optional[float] = None) -> None:
@@ -229,7 +229,7 @@ class Metrics:
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, not {step!r}")
         wall = time.time() if wall_time is None else float(wall_time)
-        points = []
+        points: List[Point] = []
         for tag, value in values.items():
             if value is None:
                 continue

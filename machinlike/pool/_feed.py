@@ -78,7 +78,7 @@ class Feeder:
             result._abort(exc)
             return
         feed = _Feed(self, source, chunksize, star, handle, backend.ahead() * chunksize)
-        feed.ref = weakref.ref(result, lambda _ref, feed=feed: self._abandon(feed))
+        feed.ref = weakref.ref(result, lambda _ref, feed=feed: self._abandon(feed))  # type: ignore[misc]
         result._feed = feed
         backend.feed_opened()
         with self._cv:

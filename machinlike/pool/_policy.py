@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import pickle
 import threading
-from typing import Any, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
 import torch
 from torch.multiprocessing import reductions as _torch_red
@@ -51,7 +51,7 @@ LARGE_TENSOR_BYTES = 1 << 20
 _tracking = threading.local()
 
 
-def _track(storage: torch.UntypedStorage) -> None:
+def _track(storage: Union[torch.UntypedStorage, torch.Tensor]) -> None:
     kept = getattr(_tracking, "kept", None)
     if kept is not None:
         kept.append(storage)
@@ -78,7 +78,7 @@ class _NamedStorage:
 def _copy_through_shared_memory(tensor: torch.Tensor) -> Tuple[Any, ...]:
     data = tensor.detach()
     storage = torch.UntypedStorage._new_using_filename_cpu(data.numel() * data.element_size())
-    copy = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)
+    copy = torch.empty(0, dtype=data.dtype).set_(storage, 0, data.shape)  # type: ignore[call-overload]  # stride optional
     copy.copy_(data)
     return (
         _rebuild_from_storage,
@@ -89,7 +89,7 @@ def _copy_through_shared_memory(tensor: torch.Tensor) -> Tuple[Any, ...]:
 def _rebuild_from_storage(
     cls: type, storage: torch.UntypedStorage, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool
 ) -> torch.Tensor:
-    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # stride optional
     if cls is torch.nn.Parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)
@@ -172,7 +172,7 @@ class _PolicyPickler(Pickler):
     def __init__(self, table: _reductions.DispatchTable, recurse: bool) -> None:
         self._share_table = table  # read by Pickler.__init__ for copy_tensor=False
         self._out = _Sink()
-        super().__init__(self._out, recurse=recurse, copy_tensor=False)
+        super().__init__(self._out, recurse=recurse, copy_tensor=False)  # type: ignore[arg-type]  # has write()
 
     def to_bytes(self, obj: Any) -> bytes:
         self.dump(obj)

@@ -193,7 +193,7 @@ class _Worker:
                     _note(exc, "while pickling the result in the worker")
                     error = exc
             pickled.append(None)
-            carried[offset] = ExceptionWithTraceback(error, where=self._where)
+            carried[offset] = ExceptionWithTraceback(error, where=self._where)  # type: ignore[arg-type]  # set above
         del values, errors
         write_frame(self._out, PARTIAL, 0, seq, 0, _plain_dumps((pickled, carried)))
 
