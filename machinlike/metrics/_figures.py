@@ -110,8 +110,8 @@ class WorldFigures:
                 worker = members.transport_of(member)
             except PeerLostError:  # lost since members(): no figure this time
                 continue
-            identity = members.identity_of(worker)
-            if identity is None or not members.on_this_host(worker):
+            identity = members.roster.identity_of(worker)
+            if identity is None or not members.roster.on_this_host(worker):
                 continue  # another host's process: its /proc is not ours to read
             rss = rss_bytes(int(identity.rpartition("/")[2]))
             if rss is not None:
