@@ -170,11 +170,14 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20, help="cycles before the baseline is taken")
     parser.add_argument("--quick", action="store_true", help="200 cycles, a line every 20")
+    parser.add_argument("--recycle-after", type=int, default=8,
+                        help="recycle an agent once it holds pipes to this many gone workers (0: never)")
     args = parser.parse_args(argv)
+    os.environ["MACHINLIKE_RECYCLE_AFTER"] = str(args.recycle_after)  # read when the World starts
     if args.quick:
         args.cycles, args.every = 200, 20
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    print(f"soak: {args.cycles} cycles, open-files limit {soft}", flush=True)
+    print(f"soak: {args.cycles} cycles, open-files limit {soft}, recycle after {args.recycle_after}", flush=True)
     grow = soak(args.cycles, args.every, min(args.warmup, args.cycles))
     print(f"soak: {args.cycles} cycles, rss {grow['rss']:+.1f} MB, fds {grow['fds']:+.0f}, "
           f"maps {grow['maps']:+.0f}, shm {grow['shm']:+.1f} MB after warm-up", flush=True)

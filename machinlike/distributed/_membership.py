@@ -31,6 +31,7 @@ Every key is spelled in ``_keys``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -50,8 +51,23 @@ from ._roster import Roster
 from ._waits import Waits
 
 # Gone workers this member's agent called before it recycles the agent (see _pipes): on
-# one host each holds about 8 MB, 24 maps and 24 descriptors until then.
-RECYCLE_AFTER = 8
+# one host each holds about 8 MB, 24 maps and 24 descriptors until then. Opt-in for now
+# (MACHINLIKE_RECYCLE_AFTER=8): a recycled agent can miss a joiner's address under churn
+# ("could not find destination url"), seen in the servers' kill tests.
+RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
+
+
+def recycle_after() -> int:
+    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (0, the default: never)."""
+    text = os.environ.get(RECYCLE_ENV, "0")
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{RECYCLE_ENV}={text!r} must be a whole number of gone workers (0: never recycle)") \
+            from None
+    if value < 0:
+        raise ValueError(f"{RECYCLE_ENV}={value} must be >= 0 (0: never recycle)")
+    return value
 
 __all__ = ["Membership", "MemberEvent"]
 
@@ -86,7 +102,7 @@ class Membership:
         # Set when this member leaves or stops: ends the monitor and any pause.
         self._closing = threading.Event()
         # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
-        pipes = PipeLedger(RECYCLE_AFTER if elastic else 0)
+        pipes = PipeLedger(recycle_after() if elastic else 0)
         self.roster = Roster(pipes)
         self.waits = Waits(self.registry, self.roster)
         self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness, pipes)
