@@ -273,7 +273,12 @@ class InferenceServerImpl:
         return f"<InferenceServerImpl {self.server_name!r} max_batch={self._batcher.max_batch}>"
 
     def _alive(self, member: str, incarnation: int) -> bool:
-        return self._world.get_incarnation(member) == incarnation
+        current = self._world.get_incarnation(member)
+        if current is None:
+            # Not in this view: gone, or joined since its last catch-up (a liveness tick
+            # behind). Only a departure the view has seen makes the caller dead.
+            return self._world.membership.gone(member) is None
+        return current == incarnation
 
     def _service(self) -> Callable[..., Any]:
         batcher, what = self._batcher, self.server_name
