@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -41,6 +40,7 @@ from torch.distributed import rpc
 
 from .. import _checks, _shm
 from ..distributed import RpcGroup, get_world
+from ..distributed._liveness import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
 from ._inference_batch import Inputs, check_inputs, signature
@@ -54,23 +54,6 @@ __all__ = ["InferenceServer", "InferenceServerImpl"]
 log = logging.getLogger(__name__)
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path) as stream:
-            return stream.read().strip()
-    except OSError:
-        return "?"
-
-
-def _process_space() -> str:
-    """``<boot id>/<pid namespace>``: processes that share it can reach each other's memory."""
-    try:
-        space = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        space = "?"
-    return f"{_read('/proc/sys/kernel/random/boot_id')}/{space}"
-
-
 class InferenceServer:
     """Accessor of an :class:`InferenceServerImpl`; picklable, usable from any member.
 
@@ -81,7 +64,7 @@ class InferenceServer:
         group: The host's RpcGroup.
         host: The hosting member's name (for :class:`~machinlike.exception.PeerLostError`).
         host_incarnation: Its incarnation (a restarted host is another server).
-        host_process: ``<boot id>/<pid namespace>/<pid>`` of the host, to tell whether
+        host_process: The host's ``process_identity()`` (boot id, namespaces, pid), to tell whether
             this process shares its memory.
         shm_threshold: Bytes from which a tensor travels through shared memory to a host
             on this host; None: as every RpcGroup call (the World's ``shm_threshold``).
@@ -108,9 +91,9 @@ class InferenceServer:
 
     def _same_host(self) -> bool:
         if self._local is None:
-            space, _, pid = self.host_process.rpartition("/")
-            self._local = bool(self.shm_threshold is not None and pid and "?" not in space
-                               and space == _process_space() and _shm.reachable(int(pid)))
+            pid = self.host_process.rpartition("/")[2]
+            self._local = bool(self.shm_threshold is not None and pid.isdigit() and is_here(self.host_process)
+                               and _shm.reachable(int(pid)))
         return self._local
 
     def infer(self, x: Union[torch.Tensor, Tuple[torch.Tensor, ...]], timeout: Optional[float] = None,
@@ -259,7 +242,7 @@ class InferenceServerImpl:
             group.register(self._key, self._service())
             try:
                 group.pair(server_name, InferenceServer(server_name, group, world.name, world.incarnation,
-                                                        f"{_process_space()}/{os.getpid()}", shm_threshold))
+                                                        process_identity(), shm_threshold))
             except BaseException:
                 group.deregister(self._key)
                 raise
