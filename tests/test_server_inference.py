@@ -265,6 +265,8 @@ def _host_death_body(world):
         server.infer(torch.ones(1, 3), timeout=TIMEOUT)  # lost, not serving: named again, not "not found"
     _set(world, "restart")
     _wait(world, "ready2")
+    # The store says the host is back; this member's view follows at its next catch-up.
+    world.membership.wait_until(lambda live: world.get_incarnation("h") == 2, TIMEOUT)
     again = group.get_paired("inf", timeout=TIMEOUT).to_here()
     out, version = again.infer(torch.ones(1, 3), with_version=True, timeout=TIMEOUT)
     _set(world, "end")

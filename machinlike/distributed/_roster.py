@@ -76,6 +76,12 @@ class Roster:
                     old = self._live.get(rec.member)
                     if old is not None and old.incarnation >= rec.incarnation:
                         return None  # a static member's record, or a replayed join
+                    if old is not None and old.transport != rec.transport:
+                        # A newer incarnation joined before this view saw the old one lost
+                        # (the log may hold them in that order): the old worker is gone now.
+                        self._gone_transports.add(old.transport)
+                        self._here.pop(old.transport, None)
+                        self.pipes.gone(old.transport)
                     self._live[rec.member] = rec
                     self._by_transport[rec.transport] = rec.member
                     self._gone.pop(rec.member, None)
