@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -317,16 +318,34 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     """
     if roster.transport_gone(worker):
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
-    roster.pipes.called(worker)
-    try:
-        if roster.on_this_host(worker):
-            # A dead process here closes its sockets: the call fails at once by itself.
-            return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
-        # Another host may vanish without a word: the liveness monitor ends the wait.
-        return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
-    except RuntimeError as err:
-        raise translate_error(err, roster.member_of(worker), _text(what),
-                              timeout if stated is None else stated) from err
+    deadline = time.monotonic() + timeout
+    while True:
+        roster.pipes.called(worker)
+        try:
+            if roster.on_this_host(worker):
+                # A dead process here closes its sockets: the call fails at once by itself.
+                return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
+            # Another host may vanish without a word: the liveness monitor ends the wait.
+            return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
+        except RuntimeError as err:
+            # A refused connection delivered nothing, so sending again cannot run it twice:
+            # when the member lives on under a renewed agent (its listener had closed), the
+            # call goes there with what is left of its time.
+            renewed = _renewed_worker(roster, worker, err, deadline)
+            if renewed is None:
+                raise translate_error(err, roster.member_of(worker), _text(what),
+                                      timeout if stated is None else stated) from err
+            worker, timeout = renewed, max(0.001, deadline - time.monotonic())
+
+
+def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float) -> Optional[str]:
+    """The worker that ``worker``'s member answers on now, when ``err`` says a connection
+    to ``worker`` was refused and the member moved to another agent before ``deadline``;
+    else None (the error stands)."""
+    text = str(err).lower()
+    if "connection refused" not in text and "econnrefused" not in text:
+        return None
+    return roster.moved_from(worker, deadline - time.monotonic())
 
 
 def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:

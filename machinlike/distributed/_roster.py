@@ -23,7 +23,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 from ..exception import PeerLostError
 from ._keys import MemberRecord
-from ._liveness import is_here
+from ._liveness import alive_here, is_here
 from ._member_records import MemberEvent
 from ._pipes import PipeLedger
 
@@ -203,6 +203,42 @@ class Roster:
                 return False
             here = self._here[worker] = is_here(identity)  # fixed for a worker's life
         return here
+
+    def moved_from(self, worker: str, timeout: float) -> Optional[str]:
+        """Wait until the live member of RPC worker ``worker`` answers on another worker.
+
+        A member whose listener closed renews its agent and logs a move; a caller refused
+        by the old agent waits here for this view to see it (the log is read every
+        liveness tick).
+
+        Args:
+            timeout: Seconds at most.
+
+        Returns:
+            The member's current worker; None in a static world, when ``worker`` is
+            unknown, its member is gone, its process here is dead, or the move did not
+            show within ``timeout``.
+        """
+        if self._static_order:
+            return None  # a static world's agents are never renewed
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            member = self._by_transport.get(worker)
+            while member is not None and self._store_lost is None:
+                rec = self._live.get(member)
+                if rec is None:
+                    return None  # gone: the caller names it
+                if rec.transport != worker:
+                    return rec.transport
+                if alive_here(rec.identity) is False:
+                    return None  # a dead process here refuses too: no move is coming
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                # The monitor's tick notifies; a dead process here is checked again after
+                # a short wait because its loss is logged only after its silence.
+                self._changed.wait(min(left, 0.25))
+        return None
 
     def member_of(self, transport: str) -> str:
         with self._lock:

@@ -1,0 +1,62 @@
+"""Roster.moved_from: where a caller refused by a member's old RPC agent goes next.
+
+The end-to-end case (a member whose listener closed renews its agent while a joiner
+calls it) is tests/test_elastic.py::test_a_member_whose_rpc_listener_closed_renews_it;
+these pin the decision itself, across a real second process for the dead-process case.
+"""
+
+import subprocess
+import sys
+import threading
+import time
+
+from machinlike.distributed._keys import MemberRecord
+from machinlike.distributed._liveness import process_identity
+from machinlike.distributed._pipes import PipeLedger
+from machinlike.distributed._roster import Roster
+
+
+def _roster_with(identity: str) -> Roster:
+    roster = Roster(PipeLedger(0))
+    roster.apply("join", MemberRecord("host", 1, "host_0", 0, identity))
+    return roster
+
+
+def test_a_move_logged_later_is_waited_for():
+    roster = _roster_with(process_identity())
+    mover = threading.Timer(0.2, roster.apply, ("move", MemberRecord("host", 1, "host_3", 0, process_identity())))
+    mover.start()
+    start = time.monotonic()
+    assert roster.moved_from("host_0", 5.0) == "host_3"
+    assert time.monotonic() - start < 2.0
+    assert roster.transport_gone("host_0") and not roster.transport_gone("host_3")
+    mover.join()
+
+
+def test_no_move_within_the_time_left_keeps_the_error():
+    roster = _roster_with(process_identity())
+    start = time.monotonic()
+    assert roster.moved_from("host_0", 0.3) is None
+    assert 0.25 < time.monotonic() - start < 2.0
+
+
+def test_a_dead_process_here_is_not_waited_for():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)  # reaped: its pid names no live process
+    identity = process_identity().rpartition("/")[0] + f"/{child.pid}"
+    roster = _roster_with(identity)
+    start = time.monotonic()
+    assert roster.moved_from("host_0", 10.0) is None
+    assert time.monotonic() - start < 1.0
+
+
+def test_a_gone_member_or_a_static_world_is_not_waited_for():
+    roster = _roster_with(process_identity())
+    roster.apply("lost", MemberRecord("host", 1, "host_0", 0, process_identity()))
+    assert roster.moved_from("host_0", 10.0) is None
+    assert roster.moved_from("nobody_9", 10.0) is None
+    static = Roster(PipeLedger(0))
+    static.seed_static([MemberRecord("0", 0, "0", 0, process_identity())])
+    start = time.monotonic()
+    assert static.moved_from("0", 10.0) is None
+    assert time.monotonic() - start < 1.0
