@@ -34,6 +34,7 @@ from torch.distributed import rpc
 from ..exception import ExceptionWithTraceback, PeerLostError
 from ..pickle import dumps, loads
 from .._checks import call_args
+from . import _transport
 from ._samehost import reply as _reply
 
 if TYPE_CHECKING:
@@ -328,9 +329,14 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
             # Another host may vanish without a word: the liveness monitor ends the wait.
             return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
         except RuntimeError as err:
-            # A refused connection delivered nothing, so sending again cannot run it twice:
-            # when the member lives on under a renewed agent (its listener had closed), the
-            # call goes there with what is left of its time.
+            # Neither error below delivered anything, so sending again cannot run it twice.
+            # This process was swapping its own agent for a new one (a renewal):
+            if (_transport.no_agent_error(err) and time.monotonic() < deadline
+                    and _transport.wait_current(deadline - time.monotonic())):
+                timeout = max(0.001, deadline - time.monotonic())
+                continue
+            # Refused: when the member lives on under a renewed agent (its listener had
+            # closed, or it recycled), the call goes there with what is left of its time.
             renewed = _renewed_worker(roster, worker, err, deadline)
             if renewed is None:
                 raise translate_error(err, roster.member_of(worker), _text(what),

@@ -10,7 +10,8 @@ own keys: ``m/inc/<name>``, ``m/tid``, ``m/t/<worker>`` and (after a claim) ``m/
                             m/t/<worker> = <name>
     join(...)               join the dynamic RPC group under the current worker, pruning
                             the dead first; on failure a fresh worker, until the deadline
-    renew()                 (the listener closed) retire the agent, a fresh worker, join;
+    renew()                 (the listener closed) a fresh worker, join (the new agent
+                            becomes current once it listens; the old one is retired);
                             Claims moves the keys, the monitor posts "move"
 
 Why a fresh worker name per attempt: torch's dynamic RPC group remembers every name it
@@ -203,8 +204,7 @@ class Endpoint:
                         "connecting, or something probed its port); restarting its RPC agent",
                         self.name, old.transport)
         self._listener = None
-        _transport.retire_current()
-        self._rename()
+        self._rename()  # the join retires the current agent once the new one listens
         try:
             self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
         except (RuntimeError, TimeoutError) as err:

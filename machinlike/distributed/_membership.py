@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..exception import PeerLostError
 from ._calls import LocalTables
+from . import _transport
 from ._claims import Claims
 from ._endpoint import Endpoint
 from ._event_log import EventLog
@@ -113,6 +114,9 @@ class Membership:
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
+        if entry.kind in ("join", "move"):
+            # Before this view routes calls to the new worker: RRefs may name it next.
+            _transport.introduce(rec.transport)
         workers = self.roster.apply(entry.kind, rec)
         if workers is None:
             return

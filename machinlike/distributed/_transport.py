@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import threading
 import time
 import warnings
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "reap_retired", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "no_agent_error", "introduce", "reap_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,23 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         pass
     mine = f"Token_for_{name}_join"
     _acquire_token(store, mine, deadline, holder_dead)
+    swapped = False
     try:
         stale = [w for w in listed_workers(store) if w != name and dead(w)]
         if stale:
             _prune_locked(store, stale)
         agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None), {}, [])
-        api._init_rpc_states(agent)
+        # A renewal: the agent this one replaces stays current until the new one is built
+        # and listening, so that calls of this process meet no agent-less gap but the
+        # swap itself (sync calls wait it out: see wait_current).
+        _steady.clear()
+        try:
+            if rpc.api._is_current_rpc_agent_set():
+                retire_current()
+            api._init_rpc_states(agent)
+            swapped = True
+        finally:
+            _steady.set()
         global _agents_started
         _agents_started += 1
         if _agents_started == 1:
@@ -149,11 +161,64 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         try:
             _prune_locked(store, [name])
         finally:
-            if rpc.api._is_current_rpc_agent_set():
+            if swapped and not _retired:
                 shutdown(False, timeout)
+            elif swapped:
+                _drop_current()  # the retired agents keep serving what they have
         raise
     finally:
         _release_token(store, mine)
+
+
+def _drop_current() -> None:
+    """Shut down the current agent alone (a renewal's new one that failed to join)."""
+    from torch._C._distributed_rpc import _reset_current_rpc_agent
+
+    try:
+        rpc.api._get_current_rpc_agent().shutdown()
+    except RuntimeError as err:
+        log.debug("RPC shutdown of a failed new agent: %s", err)
+    _reset_current_rpc_agent()
+
+
+# Clear while this process swaps its current agent for a new one (a renewal): a call
+# made in that instant finds no agent and may wait for the swap to end (wait_current).
+_steady = threading.Event()
+_steady.set()
+
+
+def wait_current(timeout: float) -> bool:
+    """Wait (at most ``timeout`` s) until no agent swap is under way; whether an agent is current."""
+    _steady.wait(max(0.0, timeout))
+    return bool(rpc.api._is_current_rpc_agent_set())
+
+
+def no_agent_error(err: BaseException) -> bool:
+    """Whether ``err`` is torch's "no current agent" error (nothing was sent)."""
+    text = str(err)
+    return "Current RPC agent is not set" in text or "RPC has not been initialized" in text
+
+
+def introduce(worker: str) -> None:
+    """Tell this process's first agent, once it is retired, of RPC worker ``worker`` (one
+    that joined or moved since).
+
+    Why: torch's RRef context stays bound to the first agent (see ``rrefs_bound_elsewhere``)
+    and sends the RRef protocol's messages (e.g. deleting a remote value) through it, but
+    joiners tell only the listed agents, and a retired one is no longer listed: without
+    this it fails with "could not find destination url" for every later joiner. Its worker
+    tables only grow, as a listed agent's do (see the module's "why").
+    """
+    if not rrefs_bound_elsewhere():
+        return  # the first agent is current, so listed: the joiner tells it itself
+    first = _first[0]
+    base, _, tid = worker.rpartition("_")
+    if not base or not tid.isdigit():
+        return  # a static world's worker: its agent is never retired
+    try:
+        first._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
+    except RuntimeError as err:  # a worker gone before its address could be read
+        log.debug("introducing %r to the first RPC agent: %s", worker, err)
 
 
 def published_address(store: dist.Store, worker: str) -> Optional[str]:
