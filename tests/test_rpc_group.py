@@ -331,6 +331,41 @@ def test_destroy_frees_names_and_group_can_be_recreated(world):
         world.create_rpc_group("twice", MEMBERS)
 
 
+@world_test(2, timeout=90)
+def test_destroy_racing_registers_leaves_no_service_behind(world):
+    """A register in flight when destroy() runs is either withdrawn by it or refused."""
+    g = world.create_rpc_group("race", ["0", "1"])
+    sync = world.create_rpc_group("race_sync", ["0", "1"])
+    keys = [f"k{i}" for i in range(400)]
+    if world.name == "0":
+        started, refused = threading.Event(), []
+
+        def registering(offset):
+            for i, key in enumerate(keys[offset::4]):
+                if i == 3:
+                    started.set()
+                try:
+                    g.register(key, _whoami)
+                except RuntimeError as err:
+                    refused.append(str(err))
+                    return
+
+        threads = [threading.Thread(target=registering, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        assert started.wait(30)
+        g.destroy()
+        for thread in threads:
+            thread.join(30)
+        assert refused and all("has been destroyed" in why for why in refused)
+    sync.barrier()
+    if world.name == "1":
+        assert [key for key in keys if g.is_registered(key)] == []
+        g.destroy()
+    sync.barrier()
+    sync.destroy()
+
+
 @world_test(3, timeout=60)
 def test_group_creation_validates_and_pickles_as_handle(world):
     with pytest.raises(ValueError, match=r"not in members"):

@@ -476,7 +476,7 @@ def test_grad_server_helper_runs_every_reducer(world):
         # 3 members x 2 pushes, reduced 2 by 2 on each member: 3 partial sums, so one
         # full primary batch and one flushed partial batch
         assert stats[0]["primary"]["steps"] == 2 and stats[0]["primary"]["applied"] == 6
-        lr = servers.impls[0]._optimizer.param_groups[0]["lr"]
+        lr = servers.impls[0]._managed.optimizer.param_groups[0]["lr"]
         assert lr == 0.1 * 0.5 ** 2  # the scheduler was stepped with each optimizer step
     servers.watch()
     servers.close()

@@ -1,127 +1,47 @@
 """RpcGroup: a named set of members that register services and pair values.
 
-The group's state (its members, owner caches, barrier rounds) lives here, in
-``RpcGroup.__init__``; two mixins hold the methods of two concerns: ``_group_keys``
-(services and values, with the owner cache and its one retry) and ``_group_calls`` (plain
-calls to a named member, and the blocking call every group call makes). Creation,
-barrier, destruction and the accessors are here.
+``RpcGroup`` is the public façade (machin's names and keywords): it checks every argument
+once, at this entrance, and hands checked values to its parts. It owns the group's
+identity (name, members, epoch), whether it was destroyed here, and its
+``GroupParts`` (``_group_parts``) for the World in use: small objects that each own
+their state, built together and handed their collaborators in their constructors::
 
-Store keys of one group incarnation, all built by ``_keys`` (``epoch`` counts
-re-creations of the name; an open group, created with ``members=None``, has the epoch ``o``):
+    RpcGroup (façade: checks, docstrings, destroyed?) ── GroupParts, for one World:
+      ├─ OwnerCache     who owns each service / value key, cached      _group_owners
+      ├─ ServiceTable   the services this member registered; its lock  _group_tables
+      ├─ ValueTable     the values this member paired; its lock        _group_tables
+      ├─ Caller         every call sent: to a key's owner, to a member _group_caller
+      └─ Barrier        this member's barrier rounds; its lock         _group_barrier
 
-    <ns>rg/<group>/current                  "<epoch>/<members>" ("*" for an open group)
-    <ns>rg/<group>/<epoch>/join/<member>    member lists, written at creation
-    <ns>rg/<group>/<epoch>/s/<key>          service owner:  "s:<worker>" | "a:<worker>"
-    <ns>rg/<group>/<epoch>/v/<key>          value owner:    "<worker>"
-    <ns>rg/<group>/<epoch>/bar/<gen>/<m>    barrier arrivals
-
-``<worker>`` is the owner's RPC worker name: its member name in a static world; in an
-elastic world ``<name with '_' for '-'>_<unique id>``, new for every incarnation.
+A handle that was unpickled or built by hand, or whose World stopped, uses the current
+World's directory at each use (as it always did); its parts are rebuilt when that
+directory changes, so no cache or round counter outlives its World. The hot path pays
+one identity test for it. Creating, opening and finding a group: ``_group_create``; the
+group's store keys: ``_keys`` (``rg/<group>/...``).
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+from torch.distributed import rpc
 
 from .. import _checks
-from ._group_calls import GroupCalls
-from ._group_keys import GroupKeys
-from ._keys import OPEN_EPOCH, GroupRecord, ServiceOwner
-from ._group_directory import GroupDirectory
-from ._registry import deadline_left
 from . import _state
+from ._calls import RpcFuture, prepare_call
+from ._group_directory import GroupDirectory
+from ._group_parts import GroupParts
+from ._paired import RenewedOwnerRRef
 from ._state import require_world
-from ..exception import PeerLostError
 
-__all__ = ["RpcGroup", "check_group_name", "create_group", "open_group", "find_group"]
+__all__ = ["RpcGroup"]
 
-
-def check_group_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"group name must be a str, not {type(name).__name__}")
-    if not name or "/" in name or "," in name:
-        raise ValueError(f"group name {name!r} must be non-empty and contain no '/' or ','")
+_check_key = _checks.service_key
+_seconds = _checks.seconds_or_none
 
 
-def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: float) -> "RpcGroup":
-    """Create group ``name`` over ``members`` (every member calls this); see ``World.create_rpc_group``."""
-    check_group_name(name)
-    deadline = time.monotonic() + wait
-    members = sorted(members)
-    if d.elastic and len(set(members)) == len(members):
-        # Members of an elastic world may still be on their way: wait for them, but not
-        # for one that already left or was lost (that fails now, naming it).
-        try:
-            d.roster.wait_until(lambda live: set(members) <= set(live)
-                                    or any(d.roster.gone(m) for m in members), wait)
-        except TimeoutError:
-            pass  # named below
-        for member in members:
-            why = d.roster.gone(member)
-            if why:
-                verb = "left" if why == "left" else "was lost from"
-                raise PeerLostError(member, f"creating RpcGroup {name!r}: it {verb} the world; wait for its "
-                                            f"return (World.wait_for_members) before grouping with it")
-    live = d.roster.members()
-    unknown = [m for m in members if m not in live]
-    if unknown or len(set(members)) != len(members) or not members:
-        if d.elastic and len(set(members)) == len(members):
-            raise TimeoutError(f"creating RpcGroup {name!r}: {unknown} did not join the world within {wait:g} s")
-        raise ValueError(f"members={members!r} must be distinct names of live world members ({live}); "
-                         f"unknown: {unknown}")
-    if d.name not in members:
-        raise ValueError(f"this process ({d.name!r}) is not in members={members}; "
-                         f"only members create the group")
-    epoch = d.reserve(name)
-    keys = d.keys
-    prefix = keys.group_join_prefix(name, str(epoch))
-    listing = GroupRecord.listing(members)
-    # In an elastic world the group is made of these incarnations: one that dies and
-    # comes back is a new process, gone for this group (it creates a new one).
-    incarnations = d.roster.incarnations(members) if d.elastic else None
-    d.registry.set(prefix + d.name, listing)
-    d.waits.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
-                          f"creating RpcGroup {name!r}: members", wait, incarnations)
-    odd = [m for m, v in zip(members, d.registry.values(prefix, members)) if v != listing]
-    if odd:
-        raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
-    d.registry.set(keys.group(name), GroupRecord(str(epoch), tuple(members)).encode())
-    group = RpcGroup(name, members, str(epoch), incarnations, directory=d)
-    d.add(group)
-    return group
-
-
-def open_group(d: GroupDirectory, name: str) -> "RpcGroup":
-    """Join the open group ``name`` (whoever is in the world); returns at once."""
-    check_group_name(name)
-    if d.local(name) is not None:
-        raise ValueError(f"RpcGroup {name!r} already exists here; destroy() it before creating it again")
-    opened = GroupRecord(OPEN_EPOCH, None).encode()
-    held = d.registry.compare_set(d.keys.group(name), "", opened)
-    if held != opened:
-        fixed = GroupRecord.listing(GroupRecord.decode(held).members or ())
-        raise ValueError(f"RpcGroup {name!r} exists with fixed members ({fixed}); "
-                         f"open groups (members=None) need a name of their own")
-    group = RpcGroup(name, None, OPEN_EPOCH, directory=d)
-    d.add(group)
-    return group
-
-
-def find_group(d: GroupDirectory, name: str) -> Optional["RpcGroup"]:
-    """This process's group ``name``, else a handle if the world has one, else None."""
-    group = d.local(name)
-    if group is not None:
-        return group
-    held = d.claims.owner(d.keys.group(name))
-    if held is None:
-        return None
-    record = GroupRecord.decode(held)
-    return RpcGroup(name, record.members, record.epoch, directory=d)
-
-
-class RpcGroup(GroupKeys, GroupCalls):
+class RpcGroup:
     """A group of world members; create it with :meth:`World.create_rpc_group`.
 
     Members publish services (:meth:`register`) and values (:meth:`pair`) under string
@@ -149,14 +69,11 @@ class RpcGroup(GroupKeys, GroupCalls):
         #: None for an open group: whoever is in the world.
         self._members = None if members is None else tuple(sorted(members))
         self._epoch = epoch
-        self._sid = f"{name}/{epoch}/"
+        # Guards building the parts and destroying (not the calls: the parts lock their own state).
         self._lock = threading.Lock()
-        self._barrier_lock = threading.Lock()
-        self._barrier_gen = 0
-        self._service_owners: Dict[str, ServiceOwner] = {}
-        self._value_owners: Dict[str, str] = {}
-        self._my_services: Set[str] = set()
-        self._my_values: Set[str] = set()
+        self._parts: Optional[GroupParts] = None
+        if directory is not None:
+            self._parts = GroupParts(name, self._members, epoch, incarnations, directory)
         self._destroyed = False
 
     def __reduce__(self) -> Any:
@@ -172,22 +89,294 @@ class RpcGroup(GroupKeys, GroupCalls):
             d = require_world().groups  # its World stopped: the current one's, as before
         return d
 
-    def _key(self, d: GroupDirectory, kind: str, key: str) -> str:
-        return (d.keys.service if kind == "s" else d.keys.value)(self._name, self._epoch, key)
-
-    def _timeout(self, d: GroupDirectory, timeout: Optional[float]) -> float:
-        return _checks.seconds_or_none("timeout", timeout, d.rpc_timeout)
-
-    def _has(self, d: GroupDirectory, name: str) -> bool:
-        return name in d.roster.members() if self._members is None else name in self._members
-
-    def _check_usable(self, need_member: bool) -> GroupDirectory:
-        d = self._directory()
+    def _usable(self, need_member: bool) -> GroupParts:
+        """The parts for the directory in use (built when it changed), if this handle may be used."""
+        d = self._dir
+        if d is None or not d.open:
+            d = require_world().groups
+        parts = self._parts
+        if parts is None or parts.directory is not d:
+            parts = self._bind(d)
         if self._destroyed:
             raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
         if need_member and not self._has(d, d.name):
             raise RuntimeError(f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r}")
-        return d
+        return parts
+
+    def _bind(self, d: GroupDirectory) -> GroupParts:
+        with self._lock:  # two threads moving to a new World share one set of parts
+            parts = self._parts
+            if parts is None or parts.directory is not d:
+                parts = self._parts = GroupParts(self._name, self._members, self._epoch, self._incarnations, d)
+            return parts
+
+    def _has(self, d: GroupDirectory, name: str) -> bool:
+        return name in d.roster.members() if self._members is None else name in self._members
+
+    def _check_to(self, to: str) -> None:
+        if not isinstance(to, str):
+            raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r})")
+        if self._members is not None and to not in self._members:
+            raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
+
+    # ------------------------------------------------------------------- services
+    def register(self, key: str, service: Callable[..., Any]) -> None:
+        """Publish ``service`` under ``key``; members call it with ``registered_*``.
+
+        ``service`` may return a value or, when decorated with
+        ``@torch.distributed.rpc.functions.async_execution``, a ``torch.futures.Future`` that
+        it completes later without holding an RPC thread. It runs in this process, on an
+        RPC thread, so it must be thread-safe.
+
+        Args:
+            key: Name of the service, unique in the group.
+            service: The callable (a function, bound method, lambda, ...).
+
+        Raises:
+            KeyError: ``key`` is already registered in the group (by any member).
+            TypeError: ``service`` is not callable.
+        """
+        _check_key(key)
+        if not callable(service):
+            raise TypeError(f"service must be callable, not {type(service).__name__}")
+        self._usable(need_member=True).services.register(key, service)
+
+    def deregister(self, key: str) -> None:
+        """Withdraw a service this member registered.
+
+        Args:
+            key: Name of the service.
+
+        Raises:
+            KeyError: this member has not registered ``key``.
+        """
+        _check_key(key)
+        self._usable(need_member=True).services.deregister(key)
+
+    def is_registered(self, key: str) -> bool:
+        """Whether any member holds a service under ``key`` (asks the store).
+
+        Args:
+            key: Name of the service.
+        """
+        _check_key(key)
+        return self._usable(need_member=False).owners.service(key, refresh=True) is not None
+
+    def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                        timeout: Optional[float] = None) -> Any:
+        """Run the service ``key`` on its owner and return its result.
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+
+        Returns:
+            What the service returned; for an asynchronous service, the value its future
+            was completed with.
+
+        Raises:
+            KeyError: no member registered ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+            Exception: whatever the service raised, with its remote traceback as cause.
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        return parts.caller.service_sync(key, _checks.call_args(args, kwargs), wait)
+
+    def registered_async(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                         timeout: Optional[float] = None) -> RpcFuture:
+        """Like :meth:`registered_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for the call, counted from now; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`registered_sync` would.
+
+        Raises:
+            KeyError: no member registered ``key`` (raised here, not by ``wait()``).
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        return parts.caller.service_async(key, _checks.call_args(args, kwargs), wait)
+
+    def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                          timeout: Optional[float] = None) -> rpc.RRef:
+        """Run the service ``key`` on its owner and return an RRef to its result.
+
+        The result stays on the owner. Errors of the service surface from
+        ``rref.to_here()`` as torch reports them (a ``RuntimeError`` holding the remote
+        message).
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for creating the result on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef`` owned by the service's owner.
+
+        Raises:
+            KeyError: no member registered ``key``.
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        call_args = _checks.call_args(args, kwargs)
+        return parts.caller.service_remote(key, call_args, _seconds("timeout", timeout, parts.directory.rpc_timeout))
+
+    # --------------------------------------------------------------------- values
+    def pair(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key``; members reach it with ``get_paired``.
+
+        The value stays in this process; others get an RRef to it.
+
+        Args:
+            key: Name of the value, unique in the group.
+            value: Any object.
+
+        Raises:
+            KeyError: ``key`` is already paired in the group (by any member).
+        """
+        _check_key(key)
+        self._usable(need_member=True).values.pair(key, value)
+
+    def unpair(self, key: str) -> None:
+        """Withdraw a value this member paired.
+
+        Args:
+            key: Name of the value.
+
+        Raises:
+            KeyError: this member has not paired ``key``.
+        """
+        _check_key(key)
+        self._usable(need_member=True).values.unpair(key)
+
+    def is_paired(self, key: str) -> bool:
+        """Whether any member paired a value under ``key`` (asks the store).
+
+        Args:
+            key: Name of the value.
+        """
+        _check_key(key)
+        return self._usable(need_member=False).owners.value(key, refresh=True) is not None
+
+    def get_paired(self, key: str, timeout: Optional[float] = None) -> Union[rpc.RRef, RenewedOwnerRRef]:
+        """An RRef to the value paired under ``key`` (owned by the member that paired it).
+
+        ``rref.rpc_sync().method(...)`` runs a method of the value on its owner;
+        ``rref.to_here()`` copies it with torch's pickler (standard ``pickle`` rules).
+
+        Args:
+            key: Name of the value.
+            timeout: Seconds for the look-up on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef``; when the owner restarted its RPC agent (or
+            built a second World in its process), a wrapper that behaves as one.
+
+        Raises:
+            KeyError: nothing is paired under ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+        """
+        _check_key(key)
+        parts = self._usable(need_member=False)
+        return parts.caller.paired(key, _seconds("timeout", timeout, parts.directory.rpc_timeout))
+
+    # ---------------------------------------------------------------- plain calls
+    def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                 args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        """Run ``func(*args, **kwargs)`` on member ``to`` and return the result.
+
+        ``func`` may be a lambda or local function (sent with dill); tensors in ``args``
+        travel as tensors. A ``func`` decorated with
+        ``@torch.distributed.rpc.functions.async_execution`` may return a future.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            What ``func`` returned.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+            TimeoutError, PeerLostError: ``to`` did not answer in time / is gone (named).
+            Exception: whatever ``func`` raised, with its remote traceback as cause.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_sync(to, func, call, wait)
+
+    def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                  args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
+        """Like :meth:`rpc_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds, counted from now; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`rpc_sync` would.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_async(to, func, call, wait)
+
+    def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+               args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> rpc.RRef:
+        """Run ``func`` on member ``to`` and return an RRef to the result at once.
+
+        Errors of ``func`` surface from ``rref.to_here()`` as torch reports them.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds for creating the result on ``to``; None: the world's
+                ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            A ``torch.distributed.rpc.RRef`` owned by ``to``.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_remote(to, func, call, wait)
 
     # -------------------------------------------------------------------- barrier
     def barrier(self, timeout: Optional[float] = None) -> None:
@@ -201,28 +390,11 @@ class RpcGroup(GroupKeys, GroupCalls):
         Raises:
             TimeoutError: naming the members that did not arrive within ``timeout``.
         """
-        d = self._check_usable(need_member=True)
-        if self._members is None:
+        parts = self._usable(need_member=True)
+        if parts.barrier is None:
             raise RuntimeError(f"RpcGroup {self._name!r} is open (members=None), so a barrier has no fixed "
                                f"set of members to wait for; create a group with members=[...] for barriers")
-        wait = _checks.seconds_or_none("timeout", timeout, d.dist_timeout)
-        deadline = time.monotonic() + wait
-        # Rounds of one member run one at a time, which is what makes deleting the
-        # previous round's key safe: whoever passed round g had every member leave g - 1.
-        if not self._barrier_lock.acquire(timeout=wait):
-            raise TimeoutError(f"barrier of RpcGroup {self._name!r}: an earlier round of this member "
-                               f"did not finish within {wait:g} s")
-        try:
-            generation = self._barrier_gen
-            self._barrier_gen += 1
-            prefix = d.keys.barrier_prefix(self._name, self._epoch, generation)
-            d.registry.set(prefix + d.name, "1")
-            d.waits.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
-                             f"barrier of RpcGroup {self._name!r}: members", wait, self._incarnations)
-            if generation:
-                d.registry.delete([d.keys.barrier_prefix(self._name, self._epoch, generation - 1) + d.name])
-        finally:
-            self._barrier_lock.release()
+        parts.barrier.wait(_seconds("timeout", timeout, parts.directory.dist_timeout))
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
@@ -238,15 +410,11 @@ class RpcGroup(GroupKeys, GroupCalls):
         with self._lock:
             if self._destroyed:
                 return
-            for key in list(self._my_services):
-                owner = self._service_owners.get(key)
-                d.claims.release(self._key(d, "s", key), owner.encode() if owner is not None else "")
-                d.tables.services.pop(self._sid + key, None)
-            for key in list(self._my_values):
-                d.claims.release(self._key(d, "v", key), d.endpoint.transport)
-                d.tables.values.pop(self._sid + key, None)
-            self._my_services.clear()
-            self._my_values.clear()
+            parts = self._parts
+            # Parts of a World that stopped hold nothing of this one's (its tables went with it).
+            if parts is not None and parts.directory is d:
+                parts.services.close()
+                parts.values.close()
             # The last barrier key stays: a slower member may still be waiting on it.
             self._destroyed = True
         d.remove(self)

@@ -32,7 +32,8 @@ from . import _rendezvous, _state
 from ._collective import CollectiveGroup
 from ._membership import MemberEvent, Membership
 from ._group_directory import GroupDirectory
-from ._rpc_group import RpcGroup, create_group, find_group, open_group
+from ._group_create import create_group, find_group, open_group
+from ._rpc_group import RpcGroup
 from ._session import Session, start_elastic, start_static
 from ._settings import Settings, settings
 from ._state import get_cur_name, get_cur_rank, get_world, is_world_initialized

@@ -13,7 +13,8 @@ from ..distributed import RpcGroup, get_world
 from ..exception import PeerLostError
 from ._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from ._hosted import hosted_secondary
-from ._reducer import SecondaryReducer, wait_future
+from ._grad_items import wait_future
+from ._reducer import SecondaryReducer
 from ._spec import Spec, check_module, mismatch, spec_of, uncastable
 from .model import get_version, set_version
 from .ordered import OrderedServerBase, OrderedServerSimple

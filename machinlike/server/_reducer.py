@@ -14,12 +14,9 @@ reduces it, hands the result on, and completes the flushes that are satisfied.
 Counters ``enqueued`` (items ever queued) and ``consumed`` (items processed) make a flush
 exact: a flush requested when ``enqueued == n`` completes once ``consumed >= n``.
 
-Both roles reduce by summing: every gradient dict a client pushed adds into the first
-one of the batch (all queued tensors belong to the reducer: received through RPC, or
-cloned by a local client), in the gradient's dtype, float16/bfloat16 in float32. A
-secondary forwards ``(sum, count, versions)``; the primary sums those, and for "mean"
-divides by the total count once. A secondary keeps one forward in flight, so it reduces
-the next batch while the previous one travels.
+Both roles sum their batch with ``_grad_items.reduce_items``; a secondary hands the sum to
+its ``_grad_forward.Forwarder`` (one forward in flight, so it reduces the next batch while
+the previous one travels), the primary to ``_grad_primary.ManagedModel.apply``.
 """
 
 from __future__ import annotations
@@ -27,85 +24,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
 from ..exception import PeerLostError
+from ._grad_forward import Forwarder
+from ._grad_items import Grads, Item, completed, reduce_items
 
-__all__ = ["ServerStoppedError", "Item", "reduce_items", "wait_future", "SecondaryReducer", "PrimaryReducer"]
+__all__ = ["ServerStoppedError", "SecondaryReducer", "PrimaryReducer"]
 
 log = logging.getLogger(__name__)
-
-Grads = Dict[str, torch.Tensor]
 
 
 class ServerStoppedError(RuntimeError):
     """A gradient server refused work because it is stopped or its reducer thread failed."""
-
-
-@dataclass(frozen=True)
-class Item:
-    """One queued unit: a gradient dict (or partial sum), how many pushes it holds, the
-    parameter versions those pushes were computed on (-1: unknown), and, in an elastic
-    world, how many pushes of each (source, client) it holds (see ``_churn``; None: not
-    counted)."""
-
-    grads: Grads
-    count: int
-    versions: List[int]
-    origin: Optional[Dict[Tuple[str, str], int]] = None
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision gradients are summed in float32; every other dtype in itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
-    """Sum the gradient dicts of ``items`` into one (consuming their tensors).
-
-    A name missing from a dict contributes zero (a client pushed ``none_as_zero``).
-    """
-    total: Grads = {}
-    count = 0
-    versions: List[int] = []
-    origin: Optional[Dict[Tuple[str, str], int]] = None
-    for item in items:
-        if item.origin is not None:
-            origin = {} if origin is None else origin
-            for key, n in item.origin.items():
-                origin[key] = origin.get(key, 0) + n
-        for name, grad in item.grads.items():
-            grad = grad.to(device)
-            held = total.get(name)
-            if held is None:
-                wanted = accumulation_dtype(grad.dtype)
-                total[name] = grad if grad.dtype == wanted else grad.to(wanted)
-            else:
-                held.add_(grad)
-        count += item.count
-        versions.extend(item.versions)
-    return Item(total, count, versions, origin)
-
-
-def wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
-    """``fut.wait()`` bounded by ``timeout`` seconds (torch's own wait has no timeout)."""
-    done = threading.Event()
-    fut.add_done_callback(lambda _: done.set())
-    if not done.wait(timeout):
-        raise TimeoutError(f"{what} did not complete within {timeout:g} s")
-    return fut.wait()
-
-
-def _completed(value: Any = None, error: Optional[BaseException] = None) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    if error is None:
-        fut.set_result(value)
-    else:
-        fut.set_exception(error)
-    return fut
 
 
 class _Reducer:
@@ -339,22 +272,20 @@ class SecondaryReducer(_Reducer):
     """Queues client pushes, reduces batches and forwards partial sums to the primary.
 
     Args:
-        forward: ``forward(item) -> future`` sends a partial sum to the primary; the
-            future completes once the primary queued it.
+        forward: Sends a partial sum to the primary (one in flight at a time) and counts
+            what it sent and lost; only this reducer's thread uses it.
+        admit: Elastic worlds: ``admit(client)`` counts a push in the store before it
+            is acknowledged and returns its source tag (raising while the primary is
+            gone); None: pushes are not counted.
     """
 
     role = "secondary"
 
-    def __init__(self, *args: Any, forward: Callable[[Item], Any],
-                 admit: Optional[Callable[[str], str]] = None) -> None:
+    def __init__(self, *args: Any, forward: Forwarder, admit: Optional[Callable[[str], str]] = None) -> None:
         super().__init__(*args)
         self._forward = forward
-        # Elastic worlds: admit(client) counts a push in the store before it is
-        # acknowledged and returns its source tag (raising while the primary is gone);
-        # a forward that finds the primary gone is then dropped and counted, not fatal.
         self._admit = admit
-        self._in_flight: Optional[Tuple[Any, int]] = None
-        self.counters.update(accepted=0, rejected=0, forwarded=0, lost_forwarding=0)
+        self.counters.update(accepted=0, rejected=0)
 
     def _item(self, grads: Grads, version: int, client: str) -> Item:
         # Called with the condition held, after the push is known to be queued: the
@@ -406,12 +337,12 @@ class SecondaryReducer(_Reducer):
                 try:
                     item = self._item(grads, version, client)
                 except ConnectionError as lost:  # PeerLostError: the primary is gone
-                    return _completed(None, lost)
+                    return completed(None, lost)
                 self.counters["accepted"] += 1
                 parked = self._queue_or_park(item)
                 if parked is not None:
                     return parked
-        return _completed(True, error)
+        return completed(True, error)
 
     def _start_if_new(self) -> None:
         # machin's grad_server_helper constructs the server on every member but calls
@@ -425,34 +356,15 @@ class SecondaryReducer(_Reducer):
         if self.device.type != "cpu":  # RPC carries CPU tensors
             reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions,
                            reduced.origin)  # keep who it came from: the primary counts receipts by it
-        self._drain()
-        try:
-            self._in_flight = (self._forward(reduced), reduced.count)
-        except (ConnectionError, KeyError) as err:  # no primary to send to
-            self._lost_forward(reduced.count, err)
-            return
-        self.counters["forwarded"] += reduced.count
-
-    def _drain(self) -> None:
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            try:
-                in_flight[0].wait()
-            except (ConnectionError, KeyError) as err:
-                self._lost_forward(in_flight[1], err)
-
-    def _lost_forward(self, count: int, err: BaseException) -> None:
-        # Static worlds: the primary's loss ends this reducer (its thread fails). Elastic
-        # ones: the pushes are dropped (the primary's ledger reports them) and the
-        # reducer goes on, for the primary may come back.
-        if self._admit is None:
-            raise err
-        self.counters["lost_forwarding"] += count
-        log.warning("gradient server %r: secondary reducer %r dropped %d pushes it could not forward: %s",
-                    self.server_name, self.member, count, err)
+        self._forward.send(reduced)
 
     def _before_settle(self) -> None:
-        self._drain()  # a flush of a secondary completes when the primary holds its sums
+        self._forward.drain()  # a flush of a secondary completes when the primary holds its sums
+
+    def stats(self) -> Dict[str, Any]:
+        out = super().stats()
+        out.update(forwarded=self._forward.forwarded, lost_forwarding=self._forward.lost)
+        return out
 
 
 class PrimaryReducer(_Reducer):
@@ -488,7 +400,7 @@ class PrimaryReducer(_Reducer):
                 parked = self._queue_or_park(item)
                 if parked is not None:
                     return parked
-        return _completed(True, error)
+        return completed(True, error)
 
     def _process(self, items: List[Item]) -> None:
         reduced = reduce_items(items, self.device)

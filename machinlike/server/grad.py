@@ -45,6 +45,13 @@ instead (it returns False, nothing of it is applied) and counted as ``rejected``
 sum that finds its queue full waits (the forwarding secondary pauses, its queue fills,
 clients get False). ``stop()`` drops what is still queued and counts it as ``dropped``;
 call ``flush()`` first to apply everything.
+
+Parts. :class:`PushPullGradServerImpl` is the entrance: it checks its arguments once and
+wires one member's parts, each owning its state: the reducers' state machine
+(``_reducer``, summing with ``_grad_items``), a secondary's link to the primary
+(``_grad_forward``), the primary's model and version chain (``_grad_primary``, with its
+checkpoint in ``_grad_checkpoint``), and the services the member registers
+(``_grad_services``). The accessor clients use is ``_grad_accessor``.
 """
 
 from __future__ import annotations
@@ -54,51 +61,26 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from torch.distributed import rpc
 
-from ..distributed import MemberEvent, RpcGroup, RpcFuture, get_world
-from ..exception import PeerLostError
+from ..distributed import MemberEvent, RpcGroup, get_world
 from ._checkpoint import CheckpointError
 from ._churn import Admission, Ledger
 from ._common import check_group, check_timeout, rpc_timeout
-from ._grad_checkpoint import PrimaryCheckpoint
 from ._grad_accessor import PushPullGradServer
+from ._grad_checkpoint import PrimaryCheckpoint
+from ._grad_forward import Forwarder
+from ._grad_primary import ManagedModel
+from ._grad_services import ReducerServices
 from ._grad_settings import GradSettings, grad_settings
 from ._host import host_checkpoint
 from ._hosted import Hosting, check_not_hosted
-from ._reducer import Item, PrimaryReducer, SecondaryReducer, ServerStoppedError, wait_future
-from ._spec import Spec, check_module, spec_of
+from ._reducer import PrimaryReducer, SecondaryReducer, ServerStoppedError
+from ._spec import check_module
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "CheckpointError"]
 
 log = logging.getLogger(__name__)
-
-
-class _LocalForward:
-    """A forward to the primary of the same process, waited on with a timeout."""
-
-    def __init__(self, fut: torch.futures.Future, timeout: float, what: str) -> None:
-        self._fut = fut
-        self._timeout = timeout
-        self._what = what
-
-    def wait(self) -> Any:
-        return wait_future(self._fut, self._timeout, self._what)
-
-
-class _RemoteForward:
-    """A forward to the primary in another process; its loss is named as the primary's."""
-
-    def __init__(self, fut: RpcFuture, lost: Any) -> None:
-        self._fut = fut
-        self._lost = lost
-
-    def wait(self) -> Any:
-        try:
-            return self._fut.wait()
-        except (PeerLostError, KeyError) as err:
-            raise self._lost(err) from err
 
 
 class PushPullGradServerImpl:
@@ -165,9 +147,9 @@ class PushPullGradServerImpl:
         self.secondary_reducers = settings.secondaries
         self.reduce_method = settings.reduce_method
         self.reduce_device = settings.reduce_device
-        checkpoint = host_checkpoint(settings.checkpoint_dir, "grad-server", server_name, settings.checkpoint_every,
-                                     settings.checkpoint_interval)
-        self._checkpoint = None if checkpoint is None else PrimaryCheckpoint(checkpoint)
+        host = host_checkpoint(settings.checkpoint_dir, "grad-server", server_name, settings.checkpoint_every,
+                               settings.checkpoint_interval)
+        checkpoint = None if host is None else PrimaryCheckpoint(host)
         self.member = group.get_cur_name()
         if self.member != self.primary_reducer and self.member not in self.secondary_reducers:
             raise ValueError(f"member {self.member!r} is neither the primary reducer ({self.primary_reducer!r}) nor "
@@ -181,20 +163,13 @@ class PushPullGradServerImpl:
         o_server: OrderedServerBase = (OrderedServerSimple._checked(f"{server_name}/ordered", group)
                                        if settings.o_server is None else settings.o_server)
 
-        self._model: Optional[torch.nn.Module] = None
-        self._params: Dict[str, torch.nn.Parameter] = {}
-        self._spec: Optional[Spec] = None
-        self._optimizer: Any = None
-        self._lr_scheduler: Any = None
-        self._version = -1  # nothing published yet
-        self._lag = {"sum": 0, "count": 0, "max": 0}
-        self._keys: List[str] = []
-        self._paired = False
         self._closed = False
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
         args = (server_name, self.member, settings.batch, settings.max_queue, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
+        self._managed: Optional[ManagedModel] = None
+        self._services: Optional[ReducerServices] = None
         world = get_world()
         # Elastic worlds: pushes are counted in the store so that what dies with a
         # secondary is reported (see _churn); secondaries are whoever hosts one, now or later.
@@ -202,32 +177,30 @@ class PushPullGradServerImpl:
         self._dynamic = self._elastic and settings.discover
         self._admission = self._ledger = None
         self._events = {"losses": 0, "rejoins": 0}
-        self._published_at = time.monotonic()
-        if self.member in self.secondary_reducers:
-            if self._elastic:
-                self._admission = Admission(world, group.get_group_name(), server_name, self.primary_reducer)
-            self.secondary = SecondaryReducer(*args, forward=self._forward,
-                                              admit=None if self._admission is None else self._admission.admit)
-        if self.member == self.primary_reducer:
-            if self._elastic:
-                self._ledger = Ledger(world, group.get_group_name(), server_name)
-            self.primary = PrimaryReducer(*args, apply=self._apply, version=lambda: self._version,
-                                          receive=None if self._ledger is None else self._ledger.receive)
+        if self.member in self.secondary_reducers and self._elastic:
+            self._admission = Admission(world, group.get_group_name(), server_name, self.primary_reducer)
+        if self.member == self.primary_reducer and self._elastic:
+            self._ledger = Ledger(world, group.get_group_name(), server_name)
         try:
-            if self.secondary is not None:
-                self._register(f"{server_name}/_push/{self.member}", self.secondary.accept)
-                self._register(f"{server_name}/_push_wait/{self.member}", self._push_wait_service)
-                self._register(f"{server_name}/_flush/{self.member}", self._flush_secondary_service)
-            if self.primary is not None:
-                self._register(f"{server_name}/_reduce", self._reduce_service)
-                self._register(f"{server_name}/_flush", self._flush_primary_service)
-                self._register(f"{server_name}/_spec", self._spec_service)
+            if self.member == self.primary_reducer:
+                # The hosted ordered server first: the managed model publishes into it.
                 if settings.o_server is None:
                     self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1)
-                group.pair(server_name, PushPullGradServer._checked(
-                    server_name, group, self.model_name, None if self._dynamic else self.secondary_reducers,
-                    o_server, None))
-                self._paired = True
+                managed = self._managed = ManagedModel(server_name, self.model_name, self.reduce_method, o_server,
+                                                       self.o_server_impl, checkpoint, self._ledger)
+                self.primary = PrimaryReducer(*args, apply=managed.apply, version=lambda: managed.version,
+                                              receive=None if self._ledger is None else self._ledger.receive)
+            if self.member in self.secondary_reducers:
+                forward = Forwarder(group, server_name, self.member, self.primary_reducer,
+                                    None if self.primary is None else self.primary.accept, self._rpc_timeout,
+                                    elastic=self._admission is not None)
+                self.secondary = SecondaryReducer(*args, forward=forward,
+                                                  admit=None if self._admission is None else self._admission.admit)
+            self._services = ReducerServices(group, server_name, self.member, self.primary_reducer, self.primary,
+                                             self._managed, self.secondary, owner=self)
+            self._services.publish(None if self.primary is None else PushPullGradServer._checked(
+                server_name, group, self.model_name, None if self._dynamic else self.secondary_reducers,
+                o_server, None))
             self._hosting = Hosting(group, server_name, self.secondary)
         except BaseException:
             self._withdraw()
@@ -253,17 +226,9 @@ class PushPullGradServerImpl:
         roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]
         return f"<PushPullGradServerImpl {self.server_name!r} on {self.member!r} ({'+'.join(roles)})>"
 
-    def _register(self, key: str, service: Any) -> None:
-        self.group.register(key, service)
-        self._keys.append(key)
-
     def _withdraw(self) -> None:
-        for key in self._keys:
-            self.group.deregister(key)
-        self._keys = []
-        if self._paired:
-            self.group.unpair(self.server_name)
-            self._paired = False
+        if self._services is not None:
+            self._services.withdraw()
         if self.o_server_impl is not None:
             self.o_server_impl.close()
 
@@ -284,10 +249,11 @@ class PushPullGradServerImpl:
             RuntimeError: this member is not the primary reducer, or a model is managed already.
             TypeError: bad arguments.
         """
-        if self.primary is None:
+        managed = self._managed  # built with the primary (see _open)
+        if managed is None:
             raise RuntimeError(f"manage_model() must be called on the primary reducer {self.primary_reducer!r}, "
                                f"not on member {self.member!r}")
-        if self._model is not None:
+        if managed.model is not None:
             raise RuntimeError(f"gradient server {self.server_name!r} already manages a model")
         check_module(model)
         if not callable(getattr(optimizer, "step", None)):
@@ -297,164 +263,7 @@ class PushPullGradServerImpl:
         params = dict(model.named_parameters())
         if not params:
             raise ValueError("the managed model has no parameters")
-        self._model, self._params, self._spec = model, params, spec_of(params)
-        self._optimizer, self._lr_scheduler = optimizer, lr_scheduler
-        if self._checkpoint is not None:
-            self._checkpoint.manage(self._checkpoint_state)
-        if self._resume():
-            return
-        self._publish_first()
-
-    # ------------------------------------------------------------ checkpoints
-    def _resume(self) -> bool:
-        """Load the checkpoint, if any, and publish it under a never-used version."""
-        if self._checkpoint is None:
-            return False
-        loaded = self._checkpoint.resume(self._params, self._optimizer, self._lr_scheduler)
-        if loaded is None:
-            return False
-        state, resume = loaded
-        if self._ledger is not None:
-            self._ledger.restore(state["applied"])
-        snapshot = self._snapshot()
-        if self.o_server_impl is not None:
-            stored = self.o_server_impl.store(self.model_name, snapshot, resume, None)
-        else:
-            got = self.o_server.pull(self.model_name)
-            stored = self.o_server.push(self.model_name, snapshot, resume, None if got is None else got[1])
-        if not stored:
-            raise RuntimeError(f"the ordered server refused resumed version {resume} of {self.model_name!r}")
-        self._version = resume
-        self._published_at = time.monotonic()
-        log.warning("gradient server %r: primary resumed from %r (checkpoint version %d) as version %d",
-                    self.server_name, self._checkpoint.path, state["version"], resume)
-        return True
-
-    def _checkpoint_state(self) -> Dict[str, Any]:
-        scheduler = self._lr_scheduler.state_dict() if self._lr_scheduler is not None else None
-        return {"params": self._snapshot(), "optimizer": self._optimizer.state_dict(), "lr_scheduler": scheduler,
-                "version": self._version, "applied": self._ledger.state() if self._ledger is not None else {}}
-
-    def _snapshot(self) -> Dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
-
-    def _publish_first(self) -> None:
-        if self._checkpoint is not None:  # on disk before anything is visible (see _grad_checkpoint)
-            self._checkpoint.first()
-            self._checkpoint.cover(0)
-        snapshot = self._snapshot()
-        if self.o_server_impl is not None:
-            stored = self.o_server_impl.store(self.model_name, snapshot, 0, None)
-        else:
-            stored = self.o_server.push(self.model_name, snapshot, 0, None)
-        if stored:
-            self._version = 0
-            self._published_at = time.monotonic()
-            return
-        # A custom ordered server that already holds a chain under this key: continue it.
-        got = self.o_server.pull(self.model_name)
-        if got is None or not isinstance(got[1], int):
-            raise RuntimeError(f"the ordered server refused version 0 of {self.model_name!r} and holds no "
-                               f"integer version to continue from")
-        self._version = got[1]
-        self._publish(self._version + 1)
-
-    def _publish(self, version: int) -> None:
-        if self._checkpoint is not None:
-            self._checkpoint.cover(version)  # leased before visible: a resume goes above it
-        snapshot = self._snapshot()
-        if self.o_server_impl is not None:
-            stored = self.o_server_impl.store(self.model_name, snapshot, version, self._version)
-        else:
-            stored = self.o_server.push(self.model_name, snapshot, version, self._version)
-        if not stored:
-            raise RuntimeError(f"the ordered server refused version {version} of {self.model_name!r}: something "
-                               f"else pushes to that key")
-        self._version = version
-        self._published_at = time.monotonic()
-
-    def _apply(self, item: Item) -> None:
-        # Runs on the primary's thread only.
-        with torch.no_grad():
-            for name, param in self._params.items():
-                grad = item.grads.get(name)
-                if grad is None:
-                    param.grad = torch.zeros_like(param)
-                    continue
-                if self.reduce_method == "mean":
-                    grad.div_(item.count)  # the sum belongs to us: divide it in place, once
-                param.grad = grad.to(device=param.device, dtype=param.dtype)
-        self._optimizer.step()
-        if self._lr_scheduler is not None:
-            self._lr_scheduler.step()
-        for version in item.versions:
-            if version >= 0:
-                lag = self._version - version
-                self._lag["sum"] += lag
-                self._lag["count"] += 1
-                self._lag["max"] = max(self._lag["max"], lag)
-        self._publish(self._version + 1)
-        if self._ledger is not None and item.origin is not None:
-            self._ledger.applied(item.origin)
-        if self._checkpoint is not None:
-            self._checkpoint.made()
-
-    # ------------------------------------------------------------ services
-    def _forward(self, item: Item) -> Any:
-        if self.primary is not None:  # primary and secondary share this process
-            return _LocalForward(self.primary.accept(item), self._rpc_timeout,
-                                 f"forward to the primary of {self.server_name!r}")
-        try:
-            fut = self.group.registered_async(f"{self.server_name}/_reduce",
-                                              (item.grads, item.count, item.versions, item.origin))
-        except (PeerLostError, KeyError) as err:
-            raise self._primary_lost(err) from err
-        return _RemoteForward(fut, self._primary_lost)
-
-    def _primary_lost(self, err: BaseException) -> BaseException:
-        """A forward's failure as the loss of the primary, named: its service is gone (KeyError:
-        its keys were freed, or it closed) or the primary did not answer. Another member's
-        loss is passed on as it is."""
-        if isinstance(err, PeerLostError) and err.member != self.primary_reducer:
-            return err
-        why = err.detail if isinstance(err, PeerLostError) else (err.args[0] if err.args else repr(err))
-        return PeerLostError(self.primary_reducer, f"the primary reducer of gradient server {self.server_name!r} "
-                                                   f"is gone ({why})")
-
-    # Registered only on a member with that role (see _open).
-    def _the_primary(self) -> PrimaryReducer:
-        if self.primary is None:
-            raise RuntimeError(f"member {self.member!r} hosts no primary reducer of {self.server_name!r}")
-        return self.primary
-
-    def _the_secondary(self) -> SecondaryReducer:
-        if self.secondary is None:
-            raise RuntimeError(f"member {self.member!r} hosts no secondary reducer of {self.server_name!r}")
-        return self.secondary
-
-    @rpc.functions.async_execution
-    def _reduce_service(self, grads: Dict[str, torch.Tensor], count: int, versions: List[int],
-                        origin: Optional[Dict[Any, int]] = None) -> torch.futures.Future:
-        return self._the_primary().accept(Item(grads, count, versions, origin))
-
-    @rpc.functions.async_execution
-    def _push_wait_service(self, grads: Dict[str, torch.Tensor], version: int,
-                           client: str = "") -> torch.futures.Future:
-        return self._the_secondary().offer(grads, version, client)
-
-    @rpc.functions.async_execution
-    def _flush_secondary_service(self) -> torch.futures.Future:
-        return self._the_secondary().flush()
-
-    @rpc.functions.async_execution
-    def _flush_primary_service(self) -> torch.futures.Future:
-        return self._the_primary().flush()
-
-    def _spec_service(self) -> Spec:
-        if self._spec is None:
-            raise RuntimeError(f"gradient server {self.server_name!r} has no model yet: call manage_model() on "
-                               f"the primary reducer {self.primary_reducer!r}")
-        return self._spec
+        managed.manage(model, params, optimizer, lr_scheduler)
 
     # ------------------------------------------------------------ life cycle
     def _reducers(self) -> List[Any]:
@@ -470,7 +279,7 @@ class PushPullGradServerImpl:
         """
         if self._closed:
             raise RuntimeError(f"gradient server {self.server_name!r} is closed")
-        if self.primary is not None and self._model is None:
+        if self._managed is not None and self._managed.model is None:
             raise RuntimeError("call manage_model(model, optimizer) on the primary reducer before start()")
         for reducer in self._reducers():
             reducer.start()
@@ -552,11 +361,8 @@ class PushPullGradServerImpl:
             out["secondary"] = self.secondary.stats()
         if self.primary is not None:
             primary = self.primary.stats()
-            primary["version"] = self._version
-            lag = self._lag
-            primary["lag_mean"] = lag["sum"] / lag["count"] if lag["count"] else 0.0
-            primary["lag_max"] = lag["max"]
-            primary["since_version"] = time.monotonic() - self._published_at
+            if self._managed is not None:
+                primary.update(self._managed.stats())
             if self.o_server_impl is not None:
                 primary["ordered"] = self.o_server_impl.stats()
             if self._ledger is not None:

@@ -1,0 +1,172 @@
+"""Caller: every call an RpcGroup sends, to a named member or to the owner of a key.
+
+Owns no state of its own: it holds the group's identity and the parts a call needs, handed
+over when the group's parts are built. Arguments arrive checked (``RpcGroup`` is the
+public entrance); what leaves goes through ``_samehost.outgoing`` (large CPU tensors of a
+same-host call travel through shared memory: the ``[shm hook]`` lines) and, for a
+blocking call, through ``_calls.sync_call`` (a gone member fails at once, a silent host
+is ended by the liveness monitor)::
+
+    service_*(key)  OwnerCache.service(key) ──► call the owner
+                    answer "missing" (the cache was stale) ──► look the key up again and
+                    call once more, within the same deadline (async: wait() does it)
+    paired(key)     OwnerCache.value(key) ──► the owner's RRef; an owner that renewed its
+                    RPC agent answers "stale" ──► this side makes the RRef (_paired)
+    run_*(to)       Roster.transport_of(to) ──► call that member's RPC worker
+
+Why one object for both kinds of call: the retry-once policy, the same-host hook and
+the error translation are the group's whole outgoing path, and they read best in one
+place. The hot path (a cached ``service_sync``) is a dict look-up, one ``sync_call`` and
+a message that is formatted only if the call fails.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Sequence, Tuple, Union
+
+from torch.distributed import rpc
+
+from . import _calls, _samehost
+from ._calls import RpcFuture, is_async, is_missing, is_stale, sync_call, unwrap
+from ._group_owners import OwnerCache
+from ._paired import RenewedOwnerRRef
+from ._registry import deadline_left
+from ._roster import Roster
+from ._waits import Waits
+
+__all__ = ["Caller"]
+
+#: ``(args, kwargs)`` of a call, as ``_checks.call_args`` returns them.
+CallArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+# The cached owner first, then one fresh look-up.
+_CACHED_THEN_FRESH = (False, True)
+_FRESH = (True,)
+
+
+class Caller:
+    """The outgoing calls of one group incarnation.
+
+    Args:
+        group: The group's name (for messages).
+        sid: The group's service-id prefix, ``"<group>/<epoch>/"``.
+        roster: Who is live, and each member's RPC worker.
+        waits: Ends a call to another host when its member is lost.
+        owners: The group's owner cache.
+    """
+
+    def __init__(self, group: str, sid: str, roster: Roster, waits: Waits, owners: OwnerCache) -> None:
+        self._group = group
+        self._sid = sid
+        self._roster = roster
+        self._waits = waits
+        self._owners = owners
+
+    # ------------------------------------------------------------------- services
+    def _service_target(self, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
+        owner = self._owners.service(key, refresh)
+        if owner is None:
+            raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+        return owner.worker, _calls._call_async_service if owner.is_async else _calls._call_service
+
+    def service_sync(self, key: str, call_args: CallArgs, wait: float) -> Any:
+        """What service ``key`` returns (see ``RpcGroup.registered_sync``); ``wait`` in seconds."""
+        # A retry after a stale owner shares the deadline.
+        return self._service_until(key, (self._sid + key,) + call_args, time.monotonic() + wait, wait,
+                                   _CACHED_THEN_FRESH)
+
+    def _service_until(self, key: str, call: Tuple[Any, ...], deadline: float, stated: float,
+                       refreshes: Sequence[bool]) -> Any:
+        """Call service ``key`` once per entry of ``refreshes`` (True: look its owner up
+        first) until an owner holds it, all within ``deadline``; quote ``stated``."""
+        for refresh in refreshes:
+            worker, entry = self._service_target(key, refresh)
+            left = deadline - time.monotonic()
+            value = sync_call(self._roster, self._waits, worker, entry,
+                              _samehost.outgoing(worker, call),  # [shm hook]
+                              left if left > 0.001 else 0.001, lambda: f"service {key!r} of group {self._group!r}",
+                              stated)
+            if not is_missing(value):
+                return unwrap(value)
+        raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+
+    def service_async(self, key: str, call_args: CallArgs, wait: float) -> RpcFuture:
+        """Service ``key``'s pending result (see ``RpcGroup.registered_async``).
+
+        Raises:
+            KeyError: nobody serves ``key`` (here, not from ``wait()``).
+        """
+        call = (self._sid + key,) + call_args
+        deadline = time.monotonic() + wait
+        worker, entry = self._service_target(key)
+        self._roster.pipes.called(worker)
+        fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
+        # The owner answered "missing" (a stale cache): look it up again and call the new
+        # one with what is left of this call's timeout, not a fresh one.
+        return RpcFuture(fut, self._roster.member_of(worker), f"service {key!r} of group {self._group!r}",
+                         wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
+
+    def service_remote(self, key: str, call_args: CallArgs, wait: float) -> rpc.RRef:
+        """An RRef to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
+
+        Raises:
+            KeyError: nobody serves ``key``.
+        """
+        call = (self._sid + key,) + call_args
+        worker, _ = self._service_target(key)
+        self._roster.pipes.called(worker)
+        # _remote_service forwards to the key's new owner if it moved meanwhile.
+        return rpc.remote(worker, _calls._remote_service, args=_samehost.outgoing(worker, call),  # [shm hook]
+                          timeout=wait)
+
+    # --------------------------------------------------------------------- values
+    def paired(self, key: str, wait: float) -> Union[rpc.RRef, RenewedOwnerRRef]:
+        """An RRef to the value paired under ``key`` (see ``RpcGroup.get_paired``).
+
+        Raises:
+            KeyError: nothing is paired under ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+        """
+        deadline = time.monotonic() + wait
+        sid = self._sid + key
+        for refresh in _CACHED_THEN_FRESH:
+            worker = self._owners.value(key, refresh)
+            if worker is None:
+                break
+            value = sync_call(self._roster, self._waits, worker, _calls._paired_rref, (sid,),
+                              max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
+            if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
+                self._roster.pipes.called(worker)
+                rref = rpc.remote(worker, _calls._paired_value, args=(sid,),
+                                  timeout=max(0.001, deadline_left(deadline)))
+                return RenewedOwnerRRef(rref, worker, sid)
+            if not is_missing(value):
+                return value
+        raise KeyError(f"Value with key [{key}] not found on Group [{self._group}]")
+
+    # ---------------------------------------------------------------- plain calls
+    def run_sync(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> Any:
+        """What ``func`` returns on member ``to`` (see ``RpcGroup.rpc_sync``).
+
+        ``call`` is ``_calls.prepare_call``'s; ``to`` a member of the group.
+        """
+        entry = _calls._run_async if is_async(func) else _calls._run
+        worker = self._roster.transport_of(to)
+        return unwrap(sync_call(self._roster, self._waits, worker, entry, _samehost.outgoing(worker, call),  # [shm hook]
+                                wait, f"rpc_sync of {func!r}"))
+
+    def run_async(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> RpcFuture:
+        """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""
+        entry = _calls._run_async if is_async(func) else _calls._run
+        worker = self._roster.transport_of(to)
+        self._roster.pipes.called(worker)
+        fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
+        return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
+
+    def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> rpc.RRef:
+        """An RRef to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``)."""
+        entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
+        worker = self._roster.transport_of(to)
+        self._roster.pipes.called(worker)
+        return rpc.remote(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
