@@ -173,8 +173,42 @@ def test_a_staged_tensor_crosses_real_rpc_in_an_elastic_world(world):
 
 
 # ------------------------------------------------------------------------ on a GPU
+_ONE_PROCESS = """
+import pickle, torch
+from machinlike.distributed import _cuda_stage
+x = torch.arange(12.0, device="cuda").reshape(3, 4)
+out = _cuda_stage.encode({"a": [x, x.t()], "b": x}, 0)
+staged = out["a"][0]
+assert type(staged).__name__ == "_Staged" and out["b"] is staged and staged.index == 0
+assert staged.host.is_pinned() and staged.host.device.type == "cpu"
+back = pickle.loads(pickle.dumps(out))  # this process uses CUDA: back on cuda:0
+assert back["a"][0].device == torch.device("cuda", 0) and back["a"][0] is back["b"]
+assert torch.equal(back["a"][1], x.t()) and torch.equal(back["b"], x)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stage_and_land_in_a_cuda_process():
+    # A fresh interpreter: CUDA initialised in pytest's own process would leave the
+    # launcher's later forks unable to use it.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
 def _double(x):
     return x * 2
+
+
+def _clone(x):
+    return x.clone()  # with autograd history: it stays behind
 
 
 def _sum_parts(parts):
@@ -202,7 +236,7 @@ def _cuda_round_trips(world, group):
         out = group.rpc_sync("1", _sum_parts, args=({"a": x, "b": [x, 3]},))
         assert out["n"] == 3 and out["sum"].device.type == "cuda" and torch.equal(out["sum"], x * 2)
         w = torch.ones(3, device="cuda", requires_grad=True)
-        back = group.rpc_sync("1", torch.clone, args=(w,))
+        back = group.rpc_sync("1", _clone, args=(w,))
         assert back.device.type == "cuda" and back.requires_grad and back.grad_fn is None
         # A CPU-only member receives CPU tensors (and no CUDA context); its CPU reply
         # comes back as CPU tensors.
