@@ -8,8 +8,9 @@ processes on cuda:0) it measures:
 1. A 64 MB CUDA tensor echoed (there and back) to another process:
    - raw torch RPC with a device map written by hand ({cuda:0: cuda:0}), the baseline;
    - raw torch RPC staging through the CPU (``.cpu()`` before sending, ``.cuda()`` after);
-   - machinlike's ``registered_sync`` with the CUDA tensor as argument. Until RpcGroup
-     configures device maps itself, torch refuses it; the row then shows torch's error.
+   - machinlike's ``registered_sync`` with the CUDA tensor as argument: staged through
+     pinned CPU memory both ways (``distributed._cuda_stage``), so expect about the CPU
+     staging rate (pinned) until device maps or CUDA IPC carry it; an error is shown.
    Targets: ``registered_sync`` >= 0.6x the hand-mapped rate and >= 50x CPU staging.
 2. The model server: push and pull of a 512 MB model on cuda:0 (the client) through a
    host process (target: >= 10x the 0.6 GB/s measured when it staged through the CPU).
@@ -127,7 +128,7 @@ def _machinlike_body(world: Any, repeats: int) -> Dict[str, Any]:
         tensor = torch.ones(ECHO_MB * 1024 * 1024 // 4, device="cuda")
         try:
             results["echo"] = _median_seconds(lambda: group.registered_sync("echo", (tensor,)), repeats)
-        except Exception as err:  # the CUDA path through RpcGroup is not wired yet: say why
+        except Exception as err:  # a CUDA path that fails: the row says why
             results["echo_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:110]}"
         results["echo_staged"] = _median_seconds(
             lambda: group.registered_sync("echo_via_gpu", (tensor.cpu(),)).cuda(), repeats)

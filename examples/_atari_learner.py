@@ -147,7 +147,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         The figures of the run, and ``close``: call it once no actor calls any more.
     """
     torch.manual_seed(args.seed)
-    model = net_class(args.actions)
+    model = net_class(args.actions).to(args.device)  # the actors' copies stay on the CPU (pull casts)
     # The IMPALA paper's optimiser for Atari: RMSprop, decay 0.99, eps 0.01 (on summed losses).
     optimizer = torch.optim.RMSprop(model.parameters(), lr=args.lr, alpha=0.99, eps=0.01)
     inbox = Inbox(args.queue_size)
@@ -166,11 +166,13 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         from machinlike.server import InferenceServerImpl
 
         # Its own copy of the weights: the batcher thread runs it while this one trains.
-        acting = net_class(args.actions)
+        acting = net_class(args.actions).to(args.device)
         acting.load_state_dict(model.state_dict())
+        # On --device too: it moves each batch of observations there and the outputs back.
         infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
-                                         version=1)
-    print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads), "
+                                         version=1, device=args.device)
+    print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
+          f"{args.device}), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
           f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "
           f"the last {args.window} episodes", flush=True)
@@ -187,7 +189,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             break
         version = state["updates"] + 1  # the version the actors were last given
         batch_lags = [version - t["versions"].double().mean().item() for t in batch]
-        loss, stats = vtrace_loss(model, batch, args)
+        loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in batch], args)
         optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)

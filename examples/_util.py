@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
+
 import machinlike
 
 
@@ -42,7 +44,68 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
     p.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
                    help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
                         "restarts it and training goes on (an elastic world; local engine only)")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="where the learner (and an inference server) trains and runs: cpu, cuda, cuda:N, or "
+                        "auto (cuda:0 when torch sees a CUDA device, else cpu); actors stay on the CPU "
+                        "(default cpu)")
     return p
+
+
+def check_device(value: str, device_count: int) -> str:
+    """The ``--device`` value ``value`` as a device string (``"cpu"``, ``"cuda:N"``).
+
+    Pure: the caller says how many CUDA devices torch sees, so this is testable anywhere.
+
+    Args:
+        value: ``cpu``, ``cuda`` (``cuda:0``), ``cuda:N`` or ``auto``.
+        device_count: CUDA devices visible to torch here (``torch.cuda.device_count()``).
+
+    Raises:
+        ValueError: not a device, not a CPU or CUDA device, or a CUDA device that does not
+            exist here; the message names the value and the fix.
+    """
+    if value == "auto":
+        return "cuda:0" if device_count > 0 else "cpu"
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a device: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type != "cuda":
+        raise ValueError(f"{value!r} is a {device.type} device; the examples train on cpu or cuda: use cpu, "
+                         f"cuda, cuda:N or auto")
+    index = 0 if device.index is None else device.index
+    if device_count == 0:
+        raise ValueError(f"{value!r}: torch sees no CUDA device here (torch {torch.__version__}, "
+                         f"{'a CUDA build' if torch.version.cuda else 'a CPU-only build'}); use --device cpu, or "
+                         f"--device auto to take a GPU only where there is one")
+    if index >= device_count:
+        raise ValueError(f"{value!r}: no such device, torch sees {device_count} CUDA device(s) "
+                         f"(cuda:0..cuda:{device_count - 1}, numbered after CUDA_VISIBLE_DEVICES); pick one "
+                         f"of them or use --device auto")
+    return f"cuda:{index}"
+
+
+def device_arg(value: str) -> str:
+    """argparse ``type`` of ``--device``: the checked device string (see :func:`check_device`).
+
+    Checked while parsing, in the launching process, before any rank starts; argparse's
+    message names the flag. ``torch.cuda.device_count`` asks NVML first, so the
+    launcher does not create a CUDA context of its own.
+    """
+    try:
+        return check_device(value, 0 if value == "cpu" else torch.cuda.device_count())
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def to_device(trajectory: Dict[str, Any], device: str) -> Dict[str, Any]:
+    """``trajectory`` with its tensors on ``device`` (other values as they are)."""
+    if device == "cpu":
+        return trajectory
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in trajectory.items()}
 
 
 class MemberLog:

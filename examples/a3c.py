@@ -3,6 +3,8 @@
 Run it locally (spawns the learner and the workers itself):
     python examples/a3c.py
     python examples/a3c.py --num-workers 3 --time-budget 300
+The managed networks and their optimizers on a GPU (the workers stay on the CPU):
+    python examples/a3c.py --device cuda
 or under torchrun, unchanged (rank 0 is the learner, the other ranks are workers):
     torchrun --standalone --nproc-per-node 4 examples/a3c.py
 
@@ -389,14 +391,14 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         group.register("bye", said_bye)
         torch.manual_seed(args.seed)
         impls = []
-        for name, model, lr in ((names[0], make_actor(args.hidden), args.actor_lr),
-                                (names[1], make_critic(args.hidden), args.critic_lr)):
+        for name, model, lr in ((names[0], make_actor(args.hidden).to(args.device), args.actor_lr),
+                                (names[1], make_critic(args.hidden).to(args.device), args.critic_lr)):
             impl = PushPullGradServerImpl(name, group, **options)
             impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=lr))
             impl.start()
             impls.append(impl)
         print(f"A3C on {ENV_ID}: {args.num_workers} workers x {args.envs_per_worker} environments, "
-              f"learner on rank 0, chaos every {args.chaos:g} s", flush=True)
+              f"learner on rank 0 ({args.device}), chaos every {args.chaos:g} s", flush=True)
         hosted = _Hosted(impls, [group.get_paired(n).to_here() for n in names])
         gate.open()  # both servers and the report services exist: workers may start
         log.started = time.monotonic()
@@ -456,9 +458,12 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
         group.register("report", log.report)
         torch.manual_seed(args.seed)  # the managed networks' initial weights
         print(f"A3C on {ENV_ID}: {len(workers)} workers x {args.envs_per_worker} environments, "
-              f"learner on rank 0", flush=True)
+              f"learner on rank 0 ({args.device})", flush=True)
     servers = grad_server_helper(
-        [lambda: make_actor(args.hidden), lambda: make_critic(args.hidden)], group=group,
+        # Only the primary (the learner) builds these: the managed models live on --device;
+        # the workers' own copies stay on the CPU (pushes and pulls cast between them).
+        [lambda: make_actor(args.hidden).to(args.device), lambda: make_critic(args.hidden).to(args.device)],
+        group=group,
         optimizer=torch.optim.Adam, learning_rate=[args.actor_lr, args.critic_lr], server_name="a3c",
         primary_reducer=learner, secondary_reducers=workers, reduce_method="mean",
         reduce_batch_size=args.reduce_batch, max_queue_size=max(64, args.reduce_batch))

@@ -2,6 +2,8 @@
 
 Run it locally (1 learner + 3 actors; the launcher starts the processes):
     python examples/dqn_apex.py
+The learner on a GPU (the actors and their replay shards stay on the CPU):
+    python examples/dqn_apex.py --device cuda
 With an actor SIGKILLed and restarted every 10 s (an elastic world; see ``worker_elastic``):
     python examples/dqn_apex.py --chaos 10
 Under torchrun, unchanged (rank 0 learns, the others act):
@@ -464,7 +466,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     if not counted:
         counted, why = [actors[int(np.argmin(epsilons))]], f"the lowest epsilon; none is <= {args.eval_epsilon:g}"
     torch.manual_seed(args.seed)
-    online = QNet()
+    online = QNet().to(args.device)  # the actors' copies stay on the CPU (pull casts)
     target = copy.deepcopy(online)
     optimizer = torch.optim.Adam(online.parameters(), lr=args.lr)
     state: Dict[str, Any] = {"updates": 0, "learner_version": 1}
@@ -479,7 +481,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     server = group.get_paired(SERVER).to_here()
     server.push(online)  # version 1: what the actors start from
     described = ", ".join(f"{a}: {e:.3g}" for a, e in zip(actors, epsilons))
-    print(f"[learner] {len(actors)} actors, epsilon {described}; metric: mean return of the last {args.window} "
+    print(f"[learner] on {args.device}; {len(actors)} actors, epsilon {described}; metric: mean return of the last {args.window} "
           f"training episodes of actor(s) {', '.join(counted)} ({why})", flush=True)
     _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner")
     (ready or group.barrier)()  # every service exists from here on (and every shard, without --chaos)
@@ -506,7 +508,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         request = sampler.request()  # fetched while these minibatches train
         priorities = torch.empty(len(fetched["slot"]))
         for rows in minibatches:
-            batch = {key: value[rows] for key, value in fetched.items()}
+            batch = _util.to_device({key: value[rows] for key, value in fetched.items()}, args.device)
             q, goal = td_errors(online, target, batch)
             weight = batch["is_weight"] / batch["is_weight"].max()
             loss = (weight * F.smooth_l1_loss(q, goal, reduction="none")).mean()
@@ -514,7 +516,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             loss.backward()
             grad_norm = float(nn.utils.clip_grad_norm_(online.parameters(), args.max_grad_norm))
             optimizer.step()
-            priorities[rows] = (goal - q).detach().abs() + 1e-3
+            priorities[rows] = ((goal - q).detach().abs() + 1e-3).cpu()
             state["updates"] += 1
             updates = state["updates"]
             if updates % args.target_every == 0:

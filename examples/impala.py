@@ -2,6 +2,8 @@
 
 Run it locally (1 learner + 2 actors; the launcher starts the processes):
     python examples/impala.py
+The learner on a GPU (the actors stay on the CPU; ``auto``: a GPU when there is one):
+    python examples/impala.py --device cuda
 Two learners in a CollectiveGroup, the model wrapped in DistributedDataParallel:
     python examples/impala.py --learners 2
 With an actor SIGKILLed and restarted every 3 s (an elastic world, one learner; see
@@ -229,7 +231,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     inbox = Inbox(args.queue_size)
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
     torch.manual_seed(args.seed)  # identical initial weights on every learner
-    model = ActorCritic()
+    model = ActorCritic().to(args.device)  # the actors' copies stay on the CPU (pull casts)
     net: nn.Module = model
     if collective is not None:
         net = DistributedDataParallel(model, process_group=collective.group)
@@ -247,7 +249,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         server.push(model)  # version 1: what the actors start from
         learners = collective.size() if collective else 1
         print(f"[learner 0] {learners + actors} processes: {learners} learner(s), {actors} actor(s) x "
-              f"{args.envs_per_actor} envs; metric: mean return of the last {args.window} training episodes "
+              f"{args.envs_per_actor} envs; learner on {args.device}; metric: mean return of the last {args.window} training episodes "
               f"of all actors", flush=True)
         _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner 0")
     (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
@@ -266,7 +268,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             stop = bool(flag.item())
         if stop:
             break
-        batch = inbox.take(args.batch_size, timeout=args.rpc_timeout)
+        batch = [_util.to_device(t, args.device) for t in inbox.take(args.batch_size, timeout=args.rpc_timeout)]
         version = state["updates"] + 1  # the version the learner's weights have (rank 0 published it)
         batch_lags = [version - t["version"] for t in batch]
         loss, stats = vtrace_loss(net, model, batch, args)

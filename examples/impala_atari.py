@@ -5,6 +5,8 @@ Run it locally (1 learner + 2 actors x 16 games of Pong; the launcher starts the
     python examples/impala_atari.py
 Another game, a fixed budget, inference on the learner for every actor's games at once:
     python examples/impala_atari.py --env breakout --time-budget 600 --inference central
+The learner and the central inference server on a GPU (the actors stay on the CPU):
+    python examples/impala_atari.py --device cuda --inference central
 An actor SIGKILLed and restarted every 20 s (an elastic world):
     python examples/impala_atari.py --chaos 20
 

@@ -3,6 +3,8 @@
 Run it locally (spawns the server and the trainers itself):
     python examples/param_server.py
     python examples/param_server.py --num-workers 4 --epochs 40
+The managed model, its optimizer and the evaluation on a GPU (trainers stay on the CPU):
+    python examples/param_server.py --device cuda
 or under torchrun, unchanged (rank 0 serves, the other ranks train):
     torchrun --standalone --nproc-per-node 4 examples/param_server.py
 
@@ -129,7 +131,8 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     (server,) = servers
     curve = _util.Curve(args.out, ["seconds", "version", "pushes_applied", "epochs", "train_loss",
                                    "test_loss", "test_accuracy"])
-    model = make_model(args.hidden)
+    model = make_model(args.hidden).to(args.device)  # the evaluation copy, beside the managed model
+    data = {key: value.to(args.device) for key, value in data.items()}
     train_size = len(data["y_train"])
     progress = _util.Progress(args.print_every)
     deadline = time.monotonic() + args.time_budget + 60.0  # the trainers stop at the budget
@@ -229,11 +232,11 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         group.register("done", finished.report)
         torch.manual_seed(args.seed)
         impl = PushPullGradServerImpl(SERVER, group, **options)
-        model = make_model(args.hidden)
+        model = make_model(args.hidden).to(args.device)
         impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=args.lr))
         impl.start()
         print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
-              f"{len(trainers)} trainers, server on rank 0, chaos every {args.chaos:g} s", flush=True)
+              f"{len(trainers)} trainers, server on rank 0 ({args.device}), chaos every {args.chaos:g} s", flush=True)
         accessor = group.get_paired(SERVER).to_here()
         gate.open()  # the server and the "done" service exist: trainers may start
         result = serve(world, _Hosted(impl, accessor), args, data, finished, started)
@@ -283,9 +286,11 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
         group.register("done", finished.report)
         torch.manual_seed(args.seed)  # the managed model's initial weights
         print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
-              f"{len(trainers)} trainers, server on rank 0", flush=True)
+              f"{len(trainers)} trainers, server on rank 0 ({args.device})", flush=True)
     servers = grad_server_helper(
-        [lambda: make_model(args.hidden)], group=group, optimizer=torch.optim.Adam, learning_rate=args.lr,
+        # Only the primary (rank 0) builds it: the managed model lives on --device; the
+        # trainers' copies stay on the CPU (pushes and pulls cast between them).
+        [lambda: make_model(args.hidden).to(args.device)], group=group, optimizer=torch.optim.Adam, learning_rate=args.lr,
         server_name=SERVER, primary_reducer=server_member, secondary_reducers=trainers,
         reduce_method="mean", reduce_batch_size=args.reduce_batch, max_queue_size=args.max_queue)
     # No try/finally around close(): it waits for every member, so after a failure it

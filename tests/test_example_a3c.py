@@ -23,7 +23,7 @@ def example_env():
 def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     out = tmp_path / "a3c.csv"
     done = subprocess.run([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
-                           "--time-budget", "3", "--out", str(out), "--metrics-every", "0.3"],
+                           "--time-budget", "3", "--out", str(out), "--metrics-every", "0.3", "--device", "cpu"],
                           cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out, newline="") as stream:

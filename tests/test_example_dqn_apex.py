@@ -96,7 +96,7 @@ def test_smoke(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "dqn_apex.py"), "--time-budget", "3",
                            "--warmup", "200", "--target", "0", "--num-workers", "2", "--out", str(out),
-                           "--metrics-every", "0.3"],
+                           "--metrics-every", "0.3", "--device", "cpu"],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out, newline="") as stream:

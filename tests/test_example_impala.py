@@ -78,13 +78,14 @@ def _run_script(tmp_path, *extra):
     out = tmp_path / "curve.csv"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala.py"), "--time-budget", "2", "--target", "0",
-                           "--out", str(out), *extra],
+                           "--out", str(out), "--device", "cpu", *extra],
                           check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))
     assert rows and float(rows[-1]["env_steps"]) > 0
     assert "== IMPALA on CartPole-v1" in proc.stdout and "time budget used up" in proc.stdout
+    assert "learner on cpu" in proc.stdout  # --device cpu reached the learner
     return proc
 
 

@@ -78,7 +78,8 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
     # Small batches so that a loaded CI machine still makes several updates in the budget.
     lines = trains_through_chaos(
         "impala_atari.py", ["--time-budget", "30", "--chaos", "10", "--print-every", "1", "--envs-per-worker", "2",
-                            "--unroll", "8", "--learner-threads", "1", "--out", str(tmp_path / "curve.csv")],
+                            "--unroll", "8", "--learner-threads", "1", "--out", str(tmp_path / "curve.csv"),
+                            "--device", "cpu"],
         "[learner]", _progress_frames)
     updates = int(next(x for x in lines if x.strip().startswith("learner updates")).split()[-1])
     assert updates > 1, "\n".join(lines)

@@ -21,7 +21,8 @@ def run_example(script, *args, timeout=150):
 
 def test_param_server_trains_and_writes_its_curve(tmp_path):
     out = tmp_path / "ps.csv"
-    done = run_example("param_server.py", "--num-workers", 2, "--epochs", 2, "--time-budget", 20, "--out", out)
+    done = run_example("param_server.py", "--num-workers", 2, "--epochs", 2, "--time-budget", 20, "--out", out,
+                       "--device", "cpu")
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))

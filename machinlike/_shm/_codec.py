@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _receive
 from ._segments import cache
 
-__all__ = ["encode", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
+__all__ = ["encode", "encode_tensor", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
            "is_shared_by_reference"]
 
 _lock = threading.Lock()
@@ -209,6 +209,12 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
         return tensor
     reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
     return tensor if reduced is None else _Placeholder(reduced)
+
+
+def encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
+    """One tensor of :func:`encode`'s walk: a placeholder, or ``tensor`` itself (for a
+    caller that walks an object for other reasons too, see ``distributed._cuda_stage``)."""
+    return _encode_tensor(tensor, threshold)
 
 
 def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> Any:

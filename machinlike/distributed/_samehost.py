@@ -11,6 +11,9 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
         no:  unchanged + reply 0                    large CPU tensors -> placeholders
     unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
 
+In a process that initialised CUDA, the same two hooks also stage CUDA tensors through
+pinned CPU memory, in the same walk (``_cuda_stage``).
+
 Nothing is decided by pickling hooks of torch's: a call to another host, or with the path
 turned off, sends exactly what it sent before.
 """
@@ -24,6 +27,7 @@ import torch
 
 from .. import _shm
 from .._shm import _receive
+from . import _cuda_stage
 from ._liveness import process_identity
 
 __all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "share"]
@@ -99,8 +103,12 @@ def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
     """``(what, args, kwargs, reply threshold)`` for a call to ``member``."""
     settings = _current
     if settings is None or not settings.enabled or not settings.local(member):
+        if _cuda_stage.active():  # [cuda hook] CUDA tensors staged through the CPU
+            return _cuda_stage.outgoing(call, 0)
         return (*call, 0)
     threshold = settings.threshold
+    if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors staged, large CPU ones as here
+        return _cuda_stage.outgoing(call, threshold)
     what, args, kwargs = call
     if args:
         args = _shm.encode(args, threshold)
@@ -114,12 +122,23 @@ _SCALARS = (bool, int, float, str, bytes)
 
 def reply(value: Any, threshold: int) -> Any:
     """The callee's result, its large tensors as placeholders when the caller asked."""
-    if not threshold or value is None or type(value) in _SCALARS:  # the common small replies, at once
+    cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
+    if (not threshold and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
+    if cuda:  # [cuda hook] CUDA tensors staged; CPU ones as below, in the same walk
+        return _cuda_stage.encode(value, _reply_threshold(threshold))
     settings = _current
     if settings is None or not settings.enabled:
         return value
     return _shm.encode(value, max(threshold, settings.threshold))
+
+
+def _reply_threshold(asked: int) -> int:
+    """Bytes from which a reply's CPU tensors go through shared memory; 0: none do."""
+    settings = _current
+    if not asked or settings is None or not settings.enabled:
+        return 0
+    return max(asked, settings.threshold)
 
 
 def _after_fork_in_child() -> None:

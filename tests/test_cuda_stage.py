@@ -1,0 +1,264 @@
+"""CUDA tensors through RpcGroup calls, staged through the CPU (``distributed._cuda_stage``).
+
+On the CPU: what is staged, where it lands, the single walk, a CPU-only process skipping
+it all, and a staged tensor crossing real torch RPC. The end-to-end CUDA runs (static and
+elastic worlds, real processes) are marked ``gpu`` and skip without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+
+import pytest
+import torch
+
+from machinlike.distributed import _cuda_stage, _samehost
+from machinlike.testing import world_test
+
+
+# ------------------------------------------------------------------ where it lands
+@pytest.mark.parametrize("index, ready, count, expected", [
+    (0, True, 1, "cuda:0"), (1, True, 2, "cuda:1"),
+    (1, True, 1, "cpu"),    # the receiver has no cuda:1
+    (0, False, 4, "cpu"),   # a CPU process on a GPU machine gets no CUDA context from a peer
+    (0, True, 0, "cpu"), (3, False, 0, "cpu"),
+])
+def test_lands_on_the_same_index_or_the_cpu(index, ready, count, expected):
+    assert _cuda_stage.lands_on(index, ready, count) == torch.device(expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(6.0).reshape(2, 3),
+    lambda: torch.arange(12, dtype=torch.int16).reshape(3, 4).t(),  # not contiguous
+    lambda: torch.ones(3, requires_grad=True),
+    lambda: torch.nn.Parameter(torch.ones(2, 2)),
+    lambda: torch.nn.Parameter(torch.ones(2), requires_grad=False),
+    lambda: torch.zeros(0, 5),
+])
+def test_a_staged_tensor_lands_equal_on_the_cpu_here(make):
+    tensor = make()
+    pending = []
+    staged = _cuda_stage.stage_tensor(tensor, pending)
+    assert pending == []  # a CPU source: a blocking copy, nothing to synchronise
+    landed = pickle.loads(pickle.dumps(staged))
+    assert landed.device.type == "cpu"  # this process has no CUDA
+    assert type(landed) is type(tensor) and landed.requires_grad == tensor.requires_grad
+    assert landed.dtype == tensor.dtype and torch.equal(landed.detach(), tensor.detach())
+    assert landed.grad_fn is None  # autograd history does not travel
+
+
+# ------------------------------------------------------------------------ the walk
+def _marked(tensor):
+    return ("staged", tensor)
+
+
+def test_walk_replaces_tensors_in_containers_and_keeps_the_rest():
+    a, b = torch.ones(2), torch.zeros(3)
+    state = collections.OrderedDict([("w", a)])
+    state._metadata = {"": {"version": 1}}  # what a module's state dict carries
+    obj = ([a, {"b": b, "n": 3}], (a, "text"), state, torch.Size([2]), None)
+    out = _cuda_stage.walk(obj, _marked)
+    assert out[0][0] == ("staged", a) and out[0][1] == {"b": ("staged", b), "n": 3}
+    assert out[1][0] is out[0][0]  # one tensor twice: one replacement, as pickle would give
+    assert type(out[2]) is collections.OrderedDict and out[2]._metadata == {"": {"version": 1}}
+    assert out[3] is obj[3] and out[4] is None
+
+
+def test_walk_returns_the_object_itself_when_nothing_changed():
+    obj = ([torch.ones(2)], {"x": (torch.ones(1),)})
+    assert _cuda_stage.walk(obj, lambda t: t) is obj
+    assert _cuda_stage.walk((), _marked) == () and _cuda_stage.walk({}, _marked) == {}
+
+
+def test_walk_leaves_tensors_inside_other_objects():
+    class Box:
+        def __init__(self):
+            self.t = torch.ones(1)
+
+    box = Box()
+    assert _cuda_stage.walk([box], _marked)[0] is box  # documented: lists, tuples and dicts only
+
+
+def test_encode_without_cuda_tensors_or_shm_changes_nothing():
+    obj = ({"x": torch.ones(1000)}, [torch.ones(3)])
+    assert _cuda_stage.encode(obj, 0) is obj
+
+
+def test_encode_puts_large_cpu_tensors_through_shm_in_the_same_walk():
+    small, big = torch.ones(4), torch.ones(1 << 16)
+    out = _cuda_stage.encode([small, big], 1 << 10)
+    assert out[0] is small and not isinstance(out[1], torch.Tensor)  # a same-host placeholder
+    assert torch.equal(pickle.loads(pickle.dumps(out[1])), big)
+
+
+# ---------------------------------------------------------- CPU-only processes skip it
+def test_a_cpu_only_process_is_not_active():
+    assert not torch.cuda.is_initialized()
+    assert _cuda_stage.active() is False
+
+
+def test_cpu_only_calls_are_not_walked_by_the_stage(monkeypatch):
+    def walked(*_):
+        raise AssertionError("a CPU-only process walked a call for CUDA tensors")
+
+    monkeypatch.setattr(_cuda_stage, "walk", walked)
+    args = (torch.ones(3), {"k": torch.ones(2)})
+    call = ("what", args, {"x": torch.ones(1)})
+    out = _samehost.outgoing("someone", call)
+    assert out == (*call, 0) and out[1] is args
+    value = [torch.ones(2)]
+    assert _samehost.reply(value, 0) is value
+
+
+def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
+    # A process with CUDA: the stage's walk does the same-host encoding too; _shm's own
+    # walk must not run a second time over the same arguments.
+    monkeypatch.setattr(_cuda_stage, "active", lambda: True)
+    monkeypatch.setattr(_samehost._shm, "encode", lambda *a: pytest.fail("second walk"))
+    walks = []
+    real = _cuda_stage.walk
+
+    def counting(obj, leaf, memo=None):
+        if memo is None:
+            walks.append(obj)
+        return real(obj, leaf, memo)
+
+    monkeypatch.setattr(_cuda_stage, "walk", counting)
+
+    class Local:
+        enabled, threshold = True, 1 << 10
+
+        def local(self, member):
+            return True
+
+    monkeypatch.setattr(_samehost, "_current", Local())
+    big = torch.ones(1 << 12)
+    what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))
+    assert reply == 1 << 10 and not isinstance(args[0], torch.Tensor) and walks == [(big,)]
+    walks.clear()
+    out = _samehost.reply([big], 1 << 10)
+    assert not isinstance(out[0], torch.Tensor) and walks == [[big]]
+
+
+# ------------------------------------------------- a staged tensor across real RPC
+def _stage_here(tensor):
+    # What a CUDA callee's reply hook makes of a CUDA result, from a CPU tensor here.
+    return _cuda_stage.stage_tensor(tensor, [])
+
+
+def _staged_crossing(world):
+    world.wait_for_members(["0", "1"], timeout=60)
+    group = world.create_rpc_group("stage", ["0", "1"])
+    if world.name == "1":
+        group.register("stage", _stage_here)
+    group.barrier()
+    if world.name == "0":
+        sent = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+        got = group.registered_sync("stage", args=(sent,))
+        assert type(got) is torch.nn.Parameter and got.device.type == "cpu" and torch.equal(got, sent)
+    group.barrier()
+    group.destroy()
+
+
+@world_test(2, timeout=90)
+def test_a_staged_tensor_crosses_real_rpc_and_lands_on_the_cpu(world):
+    _staged_crossing(world)
+
+
+@world_test(2, timeout=90, max_restarts=1)
+def test_a_staged_tensor_crosses_real_rpc_in_an_elastic_world(world):
+    assert world.elastic
+    _staged_crossing(world)
+
+
+# ------------------------------------------------------------------------ on a GPU
+_ONE_PROCESS = """
+import pickle, torch
+from machinlike.distributed import _cuda_stage
+x = torch.arange(12.0, device="cuda").reshape(3, 4)
+out = _cuda_stage.encode({"a": [x, x.t()], "b": x}, 0)
+staged = out["a"][0]
+assert type(staged).__name__ == "_Staged" and out["b"] is staged and staged.index == 0
+assert staged.host.is_pinned() and staged.host.device.type == "cpu"
+back = pickle.loads(pickle.dumps(out))  # this process uses CUDA: back on cuda:0
+assert back["a"][0].device == torch.device("cuda", 0) and back["a"][0] is back["b"]
+assert torch.equal(back["a"][1], x.t()) and torch.equal(back["b"], x)
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stage_and_land_in_a_cuda_process():
+    # A fresh interpreter: CUDA initialised in pytest's own process would leave the
+    # launcher's later forks unable to use it.
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _ONE_PROCESS], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
+
+
+def _double(x):
+    return x * 2
+
+
+def _clone(x):
+    return x.clone()  # with autograd history: it stays behind
+
+
+def _sum_parts(parts):
+    return {"sum": parts["a"] + parts["b"][0], "n": parts["b"][1]}
+
+
+def _devices(obj):
+    return [t.device.type for t in (obj if isinstance(obj, (list, tuple)) else [obj])]
+
+
+def _cuda_round_trips(world, group):
+    me = world.name
+    if me == "1":
+        torch.cuda.init()  # a GPU member: what it gets lands on its GPU
+    if me == "2":
+        group.register("cpu_devices", _devices)  # never initialises CUDA
+    group.register(f"double/{me}", _double)
+    group.barrier()
+    if me == "0":
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
+        y = group.registered_sync("double/1", args=(x,))
+        assert y.device == torch.device("cuda", 0) and torch.equal(y, x * 2)
+        y = group.registered_async("double/1", args=(x.t(),)).wait()  # a view, not contiguous
+        assert y.device.type == "cuda" and torch.equal(y, x.t() * 2)
+        out = group.rpc_sync("1", _sum_parts, args=({"a": x, "b": [x, 3]},))
+        assert out["n"] == 3 and out["sum"].device.type == "cuda" and torch.equal(out["sum"], x * 2)
+        w = torch.ones(3, device="cuda", requires_grad=True)
+        back = group.rpc_sync("1", _clone, args=(w,))
+        assert back.device.type == "cuda" and back.requires_grad and back.grad_fn is None
+        # A CPU-only member receives CPU tensors (and no CUDA context); its CPU reply
+        # comes back as CPU tensors.
+        assert group.registered_sync("cpu_devices", args=([x, x.half()],)) == ["cpu", "cpu"]
+        assert group.registered_sync("double/2", args=(x,)).device.type == "cpu"
+    group.barrier()
+    if me == "2":
+        assert not torch.cuda.is_initialized()
+    group.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(3, timeout=120)
+def test_cuda_tensors_through_a_static_group(world):
+    _cuda_round_trips(world, world.create_rpc_group("cuda", ["0", "1", "2"]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(3, timeout=120, max_restarts=1)
+def test_cuda_tensors_through_an_elastic_group(world):
+    assert world.elastic
+    world.wait_for_members(["0", "1", "2"], timeout=60)
+    _cuda_round_trips(world, world.create_rpc_group("cuda", ["0", "1", "2"]))  # no device maps anywhere
