@@ -194,13 +194,17 @@ def start_static(session: Session) -> None:
     info = _open(session)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # A namespace per world incarnation (see Keys.static_counter).
-    keys = Keys.static_world(restart, info.store.add(Keys.static_counter(restart, s.rank), 1))
+    mine = info.store.add(Keys.static_counter(restart, s.rank), 1)
+    keys = Keys.static_world(restart, mine)
     members = _membership(session, info, keys)
     reg = members.registry
     ranks = [str(r) for r in range(s.size)]
     reg.set(keys.proc_prefix() + str(s.rank), process_identity())
     reg.set(keys.name_prefix() + str(s.rank), s.name)
-    reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
+    try:
+        reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
+    except TimeoutError as err:
+        raise _stranger_error(info, restart, s.rank, s.size, mine) or err
     names = reg.values(keys.name_prefix(), ranks)
     if len(set(names)) != len(names):
         clash = sorted({n for n in names if names.count(n) > 1})
@@ -228,6 +232,22 @@ def start_static(session: Session) -> None:
                  s.dist_timeout)
     members.monitor.start()
     session._undo.callback(members.close)
+
+
+def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: int, mine: int) -> Optional[TimeoutError]:
+    """The error for a process that came to a *running* static world as rank ``rank``
+    (this rank has started more Worlds on the store than every other rank); None otherwise."""
+    try:
+        others = [info.store.add(Keys.static_counter(restart, r), 0) for r in range(size) if r != rank]
+    except (RuntimeError, dist.DistNetworkError):  # the store went away too: the first error stands
+        return None
+    if not others or mine <= max(others):
+        return None
+    return TimeoutError(
+        f"World start-up: rank {rank} of the static world at {info.host}:{info.port} was taken already "
+        f"(that world is running, or ran, on this store) and no other rank came to start another: a static "
+        f"world cannot admit a new process; join a running world as World(name, elastic=True, "
+        f"init_method=...), or start every rank of a new static world on a fresh address")
 
 
 def start_elastic(session: Session) -> None:
