@@ -65,9 +65,13 @@ class Claims:
         with self._lock:
             return self._registry.release(key, self._current(holder))
 
-    def owner(self, key: str) -> Optional[str]:
-        """Who holds ``key`` right now (its holder text), None if nobody."""
-        return self._registry.owner(key)
+    def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
+        """Who holds ``key`` right now (its holder text), None if nobody.
+
+        Args:
+            timeout: Seconds the caller has left (see ``Registry.owner``); None: no bound.
+        """
+        return self._registry.owner(key, timeout)
 
     def _current(self, holder: str) -> str:
         return rebind_holder(holder, self._old_workers, self._endpoint.transport)

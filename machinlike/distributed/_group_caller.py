@@ -64,8 +64,9 @@ class Caller:
         self._owners = owners
 
     # ------------------------------------------------------------------- services
-    def _service_target(self, key: str, refresh: bool = False) -> Tuple[str, Callable[..., Any]]:
-        owner = self._owners.service(key, refresh)
+    def _service_target(self, key: str, refresh: bool, deadline: float) -> Tuple[str, Callable[..., Any]]:
+        # A look-up in the store counts against the call's own time (a silent store).
+        owner = self._owners.service(key, refresh, max(0.001, deadline - time.monotonic()))
         if owner is None:
             raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
         return owner.worker, _calls._call_async_service if owner.is_async else _calls._call_service
@@ -81,7 +82,7 @@ class Caller:
         """Call service ``key`` once per entry of ``refreshes`` (True: look its owner up
         first) until an owner holds it, all within ``deadline``; quote ``stated``."""
         for refresh in refreshes:
-            worker, entry = self._service_target(key, refresh)
+            worker, entry = self._service_target(key, refresh, deadline)
             left = deadline - time.monotonic()
             value = sync_call(self._roster, self._waits, worker, entry,
                               _samehost.outgoing(worker, call),  # [shm hook]
@@ -99,7 +100,7 @@ class Caller:
         """
         call = (self._sid + key,) + call_args
         deadline = time.monotonic() + wait
-        worker, entry = self._service_target(key)
+        worker, entry = self._service_target(key, False, deadline)
         self._roster.pipes.called(worker)
         fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
         # The owner answered "missing" (a stale cache): look it up again and call the new
@@ -114,7 +115,7 @@ class Caller:
             KeyError: nobody serves ``key``.
         """
         call = (self._sid + key,) + call_args
-        worker, _ = self._service_target(key)
+        worker, _ = self._service_target(key, False, time.monotonic() + wait)
         self._roster.pipes.called(worker)
         # _remote_service forwards to the key's new owner if it moved meanwhile.
         return rpc.remote(worker, _calls._remote_service, args=_samehost.outgoing(worker, call),  # [shm hook]
@@ -131,7 +132,7 @@ class Caller:
         deadline = time.monotonic() + wait
         sid = self._sid + key
         for refresh in _CACHED_THEN_FRESH:
-            worker = self._owners.value(key, refresh)
+            worker = self._owners.value(key, refresh, max(0.001, deadline_left(deadline)))
             if worker is None:
                 break
             value = sync_call(self._roster, self._waits, worker, _calls._paired_rref, (sid,),

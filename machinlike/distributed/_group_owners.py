@@ -59,34 +59,42 @@ class OwnerCache:
         return self._keys.value(self._group, self._epoch, key)
 
     # ------------------------------------------------------------------ look-ups
-    def service(self, key: str, refresh: bool = False) -> Optional[ServiceOwner]:
+    def service(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[ServiceOwner]:
         """Who serves ``key``: the cached owner unless ``refresh`` or it is gone; None if nobody.
+
+        Args:
+            timeout: Seconds a store look-up may take (the caller's time left); None: no bound.
 
         Raises:
             PeerLostError: the world's store is gone (on a look-up).
+            TimeoutError: the store did not answer within ``timeout``.
         """
         if not refresh:
             owner = self._services.get(key)
             if owner is not None and not self._roster.transport_gone(owner.worker):
                 return owner  # the common case: no store round trip
-        held = self._claims.owner(self.service_key(key))
+        held = self._claims.owner(self.service_key(key), timeout)
         if held is None:
             self._services.pop(key, None)
             return None
         owner = self._services[key] = ServiceOwner.decode(held)
         return owner
 
-    def value(self, key: str, refresh: bool = False) -> Optional[str]:
+    def value(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[str]:
         """The RPC worker that paired ``key`` (cached unless ``refresh`` or gone), None if nobody.
+
+        Args:
+            timeout: Seconds a store look-up may take (the caller's time left); None: no bound.
 
         Raises:
             PeerLostError: the world's store is gone (on a look-up).
+            TimeoutError: the store did not answer within ``timeout``.
         """
         if not refresh:
             held = self._values.get(key)
             if held is not None and not self._roster.transport_gone(held):
                 return held
-        held = self._claims.owner(self.value_key(key))
+        held = self._claims.owner(self.value_key(key), timeout)
         if held is None:
             self._values.pop(key, None)
         else:

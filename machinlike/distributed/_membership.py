@@ -176,6 +176,7 @@ class Membership:
         """Stop the monitor (local teardown; tells nobody)."""
         self._closing.set()
         self.monitor.join(5.0)
+        self.registry.close()
 
     # ------------------------------------------------------- documented queries
     def members(self) -> List[str]:

@@ -26,6 +26,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch.distributed as dist
 
 from ..exception import PeerLostError
+from ._bounded import BoundedLookups
 
 __all__ = ["Registry", "deadline_left"]
 
@@ -49,6 +50,7 @@ class Registry:
         self._store = store
         self._store_owner = store_owner
         self._local = threading.local()
+        self._lookups = BoundedLookups(store, store_owner)
 
     # ------------------------------------------------------------------ connections
     def _waiter(self) -> dist.Store:
@@ -58,6 +60,10 @@ class Registry:
             store = clone() if clone is not None else self._store
             self._local.store = store
         return store
+
+    def close(self) -> None:
+        """End this process's look-up thread (see ``_bounded``); the store stays open."""
+        self._lookups.close()
 
     def _lost(self, err: BaseException) -> PeerLostError:
         return PeerLostError(self._store_owner, f"the world's store is unreachable ({err})")
@@ -78,10 +84,22 @@ class Registry:
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
-    def owner(self, key: str) -> Optional[str]:
-        """Who holds ``key`` right now, None if nobody."""
+    def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
+        """Who holds ``key`` right now, None if nobody.
+
+        Args:
+            timeout: Seconds the caller has left; None: the store client's own timeout.
+
+        Raises:
+            TimeoutError: the store did not answer within ``timeout``.
+            PeerLostError: the store is gone.
+        """
         try:
-            held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            if timeout is None:
+                held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            else:
+                held = self._lookups.run(lambda store: store.compare_set(key, _PROBE, _PROBE).decode(), timeout,
+                                         "the owner look-up")
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
         return None if held in ("", _PROBE) else held
