@@ -18,10 +18,10 @@ waits, agreement), while the handle is what one process uses afterwards.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from ._group_directory import GroupDirectory
-from ._keys import OPEN_EPOCH, GroupRecord
+from ._keys import OPEN_EPOCH, GroupRecord, MemberRecord
 from ._registry import deadline_left
 from ._rpc_group import RpcGroup
 from ..exception import PeerLostError
@@ -43,19 +43,7 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
     deadline = time.monotonic() + wait
     members = sorted(members)
     if d.elastic and len(set(members)) == len(members):
-        # Members of an elastic world may still be on their way: wait for them, but not
-        # for one that already left or was lost (that fails now, naming it).
-        try:
-            d.roster.wait_until(lambda live: set(members) <= set(live)
-                                    or any(d.roster.gone(m) for m in members), wait)
-        except TimeoutError:
-            pass  # named below
-        for member in members:
-            why = d.roster.gone(member)
-            if why:
-                verb = "left" if why == "left" else "was lost from"
-                raise PeerLostError(member, f"creating RpcGroup {name!r}: it {verb} the world; wait for its "
-                                            f"return (World.wait_for_members) before grouping with it")
+        _wait_for_members(d, name, members, deadline)
     live = d.roster.members()
     unknown = [m for m in members if m not in live]
     if unknown or len(set(members)) != len(members) or not members:
@@ -83,6 +71,49 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
     group = RpcGroup(name, members, str(epoch), incarnations, directory=d)
     d.add(group)
     return group
+
+
+def _wait_for_members(d: GroupDirectory, name: str, members: Sequence[str], deadline: float) -> None:
+    """Wait (until ``deadline``) for ``members`` of an elastic world to be live in this
+    view, each as the incarnation the store holds.
+
+    A member that may still be on its way is waited for; one that left or was lost fails
+    at once, named, unless the store already holds its next incarnation's claim: then this
+    view is only behind (a restarted rank joined before this process read the log), and
+    it is waited for too, as is a live member whose next incarnation this view has not
+    seen yet (its old one would fail the group's rendezvous). A timeout is named by the
+    caller.
+
+    Raises:
+        PeerLostError: a member left or was lost and has not come back.
+    """
+    while True:
+        try:
+            d.roster.wait_until(lambda live: set(members) <= set(live) or any(d.roster.gone(m) for m in members),
+                                deadline_left(deadline))
+        except TimeoutError:
+            return
+        behind: Dict[str, int] = {}
+        for member in members:
+            # The "lost" event is posted only after the claim is cleared, so a claim held
+            # after this view saw a loss is the next incarnation's.
+            held = d.registry.get_or_empty(d.keys.live(member))
+            stored = MemberRecord.decode(member, held).incarnation if held else None
+            why = d.roster.gone(member)
+            if why and stored is None:
+                verb = "left" if why == "left" else "was lost from"
+                raise PeerLostError(member, f"creating RpcGroup {name!r}: it {verb} the world; wait for its "
+                                            f"return (World.wait_for_members) before grouping with it")
+            seen = d.roster.incarnation_of(member)
+            if stored is not None and (seen is None or stored > seen):
+                behind[member] = stored
+        if not behind:
+            return
+        try:
+            d.roster.wait_until(lambda live: all((d.roster.incarnation_of(m) or 0) >= inc for m, inc in behind.items()),
+                                deadline_left(deadline))
+        except TimeoutError:
+            return
 
 
 def open_group(d: GroupDirectory, name: str) -> RpcGroup:
