@@ -158,10 +158,14 @@ def plot_metrics(logdir: str, title: str, x: str = "environment steps") -> Optio
                 deaths.append((step, value))
             if name in ("steps", "updates", "episodes") or "since_" in name:
                 continue  # the x axis and the rates say it better; ages saw-tooth
-            # A panel per kind: the learner's figures differ in scale, so each has its own
-            # (the losses share one); the other groups are one kind each.
-            panel = group if group not in ("learner", "eval", "inference") else \
+            # A panel per kind: the learner's (and episodes') figures differ in scale, so each
+            # has its own (the losses share one); a panel per server ("server/<which>/..."); the other
+            # groups are one kind each.
+            panel = group if group not in ("learner", "eval", "inference", "episode") else \
                 f"{group}: " + ("losses" if "loss" in name else "accuracy" if "accuracy" in name else name)
+            if group == "server" and "/" in name:
+                which, _, name = name.partition("/")
+                panel = f"server: {which}"
             series[panel][name].append((step, value))
     kills = [step for (step, n), (_, before) in zip(deaths[1:], deaths) if n > before]
     order = "eval episode env learner inference server world rss_mb".split()
