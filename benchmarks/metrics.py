@@ -213,8 +213,8 @@ def main() -> None:
         caller, total = _writer_cost(os.path.join(logdir, "raw"), 35, 300 if args.quick else 2000)
     print(f"  the writer, per scalar: {caller * 1e6:.2f} us in the caller, {total * 1e6:.2f} us CPU with its thread "
           f"(35 tags a call)")
-    print(f"  one of the examples' points ({tags} tags, RunMetrics.log with its /proc reads): {point_caller * 1e6:.0f} us "
-          f"in the caller, {point_cpu * 1e6:.0f} us CPU with the writer's thread")
+    print(f"  one of the examples' points ({tags} tags, RunMetrics.log with its /proc reads): "
+          f"{point_caller * 1e6:.0f} us in the caller, {point_cpu * 1e6:.0f} us CPU with the writer's thread")
     # At a point a second the comparison drowns in the machine's noise (several % on a
     # loaded 2-core host). A point on every update gives a clear signal: its extra wall time
     # per point, at the examples' rate, is the measured cost; the point's CPU (caller and
