@@ -9,6 +9,7 @@ in rank 0's process:
                                    InferenceServerImpl.update (central inference)
     actors ──► Reports.report(): EpisodeLog (metric, CSV, stop), the policy calls' p95,
                                  and the reply: the inference mode from ModeChooser
+    learn() ──every --metrics-every s──► RunMetrics: runs/<name>/ (TensorBoard, metrics.csv)
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import _util
 import machinlike
 from _episodes import EpisodeLog, collect_columns, format_mean
 from _impala_core import Inbox, vtrace
+from _metrics import RunMetrics, logdir_of
+from machinlike.metrics import flatten_stats
 from machinlike.server import PushPullModelServerImpl
 
 __all__ = ["ModeChooser", "Reports", "vtrace_loss", "learn"]
@@ -95,8 +98,9 @@ class Reports:
         self._lock = threading.Lock()
         self._p95: Deque[float] = collections.deque(maxlen=16)  # the latest unrolls' p95 (ms)
 
-    def report(self, actor: str, returns: Sequence[float], steps: int, version: int, p95_ms: float) -> str:
-        self._log.report(actor, returns, steps, version)
+    def report(self, actor: str, returns: Sequence[float], steps: int, version: int, p95_ms: float,
+               lengths: Sequence[int] = ()) -> str:
+        self._log.report(actor, returns, steps, version, lengths)
         with self._lock:
             self._p95.append(float(p95_ms))
         return self._chooser.mode()
@@ -113,7 +117,8 @@ def vtrace_loss(net: nn.Module, batch: List[Dict[str, torch.Tensor]],
                 args: argparse.Namespace) -> Tuple[torch.Tensor, Dict[str, float]]:
     """The IMPALA loss, summed over the batch's T x N steps as in Espeholt et al. (2018):
     policy gradient with V-trace advantages, value regression onto v_s, entropy bonus.
-    Rewards are clipped to [-1, 1]."""
+    Rewards are clipped to [-1, 1]. The figures (policy and value loss, entropy) are per step:
+    the sums over the batch divided by its T x N steps."""
     obs = torch.cat([t["obs"] for t in batch], dim=1)            # [T+1, N, 4, 84, 84] uint8
     actions = torch.cat([t["actions"] for t in batch], dim=1)    # [T, N]
     rewards = torch.cat([t["rewards"] for t in batch], dim=1).clamp(-1.0, 1.0)
@@ -132,7 +137,9 @@ def vtrace_loss(net: nn.Module, batch: List[Dict[str, torch.Tensor]],
     value_loss = 0.5 * (vs - values[:-1]).pow(2).sum()
     entropy = -(log_probs.exp() * log_probs).sum()
     loss = policy_loss + args.baseline_cost * value_loss - args.entropy_cost * entropy
-    return loss, {"entropy": entropy.item() / (length * width)}
+    steps = length * width
+    return loss, {"loss_policy": policy_loss.item() / steps, "loss_value": value_loss.item() / steps,
+                  "entropy": entropy.item() / steps}
 
 
 def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
@@ -154,7 +161,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
     state = {"updates": 0, "version_lag": "", "agent_steps_per_s": "", "inference": ""}
     curve = _util.Curve(args.out, collect_columns(["updates", "version_lag", "agent_steps_per_s", "inference"]))
-    log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state))
+    # Agent steps on the x axis; each is 4 frames (ale-py's frameskip).
+    metrics = RunMetrics(logdir_of(args), world, args.metrics_every, args.window, frames_per_step=4,
+                         enabled=not args.no_metrics)
+    log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state),
+                     listener=metrics.episodes)
     chooser = ModeChooser(args.inference, settle=min(5.0, args.auto_seconds), measure=args.auto_seconds)
     reports = Reports(log, chooser)
     group.register(f"{GROUP}/report", reports.report)
@@ -176,6 +187,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
           f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "
           f"the last {args.window} episodes", flush=True)
+    _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner")
     (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
 
     progress = _util.Progress(args.print_every)
@@ -183,6 +195,16 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     steady: List[Tuple[float, int]] = []  # (time, steps) after warm-up and any auto trial
     lags: List[float] = []
     stats: Dict[str, float] = {"entropy": float("nan")}
+    figures: Dict[str, float] = {}
+
+    def library_figures() -> Dict[str, float]:
+        """The inference figures and the servers' stats(), as tags."""
+        out = _infer_figures(chooser.mode(), infer_impl, reports, args)
+        out.update(flatten_stats(model_impl.stats(), "server/model"))
+        if infer_impl is not None:
+            out.update(flatten_stats(infer_impl.stats(), "server/inference"))
+        return out
+
     while True:
         batch = _next_batch(inbox, log, args)
         if batch is None:
@@ -192,7 +214,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in batch], args)
         optimizer.zero_grad()
         loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         optimizer.step()
         state["updates"] += 1
         if args.inference != "central":  # only local inference reads the model server
@@ -207,6 +229,10 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             print(f"[learner] {said}", flush=True)
         if steps and not chooser.deciding and progress.elapsed() > 15.0:
             steady.append((time.monotonic(), steps))
+        figures = {**stats, "grad_norm": grad_norm, "policy_lag": sum(batch_lags) / len(batch_lags),
+                   "queue": len(inbox)}
+        if metrics.due():
+            metrics.log(steps, state["updates"], learner=figures, servers=library_figures())
         if progress.due():
             now = time.monotonic()
             snap = log.snapshot()
@@ -224,6 +250,9 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             lags = []
     inbox.close()  # parked and later sends answer "stop"
     snap = log.snapshot()
+    if state["updates"]:  # the last point: a short run's curves end where training did
+        metrics.log(snap["env_steps"], state["updates"], learner=figures, servers=library_figures())
+    metrics.close()
     throughput = "not measured (too short)"
     if len(steady) > 1 and steady[-1][0] > steady[0][0]:
         rate = (steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
@@ -254,6 +283,17 @@ def _next_batch(inbox: Inbox, log: EpisodeLog, args: argparse.Namespace) -> Opti
             if time.monotonic() >= deadline:
                 raise
     return None
+
+
+def _infer_figures(mode: str, impl: Any, reports: Reports, args: argparse.Namespace) -> Dict[str, float]:
+    """``inference/batch`` (rows per forward) and ``inference/call_p95_ms`` (an actor's
+    policy call, as in :func:`_infer_text`); no batch figure before central's first batch."""
+    out = {"inference/call_p95_ms": reports.call_p95()}
+    if mode == "local" or impl is None:
+        out["inference/batch"] = float(args.envs_per_worker)
+    elif impl.stats()["batches"]:
+        out["inference/batch"] = float(impl.stats()["mean_batch"])
+    return out
 
 
 def _infer_text(mode: str, impl: Any, reports: Reports, args: argparse.Namespace) -> str:

@@ -8,6 +8,7 @@ optional. Tags, by TensorBoard panel:
     env/       steps, steps_per_s (and frames_per_s where a step is several frames)
     episode/   return_mean100, length_mean100, episodes
     learner/   updates, updates_per_s, policy_lag, losses (loss_*), entropy, grad_norm
+    inference/ batch (rows per forward), call_p95_ms (an actor's policy call), where measured
     server/    the servers' stats(): pushes applied / dropped, versions, lag
     world/     members_alive, deaths, rejoins, leaves
     rss_mb/    each local member's resident memory (MB)
@@ -97,7 +98,11 @@ class RunMetrics:
                 out["episode/return_mean100"] = sum(self._returns) / len(self._returns)
             if self._lengths:
                 out["episode/length_mean100"] = sum(self._lengths) / len(self._lengths)
-        if self._last is not None and now > self._last["t"]:
+        # A rate over a span much shorter than ``every`` (the last point, logged just after a
+        # due one) would be noise, a dip to 0 at the end of every curve: such a point has no
+        # rates, and the next rate starts where the last one ended.
+        rated = self._last is None or now - self._last["t"] >= max(self.every / 2, 1e-6)
+        if self._last is not None and rated:
             span = now - self._last["t"]
             out["env/steps_per_s"] = (env_steps - self._last["steps"]) / span
             if self.frames_per_step:
@@ -112,7 +117,8 @@ class RunMetrics:
         if self._figures is not None:
             out.update(self._figures.sample())
         self._metrics.scalars(out, int(env_steps))
-        self._last = {"t": now, "steps": env_steps, "updates": updates or 0}
+        if rated:
+            self._last = {"t": now, "steps": env_steps, "updates": updates or 0}
 
     @property
     def dropped(self) -> int:
@@ -152,13 +158,17 @@ def plot_metrics(logdir: str, title: str, x: str = "environment steps") -> Optio
                 deaths.append((step, value))
             if name in ("steps", "updates", "episodes") or "since_" in name:
                 continue  # the x axis and the rates say it better; ages saw-tooth
-            # A panel per kind: the learner's figures differ in scale, so each has its own
-            # (the losses share one); the other groups are one kind each.
-            panel = group if group not in ("learner", "eval") else \
+            # A panel per kind: the learner's (and episodes') figures differ in scale, so each
+            # has its own (the losses share one); a panel per server ("server/<which>/..."); the other
+            # groups are one kind each.
+            panel = group if group not in ("learner", "eval", "inference", "episode") else \
                 f"{group}: " + ("losses" if "loss" in name else "accuracy" if "accuracy" in name else name)
+            if group == "server" and "/" in name:
+                which, _, name = name.partition("/")
+                panel = f"server: {which}"
             series[panel][name].append((step, value))
     kills = [step for (step, n), (_, before) in zip(deaths[1:], deaths) if n > before]
-    order = "eval episode env learner server world rss_mb".split()
+    order = "eval episode env learner inference server world rss_mb".split()
     panels = sorted(series, key=lambda p: (order.index(p.split(":")[0]) if p.split(":")[0] in order else 99, p))
     if not panels:
         return None
@@ -179,7 +189,11 @@ def plot_metrics(logdir: str, title: str, x: str = "environment steps") -> Optio
     for axis in list(axes.flat)[len(panels):]:
         axis.set_visible(False)
     figure.suptitle(title)
-    figure.tight_layout()
+    # Fixed margins (inches over the figure's size) rather than tight_layout, which measures
+    # every tick label: a third of the drawing time of a dozen panels.
+    height = 3.0 * rows_n
+    figure.subplots_adjust(left=0.6 / (5.2 * cols), right=1 - 0.15 / (5.2 * cols), bottom=0.5 / height,
+                           top=1 - 0.75 / height, wspace=0.22, hspace=0.5)
     png = os.path.join(logdir, "metrics.png")
     figure.savefig(png, dpi=90)
     plt.close(figure)

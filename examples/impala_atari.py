@@ -106,6 +106,8 @@ class Sampler:
         self.env = make_envs(game, envs)
         self.obs = self.env.reset(seed=seed)[0]  # a reset costs ~40 ms per game: only this one
         self.returns = np.zeros(envs)
+        self.lengths = np.zeros(envs, np.int64)  # agent steps of each game's current episode
+        self.finished_lengths: List[int] = []  # of the episodes in the last unroll's returns
         self.generator = generator
 
     def unroll(self, policy: Callable[[torch.Tensor], Tuple[torch.Tensor, int]],
@@ -115,6 +117,7 @@ class Sampler:
         Returns:
             (trajectory, returns of the episodes finished, seconds of each policy call).
             ``done[t, e]``: game e ended at step t, so ``obs[t + 1, e]`` starts a new one.
+            ``finished_lengths`` holds those episodes' lengths (agent steps).
         """
         count = self.returns.shape[0]
         obs = np.empty((length + 1, *self.obs.shape), np.uint8)
@@ -124,6 +127,7 @@ class Sampler:
         logp = np.empty((length, count), np.float32)
         versions = np.empty(length, np.int64)
         finished: List[float] = []
+        self.finished_lengths = []
         calls: List[float] = []
         for t in range(length):
             obs[t] = self.obs
@@ -139,9 +143,12 @@ class Sampler:
             ended = np.logical_or(terminated, truncated)
             done[t] = ended
             self.returns += reward
+            self.lengths += 1
             for e in np.flatnonzero(ended):
                 finished.append(float(self.returns[e]))
+                self.finished_lengths.append(int(self.lengths[e]))
                 self.returns[e] = 0.0
+                self.lengths[e] = 0
         obs[length] = self.obs
         trajectory = {"obs": torch.from_numpy(obs), "actions": torch.from_numpy(actions),
                       "rewards": torch.from_numpy(rewards), "done": torch.from_numpy(done),
@@ -191,7 +198,8 @@ def act(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Name
                                          timeout=args.rpc_timeout)
         p95 = float(np.percentile(calls, 95)) * 1e3
         reporting = group.registered_async(f"{GROUP}/report", args=(world.name, finished, steps,
-                                                                    int(trajectory["versions"][-1]), p95),
+                                                                    int(trajectory["versions"][-1]), p95,
+                                                                    sampler.finished_lengths),
                                            timeout=args.rpc_timeout)
         steps = 0
     if reporting is not None:
@@ -337,6 +345,7 @@ def main() -> None:
             **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
                if args.chaos is not None else {}),
             "learning curve": args.out + (f", {png}" if png else ""),
+            **_util.metrics_summary(args, title, x="agent steps"),
         })
 
 

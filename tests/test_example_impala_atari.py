@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ale_py", reason="the Atari example needs ale-py (the test extra installs it)")
 
-from example_chaos import trains_through_chaos  # noqa: E402
+from example_chaos import COMMON_TAGS, read_scalars, trains_through_chaos  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -75,12 +75,33 @@ def _progress_frames(line):
 
 
 def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
-    # Small batches so that a loaded CI machine still makes several updates in the budget.
+    # Small batches so that a loaded CI machine still makes several updates in the budget;
+    # Breakout, whose random-play games end within ~200 agent steps (Pong's take ~900), so
+    # that episodes finish and their figures reach the metrics.
     lines = trains_through_chaos(
-        "impala_atari.py", ["--time-budget", "30", "--chaos", "10", "--print-every", "1", "--envs-per-worker", "2",
-                            "--unroll", "8", "--learner-threads", "1", "--out", str(tmp_path / "curve.csv"),
-                            "--device", "cpu"],
+        "impala_atari.py", ["--env", "breakout", "--time-budget", "30", "--chaos", "10", "--print-every", "1",
+                            "--envs-per-worker", "2", "--unroll", "8", "--learner-threads", "1",
+                            "--metrics-every", "0.5", "--out", str(tmp_path / "curve.csv"), "--device", "cpu"],
         "[learner]", _progress_frames)
     updates = int(next(x for x in lines if x.strip().startswith("learner updates")).split()[-1])
     assert updates > 1, "\n".join(lines)
     assert os.path.exists(tmp_path / "curve.csv")
+    # runs/<name>/ beside the curve: TensorBoard's event files, read with its own reader.
+    scalars = read_scalars(str(tmp_path / "curve"))
+    missing = [t for t in COMMON_TAGS + ["env/frames_per_s", "learner/loss_policy", "learner/loss_value",
+                                         "learner/entropy", "learner/grad_norm", "learner/policy_lag",
+                                         "inference/batch", "inference/call_p95_ms", "rss_mb/1",
+                                         "server/model/version"] if t not in scalars]
+    assert not missing, sorted(scalars)
+    last = {tag: points[-1][1] for tag, points in scalars.items()}
+    assert last["learner/updates"] == updates and last["server/model/version"] == updates + 1
+    steps_per_s = [v for _, v in scalars["env/steps_per_s"]]
+    assert max(steps_per_s) > 0
+    assert [4 * v for _, v in scalars["env/steps_per_s"]] == pytest.approx([v for _, v in scalars["env/frames_per_s"]])
+    assert last["world/deaths"] >= 1 and last["world/rejoins"] >= 1  # the chaos kills
+    assert all(v in (2.0, 3.0) for _, v in scalars["world/members_alive"])
+    assert 0 <= last["episode/return_mean100"] < 100 and 20 < last["episode/length_mean100"] < 5000
+    assert 0 < last["learner/entropy"] <= 1.39 and last["learner/grad_norm"] > 0  # ln 4: Breakout's 4 actions
+    assert last["inference/batch"] == 2 and last["inference/call_p95_ms"] > 0 and last["learner/policy_lag"] >= 0
+    assert 50 < last["rss_mb/0"] < 4000
+    assert (tmp_path / "curve" / "metrics.png").exists()
