@@ -88,10 +88,15 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
     assert os.path.exists(tmp_path / "curve.csv")
     # runs/<name>/ beside the curve: TensorBoard's event files, read with its own reader.
     scalars = read_scalars(str(tmp_path / "curve"))
+    # A loaded machine may end no game within the budget (the chaos kill restarts an
+    # actor's games): the episode figures are checked when a game ended.
+    ended = scalars.get("episode/episodes", [(0, 0.0)])[-1][1] > 0
+    episode_tags = ["episode/return_mean100", "episode/length_mean100"]
     missing = [t for t in COMMON_TAGS + ["env/frames_per_s", "learner/loss_policy", "learner/loss_value",
                                          "learner/entropy", "learner/grad_norm", "learner/policy_lag",
                                          "inference/batch", "inference/call_p95_ms", "rss_mb/1",
-                                         "server/model/version"] if t not in scalars]
+                                         "server/model/version"]
+               if t not in scalars and (ended or t not in episode_tags)]
     assert not missing, sorted(scalars)
     last = {tag: points[-1][1] for tag, points in scalars.items()}
     assert last["learner/updates"] == updates and last["server/model/version"] == updates + 1
@@ -100,7 +105,8 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
     assert [4 * v for _, v in scalars["env/steps_per_s"]] == pytest.approx([v for _, v in scalars["env/frames_per_s"]])
     assert last["world/deaths"] >= 1 and last["world/rejoins"] >= 1  # the chaos kills
     assert all(v in (2.0, 3.0) for _, v in scalars["world/members_alive"])
-    assert 0 <= last["episode/return_mean100"] < 100 and 20 < last["episode/length_mean100"] < 5000
+    if ended:
+        assert 0 <= last["episode/return_mean100"] < 100 and 20 < last["episode/length_mean100"] < 5000
     assert 0 < last["learner/entropy"] <= 1.39 and last["learner/grad_norm"] > 0  # ln 4: Breakout's 4 actions
     assert last["inference/batch"] == 2 and last["inference/call_p95_ms"] > 0 and last["learner/policy_lag"] >= 0
     assert 50 < last["rss_mb/0"] < 4000

@@ -235,13 +235,18 @@ def start_static(session: Session) -> None:
 
 
 def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: int, mine: int) -> Optional[TimeoutError]:
-    """The error for a process that came to a *running* static world as rank ``rank``
-    (this rank has started more Worlds on the store than every other rank); None otherwise."""
+    """The error for a process that came to a *running* static world as rank ``rank``:
+    every other rank started exactly one World fewer on this store than this one, and
+    that previous World started complete (all its ranks ready); None otherwise (then the
+    others are merely late, or never came)."""
     try:
         others = [info.store.add(Keys.static_counter(restart, r), 0) for r in range(size) if r != rank]
+        if not others or any(n != mine - 1 for n in others):
+            return None
+        previous = Keys.static_world(restart, mine - 1)
+        if not info.store.check([previous.ready_prefix() + str(r) for r in range(size)]):
+            return None
     except (RuntimeError, dist.DistNetworkError):  # the store went away too: the first error stands
-        return None
-    if not others or mine <= max(others):
         return None
     return TimeoutError(
         f"World start-up: rank {rank} of the static world at {info.host}:{info.port} was taken already "
