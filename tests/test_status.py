@@ -4,6 +4,7 @@ read from its store without writing to it."""
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from machinlike._status_view import main as status_main
 from machinlike.distributed._status import ReadOnlyStore, read_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,12 +44,25 @@ class _Recording:
         return getattr(self._store, name)
 
 
+def _rows(text):
+    return {line.split()[0]: line.split() for line in text.splitlines()[3:] if line.strip()}
+
+
 def _status(address):
+    """``python -m machinlike status ADDRESS --once`` in a fresh interpreter."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "machinlike", "status", address, "--once"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return {line.split()[0]: line.split() for line in proc.stdout.splitlines()[3:] if line.strip()}, proc.stdout
+    return _rows(proc.stdout), proc.stdout
+
+
+def _status_here(address):
+    """The same command's ``main`` in this process: the command line and its exit status
+    are proven by ``_status`` already; this spares a second interpreter's torch import."""
+    out = io.StringIO()
+    assert status_main(["status", address, "--once"], out=out) == 0
+    return _rows(out.getvalue()), out.getvalue()
 
 
 def _quiet_key_count(store, quiet=1.0, timeout=20.0):
@@ -100,7 +115,7 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
             if status.deaths:
                 break
             time.sleep(0.2)
-        rows, text = _status(address)
+        rows, text = _status_here(address)
         assert rows["actor"][1] == "lost" and rows["learner"][1] == "alive", text
         assert "1 alive of 2; deaths 1" in text and "obs:svc/actor" not in text and "obs:svc/learner" in text
 
@@ -120,7 +135,7 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
                 proc.wait(10)
 
 
-def test_status_of_an_address_where_nothing_listens_says_so():
+def test_status_of_an_address_where_nothing_listens_says_so(capsys):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -128,6 +143,6 @@ def test_status_of_an_address_where_nothing_listens_says_so():
     proc = subprocess.run([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{port}", "--once",
                            "--timeout", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "no world's store answers at 127.0.0.1:" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", "nowhere", "--once"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "address must be 'host:port'" in proc.stderr
+    # The usage error in this process: the exit status reaching the shell is proven above.
+    assert status_main(["status", "nowhere", "--once"]) == 2
+    assert "address must be 'host:port'" in capsys.readouterr().err
