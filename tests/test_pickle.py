@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import toolkit_targets as targets
-from fresh_import import import_report
 import torch
+from fresh_import import import_report
 
 from machinlike import _byvalue
 from machinlike.pickle import Pickler, dumps, loads, mark_static_module
