@@ -48,18 +48,13 @@ def _rows(text):
     return {line.split()[0]: line.split() for line in text.splitlines()[3:] if line.strip()}
 
 
-def _status(address):
-    """``python -m machinlike status ADDRESS --once`` in a fresh interpreter."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", address, "--once"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return _rows(proc.stdout), proc.stdout
-
-
 def _status_here(address):
-    """The same command's ``main`` in this process: the command line and its exit status
-    are proven by ``_status`` already; this spares a second interpreter's torch import."""
+    """``python -m machinlike status ADDRESS --once``, its ``main`` run in this process.
+
+    A second interpreter would import torch again (seconds) to run the same function; the
+    command line itself and its exit status reaching the shell are proven by
+    ``test_status_of_an_address_where_nothing_listens_says_so``.
+    """
     out = io.StringIO()
     assert status_main(["status", address, "--once"], out=out) == 0
     return _rows(out.getvalue()), out.getvalue()
@@ -101,7 +96,7 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
         for name, proc in procs.items():
             assert proc.stdout.readline().strip() == "ready", name
         keys_before = _quiet_key_count(host)
-        rows, text = _status(address)
+        rows, text = _status_here(address)
         assert host.num_keys() == keys_before, "the status view created keys"
         assert {n: rows[n][1] for n in procs} == {n: "alive" for n in procs}, text
         assert rows["actor"][5] == str(procs["actor"].pid) and "obs:svc/actor" in text
