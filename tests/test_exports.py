@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from fresh_import import import_report
 
 import machinlike
 
@@ -82,24 +80,11 @@ def test_import_has_no_side_effects():
     # A fresh interpreter: importing every module must not start threads or processes,
     # pick a multiprocessing start method, initialise torch.distributed, or change the
     # process-wide pickling tables (torch is imported first: its own registrations are its),
-    # or import Ray.
-    probe = textwrap.dedent(
-        f"""
-        import copyreg, multiprocessing, threading
-        import torch, torch.distributed as dist
-        before = dict(copyreg.dispatch_table)
-        import importlib
-        for path in {MODULES!r}:
-            importlib.import_module(path)
-        assert threading.active_count() == 1, threading.enumerate()
-        assert multiprocessing.active_children() == []
-        assert multiprocessing.get_start_method(allow_none=True) is None
-        assert not dist.is_initialized()
-        assert dict(copyreg.dispatch_table) == before, set(copyreg.dispatch_table) ^ set(before)
-        import sys
-        assert "ray" not in sys.modules  # optional and slow to import: only launch_ray imports it
-        print("clean")
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "clean", done.stdout + done.stderr
+    # or import Ray (optional and slow to import: only launch_ray imports it).
+    report = import_report()  # one probe interpreter, shared with tests/test_pickle.py
+    assert len(report["threads"]) == 1, report["threads"]
+    assert report["children"] == []
+    assert report["start_method"] is None
+    assert not report["dist_initialized"]
+    assert report["copyreg_changed"] == []
+    assert not report["ray_imported"]

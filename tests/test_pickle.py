@@ -6,16 +6,14 @@ import copyreg
 import gc
 import importlib
 import io
-import json
 import pathlib
 import pickle
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import toolkit_targets as targets
 import torch
+from fresh_import import import_report
 
 from machinlike import _byvalue
 from machinlike.pickle import Pickler, dumps, loads, mark_static_module
@@ -364,33 +362,11 @@ def test_argument_validation():
 
 
 def test_import_changes_no_process_wide_setting():
-    script = textwrap.dedent(
-        """
-        import copyreg, json, pickle, multiprocessing
-        import dill, torch, torch.multiprocessing as tmp
-        from multiprocessing.reduction import ForkingPickler
-
-        def snapshot():
-            return {
-                "strategy": tmp.get_sharing_strategy(),
-                "copyreg": sorted(map(repr, copyreg.dispatch_table.items())),
-                "forking": sorted(map(repr, ForkingPickler._extra_reducers.items())),
-                "dill": repr(sorted(dill.settings.items())),
-                "py_dispatch": sorted(map(repr, pickle._Pickler.dispatch.items())),
-                "start_method": multiprocessing.get_start_method(allow_none=True),
-            }
-
-        before = snapshot()
-        import machinlike.pickle, machinlike.queue, machinlike.process, machinlike.thread, machinlike.event
-        after = snapshot()
-        print(json.dumps([k for k in before if before[k] != after[k]]))
-        """
-    )
-    root = pathlib.Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=root)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    # A fresh interpreter with torch, dill and torch.multiprocessing imported: importing
+    # machinlike's pickling, queue, process, thread and event modules changes none of the
+    # sharing strategy, copyreg, ForkingPickler's reducers, dill's settings, pickle's
+    # dispatch table or the start method.
+    assert import_report()["pickle_settings_changed"] == []  # one probe, shared with test_exports
 
 
 def test_local_module_subclass_round_trip():
