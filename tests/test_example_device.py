@@ -5,10 +5,10 @@ fix, before any rank starts."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -57,21 +57,52 @@ def test_parser_takes_device_and_defaults_to_cpu(util):
     assert parser.parse_args(["--device", "auto"]).device == ("cuda:0" if torch.cuda.device_count() else "cpu")
 
 
+# One interpreter runs every script's main (runpy) in turn: each refuses at argument
+# parsing, so a fresh interpreter per script would only pay torch's import five times.
+_DRIVER = """
+import contextlib, io, json, os, runpy, sys, time
+report = {}
+where = sys.argv[1]
+for script in list(sys.argv[2:]):
+    out, err = io.StringIO(), io.StringIO()
+    curve = os.path.join(where, script + ".csv")
+    argv = [script, "--device", "cuda:7", "--out", curve, "--time-budget", "60"]
+    saved, sys.argv = sys.argv, argv
+    start = time.monotonic()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(os.path.join(os.environ["EXAMPLES"], script), run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    sys.argv = saved
+    report[script] = dict(code=code, out=out.getvalue(), err=err.getvalue(), took=time.monotonic() - start,
+                          curve=os.path.exists(curve))
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    scripts = [s for s in TRAINING if s != "impala_atari.py" or importlib.util.find_spec("ale_py") is not None]
+    where = tmp_path_factory.mktemp("device")
+    env = dict(os.environ, EXAMPLES=EXAMPLES,
+               PYTHONPATH=os.pathsep.join(filter(None, [EXAMPLES, ROOT, os.environ.get("PYTHONPATH")])))
+    done = subprocess.run([sys.executable, "-c", _DRIVER, str(where), *scripts], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
 @pytest.mark.parametrize("script", TRAINING)
-def test_missing_device_fails_before_any_rank_starts(script, tmp_path):
-    if script == "impala_atari.py" and importlib.util.find_spec("ale_py") is None:
+def test_missing_device_fails_before_any_rank_starts(script, refusals):
+    if script not in refusals:
         pytest.skip("the Atari example needs ale-py (the test extra installs it)")
-    out = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--device", "cuda:7", "--out", str(out),
-                           "--time-budget", "60"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    took = time.monotonic() - start
-    assert done.returncode == 2, done.stdout + done.stderr
+    done = refusals[script]
+    assert done["code"] == 2, done
     # argparse names the flag; the message names the value and the fix.
-    assert "argument --device: 'cuda:7'" in done.stderr and "--device cpu" in done.stderr, done.stderr
+    assert "argument --device: 'cuda:7'" in done["err"] and "--device cpu" in done["err"], done["err"]
     # Nothing started: no rank printed, no curve was written, no launch timeout was waited.
-    assert done.stdout == "" and not out.exists(), done.stdout
-    assert took < 60, f"{script} took {took:.1f} s to refuse --device cuda:7"
+    assert done["out"] == "" and not done["curve"], done["out"]
+    assert done["took"] < 60, f"{script} took {done['took']:.1f} s to refuse --device cuda:7"
