@@ -121,8 +121,8 @@ def _progress_steps(line):
 
 
 def test_trains_through_an_actor_killed_by_chaos(tmp_path):
-    # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
-    trains_through_chaos("impala.py", ["--time-budget", "12", "--target", "0", "--chaos", "3", "--print-every", "0.5",
+    # --chaos: an elastic world; every 2 s the launcher SIGKILLs an actor and restarts it.
+    trains_through_chaos("impala.py", ["--time-budget", "7", "--target", "0", "--chaos", "2", "--print-every", "0.5",
                                        "--envs-per-actor", "4", "--out", str(tmp_path / "curve.csv"),
                                        "--metrics-every", "0.3"],
                          "[learner 0]", _progress_steps)

@@ -48,9 +48,10 @@ def test_param_server_help():
 
 def test_param_server_trains_through_a_trainer_killed_by_chaos(tmp_path):
     # --chaos: an elastic world; every second the launcher SIGKILLs a trainer and restarts
-    # it (every 2 s, a fast run could reach its 25 epochs before the first kill).
+    # it (every 2 s, a fast run could reach its epochs before the first kill). 12 epochs: a
+    # kill, rejoins and training after them, without a long run slowed by a restart a second.
     out = tmp_path / "ps.csv"
-    done = run_example("param_server.py", "--num-workers", 2, "--epochs", 25, "--time-budget", 25, "--chaos", 1,
+    done = run_example("param_server.py", "--num-workers", 2, "--epochs", 12, "--time-budget", 25, "--chaos", 1,
                        "--out", out, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -59,7 +60,7 @@ def test_param_server_trains_through_a_trainer_killed_by_chaos(tmp_path):
     assert any(x.startswith("[") and "pushes applied" in x for x in lines[lost + 1:]), done.stdout
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))
-    assert float(rows[-1]["epochs"]) >= 25
+    assert float(rows[-1]["epochs"]) >= 12
     chaos = next(x for x in lines if x.strip().startswith("chaos") and "trainers lost" in x)
     assert " 0 trainers lost" not in chaos
     deaths = read_scalars(str(tmp_path / "ps"))["world/deaths"]
