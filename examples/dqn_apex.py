@@ -615,9 +615,7 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
     if world.rank == 0:
         result["train_time"] = time.monotonic() - start
         result.pop("impl").close()
-        png = result.pop("curve").plot("env_steps", ["return", "mean_return_all", "mean_return"],
-                                       f"Ape-X DQN on {ENV}: episode returns (mean_return: low-epsilon actors)")
-        result["png"] = png
+        result.pop("curve")  # drawn by the launching process once the ranks are done (see _util.plot_csv)
     group.destroy()
     result["cpu"] = cpu_seconds()
     return result
@@ -660,9 +658,9 @@ def main() -> None:
     results = [r for r in _util.run(worker, 1 + args.num_workers, args, chaos_ok=True) if r]
     for result in results:
         if result.get("name") == "0":
-            if args.chaos is not None:  # the ranks are done: plot here (see _util.plot_csv)
-                result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return_all", "mean_return"],
-                                               f"Ape-X DQN on {ENV}: episode returns (mean_return: low-epsilon actors)")
+            # The ranks are done: plot here (see _util.plot_csv).
+            result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return_all", "mean_return"],
+                                           f"Ape-X DQN on {ENV}: episode returns (mean_return: low-epsilon actors)")
             # Launched here: every rank's time plus this parent's. Under torchrun: this rank's.
             # (With --chaos: the ranks that returned; a killed actor's time is not reported.)
             cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)

@@ -381,8 +381,7 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
     if world.rank == 0:
         result["train_time"] = time.monotonic() - start
         result.pop("impl").close()
-        png = result.pop("curve").plot("env_steps", ["return", "mean_return"], f"IMPALA on {ENV}: episode returns")
-        result["png"] = png
+        result.pop("curve")  # drawn by the launching process once the ranks are done (see _util.plot_csv)
     group.destroy()
     result["cpu"] = cpu_seconds()
     if collective is not None:
@@ -423,9 +422,9 @@ def main() -> None:
     results = [r for r in _util.run(worker, args.learners + args.num_workers, args, chaos_ok=True) if r]
     for result in results:
         if result.get("name") == "0":
-            if args.chaos is not None:  # the ranks are done: plot here (see _util.plot_csv)
-                result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return"],
-                                               f"IMPALA on {ENV}: episode returns")
+            # The ranks are done: plot here (see _util.plot_csv).
+            result["png"] = _util.plot_csv(args.out, "env_steps", ["return", "mean_return"],
+                                           f"IMPALA on {ENV}: episode returns")
             # Launched here: every rank's time plus this parent's. Under torchrun: this rank's.
             # (With --chaos: the ranks that returned; a killed actor's time is not reported.)
             cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)

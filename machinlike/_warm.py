@@ -90,10 +90,17 @@ class _WarmForkServer(_forkserver.ForkServer):
                 # Every client keeps the write end; EOF on the read end stops the server.
                 alive_r, alive_w = os.pipe()
                 try:
+                    # The server leaves with os._exit once its last client is gone (the
+                    # stdlib main raises SystemExit then): finalising an interpreter that
+                    # imported torch._dynamo takes seconds, and the server holds the
+                    # caller's stdout, so a caller reading it to EOF would wait them out.
                     command = (
-                        f"import sys; sys.path[:] = {sys.path!r}; "
-                        f"from multiprocessing.forkserver import main; "
-                        f"main({listener.fileno()}, {alive_r}, {self._preload_modules!r})"
+                        f"import os, sys; sys.path[:] = {sys.path!r}\n"
+                        f"from multiprocessing.forkserver import main\n"
+                        f"try:\n"
+                        f"    main({listener.fileno()}, {alive_r}, {self._preload_modules!r})\n"
+                        f"except SystemExit:\n"
+                        f"    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
                     )
                     exe = _spawn.get_executable()
                     argv = [exe, *_util._args_from_interpreter_flags(), "-c", command]  # type: ignore[attr-defined]

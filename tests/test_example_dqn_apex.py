@@ -131,9 +131,9 @@ def _progress_updates(line):
 
 
 def test_trains_through_an_actor_killed_by_chaos(tmp_path):
-    # --chaos: an elastic world; every 3 s the launcher SIGKILLs an actor and restarts it.
+    # --chaos: an elastic world; every 2 s the launcher SIGKILLs an actor and restarts it.
     # The learner keeps updating past the kill, sampling the surviving shards.
-    trains_through_chaos("dqn_apex.py", ["--time-budget", "15", "--warmup", "200", "--target", "0",
-                                         "--num-workers", "2", "--chaos", "3", "--print-every", "0.5",
+    trains_through_chaos("dqn_apex.py", ["--time-budget", "8", "--warmup", "200", "--target", "0",
+                                         "--num-workers", "2", "--chaos", "2", "--print-every", "0.5",
                                          "--out", str(tmp_path / "curve.csv")],
                          "[learner]", _progress_updates)
