@@ -25,9 +25,9 @@ def _limit_open_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
-# Recycling is opt-in while a recycled agent can still miss a joiner's address under
-# churn (see the elastic tutorial); this soak then overstays now and then, so it runs
-# only where asked (MACHINLIKE_SOAK=1), beside benchmarks/soak.py.
+# Recycling is opt-in while the servers' kill test still fails with every member
+# recycling (see the elastic tutorial, "What a dead peer costs"); this soak then overstays
+# now and then, so it runs only where asked (MACHINLIKE_SOAK=1), beside benchmarks/soak.py.
 @pytest.mark.skipif(os.environ.get("MACHINLIKE_SOAK") != "1", reason="set MACHINLIKE_SOAK=1 to run the soak")
 def test_learner_stays_flat_while_actors_die_under_ulimit_1024():
     # Its own session, so that a run that overstays takes its actors and forkserver along.
