@@ -209,8 +209,8 @@ def introduce(worker: str) -> None:
     this it fails with "could not find destination url" for every later joiner. Its worker
     tables only grow, as a listed agent's do (see the module's "why").
     """
-    if not rrefs_bound_elsewhere():
-        return  # the first agent is current, so listed: the joiner tells it itself
+    if not rrefs_bound_elsewhere() or not _first:
+        return  # the first agent is current, so listed (the joiner tells it), or static
     first = _first[0]
     base, _, tid = worker.rpartition("_")
     if not base or not tid.isdigit():
