@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     s.add_argument("--beat-window", type=float, default=0.6,
                    help="with --once: seconds between the two reads that tell a beating member from a "
-                        "silent one (default 0.6; a member beats every liveness/8 s)")
+                        "silent one (default 0.6; a member beats every liveness/8 s, at most 0.25 s)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store (default 5)")
     return p
 

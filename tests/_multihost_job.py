@@ -1,6 +1,6 @@
 """One rank of the multi-host tests (``tests/test_multihost.py``), run on a "host".
 
-    ip netns exec <host> python tests/_multihost_job.py round|unreachable
+    ip netns exec <host> python tests/_multihost_job.py round|unreachable|elastic|stall
 
 The World comes from the environment, as a cluster launcher sets it: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a job script, torchrun) or srun's
@@ -123,11 +123,13 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
         if (event.kind, event.member) == ("lost", "victim"):
             victim_lost.set()
 
+    # A short bound: what this scenario measures is how soon a silent host is declared lost.
+    live = dict(dist_timeout=timeout, rpc_timeout=timeout, liveness=2.0)
     if role == "host":
-        world = World("host", rank=0, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
+        world = World("host", rank=0, elastic=True, init_method=address, **live)
         world.on_member_change(record)
     else:
-        world = World(role, elastic=True, init_method=address, dist_timeout=timeout, rpc_timeout=timeout)
+        world = World(role, elastic=True, init_method=address, **live)
     group = world.create_rpc_group("open")
     group.register(f"where/{role}", where)
     if role == "victim":
@@ -182,12 +184,51 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     return out
 
 
+def stall_role(role: str, timeout: float) -> Dict[str, Any]:
+    """Stall scenario: "host" hosts the store; "sleeper" joins and is then SIGSTOPped by the
+    test for longer than the lease, so the host declares it lost though it lives. Resumed,
+    the sleeper must learn that it was declared lost from its own calls."""
+    address = f"tcp://{os.environ['MLK_MASTER']}:{os.environ['MLK_PORT']}"
+    done = os.environ["MLK_DONE_FILE"]
+    world = World(role, rank=0 if role == "host" else None, elastic=True, init_method=address,
+                  dist_timeout=timeout, rpc_timeout=timeout, liveness=1.0)
+    group = world.create_rpc_group("open")
+    group.register(f"where/{role}", where)
+    out: Dict[str, Any] = {"role": role}
+    if role == "host":
+        world.wait_for_members(["sleeper"], timeout=timeout)
+        print("JOINED", flush=True)
+        world.wait_for_members(["sleeper"], timeout=timeout, gone=True)  # stopped, not dead
+        print("LOST", flush=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(done) and time.monotonic() < deadline:  # the sleeper's report
+            time.sleep(0.1)
+        out["sleeper_reported"] = os.path.exists(done)
+        world.stop(timeout)
+        return out
+    group.registered_sync("where/host", timeout=timeout)
+    print("READY", flush=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:  # stopped somewhere in here, then resumed
+            group.registered_sync("where/host", timeout=5)
+            time.sleep(0.05)
+        out["outcome"] = "no error"
+    except Exception as err:
+        out["outcome"] = f"{type(err).__name__}: {err}"
+    with open(done, "w") as stream:
+        stream.write("done\n")
+    world.stop(timeout)
+    return out
+
+
 def main() -> None:
     scenario = sys.argv[1]
-    if scenario == "elastic":
+    if scenario in ("elastic", "stall"):
+        role_of = elastic_role if scenario == "elastic" else stall_role
         start = time.monotonic()
         try:
-            result = {"ok": True, **elastic_role(os.environ["MLK_ROLE"], float(os.environ["MLK_TEST_TIMEOUT"]))}
+            result = {"ok": True, **role_of(os.environ["MLK_ROLE"], float(os.environ["MLK_TEST_TIMEOUT"]))}
         except Exception as exc:
             result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
         result["elapsed"] = time.monotonic() - start

@@ -246,6 +246,11 @@ def test_launch_checks_restart_arguments():
 
 def _chaos_body(world):
     if world.name != "boss":
+        # A worker may start before the boss joined (then "boss gone" would hold at once and
+        # chaos would find no victim) or be restarted after the boss left (then it never
+        # sees the boss live): wait for one or the other, then for the boss to be gone.
+        roster = world.membership.roster
+        roster.wait_until(lambda live: "boss" in live or roster.gone("boss") is not None, 60)
         world.wait_for_members(["boss"], timeout=60, gone=True)
         return world.incarnation
     lost = []

@@ -239,7 +239,7 @@ def test_world_spans_hosts(lan):
     # and 1 set nothing, so the route to the master decides (the master's own route too).
     reports = lan.run_ranks("round", timeout=30, extra_env={2: {_netif.ENV_VAR: lan.addresses[2]}})
     for rank, report in enumerate(reports):
-        assert report["ok"], f"rank {rank}: {report}"
+        assert report["ok"], f"rank {rank}: {report}\n" + lan.logs([f"round-rank{r}" for r in range(3)])
         assert report["interface"] == "eth0", report
         assert report["where"] == lan.addresses  # each member's service ran on its own host
         assert report["add"] == [float(rank + i) for i in range(3)]
@@ -288,6 +288,39 @@ def test_elastic_members_join_leave_and_are_lost_across_hosts(lan):
     events = [e for e in host["events"] if e[1] != "host"]
     assert sorted(events[:2]) == [["join", "remote"], ["join", "victim"]], events
     assert events[2:] == [["leave", "remote"], ["lost", "victim"]], events
+
+
+def _wait_for_line(lan: Lan, label: str, line: str, timeout: float, labels: List[str]) -> None:
+    path = lan.workdir / f"{label}.out"
+    deadline = time.monotonic() + timeout
+    while line not in path.read_text().splitlines():
+        assert time.monotonic() < deadline, f"{label} never printed {line!r}\n" + lan.logs(labels)
+        time.sleep(0.05)
+
+
+@pytest.mark.netns
+def test_a_member_declared_lost_while_it_lives_is_told_on_its_calls(lan):
+    # A live member silent for longer than the lease (here SIGSTOPped: what a long GIL hold
+    # or a starved CPU looks like from outside) is declared lost by the others, who free its
+    # keys. When it runs again, its calls must say so, not fail later on freed keys.
+    port = lan.free_port(0)
+    env = dict(MLK_MASTER=lan.addresses[0], MLK_PORT=str(port), MLK_TEST_TIMEOUT="30",
+               MLK_DONE_FILE=str(lan.workdir / "sleeper-done"))
+    roles = ["host", "sleeper"]
+    procs = [lan.start(i, [sys.executable, str(JOB), "stall"], dict(env, MLK_ROLE=role), role)
+             for i, role in enumerate(roles)]
+    _wait_for_line(lan, "sleeper", "READY", 60, roles)
+    procs[1].send_signal(signal.SIGSTOP)
+    try:
+        _wait_for_line(lan, "host", "LOST", 20, roles)  # liveness 1 s: declared after 0.75 s of silence
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+    outputs = lan.wait(procs, roles, 60)
+    host, sleeper = [json.loads([l for l in out.splitlines() if l.startswith("RESULT ")][-1][7:]) for out in outputs]
+    assert host["ok"] and host["sleeper_reported"], lan.logs(roles)
+    assert sleeper["ok"], lan.logs(roles)
+    assert sleeper["outcome"].startswith("PeerLostError"), sleeper
+    assert "declared lost by the others" in sleeper["outcome"] and "liveness" in sleeper["outcome"], sleeper
 
 
 @pytest.mark.netns

@@ -317,6 +317,8 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     Raises:
         PeerLostError, TimeoutError: the worker is gone / did not answer (its member named).
     """
+    if roster.cut_off is not None:
+        raise roster.cut_off
     if roster.transport_gone(worker):
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
     deadline = time.monotonic() + timeout

@@ -31,7 +31,7 @@ from . import _transport
 from ._calls import LocalTables
 from ._keys import Keys, MemberRecord
 from ._listener import ListenerWatch
-from ._liveness import alive_here, process_identity
+from ._liveness import alive_here, process_identity, tick_of
 from ._pipes import PipeLedger
 from ._registry import Registry, deadline_left
 
@@ -167,7 +167,7 @@ class Endpoint:
                 log.warning("machinlike: member %r: RPC join attempt failed (%s); retrying", self.name, err)
                 # A pause, not a synchronisation: what failed (a silent peer renewing its
                 # agent, one dying) takes a monitor tick to change.
-                self._closing.wait(max(0.02, (self._liveness or 2.0) / 8))
+                self._closing.wait(tick_of(self._liveness))
             self._rename()
 
     @property

@@ -12,7 +12,22 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-__all__ = ["process_identity", "alive_here", "is_here"]
+__all__ = ["process_identity", "alive_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
+
+#: The World's default ``liveness`` (seconds): a silent member on another host is declared
+#: lost after 3/4 of it. Shorter bounds declare busy members lost: a process that imports
+#: ``torch._dynamo`` (the first optimizer) or collects a large heap can be silent for
+#: seconds on a loaded machine, and a false loss frees the keys of a live member.
+DEFAULT_LIVENESS = 10.0
+
+#: Seconds between the monitor's ticks at most: a dead process on this host is seen
+#: within a tick whatever the liveness bound.
+MAX_TICK = 0.25
+
+
+def tick_of(liveness: Optional[float]) -> float:
+    """The monitor's tick for a liveness bound (seconds; None: the default bound)."""
+    return max(0.02, min(MAX_TICK, (liveness or DEFAULT_LIVENESS) / 8))
 
 
 def _read(path: str) -> str:

@@ -165,7 +165,7 @@ class Membership:
         """Leave the world on purpose: free this member's keys, tell the others."""
         self._closing.set()
         self.monitor.join(max(0.0, min(deadline_left(deadline), 5.0)))
-        if self.roster.store_lost is not None:
+        if self.roster.cut_off is not None:
             return
         try:
             self.monitor.free(self.endpoint.me, deadline)

@@ -4,9 +4,10 @@ Owns the one thread of membership, what it last saw of each member's heartbeat, 
 losses another member began to clean up. Each tick it beats, catches up with the log,
 checks this member's RPC listener, and declares the suspects lost.
 
-    each tick (liveness / 8)                          the world's store
+    each tick (liveness / 8, at most 0.25 s)          the world's store
       heartbeat, read the others'                     m/hb/<name>   heartbeat counter
       EventLog.catch_up (Roster, Waits, callbacks)    m/log, m/evn
+      declared lost itself? cut off: calls fail, stop
       listener closed? renew (Endpoint, Claims),
         post "move"
       suspect: process gone (same host, /proc) or
@@ -14,7 +15,7 @@ checks this member's RPC listener, and declares the suspects lost.
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
       free its keys (Claims.free), prune its worker,  m/own/<worker>
       clear m/live, set m/gone, post "lost"           m/gone/<name>/<inc>, m/lostpost/...
-      (a declarer that dies mid-way is taken over after a few leases; m/lostpost keeps it
+      (a declarer that dies mid-way is taken over after 24 ticks; m/lostpost keeps it
       to one "lost" event per incarnation)
 
 Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
@@ -34,7 +35,7 @@ from ._claims import Claims
 from ._endpoint import Endpoint
 from ._event_log import EventLog
 from ._keys import Keys, MemberRecord
-from ._liveness import alive_here
+from ._liveness import DEFAULT_LIVENESS, alive_here, tick_of
 from ._registry import Registry, deadline_left
 from ._roster import Roster
 
@@ -76,11 +77,11 @@ class Monitor:
         self._declaring: Dict[Tuple[str, int], float] = {}
 
     def _tick(self) -> float:
-        return max(0.02, (self._liveness or 2.0) / 8)
+        return tick_of(self._liveness)
 
     def lease(self) -> float:
         """Seconds a heartbeat may stall before its member is suspected."""
-        return 0.75 * (self._liveness or 2.0)
+        return 0.75 * (self._liveness or DEFAULT_LIVENESS)
 
     # ------------------------------------------------------------------- thread
     def start(self) -> None:
@@ -105,6 +106,8 @@ class Monitor:
             try:
                 self._registry.add(beat_key, 1)
                 self._events.catch_up()
+                if self._declared_lost():
+                    return
                 if self._endpoint.listener_closed():
                     self._renew()
                 elif self._endpoint.pipes.due():
@@ -112,16 +115,31 @@ class Monitor:
                 # A retired agent goes once idle and every member has seen the move (they
                 # catch up every tick), or once any call on it would have timed out.
                 now = time.monotonic()
-                if _transport.reap_retired(now - 2 * (self._liveness or 2.0), now - self._endpoint.rpc_timeout - 2 * tick):
+                if _transport.reap_retired(now - 16 * tick, now - self._endpoint.rpc_timeout - 2 * tick):
                     log.info("machinlike: member %r shut down a retired RPC agent", self._endpoint.name)
                 for rec in self._suspects():
                     self.declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
-                self._roster.mark_store_lost(err)
+                self._roster.mark_cut_off(err)
                 log.error("machinlike: %s; every call of this member now fails", err)
                 return
             except Exception:  # never let the monitor die silently
                 log.exception("machinlike liveness monitor of %r", self._endpoint.name)
+
+    def _declared_lost(self) -> bool:
+        """Whether the others declared *this* member lost (it was silent for a lease: a
+        process stopped, starved of CPU, or holding the GIL that long); then every call of
+        this member fails from now on, saying so, instead of meeting freed keys one by one."""
+        if self._roster.gone(self._endpoint.name) != "lost":
+            return False
+        err = PeerLostError(self._endpoint.name, (
+            f"this member was declared lost by the others: its heartbeat stopped for more than "
+            f"{self.lease():.3g} s (its process was stopped, starved of CPU or held the GIL that long), so "
+            f"its keys were freed and its peers went on without it; give World(liveness=...) a bound longer "
+            f"than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
+        self._roster.mark_cut_off(err)
+        log.error("machinlike: %s", err)
+        return True
 
     def _suspects(self) -> List[MemberRecord]:
         others = self._roster.others(self._endpoint.name)
@@ -188,7 +206,7 @@ class Monitor:
                 # The monitor never blocks on another's clean-up; it takes over only when
                 # the declarer has not finished within a few ticks (it may have died too).
                 first = self._declaring.setdefault((rec.member, rec.incarnation), time.monotonic())
-                if time.monotonic() - first < 4 * self.lease():
+                if time.monotonic() - first < 24 * self._tick():
                     return
             log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
                         "member began", rec.member, rec.incarnation)

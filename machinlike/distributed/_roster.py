@@ -48,7 +48,8 @@ class Roster:
         self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
         self._callbacks: List[Callable[[MemberEvent], None]] = []
         self._static_order: List[str] = []
-        self._store_lost: Optional[PeerLostError] = None
+        # Set once, for good: the store was lost, or the others declared this member lost.
+        self._cut_off: Optional[PeerLostError] = None
 
     # ------------------------------------------------------------------ changes
     def seed_static(self, records: Sequence[MemberRecord]) -> None:
@@ -119,15 +120,16 @@ class Roster:
             except Exception:  # a user callback must not stop the monitor
                 log.exception("membership callback %r failed on %s", callback, event)
 
-    def mark_store_lost(self, err: PeerLostError) -> None:
-        """The world's store is gone: every later look-up of a member raises ``err``."""
-        self._store_lost = err
+    def mark_cut_off(self, err: PeerLostError) -> None:
+        """This member is cut off from the world (its store is gone, or the others declared it
+        lost): every later look-up of a member, and every call, raises ``err``."""
+        self._cut_off = err
         with self._lock:
             self._changed.notify_all()
 
     @property
-    def store_lost(self) -> Optional[PeerLostError]:
-        return self._store_lost
+    def cut_off(self) -> Optional[PeerLostError]:
+        return self._cut_off
 
     # ------------------------------------------------------------------ queries
     def members(self) -> List[str]:
@@ -179,8 +181,8 @@ class Roster:
         with self._lock:
             rec = self._live.get(member)
             gone = self._gone.get(member)
-        if self._store_lost is not None:
-            raise self._store_lost
+        if self._cut_off is not None:
+            raise self._cut_off
         if rec is None:
             raise PeerLostError(member, f"it {gone} the world" if gone == "left" else
                                 "it was lost (its process died or went silent)" if gone else
@@ -224,7 +226,7 @@ class Roster:
         deadline = time.monotonic() + timeout
         with self._changed:
             member = self._by_transport.get(worker)
-            while member is not None and self._store_lost is None:
+            while member is not None and self._cut_off is None:
                 rec = self._live.get(member)
                 if rec is None:
                     return None  # gone: the caller names it

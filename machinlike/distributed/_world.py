@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .. import _checks
 from . import _rendezvous, _state
 from ._collective import CollectiveGroup
+from ._liveness import DEFAULT_LIVENESS
 from ._membership import MemberEvent, Membership
 from ._group_directory import GroupDirectory
 from ._group_create import create_group, find_group, open_group
@@ -71,9 +72,12 @@ class World:
             ``GLOO_SOCKET_IFNAME`` each when set, else the interface this host reaches the
             master through (``lo`` for a loopback master). The chosen one is ``interface``.
         elastic: Join a world whose members come and go (see the module doc); static when False.
-        liveness: Seconds within which a member that died without a word is detected
-            (heartbeats through the store, and ``/proc`` for members on this host). None
-            turns detection off. Default 2.
+        liveness: Seconds within which a member on another host that died without a
+            word is detected (its heartbeats in the store stop for 3/4 of it); a member
+            on this host is seen dead through ``/proc`` within a tick (``liveness / 8``,
+            at most 0.25 s). A live member silent for longer (stopped, starved of CPU,
+            holding the GIL) is declared lost too, and then told so on its every call.
+            None turns detection off. Default 10.
         init_dist: machin's name for ``collective`` (wins over it when given).
         dist_backend: machin's name for ``backend`` (wins over it when given).
         dist_init_method: machin's name for ``init_method``, used when that is None.
@@ -123,7 +127,7 @@ class World:
         store: Optional[dist.Store] = None,
         interface: Optional[str] = None,
         elastic: bool = False,
-        liveness: Optional[float] = 2.0,
+        liveness: Optional[float] = DEFAULT_LIVENESS,
         init_dist: Optional[bool] = None,
         dist_backend: Optional[str] = None,
         dist_init_method: Optional[str] = None,
