@@ -1,6 +1,6 @@
 """One rank of the multi-host tests (``tests/test_multihost.py``), run on a "host".
 
-    ip netns exec <host> python tests/_multihost_job.py round|unreachable|elastic|stall
+    ip netns exec <host> python tests/_multihost_job.py round|meet|unreachable|elastic|stall
 
 The World comes from the environment, as a cluster launcher sets it: ``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a job script, torchrun) or srun's
@@ -65,7 +65,9 @@ def gradient_round(world: World, group: RpcGroup) -> Dict[str, Any]:
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
 
-def run_round(world: World) -> Dict[str, Any]:
+def run_round(world: World, full: bool = True) -> Dict[str, Any]:
+    """Services, calls, barriers and an all-reduce across the hosts; ``full`` adds a
+    collective group made after start-up and a gradient-server round."""
     rank, size = world.rank, world.world_size
     group = world.create_rpc_group("hosts", world.get_members())
     group.register(f"where/{world.name}", where)
@@ -85,6 +87,10 @@ def run_round(world: World) -> Dict[str, Any]:
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
     out["all_reduce"] = total.item()
+    if not full:
+        group.barrier()
+        group.destroy()
+        return out
     # A group created after start-up is a new gloo context: it must find the same interface.
     pair = world.create_collective_group([1, 2])
     if rank in (1, 2):
@@ -241,8 +247,8 @@ def main() -> None:
         world = World(dist_timeout=timeout, rpc_timeout=timeout)
         # Where the environment put the master (torchrun's variables, or srun's).
         result: Dict[str, Any] = {"ok": True, "master": list(_rendezvous._master_from(None)[:2])}
-        if scenario == "round":
-            result.update(run_round(world))
+        if scenario in ("round", "meet"):
+            result.update(run_round(world, full=scenario == "round"))
     except Exception as exc:  # the test reads the error from the report
         result = {"ok": False, "type": type(exc).__name__, "message": str(exc)}
     result["elapsed"] = time.monotonic() - start
