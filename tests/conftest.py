@@ -1,12 +1,18 @@
-"""Project-wide test fixtures: leak checks after every test."""
+"""Project-wide test fixtures: leak checks after every test; the read-only checks (mypy,
+the Sphinx build) started beside the suite (see ``_background``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
+
+import _background
 
 # Threads machinlike starts are all named with this prefix, so a leak check can tell
 # ours from the interpreter's and torch's own long-lived helpers.
@@ -38,3 +44,17 @@ def no_leaked_workers():
         p.join(5)
     assert not children, f"leaked child processes: {children}"
     assert not ours, f"leaked machinlike threads: {[t.name for t in ours]}"
+
+
+def pytest_collection_finish(session):
+    """Start the read-only checks the selected tests need, beside the suite."""
+    files = {item.nodeid.split("::", 1)[0].rpartition("/")[2] for item in session.items}
+    if "test_types.py" in files and importlib.util.find_spec("mypy") is not None:
+        _background.start("mypy", _background.mypy_argv())
+    if "test_docs.py" in files and importlib.util.find_spec("sphinx") is not None:
+        folder = Path(tempfile.mkdtemp(prefix="mlk-sphinx-"))
+        _background.start("sphinx", _background.sphinx_argv(folder / "html"), folder)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _background.stop_all()

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+import _background
 import machinlike
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +82,14 @@ def _public_modules() -> list:
 def site(tmp_path_factory):
     """The site, built once for this module: (the finished sphinx-build, its output folder)."""
     pytest.importorskip("sphinx", reason="Sphinx is not installed: pip install -e '.[docs]' to build the docs")
-    out = tmp_path_factory.mktemp("docs") / "html"
-    result = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(out)],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150,
-    )
-    return result, out
+    # In a session the build runs beside the suite from the start (conftest, _background).
+    result = _background.outcome("sphinx", 150)
+    folder = _background.folder_of("sphinx")
+    if result is None or folder is None:  # not started beside the suite: build it here
+        out = tmp_path_factory.mktemp("docs") / "html"
+        return subprocess.run(_background.sphinx_argv(out), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=150), out
+    return result, folder / "html"
 
 
 def test_sphinx_build_has_no_warnings(site):
