@@ -46,13 +46,6 @@ IN_PROCESS = ["quickstart", "rpc_services", "elastic_world", "collective_ddp", "
               "pickling_tour", "pool_tour", "placement", "multihost_train", "clusters", "watching"]
 
 
-def _env() -> dict:
-    """The environment of a subprocess: this checkout's machinlike, importable whether
-    it is installed or not."""
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
-
-
 # ----------------------------------------------------------------------------- the build
 def _inventory(path: Path) -> set:
     """Object names of a Sphinx ``objects.inv`` (version 2: four text lines, then zlib)."""
@@ -87,8 +80,8 @@ def site(tmp_path_factory):
     folder = _background.folder_of("sphinx")
     if result is None or folder is None:  # not started beside the suite: build it here
         out = tmp_path_factory.mktemp("docs") / "html"
-        return subprocess.run(_background.sphinx_argv(out), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=150), out
+        return subprocess.run(_background.sphinx_argv(out), cwd=ROOT, env=_background.checkout_env(),
+                              capture_output=True, text=True, timeout=150), out
     return result, folder / "html"
 
 
@@ -163,7 +156,7 @@ def test_tutorial_program_runs(name, monkeypatch):
 def test_testing_tutorial_passes_under_pytest():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CODE / "test_with_worlds.py")],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150,
+        cwd=ROOT, env=_background.checkout_env(), capture_output=True, text=True, timeout=150,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert re.search(r"\b5 passed\b", result.stdout), result.stdout[-2000:]
@@ -175,7 +168,7 @@ def test_multihost_program_runs_as_torchrun_workers():
     # torchrun's agent hosts the store and every worker is its client; so does this test,
     # on a port the kernel picks (no race for a free port).
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
-    env = {**_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+    env = {**_background.checkout_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
            "TORCHELASTIC_USE_AGENT_STORE": "True"}
     env.pop("TORCHELASTIC_RUN_ID", None)
     ranks = [subprocess.Popen([sys.executable, str(CODE / "multihost_train.py")], cwd=ROOT, env={**env, "RANK": str(r)},
