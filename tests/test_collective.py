@@ -242,3 +242,34 @@ def test_all_to_all_of_cuda_tensors_on_gloo(world):
     assert [o.device.type for o in outs] == ["cuda", "cuda"]
     assert [o.tolist() for o in outs] == [[float(s * 10 + r)] * 4 for s in range(2)]
     g.destroy()
+
+
+def test_retired_groups_hold_a_destroyed_group_until_release_and_stay_bounded(monkeypatch):
+    """CollectiveGroup.destroy hands the torch group to RetiredGroups, so that the last
+    reference does not go inside a user's frame (DDP's reducer) while a gloo worker still
+    needs the GIL (the deadlock test_ddp_on_a_collective_group hit about 1 run in 10)."""
+    import gc
+    import weakref
+
+    from machinlike.distributed._collective import CollectiveGroup, RetiredGroups
+
+    class Group:  # stands in for the torch group: only its references matter here
+        pass
+
+    destroyed = []
+    monkeypatch.setattr(dist, "destroy_process_group", destroyed.append)
+    retired = RetiredGroups()
+    first = Group()
+    seen = weakref.ref(first)
+    CollectiveGroup(first, [0, 1], 0, retire=retired.keep).destroy()
+    assert destroyed == [first]
+    del first, destroyed[:]
+    gc.collect()
+    assert seen() is not None and len(retired) == 1  # kept past the caller's last reference
+
+    monkeypatch.setattr(RetiredGroups, "RELEASE_AFTER", -1.0)  # the first one is now long retired
+    retired.keep(Group())
+    gc.collect()
+    assert seen() is None and len(retired) == 1  # bounded: the old one went at the next keep
+    retired.release()
+    assert len(retired) == 0

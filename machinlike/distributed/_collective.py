@@ -9,12 +9,14 @@ outside the group is a clear error instead of torch's silent no-op.
 from __future__ import annotations
 
 import datetime
-from typing import Any, List, Optional, Sequence
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveGroup"]
+__all__ = ["CollectiveGroup", "RetiredGroups"]
 
 ReduceOp = dist.ReduceOp
 
@@ -107,6 +109,49 @@ class _KnownSourceRecv:
         return self._work.is_completed()
 
 
+class RetiredGroups:
+    """Process groups that were destroyed while their World runs, kept until it stops.
+
+    Why: torch (seen on 2.13) can deadlock when the last reference to a gloo process
+    group goes while one of its worker threads still has to destroy a finished work that
+    was launched during a backward pass (DDP's all-reduce). Such a work holds a Python
+    object (autograd stashes the caller's context in the thread's state), so that thread
+    needs the GIL; ``~ProcessGroupGloo`` joins it while holding the GIL, because it runs
+    inside the Python deallocator of whoever drops the last reference (DDP's reducer, when
+    the test or user frame ends). Keeping destroyed groups here means that last release
+    happens in :meth:`release` at the World's stop, after its waits on the store have
+    released the GIL many times over, or in :meth:`keep` for groups retired
+    ``RELEASE_AFTER`` seconds earlier, whose workers finished long ago. So the list stays
+    bounded by the groups destroyed within that window.
+    """
+
+    #: Seconds after its destruction that a group is dropped by a later ``keep``.
+    RELEASE_AFTER = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: List[tuple] = []  # (when retired, process group)
+
+    def keep(self, group: Any) -> None:
+        """Hold ``group`` (already destroyed in torch) and drop the long-retired ones."""
+        now = time.monotonic()
+        with self._lock:
+            old = [g for when, g in self._kept if now - when > self.RELEASE_AFTER]
+            self._kept = [(when, g) for when, g in self._kept if now - when <= self.RELEASE_AFTER]
+            self._kept.append((now, group))
+        del old  # their last references go here, outside the lock
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+    def release(self) -> None:
+        """Drop every kept group (the World is stopping)."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        del kept
+
+
 class CollectiveGroup:
     """Collectives over a subset of ranks; create it with :meth:`World.create_collective_group`.
 
@@ -124,19 +169,26 @@ class CollectiveGroup:
         ranks: The member ranks (global), sorted.
     """
 
-    def __init__(self, group: Any, ranks: Sequence[int], my_rank: int) -> None:
+    def __init__(self, group: Any, ranks: Sequence[int], my_rank: int,
+                 retire: Optional[Callable[[Any], None]] = None) -> None:
         self.group = group
         self.ranks = sorted(ranks)
         self._my_rank = my_rank
+        self._retire = retire
         self._destroyed = False
         # None: all_to_all not tried yet; False: the backend lacks it (pairwise fallback).
         self._native_all_to_all: Optional[bool] = None
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
-               timeout: float) -> "CollectiveGroup":
+               timeout: float, retire: Optional[Callable[[Any], None]] = None) -> "CollectiveGroup":
         """Build the group (every process of the world calls it); use
-        :meth:`World.create_collective_group`, which checks its arguments and keeps track."""
+        :meth:`World.create_collective_group`, which checks its arguments and keeps track.
+
+        Args:
+            retire: Takes the torch group once destroyed (:meth:`RetiredGroups.keep`);
+                None: the group goes with its last reference.
+        """
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}")
         ranks = sorted(ranks)
@@ -144,7 +196,7 @@ class CollectiveGroup:
             raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
         member = my_rank in ranks
-        return cls(group if member else None, ranks, my_rank)
+        return cls(group if member else None, ranks, my_rank, retire)
 
     def __reduce__(self) -> Any:
         raise TypeError("a CollectiveGroup belongs to its process and cannot be pickled")
@@ -384,4 +436,6 @@ class CollectiveGroup:
         """Release the process group (members and non-members alike call it)."""
         if not self._destroyed and self.group is not None:
             dist.destroy_process_group(self.group)
+            if self._retire is not None:  # see RetiredGroups: its last reference goes at stop
+                self._retire(self.group)
         self._destroyed = True

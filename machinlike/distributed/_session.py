@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch.distributed as dist
 
 from . import _calls, _netif, _rendezvous, _samehost, _transport
+from ._collective import RetiredGroups
 from ._keys import Keys, ServiceOwner
 from ._liveness import process_identity
 from ._group_directory import GroupDirectory
@@ -87,6 +88,8 @@ class Session:
         groups: This process's RpcGroups and what they use of the world (with ``membership``).
         rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
         process_group: The process group's destruction step, None when it did not start.
+        retired_groups: Collective groups destroyed while the World runs, dropped at its
+            stop, after the process group (see ``RetiredGroups``).
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -100,6 +103,7 @@ class Session:
         self.groups: Optional[GroupDirectory] = None
         self.rpc: Optional[Once] = None
         self.process_group: Optional[Once] = None
+        self.retired_groups = RetiredGroups()
         self._undo = contextlib.ExitStack()
 
     def close(self) -> None:
@@ -217,6 +221,7 @@ def start_static(session: Session) -> None:
                 s.backend, store=dist.PrefixStore(keys.pg_prefix(), info.store), rank=s.rank,
                 world_size=s.size, timeout=datetime.timedelta(seconds=s.dist_timeout),
             )
+        session._undo.callback(session.retired_groups.release)  # runs after the destruction below
         session.process_group = Once(dist.destroy_process_group)
         session._undo.callback(session.process_group)
     if s.rpc:

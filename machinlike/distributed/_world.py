@@ -370,7 +370,8 @@ class World:
             why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
             raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
         return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
-                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout))
+                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
+                                      retire=self._session.retired_groups.keep)
 
     # -------------------------------------------------------------------- shutdown
     def stop(self, timeout: Optional[float] = None) -> None:
