@@ -220,9 +220,27 @@ class Monitor:
             self._events.post("lost", rec)
 
     def free(self, rec: MemberRecord, deadline: float) -> None:
-        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone."""
-        self._claims.free(rec.transport)
-        if self._elastic:
-            self._endpoint.prune(rec.transport, deadline)
-        self._registry.compare_set(self._keys.live(rec.member), rec.encode(), "")
+        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone.
+
+        ``rec`` may be stale: the incarnation may have renewed its agent (a new worker name,
+        its keys moved there) after this view last heard of it. So the claim as the store
+        holds it now names the worker whose keys are freed too, and it is cleared by its
+        current text; before, a stale record left the claim held for good, and the next
+        incarnation's ``enter`` spun on it until its deadline.
+        """
+        live = self._keys.live(rec.member)
+        workers = [rec.transport]
+        for _ in range(3):  # a renewal between the read and the clear: read again (rare)
+            held = self._registry.get_or_empty(live)
+            now = MemberRecord.decode(rec.member, held) if held else None
+            if now is None or now.incarnation != rec.incarnation:
+                break  # already cleared, or a newer incarnation's claim: not ours to touch
+            if now.transport not in workers:
+                workers.append(now.transport)
+            if self._registry.compare_set(live, held, "") == "":
+                break
+        for worker in workers:
+            self._claims.free(worker)
+            if self._elastic:
+                self._endpoint.prune(worker, deadline)
         self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")

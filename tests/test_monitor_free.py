@@ -1,0 +1,66 @@
+"""Monitor.free with a stale record: a lost member that renewed its RPC agent after the
+declarer last heard of it (recycling does that after every few dead peers).
+
+The declarer's record names the member's old worker; the store's claim ``m/live/<name>``
+and the member's keys name the new one. Before the fix, the claim stayed held for good
+(cleared by the old text only) and the keys claimed under the new worker were never
+freed, so the member's next incarnation spun in ``enter`` until its deadline: the
+servers' churn test with recycling on failed about one run in three.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from machinlike.distributed._claims import Claims
+from machinlike.distributed._keys import Keys, MemberRecord, OwnedKey
+from machinlike.distributed._monitor import Monitor
+from machinlike.distributed._registry import Registry
+
+
+def _world():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    registry = Registry(store, "the test's store")
+    keys = Keys.elastic_world("0")
+    claims = Claims(registry, keys, SimpleNamespace(transport="declarer_0"))  # type: ignore[arg-type]
+    monitor = Monitor(registry, keys, None, None, claims, None, None, False,  # type: ignore[arg-type]
+                      threading.Event())
+    return store, registry, keys, monitor
+
+
+def test_a_stale_record_of_a_renewed_member_frees_its_claim_and_its_moved_keys():
+    store, registry, keys, monitor = _world()
+    try:
+        renewed = MemberRecord("c1", 1, "c1_7", 3, "host:123:456")
+        registry.set(keys.live("c1"), renewed.encode())
+        assert registry.claim("svc/c1", "s:c1_7") is None
+        registry.append(keys.owned("c1_7"), OwnedKey("svc/c1", "s:c1_7").encode())
+
+        stale = MemberRecord("c1", 1, "c1_1", 3, "host:123:456")  # before the renewal
+        monitor.free(stale, time.monotonic() + 5)
+
+        assert registry.get_or_empty(keys.live("c1")) == ""  # the next incarnation can claim
+        assert registry.owner("svc/c1") is None  # the key claimed under the new worker is free
+        assert registry.get_or_empty(keys.gone("c1", 1)) == "1"
+        assert registry.claim(keys.live("c1"), MemberRecord("c1", 2, "c1_8", 3, "x").encode()) is None
+    finally:
+        registry.close()
+        del store
+
+
+def test_free_never_clears_the_claim_of_a_newer_incarnation():
+    store, registry, keys, monitor = _world()
+    try:
+        newer = MemberRecord("c1", 2, "c1_9", 3, "host:1:2")
+        registry.set(keys.live("c1"), newer.encode())
+        monitor.free(MemberRecord("c1", 1, "c1_1", 3, "host:1:1"), time.monotonic() + 5)
+        assert registry.get_or_empty(keys.live("c1")) == newer.encode()
+        assert registry.get_or_empty(keys.gone("c1", 1)) == "1"
+    finally:
+        registry.close()
+        del store
