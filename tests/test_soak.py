@@ -15,20 +15,14 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CYCLES = 40
+CYCLES = 50
 
 
 def _limit_open_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
 
 
-# Recycling is opt-in while the servers' kill test still fails with every member
-# recycling (see the elastic tutorial, "What a dead peer costs"); this soak then overstays
-# now and then, so it runs only where asked (MACHINLIKE_SOAK=1), beside benchmarks/soak.py.
-@pytest.mark.skipif(os.environ.get("MACHINLIKE_SOAK") != "1", reason="set MACHINLIKE_SOAK=1 to run the soak")
 def test_learner_stays_flat_while_actors_die_under_ulimit_1024():
     # Its own session, so that a run that overstays takes its actors and forkserver along.
     proc = subprocess.Popen(
@@ -47,7 +41,9 @@ def test_learner_stays_flat_while_actors_die_under_ulimit_1024():
     last = re.search(r"soak: \d+ cycles, rss ([-+\d.]+) MB, fds ([-+\d]+), maps ([-+\d]+)", out)
     assert last is not None, out[-4000:]
     rss, fds, maps = float(last.group(1)), int(last.group(2)), int(last.group(3))
-    # 25 cycles after the baseline: without recycling that is +200 MB and +600
-    # descriptors; with it, at most one agent's worth of dead pipes is held at a time.
-    assert rss < 100, out[-4000:]
-    assert fds < 250 and maps < 250, out[-4000:]
+    # 35 cycles after the baseline (cycle 15). Without recycling that is +280 MB and +840
+    # descriptors (the learner dies of "Too many open files" first, at about 34 deaths).
+    # With it the learner holds at most a few agents' worth of dead pipes: a sawtooth
+    # (agents retire and are shut down), whose top is where the last line may fall.
+    assert rss < 160, out[-4000:]
+    assert fds < 400 and maps < 400, out[-4000:]

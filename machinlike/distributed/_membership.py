@@ -53,10 +53,10 @@ from ._waits import Waits
 
 # Gone workers this member's agent called before it recycles the agent (see _pipes): on
 # one host each holds about 8 MB, 24 maps and 24 descriptors until then. Opt-in for now
-# (MACHINLIKE_RECYCLE_AFTER=8): with it on by default, three tests still fail (a recycled
-# agent that misses a later joiner's address, a listener renewal followed by a recycling,
-# and the soak's actors not reaching the store); docs/tutorials/elastic.rst, "What a dead
-# peer costs".
+# (MACHINLIKE_RECYCLE_AFTER=8; benchmarks/soak.py and tests/test_soak.py turn it on): with
+# every member of the suite recycling, two tests still fail (a recycled agent that never
+# learns a restarted host's address, and a recycling whose join waits on a member cut off
+# from the network); docs/tutorials/elastic.rst, "What a dead peer costs".
 RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
 DEFAULT_RECYCLE_AFTER = 0
 

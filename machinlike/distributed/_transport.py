@@ -53,11 +53,26 @@ _TOKEN = "RpcGroupManagementToken"
 _INFOS = "names/_ALL_WORKER_INFOS"
 
 
-def _options(threads: int, timeout: float, init_method: Optional[str]) -> rpc.TensorPipeRpcBackendOptions:
+# TensorPipe channels of an elastic member's agents. torch's default list adds mpt_uv (a
+# multi-lane TCP channel) and xth (same process); an agent with them holds about 175
+# descriptors before it opens any pipe, with these about 64. A long-lived elastic member
+# holds up to three agents at once (its first, which torch's RRef context keeps, the
+# current one, and one retiring after a recycling), so under ``ulimit -n 1024`` the
+# default list left too little room: benchmarks/soak.py peaked at 930 descriptors and
+# the store stopped accepting its actors' connections; with these, 424-704 over 100
+# cycles. cma moves CPU tensors between processes of one host; basic carries everything
+# else over the transport's own connection (shm on one host, uv TCP between hosts).
+ELASTIC_CHANNELS = ["cma", "basic"]
+
+
+def _options(threads: int, timeout: float, init_method: Optional[str],
+             channels: Optional[List[str]] = None) -> rpc.TensorPipeRpcBackendOptions:
+    """torch's backend options; ``channels`` None: torch's default channel list."""
+    chosen = None if channels is None else list(channels)
     if init_method is None:
-        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout)
+        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout, _channels=chosen)
     return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout,
-                                           init_method=init_method)
+                                           init_method=init_method, _channels=chosen)
 
 
 # Agents this process started. torch's RRef context is made once per process, bound to
@@ -134,7 +149,8 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         stale = [w for w in listed_workers(store) if w != name and dead(w)]
         if stale:
             _prune_locked(store, stale)
-        agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None), {}, [])
+        agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None, ELASTIC_CHANNELS), {},
+                                [])
         # A renewal: the agent this one replaces stays current until the new one is built
         # and listening, so that calls of this process meet no agent-less gap but the
         # swap itself (sync calls wait it out: see wait_current).
