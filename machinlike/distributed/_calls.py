@@ -322,6 +322,7 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     if roster.transport_gone(worker):
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
     deadline = time.monotonic() + timeout
+    introduced = False  # a worker is introduced to this process's agent once per call
     while True:
         roster.pipes.called(worker)
         try:
@@ -339,7 +340,9 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
                 continue
             # Refused: when the member lives on under a renewed agent (its listener had
             # closed, or it recycled), the call goes there with what is left of its time.
-            renewed = _renewed_worker(roster, worker, err, deadline)
+            renewed = None if introduced and "could not find destination" in str(err).lower() else \
+                _renewed_worker(roster, worker, err, deadline)
+            introduced = introduced or renewed == worker
             if renewed is None:
                 raise translate_error(err, roster.member_of(worker), _text(what),
                                       timeout if stated is None else stated) from err
@@ -351,6 +354,17 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
     to ``worker`` was refused and the member moved to another agent before ``deadline``;
     else None (the error stands)."""
     text = str(err).lower()
+    if "could not find destination" in text:
+        # Nothing was sent: this process's agent does not know ``worker``. Either its
+        # member moved to a new agent since this view's caller picked ``worker`` (this
+        # process's own old agent included), or it joined while this process was renewing
+        # its agent, so that its join told the agent being retired, not the new one.
+        moved = roster.moved_from(worker, 0.0)
+        if moved is not None:
+            return moved
+        if roster.transport_gone(worker) or not _transport.introduce_current(worker):
+            return None
+        return worker
     if "connection refused" not in text and "econnrefused" not in text:
         return None
     return roster.moved_from(worker, deadline - time.monotonic())

@@ -162,8 +162,8 @@ class Endpoint:
                 self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.transport))
                 return
             except RuntimeError as err:
-                if deadline_left(deadline) < 1.0:
-                    raise
+                if deadline_left(deadline) < 1.0 or self._closing.is_set():
+                    raise  # out of time, or this member is leaving: no more attempts
                 log.warning("machinlike: member %r: RPC join attempt failed (%s); retrying", self.name, err)
                 # A pause, not a synchronisation: what failed (a silent peer renewing its
                 # agent, one dying) takes a monitor tick to change.
@@ -206,7 +206,8 @@ class Endpoint:
         self._listener = None
         self._rename()  # the join retires the current agent once the new one listens
         try:
-            self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+            with _transport.renewing():
+                self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
         except (RuntimeError, TimeoutError) as err:
             log.error("machinlike: member %r could not renew its RPC agent (%s): nobody can call it any "
                       "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)

@@ -8,8 +8,8 @@ checks this member's RPC listener, and declares the suspects lost.
       heartbeat, read the others'                     m/hb/<name>   heartbeat counter
       EventLog.catch_up (Roster, Waits, callbacks)    m/log, m/evn
       declared lost itself? cut off: calls fail, stop
-      listener closed? renew (Endpoint, Claims),
-        post "move"
+      listener closed, or recycling due? renew on a
+        thread of its own (Endpoint, Claims), post "move"
       suspect: process gone (same host, /proc) or
         heartbeat stalled for 3/4 of liveness
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
@@ -71,6 +71,8 @@ class Monitor:
         self._elastic = elastic
         self._closing = closing
         self._thread: Optional[threading.Thread] = None
+        # The agent renewal under way, on a thread of its own (see _start_renewal).
+        self._renewing: Optional[threading.Thread] = None
         # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
         self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
         # Losses another member began to clean up -> when this one first saw that.
@@ -94,10 +96,12 @@ class Monitor:
         self._thread.start()
 
     def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the thread to end (``closing`` must be set)."""
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        """Wait up to ``timeout`` seconds in all for the thread and a renewal under way to
+        end (``closing`` must be set)."""
+        deadline = time.monotonic() + timeout
+        for thread in (self._thread, self._renewing):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(deadline_left(deadline))
 
     def _run(self) -> None:
         tick = self._tick()
@@ -108,10 +112,12 @@ class Monitor:
                 self._events.catch_up()
                 if self._declared_lost():
                     return
-                if self._endpoint.listener_closed():
-                    self._renew()
+                if self._renewing is not None and self._renewing.is_alive():
+                    pass  # one renewal at a time; this thread goes on watching the others
+                elif self._endpoint.listener_closed():
+                    self._start_renewal(recycle=False)
                 elif self._endpoint.pipes.due():
-                    self._renew(recycle=True)
+                    self._start_renewal(recycle=True)
                 # A retired agent goes once idle and every member has seen the move (they
                 # catch up every tick), or once any call on it would have timed out.
                 now = time.monotonic()
@@ -163,6 +169,29 @@ class Monitor:
             elif now - last[1] > self.lease():
                 out.append(rec)
         return out
+
+    def _start_renewal(self, recycle: bool) -> None:
+        """Renew this member's agent on a thread of its own.
+
+        Why: the new agent's join calls every listed member, and waits for one that is
+        silent (a host cut off from the network) until it is pruned or the join's deadline
+        passes, 10 s or more. Run on the liveness thread, that wait stopped this member
+        from declaring anyone lost, the silent member included, so the join could only
+        fail; here the liveness thread goes on, declares the silent member lost and
+        prunes it, and the join's next attempt goes through without it.
+        """
+        self._renewing = threading.Thread(target=self._renew_reporting, args=(recycle,), daemon=True,
+                                          name=f"machinlike-renew-{self._endpoint.name}")
+        self._renewing.start()
+
+    def _renew_reporting(self, recycle: bool) -> None:
+        try:
+            self._renew(recycle)
+        except PeerLostError as err:
+            self._roster.mark_cut_off(err)
+            log.error("machinlike: %s; every call of this member now fails", err)
+        except Exception:  # logged by the endpoint too; never let it vanish silently
+            log.exception("machinlike: renewing the RPC agent of %r", self._endpoint.name)
 
     def _renew(self, recycle: bool = False) -> None:
         self._claims.renewed(lambda: self._endpoint.renew(recycle))

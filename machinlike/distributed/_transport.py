@@ -203,9 +203,30 @@ _steady = threading.Event()
 _steady.set()
 
 
+# Clear while this process renews its agent, every attempt of the join included: an
+# attempt that fails drops its new agent, and the process has no current agent until the
+# next attempt's swap (the old agent is retired already), so a call made then waits too.
+_settled = threading.Event()
+_settled.set()
+
+
+@contextlib.contextmanager
+def renewing() -> Iterator[None]:
+    """Mark an agent renewal under way (all its join attempts) for :func:`wait_current`."""
+    _settled.clear()
+    try:
+        yield
+    finally:
+        _settled.set()
+
+
 def wait_current(timeout: float) -> bool:
-    """Wait (at most ``timeout`` s) until no agent swap is under way; whether an agent is current."""
+    """Wait (at most ``timeout`` s) until no agent swap or renewal is under way; whether an
+    agent is current."""
+    deadline = time.monotonic() + max(0.0, timeout)
     _steady.wait(max(0.0, timeout))
+    if not rpc.api._is_current_rpc_agent_set():
+        _settled.wait(max(0.0, deadline - time.monotonic()))
     return bool(rpc.api._is_current_rpc_agent_set())
 
 
@@ -235,6 +256,26 @@ def introduce(worker: str) -> None:
         first._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
     except RuntimeError as err:  # a worker gone before its address could be read
         log.debug("introducing %r to the first RPC agent: %s", worker, err)
+
+
+def introduce_current(worker: str) -> bool:
+    """Tell this process's current agent of RPC worker ``worker`` of an elastic world (it
+    joined while this process renewed its agent: see ``_calls._renewed_worker``).
+
+    Returns:
+        Whether the agent knows ``worker`` now (False: static world, no agent, or the
+        worker's address is not published, e.g. it is gone).
+    """
+    base, _, tid = worker.rpartition("_")
+    if not base or not tid.isdigit() or not rpc.api._is_current_rpc_agent_set():
+        return False
+    try:
+        agent = rpc.api._get_current_rpc_agent()
+        agent._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
+    except RuntimeError as err:  # gone before its address could be read, or a static agent
+        log.debug("introducing %r to the current RPC agent: %s", worker, err)
+        return False
+    return True
 
 
 def published_address(store: dist.Store, worker: str) -> Optional[str]:
