@@ -340,8 +340,7 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
                 continue
             # Refused: when the member lives on under a renewed agent (its listener had
             # closed, or it recycled), the call goes there with what is left of its time.
-            renewed = None if introduced and "could not find destination" in str(err).lower() else \
-                _renewed_worker(roster, worker, err, deadline)
+            renewed = _renewed_worker(roster, worker, err, deadline, introduced)
             introduced = introduced or renewed == worker
             if renewed is None:
                 raise translate_error(err, roster.member_of(worker), _text(what),
@@ -349,10 +348,14 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
             worker, timeout = renewed, max(0.001, deadline - time.monotonic())
 
 
-def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float) -> Optional[str]:
-    """The worker that ``worker``'s member answers on now, when ``err`` says a connection
-    to ``worker`` was refused and the member moved to another agent before ``deadline``;
-    else None (the error stands)."""
+def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float,
+                    introduced: bool = False) -> Optional[str]:
+    """The worker to call instead of ``worker`` after ``err``, else None (the error stands).
+
+    Refused: the worker its member moved to before ``deadline``. Unknown to this process's
+    agent ("could not find destination"): the worker it moved to, or ``worker`` itself once
+    introduced to the agent (not again when ``introduced``: this call did that already).
+    """
     text = str(err).lower()
     if "could not find destination" in text:
         # Nothing was sent: this process's agent does not know ``worker``. Either its
@@ -362,8 +365,8 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
         moved = roster.moved_from(worker, 0.0)
         if moved is not None:
             return moved
-        if roster.transport_gone(worker) or not _transport.introduce_current(worker):
-            return None
+        if introduced or roster.transport_gone(worker) or not _transport.introduce_current(worker):
+            return None  # (introduced: this call told the agent once already; it stands)
         return worker
     if "connection refused" not in text and "econnrefused" not in text:
         return None

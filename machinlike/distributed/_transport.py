@@ -248,14 +248,7 @@ def introduce(worker: str) -> None:
     """
     if not rrefs_bound_elsewhere() or not _first:
         return  # the first agent is current, so listed (the joiner tells it), or static
-    first = _first[0]
-    base, _, tid = worker.rpartition("_")
-    if not base or not tid.isdigit():
-        return  # a static world's worker: its agent is never retired
-    try:
-        first._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
-    except RuntimeError as err:  # a worker gone before its address could be read
-        log.debug("introducing %r to the first RPC agent: %s", worker, err)
+    _add_worker(_first[0], worker, "the first")
 
 
 def introduce_current(worker: str) -> bool:
@@ -266,14 +259,22 @@ def introduce_current(worker: str) -> bool:
         Whether the agent knows ``worker`` now (False: static world, no agent, or the
         worker's address is not published, e.g. it is gone).
     """
-    base, _, tid = worker.rpartition("_")
-    if not base or not tid.isdigit() or not rpc.api._is_current_rpc_agent_set():
+    if not rpc.api._is_current_rpc_agent_set():
         return False
+    return _add_worker(rpc.api._get_current_rpc_agent(), worker, "the current")
+
+
+def _add_worker(agent: object, worker: str, which: str) -> bool:
+    """Add elastic RPC worker ``worker`` (``<name>_<id>``) to ``agent``'s tables, reading its
+    address from the store; whether it could (a static world's name, or a worker gone
+    before its address could be read, cannot)."""
+    base, _, tid = worker.rpartition("_")
+    if not base or not tid.isdigit():
+        return False  # a static world's worker: its agent is never renewed
     try:
-        agent = rpc.api._get_current_rpc_agent()
         agent._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
-    except RuntimeError as err:  # gone before its address could be read, or a static agent
-        log.debug("introducing %r to the current RPC agent: %s", worker, err)
+    except RuntimeError as err:
+        log.debug("introducing %r to %s RPC agent: %s", worker, which, err)
         return False
     return True
 
