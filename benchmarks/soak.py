@@ -83,9 +83,14 @@ def _probe(address: str) -> None:
         group.register("probe/noop", _noop)
         group.register("probe/echo", _echo)
         group.register("probe/leave", leave.set)
-        # Leaves when asked; a learner that dies instead is noticed at the next check.
+        # Leaves when asked; a learner that dies instead is noticed at the next check,
+        # and so is a store that died with it (this member is cut off then, and learns
+        # no more events) or a parent that is gone: an orphaned probe must not stay (its
+        # TensorPipe reactor spins on the dead peer).
+        parent = os.getppid()
         while not leave.wait(1.0) and world.membership.gone("learner") is None:
-            pass
+            if world.membership.roster.cut_off is not None or os.getppid() != parent:
+                break
 
 
 def call_times(group, calls: int = 300) -> Tuple[float, float]:

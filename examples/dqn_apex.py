@@ -434,7 +434,9 @@ class Sampler:
         batch["shard"] = torch.cat([torch.full((len(p["slot"]),), k, dtype=torch.int64) for k, p in got])
         batch["token"] = torch.cat([torch.full((len(p["slot"]),), p["token"], dtype=torch.int64) for _, p in got])
         order = torch.from_numpy(self._rng.permutation(len(batch["slot"])))
-        return batch, list(order.split(self._batch_size))
+        # Shards that answered may all hold nothing yet (only with --chaos: their actors
+        # restarted), and an empty tensor still splits into one empty minibatch.
+        return batch, [rows for rows in order.split(self._batch_size) if len(rows)]
 
     def update(self, batch: Dict[str, torch.Tensor], priorities: torch.Tensor) -> None:
         """Send new priorities to each shard (one update per shard in flight)."""
@@ -523,7 +525,8 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                 target.load_state_dict(online.state_dict())
             window_updates += 1
             loss_sum += loss.item()
-        figures = {"loss_td": loss.item(), "grad_norm": grad_norm, "q_mean": q.mean().item()}
+        if minibatches:  # (none: every shard answered empty, only with --chaos)
+            figures = {"loss_td": loss.item(), "grad_norm": grad_norm, "q_mean": q.mean().item()}
         if metrics.due():
             log_metrics(figures)
         sampler.update(fetched, priorities)

@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -102,6 +103,7 @@ def _death_body(world):
     world.on_member_change(lambda e: lost.set() if (e.kind, e.member) == ("lost", "victim") else None)
     ready = world.create_rpc_group("ready", ["a", "b", "victim"])
     ready.barrier(timeout=30)
+    dead_worker = world.membership.transport_of("victim")
     start = time.monotonic()
     # Calls made while it dies fail with PeerLostError naming it (or KeyError once its
     # keys are freed), never by waiting out their timeout.
@@ -123,6 +125,13 @@ def _death_body(world):
     owner = group.registered_sync("svc", timeout=10)
     value = group.get_paired("value", timeout=10).to_here()
     assert (owner, value) == ("victim#2", 42)
+    # Nothing of the dead worker stays in the store: its claims list, its worker entry,
+    # its agent's address and join token (a world that runs for days must not keep them).
+    keys, rpc_store = world.membership.keys, world.membership.endpoint._rpc_store
+    assert not world.membership.registry.get_or_empty(keys.owned(dead_worker))
+    assert not world.membership.registry.get_or_empty(keys.worker(dead_worker))
+    assert not rpc_store.check([f"addrs/{dead_worker}"]) and not rpc_store.check([f"Token_for_{dead_worker}_join"])
+    assert rpc_store.check([f"addrs/{world.membership.transport_of('victim')}"])
     return detected
 
 
@@ -326,3 +335,52 @@ def test_the_store_host_dying_fails_every_member_fast():
     assert kind in ("PeerLostError", "KeyError"), report
     assert elapsed < 5, report
     assert report["stop"] < 5 + 1, report
+
+
+def _renewing_caller_body(world):
+    # The caller closes its own RPC listener three times (each time its agent is renewed)
+    # while two threads keep sending it asynchronous calls: every call is sent (again,
+    # where the agent was being swapped) and answered; none fails.
+    group = world.create_rpc_group("open")
+    if world.name == "host":
+        group.register("svc", _whoami)
+    both = world.create_rpc_group("both", ["host", "caller"])
+    if world.name == "host":
+        both.barrier(timeout=60)
+        return None
+    stop, failures, answered = threading.Event(), [], [0]
+
+    def hammer() -> None:
+        while not stop.is_set():
+            try:
+                assert group.registered_async("svc", timeout=20).wait() == "host#1"
+                assert group.rpc_async("host", _whoami, timeout=20).wait() == "host#1"
+                assert group.registered_remote("svc", timeout=20).to_here(timeout=20) == "host#1"
+                answered[0] += 1
+            except Exception:  # noqa: BLE001 - collected and reported below
+                failures.append(traceback.format_exc())
+                return
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(3):
+            old = world.membership.transport
+            host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
+            socket.create_connection((host, int(port)), timeout=5).close()
+            world.membership.wait_until(lambda live: world.membership.transport != old, 30)
+            time.sleep(0.5)  # calls flow through the new agent a while
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    both.barrier(timeout=60)
+    return failures, answered[0], world.membership.renewals
+
+
+def test_async_calls_made_while_the_caller_renews_its_agent_are_all_answered():
+    _, (failures, answered, renewals) = launch(_renewing_caller_body, 2, names=["host", "caller"], max_restarts=1,
+                                             essential=["host", "caller"], timeout=150)
+    assert failures == [], "\n".join(failures)
+    assert renewals >= 3 and answered > 0

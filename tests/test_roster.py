@@ -60,3 +60,20 @@ def test_a_gone_member_or_a_static_world_is_not_waited_for():
     start = time.monotonic()
     assert static.moved_from("0", 10.0) is None
     assert time.monotonic() - start < 1.0
+
+
+def test_a_view_remembers_a_bounded_number_of_gone_workers_and_members(monkeypatch):
+    from machinlike.distributed import _roster
+
+    monkeypatch.setattr(_roster, "GONE_KEPT", 50)
+    roster = _roster_with(process_identity())
+    for i in range(400):  # 400 actors under their own names come and die; the host recycles
+        roster.apply("join", MemberRecord(f"a{i}", 1, f"a{i}_{i + 10}", 1, "elsewhere:1:2"))
+        roster.apply("lost", MemberRecord(f"a{i}", 1, f"a{i}_{i + 10}", 1, "elsewhere:1:2"))
+        if i % 40 == 0:
+            roster.apply("move", MemberRecord("host", 1, f"host_{1000 + i}", 0, process_identity()))
+    assert len(roster._gone_transports) <= 50 and len(roster._gone) <= 50
+    assert len(roster._by_transport) <= 50 + 1
+    # The recent past is still known; the live member still routes.
+    assert roster.transport_gone("a399_409") and roster.gone("a399") == "lost"
+    assert roster.transport_of("host") == "host_1360" and roster.member_of("host_1360") == "host"

@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 from torch.distributed import rpc
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ._roster import Roster
     from ._waits import Waits
 
-__all__ = ["RpcFuture", "LocalTables", "sync_call", "prepare_call"]
+__all__ = ["RpcFuture", "LocalTables", "sync_call", "send_call", "prepare_call"]
 
 
 class LocalTables:
@@ -291,6 +291,9 @@ def translate_error(err: BaseException, member: str, what: str, timeout: float) 
         return TimeoutError(f"{what} on member {member!r} did not answer within {timeout:g} s")
     if any(marker in text for marker in _LOST_MARKERS):
         return PeerLostError(member, f"{what} failed: {err}")
+    if _transport.closed_agent_error(err):
+        return RuntimeError(f"{what} on member {member!r} was not sent: this process's RPC agent was shut down "
+                            f"(its World stopped, or a renewal of its agent failed): {err}")
     return err
 
 
@@ -321,31 +324,94 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
         raise roster.cut_off
     if roster.transport_gone(worker):
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
+
+    def call(to: str, left: float) -> Any:
+        if roster.on_this_host(to):
+            # A dead process here closes its sockets: the call fails at once by itself.
+            return rpc.rpc_sync(to, entry, args=args, timeout=left)
+        # Another host may vanish without a word: the liveness monitor ends the wait.
+        return waits.wait_call(rpc.rpc_async(to, entry, args=args, timeout=left), to, _text(what))
+
+    return _until_sent(roster, worker, timeout, call, lambda err, to: translate_error(
+        err, roster.member_of(to), _text(what), timeout if stated is None else stated))[1]
+
+
+_Sent = TypeVar("_Sent")
+
+
+def send_call(roster: "Roster", worker: str, timeout: float, what: str,
+              send: Callable[[str, float], _Sent]) -> Tuple[str, _Sent]:
+    """Hand a call to this process's agent without waiting for it: ``send(worker, seconds)``
+    (an ``rpc.rpc_async`` or ``rpc.remote``), sent again when the agent could not send it at
+    all (see ``_Attempts``), all within ``timeout`` seconds.
+
+    Returns:
+        The worker it went to (its member may have moved) and what ``send`` returned.
+
+    Raises:
+        PeerLostError, RuntimeError: it could not be sent (the member named).
+    """
+    return _until_sent(roster, worker, timeout, send,
+                       lambda err, to: translate_error(err, roster.member_of(to), what, timeout))
+
+
+def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[str, float], _Sent],
+                fail: Callable[[BaseException, str], BaseException]) -> Tuple[str, _Sent]:
+    """``send(worker, seconds left)``, again as ``_Attempts`` says, within ``timeout``
+    seconds; ``fail(err, worker)`` is what to raise when an error stands."""
     deadline = time.monotonic() + timeout
-    introduced = False  # a worker is introduced to this process's agent once per call
+    attempt = _Attempts(worker)
+    _transport.wait_steady(timeout)  # (an agent swap under way: see _transport._swap)
     while True:
-        roster.pipes.called(worker)
+        roster.pipes.called(attempt.worker)
         try:
-            if roster.on_this_host(worker):
-                # A dead process here closes its sockets: the call fails at once by itself.
-                return rpc.rpc_sync(worker, entry, args=args, timeout=timeout)
-            # Another host may vanish without a word: the liveness monitor ends the wait.
-            return waits.wait_call(rpc.rpc_async(worker, entry, args=args, timeout=timeout), worker, _text(what))
-        except RuntimeError as err:
-            # Neither error below delivered anything, so sending again cannot run it twice.
-            # This process was swapping its own agent for a new one (a renewal):
-            if (_transport.no_agent_error(err) and time.monotonic() < deadline
-                    and _transport.wait_current(deadline - time.monotonic())):
-                timeout = max(0.001, deadline - time.monotonic())
-                continue
-            # Refused: when the member lives on under a renewed agent (its listener had
-            # closed, or it recycled), the call goes there with what is left of its time.
-            renewed = _renewed_worker(roster, worker, err, deadline, introduced)
-            introduced = introduced or renewed == worker
-            if renewed is None:
-                raise translate_error(err, roster.member_of(worker), _text(what),
-                                      timeout if stated is None else stated) from err
-            worker, timeout = renewed, max(0.001, deadline - time.monotonic())
+            return attempt.worker, send(attempt.worker, max(0.001, deadline - time.monotonic()))
+        except (RuntimeError, ValueError) as err:
+            if not attempt.again(roster, err, deadline):
+                raise fail(err, attempt.worker) from err
+
+
+class _Attempts:
+    """Where one call goes next after an error that delivered nothing of it (so sending it
+    again cannot run it twice), within the call's deadline:
+
+        no current agent (this process swaps it: a renewal)      -> wait for the swap
+        an agent shut down under the call (a failed renewal's)   -> wait, then the new one
+        refused (its member renewed its agent or recycled)       -> the worker it moved to
+        unknown to this agent ("could not find destination")     -> the worker it moved to,
+                                                                    or introduce it once
+    """
+
+    __slots__ = ("worker", "_introduced", "_closed")
+
+    # A closed agent that stays current (torch resets it just after its shutdown) is met
+    # at most this often per call: the World itself is stopping then.
+    _CLOSED_MAX = 3
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self._introduced = False  # a worker is introduced to this process's agent once per call
+        self._closed = 0
+
+    def again(self, roster: "Roster", err: BaseException, deadline: float) -> bool:
+        """Whether to send once more (to ``self.worker``, perhaps changed); False: ``err`` stands."""
+        if time.monotonic() >= deadline:
+            return False
+        if _transport.closed_agent_error(err):
+            self._closed += 1
+            if self._closed > self._CLOSED_MAX:
+                return False
+            return _transport.wait_current(deadline - time.monotonic())
+        if not isinstance(err, RuntimeError):
+            return False
+        if _transport.no_agent_error(err):
+            return _transport.wait_current(deadline - time.monotonic())
+        renewed = _renewed_worker(roster, self.worker, err, deadline, self._introduced)
+        if renewed is None:
+            return False
+        self._introduced = self._introduced or renewed == self.worker
+        self.worker = renewed
+        return True
 
 
 def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float,

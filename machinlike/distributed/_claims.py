@@ -99,3 +99,4 @@ class Claims:
         """Release every key ``worker`` (a gone member's) claimed; idempotent."""
         for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
             self._registry.release(owned.key, owned.holder)
+        self._registry.delete([self._keys.owned(worker)])

@@ -156,7 +156,7 @@ class Endpoint:
             try:
                 _transport.start_dynamic(self._rpc_store, self.transport, self._tid, threads,
                                          max(0.5, min(timeout, 5.0)), deadline, self.token_holder_dead,
-                                         self.worker_dead)
+                                         self.worker_dead, self.worker_freed)
                 _transport.set_default_timeout(default_timeout)
                 self._tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
                 self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.transport))
@@ -227,9 +227,21 @@ class Endpoint:
         """Drop ``worker`` (a gone member's) from the dynamic RPC group, briefly and best effort."""
         try:
             _transport.prune_workers(self._rpc_store, self.transport, [worker],
-                                     min(deadline, time.monotonic() + 0.5), self.token_holder_dead)
+                                     min(deadline, time.monotonic() + 0.5), self.token_holder_dead,
+                                     self.worker_freed)
         except TimeoutError as err:  # whoever joins next prunes stale workers itself
             log.info("machinlike: %r stays listed in the RPC group for now: %s", worker, err)
+
+    def forget(self, worker: str) -> None:
+        """Delete gone worker ``worker``'s entry ``m/t/<worker>``: it then counts as dead
+        and freed, so whoever prunes the RPC group's list next drops it, and its address
+        with it (see :meth:`worker_freed`)."""
+        self._registry.delete([self._keys.worker(worker)])
+
+    def worker_freed(self, worker: str) -> bool:
+        """Whether RPC worker ``worker``'s member is gone for good (its entry is deleted),
+        not just moved to another worker (a retired worker keeps its entry)."""
+        return not self._registry.get_or_empty(self._keys.worker(worker))
 
     # ------------------------------------------------------------ other workers
     def worker_dead(self, worker: str) -> bool:

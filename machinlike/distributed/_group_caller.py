@@ -5,7 +5,8 @@ over when the group's parts are built. Arguments arrive checked (``RpcGroup`` is
 public entrance); what leaves goes through ``_samehost.outgoing`` (large CPU tensors of a
 same-host call travel through shared memory: the ``[shm hook]`` lines) and, for a
 blocking call, through ``_calls.sync_call`` (a gone member fails at once, a silent host
-is ended by the liveness monitor)::
+is ended by the liveness monitor), and an asynchronous one through ``_calls.send_call``
+(both send again what this process's agent could not send at all, e.g. while it renews)::
 
     service_*(key)  OwnerCache.service(key) ──► call the owner
                     answer "missing" (the cache was stale) ──► look the key up again and
@@ -28,7 +29,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple, Union
 from torch.distributed import rpc
 
 from . import _calls, _samehost
-from ._calls import RpcFuture, is_async, is_missing, is_stale, sync_call, unwrap
+from ._calls import RpcFuture, is_async, is_missing, is_stale, send_call, sync_call, unwrap
 from ._group_owners import OwnerCache
 from ._paired import RenewedOwnerRRef
 from ._registry import deadline_left
@@ -101,11 +102,13 @@ class Caller:
         call = (self._sid + key,) + call_args
         deadline = time.monotonic() + wait
         worker, entry = self._service_target(key, False, deadline)
-        self._roster.pipes.called(worker)
-        fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
+        what = f"service {key!r} of group {self._group!r}"
+        worker, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
+                                lambda to, left: rpc.rpc_async(to, entry, args=_samehost.outgoing(to, call),  # [shm hook]
+                                                               timeout=left))
         # The owner answered "missing" (a stale cache): look it up again and call the new
         # one with what is left of this call's timeout, not a fresh one.
-        return RpcFuture(fut, self._roster.member_of(worker), f"service {key!r} of group {self._group!r}",
+        return RpcFuture(fut, self._roster.member_of(worker), what,
                          wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
 
     def service_remote(self, key: str, call_args: CallArgs, wait: float) -> rpc.RRef:
@@ -115,11 +118,13 @@ class Caller:
             KeyError: nobody serves ``key``.
         """
         call = (self._sid + key,) + call_args
-        worker, _ = self._service_target(key, False, time.monotonic() + wait)
-        self._roster.pipes.called(worker)
+        deadline = time.monotonic() + wait
+        worker, _ = self._service_target(key, False, deadline)
         # _remote_service forwards to the key's new owner if it moved meanwhile.
-        return rpc.remote(worker, _calls._remote_service, args=_samehost.outgoing(worker, call),  # [shm hook]
-                          timeout=wait)
+        return send_call(self._roster, worker, max(0.001, deadline - time.monotonic()),
+                         f"registered_remote of service {key!r} of group {self._group!r}",
+                         lambda to, left: rpc.remote(to, _calls._remote_service,
+                                                     args=_samehost.outgoing(to, call), timeout=left))[1]  # [shm hook]
 
     # --------------------------------------------------------------------- values
     def paired(self, key: str, wait: float) -> Union[rpc.RRef, RenewedOwnerRRef]:
@@ -138,9 +143,10 @@ class Caller:
             value = sync_call(self._roster, self._waits, worker, _calls._paired_rref, (sid,),
                               max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
             if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
-                self._roster.pipes.called(worker)
-                rref = rpc.remote(worker, _calls._paired_value, args=(sid,),
-                                  timeout=max(0.001, deadline_left(deadline)))
+                worker, rref = send_call(self._roster, worker, max(0.001, deadline_left(deadline)),
+                                         f"value {key!r} of group {self._group!r}",
+                                         lambda to, left: rpc.remote(to, _calls._paired_value, args=(sid,),
+                                                                     timeout=left))
                 return RenewedOwnerRRef(rref, worker, sid)
             if not is_missing(value):
                 return value
@@ -160,14 +166,15 @@ class Caller:
     def run_async(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> RpcFuture:
         """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""
         entry = _calls._run_async if is_async(func) else _calls._run
-        worker = self._roster.transport_of(to)
-        self._roster.pipes.called(worker)
-        fut = rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
-        return RpcFuture(fut, to, f"rpc_async of {func!r}", wait)
+        what = f"rpc_async of {func!r}"
+        _, fut = send_call(self._roster, self._roster.transport_of(to), wait, what,
+                           lambda worker, left: rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call),  # [shm hook]
+                                                              timeout=left))
+        return RpcFuture(fut, to, what, wait)
 
     def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> rpc.RRef:
         """An RRef to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``)."""
         entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        worker = self._roster.transport_of(to)
-        self._roster.pipes.called(worker)
-        return rpc.remote(worker, entry, args=_samehost.outgoing(worker, call), timeout=wait)  # [shm hook]
+        return send_call(self._roster, self._roster.transport_of(to), wait, f"remote of {func!r}",
+                         lambda worker, left: rpc.remote(worker, entry, args=_samehost.outgoing(worker, call),  # [shm hook]
+                                                         timeout=left))[1]

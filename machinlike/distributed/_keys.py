@@ -7,7 +7,8 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/inc/<name>                 counter: incarnations of a member          members
     <ns>m/live/<name>                MemberRecord of its live incarnation, "" when none
     <ns>m/hb/<name>                  heartbeat counter
-    <ns>m/log, <ns>m/evn             event log (LogEntry lines) and its counter
+    <ns>m/log/<k>, <ns>m/logk        event log segments (LogEntry lines), the current one
+    <ns>m/snap/<k>, <ns>m/evn        members at the start of segment k; events counter
     <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
     <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker id counter
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
@@ -118,8 +119,17 @@ class Keys:
     def heartbeat_prefix(self) -> str:
         return f"{self.ns}m/hb/"
 
-    def log(self) -> str:
-        return f"{self.ns}m/log"
+    def log_segment(self, k: int) -> str:
+        """Segment ``k`` of the event log (see ``_event_log``)."""
+        return f"{self.ns}m/log/{k}"
+
+    def log_head(self) -> str:
+        """Counter: the segment of the event log that posts go to."""
+        return f"{self.ns}m/logk"
+
+    def log_snapshot(self, k: int) -> str:
+        """The members as they stand at the start of segment ``k``."""
+        return f"{self.ns}m/snap/{k}"
 
     def log_count(self) -> str:
         return f"{self.ns}m/evn"

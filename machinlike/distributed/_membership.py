@@ -52,16 +52,15 @@ from ._roster import Roster
 from ._waits import Waits
 
 # Gone workers this member's agent called before it recycles the agent (see _pipes): on
-# one host each holds about 8 MB, 24 maps and 24 descriptors until then. Opt-in for now
-# (MACHINLIKE_RECYCLE_AFTER=8; benchmarks/soak.py and tests/test_soak.py turn it on): with
-# every member of the suite recycling, one test in 614 still fails (a call that meets an
-# agent shut down under it); docs/tutorials/elastic.rst, "What a dead peer costs".
+# one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
+# learner's agents well under ``ulimit -n 1024`` (benchmarks/soak.py) while a recycling
+# (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".
 RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
-DEFAULT_RECYCLE_AFTER = 0
+DEFAULT_RECYCLE_AFTER = 8
 
 
 def recycle_after() -> int:
-    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (default 0: never)."""
+    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (default 8; 0: never)."""
     text = os.environ.get(RECYCLE_ENV, str(DEFAULT_RECYCLE_AFTER))
     try:
         value = int(text)
@@ -152,6 +151,13 @@ class Membership:
             # was stale, so that the next claim wins instead of finding it again.
             self.registry.compare_set(self.keys.live(self.name), held, "")
         self.endpoint.claimed(mine)
+        # The loss keys of the incarnation before last: nobody declares that one any more
+        # (the last one was declared, or left, before this claim won). Left, every death
+        # would leave three keys for good.
+        older = mine.incarnation - 2
+        if older >= 1:
+            self.registry.delete([self.keys.lost(self.name, older), self.keys.lost_posted(self.name, older),
+                                  self.keys.gone(self.name, older)])
 
     def enter_static(self, rank: int, names: Sequence[str], identities: Sequence[str]) -> None:
         """Record the members of a static world (rank ``i`` is ``names[i]``)."""

@@ -6,7 +6,7 @@ checks this member's RPC listener, and declares the suspects lost.
 
     each tick (liveness / 8, at most 0.25 s)          the world's store
       heartbeat, read the others'                     m/hb/<name>   heartbeat counter
-      EventLog.catch_up (Roster, Waits, callbacks)    m/log, m/evn
+      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>, m/evn
       declared lost itself? cut off: calls fail, stop
       listener closed, or recycling due? renew on a
         thread of its own (Endpoint, Claims), post "move"
@@ -271,5 +271,6 @@ class Monitor:
         for worker in workers:
             self._claims.free(worker)
             if self._elastic:
+                self._endpoint.forget(worker)  # first: the prune then drops its address too
                 self._endpoint.prune(worker, deadline)
         self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")

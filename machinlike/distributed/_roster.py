@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..exception import PeerLostError
 from ._keys import MemberRecord
@@ -27,9 +27,12 @@ from ._liveness import alive_here, is_here
 from ._member_records import MemberEvent
 from ._pipes import PipeLedger
 
-__all__ = ["Roster"]
+__all__ = ["Roster", "GONE_KEPT"]
 
 log = logging.getLogger(__name__)
+
+#: Gone RPC workers, and gone members, a view remembers (the most recent).
+GONE_KEPT = 16384
 
 
 class Roster:
@@ -41,10 +44,13 @@ class Roster:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._live: Dict[str, MemberRecord] = {}
-        self._by_transport: Dict[str, str] = {}  # RPC worker -> member (every worker seen)
-        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation)
-        # Only grows, under the lock; read without it (one set look-up is atomic).
-        self._gone_transports: Set[str] = set()
+        self._by_transport: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
+        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation), oldest first
+        # Gone RPC workers, oldest first (a dict as an ordered set): written under the lock,
+        # read without it (one look-up is atomic). The oldest are forgotten past
+        # GONE_KEPT, with their index entries: a world that runs for days must not pay
+        # for every worker it ever had (a call to a forgotten one fails as refused).
+        self._gone_transports: Dict[str, None] = {}
         self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
         self._callbacks: List[Callable[[MemberEvent], None]] = []
         self._static_order: List[str] = []
@@ -80,9 +86,7 @@ class Roster:
                     if old is not None and old.transport != rec.transport:
                         # A newer incarnation joined before this view saw the old one lost
                         # (the log may hold them in that order): the old worker is gone now.
-                        self._gone_transports.add(old.transport)
-                        self._here.pop(old.transport, None)
-                        self.pipes.gone(old.transport)
+                        self._worker_gone(old.transport)
                     self._live[rec.member] = rec
                     self._by_transport[rec.transport] = rec.member
                     self._gone.pop(rec.member, None)
@@ -90,10 +94,11 @@ class Roster:
                 current = self._live.get(rec.member)
                 if current is not None and current.incarnation == rec.incarnation:
                     del self._live[rec.member]
+                    self._gone.pop(rec.member, None)  # (re-inserted: newest last)
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
-                self._gone_transports.add(rec.transport)
-                self._here.pop(rec.transport, None)
-                self.pipes.gone(rec.transport)
+                    while len(self._gone) > GONE_KEPT:
+                        del self._gone[next(iter(self._gone))]
+                self._worker_gone(rec.transport)
                 # Its worker, and any it had before a renewal (calls on those may be under way).
                 return [w for w, m in self._by_transport.items() if m == rec.member and w in self._gone_transports]
             finally:
@@ -106,9 +111,19 @@ class Roster:
         self._live[rec.member] = rec
         self._by_transport[rec.transport] = rec.member
         # New calls go to the new worker; calls under way on the old one still complete.
-        self._gone_transports.add(current.transport)
-        self._here.pop(current.transport, None)
-        self.pipes.gone(current.transport)
+        self._worker_gone(current.transport)
+
+    def _worker_gone(self, worker: str) -> None:
+        """Mark RPC worker ``worker`` gone (under the lock); forget the oldest past GONE_KEPT."""
+        self._gone_transports[worker] = None
+        self._here.pop(worker, None)
+        self.pipes.gone(worker)
+        while len(self._gone_transports) > GONE_KEPT:
+            oldest = next(iter(self._gone_transports))
+            del self._gone_transports[oldest]
+            if self._by_transport.get(oldest) not in self._live or \
+                    self._live[self._by_transport[oldest]].transport != oldest:
+                self._by_transport.pop(oldest, None)
 
     def publish(self, event: MemberEvent) -> None:
         """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""

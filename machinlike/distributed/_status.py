@@ -10,7 +10,7 @@ offers ``check`` and ``get`` and nothing else.
     mlk/<restart>/e/...       (elastic)           kind, namespace <ns>
     mlk/<restart>/incarnation/0 = k (static)      <ns> = mlk/<restart>/<k>/
     <ns>w/name/<rank>         (static)            member names in rank order
-    <ns>m/log                                     joins, leaves, losses (names, deaths, rejoins)
+    <ns>m/logk, m/snap/<k>, m/log/<k>             joins, leaves, losses (names, deaths, rejoins)
     <ns>m/live/<name>                             alive ("inc|transport|rank|pid id") or gone ("")
     <ns>m/inc/<name>                              incarnations started (restarts = that - 1)
     <ns>m/hb/<name>                               heartbeat counter (moving = alive)
@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from ._keys import Keys, LogEntry, MemberRecord, OwnedKey
+from ._event_log import EventCounts, read_history
+from ._keys import Keys, MemberRecord, OwnedKey
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
            "event_counts"]
@@ -166,39 +167,13 @@ def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, Keys]]:
     return found
 
 
-def _log(text: str) -> List[Tuple[str, MemberRecord]]:
-    return [(entry.kind, entry.record) for entry in LogEntry.decode_log(text)]
-
-
-@dataclass(frozen=True)
-class EventCounts:
-    """How many of each membership event a world's log holds so far.
-
-    Attributes:
-        events: Every event (its length; the next event's ``seq``).
-        deaths: ``"lost"`` events.
-        rejoins: Joins of an incarnation after the first.
-        leaves: ``"leave"`` events.
-    """
-
-    events: int
-    deaths: int
-    rejoins: int
-    leaves: int
-
-
-def _count(log: List[Tuple[str, MemberRecord]]) -> EventCounts:
-    kinds = [k for k, _ in log]
-    return EventCounts(events=len(log), deaths=kinds.count("lost"), leaves=kinds.count("leave"),
-                       rejoins=sum(1 for k, r in log if k == "join" and r.incarnation > 1))
-
-
 def event_counts(membership: Any) -> EventCounts:
     """The event counts of the world ``membership`` (a started World's) belongs to, from its store.
 
     What a member's own callbacks cannot give: the events posted before it subscribed.
     """
-    return _count(_log(membership.registry.get_or_empty(membership.keys.log())))
+    registry = membership.registry
+    return read_history(lambda key: registry.get_or_empty(key) or None, membership.keys).counts
 
 
 def _holdings(store: ReadOnlyStore, keys: Keys, transport: str) -> Tuple[List[str], List[str]]:
@@ -224,7 +199,8 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
     if located is None:
         return None
     kind, keys = located
-    log = _log(store.get(keys.log()) or "")
+    history = read_history(store.get, keys)
+    log = [(entry.kind, entry.record) for _, entry in history.entries]
     names: List[str] = []
     if kind == "static":
         rank = 0
@@ -258,6 +234,6 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             started=int(started_text) if started_text else 1, rank=rec.rank,
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
-    counts = _count(log)
+    counts = history.counts
     return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
                        leaves=counts.leaves, events=counts.events)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "no_agent_error", "introduce", "reap_retired", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "introduce", "reap_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ def _options(threads: int, timeout: float, init_method: Optional[str],
 _agents_started = 0
 # The first of them, once it is started dynamically (held only to tell it apart).
 _first: List[object] = []
+# The store of the dynamic group the agents joined (where workers' addresses are).
+_group_store: List[dist.Store] = []
 
 
 def rrefs_bound_elsewhere() -> bool:
@@ -114,7 +116,8 @@ def start_static(name: str, rank: int, world_size: int, init_method: str, thread
 
 
 def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float, deadline: float,
-                  holder_dead: Callable[[str], bool], dead: Callable[[str], bool]) -> None:
+                  holder_dead: Callable[[str], bool], dead: Callable[[str], bool],
+                  freed: Optional[Callable[[str], bool]] = None) -> None:
     """Join the dynamic agent group kept in ``store`` as worker ``name`` with id ``tid``.
 
     torch's own dynamic join (``init_rpc`` without a world size) calls every listed worker
@@ -128,6 +131,9 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         deadline: ``time.monotonic()`` deadline for taking the token.
         holder_dead: Whether a token value's holder is dead (then it is released).
         dead: Whether a listed worker is dead (pruned before joining).
+        freed: Whether a pruned worker's member is gone for good, so that its address
+            goes too (a live member's retired worker keeps its own: calls that still
+            name it are introduced with it); None: every address stays.
 
     Raises:
         TimeoutError: the token stayed held by a live joiner until ``deadline``.
@@ -136,6 +142,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
     from torch.distributed.rpc import TensorPipeAgent, api
 
     store.set_timeout(datetime.timedelta(seconds=timeout))
+    _group_store[:] = [store]
     try:
         dist_autograd._init(tid)
     except RuntimeError:
@@ -148,20 +155,14 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
     try:
         stale = [w for w in listed_workers(store) if w != name and dead(w)]
         if stale:
-            _prune_locked(store, stale)
+            _prune_locked(store, stale, freed)
         agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None, ELASTIC_CHANNELS), {},
                                 [])
         # A renewal: the agent this one replaces stays current until the new one is built
         # and listening, so that calls of this process meet no agent-less gap but the
         # swap itself (sync calls wait it out: see wait_current).
-        _steady.clear()
-        try:
-            if rpc.api._is_current_rpc_agent_set():
-                retire_current()
-            api._init_rpc_states(agent)
-            swapped = True
-        finally:
-            _steady.set()
+        _swap(agent)
+        swapped = True
         global _agents_started
         _agents_started += 1
         if _agents_started == 1:
@@ -179,22 +180,62 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         finally:
             if swapped and not _retired:
                 shutdown(False, timeout)
-            elif swapped:
-                _drop_current()  # the retired agents keep serving what they have
+            # A renewal's new agent that failed to join stays current until the next
+            # attempt's swap retires it: it listens and reaches every worker it knows (the
+            # others are introduced on demand, see _calls), where dropping it left this
+            # process with no agent at all, and a user's RRef.to_here() made then failed
+            # with "Current RPC agent is not set".
         raise
     finally:
         _release_token(store, mine)
 
 
-def _drop_current() -> None:
-    """Shut down the current agent alone (a renewal's new one that failed to join)."""
-    from torch._C._distributed_rpc import _reset_current_rpc_agent
+def _swap(agent: "rpc.TensorPipeAgent") -> None:
+    """Make ``agent`` this process's current one; the one it replaces is retired.
 
+    torch sets an agent only where none is set, so there is a gap, and each of the two
+    calls releases the GIL inside it. A thread of torch's that turns a reply into Python
+    (``PythonRpcHandler::deserialize``) asks for the current agent once it holds the GIL:
+    in the gap it fails ("Current RPC agent is not set") although the call ran. So this
+    process's calls are held at the gate (see :func:`wait_steady`) and the old agent's
+    calls under way are given up to ``_DRAIN`` seconds to be answered before the swap;
+    a call that finds no agent waits it out (see :func:`wait_current`).
+    """
+    from torch._C._distributed_rpc import _reset_current_rpc_agent, _set_and_start_rpc_agent
+
+    names = {info.name for info in agent.get_worker_infos()}
+    _steady.clear()
     try:
-        rpc.api._get_current_rpc_agent().shutdown()
-    except RuntimeError as err:
-        log.debug("RPC shutdown of a failed new agent: %s", err)
-    _reset_current_rpc_agent()
+        if rpc.api._is_current_rpc_agent_set():
+            old = rpc.api._get_current_rpc_agent()
+            _drain(old, time.monotonic() + _DRAIN)
+            _retired.append((old, time.monotonic()))
+            _reset_current_rpc_agent()
+        _set_and_start_rpc_agent(agent)
+        rpc.api._ALL_WORKER_NAMES = names  # what torch's _init_rpc_states would set
+    finally:
+        _steady.set()
+
+
+# Seconds a swap waits for the replies to the calls under way on the agent it retires.
+_DRAIN = 2.0
+
+
+def _drain(agent: object, deadline: float) -> None:
+    """Wait until ``agent`` awaits no reply, or ``deadline`` (``time.monotonic()``)."""
+    pause = 0.0005
+    while time.monotonic() < deadline:
+        if agent.get_metrics().get("agent.client_active_calls", "0") == "0":  # type: ignore[attr-defined]
+            return
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    log.debug("RPC agent swap: calls still under way after %g s", _DRAIN)
+
+
+def wait_steady(timeout: float) -> None:
+    """Hold a call while this process swaps its agent (at most ``timeout`` s; at once if not)."""
+    if not _steady.is_set():
+        _steady.wait(max(0.0, timeout))
 
 
 # Clear while this process swaps its current agent for a new one (a renewal): a call
@@ -203,9 +244,8 @@ _steady = threading.Event()
 _steady.set()
 
 
-# Clear while this process renews its agent, every attempt of the join included: an
-# attempt that fails drops its new agent, and the process has no current agent until the
-# next attempt's swap (the old agent is retired already), so a call made then waits too.
+# Clear while this process renews its agent, every attempt of the join included: a call
+# that finds no current agent then (the swap's gap) waits for the renewal to end.
 _settled = threading.Event()
 _settled.set()
 
@@ -234,6 +274,12 @@ def no_agent_error(err: BaseException) -> bool:
     """Whether ``err`` is torch's "no current agent" error (nothing was sent)."""
     text = str(err)
     return "Current RPC agent is not set" in text or "RPC has not been initialized" in text
+
+
+def closed_agent_error(err: BaseException) -> bool:
+    """Whether ``err`` comes from an agent shut down under the call (nothing was sent):
+    TensorPipe's closed context knows no transport any more."""
+    return isinstance(err, ValueError) and "unsupported transport" in str(err)
 
 
 def introduce(worker: str) -> None:
@@ -271,12 +317,29 @@ def _add_worker(agent: object, worker: str, which: str) -> bool:
     base, _, tid = worker.rpartition("_")
     if not base or not tid.isdigit():
         return False  # a static world's worker: its agent is never renewed
+    # torch reads the address with a store get that waits for the key: a gone worker's
+    # address is deleted (see forget), and that wait would last the store's whole timeout.
+    if not _group_store or published_address(_group_store[0], worker) is None:
+        return False
     try:
         agent._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
     except RuntimeError as err:
         log.debug("introducing %r to %s RPC agent: %s", worker, which, err)
         return False
     return True
+
+
+def _forget(store: dist.Store, worker: str) -> None:
+    """Delete what the dynamic group keeps in ``store`` for worker ``worker``, off the list
+    now: the address its agent published and its membership-token keys (one set per worker
+    that ever joined; left, they grow with every death). Best effort: the store may be gone."""
+    for key in (f"addrs/{worker}", f"Token_for_{worker}_join", f"Token_for_{worker}_prune",
+                f"Token_for_{worker}_leave"):
+        try:
+            store.delete_key(key)
+        except (RuntimeError, ConnectionError) as err:
+            log.debug("forgetting RPC worker %r: %s", worker, err)
+            return
 
 
 def published_address(store: dist.Store, worker: str) -> Optional[str]:
@@ -408,7 +471,7 @@ def token_holder(token: str) -> Optional[str]:
 
 
 def prune_workers(store: dist.Store, me: str, gone: Iterable[str], deadline: float,
-                  holder_dead: Callable[[str], bool]) -> List[str]:
+                  holder_dead: Callable[[str], bool], freed: Optional[Callable[[str], bool]] = None) -> List[str]:
     """Remove workers from the dynamic group's list in ``store``, under torch's token.
 
     Args:
@@ -417,6 +480,7 @@ def prune_workers(store: dist.Store, me: str, gone: Iterable[str], deadline: flo
         gone: Worker names to remove.
         deadline: ``time.monotonic()`` deadline for taking the token.
         holder_dead: Whether the token value's holder is dead (then it is released).
+        freed: As for :func:`start_dynamic`.
 
     Returns:
         The names that were listed and are now removed.
@@ -427,12 +491,12 @@ def prune_workers(store: dist.Store, me: str, gone: Iterable[str], deadline: flo
     mine = f"Token_for_{me}_prune"
     _acquire_token(store, mine, deadline, holder_dead)
     try:
-        return _prune_locked(store, gone)
+        return _prune_locked(store, gone, freed)
     finally:
         _release_token(store, mine)
 
 
-def _prune_locked(store: dist.Store, gone: Iterable[str]) -> List[str]:
+def _prune_locked(store: dist.Store, gone: Iterable[str], freed: Optional[Callable[[str], bool]] = None) -> List[str]:
     gone = set(gone)
     if not store.check([_INFOS]):
         return []
@@ -440,7 +504,14 @@ def _prune_locked(store: dist.Store, gone: Iterable[str]) -> List[str]:
     keep = [e for e in entries if e.rpartition("-")[0] not in gone]
     if len(keep) != len(entries):
         store.set(_INFOS, "".join(f"{e}," for e in keep))
-    return [e.rpartition("-")[0] for e in entries if e not in keep]
+    removed = [e.rpartition("-")[0] for e in entries if e not in keep]
+    for worker in removed:
+        # Only once it is off the list, and under the token: torch's agent reads the
+        # address of every listed worker while it is built, with a store get that waits
+        # for a missing key (its whole timeout, holding the GIL: the process stood still).
+        if freed is not None and freed(worker):
+            _forget(store, worker)
+    return removed
 
 
 def listed_workers(store: dist.Store) -> List[str]:
