@@ -360,15 +360,18 @@ def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[s
     """``send(worker, seconds left)``, again as ``_Attempts`` says, within ``timeout``
     seconds; ``fail(err, worker)`` is what to raise when an error stands."""
     deadline = time.monotonic() + timeout
-    attempt = _Attempts(worker)
     _transport.wait_steady(timeout)  # (an agent swap under way: see _transport._swap)
+    attempt: Optional[_Attempts] = None  # made on the first error only (the hot path has none)
+    to = worker
     while True:
-        roster.pipes.called(attempt.worker)
+        roster.pipes.called(to)
         try:
-            return attempt.worker, send(attempt.worker, max(0.001, deadline - time.monotonic()))
+            return to, send(to, max(0.001, deadline - time.monotonic()))
         except (RuntimeError, ValueError) as err:
+            attempt = attempt or _Attempts(to)
             if not attempt.again(roster, err, deadline):
                 raise fail(err, attempt.worker) from err
+            to = attempt.worker
 
 
 class _Attempts:
