@@ -47,3 +47,6 @@ def test_learner_stays_flat_while_actors_die_under_ulimit_1024():
     # (agents retire and are shut down), whose top is where the last line may fall.
     assert rss < 160, out[-4000:]
     assert fds < 400 and maps < 400, out[-4000:]
+    # The learner hosts the store: once the probe left it stops at once, instead of
+    # waiting its whole stop timeout for a leave its stopped monitor never read.
+    assert "closes the store while members remain" not in out, out[-4000:]

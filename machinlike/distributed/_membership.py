@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from ._claims import Claims
 from ._endpoint import Endpoint
 from ._event_log import EventLog
 from ._keys import Keys, LogEntry, MemberRecord
+from ._liveness import alive_here
 from ._member_records import MemberEvent
 from ._monitor import Monitor
 from ._pipes import PipeLedger
@@ -214,6 +216,29 @@ class Membership:
     def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
         """Stop calling ``callback`` (no error if it was not subscribed)."""
         self.roster.unsubscribe(callback)
+
+    def wait_others_gone(self, timeout: float) -> None:
+        """After :meth:`leave` (the monitor is stopped): wait until every other member left
+        or is known dead, reading the log and the claims itself.
+
+        Why not :meth:`wait_until`: with the monitor stopped nobody catches up with the log
+        any more, so the store's host waited its whole stop timeout (30 s) for a member
+        that had left at once (benchmarks/soak.py's probe, every run).
+
+        Raises:
+            TimeoutError: some are still there after ``timeout`` seconds (named).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.events.catch_up()
+            remaining = [rec.member for rec in self.roster.others(self.name)
+                         if self.registry.get_or_empty(self.keys.live(rec.member)) == rec.encode()
+                         and alive_here(rec.identity) is not False]
+            if not remaining or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, deadline_left(deadline)))  # a poll: no event tells of a claim cleared
+        if remaining:
+            raise TimeoutError(f"members {sorted(remaining)} were still in the world after {timeout:g} s")
 
     def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
         """Block until ``predicate(live members)`` holds; return the members then.

@@ -342,10 +342,21 @@ def _forget(store: dist.Store, worker: str) -> None:
             return
 
 
+# Expected by a compare-and-set that only reads: no address equals it, and a store hands
+# back the expected text for a missing key without setting it.
+_READ_PROBE = "\x00read"
+
+
 def published_address(store: dist.Store, worker: str) -> Optional[str]:
-    """The listener address worker ``worker``'s agent published, e.g. ``"uv://10.0.0.2:41235"``."""
-    key = f"addrs/{worker}"
-    return store.get(key).decode() if store.check([key]) else None
+    """The listener address worker ``worker``'s agent published, e.g. ``"uv://10.0.0.2:41235"``;
+    None when there is none (anymore).
+
+    Read in one compare-and-set that changes nothing: a check then a get would wait the
+    store's whole timeout for an address deleted in between (the monitor thread stalled
+    5 s in benchmarks/soak.py when a worker was pruned just then).
+    """
+    held = store.compare_set(f"addrs/{worker}", _READ_PROBE, _READ_PROBE).decode()
+    return None if held == _READ_PROBE else held
 
 
 # Agents replaced by a newer one in this process (a renewal or a recycling), with the

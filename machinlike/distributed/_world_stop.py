@@ -75,6 +75,6 @@ def leave_elastic(session: Session, deadline: float) -> None:
     members.leave(deadline)
     if info.hosted_here:
         try:
-            members.wait_until(lambda live: live in ([], [name]), deadline_left(deadline))
+            members.wait_others_gone(deadline_left(deadline))
         except TimeoutError as err:
             log.warning("World %r closes the store while members remain: %s", name, err)
