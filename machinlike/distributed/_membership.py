@@ -232,13 +232,18 @@ class Membership:
         while True:
             self.events.catch_up()
             remaining = [rec.member for rec in self.roster.others(self.name)
-                         if self.registry.get_or_empty(self.keys.live(rec.member)) == rec.encode()
-                         and alive_here(rec.identity) is not False]
+                         if self._claim_held(rec) and alive_here(rec.identity) is not False]
             if not remaining or time.monotonic() >= deadline:
                 break
             time.sleep(min(0.05, deadline_left(deadline)))  # a poll: no event tells of a claim cleared
         if remaining:
             raise TimeoutError(f"members {sorted(remaining)} were still in the world after {timeout:g} s")
+
+    def _claim_held(self, rec: MemberRecord) -> bool:
+        """Whether ``rec``'s incarnation still holds its claim (under any worker: it may
+        be renewing its agent)."""
+        held = self.registry.get_or_empty(self.keys.live(rec.member))
+        return bool(held) and MemberRecord.decode(rec.member, held).incarnation == rec.incarnation
 
     def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
         """Block until ``predicate(live members)`` holds; return the members then.

@@ -201,16 +201,14 @@ def _swap(agent: "rpc.TensorPipeAgent") -> None:
     calls under way are given up to ``_DRAIN`` seconds to be answered before the swap;
     a call that finds no agent waits it out (see :func:`wait_current`).
     """
-    from torch._C._distributed_rpc import _reset_current_rpc_agent, _set_and_start_rpc_agent
+    from torch._C._distributed_rpc import _set_and_start_rpc_agent
 
     names = {info.name for info in agent.get_worker_infos()}
     _steady.clear()
     try:
         if rpc.api._is_current_rpc_agent_set():
-            old = rpc.api._get_current_rpc_agent()
-            _drain(old, time.monotonic() + _DRAIN)
-            _retired.append((old, time.monotonic()))
-            _reset_current_rpc_agent()
+            _drain(rpc.api._get_current_rpc_agent(), time.monotonic() + _DRAIN)
+            retire_current()
         _set_and_start_rpc_agent(agent)
         rpc.api._ALL_WORKER_NAMES = names  # what torch's _init_rpc_states would set
     finally:
@@ -318,7 +316,7 @@ def _add_worker(agent: object, worker: str, which: str) -> bool:
     if not base or not tid.isdigit():
         return False  # a static world's worker: its agent is never renewed
     # torch reads the address with a store get that waits for the key: a gone worker's
-    # address is deleted (see forget), and that wait would last the store's whole timeout.
+    # address is deleted (see _forget), and that wait would last the store's whole timeout.
     if not _group_store or published_address(_group_store[0], worker) is None:
         return False
     try:
