@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import faulthandler
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -325,6 +327,9 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     collectives), rank 0 (the learner/server) is essential, and every SECONDS another rank
     is SIGKILLed and restarted; the restarts are printed at the end.
     """
+    # A run that hangs can be asked where (kill -USR1): every thread's stack to stderr, as
+    # each rank does already (see machinlike.launch).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     timeout = args.time_budget + timeout_margin
     chaos = getattr(args, "chaos", None)
     if chaos is not None and not chaos_ok:

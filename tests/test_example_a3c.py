@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from example_chaos import COMMON_TAGS, read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +57,17 @@ def test_ctrl_c_stops_the_whole_example(tmp_path):
                 break
         os.killpg(proc.pid, signal.SIGINT)
         begin = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Where it hangs: the launcher and every rank print their threads' stacks on
+            # SIGUSR1 (faulthandler), and the failure shows them.
+            os.killpg(proc.pid, signal.SIGUSR1)
+            try:
+                _, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired as late:
+                err = late.stderr.decode(errors="replace") if isinstance(late.stderr, bytes) else late.stderr
+            pytest.fail(f"the example still ran 60 s after Ctrl-C; its stacks:\n{(err or '')[-30000:]}")
         stopped_in = time.monotonic() - begin
     finally:
         if proc.poll() is None:
