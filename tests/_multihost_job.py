@@ -212,6 +212,11 @@ def stall_role(role: str, timeout: float) -> Dict[str, Any]:
         out["sleeper_reported"] = os.path.exists(done)
         world.stop(timeout)
         return out
+    deadline = time.monotonic() + timeout
+    while not group.is_registered("where/host"):  # a slow host may not have registered it yet
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the host did not register 'where/host' within {timeout:g} s")
+        time.sleep(0.05)
     group.registered_sync("where/host", timeout=timeout)
     print("READY", flush=True)
     deadline = time.monotonic() + timeout

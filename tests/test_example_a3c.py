@@ -46,11 +46,19 @@ def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
 def test_ctrl_c_stops_the_whole_example(tmp_path):
     # Its own session, so that Ctrl-C (SIGINT to the foreground process group) reaches
     # the script and every process it started, as in a terminal.
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
-                             "--stop-at", "0", "--time-budget", "120", "--print-every", "0.5",
-                             "--out", str(tmp_path / "a3c.csv")],
-                            cwd=ROOT, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    # As in a terminal, the example starts with SIGINT at its default action, also when this
+    # run ignores it (a job started with '&' from a script inherits SIGINT ignored, and so
+    # would the example: it then ran on after Ctrl-C, which is what the shell asked for). A
+    # handler here is reset to the default in the exec'd child.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
+                                 "--stop-at", "0", "--time-budget", "120", "--print-every", "0.5",
+                                 "--out", str(tmp_path / "a3c.csv")],
+                                cwd=ROOT, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         for line in proc.stdout:  # wait until training runs (a progress line)
             if line.startswith("["):
