@@ -7,7 +7,9 @@ Run:  python benchmarks/atari.py [--quick]      (--quick: the same comparison in
     (a) ceiling     env stepping alone on every core (one process per core, 16 games
                     each, random actions); Nature-CNN forward per observation at the
                     example's actor batch (16) and forward+backward+step per sample at
-                    its learner batch (16 x 32), one torch thread each. Training on every
+                    its learner's optimizer step (16 games x 32 steps: --minibatches 1),
+                    one torch thread each, with the example's allocator setting
+                    (_util.reuse_large_buffers). Training on every
                     agent step costs env + forward + learn core-seconds per step, so
                     ceiling = cores / (1/env_rate_per_core + forward + learn).
     (b) ours        examples/impala_atari.py, --inference local, then central; the
@@ -19,7 +21,8 @@ Run:  python benchmarks/atari.py [--quick]      (--quick: the same comparison in
                     (numpy<2, gymnasium 0.29) cannot share ours. Its 10-s "Fps" after
                     warm-up, / 4 for agent steps.
     (d) collection  no learner: 2 actors x 16 games with local inference against the same
-                    actors calling one InferenceServer (on a third process); the server's
+                    actors calling one InferenceServer (on a third process), with
+                    max_wait 0 (take what waits) and 2 ms (the default); the server's
                     queue-wait p95; a no-op infer round trip against a raw registered_sync.
 
 The last line: ``atari: ours/ceiling R1, ours/sample-factory R2`` (ours: the faster of
@@ -48,6 +51,7 @@ ROOT = os.path.dirname(BENCH_DIR)
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path[:0] = [EXAMPLES, ROOT]
 
+import _util  # noqa: E402
 from _atari_learner import vtrace_loss  # noqa: E402
 from impala_atari import NatureCNN, Sampler, make_envs  # noqa: E402
 
@@ -71,6 +75,8 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 GAME, ENVS, UNROLL, ACTIONS = "pong", 16, 32, 6
+MINIBATCHES = 1  # the example's --minibatches (default)
+WAITS = (0.0, 0.002)  # the collection's servers' max_wait: take what waits, and the default
 
 
 # ----------------------------------------------------------------------- (a) ceiling
@@ -94,6 +100,7 @@ def ceiling(quick: bool) -> Dict[str, float]:
     with multiprocessing.get_context("spawn").Pool(cores) as pool:
         env_rate = sum(pool.map(_env_steps, [seconds] * cores)) / seconds
     torch.set_num_threads(1)
+    _util.reuse_large_buffers()  # as the example's processes do
     model = NatureCNN(ACTIONS)
     obs = torch.randint(0, 256, (ENVS, 4, 84, 84), dtype=torch.uint8)
     with torch.no_grad():
@@ -105,13 +112,14 @@ def ceiling(quick: bool) -> Dict[str, float]:
             model(obs)
             times.append(time.perf_counter() - began)
     forward = statistics.median(times) / ENVS
-    batch = [{"obs": torch.randint(0, 256, (UNROLL + 1, ENVS, 4, 84, 84), dtype=torch.uint8),
-              "actions": torch.randint(0, ACTIONS, (UNROLL, ENVS)), "rewards": torch.zeros(UNROLL, ENVS),
-              "done": torch.zeros(UNROLL, ENVS), "logp": torch.full((UNROLL, ENVS), -1.8)}]
+    games = ENVS // MINIBATCHES  # per optimizer step, as the example's learner
+    batch = [{"obs": torch.randint(0, 256, (UNROLL + 1, games, 4, 84, 84), dtype=torch.uint8),
+              "actions": torch.randint(0, ACTIONS, (UNROLL, games)), "rewards": torch.zeros(UNROLL, games),
+              "done": torch.zeros(UNROLL, games), "logp": torch.full((UNROLL, games), -1.8)}]
     args = argparse.Namespace(gamma=0.99, baseline_cost=0.5, entropy_cost=0.01)
     optimizer = torch.optim.RMSprop(model.parameters(), lr=6e-4, alpha=0.99, eps=0.01)
     times = []
-    for i in range(3 if quick else 8):
+    for i in range(9 if quick else 24):
         began = time.perf_counter()
         loss, _ = vtrace_loss(model, batch, args)
         optimizer.zero_grad()
@@ -119,7 +127,7 @@ def ceiling(quick: bool) -> Dict[str, float]:
         optimizer.step()
         if i:  # the first builds the kernels' caches
             times.append(time.perf_counter() - began)
-    learn = statistics.median(times) / (UNROLL * ENVS)
+    learn = statistics.median(times) / (UNROLL * games)
     per_core = env_rate / cores
     return {"cores": cores, "env": env_rate, "forward_ms": forward * 1e3, "learn_ms": learn * 1e3,
             "train": cores / (1 / per_core + forward + learn), "collect": cores / (1 / per_core + forward)}
@@ -222,13 +230,17 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
     group = world.create_rpc_group("bench", world.get_members())
     wait = 20 * seconds + 600  # a barrier waits for the others' whole phase (set-up included)
     out: Dict[str, Any] = {}
+    # One torch thread everywhere: a 2-thread forward on two cores that the actors keep
+    # busy waits for its second thread at every layer (the server's queue-wait p95 was
+    # 118 ms with two threads in an earlier run, 0.6 ms with one).
+    torch.set_num_threads(1)
+    _util.reuse_large_buffers()
     if world.rank == 0:
-        torch.set_num_threads(2)  # it runs every actor's forward
-        policy = InferenceServerImpl("policy", group, NatureCNN(ACTIONS), max_batch=64, max_wait=0.002, version=1)
+        policies = {wait: InferenceServerImpl(f"policy{wait:g}", group, NatureCNN(ACTIONS), max_batch=64,
+                                              max_wait=wait, version=1) for wait in WAITS}
         noop = InferenceServerImpl("noop", group, _noop, max_wait=0.0)
         group.register("echo", _noop)
     else:
-        torch.set_num_threads(1)
         sampler = Sampler(GAME, ENVS, 1000 * world.rank, torch.Generator().manual_seed(world.rank))
         model = NatureCNN(ACTIONS)
     group.barrier(timeout=wait)
@@ -244,14 +256,14 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
                     times.append(time.perf_counter() - began)
         out.update(noop_infer_us=statistics.median(infer_t) * 1e6, noop_raw_us=statistics.median(raw_t) * 1e6)
     group.barrier(timeout=wait)
-    for mode in ("local", "central"):
+    for mode in ("local", *(f"central{wait:g}" for wait in WAITS)):
         if world.rank > 0:
             if mode == "local":
                 def act(obs: torch.Tensor) -> Tuple[torch.Tensor, int]:
                     with torch.no_grad():
                         return model(obs)[0], 0
             else:
-                acc = group.get_paired("policy").to_here()
+                acc = group.get_paired(mode.replace("central", "policy")).to_here()
 
                 def act(obs: torch.Tensor) -> Tuple[torch.Tensor, int]:
                     (logits, _), version = acc.infer(obs, timeout=60, with_version=True)
@@ -264,8 +276,9 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
             out[mode] = steps / (time.monotonic() - began)
         group.barrier(timeout=wait)
     if world.rank == 0:
-        out["server"] = policy.stats()
-        policy.close()
+        for wait, policy in policies.items():
+            out[f"server{wait:g}"] = policy.stats()
+            policy.close()
         noop.close()
     group.destroy()
     return out
@@ -274,10 +287,13 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
 def collection(quick: bool) -> Dict[str, Any]:
     results = launch(_collect, 3, args=(10.0 if quick else 30.0,), timeout=1800)
     actors = results[1:]
-    server = results[0]["server"]
-    return {"local": sum(r["local"] for r in actors), "central": sum(r["central"] for r in actors),
-            "wait_p95_ms": 1e3 * (server["queue_wait_p95"] or 0.0), "batch": server["mean_batch"],
-            "noop_infer_us": results[1]["noop_infer_us"], "noop_raw_us": results[1]["noop_raw_us"]}
+    out: Dict[str, Any] = {"local": sum(r["local"] for r in actors), "noop_infer_us": results[1]["noop_infer_us"],
+                           "noop_raw_us": results[1]["noop_raw_us"], "central": {}}
+    for wait in WAITS:
+        server = results[0][f"server{wait:g}"]
+        out["central"][wait] = (sum(r[f"central{wait:g}"] for r in actors), server["mean_batch"],
+                                1e3 * (server["queue_wait_p95"] or 0.0))
+    return out
 
 
 def main() -> None:
@@ -301,8 +317,8 @@ def main() -> None:
         c = ceiling(quick)
         print(f"(a) ceiling: env alone {c['env']:,.0f} agent steps/s on {c['cores']:.0f} cores "
               f"({4 * c['env']:,.0f} frames/s); Nature-CNN forward {c['forward_ms']:.3f} ms/obs at batch {ENVS}; "
-              f"forward+backward+step {c['learn_ms']:.3f} ms/sample at batch {ENVS}x{UNROLL}; implied ceilings: "
-              f"training {c['train']:,.0f} agent steps/s ({4 * c['train']:,.0f} frames/s), collection "
+              f"forward+backward+step {c['learn_ms']:.3f} ms/sample at batch {ENVS // MINIBATCHES}x{UNROLL}; implied "
+              f"ceilings: training {c['train']:,.0f} agent steps/s ({4 * c['train']:,.0f} frames/s), collection "
               f"{c['collect']:,.0f}", flush=True)
 
     rates: Dict[str, Optional[float]] = {}
@@ -326,11 +342,12 @@ def main() -> None:
 
     if "d" in parts:
         d = collection(quick)
-        print(f"(d) collection only, 2 actors x {ENVS} games: local {d['local']:,.0f} agent steps/s, central "
-              f"{d['central']:,.0f} ({d['central'] / d['local']:.2f}x local; mean batch {d['batch']:.1f}, server "
-              f"queue-wait p95 {d['wait_p95_ms']:.2f} ms); no-op round trip: infer {d['noop_infer_us']:.0f} us, "
-              f"raw registered_sync {d['noop_raw_us']:.0f} us ({d['noop_infer_us'] / d['noop_raw_us']:.2f}x)",
-              flush=True)
+        central = "; ".join(f"central max_wait={1e3 * wait:g} ms {rate:,.0f} ({rate / d['local']:.2f}x local, mean "
+                            f"batch {batch:.1f}, server queue-wait p95 {p95:.2f} ms)"
+                            for wait, (rate, batch, p95) in d["central"].items())
+        print(f"(d) collection only, 2 actors x {ENVS} games: local {d['local']:,.0f} agent steps/s; {central}; "
+              f"no-op round trip: infer {d['noop_infer_us']:.0f} us, raw registered_sync {d['noop_raw_us']:.0f} us "
+              f"({d['noop_infer_us'] / d['noop_raw_us']:.2f}x)", flush=True)
 
     shutil.rmtree(out_dir, ignore_errors=True)
     print(f"total {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.1f}", flush=True)

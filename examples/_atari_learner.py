@@ -4,7 +4,8 @@ and the choice between local and central inference.
 Not part of the library: the example imports it from its own folder. Everything here lives
 in rank 0's process:
 
-    actors ──► Inbox ──► learn(): take B, vtrace_loss, RMSprop step ──► publish version v:
+    actors ──► Inbox ──► learn(): take B, per minibatch of their games: vtrace_loss, an
+                                   optimizer step; then publish version v:
                                    model server (local inference) and/or
                                    InferenceServerImpl.update (central inference)
     actors ──► Reports.report(): EpisodeLog (metric, CSV, stop), the policy calls' p95,
@@ -32,7 +33,7 @@ from _metrics import RunMetrics, logdir_of
 from machinlike.metrics import flatten_stats
 from machinlike.server import PushPullModelServerImpl
 
-__all__ = ["ModeChooser", "Reports", "vtrace_loss", "learn"]
+__all__ = ["ModeChooser", "Reports", "vtrace_loss", "make_optimizer", "env_slices", "learn"]
 
 GROUP = "atari"
 SERVER = "atari_model"
@@ -142,6 +143,29 @@ def vtrace_loss(net: nn.Module, batch: List[Dict[str, torch.Tensor]],
                   "entropy": entropy.item() / steps}
 
 
+def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """``--optimizer``: the IMPALA paper's RMSprop for Atari (decay 0.99, eps 0.01, on summed
+    losses), or Adam (RLlib's IMPALA default, also on summed losses)."""
+    if args.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=args.lr)
+    return torch.optim.RMSprop(model.parameters(), lr=args.lr, alpha=0.99, eps=0.01)
+
+
+def env_slices(batch: List[Dict[str, torch.Tensor]], parts: int) -> List[List[Dict[str, torch.Tensor]]]:
+    """``batch`` cut along its games into ``parts`` minibatches (views, no copies), each
+    with a slice of every message's games; ``versions`` (one per step) goes whole with
+    each. Fewer than ``parts`` when the messages have fewer games."""
+    out: List[List[Dict[str, torch.Tensor]]] = [[] for _ in range(parts)]
+    for trajectory in batch:
+        games = trajectory["actions"].shape[1]
+        for i, index in enumerate(torch.arange(games).tensor_split(parts)):
+            if len(index):
+                lo, hi = int(index[0]), int(index[-1]) + 1
+                out[i].append({key: value if key == "versions" else value[:, lo:hi]
+                               for key, value in trajectory.items()})
+    return [part for part in out if part]
+
+
 def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Namespace,
           net_class: Callable[[int], nn.Module], ready: Optional[Callable[[], None]] = None) -> Dict[str, Any]:
     """The learner; it also hosts the model server, the inference server (central or auto),
@@ -155,8 +179,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     """
     torch.manual_seed(args.seed)
     model = net_class(args.actions).to(args.device)  # the actors' copies stay on the CPU (pull casts)
-    # The IMPALA paper's optimiser for Atari: RMSprop, decay 0.99, eps 0.01 (on summed losses).
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=args.lr, alpha=0.99, eps=0.01)
+    optimizer = make_optimizer(model, args)
     inbox = Inbox(args.queue_size)
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
     state = {"updates": 0, "version_lag": "", "agent_steps_per_s": "", "inference": ""}
@@ -205,22 +228,24 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             out.update(flatten_stats(infer_impl.stats(), "server/inference"))
         return out
 
+    version = 1  # of the weights the actors were last given
     while True:
         batch = _next_batch(inbox, log, args)
         if batch is None:
             break
-        version = state["updates"] + 1  # the version the actors were last given
         batch_lags = [version - t["versions"].double().mean().item() for t in batch]
-        loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in batch], args)
-        optimizer.zero_grad()
-        loss.backward()
-        grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-        optimizer.step()
-        state["updates"] += 1
+        for part in env_slices(batch, args.minibatches):
+            loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in part], args)
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            optimizer.step()
+            state["updates"] += 1
+        version += 1
         if args.inference != "central":  # only local inference reads the model server
             models.push(model)
         if infer_impl is not None:
-            infer_impl.update(model, state["updates"] + 1)
+            infer_impl.update(model, version)
         lags += batch_lags
         state["version_lag"] = f"{sum(batch_lags) / len(batch_lags):.2f}"
         steps = log.snapshot()["env_steps"]

@@ -45,6 +45,41 @@ def test_nature_cnn_takes_uint8_stacks(atari):
     assert logits.shape == (3, 6) and value.shape == (3,)
 
 
+def test_nature_cnn_channels_last_gives_the_same_outputs(atari):
+    import torch
+
+    example, _ = atari
+    torch.manual_seed(0)
+    net = example.NatureCNN(6)
+    frames = torch.randint(0, 256, (5, 4, 84, 84), dtype=torch.uint8)
+    logits, value = net(frames)
+    hidden = net.torso(frames.float() / 255.0)  # the plain contiguous layout
+    torch.testing.assert_close(logits, net.policy(hidden))
+    torch.testing.assert_close(value, net.value(hidden).squeeze(-1))
+
+
+def test_minibatches_slice_every_message_along_its_games(atari):
+    import torch
+
+    _, learner = atari
+
+    def message(games, tag):
+        return {"obs": torch.full((3, games, 4, 2, 2), tag, dtype=torch.uint8),
+                "actions": torch.arange(2 * games).reshape(2, games) + 100 * tag,
+                "versions": torch.tensor([tag, tag])}
+
+    batch = [message(5, 1), message(5, 2)]
+    parts = learner.env_slices(batch, 2)
+    assert len(parts) == 2 and [len(part) for part in parts] == [2, 2]
+    seen = torch.cat([piece["actions"] for part in parts for piece in part], dim=1)
+    expected = torch.cat([m["actions"] for m in batch], dim=1)
+    assert sorted(seen.flatten().tolist()) == sorted(expected.flatten().tolist())  # each game once
+    assert parts[0][0]["obs"].shape == (3, 3, 4, 2, 2) and parts[1][1]["obs"].shape == (3, 2, 4, 2, 2)
+    assert torch.equal(parts[1][1]["versions"], batch[1]["versions"])  # per step: whole
+    # More parts than games: one game each, no empty minibatch.
+    assert [len(part) for part in learner.env_slices([message(2, 1)], 4)] == [1, 1]
+
+
 def test_auto_trial_keeps_the_faster_mode(atari, monkeypatch):
     _, learner = atari
     clock = [100.0]
