@@ -339,11 +339,14 @@ def test_the_store_host_dying_fails_every_member_fast():
 
 def _renewing_caller_body(world):
     # The caller closes its own RPC listener three times (each time its agent is renewed)
-    # while two threads keep sending it asynchronous calls: every call is sent (again,
-    # where the agent was being swapped) and answered; none fails.
+    # while two threads keep sending it asynchronous calls, and calling a service of its
+    # own: every call is sent (again, where the agent was being swapped; to the new worker,
+    # where it was picked just before the move) and answered; none fails.
     group = world.create_rpc_group("open")
     if world.name == "host":
         group.register("svc", _whoami)
+    else:
+        group.register("mine", _whoami)
     both = world.create_rpc_group("both", ["host", "caller"])
     if world.name == "host":
         both.barrier(timeout=60)
@@ -356,12 +359,21 @@ def _renewing_caller_body(world):
                 assert group.registered_async("svc", timeout=20).wait() == "host#1"
                 assert group.rpc_async("host", _whoami, timeout=20).wait() == "host#1"
                 assert group.registered_remote("svc", timeout=20).to_here(timeout=20) == "host#1"
+                assert group.registered_sync("mine", timeout=20) == "caller#1"
                 answered[0] += 1
             except Exception:  # noqa: BLE001 - collected and reported below
                 failures.append(traceback.format_exc())
                 return
 
-    threads = [threading.Thread(target=hammer) for _ in range(2)]
+    def own() -> None:  # its own service, as a learner pushes to its own model server
+        while not stop.is_set():
+            try:
+                assert group.registered_sync("mine", timeout=20) == "caller#1"
+            except Exception:  # noqa: BLE001 - collected and reported below
+                failures.append(traceback.format_exc())
+                return
+
+    threads = [threading.Thread(target=hammer) for _ in range(2)] + [threading.Thread(target=own)]
     for thread in threads:
         thread.start()
     try:

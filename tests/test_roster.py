@@ -77,3 +77,19 @@ def test_a_view_remembers_a_bounded_number_of_gone_workers_and_members(monkeypat
     # The recent past is still known; the live member still routes.
     assert roster.transport_gone("a399_409") and roster.gone("a399") == "lost"
     assert roster.transport_of("host") == "host_1360" and roster.member_of("host_1360") == "host"
+    assert len(roster._moved_to) <= 50
+
+
+def test_a_call_picked_before_a_move_goes_to_the_new_worker_and_a_gone_one_nowhere():
+    # A caller (or an owner cache) that picked "host_0" just before the member renewed its
+    # agent twice reaches the newest worker; once the member is lost, nothing does, and
+    # its next incarnation (another process) is never a redirect target.
+    roster = _roster_with(process_identity())
+    assert roster.resolve("host_0") == "host_0"
+    roster.apply("move", MemberRecord("host", 1, "host_4", 0, process_identity()))
+    roster.apply("move", MemberRecord("host", 1, "host_7", 0, process_identity()))
+    assert roster.resolve("host_0") == "host_7" and roster.resolve("host_4") == "host_7"
+    roster.apply("lost", MemberRecord("host", 1, "host_7", 0, process_identity()))
+    roster.apply("join", MemberRecord("host", 2, "host_9", 0, process_identity()))
+    assert roster.resolve("host_0") is None and roster.resolve("host_7") is None
+    assert roster.resolve("host_9") == "host_9"

@@ -322,7 +322,7 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     """
     if roster.cut_off is not None:
         raise roster.cut_off
-    if roster.transport_gone(worker):
+    if roster.resolve(worker) is None:
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
 
     def call(to: str, left: float) -> Any:
@@ -364,6 +364,9 @@ def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[s
     attempt: Optional[_Attempts] = None  # made on the first error only (the hot path has none)
     to = worker
     while True:
+        # A worker retired by its member's renewal since the caller picked it (this
+        # process's own included): its successor (see Roster.resolve).
+        to = roster.resolve(to) or to
         roster.pipes.called(to)
         try:
             return to, send(to, max(0.001, deadline - time.monotonic()))
@@ -381,6 +384,8 @@ class _Attempts:
         no current agent (this process swaps it: a renewal)      -> wait for the swap
         an agent shut down under the call (a failed renewal's)   -> wait, then the new one
         refused (its member renewed its agent or recycled)       -> the worker it moved to
+        reset by a live process on this host (its listener       -> the worker it moved to
+          closed under a new pipe)
         unknown to this agent ("could not find destination")     -> the worker it moved to,
                                                                     or introduce it once
     """
@@ -417,6 +422,13 @@ class _Attempts:
         return True
 
 
+# How torch's TensorPipe words a pipe reset under a call (tcp and shm transports).
+_RESET = ("connection reset", "econnreset", "broken pipe", "epipe")
+# Seconds a reset call waits for its worker's member to move (a renewal: a monitor tick to
+# notice the closed listener, and the new agent's join).
+_RESET_WAIT = 10.0
+
+
 def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float,
                     introduced: bool = False) -> Optional[str]:
     """The worker to call instead of ``worker`` after ``err``, else None (the error stands).
@@ -424,6 +436,7 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
     Refused: the worker its member moved to before ``deadline``. Unknown to this process's
     agent ("could not find destination"): the worker it moved to, or ``worker`` itself once
     introduced to the agent (not again when ``introduced``: this call did that already).
+    Reset by a live process on this host: the worker it moved to within ``_RESET_WAIT``.
     """
     text = str(err).lower()
     if "could not find destination" in text:
@@ -437,9 +450,17 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
         if introduced or roster.transport_gone(worker) or not _transport.introduce_current(worker):
             return None  # (introduced: this call told the agent once already; it stands)
         return worker
-    if "connection refused" not in text and "econnrefused" not in text:
-        return None
-    return roster.moved_from(worker, deadline - time.monotonic())
+    if "connection refused" in text or "econnrefused" in text:
+        return roster.moved_from(worker, deadline - time.monotonic())
+    if any(word in text for word in _RESET) and roster.on_this_host(worker):
+        # A new pipe to a process here whose listener closed as it connected (the kernel
+        # took the connection, nobody accepted it: nothing of the call ran), this process's
+        # own included: it renews its agent within a tick or two, and the call goes to the
+        # new one. A dead process here resets too: moved_from says so at once and the
+        # error stands; so it does when no move comes within _RESET_WAIT.
+        return roster.moved_from(worker, min(_RESET_WAIT, deadline - time.monotonic()))
+    return None
+
 
 
 def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:

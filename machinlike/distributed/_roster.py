@@ -52,6 +52,9 @@ class Roster:
         # for every worker it ever had (a call to a forgotten one fails as refused).
         self._gone_transports: Dict[str, None] = {}
         self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
+        # Retired worker -> the worker its member (same incarnation) moved to; bounded
+        # with the gone workers (each entry's key is one of them).
+        self._moved_to: Dict[str, str] = {}
         self._callbacks: List[Callable[[MemberEvent], None]] = []
         self._static_order: List[str] = []
         # Set once, for good: the store was lost, or the others declared this member lost.
@@ -110,6 +113,7 @@ class Roster:
             return
         self._live[rec.member] = rec
         self._by_transport[rec.transport] = rec.member
+        self._moved_to[current.transport] = rec.transport
         # New calls go to the new worker; calls under way on the old one still complete.
         self._worker_gone(current.transport)
 
@@ -121,6 +125,7 @@ class Roster:
         while len(self._gone_transports) > GONE_KEPT:
             oldest = next(iter(self._gone_transports))
             del self._gone_transports[oldest]
+            self._moved_to.pop(oldest, None)
             if self._by_transport.get(oldest) not in self._live or \
                     self._live[self._by_transport[oldest]].transport != oldest:
                 self._by_transport.pop(oldest, None)
@@ -265,6 +270,21 @@ class Roster:
         # No lock: one set look-up is atomic, the set only grows (under the lock), and
         # every call asks this twice.
         return transport in self._gone_transports
+
+    def resolve(self, worker: str) -> Optional[str]:
+        """The worker to call for ``worker``: itself while it is current, the worker its
+        member moved to when it was retired by a renewal (the same incarnation: a call
+        picked from a view or cache of just before the move still reaches it), None when
+        its member is gone (a later incarnation is another process: never redirected)."""
+        if worker not in self._gone_transports:  # (the hot path: no lock, as transport_gone)
+            return worker
+        with self._lock:
+            for _ in range(len(self._moved_to) + 1):  # a chain of moves, never a cycle
+                nxt = self._moved_to.get(worker)
+                if nxt is None:
+                    break
+                worker = nxt
+            return None if worker in self._gone_transports else worker
 
     # ---------------------------------------------------------------- callbacks
     def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:

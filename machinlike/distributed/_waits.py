@@ -94,7 +94,9 @@ class Waits:
         with self._lock:
             self._pending.setdefault(worker, set()).add(done)
         try:
-            if self._roster.transport_gone(worker):
+            # (A worker retired by a renewal since the call was sent is not lost: the old
+            # agent serves the calls it took until it is reaped.)
+            if self._roster.resolve(worker) is None:
                 raise PeerLostError(self._roster.member_of(worker), f"{what}: it left or was lost")
             fut.add_done_callback(lambda _: done.set())
             done.wait()  # bounded: torch completes the future at the call's own timeout
