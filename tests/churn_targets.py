@@ -165,3 +165,65 @@ def dead_before_flush_body(world: Any) -> Any:
         acked += bool(accessor.push(model, pull=False))
     registry.set(_key(world, "pushed"), "1")
     return acked
+
+
+def renewed_secondary_body(world: Any) -> Any:
+    """``c1`` pushes 3 one-hot gradients through ``s1`` (fewer than a batch: they stay
+    queued), then ``s1`` renews its RPC agent (its listener closed: a new worker name, the
+    same incarnation) and ``c1`` pushes 3 more. Returns p's applied slots and stats."""
+    import socket
+
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    me = world.name
+    world.wait_for_members(["p", "s1", "c1"], TIMEOUT)
+    if me == "p":
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+        model = Slots()
+        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        impl.start()
+        registry.set(_key(world, "ready"), "1")
+        _wait_key(world, "moved")
+        moved = registry.get_or_empty(_key(world, "moved"))
+        # This view too has seen the move before the next pushes: s1's old worker is gone here.
+        world.membership.wait_until(lambda live: world.membership.roster.transport_of("s1") == moved, TIMEOUT)
+        registry.set(_key(world, "renewed"), "1")
+        _wait_key(world, "pushed")
+        accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
+        accessor.flush(timeout=TIMEOUT)
+        stats = impl.stats()
+        applied = (-model.w.detach()).round().long()
+        registry.set(_key(world, "end"), "1")
+        impl.close()
+        return {"applied": applied.nonzero().flatten().tolist(), "stats": stats}
+    _wait_key(world, "ready")
+    if me == "s1":
+        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+        impl.start()
+        registry.set(_key(world, "s1"), "1")
+        _wait_key(world, "half")
+        old = world.membership.transport
+        address = world.membership.rpc_address()
+        assert address, (old, world.membership.endpoint.renewals, world.membership.endpoint.recycles)
+        host, _, port = address[len("uv://"):].rpartition(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # TensorPipe closes the listener
+        world.membership.wait_until(lambda live: world.membership.transport != old, TIMEOUT)
+        registry.set(_key(world, "moved"), world.membership.transport)
+        _wait_key(world, "end")
+        impl.close()
+        return old != world.membership.transport
+    _wait_key(world, "s1")
+    accessor = PushPullGradServer("grad", group, secondary_reducers=["s1"], timeout=TIMEOUT)
+    model = Slots()
+    acked = 0
+    for slot in range(6):
+        if slot == 3:
+            registry.set(_key(world, "half"), "1")
+            _wait_key(world, "renewed")
+        grad = torch.zeros(SLOTS)
+        grad[slot] = 1.0
+        model.w.grad = grad
+        acked += bool(accessor.push(model, pull=False))
+    registry.set(_key(world, "pushed"), "1")
+    _wait_key(world, "end")
+    return acked

@@ -11,7 +11,7 @@ import pytest
 
 from machinlike import launch
 
-from churn_targets import churn_body, dead_before_flush_body
+from churn_targets import churn_body, dead_before_flush_body, renewed_secondary_body
 
 
 def _read_log(path):
@@ -71,3 +71,23 @@ def test_pushes_of_a_secondary_dead_before_a_flush_are_reported_when_it_returns(
     assert out["applied"] == 0
     assert out["stats"]["primary"]["dropped_by_client"] == {"c1": 3}, out["stats"]
     assert out["took"] < 2 * 2.0 + 1.5, out["took"]  # within the loss bound
+
+
+@pytest.mark.timeout(60)
+def test_a_secondary_that_renews_its_agent_keeps_forwarding():
+    # A renewal (or a recycling) gives the secondary a new RPC worker name in the same
+    # incarnation: what it accepted before and after still reaches the primary, and
+    # nothing is reported dropped.
+    results = launch(renewed_secondary_body, 3, names=["p", "s1", "c1"], max_restarts=1, essential=["p", "s1", "c1"],
+                     timeout=50)
+    out = results[0]
+    assert results[1] is True and results[2] == 6
+    assert out["applied"] == list(range(6)), str(out["stats"]["primary"])
+    assert not out["stats"]["primary"]["dropped_by_client"], out["stats"]
+
+
+def test_source_tags_name_an_incarnation_and_old_tags_still_parse():
+    from machinlike.server._churn import Source, parse_source
+
+    assert parse_source("s1_7#2@3") == Source("s1", "s1_7", 2, 3)
+    assert parse_source("s1_7@3") == Source("s1", "s1_7", None, 3)  # a checkpoint's tag from before

@@ -253,6 +253,16 @@ class Endpoint:
         rec = MemberRecord.decode(member, held)
         return rec.transport != worker or alive_here(rec.identity) is False
 
+    def incarnation_dead(self, worker: str, incarnation: int) -> bool:
+        """Whether incarnation ``incarnation`` of RPC worker ``worker``'s member holds no
+        live claim (read from the store), whichever worker it answers as now."""
+        member = self._registry.get_or_empty(self._keys.worker(worker))
+        held = self._registry.get_or_empty(self._keys.live(member)) if member else ""
+        if not held:
+            return True
+        rec = MemberRecord.decode(member, held)
+        return rec.incarnation != incarnation or alive_here(rec.identity) is False
+
     def token_holder_dead(self, token: str) -> bool:
         holder = _transport.token_holder(token)
         return holder is not None and holder != self.transport and self.worker_dead(holder)

@@ -271,6 +271,18 @@ class Membership:
         """
         return self.roster.transport_gone(worker) or self.endpoint.worker_dead(worker)
 
+    def worker_ended(self, worker: str) -> bool:
+        """Whether the incarnation RPC worker ``worker`` served is gone in this view: it left
+        or was lost; not when it renewed its agent (the worker then moved, the process is
+        the same)."""
+        return self.roster.resolve(worker) is None
+
+    def incarnation_dead(self, worker: str, incarnation: int) -> bool:
+        """Whether incarnation ``incarnation`` of RPC worker ``worker``'s member is gone,
+        asking the store when this view has not seen it yet (as :meth:`worker_dead`, but a
+        worker retired by a renewal of that incarnation is not dead)."""
+        return self.worker_ended(worker) or self.endpoint.incarnation_dead(worker, incarnation)
+
     @property
     def transport(self) -> str:
         """The RPC worker this member answers as."""

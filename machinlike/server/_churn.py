@@ -7,18 +7,19 @@ primary counts what arrived; the difference, once the secondary is gone, is exac
 died with it::
 
     client ──push──► secondary S (RPC worker w)             primary P, incarnation p
-                     admit(client):                          accept(partial sum of "w@p"):
+                     admit(client):                          accept(partial sum of "w#i@p"):
                        P not live ──► PeerLostError(P)         worker w gone, or tagged for another
-                       source = "w@p"                          primary incarnation ──► refused
+                       source = "w#i@p"                        primary incarnation ──► refused
                        store: acc/<source>/<client> += 1       received[source, client] += n
                      queue it, reply True                    (check and count under one lock)
 
     dropped(client) = sum over settled sources of  acc[source, client] - received[source, client]
 
-The RPC worker name ``w`` names one process (an elastic member's transport,
-``<name>_<id>``, is new for every incarnation). A source is *settled* once no more
-of it can arrive: its worker is gone (lost or left), or it was tagged for another
-primary incarnation (a restarted primary refuses those; what it had received is
+``w#i`` names one process: incarnation ``i`` of the secondary, by the RPC worker of its
+first agent (``<name>_<id>``, new for every incarnation). A renewal or a recycling gives
+the process another worker but keeps its tag. A source is *settled* once no more of it
+can arrive: its incarnation is gone (lost or left; not moved to a new agent), or it was
+tagged for another primary incarnation (a restarted primary refuses those; what it had received is
 restored from its checkpoint). A forward of a
 settled source is refused under the same lock that counts receipts, so a gradient is
 either received (and applied) or dropped, never both.
@@ -34,19 +35,32 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from ..exception import PeerLostError
 
-__all__ = ["Admission", "Ledger", "parse_source"]
+__all__ = ["Admission", "Ledger", "Source", "parse_source"]
 
 Origin = Dict[Tuple[str, str], int]
 
 
-def parse_source(source: str) -> Tuple[str, str, int]:
-    """``"w@p"`` -> (secondary member, its RPC worker, the primary's incarnation)."""
-    worker, _, primary = source.rpartition("@")
-    return worker.rpartition("_")[0] or worker, worker, int(primary)
+class Source(NamedTuple):
+    """What a source tag names."""
+
+    member: str  # the secondary reducer (as its worker name spells it; for messages)
+    worker: str  # its RPC worker when it accepted its first push (it may renew its agent since)
+    incarnation: Optional[int]  # the secondary's incarnation; None: a tag without it (older checkpoints)
+    primary: int  # the primary reducer's incarnation the pushes were accepted for
+
+
+def parse_source(source: str) -> Source:
+    """``"w#i@p"`` (or ``"w@p"``) -> its :class:`Source`."""
+    head, _, primary = source.rpartition("@")
+    worker, mark, incarnation = head.rpartition("#")
+    if not mark:
+        worker, incarnation = head, ""
+    return Source(worker.rpartition("_")[0] or worker, worker, int(incarnation) if incarnation else None,
+                  int(primary))
 
 
 class _Keys:
@@ -82,7 +96,9 @@ class Admission:
         self._keys = _Keys(world, group_name, server_name)
         self._server = server_name
         self._primary = primary
-        self._me = world.membership.transport
+        # The worker and incarnation of the first agent: the tag stays for the incarnation's
+        # life (a renewal or a recycling gives it another worker, not another process).
+        self._me = f"{world.membership.transport}#{world.incarnation}"
         self._lock = threading.Lock()
         self._known: Set[Tuple[str, str]] = set()
 
@@ -134,12 +150,14 @@ class Ledger:
         self.refused = 0
 
     def _settled(self, source: str) -> Optional[str]:
-        member, worker, primary = parse_source(source)
-        if primary != self._incarnation:
-            return f"they were accepted for incarnation {primary} of the primary reducer, this is {self._incarnation}"
-        # Not "not live": a secondary that joined may not be in this member's view yet.
-        if source in self._closed or self._keys.members.transport_gone(worker):
-            return f"secondary reducer {member!r} (RPC worker {worker!r}) is gone"
+        src = parse_source(source)
+        if src.primary != self._incarnation:
+            return (f"they were accepted for incarnation {src.primary} of the primary reducer, this is "
+                    f"{self._incarnation}")
+        # Not "not live": a secondary that joined may not be in this member's view yet. Not
+        # "its worker gone": one that renewed its agent still forwards what it accepted.
+        if source in self._closed or self._keys.members.worker_ended(src.worker):
+            return f"secondary reducer {src.member!r} (RPC worker {src.worker!r}) is gone"
         return None
 
     def receive(self, origin: Origin) -> Optional[PeerLostError]:
@@ -149,7 +167,7 @@ class Ledger:
                 why = self._settled(source)
                 if why is not None:
                     self.refused += sum(origin.values())
-                    member = parse_source(source)[0]
+                    member = parse_source(source).member
                     return PeerLostError(member, f"gradient server {self._server!r} refuses gradients of source "
                                                  f"{source!r}: {why}; they are counted as dropped")
             for (source, client), n in origin.items():
@@ -185,7 +203,10 @@ class Ledger:
                 # This view learns of a loss a monitor tick after the store does (and a
                 # flush that skipped a dead secondary may be answered in between): ask
                 # the store, and close the source so that nothing of it is received later.
-                if not self._keys.members.worker_dead(parse_source(source)[1]):
+                src = parse_source(source)
+                members = self._keys.members
+                if not (members.worker_dead(src.worker) if src.incarnation is None
+                        else members.incarnation_dead(src.worker, src.incarnation)):
                     continue
                 with self._lock:
                     self._closed.add(source)
