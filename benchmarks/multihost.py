@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,8 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
+from _netns import ADDRESSES, two_hosts
+
 ROOT = Path(__file__).resolve().parent.parent
-ADDRESSES = ("198.18.0.1", "198.18.0.2")
 
 
 # ------------------------------------------------------------------------ one rank
@@ -104,10 +103,6 @@ def rank_job(quick: bool) -> None:
 
 
 # ------------------------------------------------------------------------ the hosts
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 def _free_port(ns: str, address: str) -> int:
     # Nothing else runs in this fresh namespace, so the port stays free until rank 0 binds it.
     probe = "import socket,sys; s=socket.socket(); s.bind((sys.argv[1],0)); print(s.getsockname()[1])"
@@ -126,19 +121,8 @@ def main() -> None:
         return
     if sys.platform != "linux" or os.geteuid() != 0:
         sys.exit("this benchmark creates network namespaces: run it as root on Linux")
-    tag = f"mlkbench-{os.getpid()}-{secrets.token_hex(3)}"
-    hosts = [f"{tag}-h0", f"{tag}-h1"]
     procs: List[subprocess.Popen] = []
-    created: List[str] = []
-    try:
-        for ns in hosts:
-            _ip("netns", "add", ns)
-            created.append(ns)
-        _ip("-n", hosts[0], "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", hosts[1])
-        for ns, address in zip(hosts, ADDRESSES):
-            _ip("-n", ns, "addr", "add", f"{address}/30", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with two_hosts("mlkbench") as hosts:
         port = _free_port(hosts[0], ADDRESSES[0])
         env = {k: v for k, v in os.environ.items() if not k.endswith("SOCKET_IFNAME")}
         env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -147,17 +131,11 @@ def main() -> None:
         for rank, ns in enumerate(hosts):
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=dict(env, RANK=str(rank)),
                                           stdout=subprocess.PIPE, text=True, start_new_session=True))
+        # (A rank still running when this block ends goes with its namespace: two_hosts.)
         out, _ = procs[0].communicate(timeout=600)
         procs[1].wait(60)
         if procs[0].returncode or procs[1].returncode:
             sys.exit(f"a rank failed: exit codes {[p.returncode for p in procs]}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        for ns in created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
     res = json.loads([line for line in out.splitlines() if line.startswith("RESULT ")][-1][len("RESULT "):])
     rows = []
     lat = res["latency"]

@@ -1,6 +1,7 @@
 """Soak: what a long-lived member pays for peers that come, talk and die.
 
 Run:  python benchmarks/soak.py [--cycles 2000] [--every 100] [--quick]
+      python benchmarks/soak.py --remote --cycles 500 --every 50   (Linux, as root)
 
 The learner (this process) hosts an elastic world's store. Each cycle one same-host actor
 joins under a new name, calls the learner with a 1 MiB tensor, is called back with one,
@@ -14,6 +15,11 @@ in all, and the descriptor and map counts stay where they were. What torch's Ten
 agent does on its own (it keeps the pipe to every worker it ever called, with its
 shared-memory ring buffers) is about 8 MB, 24 maps and 24 descriptors per dead actor.
 
+``--remote`` puts the actors on another host: two network namespaces joined by a veth
+pair (198.18.0.1 for the learner and the probe, 198.18.0.2 for the actors; removed at the
+end). A dead actor there is no longer seen through ``/proc``: the learner declares it
+lost once its heartbeat stops for ``--liveness`` seconds (default 2 here).
+
 The last line reads ``soak: N cycles, rss +X MB, fds +F, maps +M, shm +S MB after warm-up``.
 """
 
@@ -25,23 +31,26 @@ import resource
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from _netns import ADDRESSES, two_hosts
 from machinlike.distributed import World
 from machinlike.process import Process
 
 MIB = 1 << 20
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     # The store binds right after; a port reused in between fails loudly, not silently.
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -68,8 +77,9 @@ def _noop() -> None:
     return None
 
 
-def _actor(address: str, name: str) -> None:
-    with World(name, elastic=True, init_method=address, dist_timeout=30, rpc_timeout=30) as world:
+def _actor(address: str, name: str, liveness: Optional[float] = None) -> None:
+    with World(name, elastic=True, init_method=address, dist_timeout=30, rpc_timeout=30,
+               **({} if liveness is None else {"liveness": liveness})) as world:
         group = world.create_rpc_group("soak")
         group.register(f"echo/{name}", _echo)
         group.registered_sync("hello", args=(name, torch.ones(MIB // 4)), timeout=30)
@@ -112,8 +122,30 @@ def call_times(group, calls: int = 300) -> Tuple[float, float]:
     return statistics.median(blocks), statistics.median(echoes)
 
 
-def soak(cycles: int, every: int, warmup: int) -> Dict[str, float]:
-    address = f"tcp://127.0.0.1:{_free_port()}"
+class _RemoteActor:
+    """An actor started on the other namespace (``ip netns exec``: the same pid)."""
+
+    def __init__(self, namespace: str, address: str, name: str, liveness: float) -> None:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--actor", address, name, "--liveness", str(liveness)]
+        self._proc = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], start_new_session=True)
+        self.pid = self._proc.pid
+
+    def join(self, timeout: float) -> None:
+        self._proc.wait(timeout)
+
+
+def _local_actor(address: str, name: str) -> Process:
+    actor = Process(target=_actor, args=(address, name), name=name)
+    actor.start()
+    return actor
+
+
+def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
+         start_actor: Optional[Callable[[str, str], object]] = None, liveness: Optional[float] = None) -> Dict[str, float]:
+    """The soak (see the module doc); ``start_actor(address, name)`` starts one actor
+    (None: a child process here), ``host`` is the address the store listens on."""
+    address = f"tcp://{host}:{_free_port(host)}"
+    start_actor = start_actor or _local_actor
     hello = threading.Condition()
     arrived: Dict[str, torch.Tensor] = {}
 
@@ -123,7 +155,8 @@ def soak(cycles: int, every: int, warmup: int) -> Dict[str, float]:
             hello.notify_all()
         return x.numel()
 
-    with World("learner", rank=0, elastic=True, init_method=address, dist_timeout=30, rpc_timeout=30) as world:
+    with World("learner", rank=0, elastic=True, init_method=address, dist_timeout=30, rpc_timeout=30,
+               **({} if liveness is None else {"liveness": liveness})) as world:
         group = world.create_rpc_group("soak")
         group.register("hello", on_hello)
         probe = Process(target=_probe, args=(address,), name="probe")
@@ -138,8 +171,7 @@ def soak(cycles: int, every: int, warmup: int) -> Dict[str, float]:
         try:
             for cycle in range(1, cycles + 1):
                 name = f"actor-{cycle}"
-                actor = Process(target=_actor, args=(address, name), name=name)
-                actor.start()
+                actor = start_actor(address, name)
                 with hello:
                     if not hello.wait_for(lambda: name in arrived, timeout=60):
                         raise TimeoutError(f"{name} did not call the learner within 60 s")
@@ -177,15 +209,53 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="200 cycles, a line every 20")
     parser.add_argument("--recycle-after", type=int, default=8,
                         help="recycle an agent once it holds pipes to this many gone workers (0: never)")
+    parser.add_argument("--remote", action="store_true",
+                        help="actors on another host (network namespaces; Linux, as root)")
+    parser.add_argument("--liveness", type=float, default=None,
+                        help="World(liveness=) of the learner and the actors, s (default: 2 with --remote, "
+                             "else the World's default)")
+    parser.add_argument("--actor", nargs=2, metavar=("ADDRESS", "NAME"), help=argparse.SUPPRESS)
+    parser.add_argument("--actors-in", help=argparse.SUPPRESS)  # the learner's side of --remote
     args = parser.parse_args(argv)
     os.environ["MACHINLIKE_RECYCLE_AFTER"] = str(args.recycle_after)  # read when the World starts
+    if args.actor:
+        _actor(*args.actor, liveness=args.liveness)
+        return
     if args.quick:
         args.cycles, args.every = 200, 20
+    if args.remote:
+        _run_remote(argv, args.liveness or 2.0)
+        return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    print(f"soak: {args.cycles} cycles, open-files limit {soft}, recycle after {args.recycle_after}", flush=True)
-    grow = soak(args.cycles, args.every, min(args.warmup, args.cycles))
+    where = f", actors on another host ({args.actors_in})" if args.actors_in else ""
+    print(f"soak: {args.cycles} cycles, open-files limit {soft}, recycle after {args.recycle_after}{where}",
+          flush=True)
+    if args.actors_in:
+        namespace, liveness = args.actors_in, args.liveness or 2.0
+        grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), host=ADDRESSES[0], liveness=liveness,
+                    start_actor=lambda address, name: _RemoteActor(namespace, address, name, liveness))
+    else:
+        grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), liveness=args.liveness)
     print(f"soak: {args.cycles} cycles, rss {grow['rss']:+.1f} MB, fds {grow['fds']:+.0f}, "
           f"maps {grow['maps']:+.0f}, shm {grow['shm']:+.1f} MB after warm-up", flush=True)
+
+
+def _run_remote(argv: List[str], liveness: float) -> None:
+    """Make the two hosts, run the learner on the first (it starts the actors on the second),
+    remove them."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        sys.exit("--remote creates network namespaces: run it as root on Linux")
+    with two_hosts("mlksoak") as hosts:
+        rest = [a for a in argv if a != "--remote"]
+        learner = subprocess.Popen(["ip", "netns", "exec", hosts[0], sys.executable, str(Path(__file__).resolve()),
+                                    *rest, "--actors-in", hosts[1], "--liveness", str(liveness)])
+        try:
+            code = learner.wait()
+        finally:
+            if learner.poll() is None:  # (interrupted: two_hosts ends it with its namespace)
+                learner.kill()
+        if code:
+            sys.exit(f"the learner failed: exit code {code}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,16 @@ def churn_body(world: Any, run_seconds: float, log_dir: str) -> Dict[str, Any]:
     return pushes
 
 
+def _started_primary(world: Any, group: Any) -> Any:
+    """``p``'s server (batches of 4) over a fresh Slots model, started; "ready" is set."""
+    impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+    model = Slots()
+    impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    impl.start()
+    world.membership.registry.set(_key(world, "ready"), "1")
+    return impl, model
+
+
 def dead_before_flush_body(world: Any) -> Any:
     """``s1`` acknowledges 3 pushes of ``c1`` (fewer than a batch: they stay queued), then
     dies by SIGKILL; ``p`` flushes as soon as the process is gone, before the world has
@@ -124,11 +134,7 @@ def dead_before_flush_body(world: Any) -> Any:
         return None  # the restart after the kill: nothing left to do
     world.wait_for_members(["p", "s1", "c1"], TIMEOUT)  # open group: its members are the live ones seen
     if me == "p":
-        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
-        model = Slots()
-        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
-        impl.start()
-        registry.set(_key(world, "ready"), "1")
+        impl, model = _started_primary(world, group)
         _wait_key(world, "pid")
         pid = int(registry.get_or_empty(_key(world, "pid")))
         try:
@@ -178,11 +184,7 @@ def renewed_secondary_body(world: Any) -> Any:
     me = world.name
     world.wait_for_members(["p", "s1", "c1"], TIMEOUT)
     if me == "p":
-        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
-        model = Slots()
-        impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
-        impl.start()
-        registry.set(_key(world, "ready"), "1")
+        impl, model = _started_primary(world, group)
         _wait_key(world, "moved")
         moved = registry.get_or_empty(_key(world, "moved"))
         # This view too has seen the move before the next pushes: s1's old worker is gone here.

@@ -244,24 +244,23 @@ class Endpoint:
         return not self._registry.get_or_empty(self._keys.worker(worker))
 
     # ------------------------------------------------------------ other workers
-    def worker_dead(self, worker: str) -> bool:
-        """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
+    def _claim_of(self, worker: str) -> Optional[MemberRecord]:
+        """The live claim of RPC worker ``worker``'s member (read from the store); None when
+        the worker's entry or the claim is gone."""
         member = self._registry.get_or_empty(self._keys.worker(worker))
         held = self._registry.get_or_empty(self._keys.live(member)) if member else ""
-        if not held:
-            return True
-        rec = MemberRecord.decode(member, held)
-        return rec.transport != worker or alive_here(rec.identity) is False
+        return MemberRecord.decode(member, held) if held else None
+
+    def worker_dead(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` belongs to no live claim (read from the store)."""
+        rec = self._claim_of(worker)
+        return rec is None or rec.transport != worker or alive_here(rec.identity) is False
 
     def incarnation_dead(self, worker: str, incarnation: int) -> bool:
         """Whether incarnation ``incarnation`` of RPC worker ``worker``'s member holds no
         live claim (read from the store), whichever worker it answers as now."""
-        member = self._registry.get_or_empty(self._keys.worker(worker))
-        held = self._registry.get_or_empty(self._keys.live(member)) if member else ""
-        if not held:
-            return True
-        rec = MemberRecord.decode(member, held)
-        return rec.incarnation != incarnation or alive_here(rec.identity) is False
+        rec = self._claim_of(worker)
+        return rec is None or rec.incarnation != incarnation or alive_here(rec.identity) is False
 
     def token_holder_dead(self, token: str) -> bool:
         holder = _transport.token_holder(token)
