@@ -462,7 +462,6 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
     return None
 
 
-
 def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
     """``(shipped func, args, kwargs)`` of a plain call, checked before anything is sent.
 

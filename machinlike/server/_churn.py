@@ -8,7 +8,7 @@ died with it::
 
     client ──push──► secondary S (RPC worker w)             primary P, incarnation p
                      admit(client):                          accept(partial sum of "w#i@p"):
-                       P not live ──► PeerLostError(P)         worker w gone, or tagged for another
+                       P not live ──► PeerLostError(P)         incarnation i gone, or tagged for another
                        source = "w#i@p"                        primary incarnation ──► refused
                        store: acc/<source>/<client> += 1       received[source, client] += n
                      queue it, reply True                    (check and count under one lock)
@@ -19,10 +19,10 @@ died with it::
 first agent (``<name>_<id>``, new for every incarnation). A renewal or a recycling gives
 the process another worker but keeps its tag. A source is *settled* once no more of it
 can arrive: its incarnation is gone (lost or left; not moved to a new agent), or it was
-tagged for another primary incarnation (a restarted primary refuses those; what it had received is
-restored from its checkpoint). A forward of a
-settled source is refused under the same lock that counts receipts, so a gradient is
-either received (and applied) or dropped, never both.
+tagged for another primary incarnation (a restarted primary refuses those; what it had
+received is restored from its checkpoint). A forward of a settled source is refused
+under the same lock that counts receipts, so a gradient is either received (and applied)
+or dropped, never both.
 
 Store keys (under the world's namespace)::
 
