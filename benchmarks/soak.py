@@ -6,8 +6,8 @@ Run:  python benchmarks/soak.py [--cycles 2000] [--every 100] [--quick]
 The learner (this process) hosts an elastic world's store. Each cycle one same-host actor
 joins under a new name, calls the learner with a 1 MiB tensor, is called back with one,
 and is SIGKILLed; the learner waits until the world has declared it lost. Every
-``--every`` cycles the learner prints its RSS, its open descriptors, its memory maps and
-the bytes under /dev/shm. A long-lived "probe" member times a small call and a 64 MB echo
+``--every`` cycles the learner prints its RSS, its open descriptors, its memory maps,
+the bytes under /dev/shm and the keys in the world's store. A long-lived "probe" member times a small call and a 64 MB echo
 at the start and at the end, so that a slowdown from accumulated state shows too.
 
 What a flat member looks like: after the warm-up, RSS grows by at most a few tens of MB
@@ -20,12 +20,18 @@ pair (198.18.0.1 for the learner and the probe, 198.18.0.2 for the actors; remov
 end). A dead actor there is no longer seen through ``/proc``: the learner declares it
 lost once its heartbeat stops for ``--liveness`` seconds (default 2 here).
 
-The last line reads ``soak: N cycles, rss +X MB, fds +F, maps +M, shm +S MB after warm-up``.
+``--departures-kept N`` deletes a gone actor's store records N departures later instead of
+18,432 later (see machinlike/distributed/_departures.py), so that the key count can level
+off within a short run.
+
+The last line reads ``soak: N cycles, rss +X MB, fds +F, maps +M, shm +S MB, store keys
++K after warm-up``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import resource
 import signal
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed import rpc
 
 from _netns import ADDRESSES, two_hosts
 from machinlike.distributed import World
@@ -166,6 +174,14 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
             time.sleep(0.01)  # registered right after it joined
         start_calls = call_times(group)
         print(f"start: small call {start_calls[0]:.1f} us, 64 MB echo {start_calls[1]:.1f} ms", flush=True)
+        # A client of the world's store, as any user could make: its key count is part of
+        # what must stay flat (event log, per-worker entries, addresses, tokens, ids).
+        store = dist.TCPStore(host, int(address.rpartition(":")[2]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+
+        def measure() -> Dict[str, float]:
+            return {**resources(), "keys": store.num_keys()}
+
         base: Dict[str, float] = {}
         began = time.monotonic()
         try:
@@ -182,13 +198,14 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
                 actor.join(30)
                 world.membership.wait_until(lambda live: world.membership.gone(name) is not None, 30)
                 if cycle == warmup:
-                    base = resources()
+                    base = measure()
                 if cycle % every == 0 or cycle == cycles:
-                    now = resources()
+                    now = measure()
                     grow = {k: now[k] - base.get(k, now[k]) for k in now}
                     print(f"cycle {cycle:5d}  rss {now['rss']:8.1f} MB ({grow['rss']:+7.1f})  "
                           f"fds {now['fds']:5.0f} ({grow['fds']:+5.0f})  maps {now['maps']:6.0f} "
                           f"({grow['maps']:+6.0f})  /dev/shm {now['shm']:7.1f} MB ({grow['shm']:+6.1f})  "
+                          f"store keys {now['keys']:5.0f} ({grow['keys']:+4.0f})  "
                           f"{(time.monotonic() - began) / cycle:.2f} s/cycle", flush=True)
         finally:
             end_calls = call_times(group)
@@ -197,7 +214,10 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
             # Not awaited: the probe leaves as soon as it is asked, before its reply is sent.
             group.registered_async("probe/leave", timeout=30)
             probe.join(30)
-        now = resources()
+        endpoint = world.membership.endpoint
+        print(f"the learner answers as {endpoint.transport!r} after {endpoint.recycles} recyclings of its RPC agent",
+              flush=True)
+        now = measure()
         return {k: now[k] - base.get(k, now[k]) for k in now}
 
 
@@ -209,6 +229,9 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="200 cycles, a line every 20")
     parser.add_argument("--recycle-after", type=int, default=8,
                         help="recycle an agent once it holds pipes to this many gone workers (0: never)")
+    parser.add_argument("--departures-kept", type=int, default=None,
+                        help="departures whose store records are kept (MACHINLIKE_DEPARTURES_KEPT; default "
+                             "18,432): a small number reaps them within the run")
     parser.add_argument("--remote", action="store_true",
                         help="actors on another host (network namespaces; Linux, as root)")
     parser.add_argument("--liveness", type=float, default=None,
@@ -218,6 +241,8 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--actors-in", help=argparse.SUPPRESS)  # the learner's side of --remote
     args = parser.parse_args(argv)
     os.environ["MACHINLIKE_RECYCLE_AFTER"] = str(args.recycle_after)  # read when the World starts
+    if args.departures_kept is not None:
+        os.environ["MACHINLIKE_DEPARTURES_KEPT"] = str(args.departures_kept)
     if args.actor:
         _actor(*args.actor, liveness=args.liveness)
         return
@@ -237,7 +262,8 @@ def main(argv: List[str]) -> None:
     else:
         grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), liveness=args.liveness)
     print(f"soak: {args.cycles} cycles, rss {grow['rss']:+.1f} MB, fds {grow['fds']:+.0f}, "
-          f"maps {grow['maps']:+.0f}, shm {grow['shm']:+.1f} MB after warm-up", flush=True)
+          f"maps {grow['maps']:+.0f}, shm {grow['shm']:+.1f} MB, store keys {grow['keys']:+.0f} after warm-up",
+          flush=True)
 
 
 def _run_remote(argv: List[str], liveness: float) -> None:

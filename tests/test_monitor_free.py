@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from machinlike.distributed._claims import Claims
+from machinlike.distributed._departures import Departures
 from machinlike.distributed._keys import Keys, MemberRecord, OwnedKey
 from machinlike.distributed._monitor import Monitor
 from machinlike.distributed._registry import Registry
@@ -28,8 +29,8 @@ def _world():
     registry = Registry(store, "the test's store")
     keys = Keys.elastic_world("0")
     claims = Claims(registry, keys, SimpleNamespace(transport="declarer_0"))  # type: ignore[arg-type]
-    monitor = Monitor(registry, keys, None, None, claims, None, None, False,  # type: ignore[arg-type]
-                      threading.Event())
+    monitor = Monitor(registry, keys, None, None, claims, None, Departures(registry, keys),  # type: ignore[arg-type]
+                      None, False, threading.Event())
     return store, registry, keys, monitor
 
 
@@ -61,6 +62,34 @@ def test_free_never_clears_the_claim_of_a_newer_incarnation():
         monitor.free(MemberRecord("c1", 1, "c1_1", 3, "host:1:1"), time.monotonic() + 5)
         assert registry.get_or_empty(keys.live("c1")) == newer.encode()
         assert registry.get_or_empty(keys.gone("c1", 1)) == "1"
+    finally:
+        registry.close()
+        del store
+
+
+def test_the_first_workers_entry_outlives_a_renewal_and_goes_when_the_incarnation_is_freed():
+    # A gradient server tags pushes by the incarnation's first worker and asks the store
+    # about it (server/_churn), so its entry must stay while the incarnation lives; the
+    # renewal notes it under the new worker, so that freeing the incarnation deletes it.
+    store, registry, keys, monitor = _world()
+    try:
+        first = MemberRecord("c1", 1, "c1_1", 3, "host:1:1")
+        registry.set(keys.worker("c1_1"), "c1")
+        registry.set(keys.live("c1"), first.encode())
+        endpoint = SimpleNamespace(transport="c1_1", first_transport="c1_1", name="c1", me=first)
+        claims = Claims(registry, keys, endpoint)  # type: ignore[arg-type]
+
+        def renew() -> MemberRecord:
+            endpoint.transport = "c1_5"
+            registry.set(keys.worker("c1_5"), "c1")
+            registry.set(keys.live("c1"), first.with_transport("c1_5").encode())
+            return first
+
+        claims.renewed(renew)
+        assert registry.get_or_empty(keys.worker("c1_1")) == "c1"  # kept while it lives
+        released = claims.free("c1_5")
+        assert released == [] and registry.get_or_empty(keys.worker("c1_1")) == ""
+        assert not store.check([keys.worker("c1_1")])
     finally:
         registry.close()
         del store

@@ -9,7 +9,8 @@ there (:meth:`free`), so a survivor can take them over.
     release(key, holder)  compare_set(key, holder, "")
     renewed(renew)        under the lock: the endpoint renews its worker, then every key
                           listed under the old worker moves to the new one
-    free(worker)          release every key listed under a (gone) worker
+    free(worker)          release every key listed under a (gone) worker (delete the entry
+                          of its incarnation's first worker, noted at the first renewal)
 
 Why one lock: a claim made while the worker is being replaced would be noted under the
 old name and never moved; a holder naming an old worker is read as naming the current one.
@@ -18,7 +19,7 @@ old name and never moved; a holder naming an old worker is read as naming the cu
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, Set
+from typing import Callable, List, Optional, Set
 
 from ._endpoint import Endpoint
 from ._keys import Keys, MemberRecord, OwnedKey, rebind_holder
@@ -90,13 +91,28 @@ class Claims:
                 new = self._current(owned.holder)
                 if self._registry.compare_set(owned.key, owned.holder, new) == new:
                     moved.append(OwnedKey(owned.key, new).encode())
+            first = self._endpoint.first_transport
+            if old.transport == first:
+                # The first worker's entry outlives its agent (Endpoint.forget_retired keeps
+                # it while the incarnation lives): noted, so that freeing it deletes it too.
+                moved.append(OwnedKey(self._keys.worker(first), self._endpoint.name).encode())
             if moved:
                 self._registry.append(self._keys.owned(self._endpoint.transport), "".join(moved))
             # Every claim moved: no key is left per retired worker.
             self._registry.delete([self._keys.owned(old.transport)])
 
-    def free(self, worker: str) -> None:
-        """Release every key ``worker`` (a gone member's) claimed; idempotent."""
+    def free(self, worker: str) -> List[str]:
+        """Release every key ``worker`` (a gone member's) claimed; idempotent.
+
+        Returns:
+            The keys released (emptied, not deleted: another member may claim one at once).
+        """
+        entries = self._keys.worker("")
+        released = []
         for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
-            self._registry.release(owned.key, owned.holder)
+            if owned.key.startswith(entries):
+                self._registry.delete([owned.key])  # a worker's entry: never claimed by another
+            elif self._registry.release(owned.key, owned.holder):
+                released.append(owned.key)
         self._registry.delete([self._keys.owned(worker)])
+        return released

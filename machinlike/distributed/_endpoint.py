@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -36,6 +36,13 @@ from ._pipes import PipeLedger
 from ._registry import Registry, deadline_left
 
 __all__ = ["Endpoint"]
+
+# torch's worker ids are 16-bit, and they are not reused: torch's RRef bookkeeping stays
+# bound to each process's first agent, which maps every id it ever saw to its worker for
+# good, so an id given to a second worker would route that process's RRef messages (a
+# paired value's fetch, its deletion) to the wrong one. Tried with 24 ids and agents
+# recycled as they aged: a paired value read returned another member's value.
+_MAX_WORKER_ID = 32000
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,8 @@ class Endpoint:
         recycles: How many times it recycled its RPC agent (too many pipes to gone
             workers; see _pipes).
         pipes: The current agent's pipes (reset when the agent is replaced).
+        first_transport: The worker of this incarnation's first agent that joined (its
+            entry ``m/t/<worker>`` stays while the incarnation lives; see forget_retired).
     """
 
     def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str, tables: LocalTables,
@@ -75,6 +84,8 @@ class Endpoint:
         self.rank = -1
         self.incarnation = 1
         self.transport = name
+        self.first_transport = name
+        self._joined = False
         self.renewals = 0
         self.recycles = 0
         self.pipes = pipes
@@ -116,8 +127,9 @@ class Endpoint:
     def _new_worker(self) -> None:
         """Take a fresh RPC worker id and name (each join attempt needs its own)."""
         tid = self._registry.add(self._keys.worker_ids(), 1) - 1
-        if tid > 32000:
-            raise RuntimeError("this elastic world has used up its 32,000 RPC worker ids; start a new one")
+        if tid > _MAX_WORKER_ID:
+            raise RuntimeError(f"this elastic world has used up its {_MAX_WORKER_ID:,} RPC worker ids (torch's are "
+                               f"16-bit; one per join and per agent renewal); start a new world (a new store)")
         self._tid = tid
         # torch's dynamic join parses its worker list as "name-id," entries, so a worker
         # name must not contain "-"; the unique id keeps every incarnation's name apart.
@@ -160,6 +172,8 @@ class Endpoint:
                 _transport.set_default_timeout(default_timeout)
                 self._tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
                 self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.transport))
+                if not self._joined:
+                    self._joined, self.first_transport = True, self.transport
                 return
             except RuntimeError as err:
                 if deadline_left(deadline) < 1.0 or self._closing.is_set():
@@ -237,6 +251,16 @@ class Endpoint:
         and freed, so whoever prunes the RPC group's list next drops it, and its address
         with it (see :meth:`worker_freed`)."""
         self._registry.delete([self._keys.worker(worker)])
+
+    def forget_retired(self, workers: List[str]) -> None:
+        """Delete the store keys of this member's retired workers, now shut down: their
+        entries ``m/t/<worker>``, addresses and token keys (a member that recycles for
+        days would otherwise leave ~5 keys per recycling). The process's first agent is
+        never shut down; the entry of this incarnation's first worker stays while it lives:
+        a gradient server's pushes are tagged by it (see server/_churn)."""
+        for worker in workers:
+            if worker != self.first_transport and _transport.forget_retired(self._rpc_store, worker):
+                self._registry.delete([self._keys.worker(worker)])
 
     def worker_freed(self, worker: str) -> bool:
         """Whether RPC worker ``worker``'s member is gone for good (its entry is deleted),

@@ -14,6 +14,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
     <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
+    <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _departures)
     <ns>w/{proc,name,ready,stop,left}/<rank>   static world start-up and stop  World
     <ns>rg/<group>/current           GroupRecord                                 RpcGroup
     <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
@@ -142,6 +143,12 @@ class Keys:
 
     def worker_ids(self) -> str:
         return f"{self.ns}m/tid"
+
+    def departures_count(self) -> str:
+        return f"{self.ns}m/dep/n"
+
+    def departures(self, block: int) -> str:
+        return f"{self.ns}m/dep/{block}"
 
     def lost(self, member: str, incarnation: int) -> str:
         return f"{self.ns}m/lost/{member}/{incarnation}"

@@ -42,6 +42,7 @@ from ..exception import PeerLostError
 from ._calls import LocalTables
 from . import _transport
 from ._claims import Claims
+from ._departures import Departures
 from ._endpoint import Endpoint
 from ._event_log import EventLog
 from ._keys import Keys, LogEntry, MemberRecord
@@ -112,8 +113,9 @@ class Membership:
         self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
         self.events = EventLog(self.registry, keys, self._deliver)
+        self.departures = Departures(self.registry, keys)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
-                               liveness, elastic, self._closing)
+                               self.departures, liveness, elastic, self._closing)
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
@@ -181,8 +183,9 @@ class Membership:
         if self.roster.cut_off is not None:
             return
         try:
-            self.monitor.free(self.endpoint.me, deadline)
+            released = self.monitor.free(self.endpoint.me, deadline)
             self.events.post("leave", self.endpoint.me)
+            self.departures.record(self.name, self.endpoint.incarnation, released)
         except (PeerLostError, TimeoutError) as err:
             log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
 
@@ -287,6 +290,12 @@ class Membership:
     def transport(self) -> str:
         """The RPC worker this member answers as."""
         return self.endpoint.transport
+
+    @property
+    def first_transport(self) -> str:
+        """The RPC worker of this incarnation's first agent: its entry stays in the store
+        while the incarnation lives (a name for the incarnation across renewals)."""
+        return self.endpoint.first_transport
 
     @property
     def renewals(self) -> int:

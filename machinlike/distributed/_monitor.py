@@ -14,7 +14,8 @@ checks this member's RPC listener, and declares the suspects lost.
         heartbeat stalled for 3/4 of liveness
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
       free its keys (Claims.free), prune its worker,  m/own/<worker>
-      clear m/live, set m/gone, post "lost"           m/gone/<name>/<inc>, m/lostpost/...
+      clear m/live, set m/gone, post "lost",          m/gone/<name>/<inc>, m/lostpost/...
+      record the departure (Departures)               m/dep/...
       (a declarer that dies mid-way is taken over after 24 ticks; m/lostpost keeps it
       to one "lost" event per incarnation)
 
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 from ..exception import PeerLostError
 from . import _transport
 from ._claims import Claims
+from ._departures import Departures
 from ._endpoint import Endpoint
 from ._event_log import EventLog
 from ._keys import Keys, MemberRecord
@@ -54,19 +56,22 @@ class Monitor:
         events: The event log (read each tick; "lost" and "move" posted).
         claims: This member's keys (moved on renewal) and the lost ones' (freed).
         endpoint: This member (heartbeat name, RPC worker, renewal).
+        departures: Where each loss it posts is recorded (its records go much later).
         liveness: Seconds within which a dead member is detected; None: no thread.
         elastic: Whether RPC is a dynamic group (a lost worker is pruned from it).
         closing: Set when this member leaves or stops: the thread ends.
     """
 
     def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
-                 endpoint: Endpoint, liveness: Optional[float], elastic: bool, closing: threading.Event) -> None:
+                 endpoint: Endpoint, departures: Departures, liveness: Optional[float], elastic: bool,
+                 closing: threading.Event) -> None:
         self._registry = registry
         self._keys = keys
         self._roster = roster
         self._events = events
         self._claims = claims
         self._endpoint = endpoint
+        self._departures = departures
         self._liveness = liveness
         self._elastic = elastic
         self._closing = closing
@@ -121,8 +126,10 @@ class Monitor:
                 # A retired agent goes once idle and every member has seen the move (they
                 # catch up every tick), or once any call on it would have timed out.
                 now = time.monotonic()
-                if _transport.reap_retired(now - 16 * tick, now - self._endpoint.rpc_timeout - 2 * tick):
-                    log.info("machinlike: member %r shut down a retired RPC agent", self._endpoint.name)
+                reaped = _transport.reap_retired(now - 16 * tick, now - self._endpoint.rpc_timeout - 2 * tick)
+                if reaped:
+                    log.info("machinlike: member %r shut down retired RPC agents %s", self._endpoint.name, reaped)
+                    self._endpoint.forget_retired(reaped)
                 for rec in self._suspects():
                     self.declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
@@ -152,6 +159,8 @@ class Monitor:
         current = {(r.member, r.incarnation) for r in others}
         for gone in [k for k in self._beats if k not in current]:  # bounded by the live members
             del self._beats[gone]
+        for gone in [k for k in self._declaring if k not in current]:  # (its "lost" came)
+            del self._declaring[gone]
         if not others:
             return []
         counts = self._registry.values_or_empty(self._keys.heartbeat_prefix(), [r.member for r in others])
@@ -243,13 +252,15 @@ class Monitor:
         else:
             log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
                         rec.rank)
-        self.free(rec, deadline)  # idempotent: releases compare the holder
+        released = self.free(rec, deadline)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
         if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
             self._events.post("lost", rec)
+            self._departures.record(rec.member, rec.incarnation, released)
 
-    def free(self, rec: MemberRecord, deadline: float) -> None:
-        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone.
+    def free(self, rec: MemberRecord, deadline: float) -> List[str]:
+        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone;
+        returns the keys released (for :class:`Departures`).
 
         ``rec`` may be stale: the incarnation may have renewed its agent (a new worker name,
         its keys moved there) after this view last heard of it. So the claim as the store
@@ -268,9 +279,11 @@ class Monitor:
                 workers.append(now.transport)
             if self._registry.compare_set(live, held, "") == "":
                 break
+        released: List[str] = []
         for worker in workers:
-            self._claims.free(worker)
+            released += self._claims.free(worker)
             if self._elastic:
                 self._endpoint.forget(worker)  # first: the prune then drops its address too
                 self._endpoint.prune(worker, deadline)
         self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")
+        return released

@@ -133,7 +133,10 @@ class Registry:
     def get_or_empty(self, key: str) -> str:
         """The value of ``key``, "" when absent (never waits)."""
         try:
-            return self._store.get(key).decode() if self._store.check([key]) else ""
+            # One compare-and-set that sets nothing: a check then a get waited the store's
+            # whole timeout for a key deleted between the two (a retired worker's entry).
+            held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            return "" if held == _PROBE else held
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 

@@ -10,7 +10,8 @@ torch upgrade has one file to check (written against torch 2.13):
   about a joiner (what torch's dynamic ``init_rpc`` does).
 - ``_reset_current_rpc_agent`` and ``api._get_current_rpc_agent``: retire an agent whose
   listener closed, so that a new one can start while the old one keeps serving.
-- The store key ``addrs/<worker>``: the address an agent listens on.
+- The store key ``addrs/<worker>``: the address an agent listens on; ``names/<id>``: the
+  worker that claimed torch id <id> (deleted with the worker's other keys).
 - The store layout of torch's dynamic join: the joiner takes the token
   ``RpcGroupManagementToken``, reads ``names/_ALL_WORKER_INFOS`` ("name-id," entries) and
   calls every listed worker. A worker that died stays listed (and every later join fails
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "introduce", "reap_retired", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "introduce", "reap_retired", "forget_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -330,9 +331,13 @@ def _add_worker(agent: object, worker: str, which: str) -> bool:
 def _forget(store: dist.Store, worker: str) -> None:
     """Delete what the dynamic group keeps in ``store`` for worker ``worker``, off the list
     now: the address its agent published and its membership-token keys (one set per worker
-    that ever joined; left, they grow with every death). Best effort: the store may be gone."""
+    that ever joined; left, they grow with every death), and ``names/<id>``, where torch's
+    agent claimed its id (ids are never handed out twice: see _endpoint). Best effort: the
+    store may be gone."""
+    tid = worker.rpartition("_")[2]
+    names = [f"names/{tid}"] if tid.isdigit() else []
     for key in (f"addrs/{worker}", f"Token_for_{worker}_join", f"Token_for_{worker}_prune",
-                f"Token_for_{worker}_leave"):
+                f"Token_for_{worker}_leave", *names):
         try:
             store.delete_key(key)
         except (RuntimeError, ConnectionError) as err:
@@ -375,7 +380,7 @@ def retire_current() -> None:
     _reset_current_rpc_agent()
 
 
-def reap_retired(idle_before: float, retired_before: float) -> int:
+def reap_retired(idle_before: float, retired_before: float) -> List[str]:
     """Shut down the retired agents that are done: retired before ``idle_before`` and
     with no call under way (either way), or retired before ``retired_before`` (times of
     ``time.monotonic()``; a call under way that long has timed out by then).
@@ -386,18 +391,30 @@ def reap_retired(idle_before: float, retired_before: float) -> int:
     torch's RRef context holds it for the life of the process.
 
     Returns:
-        How many agents were shut down.
+        The workers of the agents shut down.
     """
     first = _first_agent()
     due = [(a, t) for a, t in _retired
            if a is not first and (t < retired_before or (t < idle_before and _idle(a)))]
+    workers = []
     for entry in due:
         _retired.remove(entry)
+        workers.append(entry[0].get_worker_info().name)  # type: ignore[attr-defined]
         try:
             entry[0].shutdown()  # type: ignore[attr-defined]
         except RuntimeError as err:
             log.debug("RPC shutdown of a retired agent: %s", err)
-    return len(due)
+    return workers
+
+
+def forget_retired(store: dist.Store, worker: str) -> bool:
+    """Delete the dynamic group's keys of this process's retired, shut-down worker
+    ``worker`` (its address and token keys), unless it is still listed (torch reads the
+    address of every listed worker while it builds an agent); whether they went."""
+    if worker in listed_workers(store):
+        return False
+    _forget(store, worker)
+    return True
 
 
 def _idle(agent: object) -> bool:

@@ -96,9 +96,10 @@ class Admission:
         self._keys = _Keys(world, group_name, server_name)
         self._server = server_name
         self._primary = primary
-        # The worker and incarnation of the first agent: the tag stays for the incarnation's
-        # life (a renewal or a recycling gives it another worker, not another process).
-        self._me = f"{world.membership.transport}#{world.incarnation}"
+        # The worker of the incarnation's first agent, and the incarnation: the tag stays for
+        # the incarnation's life (a renewal or a recycling gives it another worker, not
+        # another process), and that worker's store entry stays as long (the primary asks it).
+        self._me = f"{world.membership.first_transport}#{world.incarnation}"
         self._lock = threading.Lock()
         self._known: Set[Tuple[str, str]] = set()
 
