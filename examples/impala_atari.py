@@ -318,6 +318,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # sum theirs, with entropy costs of 0.0006 and 0.00025): 0.01 kept Pong's policy uniform.
     parser.add_argument("--entropy-cost", type=float, default=0.0006,
                         help="weight of the entropy bonus in the summed loss (default 0.0006)")
+    parser.add_argument("--normalize-advantages", action="store_true",
+                        help="scale each minibatch's V-trace advantages to mean 0, std 1 (default off)")
     parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
     parser.add_argument("--max-grad-norm", type=float, default=40.0, help="gradient clipping (default 40)")
     parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
