@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import queue
 import resource
 import signal
 import socket
@@ -46,7 +47,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed import rpc
 
 from _netns import ADDRESSES, two_hosts
 from machinlike.distributed import World
@@ -111,6 +111,29 @@ def _probe(address: str) -> None:
                 break
 
 
+def _control(address: str) -> None:
+    """A fresh member that times the same calls to the probe and reports them: the
+    learner's own times divided by a fresh process's, taken at the same moment, cancel
+    the machine's drift over a long run."""
+    with World("control", elastic=True, init_method=address, dist_timeout=30, rpc_timeout=30) as world:
+        group = world.create_rpc_group("soak")
+        while not group.is_registered("probe/echo"):
+            time.sleep(0.01)
+        group.registered_sync("control/result", args=call_times(group), timeout=30)
+
+
+def compared_times(group, address: str, results: "queue.Queue[Tuple[float, float]]") -> Tuple[float, float]:
+    """The learner's small call and echo divided by a fresh control member's (blocks: the
+    learner, the control, the learner again; the learner's two averaged)."""
+    first = call_times(group)
+    control = Process(target=_control, args=(address,), name="control")
+    control.start()
+    fresh = results.get(timeout=120)
+    control.join(60)
+    second = call_times(group)
+    return (first[0] + second[0]) / 2 / fresh[0], (first[1] + second[1]) / 2 / fresh[1]
+
+
 def call_times(group, calls: int = 300) -> Tuple[float, float]:
     """Median small-call latency (µs) and median 64 MB echo time (ms) to the probe."""
     for _ in range(50):
@@ -122,6 +145,7 @@ def call_times(group, calls: int = 300) -> Tuple[float, float]:
             group.registered_sync("probe/noop", timeout=30)
         blocks.append((time.perf_counter() - start) / (calls // 5) * 1e6)
     big = torch.ones(16 * MIB)  # 64 MB of float32
+    group.registered_sync("probe/echo", args=(big,), timeout=60)  # a fresh process's first pays set-up
     echoes = []
     for _ in range(5):
         start = time.perf_counter()
@@ -149,9 +173,11 @@ def _local_actor(address: str, name: str) -> Process:
 
 
 def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
-         start_actor: Optional[Callable[[str, str], object]] = None, liveness: Optional[float] = None) -> Dict[str, float]:
+         start_actor: Optional[Callable[[str, str], object]] = None, liveness: Optional[float] = None,
+         compare: bool = False) -> Dict[str, float]:
     """The soak (see the module doc); ``start_actor(address, name)`` starts one actor
-    (None: a child process here), ``host`` is the address the store listens on."""
+    (None: a child process here), ``host`` is the address the store listens on; ``compare``:
+    the calls at the start and the end are also timed against a fresh member's."""
     address = f"tcp://{host}:{_free_port(host)}"
     start_actor = start_actor or _local_actor
     hello = threading.Condition()
@@ -172,8 +198,11 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
         world.wait_for_members(["probe"], timeout=60)
         while not group.is_registered("probe/echo"):
             time.sleep(0.01)  # registered right after it joined
+        controls: "queue.Queue[Tuple[float, float]]" = queue.Queue()
+        group.register("control/result", lambda small, echo: controls.put((small, echo)))
         start_calls = call_times(group)
         print(f"start: small call {start_calls[0]:.1f} us, 64 MB echo {start_calls[1]:.1f} ms", flush=True)
+        start_vs = compared_times(group, address, controls) if compare else None
         # A client of the world's store, as any user could make: its key count is part of
         # what must stay flat (event log, per-worker entries, addresses, tokens, ids).
         store = dist.TCPStore(host, int(address.rpartition(":")[2]), is_master=False,
@@ -211,6 +240,11 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
             end_calls = call_times(group)
             print(f"end:   small call {end_calls[0]:.1f} us ({end_calls[0] / start_calls[0]:.2f}x), "
                   f"64 MB echo {end_calls[1]:.1f} ms ({end_calls[1] / start_calls[1]:.2f}x)", flush=True)
+            if start_vs is not None:
+                end_vs = compared_times(group, address, controls)
+                print(f"against a fresh member timed at the same moment: small call {start_vs[0]:.2f}x at the "
+                      f"start, {end_vs[0]:.2f}x at the end ({end_vs[0] / start_vs[0]:.2f}x); 64 MB echo "
+                      f"{start_vs[1]:.2f}x, {end_vs[1]:.2f}x ({end_vs[1] / start_vs[1]:.2f}x)", flush=True)
             # Not awaited: the probe leaves as soon as it is asked, before its reply is sent.
             group.registered_async("probe/leave", timeout=30)
             probe.join(30)
@@ -232,6 +266,8 @@ def main(argv: List[str]) -> None:
     parser.add_argument("--departures-kept", type=int, default=None,
                         help="departures whose store records are kept (MACHINLIKE_DEPARTURES_KEPT; default "
                              "18,432): a small number reaps them within the run")
+    parser.add_argument("--compare", action="store_true",
+                        help="at the start and the end, time the calls against a fresh member's too")
     parser.add_argument("--remote", action="store_true",
                         help="actors on another host (network namespaces; Linux, as root)")
     parser.add_argument("--liveness", type=float, default=None,
@@ -260,7 +296,8 @@ def main(argv: List[str]) -> None:
         grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), host=ADDRESSES[0], liveness=liveness,
                     start_actor=lambda address, name: _RemoteActor(namespace, address, name, liveness))
     else:
-        grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), liveness=args.liveness)
+        grow = soak(args.cycles, args.every, min(args.warmup, args.cycles), liveness=args.liveness,
+                    compare=args.compare)
     print(f"soak: {args.cycles} cycles, rss {grow['rss']:+.1f} MB, fds {grow['fds']:+.0f}, "
           f"maps {grow['maps']:+.0f}, shm {grow['shm']:+.1f} MB, store keys {grow['keys']:+.0f} after warm-up",
           flush=True)

@@ -45,6 +45,7 @@ def test_records_of_members_gone_long_enough_are_deleted_and_the_key_count_level
         released = _leave_records(reg, keys, f"actor-{i}", 1)
         departures.record(f"actor-{i}", 1, released)
         if i % BLOCK == BLOCK - 1:
+            departures.settle(10)  # reaps run on a thread of their own
             counts.append(store.num_keys())
     # 7 keys per departure plus the blocks; reaped every BLOCK once LAG blocks stand.
     assert counts[-1] == counts[-2] == counts[-3], counts
@@ -67,6 +68,7 @@ def test_a_member_that_came_back_keeps_its_records_and_a_reclaimed_key_stays():
     reg.set(keys.live("learner"), "2|learner_9|0|host:1:2")
     for i in range(LAG * BLOCK + BLOCK):
         departures.record(f"actor-{i}", 1, _leave_records(reg, keys, f"actor-{i}", 1))
+    departures.settle(10)
     assert not store.check([keys.incarnations("actor-0")])  # its block was reaped
     assert reg.get_or_empty(keys.incarnations("learner")) == "2"
     assert reg.get_or_empty(keys.live("learner")).startswith("2|")
@@ -79,6 +81,7 @@ def test_a_returning_name_after_the_reap_starts_from_a_fresh_counter_and_clean_m
     departures.record("actor-x", 3, _leave_records(reg, keys, "actor-x", 3))
     for i in range(LAG * BLOCK + BLOCK):
         departures.record(f"a-{i}", 1, _leave_records(reg, keys, f"a-{i}", 1))
+    departures.settle(10)
     # A new incarnation's loss must be electable again: no mark of the old ones is left.
     assert reg.add(keys.incarnations("actor-x"), 1) == 1
     assert reg.add(keys.lost("actor-x", 1), 1) == 1
@@ -91,6 +94,7 @@ def test_the_kept_departures_come_from_the_environment_and_are_checked(monkeypat
     departures = Departures(reg, keys)
     for i in range(40):
         departures.record(f"a-{i}", 1, _leave_records(reg, keys, f"a-{i}", 1))
+    departures.settle(10)
     assert not store.check([keys.incarnations("a-0")]) and store.check([keys.incarnations("a-39")])
     monkeypatch.setenv("MACHINLIKE_DEPARTURES_KEPT", "3")
     with pytest.raises(ValueError, match="at least 8"):

@@ -24,19 +24,22 @@ any view remembers (``_roster.GONE_KEPT``, 16,384) or the log's snapshots keep
                                 then the block itself
 
 What it costs: the store keeps at most ``(LAG + 1) x BLOCK`` departures' records; one
-reap (a few store operations per line) every ``BLOCK`` departures, by whoever records
-the block's last one.
+reap (a few store operations per line) every ``BLOCK`` departures, on a thread of its
+own in the process that records the block's last one.
 
 The one race left: a member that comes back under a reaped name within the few
 milliseconds between the reap's check and its deletion of the claim can lose its fresh
 claim; the others then declare it lost, and it is told so (cut off, with the reason)
-instead of failing silently. Only a name unused for 18,432 departures can meet it.
+instead of failing silently. Likewise a key released 18,432 departures ago and claimed
+again in that moment loses its new claim (its owner still serves it; look-ups miss it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Iterable, List, Tuple
 
 from ._keys import Keys
@@ -85,6 +88,7 @@ class Departures:
         self._registry = registry
         self._keys = keys
         self._block, self._lag = (block, lag) if block and lag else _from_env()
+        self._reaping: List[threading.Thread] = []  # started, not yet seen done (settle)
 
     def record(self, member: str, incarnation: int, released: Iterable[str] = ()) -> None:
         """Note that ``incarnation`` of ``member`` departed (once per departure), with the
@@ -94,7 +98,27 @@ class Departures:
         line = _SEP.join([member, str(incarnation), *released])
         self._registry.append(self._keys.departures(j), line + "\n")
         if n % self._block == self._block - 1 and j - self._lag >= 0:
-            self.reap(j - self._lag)
+            # Off the caller's thread: a block is ~1,500 store operations, and the caller is
+            # a liveness monitor whose heartbeat must not stall (a lease can be 0.75 s).
+            thread = threading.Thread(target=self._reap_logged, args=(j - self._lag,), daemon=True,
+                                      name="machinlike-departures")
+            self._reaping.append(thread)
+            thread.start()
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the reaps this process started."""
+        deadline = time.monotonic() + timeout
+        while self._reaping:
+            self._reaping[0].join(max(0.0, deadline - time.monotonic()))
+            if self._reaping[0].is_alive():
+                return
+            self._reaping.pop(0)
+
+    def _reap_logged(self, j: int) -> None:
+        try:
+            self.reap(j)
+        except Exception:  # the store went away, most likely: the next block's reap retries none of it
+            log.warning("machinlike: deleting the records of departure block %d failed", j, exc_info=True)
 
     def reap(self, j: int) -> int:
         """Delete the records of block ``j``'s members that are still gone; how many went."""
