@@ -102,7 +102,7 @@ class Departures:
             # a liveness monitor whose heartbeat must not stall (a lease can be 0.75 s).
             thread = threading.Thread(target=self._reap_logged, args=(j - self._lag,), daemon=True,
                                       name="machinlike-departures")
-            self._reaping.append(thread)
+            self._reaping = [t for t in self._reaping if t.is_alive()] + [thread]  # bounded: the running ones
             thread.start()
 
     def settle(self, timeout: float) -> None:
