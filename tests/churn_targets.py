@@ -120,6 +120,14 @@ def _started_primary(world: Any, group: Any) -> Any:
     return impl, model
 
 
+def _started_secondary(world: Any, group: Any) -> Any:
+    """``s1``'s reducer for ``p``'s server, started; "s1" is set."""
+    impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
+    impl.start()
+    world.membership.registry.set(_key(world, "s1"), "1")
+    return impl
+
+
 def dead_before_flush_body(world: Any) -> Any:
     """``s1`` acknowledges 3 pushes of ``c1`` (fewer than a batch: they stay queued), then
     dies by SIGKILL; ``p`` flushes as soon as the process is gone, before the world has
@@ -154,9 +162,7 @@ def dead_before_flush_body(world: Any) -> Any:
         return {"took": took, "stats": stats, "applied": int((-weights).sum())}
     _wait_key(world, "ready")
     if me == "s1":
-        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
-        impl.start()
-        registry.set(_key(world, "s1"), "1")
+        impl = _started_secondary(world, group)
         _wait_key(world, "pushed")
         registry.set(_key(world, "pid"), str(os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -200,9 +206,7 @@ def renewed_secondary_body(world: Any) -> Any:
         return {"applied": applied.nonzero().flatten().tolist(), "stats": stats}
     _wait_key(world, "ready")
     if me == "s1":
-        impl = PushPullGradServerImpl("grad", group, primary_reducer="p", reduce_batch_size=4)
-        impl.start()
-        registry.set(_key(world, "s1"), "1")
+        impl = _started_secondary(world, group)
         _wait_key(world, "half")
         old = world.membership.transport
         address = world.membership.rpc_address()
