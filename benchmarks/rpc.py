@@ -31,6 +31,18 @@ def echo(x: Any) -> Any:
     return x
 
 
+VALUE = {"step": 1, "name": "policy"}
+WEIGHTS: Dict[str, Any] = {}
+
+
+def value() -> Dict[str, Any]:
+    return VALUE
+
+
+def weights() -> Dict[str, Any]:
+    return WEIGHTS
+
+
 def _blocks(fn: Callable[[], None], calls: int, blocks: int) -> List[float]:
     """Per-call seconds of each block of ``calls`` calls."""
     out = []
@@ -83,6 +95,9 @@ def _body(world: Any, quick: bool) -> Dict[str, Any]:
     if world.rank == 1:
         group.register("noop", noop)
         group.register("echo", echo)
+        group.pair("value", VALUE)
+        WEIGHTS["w"] = torch.ones(4 * 1024 * 1024)  # 16 MB of float32, as a policy's weights
+        group.pair("weights", WEIGHTS)
     group.barrier()
     results: Dict[str, Any] = {}
     blocks = 5 if quick else 15
@@ -104,6 +119,16 @@ def _body(world: Any, quick: bool) -> Dict[str, Any]:
             raw_rates.append(_async_rate(lambda: rpc.rpc_async("1", noop), total, 64))
             our_rates.append(_async_rate(lambda: group.registered_async("noop"), total, 64))
         results["async"] = {"raw": statistics.median(raw_rates), "ours": statistics.median(our_rates)}
+        # Handles to values on another member: machinlike's (by member name, see _refs)
+        # against torch's RRefs. A paired value's handle is taken once, as users do; a
+        # remote result is made, fetched and released per call.
+        paired, raw_ref = group.get_paired("value"), rpc.remote("1", value)
+        results["to_here"] = _paired(lambda: raw_ref.to_here(), lambda: paired.to_here(), calls, blocks)
+        paired, raw_ref = group.get_paired("weights"), rpc.remote("1", weights)
+        results["to_here16"] = _paired(lambda: raw_ref.to_here(), lambda: paired.to_here(), 3, blocks)
+        results["remote"] = _paired(lambda: rpc.remote("1", noop).to_here(),
+                                    lambda: group.remote("1", noop).to_here(), calls, blocks)
+        del raw_ref
         tensor = torch.ones(16 * 1024 * 1024)  # 64 MB of float32
         big = _paired(lambda: rpc.rpc_sync("1", echo, args=(tensor,)),
                       lambda: group.registered_sync("echo", (tensor,)), 1, 3 if quick else 7)
@@ -195,6 +220,13 @@ def main() -> None:
                  lam["ratio"], "<= 1.50"))
     grp = res["group_rpc"]
     rows.append(("group.rpc_sync module fn (us)", grp["raw"] * 1e6, grp["ours"] * 1e6, grp["ratio"], ""))
+    # Handles are plain calls (torch's Python-call path: a pickler each way and back);
+    # torch's RRef fetch skips the request's pickling. Large tensors take the same-host path.
+    for key, name, target in (("to_here", "paired small value to_here() vs an RRef's (us)", "(a plain call)"),
+                              ("to_here16", "paired 16 MB tensor to_here() vs an RRef's (us)", "<= 1.00"),
+                              ("remote", "remote(no-op).to_here() vs rpc.remote's (us)", "(two calls)")):
+        row = res[key]
+        rows.append((name, row["raw"] * 1e6, row["ours"] * 1e6, row["ratio"], target))
     asy = res["async"]
     rows.append(("registered_async, 64 in flight (calls/s)", asy["raw"], asy["ours"], asy["ours"] / asy["raw"], ">= 0.90"))
     big = res["echo64"]

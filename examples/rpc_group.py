@@ -19,7 +19,7 @@ import machinlike
 
 
 class StopFlag:
-    """Lives on its owner; the others reach it through an RRef."""
+    """Lives on its owner; the others reach it through a handle (get_paired)."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
@@ -56,7 +56,7 @@ def worker(world: machinlike.World, steps: int) -> dict:
         flag.set()
         print(f"[0] {calls} calls done; stop flag raised", flush=True)
     else:
-        stop = group.get_paired("stop")  # an RRef to member 0's flag
+        stop = group.get_paired("stop")  # a handle to member 0's flag
         while not stop.rpc_sync().is_set():
             futures = [group.registered_async(f"scale/{peer}", args=(torch.ones(2), 2.0)) for peer in peers]
             assert all(f.wait().tolist() == [2.0, 2.0] for f in futures)

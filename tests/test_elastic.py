@@ -162,7 +162,7 @@ def _probed_body(world):
         both.barrier(timeout=30)
         world.membership.wait_until(lambda live: world.membership.transport_of("host") != old, 20)
         assert group.registered_sync("svc", timeout=10) == "host#1"
-        # Its RRefs still work (torch binds a process's RRefs to its first agent).
+        # Its paired value still answers: a handle names the member, not the worker.
         value = group.get_paired("value", timeout=10)
         assert value.to_here(timeout=10) == 7 and value.rpc_sync(timeout=10).bit_length() == 3
         both.barrier(timeout=30)

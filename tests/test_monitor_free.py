@@ -14,6 +14,7 @@ import datetime
 import threading
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -76,20 +77,34 @@ def test_the_first_workers_entry_outlives_a_renewal_and_goes_when_the_incarnatio
         first = MemberRecord("c1", 1, "c1_1", 3, "host:1:1")
         registry.set(keys.worker("c1_1"), "c1")
         registry.set(keys.live("c1"), first.encode())
-        endpoint = SimpleNamespace(transport="c1_1", first_transport="c1_1", name="c1", me=first)
+        forgotten = []
+        endpoint = SimpleNamespace(transport="c1_1", first_transport="c1_1", name="c1", me=first,
+                                   forget_group_keys=forgotten.append)
         claims = Claims(registry, keys, endpoint)  # type: ignore[arg-type]
 
-        def renew() -> MemberRecord:
-            endpoint.transport = "c1_5"
-            registry.set(keys.worker("c1_5"), "c1")
-            registry.set(keys.live("c1"), first.with_transport("c1_5").encode())
-            return first
+        def renew_to(worker: str) -> Callable[[], MemberRecord]:
+            def renew() -> MemberRecord:
+                old = first.with_transport(endpoint.transport)
+                endpoint.transport = worker
+                registry.set(keys.worker(worker), "c1")
+                registry.set(keys.live("c1"), first.with_transport(worker).encode())
+                return old
+            return renew
 
-        claims.renewed(renew)
+        claims.renewed(renew_to("c1_5"))
         assert registry.get_or_empty(keys.worker("c1_1")) == "c1"  # kept while it lives
-        released = claims.free("c1_5")
+        # c1_5 retires too and its agent is reaped (Endpoint.forget_retired deletes its
+        # entry); c1_7 retires and the member dies before its agent is reaped.
+        claims.renewed(renew_to("c1_7"))
+        registry.delete([keys.worker("c1_5")])
+        claims.renewed(renew_to("c1_9"))
+        notes = registry.get_or_empty(keys.owned("c1_9"))
+        assert keys.worker("c1_5") not in notes, "a reaped worker's note is dropped, not carried for good"
+        released = claims.free("c1_9")
         assert released == [] and registry.get_or_empty(keys.worker("c1_1")) == ""
-        assert not store.check([keys.worker("c1_1")])
+        assert not store.check([keys.worker("c1_1")]) and not store.check([keys.worker("c1_7")])
+        # Their RPC group keys go too: the torch ids they claimed can be given again.
+        assert sorted(forgotten) == ["c1_1", "c1_7"]
     finally:
         registry.close()
         del store

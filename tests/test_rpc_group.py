@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed import rpc
 
-from machinlike.distributed import RpcFuture, RpcGroup
+from machinlike.distributed import PairedRef, RpcFuture, RpcGroup
 from machinlike.exception import RemoteTraceback
 from machinlike.testing import world_test
 
@@ -101,7 +101,8 @@ def test_pair_values_and_errors(world):
     for owner in MEMBERS:
         assert g.is_paired(f"v{owner}")
         rref = g.get_paired(f"v{owner}")
-        assert isinstance(rref, rpc.PyRRef) and rref.owner().name == owner
+        assert isinstance(rref, PairedRef) and rref.owner().name == owner and rref.owner_name() == owner
+        assert rref.is_owner() == (owner == me)
         value = rref.to_here()
         assert value["owner"] == owner and value["t"].tolist() == [0, 1, 2]
     assert not g.is_paired("missing")

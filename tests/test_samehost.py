@@ -117,8 +117,8 @@ def _paths_checks(g):
         }
         for what, call in calls.items():
             assert torch.equal(call(t), original), what
-        # arguments there, results back: two leases per call but the remote one's result
-        assert both() - before == 2 * len(calls) - 1
+        # arguments there, results back (a remote handle's to_here() too): two leases per call
+        assert both() - before == 2 * len(calls)
         # copies stay copies: the callee's in-place edit does not reach us ...
         assert torch.equal(g.registered_sync("add", (t,)), original + 1)
         assert torch.equal(t, original)

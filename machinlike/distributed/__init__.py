@@ -7,6 +7,7 @@ from ._launch import LaunchResult, Restart, launch
 from ._ray import launch_ray
 from ._rpc_group import RpcGroup
 from ._membership import MemberEvent, Membership
+from ._refs import PairedRef, ResultRef
 from ._samehost import share
 from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 
@@ -17,6 +18,8 @@ __all__ = [
     "RpcGroup",
     "CollectiveGroup",
     "RpcFuture",
+    "PairedRef",
+    "ResultRef",
     "launch",
     "LaunchResult",
     "Restart",

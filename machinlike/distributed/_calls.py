@@ -35,6 +35,7 @@ from ..exception import ExceptionWithTraceback, PeerLostError
 from ..pickle import dumps, loads
 from .._checks import call_args
 from . import _transport
+from ._results import ResultTable
 from ._samehost import reply as _reply
 
 if TYPE_CHECKING:
@@ -53,9 +54,8 @@ class LocalTables:
         self.values: Dict[str, Any] = {}
         # Lets an owner forward a call for a key it no longer holds (registered_remote).
         self.resolve_owner: Optional[Callable[[str], Optional[str]]] = None
-        # torch's RRef context is bound to the first RPC agent of a process for good; after
-        # another agent started here, an RRef made here names the old one (see _paired_rref).
-        self.rrefs_stale = False
+        # Results kept here for remote handles (see _refs).
+        self.results = ResultTable()
 
 
 _tables: Optional[LocalTables] = None
@@ -99,14 +99,6 @@ class _Missing:
 _MISSING = _Missing()
 
 
-class _Stale:
-    """The owner cannot make RRefs that name its current agent: ask with ``rpc.remote``."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> Any:
-        return _Stale, ()
-_ABSENT = object()
 
 
 def _resolve(result: Any) -> Any:
@@ -151,42 +143,6 @@ def _call_async_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> 
         return _done(_failure(exc))
 
 
-@rpc.functions.async_execution
-def _remote_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
-    # For rpc.remote the RRef must hold the bare value, so errors are left to torch. A
-    # key that moved is forwarded to its new owner instead of failing the RRef.
-    service = _tables.services.get(sid) if _tables is not None else None
-    if service is None:
-        owner = _tables.resolve_owner(sid) if _tables is not None and _tables.resolve_owner else None
-        if owner is None or _tables is None or owner == _tables.member:
-            raise KeyError(f"service {sid!r} is not registered on any member")
-        return rpc.rpc_async(owner, _remote_service, args=(sid, args, kwargs))
-    result = service(*args, **kwargs)
-    return result if isinstance(result, torch.futures.Future) else _done(result)
-
-
-def _paired_rref(sid: str) -> Any:
-    value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
-    if value is _ABSENT:
-        return _MISSING
-    if _tables is not None and _tables.rrefs_stale:
-        return _Stale()
-    return rpc.RRef(value)
-
-
-def _paired_value(sid: str) -> Any:
-    """The paired value itself, for the caller's ``rpc.remote`` (an RRef made by the caller)."""
-    value = _tables.values.get(sid, _ABSENT) if _tables is not None else _ABSENT
-    if value is _ABSENT:
-        raise KeyError(f"value {sid!r} is no longer paired on {_where()}")
-    return value
-
-
-def _paired_method(sid: str, name: str, args: Tuple, kwargs: Dict) -> Any:
-    """``value.name(*args, **kwargs)`` on a paired value (see ``_paired``)."""
-    return getattr(_paired_value(sid), name)(*args, **kwargs)
-
-
 def _ping() -> None:
     """Answers at once: the member is alive and serving."""
 
@@ -204,15 +160,6 @@ def _run_async(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.fu
         return _load_function(func)(*args, **kwargs).then(lambda fut: _settle(fut, reply))
     except Exception as exc:
         return _done(_failure(exc))
-
-
-def _run_bare(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
-    return _load_function(func)(*args, **kwargs)
-
-
-@rpc.functions.async_execution
-def _run_bare_async(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
-    return _load_function(func)(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ shipping functions
@@ -480,9 +427,9 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-def is_stale(value: Any) -> bool:
-    """Whether a paired-value answer asks the caller to make the RRef itself."""
-    return type(value) is _Stale
+def is_failure(value: Any) -> bool:
+    """Whether ``value`` is a carried remote exception (``unwrap`` raises it)."""
+    return type(value) is _Failure
 
 
 def is_missing(value: Any) -> bool:
@@ -532,6 +479,10 @@ class RpcFuture:
     def done(self) -> bool:
         """Whether the result (or error) has arrived."""
         return self._fut.done()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the result (or error) has arrived (at once if it has)."""
+        self._fut.add_done_callback(lambda _: callback())
 
     def __repr__(self) -> str:
         state = "done" if self._fut.done() else "pending"

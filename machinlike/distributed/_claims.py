@@ -9,8 +9,9 @@ there (:meth:`free`), so a survivor can take them over.
     release(key, holder)  compare_set(key, holder, "")
     renewed(renew)        under the lock: the endpoint renews its worker, then every key
                           listed under the old worker moves to the new one
-    free(worker)          release every key listed under a (gone) worker (delete the entry
-                          of its incarnation's first worker, noted at the first renewal)
+    free(worker)          release every key listed under a (gone) worker; delete the entries
+                          of its retired workers (noted at each renewal) and their RPC
+                          group keys (their torch ids are free again)
 
 Why one lock: a claim made while the worker is being replaced would be noted under the
 old name and never moved; a holder naming an old worker is read as naming the current one.
@@ -19,13 +20,15 @@ old name and never moved; a holder naming an old worker is read as naming the cu
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional, Set
+from typing import Callable, Dict, List, Optional
 
 from ._endpoint import Endpoint
 from ._keys import Keys, MemberRecord, OwnedKey, rebind_holder
 from ._registry import Registry
 
 __all__ = ["Claims"]
+
+_OLD_KEPT = 64
 
 
 class Claims:
@@ -42,7 +45,11 @@ class Claims:
         self._keys = keys
         self._endpoint = endpoint
         self._lock = threading.Lock()
-        self._old_workers: Set[str] = set()
+        # This member's workers before its renewals, the newest _OLD_KEPT of them: every
+        # renewal moves each claim to the new worker, so only a holder read just before
+        # one can name an old worker; older ones are forgotten (a member that recycles
+        # for days would keep one per recycling).
+        self._old_workers: Dict[str, None] = {}
 
     def claim(self, key: str, holder: str) -> Optional[str]:
         """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
@@ -75,7 +82,7 @@ class Claims:
         return self._registry.owner(key, timeout)
 
     def _current(self, holder: str) -> str:
-        return rebind_holder(holder, self._old_workers, self._endpoint.transport)
+        return rebind_holder(holder, self._old_workers.keys(), self._endpoint.transport)
 
     def renewed(self, renew: Callable[[], MemberRecord]) -> None:
         """Run ``renew`` (the endpoint takes a new worker), then move the keys to that worker.
@@ -84,18 +91,27 @@ class Claims:
             renew: Returns the record before the renewal; may raise (nothing is moved).
         """
         with self._lock:
-            self._old_workers.add(self._endpoint.transport)
+            self._old_workers[self._endpoint.transport] = None
+            while len(self._old_workers) > _OLD_KEPT:
+                del self._old_workers[next(iter(self._old_workers))]
             old = renew()
             moved = []
+            entries = self._keys.worker("")
             for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(old.transport))):
+                if owned.key.startswith(entries):
+                    # A retired worker's entry, noted below: kept while it is there (its
+                    # agent not reaped yet, or the first worker's, kept for the incarnation).
+                    if self._registry.get_or_empty(owned.key):
+                        moved.append(owned.encode())
+                    continue
                 new = self._current(owned.holder)
                 if self._registry.compare_set(owned.key, owned.holder, new) == new:
                     moved.append(OwnedKey(owned.key, new).encode())
-            first = self._endpoint.first_transport
-            if old.transport == first:
-                # The first worker's entry outlives its agent (Endpoint.forget_retired keeps
-                # it while the incarnation lives): noted, so that freeing it deletes it too.
-                moved.append(OwnedKey(self._keys.worker(first), self._endpoint.name).encode())
+            # The old worker's entry outlives this renewal (until Endpoint.forget_retired
+            # deletes it when its agent is reaped; the first worker's, for the incarnation's
+            # life): noted, so that if this member dies first, freeing it deletes it too,
+            # and its torch id is given back.
+            moved.append(OwnedKey(self._keys.worker(old.transport), self._endpoint.name).encode())
             if moved:
                 self._registry.append(self._keys.owned(self._endpoint.transport), "".join(moved))
             # Every claim moved: no key is left per retired worker.
@@ -112,6 +128,9 @@ class Claims:
         for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
             if owned.key.startswith(entries):
                 self._registry.delete([owned.key])  # a worker's entry: never claimed by another
+                # Already off the RPC group's list (pruned when it retired): nobody's
+                # prune would delete its address and id claim any more.
+                self._endpoint.forget_group_keys(owned.key[len(entries):])
             elif self._registry.release(owned.key, owned.holder):
                 released.append(owned.key)
         self._registry.delete([self._keys.owned(worker)])

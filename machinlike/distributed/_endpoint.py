@@ -6,7 +6,8 @@ watch on that worker's listener, and how many times it was renewed. It writes on
 own keys: ``m/inc/<name>``, ``m/tid``, ``m/t/<worker>`` and (after a claim) ``m/live/<name>``.
 
     new_incarnation(rank)   inc = add(m/inc/<name>); a fresh worker (below)
-    new_worker()            id = add(m/tid) - 1; name "<name, '_' for '-'>_<id>";
+    new_worker()            seq = add(m/tid) - 1, again while torch id seq mod the
+                            id space is claimed; name "<name, '_' for '-'>_<seq>";
                             m/t/<worker> = <name>
     join(...)               join the dynamic RPC group under the current worker, pruning
                             the dead first; on failure a fresh worker, until the deadline
@@ -15,7 +16,18 @@ own keys: ``m/inc/<name>``, ``m/tid``, ``m/t/<worker>`` and (after a claim) ``m/
                             Claims moves the keys, the monitor posts "move"
 
 Why a fresh worker name per attempt: torch's dynamic RPC group remembers every name it
-saw, so a name is never reused, and the ids keep every incarnation's name apart.
+saw, so a name is never reused, and the sequence numbers keep every incarnation's name
+apart.
+
+Why torch ids can be given again (they are 16-bit; a world that lives for days needs
+more than 32,000 workers): an id is claimed in the store (``names/<id>``, by torch's
+agent) until its worker's agent is shut down or its member is gone, so no two live
+workers share one; an agent reaches a worker through a pipe kept per *id*, so no
+current agent may still know an id's previous worker: every agent is recycled before
+a quarter of the id space has been handed out after it (:meth:`Endpoint.aged`), while
+an id comes round only after the whole space. machinlike's handles to remote values name
+members, not workers (see ``_refs``): nothing routes through torch's RRef context, which
+keeps the first agent's id tables for the life of the process.
 """
 
 from __future__ import annotations
@@ -28,7 +40,6 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 
 from . import _transport
-from ._calls import LocalTables
 from ._keys import Keys, MemberRecord
 from ._listener import ListenerWatch
 from ._liveness import alive_here, process_identity, tick_of
@@ -37,12 +48,9 @@ from ._registry import Registry, deadline_left
 
 __all__ = ["Endpoint"]
 
-# torch's worker ids are 16-bit, and they are not reused: torch's RRef bookkeeping stays
-# bound to each process's first agent, which maps every id it ever saw to its worker for
-# good, so an id given to a second worker would route that process's RRef messages (a
-# paired value's fetch, its deletion) to the wrong one. Tried with 24 ids and agents
-# recycled as they aged: a paired value read returned another member's value.
-_MAX_WORKER_ID = 32000
+# How many claimed ids in a row a new worker skips before it gives up (each is a live
+# worker's, or a gone one's not yet deleted: a full id space).
+_SKIP_MAX = 64
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +63,6 @@ class Endpoint:
         keys: The world's keys.
         store: The world's store (torch's RPC rendezvous runs under its ``rpc`` prefix).
         name: This member's name.
-        tables: What this process serves (told whether its RRefs name a stale agent).
         closing: Set when this member leaves; ends a pause between join attempts.
         liveness: The world's liveness bound, seconds (paces retries); None: off.
 
@@ -72,12 +79,11 @@ class Endpoint:
             entry ``m/t/<worker>`` stays while the incarnation lives; see forget_retired).
     """
 
-    def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str, tables: LocalTables,
+    def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str,
                  closing: threading.Event, liveness: Optional[float], pipes: PipeLedger) -> None:
         self._registry = registry
         self._keys = keys
         self._rpc_store = dist.PrefixStore(keys.rpc_prefix(), store)
-        self._tables = tables
         self._closing = closing
         self._liveness = liveness
         self.name = name
@@ -90,6 +96,8 @@ class Endpoint:
         self.recycles = 0
         self.pipes = pipes
         self._tid = -1
+        self._seq = -1  # the current worker's sequence number (elastic worlds)
+        self._latest_seq = -1  # the newest any worker of the world is known to have
         self._me: Optional[MemberRecord] = None
         self._listener: Optional[ListenerWatch] = None
         self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
@@ -113,11 +121,11 @@ class Endpoint:
         """Count a new incarnation with a fresh worker; the record to claim (elastic worlds).
 
         Args:
-            rank: This member's rank; None: its worker id (unique in the world).
+            rank: This member's rank; None: its worker's sequence number (unique in the world).
         """
         self.incarnation = int(self._registry.add(self._keys.incarnations(self.name), 1))
         self._new_worker()
-        self.rank = self._tid if rank is None else rank
+        self.rank = self._seq if rank is None else rank
         return MemberRecord(self.name, self.incarnation, self.transport, self.rank, process_identity())
 
     def claimed(self, rec: MemberRecord) -> None:
@@ -125,16 +133,37 @@ class Endpoint:
         self._me = rec
 
     def _new_worker(self) -> None:
-        """Take a fresh RPC worker id and name (each join attempt needs its own)."""
-        tid = self._registry.add(self._keys.worker_ids(), 1) - 1
-        if tid > _MAX_WORKER_ID:
-            raise RuntimeError(f"this elastic world has used up its {_MAX_WORKER_ID:,} RPC worker ids (torch's are "
-                               f"16-bit; one per join and per agent renewal); start a new world (a new store)")
-        self._tid = tid
+        """Take a fresh RPC worker name and a torch id no live worker holds (each join
+        attempt needs its own).
+
+        Raises:
+            RuntimeError: every id tried was claimed (the world has about as many live
+                workers as the id space: see ``_transport.id_space``).
+        """
+        space = _transport.id_space()
+        for _ in range(_SKIP_MAX):
+            seq = self._registry.add(self._keys.worker_ids(), 1) - 1
+            if not _transport.id_held(self._rpc_store, seq % space):
+                break
+        else:
+            raise RuntimeError(f"{_SKIP_MAX} RPC worker ids in a row are held by workers of this world (its id "
+                               f"space is {space:,}, {_transport.ID_SPACE_ENV}): too many live members")
+        self._seq, self._tid = seq, seq % space
+        self.note_seq(seq)
         # torch's dynamic join parses its worker list as "name-id," entries, so a worker
-        # name must not contain "-"; the unique id keeps every incarnation's name apart.
-        self.transport = f"{self.name.replace('-', '_')}_{tid}"
+        # name must not contain "-"; the sequence number keeps every worker's name apart.
+        self.transport = f"{self.name.replace('-', '_')}_{seq}"
         self._registry.set(self._keys.worker(self.transport), self.name)
+
+    def note_seq(self, seq: int) -> None:
+        """A worker of the world got sequence number ``seq`` (this view saw it join or move)."""
+        if seq > self._latest_seq:
+            self._latest_seq = seq
+
+    def aged(self) -> bool:
+        """Whether this member's agent must be recycled before ids come round: a quarter
+        of the id space has been handed out since its worker's (see the module's "why")."""
+        return self._seq >= 0 and self._latest_seq - self._seq >= _transport.id_space() // 4
 
     def _rename(self) -> None:
         """A fresh worker, and this member's claim rewritten to name it."""
@@ -170,7 +199,6 @@ class Endpoint:
                                          max(0.5, min(timeout, 5.0)), deadline, self.token_holder_dead,
                                          self.worker_dead, self.worker_freed)
                 _transport.set_default_timeout(default_timeout)
-                self._tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
                 self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.transport))
                 if not self._joined:
                     self._joined, self.first_transport = True, self.transport
@@ -210,7 +238,10 @@ class Endpoint:
         """
         old = self.me
         threads, timeout, default_timeout = self._join_args
-        if recycle:
+        if recycle and self.aged():
+            log.info("machinlike: member %r: RPC agent %r is a quarter of the id space old; recycling it",
+                     self.name, old.transport)
+        elif recycle:
             log.info("machinlike: member %r: RPC agent %r holds pipes to %d gone workers; recycling it",
                      self.name, old.transport, self.pipes.dead())
         else:
@@ -261,6 +292,11 @@ class Endpoint:
         for worker in workers:
             if worker != self.first_transport and _transport.forget_retired(self._rpc_store, worker):
                 self._registry.delete([self._keys.worker(worker)])
+
+    def forget_group_keys(self, worker: str) -> None:
+        """Delete the RPC group's keys of gone worker ``worker`` (its address, token keys and
+        torch id claim) unless it is still listed (then whoever prunes it does)."""
+        _transport.forget_retired(self._rpc_store, worker)
 
     def worker_freed(self, worker: str) -> bool:
         """Whether RPC worker ``worker``'s member is gone for good (its entry is deleted),

@@ -11,8 +11,9 @@ is ended by the liveness monitor), and an asynchronous one through ``_calls.send
     service_*(key)  OwnerCache.service(key) ──► call the owner
                     answer "missing" (the cache was stale) ──► look the key up again and
                     call once more, within the same deadline (async: wait() does it)
-    paired(key)     OwnerCache.value(key) ──► the owner's RRef; an owner that renewed its
-                    RPC agent answers "stale" ──► this side makes the RRef (_paired)
+    paired(key)     OwnerCache.value(key) ──► the owner says it holds the key ──► a
+                    handle naming the owner (_refs.PairedRef)
+    *_remote        the owner makes and keeps the result ──► a handle (_refs.ResultRef)
     run_*(to)       Roster.transport_of(to) ──► call that member's RPC worker
 
 Why one object for both kinds of call: the retry-once policy, the same-host hook and
@@ -24,14 +25,14 @@ a message that is formatted only if the call fails.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 from torch.distributed import rpc
 
-from . import _calls, _samehost
-from ._calls import RpcFuture, is_async, is_missing, is_stale, send_call, sync_call, unwrap
+from . import _calls, _refs, _samehost
+from ._calls import RpcFuture, is_async, is_missing, send_call, sync_call, unwrap
 from ._group_owners import OwnerCache
-from ._paired import RenewedOwnerRRef
+from ._refs import PairedRef, ResultRef
 from ._registry import deadline_left
 from ._roster import Roster
 from ._waits import Waits
@@ -111,24 +112,24 @@ class Caller:
         return RpcFuture(fut, self._roster.member_of(worker), what,
                          wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
 
-    def service_remote(self, key: str, call_args: CallArgs, wait: float) -> rpc.RRef:
-        """An RRef to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
+    def service_remote(self, key: str, call_args: CallArgs, wait: float) -> ResultRef:
+        """A handle to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
 
         Raises:
             KeyError: nobody serves ``key``.
         """
-        call = (self._sid + key,) + call_args
         deadline = time.monotonic() + wait
         worker, _ = self._service_target(key, False, deadline)
-        # _remote_service forwards to the key's new owner if it moved meanwhile.
-        return send_call(self._roster, worker, max(0.001, deadline - time.monotonic()),
-                         f"registered_remote of service {key!r} of group {self._group!r}",
-                         lambda to, left: rpc.remote(to, _calls._remote_service,
-                                                     args=_samehost.outgoing(to, call), timeout=left))[1]  # [shm hook]
+        # _keep_service has the key's new owner run it if it moved meanwhile.
+        sid = self._sid + key
+        return _refs.new_result(_refs.Route(), self._roster.member_of(worker), worker,
+                                f"registered_remote of service {key!r} of group {self._group!r}",
+                                max(0.001, deadline - time.monotonic()),
+                                lambda head: (_refs._keep_service, (head + (sid,),) + call_args))
 
     # --------------------------------------------------------------------- values
-    def paired(self, key: str, wait: float) -> Union[rpc.RRef, RenewedOwnerRRef]:
-        """An RRef to the value paired under ``key`` (see ``RpcGroup.get_paired``).
+    def paired(self, key: str, wait: float) -> PairedRef:
+        """A handle to the value paired under ``key`` (see ``RpcGroup.get_paired``).
 
         Raises:
             KeyError: nothing is paired under ``key``.
@@ -140,16 +141,10 @@ class Caller:
             worker = self._owners.value(key, refresh, max(0.001, deadline_left(deadline)))
             if worker is None:
                 break
-            value = sync_call(self._roster, self._waits, worker, _calls._paired_rref, (sid,),
+            value = sync_call(self._roster, self._waits, worker, _refs._is_paired, (sid,),
                               max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
-            if is_stale(value):  # the owner restarted its RPC agent: this side makes the RRef
-                worker, rref = send_call(self._roster, worker, max(0.001, deadline_left(deadline)),
-                                         f"value {key!r} of group {self._group!r}",
-                                         lambda to, left: rpc.remote(to, _calls._paired_value, args=(sid,),
-                                                                     timeout=left))
-                return RenewedOwnerRRef(rref, worker, sid)
-            if not is_missing(value):
-                return value
+            if not is_missing(value):  # the owner's (member, incarnation)
+                return PairedRef(value[0], value[1], sid)
         raise KeyError(f"Value with key [{key}] not found on Group [{self._group}]")
 
     # ---------------------------------------------------------------- plain calls
@@ -172,9 +167,10 @@ class Caller:
                                                               timeout=left))
         return RpcFuture(fut, to, what, wait)
 
-    def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> rpc.RRef:
-        """An RRef to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``)."""
-        entry = _calls._run_bare_async if is_async(func) else _calls._run_bare
-        return send_call(self._roster, self._roster.transport_of(to), wait, f"remote of {func!r}",
-                         lambda worker, left: rpc.remote(worker, entry, args=_samehost.outgoing(worker, call),  # [shm hook]
-                                                         timeout=left))[1]
+    def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:
+        """A handle to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``).
+
+        ``call`` is ``_calls.prepare_call``'s: ``(shipped func, args, kwargs)``.
+        """
+        return _refs.new_result(_refs.Route(), to, self._roster.transport_of(to), f"remote of {func!r}", wait,
+                                lambda head: (_refs._keep_run, (head + (call[0],),) + tuple(call[1:])))

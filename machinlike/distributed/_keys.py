@@ -10,7 +10,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/log/<k>, <ns>m/logk        event log segments (LogEntry lines), the current one
     <ns>m/snap/<k>, <ns>m/evn        members at the start of segment k; events counter
     <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
-    <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker id counter
+    <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker sequence counter
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
     <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
@@ -35,7 +35,7 @@ No state beyond the namespace string; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import AbstractSet, List, Optional, Sequence, Tuple
 
 __all__ = [
     "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord",
@@ -304,7 +304,7 @@ class ServiceOwner:
         return text[2:]
 
 
-def rebind_holder(holder: str, old_workers: "frozenset[str] | set[str]", current: str) -> str:
+def rebind_holder(holder: str, old_workers: AbstractSet[str], current: str) -> str:
     """``holder`` naming ``current`` when it names one of ``old_workers`` (after a renewal).
 
     A holder is a value's worker or a :class:`ServiceOwner`'s encoding.

@@ -40,7 +40,6 @@ import torch.distributed as dist
 
 from ..exception import PeerLostError
 from ._calls import LocalTables
-from . import _transport
 from ._claims import Claims
 from ._departures import Departures
 from ._endpoint import Endpoint
@@ -109,8 +108,10 @@ class Membership:
         # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
         pipes = PipeLedger(recycle_after() if elastic else 0)
         self.roster = Roster(pipes)
+        # Results kept here for handles held elsewhere go with their holders (see _results).
+        self.tables.results.bind_live(lambda holder: self.roster.incarnation_of(holder[0]) == holder[1])
         self.waits = Waits(self.registry, self.roster)
-        self.endpoint = Endpoint(self.registry, keys, store, name, self.tables, self._closing, liveness, pipes)
+        self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
         self.events = EventLog(self.registry, keys, self._deliver)
         self.departures = Departures(self.registry, keys)
@@ -120,14 +121,17 @@ class Membership:
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
         if entry.kind in ("join", "move"):
-            # Before this view routes calls to the new worker: RRefs may name it next.
-            _transport.introduce(rec.transport)
+            tail = rec.transport.rpartition("_")[2]
+            if tail.isdigit():  # (an elastic worker, "<name>_<seq>": see Endpoint.aged)
+                self.endpoint.note_seq(int(tail))
         workers = self.roster.apply(entry.kind, rec)
         if workers is None:
             return
         if entry.kind != "join":
             # The gone worker stays in this process's RPC agent: see _transport's "why".
             self.waits.on_gone(rec, workers)
+            if entry.kind != "move" and len(self.tables.results):
+                self.tables.results.sweep()  # the results only it held go with it
         self.roster.publish(MemberEvent(entry.kind, rec.member, rec.incarnation, rec.rank, seq))
 
     # ------------------------------------------------------------------ entry

@@ -121,7 +121,7 @@ class Monitor:
                     pass  # one renewal at a time; this thread goes on watching the others
                 elif self._endpoint.listener_closed():
                     self._start_renewal(recycle=False)
-                elif self._endpoint.pipes.due():
+                elif self._endpoint.pipes.due() or self._endpoint.aged():
                     self._start_renewal(recycle=True)
                 # A retired agent goes once idle and every member has seen the move (they
                 # catch up every tick), or once any call on it would have timed out.

@@ -32,7 +32,7 @@ from . import _state
 from ._calls import RpcFuture, prepare_call
 from ._group_directory import GroupDirectory
 from ._group_parts import GroupParts
-from ._paired import RenewedOwnerRRef
+from ._refs import PairedRef, ResultRef
 from ._state import require_world
 
 __all__ = ["RpcGroup"]
@@ -210,12 +210,13 @@ class RpcGroup:
         return parts.caller.service_async(key, _checks.call_args(args, kwargs), wait)
 
     def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
-                          timeout: Optional[float] = None) -> rpc.RRef:
-        """Run the service ``key`` on its owner and return an RRef to its result.
+                          timeout: Optional[float] = None) -> ResultRef:
+        """Run the service ``key`` on its owner and return a handle to its result at once.
 
-        The result stays on the owner. Errors of the service surface from
-        ``rref.to_here()`` as torch reports them (a ``RuntimeError`` holding the remote
-        message).
+        The result stays on the owner while the handle (or a copy of it sent to another
+        member) lives. The handle behaves as torch's RRef: ``to_here()`` copies the
+        result, and raises what the service raised (its type, the remote traceback as
+        ``__cause__``).
 
         Args:
             key: Name of the service.
@@ -225,7 +226,7 @@ class RpcGroup:
                 ``rpc_timeout``.
 
         Returns:
-            A ``torch.distributed.rpc.RRef`` owned by the service's owner.
+            A :class:`~machinlike.distributed.ResultRef` owned by the service's owner.
 
         Raises:
             KeyError: no member registered ``key``.
@@ -239,7 +240,7 @@ class RpcGroup:
     def pair(self, key: str, value: Any) -> None:
         """Publish ``value`` under ``key``; members reach it with ``get_paired``.
 
-        The value stays in this process; others get an RRef to it.
+        The value stays in this process; others get a handle to it (``get_paired``).
 
         Args:
             key: Name of the value, unique in the group.
@@ -272,11 +273,13 @@ class RpcGroup:
         _check_key(key)
         return self._usable(need_member=False).owners.value(key, refresh=True) is not None
 
-    def get_paired(self, key: str, timeout: Optional[float] = None) -> Union[rpc.RRef, RenewedOwnerRRef]:
-        """An RRef to the value paired under ``key`` (owned by the member that paired it).
+    def get_paired(self, key: str, timeout: Optional[float] = None) -> PairedRef:
+        """A handle to the value paired under ``key`` (owned by the member that paired it).
 
-        ``rref.rpc_sync().method(...)`` runs a method of the value on its owner;
-        ``rref.to_here()`` copies it with torch's pickler (standard ``pickle`` rules).
+        The handle behaves as torch's RRef: ``ref.rpc_sync().method(...)`` runs a method
+        of the value on its owner; ``ref.to_here()`` copies it with torch's pickler
+        (standard ``pickle`` rules). It names the owner member, so it keeps working when
+        the owner renews its RPC agent, and can be sent to other members.
 
         Args:
             key: Name of the value.
@@ -284,8 +287,8 @@ class RpcGroup:
                 ``rpc_timeout``.
 
         Returns:
-            A ``torch.distributed.rpc.RRef``; when the owner restarted its RPC agent (or
-            built a second World in its process), a wrapper that behaves as one.
+            A :class:`~machinlike.distributed.PairedRef`; after ``unpair`` its
+            ``to_here()`` raises ``KeyError``.
 
         Raises:
             KeyError: nothing is paired under ``key``.
@@ -352,10 +355,12 @@ class RpcGroup:
         return parts.caller.run_async(to, func, call, wait)
 
     def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
-               args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> rpc.RRef:
-        """Run ``func`` on member ``to`` and return an RRef to the result at once.
+               args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> ResultRef:
+        """Run ``func`` on member ``to`` and return a handle to the result at once.
 
-        Errors of ``func`` surface from ``rref.to_here()`` as torch reports them.
+        The result stays on ``to`` while the handle (or a copy of it) lives; errors of
+        ``func`` surface from ``ref.to_here()`` (their type, the remote traceback as
+        ``__cause__``).
 
         Args:
             to: Name of a member of this group.
@@ -366,7 +371,7 @@ class RpcGroup:
             kwargs: Keyword arguments of ``func``; None: none.
 
         Returns:
-            A ``torch.distributed.rpc.RRef`` owned by ``to``.
+            A :class:`~machinlike.distributed.ResultRef` owned by ``to``.
 
         Raises:
             ValueError: ``to`` is not a member of the group.

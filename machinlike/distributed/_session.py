@@ -231,7 +231,6 @@ def start_static(session: Session) -> None:
             _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout)
         session.rpc = Once(_transport.shutdown)
         session._undo.callback(session.rpc, False, 1.0)
-        members.tables.rrefs_stale = _transport.rrefs_bound_elsewhere()
     reg.set(keys.ready_prefix() + str(s.rank), "1")
     reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
                  s.dist_timeout)

@@ -26,7 +26,7 @@ agent guards its worker maps with a lock only in *static* groups, and hands out
 references into them. Removing an entry while another thread sends or frees an RRef is a
 use-after-free: the chaos loop crashed survivors with SIGSEGV, or lost a live worker's
 entry ("could not find destination name"). Entries of gone workers stay (a few bytes
-each; every incarnation has its own name, so none is ever reused); calls never reach them
+each; every worker has its own name, so none is ever reused); calls never reach them
 because the membership layer refuses a gone member first. The maps then only grow, so
 their rare rehashes are the one unsynchronised mutation left.
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import threading
 import time
 import warnings
@@ -45,13 +46,50 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "introduce", "reap_retired", "forget_retired", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["id_space", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
 
 _TOKEN = "RpcGroupManagementToken"
 _INFOS = "names/_ALL_WORKER_INFOS"
+
+# torch's worker ids are 16-bit (int16). An elastic worker is named "<member>_<seq>" by a
+# sequence number that never comes round, and answers as torch id seq mod the id space;
+# _endpoint says why an id can be given again safely.
+ID_SPACE_ENV = "MACHINLIKE_WORKER_ID_SPACE"
+DEFAULT_ID_SPACE = 32000
+
+
+def id_space() -> int:
+    """How many torch worker ids an elastic world cycles through (``MACHINLIKE_WORKER_ID_SPACE``,
+    default 32,000; smaller values are for tests that make ids come round quickly).
+
+    Raises:
+        ValueError: the variable is not a whole number in [16, 32767].
+    """
+    text = os.environ.get(ID_SPACE_ENV, str(DEFAULT_ID_SPACE))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 16 <= value <= 32767:
+        raise ValueError(f"{ID_SPACE_ENV}={text!r} must be a whole number from 16 to 32767 (torch's worker ids "
+                         f"are 16-bit); unset it for the default {DEFAULT_ID_SPACE}")
+    return value
+
+
+def worker_id(worker: str) -> Optional[int]:
+    """The torch id of elastic worker ``worker`` (``<member>_<seq>``); None for a static
+    world's worker (its name is its member's)."""
+    base, _, seq = worker.rpartition("_")
+    return int(seq) % id_space() if base and seq.isdigit() else None
+
+
+def id_held(store: dist.Store, tid: int) -> bool:
+    """Whether torch id ``tid`` is claimed in the dynamic group kept in ``store`` (by a
+    live worker, or a gone one whose keys are not deleted yet)."""
+    return bool(store.check([f"names/{tid}"]))
 
 
 # TensorPipe channels of an elastic member's agents. torch's default list adds mpt_uv (a
@@ -281,21 +319,6 @@ def closed_agent_error(err: BaseException) -> bool:
     return isinstance(err, ValueError) and "unsupported transport" in str(err)
 
 
-def introduce(worker: str) -> None:
-    """Tell this process's first agent, once it is retired, of RPC worker ``worker`` (one
-    that joined or moved since).
-
-    Why: torch's RRef context stays bound to the first agent (see ``rrefs_bound_elsewhere``)
-    and sends the RRef protocol's messages (e.g. deleting a remote value) through it, but
-    joiners tell only the listed agents, and a retired one is no longer listed: without
-    this it fails with "could not find destination url" for every later joiner. Its worker
-    tables only grow, as a listed agent's do (see the module's "why").
-    """
-    if not rrefs_bound_elsewhere() or not _first:
-        return  # the first agent is current, so listed (the joiner tells it), or static
-    _add_worker(_first[0], worker, "the first")
-
-
 def introduce_current(worker: str) -> bool:
     """Tell this process's current agent of RPC worker ``worker`` of an elastic world (it
     joined while this process renewed its agent: see ``_calls._renewed_worker``).
@@ -313,15 +336,15 @@ def _add_worker(agent: object, worker: str, which: str) -> bool:
     """Add elastic RPC worker ``worker`` (``<name>_<id>``) to ``agent``'s tables, reading its
     address from the store; whether it could (a static world's name, or a worker gone
     before its address could be read, cannot)."""
-    base, _, tid = worker.rpartition("_")
-    if not base or not tid.isdigit():
+    tid = worker_id(worker)
+    if tid is None:
         return False  # a static world's worker: its agent is never renewed
     # torch reads the address with a store get that waits for the key: a gone worker's
     # address is deleted (see _forget), and that wait would last the store's whole timeout.
     if not _group_store or published_address(_group_store[0], worker) is None:
         return False
     try:
-        agent._update_group_membership(rpc.WorkerInfo(worker, int(tid)), [], {}, True)  # type: ignore[attr-defined]
+        agent._update_group_membership(rpc.WorkerInfo(worker, tid), [], {}, True)  # type: ignore[attr-defined]
     except RuntimeError as err:
         log.debug("introducing %r to %s RPC agent: %s", worker, which, err)
         return False
@@ -332,10 +355,10 @@ def _forget(store: dist.Store, worker: str) -> None:
     """Delete what the dynamic group keeps in ``store`` for worker ``worker``, off the list
     now: the address its agent published and its membership-token keys (one set per worker
     that ever joined; left, they grow with every death), and ``names/<id>``, where torch's
-    agent claimed its id (ids are never handed out twice: see _endpoint). Best effort: the
+    agent claimed its id (which can then be given again: see _endpoint). Best effort: the
     store may be gone."""
-    tid = worker.rpartition("_")[2]
-    names = [f"names/{tid}"] if tid.isdigit() else []
+    tid = worker_id(worker)
+    names = [f"names/{tid}"] if tid is not None else []
     for key in (f"addrs/{worker}", f"Token_for_{worker}_join", f"Token_for_{worker}_prune",
                 f"Token_for_{worker}_leave", *names):
         try:

@@ -17,7 +17,7 @@ from machinlike.exception import PeerLostError, ProcessExitedError, RemoteTraceb
 
 # [counter]
 class Counter:
-    """A value paired into the group: it lives on its owner, others reach it by RRef."""
+    """A value paired into the group: it lives on its owner, others reach it by a handle."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # RPC runs each call on one of the owner's threads
@@ -85,8 +85,8 @@ def services(world: machinlike.World) -> dict:
     assert group.is_registered("check") and group.is_paired("counter")
     assert not group.is_registered("nothing")
 
-    # A paired value: get_paired() returns an RRef owned by member 0. rref.rpc_sync()
-    # runs a method of the value on its owner.
+    # A paired value: get_paired() returns a handle to member 0's value (it behaves as
+    # torch's RRef). counter.rpc_sync() runs a method of the value on its owner.
     counter = group.get_paired("counter")
     counter.rpc_sync().add(world.rank + 1)
 
