@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -200,30 +201,62 @@ def test_handles_follow_their_owner_through_renewals_of_its_agent():
 
 def _gone_owner_body(world):
     group = world.create_rpc_group("open")
-    done = machinlike.SimpleQueue()
-    child = Process(target=_paired_and_killed, args=(world.store_address, done))
+    done, started = machinlike.SimpleQueue(), machinlike.SimpleQueue()
+    child = Process(target=_paired_and_killed, args=(world.store_address, done, started))
     child.start()
     done.get(timeout=60)
     ref = group.get_paired("v", timeout=20)
-    assert ref.to_here(timeout=20) == 1
+    assert ref.to_here(timeout=20).n == 1
+    # A call through the handle under way when the owner is SIGKILLed fails fast, naming it.
+    outcome = []
+
+    def slow_call() -> None:
+        try:
+            ref.rpc_sync(timeout=60).slow()
+            outcome.append(("returned", time.monotonic()))
+        except Exception as err:  # noqa: BLE001 - what it raised is the result
+            outcome.append((err, time.monotonic()))
+
+    caller = threading.Thread(target=slow_call)
+    caller.start()
+    started.get(timeout=20)  # the owner is inside slow()
+    killed = time.monotonic()
     os.kill(child.pid, signal.SIGKILL)
+    caller.join(30)
+    during, ended = outcome[0]
+    assert isinstance(during, PeerLostError) and "'victim'" in str(during), during
+    assert ended - killed < 10, f"a call under way failed {ended - killed:.1f} s after its owner was killed"
     world.wait_for_members(["victim"], timeout=20, gone=True)
     try:
         ref.to_here(timeout=10)
     except PeerLostError as err:
-        return str(err)
+        return str(err), time.monotonic() - killed
     finally:
         child.join(10)
-    return "no error"
+    return "no error", 0.0
 
 
-def _paired_and_killed(address: str, done) -> None:
+class _Sleeper:
+    def __init__(self, started) -> None:
+        self.n = 1
+        self._started = started
+
+    def __getstate__(self):
+        return {"n": self.n}
+
+    def slow(self) -> None:
+        self._started.put(True)
+        time.sleep(60)
+
+
+def _paired_and_killed(address: str, done, started) -> None:
     with World("victim", elastic=True, init_method=address, dist_timeout=20) as world:
-        world.create_rpc_group("open").pair("v", 1)
+        world.create_rpc_group("open").pair("v", _Sleeper(started))
         done.put(True)
         time.sleep(60)
 
 
 def test_a_handle_whose_owner_died_names_it():
-    message = launch(_gone_owner_body, 1, names=["host"], max_restarts=1, timeout=120)[0]
+    message, after = launch(_gone_owner_body, 1, names=["host"], max_restarts=1, timeout=120)[0]
     assert "'victim'" in message and "lost" in message, message
+    assert after < 15, f"the calls through the handle took {after:.1f} s to fail after the kill"

@@ -382,7 +382,8 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
 
     Refused: the worker its member moved to before ``deadline``. Unknown to this process's
     agent ("could not find destination"): the worker it moved to, or ``worker`` itself once
-    introduced to the agent (not again when ``introduced``: this call did that already).
+    introduced to the agent (not again when ``introduced``: this call did that already),
+    or, when its address is gone too, the worker it moves to within ``_RESET_WAIT``.
     Reset by a live process on this host: the worker it moved to within ``_RESET_WAIT``.
     """
     text = str(err).lower()
@@ -394,8 +395,12 @@ def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: 
         moved = roster.moved_from(worker, 0.0)
         if moved is not None:
             return moved
-        if introduced or roster.transport_gone(worker) or not _transport.introduce_current(worker):
+        if introduced or roster.transport_gone(worker):
             return None  # (introduced: this call told the agent once already; it stands)
+        if not _transport.introduce_current(worker):
+            # Its address is gone: a worker its member retired (renewals in a row), whose
+            # move this view reads within a tick; a gone member's ends the wait at once.
+            return roster.moved_from(worker, min(_RESET_WAIT, deadline - time.monotonic()))
         return worker
     if "connection refused" in text or "econnrefused" in text:
         return roster.moved_from(worker, deadline - time.monotonic())
