@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 from torch.distributed import rpc
 
-from . import _calls, _refs, _samehost
+from . import _calls, _ref_owner, _refs, _samehost
 from ._calls import RpcFuture, is_async, is_missing, send_call, sync_call, unwrap
 from ._group_owners import OwnerCache
 from ._refs import PairedRef, ResultRef
@@ -125,7 +125,7 @@ class Caller:
         return _refs.new_result(_refs.Route(), self._roster.member_of(worker), worker,
                                 f"registered_remote of service {key!r} of group {self._group!r}",
                                 max(0.001, deadline - time.monotonic()),
-                                lambda head: (_refs._keep_service, (head + (sid,),) + call_args))
+                                lambda head: (_ref_owner._keep_service, (head + (sid,),) + call_args))
 
     # --------------------------------------------------------------------- values
     def paired(self, key: str, wait: float) -> PairedRef:
@@ -141,7 +141,7 @@ class Caller:
             worker = self._owners.value(key, refresh, max(0.001, deadline_left(deadline)))
             if worker is None:
                 break
-            value = sync_call(self._roster, self._waits, worker, _refs._is_paired, (sid,),
+            value = sync_call(self._roster, self._waits, worker, _ref_owner._is_paired, (sid,),
                               max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
             if not is_missing(value):  # the owner's (member, incarnation)
                 return PairedRef(value[0], value[1], sid)
@@ -173,4 +173,4 @@ class Caller:
         ``call`` is ``_calls.prepare_call``'s: ``(shipped func, args, kwargs)``.
         """
         return _refs.new_result(_refs.Route(), to, self._roster.transport_of(to), f"remote of {func!r}", wait,
-                                lambda head: (_refs._keep_run, (head + (call[0],),) + tuple(call[1:])))
+                                lambda head: (_ref_owner._keep_run, (head + (call[0],),) + tuple(call[1:])))

@@ -38,18 +38,16 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-import torch
 from torch.distributed import rpc
 
 from ..exception import PeerLostError
-from . import _calls, _samehost, _state
-from ._calls import RpcFuture, _done, _failure, _load_function, _resolve, send_call, sync_call, unwrap
-from ._results import Holder, is_absent
+from . import _ref_owner, _samehost, _state
+from ._calls import RpcFuture, send_call, sync_call, unwrap
+from ._ref_owner import Target
+from ._results import Holder
 
 __all__ = ["PairedRef", "ResultRef", "Route", "new_result"]
 
-#: What a handle points at on its owner: ``("v", sid)`` a paired value, ``("r", rid)`` a result.
-Target = Tuple[str, str]
 
 # The creating handle's token (a copy sent elsewhere gets a token of its own).
 _CREATOR = "c"
@@ -141,7 +139,7 @@ class _Ref:
         deadline = _now() + wait
         self._ready(deadline)
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
-        return unwrap(sync_call(route.roster, route.waits, worker, _ref_value,
+        return unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_value,
                                 _samehost.outgoing(worker, (self._target, (), {})),  # [shm hook]
                                 max(0.001, deadline - _now()), self._what, wait))
 
@@ -191,7 +189,7 @@ class _Ref:
         if route.me != (self._owner, self._inc):
             raise RuntimeError(f"local_value() of {self._what()} on member {route.me[0]!r}: it is owned by "
                                f"member {self._owner!r}; use to_here() for a copy")
-        return _lookup(self._target)
+        return _ref_owner._lookup(self._target)
 
     def confirmed_by_owner(self) -> bool:
         """Whether the owner holds the value (a result: its creation has finished)."""
@@ -207,17 +205,18 @@ class _Ref:
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
         what = f"{name}() of {self._what()}"
         if how == "sync":
-            return unwrap(sync_call(route.roster, route.waits, worker, _ref_call,
+            return unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_call,
                                     _samehost.outgoing(worker, ((self._target, name), args, kwargs)),  # [shm hook]
                                     max(0.001, deadline - _now()), what, wait))
         if how == "async":
             _, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
                                lambda to, left: rpc.rpc_async(
-                                   to, _ref_call, args=_samehost.outgoing(to, ((self._target, name), args, kwargs)),
+                                   to, _ref_owner._ref_call,
+                                   args=_samehost.outgoing(to, ((self._target, name), args, kwargs)),
                                    timeout=left))
             return RpcFuture(fut, self._owner, what, wait)
         return new_result(route, self._owner, worker, what, max(0.001, deadline - _now()),
-                          lambda head: (_keep_call, (head + (self._target, name), args, kwargs)))
+                          lambda head: (_ref_owner._keep_call, (head + (self._target, name), args, kwargs)))
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._what()} on member {self._owner!r} (incarnation {self._inc})>"
@@ -300,7 +299,7 @@ class ResultRef(_Ref):
         self._ready(_now() + route.timeout)
         token = uuid.uuid4().hex
         worker = route.worker(self._owner, self._inc, self._what(), _now() + route.timeout)
-        held = sync_call(route.roster, route.waits, worker, _hold, (self._target[1], token, route.me),
+        held = sync_call(route.roster, route.waits, worker, _ref_owner._hold, (self._target[1], token, route.me),
                          route.timeout, f"a copy of {self._what()}")
         if not held:
             raise KeyError(f"{self._what()} is no longer kept by member {self._owner!r}")
@@ -314,7 +313,7 @@ def _arrived(owner: str, incarnation: int, rid: str, token: str, what: str) -> R
     if world is not None:
         try:
             worker = world.membership.roster.transport_of(owner)
-            rpc.rpc_async(worker, _move, args=(rid, token, (world.name, world.incarnation)))
+            rpc.rpc_async(worker, _ref_owner._move, args=(rid, token, (world.name, world.incarnation)))
         except Exception:  # the owner is gone, or no agent: the hold stays the sender's
             pass
     return ref
@@ -372,150 +371,6 @@ def _release_later(keeper: Holder, rid: str, token: str, created: Optional[RpcFu
         roster = world.membership.roster
         if roster.incarnation_of(owner) != incarnation:
             return  # that incarnation is gone, and its results with it
-        rpc.rpc_async(roster.transport_of(owner), _release, args=(rid, token))
+        rpc.rpc_async(roster.transport_of(owner), _ref_owner._release, args=(rid, token))
     except Exception:  # no agent (the World stops), or the owner is gone: nothing to free
         pass
-
-
-# ------------------------------------------------------------------- the owner's side
-def _lookup(target: Target) -> Any:
-    tables = _calls._tables
-    kind, key = target
-    if kind == "v":
-        value = tables.values.get(key, _ABSENT) if tables is not None else _ABSENT
-        if value is _ABSENT:
-            raise KeyError(f"value {key.split('/', 2)[-1]!r} is no longer paired on {_calls._where()}")
-        return value
-    if tables is None or is_absent(value := tables.results.get(key)):
-        raise KeyError(f"remote result {key} is no longer kept by {_calls._where()} (every handle to it was "
-                       f"released, or their holders are gone)")
-    return value
-
-
-_ABSENT = object()
-
-
-def _identity() -> Holder:
-    """This member and incarnation (what a handle names as the owner)."""
-    world = _state.current
-    if world is None:
-        raise RuntimeError(f"{_calls._where()} stopped serving")
-    return world.name, world.incarnation
-
-
-def _is_paired(sid: str) -> Any:
-    tables = _calls._tables
-    return _identity() if tables is not None and sid in tables.values else _calls._MISSING
-
-
-def _ref_value(target: Target, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
-    try:
-        return _samehost.reply(_lookup(target), reply)
-    except Exception as exc:
-        return _failure(exc)
-
-
-def _ref_call(what: Tuple[Target, str], args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
-    target, name = what
-    try:
-        return _samehost.reply(_resolve(getattr(_lookup(target), name)(*args, **kwargs)), reply)
-    except Exception as exc:
-        return _failure(exc)
-
-
-def _kept(head: Tuple[str, str, Holder], fut: torch.futures.Future) -> Any:
-    """Keep what ``fut`` holds as result ``head[0]``; answer who keeps it (member,
-    incarnation), or the carried error."""
-    try:
-        value = fut.value()
-        keeper = _identity()
-    except Exception as exc:
-        return _failure(exc)
-    tables = _calls._tables
-    if tables is None:
-        return _failure(RuntimeError(f"{_calls._where()} stopped serving before it could keep the result"))
-    rid, token, holder = head
-    tables.results.keep(rid, token, tuple(holder), value)  # type: ignore[arg-type]
-    return keeper
-
-
-def _keep_outcome(head: Tuple[str, str, Holder], make: Callable[[], Any]) -> torch.futures.Future:
-    try:
-        out = make()
-    except Exception as exc:
-        return _done(_failure(exc))
-    fut = out if isinstance(out, torch.futures.Future) else _done(out)
-    return fut.then(lambda f: _kept(head, f))
-
-
-@rpc.functions.async_execution
-def _keep_run(what: Tuple[Any, ...], args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
-    head, func = what[:3], what[3]
-    return _keep_outcome(head, lambda: _load_function(func)(*args, **kwargs))
-
-
-@rpc.functions.async_execution
-def _keep_call(what: Tuple[Any, ...], args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
-    head, target, name = what[:3], what[3], what[4]
-    return _keep_outcome(head, lambda: getattr(_lookup(target), name)(*args, **kwargs))
-
-
-@rpc.functions.async_execution
-def _keep_service(what: Tuple[Any, ...], args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
-    head, sid = what[:3], what[3]
-    tables = _calls._tables
-    service = tables.services.get(sid) if tables is not None else None
-    if service is not None:
-        return _keep_outcome(head, lambda: service(*args, **kwargs))
-    # The key moved since the caller looked it up: its new owner runs it, and the result
-    # is kept here, where the caller's handle points.
-    owner = tables.resolve_owner(sid) if tables is not None and tables.resolve_owner else None
-    if owner is None or tables is None or owner == tables.member:
-        return _done(_failure(KeyError(f"service {sid.split('/', 2)[-1]!r} is not registered on any member")))
-    forwarded = rpc.rpc_async(owner, _run_service, args=(sid, args, kwargs))
-    return forwarded.then(lambda f: _kept_forwarded(head, sid, f))
-
-
-@rpc.functions.async_execution
-def _run_service(sid: str, args: Tuple, kwargs: Dict) -> torch.futures.Future:
-    """Service ``sid``'s outcome, plain or asynchronous (for a forwarded ``_keep_service``)."""
-    tables = _calls._tables
-    service = tables.services.get(sid) if tables is not None else None
-    if service is None:
-        return _done(_calls._MISSING)
-    try:
-        out = service(*args, **kwargs)
-    except Exception as exc:
-        return _done(_failure(exc))
-    if not isinstance(out, torch.futures.Future):
-        return _done(out)
-    return out.then(lambda f: _calls._settle(f))
-
-
-def _kept_forwarded(head: Tuple[str, str, Holder], sid: str, fut: torch.futures.Future) -> Any:
-    try:
-        value = fut.value()
-    except Exception as exc:
-        return _failure(exc)
-    if _calls.is_missing(value):
-        return _failure(KeyError(f"service {sid.split('/', 2)[-1]!r} is not registered on any member"))
-    if _calls.is_failure(value):
-        return value
-    return _kept(head, _done(value))
-
-
-def _hold(rid: str, token: str, holder: Holder) -> bool:
-    tables = _calls._tables
-    return tables is not None and tables.results.hold(rid, token, tuple(holder))  # type: ignore[arg-type]
-
-
-def _move(rid: str, token: str, holder: Holder) -> None:
-    tables = _calls._tables
-    if tables is not None:
-        tables.results.move(rid, token, tuple(holder))  # type: ignore[arg-type]
-
-
-def _release(rid: str, token: str) -> None:
-    tables = _calls._tables
-    if tables is not None:
-        tables.results.release(rid, token)
