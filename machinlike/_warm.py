@@ -157,9 +157,11 @@ if WARM_AVAILABLE:
 
         def _launch(self, process_obj: _process.BaseProcess) -> None:
             payload = io.BytesIO()
-            # A forked child would write to the server's stdout/stderr (fixed when the
-            # server started); hand it the parent's current ones, as spawn does.
+            # A forked child would write to the server's stdout/stderr and see its
+            # environment (both fixed when the server started); hand it the parent's
+            # current ones, as spawn does (a variable set after the first start reaches it).
             setattr(process_obj, "_stdio_slots", tuple(self.duplicate_for_child(fd) for fd in (1, 2)))
+            setattr(process_obj, "_environ", dict(os.environ))
             _context.set_spawning_popen(self)
             try:
                 _reduction.dump(_spawn.get_preparation_data(process_obj.name), payload)
@@ -181,12 +183,18 @@ if WARM_AVAILABLE:
 
 
 def child_setup(process_obj: _process.BaseProcess) -> None:
-    """In a child of a warm server: take the parent's stdout/stderr, borrow its server.
+    """In a child of a warm server: take the parent's stdout/stderr and environment (as
+    they were when it started this child), borrow its server.
 
     For process classes that start through a warm context's ``Process._Popen`` without
     deriving from its Process class (:class:`machinlike.process.Process`); a no-op in a
     child started any other way.
     """
+    environ = getattr(process_obj, "_environ", None)
+    if environ is not None:
+        # (Before the target runs; the main module was imported with the server's.)
+        os.environ.clear()
+        os.environ.update(environ)
     slots = getattr(process_obj, "_stdio_slots", ())
     if slots:
         inherited = _forkserver.get_inherited_fds() or []

@@ -261,9 +261,11 @@ class Process(BaseProcess):
         state = {k: v for k, v in self.__dict__.items() if k in self._own_keys}
         for key in ("_ctx", "_report_lock", "_report_reader", "_target", "_args", "_kwargs", "_cleaner"):
             state.pop(key, None)
-        extra = {k: v for k, v in self.__dict__.items() if k not in self._own_keys and k != "_stdio_slots"}
-        if "_stdio_slots" in self.__dict__:  # set by a warm start; needed before the payload loads
-            state["_stdio_slots"] = self._stdio_slots
+        warm = ("_stdio_slots", "_environ")  # set by a warm start; needed before the payload loads
+        extra = {k: v for k, v in self.__dict__.items() if k not in self._own_keys and k not in warm}
+        for key in warm:
+            if key in self.__dict__:
+                state[key] = self.__dict__[key]
         # The primer connects the child to our shared-memory manager (if we have one),
         # sparing it the start of its own when it shares a tensor.
         primer = _reductions.manager_primer()

@@ -30,9 +30,6 @@ def _tag(x: int):
 
 
 def _actor(address: str, i: int, out, go) -> None:
-    # Set here, not only in the test's environment: a warm forkserver started earlier
-    # in the session would hand its own environment down.
-    os.environ["MACHINLIKE_WORKER_ID_SPACE"] = str(SPACE)
     with World(f"a{i}", elastic=True, init_method=address, dist_timeout=30, rpc_timeout=20) as world:
         g = world.create_rpc_group("open")
         g.pair(f"v{i}", {"i": i, "who": f"a{i}"})
@@ -46,7 +43,6 @@ def _actor(address: str, i: int, out, go) -> None:
 
 
 def _host_body(world):
-    os.environ["MACHINLIKE_WORKER_ID_SPACE"] = str(SPACE)  # (see _actor)
     g = world.create_rpc_group("open")
     g.pair("hostval", "host-value")
     g.register("host_svc", _tag)
