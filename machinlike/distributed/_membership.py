@@ -39,6 +39,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import torch.distributed as dist
 
 from ..exception import PeerLostError
+from . import _transport
 from ._calls import LocalTables
 from ._claims import Claims
 from ._departures import Departures
@@ -121,9 +122,9 @@ class Membership:
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
         if entry.kind in ("join", "move"):
-            tail = rec.transport.rpartition("_")[2]
-            if tail.isdigit():  # (an elastic worker, "<name>_<seq>": see Endpoint.aged)
-                self.endpoint.note_seq(int(tail))
+            number = _transport.worker_seq(rec.transport)  # (not ``seq``: the event's own)
+            if number is not None:  # (an elastic worker: see Endpoint.aged)
+                self.endpoint.note_seq(number)
         workers = self.roster.apply(entry.kind, rec)
         if workers is None:
             return

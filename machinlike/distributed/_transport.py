@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-__all__ = ["id_space", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["id_space", "worker_seq", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,17 @@ def id_space() -> int:
     return value
 
 
-def worker_id(worker: str) -> Optional[int]:
-    """The torch id of elastic worker ``worker`` (``<member>_<seq>``); None for a static
-    world's worker (its name is its member's)."""
+def worker_seq(worker: str) -> Optional[int]:
+    """The sequence number of elastic worker ``worker`` (``<member>_<seq>``); None for a
+    static world's worker (its name is its member's)."""
     base, _, seq = worker.rpartition("_")
-    return int(seq) % id_space() if base and seq.isdigit() else None
+    return int(seq) if base and seq.isdigit() else None
+
+
+def worker_id(worker: str) -> Optional[int]:
+    """The torch id of elastic worker ``worker``; None for a static world's worker."""
+    seq = worker_seq(worker)
+    return None if seq is None else seq % id_space()
 
 
 def id_held(store: dist.Store, tid: int) -> bool:
