@@ -56,6 +56,8 @@ class LocalTables:
         self.resolve_owner: Optional[Callable[[str], Optional[str]]] = None
         # Results kept here for remote handles (see _refs).
         self.results = ResultTable()
+        # Told the member of each call of this process that timed out (see _agent_probe).
+        self.timed_out: Optional[Callable[[str], None]] = None
 
 
 _tables: Optional[LocalTables] = None
@@ -235,6 +237,9 @@ def translate_error(err: BaseException, member: str, what: str, timeout: float) 
     """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``."""
     text = str(err).lower()
     if "timeout" in text or "timed out" in text:
+        tables = _tables
+        if tables is not None and tables.timed_out is not None:
+            tables.timed_out(member)  # (returns at once: the monitor acts on its next tick)
         return TimeoutError(f"{what} on member {member!r} did not answer within {timeout:g} s")
     if any(marker in text for marker in _LOST_MARKERS):
         return PeerLostError(member, f"{what} failed: {err}")

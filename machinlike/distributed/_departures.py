@@ -133,7 +133,7 @@ class Departures:
             marks = [key for inc in (incarnation, incarnation - 1) if inc >= 1
                      for key in (self._keys.lost(member, inc), self._keys.lost_posted(member, inc),
                                  self._keys.gone(member, inc))]
-            reg.delete([self._keys.heartbeat(member), *marks])
+            reg.delete([self._keys.heartbeat(member), self._keys.probe_request(member), *marks])
             reg.delete([key for key in released if not reg.get_or_empty(key)])
             reg.delete([counter])  # last: while it stands, a returning member counts on from it
             reaped += 1

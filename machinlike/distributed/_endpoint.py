@@ -221,9 +221,10 @@ class Endpoint:
         """Whether this member's RPC listener is known closed (see ``_listener``)."""
         return self._listener is not None and self._listener.alive() is False
 
-    def renew(self, recycle: bool = False) -> MemberRecord:
-        """Give this member a new RPC agent (and worker name): its listener closed, or
-        (``recycle``) the agent holds too many pipes to gone workers (see _pipes).
+    def renew(self, recycle: bool = False, why: Optional[str] = None) -> MemberRecord:
+        """Give this member a new RPC agent (and worker name): its listener closed, its
+        agent stopped answering (``why`` says so), or (``recycle``) the agent holds too
+        many pipes to gone workers (see _pipes) or is a quarter of the id space old.
 
         Its incarnation stays; the caller moves its registry keys (``Claims.renewed``)
         and tells the others. The old agent keeps serving the connections it has (calls
@@ -244,6 +245,8 @@ class Endpoint:
         elif recycle:
             log.info("machinlike: member %r: RPC agent %r holds pipes to %d gone workers; recycling it",
                      self.name, old.transport, self.pipes.dead())
+        elif why is not None:
+            log.warning("machinlike: member %r: %s; restarting its RPC agent", self.name, why)
         else:
             log.warning("machinlike: member %r: the RPC listener of %r closed (a peer vanished while "
                         "connecting, or something probed its port); restarting its RPC agent",

@@ -120,6 +120,10 @@ class Keys:
     def heartbeat_prefix(self) -> str:
         return f"{self.ns}m/hb/"
 
+    def probe_request(self, member: str) -> str:
+        """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
+        return f"{self.ns}m/probe/{member}"
+
     def log_segment(self, k: int) -> str:
         """Segment ``k`` of the event log (see ``_event_log``)."""
         return f"{self.ns}m/log/{k}"

@@ -118,6 +118,8 @@ class Membership:
         self.departures = Departures(self.registry, keys)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                self.departures, liveness, elastic, self._closing)
+        # A call of this process that timed out makes the monitor ask for a probe (AgentProbe).
+        self.tables.timed_out = self.monitor.call_timed_out
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record

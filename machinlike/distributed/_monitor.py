@@ -8,8 +8,11 @@ checks this member's RPC listener, and declares the suspects lost.
       heartbeat, read the others'                     m/hb/<name>   heartbeat counter
       EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>, m/evn
       declared lost itself? cut off: calls fail, stop
-      listener closed, or recycling due? renew on a
-        thread of its own (Endpoint, Claims), post "move"
+      listener closed, recycling due, or its own agent
+        silent to a probe call (AgentProbe: sent once a
+        call timed out, here or a peer's to it, which
+        bumps m/probe/<name>)? renew on a thread of its   m/probe/<name>
+        own (Endpoint, Claims), post "move"
       suspect: process gone (same host, /proc) or
         heartbeat stalled for 3/4 of liveness
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
@@ -25,13 +28,15 @@ next tick through /proc (no false alarm under load), a remote one by its silent 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Tuple
 
 from ..exception import PeerLostError
 from . import _transport
+from ._agent_probe import AgentProbe
 from ._claims import Claims
 from ._departures import Departures
 from ._endpoint import Endpoint
@@ -82,6 +87,11 @@ class Monitor:
         self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
         # Losses another member began to clean up -> when this one first saw that.
         self._declaring: Dict[Tuple[str, int], float] = {}
+        # Probes of this member's own agent (elastic: a wedged one is renewed).
+        self._probe = AgentProbe(liveness) if elastic and liveness is not None else None
+        # Members a call of this process timed out on, to ask for a probe (see call_timed_out).
+        self._timed_out: Deque[str] = collections.deque(maxlen=64)
+        self._probe_requests: Optional[str] = None  # m/probe/<me> as last read (None: not yet)
 
     def _tick(self) -> float:
         return tick_of(self._liveness)
@@ -89,6 +99,32 @@ class Monitor:
     def lease(self) -> float:
         """Seconds a heartbeat may stall before its member is suspected."""
         return 0.75 * (self._liveness or DEFAULT_LIVENESS)
+
+    def call_timed_out(self, member: str) -> None:
+        """A call of this process to ``member`` timed out (any thread; returns at once):
+        probe this member's own agent, and ask ``member`` to probe its own (next tick)."""
+        if self._probe is not None:
+            self._probe.request()
+            self._timed_out.append(member)
+
+    def _probes(self, ticks: int) -> Optional[str]:
+        """Post the probe requests of this process's timed-out calls, read the others' for
+        this member (every 4th tick), and check this member's probe; why to renew, or None."""
+        probe = self._probe
+        if probe is None:
+            return None
+        asked = set()
+        while self._timed_out:
+            asked.add(self._timed_out.popleft())
+        for member in asked - {self._endpoint.name}:
+            if self._roster.incarnation_of(member) is not None:  # (a gone member's key would stay)
+                self._registry.add(self._keys.probe_request(member), 1)
+        if ticks % 4 == 0:
+            count = self._registry.get_or_empty(self._keys.probe_request(self._endpoint.name))
+            if self._probe_requests is not None and count != self._probe_requests:
+                probe.request()
+            self._probe_requests = count
+        return probe.check(self._endpoint.me.transport)
 
     # ------------------------------------------------------------------- thread
     def start(self) -> None:
@@ -111,7 +147,9 @@ class Monitor:
     def _run(self) -> None:
         tick = self._tick()
         beat_key = self._keys.heartbeat(self._endpoint.name)
+        ticks = 0
         while not self._closing.wait(tick):
+            ticks += 1
             try:
                 self._registry.add(beat_key, 1)
                 self._events.catch_up()
@@ -123,6 +161,10 @@ class Monitor:
                     self._start_renewal(recycle=False)
                 elif self._endpoint.pipes.due() or self._endpoint.aged():
                     self._start_renewal(recycle=True)
+                elif self._probe is not None:
+                    wedged = self._probes(ticks)
+                    if wedged:
+                        self._start_renewal(recycle=False, why=wedged)
                 # A retired agent goes once idle and every member has seen the move (they
                 # catch up every tick), or once any call on it would have timed out.
                 now = time.monotonic()
@@ -179,7 +221,7 @@ class Monitor:
                 out.append(rec)
         return out
 
-    def _start_renewal(self, recycle: bool) -> None:
+    def _start_renewal(self, recycle: bool, why: Optional[str] = None) -> None:
         """Renew this member's agent on a thread of its own.
 
         Why: the new agent's join calls every listed member, and waits for one that is
@@ -189,21 +231,21 @@ class Monitor:
         fail; here the liveness thread goes on, declares the silent member lost and
         prunes it, and the join's next attempt goes through without it.
         """
-        self._renewing = threading.Thread(target=self._renew_reporting, args=(recycle,), daemon=True,
+        self._renewing = threading.Thread(target=self._renew_reporting, args=(recycle, why), daemon=True,
                                           name=f"machinlike-renew-{self._endpoint.name}")
         self._renewing.start()
 
-    def _renew_reporting(self, recycle: bool) -> None:
+    def _renew_reporting(self, recycle: bool, why: Optional[str]) -> None:
         try:
-            self._renew(recycle)
+            self._renew(recycle, why)
         except PeerLostError as err:
             self._roster.mark_cut_off(err)
             log.error("machinlike: %s; every call of this member now fails", err)
         except Exception:  # logged by the endpoint too; never let it vanish silently
             log.exception("machinlike: renewing the RPC agent of %r", self._endpoint.name)
 
-    def _renew(self, recycle: bool = False) -> None:
-        self._claims.renewed(lambda: self._endpoint.renew(recycle))
+    def _renew(self, recycle: bool = False, why: Optional[str] = None) -> None:
+        self._claims.renewed(lambda: self._endpoint.renew(recycle, why))
         me = self._endpoint.me
         self._events.post("move", me)
         self._roster.apply("move", me)  # this process routes to the new agent at once (the log follows)

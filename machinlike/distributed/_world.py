@@ -386,6 +386,10 @@ class World:
         leave, and RPC stops locally; the process hosting the store first waits (within
         ``timeout``) for the other members to leave, since they need the store.
 
+        Calls this member still serves get what is left of ``timeout`` (at least 1 s) to
+        finish; one that takes longer (a service that blocks) does not hold the stop: its
+        caller gets an error and the RPC agent finishes shutting down in the background.
+
         Safe to call twice; called on leaving a ``with World(...)`` block.
 
         Args:

@@ -9,7 +9,10 @@ failed stop never keeps the process from building a new World.
                    -> destroy the process group -> w/left/<rank> (the store's host waits
                    for the others: they still need the store)
     leave_elastic  destroy this member's groups -> Membership.leave -> the store's host
-                   waits for the others to leave
+                   waits for the others to leave -> RPC shutdown (local)
+
+RPC's shutdown waits for the calls this member still serves, within what is left of the
+stop's time (at least 1 s); a call that outlasts it does not hold the stop (_agent_stop).
 """
 
 from __future__ import annotations
@@ -78,3 +81,6 @@ def leave_elastic(session: Session, deadline: float) -> None:
             members.wait_others_gone(deadline_left(deadline))
         except TimeoutError as err:
             log.warning("World %r closes the store while members remain: %s", name, err)
+    members.close()
+    if session.rpc is not None:  # calls this member still serves get what is left of the stop's time
+        session.rpc(False, deadline_left(deadline))
