@@ -619,6 +619,7 @@ def shutdown(graceful: bool, timeout: float) -> None:
     if agent is not None:
         if graceful:
             _graceful(agent, timeout)
+            deadline = max(deadline, time.monotonic() + 1.0)  # (the local part's own second)
         try:
             _destroy_rref_context(rpc.api._ignore_rref_leak)
         except RuntimeError as err:
