@@ -200,13 +200,14 @@ def _wedged_body(world):
     return answered, time.monotonic() - start, failures
 
 
-def test_a_member_whose_rpc_agent_is_wedged_renews_it():
+def test_a_member_whose_rpc_agent_is_wedged_renews_it(monkeypatch):
+    monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "3")  # (10 s by default)
     (first, now, renewals), (answered, took, failures) = launch(
         _wedged_body, 2, names=["victim", "peer"], max_restarts=1, essential=["victim", "peer"], liveness=2.0,
         timeout=120)
     assert answered is not None and now != first and renewals >= 1, (first, now, renewals, answered)
-    # A call times out (3 s), the victim reads the request (1 s), its probe's bound (10 s), the renewal.
-    assert took < 3 + 1 + 10 + 10, took
+    # A call times out (3 s), the victim reads the request (1 s), its probe's bound (3 s), the renewal.
+    assert took < 3 + 1 + 3 + 10, took
 
 
 def _busy_pool_body(world):
@@ -228,7 +229,7 @@ def _busy_pool_body(world):
         time.sleep(0.1)
     busy = _transport_idle_threads() == 0
     probe = world.membership.monitor._probe
-    deadline = time.monotonic() + 2 + 1 + 10 + 5  # the timeout, the request, the probe's bound
+    deadline = time.monotonic() + 2 + 1 + 3 + 5  # the timeout, the request, the probe's bound
     while probe.busy_alarms == 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     renewals, alarms = world.membership.renewals, probe.busy_alarms
@@ -242,7 +243,8 @@ def _transport_idle_threads() -> int:
     return _transport.pool_threads()[0]
 
 
-def test_a_member_whose_rpc_threads_all_serve_blocking_calls_is_not_renewed():
+def test_a_member_whose_rpc_threads_all_serve_blocking_calls_is_not_renewed(monkeypatch):
+    monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "3")
     # Renewing would not end those calls, and would churn for as long as services block.
     (busy, renewals, alarms), _ = launch(_busy_pool_body, 2, names=["victim", "peer"], max_restarts=1,
                                  essential=["victim", "peer"], liveness=2.0, rpc_threads=4, timeout=120)
@@ -284,3 +286,15 @@ def test_a_process_exits_at_once_after_a_stop_that_left_its_agent_shutting_down(
     assert stopped < 1 + 1.5, done.stdout
     assert "has not shut down" in done.stderr
     assert took < 30, took  # not the call's 120 s
+
+
+def test_a_bad_probe_bound_is_named(monkeypatch):
+    from machinlike.distributed import _agent_probe
+
+    monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "soon")
+    with pytest.raises(ValueError, match=r"MACHINLIKE_PROBE_WITHIN='soon' must be a positive number of seconds"):
+        _agent_probe.least_within()
+    monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "2.5")
+    assert _agent_probe.AgentProbe(1.0).within == 2.5
+    monkeypatch.delenv("MACHINLIKE_PROBE_WITHIN")
+    assert _agent_probe.AgentProbe(30.0).within == 30.0 and _agent_probe.AgentProbe(1.0).within == 10.0

@@ -28,6 +28,8 @@ recycles its agents has none to spare.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from typing import Optional, Tuple
@@ -37,13 +39,34 @@ from torch.distributed import rpc
 
 from . import _transport
 
-__all__ = ["AgentProbe", "answer", "MIN_WITHIN"]
+__all__ = ["AgentProbe", "answer", "least_within", "MIN_WITHIN", "WITHIN_ENV"]
 
 log = logging.getLogger(__name__)
 
 #: The least bound, seconds: a loaded machine can hold a process that long; a false
 #: alarm costs one renewal.
 MIN_WITHIN = 10.0
+#: Sets another least bound (tests use a few seconds).
+WITHIN_ENV = "MACHINLIKE_PROBE_WITHIN"
+
+
+def least_within() -> float:
+    """The least probe bound, seconds: ``MACHINLIKE_PROBE_WITHIN``, else :data:`MIN_WITHIN`.
+
+    Raises:
+        ValueError: the variable is not a positive number of seconds.
+    """
+    text = os.environ.get(WITHIN_ENV, "")
+    if not text:
+        return MIN_WITHIN
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{WITHIN_ENV}={text!r} must be a positive number of seconds; unset it for the "
+                         f"default {MIN_WITHIN:g}")
+    return value
 
 
 def answer() -> None:
@@ -55,11 +78,14 @@ class AgentProbe:
     liveness thread only.
 
     Args:
-        within: Seconds a probe may stay unanswered (at least :data:`MIN_WITHIN`).
+        within: Seconds a probe may stay unanswered (at least :func:`least_within`).
+
+    Raises:
+        ValueError: a bad ``MACHINLIKE_PROBE_WITHIN``.
     """
 
     def __init__(self, within: float) -> None:
-        self.within = max(within, MIN_WITHIN)
+        self.within = max(within, least_within())
         self._pending: Optional[Tuple[torch.futures.Future, float, str]] = None  # (future, sent, worker)
         self._requested = threading.Event()
         self._warned_busy = False
