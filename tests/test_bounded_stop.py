@@ -179,11 +179,17 @@ def _wedge_shm_reactors() -> int:
     return wedged
 
 
-def _wedged_body(world):
+def _victim_group(world, service: str, fn):
+    """Group 'g' of the victim and its peer, the victim serving ``fn`` as ``service``."""
     group = world.create_rpc_group("g", ["victim", "peer"])
     if world.name == "victim":
-        group.register("pid", _pid)
+        group.register(service, fn)
     group.barrier(timeout=30)
+    return group
+
+
+def _wedged_body(world):
+    group = _victim_group(world, "pid", _pid)
     if world.name == "victim":
         first = world.membership.transport
         assert _wedge_shm_reactors() >= 1
@@ -211,10 +217,7 @@ def test_a_member_whose_rpc_agent_is_wedged_renews_it(monkeypatch):
 
 
 def _busy_pool_body(world):
-    group = world.create_rpc_group("g", ["victim", "peer"])
-    if world.name == "victim":
-        group.register("hang", _hang)
-    group.barrier(timeout=30)
+    group = _victim_group(world, "hang", _hang)
     if world.name == "peer":
         # Every one of the victim's 4 RPC threads serves a call that does not return ...
         pending = [group.registered_async("hang", timeout=50) for _ in range(4)]

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import List, Optional
 
-__all__ = ["AgentStop", "stop", "stalled"]
+__all__ = ["AgentStop", "stalled"]
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,6 @@ class AgentStop:
         log.warning("machinlike: RPC agent %r has not shut down after %.1f s: a call it serves has not returned "
                     "(a service that blocks without a timeout?); it goes on shutting down in the background",
                     self.worker, time.monotonic() - self.started)
-
-
-def stop(agent: object, bound: float) -> bool:
-    """Shut ``agent`` down, waiting at most ``bound`` seconds; whether it finished (if not,
-    it goes on in the background and a warning says so)."""
-    shutdown = AgentStop(agent)
-    if shutdown.wait(bound):
-        return True
-    shutdown.warn_stalled()
-    return False
 
 
 def stalled() -> List[str]:
