@@ -247,13 +247,17 @@ def _collect(world: Any, seconds: float) -> Dict[str, Any]:
     if world.rank == 1:  # a no-op round trip, blocks alternated so that noise hits both
         x, acc = torch.zeros(1, 1), group.get_paired("noop").to_here()
         infer_t, raw_t = [], []
-        for _ in range(3):
+        for _ in range(9):
             for times, call in ((infer_t, lambda: acc.infer(x, timeout=30)),
                                 (raw_t, lambda: group.registered_sync("echo", args=(x,), timeout=30))):
+                block = []
                 for _ in range(100):
                     began = time.perf_counter()
                     call()
-                    times.append(time.perf_counter() - began)
+                    block.append(time.perf_counter() - began)
+                times.append(statistics.median(block))
+        # The ratio: the median of neighbouring blocks' ratios (the machine's load drifts).
+        out["noop_ratio"] = statistics.median(i / r for i, r in zip(infer_t, raw_t))
         out.update(noop_infer_us=statistics.median(infer_t) * 1e6, noop_raw_us=statistics.median(raw_t) * 1e6)
     group.barrier(timeout=wait)
     for mode in ("local", *(f"central{wait:g}" for wait in WAITS)):
@@ -288,7 +292,8 @@ def collection(quick: bool) -> Dict[str, Any]:
     results = launch(_collect, 3, args=(10.0 if quick else 30.0,), timeout=1800)
     actors = results[1:]
     out: Dict[str, Any] = {"local": sum(r["local"] for r in actors), "noop_infer_us": results[1]["noop_infer_us"],
-                           "noop_raw_us": results[1]["noop_raw_us"], "central": {}}
+                           "noop_raw_us": results[1]["noop_raw_us"], "noop_ratio": results[1]["noop_ratio"],
+                           "central": {}}
     for wait in WAITS:
         server = results[0][f"server{wait:g}"]
         out["central"][wait] = (sum(r[f"central{wait:g}"] for r in actors), server["mean_batch"],
@@ -347,7 +352,7 @@ def main() -> None:
                             for wait, (rate, batch, p95) in d["central"].items())
         print(f"(d) collection only, 2 actors x {ENVS} games: local {d['local']:,.0f} agent steps/s; {central}; "
               f"no-op round trip: infer {d['noop_infer_us']:.0f} us, raw registered_sync {d['noop_raw_us']:.0f} us "
-              f"({d['noop_infer_us'] / d['noop_raw_us']:.2f}x)", flush=True)
+              f"({d['noop_ratio']:.2f}x, the median of alternated blocks' ratios)", flush=True)
 
     shutil.rmtree(out_dir, ignore_errors=True)
     print(f"total {time.monotonic() - began:.0f} s; load average now {os.getloadavg()[0]:.1f}", flush=True)

@@ -123,6 +123,7 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     group = world.create_rpc_group("g", world.get_members())
     if world.rank == 0:
         impl = InferenceServerImpl("picky", group, _Picky(), max_wait=0.5)
+        at_once = InferenceServerImpl("at_once", group, _Picky(), max_wait=0)  # idle: runs on the RPC thread
         for bad, error, match in [
                 (dict(fn=3), TypeError, "fn must be a callable"),
                 (dict(max_batch=0), ValueError, "max_batch=0 must be a positive int"),
@@ -148,6 +149,12 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
                                   ((torch.zeros(2, 4), None, 1), TypeError, "with_version must be a bool")]:
             with pytest.raises(error, match=match):
                 server.infer(*bad)
+        if world.rank == 1:  # a request run at once on the host's RPC thread fails as a batched one
+            at_once = group.get_paired("at_once").to_here()
+            with pytest.raises(ValueError, match="negative rows are refused") as failed:
+                at_once.infer(-torch.ones(2, 4), timeout=TIMEOUT)
+            assert isinstance(failed.value.__cause__, RemoteTraceback)
+            assert at_once.infer(torch.ones(3, 4), timeout=TIMEOUT).shape == (3, 2)
         results = {}
 
         def call(name, x):
@@ -182,6 +189,9 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
         stats = impl.stats()
         assert stats["errors"] == 2 and stats["isolations"] >= 1, stats  # the culprit shared a batch
         assert stats["rows"] == 2 + 2 + 3 + 4 + 5, stats
+        alone = at_once.stats()
+        assert (alone["errors"], alone["rows"], alone["batches"], alone["isolations"]) == (1, 3, 2, 0), alone
+        at_once.close()
         impl.close()
         impl.close()
     group.barrier()

@@ -123,6 +123,16 @@ def _done(value: Any) -> torch.futures.Future:
     return fut
 
 
+def _settled(fut: torch.futures.Future, reply: int) -> torch.futures.Future:
+    """What an asynchronous service's future answers with: ``_settle``'s envelope once it
+    completes. A future already complete (a service that answered on the spot, as an
+    idle inference server does) is settled here: ``Future.then`` costs about 30 us on
+    the RPC thread, a third of such a call's time on the callee."""
+    if fut.done():
+        return _done(_settle(fut, reply))
+    return fut.then(lambda done: _settle(done, reply))
+
+
 # ----------------------------------------------------------------- callee entry points
 def _call_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
     service = _tables.services.get(sid) if _tables is not None else None
@@ -140,7 +150,7 @@ def _call_async_service(sid: str, args: Tuple, kwargs: Dict, reply: int = 0) -> 
     if service is None:
         return _done(_MISSING)
     try:
-        return service(*args, **kwargs).then(lambda fut: _settle(fut, reply))
+        return _settled(service(*args, **kwargs), reply)
     except Exception as exc:
         return _done(_failure(exc))
 
@@ -159,7 +169,7 @@ def _run(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> Any:
 @rpc.functions.async_execution
 def _run_async(func: Any, args: Tuple, kwargs: Dict, reply: int = 0) -> torch.futures.Future:
     try:
-        return _load_function(func)(*args, **kwargs).then(lambda fut: _settle(fut, reply))
+        return _settled(_load_function(func)(*args, **kwargs), reply)
     except Exception as exc:
         return _done(_failure(exc))
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from ._inference_batch import Inputs, join, split
+from ._inference_batch import Inputs, join, signature, split
 from ._reducer import ServerStoppedError
 
 __all__ = ["Request", "Batcher"]
@@ -48,22 +48,25 @@ class Request:
     Args:
         x: The rows (a tensor or a tuple of tensors).
         rows: Their count.
-        sig: Their signature (see ``_inference_batch.signature``).
         fut: Completed with ``(output rows, version)`` or fn's exception.
         caller: The caller's member name, and its incarnation (a restarted caller is
             another process: the old one's requests are dropped).
-        deadline: ``time.monotonic()`` after which the caller stopped waiting.
+        timeout: Seconds from now after which the caller stops waiting.
         reply: Turns the result into what travels back (same-host encoding); None: as it is.
+
+    ``sig`` (see ``_inference_batch.signature``) is filled in when the request is queued:
+    one run at once on an idle server's RPC thread never needs it.
     """
 
     __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
 
-    def __init__(self, x: Optional[Inputs], rows: int, sig: Hashable, fut: torch.futures.Future, caller: str,
-                 incarnation: int, deadline: float, reply: Optional[Callable[[Any], Any]]) -> None:
-        self.x, self.rows, self.sig, self.fut = x, rows, sig, fut
+    def __init__(self, x: Optional[Inputs], rows: int, fut: torch.futures.Future, caller: str,
+                 incarnation: int, timeout: float, reply: Optional[Callable[[Any], Any]]) -> None:
+        self.x, self.rows, self.fut = x, rows, fut
+        self.sig: Hashable = None
         self.caller, self.incarnation = caller, incarnation
         self.arrived = time.monotonic()
-        self.deadline = deadline
+        self.deadline = self.arrived + timeout
         self.reply = reply
 
 
@@ -95,7 +98,8 @@ class Batcher:
         self.max_batch = max_batch
         self.max_wait = max_wait
         self.max_pending = max_pending
-        self._cond = threading.Condition(threading.Lock())  # guards everything below
+        self._lock = threading.Lock()  # guards everything below; taken bare where no wait or notify follows
+        self._cond = threading.Condition(self._lock)
         self._queue: Deque[Request] = deque()
         self._rows_by_sig: Dict[Hashable, int] = {}
         self._closed = False
@@ -115,7 +119,7 @@ class Batcher:
             ServerStoppedError: the server was closed.
             RuntimeError: ``max_pending`` requests are waiting already.
         """
-        with self._cond:
+        with self._lock:  # (notify below holds it: a Condition over this very lock)
             if self._closed:
                 raise ServerStoppedError(f"inference server {self._what!r} is closed")
             if len(self._queue) >= self.max_pending:
@@ -130,15 +134,12 @@ class Batcher:
             if inline:
                 self._busy = True
             else:
+                request.sig = signature(request.x)  # type: ignore[arg-type]
                 self._queue.append(request)
                 self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
                 self._cond.notify()
         if inline:
-            try:
-                self._run([request], inline=True)
-            finally:
-                with self._cond:
-                    self._busy = False
+            self._run_inline(request)
 
     def _remove(self, request: Request) -> None:
         # Under the lock.
@@ -212,7 +213,7 @@ class Batcher:
                                               f"failed ({type(exc).__name__}: {exc})"))
             raise
 
-    def _run(self, batch: List[Request], inline: bool = False) -> None:
+    def _run(self, batch: List[Request]) -> None:
         start = time.monotonic()
         try:
             out, version = self._run_model(join([req.x for req in batch]))  # type: ignore[misc]
@@ -232,10 +233,36 @@ class Batcher:
             return
         self._count_fn(batch, start, ok=True)
         for req, piece in zip(batch, pieces):
-            if not inline and not self._alive(req.caller, req.incarnation):  # inline: it waits right now
+            if not self._alive(req.caller, req.incarnation):
                 with self._cond:
                     self._counts["dropped"] += req.rows
             self._settle(req, value=(piece, version))
+
+    def _run_inline(self, req: Request) -> None:
+        """``_run`` of one request on its RPC thread, with one lock round for the books
+        (the caller waits right now: no liveness check)."""
+        start = time.monotonic()
+        value: Any = None
+        error: Optional[BaseException] = None
+        try:
+            out, version = self._run_model(req.x)  # type: ignore[arg-type]
+            value = (split(out, (req.rows,), self._fn_what)[0], version)
+        except Exception as exc:
+            error = exc
+        finally:
+            took = time.monotonic() - start
+            with self._lock:
+                counts = self._counts
+                counts["batches"] += 1
+                self._fn_times.append(took)
+                if error is None:
+                    counts["batched_requests"] += 1
+                    counts["rows"] += req.rows
+                    self._waits.append(start - req.arrived)
+                else:
+                    counts["errors"] += 1
+                self._busy = False
+        self._settle(req, value=value, exc=error)
 
     def _count_fn(self, batch: List[Request], start: float, ok: bool) -> None:
         took = time.monotonic() - start

@@ -42,13 +42,20 @@ class ModelSlot:
         self.module: Optional[torch.nn.Module] = fn if isinstance(fn, torch.nn.Module) else None
         self.device = device
         self._lock = threading.Lock()  # a batch, or a weight swap: never both
-        self._no_grad = torch.no_grad()  # one, reused: entered under the lock only
         self.version = version
 
     def run(self, batch: Inputs) -> Tuple[Any, int]:
-        batch = to_device(batch, self.device)
-        with self._lock, self._no_grad:
-            return (self.fn(*batch) if isinstance(batch, tuple) else self.fn(batch)), self.version
+        if self.device is not None:
+            batch = to_device(batch, self.device)
+        # Grad mode is per thread: set here, fewer Python frames than torch.no_grad's
+        # context (a no-op call costs ~80 us on the host, every frame shows).
+        with self._lock:
+            enabled = torch.is_grad_enabled()
+            torch.set_grad_enabled(False)
+            try:
+                return (self.fn(*batch) if isinstance(batch, tuple) else self.fn(batch)), self.version
+            finally:
+                torch.set_grad_enabled(enabled)
 
     def load(self, state: Mapping[str, Any], version: int) -> None:
         """Load ``state`` into ``fn`` (a module) once no batch runs.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
@@ -43,7 +42,7 @@ from ..distributed import RpcGroup, get_world
 from ..distributed._liveness import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
-from ._inference_batch import Inputs, check_inputs, signature
+from ._inference_batch import Inputs, check_inputs
 from ._inference_batcher import Batcher, Request
 from ._inference_model import ModelSlot, Puller
 from ._spec import mismatch, spec_of
@@ -132,9 +131,11 @@ class InferenceServer:
             raise TypeError(f"with_version must be a bool, not {type(with_version).__name__}")
         x, rows = check_inputs(x)
         reply = 0
-        if self._same_host() and all(t.device.type == "cpu" for t in (x if isinstance(x, tuple) else (x,))):
+        if self._same_host() and (x.device.type == "cpu" if isinstance(x, torch.Tensor)
+                                  else all(t.device.type == "cpu" for t in x)):
             reply = self.shm_threshold or 0
-            x = _shm.encode(x, reply)
+            if not isinstance(x, torch.Tensor) or x.nbytes >= reply:  # a small tensor stays as it is
+                x = _shm.encode(x, reply)
         try:
             out, version = self.group.registered_sync(
                 self._key, (x, rows, world.name, world.incarnation, wait, reply), timeout=wait)
@@ -265,6 +266,13 @@ class InferenceServerImpl:
 
     def _service(self) -> Callable[..., Any]:
         batcher, what = self._batcher, self.server_name
+        encoders: Dict[int, Callable[[Any], Any]] = {}  # per reply threshold: made once
+
+        def encoder(reply: int) -> Callable[[Any], Any]:
+            def encode(value: Tuple[Any, int]) -> Any:
+                return _shm.encode(value, reply) if _large(value[0], reply) else value
+
+            return encoders.setdefault(reply, encode)
 
         @rpc.functions.async_execution
         def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,
@@ -273,10 +281,8 @@ class InferenceServerImpl:
             if got != rows:
                 raise ValueError(f"inference server {what!r}: a request of {got} rows said {rows}")
             fut: torch.futures.Future = torch.futures.Future()
-            encode = None if not reply else \
-                (lambda value: _shm.encode(value, reply) if _large(value[0], reply) else value)
-            batcher.submit(Request(x, rows, signature(x), fut, caller, incarnation, time.monotonic() + timeout,
-                                   encode))
+            batcher.submit(Request(x, rows, fut, caller, incarnation, timeout,
+                                   (encoders.get(reply) or encoder(reply)) if reply else None))
             return fut
 
         return infer
