@@ -70,6 +70,36 @@ def test_in_process_lifecycle_and_one_world_per_process():
             world.create_rpc_group("late", ["solo"])
 
 
+WORKER_ID_SCRIPT = """
+import socket, time
+from machinlike.distributed import World
+
+def port():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+
+World("e", rank=0, elastic=True, init_method=f"tcp://127.0.0.1:{port()}", dist_timeout=20).stop()  # worker id 0
+start = time.monotonic()
+try:
+    World("s1", rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port()}", dist_timeout=20)
+except RuntimeError as err:
+    print(f"refused in {time.monotonic() - start:.2f} s: {err}", flush=True)
+world = World("s0", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")  # the id it had: fine
+world.stop()
+print("rank 0 started", flush=True)
+"""
+
+
+def test_a_static_rank_other_than_the_processes_worker_id_is_refused_at_once():
+    # torch's distributed autograd keeps a process's first RPC worker id for good: a static
+    # World as another rank used to fail inside init_rpc, after the other ranks' rendezvous.
+    done = subprocess.run([sys.executable, "-c", WORKER_ID_SCRIPT], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused, started = done.stdout.strip().splitlines()
+    assert refused.startswith("refused in ") and float(refused.split()[2]) < 2.0, refused
+    assert "cannot start a static World as rank 1" in refused and "worker_id: 0" in refused, refused
+    assert "fresh process" in refused and started == "rank 0 started"
+
+
 def test_startup_names_the_missing_rank():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"World start-up: ranks: '1' did not arrive within"):

@@ -10,6 +10,8 @@ down exactly what was set up, in reverse order, once.
 a half-built world:
 
     step                                              undo
+    claim the RPC worker id = rank (torch keeps a     -
+      process's first: another is refused at once)
     open the store (host it on rank 0, or join)       -
     choose the interface: set its environment         restore the environment
     exchange member names (duplicates refused)        -                (w/name/<rank>)
@@ -194,6 +196,8 @@ def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Me
 def start_static(session: Session) -> None:
     """Start a static World (the steps in the module doc)."""
     s = session.settings
+    if s.rpc:
+        _transport.claim_worker_id(s.rank)
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -48,7 +48,7 @@ from torch.distributed import rpc
 
 from . import _agent_stop
 
-__all__ = ["id_space", "worker_seq", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "pool_threads", "rrefs_bound_elsewhere", "published_address",
+__all__ = ["claim_worker_id", "id_space", "worker_seq", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "pool_threads", "rrefs_bound_elsewhere", "published_address",
            "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,25 @@ def static_start_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
         yield
+
+
+def claim_worker_id(rank: int) -> None:
+    """Give this process's distributed-autograd container the id ``rank``, as a static
+    ``init_rpc`` does first; here, before the World's first step, so that a refusal comes
+    at once, with its cause and fix, instead of after the other ranks' rendezvous.
+
+    Raises:
+        RuntimeError: an earlier World in this process had another worker id (an elastic
+            one's, or another rank); torch keeps the first id for the life of the process.
+    """
+    try:
+        dist_autograd._init(rank)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"this process cannot start a static World as rank {rank}: an earlier World here ran as another RPC "
+            f"worker id, and torch's distributed autograd keeps that id for the life of the process ({err}); "
+            f"start the static World in a fresh process (machinlike.launch or a new interpreter), or join an "
+            f"elastic World instead") from err
 
 
 def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float) -> None:
