@@ -48,8 +48,11 @@ from torch.distributed import rpc
 
 from . import _agent_stop
 
-__all__ = ["claim_worker_id", "id_space", "worker_seq", "worker_id", "id_held", "start_static", "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady", "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "pool_threads", "rrefs_bound_elsewhere", "published_address",
-           "prune_workers", "release_token_of", "token_holder", "listed_workers", "set_default_timeout", "shutdown"]
+__all__ = ["claim_worker_id", "id_space", "worker_seq", "worker_id", "id_held", "start_static",
+           "static_start_quiet", "start_dynamic", "retire_current", "wait_current", "wait_steady",
+           "no_agent_error", "closed_agent_error", "reap_retired", "forget_retired", "pool_threads",
+           "rrefs_bound_elsewhere", "published_address", "prune_workers", "release_token_of", "token_holder",
+           "listed_workers", "set_default_timeout", "shutdown"]
 
 log = logging.getLogger(__name__)
 

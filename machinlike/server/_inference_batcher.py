@@ -221,8 +221,6 @@ class Batcher:
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
             if len(batch) == 1:
-                with self._cond:
-                    self._counts["errors"] += 1
                 self._settle(batch[0], exc=exc)
                 return
             # Who made fn fail? Run each request alone: only the culprit's caller hears of it.
@@ -239,35 +237,27 @@ class Batcher:
             self._settle(req, value=(piece, version))
 
     def _run_inline(self, req: Request) -> None:
-        """``_run`` of one request on its RPC thread, with one lock round for the books
-        (the caller waits right now: no liveness check)."""
+        """``_run`` of one request on its RPC thread, which waits for it right now (so no
+        liveness check); the books and the end of ``_busy`` in one lock round."""
         start = time.monotonic()
-        value: Any = None
-        error: Optional[BaseException] = None
         try:
             out, version = self._run_model(req.x)  # type: ignore[arg-type]
             value = (split(out, (req.rows,), self._fn_what)[0], version)
-        except Exception as exc:
-            error = exc
-        finally:
-            took = time.monotonic() - start
-            with self._lock:
-                counts = self._counts
-                counts["batches"] += 1
-                self._fn_times.append(took)
-                if error is None:
-                    counts["batched_requests"] += 1
-                    counts["rows"] += req.rows
-                    self._waits.append(start - req.arrived)
-                else:
-                    counts["errors"] += 1
-                self._busy = False
-        self._settle(req, value=value, exc=error)
+        except BaseException as exc:
+            self._count_fn([req], start, ok=False, idle=True)
+            if not isinstance(exc, Exception):
+                raise
+            self._settle(req, exc=exc)
+            return
+        self._count_fn([req], start, ok=True, idle=True)
+        self._settle(req, value=value)
 
-    def _count_fn(self, batch: List[Request], start: float, ok: bool) -> None:
+    def _count_fn(self, batch: List[Request], start: float, ok: bool, idle: bool = False) -> None:
+        """The books of one call of ``fn``; a failed call of one request is its error (a
+        failed batch's culprits are counted when run alone). ``idle``: no batch runs now."""
         took = time.monotonic() - start
         counts = self._counts
-        with self._cond:
+        with self._lock:
             counts["batches"] += 1
             self._fn_times.append(took)
             if ok:
@@ -275,6 +265,10 @@ class Batcher:
                 for req in batch:
                     counts["rows"] += req.rows
                     self._waits.append(start - req.arrived)
+            elif len(batch) == 1:
+                counts["errors"] += 1
+            if idle:
+                self._busy = False
 
     def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more

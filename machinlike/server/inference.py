@@ -266,13 +266,16 @@ class InferenceServerImpl:
 
     def _service(self) -> Callable[..., Any]:
         batcher, what = self._batcher, self.server_name
-        encoders: Dict[int, Callable[[Any], Any]] = {}  # per reply threshold: made once
+        encoders: Dict[int, Callable[[Any], Any]] = {}  # per reply threshold (a few): made once
 
         def encoder(reply: int) -> Callable[[Any], Any]:
-            def encode(value: Tuple[Any, int]) -> Any:
-                return _shm.encode(value, reply) if _large(value[0], reply) else value
+            found = encoders.get(reply)
+            if found is None:
+                def encode(value: Tuple[Any, int]) -> Any:
+                    return _shm.encode(value, reply) if _large(value[0], reply) else value
 
-            return encoders.setdefault(reply, encode)
+                found = encoders[reply] = encode
+            return found
 
         @rpc.functions.async_execution
         def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,
@@ -281,8 +284,7 @@ class InferenceServerImpl:
             if got != rows:
                 raise ValueError(f"inference server {what!r}: a request of {got} rows said {rows}")
             fut: torch.futures.Future = torch.futures.Future()
-            batcher.submit(Request(x, rows, fut, caller, incarnation, timeout,
-                                   (encoders.get(reply) or encoder(reply)) if reply else None))
+            batcher.submit(Request(x, rows, fut, caller, incarnation, timeout, encoder(reply) if reply else None))
             return fut
 
         return infer
