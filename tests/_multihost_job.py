@@ -117,6 +117,14 @@ def _fifo_line(path: str, timeout: float) -> str:
         os.close(fd)
 
 
+def _store_client(timeout: float) -> dist.TCPStore:
+    """A plain client of the world's store (the test's own keys, beside the World's)."""
+    import datetime
+
+    return dist.TCPStore(os.environ["MLK_MASTER"], int(os.environ["MLK_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
 def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     """Elastic scenario: "host" hosts the store; "remote" joins, is called, leaves; "victim"
     joins and then its host is unplugged by the test (host loss: no word, no RST)."""
@@ -131,10 +139,14 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
 
     # A short bound: what this scenario measures is how soon a silent host is declared lost.
     live = dict(dist_timeout=timeout, rpc_timeout=timeout, liveness=2.0)
+    # The others join once the host listens: a join before on_member_change is not an event.
+    listening = "mlk-test/host-listening"
     if role == "host":
         world = World("host", rank=0, elastic=True, init_method=address, **live)
         world.on_member_change(record)
+        _store_client(timeout).set(listening, "1")
     else:
+        _store_client(timeout).wait([listening])
         world = World(role, elastic=True, init_method=address, **live)
     group = world.create_rpc_group("open")
     group.register(f"where/{role}", where)

@@ -71,16 +71,19 @@ def test_in_process_lifecycle_and_one_world_per_process():
 
 
 WORKER_ID_SCRIPT = """
-import socket, time
+import datetime, socket, time
+import torch.distributed as dist
 from machinlike.distributed import World
 
 def port():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
 
 World("e", rank=0, elastic=True, init_method=f"tcp://127.0.0.1:{port()}", dist_timeout=20).stop()  # worker id 0
+# Rank 1 of a static world whose store is up (rank 0 would host it; here the script does).
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=20))
 start = time.monotonic()
 try:
-    World("s1", rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port()}", dist_timeout=20)
+    World("s1", rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{store.port}", dist_timeout=20)
 except RuntimeError as err:
     print(f"refused in {time.monotonic() - start:.2f} s: {err}", flush=True)
 world = World("s0", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")  # the id it had: fine

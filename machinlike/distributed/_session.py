@@ -10,9 +10,9 @@ down exactly what was set up, in reverse order, once.
 a half-built world:
 
     step                                              undo
-    claim the RPC worker id = rank (torch keeps a     -
-      process's first: another is refused at once)
     open the store (host it on rank 0, or join)       -
+    claim the RPC worker id = rank (torch keeps a     -
+      process's first: another is refused here)
     choose the interface: set its environment         restore the environment
     exchange member names (duplicates refused)        -                (w/name/<rank>)
     bind the local tables and same-host settings      unbind, free this process's segments
@@ -196,10 +196,10 @@ def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Me
 def start_static(session: Session) -> None:
     """Start a static World (the steps in the module doc)."""
     s = session.settings
-    if s.rpc:
-        _transport.claim_worker_id(s.rank)
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
+    if s.rpc:  # after the store (a wrong address or environment is named first), before the others wait
+        _transport.claim_worker_id(s.rank)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # A namespace per world incarnation (see Keys.static_counter).
     mine = info.store.add(Keys.static_counter(restart, s.rank), 1)

@@ -158,8 +158,9 @@ def static_start_quiet() -> Iterator[None]:
 
 def claim_worker_id(rank: int) -> None:
     """Give this process's distributed-autograd container the id ``rank``, as a static
-    ``init_rpc`` does first; here, before the World's first step, so that a refusal comes
-    at once, with its cause and fix, instead of after the other ranks' rendezvous.
+    ``init_rpc`` does first; here, once the store is reached and before the ranks exchange
+    names, so that a refusal comes at once, with its cause and fix, instead of after the
+    other ranks' rendezvous.
 
     Raises:
         RuntimeError: an earlier World in this process had another worker id (an elastic
