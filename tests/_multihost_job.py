@@ -13,6 +13,7 @@ The last line of stdout is ``RESULT <json>``: the outcome, or the error this ran
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -119,8 +120,6 @@ def _fifo_line(path: str, timeout: float) -> str:
 
 def _store_client(timeout: float) -> dist.TCPStore:
     """A plain client of the world's store (the test's own keys, beside the World's)."""
-    import datetime
-
     return dist.TCPStore(os.environ["MLK_MASTER"], int(os.environ["MLK_PORT"]), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout))
 

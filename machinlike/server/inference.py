@@ -266,16 +266,9 @@ class InferenceServerImpl:
 
     def _service(self) -> Callable[..., Any]:
         batcher, what = self._batcher, self.server_name
-        encoders: Dict[int, Callable[[Any], Any]] = {}  # per reply threshold (a few): made once
 
         def encoder(reply: int) -> Callable[[Any], Any]:
-            found = encoders.get(reply)
-            if found is None:
-                def encode(value: Tuple[Any, int]) -> Any:
-                    return _shm.encode(value, reply) if _large(value[0], reply) else value
-
-                found = encoders[reply] = encode
-            return found
+            return lambda value: _shm.encode(value, reply) if _large(value[0], reply) else value
 
         @rpc.functions.async_execution
         def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,
