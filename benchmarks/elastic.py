@@ -153,11 +153,11 @@ def _renewal_body(world, rounds: int) -> List[float]:
     group.register("ping", noop)
     times = []
     for _ in range(rounds):
-        old = world.membership.transport
+        old = world.membership.worker
         host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
         start = time.monotonic()
         socket.create_connection((host, int(port)), timeout=5).close()
-        world.membership.wait_until(lambda live: world.membership.transport_of(world.name) != old, 30)
+        world.membership.wait_until(lambda live: world.membership.worker_of(world.name) != old, 30)
         times.append(time.monotonic() - start)
     return times
 

@@ -9,7 +9,7 @@ processes on cuda:0) it measures:
    - raw torch RPC with a device map written by hand ({cuda:0: cuda:0}), the baseline;
    - raw torch RPC staging through the CPU (``.cpu()`` before sending, ``.cuda()`` after);
    - machinlike's ``registered_sync`` with the CUDA tensor as argument: staged through
-     pinned CPU memory both ways (``distributed._cuda_stage``), so expect about the CPU
+     pinned CPU memory both ways (``distributed._calls.cuda_stage``), so expect about the CPU
      staging rate (pinned) until device maps or CUDA IPC carry it; an error is shown.
    Targets: ``registered_sync`` >= 0.6x the hand-mapped rate and >= 50x CPU staging.
 2. The model server: push and pull of a 512 MB model on cuda:0 (the client) through a

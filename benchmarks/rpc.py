@@ -153,7 +153,7 @@ def _body(world: Any, quick: bool) -> Dict[str, Any]:
 def _startup_body(world: Any, rounds: int, port_base: int) -> Dict[str, List[float]]:
     """Runs inside an existing world: times fresh worlds vs raw init_rpc (+ process group)."""
     from machinlike.distributed import World
-    from machinlike.distributed._rendezvous import connect_store
+    from machinlike.distributed._store.rendezvous import connect_store
 
     rank, size = world.rank, world.world_size
     coordinator = world.create_rpc_group("coord", world.get_members())
@@ -172,8 +172,8 @@ def _startup_body(world: Any, rounds: int, port_base: int) -> Dict[str, List[flo
                 if kind == "raw_full":
                     dist.init_process_group("gloo", store=dist.PrefixStore(prefix + "/pg", store),
                                             rank=rank, world_size=size)
-                from machinlike.distributed._rendezvous import rpc_init_method
-                from machinlike.distributed._transport import static_start_quiet
+                from machinlike.distributed._store.rendezvous import rpc_init_method
+                from machinlike.distributed._transport.agent import static_start_quiet
 
                 options = rpc.TensorPipeRpcBackendOptions(
                     init_method=rpc_init_method(dist.PrefixStore(prefix + "/rpc", store), rank, size))

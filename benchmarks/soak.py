@@ -249,7 +249,7 @@ def soak(cycles: int, every: int, warmup: int, host: str = "127.0.0.1",
             group.registered_async("probe/leave", timeout=30)
             probe.join(30)
         endpoint = world.membership.endpoint
-        print(f"the learner answers as {endpoint.transport!r} after {endpoint.recycles} recyclings of its RPC agent",
+        print(f"the learner answers as {endpoint.worker!r} after {endpoint.recycles} recyclings of its RPC agent",
               flush=True)
         now = measure()
         return {k: now[k] - base.get(k, now[k]) for k in now}

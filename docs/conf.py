@@ -59,7 +59,7 @@ def _public_target(app, env, node, contnode):
     """Resolve a reference to where the object is documented.
 
     autodoc spells annotation types by their defining module
-    (``machinlike.distributed._world.World``) and docstrings may use a re-exported path
+    (``machinlike.distributed._world.world.World``) and docstrings may use a re-exported path
     (``machinlike.World``); the reference documents each object once, at its public
     path (``machinlike.distributed.World``). Private path parts are dropped and the
     longest suffix that names exactly one documented machinlike object wins.

@@ -3,7 +3,7 @@
     store (read only) ──read_status──► WorldStatus ──► BeatClock (when each heartbeat last moved)
                                                    └─► render ──► the terminal (cleared each refresh)
 
-The view reads the store through ``distributed._status`` only; it keeps no state but the
+The view reads the store through ``distributed._membership.status`` only; it keeps no state but the
 :class:`BeatClock`, which turns heartbeat counters into "last beat N s ago" by watching
 them move between reads.
 """
@@ -16,7 +16,9 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .distributed._status import MemberStatus, ReadOnlyStore, WorldStatus, connect_read_only, read_status
+from .distributed._membership import (
+    MemberStatus, ReadOnlyStore, WorldStatus, connect_read_only, read_status,
+)
 
 __all__ = ["BeatClock", "render", "main"]
 

@@ -24,7 +24,8 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from machinlike.distributed import RpcGroup, World, _rendezvous
+from machinlike.distributed import RpcGroup, World
+from machinlike.distributed._store import rendezvous as _rendezvous
 from machinlike.server import grad_server_helper
 
 

@@ -194,7 +194,7 @@ def renewed_secondary_body(world: Any) -> Any:
         _wait_key(world, "moved")
         moved = registry.get_or_empty(_key(world, "moved"))
         # This view too has seen the move before the next pushes: s1's old worker is gone here.
-        world.membership.wait_until(lambda live: world.membership.roster.transport_of("s1") == moved, TIMEOUT)
+        world.membership.wait_until(lambda live: world.membership.roster.worker_of("s1") == moved, TIMEOUT)
         registry.set(_key(world, "renewed"), "1")
         _wait_key(world, "pushed")
         accessor = group.get_paired("grad", timeout=TIMEOUT).to_here()
@@ -208,16 +208,16 @@ def renewed_secondary_body(world: Any) -> Any:
     if me == "s1":
         impl = _started_secondary(world, group)
         _wait_key(world, "half")
-        old = world.membership.transport
+        old = world.membership.worker
         address = world.membership.rpc_address()
         assert address, (old, world.membership.endpoint.renewals, world.membership.endpoint.recycles)
         host, _, port = address[len("uv://"):].rpartition(":")
         socket.create_connection((host, int(port)), timeout=5).close()  # TensorPipe closes the listener
-        world.membership.wait_until(lambda live: world.membership.transport != old, TIMEOUT)
-        registry.set(_key(world, "moved"), world.membership.transport)
+        world.membership.wait_until(lambda live: world.membership.worker != old, TIMEOUT)
+        registry.set(_key(world, "moved"), world.membership.worker)
         _wait_key(world, "end")
         impl.close()
-        return old != world.membership.transport
+        return old != world.membership.worker
     _wait_key(world, "s1")
     accessor = PushPullGradServer("grad", group, secondary_reducers=["s1"], timeout=TIMEOUT)
     model = Slots()

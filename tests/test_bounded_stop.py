@@ -12,7 +12,8 @@ import time
 import pytest
 
 from machinlike import launch
-from machinlike.distributed import World, _agent_stop
+from machinlike.distributed import World
+from machinlike.distributed._transport import agent_stop as _agent_stop
 from machinlike.testing import world_test
 
 # Set by _hang when it starts; the test process's call is then being served.
@@ -100,10 +101,10 @@ def test_an_elastic_stop_is_bounded_while_a_service_blocks_and_a_new_world_follo
 
 def _renew(world) -> None:
     """Make this member renew its RPC agent: something probes its listener, which closes."""
-    old = world.membership.transport
+    old = world.membership.worker
     host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
     socket.create_connection((host, int(port)), timeout=5).close()
-    world.membership.wait_until(lambda live: world.membership.transport != old, 30)
+    world.membership.wait_until(lambda live: world.membership.worker != old, 30)
 
 
 def _retired_body(world):
@@ -116,7 +117,7 @@ def _retired_body(world):
         _renew(world)
     group.barrier(timeout=30)
     if world.name == "caller":
-        world.membership.wait_until(lambda live: world.membership.transport_of("owner") != "owner_0", 20)
+        world.membership.wait_until(lambda live: world.membership.worker_of("owner") != "owner_0", 20)
         pending = group.registered_async("hang", timeout=50)
         assert group.rpc_sync("owner", _serving_now, timeout=20)
         group.barrier(timeout=30)  # (1) being served
@@ -130,7 +131,7 @@ def _retired_body(world):
         group.barrier(timeout=30)
         return owner_pid
     group.barrier(timeout=30)  # (1)
-    serving = world.membership.transport
+    serving = world.membership.worker
     _renew(world)
     # The monitor reaps the retired agent once its call would have timed out (rpc_timeout
     # 3 s); the shutdown waits for _hang (60 s) on a thread of its own.
@@ -191,10 +192,10 @@ def _victim_group(world, service: str, fn):
 def _wedged_body(world):
     group = _victim_group(world, "pid", _pid)
     if world.name == "victim":
-        first = world.membership.transport
+        first = world.membership.worker
         assert _wedge_shm_reactors() >= 1
         group.barrier(timeout=60)  # the peer got an answer from the new agent
-        return first, world.membership.transport, world.membership.renewals
+        return first, world.membership.worker, world.membership.renewals
     start = time.monotonic()
     answered, failures = None, 0
     while answered is None and time.monotonic() - start < 45:
@@ -269,7 +270,7 @@ with socket.socket() as s:
     port = s.getsockname()[1]
 world = World("solo", rank=0, elastic=True, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=20)
 # A call its own agent serves and that does not return (through TensorPipe, as a peer's).
-rpc.rpc_async(world.membership.transport, hang, timeout=100)
+rpc.rpc_async(world.membership.worker, hang, timeout=100)
 time.sleep(0.5)
 start = time.monotonic()
 world.stop(timeout=1)
@@ -292,7 +293,7 @@ def test_a_process_exits_at_once_after_a_stop_that_left_its_agent_shutting_down(
 
 
 def test_a_bad_probe_bound_is_named(monkeypatch):
-    from machinlike.distributed import _agent_probe
+    from machinlike.distributed._transport import probe as _agent_probe
 
     monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "soon")
     with pytest.raises(ValueError, match=r"MACHINLIKE_PROBE_WITHIN='soon' must be a positive number of seconds"):

@@ -251,7 +251,7 @@ def test_retired_groups_hold_a_destroyed_group_until_release_and_stay_bounded(mo
     import gc
     import weakref
 
-    from machinlike.distributed._collective import CollectiveGroup, RetiredGroups
+    from machinlike.distributed._groups.collective import CollectiveGroup, RetiredGroups
 
     class Group:  # stands in for the torch group: only its references matter here
         pass

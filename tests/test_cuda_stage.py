@@ -1,4 +1,4 @@
-"""CUDA tensors through RpcGroup calls, staged through the CPU (``distributed._cuda_stage``).
+"""CUDA tensors through RpcGroup calls, staged through the CPU (``distributed._calls.cuda_stage``).
 
 On the CPU: what is staged, where it lands, the single walk, a CPU-only process skipping
 it all, and a staged tensor crossing real torch RPC. The end-to-end CUDA runs (static and
@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-from machinlike.distributed import _cuda_stage, _samehost
+from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as _samehost
 from machinlike.testing import world_test
 
 

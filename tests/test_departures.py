@@ -10,9 +10,9 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from machinlike.distributed._departures import Departures
-from machinlike.distributed._keys import Keys
-from machinlike.distributed._registry import Registry
+from machinlike.distributed._membership.departures import Departures
+from machinlike.distributed._store.keys import Keys
+from machinlike.distributed._store.registry import Registry
 
 BLOCK, LAG = 4, 2
 

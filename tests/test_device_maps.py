@@ -11,7 +11,7 @@ import torch
 from torch.distributed.rpc import TensorPipeRpcBackendOptions
 from torch.distributed.rpc.backend_registry import _validate_device_maps
 
-from machinlike.distributed._device_maps import DevicePlan, MemberDevices, plan_device_maps
+from machinlike.distributed._calls.device_maps import DevicePlan, MemberDevices, plan_device_maps
 
 CPU = torch.device("cpu")
 

@@ -103,7 +103,7 @@ def _death_body(world):
     world.on_member_change(lambda e: lost.set() if (e.kind, e.member) == ("lost", "victim") else None)
     ready = world.create_rpc_group("ready", ["a", "b", "victim"])
     ready.barrier(timeout=30)
-    dead_worker = world.membership.transport_of("victim")
+    dead_worker = world.membership.worker_of("victim")
     start = time.monotonic()
     # Calls made while it dies fail with PeerLostError naming it (or KeyError once its
     # keys are freed), never by waiting out their timeout.
@@ -131,7 +131,7 @@ def _death_body(world):
     assert not world.membership.registry.get_or_empty(keys.owned(dead_worker))
     assert not world.membership.registry.get_or_empty(keys.worker(dead_worker))
     assert not rpc_store.check([f"addrs/{dead_worker}"]) and not rpc_store.check([f"Token_for_{dead_worker}_join"])
-    assert rpc_store.check([f"addrs/{world.membership.transport_of('victim')}"])
+    assert rpc_store.check([f"addrs/{world.membership.worker_of('victim')}"])
     return detected
 
 
@@ -158,9 +158,9 @@ def _probed_body(world):
     both = world.create_rpc_group("both", ["host", "peer"])  # the host registered first
     if world.name == "peer":
         assert group.registered_sync("svc", timeout=10) == "host#1"  # a pipe to the old agent
-        old = world.membership.transport_of("host")
+        old = world.membership.worker_of("host")
         both.barrier(timeout=30)
-        world.membership.wait_until(lambda live: world.membership.transport_of("host") != old, 20)
+        world.membership.wait_until(lambda live: world.membership.worker_of("host") != old, 20)
         assert group.registered_sync("svc", timeout=10) == "host#1"
         # Its paired value still answers: a handle names the member, not the worker.
         value = group.get_paired("value", timeout=10)
@@ -177,7 +177,7 @@ def _probed_body(world):
     answer = results.get(timeout=60)
     child.join(30)
     both.barrier(timeout=30)
-    return answer, world.membership.transport
+    return answer, world.membership.worker
 
 
 def test_a_member_whose_rpc_listener_closed_renews_it():
@@ -378,10 +378,10 @@ def _renewing_caller_body(world):
         thread.start()
     try:
         for _ in range(3):
-            old = world.membership.transport
+            old = world.membership.worker
             host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
             socket.create_connection((host, int(port)), timeout=5).close()
-            world.membership.wait_until(lambda live: world.membership.transport != old, 30)
+            world.membership.wait_until(lambda live: world.membership.worker != old, 30)
             time.sleep(0.5)  # calls flow through the new agent a while
     finally:
         stop.set()

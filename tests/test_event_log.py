@@ -13,10 +13,10 @@ from typing import List, Tuple
 
 import torch.distributed as dist
 
-from machinlike.distributed import _event_log
-from machinlike.distributed._event_log import KEEP, EventLog, read_history
-from machinlike.distributed._keys import Keys, LogEntry, MemberRecord
-from machinlike.distributed._registry import Registry
+from machinlike.distributed._membership import event_log as _event_log
+from machinlike.distributed._membership.event_log import KEEP, EventLog, read_history
+from machinlike.distributed._store.keys import Keys, LogEntry, MemberRecord
+from machinlike.distributed._store.registry import Registry
 
 SEG = 8
 

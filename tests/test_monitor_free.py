@@ -18,18 +18,18 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from machinlike.distributed._claims import Claims
-from machinlike.distributed._departures import Departures
-from machinlike.distributed._keys import Keys, MemberRecord, OwnedKey
-from machinlike.distributed._monitor import Monitor
-from machinlike.distributed._registry import Registry
+from machinlike.distributed._membership.claims import Claims
+from machinlike.distributed._membership.departures import Departures
+from machinlike.distributed._store.keys import Keys, MemberRecord, OwnedKey
+from machinlike.distributed._membership.monitor import Monitor
+from machinlike.distributed._store.registry import Registry
 
 
 def _world():
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
     registry = Registry(store, "the test's store")
     keys = Keys.elastic_world("0")
-    claims = Claims(registry, keys, SimpleNamespace(transport="declarer_0"))  # type: ignore[arg-type]
+    claims = Claims(registry, keys, SimpleNamespace(worker="declarer_0"))  # type: ignore[arg-type]
     monitor = Monitor(registry, keys, None, None, claims, None, Departures(registry, keys),  # type: ignore[arg-type]
                       None, False, threading.Event())
     return store, registry, keys, monitor
@@ -78,16 +78,16 @@ def test_the_first_workers_entry_outlives_a_renewal_and_goes_when_the_incarnatio
         registry.set(keys.worker("c1_1"), "c1")
         registry.set(keys.live("c1"), first.encode())
         forgotten = []
-        endpoint = SimpleNamespace(transport="c1_1", first_transport="c1_1", name="c1", me=first,
+        endpoint = SimpleNamespace(worker="c1_1", first_worker="c1_1", name="c1", me=first,
                                    forget_group_keys=forgotten.append)
         claims = Claims(registry, keys, endpoint)  # type: ignore[arg-type]
 
         def renew_to(worker: str) -> Callable[[], MemberRecord]:
             def renew() -> MemberRecord:
-                old = first.with_transport(endpoint.transport)
-                endpoint.transport = worker
+                old = first.with_worker(endpoint.worker)
+                endpoint.worker = worker
                 registry.set(keys.worker(worker), "c1")
-                registry.set(keys.live("c1"), first.with_transport(worker).encode())
+                registry.set(keys.live("c1"), first.with_worker(worker).encode())
                 return old
             return renew
 

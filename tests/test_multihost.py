@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from machinlike.distributed import World
-from machinlike.distributed import _netif
+from machinlike.distributed._transport import netif as _netif
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = Path(__file__).resolve().parent / "_multihost_job.py"

@@ -29,7 +29,7 @@ _received = []
 
 def _kept() -> int:
     """How many results this member keeps for handles."""
-    return len(get_world().membership.tables.results)
+    return len(get_world()._session.tables.results)  # the tables its Session serves
 
 
 def _until(predicate, timeout: float = 10.0):
@@ -175,19 +175,19 @@ def _renewing_owner_body(world):
     if world.name == "owner":
         both.barrier(timeout=30)  # the peer holds its handles
         for _ in range(2):  # two renewals of this member's agent
-            old = world.membership.transport
+            old = world.membership.worker
             host, _, port = world.membership.rpc_address()[len("uv://"):].rpartition(":")
             socket.create_connection((host, int(port)), timeout=5).close()
-            world.membership.wait_until(lambda live: world.membership.transport != old, 30)
+            world.membership.wait_until(lambda live: world.membership.worker != old, 30)
         both.barrier(timeout=30)
         both.barrier(timeout=60)
         return world.membership.renewals
     paired = group.get_paired("value", timeout=20)
     result = group.remote("owner", _ones, args=(2,), timeout=20)
-    first = world.membership.transport_of("owner")
+    first = world.membership.worker_of("owner")
     both.barrier(timeout=30)
     both.barrier(timeout=30)
-    world.membership.wait_until(lambda live: world.membership.transport_of("owner") != first, 20)
+    world.membership.wait_until(lambda live: world.membership.worker_of("owner") != first, 20)
     out = (paired.to_here(timeout=20), paired.rpc_sync(timeout=20).get("n"), result.to_here(timeout=20).tolist())
     both.barrier(timeout=60)
     return out

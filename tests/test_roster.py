@@ -10,10 +10,10 @@ import sys
 import threading
 import time
 
-from machinlike.distributed._keys import MemberRecord
-from machinlike.distributed._liveness import process_identity
-from machinlike.distributed._pipes import PipeLedger
-from machinlike.distributed._roster import Roster
+from machinlike.distributed._store.keys import MemberRecord
+from machinlike.distributed._membership.processes import process_identity
+from machinlike.distributed._transport.pipes import PipeLedger
+from machinlike.distributed._membership.roster import Roster
 
 
 def _roster_with(identity: str) -> Roster:
@@ -29,7 +29,7 @@ def test_a_move_logged_later_is_waited_for():
     start = time.monotonic()
     assert roster.moved_from("host_0", 5.0) == "host_3"
     assert time.monotonic() - start < 2.0
-    assert roster.transport_gone("host_0") and not roster.transport_gone("host_3")
+    assert roster.worker_gone("host_0") and not roster.worker_gone("host_3")
     mover.join()
 
 
@@ -63,7 +63,7 @@ def test_a_gone_member_or_a_static_world_is_not_waited_for():
 
 
 def test_a_view_remembers_a_bounded_number_of_gone_workers_and_members(monkeypatch):
-    from machinlike.distributed import _roster
+    from machinlike.distributed._membership import roster as _roster
 
     monkeypatch.setattr(_roster, "GONE_KEPT", 50)
     roster = _roster_with(process_identity())
@@ -72,11 +72,11 @@ def test_a_view_remembers_a_bounded_number_of_gone_workers_and_members(monkeypat
         roster.apply("lost", MemberRecord(f"a{i}", 1, f"a{i}_{i + 10}", 1, "elsewhere:1:2"))
         if i % 40 == 0:
             roster.apply("move", MemberRecord("host", 1, f"host_{1000 + i}", 0, process_identity()))
-    assert len(roster._gone_transports) <= 50 and len(roster._gone) <= 50
-    assert len(roster._by_transport) <= 50 + 1
+    assert len(roster._gone_workers) <= 50 and len(roster._gone) <= 50
+    assert len(roster._by_worker) <= 50 + 1
     # The recent past is still known; the live member still routes.
-    assert roster.transport_gone("a399_409") and roster.gone("a399") == "lost"
-    assert roster.transport_of("host") == "host_1360" and roster.member_of("host_1360") == "host"
+    assert roster.worker_gone("a399_409") and roster.gone("a399") == "lost"
+    assert roster.worker_of("host") == "host_1360" and roster.member_of("host_1360") == "host"
     assert len(roster._moved_to) <= 50
 
 

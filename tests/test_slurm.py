@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from machinlike.distributed import World, _rendezvous
-from machinlike.distributed._rendezvous import external_launcher, parse_nodelist, resolve_rank_and_size
+from machinlike.distributed import World
+from machinlike.distributed._store import rendezvous as _rendezvous
+from machinlike.distributed._store.rendezvous import external_launcher, parse_nodelist, resolve_rank_and_size
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                "TORCHELASTIC_USE_AGENT_STORE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from machinlike.distributed._rendezvous import slurm_master_port
+from machinlike.distributed._store.rendezvous import slurm_master_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed as dist
 
 from machinlike._status_view import main as status_main
-from machinlike.distributed._status import ReadOnlyStore, read_status
+from machinlike.distributed._membership.status import ReadOnlyStore, read_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -213,7 +213,7 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
 
 def encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
     """One tensor of :func:`encode`'s walk: a placeholder, or ``tensor`` itself (for a
-    caller that walks an object for other reasons too, see ``distributed._cuda_stage``)."""
+    caller that walks an object for other reasons too, see ``distributed._calls.cuda_stage``)."""
     return _encode_tensor(tensor, threshold)
 
 

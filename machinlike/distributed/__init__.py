@@ -1,15 +1,12 @@
 """Distributed core: World, RpcGroup, CollectiveGroup, the local launcher and the Ray launcher."""
 
-from ._calls import RpcFuture
-from ._collective import CollectiveGroup
-from ._debug import debug_with_process
-from ._launch import LaunchResult, Restart, launch
-from ._ray import launch_ray
-from ._rpc_group import RpcGroup
+# Layers, bottom up (docs/architecture.rst): _store and _transport, _membership, _calls,
+# _groups, _world, _launch; each imports only those below it, through its face.
 from ._membership import MemberEvent, Membership
-from ._refs import PairedRef, ResultRef
-from ._samehost import share
-from ._world import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
+from ._calls import PairedRef, ResultRef, RpcFuture, share
+from ._groups import CollectiveGroup, RpcGroup
+from ._world import World, debug_with_process, get_cur_name, get_cur_rank, get_world, is_world_initialized
+from ._launch import LaunchResult, Restart, launch, launch_ray
 
 __all__ = [
     "World",

@@ -13,7 +13,7 @@ import threading
 from numbers import Real
 from typing import Any, Dict, List, Mapping, Optional
 
-from ..distributed._status import event_counts
+from ..distributed._membership import event_counts
 from ..exception import PeerLostError
 
 __all__ = ["WorldFigures", "flatten_stats", "rss_bytes"]
@@ -107,7 +107,7 @@ class WorldFigures:
                    "world/rejoins": float(self._rejoins), "world/leaves": float(self._leaves)}
         for member in alive:
             try:
-                worker = members.transport_of(member)
+                worker = members.worker_of(member)
             except PeerLostError:  # lost since members(): no figure this time
                 continue
             identity = members.roster.identity_of(worker)

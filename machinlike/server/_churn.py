@@ -99,7 +99,7 @@ class Admission:
         # The worker of the incarnation's first agent, and the incarnation: the tag stays for
         # the incarnation's life (a renewal or a recycling gives it another worker, not
         # another process), and that worker's store entry stays as long (the primary asks it).
-        self._me = f"{world.membership.first_transport}#{world.incarnation}"
+        self._me = f"{world.membership.first_worker}#{world.incarnation}"
         self._lock = threading.Lock()
         self._known: Set[Tuple[str, str]] = set()
 

@@ -359,7 +359,7 @@ class PushPullGradServer:
         if world is None or not world.elastic:
             return member, None
         try:
-            return member, world.membership.transport_of(member)
+            return member, world.membership.worker_of(member)
         except PeerLostError:
             return member, None  # this view saw it go already
 
@@ -374,7 +374,7 @@ class PushPullGradServer:
         members = world.membership
         bound = min(max(0.001, deadline - time.monotonic()), 2 * world.liveness + 1.0)
         try:
-            members.wait_until(lambda _: all(members.transport_gone(w) for _, w in skipped), bound)
+            members.wait_until(lambda _: all(members.worker_gone(w) for _, w in skipped), bound)
         except TimeoutError:
             log.warning("gradient server %r: flush went on without %s declared gone within %.3g s; pushes "
                         "they held are reported as dropped once they are", self.server_name,

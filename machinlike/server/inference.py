@@ -39,7 +39,7 @@ from torch.distributed import rpc
 
 from .. import _checks, _shm
 from ..distributed import RpcGroup, get_world
-from ..distributed._liveness import is_here, process_identity
+from ..distributed._membership import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
 from ._inference_batch import Inputs, check_inputs

@@ -1,0 +1,22 @@
+"""What travels over RPC: both sides of a call, and what it carries.
+
+Owns the callee's tables and entry points, sending with one deadline and its retry,
+function shipping, ``RpcFuture``, the call context the Session binds, remote handles and
+the results kept for them, and the same-host (shared memory) and CUDA payloads. Imports
+membership, transport and store.
+
+This face names what the layers above may use; the modules behind it are private to it.
+"""
+
+from .future import RpcFuture
+from .send import send_call, sync_call
+from .serve import is_missing, LocalTables, unwrap
+from .shipping import is_async, prepare_call
+from .refs import PairedRef, ResultRef
+from .samehost import share
+from .context import CallContext
+
+__all__ = [
+    "CallContext", "is_async", "is_missing", "LocalTables", "PairedRef", "prepare_call",
+    "ResultRef", "RpcFuture", "send_call", "share", "sync_call", "unwrap",
+]

@@ -1,0 +1,65 @@
+"""RpcFuture: the pending result of an asynchronous call, settled as a synchronous one is."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .send import translate_error
+from .serve import is_missing, unwrap
+
+__all__ = ["RpcFuture"]
+
+
+class RpcFuture:
+    """The pending result of an asynchronous call.
+
+    ``wait()`` returns the value, or raises the remote exception (original type, remote
+    traceback as ``__cause__``), ``TimeoutError`` or :class:`~machinlike.exception.PeerLostError`.
+    """
+
+    __slots__ = ("_fut", "_member", "_what", "_timeout", "_retry")
+
+    def __init__(
+        self,
+        fut: torch.futures.Future,
+        member: str,
+        what: str,
+        timeout: float,
+        retry: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        self._fut = fut
+        self._member = member
+        self._what = what
+        self._timeout = timeout
+        self._retry = retry
+
+    def wait(self) -> Any:
+        """Block until the call finished (at most its RPC timeout) and return its value.
+
+        Raises:
+            TimeoutError: the member (named) did not answer within the call's timeout.
+            PeerLostError: the member is gone.
+            Exception: what the remote function raised (original type, remote traceback
+                as ``__cause__``).
+        """
+        try:
+            value = self._fut.wait()
+        except RuntimeError as err:
+            raise translate_error(err, self._member, self._what, self._timeout) from err
+        if is_missing(value) and self._retry is not None:
+            return self._retry()
+        return unwrap(value)
+
+    def done(self) -> bool:
+        """Whether the result (or error) has arrived."""
+        return self._fut.done()
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once the result (or error) has arrived (at once if it has)."""
+        self._fut.add_done_callback(lambda _: callback())
+
+    def __repr__(self) -> str:
+        state = "done" if self._fut.done() else "pending"
+        return f"<RpcFuture {self._what} on {self._member!r} {state}>"

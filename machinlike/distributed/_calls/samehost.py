@@ -1,0 +1,173 @@
+"""Which RPC calls carry their tensors through shared memory, and the hooks that do it.
+
+A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
+
+    caller                                          callee
+    outgoing(member, (what, args, kwargs))
+      peer on this host (same boot id and PID
+      namespace, /proc reachable)?
+        yes: large CPU tensors -> placeholders ───► unpickling rebuilds them (machinlike._shm)
+             + reply threshold                      result = reply(value, threshold):
+        no:  unchanged + reply 0                    large CPU tensors -> placeholders
+    unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
+
+In a process that initialised CUDA, the same two hooks also stage CUDA tensors through
+pinned CPU memory, in the same walk (``_cuda_stage``).
+
+Nothing is decided by pickling hooks of torch's: a call to another host, or with the path
+turned off, sends exactly what it sent before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+
+from ... import _shm
+from ..._shm import _receive
+from . import cuda_stage as _cuda_stage
+from .._membership import process_identity
+
+__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "share"]
+
+
+def check_settings(enabled: Any, threshold: Any, cache_bytes: Any) -> None:
+    """Raise ValueError / TypeError naming a bad World keyword."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"same_host_shm must be a bool, not {type(enabled).__name__}")
+    for name, value, least in (("shm_threshold", threshold, 1), ("shm_cache_bytes", cache_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least} (bytes)")
+
+
+class SameHost:
+    """One World's same-host settings and its verdict per peer process.
+
+    Args:
+        enabled: Use shared memory at all.
+        threshold: Tensors of at least this many bytes take it.
+        cache_bytes: Bound of this process's segment cache and of its cache of peers'
+            mappings, each, in bytes.
+        identity_of: A member's published ``process_identity``, None when unknown.
+    """
+
+    def __init__(self, enabled: bool, threshold: int, cache_bytes: int,
+                 identity_of: Callable[[str], Optional[str]]) -> None:
+        self.enabled = enabled
+        self.threshold = threshold
+        self._identity_of = identity_of
+        self._space = process_identity().rpartition("/")[0]
+        self._verdicts: Dict[str, bool] = {}  # by process identity
+        # By RPC worker: a worker name is never reused and its process never changes, so
+        # a call asks one dict instead of the membership tables (small calls pay for it).
+        self._by_worker: Dict[str, bool] = {}
+        if enabled:
+            _shm.cache().set_limit(cache_bytes)
+            _receive.set_limit(cache_bytes)
+
+    def local(self, member: str) -> bool:
+        """Whether ``member``'s process shares this host's memory and ``/proc`` with us."""
+        verdict = self._by_worker.get(member)
+        if verdict is not None:
+            return verdict
+        identity = self._identity_of(member)
+        if identity is None:
+            return False  # not known yet: asked again next time
+        verdict = self._verdicts.get(identity)
+        if verdict is None:
+            space, _, pid = identity.rpartition("/")
+            verdict = space == self._space and "?" not in space and _shm.reachable(int(pid))
+            self._verdicts[identity] = verdict
+        self._by_worker[member] = verdict
+        return verdict
+
+    def close(self) -> None:
+        """Release this process's segments and cached mappings (World stop)."""
+        if self.enabled:
+            _shm.cache().close()
+            _receive.forget_all()
+
+
+_current: Optional[SameHost] = None
+
+
+def bind(settings: Optional[SameHost]) -> None:
+    """Make ``settings`` what calls of this process use (None: no World, path off)."""
+    global _current
+    _current = settings
+
+
+def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
+    """``(what, args, kwargs, reply threshold)`` for a call to ``member``."""
+    settings = _current
+    if settings is None or not settings.enabled or not settings.local(member):
+        if _cuda_stage.active():  # [cuda hook] CUDA tensors staged through the CPU
+            return _cuda_stage.outgoing(call, 0)
+        return (*call, 0)
+    threshold = settings.threshold
+    if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors staged, large CPU ones as here
+        return _cuda_stage.outgoing(call, threshold)
+    what, args, kwargs = call
+    if args:
+        args = _shm.encode(args, threshold)
+    if kwargs:
+        kwargs = _shm.encode(kwargs, threshold)
+    return (what, args, kwargs, threshold)
+
+
+_SCALARS = (bool, int, float, str, bytes)
+
+
+def reply(value: Any, threshold: int) -> Any:
+    """The callee's result, its large tensors as placeholders when the caller asked."""
+    cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
+    if (not threshold and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
+        return value
+    if cuda:  # [cuda hook] CUDA tensors staged; CPU ones as below, in the same walk
+        return _cuda_stage.encode(value, _reply_threshold(threshold))
+    settings = _current
+    if settings is None or not settings.enabled:
+        return value
+    return _shm.encode(value, max(threshold, settings.threshold))
+
+
+def _reply_threshold(asked: int) -> int:
+    """Bytes from which a reply's CPU tensors go through shared memory; 0: none do."""
+    settings = _current
+    if not asked or settings is None or not settings.enabled:
+        return 0
+    return max(asked, settings.threshold)
+
+
+def _after_fork_in_child() -> None:
+    global _current
+    _current = None  # a forked child has no World
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def share(tensor: torch.Tensor) -> torch.Tensor:
+    """Let ``tensor`` travel by reference to RpcGroup members and pool workers on this host.
+
+    Moves the tensor's memory into shared memory (in place, once; the tensor keeps
+    working) and marks it: from then on, whenever it (or a view of it) is an argument or
+    result of a call to a member on this host, or of a pool task, the receiver gets a
+    tensor over the *same* memory: no copy, and in-place edits are seen by both sides. A
+    tensor received that way travels on by reference too. Keep the tensor alive in the
+    sender until the receivers have it. Other tensors are copied, as before.
+
+    Args:
+        tensor: A strided CPU tensor without autograd history.
+
+    Returns:
+        ``tensor`` itself.
+
+    Raises:
+        TypeError: ``tensor`` is not a tensor.
+        ValueError: a CUDA, sparse or quantized tensor, one with autograd history, or
+            one already shared by name (torch's ``file_system`` strategy).
+    """
+    return _shm.share(tensor)

@@ -1,0 +1,221 @@
+"""The caller's side of a call: sending within one deadline, its retry, and error translation.
+
+    sync_call / send_call ──► _until_sent: wait out an agent swap, send, and on an error
+        _Attempts decides: a pipe reset or a renewed worker ─► send again (same deadline)
+                           anything else                   ─► translate_error: the member
+                                                               and the caller's timeout named
+    sync_call then waits on the reply together with the member's departure (Waits), so a
+    member that dies while the call is pending fails it at once, not at its timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional, Tuple, TypeVar, Union
+
+from torch.distributed import rpc
+
+from ...exception import PeerLostError
+from .. import _transport
+from .._membership import Roster, Waits
+from . import context as _context
+
+__all__ = ["translate_error", "sync_call", "send_call"]
+
+
+# ------------------------------------------------------------------- error translation
+_LOST_MARKERS = (
+    "eof", "pipe closed", "connection refused", "econnrefused", "connection reset",
+    "econnreset", "broken pipe", "epipe", "shut down", "shutdown", "no route to host",
+    "unknown destination worker", "could not find destination",
+    # tensorpipe's CMA channel reading a same-host sender's memory after it died (ESRCH)
+    "process_vm_readv: no such process",
+)
+
+
+def translate_error(err: BaseException, member: str, what: str, timeout: float) -> BaseException:
+    """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``."""
+    text = str(err).lower()
+    if "timeout" in text or "timed out" in text:
+        context = _context.current()
+        if context is not None and context.timed_out is not None:
+            context.timed_out(member)  # (returns at once: the monitor acts on its next tick)
+        return TimeoutError(f"{what} on member {member!r} did not answer within {timeout:g} s")
+    if any(marker in text for marker in _LOST_MARKERS):
+        return PeerLostError(member, f"{what} failed: {err}")
+    if _transport.closed_agent_error(err):
+        return RuntimeError(f"{what} on member {member!r} was not sent: this process's RPC agent was shut down "
+                            f"(its World stopped, or a renewal of its agent failed): {err}")
+    return err
+
+
+# ------------------------------------------------------------------ the blocking call
+def _text(what: Union[str, Callable[[], str]]) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: Tuple, timeout: float,
+              what: Union[str, Callable[[], str]], stated: Optional[float] = None) -> Any:
+    """One blocking call of ``entry`` on RPC worker ``worker``, the way every group call makes it.
+
+        worker gone in this view       -> PeerLostError at once
+        worker on this host (/proc)    -> rpc_sync: its death closes the sockets
+        worker elsewhere               -> rpc_async + Waits.wait_call: the liveness
+                                          monitor ends the wait
+
+    Args:
+        timeout: Seconds for this call.
+        what: The call, for messages; a callable makes it only when needed (a small
+            call should not pay for formatting it).
+        stated: The caller's timeout to quote (None: ``timeout``).
+
+    Raises:
+        PeerLostError, TimeoutError: the worker is gone / did not answer (its member named).
+    """
+    if roster.cut_off is not None:
+        raise roster.cut_off
+    if roster.resolve(worker) is None:
+        raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
+
+    def call(to: str, left: float) -> Any:
+        if roster.on_this_host(to):
+            # A dead process here closes its sockets: the call fails at once by itself.
+            return rpc.rpc_sync(to, entry, args=args, timeout=left)
+        # Another host may vanish without a word: the liveness monitor ends the wait.
+        return waits.wait_call(rpc.rpc_async(to, entry, args=args, timeout=left), to, _text(what))
+
+    return _until_sent(roster, worker, timeout, call, lambda err, to: translate_error(
+        err, roster.member_of(to), _text(what), timeout if stated is None else stated))[1]
+
+
+_Sent = TypeVar("_Sent")
+
+
+def send_call(roster: "Roster", worker: str, timeout: float, what: str,
+              send: Callable[[str, float], _Sent]) -> Tuple[str, _Sent]:
+    """Hand a call to this process's agent without waiting for it: ``send(worker, seconds)``
+    (an ``rpc.rpc_async`` or ``rpc.remote``), sent again when the agent could not send it at
+    all (see ``_Attempts``), all within ``timeout`` seconds.
+
+    Returns:
+        The worker it went to (its member may have moved) and what ``send`` returned.
+
+    Raises:
+        PeerLostError, RuntimeError: it could not be sent (the member named).
+    """
+    return _until_sent(roster, worker, timeout, send,
+                       lambda err, to: translate_error(err, roster.member_of(to), what, timeout))
+
+
+def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[str, float], _Sent],
+                fail: Callable[[BaseException, str], BaseException]) -> Tuple[str, _Sent]:
+    """``send(worker, seconds left)``, again as ``_Attempts`` says, within ``timeout``
+    seconds; ``fail(err, worker)`` is what to raise when an error stands."""
+    deadline = time.monotonic() + timeout
+    _transport.wait_steady(timeout)  # (an agent swap under way: see _transport._swap)
+    attempt: Optional[_Attempts] = None  # made on the first error only (the hot path has none)
+    to = worker
+    while True:
+        # A worker retired by its member's renewal since the caller picked it (this
+        # process's own included): its successor (see Roster.resolve).
+        to = roster.resolve(to) or to
+        roster.pipes.called(to)
+        try:
+            return to, send(to, max(0.001, deadline - time.monotonic()))
+        except (RuntimeError, ValueError) as err:
+            attempt = attempt or _Attempts(to)
+            if not attempt.again(roster, err, deadline):
+                raise fail(err, attempt.worker) from err
+            to = attempt.worker
+
+
+class _Attempts:
+    """Where one call goes next after an error that delivered nothing of it (so sending it
+    again cannot run it twice), within the call's deadline:
+
+        no current agent (this process swaps it: a renewal)      -> wait for the swap
+        an agent shut down under the call (a failed renewal's)   -> wait, then the new one
+        refused (its member renewed its agent or recycled)       -> the worker it moved to
+        reset by a live process on this host (its listener       -> the worker it moved to
+          closed under a new pipe)
+        unknown to this agent ("could not find destination")     -> the worker it moved to,
+                                                                    or introduce it once
+    """
+
+    __slots__ = ("worker", "_introduced", "_closed")
+
+    # A closed agent that stays current (torch resets it just after its shutdown) is met
+    # at most this often per call: the World itself is stopping then.
+    _CLOSED_MAX = 3
+
+    def __init__(self, worker: str) -> None:
+        self.worker = worker
+        self._introduced = False  # a worker is introduced to this process's agent once per call
+        self._closed = 0
+
+    def again(self, roster: "Roster", err: BaseException, deadline: float) -> bool:
+        """Whether to send once more (to ``self.worker``, perhaps changed); False: ``err`` stands."""
+        if time.monotonic() >= deadline:
+            return False
+        if _transport.closed_agent_error(err):
+            self._closed += 1
+            if self._closed > self._CLOSED_MAX:
+                return False
+            return _transport.wait_current(deadline - time.monotonic())
+        if not isinstance(err, RuntimeError):
+            return False
+        if _transport.no_agent_error(err):
+            return _transport.wait_current(deadline - time.monotonic())
+        renewed = _renewed_worker(roster, self.worker, err, deadline, self._introduced)
+        if renewed is None:
+            return False
+        self._introduced = self._introduced or renewed == self.worker
+        self.worker = renewed
+        return True
+
+
+# How torch's TensorPipe words a pipe reset under a call (tcp and shm transports).
+_RESET = ("connection reset", "econnreset", "broken pipe", "epipe")
+
+
+# Seconds a reset call waits for its worker's member to move (a renewal: a monitor tick to
+# notice the closed listener, and the new agent's join).
+_RESET_WAIT = 10.0
+
+
+def _renewed_worker(roster: "Roster", worker: str, err: RuntimeError, deadline: float,
+                    introduced: bool = False) -> Optional[str]:
+    """The worker to call instead of ``worker`` after ``err``, else None (the error stands).
+
+    Refused: the worker its member moved to before ``deadline``. Unknown to this process's
+    agent ("could not find destination"): the worker it moved to, or ``worker`` itself once
+    introduced to the agent (not again when ``introduced``: this call did that already),
+    or, when its address is gone too, the worker it moves to within ``_RESET_WAIT``.
+    Reset by a live process on this host: the worker it moved to within ``_RESET_WAIT``.
+    """
+    text = str(err).lower()
+    if "could not find destination" in text:
+        # Nothing was sent: this process's agent does not know ``worker``. Either its
+        # member moved to a new agent since this view's caller picked ``worker`` (this
+        # process's own old agent included), or it joined while this process was renewing
+        # its agent, so that its join told the agent being retired, not the new one.
+        moved = roster.moved_from(worker, 0.0)
+        if moved is not None:
+            return moved
+        if introduced or roster.worker_gone(worker):
+            return None  # (introduced: this call told the agent once already; it stands)
+        if not _transport.introduce_current(worker):
+            # Its address is gone: a worker its member retired (renewals in a row), whose
+            # move this view reads within a tick; a gone member's ends the wait at once.
+            return roster.moved_from(worker, min(_RESET_WAIT, deadline - time.monotonic()))
+        return worker
+    if "connection refused" in text or "econnrefused" in text:
+        return roster.moved_from(worker, deadline - time.monotonic())
+    if any(word in text for word in _RESET) and roster.on_this_host(worker):
+        # A new pipe to a process here whose listener closed as it connected (the kernel
+        # took the connection, nobody accepted it: nothing of the call ran), this process's
+        # own included: it renews its agent within a tick or two, and the call goes to the
+        # new one. A dead process here resets too: moved_from says so at once and the
+        # error stands; so it does when no move comes within _RESET_WAIT.
+        return roster.moved_from(worker, min(_RESET_WAIT, deadline - time.monotonic()))
+    return None

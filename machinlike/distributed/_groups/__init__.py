@@ -1,0 +1,18 @@
+"""RpcGroup and CollectiveGroup, built from the layers below.
+
+Owns the group façade and its typed parts (owner cache, service and value tables, caller,
+barrier), this process's group directory and group creation, and collective groups over
+subsets of ranks.
+
+This face names what the layers above may use; the modules behind it are private to it.
+"""
+
+from .collective import CollectiveGroup, RetiredGroups
+from .directory import GroupDirectory, GroupHandle
+from .create import create_group, find_group, open_group
+from .rpc_group import RpcGroup
+
+__all__ = [
+    "CollectiveGroup", "create_group", "find_group", "GroupDirectory", "GroupHandle", "open_group",
+    "RetiredGroups", "RpcGroup",
+]

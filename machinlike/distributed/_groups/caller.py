@@ -1,0 +1,177 @@
+"""Caller: every call an RpcGroup sends, to a named member or to the owner of a key.
+
+Owns no state of its own: it holds the group's identity and the parts a call needs, handed
+over when the group's parts are built. Arguments arrive checked (``RpcGroup`` is the
+public entrance); what leaves goes through ``_samehost.outgoing`` (large CPU tensors of a
+same-host call travel through shared memory: the ``[shm hook]`` lines) and, for a
+blocking call, through ``_calls.send.sync_call`` (a gone member fails at once, a silent host
+is ended by the liveness monitor), and an asynchronous one through ``_calls.send.send_call``
+(both send again what this process's agent could not send at all, e.g. while it renews)::
+
+    service_*(key)  OwnerCache.service(key) ──► call the owner
+                    answer "missing" (the cache was stale) ──► look the key up again and
+                    call once more, within the same deadline (async: wait() does it)
+    paired(key)     OwnerCache.value(key) ──► the owner says it holds the key ──► a
+                    handle naming the owner (_refs.PairedRef)
+    *_remote        the owner makes and keeps the result ──► a handle (_refs.ResultRef)
+    run_*(to)       Roster.worker_of(to) ──► call that member's RPC worker
+
+Why one object for both kinds of call: the retry-once policy, the same-host hook and
+the error translation are the group's whole outgoing path, and they read best in one
+place. The hot path (a cached ``service_sync``) is a dict look-up, one ``sync_call`` and
+a message that is formatted only if the call fails.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+from torch.distributed import rpc
+
+from .._calls import context as _context, ref_owner as _ref_owner, refs as _refs, samehost as _samehost
+from .._calls import serve as _serve
+from .._calls import RpcFuture, is_async, is_missing, send_call, sync_call, unwrap
+from .owners import OwnerCache
+from .._calls import PairedRef, ResultRef
+from .._store import deadline_left
+from .._membership import Roster
+from .._membership import Waits
+
+__all__ = ["Caller"]
+
+#: ``(args, kwargs)`` of a call, as ``_checks.call_args`` returns them.
+CallArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+# The cached owner first, then one fresh look-up.
+_CACHED_THEN_FRESH = (False, True)
+_FRESH = (True,)
+
+
+class Caller:
+    """The outgoing calls of one group incarnation.
+
+    Args:
+        group: The group's name (for messages).
+        sid: The group's service-id prefix, ``"<group>/<epoch>/"``.
+        roster: Who is live, and each member's RPC worker.
+        waits: Ends a call to another host when its member is lost.
+        owners: The group's owner cache.
+    """
+
+    def __init__(self, group: str, sid: str, roster: Roster, waits: Waits, owners: OwnerCache) -> None:
+        self._group = group
+        self._sid = sid
+        self._roster = roster
+        self._waits = waits
+        self._owners = owners
+
+    # ------------------------------------------------------------------- services
+    def _service_target(self, key: str, refresh: bool, deadline: float) -> Tuple[str, Callable[..., Any]]:
+        # A look-up in the store counts against the call's own time (a silent store).
+        owner = self._owners.service(key, refresh, max(0.001, deadline - time.monotonic()))
+        if owner is None:
+            raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+        return owner.worker, _serve._call_async_service if owner.is_async else _serve._call_service
+
+    def service_sync(self, key: str, call_args: CallArgs, wait: float) -> Any:
+        """What service ``key`` returns (see ``RpcGroup.registered_sync``); ``wait`` in seconds."""
+        # A retry after a stale owner shares the deadline.
+        return self._service_until(key, (self._sid + key,) + call_args, time.monotonic() + wait, wait,
+                                   _CACHED_THEN_FRESH)
+
+    def _service_until(self, key: str, call: Tuple[Any, ...], deadline: float, stated: float,
+                       refreshes: Sequence[bool]) -> Any:
+        """Call service ``key`` once per entry of ``refreshes`` (True: look its owner up
+        first) until an owner holds it, all within ``deadline``; quote ``stated``."""
+        for refresh in refreshes:
+            worker, entry = self._service_target(key, refresh, deadline)
+            left = deadline - time.monotonic()
+            value = sync_call(self._roster, self._waits, worker, entry,
+                              _samehost.outgoing(worker, call),  # [shm hook]
+                              left if left > 0.001 else 0.001, lambda: f"service {key!r} of group {self._group!r}",
+                              stated)
+            if not is_missing(value):
+                return unwrap(value)
+        raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+
+    def service_async(self, key: str, call_args: CallArgs, wait: float) -> RpcFuture:
+        """Service ``key``'s pending result (see ``RpcGroup.registered_async``).
+
+        Raises:
+            KeyError: nobody serves ``key`` (here, not from ``wait()``).
+        """
+        call = (self._sid + key,) + call_args
+        deadline = time.monotonic() + wait
+        worker, entry = self._service_target(key, False, deadline)
+        what = f"service {key!r} of group {self._group!r}"
+        worker, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
+                                lambda to, left: rpc.rpc_async(to, entry, args=_samehost.outgoing(to, call),  # [shm hook]
+                                                               timeout=left))
+        # The owner answered "missing" (a stale cache): look it up again and call the new
+        # one with what is left of this call's timeout, not a fresh one.
+        return RpcFuture(fut, self._roster.member_of(worker), what,
+                         wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
+
+    def service_remote(self, key: str, call_args: CallArgs, wait: float) -> ResultRef:
+        """A handle to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
+
+        Raises:
+            KeyError: nobody serves ``key``.
+        """
+        deadline = time.monotonic() + wait
+        worker, _ = self._service_target(key, False, deadline)
+        # _keep_service has the key's new owner run it if it moved meanwhile.
+        sid = self._sid + key
+        return _refs.new_result(_context.require(), self._roster.member_of(worker), worker,
+                                f"registered_remote of service {key!r} of group {self._group!r}",
+                                max(0.001, deadline - time.monotonic()),
+                                lambda head: (_ref_owner._keep_service, (head + (sid,),) + call_args))
+
+    # --------------------------------------------------------------------- values
+    def paired(self, key: str, wait: float) -> PairedRef:
+        """A handle to the value paired under ``key`` (see ``RpcGroup.get_paired``).
+
+        Raises:
+            KeyError: nothing is paired under ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+        """
+        deadline = time.monotonic() + wait
+        sid = self._sid + key
+        for refresh in _CACHED_THEN_FRESH:
+            worker = self._owners.value(key, refresh, max(0.001, deadline_left(deadline)))
+            if worker is None:
+                break
+            value = sync_call(self._roster, self._waits, worker, _ref_owner._is_paired, (sid,),
+                              max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
+            if not is_missing(value):  # the owner's (member, incarnation)
+                return PairedRef(value[0], value[1], sid)
+        raise KeyError(f"Value with key [{key}] not found on Group [{self._group}]")
+
+    # ---------------------------------------------------------------- plain calls
+    def run_sync(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> Any:
+        """What ``func`` returns on member ``to`` (see ``RpcGroup.rpc_sync``).
+
+        ``call`` is ``_calls.shipping.prepare_call``'s; ``to`` a member of the group.
+        """
+        entry = _serve._run_async if is_async(func) else _serve._run
+        worker = self._roster.worker_of(to)
+        return unwrap(sync_call(self._roster, self._waits, worker, entry, _samehost.outgoing(worker, call),  # [shm hook]
+                                wait, f"rpc_sync of {func!r}"))
+
+    def run_async(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> RpcFuture:
+        """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""
+        entry = _serve._run_async if is_async(func) else _serve._run
+        what = f"rpc_async of {func!r}"
+        _, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
+                           lambda worker, left: rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call),  # [shm hook]
+                                                              timeout=left))
+        return RpcFuture(fut, to, what, wait)
+
+    def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:
+        """A handle to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``).
+
+        ``call`` is ``_calls.shipping.prepare_call``'s: ``(shipped func, args, kwargs)``.
+        """
+        return _refs.new_result(_context.require(), to, self._roster.worker_of(to), f"remote of {func!r}", wait,
+                                lambda head: (_ref_owner._keep_run, (head + (call[0],),) + tuple(call[1:])))

@@ -1,0 +1,442 @@
+"""CollectiveGroup: torch collectives over a subset of the world's ranks.
+
+A thin layer over ``torch.distributed`` with the group bound in. Ranks are global ranks,
+as in torch. What it adds: receiving from any source reports the *global* sender rank
+(``recv`` returns it, ``irecv(...).wait()`` yields it), and calling an op from a process
+outside the group is a clear error instead of torch's silent no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CollectiveGroup", "RetiredGroups"]
+
+ReduceOp = dist.ReduceOp
+
+# The point-to-point tag of all_to_all's fallback (a value user code is unlikely to
+# pick), so that its pieces never match a user's receive.
+_ALL_TO_ALL_TAG = 5000000
+
+
+def _lacks_all_to_all(exc: BaseException) -> bool:
+    """Whether ``exc`` is a backend saying it has no alltoall (torch's c10d words it as
+    "Backend gloo does not support alltoall"; some builds say "unsupported")."""
+    text = str(exc).lower()
+    return "alltoall" in text.replace("_", "") and ("not support" in text or "unsupported" in text)
+
+
+class _PairwiseAllToAll:
+    """all_to_all as one send and one receive per peer; ``wait()`` completes it.
+
+    Pieces for this member itself are copied locally. Where the backend is gloo, which
+    sends CPU tensors only on some builds, CUDA pieces travel as CPU copies and are
+    copied into the outputs in ``wait()``.
+    """
+
+    def __init__(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], group: Any,
+                 ranks: List[int], my_rank: int) -> None:
+        stage = dist.get_backend(group) == "gloo"
+        self._copy_back: List[tuple] = []  # (output, CPU buffer) pairs filled by receives
+        self._works: List[Any] = []
+        for peer, out, inp in zip(ranks, outputs, inputs):
+            if peer == my_rank:
+                out.copy_(inp)
+                continue
+            send = inp.cpu() if stage and inp.device.type != "cpu" else inp
+            recv = out
+            if stage and out.device.type != "cpu":
+                recv = torch.empty(out.shape, dtype=out.dtype)
+                self._copy_back.append((out, recv))
+            elif not out.is_contiguous():
+                recv = torch.empty_like(out, memory_format=torch.contiguous_format)
+                self._copy_back.append((out, recv))
+            # Complex tensors travel as their real views, as torch's own collectives do.
+            self._works.append(dist.isend(_real(send.contiguous()), peer, group=group, tag=_ALL_TO_ALL_TAG))
+            self._works.append(dist.irecv(_real(recv), peer, group=group, tag=_ALL_TO_ALL_TAG))
+        self._done = False
+
+    def wait(self) -> bool:
+        """Block until every piece was sent and received (at most the group's timeout)."""
+        for work in self._works:
+            work.wait()
+        if not self._done:
+            for out, buffer in self._copy_back:
+                out.copy_(buffer)
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        # Staged pieces reach their outputs in wait(), so only then is it complete.
+        return self._done or (not self._copy_back and all(work.is_completed() for work in self._works))
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+class _AnySourceRecv:
+    """Handle of a receive from any source; ``wait()`` returns the global sender rank."""
+
+    def __init__(self, work: Any, group: Any) -> None:
+        self._work = work
+        self._group = group
+
+    def wait(self) -> int:
+        self._work.wait()
+        return dist.get_global_rank(self._group, self._work._source_rank())
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class _KnownSourceRecv:
+    def __init__(self, work: Any, src: int) -> None:
+        self._work = work
+        self._src = src
+
+    def wait(self) -> int:
+        self._work.wait()
+        return self._src
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+class RetiredGroups:
+    """Process groups that were destroyed while their World runs, kept until it stops.
+
+    Why: torch (seen on 2.13) can deadlock when the last reference to a gloo process
+    group goes while one of its worker threads still has to destroy a finished work that
+    was launched during a backward pass (DDP's all-reduce). Such a work holds a Python
+    object (autograd stashes the caller's context in the thread's state), so that thread
+    needs the GIL; ``~ProcessGroupGloo`` joins it while holding the GIL, because it runs
+    inside the Python deallocator of whoever drops the last reference (DDP's reducer, when
+    the test or user frame ends). Keeping destroyed groups here means that last release
+    happens in :meth:`release` at the World's stop, after its waits on the store have
+    released the GIL many times over, or in :meth:`keep` for groups retired
+    ``RELEASE_AFTER`` seconds earlier, whose workers finished long ago. So the list stays
+    bounded by the groups destroyed within that window.
+    """
+
+    #: Seconds after its destruction that a group is dropped by a later ``keep``.
+    RELEASE_AFTER = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: List[tuple] = []  # (when retired, process group)
+
+    def keep(self, group: Any) -> None:
+        """Hold ``group`` (already destroyed in torch) and drop the long-retired ones."""
+        now = time.monotonic()
+        with self._lock:
+            old = [g for when, g in self._kept if now - when > self.RELEASE_AFTER]
+            self._kept = [(when, g) for when, g in self._kept if now - when <= self.RELEASE_AFTER]
+            self._kept.append((now, group))
+        del old  # their last references go here, outside the lock
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kept)
+
+    def release(self) -> None:
+        """Drop every kept group (the World is stopping)."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        del kept
+
+
+class CollectiveGroup:
+    """Collectives over a subset of ranks; create it with :meth:`World.create_collective_group`.
+
+    The operations take the arguments of their ``torch.distributed`` counterparts without
+    ``group``; ranks (``src``, ``dst``) are global ranks. With ``async_op=True`` an
+    operation returns torch's work handle (``wait()``), otherwise None.
+
+    Every operation raises ``RuntimeError`` in a process outside the group or after
+    :meth:`destroy` (torch would silently do nothing), and ``ValueError`` when a ``src``
+    or ``dst`` is not a rank of the group.
+
+    Attributes:
+        group: The torch process group (e.g. for ``DistributedDataParallel(process_group=...)``);
+            None in a process outside the group.
+        ranks: The member ranks (global), sorted.
+    """
+
+    def __init__(self, group: Any, ranks: Sequence[int], my_rank: int,
+                 retire: Optional[Callable[[Any], None]] = None) -> None:
+        self.group = group
+        self.ranks = sorted(ranks)
+        self._my_rank = my_rank
+        self._retire = retire
+        self._destroyed = False
+        # None: all_to_all not tried yet; False: the backend lacks it (pairwise fallback).
+        self._native_all_to_all: Optional[bool] = None
+
+    @classmethod
+    def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
+               timeout: float, retire: Optional[Callable[[Any], None]] = None) -> "CollectiveGroup":
+        """Build the group (every process of the world calls it); use
+        :meth:`World.create_collective_group`, which checks its arguments and keeps track.
+
+        Args:
+            retire: Takes the torch group once destroyed (:meth:`RetiredGroups.keep`);
+                None: the group goes with its last reference.
+        """
+        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}")
+        ranks = sorted(ranks)
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
+            raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
+        member = my_rank in ranks
+        return cls(group if member else None, ranks, my_rank, retire)
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a CollectiveGroup belongs to its process and cannot be pickled")
+
+    def __repr__(self) -> str:
+        return f"<CollectiveGroup ranks={self.ranks}>"
+
+    def _g(self) -> Any:
+        if self._destroyed:
+            raise RuntimeError(f"CollectiveGroup {self.ranks} has been destroyed")
+        if self.group is None:
+            raise RuntimeError(f"this process (rank {self._my_rank}) is not in CollectiveGroup {self.ranks}")
+        return self.group
+
+    def _peer(self, param: str, rank: int) -> int:
+        if rank not in self.ranks:
+            raise ValueError(f"{param}={rank} is not a rank of CollectiveGroup {self.ranks}")
+        return rank
+
+    # ------------------------------------------------------------- point to point
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        """Send ``tensor`` to global rank ``dst`` (blocking).
+
+        Args:
+            tensor: The data; the receiver's tensor must have the same size and dtype.
+            dst: Global rank of the receiver.
+            tag: Matches this send with a ``recv`` of the same tag.
+        """
+        dist.send(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+
+    def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
+        """Receive into ``tensor`` from ``src`` (blocking).
+
+        Args:
+            tensor: Filled in place with the received data.
+            src: Global rank of the sender; None: whichever member sends first.
+            tag: Matches a ``send`` of the same tag.
+
+        Returns:
+            The global rank of the sender.
+        """
+        group = self._g()
+        return dist.recv(tensor, None if src is None else self._peer("src", src), group=group, tag=tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
+        """Send ``tensor`` to global rank ``dst`` asynchronously.
+
+        Args:
+            tensor: The data; do not modify it before the handle's ``wait()`` returned.
+            dst: Global rank of the receiver.
+            tag: Matches a receive of the same tag.
+
+        Returns:
+            A work handle with ``wait()``.
+        """
+        return dist.isend(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+
+    def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Any:
+        """Receive into ``tensor`` asynchronously.
+
+        Args:
+            tensor: Filled in place once the handle's ``wait()`` returned.
+            src: Global rank of the sender; None: whichever member sends first.
+            tag: Matches a send of the same tag.
+
+        Returns:
+            A handle whose ``wait()`` returns the global rank of the sender.
+        """
+        group = self._g()
+        if src is None:
+            return _AnySourceRecv(dist.irecv(tensor, None, group=group, tag=tag), group)
+        return _KnownSourceRecv(dist.irecv(tensor, self._peer("src", src), group=group, tag=tag), src)
+
+    # ----------------------------------------------------------------- collectives
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
+        """Copy ``tensor`` of rank ``src`` into ``tensor`` of every member (in place).
+
+        Args:
+            tensor: Sent on ``src``, overwritten elsewhere; the same size everywhere.
+            src: Global rank of the source.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.broadcast(tensor, self._peer("src", src), group=self._g(), async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce ``tensor`` over all members; every member gets the result in place.
+
+        Args:
+            tensor: Input and output.
+            op: A ``torch.distributed.ReduceOp`` (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ...).
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.all_reduce(tensor, op=op, group=self._g(), async_op=async_op)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
+        """Reduce ``tensor`` over all members into ``tensor`` of rank ``dst``.
+
+        Args:
+            tensor: Input everywhere; the result on ``dst`` (in place).
+            dst: Global rank that receives the result.
+            op: A ``torch.distributed.ReduceOp``.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.reduce(tensor, self._peer("dst", dst), op=op, group=self._g(), async_op=async_op)
+
+    def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
+        """Every member's ``tensor`` into ``tensor_list`` of every member, in rank order.
+
+        Args:
+            tensor_list: ``size()`` tensors of ``tensor``'s size, filled in place.
+            tensor: This member's contribution.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.all_gather(tensor_list, tensor, group=self._g(), async_op=async_op)
+
+    def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
+               async_op: bool = False) -> Any:
+        """Every member's ``tensor`` into ``gather_list`` of rank ``dst``, in rank order.
+
+        Args:
+            tensor: This member's contribution.
+            gather_list: On ``dst``: ``size()`` tensors of ``tensor``'s size, filled in
+                place; None elsewhere.
+            dst: Global rank that receives.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.gather(tensor, gather_list, self._peer("dst", dst), group=self._g(), async_op=async_op)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
+                async_op: bool = False) -> Any:
+        """Hand ``scatter_list[i]`` of rank ``src`` to the ``i``-th member (rank order).
+
+        Args:
+            tensor: Filled in place with this member's piece.
+            scatter_list: On ``src``: ``size()`` tensors; None elsewhere.
+            src: Global rank of the source.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.scatter(tensor, scatter_list, self._peer("src", src), group=self._g(), async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
+                       async_op: bool = False) -> Any:
+        """Reduce ``input_list[i]`` over all members into ``output`` of the ``i``-th member.
+
+        Args:
+            output: Filled in place with this member's reduced piece.
+            input_list: ``size()`` tensors, one per member in rank order.
+            op: A ``torch.distributed.ReduceOp``.
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.reduce_scatter(output, input_list, op=op, group=self._g(), async_op=async_op)
+
+    def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
+                   async_op: bool = False) -> Any:
+        """Send ``input_tensor_list[i]`` to the ``i``-th member and receive the ``j``-th
+        member's piece into ``output_tensor_list[j]`` (members in rank order).
+
+        Works on every backend: where the backend has no ``alltoall`` (gloo before torch
+        2.13, for one), the pieces travel as point-to-point sends and receives on a tag
+        reserved for this (5000000; do not use it for your own sends), CUDA
+        tensors staged through the CPU where the backend cannot send them.
+
+        Args:
+            output_tensor_list: ``size()`` tensors, filled in place; piece ``j`` has the
+                size of what member ``j`` sends here (pieces of different sizes need a
+                backend that allows them: NCCL, MPI or the fallback; gloo's alltoall
+                wants one size).
+            input_tensor_list: ``size()`` tensors to send.
+            async_op: Return a work handle instead of waiting.
+
+        Raises:
+            ValueError: A list does not hold exactly ``size()`` tensors.
+        """
+        group = self._g()
+        for name, tensors in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
+            if len(tensors) != len(self.ranks):
+                raise ValueError(f"{name} holds {len(tensors)} tensors; CollectiveGroup {self.ranks} needs "
+                                 f"one per member ({len(self.ranks)})")
+        if self._native_all_to_all is not False:
+            try:
+                # async_op=True so that an error here is the backend refusing the call
+                # (before anything was sent), not a failure of the exchange itself.
+                work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
+            except (RuntimeError, NotImplementedError) as exc:
+                if not _lacks_all_to_all(exc):
+                    raise
+                # Every member's backend refuses alike, so every member falls back alike.
+                self._native_all_to_all = False
+            else:
+                self._native_all_to_all = True
+                if async_op:
+                    return work
+                if work is not None:  # (torch 2.14's stubs type it Optional)
+                    work.wait()
+                return None
+        pairwise = _PairwiseAllToAll(output_tensor_list, input_tensor_list, group, self.ranks, self._my_rank)
+        if async_op:
+            return pairwise
+        pairwise.wait()
+        return None
+
+    def barrier(self, async_op: bool = False) -> Any:
+        """Wait until every member reached the barrier (at most the group's timeout).
+
+        Args:
+            async_op: Return a work handle instead of waiting.
+        """
+        return dist.barrier(group=self._g(), async_op=async_op)
+
+    def broadcast_object_list(self, object_list: List[Any], src: int) -> None:
+        """Replace the entries of ``object_list`` with those of rank ``src`` (picklable objects).
+
+        Args:
+            object_list: The same length everywhere; overwritten in place except on ``src``.
+            src: Global rank of the source.
+        """
+        dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
+
+    def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
+        """Every member's ``obj`` (picklable) into ``object_list``, in rank order.
+
+        Args:
+            object_list: A list of ``size()`` entries, overwritten in place.
+            obj: This member's contribution.
+        """
+        dist.all_gather_object(object_list, obj, group=self._g())
+
+    # ------------------------------------------------------------------ lifecycle
+    def size(self) -> int:
+        """Number of ranks in the group."""
+        return len(self.ranks)
+
+    def is_member(self) -> bool:
+        """Whether this process is in the group."""
+        return self.group is not None
+
+    def destroy(self) -> None:
+        """Release the process group (members and non-members alike call it)."""
+        if not self._destroyed and self.group is not None:
+            dist.destroy_process_group(self.group)
+            if self._retire is not None:  # see RetiredGroups: its last reference goes at stop
+                self._retire(self.group)
+        self._destroyed = True

@@ -1,0 +1,117 @@
+"""OwnerCache: who owns each service and value key of one RpcGroup, as this process last saw it.
+
+Owns two dicts, key -> owner, for one group incarnation in one World. The truth is the
+store (a key claimed through ``Claims``, spelled by ``Keys``); the cache saves the look-up,
+so that a cached call is a single RPC round trip like a raw ``rpc_sync``::
+
+    service(key) / value(key)   cached, owner's worker not gone ──► the cached owner
+                                otherwise (or refresh=True) ──► Claims.owner(Keys.service|value)
+                                                                 └─► cache it (or forget it)
+    hold_* / drop_*             this member's own register / pair / withdraw (no look-up)
+
+Why a part of its own: the callers (``_group_caller``) read it on every call and correct
+it when an owner answers "missing"; the tables (``_group_tables``) write this member's
+own keys into it. Neither owns the other's state, and both see the same cache.
+
+No lock: each access is one dict operation (atomic under the GIL); two threads racing
+on one key both store an answer the store gave, and the loser's stale entry costs at
+most one more look-up.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .._membership import Claims
+from .._store import Keys, ServiceOwner
+from .._membership import Roster
+
+__all__ = ["OwnerCache"]
+
+
+class OwnerCache:
+    """The owners of one group incarnation's services and values, cached.
+
+    Args:
+        group: The group's name.
+        epoch: Its incarnation (see ``_keys``).
+        keys: The world's keys (spells the store keys of the group's services and values).
+        claims: Reads who holds a key.
+        roster: Tells a gone RPC worker (its cached keys are looked up again).
+    """
+
+    def __init__(self, group: str, epoch: str, keys: Keys, claims: Claims, roster: Roster) -> None:
+        self._group = group
+        self._epoch = epoch
+        self._keys = keys
+        self._claims = claims
+        self._roster = roster
+        self._services: Dict[str, ServiceOwner] = {}
+        self._values: Dict[str, str] = {}
+
+    # ---------------------------------------------------------------- store keys
+    def service_key(self, key: str) -> str:
+        """The store key that holds service ``key``'s :class:`ServiceOwner`."""
+        return self._keys.service(self._group, self._epoch, key)
+
+    def value_key(self, key: str) -> str:
+        """The store key that holds the RPC worker that paired value ``key``."""
+        return self._keys.value(self._group, self._epoch, key)
+
+    # ------------------------------------------------------------------ look-ups
+    def service(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[ServiceOwner]:
+        """Who serves ``key``: the cached owner unless ``refresh`` or it is gone; None if nobody.
+
+        Args:
+            timeout: Seconds a store look-up may take (the caller's time left); None: no bound.
+
+        Raises:
+            PeerLostError: the world's store is gone (on a look-up).
+            TimeoutError: the store did not answer within ``timeout``.
+        """
+        if not refresh:
+            owner = self._services.get(key)
+            if owner is not None and not self._roster.worker_gone(owner.worker):
+                return owner  # the common case: no store round trip
+        held = self._claims.owner(self.service_key(key), timeout)
+        if held is None:
+            self._services.pop(key, None)
+            return None
+        owner = self._services[key] = ServiceOwner.decode(held)
+        return owner
+
+    def value(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[str]:
+        """The RPC worker that paired ``key`` (cached unless ``refresh`` or gone), None if nobody.
+
+        Args:
+            timeout: Seconds a store look-up may take (the caller's time left); None: no bound.
+
+        Raises:
+            PeerLostError: the world's store is gone (on a look-up).
+            TimeoutError: the store did not answer within ``timeout``.
+        """
+        if not refresh:
+            held = self._values.get(key)
+            if held is not None and not self._roster.worker_gone(held):
+                return held
+        held = self._claims.owner(self.value_key(key), timeout)
+        if held is None:
+            self._values.pop(key, None)
+        else:
+            self._values[key] = held
+        return held
+
+    # ------------------------------------------------------ this member's own keys
+    def hold_service(self, key: str, owner: ServiceOwner) -> None:
+        """This member just claimed service ``key`` as ``owner``."""
+        self._services[key] = owner
+
+    def drop_service(self, key: str) -> None:
+        self._services.pop(key, None)
+
+    def hold_value(self, key: str, worker: str) -> None:
+        """This member (RPC worker ``worker``) just paired value ``key``."""
+        self._values[key] = worker
+
+    def drop_value(self, key: str) -> None:
+        self._values.pop(key, None)

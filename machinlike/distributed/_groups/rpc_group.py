@@ -1,0 +1,458 @@
+"""RpcGroup: a named set of members that register services and pair values.
+
+``RpcGroup`` is the public façade (machin's names and keywords): it checks every argument
+once, at this entrance, and hands checked values to its parts. It owns the group's
+identity (name, members, epoch), whether it was destroyed here, and its
+``GroupParts`` (``_group_parts``) for the World in use: small objects that each own
+their state, built together and handed their collaborators in their constructors::
+
+    RpcGroup (façade: checks, docstrings, destroyed?) ── GroupParts, for one World:
+      ├─ OwnerCache     who owns each service / value key, cached      _group_owners
+      ├─ ServiceTable   the services this member registered; its lock  _group_tables
+      ├─ ValueTable     the values this member paired; its lock        _group_tables
+      ├─ Caller         every call sent: to a key's owner, to a member _group_caller
+      └─ Barrier        this member's barrier rounds; its lock         _group_barrier
+
+A handle that was unpickled or built by hand, or whose World stopped, uses the current
+World's directory at each use (as it always did); its parts are rebuilt when that
+directory changes, so no cache or round counter outlives its World. The hot path pays
+one identity test for it. Creating, opening and finding a group: ``_group_create``; the
+group's store keys: ``_keys`` (``rg/<group>/...``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+
+from ... import _checks
+from .._calls import RpcFuture, prepare_call
+from . import directory as _directory
+from .directory import GroupDirectory
+from .parts import GroupParts
+from .._calls import PairedRef, ResultRef
+
+__all__ = ["RpcGroup"]
+
+_check_key = _checks.service_key
+_seconds = _checks.seconds_or_none
+
+
+class RpcGroup:
+    """A group of world members; create it with :meth:`World.create_rpc_group`.
+
+    Members publish services (:meth:`register`) and values (:meth:`pair`) under string
+    keys, unique in the group; any process of the world calls them by key. Who owns a
+    key is kept in the world's store and cached by callers, so a call is one RPC round
+    trip.
+
+    The handle pickles by name, so it can travel inside service accessors; unpickled in a
+    member process it is that process's own group object.
+
+    Every method raises ``RuntimeError`` when this process has no World or the group was
+    destroyed here; ``register``, ``deregister``, ``pair``, ``unpair`` and ``barrier``
+    also when this process is not a member. A ``timeout`` is in seconds and must be
+    positive (``ValueError`` otherwise); None means the World's ``rpc_timeout`` for calls
+    and its ``dist_timeout`` for barriers. Keys must be str (``TypeError`` otherwise).
+    """
+
+    def __init__(self, name: str, members: Optional[Sequence[str]], epoch: str,
+                 incarnations: Optional[Dict[str, int]] = None, *,
+                 directory: Optional[GroupDirectory] = None) -> None:
+        # None (an unpickled or hand-made handle): the current World's, at each use.
+        self._dir = directory
+        self._name = name
+        self._incarnations = incarnations
+        #: None for an open group: whoever is in the world.
+        self._members = None if members is None else tuple(sorted(members))
+        self._epoch = epoch
+        # Guards building the parts and destroying (not the calls: the parts lock their own state).
+        self._lock = threading.Lock()
+        self._parts: Optional[GroupParts] = None
+        if directory is not None:
+            self._parts = GroupParts(name, self._members, epoch, incarnations, directory)
+        self._destroyed = False
+
+    def __reduce__(self) -> Any:
+        return _rebuild_group, (self._name, self._members, self._epoch)
+
+    def __repr__(self) -> str:
+        return f"<RpcGroup {self._name!r} members={'(open)' if self._members is None else list(self._members)}>"
+
+    # ------------------------------------------------------------------ plumbing
+    def _directory(self) -> GroupDirectory:
+        d = self._dir
+        if d is None or not d.open:
+            d = _directory.require()  # its World stopped: the current one's, as before
+        return d
+
+    def _usable(self, need_member: bool) -> GroupParts:
+        """The parts for the directory in use (built when it changed), if this handle may be used."""
+        d = self._dir
+        if d is None or not d.open:
+            d = _directory.require()
+        parts = self._parts
+        if parts is None or parts.directory is not d:
+            parts = self._bind(d)
+        if self._destroyed:
+            raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
+        if need_member and not self._has(d, d.name):
+            raise RuntimeError(f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r}")
+        return parts
+
+    def _bind(self, d: GroupDirectory) -> GroupParts:
+        with self._lock:  # two threads moving to a new World share one set of parts
+            parts = self._parts
+            if parts is None or parts.directory is not d:
+                parts = self._parts = GroupParts(self._name, self._members, self._epoch, self._incarnations, d)
+            return parts
+
+    def _has(self, d: GroupDirectory, name: str) -> bool:
+        return name in d.roster.members() if self._members is None else name in self._members
+
+    def _check_to(self, to: str) -> None:
+        if not isinstance(to, str):
+            raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r})")
+        if self._members is not None and to not in self._members:
+            raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
+
+    # ------------------------------------------------------------------- services
+    def register(self, key: str, service: Callable[..., Any]) -> None:
+        """Publish ``service`` under ``key``; members call it with ``registered_*``.
+
+        ``service`` may return a value or, when decorated with
+        ``@torch.distributed.rpc.functions.async_execution``, a ``torch.futures.Future`` that
+        it completes later without holding an RPC thread. It runs in this process, on an
+        RPC thread, so it must be thread-safe.
+
+        Args:
+            key: Name of the service, unique in the group.
+            service: The callable (a function, bound method, lambda, ...).
+
+        Raises:
+            KeyError: ``key`` is already registered in the group (by any member).
+            TypeError: ``service`` is not callable.
+        """
+        _check_key(key)
+        if not callable(service):
+            raise TypeError(f"service must be callable, not {type(service).__name__}")
+        self._usable(need_member=True).services.register(key, service)
+
+    def deregister(self, key: str) -> None:
+        """Withdraw a service this member registered.
+
+        Args:
+            key: Name of the service.
+
+        Raises:
+            KeyError: this member has not registered ``key``.
+        """
+        _check_key(key)
+        self._usable(need_member=True).services.deregister(key)
+
+    def is_registered(self, key: str) -> bool:
+        """Whether any member holds a service under ``key`` (asks the store).
+
+        Args:
+            key: Name of the service.
+        """
+        _check_key(key)
+        return self._usable(need_member=False).owners.service(key, refresh=True) is not None
+
+    def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                        timeout: Optional[float] = None) -> Any:
+        """Run the service ``key`` on its owner and return its result.
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+
+        Returns:
+            What the service returned; for an asynchronous service, the value its future
+            was completed with.
+
+        Raises:
+            KeyError: no member registered ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+            Exception: whatever the service raised, with its remote traceback as cause.
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        return parts.caller.service_sync(key, _checks.call_args(args, kwargs), wait)
+
+    def registered_async(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                         timeout: Optional[float] = None) -> RpcFuture:
+        """Like :meth:`registered_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for the call, counted from now; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`registered_sync` would.
+
+        Raises:
+            KeyError: no member registered ``key`` (raised here, not by ``wait()``).
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        return parts.caller.service_async(key, _checks.call_args(args, kwargs), wait)
+
+    def registered_remote(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
+                          timeout: Optional[float] = None) -> ResultRef:
+        """Run the service ``key`` on its owner and return a handle to its result at once.
+
+        The result stays on the owner while the handle (or a copy of it sent to another
+        member) lives. The handle behaves as torch's RRef: ``to_here()`` copies the
+        result, and raises what the service raised (its type, the remote traceback as
+        ``__cause__``).
+
+        Args:
+            key: Name of the service.
+            args: Positional arguments of the service.
+            kwargs: Keyword arguments of the service; None: none.
+            timeout: Seconds for creating the result on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A :class:`~machinlike.distributed.ResultRef` owned by the service's owner.
+
+        Raises:
+            KeyError: no member registered ``key``.
+        """
+        _check_key(key)
+        parts = self._usable(False)
+        call_args = _checks.call_args(args, kwargs)
+        return parts.caller.service_remote(key, call_args, _seconds("timeout", timeout, parts.directory.rpc_timeout))
+
+    # --------------------------------------------------------------------- values
+    def pair(self, key: str, value: Any) -> None:
+        """Publish ``value`` under ``key``; members reach it with ``get_paired``.
+
+        The value stays in this process; others get a handle to it (``get_paired``).
+
+        Args:
+            key: Name of the value, unique in the group.
+            value: Any object.
+
+        Raises:
+            KeyError: ``key`` is already paired in the group (by any member).
+        """
+        _check_key(key)
+        self._usable(need_member=True).values.pair(key, value)
+
+    def unpair(self, key: str) -> None:
+        """Withdraw a value this member paired.
+
+        Args:
+            key: Name of the value.
+
+        Raises:
+            KeyError: this member has not paired ``key``.
+        """
+        _check_key(key)
+        self._usable(need_member=True).values.unpair(key)
+
+    def is_paired(self, key: str) -> bool:
+        """Whether any member paired a value under ``key`` (asks the store).
+
+        Args:
+            key: Name of the value.
+        """
+        _check_key(key)
+        return self._usable(need_member=False).owners.value(key, refresh=True) is not None
+
+    def get_paired(self, key: str, timeout: Optional[float] = None) -> PairedRef:
+        """A handle to the value paired under ``key`` (owned by the member that paired it).
+
+        The handle behaves as torch's RRef: ``ref.rpc_sync().method(...)`` runs a method
+        of the value on its owner; ``ref.to_here()`` copies it with torch's pickler
+        (standard ``pickle`` rules). It names the owner member, so it keeps working when
+        the owner renews its RPC agent, and can be sent to other members.
+
+        Args:
+            key: Name of the value.
+            timeout: Seconds for the look-up on the owner; None: the world's
+                ``rpc_timeout``.
+
+        Returns:
+            A :class:`~machinlike.distributed.PairedRef`; after ``unpair`` its
+            ``to_here()`` raises ``KeyError``.
+
+        Raises:
+            KeyError: nothing is paired under ``key``.
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+        """
+        _check_key(key)
+        parts = self._usable(need_member=False)
+        return parts.caller.paired(key, _seconds("timeout", timeout, parts.directory.rpc_timeout))
+
+    # ---------------------------------------------------------------- plain calls
+    def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                 args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        """Run ``func(*args, **kwargs)`` on member ``to`` and return the result.
+
+        ``func`` may be a lambda or local function (sent with dill); tensors in ``args``
+        travel as tensors. A ``func`` decorated with
+        ``@torch.distributed.rpc.functions.async_execution`` may return a future.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            What ``func`` returned.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+            TimeoutError, PeerLostError: ``to`` did not answer in time / is gone (named).
+            Exception: whatever ``func`` raised, with its remote traceback as cause.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_sync(to, func, call, wait)
+
+    def rpc_async(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+                  args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> RpcFuture:
+        """Like :meth:`rpc_sync` but returns at once; ``wait()`` on the result.
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds, counted from now; None: the world's ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            An :class:`RpcFuture` whose ``wait()`` returns the result or raises what
+            :meth:`rpc_sync` would.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_async(to, func, call, wait)
+
+    def remote(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
+               args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None) -> ResultRef:
+        """Run ``func`` on member ``to`` and return a handle to the result at once.
+
+        The result stays on ``to`` while the handle (or a copy of it) lives; errors of
+        ``func`` surface from ``ref.to_here()`` (their type, the remote traceback as
+        ``__cause__``).
+
+        Args:
+            to: Name of a member of this group.
+            func: The callable to run there.
+            timeout: Seconds for creating the result on ``to``; None: the world's
+                ``rpc_timeout``.
+            args: Positional arguments of ``func``.
+            kwargs: Keyword arguments of ``func``; None: none.
+
+        Returns:
+            A :class:`~machinlike.distributed.ResultRef` owned by ``to``.
+
+        Raises:
+            ValueError: ``to`` is not a member of the group.
+            TypeError: ``func`` is not callable.
+        """
+        parts = self._usable(need_member=False)
+        wait = _seconds("timeout", timeout, parts.directory.rpc_timeout)
+        call = prepare_call(func, args, kwargs)
+        self._check_to(to)
+        return parts.caller.run_remote(to, func, call, wait)
+
+    # -------------------------------------------------------------------- barrier
+    def barrier(self, timeout: Optional[float] = None) -> None:
+        """Wait until every member reached this barrier (thread-safe, reusable).
+
+        Two threads of one member calling it are two successive rounds.
+
+        Args:
+            timeout: Seconds; None: the world's ``dist_timeout``.
+
+        Raises:
+            TimeoutError: naming the members that did not arrive within ``timeout``.
+        """
+        parts = self._usable(need_member=True)
+        if parts.barrier is None:
+            raise RuntimeError(f"RpcGroup {self._name!r} is open (members=None), so a barrier has no fixed "
+                               f"set of members to wait for; create a group with members=[...] for barriers")
+        parts.barrier.wait(_seconds("timeout", timeout, parts.directory.dist_timeout))
+
+    # ------------------------------------------------------------------ lifecycle
+    def destroy(self) -> None:
+        """Withdraw every service and value this member owns and leave the group.
+
+        The group name can be created again once every member destroyed its handle.
+        Safe to call twice.
+
+        Raises:
+            RuntimeError: this process has no World.
+        """
+        d = self._directory()
+        with self._lock:
+            if self._destroyed:
+                return
+            parts = self._parts
+            # Parts of a World that stopped hold nothing of this one's (its tables went with it).
+            if parts is not None and parts.directory is d:
+                parts.services.close()
+                parts.values.close()
+            # The last barrier key stays: a slower member may still be waiting on it.
+            self._destroyed = True
+        d.remove(self)
+
+    # ------------------------------------------------------------------ accessors
+    def size(self) -> int:
+        """Number of members (of an open group: live members of the world)."""
+        return len(self.get_group_members())
+
+    def is_member(self, name: Optional[str] = None) -> bool:
+        """Whether ``name`` is a member.
+
+        Args:
+            name: A member name; None: this process.
+        """
+        d = self._directory()
+        return self._has(d, d.name if name is None else name)
+
+    def get_group_name(self) -> str:
+        """Name of the group."""
+        return self._name
+
+    def get_group_members(self) -> List[str]:
+        """Member names, sorted (of an open group: the live members of the world)."""
+        return self._directory().roster.members() if self._members is None else list(self._members)
+
+    def get_cur_name(self) -> str:
+        """This process's member name."""
+        return self._directory().name
+
+
+def _rebuild_group(name: str, members: Sequence[str], epoch: str) -> RpcGroup:
+    directory = _directory.current()
+    if directory is not None:
+        local = directory.local(name)
+        if isinstance(local, RpcGroup) and local._epoch == epoch:
+            return local
+    return RpcGroup(name, members, epoch)

@@ -1,0 +1,25 @@
+"""Who is in the world: one writer (the Roster), one order (the EventLog).
+
+``Membership`` is the composition root over Registry, Roster, Waits, Endpoint, Claims,
+EventLog, Departures and Monitor; beside it live member events, process identity and
+/proc checks (processes) and the read-only status view (status). Imports only the store
+and transport layers.
+
+This face names what the layers above may use; the modules behind it are private to it.
+"""
+
+from .processes import DEFAULT_LIVENESS, is_here, process_identity
+from .roster import Roster
+from .waits import Waits
+from .claims import Claims
+from .endpoint import Endpoint
+from .membership import MemberEvent, Membership
+from .status import (
+    connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, WorldStatus,
+)
+
+__all__ = [
+    "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Endpoint", "event_counts", "is_here",
+    "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
+    "ReadOnlyStore", "Roster", "Waits", "WorldStatus",
+]

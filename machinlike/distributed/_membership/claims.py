@@ -1,0 +1,137 @@
+"""Claims: registry keys this member holds, noted so that they are freed when it dies.
+
+Owns the lock under which keys are claimed and moved, and the RPC workers this member
+answered as before a renewal. A claim is one compare-and-set (``Registry.claim``) plus a
+line in ``m/own/<worker>``; whoever declares the worker lost releases every key listed
+there (:meth:`free`), so a survivor can take them over.
+
+    claim(key, holder)    compare_set(key, "", holder); won -> append OwnedKey to m/own/<worker>
+    release(key, holder)  compare_set(key, holder, "")
+    renewed(renew)        under the lock: the endpoint renews its worker, then every key
+                          listed under the old worker moves to the new one
+    free(worker)          release every key listed under a (gone) worker; delete the entries
+                          of its retired workers (noted at each renewal) and their RPC
+                          group keys (their torch ids are free again)
+
+Why one lock: a claim made while the worker is being replaced would be noted under the
+old name and never moved; a holder naming an old worker is read as naming the current one.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Dict, List, Optional
+
+from .endpoint import Endpoint
+from .._store import Keys, MemberRecord, OwnedKey, rebind_holder
+from .._store import Registry
+
+__all__ = ["Claims"]
+
+_OLD_KEPT = 64
+
+
+class Claims:
+    """The registry keys of this member.
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        endpoint: This member (its current RPC worker names the claims).
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, endpoint: Endpoint) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._endpoint = endpoint
+        self._lock = threading.Lock()
+        # This member's workers before its renewals, the newest _OLD_KEPT of them: every
+        # renewal moves each claim to the new worker, so only a holder read just before
+        # one can name an old worker; older ones are forgotten (a member that recycles
+        # for days would keep one per recycling).
+        self._old_workers: Dict[str, None] = {}
+
+    def claim(self, key: str, holder: str) -> Optional[str]:
+        """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
+
+        ``holder`` names this member's RPC worker (a worker name or a ``ServiceOwner``'s
+        encoding); one naming a worker this member had before a renewal is taken as
+        naming the current one.
+
+        Returns:
+            None when claimed; else who holds it.
+        """
+        with self._lock:
+            holder = self._current(holder)
+            held = self._registry.claim(key, holder)
+            if held is None:
+                self._registry.append(self._keys.owned(self._endpoint.worker), OwnedKey(key, holder).encode())
+        return held
+
+    def release(self, key: str, holder: str) -> bool:
+        """Free ``key`` if ``holder`` holds it; False when it does not."""
+        with self._lock:
+            return self._registry.release(key, self._current(holder))
+
+    def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
+        """Who holds ``key`` right now (its holder text), None if nobody.
+
+        Args:
+            timeout: Seconds the caller has left (see ``Registry.owner``); None: no bound.
+        """
+        return self._registry.owner(key, timeout)
+
+    def _current(self, holder: str) -> str:
+        return rebind_holder(holder, self._old_workers.keys(), self._endpoint.worker)
+
+    def renewed(self, renew: Callable[[], MemberRecord]) -> None:
+        """Run ``renew`` (the endpoint takes a new worker), then move the keys to that worker.
+
+        Args:
+            renew: Returns the record before the renewal; may raise (nothing is moved).
+        """
+        with self._lock:
+            self._old_workers[self._endpoint.worker] = None
+            while len(self._old_workers) > _OLD_KEPT:
+                del self._old_workers[next(iter(self._old_workers))]
+            old = renew()
+            moved = []
+            entries = self._keys.worker("")
+            for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(old.worker))):
+                if owned.key.startswith(entries):
+                    # A retired worker's entry, noted below: kept while it is there (its
+                    # agent not reaped yet, or the first worker's, kept for the incarnation).
+                    if self._registry.get_or_empty(owned.key):
+                        moved.append(owned.encode())
+                    continue
+                new = self._current(owned.holder)
+                if self._registry.compare_set(owned.key, owned.holder, new) == new:
+                    moved.append(OwnedKey(owned.key, new).encode())
+            # The old worker's entry outlives this renewal (until Endpoint.forget_retired
+            # deletes it when its agent is reaped; the first worker's, for the incarnation's
+            # life): noted, so that if this member dies first, freeing it deletes it too,
+            # and its torch id is given back.
+            moved.append(OwnedKey(self._keys.worker(old.worker), self._endpoint.name).encode())
+            if moved:
+                self._registry.append(self._keys.owned(self._endpoint.worker), "".join(moved))
+            # Every claim moved: no key is left per retired worker.
+            self._registry.delete([self._keys.owned(old.worker)])
+
+    def free(self, worker: str) -> List[str]:
+        """Release every key ``worker`` (a gone member's) claimed; idempotent.
+
+        Returns:
+            The keys released (emptied, not deleted: another member may claim one at once).
+        """
+        entries = self._keys.worker("")
+        released = []
+        for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
+            if owned.key.startswith(entries):
+                self._registry.delete([owned.key])  # a worker's entry: never claimed by another
+                # Already off the RPC group's list (pruned when it retired): nobody's
+                # prune would delete its address and id claim any more.
+                self._endpoint.forget_group_keys(owned.key[len(entries):])
+            elif self._registry.release(owned.key, owned.holder):
+                released.append(owned.key)
+        self._registry.delete([self._keys.owned(worker)])
+        return released

@@ -1,0 +1,311 @@
+"""Membership: who is in the world, alive or not, and who owns which registry key.
+
+The composition root of one member's view of the world. It builds the parts below once,
+hands each its collaborators, and wires the one path they share: an event read from the
+log is applied to the Roster, then ends the Waits that need a departed member, then
+reaches the subscribers.
+
+    Membership ─┬─ Registry   the store's tables, one round trip each          (_registry)
+                ├─ Roster     live members, workers, gone, callbacks; its lock (_roster)
+                ├─ Waits      store waits and pending calls, ended when a
+                │             member they need goes                            (_waits)
+                ├─ Endpoint   this member: incarnation, RPC worker, listener   (_endpoint)
+                ├─ Claims     registry keys this member holds; their lock      (_claims)
+                ├─ EventLog   post / read the event log in one order           (_event_log)
+                └─ Monitor    the liveness thread; declares and frees the lost (_monitor)
+
+    EventLog.catch_up ─► _deliver ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
+
+Why this cut: each part owns one lock or none, and the state each lock guards sits in
+the same object (the Roster's lock guards the tables ``wait_until`` reads; the Claims
+lock makes "claim" and "move to a new worker" exclusive). The review's separate
+``Liveness`` became the Monitor, which also declares the lost, since both the tick and
+the declaration read the same heartbeat table. Parts talk only through what they were
+given in their constructors; none reaches back into this root.
+
+Why the store and not RPC: the store is torch's C++ server, reachable while any member
+lives, and its compare-and-set gives one winner for every claim without a coordinator.
+Every key is spelled in ``_keys``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from ...exception import PeerLostError
+from .. import _transport
+from .claims import Claims
+from .departures import Departures
+from .endpoint import Endpoint
+from .event_log import EventLog
+from .._store import Keys, LogEntry, MemberRecord
+from .processes import alive_here
+from .member_event import MemberEvent
+from .monitor import Monitor
+from .._transport import PipeLedger
+from .._store import Registry, deadline_left
+from .roster import Roster
+from .waits import Waits
+
+# Gone workers this member's agent called before it recycles the agent (see _pipes): on
+# one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
+# learner's agents well under ``ulimit -n 1024`` (benchmarks/soak.py) while a recycling
+# (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".
+RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
+DEFAULT_RECYCLE_AFTER = 8
+
+
+def recycle_after() -> int:
+    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (default 8; 0: never)."""
+    text = os.environ.get(RECYCLE_ENV, str(DEFAULT_RECYCLE_AFTER))
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{RECYCLE_ENV}={text!r} must be a whole number of gone workers (0: never recycle)") \
+            from None
+    if value < 0:
+        raise ValueError(f"{RECYCLE_ENV}={value} must be >= 0 (0: never recycle)")
+    return value
+
+__all__ = ["Membership", "MemberEvent"]
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    """This process's view of the world's members, and its handle on the shared tables.
+
+    ``World.membership`` returns it. The documented queries are :meth:`members`,
+    :meth:`incarnation_of`, :meth:`incarnations`, :meth:`gone`, :meth:`subscribe`,
+    :meth:`unsubscribe` and :meth:`wait_until`.
+
+    Args:
+        store: The world's store.
+        keys: The keys of this world in the store.
+        store_owner: Who hosts the store, for error messages.
+        name: This member's name.
+        liveness: Seconds within which a dead member is detected; None: no monitor.
+        elastic: Whether RPC is a dynamic agent group (members may join and leave).
+    """
+
+    def __init__(self, store: dist.Store, keys: Keys, store_owner: str, name: str,
+                 liveness: Optional[float], elastic: bool) -> None:
+        self.name = name
+        self.elastic = elastic
+        self.liveness = liveness
+        self.keys = keys
+        self.registry = Registry(store, store_owner)
+        #: Called after a member (not a move) left, before the event is published: the
+        #: Session sweeps the results kept here for handles held only by the gone member.
+        self.on_departure: Optional[Callable[[], None]] = None
+        # Set when this member leaves or stops: ends the monitor and any pause.
+        self._closing = threading.Event()
+        # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
+        pipes = PipeLedger(recycle_after() if elastic else 0)
+        self.roster = Roster(pipes)
+        self.waits = Waits(self.registry, self.roster)
+        self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
+        self.claims = Claims(self.registry, keys, self.endpoint)
+        self.events = EventLog(self.registry, keys, self._deliver)
+        self.departures = Departures(self.registry, keys)
+        self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
+                               self.departures, liveness, elastic, self._closing)
+
+    def _deliver(self, entry: LogEntry, seq: int) -> None:
+        rec = entry.record
+        if entry.kind in ("join", "move"):
+            number = _transport.worker_seq(rec.worker)  # (not ``seq``: the event's own)
+            if number is not None:  # (an elastic worker: see Endpoint.aged)
+                self.endpoint.note_seq(number)
+        workers = self.roster.apply(entry.kind, rec)
+        if workers is None:
+            return
+        if entry.kind != "join":
+            # The gone worker stays in this process's RPC agent: see _transport's "why".
+            self.waits.on_gone(rec, workers)
+            hook = self.on_departure
+            if entry.kind != "move" and hook is not None:
+                hook()  # the results only it held go with it
+        self.roster.publish(MemberEvent(entry.kind, rec.member, rec.incarnation, rec.rank, seq))
+
+    # ------------------------------------------------------------------ entry
+    def enter(self, rank: Optional[int], deadline: float) -> None:
+        """Claim this member's name for a new incarnation (elastic worlds).
+
+        A record left by a dead incarnation is taken over once that one is declared lost.
+
+        Raises:
+            ValueError: a live member already uses the name (named).
+            TimeoutError: the previous incarnation's clean-up did not finish in time.
+        """
+        mine = self.endpoint.new_incarnation(rank)
+        while True:
+            held = self.registry.claim(self.keys.live(self.name), mine.encode())
+            if held is None:
+                break
+            old = MemberRecord.decode(self.name, held)
+            if self.monitor.record_alive(old, wait=min(deadline_left(deadline), self.monitor.lease())):
+                raise ValueError(f"a member named {self.name!r} is alive in this world (incarnation "
+                                 f"{old.incarnation}, rank {old.rank}); pick another name or stop it first")
+            self.monitor.declare(old, deadline)
+            # The claim this process read belongs to a process that is not alive and is
+            # declared lost now: clear exactly that text, in case the declarer's view of it
+            # was stale, so that the next claim wins instead of finding it again.
+            self.registry.compare_set(self.keys.live(self.name), held, "")
+        self.endpoint.claimed(mine)
+        # The loss keys of the incarnation before last: nobody declares that one any more
+        # (the last one was declared, or left, before this claim won). Left, every death
+        # would leave three keys for good.
+        older = mine.incarnation - 2
+        if older >= 1:
+            self.registry.delete([self.keys.lost(self.name, older), self.keys.lost_posted(self.name, older),
+                                  self.keys.gone(self.name, older)])
+
+    def enter_static(self, rank: int, names: Sequence[str], identities: Sequence[str]) -> None:
+        """Record the members of a static world (rank ``i`` is ``names[i]``)."""
+        records = [MemberRecord(member, 1, member, r, identity)
+                   for r, (member, identity) in enumerate(zip(names, identities))]
+        self.roster.seed_static(records)
+        self.endpoint.enter_static(rank, records[rank])
+
+    def announce(self) -> None:
+        """Post this member's "join" and start the monitor."""
+        self.events.post("join", self.endpoint.me)
+        self.monitor.start()
+
+    # ------------------------------------------------------------------ leave
+    def leave(self, deadline: float) -> None:
+        """Leave the world on purpose: free this member's keys, tell the others."""
+        self._closing.set()
+        self.monitor.join(max(0.0, min(deadline_left(deadline), 5.0)))
+        if self.roster.cut_off is not None:
+            return
+        try:
+            released = self.monitor.free(self.endpoint.me, deadline)
+            self.events.post("leave", self.endpoint.me)
+            self.departures.record(self.name, self.endpoint.incarnation, released)
+        except (PeerLostError, TimeoutError) as err:
+            log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
+
+    def close(self) -> None:
+        """Stop the monitor (local teardown; tells nobody)."""
+        self._closing.set()
+        self.monitor.join(5.0)
+        self.registry.close()
+
+    # ------------------------------------------------------- documented queries
+    def members(self) -> List[str]:
+        """Names of the live members, sorted."""
+        return self.roster.members()
+
+    def incarnation_of(self, member: str) -> Optional[int]:
+        """The incarnation of live ``member``; None when it is not live."""
+        return self.roster.incarnation_of(member)
+
+    def incarnations(self, members: Iterable[str]) -> Dict[str, int]:
+        """The current incarnation of each live member among ``members``."""
+        return self.roster.incarnations(members)
+
+    def gone(self, member: str) -> Optional[str]:
+        """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
+        return self.roster.gone(member)
+
+    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every join, leave and loss from now on."""
+        self.roster.subscribe(callback)
+
+    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not subscribed)."""
+        self.roster.unsubscribe(callback)
+
+    def wait_others_gone(self, timeout: float) -> None:
+        """After :meth:`leave` (the monitor is stopped): wait until every other member left
+        or is known dead, reading the log and the claims itself.
+
+        Why not :meth:`wait_until`: with the monitor stopped nobody catches up with the log
+        any more, so the store's host waited its whole stop timeout (30 s) for a member
+        that had left at once (benchmarks/soak.py's probe, every run).
+
+        Raises:
+            TimeoutError: some are still there after ``timeout`` seconds (named).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            self.events.catch_up()
+            remaining = [rec.member for rec in self.roster.others(self.name)
+                         if self._claim_held(rec) and alive_here(rec.identity) is not False]
+            if not remaining or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.05, deadline_left(deadline)))  # a poll: no event tells of a claim cleared
+        if remaining:
+            raise TimeoutError(f"members {sorted(remaining)} were still in the world after {timeout:g} s")
+
+    def _claim_held(self, rec: MemberRecord) -> bool:
+        """Whether ``rec``'s incarnation still holds its claim (under any worker: it may
+        be renewing its agent)."""
+        held = self.registry.get_or_empty(self.keys.live(rec.member))
+        return bool(held) and MemberRecord.decode(rec.member, held).incarnation == rec.incarnation
+
+    def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
+        """Block until ``predicate(live members)`` holds; return the members then.
+
+        Raises:
+            TimeoutError: it did not hold within ``timeout`` seconds.
+        """
+        return self.roster.wait_until(predicate, timeout)
+
+    # ----------------------------------------- what the servers and tools ask
+    def worker_of(self, member: str) -> str:
+        """The RPC worker name of live ``member`` (PeerLostError when it is gone)."""
+        return self.roster.worker_of(member)
+
+    def worker_gone(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` left, was lost or was replaced (this view)."""
+        return self.roster.worker_gone(worker)
+
+    def worker_dead(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` is gone, asking the store when this view has not seen it yet.
+
+        Unlike :meth:`worker_gone` (this process's view, a monitor tick behind), this
+        is true as soon as the worker's process is seen dead here (``/proc``) or its
+        member's claim was cleared or taken by another incarnation. Both stay true.
+        """
+        return self.roster.worker_gone(worker) or self.endpoint.worker_dead(worker)
+
+    def worker_ended(self, worker: str) -> bool:
+        """Whether the incarnation RPC worker ``worker`` served is gone in this view: it left
+        or was lost; not when it renewed its agent (the worker then moved, the process is
+        the same)."""
+        return self.roster.resolve(worker) is None
+
+    def incarnation_dead(self, worker: str, incarnation: int) -> bool:
+        """Whether incarnation ``incarnation`` of RPC worker ``worker``'s member is gone,
+        asking the store when this view has not seen it yet (as :meth:`worker_dead`, but a
+        worker retired by a renewal of that incarnation is not dead)."""
+        return self.worker_ended(worker) or self.endpoint.incarnation_dead(worker, incarnation)
+
+    @property
+    def worker(self) -> str:
+        """The RPC worker this member answers as."""
+        return self.endpoint.worker
+
+    @property
+    def first_worker(self) -> str:
+        """The RPC worker of this incarnation's first agent: its entry stays in the store
+        while the incarnation lives (a name for the incarnation across renewals)."""
+        return self.endpoint.first_worker
+
+    @property
+    def renewals(self) -> int:
+        """How many times this member renewed its RPC agent (its listener had closed)."""
+        return self.endpoint.renewals
+
+    def rpc_address(self) -> Optional[str]:
+        """The address this member's RPC agent listens on (elastic worlds; None if unknown)."""
+        return self.endpoint.rpc_address() if self.elastic else None

@@ -1,0 +1,331 @@
+"""Monitor: the liveness thread, and the clean-up after a lost member.
+
+Owns the one thread of membership, what it last saw of each member's heartbeat, and the
+losses another member began to clean up. Each tick it beats, catches up with the log,
+checks this member's RPC listener, and declares the suspects lost.
+
+    each tick (liveness / 8, at most 0.25 s)          the world's store
+      heartbeat, read the others'                     m/hb/<name>   heartbeat counter
+      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>, m/evn
+      declared lost itself? cut off: calls fail, stop
+      listener closed, recycling due, or its own agent
+        silent to a probe call (AgentProbe: sent once a
+        call timed out, here or a peer's to it, which
+        bumps m/probe/<name>)? renew on a thread of its   m/probe/<name>
+        own (Endpoint, Claims), post "move"
+      suspect: process gone (same host, /proc) or
+        heartbeat stalled for 3/4 of liveness
+    declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
+      free its keys (Claims.free), prune its worker,  m/own/<worker>
+      clear m/live, set m/gone, post "lost",          m/gone/<name>/<inc>, m/lostpost/...
+      record the departure (Departures)               m/dep/...
+      (a declarer that dies mid-way is taken over after 24 ticks; m/lostpost keeps it
+      to one "lost" event per incarnation)
+
+Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
+next tick through /proc (no false alarm under load), a remote one by its silent lease.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Deque, Dict, List, Optional, Tuple
+
+from ...exception import PeerLostError
+from .. import _transport
+from .._transport import AgentProbe
+from .claims import Claims
+from .departures import Departures
+from .endpoint import Endpoint
+from .event_log import EventLog
+from .._store import Keys, MemberRecord
+from .processes import DEFAULT_LIVENESS, alive_here, tick_of
+from .._store import Registry, deadline_left
+from .roster import Roster
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger(__name__)
+
+
+class Monitor:
+    """Liveness of the world as this member checks it.
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        roster: Who is live (read; told when the store is lost).
+        events: The event log (read each tick; "lost" and "move" posted).
+        claims: This member's keys (moved on renewal) and the lost ones' (freed).
+        endpoint: This member (heartbeat name, RPC worker, renewal).
+        departures: Where each loss it posts is recorded (its records go much later).
+        liveness: Seconds within which a dead member is detected; None: no thread.
+        elastic: Whether RPC is a dynamic group (a lost worker is pruned from it).
+        closing: Set when this member leaves or stops: the thread ends.
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
+                 endpoint: Endpoint, departures: Departures, liveness: Optional[float], elastic: bool,
+                 closing: threading.Event) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._roster = roster
+        self._events = events
+        self._claims = claims
+        self._endpoint = endpoint
+        self._departures = departures
+        self._liveness = liveness
+        self._elastic = elastic
+        self._closing = closing
+        self._thread: Optional[threading.Thread] = None
+        # The agent renewal under way, on a thread of its own (see _start_renewal).
+        self._renewing: Optional[threading.Thread] = None
+        # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
+        self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
+        # Losses another member began to clean up -> when this one first saw that.
+        self._declaring: Dict[Tuple[str, int], float] = {}
+        # Probes of this member's own agent (elastic: a wedged one is renewed).
+        self._probe = AgentProbe(liveness) if elastic and liveness is not None else None
+        # Members a call of this process timed out on, to ask for a probe (see call_timed_out).
+        self._timed_out: Deque[str] = collections.deque(maxlen=64)
+        self._probe_requests: Optional[str] = None  # m/probe/<me> as last read (None: not yet)
+
+    def _tick(self) -> float:
+        return tick_of(self._liveness)
+
+    def lease(self) -> float:
+        """Seconds a heartbeat may stall before its member is suspected."""
+        return 0.75 * (self._liveness or DEFAULT_LIVENESS)
+
+    def call_timed_out(self, member: str) -> None:
+        """A call of this process to ``member`` timed out (any thread; returns at once):
+        probe this member's own agent, and ask ``member`` to probe its own (next tick)."""
+        if self._probe is not None:
+            self._probe.request()
+            self._timed_out.append(member)
+
+    def _probes(self, ticks: int) -> Optional[str]:
+        """Post the probe requests of this process's timed-out calls, read the others' for
+        this member (every 4th tick), and check this member's probe; why to renew, or None."""
+        probe = self._probe
+        if probe is None:
+            return None
+        asked = set()
+        while self._timed_out:
+            asked.add(self._timed_out.popleft())
+        for member in asked - {self._endpoint.name}:
+            if self._roster.incarnation_of(member) is not None:  # (a gone member's key would stay)
+                self._registry.add(self._keys.probe_request(member), 1)
+        if ticks % 4 == 0:
+            count = self._registry.get_or_empty(self._keys.probe_request(self._endpoint.name))
+            if self._probe_requests is not None and count != self._probe_requests:
+                probe.request()
+            self._probe_requests = count
+        return probe.check(self._endpoint.me.worker)
+
+    # ------------------------------------------------------------------- thread
+    def start(self) -> None:
+        """Catch up with the log, then start the thread (once; none without liveness)."""
+        self._events.catch_up()
+        if self._liveness is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"machinlike-liveness-{self._endpoint.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds in all for the thread and a renewal under way to
+        end (``closing`` must be set)."""
+        deadline = time.monotonic() + timeout
+        for thread in (self._thread, self._renewing):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(deadline_left(deadline))
+
+    def _run(self) -> None:
+        tick = self._tick()
+        beat_key = self._keys.heartbeat(self._endpoint.name)
+        ticks = 0
+        while not self._closing.wait(tick):
+            ticks += 1
+            try:
+                self._registry.add(beat_key, 1)
+                self._events.catch_up()
+                if self._declared_lost():
+                    return
+                if self._renewing is not None and self._renewing.is_alive():
+                    pass  # one renewal at a time; this thread goes on watching the others
+                elif self._endpoint.listener_closed():
+                    self._start_renewal(recycle=False)
+                elif self._endpoint.pipes.due() or self._endpoint.aged():
+                    self._start_renewal(recycle=True)
+                elif self._probe is not None:
+                    wedged = self._probes(ticks)
+                    if wedged:
+                        self._start_renewal(recycle=False, why=wedged)
+                # A retired agent goes once idle and every member has seen the move (they
+                # catch up every tick), or once any call on it would have timed out.
+                now = time.monotonic()
+                reaped = _transport.reap_retired(now - 16 * tick, now - self._endpoint.rpc_timeout - 2 * tick)
+                if reaped:
+                    log.info("machinlike: member %r shut down retired RPC agents %s", self._endpoint.name, reaped)
+                    self._endpoint.forget_retired(reaped)
+                for rec in self._suspects():
+                    self.declare(rec, time.monotonic() + 10 * tick, wait=False)
+            except PeerLostError as err:
+                self._roster.mark_cut_off(err)
+                log.error("machinlike: %s; every call of this member now fails", err)
+                return
+            except Exception:  # never let the monitor die silently
+                log.exception("machinlike liveness monitor of %r", self._endpoint.name)
+
+    def _declared_lost(self) -> bool:
+        """Whether the others declared *this* member lost (it was silent for a lease: a
+        process stopped, starved of CPU, or holding the GIL that long); then every call of
+        this member fails from now on, saying so, instead of meeting freed keys one by one."""
+        if self._roster.gone(self._endpoint.name) != "lost":
+            return False
+        err = PeerLostError(self._endpoint.name, (
+            f"this member was declared lost by the others: its heartbeat stopped for more than "
+            f"{self.lease():.3g} s (its process was stopped, starved of CPU or held the GIL that long), so "
+            f"its keys were freed and its peers went on without it; give World(liveness=...) a bound longer "
+            f"than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
+        self._roster.mark_cut_off(err)
+        log.error("machinlike: %s", err)
+        return True
+
+    def _suspects(self) -> List[MemberRecord]:
+        others = self._roster.others(self._endpoint.name)
+        current = {(r.member, r.incarnation) for r in others}
+        for gone in [k for k in self._beats if k not in current]:  # bounded by the live members
+            del self._beats[gone]
+        for gone in [k for k in self._declaring if k not in current]:  # (its "lost" came)
+            del self._declaring[gone]
+        if not others:
+            return []
+        counts = self._registry.values_or_empty(self._keys.heartbeat_prefix(), [r.member for r in others])
+        now = time.monotonic()
+        out = []
+        for rec, count in zip(others, counts):
+            local = alive_here(rec.identity)
+            if local is False:
+                out.append(rec)
+                continue
+            key = (rec.member, rec.incarnation)
+            last = self._beats.get(key)
+            if last is None or last[0] != count or local:
+                self._beats[key] = (count, now)
+            elif now - last[1] > self.lease():
+                out.append(rec)
+        return out
+
+    def _start_renewal(self, recycle: bool, why: Optional[str] = None) -> None:
+        """Renew this member's agent on a thread of its own.
+
+        Why: the new agent's join calls every listed member, and waits for one that is
+        silent (a host cut off from the network) until it is pruned or the join's deadline
+        passes, 10 s or more. Run on the liveness thread, that wait stopped this member
+        from declaring anyone lost, the silent member included, so the join could only
+        fail; here the liveness thread goes on, declares the silent member lost and
+        prunes it, and the join's next attempt goes through without it.
+        """
+        self._renewing = threading.Thread(target=self._renew_reporting, args=(recycle, why), daemon=True,
+                                          name=f"machinlike-renew-{self._endpoint.name}")
+        self._renewing.start()
+
+    def _renew_reporting(self, recycle: bool, why: Optional[str]) -> None:
+        try:
+            self._renew(recycle, why)
+        except PeerLostError as err:
+            self._roster.mark_cut_off(err)
+            log.error("machinlike: %s; every call of this member now fails", err)
+        except Exception:  # logged by the endpoint too; never let it vanish silently
+            log.exception("machinlike: renewing the RPC agent of %r", self._endpoint.name)
+
+    def _renew(self, recycle: bool = False, why: Optional[str] = None) -> None:
+        self._claims.renewed(lambda: self._endpoint.renew(recycle, why))
+        me = self._endpoint.me
+        self._events.post("move", me)
+        self._roster.apply("move", me)  # this process routes to the new agent at once (the log follows)
+        log.warning("machinlike: member %r now answers as RPC worker %r", me.member, me.worker)
+
+    # ---------------------------------------------------------------- the lost
+    def record_alive(self, rec: MemberRecord, wait: float) -> bool:
+        """Whether ``rec``'s process lives: ``/proc`` here, else its heartbeat moving within ``wait`` s."""
+        local = alive_here(rec.identity)
+        if local is not None:
+            return local
+        key = self._keys.heartbeat(rec.member)
+        first = self._registry.get_or_empty(key)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:  # its heartbeat moving within a lease: alive
+            self._closing.wait(min(0.1, deadline_left(deadline)))
+            if self._registry.get_or_empty(key) != first:
+                return True
+        return False
+
+    def declare(self, rec: MemberRecord, deadline: float, wait: bool = True) -> None:
+        """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it.
+
+        Args:
+            wait: When another member declares it, wait (until ``deadline``) for its keys
+                to be free; the monitor does not (the event will come).
+        """
+        reg = self._registry
+        if reg.add(self._keys.lost(rec.member, rec.incarnation), 1) != 1:
+            if wait:
+                try:
+                    reg.wait_all(self._keys.gone_prefix(rec.member), [str(rec.incarnation)],
+                                 max(0.1, deadline_left(deadline)), f"clean-up after member {rec.member!r}")
+                    return
+                except TimeoutError:
+                    pass  # the declarer died or stalls mid-clean-up: finish it here (below)
+            else:
+                # The monitor never blocks on another's clean-up; it takes over only when
+                # the declarer has not finished within a few ticks (it may have died too).
+                first = self._declaring.setdefault((rec.member, rec.incarnation), time.monotonic())
+                if time.monotonic() - first < 24 * self._tick():
+                    return
+            log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
+                        "member began", rec.member, rec.incarnation)
+            deadline = time.monotonic() + 10 * self._tick()
+        else:
+            log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
+                        rec.rank)
+        released = self.free(rec, deadline)  # idempotent: releases compare the holder
+        # One "lost" event per incarnation, whoever finished the clean-up.
+        if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
+            self._events.post("lost", rec)
+            self._departures.record(rec.member, rec.incarnation, released)
+
+    def free(self, rec: MemberRecord, deadline: float) -> List[str]:
+        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone;
+        returns the keys released (for :class:`Departures`).
+
+        ``rec`` may be stale: the incarnation may have renewed its agent (a new worker name,
+        its keys moved there) after this view last heard of it. So the claim as the store
+        holds it now names the worker whose keys are freed too, and it is cleared by its
+        current text; before, a stale record left the claim held for good, and the next
+        incarnation's ``enter`` spun on it until its deadline.
+        """
+        live = self._keys.live(rec.member)
+        workers = [rec.worker]
+        for _ in range(3):  # a renewal between the read and the clear: read again (rare)
+            held = self._registry.get_or_empty(live)
+            now = MemberRecord.decode(rec.member, held) if held else None
+            if now is None or now.incarnation != rec.incarnation:
+                break  # already cleared, or a newer incarnation's claim: not ours to touch
+            if now.worker not in workers:
+                workers.append(now.worker)
+            if self._registry.compare_set(live, held, "") == "":
+                break
+        released: List[str] = []
+        for worker in workers:
+            released += self._claims.free(worker)
+            if self._elastic:
+                self._endpoint.forget(worker)  # first: the prune then drops its address too
+                self._endpoint.prune(worker, deadline)
+        self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")
+        return released

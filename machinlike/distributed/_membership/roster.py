@@ -1,0 +1,316 @@
+"""Roster: this process's view of who is in the world, and the subscribers to its changes.
+
+Owns the live table (member -> :class:`MemberRecord`), the RPC-worker index, who is
+gone and why, the callbacks, and one re-entrant lock with its Condition. Nothing else
+writes these: events reach it through :meth:`Roster.apply`, in the world's log order.
+
+    EventLog.catch_up ──► Membership._deliver ──► Roster.apply(entry)   (under the lock)
+                                                │    join / leave / lost / move
+                                                ├─► Waits.on_gone(...)  (workers now gone)
+                                                └─► Roster.publish(event) (callbacks, no lock)
+    queries (members, worker_of, wait_until, ...)   read under the lock
+
+Why re-entrant: :meth:`wait_until` evaluates the caller's predicate under the lock, and a
+predicate may ask the roster again (``incarnation_of``, ``members``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+from ...exception import PeerLostError
+from .._store import MemberRecord
+from .processes import alive_here, is_here
+from .member_event import MemberEvent
+from .._transport import PipeLedger
+
+__all__ = ["Roster", "GONE_KEPT"]
+
+log = logging.getLogger(__name__)
+
+#: Gone RPC workers, and gone members, a view remembers (the most recent).
+GONE_KEPT = 16384
+
+
+class Roster:
+    """The world's members as this process has seen them (see the module doc)."""
+
+    def __init__(self, pipes: PipeLedger) -> None:
+        #: The current agent's pipes: told of every worker that goes (see _pipes).
+        self.pipes = pipes
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._live: Dict[str, MemberRecord] = {}
+        self._by_worker: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
+        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation), oldest first
+        # Gone RPC workers, oldest first (a dict as an ordered set): written under the lock,
+        # read without it (one look-up is atomic). The oldest are forgotten past
+        # GONE_KEPT, with their index entries: a world that runs for days must not pay
+        # for every worker it ever had (a call to a forgotten one fails as refused).
+        self._gone_workers: Dict[str, None] = {}
+        self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
+        # Retired worker -> the worker its member (same incarnation) moved to; bounded
+        # with the gone workers (each entry's key is one of them).
+        self._moved_to: Dict[str, str] = {}
+        self._callbacks: List[Callable[[MemberEvent], None]] = []
+        self._static_order: List[str] = []
+        # Set once, for good: the store was lost, or the others declared this member lost.
+        self._cut_off: Optional[PeerLostError] = None
+
+    # ------------------------------------------------------------------ changes
+    def seed_static(self, records: Sequence[MemberRecord]) -> None:
+        """Record the members of a static world (``records[i]`` has rank ``i``)."""
+        with self._lock:
+            for rec in records:
+                self._live[rec.member] = rec
+                self._by_worker[rec.worker] = rec.member
+            self._static_order = [rec.member for rec in records]
+
+    def apply(self, kind: str, rec: MemberRecord) -> Optional[List[str]]:
+        """Apply one event of the log.
+
+        Returns:
+            None when subscribers are not told (a ``"move"``, a replayed ``"join"``);
+            else, for ``"leave"``/``"lost"``, the departed member's RPC workers that are
+            gone (calls pending on them must end), and ``[]`` for a ``"join"``.
+        """
+        with self._lock:
+            try:
+                if kind == "move":
+                    self._move(rec)
+                    return None
+                if kind == "join":
+                    old = self._live.get(rec.member)
+                    if old is not None and old.incarnation >= rec.incarnation:
+                        return None  # a static member's record, or a replayed join
+                    if old is not None and old.worker != rec.worker:
+                        # A newer incarnation joined before this view saw the old one lost
+                        # (the log may hold them in that order): the old worker is gone now.
+                        self._worker_gone(old.worker)
+                    self._live[rec.member] = rec
+                    self._by_worker[rec.worker] = rec.member
+                    self._gone.pop(rec.member, None)
+                    return []
+                current = self._live.get(rec.member)
+                if current is not None and current.incarnation == rec.incarnation:
+                    del self._live[rec.member]
+                    self._gone.pop(rec.member, None)  # (re-inserted: newest last)
+                    self._gone[rec.member] = "left" if kind == "leave" else "lost"
+                    while len(self._gone) > GONE_KEPT:
+                        del self._gone[next(iter(self._gone))]
+                self._worker_gone(rec.worker)
+                # Its worker, and any it had before a renewal (calls on those may be under way).
+                return [w for w, m in self._by_worker.items() if m == rec.member and w in self._gone_workers]
+            finally:
+                self._changed.notify_all()
+
+    def _move(self, rec: MemberRecord) -> None:
+        current = self._live.get(rec.member)
+        if current is None or current.incarnation != rec.incarnation or current.worker == rec.worker:
+            return
+        self._live[rec.member] = rec
+        self._by_worker[rec.worker] = rec.member
+        self._moved_to[current.worker] = rec.worker
+        # New calls go to the new worker; calls under way on the old one still complete.
+        self._worker_gone(current.worker)
+
+    def _worker_gone(self, worker: str) -> None:
+        """Mark RPC worker ``worker`` gone (under the lock); forget the oldest past GONE_KEPT."""
+        self._gone_workers[worker] = None
+        self._here.pop(worker, None)
+        self.pipes.gone(worker)
+        while len(self._gone_workers) > GONE_KEPT:
+            oldest = next(iter(self._gone_workers))
+            del self._gone_workers[oldest]
+            self._moved_to.pop(oldest, None)
+            if self._by_worker.get(oldest) not in self._live or \
+                    self._live[self._by_worker[oldest]].worker != oldest:
+                self._by_worker.pop(oldest, None)
+
+    def publish(self, event: MemberEvent) -> None:
+        """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:  # a user callback must not stop the monitor
+                log.exception("membership callback %r failed on %s", callback, event)
+
+    def mark_cut_off(self, err: PeerLostError) -> None:
+        """This member is cut off from the world (its store is gone, or the others declared it
+        lost): every later look-up of a member, and every call, raises ``err``."""
+        self._cut_off = err
+        with self._lock:
+            self._changed.notify_all()
+
+    @property
+    def cut_off(self) -> Optional[PeerLostError]:
+        return self._cut_off
+
+    # ------------------------------------------------------------------ queries
+    def members(self) -> List[str]:
+        """Names of the live members, sorted."""
+        with self._lock:
+            return sorted(self._live)
+
+    def names_by_rank(self) -> List[str]:
+        """A static world's member names in rank order (dead ones included)."""
+        return list(self._static_order)
+
+    def ranks(self) -> List[int]:
+        with self._lock:
+            return sorted(r.rank for r in self._live.values())
+
+    def others(self, me: str) -> List[MemberRecord]:
+        """The live members' records, but ``me``'s."""
+        with self._lock:
+            return [r for m, r in self._live.items() if m != me]
+
+    def incarnation_of(self, member: str) -> Optional[int]:
+        """The incarnation of live ``member``; None when it is not live."""
+        with self._lock:
+            rec = self._live.get(member)
+            return None if rec is None else rec.incarnation
+
+    def incarnations(self, members: Iterable[str]) -> Dict[str, int]:
+        """The current incarnation of each live member among ``members``."""
+        with self._lock:
+            return {m: self._live[m].incarnation for m in members if m in self._live}
+
+    def not_current(self, members: Sequence[str], incarnations: Optional[Dict[str, int]]) -> List[str]:
+        """The members that are not live (or, given ``incarnations``, live as another one)."""
+        with self._lock:
+            return [m for m in members if m not in self._live
+                    or (incarnations is not None and self._live[m].incarnation != incarnations.get(m))]
+
+    def gone(self, member: str) -> Optional[str]:
+        """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
+        with self._lock:
+            return None if member in self._live else self._gone.get(member)
+
+    def worker_of(self, member: str) -> str:
+        """The RPC worker name of live ``member``.
+
+        Raises:
+            PeerLostError: the member is gone (left or lost) or the store is.
+        """
+        with self._lock:
+            rec = self._live.get(member)
+            gone = self._gone.get(member)
+        if self._cut_off is not None:
+            raise self._cut_off
+        if rec is None:
+            raise PeerLostError(member, f"it {gone} the world" if gone == "left" else
+                                "it was lost (its process died or went silent)" if gone else
+                                "it is not a member of this world")
+        return rec.worker
+
+    def identity_of(self, worker: str) -> Optional[str]:
+        """The process identity of RPC worker ``worker`` (a live member's), None if unknown."""
+        with self._lock:
+            member = self._by_worker.get(worker)
+            rec = self._live.get(member) if member is not None else None
+            return rec.identity if rec is not None and rec.worker == worker else None
+
+    def on_this_host(self, worker: str) -> bool:
+        """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
+        here = self._here.get(worker)
+        if here is None:
+            identity = self.identity_of(worker)
+            if identity is None:
+                return False
+            here = self._here[worker] = is_here(identity)  # fixed for a worker's life
+        return here
+
+    def moved_from(self, worker: str, timeout: float) -> Optional[str]:
+        """Wait until the live member of RPC worker ``worker`` answers on another worker.
+
+        A member whose listener closed renews its agent and logs a move; a caller refused
+        by the old agent waits here for this view to see it (the log is read every
+        liveness tick).
+
+        Args:
+            timeout: Seconds at most.
+
+        Returns:
+            The member's current worker; None in a static world, when ``worker`` is
+            unknown, its member is gone, its process here is dead, or the move did not
+            show within ``timeout``.
+        """
+        if self._static_order:
+            return None  # a static world's agents are never renewed
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            member = self._by_worker.get(worker)
+            while member is not None and self._cut_off is None:
+                rec = self._live.get(member)
+                if rec is None:
+                    return None  # gone: the caller names it
+                if rec.worker != worker:
+                    return rec.worker
+                if alive_here(rec.identity) is False:
+                    return None  # a dead process here refuses too: no move is coming
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                # The monitor's tick notifies; a dead process here is checked again after
+                # a short wait because its loss is logged only after its silence.
+                self._changed.wait(min(left, 0.25))
+        return None
+
+    def member_of(self, worker: str) -> str:
+        with self._lock:
+            return self._by_worker.get(worker, worker)
+
+    def worker_gone(self, worker: str) -> bool:
+        # No lock: one set look-up is atomic, the set only grows (under the lock), and
+        # every call asks this twice.
+        return worker in self._gone_workers
+
+    def resolve(self, worker: str) -> Optional[str]:
+        """The worker to call for ``worker``: itself while it is current, the worker its
+        member moved to when it was retired by a renewal (the same incarnation: a call
+        picked from a view or cache of just before the move still reaches it), None when
+        its member is gone (a later incarnation is another process: never redirected)."""
+        if worker not in self._gone_workers:  # (the hot path: no lock, as worker_gone)
+            return worker
+        with self._lock:
+            for _ in range(len(self._moved_to) + 1):  # a chain of moves, never a cycle
+                nxt = self._moved_to.get(worker)
+                if nxt is None:
+                    break
+                worker = nxt
+            return None if worker in self._gone_workers else worker
+
+    # ---------------------------------------------------------------- callbacks
+    def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every event applied from now on."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not subscribed)."""
+        with self._lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
+
+    def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
+        """Block until ``predicate(live members)`` holds; return the members then.
+
+        Raises:
+            TimeoutError: it did not hold within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                members = sorted(self._live)
+                if predicate(members):
+                    return members
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"membership condition not met within {timeout:g} s (members: {members})")
+                self._changed.wait(left)

@@ -1,0 +1,239 @@
+"""A read-only view of a running world, from its store alone (``python -m machinlike status``).
+
+Every store key this view reads comes from :mod:`._keys` (the one module that spells
+them), and the records are decoded with its types. It never joins the
+world and never writes: it holds the store only through :class:`ReadOnlyStore`, which
+offers ``check`` and ``get`` and nothing else.
+
+    the world's store                             what the view makes of it
+    -----------------                             -------------------------
+    mlk/<restart>/e/...       (elastic)           kind, namespace <ns>
+    mlk/<restart>/incarnation/0 = k (static)      <ns> = mlk/<restart>/<k>/
+    <ns>w/name/<rank>         (static)            member names in rank order
+    <ns>m/logk, m/snap/<k>, m/log/<k>             joins, leaves, losses (names, deaths, rejoins)
+    <ns>m/live/<name>                             alive ("inc|worker|rank|pid id") or gone ("")
+    <ns>m/inc/<name>                              incarnations started (restarts = that - 1)
+    <ns>m/hb/<name>                               heartbeat counter (moving = alive)
+    <ns>m/own/<worker>                            registry keys it claimed: services (.../s/<key>)
+                                                  and paired values, the servers (.../v/<key>)
+
+Why the store: it is the one place every member writes to and that outlives any of them
+(hosted by rank 0, the launcher or torchrun's agent), and reading it costs the world no
+RPC thread and no member a message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from .event_log import EventCounts, read_history
+from .._store import Keys, MemberRecord, OwnedKey
+
+__all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
+           "event_counts"]
+
+_MAX_RESTARTS = 10_000  # torchrun restart counts probed before giving up
+
+
+class ReadOnlyStore:
+    """The two reading calls of a c10d store; the view is handed this, never the store.
+
+    Args:
+        store: A connected store client.
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+
+    def has(self, key: str) -> bool:
+        return bool(self._store.check([key]))
+
+    def get(self, key: str) -> Optional[str]:
+        """The value of ``key``; None when absent (checked first: a store ``get`` of an
+        absent key would wait for it)."""
+        if not self._store.check([key]):
+            return None
+        try:
+            return self._store.get(key).decode()
+        except dist.DistStoreError:  # deleted between the check and the get (a bookkeeping key)
+            return None
+
+
+def connect_read_only(address: str, timeout: float) -> ReadOnlyStore:
+    """A client of the store at ``address`` (``"tcp://host:port"`` or ``"host:port"``).
+
+    The client neither registers as a worker nor waits for any (``wait_for_workers=False``).
+
+    Raises:
+        ValueError: ``address`` is not ``host:port``.
+        ConnectionError: nothing answers there within ``timeout`` seconds.
+    """
+    rest = address[len("tcp://"):] if address.startswith("tcp://") else address
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be 'host:port' or 'tcp://host:port' (a World's store_address), "
+                         f"got {address!r}")
+    try:  # a plain connection first: torch's client logs pages of C++ frames for a port where nothing listens
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
+    try:
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, dist.DistError) as err:
+        raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
+    return ReadOnlyStore(store)
+
+
+@dataclass
+class MemberStatus:
+    """One member as the store shows it.
+
+    Attributes:
+        name: Its member name.
+        state: ``"alive"``, ``"lost"`` (died or went silent), ``"left"`` (stopped) or
+            ``"gone"`` (its claim is cleared and the log does not say why).
+        incarnation: The incarnation of its claim, or of its last event when gone.
+        started: Incarnations started under this name (elastic worlds; 1 in static ones).
+        rank: Its rank (-1 when unknown).
+        pid: Its process id, None when unknown.
+        host: Its process's host identity (boot id and namespaces), "" when unknown.
+        beats: Its heartbeat counter, None when it never beat (no liveness monitor).
+        services: Service keys it holds, as ``"<group>:<key>"``.
+        values: Paired values it holds (servers are paired under their name), as
+            ``"<group>:<key>"``.
+    """
+
+    name: str
+    state: str
+    incarnation: int
+    started: int
+    rank: int
+    pid: Optional[int]
+    host: str
+    beats: Optional[int]
+    services: List[str] = field(default_factory=list)
+    values: List[str] = field(default_factory=list)
+
+    @property
+    def restarts(self) -> int:
+        """Incarnations after the first."""
+        return max(0, self.started - 1)
+
+
+@dataclass
+class WorldStatus:
+    """A world as its store shows it at one moment.
+
+    Attributes:
+        kind: ``"elastic"`` or ``"static"``.
+        namespace: The world's key prefix in the store.
+        members: Every member the world has had, in rank order (elastic: first join order).
+        deaths: ``"lost"`` events so far.
+        rejoins: Joins of an incarnation after the first.
+        leaves: ``"leave"`` events so far.
+        events: Events in the world's log.
+    """
+
+    kind: str
+    namespace: str
+    members: List[MemberStatus]
+    deaths: int
+    rejoins: int
+    leaves: int
+    events: int
+
+    def alive(self) -> List[str]:
+        return [m.name for m in self.members if m.state == "alive"]
+
+
+def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, Keys]]:
+    """(kind, keys) of the newest world on the store, None when there is none."""
+    found: Optional[Tuple[str, Keys]] = None
+    for restart in range(_MAX_RESTARTS):
+        elastic = Keys.elastic_world(str(restart))
+        if store.has(elastic.log_count()):
+            found = ("elastic", elastic)
+        else:
+            latest = store.get(Keys.static_counter(str(restart), 0))
+            if latest is None:
+                break
+            found = ("static", Keys.static_world(str(restart), int(latest)))
+    return found
+
+
+def event_counts(membership: Any) -> EventCounts:
+    """The event counts of the world ``membership`` (a started World's) belongs to, from its store.
+
+    What a member's own callbacks cannot give: the events posted before it subscribed.
+    """
+    registry = membership.registry
+    return read_history(lambda key: registry.get_or_empty(key) or None, membership.keys).counts
+
+
+def _holdings(store: ReadOnlyStore, keys: Keys, worker: str) -> Tuple[List[str], List[str]]:
+    """(services, values) that ``worker`` still holds, each ``"<group>:<key>"``."""
+    services: List[str] = []
+    values: List[str] = []
+    seen = set()
+    for owned in OwnedKey.decode_all(store.get(keys.owned(worker)) or ""):
+        held = keys.holding(owned.key)
+        if held is None or owned.key in seen:
+            continue
+        seen.add(owned.key)
+        if store.get(owned.key) != owned.holder:
+            continue  # released since (a tombstone) or taken over by another member
+        kind, group, key = held
+        (services if kind == "s" else values).append(f"{group}:{key}")
+    return services, values
+
+
+def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
+    """What the store says about its newest world; None when it holds no machinlike world."""
+    located = _find_namespace(store)
+    if located is None:
+        return None
+    kind, keys = located
+    history = read_history(store.get, keys)
+    log = [(entry.kind, entry.record) for _, entry in history.entries]
+    names: List[str] = []
+    if kind == "static":
+        rank = 0
+        while True:
+            name = store.get(f"{keys.name_prefix()}{rank}")
+            if name is None:
+                break
+            names.append(name)
+            rank += 1
+    last_event: Dict[str, Tuple[str, MemberRecord]] = {}
+    for event_kind, rec in log:
+        if rec.member not in names:
+            names.append(rec.member)
+        if event_kind != "move":
+            last_event[rec.member] = (event_kind, rec)
+    members = []
+    for index, name in enumerate(names):
+        held = store.get(keys.live(name)) or ""
+        started_text = store.get(keys.incarnations(name))
+        beats_text = store.get(keys.heartbeat(name))
+        if held:
+            rec = MemberRecord.decode(name, held)
+            state = "alive"
+        else:
+            event_kind, rec = last_event.get(name, ("", MemberRecord(name, 1, name, index, "")))
+            state = {"lost": "lost", "leave": "left"}.get(event_kind, "gone")
+        space, _, pid = rec.identity.rpartition("/")
+        services, values = _holdings(store, keys, rec.worker) if state == "alive" else ([], [])
+        members.append(MemberStatus(
+            name=name, state=state, incarnation=rec.incarnation,
+            started=int(started_text) if started_text else 1, rank=rec.rank,
+            pid=int(pid) if pid.isdigit() else None, host=space,
+            beats=int(beats_text) if beats_text else None, services=services, values=values))
+    counts = history.counts
+    return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
+                       leaves=counts.leaves, events=counts.events)

@@ -1,0 +1,133 @@
+"""Waits: each ends as soon as a member it needs is gone, not at its timeout.
+
+Owns the open store waits (which keys each one waits for, of which members) and the
+pending calls per RPC worker, under its own lock. The roster is read, never written.
+
+    wait_all(prefix, names, members)   noted here; a store wait on <prefix><name> for each
+      a member it needs leaves or is   on_gone (called after Roster.apply) writes LOST_MARK
+      lost                             into that member's key and WOKEN_MARK into the other
+                                       absent ones: the store wait ends, LOST_MARK names who
+    wait_call(fut, worker)             an Event set by the future, or by on_gone when the
+                                       worker goes (the future is then still pending)
+
+Why keys are written to end a wait: a store wait blocks in torch's C++ client until every
+key exists (or its timeout), and writing them is the only way to end it early.
+
+Why no gone member slips through: a wait is noted *before* it asks the roster who is
+gone, and the roster is updated *before* ``on_gone`` runs, so at least one of the two sees
+the departure (both may: waking twice is harmless).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from ...exception import PeerLostError
+from .._store import LOST_MARK, WOKEN_MARK, MemberRecord
+from .._store import Registry
+from .roster import Roster
+
+__all__ = ["Waits"]
+
+_Wait = Tuple[str, Dict[str, str], Optional[Dict[str, int]]]  # prefix, member -> name, incarnations
+
+
+class Waits:
+    """Waits that fail fast when a member they need is gone.
+
+    Args:
+        registry: The world's store tables (the waits and their wake-up marks).
+        roster: Who is live (read only).
+    """
+
+    def __init__(self, registry: Registry, roster: Roster) -> None:
+        self._registry = registry
+        self._roster = roster
+        self._lock = threading.Lock()
+        self._waits: Dict[int, _Wait] = {}
+        self._wait_ids = 0
+        self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
+
+    def wait_all(self, prefix: str, names: Sequence[str], members: Sequence[str], timeout: float, what: str,
+                 stated: Optional[float] = None, incarnations: Optional[Dict[str, int]] = None) -> None:
+        """``Registry.wait_all`` that fails fast when a member it waits for is gone.
+
+        ``names[i]`` is the key suffix member ``members[i]`` writes.
+
+        Args:
+            incarnations: The incarnation each member must have (a member that came back
+                as a later one counts as gone); None: any.
+
+        Raises:
+            PeerLostError: a member it waits for left or was lost (named).
+            TimeoutError: as ``Registry.wait_all``.
+        """
+        mapping = dict(zip(members, names))
+        with self._lock:
+            self._wait_ids += 1
+            wid = self._wait_ids
+            self._waits[wid] = (prefix, mapping, incarnations)
+        try:
+            already = self._roster.not_current(members, incarnations)
+            if already:
+                self._wake(prefix, [mapping[m] for m in already], list(names))
+            self._registry.wait_all(prefix, names, timeout, what, stated)
+            marked = [m for m, v in zip(members, self._registry.values(prefix, names)) if v == LOST_MARK]
+        finally:
+            with self._lock:
+                self._waits.pop(wid, None)
+        if marked:
+            gone = ", ".join(repr(m) for m in marked)
+            raise PeerLostError(marked[0], f"{what}: {gone} left or died while being waited for")
+
+    def wait_call(self, fut: "torch.futures.Future", worker: str, what: str) -> object:
+        """The result of ``fut``, a call to ``worker``; PeerLostError as soon as it is lost.
+
+        Raises:
+            PeerLostError: the worker left or was lost while the call was pending.
+            RuntimeError: what ``fut`` raised (torch's text errors, timeouts included).
+        """
+        done = threading.Event()
+        with self._lock:
+            self._pending.setdefault(worker, set()).add(done)
+        try:
+            # (A worker retired by a renewal since the call was sent is not lost: the old
+            # agent serves the calls it took until it is reaped.)
+            if self._roster.resolve(worker) is None:
+                raise PeerLostError(self._roster.member_of(worker), f"{what}: it left or was lost")
+            fut.add_done_callback(lambda _: done.set())
+            done.wait()  # bounded: torch completes the future at the call's own timeout
+            if not fut.done():
+                raise PeerLostError(self._roster.member_of(worker), f"{what}: it was lost while the call was pending")
+            return fut.wait()
+        finally:
+            with self._lock:
+                waiting = self._pending.get(worker)
+                if waiting is not None:
+                    waiting.discard(done)
+                    if not waiting:
+                        del self._pending[worker]
+
+    def on_gone(self, rec: MemberRecord, workers: List[str]) -> None:
+        """``rec``'s incarnation left or was lost: end the calls to ``workers`` and its waits."""
+        with self._lock:
+            for worker in workers:
+                for done in self._pending.pop(worker, ()):
+                    done.set()  # wait_call sees the future still pending: lost
+            wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
+                    if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
+        for prefix, name, names in wake:
+            self._wake(prefix, [name], names)
+
+    def _wake(self, prefix: str, lost: Sequence[str], names: Sequence[str]) -> None:
+        """Mark ``lost`` keys of a wait as gone and fill its other absent keys, so it ends."""
+        try:
+            for name in lost:
+                self._registry.compare_set(prefix + name, "", LOST_MARK)
+            for name in names:
+                self._registry.compare_set(prefix + name, "", WOKEN_MARK)
+        except PeerLostError:
+            pass

@@ -1,0 +1,22 @@
+"""The ground floor: the c10d store a world meets on.
+
+Owns opening or reaching the store (rendezvous: explicit addresses, torchrun and SLURM
+environments), the spelling of every key and its typed value (keys), one-round-trip tables
+over the store (registry) and look-ups bounded by a deadline on their own thread (lookups).
+It imports no other layer.
+
+This face names what the layers above may use; the modules behind it are private to it.
+"""
+
+from .rendezvous import connect_store, external_launcher, host_store, resolve_rank_and_size
+from .keys import (
+    GroupRecord, Keys, LogEntry, LOST_MARK, MemberRecord, OPEN_EPOCH, OwnedKey, rebind_holder,
+    ServiceOwner, WOKEN_MARK,
+)
+from .registry import deadline_left, Registry
+
+__all__ = [
+    "connect_store", "deadline_left", "external_launcher", "GroupRecord", "host_store", "Keys",
+    "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "OwnedKey", "rebind_holder", "Registry",
+    "resolve_rank_and_size", "ServiceOwner", "WOKEN_MARK",
+]

@@ -1,0 +1,346 @@
+"""The world's store namespace: every key machinlike writes, and every value's encoding.
+
+This module is the only place a store key is spelled. A World gets one :class:`Keys` for
+its namespace ``<ns>`` (``mlk/<restart>/<n>/`` for the n-th static World of a rank on a
+store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative to it:
+
+    <ns>m/inc/<name>                 counter: incarnations of a member          members
+    <ns>m/live/<name>                MemberRecord of its live incarnation, "" when none
+    <ns>m/hb/<name>                  heartbeat counter
+    <ns>m/log/<k>, <ns>m/logk        event log segments (LogEntry lines), the current one
+    <ns>m/snap/<k>, <ns>m/evn        members at the start of segment k; events counter
+    <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
+    <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker sequence counter
+    <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
+    <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
+    <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
+    <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _departures)
+    <ns>w/{proc,name,ready,stop,left}/<rank>   static world start-up and stop  World
+    <ns>rg/<group>/current           GroupRecord                                 RpcGroup
+    <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
+    <ns>rg/<group>/<epoch>/s/<key>   ServiceOwner of a service
+    <ns>rg/<group>/<epoch>/v/<key>   RPC worker that paired a value
+    <ns>rg/<group>/<epoch>/bar/<gen>/<m>  barrier arrivals
+    <ns>os/<group>/<server>/...      an ordered server's own keys               servers
+    <ns>gs/<group>/<server>/...      a gradient server's own keys
+    <ns>rpc, <ns>pg                  prefixes of torch's RPC and process-group rendezvous
+
+Why one module: the same strings are written by one process and read by another (or by
+the next incarnation of the same member), so a key built in two places is a protocol
+with two authors. Values are typed records with ``encode``/``decode``; the on-store text
+is unchanged from earlier versions, so mixed processes still understand each other.
+No state beyond the namespace string; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet, List, Optional, Sequence, Tuple
+
+__all__ = [
+    "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord",
+    "LOST_MARK", "WOKEN_MARK", "OPEN_EPOCH", "rebind_holder",
+]
+
+#: Written into a waited-for key of a member that is gone, to wake its waiters.
+LOST_MARK = "\x00lost"
+#: Written into the other keys of such a wait that are still absent: a store wait ends
+#: only when every key it waits for exists. A member arriving later overwrites it.
+WOKEN_MARK = "\x00woken"
+#: The epoch of an open group (``members=None``): it is never re-created.
+OPEN_EPOCH = "o"
+
+
+def _root(restart: str) -> str:
+    return f"mlk/{restart}/"
+
+
+class Keys:
+    """The keys of one world, under the namespace ``ns`` (ends with ``/``).
+
+    Methods named after a table return a full key; those ending in ``_prefix`` return a
+    prefix to which the store's ``(prefix, names)`` calls append a member or rank.
+    """
+
+    __slots__ = ("ns",)
+
+    def __init__(self, ns: str) -> None:
+        self.ns = ns
+
+    # --------------------------------------------------------------- namespaces
+    @staticmethod
+    def static_counter(restart: str, rank: int) -> str:
+        """Counter of the static Worlds rank ``rank`` built on a store (one namespace each).
+
+        ``restart`` is torchrun's restart count: a store may outlive a world (torchrun's
+        agent store outlives restarted workers) and stale keys must not leak into the
+        next one; the k-th World of every rank meets the k-th World of the others.
+        """
+        return f"{_root(restart)}incarnation/{rank}"
+
+    @staticmethod
+    def static_world(restart: str, incarnation: int) -> "Keys":
+        return Keys(f"{_root(restart)}{incarnation}/")
+
+    @staticmethod
+    def elastic_world(restart: str) -> "Keys":
+        return Keys(f"{_root(restart)}e/")
+
+    def rpc_prefix(self) -> str:
+        """Prefix of torch's RPC rendezvous keys (a ``PrefixStore`` over the store)."""
+        return self.ns + "rpc"
+
+    def pg_prefix(self) -> str:
+        """Prefix of the default process group's rendezvous keys."""
+        return self.ns + "pg"
+
+    def server(self, kind: str, group: str, server: str) -> str:
+        """Prefix of one server's own keys: ``kind`` is ``"os"`` (ordered) or ``"gs"`` (gradient).
+
+        The server names its keys inside this prefix; nothing else writes there.
+        """
+        if kind not in ("os", "gs"):
+            raise ValueError(f"kind={kind!r}: a server namespace is 'os' or 'gs'")
+        return f"{self.ns}{kind}/{group}/{server}/"
+
+    def scratch(self, tag: str) -> str:
+        """A key of this world outside machinlike's tables (tests, benchmarks: their own notes)."""
+        return f"{self.ns}x/{tag}"
+
+    # ------------------------------------------------------------------ members
+    def incarnations(self, member: str) -> str:
+        return f"{self.ns}m/inc/{member}"
+
+    def live(self, member: str) -> str:
+        return f"{self.ns}m/live/{member}"
+
+    def heartbeat(self, member: str) -> str:
+        return f"{self.ns}m/hb/{member}"
+
+    def heartbeat_prefix(self) -> str:
+        return f"{self.ns}m/hb/"
+
+    def probe_request(self, member: str) -> str:
+        """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
+        return f"{self.ns}m/probe/{member}"
+
+    def log_segment(self, k: int) -> str:
+        """Segment ``k`` of the event log (see ``_event_log``)."""
+        return f"{self.ns}m/log/{k}"
+
+    def log_head(self) -> str:
+        """Counter: the segment of the event log that posts go to."""
+        return f"{self.ns}m/logk"
+
+    def log_snapshot(self, k: int) -> str:
+        """The members as they stand at the start of segment ``k``."""
+        return f"{self.ns}m/snap/{k}"
+
+    def log_count(self) -> str:
+        return f"{self.ns}m/evn"
+
+    def owned(self, worker: str) -> str:
+        return f"{self.ns}m/own/{worker}"
+
+    def worker(self, worker: str) -> str:
+        return f"{self.ns}m/t/{worker}"
+
+    def worker_ids(self) -> str:
+        return f"{self.ns}m/tid"
+
+    def departures_count(self) -> str:
+        return f"{self.ns}m/dep/n"
+
+    def departures(self, block: int) -> str:
+        return f"{self.ns}m/dep/{block}"
+
+    def lost(self, member: str, incarnation: int) -> str:
+        return f"{self.ns}m/lost/{member}/{incarnation}"
+
+    def lost_posted(self, member: str, incarnation: int) -> str:
+        return f"{self.ns}m/lostpost/{member}/{incarnation}"
+
+    def gone_prefix(self, member: str) -> str:
+        """Prefix of ``m/gone/<member>/<incarnation>`` (the name is ``str(incarnation)``)."""
+        return f"{self.ns}m/gone/{member}/"
+
+    def gone(self, member: str, incarnation: int) -> str:
+        return f"{self.gone_prefix(member)}{incarnation}"
+
+    # ------------------------------------------------------------- static world
+    def proc_prefix(self) -> str:
+        """Process identity of each rank of a static world (names: ranks)."""
+        return f"{self.ns}w/proc/"
+
+    def name_prefix(self) -> str:
+        return f"{self.ns}w/name/"
+
+    def ready_prefix(self) -> str:
+        return f"{self.ns}w/ready/"
+
+    def stop_prefix(self) -> str:
+        return f"{self.ns}w/stop/"
+
+    def left_prefix(self) -> str:
+        return f"{self.ns}w/left/"
+
+    # ------------------------------------------------------------------- groups
+    def group(self, group: str) -> str:
+        """The group's current :class:`GroupRecord`."""
+        return f"{self.ns}rg/{group}/current"
+
+    def group_join_prefix(self, group: str, epoch: str) -> str:
+        return f"{self.ns}rg/{group}/{epoch}/join/"
+
+    def service(self, group: str, epoch: str, key: str) -> str:
+        return f"{self.ns}rg/{group}/{epoch}/s/{key}"
+
+    def value(self, group: str, epoch: str, key: str) -> str:
+        return f"{self.ns}rg/{group}/{epoch}/v/{key}"
+
+    def barrier_prefix(self, group: str, epoch: str, generation: int) -> str:
+        return f"{self.ns}rg/{group}/{epoch}/bar/{generation}/"
+
+    def holding(self, key: str) -> Optional[Tuple[str, str, str]]:
+        """``(kind, group, key)`` of a service (kind ``"s"``) or paired value (``"v"``)
+        key of this world, as built by :meth:`service` / :meth:`value`; None for others."""
+        head = f"{self.ns}rg/"
+        if not key.startswith(head):
+            return None
+        parts = key[len(head):].split("/", 3)  # group, epoch, kind, key
+        if len(parts) != 4 or parts[2] not in ("s", "v"):
+            return None
+        return parts[2], parts[0], parts[3]
+
+
+# ----------------------------------------------------------------------- records
+@dataclass(frozen=True)
+class MemberRecord:
+    """One incarnation of a member, as its claim ``m/live/<name>`` holds it.
+
+    Attributes:
+        member: The member's name.
+        incarnation: 1 for its first process, 2 for the first replacement, ...
+        worker: Its RPC worker name (changes when it renews its agent).
+        rank: Its rank.
+        identity: Its process identity (see ``_liveness.process_identity``).
+    """
+
+    member: str
+    incarnation: int
+    worker: str
+    rank: int
+    identity: str
+
+    def encode(self) -> str:
+        return f"{self.incarnation}|{self.worker}|{self.rank}|{self.identity}"
+
+    @staticmethod
+    def decode(member: str, text: str) -> "MemberRecord":
+        inc, worker, rank, identity = text.split("|", 3)
+        return MemberRecord(member, int(inc), worker, int(rank), identity)
+
+    def with_worker(self, worker: str) -> "MemberRecord":
+        """The same incarnation answering as another RPC worker."""
+        return MemberRecord(self.member, self.incarnation, worker, self.rank, self.identity)
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One line of the event log: ``"kind|member|record"``.
+
+    ``kind`` is ``"join"``, ``"leave"``, ``"lost"`` or ``"move"`` (a live member's new RPC
+    worker).
+    """
+
+    kind: str
+    record: MemberRecord
+
+    def encode(self) -> str:
+        return f"{self.kind}|{self.record.member}|{self.record.encode()}\n"
+
+    @staticmethod
+    def decode_log(text: str) -> List["LogEntry"]:
+        """Every entry of the log's text, in order."""
+        out = []
+        for line in text.splitlines():
+            kind, member, encoded = line.split("|", 2)
+            out.append(LogEntry(kind, MemberRecord.decode(member, encoded)))
+        return out
+
+
+@dataclass(frozen=True)
+class OwnedKey:
+    """A registry key a worker claimed, and the holder text it claimed it with."""
+
+    key: str
+    holder: str
+
+    def encode(self) -> str:
+        return f"{self.key}\x1f{self.holder}\n"
+
+    @staticmethod
+    def decode_all(text: str) -> List["OwnedKey"]:
+        out = []
+        for line in text.splitlines():
+            key, _, holder = line.partition("\x1f")
+            out.append(OwnedKey(key, holder))
+        return out
+
+
+@dataclass(frozen=True)
+class ServiceOwner:
+    """Who serves a service: ``"s:<worker>"`` (plain) or ``"a:<worker>"`` (async_execution)."""
+
+    worker: str
+    is_async: bool
+
+    def encode(self) -> str:
+        return f"{'a' if self.is_async else 's'}:{self.worker}"
+
+    @staticmethod
+    def decode(text: str) -> "ServiceOwner":
+        return ServiceOwner(text[2:], text[0] == "a")
+
+    @staticmethod
+    def worker_of(text: str) -> str:
+        """The worker of an encoded owner, without building the record (a hot path)."""
+        return text[2:]
+
+
+def rebind_holder(holder: str, old_workers: AbstractSet[str], current: str) -> str:
+    """``holder`` naming ``current`` when it names one of ``old_workers`` (after a renewal).
+
+    A holder is a value's worker or a :class:`ServiceOwner`'s encoding.
+    """
+    if holder in old_workers:
+        return current
+    if holder[1:2] == ":" and holder[2:] in old_workers:
+        return holder[:2] + current
+    return holder
+
+
+@dataclass(frozen=True)
+class GroupRecord:
+    """An RpcGroup's current incarnation: ``"<epoch>/<members>"`` (``"o/*"`` when open).
+
+    Attributes:
+        epoch: How many times the name was created before (``"o"``: an open group).
+        members: The members, sorted; None for an open group.
+    """
+
+    epoch: str
+    members: Optional[Tuple[str, ...]]
+
+    def encode(self) -> str:
+        return f"{self.epoch}/{'*' if self.members is None else ','.join(self.members)}"
+
+    @staticmethod
+    def decode(text: str) -> "GroupRecord":
+        epoch, members = text.split("/", 1)
+        return GroupRecord(epoch, None if members == "*" else tuple(members.split(",")))
+
+    @staticmethod
+    def listing(members: Sequence[str]) -> str:
+        """The member list each member writes at creation (they must agree)."""
+        return ",".join(members)

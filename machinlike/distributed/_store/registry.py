@@ -1,0 +1,201 @@
+"""The world's shared tables, kept in the c10d store under the ``mlk/`` prefix.
+
+Every ``(group, key) -> owner`` entry, group join record and barrier arrival is a store
+key, so no Python process is a hot spot: the store is torch's C++ server (hosted by rank
+0, by the launcher, or by torchrun's agent).
+
+Ownership uses the store's atomic compare-and-set; a released key keeps an empty value
+(a tombstone) so that claim, release and look-up are each one round trip:
+
+    claim    compare_set(k, "", me)   absent or tombstone -> me ; held -> holder
+    release  compare_set(k, me, "")   held by me -> "" ; otherwise -> not ours
+    look up  compare_set(k, P, P)     P is a probe no owner can be: absent -> P
+
+Blocking waits (barriers, group joins) use a per-thread clone of the store connection,
+because a store client serialises its operations and one thread's wait would otherwise
+stall every other thread of the process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Iterable, List, Optional, Sequence
+
+import torch.distributed as dist
+
+from ...exception import PeerLostError
+from .lookups import BoundedLookups
+
+__all__ = ["Registry", "deadline_left"]
+
+_PROBE = "\x00probe"
+
+
+def deadline_left(deadline: float) -> float:
+    """Seconds left until a ``time.monotonic()`` deadline, never negative."""
+    return max(0.0, deadline - time.monotonic())
+
+
+class Registry:
+    """Owner table, join records and barriers of one world, on its store.
+
+    Args:
+        store: The world's store (a TCPStore, so it can be cloned per thread).
+        store_owner: Who hosts it, for error messages (e.g. ``"rank 0"``).
+    """
+
+    def __init__(self, store: dist.Store, store_owner: str) -> None:
+        self._store = store
+        self._store_owner = store_owner
+        self._local = threading.local()
+        self._lookups = BoundedLookups(store, store_owner)
+
+    # ------------------------------------------------------------------ connections
+    def _waiter(self) -> dist.Store:
+        store = getattr(self._local, "store", None)
+        if store is None:
+            clone = getattr(self._store, "clone", None)
+            store = clone() if clone is not None else self._store
+            self._local.store = store
+        return store
+
+    def close(self) -> None:
+        """End this process's look-up thread (see ``_bounded``); the store stays open."""
+        self._lookups.close()
+
+    def _lost(self, err: BaseException) -> PeerLostError:
+        return PeerLostError(self._store_owner, f"the world's store is unreachable ({err})")
+
+    # ------------------------------------------------------------------------ owners
+    def claim(self, key: str, owner: str) -> Optional[str]:
+        """Take ``key`` for ``owner``; return the current holder if someone else has it."""
+        try:
+            held = self._store.compare_set(key, "", owner).decode()
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        return None if held == owner else held
+
+    def release(self, key: str, owner: str) -> bool:
+        """Free ``key`` if ``owner`` holds it; False when it does not."""
+        try:
+            return self._store.compare_set(key, owner, "") == b""
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
+        """Who holds ``key`` right now, None if nobody.
+
+        Args:
+            timeout: Seconds the caller has left; None: the store client's own timeout.
+
+        Raises:
+            TimeoutError: the store did not answer within ``timeout``.
+            PeerLostError: the store is gone.
+        """
+        try:
+            if timeout is None:
+                held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            else:
+                held = self._lookups.run(lambda store: store.compare_set(key, _PROBE, _PROBE).decode(), timeout,
+                                         "the owner look-up")
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        return None if held in ("", _PROBE) else held
+
+    def set(self, key: str, value: str) -> None:
+        try:
+            self._store.set(key, value)
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to counter ``key`` (0 when absent); the new value."""
+        try:
+            return int(self._store.add(key, amount))
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def append(self, key: str, text: str) -> None:
+        try:
+            self._store.append(key, text)  # type: ignore[attr-defined]  # in torch, not in its stubs
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def compare_set(self, key: str, expected: str, desired: str) -> str:
+        """Set ``key`` to ``desired`` if it holds ``expected`` ("" also matches absent); the value after."""
+        try:
+            return self._store.compare_set(key, expected, desired).decode()
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def get_or_empty(self, key: str) -> str:
+        """The value of ``key``, "" when absent (never waits)."""
+        try:
+            # One compare-and-set that sets nothing: a check then a get waited the store's
+            # whole timeout for a key deleted between the two (a retired worker's entry).
+            held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            return "" if held == _PROBE else held
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def values_or_empty(self, prefix: str, names: Sequence[str]) -> List[str]:
+        """Values of ``prefix + name`` for each name, "" for absent ones, in one round trip."""
+        keys = [prefix + n for n in names]
+        try:
+            return [v.decode() for v in self._waiter().multi_get(keys)] if self._waiter().check(keys) \
+                else [self.get_or_empty(k) for k in keys]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    # ---------------------------------------------------------------- rendezvous-ish
+    def wait_all(self, prefix: str, names: Sequence[str], timeout: float, what: str,
+                 stated: Optional[float] = None) -> None:
+        """Block until ``prefix + name`` exists for every name, or raise ``TimeoutError``.
+
+        ``stated`` is the timeout to quote in the error (the caller's own, when ``timeout``
+        is what is left of it); None quotes ``timeout``.
+
+        Raises:
+            TimeoutError: naming the names whose key never appeared and the wait.
+            PeerLostError: the store itself is gone.
+        """
+        store = self._waiter()
+        keys = [prefix + name for name in names]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+            return
+        except dist.DistStoreError:
+            pass
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+        absent = self.absent(prefix, names)
+        if not absent:  # everyone arrived just as the wait expired
+            return
+        raise TimeoutError(
+            f"{what}: {', '.join(repr(n) for n in absent)} did not arrive within "
+            f"{timeout if stated is None else stated:g} s"
+        )
+
+    def absent(self, prefix: str, names: Iterable[str]) -> List[str]:
+        store = self._waiter()
+        try:
+            return [n for n in names if not store.check([prefix + n])]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def values(self, prefix: str, names: Sequence[str]) -> List[str]:
+        try:
+            return [v.decode() for v in self._waiter().multi_get([prefix + n for n in names])]
+        except (dist.DistNetworkError, ConnectionError) as err:
+            raise self._lost(err) from err
+
+    def delete(self, keys: Iterable[str]) -> None:
+        """Best-effort removal of bookkeeping keys (the store may be gone at shutdown)."""
+        store = self._waiter()
+        for key in keys:
+            try:
+                store.delete_key(key)
+            except (RuntimeError, ConnectionError):
+                return

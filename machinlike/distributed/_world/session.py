@@ -1,0 +1,301 @@
+"""Session: what a started World holds, and the undo of every step that started it.
+
+``start_static`` and ``start_elastic`` fill one :class:`Session` step by step; each step
+pushes its own undo onto the session's ``ExitStack`` as soon as it succeeded, so a
+start-up that fails half-way, a ``stop``, and a World that is simply dropped all take
+down exactly what was set up, in reverse order, once.
+
+*static* (the default, machin's ``World(name, rank, world_size)``): a fixed set of ranks.
+``World(...)`` returns only after the last step, on every rank, so no request can reach
+a half-built world:
+
+    step                                              undo
+    open the store (host it on rank 0, or join)       -
+    claim the RPC worker id = rank (torch keeps a     -
+      process's first: another is refused here)
+    choose the interface: set its environment         restore the environment
+    exchange member names (duplicates refused)        -                (w/name/<rank>)
+    bind the local tables and same-host settings      unbind, free this process's segments
+    init the default process group (collective=True)  destroy_process_group (pg prefix)
+    init RPC over TensorPipe (init_rpc=True)          local RPC shutdown, forget the URL
+    ready barrier, then the liveness monitor          stop the monitor  (w/ready/<rank>)
+
+*elastic* (``elastic=True``): members join a running world by its address and a name:
+
+    open the store, choose the interface              restore the environment
+    claim the name (a dead incarnation's claim is     -
+      taken over)                       Membership.enter
+    bind the local tables and same-host settings      unbind
+    join the dynamic RPC group, pruning the dead      local RPC shutdown
+      first                             Endpoint.join
+    post "join", start the liveness monitor           stop the monitor
+
+A step whose undo may run early (RPC's graceful shutdown and the process group's
+destruction in a static ``stop``) is a :class:`Once`: the stack's later call does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch.distributed as dist
+
+from .._calls import context as _context, samehost as _samehost, serve as _serve
+from .. import _transport
+from .._transport import netif as _netif
+from .._store import rendezvous as _rendezvous
+from .._groups import RetiredGroups
+from .._store import Keys, ServiceOwner
+from .._membership import process_identity
+from .._groups import directory as _directory
+from .._groups import GroupDirectory
+from .._membership import Membership
+from .._store import deadline_left
+from .settings import Settings
+
+__all__ = ["Session", "Once", "start_static", "start_elastic"]
+
+log = logging.getLogger(__name__)
+
+
+class Once:
+    """An undo step that runs at most once, whether early (``stop``) or from the stack."""
+
+    def __init__(self, undo: Callable[..., None]) -> None:
+        self._undo = undo
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self, *args: Any) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._undo(*args)
+
+
+class Session:
+    """One World's started state (see the module doc); built by the start functions.
+
+    Attributes:
+        settings: The World's validated arguments.
+        rank: This process's rank (an elastic member's is known once it entered).
+        incarnation: 1 for a member's first process, 2 for its first replacement, ...
+        store: The world's store and who hosts it (None until opened).
+        store_address: ``"tcp://host:port"`` of the store (None until opened).
+        interface: The interface TensorPipe and gloo use here (None: their own guess).
+        membership: The world's members and tables (None until the store is open).
+        groups: This process's RpcGroups and what they use of the world (with ``membership``).
+        rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
+        process_group: The process group's destruction step, None when it did not start.
+        retired_groups: Collective groups destroyed while the World runs, dropped at its
+            stop, after the process group (see ``RetiredGroups``).
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.rank = settings.rank
+        self.incarnation = 1
+        self.store: Optional[_rendezvous.StoreInfo] = None
+        self.store_address: Optional[str] = None
+        self.interface: Optional[str] = None
+        self.membership: Optional[Membership] = None
+        self.groups: Optional[GroupDirectory] = None
+        #: What this member serves to incoming calls (served once the member entered).
+        self.tables = _serve.LocalTables(settings.name)
+        self.rpc: Optional[Once] = None
+        self.process_group: Optional[Once] = None
+        self.retired_groups = RetiredGroups()
+        self._undo = contextlib.ExitStack()
+
+    def close(self) -> None:
+        """Undo every step that ran, last first; the last error (if any) propagates after all ran."""
+        self._undo.close()
+
+    @contextlib.contextmanager
+    def network_hint(self) -> Iterator[None]:
+        """Add to a start-up error what this host advertises (gloo and TensorPipe report
+        an unreachable peer as a bare connection error)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(_netif.describe(self.interface))
+            raise
+
+
+# ------------------------------------------------------------------------ steps
+def _open(session: Session) -> _rendezvous.StoreInfo:
+    s = session.settings
+    if s.store is None:
+        info = _rendezvous.open_store(s.rank, None if s.elastic else s.size, s.init_method, s.dist_timeout)
+    else:
+        base = s.store
+        while isinstance(base, dist.PrefixStore):  # where the server is, for the interface choice
+            base = base.underlying_store
+        info = _rendezvous.StoreInfo(s.store, getattr(base, "host", "?"), getattr(base, "port", 0),
+                                     False, "the launcher")
+    session.store = info
+    session.store_address = f"tcp://{info.host}:{info.port}"
+    # TensorPipe reads its interface from the environment when RPC starts, gloo each
+    # time a group is created, so the setting stays for the World's life and the
+    # previous values come back at teardown (the next World may have another master).
+    session.interface, env = _netif.plan_interface(s.interface, info.host, info.port)
+    _netif.refuse_loopback_for_remote_master(env, info.host)
+    for var, value in env.items():
+        if os.environ.get(var) != value:
+            session._undo.callback(_restore, var, os.environ.get(var))
+            os.environ[var] = value
+    log.debug("World %r: TensorPipe and gloo use %s (master %s:%s)", s.name, env or "their own guess",
+              info.host, info.port)
+    return info
+
+
+def _restore(var: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
+def _bind(session: Session, members: Membership) -> None:
+    """Serve this member's tables to incoming calls, and its same-host settings and call
+    context to outgoing ones (its name and incarnation are final here)."""
+    s = session.settings
+    keys, claims, tables = members.keys, members.claims, session.tables
+
+    def resolve_service_owner(sid: str) -> Optional[str]:
+        group, epoch, key = sid.split("/", 2)
+        held = claims.owner(keys.service(group, epoch, key))
+        return ServiceOwner.decode(held).worker if held else None
+
+    tables.resolve_owner = resolve_service_owner
+    # Results kept here for handles held elsewhere go with their holders (see _calls.results).
+    tables.results.bind_live(lambda holder: members.roster.incarnation_of(holder[0]) == holder[1])
+    def sweep() -> None:
+        if len(tables.results):
+            tables.results.sweep()
+
+    members.on_departure = sweep
+    samehost = _samehost.SameHost(s.same_host_shm, s.shm_threshold, s.shm_cache_bytes,
+                                  members.roster.identity_of)  # [shm hook]
+    _serve.bind_tables(tables)
+    _samehost.bind(samehost)
+    # A call of this process that timed out makes the monitor ask for a probe (AgentProbe).
+    _context.bind(_context.CallContext(s.name, session.incarnation, members.roster, members.waits, s.rpc_timeout,
+                                       members.monitor.call_timed_out))
+    _directory.bind(session.groups)
+    session._undo.callback(_unbind, samehost)
+
+
+def _unbind(samehost: _samehost.SameHost) -> None:
+    _directory.bind(None)
+    _context.bind(None)
+    _serve.bind_tables(None)
+    _samehost.bind(None)  # [shm hook] then free this process's segments
+    samehost.close()
+
+
+def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Membership:
+    s = session.settings
+    members = session.membership = Membership(info.store, keys, info.owner, s.name, s.liveness, s.elastic)
+    # Its thread starts last; stopping it is the first undo (see the step list).
+    session._undo.callback(members.close)
+    groups = session.groups = GroupDirectory(members, session.tables, s.rpc_timeout, s.dist_timeout)
+    session._undo.callback(groups.close)
+    return members
+
+
+# ---------------------------------------------------------------------- start-up
+def start_static(session: Session) -> None:
+    """Start a static World (the steps in the module doc)."""
+    s = session.settings
+    deadline = time.monotonic() + s.dist_timeout
+    info = _open(session)
+    if s.rpc:  # after the store (a wrong address or environment is named first), before the others wait
+        _transport.claim_worker_id(s.rank)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # A namespace per world incarnation (see Keys.static_counter).
+    mine = info.store.add(Keys.static_counter(restart, s.rank), 1)
+    keys = Keys.static_world(restart, mine)
+    members = _membership(session, info, keys)
+    reg = members.registry
+    ranks = [str(r) for r in range(s.size)]
+    reg.set(keys.proc_prefix() + str(s.rank), process_identity())
+    reg.set(keys.name_prefix() + str(s.rank), s.name)
+    try:
+        reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
+    except TimeoutError as err:
+        raise _stranger_error(info, restart, s.rank, s.size, mine) or err
+    names = reg.values(keys.name_prefix(), ranks)
+    if len(set(names)) != len(names):
+        clash = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"member names must be unique; ranks {names} share {clash}")
+    members.enter_static(s.rank, names, reg.values(keys.proc_prefix(), ranks))
+    _bind(session, members)
+    if s.collective:
+        with session.network_hint():
+            dist.init_process_group(
+                s.backend, store=dist.PrefixStore(keys.pg_prefix(), info.store), rank=s.rank,
+                world_size=s.size, timeout=datetime.timedelta(seconds=s.dist_timeout),
+            )
+        session._undo.callback(session.retired_groups.release)  # runs after the destruction below
+        session.process_group = Once(dist.destroy_process_group)
+        session._undo.callback(session.process_group)
+    if s.rpc:
+        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), info.store), s.rank, s.size)
+        session._undo.callback(_rendezvous.forget_rpc_store, url)
+        with session.network_hint():
+            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout)
+        session.rpc = Once(_transport.shutdown)
+        session._undo.callback(session.rpc, False, 1.0)
+    reg.set(keys.ready_prefix() + str(s.rank), "1")
+    reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
+                 s.dist_timeout)
+    members.monitor.start()
+    session._undo.callback(members.close)
+
+
+def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: int, mine: int) -> Optional[TimeoutError]:
+    """The error for a process that came to a *running* static world as rank ``rank``:
+    every other rank started exactly one World fewer on this store than this one, and
+    that previous World started complete (all its ranks ready); None otherwise (then the
+    others are merely late, or never came)."""
+    try:
+        others = [info.store.add(Keys.static_counter(restart, r), 0) for r in range(size) if r != rank]
+        if not others or any(n != mine - 1 for n in others):
+            return None
+        previous = Keys.static_world(restart, mine - 1)
+        if not info.store.check([previous.ready_prefix() + str(r) for r in range(size)]):
+            return None
+    except (RuntimeError, dist.DistNetworkError):  # the store went away too: the first error stands
+        return None
+    return TimeoutError(
+        f"World start-up: rank {rank} of the static world at {info.host}:{info.port} was taken already "
+        f"(that world is running, or ran, on this store) and no other rank came to start another: a static "
+        f"world cannot admit a new process; join a running world as World(name, elastic=True, "
+        f"init_method=...), or start every rank of a new static world on a fresh address")
+
+
+def start_elastic(session: Session) -> None:
+    """Join (or, with ``rank=0``, found) an elastic world (the steps in the module doc)."""
+    s = session.settings
+    deadline = time.monotonic() + s.dist_timeout
+    info = _open(session)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    members = _membership(session, info, Keys.elastic_world(restart))
+    members.enter(None if s.rank < 0 else s.rank, deadline)
+    session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
+    _bind(session, members)
+    with session.network_hint():
+        members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout)
+    session.rpc = Once(_transport.shutdown)
+    session._undo.callback(session.rpc, False, 1.0)
+    members.announce()
+    session._undo.callback(members.close)

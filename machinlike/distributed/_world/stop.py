@@ -1,0 +1,86 @@
+"""World stop: ``stop(timeout)`` never waits past its deadline.
+
+Static: a stop barrier (a lost member wakes it at once), a graceful RPC shutdown only when
+every peer arrived, else a local one. Elastic: free this member's keys, post "leave", stop
+RPC locally. The session's undo (``Session.close``) runs afterwards in any case, so a
+failed stop never keeps the process from building a new World.
+
+    leave_static   w/stop/<rank> barrier -> RPC shutdown (graceful when all came)
+                   -> destroy the process group -> w/left/<rank> (the store's host waits
+                   for the others: they still need the store)
+    leave_elastic  destroy this member's groups -> Membership.leave -> the store's host
+                   waits for the others to leave -> RPC shutdown (local)
+
+RPC's shutdown waits for the calls this member still serves, within what is left of the
+stop's time (at least 1 s); a call that outlasts it does not hold the stop (_agent_stop).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+from .._store import deadline_left
+from .session import Session
+
+__all__ = ["leave_static", "leave_elastic"]
+
+log = logging.getLogger(__name__)
+
+
+def leave_static(session: Session, deadline: float, wait: float) -> None:
+    """The static stop barrier and shutdown (see the module doc).
+
+    Args:
+        deadline: ``time.monotonic()`` deadline of the whole stop.
+        wait: The caller's timeout, quoted in messages.
+    """
+    members, info, s = session.membership, session.store, session.settings
+    if members is None or info is None:  # start-up failed before the store: nothing to leave
+        return
+    everyone = False
+    names = [str(r) for r in range(s.size)]
+    order = members.roster.names_by_rank()
+    try:
+        members.registry.set(members.keys.stop_prefix() + str(s.rank), "1")
+        members.waits.wait_all(members.keys.stop_prefix(), names, order, deadline_left(deadline),
+                               "World.stop: ranks", wait)
+        everyone = session.rpc is None or members.members() == sorted(order)
+    except (TimeoutError, ConnectionError) as err:
+        log.warning("World %r stops without its peers: %s", s.name, err)
+    members.close()
+    if session.rpc is not None:
+        if everyone:
+            info.store.set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
+        session.rpc(everyone, max(deadline_left(deadline), 0.5))
+    if session.process_group is not None:
+        session.process_group()
+    if not everyone:
+        return
+    try:
+        members.registry.set(members.keys.left_prefix() + str(s.rank), "1")
+        if info.hosted_here:
+            # Peers may still be talking to the store inside their own shutdown.
+            members.waits.wait_all(members.keys.left_prefix(), names[1:], order[1:], deadline_left(deadline),
+                                   "World.stop: ranks leaving", wait)
+    except (TimeoutError, ConnectionError) as err:
+        log.warning("World %r closes its store before all peers left: %s", s.name, err)
+
+
+def leave_elastic(session: Session, deadline: float) -> None:
+    """Leave an elastic world: withdraw this member's groups and keys, tell the others."""
+    members, info, name = session.membership, session.store, session.settings.name
+    if members is None or info is None:
+        return
+    if session.groups is not None:
+        for group in session.groups.local_groups():
+            group.destroy()
+    members.leave(deadline)
+    if info.hosted_here:
+        try:
+            members.wait_others_gone(deadline_left(deadline))
+        except TimeoutError as err:
+            log.warning("World %r closes the store while members remain: %s", name, err)
+    members.close()
+    if session.rpc is not None:  # calls this member still serves get what is left of the stop's time
+        session.rpc(False, deadline_left(deadline))

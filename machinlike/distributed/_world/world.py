@@ -1,0 +1,436 @@
+"""World: this process's membership in the distributed job (one per process).
+
+Two kinds of world share this class: *static* (the default, machin's ``World(name, rank,
+world_size)``), a fixed set of ranks, and *elastic* (``elastic=True``), whose members join
+a running world by its address and a name, leave it, die and come back.
+
+A World holds two objects and a stop flag:
+
+    World ─┬─ Settings  the validated arguments, frozen                     (_settings)
+           └─ Session   what start-up built, each step with its undo        (_session)
+                          store, interface, Membership, RPC, process group
+    World(...)  settings(...) -> claim this process's World slot -> start_static /
+                start_elastic(session); on failure session.close(), slot released
+    stop()      leave_static / leave_elastic (never past the deadline)     (_world_stop)
+                then, always: session.close(), slot released
+
+Here are the accessors, membership queries and group creation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import torch.distributed as dist
+
+from ... import _checks
+from .._store import rendezvous as _rendezvous
+from . import current as _state
+from .._groups import CollectiveGroup
+from .._membership import DEFAULT_LIVENESS
+from .._membership import MemberEvent, Membership
+from .._groups import GroupDirectory
+from .._groups import create_group, find_group, open_group
+from .._groups import RpcGroup
+from .session import Session, start_elastic, start_static
+from .settings import Settings, settings
+from .current import get_cur_name, get_cur_rank, get_world, is_world_initialized
+from .stop import leave_elastic, leave_static
+
+__all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
+
+log = logging.getLogger(__name__)
+
+
+class World:
+    """This process's place in a distributed job: RPC, collectives and the group registry.
+
+    Args:
+        name: Member name, unique among live members (1-100 letters, digits, ``_:-``).
+            None: ``str(rank)``.
+        rank: This process's rank. None: the ``RANK`` environment variable (torchrun);
+            in an elastic world, None picks a fresh unique rank, and ``rank=0`` makes this
+            process host the store.
+        world_size: Number of processes of a static world. None: ``WORLD_SIZE``. Must be
+            None in an elastic world.
+        init_method: ``"tcp://host:port"`` (rank 0 hosts the store there), ``"env://"``, or
+            None: ``MASTER_ADDR``/``MASTER_PORT`` when set (torchrun), else 127.0.0.1:29500.
+        backend: Backend of the default process group (``"gloo"``, ``"nccl"``, ``"mpi"``, ``"ucc"``).
+        rpc_timeout: Default timeout of RPC calls, seconds.
+        rpc_threads: RPC worker threads serving incoming calls.
+        collective: Initialise the default process group (collectives). machin: ``init_dist``.
+            Static worlds only (gloo's groups are fixed at creation).
+        init_rpc: Initialise RPC (needed by RpcGroups and the servers).
+        dist_timeout: Timeout of start-up, collectives and group creation, seconds.
+        store: An existing ``TCPStore`` to use instead of ``init_method`` (e.g. the launcher's).
+        interface: Network interface that TensorPipe (RPC) and gloo (collectives) use on
+            this host, by name (``"eth0"``) or by one of its addresses. None:
+            ``MACHINLIKE_SOCKET_IFNAME`` when set, else ``TP_SOCKET_IFNAME`` /
+            ``GLOO_SOCKET_IFNAME`` each when set, else the interface this host reaches the
+            master through (``lo`` for a loopback master). The chosen one is ``interface``.
+        elastic: Join a world whose members come and go (see the module doc); static when False.
+        liveness: Seconds within which a member on another host that died without a
+            word is detected (its heartbeats in the store stop for 3/4 of it); a member
+            on this host is seen dead through ``/proc`` within a tick (``liveness / 8``,
+            at most 0.25 s). A live member silent for longer (stopped, starved of CPU,
+            holding the GIL) is declared lost too, and then told so on its every call.
+            None turns detection off. Default 10.
+        init_dist: machin's name for ``collective`` (wins over it when given).
+        dist_backend: machin's name for ``backend`` (wins over it when given).
+        dist_init_method: machin's name for ``init_method``, used when that is None.
+        rpc_init_method: machin's separate RPC rendezvous; there is one store, so it is
+            used as ``init_method`` only when neither of the two above is given.
+        same_host_shm: CPU tensors of RpcGroup calls between members on this host travel
+            through shared memory (see the RPC tutorial). False: always through TensorPipe.
+        shm_threshold: Bytes from which a tensor takes shared memory.
+        shm_cache_bytes: Bound, in bytes, of this process's recycled segments and, again,
+            of its cached mappings of peers' memory.
+
+    Attributes:
+        name: This process's member name.
+        rank: This process's rank.
+        incarnation: 1 for a member's first process, 2 for its first replacement, ...
+        rpc_timeout: Default timeout of RPC calls, seconds.
+        dist_timeout: Default timeout of start-up, barriers, collectives and group
+            creation, seconds.
+        interface: The interface TensorPipe uses on this host (None: its own guess from the
+            hostname, when neither a setting nor the route to the master tells).
+        elastic: Whether members may join and leave.
+        store_address: ``"tcp://host:port"`` of the world's store: what a process passes as
+            ``init_method`` to join an elastic world.
+
+    Raises:
+        ValueError, TypeError: invalid arguments (the message names the parameter), or
+            (elastic) a live member already has ``name``.
+        RuntimeError: this process already has a World.
+        OSError: rank 0 cannot listen on the master address and port (both named).
+        TimeoutError: the master (address and port named) cannot be reached, or some rank
+            did not arrive, within ``dist_timeout``.
+    """
+
+    def __init__(
+        self,
+        name: Optional[str] = None,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        *,
+        init_method: Optional[str] = None,
+        backend: str = "gloo",
+        rpc_timeout: float = 60.0,
+        rpc_threads: int = 16,
+        collective: bool = True,
+        init_rpc: bool = True,
+        dist_timeout: float = 60.0,
+        store: Optional[dist.Store] = None,
+        interface: Optional[str] = None,
+        elastic: bool = False,
+        liveness: Optional[float] = DEFAULT_LIVENESS,
+        init_dist: Optional[bool] = None,
+        dist_backend: Optional[str] = None,
+        dist_init_method: Optional[str] = None,
+        rpc_init_method: Optional[str] = None,
+        same_host_shm: bool = True,
+        shm_threshold: int = 1 << 20,
+        shm_cache_bytes: int = 1 << 30,
+    ) -> None:
+        self._settings: Settings = settings(
+            name, rank, world_size, init_method=init_method, backend=backend, rpc_timeout=rpc_timeout,
+            rpc_threads=rpc_threads, collective=collective, init_rpc=init_rpc, dist_timeout=dist_timeout,
+            store=store, interface=interface, elastic=elastic, liveness=liveness, init_dist=init_dist,
+            dist_backend=dist_backend, dist_init_method=dist_init_method, rpc_init_method=rpc_init_method,
+            same_host_shm=same_host_shm, shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
+        )
+        self._session = Session(self._settings)
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        with _state.lock:
+            if _state.current is not None:
+                raise RuntimeError(
+                    f"this process already has a World ({_state.current.name!r}); stop() it before creating another"
+                )
+            _state.current = self
+        try:
+            (start_elastic if self._settings.elastic else start_static)(self._session)
+        except BaseException:
+            self._teardown()
+            raise
+
+    # ------------------------------------------------------------------- accessors
+    # The attributes of the class docstring, read-only (no docstrings here: the class
+    # documents them once).
+    @property
+    def name(self) -> str:
+        return self._settings.name
+
+    @property
+    def rank(self) -> int:
+        return self._session.rank
+
+    @property
+    def incarnation(self) -> int:
+        return self._session.incarnation
+
+    @property
+    def rpc_timeout(self) -> float:
+        return self._settings.rpc_timeout
+
+    @property
+    def dist_timeout(self) -> float:
+        return self._settings.dist_timeout
+
+    @property
+    def liveness(self) -> Optional[float]:
+        return self._settings.liveness
+
+    @property
+    def elastic(self) -> bool:
+        return self._settings.elastic
+
+    @property
+    def interface(self) -> Optional[str]:
+        return self._session.interface
+
+    @property
+    def store_address(self) -> Optional[str]:
+        return self._session.store_address
+
+    @property
+    def _store_info(self) -> Optional[_rendezvous.StoreInfo]:
+        return self._session.store
+
+    def _network_hint(self) -> "contextlib.AbstractContextManager[None]":
+        return self._session.network_hint()
+
+    @property
+    def membership(self) -> Membership:
+        """This world's membership tables (live members, events, registry keys)."""
+        members = self._session.membership
+        if members is None:
+            raise RuntimeError(f"World {self.name!r} is not started")
+        return members
+
+    # Internal: what an RpcGroup handle of this World uses of it (its typed seam).
+    @property
+    def groups(self) -> GroupDirectory:
+        groups = self._session.groups
+        if groups is None:
+            raise RuntimeError(f"World {self.name!r} is not started")
+        return groups
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks of a static world; the number of live members of an elastic one."""
+        return len(self.membership.members()) if self.elastic else self._settings.size
+
+    def get_members(self) -> List[str]:
+        """Names of the live members of the world, sorted."""
+        return self.membership.members()
+
+    def get_incarnation(self, member: Optional[str] = None) -> Optional[int]:
+        """The incarnation of live ``member`` (None: this process); None when it is not live."""
+        return self.incarnation if member is None else self.membership.incarnation_of(member)
+
+    def get_ranks(self) -> List[int]:
+        """Ranks of the live members, sorted."""
+        return self.membership.roster.ranks()
+
+    def on_member_change(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Call ``callback(event)`` on every join, leave and loss from now on.
+
+        Callbacks run one at a time, in the world's event order, on this World's liveness
+        thread: keep them short and do not make blocking calls to other members there
+        (hand work to your own thread). An exception in a callback is logged and ignored.
+
+        Args:
+            callback: Takes a :class:`MemberEvent`.
+        """
+        if not callable(callback):
+            raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+        self.membership.subscribe(callback)
+
+    def remove_member_callback(self, callback: Callable[[MemberEvent], None]) -> None:
+        """Stop calling ``callback`` (no error if it was not registered)."""
+        self.membership.unsubscribe(callback)
+
+    def wait_for_members(self, members: Union[int, Sequence[str]], timeout: Optional[float] = None, *,
+                         gone: bool = False) -> List[str]:
+        """Block until the named members (or at least ``members`` members) are live.
+
+        Args:
+            members: Names that must all be live, or a number of live members to reach.
+            timeout: Seconds; None: ``dist_timeout``.
+            gone: Wait for the opposite instead: none of the named members is live (they
+                left or were lost; one that has not joined yet is not live either: to wait
+                for a departure, ``membership.gone(name)`` tells the two apart).
+
+        Returns:
+            The live members at that moment, sorted.
+
+        Raises:
+            TimeoutError: not reached within ``timeout`` (names what was missing).
+        """
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        if isinstance(members, int) and not isinstance(members, bool):
+            count = _checks.positive_int("members", members)
+            return self.membership.wait_until(lambda live: len(live) >= count, wait)
+        names = set(_checks.sequence_of_str("members", members))
+        if gone:
+            return self.membership.wait_until(lambda live: not names & set(live), wait)
+        return self.membership.wait_until(lambda live: names <= set(live), wait)
+
+    def __repr__(self) -> str:
+        state = "stopped" if self._stopped else "running"
+        kind = "elastic" if self.elastic else f"rank {self.rank}/{self._settings.size}"
+        return f"<World {self.name!r} {kind} {state}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a World belongs to its process and cannot be pickled; "
+                        "call machinlike.distributed.get_world() in the other process")
+
+    # ---------------------------------------------------------------------- groups
+    def create_rpc_group(self, group_name: Optional[str] = None, members: Optional[Sequence[str]] = None,
+                         timeout: Optional[float] = None, *, name: Optional[str] = None) -> RpcGroup:
+        """Create an RpcGroup; every member must call this, non-members must not.
+
+        Args:
+            group_name: Group name (no ``/`` or ``,``), reusable after every member
+                ``destroy()``-ed it. (``name=`` is accepted too.)
+            members: Member names of the world; must include this process. Every member
+                must pass the same names (in any order). None: an *open* group of whoever
+                is in the world, now or later; each process that calls this joins it at
+                once, without waiting for the others.
+            timeout: Seconds to wait for all members. None: ``dist_timeout``.
+
+        Returns:
+            This process's handle of the group.
+
+        Raises:
+            TypeError: ``group_name`` is not a str or ``members`` not a sequence of str.
+            ValueError: bad name, unknown or duplicate members, this process not among
+                them, members that passed different lists, or the group already exists
+                here.
+            RuntimeError: the World was created with ``init_rpc=False``, or is stopped.
+            TimeoutError: naming the members that never came.
+            PeerLostError: a member left or died while it was awaited (named).
+        """
+        self._require_live()
+        if name is not None:
+            if group_name is not None:
+                raise TypeError("pass the group's name once: group_name=... (machin) or name=...")
+            group_name = name
+        if group_name is None:
+            raise TypeError("create_rpc_group() needs group_name")
+        if not self._settings.rpc:
+            raise RuntimeError("this World was created with init_rpc=False; RpcGroups need RPC")
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        if members is None:
+            return open_group(self.groups, group_name)
+        return create_group(self.groups, group_name, _checks.sequence_of_str("members", members), wait)
+
+    def get_rpc_group(self, group_name: str) -> Optional[RpcGroup]:
+        """The RpcGroup ``group_name``: this process's own, else a handle if it exists, else None.
+
+        A handle of a group this process is not a member of can call its services and
+        read its values, but cannot register or pair.
+
+        Args:
+            group_name: Group name.
+
+        Returns:
+            The group, or None when no group of that name exists in the world.
+        """
+        return find_group(self.groups, group_name)
+
+    def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
+                                timeout: Optional[float] = None) -> CollectiveGroup:
+        """Create a collective group over ``ranks`` (global ranks); every process must call it.
+
+        Every process of the world calls it, members or not, with the same ranks and in
+        the same order as its other group creations (torch's rule for ``new_group``).
+
+        Args:
+            ranks: Global ranks of the members, distinct, in ``[0, world_size)``.
+            backend: Backend of the group (``"gloo"``, ``"nccl"``). None: the World's.
+            timeout: Timeout of the group's operations, seconds. None: ``dist_timeout``.
+
+        Returns:
+            The group; in a process outside ``ranks`` its ``is_member()`` is False.
+
+        Raises:
+            TypeError: ``ranks`` is not a sequence of int.
+            ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout.
+            RuntimeError: the World was created with ``collective=False`` or is elastic
+                (gloo groups are fixed at creation), or is stopped.
+        """
+        self._require_live()
+        if not self._settings.collective:
+            why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
+            raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
+        return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
+                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
+                                      retire=self._session.retired_groups.keep)
+
+    # -------------------------------------------------------------------- shutdown
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Leave the world.
+
+        Static world: gracefully when every peer stops too, else locally. Waits at most
+        ``timeout`` seconds for every member to call ``stop`` (a member known to be lost is
+        not waited for). When all did, RPC shuts down gracefully (pending calls finish);
+        otherwise, or when the graceful shutdown fails, locally.
+
+        Elastic world: this member's services and values are withdrawn, the others see it
+        leave, and RPC stops locally; the process hosting the store first waits (within
+        ``timeout``) for the other members to leave, since they need the store.
+
+        Calls this member still serves get what is left of ``timeout`` (at least 1 s) to
+        finish; one that takes longer (a service that blocks) does not hold the stop: its
+        caller gets an error and the RPC agent finishes shutting down in the background.
+
+        Safe to call twice; called on leaving a ``with World(...)`` block.
+
+        Args:
+            timeout: Seconds to wait for the peers. None: ``dist_timeout``.
+
+        Raises:
+            ValueError: ``timeout`` is not a positive number.
+        """
+        wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        deadline = time.monotonic() + wait
+        try:
+            if self.elastic:
+                leave_elastic(self._session, deadline)
+            else:
+                leave_static(self._session, deadline, wait)
+        except Exception as err:  # the local teardown below still has to happen
+            log.warning("World %r: stop did not complete (%s); tearing down locally", self.name, err)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        """Undo every start step, then free this process's World slot (always completes)."""
+        self._stopped = True
+        try:
+            self._session.close()
+        finally:
+            with _state.lock:
+                if _state.current is self:
+                    _state.current = None
+
+    def _require_live(self) -> None:
+        if self._stopped:
+            raise RuntimeError(f"World {self.name!r} has been stopped; create a new World")
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
