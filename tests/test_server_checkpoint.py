@@ -15,7 +15,7 @@ from machinlike.exception import PeerLostError
 from machinlike.server import (CheckpointError, OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl,
                                PushPullGradServerImpl)
 from machinlike.server._checkpoint import Checkpointer
-from machinlike.server._grad_checkpoint import PrimaryCheckpoint
+from machinlike.server._grad.checkpoint import PrimaryCheckpoint
 from machinlike.server._host import HostCheckpoint
 
 

@@ -14,15 +14,25 @@ These records carry no lock: the engine changes them with its lock held.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Protocol, Set
 
 from ._policy import Codec
 
 if TYPE_CHECKING:
-    from ._handle import WorkerHandle
     from ._result import Job
 
-__all__ = ["Function", "Task", "discard", "fail_tasks"]
+__all__ = ["Function", "FunctionHolder", "Task", "discard", "fail_tasks"]
+
+
+class FunctionHolder(Protocol):
+    """A worker a function is installed on, as the function's record sees it (a
+    ``WorkerHandle``; named through this protocol so that the records sit below it)."""
+
+    def is_dead(self) -> bool: ...
+
+    def drop(self, function: "Function") -> None: ...
+
+    def flush(self) -> None: ...
 
 
 class Function:
@@ -36,7 +46,7 @@ class Function:
         self.kept = kept  # shared storages named by `data`: alive until every load
         self.outstanding = 0
         self.final = False
-        self.holders: Set["WorkerHandle"] = set()
+        self.holders: Set[FunctionHolder] = set()
 
     def droppable(self) -> bool:
         """Final, and no chunk of it is queued or running."""

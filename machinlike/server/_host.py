@@ -2,7 +2,7 @@
 count of the members it saw come and go.
 
 Why: the ordered server (and the model server built on it, and the gradient server's
-primary, see ``_grad_checkpoint``) makes versions that its clients then hold. A host
+primary, see ``_grad.checkpoint``) makes versions that its clients then hold. A host
 restarted from a checkpoint older than its death must never show one of those numbers
 with other contents, yet writing every version to disk before acknowledging it would
 cost a synchronous write per push. So the host *leases* versions:

@@ -48,10 +48,10 @@ call ``flush()`` first to apply everything.
 
 Parts. :class:`PushPullGradServerImpl` is the entrance: it checks its arguments once and
 wires one member's parts, each owning its state: the reducers' state machine
-(``_reducer``, summing with ``_grad_items``), a secondary's link to the primary
-(``_grad_forward``), the primary's model and version chain (``_grad_primary``, with its
-checkpoint in ``_grad_checkpoint``), and the services the member registers
-(``_grad_services``). The accessor clients use is ``_grad_accessor``.
+(``_grad.reducer``, summing with ``_grad.items``), a secondary's link to the primary
+(``_grad.forward``), the primary's model and version chain (``_grad.primary``, with its
+checkpoint in ``_grad.checkpoint``), and the services the member registers
+(``_grad.services``). The accessor clients use is ``_grad.accessor``.
 """
 
 from __future__ import annotations
@@ -66,15 +66,16 @@ from ..distributed import MemberEvent, RpcGroup, get_world
 from ._checkpoint import CheckpointError
 from ._churn import Admission, Ledger
 from ._common import check_group, check_timeout, rpc_timeout
-from ._grad_accessor import PushPullGradServer
-from ._grad_checkpoint import PrimaryCheckpoint
-from ._grad_forward import Forwarder
-from ._grad_primary import ManagedModel
-from ._grad_services import ReducerServices
-from ._grad_settings import GradSettings, grad_settings
+from ._grad import PushPullGradServer
+from ._grad import PrimaryCheckpoint
+from ._grad import Forwarder
+from ._grad import ManagedModel
+from ._grad import ReducerServices
+from ._grad import GradSettings, grad_settings
 from ._host import host_checkpoint
-from ._hosted import Hosting, check_not_hosted
-from ._reducer import PrimaryReducer, SecondaryReducer, ServerStoppedError
+from ._grad import Hosting, check_not_hosted
+from ._errors import ServerStoppedError
+from ._grad import PrimaryReducer, SecondaryReducer
 from ._spec import check_module
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 

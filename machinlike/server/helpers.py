@@ -19,7 +19,7 @@ import torch
 
 from ..distributed import RpcGroup, get_world
 from ._common import check_count, check_group, check_name, check_timeout, current_world
-from ._grad_settings import grad_settings
+from ._grad import grad_settings
 from .grad import PushPullGradServerImpl
 from .model import PushPullModelServerImpl
 

@@ -7,7 +7,7 @@ Data flow::
     infer(x): rows along dim 0                       "<name>/infer", an asynchronous service:
       same host? large tensors into shared    ──►    a Request (rows, signature, caller,
       memory (a lent segment, no pickling)           deadline) queued; the RPC thread is free
-                                                     batcher thread (see _inference_batcher):
+                                                     batcher thread (see _inference.batcher):
                                                      join waiting rows of one signature up to
                                                      max_batch, waiting max_wait at most;
                                                      fn(batch) under no_grad; split the rows
@@ -42,9 +42,9 @@ from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
-from ._inference_batch import Inputs, check_inputs
-from ._inference_batcher import Batcher, Request
-from ._inference_model import ModelSlot, Puller
+from ._inference import Inputs, check_inputs
+from ._inference import Batcher, Request
+from ._inference import ModelSlot, Puller
 from ._spec import mismatch, spec_of
 from .model import PushPullModelServer
 

@@ -17,7 +17,7 @@ receiver puts it back::
 
 Why the receiver's own CUDA state decides: a CPU actor on a GPU machine must not get a
 CUDA context (hundreds of MB of GPU memory) because a learner sent it a tensor. Why
-staging and not ``_device_maps``: maps are fixed per agent at its start and need every
+staging and not ``_calls.device_maps``: maps are fixed per agent at its start and need every
 peer's devices then; staging works for any pair at any time, at the price of two copies
 (device to host, host to device). Maps can later replace it between members that declare
 their devices up front.
@@ -175,7 +175,7 @@ def encode(obj: Any, shm_threshold: int) -> Any:
 
 
 def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int) -> Tuple[Any, ...]:
-    """``(what, args, kwargs, shm_threshold)``: ``_samehost.outgoing`` for a process that
+    """``(what, args, kwargs, shm_threshold)``: ``_calls.samehost.outgoing`` for a process that
     initialised CUDA (the threshold also asks the callee to reply through shared memory)."""
     what, args, kwargs = call
     if args:

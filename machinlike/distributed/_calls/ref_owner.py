@@ -1,4 +1,4 @@
-"""The owner's side of remote handles (see ``_refs``): the entry points their calls run.
+"""The owner's side of remote handles (see ``_calls.refs``): the entry points their calls run.
 
 Every handle message lands here, on the member that owns the value, and finds it in this
 process's ``LocalTables`` (``_calls``): a paired value by its service id, a result in the

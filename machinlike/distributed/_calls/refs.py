@@ -25,7 +25,7 @@ here names a member and its incarnation, and finds the member's worker at each c
 
 Lifetimes: a paired value lives as long as its pairing (``unpair`` ends it: ``to_here``
 then raises ``KeyError``); a result lives while any handle to it lives, or until every
-member holding one is gone (see ``_results``).
+member holding one is gone (see ``_calls.results``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
     unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
 
 In a process that initialised CUDA, the same two hooks also stage CUDA tensors through
-pinned CPU memory, in the same walk (``_cuda_stage``).
+pinned CPU memory, in the same walk (``_calls.cuda_stage``).
 
 Nothing is decided by pickling hooks of torch's: a call to another host, or with the path
 turned off, sends exactly what it sent before.

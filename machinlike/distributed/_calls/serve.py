@@ -14,7 +14,7 @@ service or function on the callee and wrap the outcome:
 
 Values go back as they are, so tensors still travel in torch's tensor table (large CPU
 ones through shared memory when the caller passed a ``reply`` threshold, see
-``_samehost``); only an exception is wrapped, and it is rebuilt on the caller with its original type and the
+``_calls.samehost``); only an exception is wrapped, and it is rebuilt on the caller with its original type and the
 remote traceback chained as ``__cause__``. torch would instead turn it into a
 ``RuntimeError`` holding the traceback as text.
 """
@@ -43,7 +43,7 @@ class LocalTables:
         self.values: Dict[str, Any] = {}
         # Lets an owner forward a call for a key it no longer holds (registered_remote).
         self.resolve_owner: Optional[Callable[[str], Optional[str]]] = None
-        # Results kept here for remote handles (see _refs).
+        # Results kept here for remote handles (see _calls.refs).
         self.results = ResultTable()
 
 

@@ -20,8 +20,9 @@ import time
 from typing import Dict, Optional, Tuple
 
 from .._store import Keys
-from .._store import Registry, deadline_left
+from .._store import Registry
 from .._membership import Waits
+from ..._deadline import deadline_left
 
 __all__ = ["Barrier"]
 
@@ -31,7 +32,7 @@ class Barrier:
 
     Args:
         group: The group's name.
-        epoch: Its incarnation (see ``_keys``).
+        epoch: Its incarnation (see ``_store.keys``).
         members: Its members, sorted.
         incarnations: The incarnation each member must have (elastic worlds: one that
             came back is a new process, gone for this group); None: any.

@@ -2,7 +2,7 @@
 
 Owns no state of its own: it holds the group's identity and the parts a call needs, handed
 over when the group's parts are built. Arguments arrive checked (``RpcGroup`` is the
-public entrance); what leaves goes through ``_samehost.outgoing`` (large CPU tensors of a
+public entrance); what leaves goes through ``_calls.samehost.outgoing`` (large CPU tensors of a
 same-host call travel through shared memory: the ``[shm hook]`` lines) and, for a
 blocking call, through ``_calls.send.sync_call`` (a gone member fails at once, a silent host
 is ended by the liveness monitor), and an asynchronous one through ``_calls.send.send_call``
@@ -12,8 +12,8 @@ is ended by the liveness monitor), and an asynchronous one through ``_calls.send
                     answer "missing" (the cache was stale) ──► look the key up again and
                     call once more, within the same deadline (async: wait() does it)
     paired(key)     OwnerCache.value(key) ──► the owner says it holds the key ──► a
-                    handle naming the owner (_refs.PairedRef)
-    *_remote        the owner makes and keeps the result ──► a handle (_refs.ResultRef)
+                    handle naming the owner (_calls.refs.PairedRef)
+    *_remote        the owner makes and keeps the result ──► a handle (_calls.refs.ResultRef)
     run_*(to)       Roster.worker_of(to) ──► call that member's RPC worker
 
 Why one object for both kinds of call: the retry-once policy, the same-host hook and
@@ -34,9 +34,10 @@ from .._calls import serve as _serve
 from .._calls import RpcFuture, is_async, is_missing, send_call, sync_call, unwrap
 from .owners import OwnerCache
 from .._calls import PairedRef, ResultRef
-from .._store import deadline_left
+
 from .._membership import Roster
 from .._membership import Waits
+from ..._deadline import deadline_left
 
 __all__ = ["Caller"]
 

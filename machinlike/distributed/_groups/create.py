@@ -11,7 +11,7 @@ process's handles and each name's epoch) and leaves the new handle there::
     find_group(d, name)              this process's handle, else one built from the
                                      GroupRecord in the store, else None
 
-Why apart from ``_rpc_group``: creation is a protocol between members (store keys,
+Why apart from ``_groups.rpc_group``: creation is a protocol between members (store keys,
 waits, agreement), while the handle is what one process uses afterwards.
 """
 
@@ -22,9 +22,10 @@ from typing import Dict, Optional, Sequence
 
 from .directory import GroupDirectory
 from .._store import OPEN_EPOCH, GroupRecord, MemberRecord
-from .._store import deadline_left
+
 from .rpc_group import RpcGroup
 from ...exception import PeerLostError
+from ..._deadline import deadline_left
 
 __all__ = ["check_group_name", "create_group", "open_group", "find_group"]
 

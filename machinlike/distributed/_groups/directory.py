@@ -5,7 +5,7 @@ Owns this process's group handles by name and how many times each name was creat
 part of the world's :class:`~machinlike.distributed.Membership`, handed over once at
 start-up, so that a group never looks the World up:
 
-    Session ──► GroupDirectory ─┬─ keys, registry   the rg/ keys and their store (see _keys)
+    Session ──► GroupDirectory ─┬─ keys, registry   the rg/ keys and their store (see _store.keys)
                                 ├─ roster, waits    who is live; waits that fail fast
                                 ├─ claims, endpoint service/value keys; this member's worker
                                 ├─ tables           the services and values this process serves

@@ -9,8 +9,8 @@ so that a cached call is a single RPC round trip like a raw ``rpc_sync``::
                                                                  └─► cache it (or forget it)
     hold_* / drop_*             this member's own register / pair / withdraw (no look-up)
 
-Why a part of its own: the callers (``_group_caller``) read it on every call and correct
-it when an owner answers "missing"; the tables (``_group_tables``) write this member's
+Why a part of its own: the callers (``caller``) read it on every call and correct
+it when an owner answers "missing"; the tables (``tables``) write this member's
 own keys into it. Neither owns the other's state, and both see the same cache.
 
 No lock: each access is one dict operation (atomic under the GIL); two threads racing
@@ -20,7 +20,7 @@ most one more look-up.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional, TypeVar
 
 from .._membership import Claims
 from .._store import Keys, ServiceOwner
@@ -28,13 +28,24 @@ from .._membership import Roster
 
 __all__ = ["OwnerCache"]
 
+# What the cache holds per key: a ServiceOwner for a service, the RPC worker for a value.
+_Owner = TypeVar("_Owner", ServiceOwner, str)
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _service_worker(owner: ServiceOwner) -> str:
+    return owner.worker
+
 
 class OwnerCache:
     """The owners of one group incarnation's services and values, cached.
 
     Args:
         group: The group's name.
-        epoch: Its incarnation (see ``_keys``).
+        epoch: Its incarnation (see ``_store.keys``).
         keys: The world's keys (spells the store keys of the group's services and values).
         claims: Reads who holds a key.
         roster: Tells a gone RPC worker (its cached keys are looked up again).
@@ -69,16 +80,8 @@ class OwnerCache:
             PeerLostError: the world's store is gone (on a look-up).
             TimeoutError: the store did not answer within ``timeout``.
         """
-        if not refresh:
-            owner = self._services.get(key)
-            if owner is not None and not self._roster.worker_gone(owner.worker):
-                return owner  # the common case: no store round trip
-        held = self._claims.owner(self.service_key(key), timeout)
-        if held is None:
-            self._services.pop(key, None)
-            return None
-        owner = self._services[key] = ServiceOwner.decode(held)
-        return owner
+        return self._look_up(self._services, self.service_key(key), key, ServiceOwner.decode,
+                             _service_worker, refresh, timeout)
 
     def value(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[str]:
         """The RPC worker that paired ``key`` (cached unless ``refresh`` or gone), None if nobody.
@@ -90,16 +93,20 @@ class OwnerCache:
             PeerLostError: the world's store is gone (on a look-up).
             TimeoutError: the store did not answer within ``timeout``.
         """
+        return self._look_up(self._values, self.value_key(key), key, _same, _same, refresh, timeout)
+
+    def _look_up(self, cache: Dict[str, _Owner], store_key: str, key: str, decode: Callable[[str], _Owner],
+                 worker_of: Callable[[_Owner], str], refresh: bool, timeout: Optional[float]) -> Optional[_Owner]:
         if not refresh:
-            held = self._values.get(key)
-            if held is not None and not self._roster.worker_gone(held):
-                return held
-        held = self._claims.owner(self.value_key(key), timeout)
+            owner = cache.get(key)
+            if owner is not None and not self._roster.worker_gone(worker_of(owner)):
+                return owner  # the common case: no store round trip
+        held = self._claims.owner(store_key, timeout)
         if held is None:
-            self._values.pop(key, None)
-        else:
-            self._values[key] = held
-        return held
+            cache.pop(key, None)
+            return None
+        owner = cache[key] = decode(held)
+        return owner
 
     # ------------------------------------------------------ this member's own keys
     def hold_service(self, key: str, owner: ServiceOwner) -> None:

@@ -3,11 +3,11 @@
 Owns nothing but the references: it is the composition root of a handle, the one place
 that builds the parts from the World's :class:`GroupDirectory` and hands each its
 collaborators. ``RpcGroup`` holds one and builds a new one when the directory it uses
-changes (see ``_rpc_group``)::
+changes (see ``_groups.rpc_group``)::
 
     GroupDirectory ──► GroupParts ─┬─ owners    OwnerCache    (keys, claims, roster)
-                                   ├─ services  ServiceTable  (tables, claims, endpoint, owners)
-                                   ├─ values    ValueTable    (tables, claims, endpoint, owners)
+                                   ├─ services  OwnedKeys(SERVICES) (tables, claims, endpoint, owners)
+                                   ├─ values    OwnedKeys(VALUES)   (tables, claims, endpoint, owners)
                                    ├─ caller    Caller        (roster, waits, owners)
                                    └─ barrier   Barrier       (keys, registry, waits); None when open
 
@@ -25,7 +25,7 @@ from .barrier import Barrier
 from .caller import Caller
 from .directory import GroupDirectory
 from .owners import OwnerCache
-from .tables import ServiceTable, ValueTable
+from .tables import SERVICES, VALUES, OwnedKeys
 
 __all__ = ["GroupParts"]
 
@@ -53,8 +53,8 @@ class GroupParts:
         d = self.directory = directory
         sid = f"{name}/{epoch}/"  # a service id is sid + key (see _calls.LocalTables)
         self.owners = OwnerCache(name, epoch, d.keys, d.claims, d.roster)
-        self.services = ServiceTable(name, sid, d.name, d.tables, d.claims, d.endpoint, d.roster, self.owners)
-        self.values = ValueTable(name, sid, d.name, d.tables, d.claims, d.endpoint, d.roster, self.owners)
+        self.services = OwnedKeys(SERVICES, name, sid, d.name, d.tables, d.claims, d.endpoint, d.roster, self.owners)
+        self.values = OwnedKeys(VALUES, name, sid, d.name, d.tables, d.claims, d.endpoint, d.roster, self.owners)
         self.caller = Caller(name, sid, d.roster, d.waits, self.owners)
         self.barrier = None if members is None else Barrier(
             name, epoch, tuple(members), incarnations, d.name, d.keys, d.registry, d.waits)

@@ -3,28 +3,27 @@
 ``RpcGroup`` is the public façade (machin's names and keywords): it checks every argument
 once, at this entrance, and hands checked values to its parts. It owns the group's
 identity (name, members, epoch), whether it was destroyed here, and its
-``GroupParts`` (``_group_parts``) for the World in use: small objects that each own
+``GroupParts`` (``parts``) for the World in use: small objects that each own
 their state, built together and handed their collaborators in their constructors::
 
     RpcGroup (façade: checks, docstrings, destroyed?) ── GroupParts, for one World:
-      ├─ OwnerCache     who owns each service / value key, cached      _group_owners
-      ├─ ServiceTable   the services this member registered; its lock  _group_tables
-      ├─ ValueTable     the values this member paired; its lock        _group_tables
-      ├─ Caller         every call sent: to a key's owner, to a member _group_caller
-      └─ Barrier        this member's barrier rounds; its lock         _group_barrier
+      ├─ OwnerCache     who owns each service / value key, cached      owners
+      ├─ OwnedKeys      the services this member registered; its lock  tables (SERVICES)
+      ├─ OwnedKeys      the values this member paired; its lock        tables (VALUES)
+      ├─ Caller         every call sent: to a key's owner, to a member caller
+      └─ Barrier        this member's barrier rounds; its lock         barrier
 
 A handle that was unpickled or built by hand, or whose World stopped, uses the current
 World's directory at each use (as it always did); its parts are rebuilt when that
 directory changes, so no cache or round counter outlives its World. The hot path pays
-one identity test for it. Creating, opening and finding a group: ``_group_create``; the
-group's store keys: ``_keys`` (``rg/<group>/...``).
+one identity test for it. Creating, opening and finding a group: ``create``; the
+group's store keys: ``_store.keys`` (``rg/<group>/...``).
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
-
 
 from ... import _checks
 from .._calls import RpcFuture, prepare_call
@@ -137,7 +136,7 @@ class RpcGroup:
         _check_key(key)
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
-        self._usable(need_member=True).services.register(key, service)
+        self._usable(need_member=True).services.add(key, service)
 
     def deregister(self, key: str) -> None:
         """Withdraw a service this member registered.
@@ -149,7 +148,7 @@ class RpcGroup:
             KeyError: this member has not registered ``key``.
         """
         _check_key(key)
-        self._usable(need_member=True).services.deregister(key)
+        self._usable(need_member=True).services.withdraw(key)
 
     def is_registered(self, key: str) -> bool:
         """Whether any member holds a service under ``key`` (asks the store).
@@ -248,7 +247,7 @@ class RpcGroup:
             KeyError: ``key`` is already paired in the group (by any member).
         """
         _check_key(key)
-        self._usable(need_member=True).values.pair(key, value)
+        self._usable(need_member=True).values.add(key, value)
 
     def unpair(self, key: str) -> None:
         """Withdraw a value this member paired.
@@ -260,7 +259,7 @@ class RpcGroup:
             KeyError: this member has not paired ``key``.
         """
         _check_key(key)
-        self._usable(need_member=True).values.unpair(key)
+        self._usable(need_member=True).values.withdraw(key)
 
     def is_paired(self, key: str) -> bool:
         """Whether any member paired a value under ``key`` (asks the store).

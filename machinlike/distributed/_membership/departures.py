@@ -10,8 +10,8 @@ Nobody may need them when they go: a late member still declaring the incarnation
 elect itself again, and a view that still remembers the member as gone would meet a
 returning name whose incarnations restart at 1. So a departure's records are deleted
 only after ``LAG`` blocks of ``BLOCK`` later departures (18,432 by default): more than
-any view remembers (``_roster.GONE_KEPT``, 16,384) or the log's snapshots keep
-(``_event_log.GONE_KEPT``, 1,024)::
+any view remembers (``_membership.roster.GONE_KEPT``, 16,384) or the log's snapshots keep
+(``_membership.event_log.GONE_KEPT``, 1,024)::
 
     m/dep/n            counter: departures recorded
     m/dep/<j>          block j: member, incarnation, released keys (\x1f between), a line each

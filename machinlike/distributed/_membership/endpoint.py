@@ -26,7 +26,7 @@ workers share one; an agent reaches a worker through a pipe kept per *id*, so no
 current agent may still know an id's previous worker: every agent is recycled before
 a quarter of the id space has been handed out after it (:meth:`Endpoint.aged`), while
 an id comes round only after the whole space. machinlike's handles to remote values name
-members, not workers (see ``_refs``): nothing routes through torch's RRef context, which
+members, not workers (see ``_calls.refs``): nothing routes through torch's RRef context, which
 keeps the first agent's id tables for the life of the process.
 """
 
@@ -44,7 +44,8 @@ from .._store import Keys, MemberRecord
 from .._transport import ListenerWatch
 from .processes import alive_here, process_identity, tick_of
 from .._transport import PipeLedger
-from .._store import Registry, deadline_left
+from .._store import Registry
+from ..._deadline import deadline_left
 
 __all__ = ["Endpoint"]
 
@@ -73,7 +74,7 @@ class Endpoint:
         worker: The RPC worker it answers as (its name in a static world).
         renewals: How many times it renewed its RPC agent (its listener had closed).
         recycles: How many times it recycled its RPC agent (too many pipes to gone
-            workers; see _pipes).
+            workers; see _transport.pipes).
         pipes: The current agent's pipes (reset when the agent is replaced).
         first_worker: The worker of this incarnation's first agent that joined (its
             entry ``m/t/<worker>`` stays while the incarnation lives; see forget_retired).
@@ -218,13 +219,13 @@ class Endpoint:
         return self._join_args[2]
 
     def listener_closed(self) -> bool:
-        """Whether this member's RPC listener is known closed (see ``_listener``)."""
+        """Whether this member's RPC listener is known closed (see ``_transport.listener``)."""
         return self._listener is not None and self._listener.alive() is False
 
     def renew(self, recycle: bool = False, why: Optional[str] = None) -> MemberRecord:
         """Give this member a new RPC agent (and worker name): its listener closed, its
         agent stopped answering (``why`` says so), or (``recycle``) the agent holds too
-        many pipes to gone workers (see _pipes) or is a quarter of the id space old.
+        many pipes to gone workers (see _transport.pipes) or is a quarter of the id space old.
 
         Its incarnation stays; the caller moves its registry keys (``Claims.renewed``)
         and tells the others. The old agent keeps serving the connections it has (calls

@@ -1,6 +1,6 @@
 """What membership reports to its subscribers: :class:`MemberEvent`.
 
-Events are read from the world's log (see ``_keys.LogEntry``) and seen by every member in
+Events are read from the world's log (see ``_store.keys.LogEntry``) and seen by every member in
 the same order. No state.
 """
 

@@ -5,14 +5,14 @@ hands each its collaborators, and wires the one path they share: an event read f
 log is applied to the Roster, then ends the Waits that need a departed member, then
 reaches the subscribers.
 
-    Membership ─┬─ Registry   the store's tables, one round trip each          (_registry)
-                ├─ Roster     live members, workers, gone, callbacks; its lock (_roster)
+    Membership ─┬─ Registry   the store's tables, one round trip each          (_store.registry)
+                ├─ Roster     live members, workers, gone, callbacks; its lock (_membership.roster)
                 ├─ Waits      store waits and pending calls, ended when a
-                │             member they need goes                            (_waits)
-                ├─ Endpoint   this member: incarnation, RPC worker, listener   (_endpoint)
-                ├─ Claims     registry keys this member holds; their lock      (_claims)
-                ├─ EventLog   post / read the event log in one order           (_event_log)
-                └─ Monitor    the liveness thread; declares and frees the lost (_monitor)
+                │             member they need goes                            (_membership.waits)
+                ├─ Endpoint   this member: incarnation, RPC worker, listener   (_membership.endpoint)
+                ├─ Claims     registry keys this member holds; their lock      (_membership.claims)
+                ├─ EventLog   post / read the event log in one order           (_membership.event_log)
+                └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
 
     EventLog.catch_up ─► _deliver ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
 
@@ -25,7 +25,7 @@ given in their constructors; none reaches back into this root.
 
 Why the store and not RPC: the store is torch's C++ server, reachable while any member
 lives, and its compare-and-set gives one winner for every claim without a coordinator.
-Every key is spelled in ``_keys``.
+Every key is spelled in ``_store.keys``.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ from .processes import alive_here
 from .member_event import MemberEvent
 from .monitor import Monitor
 from .._transport import PipeLedger
-from .._store import Registry, deadline_left
+from .._store import Registry
+from ..._deadline import deadline_left
 from .roster import Roster
 from .waits import Waits
 
-# Gone workers this member's agent called before it recycles the agent (see _pipes): on
+# Gone workers this member's agent called before it recycles the agent (see _transport.pipes): on
 # one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
 # learner's agents well under ``ulimit -n 1024`` (benchmarks/soak.py) while a recycling
 # (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".

@@ -43,7 +43,8 @@ from .endpoint import Endpoint
 from .event_log import EventLog
 from .._store import Keys, MemberRecord
 from .processes import DEFAULT_LIVENESS, alive_here, tick_of
-from .._store import Registry, deadline_left
+from .._store import Registry
+from ..._deadline import deadline_left
 from .roster import Roster
 
 __all__ = ["Monitor"]

@@ -39,7 +39,7 @@ class Roster:
     """The world's members as this process has seen them (see the module doc)."""
 
     def __init__(self, pipes: PipeLedger) -> None:
-        #: The current agent's pipes: told of every worker that goes (see _pipes).
+        #: The current agent's pipes: told of every worker that goes (see _transport.pipes).
         self.pipes = pipes
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)

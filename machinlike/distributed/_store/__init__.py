@@ -13,10 +13,10 @@ from .keys import (
     GroupRecord, Keys, LogEntry, LOST_MARK, MemberRecord, OPEN_EPOCH, OwnedKey, rebind_holder,
     ServiceOwner, WOKEN_MARK,
 )
-from .registry import deadline_left, Registry
+from .registry import Registry
 
 __all__ = [
-    "connect_store", "deadline_left", "external_launcher", "GroupRecord", "host_store", "Keys",
+    "connect_store", "external_launcher", "GroupRecord", "host_store", "Keys",
     "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "OwnedKey", "rebind_holder", "Registry",
     "resolve_rank_and_size", "ServiceOwner", "WOKEN_MARK",
 ]

@@ -14,7 +14,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
     <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
-    <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _departures)
+    <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _membership.departures)
     <ns>w/{proc,name,ready,stop,left}/<rank>   static world start-up and stop  World
     <ns>rg/<group>/current           GroupRecord                                 RpcGroup
     <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
@@ -125,7 +125,7 @@ class Keys:
         return f"{self.ns}m/probe/{member}"
 
     def log_segment(self, k: int) -> str:
-        """Segment ``k`` of the event log (see ``_event_log``)."""
+        """Segment ``k`` of the event log (see ``_membership.event_log``)."""
         return f"{self.ns}m/log/{k}"
 
     def log_head(self) -> str:
@@ -223,7 +223,7 @@ class MemberRecord:
         incarnation: 1 for its first process, 2 for the first replacement, ...
         worker: Its RPC worker name (changes when it renews its agent).
         rank: Its rank.
-        identity: Its process identity (see ``_liveness.process_identity``).
+        identity: Its process identity (see ``_membership.processes.process_identity``).
     """
 
     member: str

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from typing import Iterable, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -28,14 +27,9 @@ import torch.distributed as dist
 from ...exception import PeerLostError
 from .lookups import BoundedLookups
 
-__all__ = ["Registry", "deadline_left"]
+__all__ = ["Registry"]
 
 _PROBE = "\x00probe"
-
-
-def deadline_left(deadline: float) -> float:
-    """Seconds left until a ``time.monotonic()`` deadline, never negative."""
-    return max(0.0, deadline - time.monotonic())
 
 
 class Registry:
@@ -62,7 +56,7 @@ class Registry:
         return store
 
     def close(self) -> None:
-        """End this process's look-up thread (see ``_bounded``); the store stays open."""
+        """End this process's look-up thread (see ``_store.lookups``); the store stays open."""
         self._lookups.close()
 
     def _lost(self, err: BaseException) -> PeerLostError:

@@ -7,7 +7,7 @@ went on). Only the member itself can tell a wedged agent from a slow peer, so it
 its own agent a no-op call, through the same listener, reactor and threads a peer's call
 takes; one unanswered within the bound means the agent is wedged, and the monitor renews
 it (a new agent has its own reactor and threads; the old one goes through the bounded
-shutdown of _agent_stop).
+shutdown of _transport.agent_stop).
 
 When: only once a call timed out, either this member's own (its agent may be the one
 wedged) or a peer's call to it (the peer bumps ``m/probe/<member>``; the monitor reads it

@@ -56,7 +56,8 @@ from .._membership import process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
 from .._membership import Membership
-from .._store import deadline_left
+from ..._deadline import deadline_left
+
 from .settings import Settings
 
 __all__ = ["Session", "Once", "start_static", "start_elastic"]

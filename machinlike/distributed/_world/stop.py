@@ -12,7 +12,7 @@ failed stop never keeps the process from building a new World.
                    waits for the others to leave -> RPC shutdown (local)
 
 RPC's shutdown waits for the calls this member still serves, within what is left of the
-stop's time (at least 1 s); a call that outlasts it does not hold the stop (_agent_stop).
+stop's time (at least 1 s); a call that outlasts it does not hold the stop (_transport.agent_stop).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 
-from .._store import deadline_left
+from ..._deadline import deadline_left
 from .session import Session
 
 __all__ = ["leave_static", "leave_elastic"]

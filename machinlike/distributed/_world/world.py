@@ -6,12 +6,12 @@ a running world by its address and a name, leave it, die and come back.
 
 A World holds two objects and a stop flag:
 
-    World ─┬─ Settings  the validated arguments, frozen                     (_settings)
-           └─ Session   what start-up built, each step with its undo        (_session)
+    World ─┬─ Settings  the validated arguments, frozen                     (_world.settings)
+           └─ Session   what start-up built, each step with its undo        (_world.session)
                           store, interface, Membership, RPC, process group
     World(...)  settings(...) -> claim this process's World slot -> start_static /
                 start_elastic(session); on failure session.close(), slot released
-    stop()      leave_static / leave_elastic (never past the deadline)     (_world_stop)
+    stop()      leave_static / leave_elastic (never past the deadline)     (_world.stop)
                 then, always: session.close(), slot released
 
 Here are the accessors, membership queries and group creation.
@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from ... import _checks
 from .._store import rendezvous as _rendezvous
-from . import current as _state
 from .._groups import CollectiveGroup
 from .._membership import DEFAULT_LIVENESS
 from .._membership import MemberEvent, Membership
@@ -38,10 +37,9 @@ from .._groups import create_group, find_group, open_group
 from .._groups import RpcGroup
 from .session import Session, start_elastic, start_static
 from .settings import Settings, settings
-from .current import get_cur_name, get_cur_rank, get_world, is_world_initialized
 from .stop import leave_elastic, leave_static
 
-__all__ = ["World", "MemberEvent", "get_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
+__all__ = ["World", "MemberEvent", "get_world", "require_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +145,7 @@ class World:
         self._session = Session(self._settings)
         self._stopped = False
         self._stop_lock = threading.Lock()
-        with _state.lock:
-            if _state.current is not None:
-                raise RuntimeError(
-                    f"this process already has a World ({_state.current.name!r}); stop() it before creating another"
-                )
-            _state.current = self
+        _claim_current(self)
         try:
             (start_elastic if self._settings.elastic else start_static)(self._session)
         except BaseException:
@@ -421,9 +414,7 @@ class World:
         try:
             self._session.close()
         finally:
-            with _state.lock:
-                if _state.current is self:
-                    _state.current = None
+            _release_current(self)
 
     def _require_live(self) -> None:
         if self._stopped:
@@ -434,3 +425,70 @@ class World:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()
+
+
+#: The running World of this process, None when there is none (World is its only writer).
+_current: Optional[World] = None
+#: Held while a World claims or releases ``_current``.
+_lock = threading.Lock()
+
+
+def _claim_current(world: World) -> None:
+    """Make ``world`` this process's World.
+
+    Raises:
+        RuntimeError: this process has one already.
+    """
+    global _current
+    with _lock:
+        if _current is not None:
+            raise RuntimeError(f"this process already has a World ({_current.name!r}); stop() it before creating another")
+        _current = world
+
+
+def _release_current(world: World) -> None:
+    """This process has no World any more, if ``world`` was it."""
+    global _current
+    with _lock:
+        if _current is world:
+            _current = None
+
+
+def require_world() -> World:
+    """This process's World.
+
+    Raises:
+        RuntimeError: there is none.
+    """
+    world = _current
+    if world is None:
+        raise RuntimeError("no World in this process: create one first, e.g. World(rank=..., world_size=...)")
+    return world
+
+
+def get_world() -> Optional[World]:
+    """This process's World, None if there is none (or it was stopped)."""
+    return _current
+
+
+def is_world_initialized() -> bool:
+    """Whether this process has a running World."""
+    return _current is not None
+
+
+def get_cur_rank() -> int:
+    """Rank of this process.
+
+    Raises:
+        RuntimeError: this process has no World.
+    """
+    return require_world().rank
+
+
+def get_cur_name() -> str:
+    """Member name of this process.
+
+    Raises:
+        RuntimeError: this process has no World.
+    """
+    return require_world().name

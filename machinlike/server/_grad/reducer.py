@@ -14,9 +14,9 @@ reduces it, hands the result on, and completes the flushes that are satisfied.
 Counters ``enqueued`` (items ever queued) and ``consumed`` (items processed) make a flush
 exact: a flush requested when ``enqueued == n`` completes once ``consumed >= n``.
 
-Both roles sum their batch with ``_grad_items.reduce_items``; a secondary hands the sum to
-its ``_grad_forward.Forwarder`` (one forward in flight, so it reduces the next batch while
-the previous one travels), the primary to ``_grad_primary.ManagedModel.apply``.
+Both roles sum their batch with ``_grad.items.reduce_items``; a secondary hands the sum to
+its ``_grad.forward.Forwarder`` (one forward in flight, so it reduces the next batch while
+the previous one travels), the primary to ``_grad.primary.ManagedModel.apply``.
 """
 
 from __future__ import annotations
@@ -28,17 +28,14 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ..exception import PeerLostError
-from ._grad_forward import Forwarder
-from ._grad_items import Grads, Item, completed, reduce_items
+from ...exception import PeerLostError
+from .._errors import ServerStoppedError
+from .forward import Forwarder
+from .items import Grads, Item, completed, reduce_items
 
-__all__ = ["ServerStoppedError", "SecondaryReducer", "PrimaryReducer"]
+__all__ = ["SecondaryReducer", "PrimaryReducer"]
 
 log = logging.getLogger(__name__)
-
-
-class ServerStoppedError(RuntimeError):
-    """A gradient server refused work because it is stopped or its reducer thread failed."""
 
 
 class _Reducer:

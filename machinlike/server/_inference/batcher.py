@@ -32,8 +32,8 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from ._inference_batch import Inputs, join, signature, split
-from ._reducer import ServerStoppedError
+from .batch import Inputs, join, signature, split
+from .._errors import ServerStoppedError
 
 __all__ = ["Request", "Batcher"]
 
@@ -54,7 +54,7 @@ class Request:
         timeout: Seconds from now after which the caller stops waiting.
         reply: Turns the result into what travels back (same-host encoding); None: as it is.
 
-    ``sig`` (see ``_inference_batch.signature``) is filled in when the request is queued:
+    ``sig`` (see ``_inference.batch.signature``) is filled in when the request is queued:
     one run at once on an idle server's RPC thread never needs it.
     """
 

@@ -1,6 +1,4 @@
-"""Tensor and storage reducers for :mod:`machinlike.pickle`: one table per tensor policy.
-
-Share policy (``copy_tensor=False``)::
+"""The share policy (``copy_tensor=False``) of :mod:`machinlike.pickle`::
 
     Tensor, Parameter ──> torch's reduce_tensor ──┬─ CUDA: IPC handle (torch; a device copy of a
                                                   │  tensor received through IPC: reduce_tensor_share)
@@ -9,10 +7,6 @@ Share policy (``copy_tensor=False``)::
     UntypedStorage (CPU) <───────────────────────────────────────────────────┘
         ├─ already shared by file descriptor ─> DupFd + fd rebuild (torch's fd path)
         └─ otherwise ─> named shared memory (torch's file_system path), multi-load
-
-Copy policy (``copy_tensor=True``): a plain strided tensor's elements go into the stream as
-one in-band pickle-5 buffer and come back as a new tensor; anything exotic (sparse,
-quantized, nested, conjugate views) takes torch's own by-value ``__reduce_ex__``.
 
 Why named shared memory even when the process's sharing strategy is "file_descriptor":
 a payload made with torch's fd path names a descriptor that a background thread of the
@@ -45,133 +39,26 @@ segment (as torch's own) and its claim file until torch's manager exits.
 
 from __future__ import annotations
 
-import atexit
-import collections
-import copyreg
-import multiprocessing.reduction
 import os
-import pickle
-import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
-from multiprocessing.reduction import ForkingPickler
+import multiprocessing.reduction
 from torch.multiprocessing import reductions as _torch_red
 
-__all__ = [
-    "DispatchTable",
-    "manager_primer",
-    "share_reducers",
-    "reduce_tensor_share",
-    "copy_reducers",
-    "undo_mark",
-    "undo_rollback",
-    "undo_release",
-]
+from .claims import first_load as _first_load, make_claim as _make_claim, take_claim as _take_claim
+from .table import DispatchTable, reduce_cuda_event, tensor_types, typed_storage_entries
+from .undo import note_undo as _note_undo
 
-
-class DispatchTable(dict):
-    """A reducer table layered over multiprocessing's and copyreg's registrations.
-
-    Own entries (the tensor policy) win; a miss falls through, live, to
-    ``ForkingPickler._extra_reducers`` (multiprocessing objects: connections, sockets;
-    torch's event reducer) and then to ``copyreg.dispatch_table``, so registrations made
-    after import are honoured. The C pickler looks types up with ``[]`` (``__missing__``),
-    the pure-Python pickler under dill with ``.get``; both paths are covered.
-    """
-
-    def __missing__(self, cls: type) -> Callable[[Any], Any]:
-        reducer = ForkingPickler._extra_reducers.get(cls)  # type: ignore[attr-defined]  # stdlib private
-        if reducer is None:
-            reducer = copyreg.dispatch_table[cls]  # KeyError: the pickler falls back
-        return reducer
-
-    def get(self, cls: type, default: Any = None) -> Any:
-        try:
-            return self[cls]
-        except KeyError:
-            return default
-
-
-# --------------------------------------------------------------------------------------
-# Undo ledger: a pickling pass that fails must not leave in-transit references behind
-# (the fast pass may be retried by the dill pass, which makes its own).
-
-class _Ledger(threading.local):
-    def __init__(self) -> None:
-        self.entries: List[Callable[[], object]] = []
-        self.depth = 0
-
-
-_ledger = _Ledger()
-
-
-def undo_mark() -> int:
-    """Enter a pickling pass on this thread; returns the ledger position to roll back to."""
-    ledger = _ledger
-    ledger.depth += 1
-    return len(ledger.entries)
-
-
-def undo_rollback(mark: int) -> None:
-    """Undo, newest first, what reducers did since ``mark``."""
-    entries = _ledger.entries
-    while len(entries) > mark:
-        undo = entries.pop()
-        try:
-            undo()
-        except Exception:  # best effort: the pickling error is what the caller reports
-            pass
-
-
-def undo_release() -> None:
-    """Leave a pickling pass; the outermost one forgets what succeeded."""
-    ledger = _ledger
-    ledger.depth -= 1
-    if ledger.depth == 0 and ledger.entries:
-        ledger.entries.clear()
-
-
-def _note_undo(undo: Callable[[], object]) -> None:
-    ledger = _ledger
-    if ledger.depth:
-        ledger.entries.append(undo)
-
-
-# --------------------------------------------------------------------------------------
-# Share policy: CPU storages.
-
-# Tokens of named-shared-memory payloads this process has loaded at least once. Bounded:
-# a payload reloaded after 65536 newer ones counts as a first load again, which costs at
-# worst an early unlink of the segment's name (live mappings stay valid).
-_LOADED_TOKENS_MAX = 1 << 16
-_loaded_tokens: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
-_loaded_tokens_lock = threading.Lock()
-
-
-def _after_fork_in_child() -> None:
-    global _loaded_tokens_lock
-    _loaded_tokens_lock = threading.Lock()  # another thread may have held it at fork
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _first_load(token: bytes) -> bool:
-    with _loaded_tokens_lock:
-        if token in _loaded_tokens:
-            _loaded_tokens.move_to_end(token)
-            return False
-        _loaded_tokens[token] = None
-        if len(_loaded_tokens) > _LOADED_TOKENS_MAX:
-            _loaded_tokens.popitem(last=False)
-        return True
+__all__ = ["manager_primer", "reduce_tensor_share", "share_reducers"]
 
 
 # Named shared memory needs torch's shared-memory manager, a helper process that each
 # process starts on its first named share (about 0.3 s: it loads libtorch) unless it is
 # already connected to one, which loading a storage someone else shared does.
 _uses_manager = False
+
+
 _primer: Optional[torch.UntypedStorage] = None
 
 
@@ -266,61 +153,6 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     return (_rebuild_storage_named, (manager, handle, size, token, claim))
 
 
-_CLAIM_DIR = "/dev/shm"
-_CLAIM_PREFIX = "machinlike_claim_"
-_swept_by = 0  # pid of the process that swept stale claims (once per process)
-
-
-def _make_claim(token: bytes, handle: bytes) -> Optional[str]:
-    """Create the claim file of a payload's in-transit reference; None where /dev/shm is
-    not writable (then every process's first load releases it, as torch's own path).
-
-    The file holds the segment's name, so a claim whose segment is gone (a payload never
-    loaded, once torch's manager exited) is known to be garbage and swept.
-    """
-    global _swept_by
-    if _swept_by != os.getpid():
-        _swept_by = os.getpid()
-        _sweep_claims()
-        atexit.register(_sweep_claims)
-    path = f"{_CLAIM_DIR}/{_CLAIM_PREFIX}{os.getpid()}_{token.hex()}"
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except OSError:
-        return None
-    try:
-        os.write(fd, handle)
-    finally:
-        os.close(fd)
-    return path
-
-
-def _sweep_claims() -> None:
-    """Remove claim files whose segment no longer exists (nobody can load their payload)."""
-    try:
-        names = [n for n in os.listdir(_CLAIM_DIR) if n.startswith(_CLAIM_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        path = f"{_CLAIM_DIR}/{name}"
-        try:
-            with open(path, "rb") as stream:
-                segment = stream.read().decode(errors="replace").lstrip("/")
-            if not segment or not os.path.exists(f"{_CLAIM_DIR}/{segment}"):
-                os.unlink(path)
-        except OSError:  # taken by a load meanwhile, or another user's
-            continue
-
-
-def _take_claim(path: str) -> bool:
-    """Whether this caller is the one that removed the claim file (exactly one is)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
 def _rebuild_storage_named(
     manager: bytes, handle: bytes, size: int, token: bytes, claim: Optional[str] = None
 ) -> torch.UntypedStorage:
@@ -383,92 +215,6 @@ def _cached_fd_storage(key: Tuple[int, int], cause: Optional[BaseException]) -> 
     ) from cause
 
 
-# --------------------------------------------------------------------------------------
-# Copy policy.
-
-
-def _is_plain_strided(tensor: torch.Tensor) -> bool:
-    return (
-        tensor.layout == torch.strided
-        and tensor.device.type in ("cpu", "cuda")
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and not tensor.is_conj()
-        and not tensor.is_neg()
-    )
-
-
-def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
-    # The array views the tensor's memory; PickleBuffer lets the pickler copy it straight
-    # into the stream (one copy), and the loader gets a bytearray it can wrap without copy.
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return pickle.PickleBuffer(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
-
-
-def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
-    if not _is_plain_strided(tensor):
-        return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    device = str(tensor.device)
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    if not data.is_contiguous():
-        data = data.contiguous()
-    return (
-        _rebuild_tensor_copy,
-        (type(tensor), _byte_view(data), tensor.dtype, tuple(tensor.shape), tensor.requires_grad, device),
-    )
-
-
-def _rebuild_tensor_copy(
-    cls: type, data: bytearray, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool, device: str
-) -> torch.Tensor:
-    if len(data) == 0:
-        tensor = torch.empty(shape, dtype=dtype)
-    else:
-        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch stubs
-    if device != "cpu":
-        tensor = tensor.to(device)
-    if cls is torch.nn.Parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad)
-
-
-def _reduce_storage_copy(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
-    device = str(storage.device)
-    if storage.device.type != "cpu":
-        storage = storage.cpu()
-    data = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return (_rebuild_storage_copy, (_byte_view(data), device))
-
-
-def _rebuild_storage_copy(data: bytearray, device: str) -> torch.UntypedStorage:
-    if len(data) == 0:
-        storage = torch.UntypedStorage(0)
-    else:
-        storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
-    if device != "cpu":
-        storage = storage.to(device=device)
-    return storage
-
-
-# --------------------------------------------------------------------------------------
-# Tables.
-
-
-def _tensor_types() -> List[type]:
-    return [torch.Tensor, torch.nn.Parameter, *torch._tensor_classes]
-
-
-def _typed_storage_entries() -> Dict[type, Callable[[Any], Any]]:
-    entries: Dict[type, Callable[[Any], Any]] = {torch.storage.TypedStorage: _torch_red.reduce_typed_storage}
-    for cls in torch._storage_classes:
-        if cls not in (torch.UntypedStorage, torch.storage.TypedStorage):
-            entries[cls] = _torch_red.reduce_typed_storage_child
-    return entries
-
-
 def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
     """torch's sharing reduction (CUDA: an IPC handle); a CUDA tensor this process itself
     received through CUDA IPC goes as a device copy.
@@ -492,29 +238,11 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
     return _torch_red.reduce_tensor(copy)
 
 
-def _reduce_cuda_event(event: Any) -> Tuple[Any, ...]:
-    """torch's reducer of a CUDA event (an IPC handle), under either of its names: torch
-    2.15 renamed ``reduce_event`` to ``_reduce_event`` when it took XPU events too."""
-    reduce = getattr(_torch_red, "reduce_event", None) or getattr(_torch_red, "_reduce_event")
-    return reduce(event)
-
-
 def share_reducers() -> DispatchTable:
     """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
-    table = DispatchTable(_typed_storage_entries())
-    for cls in _tensor_types():
+    table = DispatchTable(typed_storage_entries())
+    for cls in tensor_types():
         table[cls] = reduce_tensor_share
     table[torch.UntypedStorage] = _reduce_storage_share
-    table[torch.cuda.Event] = _reduce_cuda_event
+    table[torch.cuda.Event] = reduce_cuda_event
     return table
-
-
-def copy_reducers() -> DispatchTable:
-    """The copy policy's table: tensor and storage data by value."""
-    table = DispatchTable(_typed_storage_entries())
-    for cls in _tensor_types():
-        table[cls] = _reduce_tensor_copy
-    table[torch.UntypedStorage] = _reduce_storage_copy
-    table[torch.cuda.Event] = _reduce_cuda_event
-    return table
-

@@ -22,12 +22,12 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch.distributed import rpc
 
-from ..distributed import RpcGroup
-from ._grad_accessor import PushPullGradServer
-from ._grad_items import Item
-from ._grad_primary import ManagedModel
-from ._reducer import PrimaryReducer, SecondaryReducer
-from ._spec import Spec
+from ...distributed import RpcGroup
+from .accessor import PushPullGradServer
+from .items import Item
+from .primary import ManagedModel
+from .reducer import PrimaryReducer, SecondaryReducer
+from .._spec import Spec
 
 __all__ = ["ReducerServices"]
 

@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 
-from ._inference_batch import Inputs, to_device
-from .model import PushPullModelServer, get_version
+from .batch import Inputs, to_device
+from ..model import PushPullModelServer, get_version
 
 __all__ = ["ModelSlot", "Puller"]
 

@@ -1,7 +1,7 @@
 """The gradient-server shares this process hosts, so a client finds a secondary reducer of
 its own process and pushes to it without an RPC.
 
-Why a table of its own: the accessor (``_grad_accessor``) must reach a secondary hosted
+Why a table of its own: the accessor (``_grad.accessor``) must reach a secondary hosted
 next to it, and the host (``grad``) builds the accessor; a table both can import, which
 imports neither, keeps the two from importing each other::
 
@@ -20,8 +20,8 @@ import threading
 import weakref
 from typing import Optional, Tuple
 
-from ..distributed import RpcGroup
-from ._reducer import SecondaryReducer
+from ...distributed import RpcGroup
+from .reducer import SecondaryReducer
 
 __all__ = ["Hosting", "check_not_hosted", "hosted_secondary"]
 

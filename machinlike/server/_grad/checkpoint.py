@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ._checkpoint import CheckpointError
-from ._host import HostCheckpoint
-from ._spec import mismatch, spec_of
+from .._checkpoint import CheckpointError
+from .._host import HostCheckpoint
+from .._spec import mismatch, spec_of
 
 __all__ = ["PrimaryCheckpoint"]
 

@@ -11,10 +11,10 @@ gradients' accumulation dtype) and two helpers for the futures reducers hand out
 Every gradient dict of a batch adds into the first one (all queued tensors belong to the
 reducer: received through RPC, or cloned by a local client), in the gradient's dtype,
 float16/bfloat16 in float32. A secondary forwards ``(sum, count, versions)``; the
-primary sums those, and for "mean" divides by the total count once (in ``_grad_primary``).
+primary sums those, and for "mean" divides by the total count once (in ``_grad.primary``).
 
-Why apart from ``_reducer``: the reducers' state machine (queues, thread, flushes) and
-the maths of a batch change for different reasons; ``_grad_primary`` and the accessor
+Why apart from ``_grad.reducer``: the reducers' state machine (queues, thread, flushes) and
+the maths of a batch change for different reasons; ``_grad.primary`` and the accessor
 use these without the state machine.
 """
 

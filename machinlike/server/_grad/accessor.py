@@ -9,15 +9,15 @@ from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ..distributed import RpcGroup, get_world
-from ..exception import PeerLostError
-from ._common import check_group, check_members, check_name, check_timeout, rpc_timeout
-from ._hosted import hosted_secondary
-from ._grad_items import wait_future
-from ._reducer import SecondaryReducer
-from ._spec import Spec, check_module, mismatch, spec_of, uncastable
-from .model import get_version, set_version
-from .ordered import OrderedServerBase, OrderedServerSimple
+from ...distributed import RpcGroup, get_world
+from ...exception import PeerLostError
+from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
+from .hosted import hosted_secondary
+from .items import wait_future
+from .reducer import SecondaryReducer
+from .._spec import Spec, check_module, mismatch, spec_of, uncastable
+from ..model import get_version, set_version
+from ..ordered import OrderedServerBase, OrderedServerSimple
 
 __all__ = ["PushPullGradServer"]
 

@@ -15,9 +15,9 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
-from ..distributed import RpcGroup
-from ._common import check_count, check_members, check_name, check_timeout
-from .ordered import OrderedServerBase
+from ...distributed import RpcGroup
+from .._common import check_count, check_members, check_name, check_timeout
+from ..ordered import OrderedServerBase
 
 __all__ = ["GradSettings", "grad_settings"]
 

@@ -15,7 +15,7 @@ published, and the lag counters. Only the primary's reducer thread changes them 
 
 Why apart from ``grad``: the server's entrance wires roles, services and life cycle; the
 maths of a step and the version chain are one concept with its own state, and the
-checkpoint's ordering rules (see ``_grad_checkpoint``) live next to the only code that
+checkpoint's ordering rules (see ``_grad.checkpoint``) live next to the only code that
 publishes.
 """
 
@@ -27,11 +27,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ._churn import Ledger
-from ._grad_checkpoint import PrimaryCheckpoint
-from ._grad_items import Item
-from ._spec import Spec, spec_of
-from .ordered import OrderedServerBase, OrderedServerSimpleImpl
+from .._churn import Ledger
+from .checkpoint import PrimaryCheckpoint
+from .items import Item
+from .._spec import Spec, spec_of
+from ..ordered import OrderedServerBase, OrderedServerSimpleImpl
 
 __all__ = ["ManagedModel"]
 

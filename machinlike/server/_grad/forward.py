@@ -14,7 +14,7 @@ so it needs no lock (``stats`` reads two ints)::
                  thread fails with it); elastic world: the pushes are counted as
                  lost_forwarding and logged, for the primary may come back
 
-Why apart from ``_reducer``: where a partial sum goes and what its loss means is the
+Why apart from ``_grad.reducer``: where a partial sum goes and what its loss means is the
 server's wiring, not the queue-and-thread state machine; the reducer only sends.
 """
 
@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from ..distributed import RpcFuture, RpcGroup
-from ..exception import PeerLostError
-from ._grad_items import Item, wait_future
+from ...distributed import RpcFuture, RpcGroup
+from ...exception import PeerLostError
+from .items import Item, wait_future
 
 __all__ = ["Forwarder"]
 
