@@ -36,9 +36,10 @@ CLAIMED=(2.13.0 2.14.1 2.15.0)
 # sharing, collectives, RPC groups, servers, pools); a few minutes per torch.
 SMOKE=(tests/test_exports.py tests/test_pickle.py tests/test_collective.py tests/test_rpc_group.py
        tests/test_server_grad_machin.py tests/test_pool_tensors.py)
-# CI's subset (--ci): the public names, the pickler (torch's reducers) and the collectives
-# (the gloo ops that moved between releases), within CI's few minutes.
-CI_SMOKE=(tests/test_exports.py tests/test_pickle.py tests/test_collective.py)
+# CI's subset (--ci): the public names, the pickler (torch's reducers), the collectives
+# (the gloo ops that moved between releases) and the type check (torch's stubs change: 2.14's
+# typed a collective's Work as Optional), within CI's few minutes.
+CI_SMOKE=(tests/test_exports.py tests/test_pickle.py tests/test_collective.py tests/test_types.py)
 
 full=0
 ci=0
@@ -79,7 +80,7 @@ for v in "${versions[@]}"; do
   [ "${FRESH:-0}" = 1 ] && rm -rf "$env_dir"
   status=ok
   # Reused only when its install finished (a run killed mid-install leaves a half one).
-  [ -e "$env_dir/.installed" ] || rm -rf "$env_dir"
+  [ -e "$env_dir/.installed-mypy" ] || rm -rf "$env_dir"  # (-mypy: envs made before mypy was in them are remade)
   if [ ! -x "$env_dir/bin/python" ]; then
     echo "== torch $v: making $env_dir (log: $log)"
     # NumPy 2 breaks torch releases built before it (2.2 and older).
@@ -89,8 +90,8 @@ for v in "${versions[@]}"; do
     fi
     if ! { "$python" -m venv "$env_dir" &&
            PIP_CONSTRAINT="$no_cap" nice -n 10 "$env_dir/bin/pip" install -q --no-compile "torch==$v" "$numpy" \
-             "dill>=0.3.6" "pytest>=7.4" "pytest-timeout>=2.2" &&
-           touch "$env_dir/.installed"; } > "$log" 2>&1; then
+             "dill>=0.3.6" "pytest>=7.4" "pytest-timeout>=2.2" "mypy>=1.8" &&
+           touch "$env_dir/.installed-mypy"; } > "$log" 2>&1; then
       # (--no-compile: byte-compiling torch's thousands of modules up front costs a
       # minute; the tests compile what they import.)
       status="install failed"

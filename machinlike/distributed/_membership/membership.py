@@ -31,7 +31,6 @@ Every key is spelled in ``_store.keys``.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
@@ -48,31 +47,11 @@ from .._store import Keys, LogEntry, MemberRecord
 from .processes import alive_here
 from .member_event import MemberEvent
 from .monitor import Monitor
-from .._transport import PipeLedger
+from .._transport import PipeLedger, recycle_after
 from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
 from .waits import Waits
-
-# Gone workers this member's agent called before it recycles the agent (see _transport.pipes): on
-# one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
-# learner's agents well under ``ulimit -n 1024`` (benchmarks/soak.py) while a recycling
-# (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".
-RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
-DEFAULT_RECYCLE_AFTER = 8
-
-
-def recycle_after() -> int:
-    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (default 8; 0: never)."""
-    text = os.environ.get(RECYCLE_ENV, str(DEFAULT_RECYCLE_AFTER))
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{RECYCLE_ENV}={text!r} must be a whole number of gone workers (0: never recycle)") \
-            from None
-    if value < 0:
-        raise ValueError(f"{RECYCLE_ENV}={value} must be >= 0 (0: never recycle)")
-    return value
 
 __all__ = ["Membership", "MemberEvent"]
 

@@ -25,10 +25,33 @@ in the peers that called the old agent).
 
 from __future__ import annotations
 
+import os
+
 import threading
 from typing import Set
 
-__all__ = ["PipeLedger"]
+__all__ = ["PipeLedger", "RECYCLE_ENV", "DEFAULT_RECYCLE_AFTER", "recycle_after"]
+
+
+# Gone workers this member's agent called before it recycles the agent (see PipeLedger): on
+# one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
+# learner's agents well under ``ulimit -n 1024`` (benchmarks/soak.py) while a recycling
+# (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".
+RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
+DEFAULT_RECYCLE_AFTER = 8
+
+
+def recycle_after() -> int:
+    """The recycling threshold from ``MACHINLIKE_RECYCLE_AFTER`` (default 8; 0: never)."""
+    text = os.environ.get(RECYCLE_ENV, str(DEFAULT_RECYCLE_AFTER))
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{RECYCLE_ENV}={text!r} must be a whole number of gone workers (0: never recycle)") \
+            from None
+    if value < 0:
+        raise ValueError(f"{RECYCLE_ENV}={value} must be >= 0 (0: never recycle)")
+    return value
 
 
 class PipeLedger:
