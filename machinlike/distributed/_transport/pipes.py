@@ -26,7 +26,6 @@ in the peers that called the old agent).
 from __future__ import annotations
 
 import os
-
 import threading
 from typing import Set
 
