@@ -10,7 +10,7 @@ from typing import Any, Tuple
 
 import torch
 
-from .table import DispatchTable, reduce_cuda_event, tensor_types, typed_storage_entries
+from .table import DispatchTable, policy_table
 
 __all__ = ["copy_reducers"]
 
@@ -83,9 +83,4 @@ def _rebuild_storage_copy(data: bytearray, device: str) -> torch.UntypedStorage:
 
 def copy_reducers() -> DispatchTable:
     """The copy policy's table: tensor and storage data by value."""
-    table = DispatchTable(typed_storage_entries())
-    for cls in tensor_types():
-        table[cls] = _reduce_tensor_copy
-    table[torch.UntypedStorage] = _reduce_storage_copy
-    table[torch.cuda.Event] = reduce_cuda_event
-    return table
+    return policy_table(_reduce_tensor_copy, _reduce_storage_copy)

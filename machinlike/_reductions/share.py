@@ -47,7 +47,7 @@ import multiprocessing.reduction
 from torch.multiprocessing import reductions as _torch_red
 
 from .claims import first_load as _first_load, make_claim as _make_claim, take_claim as _take_claim
-from .table import DispatchTable, reduce_cuda_event, tensor_types, typed_storage_entries
+from .table import DispatchTable, policy_table
 from .undo import note_undo as _note_undo
 
 __all__ = ["manager_primer", "reduce_tensor_share", "share_reducers"]
@@ -240,9 +240,4 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
 
 def share_reducers() -> DispatchTable:
     """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
-    table = DispatchTable(typed_storage_entries())
-    for cls in tensor_types():
-        table[cls] = reduce_tensor_share
-    table[torch.UntypedStorage] = _reduce_storage_share
-    table[torch.cuda.Event] = reduce_cuda_event
-    return table
+    return policy_table(reduce_tensor_share, _reduce_storage_share)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch.multiprocessing import reductions as _torch_red
 
-__all__ = ["DispatchTable", "tensor_types", "typed_storage_entries", "reduce_cuda_event"]
+__all__ = ["DispatchTable", "policy_table", "tensor_types", "typed_storage_entries", "reduce_cuda_event"]
 
 
 class DispatchTable(dict):
@@ -52,3 +52,14 @@ def reduce_cuda_event(event: Any) -> Tuple[Any, ...]:
     2.15 renamed ``reduce_event`` to ``_reduce_event`` when it took XPU events too."""
     reduce = getattr(_torch_red, "reduce_event", None) or getattr(_torch_red, "_reduce_event")
     return reduce(event)
+
+
+def policy_table(tensor: Callable[[Any], Any], storage: Callable[[Any], Any]) -> DispatchTable:
+    """A policy's table: ``tensor`` for every tensor class, ``storage`` for untyped
+    storages, torch's reducers for typed storages and CUDA events."""
+    table = DispatchTable(typed_storage_entries())
+    for cls in tensor_types():
+        table[cls] = tensor
+    table[torch.UntypedStorage] = storage
+    table[torch.cuda.Event] = reduce_cuda_event
+    return table
