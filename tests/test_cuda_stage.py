@@ -132,6 +132,9 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
         def local(self, member):
             return True
 
+        def cuda_target(self, member):
+            return None  # the peer takes no CUDA IPC: staged, as tested here
+
     monkeypatch.setattr(_samehost, "_current", Local())
     big = torch.ones(1 << 12)
     what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))

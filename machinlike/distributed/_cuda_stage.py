@@ -17,10 +17,10 @@ receiver puts it back::
 
 Why the receiver's own CUDA state decides: a CPU actor on a GPU machine must not get a
 CUDA context (hundreds of MB of GPU memory) because a learner sent it a tensor. Why
-staging and not ``_device_maps``: maps are fixed per agent at its start and need every
+staging and not torch's device maps: maps are fixed per agent at its start and need every
 peer's devices then; staging works for any pair at any time, at the price of two copies
-(device to host, host to device). Maps can later replace it between members that declare
-their devices up front.
+(device to host, host to device). Between processes of one host that use the same GPUs,
+``_cuda_ipc`` replaces staging (the walk hands it those tensors: ``encode``'s ``ipc``).
 
 Limits, stated in the docs: tensors are found in lists, tuples and dicts (as the
 same-host path finds them), not inside other objects; views of one CUDA storage arrive
@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .._shm import encode_tensor as _shm_encode_tensor
+from . import _cuda_ipc
 
 __all__ = ["active", "encode", "outgoing", "walk", "stage_tensor", "lands_on"]
 
@@ -148,38 +149,56 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None) -> Any:
     return obj
 
 
-def encode(obj: Any, shm_threshold: int) -> Any:
-    """``obj`` with its CUDA tensors staged and, when ``shm_threshold`` > 0, its large CPU
-    tensors as same-host placeholders: both in one walk.
+def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) -> Any:
+    """``obj`` with its CUDA tensors through CUDA IPC (``ipc`` given) or staged and, when
+    ``shm_threshold`` > 0, its large CPU tensors as same-host placeholders: all in one walk.
 
     Args:
         shm_threshold: Bytes from which a CPU tensor goes through shared memory; 0: the
             peer is not on this host (CPU tensors stay as they are).
+        ipc: ``(device key, pid)`` of a receiver that takes CUDA tensors through IPC
+            (``_cuda_ipc``); None: they are staged.
 
     Returns:
-        ``obj`` itself when nothing was replaced. The staging copies are complete.
+        ``obj`` itself when nothing was replaced. The copies are complete.
     """
     pending: List[torch.device] = []
+    batch: Optional[_cuda_ipc.Batch] = None
+    refs: List[Any] = []
 
     def leaf(tensor: torch.Tensor) -> Any:
+        nonlocal batch
         if tensor.device.type == "cuda":
+            if ipc is not None and _cuda_ipc.eligible(tensor):  # [cuda ipc hook]
+                if batch is None:
+                    batch = _cuda_ipc.Batch(ipc)
+                ref = batch.add(tensor)
+                refs.append(ref)
+                return ref
             return stage_tensor(tensor, pending)
         if shm_threshold:
             return _shm_encode_tensor(tensor, shm_threshold)
         return tensor
 
     out = walk(obj, leaf)
+    if batch is not None:  # one slab per device; a device without one stages (counted)
+        batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
     return out
 
 
-def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int) -> Tuple[Any, ...]:
-    """``(what, args, kwargs, shm_threshold)``: ``_samehost.outgoing`` for a process that
-    initialised CUDA (the threshold also asks the callee to reply through shared memory)."""
+def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
+             ipc: Optional[Tuple[int, int]] = None) -> Tuple[Any, ...]:
+    """``(what, args, kwargs, reply terms)``: ``_samehost.outgoing`` for a process that
+    initialised CUDA. The terms ask the callee to reply through shared memory from
+    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
-    if args:
-        args = encode(args, shm_threshold)
-    if kwargs:
-        kwargs = encode(kwargs, shm_threshold)
-    return (what, args, kwargs, shm_threshold)
+    if ipc is not None and (args or kwargs):  # one walk: one slab per device for the call
+        args, kwargs = encode((args, kwargs), shm_threshold, ipc)
+    else:
+        if args:
+            args = encode(args, shm_threshold)
+        if kwargs:
+            kwargs = encode(kwargs, shm_threshold)
+    return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))

@@ -170,7 +170,7 @@ def _bind(session: Session, members: Membership) -> None:
 
     members.tables.resolve_owner = resolve_service_owner
     samehost = _samehost.SameHost(s.same_host_shm, s.shm_threshold, s.shm_cache_bytes,
-                                  members.roster.identity_of)  # [shm hook]
+                                  members.roster.identity_of, s.cuda_ipc_cache_bytes)  # [shm hook]
     _calls.bind_tables(members.tables)
     _samehost.bind(samehost)
     session._undo.callback(_unbind, samehost)
