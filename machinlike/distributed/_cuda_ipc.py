@@ -397,7 +397,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     device = torch.device("cuda", index)
     try:
         storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id, lambda: (
-            torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]  # torch internal
+            torch.UntypedStorage._new_shared_cuda(  # torch internal
                 index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)))
         with torch.cuda.device(index):
             raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)

@@ -80,7 +80,7 @@ class Slab:
         self.storage = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", index)).untyped_storage()
         # Torch internal, absent from its stubs. Called once per slab: each call wraps the
         # storage's memory in one more reference-counted context.
-        shared = self.storage._share_cuda_()  # type: ignore[attr-defined]
+        shared = self.storage._share_cuda_()
         self.handle: bytes = shared[1]
         self.offset: int = shared[3]
         self.counter: Tuple[bytes, int] = (shared[4], shared[5])
@@ -208,7 +208,7 @@ class ExportArea:
         # with a count above 0 in its limbo. No receiver counts (they open with
         # _NO_COUNTER), so this one release lets the memory go back to the allocator now.
         try:
-            torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)  # type: ignore[attr-defined]
+            torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)
         except Exception:  # best effort, as torch's own consumers do
             self.stats["counter_release_failed"] = self.stats.get("counter_release_failed", 0) + 1
         slab.storage = None  # type: ignore[assignment]
@@ -323,9 +323,9 @@ class OpenCache:
         while self._held > self.limit and len(self._opened) > 1:
             self._drop(next(iter(self._opened)))
             self.stats["evicted"] += 1
-        live = {key[0] for key in self._opened}
-        for key in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
-            del self._controls[key]
+        live = {opened_key[0] for opened_key in self._opened}
+        for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
+            del self._controls[control]
 
     def _drop(self, key: Key) -> None:
         opened = self._opened.pop(key)

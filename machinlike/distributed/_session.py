@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from . import _calls, _netif, _rendezvous, _samehost, _transport
+from . import _calls, _cuda_ipc, _netif, _rendezvous, _samehost, _transport
 from ._collective import RetiredGroups
 from ._keys import Keys, ServiceOwner
 from ._liveness import process_identity
@@ -174,6 +174,13 @@ def _bind(session: Session, members: Membership) -> None:
     _calls.bind_tables(members.tables)
     _samehost.bind(samehost)
     session._undo.callback(_unbind, samehost)
+    members.subscribe(_cuda_ipc_departure)  # [cuda ipc hook] a peer's slabs go when it does
+    session._undo.callback(members.unsubscribe, _cuda_ipc_departure)
+
+
+def _cuda_ipc_departure(event: Any) -> None:
+    if event.kind != "join":  # drops what dead or retired senders left opened here (no-op without CUDA)
+        _cuda_ipc.forget_dead()
 
 
 def _unbind(samehost: _samehost.SameHost) -> None:
