@@ -124,8 +124,10 @@ class ExportArea:
         return self._held
 
     def lent(self) -> int:
-        """Slabs lent now (a lease whose receiver neither freed it nor died)."""
+        """Slabs lent now (a lease whose receiver neither freed it nor died: those of
+        dead receivers are taken back first)."""
         with self._lock:
+            self._reclaim()
             return sum(1 for slab in self._slabs if self.words[slab.slot, 0] != FREE)
 
     def lease(self, index: int, nbytes: int, taker: int) -> Optional[Lease]:
