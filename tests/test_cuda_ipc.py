@@ -71,6 +71,37 @@ def test_a_process_without_cuda_has_key_zero_and_no_targets(ipc_on):
     assert _cuda_ipc.peer_target("anyone", os.getpid() + 1) is None  # asks nobody: no CUDA here
     assert _cuda_ipc._describe() == 0
     assert not torch.cuda.is_initialized()
+    _cuda_ipc.configure(0)
+    assert _cuda_ipc._describe() == -1  # the path is off here: never ask again
+
+
+@pytest.mark.parametrize("answer, counted, asks_again", [
+    (-1, "staged_peer_ipc_off", False),
+    (0, "staged_peer_without_cuda", True),    # no CUDA there yet: asked again after _RETRY_S
+    (99, "staged_peer_other_gpus", False),
+    (RuntimeError("gone"), "staged_probe_failed", False),
+])
+def test_peer_verdicts_are_kept_counted_and_retried_only_for_a_peer_without_cuda(monkeypatch, ipc_on, answer,
+                                                                                    counted, asks_again):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    asked = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        asked.append((member, fn.__name__, timeout))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(_cuda_ipc.rpc, "rpc_sync", rpc_sync)
+    before = _cuda_ipc.stats().get(counted, 0)
+    assert _cuda_ipc.peer_target("peer", os.getpid() + 1) is None
+    assert asked == [("peer", "_describe", _cuda_ipc._PROBE_TIMEOUT_S)]
+    assert _cuda_ipc.stats()[counted] == before + 1
+    assert _cuda_ipc.peer_target("peer", os.getpid() + 1) is None and len(asked) == 1  # kept
+    monkeypatch.setattr(_cuda_ipc.time, "monotonic", lambda: 1e12)
+    _cuda_ipc.peer_target("peer", os.getpid() + 1)
+    assert len(asked) == (2 if asks_again else 1)
+    assert _cuda_ipc.peer_target("me", os.getpid()) is None and len(asked) == (2 if asks_again else 1)  # never itself
 
 
 # ----------------------------------------------------------------------- settings
@@ -87,6 +118,13 @@ def _resolve(**over):
 def test_bad_cuda_ipc_cache_bytes_is_named(bad):
     with pytest.raises(ValueError, match=r"cuda_ipc_cache_bytes=.*int >= 0"):
         _resolve(cuda_ipc_cache_bytes=bad)
+
+
+def test_world_names_a_bad_cuda_ipc_cache_bytes_before_connecting():
+    from machinlike.distributed import World
+
+    with pytest.raises(ValueError, match=r"cuda_ipc_cache_bytes=-1 must be an int >= 0 \(bytes; 0 stages"):
+        World("x", 0, 1, cuda_ipc_cache_bytes=-1)
 
 
 def test_cuda_ipc_cache_bytes_defaults_and_zero():

@@ -36,6 +36,7 @@ in a different order (``CUDA_VISIBLE_DEVICES``), stage. Between hosts nothing ch
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import operator
 import os
@@ -63,6 +64,7 @@ _PEERS_KEPT = 4096
 _lock = threading.Lock()
 _limit = 0
 _area: Optional[ExportArea] = None
+_exit_hook = False
 _opened: Optional[OpenCache] = None
 _key: Optional[int] = None
 _counts: Dict[str, int] = {}
@@ -103,11 +105,21 @@ def close() -> None:
 
 
 def _export_area() -> ExportArea:
-    global _area
+    global _area, _exit_hook
     with _lock:
         if _area is None:
             _area = ExportArea(_limit)
+            if not _exit_hook:  # once, lazily: a process that exits without stopping its World
+                _exit_hook = True  # retires its slabs itself (torch would report them as leaked)
+                atexit.register(_close_at_exit)
         return _area
+
+
+def _close_at_exit() -> None:
+    try:
+        close()
+    except Exception:  # interpreter exit: CUDA may already be torn down
+        pass
 
 
 def _open_cache() -> OpenCache:
@@ -147,13 +159,12 @@ def local_key() -> int:
         return _key
     if not torch.cuda.is_initialized():
         return 0
-    try:
-        uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
-    except Exception:  # a torch without device UUIDs: never IPC (counted)
-        _count("staged_no_device_uuid")
-        _key = 0
-        return 0
-    digest = hashlib.blake2b("|".join(uuids).encode(), digest_size=5).digest()
+    names = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        # A torch without device UUIDs: names and sizes (the probe still proves each peer).
+        names.append(str(getattr(props, "uuid", None) or f"{props.name}/{props.total_memory}/{i}"))
+    digest = hashlib.blake2b("|".join(names).encode(), digest_size=5).digest()
     _key = int.from_bytes(digest, "little") | 1
     return _key
 
@@ -182,8 +193,9 @@ def reply_target(reply: int) -> Optional[Tuple[int, int]]:
 
 
 def _describe() -> int:
-    """(Remote) this process's key when it may receive through IPC; 0: stage to it."""
-    return local_key() if _limit > 0 else 0
+    """(Remote) this process's key when it may receive through IPC; 0: not yet (no CUDA
+    initialised); -1: never (the path is off here)."""
+    return local_key() if _limit > 0 else -1
 
 
 def _probe(tensors: List[torch.Tensor], caller: int) -> Any:
@@ -216,6 +228,10 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
     except Exception:
         _note_peer(member, 0, None)
         _count("staged_probe_failed")
+        return None
+    if theirs < 0:
+        _note_peer(member, 0, None)
+        _count("staged_peer_ipc_off")
         return None
     if theirs == 0:
         _note_peer(member, 0, time.monotonic() + _RETRY_S)  # no CUDA there yet
