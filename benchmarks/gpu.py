@@ -241,9 +241,12 @@ def _pulls_body(world: Any, repeats: int) -> Any:
 
 
 # ---------------------------------------------------------------- machinlike: churn
-def _reserved() -> int:
+def _reserved() -> Tuple[int, int]:
+    """The server's reserved GPU memory, and the part its CUDA IPC export slabs hold."""
+    from machinlike.distributed import _cuda_ipc
+
     torch.cuda.synchronize()
-    return torch.cuda.memory_reserved()
+    return torch.cuda.memory_reserved(), _cuda_ipc.stats().get("area_held_bytes", 0)
 
 
 def _churn_body(world: Any, pushes: int, victims: int) -> Any:
@@ -374,11 +377,11 @@ def main() -> int:
     done = churn(pushes, victims)
     pusher, survivor = done["pusher"], done["survivor"]
     if isinstance(pusher, dict) and isinstance(survivor, dict):
-        first, last = pusher["first"], pusher["last"]
+        (first, _), (last, slabs) = pusher["first"], pusher["last"]
         rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
                      f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
-                     f"flat: {last / first:.2f}x (<= 1.10); survivor's slowest pull "
-                     f"{survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
+                     f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
+                     f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
     else:
         rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
                      f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))

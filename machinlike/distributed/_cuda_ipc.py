@@ -412,9 +412,17 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         )
     device = torch.device("cuda", index)
     try:
-        storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id, lambda: (
-            torch.UntypedStorage._new_shared_cuda(  # torch internal
-                index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)))
+        try:
+            storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id, lambda: (
+                torch.UntypedStorage._new_shared_cuda(  # torch internal
+                    index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)))
+        except Exception as exc:  # the probe opened this sender's memory once; now it cannot
+            _count("open_failed")
+            raise RuntimeError(
+                f"cannot open the CUDA memory process {pid} exported for this call (cuda:{index}, "
+                f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
+                f"CUDA tensors through the CPU instead"
+            ) from exc
         with torch.cuda.device(index):
             raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             out: List[torch.Tensor] = []
