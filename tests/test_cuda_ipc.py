@@ -327,3 +327,111 @@ def test_a_ref_pickles_its_group_once():
 def test_only_strided_unquantized_tensors_are_eligible(sparse):
     tensor = torch.ones(2, 2).to_sparse() if sparse else torch.ones(2)
     assert _cuda_ipc.eligible(tensor) is (not sparse)
+
+
+# ------------------------------------------------- the whole path over CPU memory
+# The CUDA operations of _cuda_ipc are a handful of named functions; over CPU memory (one
+# process, the slab found by its "handle") the rest runs for real: offsets and views,
+# the control page through /proc, leases ended by the receiver, pickling.
+_HANDLES = {}
+
+
+class _CpuSlab(_FakeSlab):
+    def __init__(self, slot, ident, index, capacity):
+        super().__init__(slot, ident, index, capacity)
+        self.storage = torch.empty(capacity, dtype=torch.uint8).untyped_storage()
+        _HANDLES[self.handle] = self.storage
+
+
+@pytest.fixture
+def over_cpu(monkeypatch, ipc_on):
+    import contextlib
+
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _CpuSlab)
+    monkeypatch.setattr(_cuda_ipc, "_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(_cuda_ipc, "_synchronize", lambda device: None)
+    monkeypatch.setattr(_cuda_ipc, "_device_guard", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_cuda_ipc, "_cuda_ready", lambda: True)
+    opened = []
+
+    def open_shared(index, handle, capacity, offset):
+        opened.append(handle)
+        return _HANDLES[handle]
+
+    monkeypatch.setattr(_cuda_ipc, "_open_shared", open_shared)
+    yield opened
+    _HANDLES.clear()
+
+
+def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sent = {"a": x, "t": x.t(), "h": x.half()[1:3], "b": x > 5, "i": torch.tensor(7), "e": torch.zeros(0, 4),
+            "p": torch.nn.Parameter(torch.ones(3)), "g": torch.ones(2, requires_grad=True),
+            "c": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), "d": torch.arange(5, dtype=torch.float64)}
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    memo = {}
+    refs = {key: memo.setdefault(id(t), batch.add(t)) for key, t in sent.items()}
+    refs["again"] = refs["a"]  # the same tensor twice: one copy, arriving twice
+    pending = []
+    leases = batch.commit(list(memo.values()), lambda t, p: pytest.fail("staged"), pending)
+    assert len(leases) == 1 and pending == [torch.device("cpu")]  # one slab for the message
+    area = _cuda_ipc._area
+    assert area.lent() == 1
+    data = pickle.dumps(refs)
+    assert data.count(b"_receive_group") == 1
+    x.fill_(-1)  # the sender reuses its tensor once the call returned (the copy is in the slab)
+    back = pickle.loads(data)
+    assert area.lent() == 0  # the receiver ended the lease once it had copied out
+    for key, tensor in sent.items():
+        got = back[key]
+        expected = torch.arange(24, dtype=torch.float32).reshape(4, 6) if key == "a" else tensor
+        if key == "t":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+        if key == "h":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6).half()[1:3]
+        if key == "b":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6) > 5
+        assert type(got) is type(tensor) and got.dtype == tensor.dtype and got.shape == tensor.shape, key
+        assert torch.equal(got.detach(), expected.detach()), key
+        assert got.requires_grad == tensor.requires_grad and got.grad_fn is None, key
+        assert got.untyped_storage().data_ptr() != area._slabs[0].storage.data_ptr()  # its own memory
+    assert back["again"] is back["a"]
+    assert len(over_cpu) == 1
+    pickle.loads(pickle.dumps(_cuda_ipc.export([torch.ones(3)], (5, os.getpid()))[0]))
+    assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
+    counts = _cuda_ipc.stats()
+    assert counts["sent_tensors"] >= 10 and counts["received_tensors"] >= 10 and counts["opened_opened"] == 1
+
+
+def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    assert torch.equal(pickle.loads(data)[0], torch.ones(3))
+    with pytest.raises(RuntimeError, match="were released before this receiver loaded them"):
+        pickle.loads(data)  # a second read of the same lease
+
+
+def test_a_sender_that_closed_its_area_is_named(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    _cuda_ipc.close()  # the World stopped: every slab retired, the control page closed
+    with pytest.raises(RuntimeError, match="closed it before this receiver loaded its tensors"):
+        pickle.loads(data)  # a receiver that never mapped the control page
+
+
+def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    pickle.loads(pickle.dumps(refs))  # maps the control page
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    _cuda_ipc.close()
+    with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
+        pickle.loads(data)

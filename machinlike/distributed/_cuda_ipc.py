@@ -268,6 +268,31 @@ def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
             _peers.popitem(last=False)
 
 
+# ------------------------------------------------------------- device operations
+# The few CUDA operations of this module, by name: the CPU tests run the rest of the
+# path (offsets, views, leases, pickling) over CPU memory by replacing these.
+def _device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _device_guard(index: int) -> Any:
+    return torch.cuda.device(index)
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_initialized()
+
+
+def _open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
+    # torch internal: opens (or finds open) the allocation behind ``handle``; no
+    # reference count (_NO_COUNTER) and no event (the sender synchronised before sending)
+    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
+
+
 # ----------------------------------------------------------------------- sender
 def eligible(tensor: torch.Tensor) -> bool:
     """Whether a CUDA tensor may cross through a slab (else it is staged)."""
@@ -336,7 +361,7 @@ class Batch:
                         ref.staged = stage(group.tensors[ref.i], pending)
                 continue
             leases.append(lease)
-            device = torch.device("cuda", group.index)
+            device = _device(group.index)
             if device not in pending:
                 pending.append(device)
         return leases
@@ -359,7 +384,7 @@ class Batch:
             return None
         slab = lease.slab
         try:
-            raw = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", group.index)).set_(slab.storage)
+            raw = torch.empty(0, dtype=torch.uint8, device=_device(group.index)).set_(slab.storage)
             items = []
             for start, tensor in zip(layout, group.tensors):
                 nbytes = tensor.nbytes
@@ -372,10 +397,11 @@ class Batch:
             _count("staged_export_failed")
             _count(f"staged_export_failed:{type(exc).__name__}")
             return None
-        group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
-                                          group.index, slab.handle, slab.offset, slab.capacity, tuple(items)))
         _count("sent_tensors", len(group.tensors))
         _count("sent_bytes", offset)
+        group.tensors = []  # copied: the message no longer holds the sender's tensors
+        group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
+                                          group.index, slab.handle, slab.offset, slab.capacity, tuple(items)))
         return lease
 
 
@@ -389,7 +415,7 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
     pending: List[torch.device] = []
     leases = batch.commit(refs, stage_tensor, pending)
     for device in pending:
-        torch.cuda.current_stream(device).synchronize()
+        _synchronize(device)
     return refs, leases
 
 
@@ -397,7 +423,7 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
                    offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
     """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``."""
-    if not torch.cuda.is_initialized():  # the sender checked; never initialise CUDA for it
+    if not _cuda_ready():  # the sender checked; never initialise CUDA for it
         raise RuntimeError(
             f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
             f"initialised CUDA (a stale verdict of the sender's); nothing was received"
@@ -410,12 +436,11 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
             f"(slab {slot}: the lease ended or the sender's World stopped)"
         )
-    device = torch.device("cuda", index)
+    device = _device(index)
     try:
         try:
-            storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id, lambda: (
-                torch.UntypedStorage._new_shared_cuda(  # torch internal
-                    index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)))
+            storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id,
+                                    lambda: _open_shared(index, handle, capacity, offset))
         except Exception as exc:  # the probe opened this sender's memory once; now it cannot
             _count("open_failed")
             raise RuntimeError(
@@ -423,7 +448,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
                 f"CUDA tensors through the CPU instead"
             ) from exc
-        with torch.cuda.device(index):
+        with _device_guard(index):
             raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
             out: List[torch.Tensor] = []
             total = 0
@@ -438,7 +463,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 elif requires_grad:
                     own.requires_grad_(True)
                 out.append(own)
-            torch.cuda.current_stream(device).synchronize()  # copied out before the lease ends
+            _synchronize(device)  # copied out before the lease ends
     finally:
         if int(row[0]) == lease:
             row[0] = 0  # FREE: the sender may lend the slab again
