@@ -133,11 +133,12 @@ def test_cuda_ipc_cache_bytes_defaults_and_zero():
 
 
 def test_samehost_configures_and_stops_the_path():
-    host = _samehost.SameHost(True, 1 << 20, 1 << 20, lambda member: None, 1 << 20)
+    # (1 GiB: the World's default bound of the shm caches, which SameHost sets process-wide)
+    host = _samehost.SameHost(True, 1 << 20, 1 << 30, lambda member: None, 1 << 20)
     assert _cuda_ipc.enabled()
     host.close()
     assert not _cuda_ipc.enabled()
-    host = _samehost.SameHost(False, 1 << 20, 1 << 20, lambda member: None, 1 << 20)
+    host = _samehost.SameHost(False, 1 << 20, 1 << 30, lambda member: None, 1 << 20)
     assert not _cuda_ipc.enabled()  # same_host_shm=False: the same-host paths are off, CUDA's too
     host.close()
 
@@ -432,6 +433,6 @@ def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
     refs = [batch.add(torch.ones(3))]
     batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
     data = pickle.dumps(refs)
-    _cuda_ipc.close()
+    _cuda_ipc._area.close()  # the sender's World stopped (the receiver, here the same process, keeps its page)
     with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
         pickle.loads(data)
