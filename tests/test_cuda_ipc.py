@@ -436,3 +436,47 @@ def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
     _cuda_ipc._area.close()  # the sender's World stopped (the receiver, here the same process, keeps its page)
     with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
         pickle.loads(data)
+
+
+def _loopback(monkeypatch, mangle=None):
+    """rpc_sync to a peer that is this very process: arguments and result pickled both ways."""
+    calls = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        calls.append(fn.__name__)
+        args = pickle.loads(pickle.dumps(args))
+        out = fn(*args)
+        data = pickle.dumps(out)
+        return pickle.loads(mangle(data) if mangle else data)
+
+    monkeypatch.setattr(_cuda_ipc.rpc, "rpc_sync", rpc_sync)
+    return calls
+
+
+def test_the_probe_crosses_both_ways_and_the_verdict_is_kept(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+    calls = _loopback(monkeypatch)
+    peer = os.getpid() + 1  # (a pid that is not ours: the verdict is about the member name)
+    assert _cuda_ipc.peer_target("peer", peer) == (77, peer)
+    assert calls == ["_describe", "_probe"]
+    assert _cuda_ipc.peer_target("peer", peer) == (77, peer) and len(calls) == 2  # kept
+    assert _cuda_ipc._area.lent() == 0  # both probe leases ended by their receivers
+    packed = _cuda_ipc.terms(1 << 20, (77, peer))
+    assert _cuda_ipc.reply_target(packed) is None  # (the caller is this process: never to itself)
+
+
+def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+
+    def broken(member, fn, args=(), timeout=None):
+        if fn.__name__ == "_describe":
+            return 77
+        raise RuntimeError("cudaIpcOpenMemHandle failed: invalid device context")
+
+    monkeypatch.setattr(_cuda_ipc.rpc, "rpc_sync", broken)
+    before = _cuda_ipc.stats().get("staged_probe_failed", 0)
+    assert _cuda_ipc.peer_target("peer", os.getpid() + 1) is None
+    assert _cuda_ipc.stats()["staged_probe_failed"] == before + 1
+    assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back

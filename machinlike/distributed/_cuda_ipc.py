@@ -201,7 +201,7 @@ def _describe() -> int:
 def _probe(tensors: List[torch.Tensor], caller: int) -> Any:
     """(Remote) the probe's second half: check what arrived, send it back through IPC."""
     probe = tensors[0]
-    if probe.device.type != "cuda" or not bool((probe == torch.arange(16, device=probe.device)).all()):
+    if probe.device != _device(probe.device.index) or not bool((probe == torch.arange(16, device=probe.device)).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
     refs, _ = export([probe], (local_key(), caller))
     return refs
@@ -241,7 +241,7 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, None)
         _count("staged_peer_other_gpus")
         return None
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = _device(_current_index())
     refs, leases = export([torch.arange(16, device=device)], (mine, pid))
     try:
         back = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
@@ -285,6 +285,10 @@ def _device_guard(index: int) -> Any:
 
 def _cuda_ready() -> bool:
     return torch.cuda.is_initialized()
+
+
+def _current_index() -> int:
+    return torch.cuda.current_device()
 
 
 def _open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
