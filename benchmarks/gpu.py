@@ -92,7 +92,8 @@ def _raw_worker(rank: int, port: int, repeats: int, out: Any) -> None:
     torch.cuda.set_device(0)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=16,
                                               rpc_timeout=120)
-    options.set_device_map(str(1 - rank), {0: 0})  # the hand-written map a user of raw torch writes
+    if rank == 0:
+        options.set_device_map("1", {0: 0})  # the hand-written map a user of raw torch writes
     rpc.init_rpc(str(rank), rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         big, small = _mb(ECHO_MB), _mb(SMALL_MB)
