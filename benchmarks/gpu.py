@@ -278,7 +278,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
         for i in range(pushes):
             model.weight.data.fill_(i)
             assert server.push(model)
-            if i == 10:
+            if i == min(pushes - 1, 100):  # every puller busy (the first victim dies after 0.5 s)
                 first = group.registered_sync("reserved")
         out = {"first": first, "last": group.registered_sync("reserved")}
     elif name == "survivor":

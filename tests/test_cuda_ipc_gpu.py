@@ -192,20 +192,21 @@ def _killed_body(world):
         assert finished.wait(240)
         return None
     if name.startswith("victim"):
-        delay = 0.3 + int(name[len("victim"):]) * 0.3
+        delay = 1.0 + int(name[len("victim"):]) * 0.3
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()  # mid-transfer, one by one
         while True:
             group.registered_sync("give", (1,), timeout=30)
     # the survivor
     slowest, mark = 0.0, None
-    deadline = time.monotonic() + 0.3 + _VICTIMS * 0.3 + 2.0  # past the last death
+    begin = time.monotonic()
+    deadline = begin + 1.0 + _VICTIMS * 0.3 + 2.0  # past the last death
     i = 0
     while time.monotonic() < deadline:
         start = time.perf_counter()
         got = group.registered_sync("give", (i,), timeout=30)
         slowest = max(slowest, time.perf_counter() - start)
         assert got.device.type == "cuda" and float(got[0]) == float(got[-1]) == i
-        if i == 3:
+        if mark is None and time.monotonic() - begin > 0.8:  # every puller busy, none dead yet
             mark = group.registered_sync("memory")
         i += 1
     world.membership.wait_until(lambda live: all(world.get_incarnation(f"victim{v}") >= 2 or
