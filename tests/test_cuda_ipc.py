@@ -247,7 +247,20 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
     assert cache.forget_dead() == 2 and len(cache) == 0 and cache.held_bytes() == 0
     dead = _dead_pid()
     cache.storage((dead, b"d", 0), 2 << 20, words, 0, int(words[0, 2]), opener)
-    assert len(cache) == 0  # a dead owner's slab is not kept
+    assert cache.forget_dead() == 1 and len(cache) == 0  # a dead owner's slab goes (departure, next opening)
+
+
+def test_gone_openings_are_dropped_before_a_new_one_opens(area):
+    # A retired slab's handle is closed first: new memory may come behind the same bytes.
+    cache = _cuda_ipc_area.OpenCache(1 << 30)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    order = []
+    cache.storage((os.getpid(), b"a", 0), 2 << 20, words, slab.slot, slab.ident, lambda: order.append("open a"))
+    area.close()
+    cache.storage((os.getpid(), b"b", 0), 2 << 20, words, slab.slot, -7,
+                  lambda: order.append(f"open b with {len(cache)} opened"))
+    assert order == ["open a", "open b with 0 opened"]
 
 
 def test_a_control_page_of_a_gone_sender_is_named():

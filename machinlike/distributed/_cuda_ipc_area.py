@@ -23,8 +23,9 @@ cheaply from the CPU.
 
 Receiver (``OpenCache``): opening a handle costs milliseconds, so an opened slab is kept,
 keyed by ``(owner pid, handle, offset)``, bounded by ``limit`` bytes of slab capacity
-(least recently used goes first). On each new opening it forgets slabs whose owner died
-or retired them. An opening holds no reference count of torch's (``_NO_COUNTER``): the
+(least recently used goes first). Before each new opening it forgets slabs whose owner
+died or retired them (so that a retired slab's handle is closed before new memory behind
+the same handle bytes is opened), and so does a member's departure. An opening holds no reference count of torch's (``_NO_COUNTER``): the
 owner decides when a slab is gone (it retires it), and a receiver that is SIGKILLed
 leaves no count behind that would pin the owner's memory forever.
 
@@ -306,6 +307,10 @@ class OpenCache:
             if found is not None and found.ident == ident and not found.retired():
                 self._opened.move_to_end(key)
                 return found.storage
+            # First: a retired slab's handle must be closed before a slab that took its
+            # place is opened (torch finds an open handle by its bytes, and the memory
+            # behind equal bytes may be new).
+            self._drop_gone()
         storage = opener()
         with self._lock:
             old = self._opened.pop(key, None)
@@ -314,17 +319,16 @@ class OpenCache:
             self._opened[key] = _Opened(storage, capacity, words, slot, ident)
             self._held += capacity
             self.stats["opened"] += 1
-            self._trim()
+            while self._held > self.limit and len(self._opened) > 1:
+                self._drop(next(iter(self._opened)))
+                self.stats["evicted"] += 1
         return storage
 
-    def _trim(self) -> None:
+    def _drop_gone(self) -> None:
         for key, opened in list(self._opened.items()):
             if opened.retired() or not pid_alive(key[0]):
                 self._drop(key)
                 self.stats["dropped_dead_or_retired"] += 1
-        while self._held > self.limit and len(self._opened) > 1:
-            self._drop(next(iter(self._opened)))
-            self.stats["evicted"] += 1
         live = {opened_key[0] for opened_key in self._opened}
         for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
             del self._controls[control]
@@ -338,7 +342,7 @@ class OpenCache:
         """Drop what dead or retired owners left here; returns how many openings went."""
         with self._lock:
             before = len(self._opened)
-            self._trim()
+            self._drop_gone()
             return before - len(self._opened)
 
     def forget_all(self) -> None:
