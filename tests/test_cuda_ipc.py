@@ -79,7 +79,7 @@ def test_a_process_without_cuda_has_key_zero_and_no_targets(ipc_on):
     (-1, "staged_peer_ipc_off", False),
     (0, "staged_peer_without_cuda", True),    # no CUDA there yet: asked again after _RETRY_S
     (99, "staged_peer_other_gpus", False),
-    (RuntimeError("gone"), "staged_probe_failed", False),
+    (RuntimeError("gone"), "staged_probe_unanswered", True),  # asked again after _UNANSWERED_RETRY_S
 ])
 def test_peer_verdicts_are_kept_counted_and_retried_only_for_a_peer_without_cuda(monkeypatch, ipc_on, answer,
                                                                                     counted, asks_again):

@@ -23,7 +23,8 @@ When IPC is used (else staging, as before, counted in ``stats``):
   - requests: the callee proved it once (``peer_target``): it answers its *device key*
     (a digest of its visible GPUs' UUIDs, in order; 0 without CUDA) equal to ours, then a
     probe tensor crosses both ways. A callee that had not initialised CUDA is asked again
-    after ``_RETRY_S``: CUDA is never initialised in it for our sake;
+    after ``_RETRY_S`` (CUDA is never initialised in it for our sake), one that did not
+    answer after ``_UNANSWERED_RETRY_S``; a failed probe stages for good;
   - replies: the caller put its key and pid into the call's reply terms (``terms``), which
     it does only for a callee that passed the probe; the callee checks the key is its own.
 Anything else (no room in the area, a tensor that is sparse or quantized, an export that
@@ -59,6 +60,7 @@ _KEY_SHIFT = 80
 _ALIGN = 512  # each tensor's offset in a slab: any dtype's alignment, and the copy kernels'
 _RETRY_S = 2.0  # a peer without CUDA (yet) is asked again after this many seconds
 _PROBE_TIMEOUT_S = 5.0
+_UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is asked again after this
 _PEERS_KEPT = 4096
 
 _lock = threading.Lock()
@@ -225,9 +227,9 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         return None
     try:
         theirs = rpc.rpc_sync(member, _describe, timeout=_PROBE_TIMEOUT_S)
-    except Exception:
-        _note_peer(member, 0, None)
-        _count("staged_probe_failed")
+    except Exception:  # not answered (busy, or going): this call stages, a later one asks again
+        _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+        _count("staged_probe_unanswered")
         return None
     if theirs < 0:
         _note_peer(member, 0, None)
