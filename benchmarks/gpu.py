@@ -219,7 +219,7 @@ def _pulls_body(world: Any, repeats: int) -> Any:
     impl = PushPullModelServerImpl("model", group) if world.rank == 0 else None
     group.barrier()
     server = group.get_paired("model").to_here()
-    model = _Big(MODEL_MB) if world.rank >= 1 else None
+    model: Any = _Big(MODEL_MB) if world.rank >= 1 else None
     spans: List[Tuple[float, float]] = []
     for round_ in range(1 + repeats):  # the first round warms up (probes, slabs, openings)
         if world.rank == 1:
@@ -260,7 +260,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
         return None  # a killed puller's replacement: nothing more to do
     group = world.create_rpc_group("gpu_churn", ["server", "pusher", "survivor"] + [f"victim{i}" for i in range(victims)])
     finished = threading.Semaphore(0)
-    impl = None
+    impl: Any = None
     if name == "server":
         impl = PushPullModelServerImpl("model", group)
         group.register("reserved", _reserved)
@@ -319,7 +319,9 @@ def pool_round_trips(repeats: int) -> Dict[str, float]:
 
     tensor = torch.zeros(MODEL_MB * 1024 * 1024 // 4, device="cuda")
     out: Dict[str, float] = {}
-    for label, kwargs in (("share", {"is_copy_tensor": False, "share_method": "cuda"}), ("copy", {})):
+    configs: List[Tuple[str, Dict[str, Any]]] = [("share", {"is_copy_tensor": False, "share_method": "cuda"}),
+                                                 ("copy", {})]
+    for label, kwargs in configs:
         with Pool(1, **kwargs) as pool:
             out[label] = _median_seconds(lambda: pool.apply(touch, (tensor,)), repeats)
     return out
@@ -332,6 +334,18 @@ def _rate(megabytes: float, seconds: Optional[float]) -> str:
 
 def _ms(seconds: Optional[float]) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def _section(name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None with the error printed: one failing section leaves the others' figures."""
+    start = time.monotonic()
+    try:
+        out = fn()
+    except BaseException as err:  # (a TimeoutError of launch included)
+        say(f"{name}: FAILED after {time.monotonic() - start:.0f} s: {type(err).__name__}: {str(err)[:300]}")
+        return None
+    say(f"{name}: done in {time.monotonic() - start:.0f} s")
+    return out
 
 
 def main() -> int:
@@ -349,48 +363,57 @@ def main() -> int:
     rows: List[Tuple[str, str, str, str, str]] = []
     moved = 2 * ECHO_MB  # there and back
 
-    raw = raw_rpc(repeats)
-    say(f"raw torch RPC, map {{0: 0}}: 64 MB echo {_rate(moved, raw['echo'])}, 1 MB echo {_ms(raw['small'])}, "
-        f"empty call {_ms(raw['call'])}")
-    mp = mp_echo(repeats)
-    say(f"torch.multiprocessing CUDA IPC: 64 MB echo {_rate(moved, mp['echo'])}, 1 MB echo {_ms(mp['small'])}")
-    ours = launch(_echo_body, 2, args=(repeats,), timeout=300, rpc_timeout=120)[0]
-    say(f"machinlike stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
+    raw = _section("raw torch RPC with a map", lambda: raw_rpc(repeats)) or {}
+    say(f"  64 MB echo {_rate(moved, raw.get('echo'))}, 1 MB echo {_ms(raw.get('small'))}, "
+        f"empty call {_ms(raw.get('call'))}")
+    mp = _section("torch.multiprocessing CUDA IPC", lambda: mp_echo(repeats)) or {}
+    say(f"  64 MB echo {_rate(moved, mp.get('echo'))}, 1 MB echo {_ms(mp.get('small'))}")
+    ours = _section("machinlike echoes and push", lambda: launch(_echo_body, 2, args=(repeats,), timeout=300,
+                                                                 rpc_timeout=120)[0]) or {}
+    say(f"  stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
     if "echo" in ours:
-        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", _rate(moved, ours["echo"]), _rate(moved, raw["echo"]),
-                     _rate(moved, mp["echo"]), f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)"))
-        rows.append((f"{SMALL_MB} MB CUDA echo round trip", _ms(ours["small"]), _ms(raw["small"]), _ms(mp["small"]),
-                     "<= 0.3 ms"))
+        ratio = f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)" if "echo" in raw else "(no raw figure)"
+        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", _rate(moved, ours["echo"]),
+                     _rate(moved, raw.get("echo")), _rate(moved, mp.get("echo")), ratio))
+        rows.append((f"{SMALL_MB} MB CUDA echo round trip", _ms(ours["small"]), _ms(raw.get("small")),
+                     _ms(mp.get("small")), "<= 0.3 ms"))
     else:
-        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", "fails", _rate(moved, raw["echo"]),
-                     _rate(moved, mp["echo"]), ours["echo_error"]))
-    rows.append(("call with no tensor", _ms(ours["call"]), _ms(raw["call"]), "-",
-                 f"{ours['call'] / raw['call']:.2f}x raw (CPU box: benchmarks/rpc.py --quick)"))
-    rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
-    say(rows[-1][0] + ": " + rows[-1][1])
+        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", "fails", _rate(moved, raw.get("echo")),
+                     _rate(moved, mp.get("echo")), str(ours.get("echo_error", "see above"))))
+    if "call" in ours:
+        ratio = f"{ours['call'] / raw['call']:.2f}x raw" if "call" in raw else ""
+        rows.append(("call with no tensor", _ms(ours["call"]), _ms(raw.get("call")), "-",
+                     ratio + " (the CPU box's figure: benchmarks/rpc.py --quick)"))
+    if "push" in ours:
+        rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
+        say("  " + rows[-1][0] + ": " + rows[-1][1])
 
-    spans = launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),), timeout=300, rpc_timeout=120)[2:]
-    rounds = [max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(1, len(spans[0]))]
-    rows.append((f"pulls of one {MODEL_MB} MB version into {PULLERS} processes, in all", _ms(statistics.median(rounds)),
-                 "-", "-", "<= 30 ms"))
-    say(rows[-1][0] + ": " + rows[-1][1])
+    spans = _section(f"pulls into {PULLERS}", lambda: launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),),
+                                                             timeout=300, rpc_timeout=120)[2:])
+    if spans:
+        rounds = [max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(1, len(spans[0]))]
+        rows.append((f"pulls of one {MODEL_MB} MB version into {PULLERS} processes, in all",
+                     _ms(statistics.median(rounds)), "-", "-", "<= 30 ms"))
+        say("  " + rows[-1][0] + ": " + rows[-1][1])
 
-    done = churn(pushes, victims)
-    pusher, survivor = done["pusher"], done["survivor"]
-    if isinstance(pusher, dict) and isinstance(survivor, dict):
-        (first, _), (last, slabs) = pusher["first"], pusher["last"]
-        rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
-                     f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
-                     f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
-                     f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
-    else:
-        rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
-                     f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
-    say(rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
+    done = _section("churn", lambda: churn(pushes, victims))
+    if done:
+        pusher, survivor = done["pusher"], done["survivor"]
+        if isinstance(pusher, dict) and isinstance(survivor, dict):
+            (first, _), (last, slabs) = pusher["first"], pusher["last"]
+            rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
+                         f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
+                         f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
+                         f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
+        else:
+            rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
+                         f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
+        say("  " + rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
 
-    pool = pool_round_trips(repeats)
-    rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
-                 _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
+    pool = _section("pool", lambda: pool_round_trips(repeats))
+    if pool:
+        rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
+                     _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

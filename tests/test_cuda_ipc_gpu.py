@@ -24,7 +24,7 @@ from machinlike.testing import world_test
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-_KEPT = {}
+_KEPT: dict = {}
 
 
 def _cuda_here() -> None:
@@ -68,7 +68,7 @@ def test_tensors_cross_by_ipc_are_owned_and_can_be_sent_on(world):
     group.barrier()
     if me == "0":
         x = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
-        payload = {"a": x, "t": x.t(), "h": x.half()[:3], "b": x > 5, "i": torch.tensor(7, device="cuda"),
+        payload: dict = {"a": x, "t": x.t(), "h": x.half()[:3], "b": x > 5, "i": torch.tensor(7, device="cuda"),
                    "e": torch.zeros(0, 4, device="cuda"), "p": nn.Parameter(torch.ones(3, device="cuda")),
                    "g": torch.ones(2, device="cuda", requires_grad=True), "same": [x, x], "cpu": torch.ones(3)}
         back = group.registered_sync("echo/1", (payload,))
@@ -134,7 +134,7 @@ def test_model_and_inference_servers_stay_on_the_gpu(world):
     _cuda_here()
     me = world.name
     group = world.create_rpc_group("servers", ["0", "1", "2"])
-    impls = []
+    impls: list = []
     if me == "0":
         impls = [PushPullModelServerImpl("model", group), InferenceServerImpl("infer", group, _double_rows)]
         group.register("stats", _cuda_ipc.stats)
@@ -225,7 +225,7 @@ def test_pullers_sigkilled_mid_transfer_hang_nobody_and_leak_no_gpu_memory():
     assert len(result.restarts) == _VICTIMS and all("SIGKILL" in r.cause for r in result.restarts), result.restarts
     out = result[1]
     assert out["slowest"] < 5.0, out  # nothing waited out a timeout
-    (reserved_mark, _, held_mark), (reserved_end, lent_end, held_end) = out["mark"], out["end"]
+    (reserved_mark, _, _), (reserved_end, lent_end, held_end) = out["mark"], out["end"]
     assert lent_end == 0, out  # no lease is held for a dead process
     assert held_end <= (_VICTIMS + 2) * (_SLAB_MB << 20), out  # the area did not grow per death
     assert reserved_end <= reserved_mark * 1.1 + (_SLAB_MB << 20), out
