@@ -2,31 +2,36 @@
 
 Run:  python benchmarks/gpu.py [--quick]
 
-On a machine without CUDA it prints "no GPU" and exits 0. With one GPU (two or more
-processes on cuda:0) it measures:
+On a machine without CUDA it prints "no GPU" and exits 0. With a GPU, every process on
+cuda:0, it prints each figure of issue 36's targets as it is measured (and a table at the
+end), beside raw torch RPC with a hand-written device map and beside ``torch.multiprocessing``
+CUDA IPC where they have one:
 
-1. A 64 MB CUDA tensor echoed (there and back) to another process:
-   - raw torch RPC with a device map written by hand ({cuda:0: cuda:0}), the baseline;
-   - raw torch RPC staging through the CPU (``.cpu()`` before sending, ``.cuda()`` after);
-   - machinlike's ``registered_sync`` with the CUDA tensor as argument: staged through
-     pinned CPU memory both ways (``distributed._calls.cuda_stage``), so expect about the CPU
-     staging rate (pinned) until device maps or CUDA IPC carry it; an error is shown.
-   Targets: ``registered_sync`` >= 0.6x the hand-mapped rate and >= 50x CPU staging.
-2. The model server: push and pull of a 512 MB model on cuda:0 (the client) through a
-   host process (target: >= 10x the 0.6 GB/s measured when it staged through the CPU).
-3. The pool: a 512 MB CUDA tensor to a worker and back, ``share_method="cuda"`` (CUDA
-   IPC; the worker returns the tensor it received) against copy mode.
+1. Echo (there and back) of a 64 MB and of a 1 MB CUDA tensor through ``registered_sync``
+   (CUDA IPC between the two processes, ``distributed._calls.cuda_ipc``); a call with no tensor.
+   Targets: 64 MB >= 3x raw torch RPC with a map; 1 MB round trip <= 0.3 ms.
+2. The model server on the same GPU: a 512 MB push (target <= 10 ms), then pulls of one
+   version into 8 processes at once (target <= 30 ms from the first start to the last end).
+3. Churn: pushes of a 64 MB model while pullers are SIGKILLed one by one (mid-transfer):
+   the server's ``torch.cuda.memory_reserved()`` before and after (target: flat, its
+   snapshots plus 10%), the survivor's slowest pull (nothing waits out a timeout).
+4. The pool, ``share_method="cuda"``, 512 MB there and back, against copy mode.
 
 Figures are medians over repetitions; every CUDA timing synchronises the device first.
+Sizes are modest so that the run takes about three minutes on an H100.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
+import random
+import signal
 import socket
 import statistics
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -35,7 +40,14 @@ from torch import nn
 from torch.distributed import rpc
 
 ECHO_MB = 64
+SMALL_MB = 1
 MODEL_MB = 512
+PULLERS = 8
+CHURN_MB = 64
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -43,9 +55,8 @@ def echo(x: Any) -> Any:
     return x
 
 
-def echo_via_gpu(x: torch.Tensor) -> torch.Tensor:
-    """The staged callee: takes a CPU copy to its GPU and sends a CPU copy back."""
-    return x.cuda().cpu()
+def nothing() -> None:
+    return None
 
 
 def touch(x: torch.Tensor) -> torch.Tensor:
@@ -72,7 +83,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-# ---------------------------------------------------------------- 1a. raw torch RPC
+def _mb(megabytes: float) -> torch.Tensor:
+    return torch.ones(int(megabytes * 1024 * 1024) // 4, device="cuda")
+
+
+# ---------------------------------------------------------------- raw torch RPC with a map
 def _raw_worker(rank: int, port: int, repeats: int, out: Any) -> None:
     torch.cuda.set_device(0)
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", num_worker_threads=16,
@@ -81,14 +96,14 @@ def _raw_worker(rank: int, port: int, repeats: int, out: Any) -> None:
         options.set_device_map("1", {0: 0})  # the hand-written map a user of raw torch writes
     rpc.init_rpc(str(rank), rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
-        tensor = torch.ones(ECHO_MB * 1024 * 1024 // 4, device="cuda")
-        mapped = _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(tensor,)), repeats)
-        staged = _median_seconds(lambda: rpc.rpc_sync("1", echo_via_gpu, args=(tensor.cpu(),)).cuda(), repeats)
-        out.put({"mapped": mapped, "staged": staged})
+        big, small = _mb(ECHO_MB), _mb(SMALL_MB)
+        out.put({"echo": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(big,)), repeats),
+                 "small": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(small,)), 10 * repeats),
+                 "call": _median_seconds(lambda: rpc.rpc_sync("1", nothing), 10 * repeats)})
     rpc.shutdown()
 
 
-def raw_echo(repeats: int) -> Dict[str, float]:
+def raw_rpc(repeats: int) -> Dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.SimpleQueue()
     port = _free_port()
@@ -96,55 +111,96 @@ def raw_echo(repeats: int) -> Dict[str, float]:
     for proc in procs:
         proc.start()
     for proc in procs:
-        proc.join(600)
+        proc.join(300)
         if proc.is_alive():
             proc.kill()
-            raise TimeoutError("the raw torch RPC echo did not finish in 600 s")
+            raise TimeoutError("the raw torch RPC echo did not finish in 300 s")
         if proc.exitcode != 0:
             raise RuntimeError(f"a raw torch RPC process exited with {proc.exitcode}")
     return out.get()
 
 
-# ---------------------------------------------------------------- 1b, 2. machinlike
+# ---------------------------------------------------------------- torch.multiprocessing CUDA IPC
+def _mp_echo_worker(inbox: Any, outbox: Any) -> None:
+    torch.cuda.set_device(0)
+    while True:
+        x = inbox.get()
+        if x is None:
+            return
+        outbox.put(x.clone())  # the receiver owns a copy; sent back through IPC again
+        del x
+
+
+def mp_echo(repeats: int) -> Dict[str, float]:
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_mp_echo_worker, args=(inbox, outbox), daemon=True)
+    proc.start()
+    out = {}
+    try:
+        for label, megabytes, n in (("echo", ECHO_MB, repeats), ("small", SMALL_MB, 10 * repeats)):
+            x = _mb(megabytes)
+
+            def once() -> None:
+                inbox.put(x)
+                back = outbox.get(timeout=60)
+                back.sum()  # use it, as a receiver would
+                del back
+
+            out[label] = _median_seconds(once, n)
+    finally:
+        inbox.put(None)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    return out
+
+
+# ---------------------------------------------------------------- machinlike: echoes, push
 class _Big(nn.Module):
-    def __init__(self, megabytes: int, device: str) -> None:
+    def __init__(self, megabytes: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(megabytes * 1024 * 1024 // 4, device=device))
+        self.weight = nn.Parameter(_mb(megabytes))
 
 
-def _machinlike_body(world: Any, repeats: int) -> Dict[str, Any]:
+def _stats_here() -> Dict[str, int]:
+    from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
+
+    return _cuda_ipc.stats()
+
+
+def _echo_body(world: Any, repeats: int) -> Dict[str, Any]:
     from machinlike.server import PushPullModelServerImpl
 
     torch.cuda.set_device(0)
-    group = world.create_rpc_group("gpu_bench", world.get_members())
+    torch.cuda.init()
+    group = world.create_rpc_group("gpu_echo", world.get_members())
     impl = None
     if world.rank == 1:
         group.register("echo", echo)
-        group.register("echo_via_gpu", echo_via_gpu)
+        group.register("nothing", nothing)
         impl = PushPullModelServerImpl("model", group)
     group.barrier()
     results: Dict[str, Any] = {}
     if world.rank == 0:
-        tensor = torch.ones(ECHO_MB * 1024 * 1024 // 4, device="cuda")
+        big, small = _mb(ECHO_MB), _mb(SMALL_MB)
         try:
-            results["echo"] = _median_seconds(lambda: group.registered_sync("echo", (tensor,)), repeats)
+            back = group.registered_sync("echo", (big,))
+            assert back.device.type == "cuda" and torch.equal(back, big)
+            results["echo"] = _median_seconds(lambda: group.registered_sync("echo", (big,)), repeats)
+            results["small"] = _median_seconds(lambda: group.registered_sync("echo", (small,)), 10 * repeats)
         except Exception as err:  # a CUDA path that fails: the row says why
             results["echo_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:110]}"
-        results["echo_staged"] = _median_seconds(
-            lambda: group.registered_sync("echo_via_gpu", (tensor.cpu(),)).cuda(), repeats)
-
+        results["call"] = _median_seconds(lambda: group.registered_sync("nothing"), 10 * repeats)
+        say(f"  echo done: {results}")
         server = group.get_paired("model").to_here()
-        pusher, behind = _Big(MODEL_MB, "cuda"), _Big(MODEL_MB, "cuda")
-
-        def push() -> None:
-            assert server.push(pusher)
-
-        def pull() -> None:
-            object.__setattr__(behind, "pp_version", -1)  # always behind: the pull must transfer
-            assert server.pull(behind)
-
-        results["push"] = _median_seconds(push, repeats, warmup=1)
-        results["pull"] = _median_seconds(pull, repeats, warmup=1)
+        pusher = _Big(MODEL_MB)
+        results["push"] = _median_seconds(lambda: server.push(pusher), repeats, warmup=1)
+        say(f"  push done: {results['push'] * 1e3:.2f} ms")
+        results["stats_caller"] = _stats_here()
+        results["stats_callee"] = group.rpc_sync("1", _stats_here)
     group.barrier()
     if impl is not None:
         impl.close()
@@ -153,13 +209,119 @@ def _machinlike_body(world: Any, repeats: int) -> Dict[str, Any]:
     return results
 
 
-# ---------------------------------------------------------------- 3. the pool
+# ---------------------------------------------------------------- machinlike: pulls into 8
+def _pulls_body(world: Any, repeats: int) -> Any:
+    from machinlike.server import PushPullModelServerImpl
+
+    torch.cuda.set_device(0)
+    torch.cuda.init()
+    group = world.create_rpc_group("gpu_pulls", world.get_members())
+    impl = PushPullModelServerImpl("model", group) if world.rank == 0 else None
+    group.barrier()
+    server = group.get_paired("model").to_here()
+    model: Any = _Big(MODEL_MB) if world.rank >= 1 else None
+    spans: List[Tuple[float, float]] = []
+    for round_ in range(1 + repeats):  # the first round warms up (probes, slabs, openings)
+        if world.rank == 1:
+            model.weight.data.fill_(round_)
+            assert server.push(model)
+            torch.cuda.synchronize()
+        group.barrier()
+        if world.rank >= 2:
+            start = time.time()
+            assert server.pull(model)
+            torch.cuda.synchronize()
+            spans.append((start, time.time()))
+            assert float(model.weight[0]) == round_
+        group.barrier()
+    if impl is not None:
+        impl.close()
+    group.barrier()
+    group.destroy()
+    return spans
+
+
+# ---------------------------------------------------------------- machinlike: churn
+def _reserved() -> Tuple[int, int]:
+    """The server's reserved GPU memory, and the part its CUDA IPC export slabs hold."""
+    from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
+
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved(), _cuda_ipc.stats().get("area_held_bytes", 0)
+
+
+def _churn_body(world: Any, pushes: int, victims: int) -> Any:
+    from machinlike.server import PushPullModelServerImpl
+
+    torch.cuda.set_device(0)
+    torch.cuda.init()
+    name = world.name
+    if name.startswith("victim") and world.incarnation > 1:
+        return None  # a killed puller's replacement: nothing more to do
+    group = world.create_rpc_group("gpu_churn", ["server", "pusher", "survivor"] + [f"victim{i}" for i in range(victims)])
+    finished = threading.Semaphore(0)
+    impl: Any = None
+    if name == "server":
+        impl = PushPullModelServerImpl("model", group)
+        group.register("reserved", _reserved)
+        group.register("finished", finished.release)
+    group.barrier(timeout=120)
+    if name == "server":  # until the pusher and the survivor are through (no barrier: victims die)
+        ok = finished.acquire(timeout=240) and finished.acquire(timeout=240)
+        impl.close()
+        return ok
+    server = group.get_paired("model").to_here()
+    model = _Big(CHURN_MB)
+    out: Any = None
+    if name == "pusher":
+        first = None
+        for i in range(pushes):
+            model.weight.data.fill_(i)
+            assert server.push(model)
+            if i == min(pushes - 1, 100):  # every puller busy (the first victim dies after 0.5 s)
+                first = group.registered_sync("reserved")
+        out = {"first": first, "last": group.registered_sync("reserved")}
+    elif name == "survivor":
+        slowest = 0.0
+        while True:
+            start = time.perf_counter()
+            server.pull(model)
+            slowest = max(slowest, time.perf_counter() - start)
+            if getattr(model, "pp_version", 0) >= pushes:
+                break
+        out = {"slowest_pull": slowest}
+    else:
+        index = int(name[len("victim"):])
+        # one by one, while pulls are in flight: a thread kills the process mid-transfer
+        delay = 0.5 + index * 0.25 + random.random() * 0.1
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        while True:
+            server.pull(model)
+    group.registered_sync("finished")
+    return out
+
+
+def churn(pushes: int, victims: int) -> Dict[str, Any]:
+    from machinlike import launch
+
+    names = ["server", "pusher", "survivor"] + [f"victim{i}" for i in range(victims)]
+    start = time.monotonic()
+    result = launch(_churn_body, len(names), args=(pushes, victims), names=names, max_restarts=victims,
+                    essential=["server", "pusher", "survivor"], timeout=300, rpc_timeout=60,
+                    return_exceptions=True)
+    return {"pusher": result[1], "survivor": result[2], "restarts": len(result.restarts),
+            "seconds": time.monotonic() - start}
+
+
+# ---------------------------------------------------------------- the pool
 def pool_round_trips(repeats: int) -> Dict[str, float]:
     from machinlike.pool import Pool
 
     tensor = torch.zeros(MODEL_MB * 1024 * 1024 // 4, device="cuda")
     out: Dict[str, float] = {}
-    for label, kwargs in (("share", {"is_copy_tensor": False, "share_method": "cuda"}), ("copy", {})):
+    configs: List[Tuple[str, Dict[str, Any]]] = [("share", {"is_copy_tensor": False, "share_method": "cuda"}),
+                                                 ("copy", {})]
+    for label, kwargs in configs:
         with Pool(1, **kwargs) as pool:
             out[label] = _median_seconds(lambda: pool.apply(touch, (tensor,)), repeats)
     return out
@@ -167,47 +329,96 @@ def pool_round_trips(repeats: int) -> Dict[str, float]:
 
 # ---------------------------------------------------------------- driver
 def _rate(megabytes: float, seconds: Optional[float]) -> str:
-    return "-" if seconds is None else f"{megabytes / 1024 / seconds:8.2f} GB/s"
+    return "-" if seconds is None else f"{megabytes / 1024 / seconds:.2f} GB/s"
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def _section(name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or None with the error printed: one failing section leaves the others' figures."""
+    start = time.monotonic()
+    try:
+        out = fn()
+    except BaseException as err:  # (a TimeoutError of launch included)
+        say(f"{name}: FAILED after {time.monotonic() - start:.0f} s: {type(err).__name__}: {str(err)[:300]}")
+        return None
+    say(f"{name}: done in {time.monotonic() - start:.0f} s")
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter churn (a smoke run)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("no GPU: benchmarks/gpu.py measures CUDA paths and has nothing to measure here")
+        say("no GPU: benchmarks/gpu.py measures CUDA paths and has nothing to measure here")
         return 0
     from machinlike import launch
 
     repeats = 3 if args.quick else 10
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    raw = raw_echo(repeats)
-    ours = launch(_machinlike_body, 2, args=(repeats,), timeout=600, rpc_timeout=120)[0]
-    pool = pool_round_trips(repeats)
-
-    moved = 2 * ECHO_MB  # there and back
+    pushes, victims = (200, 4) if args.quick else (2000, 20)
+    say(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs")
     rows: List[Tuple[str, str, str, str, str]] = []
-    if "echo" in ours:
-        ratio = raw["mapped"] / ours["echo"]
-        echo_ours = _rate(moved, ours["echo"])
-        check = f"{ratio:.2f}x raw (>= 0.6), {ours['echo_staged'] / ours['echo']:.0f}x staged (>= 50)"
-    else:
-        echo_ours, check = "fails", ours["echo_error"]
-    rows.append((f"{ECHO_MB} MB CUDA echo", echo_ours, _rate(moved, raw["mapped"]), _rate(moved, raw["staged"]),
-                 check))
-    rows.append((f"{ECHO_MB} MB echo, staged by hand through RpcGroup", _rate(moved, ours["echo_staged"]), "-",
-                 _rate(moved, raw["staged"]), ""))
-    for kind in ("push", "pull"):
-        gbps = MODEL_MB / 1024 / ours[kind]
-        rows.append((f"model server {kind}, {MODEL_MB} MB CUDA model", _rate(MODEL_MB, ours[kind]), "-", "-",
-                     f"{gbps / 0.6:.1f}x the 0.6 GB/s of CPU staging (>= 10)"))
-    rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]),
-                 "-", _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda' vs copy mode (right)"))
+    moved = 2 * ECHO_MB  # there and back
 
-    head = ("what", "machinlike", "raw torch, hand map", "CPU staging", "against the target")
+    raw = _section("raw torch RPC with a map", lambda: raw_rpc(repeats)) or {}
+    say(f"  64 MB echo {_rate(moved, raw.get('echo'))}, 1 MB echo {_ms(raw.get('small'))}, "
+        f"empty call {_ms(raw.get('call'))}")
+    mp = _section("torch.multiprocessing CUDA IPC", lambda: mp_echo(repeats)) or {}
+    say(f"  64 MB echo {_rate(moved, mp.get('echo'))}, 1 MB echo {_ms(mp.get('small'))}")
+    ours = _section("machinlike echoes and push", lambda: launch(_echo_body, 2, args=(repeats,), timeout=300,
+                                                                 rpc_timeout=120)[0]) or {}
+    say(f"  stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
+    if "echo" in ours:
+        ratio = f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)" if "echo" in raw else "(no raw figure)"
+        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", _rate(moved, ours["echo"]),
+                     _rate(moved, raw.get("echo")), _rate(moved, mp.get("echo")), ratio))
+        rows.append((f"{SMALL_MB} MB CUDA echo round trip", _ms(ours["small"]), _ms(raw.get("small")),
+                     _ms(mp.get("small")), "<= 0.3 ms"))
+    else:
+        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", "fails", _rate(moved, raw.get("echo")),
+                     _rate(moved, mp.get("echo")), str(ours.get("echo_error", "see above"))))
+    if "call" in ours:
+        ratio = f"{ours['call'] / raw['call']:.2f}x raw" if "call" in raw else ""
+        rows.append(("call with no tensor", _ms(ours["call"]), _ms(raw.get("call")), "-",
+                     ratio + " (the CPU box's figure: benchmarks/rpc.py --quick)"))
+    if "push" in ours:
+        rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
+        say("  " + rows[-1][0] + ": " + rows[-1][1])
+
+    spans = _section(f"pulls into {PULLERS}", lambda: launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),),
+                                                             timeout=300, rpc_timeout=120)[2:])
+    if spans:
+        rounds = [max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(1, len(spans[0]))]
+        rows.append((f"pulls of one {MODEL_MB} MB version into {PULLERS} processes, in all",
+                     _ms(statistics.median(rounds)), "-", "-", "<= 30 ms"))
+        say("  " + rows[-1][0] + ": " + rows[-1][1])
+
+    done = _section("churn", lambda: churn(pushes, victims))
+    if done:
+        pusher, survivor = done["pusher"], done["survivor"]
+        if isinstance(pusher, dict) and isinstance(survivor, dict):
+            (first, _), (last, slabs) = pusher["first"], pusher["last"]
+            rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
+                         f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
+                         f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
+                         f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
+        else:
+            rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
+                         f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
+        say("  " + rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
+
+    pool = _section("pool", lambda: pool_round_trips(repeats))
+    if pool:
+        rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
+                     _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
+
+    head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
     for row in [head] + rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        say("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
 
 

@@ -132,6 +132,9 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
         def local(self, member):
             return True
 
+        def cuda_target(self, member):
+            return None  # the peer takes no CUDA IPC: staged, as tested here
+
     monkeypatch.setattr(_samehost, "_current", Local())
     big = torch.ones(1 << 12)
     what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))
@@ -175,7 +178,7 @@ def test_a_staged_tensor_crosses_real_rpc_in_an_elastic_world(world):
 # ------------------------------------------------------------------------ on a GPU
 _ONE_PROCESS = """
 import pickle, torch
-from machinlike.distributed import _cuda_stage
+from machinlike.distributed._calls import cuda_stage as _cuda_stage
 x = torch.arange(12.0, device="cuda").reshape(3, 4)
 out = _cuda_stage.encode({"a": [x, x.t()], "b": x}, 0)
 staged = out["a"][0]

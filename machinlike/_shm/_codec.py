@@ -22,7 +22,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import Any, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _receive
 from ._segments import cache
 
-__all__ = ["encode", "encode_tensor", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
+__all__ = ["walk", "encode", "encode_tensor", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
            "is_shared_by_reference"]
 
 _lock = threading.Lock()
@@ -223,19 +223,32 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
     Returns ``obj`` itself when nothing was replaced. A tensor that appears twice is
     encoded once, so the receiver gets one tensor twice, as pickle would give.
     """
+    return walk(obj, lambda tensor: _encode_tensor(tensor, threshold), memo)
+
+
+Leaf = Callable[[torch.Tensor], Any]
+
+
+def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None) -> Any:
+    """``obj`` with each tensor ``t`` (in lists, tuples, dicts) replaced by ``leaf(t)``.
+
+    Returns ``obj`` itself when ``leaf`` replaced nothing (it returns its argument); a
+    tensor that appears twice is handed to ``leaf`` once, so the receiver gets one tensor
+    twice, as pickle would give.
+    """
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         if memo is None:
-            return _encode_tensor(obj, threshold)
+            return leaf(obj)
         done = memo.get(id(obj))
         if done is None:
-            done = memo[id(obj)] = _encode_tensor(obj, threshold)
+            done = memo[id(obj)] = leaf(obj)
         return done
     if kind is tuple or kind is list:
         if not obj:
             return obj
         memo = {} if memo is None else memo
-        items = [encode(item, threshold, memo) for item in obj]
+        items = [walk(item, leaf, memo) for item in obj]
         if all(a is b for a, b in zip(items, obj)):
             return obj
         return tuple(items) if kind is tuple else items
@@ -243,7 +256,7 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
         if not obj:
             return obj
         memo = {} if memo is None else memo
-        values = {key: encode(value, threshold, memo) for key, value in obj.items()}
+        values = {key: walk(value, leaf, memo) for key, value in obj.items()}
         if all(values[key] is value for key, value in obj.items()):
             return obj
         if kind is dict:

@@ -109,7 +109,9 @@ class PushPullModelServer:
         Gradients are not touched.
 
         Args:
-            model: The model; its state dict is sent (moved to CPU when on a GPU).
+            model: The model; its state dict is sent. From a GPU, the server gets a copy on
+                the same device index when it uses CUDA (device to device through CUDA IPC
+                on this host), else on the CPU.
             pull_on_fail: When another version got there first, load the newest one into
                 ``model`` (see :meth:`pull`).
 
@@ -130,7 +132,11 @@ class PushPullModelServer:
             raise ValueError(f"cannot push model {self.model_name!r}: the server holds another architecture: {diff}")
         version = get_version(model)
         base = 0 if version is None else version
-        payload = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        # A CUDA tensor stays on its GPU: a snapshot (clone) the learner never edits, which
+        # the call moves through CUDA IPC to a server on this host that uses CUDA, or stages
+        # (distributed._calls.cuda_stage) to any other; the server keeps what it received.
+        payload = {k: ((v.detach().clone() if v.is_cuda else v.detach().cpu()) if isinstance(v, torch.Tensor) else v)
+                   for k, v in state.items()}
         if self.o_server.push(self.model_name, payload, base + 1, base):
             set_version(model, base + 1)
             return True

@@ -8,7 +8,7 @@ pinned CPU memory and sends it, tagged with its device index, as a CPU tensor; t
 receiver puts it back::
 
     sender (CUDA initialised here)                receiver
-    outgoing / reply: one walk over the call's    unpickling: _land(host, index, ...)
+    outgoing / reply: one walk over the call's    unpickling: staging._land(host, index, ...)
     lists, tuples and dicts                         this process initialised CUDA and
       cuda:i tensor ─► pinned copy ─► _Staged ───►    sees cuda:i?  yes ─► on cuda:i
       CPU tensor ─► same-host placeholder (when                     no  ─► stays on the CPU
@@ -17,10 +17,10 @@ receiver puts it back::
 
 Why the receiver's own CUDA state decides: a CPU actor on a GPU machine must not get a
 CUDA context (hundreds of MB of GPU memory) because a learner sent it a tensor. Why
-staging and not ``_calls.device_maps``: maps are fixed per agent at its start and need every
+staging and not torch's device maps: maps are fixed per agent at its start and need every
 peer's devices then; staging works for any pair at any time, at the price of two copies
-(device to host, host to device). Maps can later replace it between members that declare
-their devices up front.
+(device to host, host to device). Between processes of one host that use the same GPUs,
+``cuda_ipc`` replaces staging (``staging`` stays the fallback) (the walk hands it those tensors: ``encode``'s ``ipc``).
 
 Limits, stated in the docs: tensors are found in lists, tuples and dicts (as the
 same-host path finds them), not inside other objects; views of one CUDA storage arrive
@@ -30,12 +30,14 @@ is not.
 
 from __future__ import annotations
 
-import collections
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
+from ..._shm import walk
 from ..._shm import encode_tensor as _shm_encode_tensor
+from . import cuda_ipc as _cuda_ipc
+from .staging import lands_on, stage_tensor
 
 __all__ = ["active", "encode", "outgoing", "walk", "stage_tensor", "lands_on"]
 
@@ -47,139 +49,56 @@ __all__ = ["active", "encode", "outgoing", "walk", "stage_tensor", "lands_on"]
 active = torch.cuda.is_initialized
 
 
-def lands_on(index: int, cuda_ready: bool, device_count: int) -> torch.device:
-    """Where a tensor staged from ``cuda:index`` arrives.
-
-    Args:
-        index: The sender's device index.
-        cuda_ready: Whether the receiving process initialised CUDA.
-        device_count: CUDA devices the receiver sees (after ``CUDA_VISIBLE_DEVICES``).
-
-    Returns:
-        ``cuda:index`` when the receiver uses CUDA and has that index; else ``cpu``.
-    """
-    if cuda_ready and 0 <= index < device_count:
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def _land(host: torch.Tensor, index: int, requires_grad: bool, parameter: bool) -> torch.Tensor:
-    ready = torch.cuda.is_initialized()
-    device = lands_on(index, ready, torch.cuda.device_count() if ready else 0)
-    tensor = host if device.type == "cpu" else host.to(device)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(True) if requires_grad else tensor
-
-
-class _Staged:
-    """A staged tensor; pickles as the call that lands it on the receiver."""
-
-    __slots__ = ("host", "index", "requires_grad", "parameter")
-
-    def __init__(self, host: torch.Tensor, index: int, requires_grad: bool, parameter: bool) -> None:
-        self.host = host
-        self.index = index
-        self.requires_grad = requires_grad
-        self.parameter = parameter
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return _land, (self.host, self.index, self.requires_grad, self.parameter)
-
-
-def stage_tensor(tensor: torch.Tensor, pending: List[torch.device]) -> _Staged:
-    """Copy ``tensor`` (any device) to CPU memory, pinned for a strided CUDA tensor.
-
-    Args:
-        tensor: The tensor to stage.
-        pending: Gets the CUDA device whose stream must be synchronised before the copy
-            may be read (the copy is asynchronous); untouched for a blocking copy.
-    """
-    source = tensor.detach()
-    if source.device.type == "cuda" and source.layout == torch.strided and not source.is_quantized:
-        host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-        host.copy_(source, non_blocking=True)
-        if source.device not in pending:
-            pending.append(source.device)
-    else:  # sparse, quantized, or not CUDA at all: torch's own blocking copy
-        host = source.to("cpu", copy=True)
-    index = source.device.index if source.device.type == "cuda" else 0  # (a CUDA tensor's is never None)
-    return _Staged(host, index, tensor.requires_grad, type(tensor) is torch.nn.Parameter)
-
-
-Leaf = Callable[[torch.Tensor], Any]
-
-
-def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None) -> Any:
-    """``obj`` with each tensor ``t`` (in lists, tuples, dicts) replaced by ``leaf(t)``.
-
-    Returns ``obj`` itself when ``leaf`` replaced nothing (it returns its argument); a
-    tensor that appears twice is handed to ``leaf`` once, so the receiver gets one tensor
-    twice, as pickle would give.
-    """
-    kind = type(obj)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
-        if memo is None:
-            return leaf(obj)
-        done = memo.get(id(obj))
-        if done is None:
-            done = memo[id(obj)] = leaf(obj)
-        return done
-    if kind is tuple or kind is list:
-        if not obj:
-            return obj
-        memo = {} if memo is None else memo
-        items = [walk(item, leaf, memo) for item in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        return tuple(items) if kind is tuple else items
-    if kind is dict or kind is collections.OrderedDict:
-        if not obj:
-            return obj
-        memo = {} if memo is None else memo
-        values = {key: walk(value, leaf, memo) for key, value in obj.items()}
-        if all(values[key] is value for key, value in obj.items()):
-            return obj
-        if kind is dict:
-            return values
-        ordered = collections.OrderedDict(values)
-        ordered.__dict__.update(obj.__dict__)  # a state dict's _metadata (module versions)
-        return ordered
-    return obj
-
-
-def encode(obj: Any, shm_threshold: int) -> Any:
-    """``obj`` with its CUDA tensors staged and, when ``shm_threshold`` > 0, its large CPU
-    tensors as same-host placeholders: both in one walk.
+def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) -> Any:
+    """``obj`` with its CUDA tensors through CUDA IPC (``ipc`` given) or staged and, when
+    ``shm_threshold`` > 0, its large CPU tensors as same-host placeholders: all in one walk.
 
     Args:
         shm_threshold: Bytes from which a CPU tensor goes through shared memory; 0: the
             peer is not on this host (CPU tensors stay as they are).
+        ipc: ``(device key, pid)`` of a receiver that takes CUDA tensors through IPC
+            (``_cuda_ipc``); None: they are staged.
 
     Returns:
-        ``obj`` itself when nothing was replaced. The staging copies are complete.
+        ``obj`` itself when nothing was replaced. The copies are complete.
     """
     pending: List[torch.device] = []
+    batch: Optional[_cuda_ipc.Batch] = None
+    refs: List[Any] = []
 
     def leaf(tensor: torch.Tensor) -> Any:
+        nonlocal batch
         if tensor.device.type == "cuda":
+            if ipc is not None and _cuda_ipc.eligible(tensor):  # [cuda ipc hook]
+                if batch is None:
+                    batch = _cuda_ipc.Batch(ipc)
+                ref = batch.add(tensor)
+                refs.append(ref)
+                return ref
             return stage_tensor(tensor, pending)
         if shm_threshold:
             return _shm_encode_tensor(tensor, shm_threshold)
         return tensor
 
     out = walk(obj, leaf)
+    if batch is not None:  # one slab per device; a device without one stages (counted)
+        batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
     return out
 
 
-def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int) -> Tuple[Any, ...]:
-    """``(what, args, kwargs, shm_threshold)``: ``_calls.samehost.outgoing`` for a process that
-    initialised CUDA (the threshold also asks the callee to reply through shared memory)."""
+def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
+             ipc: Optional[Tuple[int, int]] = None) -> Tuple[Any, ...]:
+    """``(what, args, kwargs, reply terms)``: ``_samehost.outgoing`` for a process that
+    initialised CUDA. The terms ask the callee to reply through shared memory from
+    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
-    if args:
-        args = encode(args, shm_threshold)
-    if kwargs:
-        kwargs = encode(kwargs, shm_threshold)
-    return (what, args, kwargs, shm_threshold)
+    if ipc is not None and (args or kwargs):  # one walk: one slab per device for the call
+        args, kwargs = encode((args, kwargs), shm_threshold, ipc)
+    else:
+        if args:
+            args = encode(args, shm_threshold)
+        if kwargs:
+            kwargs = encode(kwargs, shm_threshold)
+    return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))

@@ -11,8 +11,9 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
         no:  unchanged + reply 0                    large CPU tensors -> placeholders
     unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
 
-In a process that initialised CUDA, the same two hooks also stage CUDA tensors through
-pinned CPU memory, in the same walk (``_calls.cuda_stage``).
+In a process that initialised CUDA, the same two hooks also move CUDA tensors, in the same
+walk: through CUDA IPC to a peer on this host that uses the same GPUs (``_cuda_ipc``), else
+staged through pinned CPU memory (``_cuda_stage``).
 
 Nothing is decided by pickling hooks of torch's: a call to another host, or with the path
 turned off, sends exactly what it sent before.
@@ -27,10 +28,10 @@ import torch
 
 from ... import _shm
 from ..._shm import _receive
-from . import cuda_stage as _cuda_stage
+from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import process_identity
 
-__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "share"]
+__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share"]
 
 
 def check_settings(enabled: Any, threshold: Any, cache_bytes: Any) -> None:
@@ -42,6 +43,13 @@ def check_settings(enabled: Any, threshold: Any, cache_bytes: Any) -> None:
             raise ValueError(f"{name}={value!r} must be an int >= {least} (bytes)")
 
 
+def check_cuda_ipc(cache_bytes: Any) -> None:
+    """Raise ValueError naming a bad ``cuda_ipc_cache_bytes``."""
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise ValueError(f"cuda_ipc_cache_bytes={cache_bytes!r} must be an int >= 0 (bytes; 0 stages CUDA "
+                         f"tensors through the CPU)")
+
+
 class SameHost:
     """One World's same-host settings and its verdict per peer process.
 
@@ -51,10 +59,12 @@ class SameHost:
         cache_bytes: Bound of this process's segment cache and of its cache of peers'
             mappings, each, in bytes.
         identity_of: A member's published ``process_identity``, None when unknown.
+        cuda_ipc_bytes: Bound of this process's CUDA export slabs and of its openings of
+            peers' slabs, each, in bytes; 0: CUDA tensors are staged (``_cuda_ipc``).
     """
 
     def __init__(self, enabled: bool, threshold: int, cache_bytes: int,
-                 identity_of: Callable[[str], Optional[str]]) -> None:
+                 identity_of: Callable[[str], Optional[str]], cuda_ipc_bytes: int = 0) -> None:
         self.enabled = enabled
         self.threshold = threshold
         self._identity_of = identity_of
@@ -66,6 +76,7 @@ class SameHost:
         if enabled:
             _shm.cache().set_limit(cache_bytes)
             _receive.set_limit(cache_bytes)
+        _cuda_ipc.configure(cuda_ipc_bytes if enabled else 0)  # [cuda ipc hook] (touches no CUDA)
 
     def local(self, member: str) -> bool:
         """Whether ``member``'s process shares this host's memory and ``/proc`` with us."""
@@ -83,11 +94,23 @@ class SameHost:
         self._by_worker[member] = verdict
         return verdict
 
+    def cuda_target(self, member: str) -> Optional[Tuple[int, int]]:
+        """``(device key, pid)`` to send ``member`` CUDA tensors through IPC; None: stage.
+        Asked only of a local ``member``, by a process that initialised CUDA."""
+        if not _cuda_ipc.enabled():
+            return None
+        identity = self._identity_of(member)
+        if identity is None:
+            return None
+        return _cuda_ipc_peers.peer_target(member, int(identity.rpartition("/")[2]))
+
     def close(self) -> None:
         """Release this process's segments and cached mappings (World stop)."""
         if self.enabled:
             _shm.cache().close()
             _receive.forget_all()
+        _cuda_ipc.close()  # [cuda ipc hook] retires this process's slabs, drops its openings
+        _cuda_ipc.configure(0)
 
 
 _current: Optional[SameHost] = None
@@ -107,8 +130,8 @@ def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
             return _cuda_stage.outgoing(call, 0)
         return (*call, 0)
     threshold = settings.threshold
-    if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors staged, large CPU ones as here
-        return _cuda_stage.outgoing(call, threshold)
+    if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
+        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member))
     what, args, kwargs = call
     if args:
         args = _shm.encode(args, threshold)
@@ -125,12 +148,13 @@ def reply(value: Any, threshold: int) -> Any:
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
     if (not threshold and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
-    if cuda:  # [cuda hook] CUDA tensors staged; CPU ones as below, in the same walk
-        return _cuda_stage.encode(value, _reply_threshold(threshold))
+    if cuda:  # [cuda hook] CUDA tensors through IPC or staged; CPU ones as below, in the same walk
+        return _cuda_stage.encode(value, _reply_threshold(threshold), _cuda_ipc.reply_target(threshold))
     settings = _current
     if settings is None or not settings.enabled:
         return value
-    return _shm.encode(value, max(threshold, settings.threshold))
+    # (the mask: a caller that initialised CUDA packs its key and pid above the threshold)
+    return _shm.encode(value, max(threshold & _cuda_ipc.TERMS_MASK, settings.threshold))
 
 
 def _reply_threshold(asked: int) -> int:
@@ -138,7 +162,7 @@ def _reply_threshold(asked: int) -> int:
     settings = _current
     if not asked or settings is None or not settings.enabled:
         return 0
-    return max(asked, settings.threshold)
+    return max(asked & _cuda_ipc.TERMS_MASK, settings.threshold)
 
 
 def _after_fork_in_child() -> None:

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from .._calls import context as _context, samehost as _samehost, serve as _serve
+from .._calls import context as _context, cuda_ipc as _cuda_ipc, samehost as _samehost, serve as _serve
 from .. import _transport
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
@@ -57,7 +57,6 @@ from .._groups import directory as _directory
 from .._groups import GroupDirectory
 from .._membership import Membership
 from ..._deadline import deadline_left
-
 from .settings import Settings
 
 __all__ = ["Session", "Once", "start_static", "start_elastic"]
@@ -179,13 +178,14 @@ def _bind(session: Session, members: Membership) -> None:
     tables.resolve_owner = resolve_service_owner
     # Results kept here for handles held elsewhere go with their holders (see _calls.results).
     tables.results.bind_live(lambda holder: members.roster.incarnation_of(holder[0]) == holder[1])
+
     def sweep() -> None:
         if len(tables.results):
             tables.results.sweep()
 
     members.on_departure = sweep
     samehost = _samehost.SameHost(s.same_host_shm, s.shm_threshold, s.shm_cache_bytes,
-                                  members.roster.identity_of)  # [shm hook]
+                                  members.roster.identity_of, s.cuda_ipc_cache_bytes)  # [shm hook]
     _serve.bind_tables(tables)
     _samehost.bind(samehost)
     # A call of this process that timed out makes the monitor ask for a probe (AgentProbe).
@@ -193,6 +193,13 @@ def _bind(session: Session, members: Membership) -> None:
                                        members.monitor.call_timed_out))
     _directory.bind(session.groups)
     session._undo.callback(_unbind, samehost)
+    members.subscribe(_cuda_ipc_departure)  # [cuda ipc hook] a peer's slabs go when it does
+    session._undo.callback(members.unsubscribe, _cuda_ipc_departure)
+
+
+def _cuda_ipc_departure(event: Any) -> None:
+    if event.kind != "join":  # drops what dead or retired senders left opened here (no-op without CUDA)
+        _cuda_ipc.forget_dead()
 
 
 def _unbind(samehost: _samehost.SameHost) -> None:

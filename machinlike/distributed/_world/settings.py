@@ -51,6 +51,7 @@ class Settings:
     same_host_shm: bool
     shm_threshold: int
     shm_cache_bytes: int
+    cuda_ipc_cache_bytes: int = 4 << 30
 
 
 def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int], *, init_method: Optional[str],
@@ -58,7 +59,7 @@ def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int]
              dist_timeout: float, store: Optional[dist.Store], interface: Optional[str], elastic: bool,
              liveness: Optional[float], init_dist: Optional[bool], dist_backend: Optional[str],
              dist_init_method: Optional[str], rpc_init_method: Optional[str], same_host_shm: bool,
-             shm_threshold: int, shm_cache_bytes: int) -> Settings:
+             shm_threshold: int, shm_cache_bytes: int, cuda_ipc_cache_bytes: int = 4 << 30) -> Settings:
     """``World``'s keywords, resolved and checked (see its docstring for each).
 
     Raises:
@@ -95,9 +96,10 @@ def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int]
         raise ValueError("an elastic World needs RPC (init_rpc=True): membership travels through it")
     configured = _netif.configured_interface(interface)
     _samehost.check_settings(same_host_shm, shm_threshold, shm_cache_bytes)  # [shm hook]
+    _samehost.check_cuda_ipc(cuda_ipc_cache_bytes)  # [cuda ipc hook]
     return Settings(
         name=member, rank=my_rank, size=size, elastic=elastic, init_method=init_method, backend=backend,
         rpc_timeout=rpc_wait, rpc_threads=rpc_threads, collective=bool(collective), rpc=bool(init_rpc),
         dist_timeout=dist_wait, store=store, interface=configured, liveness=bound, same_host_shm=same_host_shm,
-        shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
+        shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes, cuda_ipc_cache_bytes=cuda_ipc_cache_bytes,
     )

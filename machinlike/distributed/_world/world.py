@@ -87,6 +87,10 @@ class World:
         shm_threshold: Bytes from which a tensor takes shared memory.
         shm_cache_bytes: Bound, in bytes, of this process's recycled segments and, again,
             of its cached mappings of peers' memory.
+        cuda_ipc_cache_bytes: Bound, in bytes, of this process's CUDA export slabs (GPU
+            memory it keeps to send CUDA tensors to processes on this host through CUDA
+            IPC) and, again, of its cached openings of peers' slabs. 0: CUDA tensors are
+            staged through the CPU, as between hosts. Default 4 GiB.
 
     Attributes:
         name: This process's member name.
@@ -134,6 +138,7 @@ class World:
         same_host_shm: bool = True,
         shm_threshold: int = 1 << 20,
         shm_cache_bytes: int = 1 << 30,
+        cuda_ipc_cache_bytes: int = 4 << 30,
     ) -> None:
         self._settings: Settings = settings(
             name, rank, world_size, init_method=init_method, backend=backend, rpc_timeout=rpc_timeout,
@@ -141,6 +146,7 @@ class World:
             store=store, interface=interface, elastic=elastic, liveness=liveness, init_dist=init_dist,
             dist_backend=dist_backend, dist_init_method=dist_init_method, rpc_init_method=rpc_init_method,
             same_host_shm=same_host_shm, shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
+            cuda_ipc_cache_bytes=cuda_ipc_cache_bytes,
         )
         self._session = Session(self._settings)
         self._stopped = False

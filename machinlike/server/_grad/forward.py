@@ -91,7 +91,7 @@ class Forwarder:
         self.lost = 0
 
     def send(self, item: Item) -> None:
-        """Wait for the forward in flight, then start forwarding ``item`` (CPU tensors).
+        """Wait for the forward in flight, then start forwarding ``item`` (on the reducer's device).
 
         Raises:
             PeerLostError: (static world) the primary is gone.

@@ -350,9 +350,8 @@ class SecondaryReducer(_Reducer):
 
     def _process(self, items: List[Item]) -> None:
         reduced = reduce_items(items, self.device)
-        if self.device.type != "cpu":  # RPC carries CPU tensors
-            reduced = Item({k: v.cpu() for k, v in reduced.grads.items()}, reduced.count, reduced.versions,
-                           reduced.origin)  # keep who it came from: the primary counts receipts by it
+        # CUDA sums travel as they are: through CUDA IPC to a primary on this host, staged
+        # through the CPU to any other (distributed._calls.cuda_stage)
         self._forward.send(reduced)
 
     def _before_settle(self) -> None:

@@ -9,11 +9,11 @@ tensor, a tuple or list of tensors, or a dict of tensors, each with one row per 
 
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Sequence, Tuple, Union
+from typing import Any, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["Inputs", "check_inputs", "signature", "join", "split", "nbytes", "to_device"]
+__all__ = ["Inputs", "check_inputs", "signature", "join", "split", "on_cuda", "nbytes", "to_device"]
 
 Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
 
@@ -78,8 +78,11 @@ def _rows(value: Any, total: int, what: str) -> List[torch.Tensor]:
     return tensors
 
 
-def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
-    """``out`` cut into one piece per request (``counts`` rows each), as CPU tensors.
+def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] = ()) -> List[Any]:
+    """``out`` cut into one piece per request (``counts`` rows each), as CPU tensors, or
+    left on ``out``'s device for each request whose ``on_device`` is True (its inputs
+    came as CUDA tensors: the reply moves them device to device through CUDA IPC on this
+    host, see ``distributed._calls.cuda_ipc``).
 
     Pieces are copies when ``out`` is cut, so none of them drags the whole batch's
     storage along when it is sent.
@@ -92,7 +95,8 @@ def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
     if len(counts) == 1 and type(out) is torch.Tensor and out.dim() and out.shape[0] == total \
             and out.device.type == "cpu":
         return [out.detach() if out.requires_grad else out]  # one request, one tensor: the common call
-    tensors = [t.detach().cpu() for t in _rows(out, total, what)]
+    keep = any(on_device)
+    tensors = [t.detach() if keep else t.detach().cpu() for t in _rows(out, total, what)]
     if len(counts) == 1:
         columns = [[t] for t in tensors]
     else:
@@ -100,6 +104,8 @@ def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
     pieces: List[Any] = []
     for i in range(len(counts)):
         row = [column[i] for column in columns]
+        if keep and not on_device[i]:
+            row = [t.cpu() for t in row]
         if isinstance(out, dict):
             pieces.append(dict(zip(out.keys(), row)))
         elif isinstance(out, (tuple, list)):
@@ -107,6 +113,13 @@ def split(out: Any, counts: Sequence[int], what: str) -> List[Any]:
         else:
             pieces.append(row[0])
     return pieces
+
+
+def on_cuda(x: Optional[Inputs]) -> bool:
+    """Whether a request's inputs came as CUDA tensors (its outputs then stay on the GPU)."""
+    if x is None:
+        return False
+    return x.is_cuda if isinstance(x, torch.Tensor) else any(t.is_cuda for t in x)
 
 
 def nbytes(x: Inputs) -> int:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
 import torch
 
-from .batch import Inputs, join, signature, split
+from .batch import Inputs, join, on_cuda, signature, split
 from .._errors import ServerStoppedError
 
 __all__ = ["Request", "Batcher"]
@@ -217,7 +217,7 @@ class Batcher:
         start = time.monotonic()
         try:
             out, version = self._run_model(join([req.x for req in batch]))  # type: ignore[misc]
-            pieces = split(out, [req.rows for req in batch], self._fn_what)
+            pieces = split(out, [req.rows for req in batch], self._fn_what, [on_cuda(req.x) for req in batch])
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
             if len(batch) == 1:
@@ -242,7 +242,7 @@ class Batcher:
         start = time.monotonic()
         try:
             out, version = self._run_model(req.x)  # type: ignore[arg-type]
-            value = (split(out, (req.rows,), self._fn_what)[0], version)
+            value = (split(out, (req.rows,), self._fn_what, (on_cuda(req.x),))[0], version)
         except BaseException as exc:
             self._count_fn([req], start, ok=False, idle=True)
             if not isinstance(exc, Exception):

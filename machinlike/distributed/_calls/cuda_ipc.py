@@ -1,0 +1,409 @@
+"""CUDA tensors between the processes of one host through CUDA IPC, at device speed.
+
+In a call's arguments, a service's result, a paired value or a remote result, a CUDA
+tensor bound for a process on this host that uses the same GPUs crosses as a slab of the
+sender's export area (``_cuda_ipc_area``) instead of being staged through pinned CPU
+memory (``_cuda_stage``)::
+
+    sender                                         receiver (same host, same GPUs)
+    walk (``_cuda_stage.encode``): cuda:i tensors
+      of the message ─► Batch, by device
+    commit: lease one slab per device,             unpickling: _receive_group(...)
+      copy each tensor into it (device to            map the sender's control page and open
+      device), synchronise ─────────────────────►    the slab (both cached), check the lease,
+    pickled: the lease, the slab's handle,           copy each tensor out into memory of its
+      each tensor's offset, shape, dtype             own on cuda:i, synchronise, lease FREE
+
+The receiver owns what it gets (its own allocation, sendable on); the sender's tensor is
+never shared, so it may be reused or freed once the call returned.
+
+When IPC is used (else staging, as before, counted in ``stats``):
+  - the World allows it (``same_host_shm`` and ``cuda_ipc_cache_bytes`` > 0), the peer
+    shares this host (``_samehost``) and is another process;
+  - requests: the callee proved it once (``cuda_ipc_peers.peer_target``): it answers its *device key*
+    (a digest of its visible GPUs' UUIDs, in order; 0 without CUDA) equal to ours, then a
+    probe tensor crosses both ways. A callee that had not initialised CUDA is asked again
+    after ``cuda_ipc_peers._RETRY_S`` (CUDA is never initialised in it for our sake), one that did not
+    answer after ``cuda_ipc_peers._UNANSWERED_RETRY_S``; a failed probe stages for good;
+  - replies: the caller put its key and pid into the call's reply terms (``terms``), which
+    it does only for a callee that passed the probe; the callee checks the key is its own.
+Anything else (no room in the area, a tensor that is sparse or quantized, an export that
+fails) stages that device's tensors of the message instead; nothing raises.
+
+Limits: tensors are found in lists, tuples and dicts, as by the staging walk; views of one
+storage arrive as separate tensors; processes that see different GPUs, or the same GPUs
+in a different order (``CUDA_VISIBLE_DEVICES``), stage. Between hosts nothing changes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import operator
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .staging import stage_tensor
+from .cuda_ipc_area import _NO_COUNTER, _NO_EVENT, ExportArea, Lease, OpenCache
+
+__all__ = ["configure", "close", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
+           "Batch", "eligible", "export", "forget_dead", "TERMS_MASK"]
+
+TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
+_PID_SHIFT = 48
+_KEY_SHIFT = 80
+_ALIGN = 512  # each tensor's offset in a slab: any dtype's alignment, and the copy kernels'
+_PEERS_KEPT = 4096
+
+_lock = threading.Lock()
+_limit = 0
+_area: Optional[ExportArea] = None
+_exit_hook = False
+_opened: Optional[OpenCache] = None
+_key: Optional[int] = None
+_counts: Dict[str, int] = {}
+# By RPC worker name: (its key, or 0 for "stage", retry time or None for "final").
+_peers: "OrderedDict[str, Tuple[int, Optional[float]]]" = OrderedDict()
+
+
+def _count(what: str, n: int = 1) -> None:
+    with _lock:
+        _counts[what] = _counts.get(what, 0) + n
+
+
+def configure(limit: int) -> None:
+    """Set the bound, in bytes, of the export area and of the openings cache (0: IPC off)."""
+    global _limit
+    _limit = limit
+    if _area is not None:
+        _area.limit = limit
+    if _opened is not None:
+        _opened.limit = limit
+
+
+def enabled() -> bool:
+    """Whether this process may send CUDA tensors through IPC at all."""
+    return _limit > 0
+
+
+def close() -> None:
+    """Retire this process's slabs and drop its openings and peer verdicts (World stop)."""
+    global _area
+    with _lock:
+        area, _area = _area, None
+        _peers.clear()
+    if area is not None:
+        area.close()
+    if _opened is not None:
+        _opened.forget_all()
+
+
+def _export_area() -> ExportArea:
+    global _area, _exit_hook
+    with _lock:
+        if _area is None:
+            _area = ExportArea(_limit)
+            if not _exit_hook:  # once, lazily: a process that exits without stopping its World
+                _exit_hook = True  # retires its slabs itself (torch would report them as leaked)
+                atexit.register(_close_at_exit)
+        return _area
+
+
+def _close_at_exit() -> None:
+    try:
+        close()
+    except Exception:  # interpreter exit: CUDA may already be torn down
+        pass
+
+
+def _open_cache() -> OpenCache:
+    global _opened
+    with _lock:
+        if _opened is None:
+            _opened = OpenCache(_limit)
+        return _opened
+
+
+def forget_dead() -> int:
+    """Drop openings of slabs whose owner died or retired them; how many went."""
+    return 0 if _opened is None else _opened.forget_dead()
+
+
+def stats() -> Dict[str, int]:
+    """Counters of this process: tensors and bytes sent and received through IPC, and
+    each reason a CUDA tensor was staged through the CPU instead (``staged_*``)."""
+    with _lock:
+        out = dict(_counts)
+    if _area is not None:
+        out.update({f"area_{k}": v for k, v in _area.stats.items()})
+        out["area_held_bytes"] = _area.held_bytes()
+        out["area_lent"] = _area.lent()
+    if _opened is not None:
+        out.update({f"opened_{k}": v for k, v in _opened.stats.items()})
+        out["opened_held_bytes"] = _opened.held_bytes()
+        out["opened_slabs"] = len(_opened)
+    return out
+
+
+# ------------------------------------------------------------------------- peers
+def local_key() -> int:
+    """This process's device key: a digest of its visible GPUs' UUIDs; 0 before CUDA."""
+    global _key
+    if _key is not None:
+        return _key
+    if not torch.cuda.is_initialized():
+        return 0
+    names = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        # A torch without device UUIDs: names and sizes (the probe still proves each peer).
+        names.append(str(getattr(props, "uuid", None) or f"{props.name}/{props.total_memory}/{i}"))
+    digest = hashlib.blake2b("|".join(names).encode(), digest_size=5).digest()
+    _key = int.from_bytes(digest, "little") | 1
+    return _key
+
+
+def terms(threshold: int, target: Optional[Tuple[int, int]]) -> int:
+    """The reply terms of a call: the shm ``threshold`` and, when the callee may reply
+    through IPC (``target`` known), this process's key and pid."""
+    if target is None:
+        return threshold
+    return (threshold & TERMS_MASK) | (os.getpid() << _PID_SHIFT) | (local_key() << _KEY_SHIFT)
+
+
+def split_terms(reply: int) -> Tuple[int, int, int]:
+    """``(threshold, caller pid, caller key)`` of reply terms (pid and key 0 when absent)."""
+    return reply & TERMS_MASK, (reply >> _PID_SHIFT) & 0xFFFFFFFF, reply >> _KEY_SHIFT
+
+
+def reply_target(reply: int) -> Optional[Tuple[int, int]]:
+    """``(key, pid)`` to reply to through IPC, or None (stage)."""
+    if _limit <= 0:
+        return None
+    _, pid, key = split_terms(reply)
+    if not key or key != local_key() or pid == os.getpid():
+        return None
+    return key, pid
+
+
+# ------------------------------------------------------------- device operations
+# The few CUDA operations of this module, by name: the CPU tests run the rest of the
+# path (offsets, views, leases, pickling) over CPU memory by replacing these.
+def _device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def _synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def _device_guard(index: int) -> Any:
+    return torch.cuda.device(index)
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_initialized()
+
+
+def _current_index() -> int:
+    return torch.cuda.current_device()
+
+
+def _open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
+    # torch internal: opens (or finds open) the allocation behind ``handle``; no
+    # reference count (_NO_COUNTER) and no event (the sender synchronised before sending)
+    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
+
+
+# ----------------------------------------------------------------------- sender
+def eligible(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA tensor may cross through a slab (else it is staged)."""
+    return tensor.layout == torch.strided and not tensor.is_quantized
+
+
+class _Group:
+    """One device's tensors of one message; pickles as the receiver's copy-out call."""
+
+    __slots__ = ("index", "tensors", "reduced")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.tensors: List[torch.Tensor] = []
+        self.reduced: Optional[Tuple[Any, ...]] = None
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        if self.reduced is None:
+            raise RuntimeError("a CUDA IPC group was pickled before it was committed")
+        return self.reduced
+
+
+class _Ref:
+    """One tensor of a message: the ``i``-th of its group's copies, or a staged tensor."""
+
+    __slots__ = ("group", "i", "staged")
+
+    def __init__(self, group: _Group, i: int) -> None:
+        self.group = group
+        self.i = i
+        self.staged: Any = None
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        if self.staged is not None:
+            return self.staged.__reduce__()
+        # The group pickles once (pickle's memo): the receiver copies all of it in one call.
+        return operator.getitem, (self.group, self.i)
+
+
+class Batch:
+    """The CUDA tensors of one message bound for ``target`` (``(key, pid)``)."""
+
+    __slots__ = ("target", "groups")
+
+    def __init__(self, target: Tuple[int, int]) -> None:
+        self.target = target
+        self.groups: Dict[int, _Group] = {}
+
+    def add(self, tensor: torch.Tensor) -> _Ref:
+        index = tensor.device.index
+        group = self.groups.get(index)
+        if group is None:
+            group = self.groups[index] = _Group(index)
+        group.tensors.append(tensor)
+        return _Ref(group, len(group.tensors) - 1)
+
+    def commit(self, refs: List[_Ref], stage: Any, pending: List[torch.device]) -> List[Lease]:
+        """Copy each group into a leased slab; a group without one is staged (``stage(tensor,
+        pending)``, counted). ``pending`` gets each device to synchronise before sending."""
+        leases: List[Lease] = []
+        for group in self.groups.values():
+            lease = self._fill(group)
+            if lease is None:
+                for ref in refs:
+                    if ref.group is group:
+                        ref.staged = stage(group.tensors[ref.i], pending)
+                continue
+            leases.append(lease)
+            device = _device(group.index)
+            if device not in pending:
+                pending.append(device)
+        return leases
+
+    def _fill(self, group: _Group) -> Optional[Lease]:
+        layout = []
+        offset = 0
+        for tensor in group.tensors:
+            layout.append(offset)
+            offset += -(-tensor.nbytes // _ALIGN) * _ALIGN
+        try:
+            area = _export_area()
+            lease = area.lease(group.index, max(offset, 1), self.target[1])
+        except Exception as exc:  # allocation or export refused: this message stages
+            _count("staged_export_failed")
+            _count(f"staged_export_failed:{type(exc).__name__}")
+            return None
+        if lease is None:
+            _count("staged_no_room", len(group.tensors))
+            return None
+        slab = lease.slab
+        try:
+            raw = torch.empty(0, dtype=torch.uint8, device=_device(group.index)).set_(slab.storage)
+            items = []
+            for start, tensor in zip(layout, group.tensors):
+                nbytes = tensor.nbytes
+                if nbytes:
+                    raw[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                items.append((start, tuple(tensor.shape), tensor.dtype, tensor.requires_grad,
+                              type(tensor) is torch.nn.Parameter))
+        except Exception as exc:
+            area.release(lease)
+            _count("staged_export_failed")
+            _count(f"staged_export_failed:{type(exc).__name__}")
+            return None
+        _count("sent_tensors", len(group.tensors))
+        _count("sent_bytes", offset)
+        group.tensors = []  # copied: the message no longer holds the sender's tensors
+        group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
+                                          group.index, slab.handle, slab.offset, slab.capacity, tuple(items)))
+        return lease
+
+
+def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Lease]]:
+    """``tensors`` (CUDA) as picklable references through IPC, committed and synchronised;
+    and their leases. Used by the probe; calls go through ``_cuda_stage.encode``."""
+    batch = Batch(target)
+    refs = [batch.add(tensor) for tensor in tensors]
+    pending: List[torch.device] = []
+    leases = batch.commit(refs, stage_tensor, pending)
+    for device in pending:
+        _synchronize(device)
+    return refs, leases
+
+
+# --------------------------------------------------------------------- receiver
+def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
+                   offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
+    """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``."""
+    if not _cuda_ready():  # the sender checked; never initialise CUDA for it
+        raise RuntimeError(
+            f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
+            f"initialised CUDA (a stale verdict of the sender's); nothing was received"
+        )
+    cache = _open_cache()
+    words = cache.control(pid, fd, inode)
+    row = words[slot]
+    if int(row[2]) != slab_id or int(row[0]) != lease:
+        raise RuntimeError(
+            f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
+            f"(slab {slot}: the lease ended or the sender's World stopped)"
+        )
+    device = _device(index)
+    try:
+        try:
+            storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id,
+                                    lambda: _open_shared(index, handle, capacity, offset))
+        except Exception as exc:  # the probe opened this sender's memory once; now it cannot
+            _count("open_failed")
+            raise RuntimeError(
+                f"cannot open the CUDA memory process {pid} exported for this call (cuda:{index}, "
+                f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
+                f"CUDA tensors through the CPU instead"
+            ) from exc
+        with _device_guard(index):
+            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+            out: List[torch.Tensor] = []
+            total = 0
+            for start, shape, dtype, requires_grad, parameter in items:
+                own = torch.empty(shape, dtype=dtype, device=device)
+                nbytes = own.nbytes
+                if nbytes:
+                    own.copy_(raw[start:start + nbytes].view(dtype).view(shape))
+                total += nbytes
+                if parameter:
+                    own = torch.nn.Parameter(own, requires_grad=requires_grad)
+                elif requires_grad:
+                    own.requires_grad_(True)
+                out.append(own)
+            _synchronize(device)  # copied out before the lease ends
+    finally:
+        if int(row[0]) == lease:
+            row[0] = 0  # FREE: the sender may lend the slab again
+    _count("received_tensors", len(out))
+    _count("received_bytes", total)
+    return out
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _area, _opened, _key
+    _lock = threading.Lock()
+    _area = None  # the parent's slabs and openings are not this process's (and CUDA is unusable here)
+    _opened = None
+    _key = None
+    _counts.clear()
+    _peers.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

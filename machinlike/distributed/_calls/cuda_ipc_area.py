@@ -1,0 +1,353 @@
+"""The two caches of the CUDA IPC path: the sender's export slabs and the receiver's openings.
+
+Sender (``ExportArea``, one per process): long-lived ``uint8`` CUDA buffers ("slabs"),
+exported once each through torch's ``_share_cuda_``, lent to one message at a time. A
+lease's state lives in a small ``memfd`` control page that receivers map too::
+
+    control page (memfd, 128 slots x 4 int64)     slab (cuda:i, capacity bytes)
+    slot s: [state, taker pid, slab id, 0]        exported once: (handle, offset in its
+      state = FREE (0) or the lease id             allocator segment); never freed while
+      slab id = RETIRED (-1) once dropped           the area lives, so torch's limbo never
+                                                    holds it (see ``_retire``)
+    lease(device, nbytes, taker):
+      a FREE slab that fits ─► state = lease id, taker = the receiver's pid
+      none: reclaim slabs whose taker died, then allocate (bounded by ``limit``),
+      then evict FREE slabs; still none ─► None (the caller stages through the CPU)
+    the receiver copied out and synchronised ─► state = FREE (written by the receiver)
+
+Why a control page and not a reply from the receiver: a request's slabs could be freed
+when the reply arrives, but a reply's slabs have no later message to free them; the CPU
+path (``machinlike._shm``) solves the same with a state word in each segment's header,
+written by the receiver. This is that word, for memory the receiver cannot write to
+cheaply from the CPU.
+
+Receiver (``OpenCache``): opening a handle costs milliseconds, so an opened slab is kept,
+keyed by ``(owner pid, handle, offset)``, bounded by ``limit`` bytes of slab capacity
+(least recently used goes first). Before each new opening it forgets slabs whose owner
+died or retired them (so that a retired slab's handle is closed before new memory behind
+the same handle bytes is opened), and so does a member's departure. An opening holds no reference count of torch's (``_NO_COUNTER``): the
+owner decides when a slab is gone (it retires it), and a receiver that is SIGKILLed
+leaves no count behind that would pin the owner's memory forever.
+
+Limits: a lease whose message is lost while its receiver lives (the caller timed out
+before the callee read it) stays lent until the receiver dies or the area closes; the
+area counts it in ``stats`` as ``lent``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from ..._shm._segments import pid_alive
+
+__all__ = ["FREE", "RETIRED", "SLOTS", "Slab", "Lease", "ExportArea", "OpenCache", "slab_capacity"]
+
+FREE = 0
+RETIRED = -1
+SLOTS = 128
+_WORDS = 4
+_PAGE = SLOTS * _WORDS * 8
+_GRAIN = 2 << 20  # slabs hold whole powers of two from 2 MiB: they recycle well
+_NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
+_NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; unused: the sender synchronised before sending
+
+
+def slab_capacity(nbytes: int) -> int:
+    """The capacity, in bytes, of a slab for ``nbytes``: a power of two, at least 2 MiB."""
+    capacity = _GRAIN
+    while capacity < nbytes:
+        capacity <<= 1
+    return capacity
+
+
+class Slab:
+    """One exported CUDA buffer of the area."""
+
+    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter")
+
+    def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
+        self.slot = slot
+        self.ident = ident
+        self.index = index
+        self.capacity = capacity
+        self.storage = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", index)).untyped_storage()
+        # Torch internal, absent from its stubs. Called once per slab: each call wraps the
+        # storage's memory in one more reference-counted context.
+        shared = self.storage._share_cuda_()
+        self.handle: bytes = shared[1]
+        self.offset: int = shared[3]
+        self.counter: Tuple[bytes, int] = (shared[4], shared[5])
+
+
+class Lease:
+    """A slab lent to one message."""
+
+    __slots__ = ("slab", "ident")
+
+    def __init__(self, slab: Slab, ident: int) -> None:
+        self.slab = slab
+        self.ident = ident
+
+
+class ExportArea:
+    """This process's export slabs and their control page (see the module docstring).
+
+    Args:
+        limit: Bytes of slab capacity held at most, all devices together; 0: none.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._fd = os.memfd_create("machinlike-cuda-ipc", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _PAGE)
+        self._map = mmap.mmap(self._fd, _PAGE, flags=mmap.MAP_SHARED)
+        self.words = np.frombuffer(self._map, dtype=np.int64).reshape(SLOTS, _WORDS)
+        self.inode = os.fstat(self._fd).st_ino
+        self._slabs: List[Slab] = []
+        self._held = 0
+        self._ids = itertools.count(1)
+        self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0}
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def held_bytes(self) -> int:
+        return self._held
+
+    def lent(self) -> int:
+        """Slabs lent now (a lease whose receiver neither freed it nor died: those of
+        dead receivers are taken back first)."""
+        with self._lock:
+            self._reclaim()
+            return sum(1 for slab in self._slabs if self.words[slab.slot, 0] != FREE)
+
+    def lease(self, index: int, nbytes: int, taker: int) -> Optional[Lease]:
+        """A slab of ``cuda:index`` for ``nbytes``, lent to process ``taker``; None: no room.
+
+        Raises:
+            RuntimeError: (from torch) the slab could not be allocated or exported.
+        """
+        capacity = slab_capacity(nbytes)
+        with self._lock:
+            slab = self._free_slab(index, nbytes)
+            if slab is None and self._reclaim():
+                slab = self._free_slab(index, nbytes)
+            if slab is None:
+                slab = self._new_slab(index, capacity)
+            if slab is None:
+                self.stats["no_room"] += 1
+                return None
+            ident = next(self._ids)
+            row = self.words[slab.slot]
+            row[1] = taker
+            row[0] = ident  # last: the receiver checks the state, then reads
+            return Lease(slab, ident)
+
+    def release(self, lease: Lease) -> None:
+        """End ``lease`` from this side (its message never left, or was refused)."""
+        with self._lock:
+            if self.words[lease.slab.slot, 0] == lease.ident:
+                self.words[lease.slab.slot, 0] = FREE
+
+    def _free_slab(self, index: int, nbytes: int) -> Optional[Slab]:
+        best: Optional[Slab] = None
+        for slab in self._slabs:
+            if slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] == FREE \
+                    and (best is None or slab.capacity < best.capacity):
+                best = slab
+        return best
+
+    def _reclaim(self) -> bool:
+        found = False
+        for slab in self._slabs:
+            row = self.words[slab.slot]
+            if row[0] != FREE and not pid_alive(int(row[1])):
+                row[0] = FREE  # its receiver died: nobody reads it any more
+                self.stats["reclaimed"] += 1
+                found = True
+        return found
+
+    def _new_slab(self, index: int, capacity: int) -> Optional[Slab]:
+        if capacity > self.limit:
+            return None
+        while self._held + capacity > self.limit:
+            free = [slab for slab in self._slabs if self.words[slab.slot, 0] == FREE]
+            if not free:
+                return None
+            self._retire(min(free, key=lambda slab: slab.capacity))
+        used = {slab.slot for slab in self._slabs}
+        slot = next((s for s in range(SLOTS) if s not in used), None)
+        if slot is None:
+            free = [slab for slab in self._slabs if self.words[slab.slot, 0] == FREE]
+            if not free:
+                return None
+            victim = min(free, key=lambda slab: slab.capacity)
+            slot = victim.slot
+            self._retire(victim)
+        ident = next(self._ids)
+        slab = Slab(slot, ident, index, capacity)
+        self.words[slot] = (FREE, 0, ident, 0)
+        self._slabs.append(slab)
+        self._held += capacity
+        self.stats["slabs_made"] += 1
+        return slab
+
+    def _retire(self, slab: Slab) -> None:
+        self.words[slab.slot, 2] = RETIRED  # receivers drop their opening at their next trim
+        self._slabs.remove(slab)
+        self._held -= slab.capacity
+        self.stats["slabs_retired"] += 1
+        # torch counted the one export as one reader (counter 1) and parks freed memory
+        # with a count above 0 in its limbo. No receiver counts (they open with
+        # _NO_COUNTER), so this one release lets the memory go back to the allocator now.
+        try:
+            torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)
+        except Exception:  # best effort, as torch's own consumers do
+            self.stats["counter_release_failed"] = self.stats.get("counter_release_failed", 0) + 1
+        slab.storage = None  # type: ignore[assignment]
+
+    def close(self) -> None:
+        """Retire every slab (receivers drop their openings) and close the control page."""
+        with self._lock:
+            for slab in list(self._slabs):
+                self._retire(slab)
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
+
+# ------------------------------------------------------------------------ receiver
+Key = Tuple[int, bytes, int]
+
+
+class _Opened:
+    __slots__ = ("storage", "capacity", "words", "slot", "ident")
+
+    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
+        self.storage = storage
+        self.capacity = capacity
+        self.words = words
+        self.slot = slot
+        self.ident = ident
+
+    def retired(self) -> bool:
+        return int(self.words[self.slot, 2]) != self.ident
+
+
+Opener = Callable[[], Any]
+
+
+class OpenCache:
+    """Peers' slabs opened here, and their control pages (see the module docstring).
+
+    Args:
+        limit: Bytes of opened slab capacity kept between transfers.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._opened: "OrderedDict[Key, _Opened]" = OrderedDict()
+        self._controls: Dict[Tuple[int, int], Tuple[mmap.mmap, np.ndarray]] = {}
+        self._held = 0
+        self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
+
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._opened)
+
+    def control(self, pid: int, fd: int, inode: int) -> np.ndarray:
+        """The control page of process ``pid`` (mapped once).
+
+        Raises:
+            RuntimeError: the sender is gone or closed its area (named).
+        """
+        key = (pid, inode)
+        with self._lock:
+            found = self._controls.get(key)
+            if found is not None:
+                return found[1]
+        try:
+            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise RuntimeError(
+                f"cannot reach the CUDA export area of process {pid} (descriptor {fd}): the sender "
+                f"is gone or closed it before this receiver loaded its tensors ({exc.strerror})"
+            ) from exc
+        try:
+            if os.fstat(handle).st_ino != inode:
+                raise RuntimeError(f"the CUDA export area of process {pid} was closed before this receiver "
+                                   f"loaded its tensors")
+            mapped = mmap.mmap(handle, _PAGE, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(handle)
+        words = np.frombuffer(mapped, dtype=np.int64).reshape(SLOTS, _WORDS)
+        with self._lock:
+            self._controls.setdefault(key, (mapped, words))
+            return self._controls[key][1]
+
+    def storage(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Any:
+        """The opened slab ``key`` (``opener()`` opens it when not cached)."""
+        with self._lock:
+            found = self._opened.get(key)
+            if found is not None and found.ident == ident and not found.retired():
+                self._opened.move_to_end(key)
+                return found.storage
+            # First: a retired slab's handle must be closed before a slab that took its
+            # place is opened (torch finds an open handle by its bytes, and the memory
+            # behind equal bytes may be new).
+            self._drop_gone()
+        storage = opener()
+        with self._lock:
+            old = self._opened.pop(key, None)
+            if old is not None:
+                self._held -= old.capacity
+            self._opened[key] = _Opened(storage, capacity, words, slot, ident)
+            self._held += capacity
+            self.stats["opened"] += 1
+            while self._held > self.limit and len(self._opened) > 1:
+                self._drop(next(iter(self._opened)))
+                self.stats["evicted"] += 1
+        return storage
+
+    def _drop_gone(self) -> None:
+        for key, opened in list(self._opened.items()):
+            if opened.retired() or not pid_alive(key[0]):
+                self._drop(key)
+                self.stats["dropped_dead_or_retired"] += 1
+        live = {opened_key[0] for opened_key in self._opened}
+        for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
+            del self._controls[control]
+
+    def _drop(self, key: Key) -> None:
+        opened = self._opened.pop(key)
+        self._held -= opened.capacity
+        # Dropping the last storage of a handle closes it (torch's IPC handle cache).
+
+    def forget_dead(self) -> int:
+        """Drop what dead or retired owners left here; returns how many openings went."""
+        with self._lock:
+            before = len(self._opened)
+            self._drop_gone()
+            return before - len(self._opened)
+
+    def forget_all(self) -> None:
+        """Drop every opening and control page (World stop)."""
+        with self._lock:
+            self._opened.clear()
+            self._controls.clear()
+            self._held = 0

@@ -1,0 +1,113 @@
+"""Which same-host peers receive CUDA tensors through IPC: asked once, proved by a probe.
+
+The first call from a process that uses CUDA to a same-host peer asks it (``_describe``)
+for its *device key* (a digest of the GPUs it sees: two processes that see the same GPUs
+have the same key) and sends a 16-element probe there and back through IPC (``_probe``)::
+
+    peer_target(member, pid)    verdict kept? ──► (key, pid) or None (stage)
+      ask _describe ── no answer ───────────────► stage; ask again after _UNANSWERED_RETRY_S
+                    ── -1 (path off there) ─────► stage for good
+                    ── 0 (no CUDA there yet) ───► stage; ask again after _RETRY_S
+                    ── another key ─────────────► stage for good (other GPUs)
+                    ── our key ── probe there and back ── equal ──► IPC for good
+                                                      └─ not ─────► stage for good
+
+Why a probe and not the key alone: the key says that both processes see the same GPUs,
+not that the driver lets one open the other's handles (two containers, for one); the probe
+proves that it does. The verdicts
+live in ``cuda_ipc._peers`` (bounded; cleared with the path's state).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch.distributed import rpc
+
+from . import cuda_ipc as _ipc
+
+__all__ = ["peer_target"]
+
+_RETRY_S = 2.0  # a peer without CUDA (yet) is asked again after this many seconds
+_PROBE_TIMEOUT_S = 5.0
+_UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is asked again after this
+
+
+def _describe() -> int:
+    """(Remote) this process's key when it may receive through IPC; 0: not yet (no CUDA
+    initialised); -1: never (the path is off here)."""
+    return _ipc.local_key() if _ipc._limit > 0 else -1
+
+
+def _probe(tensors: List[torch.Tensor], caller: int) -> Any:
+    """(Remote) the probe's second half: check what arrived, send it back through IPC."""
+    probe = tensors[0]
+    expected = torch.arange(16, device=probe.device)
+    if probe.device != _ipc._device(probe.device.index) or not bool((probe == expected).all()):
+        raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
+    refs, _ = _ipc.export([probe], (_ipc.local_key(), caller))
+    return refs
+
+
+def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
+    """``(key, pid)`` to send CUDA tensors to ``member`` through IPC, or None (stage).
+
+    The first time, asks ``member`` for its key and sends a probe both ways (one round
+    trip each, ``_PROBE_TIMEOUT_S`` at most); the verdict is kept.
+    """
+    if _ipc._limit <= 0 or pid == os.getpid():
+        return None
+    found = _ipc._peers.get(member)
+    if found is not None:
+        key, retry = found
+        if retry is None or time.monotonic() < retry:
+            return (key, pid) if key else None
+    mine = _ipc.local_key()
+    if not mine:
+        return None
+    try:
+        theirs = rpc.rpc_sync(member, _describe, timeout=_PROBE_TIMEOUT_S)
+    except Exception:  # not answered (busy, or going): this call stages, a later one asks again
+        _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+        _ipc._count("staged_probe_unanswered")
+        return None
+    if theirs < 0:
+        _note_peer(member, 0, None)
+        _ipc._count("staged_peer_ipc_off")
+        return None
+    if theirs == 0:
+        _note_peer(member, 0, time.monotonic() + _RETRY_S)  # no CUDA there yet
+        _ipc._count("staged_peer_without_cuda")
+        return None
+    if theirs != mine:
+        _note_peer(member, 0, None)
+        _ipc._count("staged_peer_other_gpus")
+        return None
+    device = _ipc._device(_ipc._current_index())
+    refs, leases = _ipc.export([torch.arange(16, device=device)], (mine, pid))
+    try:
+        back = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
+        ok = bool((back[0].cpu() == torch.arange(16)).all())
+    except Exception:
+        ok = False
+    if not ok:
+        area = _ipc._area
+        for lease in leases:  # the call is over: nobody reads it any more
+            if area is not None:
+                area.release(lease)
+        _note_peer(member, 0, None)
+        _ipc._count("staged_probe_failed")
+        return None
+    _note_peer(member, mine, None)
+    return mine, pid
+
+
+def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
+    with _ipc._lock:
+        _ipc._peers[member] = (key, retry)
+        _ipc._peers.move_to_end(member)
+        while len(_ipc._peers) > _ipc._PEERS_KEPT:
+            _ipc._peers.popitem(last=False)

@@ -1,0 +1,497 @@
+"""CUDA tensors through CUDA IPC between processes of one host (``distributed._calls.cuda_ipc``).
+
+On the CPU: the reply terms, the bounds and validation of ``cuda_ipc_cache_bytes``, the
+export area's leases, reclaim and eviction (with stand-in slabs), the receiver's cache of
+openings (bounded, dropping dead and retired owners), the fallbacks to staging, and a
+receiver without CUDA refusing to initialise it. The end-to-end runs are marked ``gpu``
+(``tests/test_cuda_ipc_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from machinlike.distributed._calls import cuda_ipc as _cuda_ipc, cuda_ipc_area as _cuda_ipc_area
+from machinlike.distributed._calls import cuda_ipc_peers as _cuda_ipc_peers
+from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as _samehost
+from machinlike.distributed._world.settings import settings as resolve_settings
+
+
+@pytest.fixture
+def ipc_on():
+    _cuda_ipc.configure(64 << 20)
+    yield
+    _cuda_ipc.close()
+    _cuda_ipc.configure(0)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+# --------------------------------------------------------------------- reply terms
+def test_terms_pack_threshold_pid_and_key_and_split_back(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "_key", 0xABCDE12345)
+    packed = _cuda_ipc.terms(1 << 20, (0xABCDE12345, 999))
+    assert _cuda_ipc.split_terms(packed) == (1 << 20, os.getpid(), 0xABCDE12345)
+    assert packed & _cuda_ipc.TERMS_MASK == 1 << 20
+    assert _cuda_ipc.terms(1 << 20, None) == 1 << 20  # no target: today's int, unchanged
+    assert _cuda_ipc.split_terms(4096) == (4096, 0, 0)
+
+
+def test_reply_target_needs_the_path_on_and_the_same_key(monkeypatch, ipc_on):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    theirs = (1 << 10) | (12345 << 48) | (77 << 80)
+    assert _cuda_ipc.reply_target(theirs) == (77, 12345)
+    assert _cuda_ipc.reply_target((1 << 10) | (12345 << 48) | (78 << 80)) is None  # other GPUs
+    assert _cuda_ipc.reply_target(1 << 10) is None  # a caller that asked for no IPC
+    assert _cuda_ipc.reply_target((1 << 10) | (os.getpid() << 48) | (77 << 80)) is None  # itself
+    _cuda_ipc.configure(0)
+    assert _cuda_ipc.reply_target(theirs) is None
+
+
+def test_a_cpu_callee_masks_packed_terms_for_the_shm_threshold(monkeypatch):
+    class Local:
+        enabled, threshold = True, 1 << 10
+
+    monkeypatch.setattr(_samehost, "_current", Local())
+    assert _samehost._reply_threshold((1 << 12) | (5 << 48) | (9 << 80)) == 1 << 12
+
+
+def test_a_process_without_cuda_has_key_zero_and_no_targets(ipc_on):
+    assert not torch.cuda.is_initialized()
+    assert _cuda_ipc.local_key() == 0
+    assert _cuda_ipc_peers.peer_target("anyone", os.getpid() + 1) is None  # asks nobody: no CUDA here
+    assert _cuda_ipc_peers._describe() == 0
+    assert not torch.cuda.is_initialized()
+    _cuda_ipc.configure(0)
+    assert _cuda_ipc_peers._describe() == -1  # the path is off here: never ask again
+
+
+@pytest.mark.parametrize("answer, counted, asks_again", [
+    (-1, "staged_peer_ipc_off", False),
+    (0, "staged_peer_without_cuda", True),    # no CUDA there yet: asked again after _RETRY_S
+    (99, "staged_peer_other_gpus", False),
+    (RuntimeError("gone"), "staged_probe_unanswered", True),  # asked again after _UNANSWERED_RETRY_S
+])
+def test_peer_verdicts_are_kept_counted_and_retried_only_for_a_peer_without_cuda(monkeypatch, ipc_on, answer,
+                                                                                    counted, asks_again):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    asked = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        asked.append((member, fn.__name__, timeout))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    before = _cuda_ipc.stats().get(counted, 0)
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    assert asked == [("peer", "_describe", _cuda_ipc_peers._PROBE_TIMEOUT_S)]
+    assert _cuda_ipc.stats()[counted] == before + 1
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None and len(asked) == 1  # kept
+    monkeypatch.setattr(_cuda_ipc_peers.time, "monotonic", lambda: 1e12)
+    _cuda_ipc_peers.peer_target("peer", os.getpid() + 1)
+    assert len(asked) == (2 if asks_again else 1)
+    assert _cuda_ipc_peers.peer_target("me", os.getpid()) is None and len(asked) == (2 if asks_again else 1)  # never itself
+
+
+# ----------------------------------------------------------------------- settings
+def _resolve(**over):
+    base = dict(init_method=None, backend="gloo", rpc_timeout=5.0, rpc_threads=4, collective=False,
+                init_rpc=True, dist_timeout=5.0, store=None, interface=None, elastic=False, liveness=None,
+                init_dist=None, dist_backend=None, dist_init_method=None, rpc_init_method=None,
+                same_host_shm=True, shm_threshold=1 << 20, shm_cache_bytes=1 << 30)
+    base.update(over)
+    return resolve_settings("0", 0, 1, **base)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1G", True, None])
+def test_bad_cuda_ipc_cache_bytes_is_named(bad):
+    with pytest.raises(ValueError, match=r"cuda_ipc_cache_bytes=.*int >= 0"):
+        _resolve(cuda_ipc_cache_bytes=bad)
+
+
+def test_world_names_a_bad_cuda_ipc_cache_bytes_before_connecting():
+    from machinlike.distributed import World
+
+    with pytest.raises(ValueError, match=r"cuda_ipc_cache_bytes=-1 must be an int >= 0 \(bytes; 0 stages"):
+        World("x", 0, 1, cuda_ipc_cache_bytes=-1)
+
+
+def test_cuda_ipc_cache_bytes_defaults_and_zero():
+    assert _resolve().cuda_ipc_cache_bytes == 4 << 30
+    assert _resolve(cuda_ipc_cache_bytes=0).cuda_ipc_cache_bytes == 0
+
+
+def test_samehost_configures_and_stops_the_path():
+    # (1 GiB: the World's default bound of the shm caches, which SameHost sets process-wide)
+    host = _samehost.SameHost(True, 1 << 20, 1 << 30, lambda member: None, 1 << 20)
+    assert _cuda_ipc.enabled()
+    host.close()
+    assert not _cuda_ipc.enabled()
+    host = _samehost.SameHost(False, 1 << 20, 1 << 30, lambda member: None, 1 << 20)
+    assert not _cuda_ipc.enabled()  # same_host_shm=False: the same-host paths are off, CUDA's too
+    host.close()
+
+
+# --------------------------------------------------------------------- export area
+class _FakeSlab:
+    """A slab without CUDA: what the area's bookkeeping needs."""
+
+    def __init__(self, slot, ident, index, capacity):
+        self.slot, self.ident, self.index, self.capacity = slot, ident, index, capacity
+        self.storage = object()
+        self.handle, self.offset, self.counter = b"h%d" % ident, 0, (b"/none", 0)
+
+
+@pytest.fixture
+def area(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _FakeSlab)
+    made = _cuda_ipc_area.ExportArea(16 << 20)
+    yield made
+    made.close()
+
+
+def test_slab_capacity_is_a_power_of_two_from_2_mib():
+    assert _cuda_ipc_area.slab_capacity(1) == 2 << 20
+    assert _cuda_ipc_area.slab_capacity(2 << 20) == 2 << 20
+    assert _cuda_ipc_area.slab_capacity((2 << 20) + 1) == 4 << 20
+    assert _cuda_ipc_area.slab_capacity(64_000_000) == 64 << 20
+
+
+def test_a_freed_lease_is_lent_again_and_a_busy_one_is_not(area):
+    first = area.lease(0, 1000, os.getpid())
+    assert first is not None and area.lent() == 1
+    second = area.lease(0, 1000, os.getpid())
+    assert second.slab is not first.slab  # the first is still lent
+    area.words[first.slab.slot, 0] = _cuda_ipc_area.FREE  # what a receiver writes once copied out
+    third = area.lease(0, 1000, os.getpid())
+    assert third.slab is first.slab and third.ident != first.ident
+    assert area.held_bytes() == 4 << 20
+
+
+def test_devices_do_not_share_slabs(area):
+    a = area.lease(0, 10, os.getpid())
+    area.release(a)
+    b = area.lease(1, 10, os.getpid())
+    assert b.slab is not a.slab and b.slab.index == 1
+
+
+def test_a_lease_of_a_dead_receiver_is_reclaimed(area):
+    dead = _dead_pid()
+    first = area.lease(0, 4 << 20, dead)
+    again = area.lease(0, 4 << 20, os.getpid())  # taken back before any new slab is made
+    assert again.slab is first.slab and area.held_bytes() == 4 << 20
+    assert area.stats["reclaimed"] == 1 and area.stats["slabs_made"] == 1
+
+
+def test_no_room_is_none_and_counted_and_free_slabs_are_evicted(area):
+    live = os.getpid()
+    small = [area.lease(0, 2 << 20, live) for _ in range(4)]  # 8 MiB lent
+    big = area.lease(0, 8 << 20, live)  # 8 more: exactly the bound
+    assert big is not None and area.held_bytes() == 16 << 20
+    assert area.lease(0, 2 << 20, live) is None and area.stats["no_room"] == 1
+    assert area.lease(0, 32 << 20, live) is None  # larger than the whole bound
+    for lease in small:
+        area.release(lease)
+    bigger = area.lease(0, 6 << 20, live)  # 8 MiB: two... four free 2 MiB slabs are retired for it
+    assert bigger is not None and area.held_bytes() <= 16 << 20
+    assert area.stats["slabs_retired"] == 4
+    retired = [lease.slab for lease in small]
+    assert all(area.words[slab.slot, 2] != slab.ident for slab in retired if slab is not bigger.slab)
+
+
+def test_release_only_ends_its_own_lease(area):
+    first = area.lease(0, 10, os.getpid())
+    area.words[first.slab.slot, 0] = _cuda_ipc_area.FREE
+    second = area.lease(0, 10, os.getpid())
+    area.release(first)  # late: the slab is lent to the second lease now
+    assert area.words[second.slab.slot, 0] == second.ident
+
+
+def test_close_retires_every_slab(area):
+    lease = area.lease(0, 10, os.getpid())
+    area.close()
+    assert area.words[lease.slab.slot, 2] == _cuda_ipc_area.RETIRED and area.held_bytes() == 0
+
+
+# ---------------------------------------------------------------- receiver's cache
+def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
+    cache = _cuda_ipc_area.OpenCache(4 << 20)
+    words = cache.control(os.getpid(), area.fd, area.inode)  # the control page, mapped through /proc
+    lease = area.lease(0, 10, os.getpid())
+    slab = lease.slab
+    assert words[slab.slot, 0] == lease.ident and words[slab.slot, 2] == slab.ident
+    opened = []
+
+    def opener():
+        opened.append(1)
+        return object()
+
+    me = os.getpid()
+    one = cache.storage((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener)
+    assert cache.storage((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener) is one and len(opened) == 1
+    cache.storage((me, b"b", 0), 2 << 20, words, slab.slot, slab.ident, opener)
+    cache.storage((me, b"c", 0), 2 << 20, words, slab.slot, slab.ident, opener)  # over 4 MiB: "a" goes
+    assert len(cache) == 2 and cache.held_bytes() == 4 << 20 and cache.stats["evicted"] == 1
+    area.close()  # the owner retires the slab: the receiver drops it at its next trim
+    assert cache.forget_dead() == 2 and len(cache) == 0 and cache.held_bytes() == 0
+    dead = _dead_pid()
+    cache.storage((dead, b"d", 0), 2 << 20, words, 0, int(words[0, 2]), opener)
+    assert cache.forget_dead() == 1 and len(cache) == 0  # a dead owner's slab goes (departure, next opening)
+
+
+def test_gone_openings_are_dropped_before_a_new_one_opens(area):
+    # A retired slab's handle is closed first: new memory may come behind the same bytes.
+    cache = _cuda_ipc_area.OpenCache(1 << 30)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    order = []
+    cache.storage((os.getpid(), b"a", 0), 2 << 20, words, slab.slot, slab.ident, lambda: order.append("open a"))
+    area.close()
+    cache.storage((os.getpid(), b"b", 0), 2 << 20, words, slab.slot, -7,
+                  lambda: order.append(f"open b with {len(cache)} opened"))
+    assert order == ["open a", "open b with 0 opened"]
+
+
+def test_a_control_page_of_a_gone_sender_is_named():
+    cache = _cuda_ipc_area.OpenCache(1 << 20)
+    with pytest.raises(RuntimeError, match="cannot reach the CUDA export area of process"):
+        cache.control(_dead_pid(), 3, 1)
+    with pytest.raises(RuntimeError, match="was closed"):
+        cache.control(os.getpid(), 0, -5)  # descriptor 0 names other memory
+
+
+def test_a_receiver_without_cuda_refuses_and_does_not_initialise_it():
+    reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, 0, 2 << 20, ((0, (2,), torch.float32, False, False),))
+    with pytest.raises(RuntimeError, match="has not initialised CUDA"):
+        _cuda_ipc._receive_group(*reduced)
+    assert not torch.cuda.is_initialized()
+
+
+# ------------------------------------------------------------------------ fallbacks
+def _fake_cuda(nbytes: int, index: int = 0):
+    return SimpleNamespace(device=torch.device("cuda", index), nbytes=nbytes)
+
+
+def test_a_group_without_room_is_staged_and_counted(monkeypatch, ipc_on):
+    class Full:
+        fd, inode = 0, 0
+
+        def lease(self, *a):
+            return None
+
+    monkeypatch.setattr(_cuda_ipc, "_export_area", lambda: Full())
+    before = _cuda_ipc.stats().get("staged_no_room", 0)
+    batch = _cuda_ipc.Batch((5, 123))
+    refs = [batch.add(_fake_cuda(10)), batch.add(_fake_cuda(20)), batch.add(_fake_cuda(5, index=1))]
+    staged = []
+
+    def stage(tensor, pending):
+        staged.append(tensor)
+        return _cuda_stage.stage_tensor(torch.ones(2), pending)
+
+    assert batch.commit(refs, stage, []) == []
+    assert len(staged) == 3 and all(ref.staged is not None for ref in refs)
+    assert _cuda_ipc.stats()["staged_no_room"] - before == 3
+    back = pickle.loads(pickle.dumps(refs))  # staged refs pickle as staged tensors
+    assert all(torch.equal(t, torch.ones(2)) for t in back)
+
+
+def test_an_export_that_raises_is_staged_and_counted_by_type(monkeypatch, ipc_on):
+    class Broken:
+        def lease(self, *a):
+            raise RuntimeError("cudaIpcGetMemHandle failed")
+
+    monkeypatch.setattr(_cuda_ipc, "_export_area", lambda: Broken())
+    batch = _cuda_ipc.Batch((5, 123))
+    refs = [batch.add(_fake_cuda(10))]
+    batch.commit(refs, lambda tensor, pending: "staged", [])
+    assert refs[0].staged == "staged"
+    counts = _cuda_ipc.stats()
+    assert counts["staged_export_failed"] >= 1 and counts["staged_export_failed:RuntimeError"] >= 1
+
+
+def test_an_uncommitted_group_refuses_to_pickle():
+    batch = _cuda_ipc.Batch((5, 123))
+    ref = batch.add(_fake_cuda(10))
+    with pytest.raises(RuntimeError, match="before it was committed"):
+        pickle.dumps(ref)
+
+
+def test_a_ref_pickles_its_group_once():
+    batch = _cuda_ipc.Batch((5, 123))
+    refs = [batch.add(_fake_cuda(10)), batch.add(_fake_cuda(10))]
+    batch.groups[0].reduced = (list, ((1, 2),))  # stands in for the copy-out call
+    assert pickle.loads(pickle.dumps(refs)) == [1, 2]
+    calls = pickle.dumps(refs).count(b"builtins")
+    assert calls == 1  # the group's call is written once, then taken from the memo
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_only_strided_unquantized_tensors_are_eligible(sparse):
+    tensor = torch.ones(2, 2).to_sparse() if sparse else torch.ones(2)
+    assert _cuda_ipc.eligible(tensor) is (not sparse)
+
+
+# ------------------------------------------------- the whole path over CPU memory
+# The CUDA operations of _cuda_ipc are a handful of named functions; over CPU memory (one
+# process, the slab found by its "handle") the rest runs for real: offsets and views,
+# the control page through /proc, leases ended by the receiver, pickling.
+_HANDLES = {}
+
+
+class _CpuSlab(_FakeSlab):
+    def __init__(self, slot, ident, index, capacity):
+        super().__init__(slot, ident, index, capacity)
+        self.storage = torch.empty(capacity, dtype=torch.uint8).untyped_storage()
+        _HANDLES[self.handle] = self.storage
+
+
+@pytest.fixture
+def over_cpu(monkeypatch, ipc_on):
+    import contextlib
+
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _CpuSlab)
+    monkeypatch.setattr(_cuda_ipc, "_device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(_cuda_ipc, "_synchronize", lambda device: None)
+    monkeypatch.setattr(_cuda_ipc, "_device_guard", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_cuda_ipc, "_cuda_ready", lambda: True)
+    opened = []
+
+    def open_shared(index, handle, capacity, offset):
+        opened.append(handle)
+        return _HANDLES[handle]
+
+    monkeypatch.setattr(_cuda_ipc, "_open_shared", open_shared)
+    yield opened
+    _HANDLES.clear()
+
+
+def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    sent = {"a": x, "t": x.t(), "h": x.half()[1:3], "b": x > 5, "i": torch.tensor(7), "e": torch.zeros(0, 4),
+            "p": torch.nn.Parameter(torch.ones(3)), "g": torch.ones(2, requires_grad=True),
+            "c": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), "d": torch.arange(5, dtype=torch.float64)}
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    memo = {}
+    refs = {key: memo.setdefault(id(t), batch.add(t)) for key, t in sent.items()}
+    refs["again"] = refs["a"]  # the same tensor twice: one copy, arriving twice
+    pending = []
+    leases = batch.commit(list(memo.values()), lambda t, p: pytest.fail("staged"), pending)
+    assert len(leases) == 1 and pending == [torch.device("cpu")]  # one slab for the message
+    area = _cuda_ipc._area
+    assert area.lent() == 1
+    data = pickle.dumps(refs)
+    assert data.count(b"_receive_group") == 1
+    x.fill_(-1)  # the sender reuses its tensor once the call returned (the copy is in the slab)
+    back = pickle.loads(data)
+    assert area.lent() == 0  # the receiver ended the lease once it had copied out
+    for key, tensor in sent.items():
+        got = back[key]
+        expected = torch.arange(24, dtype=torch.float32).reshape(4, 6) if key == "a" else tensor
+        if key == "t":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
+        if key == "h":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6).half()[1:3]
+        if key == "b":
+            expected = torch.arange(24, dtype=torch.float32).reshape(4, 6) > 5
+        assert type(got) is type(tensor) and got.dtype == tensor.dtype and got.shape == tensor.shape, key
+        assert torch.equal(got.detach(), expected.detach()), key
+        assert got.requires_grad == tensor.requires_grad and got.grad_fn is None, key
+        assert got.untyped_storage().data_ptr() != area._slabs[0].storage.data_ptr()  # its own memory
+    assert back["again"] is back["a"]
+    assert len(over_cpu) == 1
+    pickle.loads(pickle.dumps(_cuda_ipc.export([torch.ones(3)], (5, os.getpid()))[0]))
+    assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
+    counts = _cuda_ipc.stats()
+    assert counts["sent_tensors"] >= 10 and counts["received_tensors"] >= 10 and counts["opened_opened"] == 1
+
+
+def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    assert torch.equal(pickle.loads(data)[0], torch.ones(3))
+    with pytest.raises(RuntimeError, match="were released before this receiver loaded them"):
+        pickle.loads(data)  # a second read of the same lease
+
+
+def test_a_sender_that_closed_its_area_is_named(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    _cuda_ipc.close()  # the World stopped: every slab retired, the control page closed
+    with pytest.raises(RuntimeError, match="closed it before this receiver loaded its tensors"):
+        pickle.loads(data)  # a receiver that never mapped the control page
+
+
+def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    pickle.loads(pickle.dumps(refs))  # maps the control page
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    data = pickle.dumps(refs)
+    _cuda_ipc._area.close()  # the sender's World stopped (the receiver, here the same process, keeps its page)
+    with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
+        pickle.loads(data)
+
+
+def _loopback(monkeypatch, mangle=None):
+    """rpc_sync to a peer that is this very process: arguments and result pickled both ways."""
+    calls = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        calls.append(fn.__name__)
+        args = pickle.loads(pickle.dumps(args))
+        out = fn(*args)
+        data = pickle.dumps(out)
+        return pickle.loads(mangle(data) if mangle else data)
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    return calls
+
+
+def test_the_probe_crosses_both_ways_and_the_verdict_is_kept(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+    calls = _loopback(monkeypatch)
+    peer = os.getpid() + 1  # (a pid that is not ours: the verdict is about the member name)
+    assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer)
+    assert calls == ["_describe", "_probe"]
+    assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer) and len(calls) == 2  # kept
+    assert _cuda_ipc._area.lent() == 0  # both probe leases ended by their receivers
+    packed = _cuda_ipc.terms(1 << 20, (77, peer))
+    assert _cuda_ipc.reply_target(packed) is None  # (the caller is this process: never to itself)
+
+
+def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+
+    def broken(member, fn, args=(), timeout=None):
+        if fn.__name__ == "_describe":
+            return 77
+        raise RuntimeError("cudaIpcOpenMemHandle failed: invalid device context")
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", broken)
+    before = _cuda_ipc.stats().get("staged_probe_failed", 0)
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    assert _cuda_ipc.stats()["staged_probe_failed"] == before + 1
+    assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back
