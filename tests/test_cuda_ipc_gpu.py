@@ -209,7 +209,7 @@ def _killed_body(world):
         if mark is None and time.monotonic() - begin > 0.8:  # every puller busy, none dead yet
             mark = group.registered_sync("memory")
         i += 1
-    world.membership.wait_until(lambda live: all(world.get_incarnation(f"victim{v}") >= 2 or
+    world.membership.wait_until(lambda live: all((world.get_incarnation(f"victim{v}") or 0) >= 2 or
                                                  world.membership.gone(f"victim{v}")
                                                  for v in range(_VICTIMS)), 60)
     group.registered_sync("give", (0,), timeout=30)  # one more lease: the dead victims' are taken back
