@@ -117,13 +117,13 @@ class Milestones:
         """Feed an EpisodeLog snapshot; returns a line for each level reached for the first time."""
         if snapshot["episodes"] < self._window:
             return []
-        said = []
+        new = []
         with self._lock:
             for level in self._levels:
                 if level not in self._reached and snapshot["mean_return"] >= level:
                     self._reached[level] = (time.time() - self._launched, self._fps * snapshot["env_steps"])
-                    said.append(self.line(level))
-        return said
+                    new.append(level)
+        return [self.line(level) for level in new]  # outside the lock: line() takes it
 
     def line(self, level: float) -> str:
         """'first mean >= 18 at 171.2 s / 3,911,040 frames', or '... not reached'."""

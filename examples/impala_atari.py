@@ -390,9 +390,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.algo == "impala" and (args.epochs, args.max_epochs) != (1, 1):
-        parser.error(f"--epochs {args.epochs} / --max-epochs {args.max_epochs}: IMPALA makes one pass over each "
-                     f"batch; use --algo appo for several")
+    several = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("epochs", "max_epochs")
+               if getattr(args, name) != 1]
+    if args.algo == "impala" and several:
+        parser.error(f"{', '.join(several)}: IMPALA makes one pass over each batch; use --algo appo for several")
     if args.max_epochs < args.epochs:
         args.max_epochs = args.epochs  # --epochs given alone: no extra epochs unless asked
     if args.queue_size is None:
