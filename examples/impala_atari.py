@@ -299,19 +299,23 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
 #: The learner settings that differ by algorithm (and, for APPO, by device), used where the
 #: command line leaves them out. IMPALA's are the example's settings before APPO existed.
 IMPALA_DEFAULTS: Dict[str, Any] = {"optimizer": "rmsprop", "lr": 6e-4, "entropy_cost": 0.0006, "max_grad_norm": 40.0,
-                                   "batch_size": 1, "minibatches": 1, "epochs": 1, "max_epochs": 1}
+                                   "batch_size": 1, "minibatches": 1, "epochs": 1, "max_epochs": 1,
+                                   "learner_threads": 1}
 APPO_DEFAULTS: Dict[str, Dict[str, Any]] = {
     # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, clip 0.1, grad norm 0.5,
     # batches of ~1k steps in 4 minibatches). Two epochs, not four: on two cores the
     # learner's forward+backward (~1.1 ms per sample and epoch) is most of the work, so a
-    # third and fourth epoch would cost ~40% of the frames per second.
+    # third and fourth epoch would cost ~40% of the frames per second. Two learner threads:
+    # the actors collect a batch (~0.6 core-s) in a fraction of the learner's ~2.5 s on it,
+    # so their core is mostly free while it trains (IMPALA's learner, ~4x cheaper per
+    # sample, kept both cores busy and lost with a second thread).
     "cpu": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
-            "batch_size": 2, "minibatches": 4, "epochs": 2, "max_epochs": 2},
+            "batch_size": 2, "minibatches": 4, "epochs": 2, "max_epochs": 2, "learner_threads": 2},
     # A GPU trains a 256-step minibatch in a few ms: 8 of them per 2,048-step batch keeps
     # CleanRL's updates per frame; epochs beyond 4 only while the actors have not yet
     # delivered the next batch.
     "cuda": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
-             "batch_size": 4, "minibatches": 8, "epochs": 4, "max_epochs": 6},
+             "batch_size": 4, "minibatches": 8, "epochs": 4, "max_epochs": 6, "learner_threads": 1},
 }
 
 
@@ -333,9 +337,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=64, help="central inference: rows per forward (default 64)")
     parser.add_argument("--max-wait", type=float, default=0.002,
                         help="central inference: seconds a forward waits for more rows (default 0.002)")
-    # One: with the actors on the same two cores, a second intra-op thread only waits for
-    # a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
-    parser.add_argument("--learner-threads", type=int, default=1, help="torch threads of the learner (default 1)")
+    # IMPALA: one; with the actors on the same two cores, a second intra-op thread only waits
+    # for a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
+    parser.add_argument("--learner-threads", type=int, default=None,
+                        help="torch threads of the learner (default: 2 for appo on the CPU, else 1)")
     parser.add_argument("--unroll", type=int, default=32, help="trajectory length T, steps (default 32)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="actor messages (E games x T steps each) per update (default: impala 1; appo 2 on "
@@ -415,6 +420,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--gae-lambda {args.gae_lambda:g} must lie in [0, 1] (0.95 is the usual)")
     if args.curve is not None and not args.curve.lower().endswith(".png"):
         parser.error(f"--curve {args.curve!r}: name a .png file, e.g. --curve pong.png")
+    if args.curve is not None and os.path.abspath(args.curve) == os.path.splitext(os.path.abspath(args.out))[0] + ".png":
+        parser.error(f"--curve {args.curve!r} is where the episode plot of --out {args.out!r} goes; name another file")
     try:
         args.game = ale_game(args.env)
     except ValueError as err:

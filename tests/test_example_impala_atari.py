@@ -108,10 +108,11 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     appo = example.parse_args([])
     assert appo.algo == "appo" and (appo.optimizer, appo.lr, appo.entropy_cost) == ("adam", 2.5e-4, 0.01)
     assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (2, 2, 4, 2, 2)
+    assert appo.learner_threads == 2
     assert appo.value_clip == 0.1 and appo.advantages == "gae" and appo.launched > 0
     impala = example.parse_args(["--algo", "impala"])  # the example's settings before APPO
     assert (impala.optimizer, impala.lr, impala.entropy_cost, impala.max_grad_norm) == ("rmsprop", 6e-4, 0.0006, 40.0)
-    assert (impala.batch_size, impala.queue_size, impala.minibatches) == (1, 1, 1)
+    assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
     mine = example.parse_args(["--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
     assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip) == (5, 5, 1e-3, None)
     # The GPU's defaults, without a GPU: the table the parser reads for --device cuda.
@@ -124,6 +125,7 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     (["--clip", "1.5"], "--clip 1.5: the ratio's clip range must lie in (0, 1)"),
     (["--gae-lambda", "2"], "--gae-lambda 2 must lie in [0, 1]"),
     (["--curve", "pong.csv"], "--curve 'pong.csv': name a .png file"),
+    (["--out", "runs/a.csv", "--curve", "runs/a.png"], "--curve 'runs/a.png' is where the episode plot of --out"),
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
 ])
 def test_bad_learner_flags_are_named(atari, capsys, argv, message):
