@@ -57,7 +57,8 @@ def race_ours(seconds: float, out_dir: str) -> Dict[str, object]:
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "impala_atari.py"), "--algo", "appo",
                                "--time-budget", str(seconds), "--target", "0", "--print-every", "30",
-                               "--out", os.path.join(out_dir, "ours.csv"), "--curve", os.path.join(out_dir, "ours.png")],
+                               "--out", os.path.join(out_dir, "ours.csv"),
+                               "--curve", os.path.join(out_dir, "ours_curve.png")],
                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=seconds + 600,
                               check=False)
     wall = time.monotonic() - began

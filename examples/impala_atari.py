@@ -420,7 +420,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--gae-lambda {args.gae_lambda:g} must lie in [0, 1] (0.95 is the usual)")
     if args.curve is not None and not args.curve.lower().endswith(".png"):
         parser.error(f"--curve {args.curve!r}: name a .png file, e.g. --curve pong.png")
-    if args.curve is not None and os.path.abspath(args.curve) == os.path.splitext(os.path.abspath(args.out))[0] + ".png":
+    episode_plot = os.path.splitext(os.path.abspath(args.out))[0] + ".png"
+    if args.curve is not None and os.path.abspath(args.curve) == episode_plot:
         parser.error(f"--curve {args.curve!r} is where the episode plot of --out {args.out!r} goes; name another file")
     try:
         args.game = ale_game(args.env)
