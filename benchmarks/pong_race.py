@@ -14,12 +14,13 @@ Run:  python benchmarks/pong_race.py [--minutes 20]
 
 The same game and preprocessing: NoFrameskip-v4 conventions (frameskip 4 max-pooled, no
 sticky actions, up to 30 no-ops at reset), 84x84 grey, a 4-frame stack, rewards clipped
-for training; both report the unclipped game score, the mean of the last 100 episodes
-(SF's ``Avg episode reward``, from gymnasium's RecordEpisodeStatistics). SF's virtualenv is
+for training; both report the unclipped game score, the mean of the last 100 games (SF's
+``policy_stats/avg_RecordEpisodeStatistics_reward`` in its TensorBoard summaries: the
+``Avg episode reward`` of its log is of its own, clipped episodes). SF's virtualenv is
 benchmarks/atari.py's (made on first use under ~/.cache/machinlike-bench).
 
 The last line: ``pong race: minutes M, ours R1, sample-factory R2, frames/s ratio X``
-(R: the mean return at the end, "n/a" before a first episode ends; X: ours' frames/s
+(R: the mean return at the end, "n/a" before 100 games (SF) or one (ours) ended; X: ours' frames/s
 over SF's). One run each on a shared machine: the frames/s are lower bounds.
 """
 
@@ -76,8 +77,9 @@ def race_ours(seconds: float, out_dir: str) -> Dict[str, object]:
             "episodes": int(re.search(r"episodes\s+(\d+)", text.split("== APPO")[-1]).group(1)), "log": log_path}
 
 
-def race_sample_factory(seconds: float, out_dir: str) -> Dict[str, object]:
-    """Train SF's APPO on Pong for ``seconds``; its last mean return and steady frames/s.
+def race_sample_factory(seconds: float, wall: float, out_dir: str) -> Dict[str, object]:
+    """Train SF's APPO on Pong for ``seconds`` (``--train_for_seconds``), stopped ``wall``
+    seconds after its launch at the latest; its last mean game score and steady frames/s.
 
     Raises:
         RuntimeError: its virtualenv could not be made, or it reported no throughput.
@@ -99,25 +101,48 @@ def race_sample_factory(seconds: float, out_dir: str) -> Dict[str, object]:
         proc = subprocess.Popen(cmd, env=env, cwd=out_dir, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own group: its workers stop with it
     try:
-        proc.wait(timeout=seconds + 300)  # its own start-up and shutdown besides the training
+        # The same wall time from launch as ours had: SF's --train_for_seconds counts from its
+        # own start of training, and on a loaded machine it was seen running minutes past it.
+        proc.wait(timeout=wall)
     except subprocess.TimeoutExpired:
         pass
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        # SIGINT first: SF stops its workers and flushes its summaries on KeyboardInterrupt.
+        for sig, grace in ((signal.SIGINT, 30), (signal.SIGTERM, 20), (signal.SIGKILL, 20)):
+            if proc.poll() is not None:
+                break
+            os.killpg(proc.pid, sig)
             try:
-                proc.wait(20)
+                proc.wait(grace)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(20)
-    wall = time.monotonic() - began
+                pass
+    took = time.monotonic() - began
     with open(path, errors="replace") as stream:
         text = stream.read()
     steady = _sf_steady(path)
     if not steady:
         raise RuntimeError(f"Sample Factory reported no steady throughput; {path} ends: {text[-1500:]}")
-    means: List[str] = re.findall(r"Avg episode reward: \[\(0, '(-?[\d.]+)'\)\]", text)
-    return {"mean": float(means[-1]) if means else None, "fps": statistics.mean(steady), "wall": wall, "log": path}
+    # SF's log prints its own episodes' clipped rewards ("Avg episode reward"), whose episodes
+    # its wrappers may cut short of a game; the game's score over whole games is
+    # RecordEpisodeStatistics', which it writes to TensorBoard only once 100 games ended.
+    own: List[str] = re.findall(r"Avg episode reward: \[\(0, '(-?[\d.]+)'\)\]", text)
+    return {"mean": _sf_game_score(os.path.join(out_dir, "sf_pong_race", ".summary", "0")),
+            "own": float(own[-1]) if own else None, "fps": statistics.mean(steady), "wall": took, "log": path}
+
+
+def _sf_game_score(summary_dir: str) -> Optional[float]:
+    """The last ``policy_stats/avg_RecordEpisodeStatistics_reward`` SF wrote (the mean game
+    score of its last 100 games), read with TensorBoard's reader; None before 100 games."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not os.path.isdir(summary_dir):
+        return None
+    events = EventAccumulator(summary_dir)
+    events.Reload()
+    tag = "policy_stats/avg_RecordEpisodeStatistics_reward"
+    if tag not in events.Tags()["scalars"]:
+        return None
+    return float(events.Scalars(tag)[-1].value)
 
 
 def _shown(value: Optional[float]) -> str:
@@ -139,10 +164,10 @@ def main(argv: Optional[List[str]] = None) -> None:
           f"({ours['episodes']} episodes), {ours['frames']:,} frames, {ours['fps'] or 0:,.0f} frames/s after warm-up; "
           f"{'; '.join(ours['milestones'])}; {ours['wall']:.0f} s from launch to exit", flush=True)
     try:
-        sf = race_sample_factory(seconds, out_dir)
-        print(f"Sample Factory 2.1.1 APPO (2 workers x 8 envs): mean return {_shown(sf['mean'])} over the last 100 "
-              f"episodes, {sf['fps']:,.0f} frames/s after start-up; {sf['wall']:.0f} s from launch to exit",
-              flush=True)
+        sf = race_sample_factory(seconds, float(ours["wall"]), out_dir)
+        print(f"Sample Factory 2.1.1 APPO (2 workers x 8 envs): mean game score {_shown(sf['mean'])} over the last "
+              f"100 games (n/a: fewer ended; its own clipped episode reward {_shown(sf['own'])}), "
+              f"{sf['fps']:,.0f} frames/s after start-up; {sf['wall']:.0f} s from launch to exit", flush=True)
     except RuntimeError as err:
         sf = {"mean": None, "fps": None}
         print(f"Sample Factory did not run: {err}", flush=True)
