@@ -273,7 +273,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                                          version=1, device=args.device)
     algo = getattr(args, "algo", "impala")
     recipe = (f"APPO: {args.epochs}-{args.max_epochs} epochs x {args.minibatches} minibatches, {args.advantages} "
-              f"advantages, clip {args.clip:g}" if algo == "appo" else "IMPALA: V-trace")
+              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr" if algo == "appo" else "IMPALA: V-trace")
     print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
           f"{args.device}; {recipe}; {args.optimizer} lr {args.lr:g}), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
@@ -351,7 +351,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"{sum(lags) / max(len(lags), 1):.1f}  inference {state['inference']}  queue "
                   f"{len(inbox)}/{args.queue_size}  entropy {stats['entropy']:.3f}"
                   + (f"  epochs {sum(epochs) / len(epochs):.1f}  clip {stats['clip_fraction']:.2f}  kl "
-                     f"{stats['approx_kl']:.4f}" if epochs else ""), flush=True)
+                     f"{stats['kl']:.4f}  lr {stats['lr']:.2e}" if epochs else ""), flush=True)
             window.update(time=now, steps=snap["env_steps"], updates=state["updates"])
             lags = []
             epochs = []

@@ -152,14 +152,17 @@ def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dic
             ``done``, ``logp`` [T, E] (``versions`` is not read), on the CPU.
         args: ``device``, ``gamma``, ``gae_lambda``, ``advantages`` (gae or vtrace),
             ``epochs``, ``max_epochs``, ``minibatches``, ``clip``, ``value_clip`` (None:
-            off), ``baseline_cost``, ``entropy_cost``, ``max_grad_norm``.
-        spare: Asked after each epoch past ``args.epochs``: True while the learner would
-            otherwise wait for the next batch (its device has capacity to spare), so one
-            more epoch costs the actors nothing.
+            off), ``baseline_cost``, ``entropy_cost``, ``max_grad_norm``, ``lr_schedule``
+            (constant or adaptive), ``kl_target``, ``lr`` and ``max_lr`` (adaptive's bounds).
+        spare: Asked after each epoch past ``args.epochs`` (while the last epoch's KL stayed
+            under ``kl_target``): True while the learner would otherwise wait for the next
+            batch (its device has capacity to spare), so one more epoch costs the actors
+            nothing.
 
     Returns:
         (optimizer steps, epochs, figures): the figures are the means over the steps of
-        :func:`ppo_loss`'s, and ``grad_norm`` (before clipping).
+        :func:`ppo_loss`'s, ``grad_norm`` (before clipping), ``kl`` (the last epoch's
+        KL from the batch's policy before its first step) and ``lr`` (after this batch).
     """
     device = args.device
 
@@ -178,17 +181,22 @@ def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dic
         outs = [net(chunk) for chunk in frames.split(2048)]
         logits = torch.cat([o[0] for o in outs]).reshape(length + 1, width, -1)[:-1]
         values = torch.cat([o[1] for o in outs]).reshape(length + 1, width)
-        logp = F.log_softmax(logits, dim=-1).gather(2, actions.unsqueeze(2)).squeeze(2)
+        before = F.log_softmax(logits, dim=-1)  # this batch's policy before its first step
+        logp = before.gather(2, actions.unsqueeze(2)).squeeze(2)
         adv, returns = advantages(args.advantages, values[:-1], values[-1], rewards, discounts,
                                   logp - behaviour_logp, args.gae_lambda)
     size = length * width
     flat_obs = frames[:-width]  # the T x N acting observations, step-major as the others' reshape
     flat = {"actions": actions.reshape(-1), "old_logp": behaviour_logp.reshape(-1), "adv": adv.reshape(-1),
             "returns": returns.reshape(-1), "old_values": values[:-1].reshape(-1)}
+    before = before.reshape(size, -1)
     sums: Dict[str, torch.Tensor] = {}
     steps = epochs = 0
-    while epochs < args.epochs or (epochs < args.max_epochs and spare()):
-        for index in torch.randperm(size, device=device).tensor_split(min(args.minibatches, size)):
+    kl = 0.0  # KL(before || now) of the last epoch, mean over its minibatches
+    while epochs < args.epochs or (epochs < args.max_epochs and kl < args.kl_target and spare()):
+        epoch_kl = torch.zeros((), device=device)
+        parts = torch.randperm(size, device=device).tensor_split(min(args.minibatches, size))
+        for index in parts:
             logits_mb, values_mb = net(flat_obs[index])
             loss, figures = ppo_loss(logits_mb, values_mb, flat["actions"][index], flat["old_logp"][index],
                                      flat["adv"][index], flat["returns"][index], flat["old_values"][index],
@@ -198,10 +206,32 @@ def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dic
             loss.backward()
             figures["grad_norm"] = nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm).detach()
             optimizer.step()
+            with torch.no_grad():
+                now = F.log_softmax(logits_mb.detach(), dim=-1)
+                epoch_kl += (before[index].exp() * (before[index] - now)).sum(-1).mean()
             for key, value in figures.items():
                 sums[key] = sums[key] + value if key in sums else value
             steps += 1
         epochs += 1
+        kl = epoch_kl.item() / len(parts)  # one read of the device per epoch
+        if args.lr_schedule == "adaptive":
+            _adapt_lr(optimizer, kl, args)
     # One read of the device per batch, not one per figure and step.
     means = torch.stack(list(sums.values())).div(max(steps, 1)).tolist()
-    return steps, epochs, dict(zip(sums, means))
+    out = dict(zip(sums, means))
+    out.update(kl=kl, lr=optimizer.param_groups[0]["lr"])
+    return steps, epochs, out
+
+
+def _adapt_lr(optimizer: torch.optim.Optimizer, kl: float, args: argparse.Namespace) -> None:
+    """rl_games' adaptive schedule: the learning rate / 1.5 when an epoch moved the policy
+    more than twice ``args.kl_target`` (KL from the batch's policy before its first step),
+    x 1.5 when less than half, within [``args.lr`` / 100, ``args.max_lr``]. A fixed rate
+    is either too timid early (Pong's first points) or too bold late."""
+    lr = optimizer.param_groups[0]["lr"]
+    if kl > 2.0 * args.kl_target:
+        lr = max(lr / 1.5, args.lr / 100.0)
+    elif kl < 0.5 * args.kl_target:
+        lr = min(lr * 1.5, args.max_lr)
+    for group in optimizer.param_groups:
+        group["lr"] = lr

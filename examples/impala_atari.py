@@ -302,7 +302,7 @@ IMPALA_DEFAULTS: Dict[str, Any] = {"optimizer": "rmsprop", "lr": 6e-4, "entropy_
                                    "batch_size": 1, "minibatches": 1, "epochs": 1, "max_epochs": 1,
                                    "learner_threads": 1}
 APPO_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, clip 0.1, grad norm 0.5,
+    # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, grad norm 0.5,
     # batches of ~1k steps in 4 minibatches). Two epochs, not four: on two cores the
     # learner's forward+backward (~1.1 ms per sample and epoch) is most of the work, so a
     # third and fourth epoch would cost ~40% of the frames per second. Two learner threads:
@@ -361,7 +361,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--advantages", choices=("gae", "vtrace"), default="gae",
                         help="appo: GAE on the learner's values, or V-trace-corrected (default gae)")
     parser.add_argument("--gae-lambda", type=float, default=0.95, help="appo: GAE's lambda (default 0.95)")
-    parser.add_argument("--clip", type=float, default=0.1, help="appo: the surrogate's epsilon (default 0.1)")
+    # 0.2, not the PPO baselines' 0.1: the ratio is against the policy that acted, a few
+    # versions back (lag), and 0.1 clipped 25-40% of the steps in the short checks.
+    parser.add_argument("--clip", type=float, default=0.2, help="appo: the surrogate's epsilon (default 0.2)")
+    parser.add_argument("--lr-schedule", choices=("adaptive", "constant"), default="adaptive",
+                        help="appo: adapt the learning rate to keep each epoch's KL near --kl-target (rl_games' "
+                             "schedule), or keep --lr (default adaptive)")
+    parser.add_argument("--kl-target", type=float, default=0.01,
+                        help="appo: the KL per epoch the adaptive schedule aims at; extra epochs stop above "
+                             "it (default 0.01)")
+    parser.add_argument("--max-lr", type=float, default=1e-3,
+                        help="appo: the adaptive schedule's ceiling (default 1e-3)")
     parser.add_argument("--value-clip", type=float, default=0.1,
                         help="appo: clip the value's move per batch to this (PPO2); 0: off (default 0.1)")
     # One: a trajectory that waits in a queue is trained on further from the weights that
@@ -416,6 +426,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.value_clip < 0:
         parser.error(f"--value-clip {args.value_clip:g} must be >= 0 (0 turns the value clip off)")
     args.value_clip = args.value_clip or None
+    if args.kl_target <= 0 or args.max_lr < args.lr:
+        parser.error(f"--kl-target {args.kl_target:g} must be > 0 and --max-lr {args.max_lr:g} at least --lr "
+                     f"{args.lr:g}")
     if not 0 <= args.gae_lambda <= 1:
         parser.error(f"--gae-lambda {args.gae_lambda:g} must lie in [0, 1] (0.95 is the usual)")
     if args.curve is not None and not args.curve.lower().endswith(".png"):

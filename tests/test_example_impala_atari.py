@@ -110,6 +110,7 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (2, 2, 4, 2, 2)
     assert appo.learner_threads == 2
     assert appo.value_clip == 0.1 and appo.advantages == "gae" and appo.launched > 0
+    assert (appo.clip, appo.lr_schedule, appo.kl_target, appo.max_lr) == (0.2, "adaptive", 0.01, 1e-3)
     impala = example.parse_args(["--algo", "impala"])  # the example's settings before APPO
     assert (impala.optimizer, impala.lr, impala.entropy_cost, impala.max_grad_norm) == ("rmsprop", 6e-4, 0.0006, 40.0)
     assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
@@ -124,6 +125,7 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     (["--algo", "impala", "--epochs", "3"], "--epochs 3: IMPALA makes one pass over each batch; use --algo appo"),
     (["--clip", "1.5"], "--clip 1.5: the ratio's clip range must lie in (0, 1)"),
     (["--gae-lambda", "2"], "--gae-lambda 2 must lie in [0, 1]"),
+    (["--lr", "2e-3"], "--max-lr 0.001 at least --lr 0.002"),
     (["--curve", "pong.csv"], "--curve 'pong.csv': name a .png file"),
     (["--out", "runs/a.csv", "--curve", "runs/a.png"], "--curve 'runs/a.png' is where the episode plot of --out"),
     (["--epochs", "0"], "--epochs must be at least 1, got 0"),
@@ -195,7 +197,7 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
     assert last["learner/updates"] == updates and last["server/model/version"] == batches + 1
     if algo == "appo":
         assert 0 <= last["learner/clip_fraction"] <= 1 and last["learner/epochs"] == 2
-        assert "learner/approx_kl" in scalars
+        assert "learner/approx_kl" in scalars and last["learner/kl"] >= 0 and last["learner/lr"] > 0
     steps_per_s = [v for _, v in scalars["env/steps_per_s"]]
     assert max(steps_per_s) > 0
     assert [4 * v for _, v in scalars["env/steps_per_s"]] == pytest.approx([v for _, v in scalars["env/frames_per_s"]])

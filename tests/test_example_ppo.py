@@ -119,7 +119,7 @@ def test_ppo_update_learns_the_arm_that_pays(ppo):
     optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
     args = argparse.Namespace(device="cpu", gamma=0.99, gae_lambda=0.95, advantages="gae", epochs=2, max_epochs=2,
                               minibatches=2, clip=0.2, value_clip=None, baseline_cost=0.5, entropy_cost=0.0,
-                              max_grad_norm=0.5)
+                              max_grad_norm=0.5, lr_schedule="constant", kl_target=0.01, lr=0.05, max_lr=0.05)
     games = 32
     for _ in range(60):
         with torch.no_grad():
@@ -140,7 +140,7 @@ def test_ppo_update_spends_spare_epochs(ppo):
     net = _Bandit()
     args = argparse.Namespace(device="cpu", gamma=0.99, gae_lambda=0.95, advantages="vtrace", epochs=1, max_epochs=3,
                               minibatches=4, clip=0.2, value_clip=0.1, baseline_cost=0.5, entropy_cost=0.01,
-                              max_grad_norm=0.5)
+                              max_grad_norm=0.5, lr_schedule="constant", kl_target=1.0, lr=0.01, max_lr=0.01)
     message = {"obs": torch.zeros(3, 2, 1, dtype=torch.uint8), "actions": torch.tensor([[0, 1], [2, 2]]),
                "rewards": torch.ones(2, 2), "done": torch.zeros(2, 2), "logp": torch.full((2, 2), -1.1)}
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -150,3 +150,23 @@ def test_ppo_update_spends_spare_epochs(ppo):
     assert (steps, epochs) == (12, 3)
     steps, epochs, _ = ppo.ppo_update(net, optimizer, [message], args, spare=lambda: False)
     assert (steps, epochs) == (4, 1)
+    # Spare time, but the first epoch moved the policy past the KL target: no more.
+    args.kl_target = 1e-12
+    steps, epochs, figures = ppo.ppo_update(net, optimizer, [message], args, spare=lambda: True)
+    assert (steps, epochs) == (4, 1) and figures["kl"] > 0
+
+
+def test_adaptive_lr_follows_the_kl(ppo):
+    net = _Bandit()
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+    args = argparse.Namespace(kl_target=0.01, lr=1e-3, max_lr=2e-3)
+    ppo._adapt_lr(optimizer, 0.03, args)  # > 2 x target: / 1.5
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 1.5)
+    ppo._adapt_lr(optimizer, 0.01, args)  # within [target / 2, 2 x target]: kept
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 / 1.5)
+    for _ in range(5):
+        ppo._adapt_lr(optimizer, 0.001, args)  # < target / 2: x 1.5, up to max_lr
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
+    for _ in range(30):
+        ppo._adapt_lr(optimizer, 1.0, args)  # down to lr / 100, no further
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-5)
