@@ -116,9 +116,14 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
     mine = example.parse_args(["--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
     assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip) == (5, 5, 1e-3, None)
-    # The GPU's defaults, without a GPU: the table the parser reads for --device cuda.
-    gpu = example.APPO_DEFAULTS["cuda"]
-    assert gpu["max_epochs"] > gpu["epochs"] and gpu["batch_size"] * 16 * 32 // gpu["minibatches"] == 256
+    assert appo.inference == "local"
+    # The GPU's defaults without a GPU: the parser believes torch sees one (nothing runs on it).
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 1)
+    gpu = example.parse_args(["--device", "cuda"])
+    assert (gpu.device, gpu.inference, gpu.learner_threads) == ("cuda:0", "central", 1)
+    assert (gpu.batch_size, gpu.queue_size, gpu.minibatches, gpu.epochs, gpu.max_epochs) == (4, 4, 8, 4, 6)
+    assert gpu.batch_size * gpu.envs_per_worker * gpu.unroll // gpu.minibatches == 256  # steps per minibatch
+    assert example.parse_args(["--device", "cuda", "--inference", "local"]).inference == "local"
 
 
 @pytest.mark.parametrize("argv, message", [
