@@ -12,7 +12,7 @@ Run:  python benchmarks/atari.py [--quick]      (--quick: the same comparison in
                     (_util.reuse_large_buffers). Training on every
                     agent step costs env + forward + learn core-seconds per step, so
                     ceiling = cores / (1/env_rate_per_core + forward + learn).
-    (b) ours        examples/impala_atari.py, --inference local, then central; the
+    (b) ours        examples/impala_atari.py --algo impala, --inference local, then central; the
                     steady agent steps/s it prints (after its warm-up).
     (c) SF 2.1.1    APPO on PongNoFrameskip-v4 with its own Atari preprocessing (84x84
                     grey, frameskip 4 max-pooled, 4-frame stack), its "convnet_atari"
@@ -137,7 +137,10 @@ def ceiling(quick: bool) -> Dict[str, float]:
 def ours(inference: str, seconds: float, out_dir: str) -> Tuple[Optional[float], str]:
     """Steady agent steps/s of impala_atari.py (None, with its output's tail, if none)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala_atari.py"), "--inference", inference,
+    # --algo impala: the ceiling in (a) is that of V-trace's one pass per sample (APPO's
+    # default, two epochs, is benchmarks/pong_race.py's).
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala_atari.py"), "--algo", "impala",
+                           "--inference", inference,
                            "--time-budget", str(seconds), "--target", "0", "--print-every", "15",
                            "--out", os.path.join(out_dir, f"{inference}.csv")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds + 300, check=False)

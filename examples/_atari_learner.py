@@ -1,15 +1,19 @@
-"""The learner of ``impala_atari.py``: V-trace on stacked uint8 frames, the actors' reports,
-and the choice between local and central inference.
+"""The learner of ``impala_atari.py``: V-trace (``--algo impala``) or PPO's clipped surrogate
+(``--algo appo``, see ``_ppo.py``) on stacked uint8 frames, the actors' reports, the first
+times the mean return reached the milestones, and the choice between local and central
+inference.
 
 Not part of the library: the example imports it from its own folder. Everything here lives
 in rank 0's process:
 
-    actors ──► Inbox ──► learn(): take B, per minibatch of their games: vtrace_loss, an
-                                   optimizer step; then publish version v:
+    actors ──► Inbox ──► learn(): take B; impala: per minibatch of their games, vtrace_loss
+                                   and an optimizer step; appo: ppo_update (epochs over
+                                   shuffled minibatches); then publish version v:
                                    model server (local inference) and/or
                                    InferenceServerImpl.update (central inference)
-    actors ──► Reports.report(): EpisodeLog (metric, CSV, stop), the policy calls' p95,
-                                 and the reply: the inference mode from ModeChooser
+    actors ──► Reports.report(): EpisodeLog (metric, CSV, stop), Milestones (first mean
+                                 >= 0, >= 18), the policy calls' p95, and the reply: the
+                                 inference mode from ModeChooser
     learn() ──every --metrics-every s──► RunMetrics: runs/<name>/ (TensorBoard, metrics.csv)
 """
 
@@ -30,10 +34,11 @@ import machinlike
 from _episodes import EpisodeLog, collect_columns, format_mean
 from _impala_core import Inbox, vtrace
 from _metrics import RunMetrics, logdir_of
+from _ppo import ppo_update
 from machinlike.metrics import flatten_stats
 from machinlike.server import PushPullModelServerImpl
 
-__all__ = ["ModeChooser", "Reports", "vtrace_loss", "make_optimizer", "env_slices", "learn"]
+__all__ = ["ModeChooser", "Milestones", "Reports", "vtrace_loss", "make_optimizer", "env_slices", "learn"]
 
 GROUP = "atari"
 SERVER = "atari_model"
@@ -90,18 +95,63 @@ class ModeChooser:
                     f"keeping {self._mode} inference")
 
 
-class Reports:
-    """The actors' report service: episodes into the EpisodeLog, the p95 of their policy
-    calls kept for the progress line, and the reply: the mode to use next."""
+class Milestones:
+    """When the metric (the mean return of the last ``window`` episodes, a full window)
+    first reached each of ``levels``: seconds since ``launched`` and frames.
 
-    def __init__(self, log: EpisodeLog, chooser: ModeChooser) -> None:
-        self._log, self._chooser = log, chooser
+    Args:
+        levels: Mean returns to time (e.g. 0 and 18 for Pong).
+        window: Episodes the mean needs before it counts (as the target's).
+        launched: ``time.time()`` when the command started (a wall clock: the launcher
+            and this process share it, a monotonic clock's origin is not promised).
+        frames_per_step: Frames in one agent step (ale-py's frameskip).
+    """
+
+    def __init__(self, levels: Sequence[float], window: int, launched: float, frames_per_step: int = 4) -> None:
+        self._levels = sorted(levels)
+        self._window, self._launched, self._fps = window, launched, frames_per_step
+        self._lock = threading.Lock()
+        self._reached: Dict[float, Tuple[float, int]] = {}
+
+    def observe(self, snapshot: Dict[str, Any]) -> List[str]:
+        """Feed an EpisodeLog snapshot; returns a line for each level reached for the first time."""
+        if snapshot["episodes"] < self._window:
+            return []
+        new = []
+        with self._lock:
+            for level in self._levels:
+                if level not in self._reached and snapshot["mean_return"] >= level:
+                    self._reached[level] = (time.time() - self._launched, self._fps * snapshot["env_steps"])
+                    new.append(level)
+        return [self.line(level) for level in new]  # outside the lock: line() takes it
+
+    def line(self, level: float) -> str:
+        """'first mean >= 18 at 171.2 s / 3,911,040 frames', or '... not reached'."""
+        with self._lock:
+            got = self._reached.get(level)
+        if got is None:
+            return f"first mean >= {level:g}: not reached"
+        return f"first mean >= {level:g} at {got[0]:.1f} s / {got[1]:,} frames"
+
+    def lines(self) -> List[str]:
+        return [self.line(level) for level in self._levels]
+
+
+class Reports:
+    """The actors' report service: episodes into the EpisodeLog (and the milestones), the
+    p95 of their policy calls kept for the progress line, and the reply: the mode to use next."""
+
+    def __init__(self, log: EpisodeLog, chooser: ModeChooser, milestones: Optional[Milestones] = None) -> None:
+        self._log, self._chooser, self._milestones = log, chooser, milestones
         self._lock = threading.Lock()
         self._p95: Deque[float] = collections.deque(maxlen=16)  # the latest unrolls' p95 (ms)
 
     def report(self, actor: str, returns: Sequence[float], steps: int, version: int, p95_ms: float,
                lengths: Sequence[int] = ()) -> str:
         self._log.report(actor, returns, steps, version, lengths)
+        if self._milestones is not None and returns:
+            for line in self._milestones.observe(self._log.snapshot()):
+                print(f"[learner] {line}", flush=True)
         with self._lock:
             self._p95.append(float(p95_ms))
         return self._chooser.mode()
@@ -150,9 +200,11 @@ def vtrace_loss(net: nn.Module, batch: List[Dict[str, torch.Tensor]],
 
 def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
     """``--optimizer``: the IMPALA paper's RMSprop for Atari (decay 0.99, eps 0.01, on summed
-    losses), or Adam (RLlib's IMPALA default, also on summed losses)."""
+    losses), or Adam (RLlib's IMPALA default, also on summed losses; for APPO's mean losses
+    with eps 1e-5, as the PPO baselines for Atari)."""
     if args.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=args.lr)
+        eps = 1e-5 if getattr(args, "algo", "impala") == "appo" else 1e-8
+        return torch.optim.Adam(model.parameters(), lr=args.lr, eps=eps)
     return torch.optim.RMSprop(model.parameters(), lr=args.lr, alpha=0.99, eps=0.01)
 
 
@@ -188,14 +240,23 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     inbox = Inbox(args.queue_size)
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
     state = {"updates": 0, "version_lag": "", "agent_steps_per_s": "", "inference": ""}
-    curve = _util.Curve(args.out, collect_columns(["updates", "version_lag", "agent_steps_per_s", "inference"]))
+    curve = _util.Curve(args.out, collect_columns(["launch_s", "updates", "version_lag", "agent_steps_per_s",
+                                                   "inference"]))
+    launched = getattr(args, "launched", time.time())
+
+    def row_extra() -> Dict[str, Any]:
+        # Seconds since the command started (the curve's x axis and the milestones' clock;
+        # the CSV's time_s counts from this learner's start, after the processes' set-up).
+        return {**state, "launch_s": f"{time.time() - launched:.2f}"}
+
     # Agent steps on the x axis; each is 4 frames (ale-py's frameskip).
     metrics = RunMetrics(logdir_of(args), world, args.metrics_every, args.window, frames_per_step=4,
                          enabled=not args.no_metrics)
-    log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=lambda: dict(state),
-                     listener=metrics.episodes)
+    log = EpisodeLog(curve, args.window, args.target, args.time_budget, extra=row_extra, listener=metrics.episodes)
     chooser = ModeChooser(args.inference, settle=min(5.0, args.auto_seconds), measure=args.auto_seconds)
-    reports = Reports(log, chooser)
+    # 0 and 18: Pong's halfway and "solved" (the anchors' +18); the target too when another.
+    milestones = Milestones(sorted({0.0, 18.0} | ({args.target} if args.target > 0 else set())), args.window, launched)
+    reports = Reports(log, chooser, milestones)
     group.register(f"{GROUP}/report", reports.report)
     model_impl = PushPullModelServerImpl(SERVER, group)
     models = group.get_paired(SERVER).to_here()
@@ -210,8 +271,11 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         # On --device too: it moves each batch of observations there and the outputs back.
         infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
                                          version=1, device=args.device)
+    algo = getattr(args, "algo", "impala")
+    recipe = (f"APPO: {args.epochs}-{args.max_epochs} epochs x {args.minibatches} minibatches, {args.advantages} "
+              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr" if algo == "appo" else "IMPALA: V-trace")
     print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
-          f"{args.device}), "
+          f"{args.device}; {recipe}; {args.optimizer} lr {args.lr:g}), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
           f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "
           f"the last {args.window} episodes", flush=True)
@@ -234,18 +298,28 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         return out
 
     version = 1  # of the weights the actors were last given
+    epochs: List[int] = []  # APPO: epochs of each batch since the last progress line
     while True:
         batch = _next_batch(inbox, log, args)
         if batch is None:
             break
         batch_lags = [version - t["versions"].double().mean().item() for t in batch]
-        for part in env_slices(batch, args.minibatches):
-            loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in part], args)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-            optimizer.step()
-            state["updates"] += 1
+        if algo == "appo":
+            # Another epoch only while no next batch waits: the device's spare time, not the actors'.
+            steps_done, epochs_done, stats = ppo_update(model, optimizer, batch, args,
+                                                        spare=lambda: len(inbox) < args.batch_size)
+            grad_norm = stats.pop("grad_norm")
+            state["updates"] += steps_done
+            epochs.append(epochs_done)
+            stats["epochs"] = float(epochs_done)
+        else:
+            for part in env_slices(batch, args.minibatches):
+                loss, stats = vtrace_loss(model, [_util.to_device(t, args.device) for t in part], args)
+                optimizer.zero_grad()
+                loss.backward()
+                grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                optimizer.step()
+                state["updates"] += 1
         version += 1
         if args.inference != "central":  # only local inference reads the model server
             models.push(model)
@@ -275,9 +349,12 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
                   f"{format_mean(snap['mean_return']):>6}  updates {state['updates']:>5} "
                   f"({(state['updates'] - window['updates']) / span:4.2f}/s)  policy lag "
                   f"{sum(lags) / max(len(lags), 1):.1f}  inference {state['inference']}  queue "
-                  f"{len(inbox)}/{args.queue_size}  entropy {stats['entropy']:.3f}", flush=True)
+                  f"{len(inbox)}/{args.queue_size}  entropy {stats['entropy']:.3f}"
+                  + (f"  epochs {sum(epochs) / len(epochs):.1f}  clip {stats['clip_fraction']:.2f}  kl "
+                     f"{stats['kl']:.4f}  lr {stats['lr']:.2e}" if epochs else ""), flush=True)
             window.update(time=now, steps=snap["env_steps"], updates=state["updates"])
             lags = []
+            epochs = []
     inbox.close()  # parked and later sends answer "stop"
     snap = log.snapshot()
     if state["updates"]:  # the last point: a short run's curves end where training did
@@ -293,7 +370,8 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
             infer_impl.close()
         model_impl.close()
 
-    return {"role": "learner", "name": world.name, "updates": state["updates"], "reason": log.reason,
+    return {"role": "learner", "name": world.name, "updates": state["updates"], "batches": version - 1,
+            "milestones": milestones.lines(), "reason": log.reason,
             "throughput": throughput, "inference": _infer_text(chooser.mode(), infer_impl, reports, args),
             **snap, "close": close}
 

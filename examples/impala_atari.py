@@ -1,8 +1,12 @@
-"""IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains a
-Nature-CNN with V-trace.
+"""APPO or IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains
+a Nature-CNN with PPO's clipped surrogate (--algo appo, the default) or V-trace (--algo impala).
 
 Run it locally (1 learner + 2 actors x 16 games of Pong; the launcher starts the processes):
     python examples/impala_atari.py
+The learning curve (mean return against wall time and frames) as a PNG:
+    python examples/impala_atari.py --time-budget 3600 --curve pong.png
+The IMPALA learner (single-pass V-trace; ~25M frames for Pong against PPO's ~4M):
+    python examples/impala_atari.py --algo impala
 Another game, a fixed budget, inference on the learner for every actor's games at once:
     python examples/impala_atari.py --env breakout --time-budget 600 --inference central
 The learner and the central inference server on a GPU (the actors stay on the CPU):
@@ -26,11 +30,19 @@ An actor SIGKILLed and restarted every 20 s (an elastic world):
         ◄── reply: the inference mode to use next          the inference mode (--inference auto)
 
 The metric is the mean (unclipped) return of the last 100 episodes the actors finished;
-the learner trains on rewards clipped to [-1, 1]. Training stops at ``--target`` or when
+the learner trains on rewards clipped to [-1, 1]. The environment: ale-py's vector env with
+the NoFrameskip-v4 conventions (frameskip 4 max-pooled over the last two frames, no sticky
+actions: repeat_action_probability 0, up to 30 no-ops and FIRE at reset), 84x84 grey, a
+4-frame stack; a frame is one emulator frame (an agent step is 4). The end of the run
+prints when the mean first reached 0 and 18 (seconds since launch, frames). Training stops at ``--target`` or when
 ``--time-budget`` runs out. ``--inference auto`` runs local inference, then central, for
 ``--auto-seconds`` each (after a few seconds to settle), and keeps the one that trained
 faster, saying so. An episode ends at the game's end or at ale-py's frame cap; either cuts
 the V-trace (no bootstrap past the cap: 108k frames are far beyond a Pong game).
+
+APPO's defaults depend on --device (see APPO_DEFAULTS): on the CPU, where the learner
+shares two cores with the games, 2 epochs over 4 minibatches of 1,024 steps; on a GPU,
+batches of 2,048 steps in 8 minibatches, 4 epochs and up to 6 while no next batch waits.
 
 Two cores: each process uses one torch thread (``--learner-threads`` for the learner,
 whose forward+backward is most of the work); frames stay uint8 until the CNN's first layer.
@@ -39,9 +51,11 @@ whose forward+backward is most of the work); frames stay uint8 until the CNN's f
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -282,46 +296,106 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
     return result
 
 
+#: The learner settings that differ by algorithm (and, for APPO, by device), used where the
+#: command line leaves them out. IMPALA's are the example's settings before APPO existed.
+IMPALA_DEFAULTS: Dict[str, Any] = {"optimizer": "rmsprop", "lr": 6e-4, "entropy_cost": 0.0006, "max_grad_norm": 40.0,
+                                   "batch_size": 1, "minibatches": 1, "epochs": 1, "max_epochs": 1,
+                                   "learner_threads": 1}
+APPO_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, grad norm 0.5,
+    # batches of ~1k steps in 4 minibatches). Two epochs, not four: on two cores the
+    # learner's forward+backward (~1.1 ms per sample and epoch) is most of the work, so a
+    # third and fourth epoch would cost ~40% of the frames per second. Two learner threads:
+    # the actors collect a batch (~0.6 core-s) in a fraction of the learner's ~2.5 s on it,
+    # so their core is mostly free while it trains (IMPALA's learner, ~4x cheaper per
+    # sample, kept both cores busy and lost with a second thread).
+    "cpu": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
+            "batch_size": 2, "minibatches": 4, "epochs": 2, "max_epochs": 2, "learner_threads": 2},
+    # A GPU trains a 256-step minibatch in a few ms: 8 of them per 2,048-step batch keeps
+    # CleanRL's updates per frame; epochs beyond 4 only while the actors have not yet
+    # delivered the next batch.
+    "cuda": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
+             "batch_size": 4, "minibatches": 8, "epochs": 4, "max_epochs": 6, "learner_threads": 1},
+}
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    launched = time.time()
     parser = _util.parser(__doc__.splitlines()[0], workers=2, budget=600, out="runs/impala_atari.csv")
+    parser.add_argument("--algo", choices=("appo", "impala"), default="appo",
+                        help="the learner: PPO's clipped surrogate over several epochs of each batch, or "
+                             "IMPALA's single V-trace pass (default appo)")
+    parser.add_argument("--curve", default=None, metavar="PNG",
+                        help="also draw the mean return against wall time and frames into this PNG")
     parser.add_argument("--env", default="pong", help="ALE game: pong, breakout, ALE/Pong-v5, ... (default pong)")
     parser.add_argument("--envs-per-worker", type=int, default=16, help="games each actor steps (default 16)")
-    parser.add_argument("--inference", choices=("local", "central", "auto"), default="local",
+    # On a GPU, central: one batched forward there for every actor's games left the CPU
+    # cores to the games (H200, 8 actors: 4.65x the CPU learner's local inference).
+    parser.add_argument("--inference", choices=("local", "central", "auto"), default=None,
                         help="where the acting policy runs: a copy in each actor, one batched server on the "
-                             "learner, or whichever trains faster in a short trial (default local)")
+                             "learner, or whichever trains faster in a short trial (default: central with a "
+                             "CUDA --device, else local)")
     parser.add_argument("--auto-seconds", type=float, default=10.0,
                         help="--inference auto: seconds each mode is measured (default 10)")
     parser.add_argument("--max-batch", type=int, default=64, help="central inference: rows per forward (default 64)")
     parser.add_argument("--max-wait", type=float, default=0.002,
                         help="central inference: seconds a forward waits for more rows (default 0.002)")
-    # One: with the actors on the same two cores, a second intra-op thread only waits for
-    # a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
-    parser.add_argument("--learner-threads", type=int, default=1, help="torch threads of the learner (default 1)")
+    # IMPALA: one; with the actors on the same two cores, a second intra-op thread only waits
+    # for a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
+    parser.add_argument("--learner-threads", type=int, default=None,
+                        help="torch threads of the learner (default: 2 for appo on the CPU, else 1)")
     parser.add_argument("--unroll", type=int, default=32, help="trajectory length T, steps (default 32)")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="actor messages (E games x T steps each) per update (default 1)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="actor messages (E games x T steps each) per update (default: impala 1; appo 2 on "
+                             "the CPU, 4 on a GPU)")
     # More, smaller steps per batch (A2C-like) take more steps per frame, as RMSprop's step
     # does not grow with the batch; but a step over 4 games costs ~30% more per sample than
     # one over 16 (the convolutions at a small batch), and on Pong neither learned faster
     # within 3M frames: one step per batch by default.
-    parser.add_argument("--minibatches", type=int, default=1,
-                        help="optimizer steps per batch, each on a slice of its games (at most one per game; "
-                             "default 1)")
+    parser.add_argument("--minibatches", type=int, default=None,
+                        help="optimizer steps per batch (appo: per epoch), each on a slice of its games (impala: "
+                             "at most one per game) or of its shuffled steps (appo) (default: impala 1; appo 4 on "
+                             "the CPU, 8 on a GPU)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="appo: passes over each batch (default 2 on the CPU, 4 on a GPU)")
+    parser.add_argument("--max-epochs", type=int, default=None,
+                        help="appo: more passes, up to this many, while no next batch waits (default: "
+                             "--epochs on the CPU, 6 on a GPU)")
+    parser.add_argument("--advantages", choices=("gae", "vtrace"), default="gae",
+                        help="appo: GAE on the learner's values, or V-trace-corrected (default gae)")
+    parser.add_argument("--gae-lambda", type=float, default=0.95, help="appo: GAE's lambda (default 0.95)")
+    # 0.2, not the PPO baselines' 0.1: the ratio is against the policy that acted, a few
+    # versions back (lag), and 0.1 clipped 25-40% of the steps in the short checks.
+    parser.add_argument("--clip", type=float, default=0.2, help="appo: the surrogate's epsilon (default 0.2)")
+    parser.add_argument("--lr-schedule", choices=("adaptive", "constant"), default="adaptive",
+                        help="appo: adapt the learning rate to keep each epoch's KL near --kl-target (rl_games' "
+                             "schedule), or keep --lr (default adaptive)")
+    parser.add_argument("--kl-target", type=float, default=0.01,
+                        help="appo: the KL per epoch the adaptive schedule aims at; extra epochs stop above "
+                             "it (default 0.01)")
+    parser.add_argument("--max-lr", type=float, default=1e-3,
+                        help="appo: the adaptive schedule's ceiling (default 1e-3)")
+    parser.add_argument("--value-clip", type=float, default=0.1,
+                        help="appo: clip the value's move per batch to this (PPO2); 0: off (default 0.1)")
     # One: a trajectory that waits in a queue is trained on further from the weights that
     # acted (measured policy lag 8 versions with a queue of 4, 3 with one).
-    parser.add_argument("--queue-size", type=int, default=1, help="messages the learner queues (default 1)")
-    parser.add_argument("--optimizer", choices=("rmsprop", "adam"), default="rmsprop",
-                        help="RMSprop as the IMPALA paper (decay 0.99, eps 0.01) or Adam (default rmsprop)")
-    parser.add_argument("--lr", type=float, default=6e-4, help="learning rate (default 6e-4)")
+    parser.add_argument("--queue-size", type=int, default=None,
+                        help="messages the learner queues (default: --batch-size)")
+    parser.add_argument("--optimizer", choices=("rmsprop", "adam"), default=None,
+                        help="RMSprop as the IMPALA paper (decay 0.99, eps 0.01) or Adam (default: impala "
+                             "rmsprop, appo adam)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: impala 6e-4, appo 2.5e-4)")
     parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
     # The losses are sums over the batch's steps (as TorchBeast and DeepMind's scalable_agent
     # sum theirs, with entropy costs of 0.0006 and 0.00025): 0.01 kept Pong's policy uniform.
-    parser.add_argument("--entropy-cost", type=float, default=0.0006,
-                        help="weight of the entropy bonus in the summed loss (default 0.0006)")
+    parser.add_argument("--entropy-cost", type=float, default=None,
+                        help="weight of the entropy bonus: impala's summed loss (default 0.0006), appo's mean "
+                             "loss (default 0.01)")
     parser.add_argument("--normalize-advantages", action="store_true",
                         help="scale each minibatch's V-trace advantages to mean 0, std 1 (default off)")
     parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
-    parser.add_argument("--max-grad-norm", type=float, default=40.0, help="gradient clipping (default 40)")
+    parser.add_argument("--max-grad-norm", type=float, default=None,
+                        help="gradient clipping (default: impala 40, appo 0.5)")
     parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
     parser.add_argument("--target", type=float, default=None,
                         help="stop when the mean return reaches this; 0: use the whole budget "
@@ -329,14 +403,44 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
     parser.add_argument("--print-every", type=float, default=10.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
+    args.launched = launched
+    defaults = IMPALA_DEFAULTS if args.algo == "impala" else APPO_DEFAULTS[args.device.split(":")[0]]
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    several = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("epochs", "max_epochs")
+               if getattr(args, name) != 1]
+    if args.algo == "impala" and several:
+        parser.error(f"{', '.join(several)}: IMPALA makes one pass over each batch; use --algo appo for several")
+    if args.max_epochs < args.epochs:
+        args.max_epochs = args.epochs  # --epochs given alone: no extra epochs unless asked
+    if args.queue_size is None:
+        args.queue_size = args.batch_size
+    if args.inference is None:
+        args.inference = "central" if args.device.startswith("cuda") else "local"
     for name in ("num_workers", "envs_per_worker", "unroll", "batch_size", "queue_size", "window", "max_batch",
-                 "learner_threads", "minibatches"):
+                 "learner_threads", "minibatches", "epochs"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.queue_size < args.batch_size:
         parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
     if args.max_wait < 0 or args.auto_seconds <= 0:
         parser.error("--max-wait must be >= 0 and --auto-seconds > 0")
+    if not 0 < args.clip < 1:
+        parser.error(f"--clip {args.clip:g}: the ratio's clip range must lie in (0, 1), e.g. 0.1 or 0.2")
+    if args.value_clip < 0:
+        parser.error(f"--value-clip {args.value_clip:g} must be >= 0 (0 turns the value clip off)")
+    args.value_clip = args.value_clip or None
+    if args.kl_target <= 0 or args.max_lr < args.lr:
+        parser.error(f"--kl-target {args.kl_target:g} must be > 0 and --max-lr {args.max_lr:g} at least --lr "
+                     f"{args.lr:g}")
+    if not 0 <= args.gae_lambda <= 1:
+        parser.error(f"--gae-lambda {args.gae_lambda:g} must lie in [0, 1] (0.95 is the usual)")
+    if args.curve is not None and not args.curve.lower().endswith(".png"):
+        parser.error(f"--curve {args.curve!r}: name a .png file, e.g. --curve pong.png")
+    episode_plot = os.path.splitext(os.path.abspath(args.out))[0] + ".png"
+    if args.curve is not None and os.path.abspath(args.curve) == episode_plot:
+        parser.error(f"--curve {args.curve!r} is where the episode plot of --out {args.out!r} goes; name another file")
     try:
         args.game = ale_game(args.env)
     except ValueError as err:
@@ -349,6 +453,45 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def plot_learning_curve(csv_path: str, png: str, title: str, levels: Sequence[float] = (0.0, 18.0)) -> Optional[str]:
+    """Draw the mean return of the last 100 episodes against minutes since launch and
+    against frames (two panels) from the run's curve CSV into ``png``.
+
+    Returns:
+        ``png``, or None without matplotlib (said aloud) or without a mean yet.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[examples]'): no --curve PNG")
+        return None
+    with open(csv_path, newline="") as stream:
+        rows = [r for r in csv.DictReader(stream) if r.get("mean_return") not in ("", None)]
+    if not rows:
+        print(f"--curve {png}: no episode finished, nothing to draw")
+        return None
+    minutes = [float(r["launch_s"]) / 60 for r in rows]
+    frames = [4 * int(r["env_steps"]) / 1e6 for r in rows]
+    means = [float(r["mean_return"]) for r in rows]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for axis, x, label in ((axes[0], minutes, "wall time since launch (min)"), (axes[1], frames, "frames (M)")):
+        axis.plot(x, means, linewidth=1.4)
+        for level in levels:
+            axis.axhline(level, color="grey", linestyle=":", linewidth=0.8)
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("mean return, last 100 episodes")
+    figure.suptitle(title)
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    figure.savefig(png, dpi=100)
+    plt.close(figure)
+    return png
+
+
 def main() -> None:
     args = parse_args()
     start = time.monotonic()
@@ -356,8 +499,12 @@ def main() -> None:
     for result in results:
         if result.get("name") != "0":
             continue
-        title = f"IMPALA on ALE {args.game}"
+        title = f"{args.algo.upper()} on ALE {args.game}"
         png = _util.plot_csv(args.out, "env_steps", ["return", "mean_return"], f"{title}: episode returns")
+        curve = None
+        if args.curve:
+            curve = plot_learning_curve(args.out, args.curve, f"{title}, {args.device}, {args.num_workers} actors x "
+                                                              f"{args.envs_per_worker} games")
         cpu = sum(r["cpu"] for r in results) + (cpu_seconds() if len(results) > 1 or args.chaos else 0.0)
         _util.summary(title, {
             "stopped": result["reason"],
@@ -365,6 +512,7 @@ def main() -> None:
             "episodes": result["episodes"],
             "frames (agent steps x 4)": f"{4 * result['env_steps']:,}",
             "learner updates": result["updates"],
+            "learner batches": result["batches"],
             "training throughput": result["throughput"],
             "inference": result["inference"],
             "training time (incl. set-up)": f"{result['train_time']:.1f} s",
@@ -372,9 +520,11 @@ def main() -> None:
             "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
             **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
                if args.chaos is not None else {}),
-            "learning curve": args.out + (f", {png}" if png else ""),
+            "learning curve": args.out + (f", {png}" if png else "") + (f", {curve}" if curve else ""),
             **_util.metrics_summary(args, title, x="agent steps"),
         })
+        for line in result["milestones"]:  # last: the lines a reader (and a benchmark) looks for
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

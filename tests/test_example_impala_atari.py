@@ -1,6 +1,6 @@
-"""examples/impala_atari.py: game names, the auto-inference trial, and a smoke run of the
-whole script as a user starts it (frames flow, the learner updates, an actor SIGKILLed by
---chaos is survived)."""
+"""examples/impala_atari.py: game names, the learners' defaults, the milestones, the
+auto-inference trial, and smoke runs of the whole script as a user starts it, APPO and
+IMPALA (frames flow, the learner updates, an actor SIGKILLed by --chaos is survived)."""
 
 from __future__ import annotations
 
@@ -103,23 +103,88 @@ def test_auto_trial_keeps_the_faster_mode(atari, monkeypatch):
     assert fixed.observe(1000) is None and fixed.mode() == "local" and not fixed.deciding
 
 
+def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
+    example, _ = atari
+    appo = example.parse_args([])
+    assert appo.algo == "appo" and (appo.optimizer, appo.lr, appo.entropy_cost) == ("adam", 2.5e-4, 0.01)
+    assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (2, 2, 4, 2, 2)
+    assert appo.learner_threads == 2
+    assert appo.value_clip == 0.1 and appo.advantages == "gae" and appo.launched > 0
+    assert (appo.clip, appo.lr_schedule, appo.kl_target, appo.max_lr) == (0.2, "adaptive", 0.01, 1e-3)
+    impala = example.parse_args(["--algo", "impala"])  # the example's settings before APPO
+    assert (impala.optimizer, impala.lr, impala.entropy_cost, impala.max_grad_norm) == ("rmsprop", 6e-4, 0.0006, 40.0)
+    assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
+    mine = example.parse_args(["--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
+    assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip) == (5, 5, 1e-3, None)
+    assert appo.inference == "local"
+    # The GPU's defaults without a GPU: the parser believes torch sees one (nothing runs on it).
+    monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 1)
+    gpu = example.parse_args(["--device", "cuda"])
+    assert (gpu.device, gpu.inference, gpu.learner_threads) == ("cuda:0", "central", 1)
+    assert (gpu.batch_size, gpu.queue_size, gpu.minibatches, gpu.epochs, gpu.max_epochs) == (4, 4, 8, 4, 6)
+    assert gpu.batch_size * gpu.envs_per_worker * gpu.unroll // gpu.minibatches == 256  # steps per minibatch
+    assert example.parse_args(["--device", "cuda", "--inference", "local"]).inference == "local"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo", "impala", "--epochs", "3"], "--epochs 3: IMPALA makes one pass over each batch; use --algo appo"),
+    (["--clip", "1.5"], "--clip 1.5: the ratio's clip range must lie in (0, 1)"),
+    (["--gae-lambda", "2"], "--gae-lambda 2 must lie in [0, 1]"),
+    (["--lr", "2e-3"], "--max-lr 0.001 at least --lr 0.002"),
+    (["--curve", "pong.csv"], "--curve 'pong.csv': name a .png file"),
+    (["--out", "runs/a.csv", "--curve", "runs/a.png"], "--curve 'runs/a.png' is where the episode plot of --out"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+])
+def test_bad_learner_flags_are_named(atari, capsys, argv, message):
+    example, _ = atari
+    with pytest.raises(SystemExit):
+        example.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_milestones_time_the_first_full_window_at_each_level(atari, monkeypatch):
+    _, learner = atari
+    monkeypatch.setattr(learner.time, "time", lambda: 1_000.0)
+    milestones = learner.Milestones([18.0, 0.0], window=3, launched=900.0)
+    assert milestones.observe({"episodes": 2, "mean_return": 19.0, "env_steps": 10}) == []  # window not full
+    said = milestones.observe({"episodes": 3, "mean_return": 5.0, "env_steps": 250_000})
+    assert said == ["first mean >= 0 at 100.0 s / 1,000,000 frames"]
+    assert milestones.observe({"episodes": 9, "mean_return": 7.0, "env_steps": 300_000}) == []  # once only
+    assert milestones.lines() == ["first mean >= 0 at 100.0 s / 1,000,000 frames", "first mean >= 18: not reached"]
+
+
+def test_learning_curve_png_from_the_runs_csv(atari, tmp_path):
+    pytest.importorskip("matplotlib")
+    example, _ = atari
+    path = tmp_path / "curve.csv"
+    path.write_text("time_s,env_steps,launch_s,mean_return\n1,100,5.0,\n2,200,6.0,-21.0\n3,400,9.0,-20.0\n")
+    png = example.plot_learning_curve(str(path), str(tmp_path / "out" / "pong.png"), "test")
+    assert png and os.path.getsize(png) > 1000
+
+
 def _progress_frames(line):
     """The frame count of a learner's progress line ('... frames  12,345 (...'), else None."""
     match = re.search(r"\] +[\d.]+ s  frames +([\d,]+) ", line)
     return int(match.group(1).replace(",", "")) if match else None
 
 
-def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
+@pytest.mark.parametrize("algo, budget", [("impala", 30), ("appo", 24)])
+def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
     # Small batches so that a loaded CI machine still makes several updates in the budget;
     # Breakout, whose random-play games end within ~200 agent steps (Pong's take ~900), so
     # that episodes finish and their figures reach the metrics.
     lines = trains_through_chaos(
-        "impala_atari.py", ["--env", "breakout", "--time-budget", "30", "--chaos", "10", "--print-every", "1",
-                            "--envs-per-worker", "2", "--unroll", "8", "--learner-threads", "1",
-                            "--metrics-every", "0.5", "--out", str(tmp_path / "curve.csv"), "--device", "cpu"],
+        "impala_atari.py", ["--algo", algo, "--env", "breakout", "--time-budget", str(budget), "--chaos", "10",
+                            "--print-every", "1", "--envs-per-worker", "2", "--unroll", "8", "--learner-threads", "1",
+                            "--metrics-every", "0.5", "--out", str(tmp_path / "curve.csv"), "--device", "cpu",
+                            "--curve", str(tmp_path / "learning.png")],
         "[learner]", _progress_frames)
     updates = int(next(x for x in lines if x.strip().startswith("learner updates")).split()[-1])
+    batches = int(next(x for x in lines if x.strip().startswith("learner batches")).split()[-1])
     assert updates > 1, "\n".join(lines)
+    # IMPALA: one step per batch; APPO: 2 epochs x 4 minibatches of each batch of 2 x 2 x 8 steps.
+    assert updates == (batches if algo == "impala" else 8 * batches), "\n".join(lines)
+    assert lines[-2].startswith("first mean >= 0") and lines[-1].startswith("first mean >= 18")
     assert os.path.exists(tmp_path / "curve.csv")
     # runs/<name>/ beside the curve: TensorBoard's event files, read with its own reader.
     scalars = read_scalars(str(tmp_path / "curve"))
@@ -134,7 +199,10 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path):
                if t not in scalars and (ended or t not in episode_tags)]
     assert not missing, sorted(scalars)
     last = {tag: points[-1][1] for tag, points in scalars.items()}
-    assert last["learner/updates"] == updates and last["server/model/version"] == updates + 1
+    assert last["learner/updates"] == updates and last["server/model/version"] == batches + 1
+    if algo == "appo":
+        assert 0 <= last["learner/clip_fraction"] <= 1 and last["learner/epochs"] == 2
+        assert "learner/approx_kl" in scalars and last["learner/kl"] >= 0 and last["learner/lr"] > 0
     steps_per_s = [v for _, v in scalars["env/steps_per_s"]]
     assert max(steps_per_s) > 0
     assert [4 * v for _, v in scalars["env/steps_per_s"]] == pytest.approx([v for _, v in scalars["env/frames_per_s"]])
