@@ -53,6 +53,7 @@ from ._pipes import PipeLedger
 from ._registry import Registry, deadline_left
 from ._roster import Roster
 from ._waits import Waits
+from ._watch import watch_from_env
 
 # Gone workers this member's agent called before it recycles the agent (see _pipes): on
 # one host each holds about 8 MB, 24 maps and 24 descriptors until then. 8 keeps a
@@ -116,8 +117,10 @@ class Membership:
         self.claims = Claims(self.registry, keys, self.endpoint)
         self.events = EventLog(self.registry, keys, self._deliver)
         self.departures = Departures(self.registry, keys)
+        # Whom the liveness thread checks: k successors in a ring by default (see _watch).
+        watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
-                               self.departures, liveness, elastic, self._closing)
+                               self.departures, liveness, elastic, self._closing, watch)
         # A call of this process that timed out makes the monitor ask for a probe (AgentProbe).
         self.tables.timed_out = self.monitor.call_timed_out
 
@@ -179,6 +182,8 @@ class Membership:
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""
+        if self.liveness is not None:
+            self.monitor.beat()  # its watchers read the heartbeat key as soon as they see the join
         self.events.post("join", self.endpoint.me)
         self.monitor.start()
 
