@@ -212,7 +212,7 @@ def _own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist
     """
     if isinstance(store, dist.TCPStore):
         return dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout,
-                             use_libuv=store.libuvBackend)
+                             use_libuv=getattr(store, "libuvBackend", True))  # (not in torch's stubs)
     clone = getattr(store, "clone", None)
     if clone is None:
         return None
