@@ -285,6 +285,10 @@ def _pct(values: List[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
 def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     port_in, port_out = ctx.Pipe()
@@ -311,6 +315,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         for c in conns:
             c.send(n)
         connect = max(c.recv() for c in conns)
+        _say(f"N={n} {design}: connected in {connect:.1f} s; joining")
         go = time.time()
         for c in conns:
             c.send(("join", None))
@@ -327,6 +332,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
                 break
             time.sleep(0.25)
         join = max(joined.values()) - go if len(joined) >= n else float("nan")
+        _say(f"N={n} {design}: {len(joined)} joined and seen by all in {join:.2f} s; measuring")
         time.sleep(2.0)  # settle: every member's ring (or table) is built
 
         def sample() -> Tuple[int, int, float, float, int, int]:
@@ -351,6 +357,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         out["requests_per_member_s"] = out["requests_per_s"] / n
         out["key_reads_per_member_s"] = out["key_reads_per_s"] / n
         out["member_cpu_pct"] = out["hosts_cpu_pct"] / n
+        _say(f"N={n} {design}: {out['requests_per_member_s']:.2f} requests/s per member; killing")
         # Detection: silent remote deaths, then same-host SIGKILLs, one at a time.
         dead = 0
         for kind, victims in (("remote", names[:kills]), ("here", names[n - kills:])):
@@ -420,22 +427,29 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), design,
                    "--liveness", str(args.liveness), "--window", str(args.window), "--hosts", str(args.hosts),
                    "--kills", str(args.kills)]
+            # Its own session: over the hard limit, its store and hosts go with it.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                if not lines:
-                    print(f"N={n} {design}: failed (rc {proc.returncode}): {proc.stderr[-800:]}", flush=True)
-                    continue
-                row = json.loads(lines[-1][7:])
+                out, err = proc.communicate(timeout=args.timeout)
             except subprocess.TimeoutExpired:
-                print(f"N={n} {design}: over the hard limit of {args.timeout:g} s", flush=True)
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                print(f"N={n} {design}: over the hard limit of {args.timeout:g} s; last said: "
+                      f"{err.strip().splitlines()[-1:] if err.strip() else '-'}", flush=True)
                 continue
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                print(f"N={n} {design}: failed (rc {proc.returncode}): {err[-800:]}", flush=True)
+                continue
+            row = json.loads(lines[-1][7:])
             rows.append(row)
             print(f"N={n:5d} {design:4s}  req/s {row['requests_per_s']:9.0f} ({row['requests_per_member_s']:.2f}"
                   f"/member)  key reads/s {row['key_reads_per_s']:10.0f} ({row['key_reads_per_member_s']:.1f}"
                   f"/member)  store CPU {row['store_cpu_pct']:5.1f}%  in {row['store_in_Bps'] / 1e6:6.2f} MB/s"
                   f"  out {row['store_out_Bps'] / 1e6:6.2f} MB/s  members' CPU {row['member_cpu_pct']:.3f}%"
-                  f"/member  connect {row['connect_s']:.1f} s  join {row['join_s']:.2f} s  detection remote p50/p99/all "
+                  f"/member  connect {row['connect_s']:.1f} s  join {row['join_s']:.2f} s  detection remote "
+                  f"p50/p99/all "
                   f"{row['detect_remote_p50_s']:.2f}/{row['detect_remote_p99_s']:.2f}/"
                   f"{row['detect_remote_all_max_s']:.2f} s  same host {row['detect_here_p50_s']:.2f}/"
                   f"{row['detect_here_p99_s']:.2f}/{row['detect_here_all_max_s']:.2f} s  missed "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import subprocess
+import sys
 import time
 from typing import Dict, List, Tuple
 
@@ -199,3 +200,22 @@ def test_a_silent_and_a_killed_member_are_named_to_all_within_their_bounds(world
     # Bounds with room for a loaded CI machine: the benchmark measures the p99.
     assert remote < LIVENESS + 0.5, remote
     assert local < 0.5 + 0.5, local
+
+
+def test_a_process_starved_for_half_of_liveness_declares_nobody(world_factory):
+    # Every member's thread stops for liveness / 2 (this process holds the GIL): the
+    # heartbeats stop, and so do the watchers' looks; when they run again nobody may be
+    # declared lost (a watcher's late look restarts its timers).
+    w = world_factory("p", 16)
+    w.wait_joined(30)
+    time.sleep(4 * TICK)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        end = time.perf_counter() + LIVENESS / 2
+        while time.perf_counter() < end:  # no I/O, no sleep: the GIL stays here
+            pass
+    finally:
+        sys.setswitchinterval(before)
+    time.sleep(3 * LIVENESS)
+    assert not w.lost, f"live members declared lost after a {LIVENESS / 2:g} s pause: {sorted(w.lost)[:5]}"

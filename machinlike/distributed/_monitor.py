@@ -201,7 +201,8 @@ class Monitor:
             return False
         err = PeerLostError(self._endpoint.name, (
             f"this member was declared lost by the others: its heartbeat stopped for more than "
-            f"{self.lease():.3g} s (its process was stopped, starved of CPU or held the GIL that long), so "
+            f"{self.watch.silence(self._liveness):.3g} s (its process was stopped, starved of CPU or held the GIL "
+            f"that long), so "
             f"its keys were freed and its peers went on without it; give World(liveness=...) a bound longer "
             f"than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
         self._roster.mark_cut_off(err)
