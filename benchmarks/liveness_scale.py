@@ -184,6 +184,10 @@ def _io(pid: int) -> Tuple[int, int]:
 def _host(index: int, names: List[str], port: int, liveness: float, design: str, conn: Any) -> None:
     """One process holding ``names`` as simulated members; obeys ``conn``'s commands."""
     os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
+    # Hundreds of member threads share one GIL here: at the default 5 ms switch interval
+    # a thread waits up to threads x 5 ms for its turn (1.28 s at 256, past liveness=2's
+    # 1.25 s silence bound), which starves members no real process would starve.
+    sys.setswitchinterval(0.001)
     from machinlike.distributed import _endpoint
     from machinlike.distributed._keys import Keys
     from machinlike.distributed._liveness import process_identity
@@ -411,7 +415,7 @@ def main() -> None:
     parser.add_argument("--designs", default="all,ring")
     parser.add_argument("--liveness", type=float, default=2.0)
     parser.add_argument("--window", type=float, default=8.0, help="seconds of steady state measured")
-    parser.add_argument("--hosts", type=int, default=4, help="processes holding the simulated members")
+    parser.add_argument("--hosts", type=int, default=8, help="processes holding the simulated members")
     parser.add_argument("--kills", type=int, default=4, help="deaths of each kind (remote, same host)")
     parser.add_argument("--timeout", type=float, default=240.0, help="hard limit per (N, design), seconds")
     parser.add_argument("--one", nargs=2, metavar=("N", "DESIGN"), help=argparse.SUPPRESS)
