@@ -219,10 +219,16 @@ class EventLog:
             reg.delete([self._keys.log_segment(old), self._keys.log_snapshot(old)])
 
     # ---------------------------------------------------------------- reading
-    def catch_up(self) -> None:
-        """Deliver every entry posted since the last call, in log order."""
+    def catch_up(self, total: Optional[int] = None) -> None:
+        """Deliver every entry posted since the last call, in log order.
+
+        Args:
+            total: The events counter ``m/evn`` as the caller just read it (the liveness
+                watch reads it with the heartbeats, in one request); None: read it here.
+        """
         with self._lock:
-            total = self._registry.add(self._keys.log_count(), 0)
+            if total is None:
+                total = self._registry.add(self._keys.log_count(), 0)
             if total <= self._counted and self._started:
                 return
             if not self._started:
@@ -232,12 +238,14 @@ class EventLog:
                 if not text and self._registry.add(self._keys.log_head(), 0) > self._k + 1:
                     self._skip_ahead()
                     continue
-                entries = _lines(text)
-                for entry in entries[self._pos:]:
+                # Only the new lines are decoded: at 1,024 members a segment is read by
+                # every member after each post, and decoding all 256 lines cost the most.
+                lines = text.splitlines(keepends=True)
+                for entry in _lines("".join(lines[self._pos:])):
                     self._deliver(entry, self._seq)
                     self._seq += 1
-                self._pos = len(entries)
-                if len(entries) < self._segment:
+                self._pos = len(lines)
+                if len(lines) < self._segment:
                     break
                 self._k, self._pos = self._k + 1, 0
             self._counted = total

@@ -52,6 +52,7 @@ from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
 from .waits import Waits
+from .watch import watch_from_env
 
 __all__ = ["Membership", "MemberEvent"]
 
@@ -94,8 +95,10 @@ class Membership:
         self.claims = Claims(self.registry, keys, self.endpoint)
         self.events = EventLog(self.registry, keys, self._deliver)
         self.departures = Departures(self.registry, keys)
+        # Whom the liveness thread checks: k successors in a ring by default (see watch).
+        watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
-                               self.departures, liveness, elastic, self._closing)
+                               self.departures, liveness, elastic, self._closing, watch)
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
@@ -156,6 +159,8 @@ class Membership:
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""
+        if self.liveness is not None:
+            self.monitor.beat()  # its watchers read the heartbeat key as soon as they see the join
         self.events.post("join", self.endpoint.me)
         self.monitor.start()
 

@@ -5,16 +5,19 @@ losses another member began to clean up. Each tick it beats, catches up with the
 checks this member's RPC listener, and declares the suspects lost.
 
     each tick (liveness / 8, at most 0.25 s)          the world's store
-      heartbeat, read the others'                     m/hb/<name>   heartbeat counter
-      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>, m/evn
+      heartbeat; read the watched members' and the    m/hb/<name>   heartbeat counter
+      log counter (Watch: k ring successors, or all)  m/evn
+      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>
       declared lost itself? cut off: calls fail, stop
       listener closed, recycling due, or its own agent
         silent to a probe call (AgentProbe: sent once a
         call timed out, here or a peer's to it, which
         bumps m/probe/<name>)? renew on a thread of its   m/probe/<name>
         own (Endpoint, Claims), post "move"
-      suspect: process gone (same host, /proc) or
-        heartbeat stalled for 3/4 of liveness
+      suspect (a watched member): process gone (same
+        host, /proc) or heartbeat stalled for the watch's
+        silence bound by this thread's own looks, and
+        still stalled when read once more
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
       free its keys (Claims.free), prune its worker,  m/own/<worker>
       clear m/live, set m/gone, post "lost",          m/gone/<name>/<inc>, m/lostpost/...
@@ -46,6 +49,7 @@ from .processes import DEFAULT_LIVENESS, alive_here, tick_of
 from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
+from .watch import AllWatch, Watch
 
 __all__ = ["Monitor"]
 
@@ -66,11 +70,13 @@ class Monitor:
         liveness: Seconds within which a dead member is detected; None: no thread.
         elastic: Whether RPC is a dynamic group (a lost worker is pruned from it).
         closing: Set when this member leaves or stops: the thread ends.
+        watch: Whom the thread checks and how it reads them (see watch); None: every
+            member (the design before issue 37).
     """
 
     def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
                  endpoint: Endpoint, departures: Departures, liveness: Optional[float], elastic: bool,
-                 closing: threading.Event) -> None:
+                 closing: threading.Event, watch: Optional[Watch] = None) -> None:
         self._registry = registry
         self._keys = keys
         self._roster = roster
@@ -81,6 +87,7 @@ class Monitor:
         self._liveness = liveness
         self._elastic = elastic
         self._closing = closing
+        self.watch = watch if watch is not None else AllWatch(registry, keys, roster, events)
         self._thread: Optional[threading.Thread] = None
         # The agent renewal under way, on a thread of its own (see _start_renewal).
         self._renewing: Optional[threading.Thread] = None
@@ -88,6 +95,11 @@ class Monitor:
         self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
         # Losses another member began to clean up -> when this one first saw that.
         self._declaring: Dict[Tuple[str, int], float] = {}
+        # When this thread last looked (monotonic): a look much later than a tick means
+        # this process itself was starved or stopped, and what it saw before is stale.
+        self._looked: Optional[float] = None
+        #: Suspects found alive by the re-read before declaring (a beat that just came).
+        self.spared = 0
         # Probes of this member's own agent (elastic: a wedged one is renewed).
         self._probe = AgentProbe(liveness) if elastic and liveness is not None else None
         # Members a call of this process timed out on, to ask for a probe (see call_timed_out).
@@ -153,7 +165,7 @@ class Monitor:
             ticks += 1
             try:
                 self._registry.add(beat_key, 1)
-                self._events.catch_up()
+                watched, counts = self.watch.tick(self._endpoint.name)  # catches up with the log too
                 if self._declared_lost():
                     return
                 if self._renewing is not None and self._renewing.is_alive():
@@ -173,7 +185,7 @@ class Monitor:
                 if reaped:
                     log.info("machinlike: member %r shut down retired RPC agents %s", self._endpoint.name, reaped)
                     self._endpoint.forget_retired(reaped)
-                for rec in self._suspects():
+                for rec in self._suspects(watched, counts):
                     self.declare(rec, time.monotonic() + 10 * tick, wait=False)
             except PeerLostError as err:
                 self._roster.mark_cut_off(err)
@@ -190,36 +202,57 @@ class Monitor:
             return False
         err = PeerLostError(self._endpoint.name, (
             f"this member was declared lost by the others: its heartbeat stopped for more than "
-            f"{self.lease():.3g} s (its process was stopped, starved of CPU or held the GIL that long), so "
+            f"{self.watch.silence(self._liveness):.3g} s (its process was stopped, starved of CPU or held the GIL "
+            f"that long), so "
             f"its keys were freed and its peers went on without it; give World(liveness=...) a bound longer "
             f"than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
         self._roster.mark_cut_off(err)
         log.error("machinlike: %s", err)
         return True
 
-    def _suspects(self) -> List[MemberRecord]:
-        others = self._roster.others(self._endpoint.name)
-        current = {(r.member, r.incarnation) for r in others}
-        for gone in [k for k in self._beats if k not in current]:  # bounded by the live members
-            del self._beats[gone]
-        for gone in [k for k in self._declaring if k not in current]:  # (its "lost" came)
-            del self._declaring[gone]
-        if not others:
-            return []
-        counts = self._registry.values_or_empty(self._keys.heartbeat_prefix(), [r.member for r in others])
+    def beat(self) -> None:
+        """Count one heartbeat now (before "join" is posted: watchers read the key at once)."""
+        self._registry.add(self._keys.heartbeat(self._endpoint.name), 1)
+
+    def _suspects(self, watched: List[MemberRecord], counts: List[str]) -> List[MemberRecord]:
+        """The watched members to declare lost: a process gone here (``/proc``), or a
+        heartbeat this thread saw stalled for the watch's whole silence bound.
+
+        A stall counts only from this thread's own looks: after a look that came late
+        (this process was starved or stopped) every timer starts again, so a starved
+        watcher does not blame the members it could not see. A suspect's heartbeat is
+        read once more before it is declared (a beat that just came spares it).
+        """
         now = time.monotonic()
+        starved = self._looked is not None and now - self._looked > 3 * self._tick()
+        self._looked = now
+        current = {(r.member, r.incarnation) for r in watched}
+        for gone in [k for k in self._beats if k not in current]:  # bounded by the watched members
+            del self._beats[gone]
+        live = {(r.member, r.incarnation) for r in self._roster.others(self._endpoint.name)} \
+            if self._declaring else set()
+        for gone in [k for k in self._declaring if k not in live]:  # (its "lost" came)
+            del self._declaring[gone]
+        bound = self.watch.silence(self._liveness)
         out = []
-        for rec, count in zip(others, counts):
+        for rec, count in zip(watched, counts):
+            if self._roster.incarnation_of(rec.member) != rec.incarnation:
+                continue  # gone (or replaced) in the events this tick read
             local = alive_here(rec.identity)
             if local is False:
                 out.append(rec)
                 continue
             key = (rec.member, rec.incarnation)
             last = self._beats.get(key)
-            if last is None or last[0] != count or local:
+            if last is None or last[0] != count or local or starved:
                 self._beats[key] = (count, now)
-            elif now - last[1] > self.lease():
-                out.append(rec)
+            elif now - last[1] > bound:
+                again = self._registry.get_or_empty(self._keys.heartbeat(rec.member))
+                if again != count:
+                    self.spared += 1
+                    self._beats[key] = (again, time.monotonic())
+                else:
+                    out.append(rec)
         return out
 
     def _start_renewal(self, recycle: bool, why: Optional[str] = None) -> None:

@@ -59,6 +59,9 @@ class Roster:
         self._static_order: List[str] = []
         # Set once, for good: the store was lost, or the others declared this member lost.
         self._cut_off: Optional[PeerLostError] = None
+        #: Bumped on every change of the live table (read without the lock: a watcher
+        #: recomputes what it derived from the table when this moved; see watch).
+        self.version = 0
 
     # ------------------------------------------------------------------ changes
     def seed_static(self, records: Sequence[MemberRecord]) -> None:
@@ -68,6 +71,7 @@ class Roster:
                 self._live[rec.member] = rec
                 self._by_worker[rec.worker] = rec.member
             self._static_order = [rec.member for rec in records]
+            self.version += 1
 
     def apply(self, kind: str, rec: MemberRecord) -> Optional[List[str]]:
         """Apply one event of the log.
@@ -105,6 +109,7 @@ class Roster:
                 # Its worker, and any it had before a renewal (calls on those may be under way).
                 return [w for w, m in self._by_worker.items() if m == rec.member and w in self._gone_workers]
             finally:
+                self.version += 1
                 self._changed.notify_all()
 
     def _move(self, rec: MemberRecord) -> None:

@@ -15,7 +15,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
     <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _membership.departures)
-    <ns>w/{proc,name,ready,stop,left}/<rank>   static world start-up and stop  World
+    <ns>w/{proc,name,size,ready,stop,left}/<rank>   static world start-up and stop  World
     <ns>rg/<group>/current           GroupRecord                                 RpcGroup
     <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
     <ns>rg/<group>/<epoch>/s/<key>   ServiceOwner of a service
@@ -174,6 +174,10 @@ class Keys:
 
     def name_prefix(self) -> str:
         return f"{self.ns}w/name/"
+
+    def size_prefix(self) -> str:
+        """The ``world_size`` each rank of a static world was started with (names: ranks)."""
+        return f"{self.ns}w/size/"
 
     def ready_prefix(self) -> str:
         return f"{self.ns}w/ready/"

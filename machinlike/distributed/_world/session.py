@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch.distributed as dist
 
@@ -51,7 +51,7 @@ from .. import _transport
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._groups import RetiredGroups
-from .._store import Keys, ServiceOwner
+from .._store import Keys, Registry, ServiceOwner
 from .._membership import process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
@@ -236,11 +236,15 @@ def start_static(session: Session) -> None:
     reg = members.registry
     ranks = [str(r) for r in range(s.size)]
     reg.set(keys.proc_prefix() + str(s.rank), process_identity())
+    reg.set(keys.size_prefix() + str(s.rank), str(s.size))  # before the name: whoever sees a name sees it
     reg.set(keys.name_prefix() + str(s.rank), s.name)
     try:
         reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
     except TimeoutError as err:
+        if mine > 1:  # the world before this one on the store, when its size was another
+            _check_sizes(reg, info, Keys.static_world(restart, mine - 1), s.rank, s.size, ["0"], remove=False)
         raise _stranger_error(info, restart, s.rank, s.size, mine) or err
+    _check_sizes(reg, info, keys, s.rank, s.size, ranks)
     names = reg.values(keys.name_prefix(), ranks)
     if len(set(names)) != len(names):
         clash = sorted({n for n in names if names.count(n) > 1})
@@ -268,6 +272,37 @@ def start_static(session: Session) -> None:
                  s.dist_timeout)
     members.monitor.start()
     session._undo.callback(members.close)
+
+
+def _check_sizes(reg: Registry, info: _rendezvous.StoreInfo, keys: Keys, rank: int, size: int,
+                 ranks: List[str], remove: bool = True) -> None:
+    """Refuse a static world whose ranks were started with different ``world_size``s
+    (``ranks``' sizes as recorded in ``keys``' namespace; ``remove``: this rank's own
+    start-up keys there are deleted first).
+
+    Why: a process started as rank ``r`` with a larger ``world_size`` than a running
+    world's is the first World of rank ``r`` on that store, so it lands in the running
+    world's namespace, finds every rank it waits for there, and then waited 40 s in
+    gloo's rendezvous for ranks that never come ("connectFullMesh failed"). With a
+    smaller rank it lands in a namespace of its own and times out; the previous world's
+    rank 0 then tells the size it had.
+
+    Raises:
+        ValueError: some rank asked for another size (named, with the fix).
+    """
+    sizes = reg.values_or_empty(keys.size_prefix(), ranks)
+    other = {int(r): int(n) for r, n in zip(ranks, sizes) if n and int(n) != size}
+    if not other:
+        return
+    if remove:
+        reg.delete([keys.proc_prefix() + str(rank), keys.size_prefix() + str(rank), keys.name_prefix() + str(rank)])
+    theirs = sorted(set(other.values()))
+    raise ValueError(
+        f"World start-up: rank {rank} was started with world_size={size}, but ranks {sorted(other)} of the static "
+        f"world at {info.host}:{info.port} were started with world_size={theirs[0] if len(theirs) == 1 else theirs} "
+        f"(a running world, or ranks started with different sizes): every rank of a static world passes the same "
+        f"world_size; to add a process to a running world, join it as World(name, elastic=True, init_method=...), "
+        f"or start every rank of a new static world on a fresh address")
 
 
 def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: int, mine: int) -> Optional[TimeoutError]:

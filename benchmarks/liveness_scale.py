@@ -1,0 +1,471 @@
+"""Liveness at scale: the control plane's cost per member, and detection, at N = 64 .. 4,096.
+
+Run:  python benchmarks/liveness_scale.py [--sizes 64,256,1024] [--designs all,ring]
+                                          [--liveness 2] [--window 8] [--hosts 4]
+
+One real TCPStore server (libuv, in a process of its own, so that its CPU and bytes are
+read from ``/proc/<pid>/stat`` and ``/proc/<pid>/io``) and N simulated members. A member
+here is the project's own membership: a :class:`Membership` (Registry, Roster, EventLog,
+Monitor with its liveness thread, Departures) on a store client of its own, that enters,
+announces, beats, watches, declares and frees exactly as a World's does. What it lacks is
+the RPC agent: members are threads, ``--hosts`` processes hold N / hosts each, and a
+member's process identity is that of a simulated remote host, so its death is seen only by
+its silent heartbeat (the remote path). Same-host deaths use members whose identity is a
+real child process of this machine: its SIGKILL is seen through ``/proc``.
+
+Each (N, design) runs in a fresh interpreter with a hard timeout: join all N (timed from
+"go" until every member sees N members), a steady window (store requests and key reads
+counted by a proxy store around every member's client, the store's CPU and bytes), then
+``--kills`` silent deaths and as many same-host SIGKILLs, one at a time; the time from a
+death to each survivor's "lost" event gives p50 and p99 over (survivor, death) pairs.
+
+Designs (``MACHINLIKE_LIVENESS_WATCH``, see machinlike/distributed/_membership/watch.py): ``all``,
+every member reads every heartbeat (before issue 37); ``ring``, each reads its 2
+successors and the log counter in one request.
+
+The last line reads ``liveness scale: N=1024 requests/s per member R, key reads/s per
+member K, store CPU C%, join J s, detection p99 D s`` (the ring, the largest N run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+# torch's store server looks up each new client's host name (getnameinfo, on its one
+# thread); this machine's resolver drops about one query in thirty, and the server then
+# stalls for the resolver's timeout (5 s by default: "The hostname of the client socket
+# cannot be retrieved. err=-3"). The benchmark's processes run with a 1 s resolver
+# timeout (RES_OPTIONS, set in main), connect every member beforehand from many threads
+# (the stalls overlap), and report that time apart from the join.
+CONNECTORS = 32
+
+
+def _client(host: str, port: int) -> dist.TCPStore:
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60), use_libuv=True)
+
+
+def _connect_all(names: List[str], port: int) -> Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]]:
+    """Two connections per member (its own, and the one its liveness watch clones)."""
+    out: Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]] = {}
+    pending = list(names)
+    take = threading.Lock()
+
+    def connector() -> None:
+        while True:
+            with take:
+                if not pending:
+                    return
+                name = pending.pop()
+            made = (_client("127.0.0.1", port), [_client("127.0.0.1", port)])
+            with take:
+                out[name] = made
+
+    threads = [threading.Thread(target=connector) for _ in range(CONNECTORS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+# ----------------------------------------------------------------- counting proxy
+class _Counts:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.keys = 0
+
+    def note(self, keys: int) -> None:
+        with self.lock:
+            self.requests += 1
+            self.keys += keys
+
+
+class CountingStore(dist.Store):
+    """A store that counts the requests and keys its caller sends, then forwards them.
+
+    ``spare`` holds connections made beforehand, handed out by :meth:`clone`.
+    """
+
+    def __init__(self, inner: dist.TCPStore, counts: _Counts, spare: Optional[List[dist.TCPStore]] = None) -> None:
+        super().__init__()
+        self._inner = inner
+        self._counts = counts
+        self._spare = spare if spare is not None else []
+
+    def clone(self) -> "CountingStore":
+        # A connection made beforehand, else a new client (not torch's clone: 250 ms each,
+        # holding the GIL; see _watch).
+        inner = self._spare.pop() if self._spare else _client(self._inner.host, self._inner.port)
+        return CountingStore(inner, self._counts)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def set(self, key, value) -> None:
+        self._counts.note(1)
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self._counts.note(1)
+        return self._inner.get(key)
+
+    def add(self, key, value):
+        self._counts.note(1)
+        return self._inner.add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        self._counts.note(1)
+        return self._inner.compare_set(key, expected, desired)
+
+    def append(self, key, value) -> None:
+        self._counts.note(1)
+        self._inner.append(key, value)
+
+    def check(self, keys) -> bool:
+        self._counts.note(len(keys))
+        return self._inner.check(keys)
+
+    def multi_get(self, keys):
+        self._counts.note(len(keys))
+        return self._inner.multi_get(keys)
+
+    def delete_key(self, key) -> bool:
+        self._counts.note(1)
+        return self._inner.delete_key(key)
+
+    def wait(self, keys, timeout=None) -> None:
+        self._counts.note(len(keys))
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def num_keys(self) -> int:
+        self._counts.note(0)
+        return self._inner.num_keys()
+
+
+# --------------------------------------------------------------------- the server
+def _serve(port_out: Any, stop: Any) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60), use_libuv=True)
+    port_out.send(store.port)
+    stop.wait()
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK  # utime + stime
+
+
+def _io(pid: int) -> Tuple[int, int]:
+    with open(f"/proc/{pid}/io") as f:
+        rows = dict(line.split(": ") for line in f.read().splitlines())
+    return int(rows["rchar"]), int(rows["wchar"])
+
+
+# ----------------------------------------------------------------------- a host
+def _host(index: int, names: List[str], port: int, liveness: float, design: str, conn: Any) -> None:
+    """One process holding ``names`` as simulated members; obeys ``conn``'s commands."""
+    os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
+    # Hundreds of member threads share one GIL here: at the default 5 ms switch interval
+    # a thread waits up to threads x 5 ms for its turn (1.28 s at 256, past liveness=2's
+    # 1.25 s silence bound), which starves members no real process would starve.
+    sys.setswitchinterval(0.001)
+    from machinlike.distributed._membership import endpoint as _endpoint
+    from machinlike.distributed._store import Keys
+    from machinlike.distributed._membership import process_identity
+    from machinlike.distributed._membership import Membership
+
+    local = threading.local()
+    real_identity = _endpoint.process_identity
+    # Each member thread names its own (simulated) process; see the module doc.
+    _endpoint.process_identity = lambda: getattr(local, "identity", None) or real_identity()
+    keys = Keys.elastic_world("0")
+    counts = _Counts()
+    members: Dict[str, Membership] = {}
+    seen: Dict[Tuple[str, str], float] = {}  # (observer, lost member) -> time.time()
+    joined_at: Dict[str, float] = {}
+    children: Dict[str, subprocess.Popen] = {}
+    lock = threading.Lock()
+    total = int(conn.recv())  # N
+    # Every member's two connections, made before the clock starts: made while the
+    # store is busy, one in about thirty stalled 5 s in torch's client (see _client).
+    began = time.monotonic()
+    clients = _connect_all(names, port)
+    conn.send(time.monotonic() - began)  # imports done: the driver's "go" times the joins alone
+
+    def start(name: str) -> None:
+        store = CountingStore(clients[name][0], counts, clients[name][1])
+        if name.startswith("here-"):  # a same-host member: a real process /proc can watch
+            child = subprocess.Popen(["sleep", "100000"])
+            children[name] = child
+            local.identity = f"{process_identity().rpartition('/')[0]}/{child.pid}"
+        else:
+            local.identity = f"simhost-{index}/1:1/{abs(hash(name)) % 10 ** 6}"
+        m = Membership(store, keys, "the benchmark's store", name, liveness, elastic=False)
+        known = [0]  # joins this member has seen (nobody leaves while the world fills)
+
+        def on_change(event: Any, observer: str = name) -> None:
+            if event.kind == "lost":
+                with lock:
+                    seen[(observer, event.member)] = time.time()
+            elif event.kind == "join":
+                known[0] += 1
+                if known[0] == total:
+                    joined_at[observer] = time.time()
+
+        m.subscribe(on_change)
+        m.enter(None, time.monotonic() + 60)
+        m.announce()
+        with lock:
+            members[name] = m
+
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "join":
+            pending = list(names)
+            take = threading.Lock()
+
+            def joiner() -> None:
+                while True:
+                    with take:
+                        if not pending:
+                            return
+                        name = pending.pop()
+                    start(name)
+
+            threads = [threading.Thread(target=joiner) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            conn.send(len(members))
+        elif cmd == "joined":
+            conn.send(dict(joined_at))
+        elif cmd == "counts":
+            with counts.lock:
+                conn.send((counts.requests, counts.keys, _cpu(os.getpid())))
+        elif cmd == "kill":
+            m = members.pop(arg)
+            killed = time.time()
+            if arg in children:
+                children[arg].send_signal(signal.SIGKILL)
+            m._closing.set()  # its liveness thread stops at its next tick, saying nothing
+            conn.send(killed)
+        elif cmd == "seen":
+            with lock:
+                conn.send({(o, v): t for (o, v), t in seen.items() if v == arg})
+        elif cmd == "spared":
+            conn.send(sum(m.monitor.spared for m in members.values()))
+        elif cmd == "stop":
+            for m in members.values():
+                m._closing.set()
+            for child in children.values():
+                child.kill()
+            conn.send(True)
+            return
+
+
+# ------------------------------------------------------------------- one config
+def _pct(values: List[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int) -> Dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    port_in, port_out = ctx.Pipe()
+    stop = ctx.Event()
+    server = ctx.Process(target=_serve, args=(port_out, stop), daemon=True)
+    server.start()
+    port = port_in.recv()
+    names = [f"m{i:05d}" for i in range(n - kills)] + [f"here-{i}" for i in range(kills)]
+    shares = [names[h::hosts] for h in range(hosts)]
+    conns, procs = [], []
+    for h in range(hosts):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, theirs), daemon=True)
+        p.start()
+        conns.append(mine)
+        procs.append(p)
+    owner = {name: conns[h] for h in range(hosts) for name in shares[h]}
+
+    def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
+        conn.send((cmd, arg))
+        return conn.recv()
+
+    try:
+        for c in conns:
+            c.send(n)
+        connect = max(c.recv() for c in conns)
+        _say(f"N={n} {design}: connected in {connect:.1f} s; joining")
+        go = time.time()
+        for c in conns:
+            c.send(("join", None))
+        for c in conns:
+            c.recv()
+        started = time.time() - go
+        deadline = time.monotonic() + 60
+        joined: Dict[str, float] = {}
+        while time.monotonic() < deadline:
+            joined = {}
+            for c in conns:
+                joined.update(ask(c, "joined"))
+            if len(joined) >= n:
+                break
+            time.sleep(0.25)
+        join = max(joined.values()) - go if len(joined) >= n else float("nan")
+        _say(f"N={n} {design}: {len(joined)} joined and seen by all in {join:.2f} s; measuring")
+        time.sleep(2.0)  # settle: every member's ring (or table) is built
+
+        def sample() -> Tuple[int, int, float, float, int, int]:
+            req = keys = 0
+            host_cpu = 0.0
+            for c in conns:
+                r, k, cpu = ask(c, "counts")
+                req, keys, host_cpu = req + r, keys + k, host_cpu + cpu
+            rb, wb = _io(server.pid)
+            return req, keys, host_cpu, _cpu(server.pid), rb, wb
+
+        t0, a = time.monotonic(), sample()
+        time.sleep(window)
+        t1, b = time.monotonic(), sample()
+        span = t1 - t0
+        out: Dict[str, Any] = dict(
+            n=n, design=design, liveness=liveness, connect_s=connect, joins_started_s=started, join_s=join,
+            joined=len(joined),
+            requests_per_s=(b[0] - a[0]) / span, key_reads_per_s=(b[1] - a[1]) / span,
+            hosts_cpu_pct=100 * (b[2] - a[2]) / span, store_cpu_pct=100 * (b[3] - a[3]) / span,
+            store_in_Bps=(b[4] - a[4]) / span, store_out_Bps=(b[5] - a[5]) / span)
+        out["requests_per_member_s"] = out["requests_per_s"] / n
+        out["key_reads_per_member_s"] = out["key_reads_per_s"] / n
+        out["member_cpu_pct"] = out["hosts_cpu_pct"] / n
+        _say(f"N={n} {design}: {out['requests_per_member_s']:.2f} requests/s per member; killing")
+        # Detection: silent remote deaths, then same-host SIGKILLs, one at a time.
+        dead = 0
+        for kind, victims in (("remote", names[:kills]), ("here", names[n - kills:])):
+            pairs: List[float] = []
+            named_all: List[float] = []
+            missed = 0
+            for v in victims:
+                killed = ask(owner[v], "kill", v)
+                dead += 1
+                expected = n - dead  # every survivor names it
+                end = time.monotonic() + 2.5 * liveness + 5
+                got: Dict[Any, float] = {}
+                while time.monotonic() < end:
+                    got = {}
+                    for c in conns:
+                        got.update(ask(c, "seen", v))
+                    if len(got) >= expected:
+                        break
+                    time.sleep(0.1)
+                delays = [t - killed for t in got.values()]
+                pairs += delays
+                missed += max(0, expected - len(delays))
+                named_all.append(max(delays) if delays and len(delays) >= expected else float("inf"))
+            out[f"detect_{kind}_p50_s"] = _pct(pairs, 0.5)
+            out[f"detect_{kind}_p99_s"] = _pct(pairs, 0.99)
+            out[f"detect_{kind}_all_max_s"] = max(named_all) if named_all else float("nan")
+            out[f"detect_{kind}_missed"] = missed
+        out["spared"] = sum(ask(c, "spared") for c in conns)
+        return out
+    finally:
+        for c in conns:
+            try:
+                c.send(("stop", None))
+                c.poll(10) and c.recv()
+            except (OSError, EOFError):
+                pass
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        stop.set()
+        server.join(5)
+        if server.is_alive():
+            server.kill()
+
+
+# ------------------------------------------------------------------------ driver
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="64,256,1024")
+    parser.add_argument("--designs", default="all,ring")
+    parser.add_argument("--liveness", type=float, default=2.0)
+    parser.add_argument("--window", type=float, default=8.0, help="seconds of steady state measured")
+    parser.add_argument("--hosts", type=int, default=8, help="processes holding the simulated members")
+    parser.add_argument("--kills", type=int, default=4, help="deaths of each kind (remote, same host)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="hard limit per (N, design), seconds")
+    parser.add_argument("--one", nargs=2, metavar=("N", "DESIGN"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see CONNECTORS
+    if args.one:
+        result = run_one(int(args.one[0]), args.one[1], args.liveness, args.window, args.hosts, args.kills)
+        print("RESULT " + json.dumps(result))
+        return
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        for design in args.designs.split(","):
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), design,
+                   "--liveness", str(args.liveness), "--window", str(args.window), "--hosts", str(args.hosts),
+                   "--kills", str(args.kills)]
+            # Its own session: over the hard limit, its store and hosts go with it.
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                print(f"N={n} {design}: over the hard limit of {args.timeout:g} s; last said: "
+                      f"{err.strip().splitlines()[-1:] if err.strip() else '-'}", flush=True)
+                continue
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if not lines:
+                print(f"N={n} {design}: failed (rc {proc.returncode}): {err[-800:]}", flush=True)
+                continue
+            row = json.loads(lines[-1][7:])
+            rows.append(row)
+            print(f"N={n:5d} {design:4s}  req/s {row['requests_per_s']:9.0f} ({row['requests_per_member_s']:.2f}"
+                  f"/member)  key reads/s {row['key_reads_per_s']:10.0f} ({row['key_reads_per_member_s']:.1f}"
+                  f"/member)  store CPU {row['store_cpu_pct']:5.1f}%  in {row['store_in_Bps'] / 1e6:6.2f} MB/s"
+                  f"  out {row['store_out_Bps'] / 1e6:6.2f} MB/s  members' CPU {row['member_cpu_pct']:.3f}%"
+                  f"/member  connect {row['connect_s']:.1f} s  join {row['join_s']:.2f} s  detection remote "
+                  f"p50/p99/all "
+                  f"{row['detect_remote_p50_s']:.2f}/{row['detect_remote_p99_s']:.2f}/"
+                  f"{row['detect_remote_all_max_s']:.2f} s  same host {row['detect_here_p50_s']:.2f}/"
+                  f"{row['detect_here_p99_s']:.2f}/{row['detect_here_all_max_s']:.2f} s  missed "
+                  f"{row['detect_remote_missed'] + row['detect_here_missed']}", flush=True)
+    ring = [r for r in rows if r["design"] == "ring"]
+    if ring:
+        r = max(ring, key=lambda x: x["n"])
+        p99 = max(r["detect_remote_p99_s"], r["detect_here_p99_s"])
+        print(f"liveness scale: N={r['n']} requests/s per member {r['requests_per_member_s']:.2f}, key reads/s "
+              f"per member {r['key_reads_per_member_s']:.2f}, store CPU {r['store_cpu_pct']:.1f}%, join "
+              f"{r['join_s']:.2f} s, detection p99 {p99:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Watch: which members this member's liveness thread checks, and how it reads them.
+
+Two strategies, chosen once per process (``MACHINLIKE_LIVENESS_WATCH``, read when a World
+starts; the benchmark ``benchmarks/liveness_scale.py`` runs both side by side):
+
+    "ring" (default)  each member checks the next ``k`` live members after it in name
+                      order (its successors), wrapping round:
+
+                          a ──► b ──► c ──► d ──► e ──► a      (k = 1 drawn; k = 2 by
+                                                                 default: one dead
+                                                                 watcher never blinds
+                                                                 the ring)
+                      one tick = add(m/hb/<me>)                          1 request
+                                 multi_get(m/evn, m/hb/<s1>, .. <sk>)     1 request
+                      the log counter rides in the same multi_get, so catching up
+                      with the log costs nothing more unless an event was posted.
+                      A loss found is declared through the one-winner election
+                      (``m/lost/...``) and posted to the log, which every member reads.
+
+    "all"             every member reads every other member's heartbeat each tick
+                      (check + multi_get of N-1 keys) and catches up with the log on
+                      its own (add m/evn): 4 requests and N-1 key reads per tick.
+                      The design before issue 37, kept to be measured against.
+
+Why a ring: the store is one thread. With "all", key reads grow as N² (8.4 M/s at 1,024
+members); with the ring every member reads k + 1 keys per tick whatever N is, and a
+death still reaches everyone within one more tick, through the log they already read.
+Why successors in name order: every view orders the same names the same way, with no
+coordination; the views agree once they have read the same events.
+
+Why the silence bound is shorter for the ring: a loss is seen by a watcher, then by
+everyone one tick later, so the ring declares after ``min(3/4, 1 - 3 ticks/liveness)`` of
+``liveness`` (1.25 s of 2 s) to name the death to all within ``liveness``.
+
+A key this strategy reads with ``multi_get`` must exist (a store ``get`` waits for an
+absent key): a member's heartbeat and the log counter are read one by one (a probe that
+never waits) until seen once, and the multi_get runs on a connection of its own with a
+short timeout, after which that tick falls back to the probes (counted in ``fallbacks``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import os
+from typing import List, Optional, Sequence, Set, Tuple
+
+import torch.distributed as dist
+
+from .._store import Keys, MemberRecord, Registry
+from .event_log import EventLog
+from .processes import DEFAULT_LIVENESS, tick_of
+from .roster import Roster
+
+__all__ = ["Watch", "RingWatch", "AllWatch", "watch_from_env", "WATCH_ENV", "RING_K"]
+
+#: Environment variable choosing the strategy: ``ring`` (default) or ``all``.
+WATCH_ENV = "MACHINLIKE_LIVENESS_WATCH"
+#: Successors each member watches in the ring.
+RING_K = 2
+
+
+class Watch:
+    """A liveness-watch strategy (see the module doc).
+
+    ``tick`` catches this member up with the event log and returns the members it checks
+    this tick with their heartbeat counters as the store holds them ("" when absent).
+    """
+
+    #: Store requests the strategy sent, and keys it read (for benchmarks and tests).
+    requests = 0
+    key_reads = 0
+
+    def tick(self, me: str) -> Tuple[List[MemberRecord], List[str]]:
+        raise NotImplementedError
+
+    def silence(self, liveness: Optional[float]) -> float:
+        """Seconds a remote member's heartbeat may stall before it is declared lost."""
+        return 0.75 * (liveness or DEFAULT_LIVENESS)
+
+
+class AllWatch(Watch):
+    """Every member reads every other member's heartbeat each tick (the design before #37).
+
+    Args:
+        registry: The world's store tables.
+        keys: The world's keys.
+        roster: Who is live.
+        events: The event log (caught up each tick).
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog) -> None:
+        self._registry = registry
+        self._keys = keys
+        self._roster = roster
+        self._events = events
+        self.requests = 0
+        self.key_reads = 0
+
+    def tick(self, me: str) -> Tuple[List[MemberRecord], List[str]]:
+        self._events.catch_up()
+        others = self._roster.others(me)
+        self.requests += 1
+        self.key_reads += 1
+        if not others:
+            return [], []
+        self.requests += 2  # check + multi_get
+        self.key_reads += 2 * len(others)
+        return others, self._registry.values_or_empty(self._keys.heartbeat_prefix(), [r.member for r in others])
+
+
+class RingWatch(Watch):
+    """Each member reads its ``k`` successors' heartbeats and the log counter in one request.
+
+    Args:
+        registry: The world's store tables (the one-by-one probes).
+        keys: The world's keys.
+        roster: Who is live (its ``version`` says when to recompute the successors).
+        events: The event log (caught up with the counter read here).
+        store: The world's store; cloned once for this strategy's multi_get.
+        liveness: The world's liveness bound (seconds; sets the multi_get's timeout).
+        k: Successors watched.
+
+    Attributes:
+        fallbacks: Ticks whose multi_get found a key absent (timed out) and fell back.
+    """
+
+    def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, store: dist.Store,
+                 liveness: Optional[float], k: int = RING_K) -> None:
+        if k < 1:
+            raise ValueError(f"k={k}: a ring watches at least one successor")
+        self._registry = registry
+        self._keys = keys
+        self._roster = roster
+        self._events = events
+        self._store = store
+        self._timeout = datetime.timedelta(seconds=max(0.2, 2 * tick_of(liveness)))
+        self._fast: Optional[dist.Store] = None  # the clone with the short timeout (made on first use)
+        self._k = k
+        self._version = -1
+        self._watched: List[MemberRecord] = []
+        self._seen: Set[str] = set()  # keys seen to exist (multi_get may read them); bounded by k + 1
+        self.requests = 0
+        self.key_reads = 0
+        self.fallbacks = 0
+
+    def silence(self, liveness: Optional[float]) -> float:
+        bound = liveness or DEFAULT_LIVENESS
+        return max(4 * tick_of(liveness), min(0.75 * bound, bound - 3 * tick_of(liveness)))
+
+    def successors(self, me: str) -> List[MemberRecord]:
+        """The (at most ``k``) live members after ``me`` in name order, wrapping round."""
+        version = self._roster.version
+        if version != self._version:
+            others = sorted(self._roster.others(me), key=lambda r: r.member)
+            names = [r.member for r in others]
+            at = bisect.bisect_right(names, me)
+            count = min(self._k, len(others))
+            self._watched = [others[(at + i) % len(others)] for i in range(count)]
+            self._version = version
+            wanted = {self._keys.heartbeat(r.member) for r in self._watched} | {self._keys.log_count()}
+            self._seen &= wanted
+        return self._watched
+
+    def tick(self, me: str) -> Tuple[List[MemberRecord], List[str]]:
+        watched = self.successors(me)
+        keys = [self._keys.log_count()] + [self._keys.heartbeat(r.member) for r in watched]
+        values: Optional[List[str]] = None
+        if all(key in self._seen for key in keys):
+            values = self._multi_get(keys)
+        if values is None:  # a key not yet seen (a new successor), or the multi_get timed out
+            values = []
+            for key in keys:
+                self.requests += 1
+                self.key_reads += 1
+                if key == keys[0]:
+                    value = str(self._registry.add(key, 0))  # creates the counter
+                else:
+                    value = self._registry.get_or_empty(key)
+                if value:
+                    self._seen.add(key)
+                values.append(value)
+        self._events.catch_up(int(values[0] or 0))
+        return watched, values[1:]
+
+    def _multi_get(self, keys: Sequence[str]) -> Optional[List[str]]:
+        if self._fast is None:
+            self._fast = _own_client(self._store, self._timeout)
+            if self._fast is None:
+                return None  # not a TCPStore (a test's HashStore): the probes only
+        self.requests += 1
+        self.key_reads += len(keys)
+        try:
+            return [v.decode() for v in self._fast.multi_get(list(keys))]
+        except dist.DistStoreError:
+            # A key was deleted since it was seen (a member gone for many departures):
+            # read them one by one this tick, and learn again which exist.
+            self.fallbacks += 1
+            self._seen.clear()
+            return None
+        except (dist.DistNetworkError, ConnectionError):
+            self._fast = None
+            return None  # the probes raise PeerLostError if the store is really gone
+
+
+def _own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """A connection of this strategy's own to ``store``, whose waits end after ``timeout``.
+
+    Why not ``clone()`` for a TCPStore: torch's clone took 250 ms here, holding the GIL,
+    against 1 ms for a new client; 1,024 members starting at once stalled for minutes.
+    """
+    if isinstance(store, dist.TCPStore):
+        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout,
+                             use_libuv=getattr(store, "libuvBackend", True))  # (not in torch's stubs)
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return None
+    own = clone()
+    own.set_timeout(timeout)
+    return own
+
+
+def watch_from_env(registry: Registry, keys: Keys, roster: Roster, events: EventLog, store: dist.Store,
+                   liveness: Optional[float]) -> Watch:
+    """The strategy ``MACHINLIKE_LIVENESS_WATCH`` names (``ring`` by default).
+
+    Raises:
+        ValueError: the variable names no strategy.
+    """
+    text = os.environ.get(WATCH_ENV, "ring").strip().lower()
+    if text == "ring":
+        return RingWatch(registry, keys, roster, events, store, liveness)
+    if text == "all":
+        return AllWatch(registry, keys, roster, events)
+    raise ValueError(f"{WATCH_ENV}={text!r} names no liveness watch; use 'ring' (the default) or 'all'")
