@@ -105,7 +105,8 @@ def test_auto_trial_keeps_the_faster_mode(atari, monkeypatch):
 
 def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     example, _ = atari
-    appo = example.parse_args([])
+    assert example.parse_args([]).algo == "impala"  # the learner that has learned Pong (BENCHMARKS.md)
+    appo = example.parse_args(["--algo", "appo"])
     assert appo.algo == "appo" and (appo.optimizer, appo.lr, appo.entropy_cost) == ("adam", 2.5e-4, 0.01)
     assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (2, 2, 4, 2, 2)
     assert appo.learner_threads == 2
@@ -114,12 +115,12 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     impala = example.parse_args(["--algo", "impala"])  # the example's settings before APPO
     assert (impala.optimizer, impala.lr, impala.entropy_cost, impala.max_grad_norm) == ("rmsprop", 6e-4, 0.0006, 40.0)
     assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
-    mine = example.parse_args(["--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
+    mine = example.parse_args(["--algo", "appo", "--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
     assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip) == (5, 5, 1e-3, None)
     assert appo.inference == "local"
     # The GPU's defaults without a GPU: the parser believes torch sees one (nothing runs on it).
     monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 1)
-    gpu = example.parse_args(["--device", "cuda"])
+    gpu = example.parse_args(["--algo", "appo", "--device", "cuda"])
     assert (gpu.device, gpu.inference, gpu.learner_threads) == ("cuda:0", "central", 1)
     assert (gpu.batch_size, gpu.queue_size, gpu.minibatches, gpu.epochs, gpu.max_epochs) == (4, 4, 8, 4, 6)
     assert gpu.batch_size * gpu.envs_per_worker * gpu.unroll // gpu.minibatches == 256  # steps per minibatch
