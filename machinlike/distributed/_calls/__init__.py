@@ -5,7 +5,9 @@ function shipping, ``RpcFuture``, the call context the Session binds, remote han
 the results kept for them, and the same-host (shared memory) and CUDA payloads. Imports
 membership, transport and store.
 
-This face names what the layers above may use; the modules behind it are private to it.
+This face names what the floors above may use. They reach one of its modules by name only
+where the module itself is the seam: callee entry points sent by reference, a process slot
+the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
 from .future import RpcFuture

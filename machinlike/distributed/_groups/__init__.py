@@ -4,7 +4,9 @@ Owns the group façade and its typed parts (owner cache, service and value table
 barrier), this process's group directory and group creation, and collective groups over
 subsets of ranks.
 
-This face names what the layers above may use; the modules behind it are private to it.
+This face names what the floors above may use. They reach one of its modules by name only
+where the module itself is the seam: callee entry points sent by reference, a process slot
+the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
 from .collective import CollectiveGroup, RetiredGroups

@@ -5,7 +5,9 @@ EventLog, Departures and Monitor; beside it live member events, process identity
 /proc checks (processes) and the read-only status view (status). Imports only the store
 and transport layers.
 
-This face names what the layers above may use; the modules behind it are private to it.
+This face names what the floors above may use. They reach one of its modules by name only
+where the module itself is the seam: callee entry points sent by reference, a process slot
+the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
 from .processes import DEFAULT_LIVENESS, is_here, process_identity

@@ -5,7 +5,9 @@ environments), the spelling of every key and its typed value (keys), one-round-t
 over the store (registry) and look-ups bounded by a deadline on their own thread (lookups).
 It imports no other layer.
 
-This face names what the layers above may use; the modules behind it are private to it.
+This face names what the floors above may use. They reach one of its modules by name only
+where the module itself is the seam: callee entry points sent by reference, a process slot
+the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
 from .rendezvous import connect_store, external_launcher, host_store, resolve_rank_and_size

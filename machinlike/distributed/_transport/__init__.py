@@ -6,7 +6,9 @@ elastic workers' names and torch's 16-bit worker ids, the agent probe, the liste
 the pipe ledger and network interfaces. The one folder a torch upgrade has to check: every
 use of torch's private RPC internals lives here.
 
-This face names what the layers above may use; the modules behind it are private to it.
+This face names what the floors above may use. They reach one of its modules by name only
+where the module itself is the seam: callee entry points sent by reference, a process slot
+the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
 from .agent import (
