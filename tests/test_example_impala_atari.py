@@ -134,7 +134,7 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     (["--lr", "2e-3"], "--max-lr 0.001 at least --lr 0.002"),
     (["--curve", "pong.csv"], "--curve 'pong.csv': name a .png file"),
     (["--out", "runs/a.csv", "--curve", "runs/a.png"], "--curve 'runs/a.png' is where the episode plot of --out"),
-    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--algo", "appo", "--epochs", "0"], "--epochs must be at least 1, got 0"),
 ])
 def test_bad_learner_flags_are_named(atari, capsys, argv, message):
     example, _ = atari
