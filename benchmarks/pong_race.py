@@ -4,7 +4,8 @@ wall time on this machine, one after the other (each has every core while it run
 Run:  python benchmarks/pong_race.py [--minutes 20]
 
     ours    examples/impala_atari.py --algo appo (its defaults for the device: on the CPU,
-            2 actors x 16 games, 2 epochs x 4 minibatches of 1,024-step batches),
+            2 actors x 16 games x 128-step unrolls, 2 epochs x 4 minibatches of each 2,048-step
+            batch, normalised inputs and values),
             --time-budget = the race's seconds, --target 0 (no early stop), its learning
             curve beside the log.
     SF      sample-factory 2.1.1's sf_examples.atari.train_atari on PongNoFrameskip-v4:

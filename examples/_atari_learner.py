@@ -34,7 +34,7 @@ import machinlike
 from _episodes import EpisodeLog, collect_columns, format_mean
 from _impala_core import Inbox, vtrace
 from _metrics import RunMetrics, logdir_of
-from _ppo import ppo_update
+from _ppo import Normalizers, ppo_init, ppo_update
 from machinlike.metrics import flatten_stats
 from machinlike.server import PushPullModelServerImpl
 
@@ -235,7 +235,14 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         The figures of the run, and ``close``: call it once no actor calls any more.
     """
     torch.manual_seed(args.seed)
-    model = net_class(args.actions).to(args.device)  # the actors' copies stay on the CPU (pull casts)
+    model = net_class(args.actions)
+    algo = getattr(args, "algo", "impala")
+    norms = None
+    if algo == "appo":
+        ppo_init(model)
+        frame = tuple(model.get_buffer("obs_mean").shape) if getattr(args, "input_norm", True) else None
+        norms = Normalizers(frame, values=getattr(args, "value_norm", True))  # type: ignore[arg-type]
+    model = model.to(args.device)  # the actors' copies stay on the CPU (pull casts)
     optimizer = make_optimizer(model, args)
     inbox = Inbox(args.queue_size)
     group.register(f"{GROUP}/trajectories/{world.name}", inbox.put)
@@ -271,9 +278,10 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         # On --device too: it moves each batch of observations there and the outputs back.
         infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
                                          version=1, device=args.device)
-    algo = getattr(args, "algo", "impala")
     recipe = (f"APPO: {args.epochs}-{args.max_epochs} epochs x {args.minibatches} minibatches, {args.advantages} "
-              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr" if algo == "appo" else "IMPALA: V-trace")
+              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr, normalised "
+              f"{'+'.join(n for n, on in (('inputs', norms and norms.inputs), ('values', norms and norms.values)) if on) or 'nothing'}"
+              if algo == "appo" else "IMPALA: V-trace")
     print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
           f"{args.device}; {recipe}; {args.optimizer} lr {args.lr:g}), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
@@ -307,7 +315,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         if algo == "appo":
             # Another epoch only while no next batch waits: the device's spare time, not the actors'.
             steps_done, epochs_done, stats = ppo_update(model, optimizer, batch, args,
-                                                        spare=lambda: len(inbox) < args.batch_size)
+                                                        spare=lambda: len(inbox) < args.batch_size, norms=norms)
             grad_norm = stats.pop("grad_norm")
             state["updates"] += steps_done
             epochs.append(epochs_done)

@@ -25,7 +25,97 @@ from torch import nn
 
 from _impala_core import vtrace
 
-__all__ = ["gae", "advantages", "clipped_surrogate", "ppo_loss", "ppo_update"]
+__all__ = ["gae", "advantages", "clipped_surrogate", "ppo_loss", "ppo_update", "RunningMoments", "Normalizers",
+           "ppo_init"]
+
+
+class RunningMoments:
+    """Running mean and variance of a stream of batches (Chan et al.'s parallel update),
+    elementwise over ``shape``, in float64 so that millions of samples do not drift.
+
+    Args:
+        shape: The shape of one sample's statistics; batches are reduced over their
+            leading dimensions down to it. ``()``: one scalar mean and variance.
+    """
+
+    def __init__(self, shape: Tuple[int, ...] = ()) -> None:
+        self.mean = torch.zeros(shape, dtype=torch.float64)
+        self.var = torch.ones(shape, dtype=torch.float64)
+        self.count = 0
+
+    def update(self, samples: torch.Tensor) -> None:
+        """Fold in ``samples``, [..., *shape] (any device, any float or integer dtype).
+
+        The batch's moments are taken where the samples are (on a GPU, a batch of frames
+        would otherwise cross to the CPU each time), in float32: a batch's own mean and
+        spread need no more; only the running fold is float64."""
+        flat = samples.reshape(-1, *self.mean.shape)
+        n = flat.shape[0]
+        if n == 0:
+            return
+        flat = flat.float()
+        mean, var = flat.mean(0).to("cpu", torch.float64), flat.var(0, unbiased=False).to("cpu", torch.float64)
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self.var = (self.var * self.count + var * n + delta.pow(2) * (self.count * n / total)) / total
+        self.count = total
+
+    def std(self, eps: float = 1e-5) -> torch.Tensor:
+        return (self.var + eps).sqrt()
+
+
+class Normalizers:
+    """The learner's running statistics for APPO (rl_games' ``normalize_input`` and
+    ``normalize_value``), owned by the learner and published through the network's buffers.
+
+    Inputs: each pixel's mean and spread over the frames trained on, written into the
+    network's ``obs_mean`` and ``obs_scale`` buffers (so the actors' copies, which pull the
+    state dict, see the same inputs). Pong's background is constant, so normalised frames
+    are near 0 there and the ball and paddles stand out at several units.
+
+    Values: the value head predicts returns in units of the returns' running spread; the
+    advantages are computed on the values scaled back, and the targets in the head's units,
+    so the value loss keeps a unit scale while returns grow from -1 to +1 per point.
+
+    Args:
+        frame_shape: (H, W) of one frame; None: inputs are not normalised.
+        values: whether values are normalised.
+        every: frames are sampled from every ``every``-th step of a batch (they repeat
+            across the 4-frame stack and neighbouring steps; all of them would cost ~5% of
+            the learner's time on two cores for no better estimate).
+    """
+
+    def __init__(self, frame_shape: Optional[Tuple[int, int]], values: bool, every: int = 4) -> None:
+        self.inputs = RunningMoments(frame_shape) if frame_shape is not None else None
+        self.values = RunningMoments() if values else None
+        self.every = every
+
+    def observe_frames(self, obs: torch.Tensor, net: nn.Module) -> None:
+        """Fold ``obs`` [T+1, N, C, H, W] uint8 into the pixel statistics and write them
+        into ``net``'s ``obs_mean`` / ``obs_scale`` buffers (in place, on its device)."""
+        if self.inputs is None:
+            return
+        self.inputs.update(obs[:: self.every])
+        mean_buf, scale_buf = net.get_buffer("obs_mean"), net.get_buffer("obs_scale")
+        mean_buf.copy_(self.inputs.mean.to(mean_buf.dtype).reshape(mean_buf.shape))
+        scale_buf.copy_(self.inputs.std(1.0).reciprocal().to(scale_buf.dtype).reshape(scale_buf.shape))
+
+
+def ppo_init(net: nn.Module) -> nn.Module:
+    """The PPO baselines' initialisation: orthogonal weights with gain sqrt(2) and zero
+    biases in the torso, gain 0.01 for the policy head (a near-uniform first policy: every
+    action tried) and 1 for the value head. PyTorch's default (Kaiming-uniform with a = sqrt(5))
+    starts the policy less even and shrinks the torso's activations layer by layer."""
+    for module in net.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.orthogonal_(module.weight, 2 ** 0.5)
+            nn.init.zeros_(module.bias)
+    for name, gain in (("policy", 0.01), ("value", 1.0)):
+        head = getattr(net, name, None)
+        if isinstance(head, nn.Linear):
+            nn.init.orthogonal_(head.weight, gain)
+    return net
 
 
 def gae(values: torch.Tensor, bootstrap: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
@@ -142,8 +232,8 @@ def ppo_loss(logits: torch.Tensor, values: torch.Tensor, actions: torch.Tensor, 
 
 
 def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dict[str, torch.Tensor]],
-               args: argparse.Namespace, spare: Callable[[], bool] = lambda: False
-               ) -> Tuple[int, int, Dict[str, float]]:
+               args: argparse.Namespace, spare: Callable[[], bool] = lambda: False,
+               norms: Optional[Normalizers] = None) -> Tuple[int, int, Dict[str, float]]:
     """Train ``net`` on one batch of actor messages: advantages once, then ``args.epochs``
     passes over shuffled minibatches (and up to ``args.max_epochs`` while ``spare()``).
 
@@ -158,6 +248,8 @@ def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dic
             under ``kl_target``): True while the learner would otherwise wait for the next
             batch (its device has capacity to spare), so one more epoch costs the actors
             nothing.
+        norms: The learner's running statistics (see :class:`Normalizers`); None: raw
+            inputs (scaled to [0, 1] by the network) and raw values.
 
     Returns:
         (optimizer steps, epochs, figures): the figures are the means over the steps of
@@ -175,20 +267,30 @@ def ppo_update(net: nn.Module, optimizer: torch.optim.Optimizer, batch: List[Dic
     discounts = args.gamma * (1.0 - joined("done"))
     length, width = actions.shape
     frames = obs.reshape(-1, *obs.shape[2:])
+    value_norm = norms.values if norms is not None else None
+    if norms is not None:
+        norms.observe_frames(obs, net)  # before the forward: the batch's own frames count
     with torch.no_grad():
         # In chunks: a GPU batch of several thousand frames would hold every layer's
         # activations at once for no gain in speed.
         outs = [net(chunk) for chunk in frames.split(2048)]
         logits = torch.cat([o[0] for o in outs]).reshape(length + 1, width, -1)[:-1]
         values = torch.cat([o[1] for o in outs]).reshape(length + 1, width)
+        if value_norm is not None:  # the head's units -> returns' units
+            values = values * value_norm.std().to(values) + value_norm.mean.to(values)
         before = F.log_softmax(logits, dim=-1)  # this batch's policy before its first step
         logp = before.gather(2, actions.unsqueeze(2)).squeeze(2)
         adv, returns = advantages(args.advantages, values[:-1], values[-1], rewards, discounts,
                                   logp - behaviour_logp, args.gae_lambda)
+        old_values = values[:-1]
+        if value_norm is not None:  # targets (and the clip's centre) in the head's units
+            value_norm.update(returns)
+            mean, std = value_norm.mean.to(values), value_norm.std().to(values)
+            returns, old_values = (returns - mean) / std, (old_values - mean) / std
     size = length * width
     flat_obs = frames[:-width]  # the T x N acting observations, step-major as the others' reshape
     flat = {"actions": actions.reshape(-1), "old_logp": behaviour_logp.reshape(-1), "adv": adv.reshape(-1),
-            "returns": returns.reshape(-1), "old_values": values[:-1].reshape(-1)}
+            "returns": returns.reshape(-1), "old_values": old_values.reshape(-1)}
     before = before.reshape(size, -1)
     sums: Dict[str, torch.Tensor] = {}
     steps = epochs = 0

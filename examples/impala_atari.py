@@ -1,14 +1,16 @@
 """APPO or IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains
-a Nature-CNN with V-trace (--algo impala, the default) or PPO's clipped surrogate (--algo appo).
+a Nature-CNN with PPO's clipped surrogate (--algo appo, the default on the CPU) or V-trace
+(--algo impala, the default on a GPU).
 
 Run it locally (1 learner + 2 actors x 16 games of Pong; the launcher starts the processes):
     python examples/impala_atari.py
 The learning curve (mean return against wall time and frames) as a PNG:
     python examples/impala_atari.py --time-budget 3600 --curve pong.png
-The APPO learner (PPO's clipped surrogate over epochs of each batch; published PPO runs
-need ~4M frames for Pong against V-trace's ~25M, but ours has not yet been shown to learn
-it: BENCHMARKS.md):
-    python examples/impala_atari.py --algo appo
+Pong to +18 on two cores (APPO: PPO's clipped surrogate over epochs of each batch; here
++18 after 2.8M frames and 55 minutes, where V-trace needs ~25M frames: BENCHMARKS.md):
+    python examples/impala_atari.py --time-budget 3600 --curve pong.png
+IMPALA's single V-trace pass instead:
+    python examples/impala_atari.py --algo impala
 Another game, a fixed budget, inference on the learner for every actor's games at once:
     python examples/impala_atari.py --env breakout --time-budget 600 --inference central
 The learner and the central inference server on a GPU (the actors stay on the CPU):
@@ -42,9 +44,13 @@ prints when the mean first reached 0 and 18 (seconds since launch, frames). Trai
 faster, saying so. An episode ends at the game's end or at ale-py's frame cap; either cuts
 the V-trace (no bootstrap past the cap: 108k frames are far beyond a Pong game).
 
-APPO's defaults depend on --device (see APPO_DEFAULTS): on the CPU, where the learner
-shares two cores with the games, 2 epochs over 4 minibatches of 1,024 steps; on a GPU,
-batches of 2,048 steps in 8 minibatches, 4 epochs and up to 6 while no next batch waits.
+APPO follows rl_games' Pong recipe where it matters most: 128-step unrolls (most then hold
+a point of Pong, not only the value's guess of one), each pixel normalised by its running
+mean and spread, values normalised, the PPO baselines' orthogonal initialisation. Its
+defaults depend on --device (see APPO_DEFAULTS): on the CPU, where the learner shares two
+cores with the games, batches of one actor message (16 games x 128 steps), 2 epochs over 4
+minibatches; on a GPU, batches of 6,144 steps in 8 minibatches of 768, 3 epochs and a
+4th while no next batch waits.
 
 Two cores: each process uses one torch thread (``--learner-threads`` for the learner,
 whose forward+backward is most of the work); frames stay uint8 until the CNN's first layer.
@@ -94,8 +100,13 @@ class NatureCNN(nn.Module):
     ``forward`` takes uint8 frames [N, 4, 84, 84] and gives (logits [N, actions], value [N]).
     """
 
-    def __init__(self, actions: int) -> None:
+    def __init__(self, actions: int, frame: Tuple[int, int] = (84, 84)) -> None:
         super().__init__()
+        # Each pixel's offset and scale, in the state dict so that every copy of the network
+        # sees the same inputs: 0 and 1/255 (frames in [0, 1]) unless the learner normalises
+        # them (APPO: each pixel's running mean and spread, see _ppo.Normalizers).
+        self.register_buffer("obs_mean", torch.zeros(frame))
+        self.register_buffer("obs_scale", torch.full(frame, 1.0 / 255.0))
         self.torso = nn.Sequential(
             nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
             nn.Conv2d(64, 64, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(3136, 512), nn.ReLU())
@@ -107,7 +118,8 @@ class NatureCNN(nn.Module):
         # learner's forward+backward: ~17% less per sample); reordering the uint8 frames
         # before the float conversion moves a quarter of the bytes.
         frames = frames.contiguous(memory_format=torch.channels_last)
-        hidden = self.torso(frames.float().mul_(1.0 / 255.0))
+        # The clamp binds only normalised inputs (rl_games' +-5): a pixel the ball seldom visits.
+        hidden = self.torso(frames.float().sub_(self.obs_mean).mul_(self.obs_scale).clamp_(-5.0, 5.0))
         return self.policy(hidden), self.value(hidden).squeeze(-1)
 
 
@@ -302,33 +314,35 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
 #: command line leaves them out. IMPALA's are the example's settings before APPO existed.
 IMPALA_DEFAULTS: Dict[str, Any] = {"optimizer": "rmsprop", "lr": 6e-4, "entropy_cost": 0.0006, "max_grad_norm": 40.0,
                                    "batch_size": 1, "minibatches": 1, "epochs": 1, "max_epochs": 1,
-                                   "learner_threads": 1}
+                                   "learner_threads": 1, "unroll": 32, "value_clip": 0.0}
 APPO_DEFAULTS: Dict[str, Dict[str, Any]] = {
-    # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, grad norm 0.5,
-    # batches of ~1k steps in 4 minibatches). Two epochs, not four: on two cores the
+    # The PPO baselines' Atari recipe (Adam 2.5e-4, entropy 0.01, grad norm 0.5) with
+    # rl_games' Pong unrolls (128 steps; the first 32-step runs stood still at -20 after
+    # 4.7M frames: most of their trajectories held no point). One actor message per batch
+    # (2,048 steps) in 4 minibatches: rl_games' 4 optimizer steps per 1,024 steps. Two epochs, not four: on two cores the
     # learner's forward+backward (~1.1 ms per sample and epoch) is most of the work, so a
     # third and fourth epoch would cost ~40% of the frames per second. Two learner threads:
     # the actors collect a batch (~0.6 core-s) in a fraction of the learner's ~2.5 s on it,
     # so their core is mostly free while it trains (IMPALA's learner, ~4x cheaper per
     # sample, kept both cores busy and lost with a second thread).
     "cpu": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
-            "batch_size": 2, "minibatches": 4, "epochs": 2, "max_epochs": 2, "learner_threads": 2},
-    # A GPU trains a 256-step minibatch in a few ms: 8 of them per 2,048-step batch keeps
-    # CleanRL's updates per frame; epochs beyond 4 only while the actors have not yet
-    # delivered the next batch.
+            "batch_size": 1, "minibatches": 4, "epochs": 2, "max_epochs": 2, "learner_threads": 2,
+            "unroll": 128, "value_clip": 0.0},
+    # rl_games' Pong batch on a GPU: 24 games x 256 steps in minibatches of 768 over 3
+    # epochs; here 3 messages of 16 games x 128 steps (6,144), a 4th epoch only while the
+    # actors have not yet delivered the next batch.
     "cuda": {"optimizer": "adam", "lr": 2.5e-4, "entropy_cost": 0.01, "max_grad_norm": 0.5,
-             "batch_size": 4, "minibatches": 8, "epochs": 4, "max_epochs": 6, "learner_threads": 1},
+             "batch_size": 3, "minibatches": 8, "epochs": 3, "max_epochs": 4, "learner_threads": 1,
+             "unroll": 128, "value_clip": 0.0},
 }
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     launched = time.time()
     parser = _util.parser(__doc__.splitlines()[0], workers=2, budget=600, out="runs/impala_atari.csv")
-    # IMPALA stays the default: it is the learner shown to learn Pong (-9.9 at 17.9M frames on an
-    # H100); APPO's first H100 run stood at -20.0 after 4.7M frames (BENCHMARKS.md, issue 35).
-    parser.add_argument("--algo", choices=("appo", "impala"), default="impala",
+    parser.add_argument("--algo", choices=("appo", "impala"), default=None,
                         help="the learner: PPO's clipped surrogate over several epochs of each batch, or "
-                             "IMPALA's single V-trace pass (default impala)")
+                             "IMPALA's single V-trace pass (default: appo on the CPU, impala on a GPU)")
     parser.add_argument("--curve", default=None, metavar="PNG",
                         help="also draw the mean return against wall time and frames into this PNG")
     parser.add_argument("--env", default="pong", help="ALE game: pong, breakout, ALE/Pong-v5, ... (default pong)")
@@ -348,7 +362,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     # for a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
     parser.add_argument("--learner-threads", type=int, default=None,
                         help="torch threads of the learner (default: 2 for appo on the CPU, else 1)")
-    parser.add_argument("--unroll", type=int, default=32, help="trajectory length T, steps (default 32)")
+    parser.add_argument("--unroll", type=int, default=None,
+                        help="trajectory length T, steps (default: impala 32; appo 128, so that most "
+                             "trajectories hold a point of Pong, not only the value's guess of one)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="actor messages (E games x T steps each) per update (default: impala 1; appo 2 on "
                              "the CPU, 4 on a GPU)")
@@ -379,8 +395,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                              "it (default 0.01)")
     parser.add_argument("--max-lr", type=float, default=1e-3,
                         help="appo: the adaptive schedule's ceiling (default 1e-3)")
-    parser.add_argument("--value-clip", type=float, default=0.1,
-                        help="appo: clip the value's move per batch to this (PPO2); 0: off (default 0.1)")
+    parser.add_argument("--value-clip", type=float, default=None,
+                        help="appo: clip the value's move per batch to this (PPO2), in the value head's "
+                             "units; 0: off (default 0: values are normalised, as rl_games' Pong)")
+    parser.add_argument("--no-input-norm", dest="input_norm", action="store_false",
+                        help="appo: frames scaled to [0, 1] instead of each pixel's running mean and spread")
+    parser.add_argument("--no-value-norm", dest="value_norm", action="store_false",
+                        help="appo: the value head predicts raw returns instead of normalised ones")
     # One: a trajectory that waits in a queue is trained on further from the weights that
     # acted (measured policy lag 8 versions with a queue of 4, 3 with one).
     parser.add_argument("--queue-size", type=int, default=None,
@@ -408,6 +429,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--print-every", type=float, default=10.0, help="seconds between progress lines")
     args = parser.parse_args(argv)
     args.launched = launched
+    if args.algo is None:
+        # What each machine has shown to learn Pong fastest (BENCHMARKS.md): APPO reached +18 in
+        # 55 minutes on two cores, where IMPALA stood at -20 after an hour; on a GPU, IMPALA's
+        # -9.9 at 6.5 minutes is measured and APPO's 128-step recipe not yet.
+        args.algo = "impala" if args.device.startswith("cuda") else "appo"
     defaults = IMPALA_DEFAULTS if args.algo == "impala" else APPO_DEFAULTS[args.device.split(":")[0]]
     for name, value in defaults.items():
         if getattr(args, name) is None:

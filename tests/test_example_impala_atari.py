@@ -105,26 +105,31 @@ def test_auto_trial_keeps_the_faster_mode(atari, monkeypatch):
 
 def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
     example, _ = atari
-    assert example.parse_args([]).algo == "impala"  # the learner that has learned Pong (BENCHMARKS.md)
+    assert example.parse_args([]).algo == "appo"  # +18 in 55 minutes on two cores (BENCHMARKS.md)
     appo = example.parse_args(["--algo", "appo"])
     assert appo.algo == "appo" and (appo.optimizer, appo.lr, appo.entropy_cost) == ("adam", 2.5e-4, 0.01)
-    assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (2, 2, 4, 2, 2)
+    assert (appo.batch_size, appo.queue_size, appo.minibatches, appo.epochs, appo.max_epochs) == (1, 1, 4, 2, 2)
+    assert appo.unroll == 128 and appo.input_norm and appo.value_norm
     assert appo.learner_threads == 2
-    assert appo.value_clip == 0.1 and appo.advantages == "gae" and appo.launched > 0
+    assert appo.value_clip is None and appo.advantages == "gae" and appo.launched > 0
     assert (appo.clip, appo.lr_schedule, appo.kl_target, appo.max_lr) == (0.2, "adaptive", 0.01, 1e-3)
     impala = example.parse_args(["--algo", "impala"])  # the example's settings before APPO
     assert (impala.optimizer, impala.lr, impala.entropy_cost, impala.max_grad_norm) == ("rmsprop", 6e-4, 0.0006, 40.0)
     assert (impala.batch_size, impala.queue_size, impala.minibatches, impala.learner_threads) == (1, 1, 1, 1)
-    mine = example.parse_args(["--algo", "appo", "--epochs", "5", "--lr", "1e-3", "--value-clip", "0"])
-    assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip) == (5, 5, 1e-3, None)
+    assert impala.unroll == 32
+    mine = example.parse_args(["--algo", "appo", "--epochs", "5", "--lr", "1e-3", "--value-clip", "0.2",
+                               "--no-input-norm", "--unroll", "64"])
+    assert (mine.epochs, mine.max_epochs, mine.lr, mine.value_clip, mine.unroll) == (5, 5, 1e-3, 0.2, 64)
+    assert not mine.input_norm and mine.value_norm
     assert appo.inference == "local"
     # The GPU's defaults without a GPU: the parser believes torch sees one (nothing runs on it).
     monkeypatch.setattr(example.torch.cuda, "device_count", lambda: 1)
     gpu = example.parse_args(["--algo", "appo", "--device", "cuda"])
     assert (gpu.device, gpu.inference, gpu.learner_threads) == ("cuda:0", "central", 1)
-    assert (gpu.batch_size, gpu.queue_size, gpu.minibatches, gpu.epochs, gpu.max_epochs) == (4, 4, 8, 4, 6)
-    assert gpu.batch_size * gpu.envs_per_worker * gpu.unroll // gpu.minibatches == 256  # steps per minibatch
+    assert (gpu.batch_size, gpu.queue_size, gpu.minibatches, gpu.epochs, gpu.max_epochs) == (3, 3, 8, 3, 4)
+    assert gpu.batch_size * gpu.envs_per_worker * gpu.unroll // gpu.minibatches == 768  # rl_games' Pong minibatch
     assert example.parse_args(["--device", "cuda", "--inference", "local"]).inference == "local"
+    assert example.parse_args(["--device", "cuda"]).algo == "impala"  # measured on a GPU; APPO's recipe not yet
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -169,13 +174,13 @@ def _progress_frames(line):
     return int(match.group(1).replace(",", "")) if match else None
 
 
-@pytest.mark.parametrize("algo, budget", [("impala", 30), ("appo", 24)])
+@pytest.mark.parametrize("algo, budget", [("impala", 20), ("appo", 16)])
 def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
     # Small batches so that a loaded CI machine still makes several updates in the budget;
     # Breakout, whose random-play games end within ~200 agent steps (Pong's take ~900), so
     # that episodes finish and their figures reach the metrics.
     lines = trains_through_chaos(
-        "impala_atari.py", ["--algo", algo, "--env", "breakout", "--time-budget", str(budget), "--chaos", "10",
+        "impala_atari.py", ["--algo", algo, "--env", "breakout", "--time-budget", str(budget), "--chaos", "6",
                             "--print-every", "1", "--envs-per-worker", "2", "--unroll", "8", "--learner-threads", "1",
                             "--metrics-every", "0.5", "--out", str(tmp_path / "curve.csv"), "--device", "cpu",
                             "--curve", str(tmp_path / "learning.png")],
@@ -183,7 +188,7 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
     updates = int(next(x for x in lines if x.strip().startswith("learner updates")).split()[-1])
     batches = int(next(x for x in lines if x.strip().startswith("learner batches")).split()[-1])
     assert updates > 1, "\n".join(lines)
-    # IMPALA: one step per batch; APPO: 2 epochs x 4 minibatches of each batch of 2 x 2 x 8 steps.
+    # IMPALA: one step per batch; APPO: 2 epochs x 4 minibatches of each batch of 1 x 2 x 8 steps.
     assert updates == (batches if algo == "impala" else 8 * batches), "\n".join(lines)
     assert lines[-2].startswith("first mean >= 0") and lines[-1].startswith("first mean >= 18")
     assert os.path.exists(tmp_path / "curve.csv")

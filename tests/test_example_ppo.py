@@ -170,3 +170,82 @@ def test_adaptive_lr_follows_the_kl(ppo):
     for _ in range(30):
         ppo._adapt_lr(optimizer, 1.0, args)  # down to lr / 100, no further
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-5)
+
+
+def test_running_moments_match_the_whole_stream(ppo):
+    torch.manual_seed(1)
+    chunks = [torch.randn(n, 3, 2) * 4 + 7 for n in (5, 1, 40, 17)]
+    moments = ppo.RunningMoments((3, 2))
+    for chunk in chunks:
+        moments.update(chunk)
+    whole = torch.cat(chunks).double()
+    assert moments.count == 63
+    assert torch.allclose(moments.mean, whole.mean(0))
+    assert torch.allclose(moments.var, whole.var(0, unbiased=False))
+    assert torch.allclose(moments.std(0.0), whole.std(0, unbiased=False))
+    moments.update(torch.empty(0, 3, 2))  # nothing to fold: unchanged
+    assert moments.count == 63
+
+
+class _Pixels(nn.Module):
+    """The buffers NatureCNN carries for its inputs, on a 2x2 frame."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("obs_mean", torch.zeros(2, 2))
+        self.register_buffer("obs_scale", torch.full((2, 2), 1.0 / 255.0))
+
+
+def test_normalizers_publish_each_pixels_statistics_in_the_buffers(ppo):
+    net = _Pixels()
+    norms = ppo.Normalizers((2, 2), values=False, every=1)
+    # [T+1, N, C, H, W]: pixel (0, 0) is constant 10, pixel (1, 1) alternates 0 / 200.
+    obs = torch.zeros(4, 2, 1, 2, 2, dtype=torch.uint8)
+    obs[..., 0, 0] = 10
+    obs[::2, :, :, 1, 1] = 200
+    norms.observe_frames(obs, net)
+    assert net.obs_mean[0, 0].item() == pytest.approx(10.0) and net.obs_mean[1, 1].item() == pytest.approx(100.0)
+    # A constant pixel keeps scale 1 (spread floor 1 grey level); the alternating one 1/100.
+    assert net.obs_scale[0, 0].item() == pytest.approx(1.0)
+    assert net.obs_scale[1, 1].item() == pytest.approx(1.0 / (100.0 ** 2 + 1.0) ** 0.5)
+    assert norms.values is None
+
+
+def test_ppo_init_starts_near_uniform(ppo):
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.torso = nn.Linear(8, 16)
+    net.policy = nn.Linear(16, 6)
+    net.value = nn.Linear(16, 1)
+    ppo.ppo_init(net)
+    logits = net.policy(torch.relu(net.torso(torch.randn(64, 8))))
+    assert logits.abs().max() < 0.2  # gain 0.01: every action about 1/6
+    assert net.torso.bias.abs().sum() == 0
+    weight = net.torso.weight
+    assert torch.allclose(weight.T @ weight, 2.0 * torch.eye(8), atol=1e-4)  # orthogonal columns, gain sqrt(2)
+
+
+def test_ppo_update_learns_with_normalised_values(ppo):
+    # The bandit again, paying 5 (clipped to 1 by the learner): with value normalisation the
+    # head learns the pay in the returns' units, the policy the paying arm.
+    torch.manual_seed(0)
+    net = _Bandit()
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
+    norms = ppo.Normalizers(None, values=True)
+    args = argparse.Namespace(device="cpu", gamma=0.99, gae_lambda=0.95, advantages="gae", epochs=2, max_epochs=2,
+                              minibatches=2, clip=0.2, value_clip=None, baseline_cost=0.5, entropy_cost=0.0,
+                              max_grad_norm=0.5, lr_schedule="constant", kl_target=0.01, lr=0.05, max_lr=0.05)
+    games = 32
+    for _ in range(60):
+        with torch.no_grad():
+            log_probs = torch.log_softmax(net.logits, -1)
+        actions = torch.multinomial(log_probs.exp(), games, replacement=True)
+        message = {"obs": torch.zeros(2, games, 1, dtype=torch.uint8), "actions": actions.unsqueeze(0),
+                   "rewards": 5.0 * (actions == 2).float().unsqueeze(0), "done": torch.ones(1, games),
+                   "logp": log_probs[actions].unsqueeze(0), "versions": torch.zeros(1)}
+        ppo.ppo_update(net, optimizer, [message], args, norms=norms)
+    probs = torch.softmax(net.logits, -1)
+    assert probs[2] > 0.95, probs
+    assert norms.values.count == 60 * games
+    raw = net.value.item() * norms.values.std().item() + norms.values.mean.item()
+    assert raw == pytest.approx(probs[2].item(), abs=0.15)

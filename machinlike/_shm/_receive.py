@@ -28,6 +28,7 @@ from typing import Any, Deque, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from ._peer_fd import open_peer_fd
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
 __all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit", "bury"]
@@ -92,19 +93,8 @@ def set_limit(limit: int) -> None:
 
 
 def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optional[mmap.mmap], Any]:
+    handle = open_peer_fd(pid, fd, inode, "the shared memory")
     try:
-        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot reach the shared memory of process {pid} (descriptor {fd}): the sender is "
-            f"gone or released it before this receiver loaded it ({exc.strerror})"
-        ) from exc
-    try:
-        if os.fstat(handle).st_ino != inode:
-            raise RuntimeError(
-                f"the shared memory of process {pid} (descriptor {fd}) was released before this "
-                f"receiver loaded it: the descriptor now names other memory"
-            )
         if lent:
             return mmap.mmap(handle, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), None
         # A shared storage becomes a torch storage of its own (is_shared(), picklable by

@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from ..._shm._peer_fd import open_peer_fd
 from ..._shm._segments import pid_alive
 
 __all__ = ["FREE", "RETIRED", "SLOTS", "Slab", "Lease", "ExportArea", "OpenCache", "slab_capacity"]
@@ -281,17 +282,8 @@ class OpenCache:
             found = self._controls.get(key)
             if found is not None:
                 return found[1]
+        handle = open_peer_fd(pid, fd, inode, "the CUDA export area")
         try:
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise RuntimeError(
-                f"cannot reach the CUDA export area of process {pid} (descriptor {fd}): the sender "
-                f"is gone or closed it before this receiver loaded its tensors ({exc.strerror})"
-            ) from exc
-        try:
-            if os.fstat(handle).st_ino != inode:
-                raise RuntimeError(f"the CUDA export area of process {pid} was closed before this receiver "
-                                   f"loaded its tensors")
             mapped = mmap.mmap(handle, _PAGE, flags=mmap.MAP_SHARED)
         finally:
             os.close(handle)
