@@ -7,7 +7,7 @@ checks this member's RPC listener, and declares the suspects lost.
     each tick (liveness / 8, at most 0.25 s)          the world's store
       heartbeat; read the watched members' and the    m/hb/<name>   heartbeat counter
       log counter (Watch: k ring successors, or all)  m/evn
-      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>
+      EventLog.catch_up (Roster, Waits, callbacks)    m/e/<seq>
       declared lost itself? cut off: calls fail, stop
       listener closed, recycling due, or its own agent
         silent to a probe call (AgentProbe: sent once a
