@@ -93,6 +93,7 @@ class EventLog:
         self._lock = threading.Lock()
         self._started = False
         self._seq = 0  # the next position to deliver
+        self._claimed = 0  # positions claimed as of the catch-up before (long written)
         self._hole: Optional[Tuple[int, float]] = None  # (position, when first seen unwritten)
         self.skipped = 0
 
@@ -172,9 +173,10 @@ class EventLog:
                 total = self._registry.add(self._keys.log_count(), 0)
             if not self._started:
                 self._start()
+            claimed, self._claimed = self._claimed, total
             while self._seq < total:
                 end = min(total, self._seq + self._segment)
-                for value in self._read_written(self._seq, end):
+                for value in self._read_written(self._seq, end, claimed):
                     self._deliver_value(value)
                 if self._seq < end and not self._past_hole(self._seq, total):
                     break  # a post under way: the next catch-up reads on
@@ -186,25 +188,24 @@ class EventLog:
         self._seq += 1
         self._hole = None
 
-    def _read_written(self, lo: int, hi: int) -> List[str]:
-        """The values of the written positions from ``lo`` on (up to the first unwritten).
+    def _read_written(self, lo: int, hi: int, claimed: int) -> List[str]:
+        """The values of the written positions from ``lo`` on (up to the first unwritten);
+        ``claimed``: the positions claimed at the catch-up before.
 
-        A store ``multi_get`` waits for absent keys, so a check comes first; when some
-        are absent, halving finds the written prefix (log2 checks, only during posts).
+        A store ``multi_get`` waits for absent keys, so a check comes first. While posts
+        stream in (a thousand members joining), the newest positions are often still
+        being written: then the ones claimed before the last catch-up are read (long
+        written), and failing that the first alone. At most three requests, never a
+        search: a thousand readers searching every tick saturated the store.
         """
         reg = self._registry
         keys = [self._keys.log_entry(s) for s in range(lo, hi)]
+        older = min(len(keys), claimed - lo)
+        if len(keys) > 1 and not reg.present(keys):
+            keys = keys[:older] if older > 1 and reg.present(keys[:older]) else keys[:1]
         if len(keys) == 1:
             value = reg.get_or_empty(keys[0])  # one request, never waits
             return [value] if value else []
-        if not reg.present(keys):
-            good, bad = 0, len(keys)  # keys[:good] written; keys[:bad] not all written
-            while bad - good > 1:
-                mid = (good + bad) // 2
-                good, bad = (mid, bad) if reg.present(keys[:mid]) else (good, mid)
-            if good == 0:
-                return []
-            keys = keys[:good]
         try:
             return reg.read(keys)
         except dist.DistStoreError:
