@@ -176,10 +176,13 @@ class EventLog:
             claimed, self._claimed = self._claimed, total
             while self._seq < total:
                 end = min(total, self._seq + self._segment)
-                for value in self._read_written(self._seq, end, claimed):
+                values = self._read_written(self._seq, end, claimed)
+                for value in values:
                     self._deliver_value(value)
-                if self._seq < end and not self._past_hole(self._seq, total):
-                    break  # a post under way: the next catch-up reads on
+                if values and self._seq < end:
+                    break  # the rest is being written: the next catch-up reads on
+                if not values and not self._past_hole(self._seq, total):
+                    break  # a post under way (or a dead poster's, skipped in time)
 
     def _deliver_value(self, value: str) -> None:
         entry = entry_of(value)
@@ -195,14 +198,21 @@ class EventLog:
         A store ``multi_get`` waits for absent keys, so a check comes first. While posts
         stream in (a thousand members joining), the newest positions are often still
         being written: then the ones claimed before the last catch-up are read (long
-        written), and failing that the first alone. At most three requests, never a
-        search: a thousand readers searching every tick saturated the store.
+        written): three requests. Halving (log2 checks) only when those are not written
+        either: a thousand readers halving every tick saturated the store.
         """
         reg = self._registry
         keys = [self._keys.log_entry(s) for s in range(lo, hi)]
         older = min(len(keys), claimed - lo)
         if len(keys) > 1 and not reg.present(keys):
-            keys = keys[:older] if older > 1 and reg.present(keys[:older]) else keys[:1]
+            if older > 1 and reg.present(keys[:older]):
+                keys = keys[:older]
+            else:  # a new reader, or a slow post: halve (log2 checks, seldom)
+                good, bad = 0, len(keys)  # keys[:good] written; keys[:bad] not all written
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    good, bad = (mid, bad) if reg.present(keys[:mid]) else (good, mid)
+                keys = keys[:max(good, 1)]
         if len(keys) == 1:
             value = reg.get_or_empty(keys[0])  # one request, never waits
             return [value] if value else []
