@@ -39,14 +39,28 @@ def _echo(x: int) -> int:
     return x + 1
 
 
-def _member(address: str, name: str, names: List[str], liveness: float, out: Any, call: Any, report: Any,
-            stop: Any, timeout: float) -> None:
+def _phase(store: dist.Store, name: str, timeout: float) -> bool:
+    """Wait for the driver's phase key ``name``; False after ``timeout`` seconds.
+
+    Why the store and not multiprocessing Events: ``Event.set`` waits for every waiter to
+    wake, and a SIGKILLed waiter never does (the driver hung there).
+    """
+    try:
+        store.wait([f"x/{name}"], datetime.timedelta(seconds=timeout))
+        return True
+    except dist.DistStoreError:
+        return False
+
+
+def _member(address: str, name: str, names: List[str], liveness: float, out: Any, timeout: float) -> None:
     """One member: join, serve, call 4 others, record deaths, report (each wait bounded)."""
     from machinlike.distributed import World
 
     deadline = time.monotonic() + timeout
     left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
     lost: Dict[str, float] = {}
+    host, port = address[len("tcp://"):].rsplit(":", 1)
+    phases = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
     with World(name, elastic=True, init_method=address, dist_timeout=min(60.0, left()), liveness=liveness,
                rpc_threads=4) as world:
         world.on_member_change(lambda e: lost.setdefault(e.member, time.time()) if e.kind == "lost" else None)
@@ -54,7 +68,7 @@ def _member(address: str, name: str, names: List[str], liveness: float, out: Any
         group.register(f"echo/{name}", _echo)
         world.wait_for_members(names, timeout=left())
         out.put(("joined", name, time.time(), os.getpid()))
-        if not call.wait(left()):
+        if not _phase(phases, "call", left()):
             return
         at = names.index(name)
         latencies: List[float] = []
@@ -71,9 +85,9 @@ def _member(address: str, name: str, names: List[str], liveness: float, out: Any
                         raise
                     time.sleep(0.05)
         out.put(("called", name, latencies, 0))
-        if report.wait(left()):
+        if _phase(phases, "report", left()):
             out.put(("lost", name, dict(lost), 0))
-        stop.wait(left())
+        _phase(phases, "stop", left())
 
 
 def _pct(values: List[float], q: float) -> float:
@@ -93,12 +107,12 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
                           timeout=datetime.timedelta(seconds=60), use_libuv=True)
     address = f"tcp://127.0.0.1:{store.port}"
     ctx = mp.get_context("spawn")
-    out, call, report, stop = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Event()
+    out = ctx.Queue()
     names = [f"m{i:03d}" for i in range(members)]
     procs = []
     started = time.time()
     for name in names:
-        p = ctx.Process(target=_member, args=(address, name, names, liveness, out, call, report, stop, left()),
+        p = ctx.Process(target=_member, args=(address, name, names, liveness, out, left()),
                         daemon=True)
         p.start()
         procs.append(p)
@@ -111,7 +125,7 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
             joined[name], pids[name] = at, pid
         result["join_s"] = max(joined.values()) - started
         _say(f"{members} members joined and saw all in {result['join_s']:.1f} s")
-        call.set()
+        store.set("x/call", "1")
         latencies: List[float] = []
         for _ in range(members):
             kind, name, values, _ = out.get(timeout=left())
@@ -125,7 +139,7 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
             killed[v] = time.time()
             os.kill(pids[v], signal.SIGKILL)
             time.sleep(min(left(), 2.5 * liveness))  # one death at a time
-        report.set()
+        store.set("x/report", "1")
         delays: List[float] = []
         survivors = members - kills
         for _ in range(survivors):
@@ -139,7 +153,7 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
         result["error"] = f"over the {timeout:g} s limit"
         return result
     finally:
-        stop.set()
+        store.set("x/stop", "1")
         for p in procs:
             p.join(max(0.1, min(5.0, deadline + 15 - time.monotonic())))
             if p.is_alive():
