@@ -139,6 +139,7 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
             killed[v] = time.time()
             os.kill(pids[v], signal.SIGKILL)
             time.sleep(min(left(), 2.5 * liveness))  # one death at a time
+        time.sleep(min(left(), 2.5 * liveness))  # the last one's too, on a loaded box
         store.set("x/report", "1")
         delays: List[float] = []
         survivors = members - kills
