@@ -1,171 +1,71 @@
 """EventLog: the world's membership events, posted to and read from the store in one order.
 
-Owns how far this process has read the log (segment, position, next ``seq``) and
-delivers every new entry once, in log order, to the callable it was built with
-(``Membership._deliver``).
+Owns how far this process has read the log (the next position) and delivers every new
+entry once, in log order, to the callable it was built with (``Membership._deliver``).
 
-The log is cut into segments of ``segment`` entries, so that no key grows with the
-world's age and nobody reads the whole history::
+Each event has a position of its own, claimed from a counter; positions are cut into
+ranges of ``segment``, each with a snapshot, so that no key grows with the world's age
+and nobody reads the whole history::
 
-    m/logk            counter: the segment posts go to (K)
-    m/log/<k>         "kind|member|record" lines; full (``segment`` lines) = final
-    m/snap/<k>        the state at the start of segment k: counts, then each member's
-                      join (and its departure, if gone) with their seq
-    m/evn             counter: events posted (wakes readers)
+    m/evn             counter: positions claimed (readers' wake-up; the ring watch
+                      reads it with the heartbeats, in one request)
+    m/e/<seq>         the entry at position seq: "kind|member|record", or SKIP
+    m/snap/<k>        the state at the start of range k (positions k*segment ..):
+                      counts, then each member's join and departure (see log_state)
+    m/logk            counter: the newest range with a snapshot
 
-    post(entry)       text = m/log/K; full? seal K (below) and read K again;
-                      else compare_set(m/log/K, text, text + line); then bump m/evn
-    seal K            m/snap/<K+1> = fold(m/snap/<K>, m/log/K)  (first writer wins)
-                      compare_set(m/logk, K, K+1); the winner deletes segment and
-                      snapshot K - KEEP
-    catch_up()        m/evn moved? deliver the new lines of the segment being read,
-                      and of the next ones once it is full
-    a new reader      starts from m/snap/<K> (the members as they stand), then segment K
+    post(entry)       seq = add(m/evn, 1) - 1; compare_set(m/e/<seq>, "", line)
+                      found SKIP there (it was too slow, below)? post again
+                      seq opens range k+2? seal the ranges up to k
+    catch_up()        deliver m/e/<next> .. while written: one check and one
+                      multi_get (a single get for one entry)
+    a hole            a position claimed but not written for ``hole_wait``: its poster
+                      died between its two requests. Any reader (or the sealer) fills
+                      it with compare_set(m/e/<seq>, "", SKIP): the first writer wins,
+                      so all readers deliver the same thing and none waits forever
+    seal k            wait for range k to be written (filling holes at ``hole_wait``);
+                      m/snap/<k+1> = fold(m/snap/<k>, range k) (first writer wins);
+                      compare_set(m/logk, k, k+1); the poster that opened range
+                      k+2 (one process) then deletes range and snapshot k + 1 - KEEP
+    a new reader      starts from m/snap/<m/logk> (the members as they stand)
 
-Why compare-and-set on a segment and not append plus a counter per entry: a poster
-SIGKILLed mid-post leaves its entry whole or absent, never a numbered hole every reader
-would wait on; and a full segment never changes again, so a reader knows when to move on.
-Why snapshots: a member joining after 100,000 events reads one snapshot (live members and
-the last ``gone_kept`` departures) and one segment, not the history. A reader more than
-``KEEP`` segments behind (it slept for thousands of events) finds its segment deleted;
-it catches up from the newest snapshot, and says so.
+Why a position per event, and not compare-and-set of a shared segment (the design
+before): posters racing on one key retried, each retry re-reading and rewriting a growing
+segment, so 1,024 members joining at once never finished (O(N²) bytes, endless CAS
+failures). Claiming a position costs one ``add`` whatever the contention, and the entry
+one write of its own size. Why snapshots: a member joining after 100,000 events reads one
+snapshot and the positions since. A reader more than ``KEEP`` ranges behind (it slept for
+thousands of events) finds its positions deleted; it catches up from the newest snapshot,
+and says so.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+import time
+from typing import Callable, List, Optional, Tuple
+
+import torch.distributed as dist
 
 from .._store import Keys, LogEntry, MemberRecord
 from .._store import Registry
+from .log_state import (
+    GONE_KEPT, NO_EVENTS, SEGMENT, SKIP, EventCounts, History, Numbered, Snapshot, entry_of, read_history,
+)
 
-__all__ = ["EventLog", "EventCounts", "History", "read_history", "SEGMENT"]
+__all__ = ["EventLog", "EventCounts", "History", "read_history", "SEGMENT", "GONE_KEPT", "HOLE_WAIT"]
 
 log = logging.getLogger(__name__)
 
-#: Entries per segment.
-SEGMENT = 256
-#: Departed members a snapshot keeps (the most recent); older ones are forgotten.
-GONE_KEPT = 1024
-#: Segments (and snapshots) kept behind the one posts go to.
+#: Ranges (and snapshots) kept behind the newest snapshot.
 KEEP = 4
-
-#: One delivered event: its position in the log and the entry.
-Numbered = Tuple[int, LogEntry]
-
-
-@dataclass(frozen=True)
-class EventCounts:
-    """How many of each membership event a world's log holds so far.
-
-    Attributes:
-        events: Every event (the next event's ``seq``).
-        deaths: ``"lost"`` events.
-        rejoins: Joins of an incarnation after the first.
-        leaves: ``"leave"`` events.
-    """
-
-    events: int
-    deaths: int
-    rejoins: int
-    leaves: int
-
-    def plus(self, entries: List[LogEntry]) -> "EventCounts":
-        """These counts after ``entries``."""
-        kinds = [e.kind for e in entries]
-        return EventCounts(self.events + len(entries), self.deaths + kinds.count("lost"),
-                           self.rejoins + sum(1 for e in entries if e.kind == "join" and e.record.incarnation > 1),
-                           self.leaves + kinds.count("leave"))
-
-
-_NO_EVENTS = EventCounts(0, 0, 0, 0)
-
-
-@dataclass(frozen=True)
-class History:
-    """What a log says so far, condensed: the members' events (each live member's join,
-    each kept departed member's join and departure) in log order, and the counts."""
-
-    entries: List[Numbered]
-    counts: EventCounts
-
-
-class _Snapshot:
-    """The state at the start of a segment: counts and, per member, its join and departure."""
-
-    def __init__(self, counts: EventCounts, joins: Dict[str, Numbered], departures: Dict[str, Numbered]) -> None:
-        self.counts = counts
-        self.joins = joins
-        self.departures = departures
-
-    @staticmethod
-    def decode(text: str) -> "_Snapshot":
-        if not text:
-            return _Snapshot(_NO_EVENTS, {}, {})
-        head, _, body = text.partition("\n")
-        events, deaths, rejoins, leaves = (int(v) for v in head.split("|")[1:])
-        joins: Dict[str, Numbered] = {}
-        departures: Dict[str, Numbered] = {}
-        for line in body.splitlines():
-            seq, _, encoded = line.partition("|")
-            entry = LogEntry.decode_log(encoded)[0]
-            (joins if entry.kind == "join" else departures)[entry.record.member] = (int(seq), entry)
-        return _Snapshot(EventCounts(events, deaths, rejoins, leaves), joins, departures)
-
-    def encode(self) -> str:
-        c = self.counts
-        lines = [f"#|{c.events}|{c.deaths}|{c.rejoins}|{c.leaves}\n"]
-        lines += [f"{seq}|{entry.encode()}" for seq, entry in self.entries()]
-        return "".join(lines)
-
-    def entries(self) -> List[Numbered]:
-        return sorted(list(self.joins.values()) + list(self.departures.values()), key=lambda n: n[0])
-
-    def after(self, entries: List[LogEntry]) -> "_Snapshot":
-        """The state after ``entries`` (the next ones of the log), as a new snapshot."""
-        joins, departures = dict(self.joins), dict(self.departures)
-        seq = self.counts.events
-        for entry in entries:
-            rec = entry.record
-            known = joins.get(rec.member)
-            if entry.kind == "join":
-                if known is None or known[1].record.incarnation < rec.incarnation:
-                    joins[rec.member] = (seq, entry)
-                    departures.pop(rec.member, None)
-            elif entry.kind == "move":
-                if known is not None and known[1].record.incarnation == rec.incarnation:
-                    joins[rec.member] = (known[0], LogEntry("join", rec))
-            elif known is None or known[1].record.incarnation <= rec.incarnation:
-                departures[rec.member] = (seq, entry)
-            seq += 1
-        if len(departures) > GONE_KEPT:  # the oldest departures are forgotten
-            for member, _ in sorted(departures.items(), key=lambda kv: kv[1][0])[:len(departures) - GONE_KEPT]:
-                del departures[member]
-                joins.pop(member, None)
-        return _Snapshot(self.counts.plus(entries), joins, departures)
-
-
-def _lines(text: str) -> List[LogEntry]:
-    return LogEntry.decode_log(text) if text else []
-
-
-def read_history(get: Callable[[str], Optional[str]], keys: Keys) -> History:
-    """The log as it stands, condensed (see :class:`History`); ``get`` reads a key (None: absent).
-
-    For readers outside the world (the status view) and for event counts.
-    """
-    head = int(get(keys.log_head()) or 0)
-    state = _Snapshot.decode(get(keys.log_snapshot(head)) or "") if head else _Snapshot(_NO_EVENTS, {}, {})
-    k = head
-    while True:
-        entries = _lines(get(keys.log_segment(k)) or "")
-        state = state.after(entries)
-        if not entries or len(entries) < SEGMENT:
-            break
-        k += 1
-    return History(state.entries(), state.counts)
+#: Seconds a claimed position may stay unwritten before a reader fills it with SKIP. A
+#: post's two requests take milliseconds; a poster merely starved this long finds SKIP
+#: and posts again, so this bounds only how long readers stall behind a dead poster.
+HOLE_WAIT = 1.0
+#: Times a post may find its position skipped before it gives up.
+POST_TRIES = 8
 
 
 class EventLog:
@@ -175,99 +75,206 @@ class EventLog:
         registry: The world's store tables.
         keys: The world's keys.
         deliver: Called with each new entry and its position in the log, in order.
-        segment: Entries per segment (tests make it small).
+        segment: Positions per range (tests make it small).
+        hole_wait: Seconds before an unwritten position is skipped (see HOLE_WAIT).
+
+    Attributes:
+        skipped: Positions this process filled with SKIP (their posters died mid-post).
     """
 
-    def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[LogEntry, int], None],
-                 segment: int = SEGMENT) -> None:
+    def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[LogEntry, int], None], segment: int = SEGMENT,
+                 hole_wait: float = HOLE_WAIT) -> None:
         self._registry = registry
         self._keys = keys
         self._deliver = deliver
         self._segment = segment
+        self._hole_wait = hole_wait
         # Held while reading and delivering: entries are delivered once, in order.
         self._lock = threading.Lock()
         self._started = False
-        self._k = 0  # the segment being read
-        self._pos = 0  # entries of it delivered
-        self._seq = 0  # the next entry's position in the whole log
-        self._counted = 0
+        self._seq = 0  # the next position to deliver
+        self._claimed = 0  # positions claimed as of the catch-up before (long written)
+        self._hole: Optional[Tuple[int, float]] = None  # (position, when first seen unwritten)
+        self.skipped = 0
 
     # ---------------------------------------------------------------- posting
     def post(self, kind: str, rec: MemberRecord) -> None:
-        """Append an event for everyone (this process sees it at its next catch-up)."""
+        """Append an event for everyone (this process sees it at its next catch-up).
+
+        Raises:
+            TimeoutError: its position was skipped ``POST_TRIES`` times in a row (this
+                process was starved past ``hole_wait`` at each try).
+        """
         line = LogEntry(kind, rec).encode()
         reg = self._registry
-        while True:
-            k = reg.add(self._keys.log_head(), 0)
-            key = self._keys.log_segment(k)
-            text = reg.get_or_empty(key)
-            if text.count("\n") >= self._segment:
-                self._seal(k, text)
-                continue
-            if reg.compare_set(key, text, text + line) == text + line:
-                break
-        reg.add(self._keys.log_count(), 1)
+        for _ in range(POST_TRIES):
+            seq = reg.add(self._keys.log_count(), 1) - 1
+            won = reg.compare_set(self._keys.log_entry(seq), "", line) == line
+            if seq and seq % self._segment == 0:
+                self._seal(seq // self._segment)
+            if won:
+                return
+            log.warning("machinlike: this member's %r event was skipped at position %d (it took over %g s "
+                        "to write); it posts it again", kind, seq, self._hole_wait)
+        raise TimeoutError(f"machinlike: the {kind!r} event of {rec.member!r} was skipped {POST_TRIES} times "
+                           f"(each write came more than {self._hole_wait:g} s after its claim)")
 
-    def _seal(self, k: int, full: str) -> None:
-        """Move posts past full segment ``k``: its snapshot first, then the head."""
+    def _seal(self, opened: int) -> None:
+        """This poster opened range ``opened``: snapshot the ranges before ``opened - 1``
+        that have none (one poster per range, amortised O(1) requests per post).
+
+        Why not range ``opened - 1``: its posts were claimed just now and many are still
+        being written; the range before has long been written, so its sealing seldom waits.
+        """
+        reg, keys, size = self._registry, self._keys, self._segment
+        end = opened - 1
+        deadline = time.monotonic() + self._hole_wait  # one wait for holes, shared by the ranges
+        # The ranges are folded in order: the poster that opened the range before this
+        # one folds the one before mine; wait for it rather than fold it twice (a dead
+        # one is taken over at the deadline, by the loop below).
+        while end > 1 and not reg.present([keys.log_snapshot(end - 1)]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        k = reg.add(keys.log_head(), 0)
+        while k < end:
+            # A sealer of a later range may be at it too (this one lagged): the snapshot
+            # it wrote is one look, not a second fold.
+            if not reg.present([keys.log_snapshot(k + 1)]):
+                values = self._written(k * size, (k + 1) * size, deadline)
+                state = Snapshot.decode(reg.get_or_empty(keys.log_snapshot(k))) if k else Snapshot(NO_EVENTS, {}, {})
+                folded = state.after(_numbered(k * size, values), (k + 1) * size)
+                reg.compare_set(keys.log_snapshot(k + 1), "", folded.encode())
+            reg.compare_set(keys.log_head(), str(k), str(k + 1))
+            k += 1
+        old = end - KEEP  # deleted by this poster alone (positions are unique: no race)
+        if old >= 0 and k >= end:
+            reg.delete([keys.log_snapshot(old)] + [keys.log_entry(s) for s in range(old * size, (old + 1) * size)])
+
+    def _written(self, lo: int, hi: int, deadline: float) -> List[str]:
+        """Positions ``lo .. hi - 1`` once all are written; at ``deadline`` the holes are skipped."""
         reg = self._registry
-        previous = _Snapshot.decode(reg.get_or_empty(self._keys.log_snapshot(k))) if k else \
-            _Snapshot(_NO_EVENTS, {}, {})
-        reg.compare_set(self._keys.log_snapshot(k + 1), "", previous.after(_lines(full)).encode())
-        if reg.compare_set(self._keys.log_head(), str(k), str(k + 1)) == str(k + 1) and k + 1 - KEEP >= 0:
-            old = k + 1 - KEEP
-            reg.delete([self._keys.log_segment(old), self._keys.log_snapshot(old)])
+        keys = [self._keys.log_entry(s) for s in range(lo, hi)]
+        while not reg.present(keys):
+            if time.monotonic() >= deadline:
+                # Rare (a poster died mid-post): probe each; written ones stay as they are.
+                return [reg.compare_set(key, "", SKIP) for key in keys]
+            time.sleep(0.01)
+        return reg.read(keys)
 
     # ---------------------------------------------------------------- reading
     def catch_up(self, total: Optional[int] = None) -> None:
         """Deliver every entry posted since the last call, in log order.
 
         Args:
-            total: The events counter ``m/evn`` as the caller just read it (the liveness
-                watch reads it with the heartbeats, in one request); None: read it here.
+            total: The counter ``m/evn`` as the caller just read it (the liveness watch
+                reads it with the heartbeats, in one request); None: read it here.
         """
         with self._lock:
             if total is None:
                 total = self._registry.add(self._keys.log_count(), 0)
-            if total <= self._counted and self._started:
-                return
             if not self._started:
                 self._start()
-            while True:
-                text = self._registry.get_or_empty(self._keys.log_segment(self._k))
-                if not text and self._registry.add(self._keys.log_head(), 0) > self._k + 1:
-                    self._skip_ahead()
-                    continue
-                # Only the new lines are decoded: at 1,024 members a segment is read by
-                # every member after each post, and decoding all 256 lines cost the most.
-                lines = text.splitlines(keepends=True)
-                for entry in _lines("".join(lines[self._pos:])):
-                    self._deliver(entry, self._seq)
-                    self._seq += 1
-                self._pos = len(lines)
-                if len(lines) < self._segment:
-                    break
-                self._k, self._pos = self._k + 1, 0
-            self._counted = total
+            claimed, self._claimed = self._claimed, total
+            while self._seq < total:
+                end = min(total, self._seq + self._segment)
+                values = self._read_written(self._seq, end, claimed)
+                for value in values:
+                    self._deliver_value(value)
+                if values and self._seq < end:
+                    break  # the rest is being written: the next catch-up reads on
+                if not values and not self._past_hole(self._seq, total):
+                    break  # a post under way (or a dead poster's, skipped in time)
+
+    def _deliver_value(self, value: str) -> None:
+        entry = entry_of(value)
+        if entry is not None:
+            self._deliver(entry, self._seq)
+        self._seq += 1
+        self._hole = None
+
+    def _read_written(self, lo: int, hi: int, claimed: int) -> List[str]:
+        """The values of the written positions from ``lo`` on (up to the first unwritten);
+        ``claimed``: the positions claimed at the catch-up before.
+
+        A store ``multi_get`` waits for absent keys, so a check comes first. While posts
+        stream in (a thousand members joining), the newest positions are often still
+        being written: then the ones claimed before the last catch-up are read (long
+        written): three requests. Halving (log2 checks) only when those are not written
+        either: a thousand readers halving every tick saturated the store.
+        """
+        reg = self._registry
+        keys = [self._keys.log_entry(s) for s in range(lo, hi)]
+        older = min(len(keys), claimed - lo)
+        if len(keys) > 1 and not reg.present(keys):
+            if older > 1 and reg.present(keys[:older]):
+                keys = keys[:older]
+            else:  # a new reader, or a slow post: halve (log2 checks, seldom)
+                good, bad = 0, len(keys)  # keys[:good] written; keys[:bad] not all written
+                while bad - good > 1:
+                    mid = (good + bad) // 2
+                    good, bad = (mid, bad) if reg.present(keys[:mid]) else (good, mid)
+                keys = keys[:max(good, 1)]
+        if len(keys) == 1:
+            value = reg.get_or_empty(keys[0])  # one request, never waits
+            return [value] if value else []
+        try:
+            return reg.read(keys)
+        except dist.DistStoreError:
+            return []  # deleted since the check (this reader fell KEEP ranges behind)
+
+    def _past_hole(self, seq: int, total: int) -> bool:
+        """Position ``seq`` is unwritten: catch up from a snapshot if it was deleted, skip
+        it once it has been unwritten for ``hole_wait``. False: wait (read on next time).
+
+        A hole near the claims is a post under way; one a range behind them may be a
+        deleted position, looked at at once (a reader that slept must not stall).
+        """
+        now = time.monotonic()
+        fresh = self._hole is None or self._hole[0] != seq
+        if fresh:
+            self._hole = (seq, now)
+        overdue = now - self._hole[1] >= self._hole_wait  # type: ignore[index]  # set just above
+        if not overdue and not (fresh and total - seq > self._segment):
+            return False
+        head = self._registry.add(self._keys.log_head(), 0)
+        if seq < head * self._segment:  # a snapshotted range was all written: deleted since
+            self._skip_ahead(head)
+            return True
+        if not overdue:
+            return False
+        value = self._registry.compare_set(self._keys.log_entry(seq), "", SKIP)
+        if value == SKIP:
+            self.skipped += 1
+        self._deliver_value(value)
+        return True
 
     def _start(self) -> None:
-        """A new reader begins at the head's snapshot: the members as they stand."""
+        """A new reader begins at the newest snapshot: the members as they stand."""
         self._started = True
         head = self._registry.add(self._keys.log_head(), 0)
         if head:
             self._resume(head)
 
     def _resume(self, k: int) -> None:
-        state = _Snapshot.decode(self._registry.get_or_empty(self._keys.log_snapshot(k)))
+        state = Snapshot.decode(self._registry.get_or_empty(self._keys.log_snapshot(k)))
         for seq, entry in state.entries():
             if seq >= self._seq:
                 self._deliver(entry, seq)
-        self._k, self._pos, self._seq = k, 0, max(self._seq, state.counts.events)
+        self._seq, self._hole = max(self._seq, state.start), None
 
-    def _skip_ahead(self) -> None:
-        """This reader's segment was deleted (it fell ``KEEP`` segments behind)."""
-        head = self._registry.add(self._keys.log_head(), 0)
-        log.warning("machinlike: this member read the event log too slowly (segment %d is gone, posts are at "
-                    "%d); it catches up from the newest snapshot and misses the events in between", self._k,
-                    head)
+    def _skip_ahead(self, head: int) -> None:
+        """This reader's positions were deleted (it fell ``KEEP`` ranges behind)."""
+        log.warning("machinlike: this member read the event log too slowly (position %d is gone, the newest "
+                    "snapshot is range %d); it catches up from there and misses the events in between",
+                    self._seq, head)
         self._resume(head)
+
+
+def _numbered(lo: int, values: List[str]) -> List[Numbered]:
+    """The entries among ``values`` (positions ``lo`` ..), skipped positions left out."""
+    out: List[Numbered] = []
+    for i, value in enumerate(values):
+        entry = entry_of(value)
+        if entry is not None:
+            out.append((lo + i, entry))
+    return out
+

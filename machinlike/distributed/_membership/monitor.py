@@ -4,10 +4,10 @@ Owns the one thread of membership, what it last saw of each member's heartbeat, 
 losses another member began to clean up. Each tick it beats, catches up with the log,
 checks this member's RPC listener, and declares the suspects lost.
 
-    each tick (liveness / 8, at most 0.25 s)          the world's store
+    each tick (liveness / 8, at most 0.5 s)           the world's store
       heartbeat; read the watched members' and the    m/hb/<name>   heartbeat counter
       log counter (Watch: k ring successors, or all)  m/evn
-      EventLog.catch_up (Roster, Waits, callbacks)    m/log/<k>
+      EventLog.catch_up (Roster, Waits, callbacks)    m/e/<seq>
       declared lost itself? cut off: calls fail, stop
       listener closed, recycling due, or its own agent
         silent to a probe call (AgentProbe: sent once a
@@ -22,7 +22,7 @@ checks this member's RPC listener, and declares the suspects lost.
       free its keys (Claims.free), prune its worker,  m/own/<worker>
       clear m/live, set m/gone, post "lost",          m/gone/<name>/<inc>, m/lostpost/...
       record the departure (Departures)               m/dep/...
-      (a declarer that dies mid-way is taken over after 24 ticks; m/lostpost keeps it
+      (a declarer that dies mid-way is taken over after 6 s; m/lostpost keeps it
       to one "lost" event per incarnation)
 
 Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
@@ -319,8 +319,9 @@ class Monitor:
             else:
                 # The monitor never blocks on another's clean-up; it takes over only when
                 # the declarer has not finished within a few ticks (it may have died too).
+                # (24 ticks of at most 0.25 s: the same 6 s since ticks follow liveness.)
                 first = self._declaring.setdefault((rec.member, rec.incarnation), time.monotonic())
-                if time.monotonic() - first < 24 * self._tick():
+                if time.monotonic() - first < 24 * min(self._tick(), 0.25):
                     return
             log.warning("machinlike: finishing the clean-up after member %r (incarnation %d) that another "
                         "member began", rec.member, rec.incarnation)

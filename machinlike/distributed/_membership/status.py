@@ -10,7 +10,7 @@ offers ``check`` and ``get`` and nothing else.
     mlk/<restart>/e/...       (elastic)           kind, namespace <ns>
     mlk/<restart>/incarnation/0 = k (static)      <ns> = mlk/<restart>/<k>/
     <ns>w/name/<rank>         (static)            member names in rank order
-    <ns>m/logk, m/snap/<k>, m/log/<k>             joins, leaves, losses (names, deaths, rejoins)
+    <ns>m/logk, m/snap/<k>, m/e/<seq>             joins, leaves, losses (names, deaths, rejoins)
     <ns>m/live/<name>                             alive ("inc|worker|rank|pid id") or gone ("")
     <ns>m/inc/<name>                              incarnations started (restarts = that - 1)
     <ns>m/hb/<name>                               heartbeat counter (moving = alive)

@@ -7,8 +7,8 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/inc/<name>                 counter: incarnations of a member          members
     <ns>m/live/<name>                MemberRecord of its live incarnation, "" when none
     <ns>m/hb/<name>                  heartbeat counter
-    <ns>m/log/<k>, <ns>m/logk        event log segments (LogEntry lines), the current one
-    <ns>m/snap/<k>, <ns>m/evn        members at the start of segment k; events counter
+    <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
+    <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
     <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
     <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker sequence counter
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
@@ -124,19 +124,20 @@ class Keys:
         """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
         return f"{self.ns}m/probe/{member}"
 
-    def log_segment(self, k: int) -> str:
-        """Segment ``k`` of the event log (see ``_membership.event_log``)."""
-        return f"{self.ns}m/log/{k}"
+    def log_entry(self, seq: int) -> str:
+        """Position ``seq`` of the event log (see ``_membership.event_log``)."""
+        return f"{self.ns}m/e/{seq}"
 
     def log_head(self) -> str:
-        """Counter: the segment of the event log that posts go to."""
+        """Counter: the newest range of the event log with a snapshot (older ones deleted)."""
         return f"{self.ns}m/logk"
 
     def log_snapshot(self, k: int) -> str:
-        """The members as they stand at the start of segment ``k``."""
+        """The members as they stand at the start of range ``k``."""
         return f"{self.ns}m/snap/{k}"
 
     def log_count(self) -> str:
+        """Counter: positions of the event log claimed so far (wakes readers)."""
         return f"{self.ns}m/evn"
 
     def owned(self, worker: str) -> str:

@@ -1,0 +1,186 @@
+"""Real member processes at scale: join, calls between members, and deaths, on one box.
+
+Run:  python benchmarks/scale.py [--members 64] [--kills 4] [--liveness 2] [--timeout 540]
+
+The driver hosts the world's store (a plain TCPStore: no member is special) and starts
+``--members`` processes, each an elastic :class:`World` that joins one open RpcGroup,
+registers a service of its own and, once it sees every member, calls the services of the
+4 members after it in name order (``registered_sync``: no barrier, none needed). Then the
+driver SIGKILLs ``--kills`` members, one at a time, and every survivor says when its
+"lost" event came. Reported: join (start of the first process to the last member seeing
+all), call latency (p50/p99 over every call), detection (kill to each survivor's event,
+p50/p99). Times are wall clock across processes (one host, one clock).
+
+Why real processes: ``liveness_scale.py`` simulates a thousand members in threads; this
+runs the whole stack (RPC agents, transports, the event log) as users do, as many as
+the box can start. Everything waits with a deadline: the run ends by ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+
+__all__ = ["run", "main"]
+
+CALLS = 4  # services each member calls (the ones after it in name order)
+
+
+def _echo(x: int) -> int:
+    return x + 1
+
+
+def _phase(store: dist.Store, name: str, timeout: float) -> bool:
+    """Wait for the driver's phase key ``name``; False after ``timeout`` seconds.
+
+    Why the store and not multiprocessing Events: ``Event.set`` waits for every waiter to
+    wake, and a SIGKILLed waiter never does (the driver hung there).
+    """
+    try:
+        store.wait([f"x/{name}"], datetime.timedelta(seconds=timeout))
+        return True
+    except dist.DistStoreError:
+        return False
+
+
+def _member(address: str, name: str, names: List[str], liveness: float, out: Any, timeout: float) -> None:
+    """One member: join, serve, call 4 others, record deaths, report (each wait bounded)."""
+    from machinlike.distributed import World
+
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+    lost: Dict[str, float] = {}
+    host, port = address[len("tcp://"):].rsplit(":", 1)
+    phases = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    with World(name, elastic=True, init_method=address, dist_timeout=min(60.0, left()), liveness=liveness,
+               rpc_threads=4) as world:
+        world.on_member_change(lambda e: lost.setdefault(e.member, time.time()) if e.kind == "lost" else None)
+        group = world.create_rpc_group("all")  # open: whoever is in the world
+        group.register(f"echo/{name}", _echo)
+        world.wait_for_members(names, timeout=left())
+        out.put(("joined", name, time.time(), os.getpid()))
+        if not _phase(phases, "call", left()):
+            return
+        at = names.index(name)
+        latencies: List[float] = []
+        for j in range(1, CALLS + 1):
+            target = names[(at + j) % len(names)]
+            while True:  # its service may be registered a moment after its join
+                began = time.perf_counter()
+                try:
+                    assert group.registered_sync(f"echo/{target}", args=(1,), timeout=min(10.0, left())) == 2
+                    latencies.append(time.perf_counter() - began)
+                    break
+                except KeyError:
+                    if deadline - time.monotonic() < 1:
+                        raise
+                    time.sleep(0.05)
+        out.put(("called", name, latencies, 0))
+        if _phase(phases, "report", left()):
+            # A death named late (a starved box) still counts, with its time: wait for
+            # the names the driver killed, a bounded while, before reporting.
+            victims = phases.get("x/report").decode().split(",")
+            until = time.monotonic() + min(left(), 10.0)
+            while not all(v in lost for v in victims) and time.monotonic() < until:
+                time.sleep(0.05)
+            out.put(("lost", name, dict(lost), 0))
+        _phase(phases, "stop", left())
+
+
+def _pct(values: List[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def _say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, Any]:
+    """One run (see the module doc); every wait ends by ``timeout`` seconds from now."""
+    deadline = time.monotonic() + timeout
+    left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60), use_libuv=True)
+    address = f"tcp://127.0.0.1:{store.port}"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    names = [f"m{i:03d}" for i in range(members)]
+    procs = []
+    started = time.time()
+    for name in names:
+        p = ctx.Process(target=_member, args=(address, name, names, liveness, out, left()),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+    pids: Dict[str, int] = {}
+    result: Dict[str, Any] = dict(members=members, liveness=liveness)
+    try:
+        joined: Dict[str, float] = {}
+        while len(joined) < members:
+            _, name, at, pid = out.get(timeout=left())
+            joined[name], pids[name] = at, pid
+        result["join_s"] = max(joined.values()) - started
+        _say(f"{members} members joined and saw all in {result['join_s']:.1f} s")
+        store.set("x/call", "1")
+        latencies: List[float] = []
+        for _ in range(members):
+            kind, name, values, _ = out.get(timeout=left())
+            latencies += values
+        result["call_p50_ms"] = 1e3 * _pct(latencies, 0.5)
+        result["call_p99_ms"] = 1e3 * _pct(latencies, 0.99)
+        _say(f"{len(latencies)} calls: p50 {result['call_p50_ms']:.2f} ms, p99 {result['call_p99_ms']:.2f} ms")
+        victims = names[::max(1, members // kills)][:kills]
+        killed: Dict[str, float] = {}
+        for v in victims:
+            killed[v] = time.time()
+            os.kill(pids[v], signal.SIGKILL)
+            time.sleep(min(left(), 2.5 * liveness))  # one death at a time
+        store.set("x/report", ",".join(victims))
+        delays: List[float] = []
+        survivors = members - kills
+        for _ in range(survivors):
+            _, name, lost, _ = out.get(timeout=left())
+            delays += [lost[v] - killed[v] if v in lost else float("inf") for v in victims]
+        result["detect_p50_s"] = _pct(delays, 0.5)
+        result["detect_p99_s"] = _pct(delays, 0.99)
+        result["detect_missed"] = sum(1 for d in delays if d == float("inf"))
+        return result
+    except queue.Empty:
+        result["error"] = f"over the {timeout:g} s limit"
+        return result
+    finally:
+        store.set("x/stop", "1")
+        for p in procs:
+            p.join(max(0.1, min(5.0, deadline + 15 - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--members", type=int, default=64)
+    parser.add_argument("--kills", type=int, default=4)
+    parser.add_argument("--liveness", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=540.0, help="hard limit of the run, seconds")
+    args = parser.parse_args()
+    r = run(args.members, args.kills, args.liveness, args.timeout)
+    if "error" in r:
+        print(f"scale: N={args.members} {r['error']}: {r}")
+        sys.exit(1)
+    print(f"scale: N={r['members']} join {r['join_s']:.1f} s, calls p50 {r['call_p50_ms']:.2f} ms p99 "
+          f"{r['call_p99_ms']:.2f} ms, detection p50 {r['detect_p50_s']:.2f} s p99 {r['detect_p99_s']:.2f} s "
+          f"(liveness {r['liveness']:g} s, {r['detect_missed']} missed)")
+
+
+if __name__ == "__main__":
+    main()
