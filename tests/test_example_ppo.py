@@ -111,24 +111,29 @@ class _Bandit(nn.Module):
         return self.logits.expand(rows, 3), self.value.expand(rows)
 
 
-def test_ppo_update_learns_the_arm_that_pays(ppo):
-    # One-step episodes; arm 2 pays 1, the others 0. The messages have the Atari example's
-    # layout (obs [T+1, E, ...] uint8, actions, rewards, done, logp [T, E]).
+def _bandit_rounds(ppo, net, pay, norms=None, games=32, rounds=60):
+    """``rounds`` batches of one-step episodes in which arm 2 pays ``pay`` and the others 0,
+    each trained on by ``ppo_update``; yields its (steps, epochs, figures) per batch."""
     torch.manual_seed(0)
-    net = _Bandit()
     optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
     args = argparse.Namespace(device="cpu", gamma=0.99, gae_lambda=0.95, advantages="gae", epochs=2, max_epochs=2,
                               minibatches=2, clip=0.2, value_clip=None, baseline_cost=0.5, entropy_cost=0.0,
                               max_grad_norm=0.5, lr_schedule="constant", kl_target=0.01, lr=0.05, max_lr=0.05)
-    games = 32
-    for _ in range(60):
+    for _ in range(rounds):
         with torch.no_grad():
             log_probs = torch.log_softmax(net.logits, -1)
         actions = torch.multinomial(log_probs.exp(), games, replacement=True)
         message = {"obs": torch.zeros(2, games, 1, dtype=torch.uint8), "actions": actions.unsqueeze(0),
-                   "rewards": (actions == 2).float().unsqueeze(0), "done": torch.ones(1, games),
+                   "rewards": pay * (actions == 2).float().unsqueeze(0), "done": torch.ones(1, games),
                    "logp": log_probs[actions].unsqueeze(0), "versions": torch.zeros(1)}
-        steps, epochs, figures = ppo.ppo_update(net, optimizer, [message], args)
+        yield ppo.ppo_update(net, optimizer, [message], args, norms=norms)
+
+
+def test_ppo_update_learns_the_arm_that_pays(ppo):
+    # One-step episodes; arm 2 pays 1, the others 0. The messages have the Atari example's
+    # layout (obs [T+1, E, ...] uint8, actions, rewards, done, logp [T, E]).
+    net = _Bandit()
+    for steps, epochs, figures in _bandit_rounds(ppo, net, pay=1.0):
         assert (steps, epochs) == (4, 2)
     probs = torch.softmax(net.logits, -1)
     assert probs[2] > 0.95, probs
@@ -228,22 +233,11 @@ def test_ppo_init_starts_near_uniform(ppo):
 def test_ppo_update_learns_with_normalised_values(ppo):
     # The bandit again, paying 5 (clipped to 1 by the learner): with value normalisation the
     # head learns the pay in the returns' units, the policy the paying arm.
-    torch.manual_seed(0)
     net = _Bandit()
-    optimizer = torch.optim.Adam(net.parameters(), lr=0.05)
     norms = ppo.Normalizers(None, values=True)
-    args = argparse.Namespace(device="cpu", gamma=0.99, gae_lambda=0.95, advantages="gae", epochs=2, max_epochs=2,
-                              minibatches=2, clip=0.2, value_clip=None, baseline_cost=0.5, entropy_cost=0.0,
-                              max_grad_norm=0.5, lr_schedule="constant", kl_target=0.01, lr=0.05, max_lr=0.05)
     games = 32
-    for _ in range(60):
-        with torch.no_grad():
-            log_probs = torch.log_softmax(net.logits, -1)
-        actions = torch.multinomial(log_probs.exp(), games, replacement=True)
-        message = {"obs": torch.zeros(2, games, 1, dtype=torch.uint8), "actions": actions.unsqueeze(0),
-                   "rewards": 5.0 * (actions == 2).float().unsqueeze(0), "done": torch.ones(1, games),
-                   "logp": log_probs[actions].unsqueeze(0), "versions": torch.zeros(1)}
-        ppo.ppo_update(net, optimizer, [message], args, norms=norms)
+    for _ in _bandit_rounds(ppo, net, pay=5.0, norms=norms, games=games):
+        pass
     probs = torch.softmax(net.logits, -1)
     assert probs[2] > 0.95, probs
     assert norms.values.count == 60 * games

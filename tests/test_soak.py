@@ -54,8 +54,11 @@ def test_learner_stays_flat_while_actors_die_under_ulimit_1024():
     assert rss < 160, out[-4000:]
     assert fds < 400 and maps < 400, out[-4000:]
     # 35 departures after the baseline: +245 keys when each name left its 7 for good; a
-    # sawtooth of a few blocks' worth now.
-    assert keys < 80, out[-4000:]
+    # sawtooth of a few blocks' worth now, plus the event log's positions: each event is a
+    # key of its own (a join and a loss per cycle, 70 here) until its range of 256 is
+    # deleted, KEEP ranges behind the newest snapshot, so they level off at 1,500-1,800
+    # keys (benchmarks/soak.py's long run), not within these 50 cycles.
+    assert keys < 80 + 2 * (CYCLES - 15), out[-4000:]
     # The learner hosts the store: once the probe left it stops at once, instead of
     # waiting its whole stop timeout for a leave its stopped monitor never read.
     assert "closes the store while members remain" not in out, out[-4000:]
