@@ -279,8 +279,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
         infer_impl = InferenceServerImpl(INFER, group, acting, max_batch=args.max_batch, max_wait=args.max_wait,
                                          version=1, device=args.device)
     recipe = (f"APPO: {args.epochs}-{args.max_epochs} epochs x {args.minibatches} minibatches, {args.advantages} "
-              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr, normalised "
-              f"{'+'.join(n for n, on in (('inputs', norms and norms.inputs), ('values', norms and norms.values)) if on) or 'nothing'}"
+              f"advantages, clip {args.clip:g}, {args.lr_schedule} lr, normalised {norms.describe() if norms else '-'}"
               if algo == "appo" else "IMPALA: V-trace")
     print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
           f"{args.device}; {recipe}; {args.optimizer} lr {args.lr:g}), "

@@ -91,6 +91,11 @@ class Normalizers:
         self.values = RunningMoments() if values else None
         self.every = every
 
+    def describe(self) -> str:
+        """'inputs+values', 'inputs', 'values' or 'nothing': what is normalised."""
+        names = [name for name, on in (("inputs", self.inputs), ("values", self.values)) if on is not None]
+        return "+".join(names) or "nothing"
+
     def observe_frames(self, obs: torch.Tensor, net: nn.Module) -> None:
         """Fold ``obs`` [T+1, N, C, H, W] uint8 into the pixel statistics and write them
         into ``net``'s ``obs_mean`` / ``obs_scale`` buffers (in place, on its device)."""

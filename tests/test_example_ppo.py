@@ -243,3 +243,9 @@ def test_ppo_update_learns_with_normalised_values(ppo):
     assert norms.values.count == 60 * games
     raw = net.value.item() * norms.values.std().item() + norms.values.mean.item()
     assert raw == pytest.approx(probs[2].item(), abs=0.15)
+
+
+def test_normalizers_say_what_they_normalise(ppo):
+    assert ppo.Normalizers((2, 2), values=True).describe() == "inputs+values"
+    assert ppo.Normalizers(None, values=True).describe() == "values"
+    assert ppo.Normalizers(None, values=False).describe() == "nothing"
