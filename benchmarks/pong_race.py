@@ -75,7 +75,8 @@ def race_ours(seconds: float, out_dir: str) -> Dict[str, object]:
             "fps": float(rate.group(1).replace(",", "")) if rate else None,
             "frames": int(frames.group(1).replace(",", "")) if frames else 0,
             "milestones": re.findall(r"^first mean >= .*$", text, re.M), "wall": wall,
-            "episodes": int(re.search(r"episodes\s+(\d+)", text.split("== APPO")[-1]).group(1)), "log": log_path}
+            "episodes": int(re.search(r"^\s+episodes\s+(\d+)\s*$", text.split("== APPO")[-1], re.M).group(1)),
+            "log": log_path}
 
 
 def race_sample_factory(seconds: float, wall: float, out_dir: str) -> Dict[str, object]:
