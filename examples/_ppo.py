@@ -53,8 +53,7 @@ class RunningMoments:
         n = flat.shape[0]
         if n == 0:
             return
-        flat = flat.float()
-        mean, var = flat.mean(0).to("cpu", torch.float64), flat.var(0, unbiased=False).to("cpu", torch.float64)
+        var, mean = (m.to("cpu", torch.float64) for m in torch.var_mean(flat.float(), 0, unbiased=False))
         total = self.count + n
         delta = mean - self.mean
         self.mean = self.mean + delta * (n / total)
