@@ -59,7 +59,8 @@ def _client(host: str, port: int) -> dist.TCPStore:
 
 
 def _connect_all(names: List[str], port: int) -> Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]]:
-    """Two connections per member (its own, and the one its liveness watch clones)."""
+    """Three connections per member: its own, and the ones its liveness watch and its RPC
+    agent group clone (the simulation has no agent, but the worker ids live there)."""
     out: Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]] = {}
     pending = list(names)
     take = threading.Lock()
@@ -70,7 +71,7 @@ def _connect_all(names: List[str], port: int) -> Dict[str, Tuple[dist.TCPStore, 
                 if not pending:
                     return
                 name = pending.pop()
-            made = (_client("127.0.0.1", port), [_client("127.0.0.1", port)])
+            made = (_client("127.0.0.1", port), [_client("127.0.0.1", port), _client("127.0.0.1", port)])
             with take:
                 out[name] = made
 
@@ -257,6 +258,8 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             for t in threads:
                 t.join()
             conn.send(len(members))
+        elif cmd == "positions":
+            conn.send(next(iter(members.values())).registry.add(keys.log_count(), 0))
         elif cmd == "joined":
             conn.send(dict(joined_at))
         elif cmd == "counts":
@@ -272,8 +275,18 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
         elif cmd == "seen":
             with lock:
                 conn.send({(o, v): t for (o, v), t in seen.items() if v == arg})
+        elif cmd == "log":
+            # Positions this host's members filled with SKIP, and its members' pidfd wakes.
+            every = list(members.values())
+            conn.send((sum(m.events.skipped for m in every), sum(m.monitor.pid_wakes for m in every)))
         elif cmd == "spared":
             conn.send(sum(m.monitor.spared for m in members.values()))
+        elif cmd == "false":
+            # Members named lost that were never killed, and members of this host cut off
+            # (declared lost by the others while they lived): each misses every later death.
+            with lock:
+                named = {v for (_, v) in seen}
+            conn.send((sorted(named - set(arg)), sorted(n for n, m in members.items() if m.roster.cut_off)))
         elif cmd == "stop":
             for m in members.values():
                 m._closing.set()
@@ -336,7 +349,10 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
                 break
             time.sleep(0.25)
         join = max(joined.values()) - go if len(joined) >= n else float("nan")
-        _say(f"N={n} {design}: {len(joined)} joined and seen by all in {join:.2f} s; measuring")
+        positions = int(ask(conns[0], "positions"))
+        skipped = sum(ask(c, "log")[0] for c in conns)
+        _say(f"N={n} {design}: the joins returned in {started:.2f} s; {len(joined)} joined and seen by all in "
+             f"{join:.2f} s ({positions} log positions for {n} joins, {skipped} skipped); measuring")
         time.sleep(2.0)  # settle: every member's ring (or table) is built
 
         def sample() -> Tuple[int, int, float, float, int, int]:
@@ -390,6 +406,15 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             out[f"detect_{kind}_all_max_s"] = max(named_all) if named_all else float("nan")
             out[f"detect_{kind}_missed"] = missed
         out["spared"] = sum(ask(c, "spared") for c in conns)
+        killed_names = names[:kills] + names[n - kills:]
+        false_named: set = set()
+        cut_off: List[str] = []
+        for c in conns:
+            named, cut = ask(c, "false", killed_names)
+            false_named |= set(named)
+            cut_off += cut
+        out["false_losses"] = sorted(false_named)
+        out["cut_off"] = sorted(cut_off)
         return out
     finally:
         for c in conns:
@@ -457,7 +482,8 @@ def main() -> None:
                   f"{row['detect_remote_p50_s']:.2f}/{row['detect_remote_p99_s']:.2f}/"
                   f"{row['detect_remote_all_max_s']:.2f} s  same host {row['detect_here_p50_s']:.2f}/"
                   f"{row['detect_here_p99_s']:.2f}/{row['detect_here_all_max_s']:.2f} s  missed "
-                  f"{row['detect_remote_missed'] + row['detect_here_missed']}", flush=True)
+                  f"{row['detect_remote_missed'] + row['detect_here_missed']}  false losses "
+                  f"{len(row['false_losses'])} (cut off {len(row['cut_off'])})", flush=True)
     ring = [r for r in rows if r["design"] == "ring"]
     if ring:
         r = max(ring, key=lambda x: x["n"])

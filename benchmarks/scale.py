@@ -92,8 +92,28 @@ def _member(address: str, name: str, names: List[str], liveness: float, out: Any
             until = time.monotonic() + min(left(), 10.0)
             while not all(v in lost for v in victims) and time.monotonic() < until:
                 time.sleep(0.05)
-            out.put(("lost", name, dict(lost), 0))
+            cut = world.membership.roster.cut_off  # declared lost itself while it lived?
+            if not all(v in lost for v in victims) and os.environ.get("SCALE_DEBUG_DIR"):
+                _dump(world, name, victims, os.environ["SCALE_DEBUG_DIR"])
+            out.put(("lost", name, dict(lost), str(cut) if cut is not None else ""))
         _phase(phases, "stop", left())
+
+
+def _dump(world: Any, name: str, victims: List[str], where: str) -> None:
+    """What a member that never named a death knows (SCALE_DEBUG_DIR): its place in the
+    event log, its view of the victims, and every thread's stack."""
+    import faulthandler
+
+    m = world.membership
+    with open(os.path.join(where, f"{name}.txt"), "w") as f:
+        total = m.registry.add(m.keys.log_count(), 0)
+        f.write(f"log position {m.events._seq} of {total}; claimed {m.events._claimed}; hole {m.events._hole}\n")
+        for v in victims:
+            f.write(f"{v}: incarnation {m.roster.incarnation_of(v)}, gone {m.roster.gone(v)}\n")
+        for seq in range(total):
+            f.write(f"  {seq}: {m.registry.get_or_empty(m.keys.log_entry(seq))[:120]}\n")
+        f.flush()
+        faulthandler.dump_traceback(f, all_threads=True)
 
 
 def _pct(values: List[float], q: float) -> float:
@@ -148,9 +168,19 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
         store.set("x/report", ",".join(victims))
         delays: List[float] = []
         survivors = members - kills
+        false_losses: set = set()
+        cut_off: Dict[str, str] = {}
         for _ in range(survivors):
-            _, name, lost, _ = out.get(timeout=left())
+            _, name, lost, cut = out.get(timeout=left())
             delays += [lost[v] - killed[v] if v in lost else float("inf") for v in victims]
+            false_losses |= set(lost) - set(victims)
+            missed = [v for v in victims if v not in lost]
+            if missed:
+                _say(f"{name} never named {missed}{' (it was cut off: ' + cut + ')' if cut else ''}")
+            if cut:
+                cut_off[name] = cut
+        result["false_losses"] = sorted(false_losses)
+        result["cut_off"] = sorted(cut_off)
         result["detect_p50_s"] = _pct(delays, 0.5)
         result["detect_p99_s"] = _pct(delays, 0.99)
         result["detect_missed"] = sum(1 for d in delays if d == float("inf"))
@@ -179,7 +209,8 @@ def main() -> None:
         sys.exit(1)
     print(f"scale: N={r['members']} join {r['join_s']:.1f} s, calls p50 {r['call_p50_ms']:.2f} ms p99 "
           f"{r['call_p99_ms']:.2f} ms, detection p50 {r['detect_p50_s']:.2f} s p99 {r['detect_p99_s']:.2f} s "
-          f"(liveness {r['liveness']:g} s, {r['detect_missed']} missed)")
+          f"(liveness {r['liveness']:g} s, {r['detect_missed']} missed, {len(r['false_losses'])} live members "
+          f"declared lost)")
 
 
 if __name__ == "__main__":

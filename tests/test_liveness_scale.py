@@ -199,7 +199,9 @@ def test_a_silent_and_a_killed_member_are_named_to_all_within_their_bounds(world
     assert not false, f"live members declared lost: {false}"
     # Bounds with room for a loaded CI machine: the benchmark measures the p99.
     assert remote < LIVENESS + 0.5, remote
-    assert local < 0.5 + 0.5, local
+    # Same host: the pidfd wakes the watcher at once, the others read the log at their
+    # next tick (0.25 s).
+    assert local < 0.75, local
 
 
 def test_a_process_starved_for_half_of_liveness_declares_nobody(world_factory):

@@ -32,6 +32,7 @@ keeps the first agent's id tables for the life of the process.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import threading
 import time
@@ -40,7 +41,7 @@ from typing import List, Optional, Tuple
 import torch.distributed as dist
 
 from .. import _transport
-from .._store import Keys, MemberRecord
+from .._store import Keys, MemberRecord, own_client
 from .._transport import ListenerWatch
 from .processes import alive_here, process_identity, tick_of
 from .._transport import PipeLedger
@@ -84,7 +85,10 @@ class Endpoint:
                  closing: threading.Event, liveness: Optional[float], pipes: PipeLedger) -> None:
         self._registry = registry
         self._keys = keys
-        self._rpc_store = dist.PrefixStore(keys.rpc_prefix(), store)
+        self._store = store
+        self._agent_store: Optional[dist.Store] = None  # made on first use (see _rpc_store)
+        self._agent_client: Optional[dist.Store] = None
+        self._agent_store_lock = threading.Lock()
         self._closing = closing
         self._liveness = liveness
         self.name = name
@@ -155,6 +159,25 @@ class Endpoint:
         # name must not contain "-"; the sequence number keeps every worker's name apart.
         self.worker = f"{self.name.replace('-', '_')}_{seq}"
         self._registry.set(self._keys.worker(self.worker), self.name)
+
+    @property
+    def _rpc_store(self) -> dist.Store:
+        """The RPC agent group's store, on a connection of its own.
+
+        Why its own: a join waits in the store for torch's membership token (a second at
+        a time, for as long as other members' joins hold it) and a new agent's start
+        blocks in it; a store client serves one request at a time, so on the world's
+        connection those waits held up this member's heartbeat and log reads for as long,
+        and a member renewing its agent missed the deaths posted meanwhile (issue 37).
+        """
+        with self._agent_store_lock:
+            if self._agent_store is None:
+                # (Held here too: a PrefixStore keeps only the C++ side of a store written
+                # in Python alive, and its methods would then be gone.)
+                timeout = getattr(self._store, "timeout", None) or datetime.timedelta(seconds=60)  # (not in stubs)
+                self._agent_client = own_client(self._store, timeout) or self._store
+                self._agent_store = dist.PrefixStore(self._keys.rpc_prefix(), self._agent_client)
+            return self._agent_store
 
     def note_seq(self, seq: int) -> None:
         """A worker of the world got sequence number ``seq`` (this view saw it join or move)."""

@@ -161,14 +161,18 @@ class EventLog:
         return reg.read(keys)
 
     # ---------------------------------------------------------------- reading
-    def catch_up(self, total: Optional[int] = None) -> None:
+    def catch_up(self, total: Optional[int] = None, wait: bool = True) -> None:
         """Deliver every entry posted since the last call, in log order.
 
         Args:
             total: The counter ``m/evn`` as the caller just read it (the liveness watch
                 reads it with the heartbeats, in one request); None: read it here.
+            wait: False: return at once when another thread is catching up (the liveness
+                tick: its next heartbeat must not wait behind another thread's reads).
         """
-        with self._lock:
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             if total is None:
                 total = self._registry.add(self._keys.log_count(), 0)
             if not self._started:
@@ -183,6 +187,8 @@ class EventLog:
                     break  # the rest is being written: the next catch-up reads on
                 if not values and not self._past_hole(self._seq, total):
                     break  # a post under way (or a dead poster's, skipped in time)
+        finally:
+            self._lock.release()
 
     def _deliver_value(self, value: str) -> None:
         entry = entry_of(value)
@@ -197,22 +203,23 @@ class EventLog:
 
         A store ``multi_get`` waits for absent keys, so a check comes first. While posts
         stream in (a thousand members joining), the newest positions are often still
-        being written: then the ones claimed before the last catch-up are read (long
-        written): three requests. Halving (log2 checks) only when those are not written
-        either: a thousand readers halving every tick saturated the store.
+        being written: so when some were claimed before the last catch-up (long written),
+        only those are read, in two requests, and the newer ones next time; a lone new
+        event is one ``get``. Halving (log2 checks) only when those
+        are not all written: a thousand readers halving every tick saturated the store.
         """
         reg = self._registry
+        older = min(hi - lo, claimed - lo)
+        if older >= 1:
+            hi = lo + older  # the newer ones are read next time (many are being written now)
         keys = [self._keys.log_entry(s) for s in range(lo, hi)]
-        older = min(len(keys), claimed - lo)
         if len(keys) > 1 and not reg.present(keys):
-            if older > 1 and reg.present(keys[:older]):
-                keys = keys[:older]
-            else:  # a new reader, or a slow post: halve (log2 checks, seldom)
-                good, bad = 0, len(keys)  # keys[:good] written; keys[:bad] not all written
-                while bad - good > 1:
-                    mid = (good + bad) // 2
-                    good, bad = (mid, bad) if reg.present(keys[:mid]) else (good, mid)
-                keys = keys[:max(good, 1)]
+            # A new reader, a slow post, or a dead poster's hole: halve (log2 checks, seldom).
+            good, bad = 0, len(keys)  # keys[:good] written; keys[:bad] not all written
+            while bad - good > 1:
+                mid = (good + bad) // 2
+                good, bad = (mid, bad) if reg.present(keys[:mid]) else (good, mid)
+            keys = keys[:max(good, 1)]
         if len(keys) == 1:
             value = reg.get_or_empty(keys[0])  # one request, never waits
             return [value] if value else []

@@ -13,6 +13,8 @@ reaches the subscribers.
                 ├─ Claims     registry keys this member holds; their lock      (_membership.claims)
                 ├─ EventLog   post / read the event log in one order           (_membership.event_log)
                 └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
+                   └─ PidWatch  its sleep, cut short by a watched process's
+                                exit on this host                              (_membership.pidwatch)
 
     EventLog.catch_up ─► _deliver ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
 
@@ -53,6 +55,7 @@ from ..._deadline import deadline_left
 from .roster import Roster
 from .waits import Waits
 from .watch import watch_from_env
+from .pidwatch import PidWatch, WakingEvent
 
 __all__ = ["Membership", "MemberEvent"]
 
@@ -85,8 +88,11 @@ class Membership:
         #: Called after a member (not a move) left, before the event is published: the
         #: Session sweeps the results kept here for handles held only by the gone member.
         self.on_departure: Optional[Callable[[], None]] = None
+        # The liveness thread's sleep, cut short by a watched process's exit on this host;
+        # closing ends it too (a WakingEvent).
+        pids = PidWatch()
         # Set when this member leaves or stops: ends the monitor and any pause.
-        self._closing = threading.Event()
+        self._closing: threading.Event = WakingEvent(pids)
         # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
         pipes = PipeLedger(recycle_after() if elastic else 0)
         self.roster = Roster(pipes)
@@ -98,7 +104,7 @@ class Membership:
         # Whom the liveness thread checks: k successors in a ring by default (see watch).
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
-                               self.departures, liveness, elastic, self._closing, watch)
+                               self.departures, liveness, elastic, self._closing, watch, pids)
 
     def _deliver(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record

@@ -4,7 +4,8 @@ Owns the one thread of membership, what it last saw of each member's heartbeat, 
 losses another member began to clean up. Each tick it beats, catches up with the log,
 checks this member's RPC listener, and declares the suspects lost.
 
-    each tick (liveness / 8, at most 0.5 s)           the world's store
+    each tick (liveness / 8, at most 0.5 s; at once   the world's store
+      when a watched process here exits: PidWatch)
       heartbeat; read the watched members' and the    m/hb/<name>   heartbeat counter
       log counter (Watch: k ring successors, or all)  m/evn
       EventLog.catch_up (Roster, Waits, callbacks)    m/e/<seq>
@@ -25,8 +26,9 @@ checks this member's RPC listener, and declares the suspects lost.
       (a declarer that dies mid-way is taken over after 6 s; m/lostpost keeps it
       to one "lost" event per incarnation)
 
-Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone at the
-next tick through /proc (no false alarm under load), a remote one by its silent lease.
+Why heartbeats and /proc: a SIGKILLed peer says nothing; a local one is seen gone the
+moment it exits (its pidfd; /proc at the next tick where there is none), with no false
+alarm under load, a remote one by its silent lease.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
+from .pidwatch import PidWatch
 from .._store import Keys, MemberRecord
 from .processes import DEFAULT_LIVENESS, alive_here, tick_of
 from .._store import Registry
@@ -72,11 +75,13 @@ class Monitor:
         closing: Set when this member leaves or stops: the thread ends.
         watch: Whom the thread checks and how it reads them (see watch); None: every
             member (the design before issue 37).
+        pids: The thread's sleep, cut short when a watched process of this host exits
+            (``closing`` must wake it: a WakingEvent); None: it sleeps on ``closing``.
     """
 
     def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
                  endpoint: Endpoint, departures: Departures, liveness: Optional[float], elastic: bool,
-                 closing: threading.Event, watch: Optional[Watch] = None) -> None:
+                 closing: threading.Event, watch: Optional[Watch] = None, pids: Optional[PidWatch] = None) -> None:
         self._registry = registry
         self._keys = keys
         self._roster = roster
@@ -88,6 +93,7 @@ class Monitor:
         self._elastic = elastic
         self._closing = closing
         self.watch = watch if watch is not None else AllWatch(registry, keys, roster, events)
+        self._pids = pids
         self._thread: Optional[threading.Thread] = None
         # The agent renewal under way, on a thread of its own (see _start_renewal).
         self._renewing: Optional[threading.Thread] = None
@@ -105,6 +111,11 @@ class Monitor:
         # Members a call of this process timed out on, to ask for a probe (see call_timed_out).
         self._timed_out: Deque[str] = collections.deque(maxlen=64)
         self._probe_requests: Optional[str] = None  # m/probe/<me> as last read (None: not yet)
+
+    @property
+    def pid_wakes(self) -> int:
+        """Sleeps cut short because a watched process of this host exited."""
+        return self._pids.woken if self._pids is not None else 0
 
     def _tick(self) -> float:
         return tick_of(self._liveness)
@@ -158,14 +169,29 @@ class Monitor:
                 thread.join(deadline_left(deadline))
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._pids is not None:
+                self._pids.close()
+
+    def _sleep(self, tick: float) -> bool:
+        """Sleep a tick (less when a watched process here exits); whether closing is set."""
+        if self._pids is None:
+            return self._closing.wait(tick)
+        return self._pids.sleep(tick, self._closing)
+
+    def _loop(self) -> None:
         tick = self._tick()
         beat_key = self._keys.heartbeat(self._endpoint.name)
         ticks = 0
-        while not self._closing.wait(tick):
+        while not self._sleep(tick):
             ticks += 1
             try:
                 self._registry.add(beat_key, 1)
                 watched, counts = self.watch.tick(self._endpoint.name)  # catches up with the log too
+                if self._pids is not None:
+                    self._pids.watch(watched)
                 if self._declared_lost():
                     return
                 if self._renewing is not None and self._renewing.is_alive():

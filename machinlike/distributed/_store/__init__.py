@@ -2,8 +2,8 @@
 
 Owns opening or reaching the store (rendezvous: explicit addresses, torchrun and SLURM
 environments), the spelling of every key and its typed value (keys), one-round-trip tables
-over the store (registry) and look-ups bounded by a deadline on their own thread (lookups).
-It imports no other layer.
+over the store (registry), a connection of a thread's own (client) and look-ups bounded
+by a deadline on their own thread (lookups). It imports no other layer.
 
 This face names what the floors above may use. They reach one of its modules by name only
 where the module itself is the seam: callee entry points sent by reference, a process slot
@@ -16,9 +16,10 @@ from .keys import (
     ServiceOwner, WOKEN_MARK,
 )
 from .registry import Registry
+from .client import own_client
 
 __all__ = [
     "connect_store", "external_launcher", "GroupRecord", "host_store", "Keys",
-    "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "OwnedKey", "rebind_holder", "Registry",
+    "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "own_client", "OwnedKey", "rebind_holder", "Registry",
     "resolve_rank_and_size", "ServiceOwner", "WOKEN_MARK",
 ]

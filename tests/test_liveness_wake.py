@@ -1,0 +1,106 @@
+"""The liveness thread wakes when a watched process of this host exits, and nothing the
+RPC agent group waits for in the store holds up its heartbeat (issue 37).
+
+Real processes (``sleep``, SIGKILLed), the kernel's pidfds, a real TCPStore.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from machinlike.distributed._membership import Membership, process_identity
+from machinlike.distributed._membership.pidwatch import PidWatch, WakingEvent
+from machinlike.distributed._store import Keys, MemberRecord
+
+needs_pidfd = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd_open (Linux 5.3+)")
+
+
+def _record(name: str, pid: int) -> MemberRecord:
+    return MemberRecord(name, 1, name, 0, f"{process_identity().rpartition('/')[0]}/{pid}")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@needs_pidfd
+def test_a_sleep_ends_when_a_watched_process_here_is_killed():
+    child = subprocess.Popen(["sleep", "100"])
+    pids = PidWatch()
+    closing = WakingEvent(pids)
+    try:
+        pids.watch([_record("a", child.pid), MemberRecord("b", 1, "b", 1, "elsewhere/1:1/7")])
+        threading.Timer(0.2, child.kill).start()
+        began = time.monotonic()
+        assert pids.sleep(10.0, closing) is False
+        assert time.monotonic() - began < 1.0
+        assert pids.woken == 1
+        # The fired pidfd is not polled again (it stays readable): the next sleep lasts.
+        began = time.monotonic()
+        pids.watch([_record("a", child.pid)])
+        pids.sleep(0.3, closing)
+        assert time.monotonic() - began >= 0.25
+    finally:
+        child.kill()
+        child.wait(5)
+        pids.close()
+
+
+@needs_pidfd
+def test_closing_ends_a_sleep_at_once_and_descriptors_come_back():
+    before = _fds()
+    children = [subprocess.Popen(["sleep", "100"]) for _ in range(3)]
+    pids = PidWatch()
+    closing = WakingEvent(pids)
+    try:
+        pids.watch([_record(f"m{i}", c.pid) for i, c in enumerate(children)])
+        pids.watch([_record("m0", children[0].pid)])  # the others' pidfds are closed
+        threading.Timer(0.2, closing.set).start()
+        began = time.monotonic()
+        assert pids.sleep(10.0, closing) is True
+        assert time.monotonic() - began < 1.0
+    finally:
+        pids.close()
+        for c in children:
+            c.kill()
+            c.wait(5)
+    assert _fds() == before
+
+
+def test_the_heartbeat_goes_on_while_the_agent_group_waits_in_the_store():
+    # A join waits in the store for torch's membership token, a second at a time, for as
+    # long as other members' joins hold it. On the world's connection those waits held up
+    # the heartbeat (one request at a time per connection): the member went silent, or
+    # missed the deaths posted meanwhile.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30))
+    m = Membership(store, Keys.elastic_world("hb"), "the test's store", "a", 1.0, elastic=False)
+    m.enter(None, time.monotonic() + 10)
+    m.announce()
+    beat = m.keys.heartbeat("a")
+    agent_store = m.endpoint._rpc_store
+    waiting = threading.Thread(target=lambda: _wait_quietly(agent_store, "never", 2.0), daemon=True)
+    try:
+        waiting.start()
+        time.sleep(0.2)  # the agent group's wait is under way
+        first = int(server.get(beat))
+        time.sleep(1.0)  # 8 ticks of liveness=1
+        assert waiting.is_alive()
+        assert int(server.get(beat)) >= first + 4
+    finally:
+        waiting.join(5)
+        m.close()
+
+
+def _wait_quietly(store: dist.Store, key: str, seconds: float) -> None:
+    try:
+        store.wait([key], datetime.timedelta(seconds=seconds))
+    except dist.DistStoreError:
+        pass
