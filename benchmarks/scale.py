@@ -9,7 +9,11 @@ registers a service of its own and, once it sees every member, calls the service
 driver SIGKILLs ``--kills`` members, one at a time, and every survivor says when its
 "lost" event came. Reported: join (start of the first process to the last member seeing
 all), call latency (p50/p99 over every call), detection (kill to each survivor's event,
-p50/p99). Times are wall clock across processes (one host, one clock).
+p50/p99), deaths never named and live members declared lost. Times are wall clock
+across processes (one host, one clock). With ``SCALE_DEBUG_DIR`` set, a survivor that
+never named a death writes there what it knows: its place in the event log, its view of
+the victims, the log itself and every thread's stack (how issue 37's missed deaths were
+found).
 
 Why real processes: ``liveness_scale.py`` simulates a thousand members in threads; this
 runs the whole stack (RPC agents, transports, the event log) as users do, as many as
@@ -164,7 +168,7 @@ def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, 
         for v in victims:
             killed[v] = time.time()
             os.kill(pids[v], signal.SIGKILL)
-            time.sleep(min(left(), 2.5 * liveness))  # one death at a time
+            time.sleep(min(left(), 1.5 * liveness))  # one death at a time (each is named within liveness)
         store.set("x/report", ",".join(victims))
         delays: List[float] = []
         survivors = members - kills
