@@ -11,7 +11,10 @@ from machinlike import launch
 
 from chaos_targets import MEMBERS, STOP, chaos_body, schedule
 
-ITERATIONS = 30
+# Seed 1's first 14 iterations already hold every phase (create last, at 13), every
+# victim, a member killed in two iterations running (3-4, 9-10) and quiet iterations;
+# more iterations repeat those cases at about a second each.
+ITERATIONS = 14
 
 
 @pytest.mark.parametrize("seed", [1])

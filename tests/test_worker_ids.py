@@ -23,6 +23,10 @@ from machinlike.process import Process
 
 SPACE = 16
 CYCLES = 28
+#: The monitors tick every liveness / 8 s (0.25 s here, 0.5 s at the default 10 s), and each
+#: cycle waits for its actor's leave or loss to be seen. A member on this host is declared
+#: lost only once /proc shows its process gone, so a short bound brings no false loss.
+LIVENESS = 2.0
 
 
 def _tag(x: int):
@@ -30,7 +34,8 @@ def _tag(x: int):
 
 
 def _actor(address: str, i: int, out, go) -> None:
-    with World(f"a{i}", elastic=True, init_method=address, dist_timeout=30, rpc_timeout=20) as world:
+    with World(f"a{i}", elastic=True, init_method=address, dist_timeout=30, rpc_timeout=20,
+               liveness=LIVENESS) as world:
         g = world.create_rpc_group("open")
         g.pair(f"v{i}", {"i": i, "who": f"a{i}"})
         g.register(f"s{i}", _tag)
@@ -73,7 +78,7 @@ def _host_body(world):
 
 def test_worker_ids_come_round_and_every_call_reaches_its_member(monkeypatch):
     monkeypatch.setenv("MACHINLIKE_WORKER_ID_SPACE", str(SPACE))
-    seq, recycles = launch(_host_body, 1, names=["host"], max_restarts=1, timeout=240)[0]
+    seq, recycles = launch(_host_body, 1, names=["host"], max_restarts=1, liveness=LIVENESS, timeout=240)[0]
     assert seq >= 2 * SPACE, f"ids did not come round twice: the last actor's worker was number {seq}"
     # The host recycles its agent a quarter of the id space after each (its actors' deaths
     # alone would make it recycle every 8).
