@@ -78,6 +78,11 @@ def test_first_failure_ends_the_run_with_its_traceback(cluster, tmp_path):
     def rank_fn(world, where):
         (where / f"{world.rank}.pid").write_text(str(os.getpid()))
         if world.rank == 2:
+            # Fail once the others are at work: a rank torn down before it wrote its pid
+            # (its start slowed by a loaded box) left the test nothing to check it by.
+            until = time.monotonic() + 30
+            while not all((where / f"{r}.pid").exists() for r in range(3)) and time.monotonic() < until:
+                time.sleep(0.05)
             raise KeyError("rank two failed")
         threading.Event().wait(120)  # a rank still working when its peer fails
 
