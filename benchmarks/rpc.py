@@ -4,7 +4,9 @@ Run:  python benchmarks/rpc.py [--quick]
 
 Three local processes (the launcher's warm forkserver); rank 0 measures both contenders
 over the *same* RPC agent, alternating blocks of calls so that machine noise hits both
-alike. Figures are medians over blocks. Ratios are ours / raw for times and raw / ours
+alike. machinlike's calls between these processes take its same-host lane (the default),
+and the agent then runs TensorPipe on TCP only, so the raw column is torch RPC over TCP;
+``benchmarks/idle.py`` sets the lane beside torch RPC with its default transports. Figures are medians over blocks. Ratios are ours / raw for times and raw / ours
 for rates, so < 1 means slower than raw for rates, and > 1 means slower for times.
 """
 
@@ -67,13 +69,17 @@ def _paired(raw: Callable[[], None], ours: Callable[[], None], calls: int, block
 
 
 def _own_cost(call: Callable[[], None], calls: int) -> float:
-    """Seconds per call of machinlike's own Python around torch's ``rpc_sync`` (stubbed)."""
-    real = rpc.rpc_sync
+    """Seconds per call of machinlike's own Python around torch's ``rpc_sync`` (stubbed;
+    the same-host lane turned off meanwhile, so that the call reaches it)."""
+    from machinlike.distributed._transport import lane
+
+    real, current = rpc.rpc_sync, lane.current
     rpc.rpc_sync = lambda *args, **kwargs: None  # type: ignore[assignment]
+    lane.current = lambda: None  # type: ignore[assignment]
     try:
         return min(_blocks(call, calls, 5))
     finally:
-        rpc.rpc_sync = real
+        rpc.rpc_sync, lane.current = real, current
 
 
 def _async_rate(submit: Callable[[], Any], total: int, in_flight: int) -> float:

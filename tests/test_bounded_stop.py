@@ -92,10 +92,15 @@ def _elastic_body(world):
     return elapsed, [], True
 
 
-def test_an_elastic_stop_is_bounded_while_a_service_blocks_and_a_new_world_follows():
-    busy, caller = launch(_elastic_body, 2, names=["busy", "caller"], max_restarts=1, timeout=90)
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "agent"])
+def test_an_elastic_stop_is_bounded_while_a_service_blocks_and_a_new_world_follows(lane):
+    # The blocking call reaches the busy member through the same-host lane (the default),
+    # or through its RPC agent, whose shutdown then goes on in the background.
+    busy, caller = launch(_elastic_body, 2, names=["busy", "caller"], max_restarts=1, timeout=90,
+                          same_host_lane=lane)
     assert busy[0] < 2 + 1 + 1.5 and caller[0] < 2 + 1 + 1.5, (busy, caller)
-    assert busy[1] and busy[1][0].startswith("busy_"), busy  # its agent still shutting down
+    if not lane:
+        assert busy[1] and busy[1][0].startswith("busy_"), busy  # its agent still shutting down
     assert busy[2]
 
 
@@ -150,8 +155,10 @@ def _retired_body(world):
 
 
 def test_the_monitor_shuts_a_retired_agent_down_without_waiting_for_its_calls():
+    # (Calls through the agent, not the same-host lane: the retired agent must serve one.)
     (before, after, pid), caller = launch(_retired_body, 2, names=["owner", "caller"], max_restarts=1,
-                                          essential=["owner", "caller"], rpc_timeout=3, timeout=120)
+                                          essential=["owner", "caller"], rpc_timeout=3, timeout=120,
+                                          same_host_lane=False)
     assert after > before, (before, after)
     assert caller == pid
 
@@ -211,7 +218,7 @@ def test_a_member_whose_rpc_agent_is_wedged_renews_it(monkeypatch):
     monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "3")  # (10 s by default)
     (first, now, renewals), (answered, took, failures) = launch(
         _wedged_body, 2, names=["victim", "peer"], max_restarts=1, essential=["victim", "peer"], liveness=2.0,
-        timeout=120)
+        timeout=120, same_host_lane=False)  # (the shared-memory transport's reactors are what wedges)
     assert answered is not None and now != first and renewals >= 1, (first, now, renewals, answered)
     # A call times out (3 s), the victim reads the request (1 s), its probe's bound (3 s), the renewal.
     assert took < 3 + 1 + 3 + 10, took
@@ -251,7 +258,8 @@ def test_a_member_whose_rpc_threads_all_serve_blocking_calls_is_not_renewed(monk
     monkeypatch.setenv("MACHINLIKE_PROBE_WITHIN", "3")
     # Renewing would not end those calls, and would churn for as long as services block.
     (busy, renewals, alarms), _ = launch(_busy_pool_body, 2, names=["victim", "peer"], max_restarts=1,
-                                 essential=["victim", "peer"], liveness=2.0, rpc_threads=4, timeout=120)
+                                 essential=["victim", "peer"], liveness=2.0, rpc_threads=4, timeout=120,
+                                 same_host_lane=False)  # (the agent's threads, not the lane's)
     assert busy and renewals == 0 and alarms >= 1, (busy, renewals, alarms)
 
 

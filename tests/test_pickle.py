@@ -289,6 +289,16 @@ def test_copy_of_a_view_carries_only_the_view():
     assert loads(dumps(torch.tensor(3.5))).item() == 3.5
 
 
+@pytest.mark.parametrize("make", [lambda: torch.tensor(5).expand(1), lambda: torch.zeros(2).expand(3, 2)],
+                         ids=["one-element-stride-0", "expanded"])
+def test_copy_of_a_tensor_with_stride_0(make):
+    # A one-element expanded tensor counts as contiguous with stride 0: its byte view
+    # needs a copy first (it failed with "self.stride(-1) must be 1").
+    tensor = make()
+    back = loads(dumps(tensor))
+    assert back.shape == tensor.shape and torch.equal(back, tensor)
+
+
 def test_non_leaf_tensor_copies_but_does_not_share():
     x = torch.ones(2, requires_grad=True)
     y = x * 2

@@ -29,8 +29,12 @@ def _is_plain_strided(tensor: torch.Tensor) -> bool:
 def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
     # The array views the tensor's memory; PickleBuffer lets the pickler copy it straight
     # into the stream (one copy), and the loader gets a bytearray it can wrap without copy.
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return pickle.PickleBuffer(flat.numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        # A one-element or expanded tensor can count as contiguous with another stride,
+        # and a byte view needs stride 1.
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return pickle.PickleBuffer(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
 
 
 def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:

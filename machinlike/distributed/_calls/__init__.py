@@ -11,7 +11,7 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 """
 
 from .future import RpcFuture
-from .send import send_call, sync_call
+from .send import send_async, send_call, sync_call
 from .serve import is_missing, LocalTables, unwrap
 from .shipping import is_async, prepare_call
 from .refs import PairedRef, ResultRef
@@ -20,5 +20,5 @@ from .context import CallContext
 
 __all__ = [
     "CallContext", "is_async", "is_missing", "LocalTables", "PairedRef", "prepare_call",
-    "ResultRef", "RpcFuture", "send_call", "share", "sync_call", "unwrap",
+    "ResultRef", "RpcFuture", "send_async", "send_call", "share", "sync_call", "unwrap",
 ]

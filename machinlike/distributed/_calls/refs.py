@@ -42,7 +42,7 @@ from torch.distributed import rpc
 
 from . import context as _context, ref_owner as _ref_owner, samehost as _samehost
 from .future import RpcFuture
-from .send import send_call, sync_call
+from .send import send_async, send_call, sync_call
 from .serve import unwrap
 from .context import CallContext
 from .ref_owner import Target
@@ -177,10 +177,9 @@ class _Ref:
                                     max(0.001, deadline - _now()), what, wait))
         if how == "async":
             _, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
-                               lambda to, left: rpc.rpc_async(
-                                   to, _ref_owner._ref_call,
-                                   args=_samehost.outgoing(to, ((self._target, name), args, kwargs)),
-                                   timeout=left))
+                               lambda to, left: send_async(
+                                   route.roster, to, _ref_owner._ref_call,
+                                   _samehost.outgoing(to, ((self._target, name), args, kwargs)), left))
             return RpcFuture(fut, self._owner, what, wait)
         return new_result(route, self._owner, worker, what, max(0.001, deadline - _now()),
                           lambda head: (_ref_owner._keep_call, (head + (self._target, name), args, kwargs)))
@@ -308,8 +307,8 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
     inc = route.roster.incarnation_of(owner) or 0
     func, call = entry((rid, _CREATOR, route.me))
     _, fut = send_call(route.roster, worker, wait, what,
-                       lambda to, left: rpc.rpc_async(to, func, args=_samehost.outgoing(to, call),  # [shm hook]
-                                                      timeout=left))
+                       lambda to, left: send_async(route.roster, to, func,
+                                                   _samehost.outgoing(to, call), left))  # [shm hook]
     return ResultRef(owner, inc, rid, _CREATOR, RpcFuture(fut, owner, what, wait), what)
 
 

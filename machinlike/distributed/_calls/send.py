@@ -6,6 +6,9 @@
                                                                and the caller's timeout named
     sync_call then waits on the reply together with the member's departure (Waits), so a
     member that dies while the call is pending fails it at once, not at its timeout.
+
+    A call to a process on this host goes through its lane (``_transport.lane``) when the
+    lane takes it; what the lane refuses (before sending anything) goes through torch RPC.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar, Union
 
+import torch
 from torch.distributed import rpc
 
 from ...exception import PeerLostError
@@ -20,7 +24,7 @@ from .. import _transport
 from .._membership import Roster, Waits
 from . import context as _context
 
-__all__ = ["translate_error", "sync_call", "send_call"]
+__all__ = ["translate_error", "sync_call", "send_call", "send_async"]
 
 
 # ------------------------------------------------------------------- error translation
@@ -78,6 +82,9 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
         raise PeerLostError(roster.member_of(worker), f"{_text(what)}: it left or was lost")
 
     def call(to: str, left: float) -> Any:
+        carried = _by_lane(roster, to, lambda lane, pid: lane.call_sync(pid, entry, args, left))
+        if carried is not _NOT_CARRIED:
+            return carried
         if roster.on_this_host(to):
             # A dead process here closes its sockets: the call fails at once by itself.
             return rpc.rpc_sync(to, entry, args=args, timeout=left)
@@ -86,6 +93,32 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
 
     return _until_sent(roster, worker, timeout, call, lambda err, to: translate_error(
         err, roster.member_of(to), _text(what), timeout if stated is None else stated))[1]
+
+
+def send_async(roster: "Roster", to: str, entry: Any, args: Tuple, timeout: float) -> torch.futures.Future:
+    """``rpc.rpc_async(to, entry, args, timeout)``, through the lane when ``to`` runs on this
+    host and the lane takes the call (see ``sync_call``); for ``send_call``'s closures."""
+    carried = _by_lane(roster, to, lambda lane, pid: lane.call_async(pid, entry, args, timeout))
+    if carried is not _NOT_CARRIED:
+        return carried
+    return rpc.rpc_async(to, entry, args=args, timeout=timeout)
+
+
+_NOT_CARRIED = object()
+
+
+def _by_lane(roster: "Roster", to: str, carry: Callable[["_transport.lane.Lane", int], Any]) -> Any:
+    """``carry(lane, pid)`` when worker ``to`` runs on this host and this process's lane
+    takes the call; ``_NOT_CARRIED`` when it does not (nothing was sent: counted)."""
+    pid = roster.pid_here(to)
+    lane = _transport.lane.current() if pid else None
+    if lane is None:
+        return _NOT_CARRIED
+    try:
+        return carry(lane, pid)
+    except _transport.lane.NotForLane:
+        lane.not_carried += 1
+        return _NOT_CARRIED
 
 
 _Sent = TypeVar("_Sent")

@@ -27,11 +27,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
 
-from torch.distributed import rpc
 
 from .._calls import context as _context, ref_owner as _ref_owner, refs as _refs, samehost as _samehost
 from .._calls import serve as _serve
-from .._calls import RpcFuture, is_async, is_missing, send_call, sync_call, unwrap
+from .._calls import RpcFuture, is_async, is_missing, send_async, send_call, sync_call, unwrap
 from .owners import OwnerCache
 from .._calls import PairedRef, ResultRef
 
@@ -107,8 +106,8 @@ class Caller:
         worker, entry = self._service_target(key, False, deadline)
         what = f"service {key!r} of group {self._group!r}"
         worker, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
-                                lambda to, left: rpc.rpc_async(to, entry, args=_samehost.outgoing(to, call),  # [shm hook]
-                                                               timeout=left))
+                                lambda to, left: send_async(self._roster, to, entry,
+                                                            _samehost.outgoing(to, call), left))  # [shm hook]
         # The owner answered "missing" (a stale cache): look it up again and call the new
         # one with what is left of this call's timeout, not a fresh one.
         return RpcFuture(fut, self._roster.member_of(worker), what,
@@ -165,8 +164,8 @@ class Caller:
         entry = _serve._run_async if is_async(func) else _serve._run
         what = f"rpc_async of {func!r}"
         _, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
-                           lambda worker, left: rpc.rpc_async(worker, entry, args=_samehost.outgoing(worker, call),  # [shm hook]
-                                                              timeout=left))
+                           lambda worker, left: send_async(self._roster, worker, entry,
+                                                           _samehost.outgoing(worker, call), left))  # [shm hook]
         return RpcFuture(fut, to, what, wait)
 
     def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:

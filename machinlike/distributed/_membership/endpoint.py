@@ -105,7 +105,7 @@ class Endpoint:
         self._latest_seq = -1  # the newest any worker of the world is known to have
         self._me: Optional[MemberRecord] = None
         self._listener: Optional[ListenerWatch] = None
-        self._join_args: Tuple[int, float, float] = (1, 1.0, 1.0)
+        self._join_args: Tuple[int, float, float, Optional[List[str]]] = (1, 1.0, 1.0, None)
 
     @property
     def me(self) -> MemberRecord:
@@ -197,7 +197,8 @@ class Endpoint:
         self._registry.compare_set(self._keys.live(self.name), old.encode(), self._me.encode())
 
     # --------------------------------------------------------------------- RPC
-    def join(self, threads: int, timeout: float, deadline: float, default_timeout: float) -> None:
+    def join(self, threads: int, timeout: float, deadline: float, default_timeout: float,
+             transports: Optional[List[str]] = None) -> None:
         """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
 
         A member that dies while this one joins makes torch's join fail (it calls every
@@ -209,11 +210,12 @@ class Endpoint:
             timeout: Seconds for each call the join makes.
             deadline: ``time.monotonic()`` deadline of the whole join.
             default_timeout: The agent's default RPC timeout afterwards, in seconds.
+            transports: TensorPipe's transports (kept for renewals); None: its default list.
 
         Raises:
             RuntimeError, TimeoutError: the last attempt's error, when the deadline passed.
         """
-        self._join_args = (threads, timeout, default_timeout)
+        self._join_args = (threads, timeout, default_timeout, transports)
         while True:
             # A listed worker is stale when no live claim names it (its member was declared
             # gone, or came back as another incarnation) or its process is gone. The live
@@ -221,7 +223,7 @@ class Endpoint:
             try:
                 _transport.start_dynamic(self._rpc_store, self.worker, self._tid, threads,
                                          max(0.5, min(timeout, 5.0)), deadline, self.token_holder_dead,
-                                         self.worker_dead, self.worker_freed)
+                                         self.worker_dead, self.worker_freed, transports)
                 _transport.set_default_timeout(default_timeout)
                 self._listener = ListenerWatch(_transport.published_address(self._rpc_store, self.worker))
                 if not self._joined:
@@ -262,7 +264,7 @@ class Endpoint:
                 call this member any more).
         """
         old = self.me
-        threads, timeout, default_timeout = self._join_args
+        threads, timeout, default_timeout, transports = self._join_args
         if recycle and self.aged():
             log.info("machinlike: member %r: RPC agent %r is a quarter of the id space old; recycling it",
                      self.name, old.worker)
@@ -279,7 +281,7 @@ class Endpoint:
         self._rename()  # the join retires the current agent once the new one listens
         try:
             with _transport.renewing():
-                self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout)
+                self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout, transports)
         except (RuntimeError, TimeoutError) as err:
             log.error("machinlike: member %r could not renew its RPC agent (%s): nobody can call it any "
                       "more; stop this process (a launcher with max_restarts brings it back)", self.name, err)

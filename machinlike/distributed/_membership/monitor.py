@@ -362,7 +362,7 @@ class Monitor:
             self._departures.record(rec.member, rec.incarnation, released)
 
     def free(self, rec: MemberRecord, deadline: float) -> List[str]:
-        """Release ``rec``'s keys, drop its worker from RPC, clear its claim, mark it gone;
+        """Release ``rec``'s keys, clear its claim, drop its worker from RPC, mark it gone;
         returns the keys released (for :class:`Departures`).
 
         ``rec`` may be stale: the incarnation may have renewed its agent (a new worker name,
@@ -373,6 +373,11 @@ class Monitor:
         """
         live = self._keys.live(rec.member)
         workers = [rec.worker]
+        # Its keys go before its claim: the next incarnation waits for the claim to clear
+        # (Membership.enter), then registers the same services at once; with the claim
+        # cleared first, it found them still held by its predecessor (a KeyError naming
+        # itself, seen in the a3c chaos test).
+        released: List[str] = self._claims.free(rec.worker)
         for _ in range(3):  # a renewal between the read and the clear: read again (rare)
             held = self._registry.get_or_empty(live)
             now = MemberRecord.decode(rec.member, held) if held else None
@@ -380,11 +385,10 @@ class Monitor:
                 break  # already cleared, or a newer incarnation's claim: not ours to touch
             if now.worker not in workers:
                 workers.append(now.worker)
+                released += self._claims.free(now.worker)
             if self._registry.compare_set(live, held, "") == "":
                 break
-        released: List[str] = []
         for worker in workers:
-            released += self._claims.free(worker)
             if self._elastic:
                 self._endpoint.forget(worker)  # first: the prune then drops its address too
                 self._endpoint.prune(worker, deadline)

@@ -51,7 +51,8 @@ class Roster:
         # GONE_KEPT, with their index entries: a world that runs for days must not pay
         # for every worker it ever had (a call to a forgotten one fails as refused).
         self._gone_workers: Dict[str, None] = {}
-        self._here: Dict[str, bool] = {}  # worker -> on this host (cached: a call asks every time)
+        # worker -> its pid when on this host, else 0 (cached: a call asks every time)
+        self._here: Dict[str, int] = {}
         # Retired worker -> the worker its member (same incarnation) moved to; bounded
         # with the gone workers (each entry's key is one of them).
         self._moved_to: Dict[str, str] = {}
@@ -223,12 +224,18 @@ class Roster:
 
     def on_this_host(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` runs where ``/proc`` sees it (its death shows at once)."""
+        return self.pid_here(worker) != 0
+
+    def pid_here(self, worker: str) -> int:
+        """The pid of RPC worker ``worker``'s process when it runs where ``/proc`` sees it,
+        else 0 (also while the worker is unknown)."""
         here = self._here.get(worker)
         if here is None:
             identity = self.identity_of(worker)
             if identity is None:
-                return False
-            here = self._here[worker] = is_here(identity)  # fixed for a worker's life
+                return 0
+            # fixed for a worker's life
+            here = self._here[worker] = int(identity.rpartition("/")[2]) if is_here(identity) else 0
         return here
 
     def moved_from(self, worker: str, timeout: float) -> Optional[str]:

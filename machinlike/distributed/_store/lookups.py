@@ -52,6 +52,7 @@ class BoundedLookups:
         self._queue: "queue.SimpleQueue[Optional[_Pending[object]]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._ready: Optional[dist.Store] = None  # a connection opened by warm()
 
     def run(self, op: Callable[[dist.Store], T], timeout: float, what: str) -> T:
         """``op(store)`` on the lookup thread, waited for at most ``timeout`` seconds.
@@ -71,6 +72,16 @@ class BoundedLookups:
             return value  # type: ignore[return-value]
         raise value  # type: ignore[misc]
 
+    def warm(self) -> None:
+        """Open the lookup thread's connection now, on the caller's thread (the thread
+        itself starts at the first look-up), instead of at the first look-up: a store's
+        host may take seconds to answer a new connection (torch's server looks each
+        client's host name up; a resolver that drops the query holds it for its timeout,
+        5 s by default), and a first call would wait that out."""
+        with self._lock:
+            if self._thread is None and self._ready is None:
+                self._ready = self._connect()
+
     def _start(self) -> None:
         if self._thread is not None:
             return
@@ -88,9 +99,15 @@ class BoundedLookups:
             self._queue.put(None)
             thread.join(timeout)
 
-    def _serve(self) -> None:
+    def _connect(self) -> dist.Store:
         clone = getattr(self._store, "clone", None)
-        store = clone() if clone is not None else self._store
+        return clone() if clone is not None else self._store
+
+    def _serve(self) -> None:
+        with self._lock:
+            store, self._ready = self._ready, None
+        if store is None:
+            store = self._connect()
         while True:
             pending = self._queue.get()
             if pending is None:

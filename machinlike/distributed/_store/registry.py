@@ -55,6 +55,11 @@ class Registry:
             self._local.store = store
         return store
 
+    def warm(self) -> None:
+        """Open the look-up thread's store connection now (see ``BoundedLookups.warm``);
+        :meth:`close` ends it."""
+        self._lookups.warm()
+
     def close(self) -> None:
         """End this process's look-up thread (see ``_store.lookups``); the store stays open."""
         self._lookups.close()

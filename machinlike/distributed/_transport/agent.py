@@ -69,14 +69,16 @@ log = logging.getLogger(__name__)
 ELASTIC_CHANNELS = ["cma", "basic"]
 
 
-def _options(threads: int, timeout: float, init_method: Optional[str],
-             channels: Optional[List[str]] = None) -> rpc.TensorPipeRpcBackendOptions:
-    """torch's backend options; ``channels`` None: torch's default channel list."""
+def _options(threads: int, timeout: float, init_method: Optional[str], channels: Optional[List[str]] = None,
+             transports: Optional[List[str]] = None) -> rpc.TensorPipeRpcBackendOptions:
+    """torch's backend options; ``channels`` / ``transports`` None: torch's default list."""
     chosen = None if channels is None else list(channels)
+    ways = None if transports is None else list(transports)
     if init_method is None:
-        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout, _channels=chosen)
+        return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout, _channels=chosen,
+                                               _transports=ways)
     return rpc.TensorPipeRpcBackendOptions(num_worker_threads=threads, rpc_timeout=timeout,
-                                           init_method=init_method, _channels=chosen)
+                                           init_method=init_method, _channels=chosen, _transports=ways)
 
 
 @contextlib.contextmanager
@@ -116,17 +118,19 @@ def claim_worker_id(rank: int) -> None:
             f"elastic World instead") from err
 
 
-def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float) -> None:
-    """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous."""
+def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float,
+                 transports: Optional[List[str]] = None) -> None:
+    """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous;
+    ``transports`` None: TensorPipe's default list."""
     with static_start_quiet():
         rpc.init_rpc(name, rank=rank, world_size=world_size,
-                     rpc_backend_options=_options(threads, timeout, init_method))
+                     rpc_backend_options=_options(threads, timeout, init_method, transports=transports))
     _agents.started(None)
 
 
 def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout: float, deadline: float,
                   holder_dead: Callable[[str], bool], dead: Callable[[str], bool],
-                  freed: Optional[Callable[[str], bool]] = None) -> None:
+                  freed: Optional[Callable[[str], bool]] = None, transports: Optional[List[str]] = None) -> None:
     """Join the dynamic agent group kept in ``store`` as worker ``name`` with id ``tid``.
 
     torch's own dynamic join (``init_rpc`` without a world size) calls every listed worker
@@ -143,6 +147,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         freed: Whether a pruned worker's member is gone for good, so that its address
             goes too (a live member's retired worker keeps its own: calls that still
             name it are introduced with it); None: every address stays.
+        transports: TensorPipe's transports; None: its default list.
 
     Raises:
         TimeoutError: the token stayed held by a live joiner until ``deadline``.
@@ -165,7 +170,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
         stale = [w for w in _group.listed_workers(store) if w != name and dead(w)]
         if stale:
             _group.prune_locked(store, stale, freed)
-        agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None, ELASTIC_CHANNELS), {},
+        agent = TensorPipeAgent(store, name, tid, None, _options(threads, timeout, None, ELASTIC_CHANNELS, transports), {},
                                 [])
         # A renewal: the agent this one replaces stays current until the new one is built
         # and listening, so that calls of this process meet no agent-less gap but the

@@ -15,9 +15,11 @@ a half-built world:
       process's first: another is refused here)
     choose the interface: set its environment         restore the environment
     exchange member names (duplicates refused)        -                (w/name/<rank>)
-    bind the local tables and same-host settings      unbind, free this process's segments
+    bind the local tables and same-host settings,     unbind, free this process's segments
+      start the same-host lane (init_rpc=True)          (the lane stops with RPC)
     init the default process group (collective=True)  destroy_process_group (pg prefix)
-    init RPC over TensorPipe (init_rpc=True)          local RPC shutdown, forget the URL
+    init RPC over TensorPipe (init_rpc=True)          stop the lane, local RPC shutdown,
+                                                        forget the URL
     ready barrier, then the liveness monitor          stop the monitor  (w/ready/<rank>)
 
 *elastic* (``elastic=True``): members join a running world by its address and a name:
@@ -25,8 +27,9 @@ a half-built world:
     open the store, choose the interface              restore the environment
     claim the name (a dead incarnation's claim is     -
       taken over)                       Membership.enter
-    bind the local tables and same-host settings      unbind
-    join the dynamic RPC group, pruning the dead      local RPC shutdown
+    bind the local tables and same-host settings,     unbind
+      start the same-host lane
+    join the dynamic RPC group, pruning the dead      stop the lane, local RPC shutdown
       first                             Endpoint.join
     post "join", start the liveness monitor           stop the monitor
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import threading
@@ -110,6 +114,7 @@ class Session:
         #: What this member serves to incoming calls (served once the member entered).
         self.tables = _serve.LocalTables(settings.name)
         self.rpc: Optional[Once] = None
+        self.lane: Optional[_transport.lane.Lane] = None  # this process's (shared by its Worlds)
         self.process_group: Optional[Once] = None
         self.retired_groups = RetiredGroups()
         self._undo = contextlib.ExitStack()
@@ -188,11 +193,14 @@ def _bind(session: Session, members: Membership) -> None:
                                   members.roster.identity_of, s.cuda_ipc_cache_bytes)  # [shm hook]
     _serve.bind_tables(tables)
     _samehost.bind(samehost)
+    if s.same_host_lane and s.rpc:
+        # Before the agent starts: a peer may call as soon as this member is listed.
+        session.lane = _transport.lane.start(s.rpc_threads)
     # A call of this process that timed out makes the monitor ask for a probe (AgentProbe).
     _context.bind(_context.CallContext(s.name, session.incarnation, members.roster, members.waits, s.rpc_timeout,
                                        members.monitor.call_timed_out))
     _directory.bind(session.groups)
-    session._undo.callback(_unbind, samehost)
+    session._undo.callback(_unbind, session, samehost)
     members.subscribe(_cuda_ipc_departure)  # [cuda ipc hook] a peer's slabs go when it does
     session._undo.callback(members.unsubscribe, _cuda_ipc_departure)
 
@@ -202,7 +210,24 @@ def _cuda_ipc_departure(event: Any) -> None:
         _cuda_ipc.forget_dead()
 
 
-def _unbind(samehost: _samehost.SameHost) -> None:
+def _stop_lane(session: Session, drain: float) -> None:
+    """This World's share of the process's lane ends (once); the last World's closes it,
+    its calls under way answering within ``drain`` seconds."""
+    if session.lane is not None:
+        session.lane = None
+        _transport.lane.stop(drain)
+
+
+def _shutdown_rpc(session: Session, graceful: bool, timeout: float) -> None:
+    """Stop serving calls: the lane's, then the agent's, within ``timeout`` seconds (the
+    agent's shutdown takes at least its own second; see ``_transport.shutdown``)."""
+    deadline = time.monotonic() + timeout
+    _stop_lane(session, max(0.0, timeout))
+    _transport.shutdown(graceful, max(0.0, deadline - time.monotonic()))
+
+
+def _unbind(session: Session, samehost: _samehost.SameHost) -> None:
+    _stop_lane(session, 1.0)  # (a start that failed before RPC: its calls need the tables)
     _directory.bind(None)
     _context.bind(None)
     _serve.bind_tables(None)
@@ -215,6 +240,9 @@ def _membership(session: Session, info: _rendezvous.StoreInfo, keys: Keys) -> Me
     members = session.membership = Membership(info.store, keys, info.owner, s.name, s.liveness, s.elastic)
     # Its thread starts last; stopping it is the first undo (see the step list).
     session._undo.callback(members.close)
+    # The owner look-ups' own store connection opens while this member joins, not at its
+    # first call (a store host may take seconds to answer a new connection).
+    members.registry.warm()
     groups = session.groups = GroupDirectory(members, session.tables, s.rpc_timeout, s.dist_timeout)
     session._undo.callback(groups.close)
     return members
@@ -264,8 +292,8 @@ def start_static(session: Session) -> None:
         url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), info.store), s.rank, s.size)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
         with session.network_hint():
-            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout)
-        session.rpc = Once(_transport.shutdown)
+            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports)
+        session.rpc = Once(functools.partial(_shutdown_rpc, session))
         session._undo.callback(session.rpc, False, 1.0)
     reg.set(keys.ready_prefix() + str(s.rank), "1")
     reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
@@ -337,8 +365,8 @@ def start_elastic(session: Session) -> None:
     session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
     _bind(session, members)
     with session.network_hint():
-        members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout)
-    session.rpc = Once(_transport.shutdown)
+        members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout, s.rpc_transports)
+    session.rpc = Once(functools.partial(_shutdown_rpc, session))
     session._undo.callback(session.rpc, False, 1.0)
     members.announce()
     session._undo.callback(members.close)

@@ -9,7 +9,7 @@ value (the message names the parameter and the fix) and returns one immutable
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -52,6 +52,13 @@ class Settings:
     shm_threshold: int
     shm_cache_bytes: int
     cuda_ipc_cache_bytes: int = 4 << 30
+    same_host_lane: bool = True
+
+    @property
+    def rpc_transports(self) -> Optional[List[str]]:
+        """TensorPipe's transports: TCP only when the lane carries same-host calls (shm
+        polls); None: torch's default list."""
+        return ["uv"] if self.same_host_lane else None
 
 
 def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int], *, init_method: Optional[str],
@@ -59,7 +66,8 @@ def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int]
              dist_timeout: float, store: Optional[dist.Store], interface: Optional[str], elastic: bool,
              liveness: Optional[float], init_dist: Optional[bool], dist_backend: Optional[str],
              dist_init_method: Optional[str], rpc_init_method: Optional[str], same_host_shm: bool,
-             shm_threshold: int, shm_cache_bytes: int, cuda_ipc_cache_bytes: int = 4 << 30) -> Settings:
+             shm_threshold: int, shm_cache_bytes: int, cuda_ipc_cache_bytes: int = 4 << 30,
+             same_host_lane: bool = True) -> Settings:
     """``World``'s keywords, resolved and checked (see its docstring for each).
 
     Raises:
@@ -97,9 +105,12 @@ def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int]
     configured = _netif.configured_interface(interface)
     _samehost.check_settings(same_host_shm, shm_threshold, shm_cache_bytes)  # [shm hook]
     _samehost.check_cuda_ipc(cuda_ipc_cache_bytes)  # [cuda ipc hook]
+    if not isinstance(same_host_lane, bool):
+        raise TypeError(f"same_host_lane must be a bool, not {type(same_host_lane).__name__}")
     return Settings(
         name=member, rank=my_rank, size=size, elastic=elastic, init_method=init_method, backend=backend,
         rpc_timeout=rpc_wait, rpc_threads=rpc_threads, collective=bool(collective), rpc=bool(init_rpc),
         dist_timeout=dist_wait, store=store, interface=configured, liveness=bound, same_host_shm=same_host_shm,
         shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes, cuda_ipc_cache_bytes=cuda_ipc_cache_bytes,
+        same_host_lane=same_host_lane,
     )

@@ -91,6 +91,13 @@ class World:
             memory it keeps to send CUDA tensors to processes on this host through CUDA
             IPC) and, again, of its cached openings of peers' slabs. 0: CUDA tensors are
             staged through the CPU, as between hosts. Default 4 GiB.
+        same_host_lane: Calls between members on this host go through a Unix socket of
+            machinlike's (its threads sleep until a call comes: an idle member costs no
+            CPU, and a small call took a quarter of TensorPipe's time on a 2-core test
+            machine), and TensorPipe uses TCP only.
+            False: through TensorPipe with its default transports, whose shared-memory
+            one polls (each idle process of a host spins). Calls the lane cannot carry
+            (CUDA tensors, autograd, RRefs, tensors over 1 MB) take TensorPipe either way.
 
     Attributes:
         name: This process's member name.
@@ -139,6 +146,7 @@ class World:
         shm_threshold: int = 1 << 20,
         shm_cache_bytes: int = 1 << 30,
         cuda_ipc_cache_bytes: int = 4 << 30,
+        same_host_lane: bool = True,
     ) -> None:
         self._settings: Settings = settings(
             name, rank, world_size, init_method=init_method, backend=backend, rpc_timeout=rpc_timeout,
@@ -146,7 +154,7 @@ class World:
             store=store, interface=interface, elastic=elastic, liveness=liveness, init_dist=init_dist,
             dist_backend=dist_backend, dist_init_method=dist_init_method, rpc_init_method=rpc_init_method,
             same_host_shm=same_host_shm, shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
-            cuda_ipc_cache_bytes=cuda_ipc_cache_bytes,
+            cuda_ipc_cache_bytes=cuda_ipc_cache_bytes, same_host_lane=same_host_lane,
         )
         self._session = Session(self._settings)
         self._stopped = False

@@ -1,0 +1,185 @@
+"""The same-host lane (issue 37) across real processes: RpcGroup calls between members of
+one host go through machinlike's Unix socket, what it does not carry goes through torch
+RPC, an idle member sleeps, a SIGKILLed callee fails its calls at once, and the off switch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from machinlike.distributed import World
+from machinlike.distributed._transport import lane as _lane
+from machinlike.distributed._transport.lane_wire import NotForLane, request_bytes
+from machinlike.exception import PeerLostError
+from machinlike.testing import run_world
+
+
+class Refused(Exception):
+    """A custom exception: it arrives as itself through the lane too."""
+
+
+def _echo(x):
+    return x
+
+
+def _refuse(why):
+    raise Refused(why)
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def _stats():
+    lane = _lane.current()
+    return None if lane is None else lane.stats()
+
+
+def _cpu_seconds():
+    with open("/proc/self/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _calls_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    g.register(f"echo{world.rank}", _echo)
+    g.register(f"refuse{world.rank}", _refuse)
+    g.barrier()
+    if world.rank == 1:
+        before = _stats()
+        small = torch.arange(6.0).reshape(2, 3)
+        got = g.registered_sync("echo0", ({"t": small, "n": 3},))
+        assert torch.equal(got["t"], small) and got["n"] == 3
+        assert g.registered_async("echo0", (small.t(),)).wait().tolist() == small.t().tolist()
+        assert g.rpc_sync("0", _echo, args=("plain",)) == "plain"
+        assert g.rpc_async("0", lambda: os.getpid()).wait() != os.getpid()  # a shipped lambda
+        leaf = torch.ones(3, requires_grad=True)
+        back = g.registered_sync("echo0", (leaf,))
+        assert back.requires_grad and back.grad_fn is None
+        with pytest.raises(Refused, match="no entry"):
+            g.registered_sync("refuse0", ("no entry",))
+        with pytest.raises(Refused):
+            g.registered_async("refuse0", ("later",)).wait()
+        middle = _stats()
+        assert middle["calls"] - before["calls"] >= 7, (before, middle)
+        # What the lane leaves to torch RPC still arrives: autograd history, a large
+        # tensor with the shared-memory path off (below), a handle.
+        grown = torch.ones(2, requires_grad=True) * 2
+        assert g.registered_sync("echo0", (grown,)).tolist() == [2.0, 2.0]
+        after = _stats()
+        assert after["not_carried"] == middle["not_carried"] + 1, (middle, after)
+        assert after["calls"] == middle["calls"]
+        assert after["connections"] == 1  # one to rank 0, however many calls
+    g.barrier()
+    return world.rank
+
+
+def test_calls_take_the_lane_and_what_it_refuses_takes_torch_rpc():
+    assert run_world(_calls_body, 2, timeout=90) == [0, 1]
+
+
+def test_the_lane_refuses_before_sending():
+    with pytest.raises(NotForLane, match="autograd history"):
+        request_bytes(_echo, (torch.ones(2, requires_grad=True) * 3,))
+    with pytest.raises(NotForLane, match="bytes"):
+        request_bytes(_echo, (torch.zeros(_lane.TENSOR_LIMIT // 4 + 1),))
+    with pytest.raises(NotForLane, match="PicklingError|lambda"):
+        request_bytes(_echo, (lambda: 1,))
+    with pytest.raises(NotForLane):
+        request_bytes(_echo, (threading.Lock(),))
+    assert request_bytes(_echo, (torch.zeros(_lane.TENSOR_LIMIT // 4),))  # the bound itself travels
+
+
+def _idle_body(world, same_host_lane):
+    g = world.create_rpc_group("g", world.get_members())
+    g.barrier()
+    assert g.rpc_sync(str(1 - world.rank), _echo, args=(1,)) == 1  # the pipes are open
+    g.barrier()
+    before = _cpu_seconds()
+    time.sleep(2.0)
+    used = (_cpu_seconds() - before) / 2.0
+    g.barrier()
+    return used
+
+
+def test_an_idle_member_sleeps():
+    # With TensorPipe's shared-memory transport each idle process here spins (about a
+    # core between them); with the lane (TensorPipe on TCP) they sleep.
+    used = run_world(_idle_body, 2, args=(True,), timeout=90)
+    assert max(used) < 0.10, f"idle members used {used} of a core each"
+
+
+def _kill_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    g.register(f"sleep{world.rank}", _sleep)
+    g.barrier()
+    if world.rank == 1:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        g.barrier(timeout=30)
+        return "killed"
+    pending = g.registered_async("sleep1", (20,), timeout=30)
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match="'1'"):
+        g.registered_sync("sleep1", (20,), timeout=30)
+    took = time.monotonic() - start
+    with pytest.raises(PeerLostError):
+        pending.wait()
+    assert took < 5.0, took
+    with pytest.raises(TimeoutError, match="within 0.3 s"):
+        g.registered_sync("sleep0", (2,), timeout=0.3)  # (its own lane: a call to itself)
+    return _stats()
+
+
+def test_a_killed_callee_fails_its_lane_calls_at_once():
+    results = run_world(_kill_body, 2, timeout=90, return_exceptions=True, rpc_timeout=30)
+    stats = results[0]
+    assert isinstance(stats, dict), results
+    assert stats["connections"] <= 1  # the dead peer's is gone (its own may stay)
+
+
+def _off_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    g.register(f"echo{world.rank}", _echo)
+    g.barrier()
+    value = g.registered_sync(f"echo{1 - world.rank}", (torch.ones(3),))
+    g.barrier()
+    return float(value.sum()), _stats()
+
+
+def test_the_off_switch():
+    assert run_world(_off_body, 2, timeout=90, same_host_lane=False) == [(3.0, None), (3.0, None)]
+    with pytest.raises(TypeError, match="same_host_lane must be a bool"):
+        World("x", elastic=True, same_host_lane="yes")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.tensor(5).expand(1),           # one element, stride 0
+    lambda: torch.zeros(3).expand(4, 3),         # expanded
+    lambda: torch.arange(12).reshape(3, 4).t(),  # not contiguous
+    lambda: torch.arange(10)[2:7:2],             # offset and step
+    lambda: torch.empty(0, 3),
+    lambda: torch.tensor(2.5),                   # 0-dim
+    lambda: torch.tensor([True, False]),
+    lambda: torch.randn(3, dtype=torch.complex64).conj(),
+    lambda: -torch.randn(2, 2, dtype=torch.complex64).conj().imag,
+    lambda: torch.randn(4).to(torch.bfloat16),
+    lambda: torch.nn.Parameter(torch.randn(2, 3)),
+], ids=["stride0", "expanded", "transposed", "strided", "empty", "0-dim", "bool", "conj", "neg", "bf16", "param"])
+def test_the_lanes_pickling_keeps_every_plain_tensor(make):
+    import pickle
+
+    from machinlike.distributed._transport.lane_wire import reply_bytes
+
+    tensor = make()
+    fn, (back,) = pickle.loads(request_bytes(_echo, (tensor,)))
+    assert fn is _echo and type(back) is type(tensor) and back.dtype == tensor.dtype
+    assert back.shape == tensor.shape and back.requires_grad == tensor.requires_grad
+    assert torch.equal(back.detach().resolve_conj(), tensor.detach().resolve_conj())
+    assert torch.equal(pickle.loads(reply_bytes(tensor)).detach().resolve_conj(), tensor.detach().resolve_conj())
