@@ -136,6 +136,9 @@ def _body(world: Any, quick: bool) -> Dict[str, Any]:
                                     lambda: group.remote("1", noop).to_here(), calls, blocks)
         del raw_ref
         tensor = torch.ones(16 * 1024 * 1024)  # 64 MB of float32
+        for _ in range(2):  # the first echoes map and fault in the segments (both sides, both ways)
+            rpc.rpc_sync("1", echo, args=(tensor,))
+            group.registered_sync("echo", (tensor,))
         big = _paired(lambda: rpc.rpc_sync("1", echo, args=(tensor,)),
                       lambda: group.registered_sync("echo", (tensor,)), 1, 3 if quick else 7)
         results["echo64"] = big
