@@ -25,6 +25,21 @@ sys.stdin.read()
 """
 
 
+def _wait_stopped(pid: int, within: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped: ``kill`` only queues SIGSTOP, and a thread
+    busy on a loaded box stops a moment later (CI once saw the store answer after it)."""
+    deadline = time.monotonic() + within
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: its threads are {states}"
+        time.sleep(0.005)
+
+
 def test_an_owner_look_up_in_a_silent_store_ends_within_the_calls_timeout():
     host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -35,6 +50,7 @@ def test_an_owner_look_up_in_a_silent_store_ends_within_the_calls_timeout():
             assert group.registered_sync("svc", timeout=10) == os.getpid()
             host.send_signal(signal.SIGSTOP)
             try:
+                _wait_stopped(host.pid)
                 start = time.monotonic()
                 with pytest.raises(TimeoutError, match=r"owner look-up: the world's store .* did not answer within 1.5"):
                     group.registered_sync("nobody-has-this", timeout=1.5)

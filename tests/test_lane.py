@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from machinlike.distributed import World
+from machinlike.distributed._calls.send import translate_error
 from machinlike.distributed._transport import lane as _lane
 from machinlike.distributed._transport.lane_wire import NotForLane, request_bytes
 from machinlike.exception import PeerLostError
@@ -95,6 +97,30 @@ def test_the_lane_refuses_before_sending():
     with pytest.raises(NotForLane):
         request_bytes(_echo, (threading.Lock(),))
     assert request_bytes(_echo, (torch.zeros(_lane.TENSOR_LIMIT // 4),))  # the bound itself travels
+
+
+def _conn_to(peer_closes_reading: bool):
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if peer_closes_reading:
+        theirs.shutdown(socket.SHUT_RD)  # our sends break (EPIPE); our reader sees no eof
+    return _lane._Conn(4242, mine, lambda conn: None), theirs
+
+
+def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
+    # A callee that died before this reader noticed breaks the send itself: that must
+    # read as a lost peer, not as a timeout (CI once saw a 60 s "did not answer" here).
+    conn, theirs = _conn_to(peer_closes_reading=True)
+    with pytest.raises(RuntimeError) as broke:
+        conn.send(b"x" * 100, _lane._Pending(None, time.monotonic() + 5))
+    assert isinstance(translate_error(broke.value, "h", "the call", 5), PeerLostError), broke.value
+    theirs.close()
+    # A callee that reads nothing: the frame cannot leave by its deadline.
+    conn, theirs = _conn_to(peer_closes_reading=False)
+    with pytest.raises(RuntimeError) as late:
+        conn.send(b"x" * (8 << 20), _lane._Pending(None, time.monotonic() + 0.2))
+    assert isinstance(translate_error(late.value, "h", "the call", 0.2), TimeoutError), late.value
+    conn.close("test over")
+    theirs.close()
 
 
 def _idle_body(world, same_host_lane):

@@ -116,8 +116,11 @@ class _Conn:
                 self._pending.pop(cid, None)
                 failed = self._close_locked(f"send failed: {err}")
             self._fail(failed)
-            raise RuntimeError(f"the lane to process {self.pid} closed while sending a call "
-                               f"(timed out or eof: {err})") from err
+            # The two causes must read apart: translate_error names a timeout by its words,
+            # and a peer that died (EPIPE, ECONNRESET) by "eof" (a PeerLostError).
+            if isinstance(err, socket.timeout):
+                raise RuntimeError(f"the call to process {self.pid} timed out while being sent") from err
+            raise RuntimeError(f"the lane to process {self.pid} closed while sending a call: eof ({err})") from err
         finally:
             self._send_lock.release()
         return cid

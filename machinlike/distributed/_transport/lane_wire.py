@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import os
 import pickle
 import select
 import socket
@@ -124,19 +125,23 @@ def send_frame(sock: socket.socket, kind: int, cid: int, payload: bytes, deadlin
     """Send one frame by ``deadline`` (``time.monotonic()``), whatever the socket's timeout.
 
     One socket object serves a connection's reader (its timeout only a poll bound) and its
-    senders, so a send waits on its own deadline: a try that cannot block, then a poll.
+    senders, so a send waits on its own deadline: a write that cannot block, then a poll.
+    ``sock`` must have a timeout (its descriptor is then non-blocking): ``socket.send``
+    would wait that timeout out on a full buffer, whatever the flags, so the bytes go
+    through ``os.write`` on the descriptor.
 
     Raises:
         socket.timeout: the frame did not leave in time (part of it may have: the stream is
             no longer framed, and the caller drops the connection).
         OSError: the connection broke.
     """
+    fd = sock.fileno()
     head = _HEADER.pack(len(payload), cid, kind)
     view = memoryview(head + payload if len(payload) < 65536 else head)
     for part in ((view,) if len(payload) < 65536 else (view, memoryview(payload))):
         while part:
             try:
-                part = part[sock.send(part, socket.MSG_DONTWAIT):]
+                part = part[os.write(fd, part):]
                 continue
             except BlockingIOError:
                 pass
@@ -144,7 +149,7 @@ def send_frame(sock: socket.socket, kind: int, cid: int, payload: bytes, deadlin
             if left <= 0:
                 raise socket.timeout("timed out sending a frame")
             poller = select.poll()
-            poller.register(sock, select.POLLOUT)
+            poller.register(fd, select.POLLOUT)
             poller.poll(left * 1000)
 
 
