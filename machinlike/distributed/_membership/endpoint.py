@@ -187,7 +187,9 @@ class Endpoint:
     def aged(self) -> bool:
         """Whether this member's agent must be recycled before ids come round: a quarter
         of the id space has been handed out since its worker's (see the module's "why")."""
-        return self._seq >= 0 and self._latest_seq - self._seq >= _transport.id_space() // 4
+        handed = self._latest_seq - self._seq
+        # (the id space is at least 16: fewer than 4 ids handed out need no environment read)
+        return self._seq >= 0 and handed >= 4 and handed >= _transport.id_space() // 4
 
     def _rename(self) -> None:
         """A fresh worker, and this member's claim rewritten to name it."""

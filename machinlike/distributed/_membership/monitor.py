@@ -185,13 +185,16 @@ class Monitor:
         tick = self._tick()
         beat_key = self._keys.heartbeat(self._endpoint.name)
         ticks = 0
+        pid_watched: Optional[List[MemberRecord]] = None
         while not self._sleep(tick):
             ticks += 1
             try:
                 self._registry.add(beat_key, 1)
                 watched, counts = self.watch.tick(self._endpoint.name)  # catches up with the log too
-                if self._pids is not None:
+                if self._pids is not None and watched is not pid_watched:
+                    # (the watch hands back the same list until the roster changes)
                     self._pids.watch(watched)
+                    pid_watched = watched
                 if self._declared_lost():
                     return
                 if self._renewing is not None and self._renewing.is_alive():

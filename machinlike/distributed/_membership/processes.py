@@ -42,12 +42,21 @@ def _read(path: str) -> str:
         return "?"
 
 
-_cached: Optional[tuple] = None
+_cached: Optional[tuple] = None  # (pid, namespace); a forked child reads it again
+
+
+def _after_fork_in_child() -> None:
+    global _cached
+    _cached = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _namespace() -> str:
+    # Called for every watched member at every liveness tick: no system call once cached.
     global _cached
-    if _cached is not None and _cached[0] == os.getpid():  # a fork re-reads (same spaces, new pid)
+    if _cached is not None:
         return _cached[1]
     boot = _read("/proc/sys/kernel/random/boot_id")
     spaces = []

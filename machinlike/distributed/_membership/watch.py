@@ -139,7 +139,9 @@ class RingWatch(Watch):
         self._k = k
         self._version = -1
         self._watched: List[MemberRecord] = []
+        self._keys_read: List[str] = []  # the log counter's key, then the watched heartbeats'
         self._seen: Set[str] = set()  # keys seen to exist (multi_get may read them); bounded by k + 1
+        self._all_seen = False  # every key of _keys_read is in _seen
         self.requests = 0
         self.key_reads = 0
         self.fallbacks = 0
@@ -160,15 +162,19 @@ class RingWatch(Watch):
                 after += heapq.nsmallest(self._k - len(after), (r for r in others if r.member < me), key=_name)
             self._watched = after
             self._version = version
-            wanted = {self._keys.heartbeat(r.member) for r in self._watched} | {self._keys.log_count()}
-            self._seen &= wanted
+            # The keys a tick reads, made once per roster change (not at every tick).
+            self._keys_read = [self._keys.log_count()] + [self._keys.heartbeat(r.member) for r in after]
+            self._seen &= set(self._keys_read)
+            self._all_seen = False
         return self._watched
 
     def tick(self, me: str) -> Tuple[List[MemberRecord], List[str]]:
         watched = self.successors(me)
-        keys = [self._keys.log_count()] + [self._keys.heartbeat(r.member) for r in watched]
+        keys = self._keys_read
         values: Optional[List[str]] = None
-        if all(key in self._seen for key in keys):
+        if not self._all_seen:
+            self._all_seen = all(key in self._seen for key in keys)
+        if self._all_seen:
             values = self._multi_get(keys)
         if values is None:  # a key not yet seen (a new successor), or the multi_get timed out
             values = []
@@ -199,6 +205,7 @@ class RingWatch(Watch):
             # read them one by one this tick, and learn again which exist.
             self.fallbacks += 1
             self._seen.clear()
+            self._all_seen = False
             return None
         except (dist.DistNetworkError, ConnectionError):
             self._fast = None

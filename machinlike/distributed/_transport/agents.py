@@ -88,6 +88,8 @@ def reap_retired(idle_before: float, retired_before: float) -> List[str]:
         began before ``retired_before`` and still runs (logged as stalled: an agent closes
         its connections first, so nothing reaches them any more).
     """
+    if not _retired and not _reaping:
+        return []  # the liveness tick's common case: no call into torch
     first = _first_agent()
     due = [(a, t) for a, t in _retired
            if a is not first and (t < retired_before or (t < idle_before and _idle(a)))]
