@@ -42,7 +42,7 @@ def _read(path: str) -> str:
         return "?"
 
 
-_cached: Optional[tuple] = None  # (pid, namespace); a forked child reads it again
+_cached: Optional[str] = None  # this process's namespace; a forked child reads it again
 
 
 def _after_fork_in_child() -> None:
@@ -57,7 +57,7 @@ def _namespace() -> str:
     # Called for every watched member at every liveness tick: no system call once cached.
     global _cached
     if _cached is not None:
-        return _cached[1]
+        return _cached
     boot = _read("/proc/sys/kernel/random/boot_id")
     spaces = []
     for kind in ("pid", "net"):
@@ -66,7 +66,7 @@ def _namespace() -> str:
         except OSError:
             spaces.append("?")
     space = f"{boot}/{spaces[0]}:{spaces[1]}"
-    _cached = (os.getpid(), space)
+    _cached = space
     return space
 
 
