@@ -123,6 +123,39 @@ def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
     theirs.close()
 
 
+def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_add():
+    # rpc.py's 64-in-flight loop once met an IndexError here: past 4,096 entries the heap
+    # sheds answered calls, and a call answered before its own add left nothing in it.
+    expiry = _lane._Expiry()
+    conn, theirs = _conn_to(peer_closes_reading=False)
+    far = time.monotonic() + 600
+
+    def add(cid, answered_first=False):
+        pending = _lane._Pending(torch.futures.Future(), far)
+        if answered_first:
+            pending.fut.set_result(cid)
+        expiry.add(conn, cid, pending)
+        pending.fut.done() or pending.fut.set_result(cid)  # (answered after its add: the common order)
+        return pending
+
+    try:
+        for cid in range(4096):
+            add(cid)
+        late = add(4096, answered_first=True)  # the 4,097th: answered before its add
+        assert all(entry[4] is not late for entry in expiry._heap)
+        for cid in range(4097, 6000):
+            add(cid)
+        assert len(expiry._heap) <= 4097  # shed, not one entry per call ever made
+        live = _lane._Pending(torch.futures.Future(), time.monotonic() + 0.2)
+        expiry.add(conn, conn.send(b"call", live), live)  # (a real send: the peer never answers)
+        with pytest.raises(RuntimeError, match="timed out"):
+            live.fut.wait()  # still expired at its deadline
+    finally:
+        expiry.stop()
+        conn.close("test over")
+        theirs.close()
+
+
 def _idle_body(world, same_host_lane):
     g = world.create_rpc_group("g", world.get_members())
     g.barrier()

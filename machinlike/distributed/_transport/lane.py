@@ -209,6 +209,8 @@ class _Expiry:
         self._thread: Optional[threading.Thread] = None
 
     def add(self, conn: _Conn, cid: int, pending: _Pending) -> None:
+        if pending.fut is not None and pending.fut.done():
+            return  # answered while it was being sent: nothing to expire
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="machinlike-lane-expiry", daemon=True)
@@ -220,7 +222,8 @@ class _Expiry:
                 # and then, so the heap stays of the order of the calls in flight.
                 self._heap = [e for e in self._heap if e[4].fut is not None and not e[4].fut.done()]
                 heapq.heapify(self._heap)
-            if self._heap[0][4] is pending:
+            # (the shedding may have emptied the heap: an answer can come at any moment)
+            if self._heap and self._heap[0][4] is pending:
                 self._cond.notify()
 
     def _live(self) -> int:
