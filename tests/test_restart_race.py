@@ -2,7 +2,8 @@
 in place, every rank groups with it. The survivors learn from the store that it is back,
 before their view has seen the new incarnation; group creation must wait for the view to
 catch up instead of failing a healthy rank ("it was lost from the world"), and the ranks
-must agree. The restarted rank registers its predecessor's service again at once. ``benchmarks/restart_race.py`` runs it 50 times in a row."""
+must agree. The restarted rank registers its predecessor's service again at once.
+``benchmarks/restart_race.py`` runs it 50 times in a row."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ holding a runner forever.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -29,10 +30,6 @@ __all__ = ["Server"]
 
 
 _REPLY_S = 60.0  # seconds a reply may take to leave before its connection is given up
-
-
-def _job(run: Callable[..., None], *args: Any) -> Callable[[], None]:
-    return lambda: run(*args)
 
 
 class _Workers:
@@ -133,7 +130,7 @@ class Server:
                 if refused:
                     self._answer(conn, send_lock, frame[1], ERR, b"the callee's lane was shut down (its World stopped)")
                     continue
-                self._workers.submit(_job(self._run, conn, send_lock, frame[1], frame[2]))
+                self._workers.submit(functools.partial(self._run, conn, send_lock, frame[1], frame[2]))
         except OSError:
             return
         finally:
