@@ -34,6 +34,8 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
+from machinlike._warm import warm_context
+
 __all__ = ["run", "main"]
 
 CALLS = 4  # services each member calls (the ones after it in name order)
@@ -129,14 +131,23 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def run(members: int, kills: int, liveness: float, timeout: float) -> Dict[str, Any]:
-    """One run (see the module doc); every wait ends by ``timeout`` seconds from now."""
+def run(members: int, kills: int, liveness: float, timeout: float, start: str = "warm") -> Dict[str, Any]:
+    """One run (see the module doc); every wait ends by ``timeout`` seconds from now.
+
+    ``start``: ``"warm"`` (machinlike's warm forkserver, as launch() starts its ranks) or
+    ``"spawn"`` (each member a new interpreter that imports torch itself).
+    """
     deadline = time.monotonic() + timeout
     left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60), use_libuv=True)
     address = f"tcp://127.0.0.1:{store.port}"
-    ctx = mp.get_context("spawn")
+    # By default members start from machinlike's warm forkserver (torch imported once), as
+    # launch()'s ranks do: spawned, each imports torch again (about 3.5 s of CPU here), and
+    # the join figure mostly measures this box starting interpreters.
+    if start not in ("warm", "spawn"):
+        raise ValueError(f"start={start!r}: use 'warm' or 'spawn'")
+    ctx = warm_context() if start == "warm" else mp.get_context("spawn")
     out = ctx.Queue()
     names = [f"m{i:03d}" for i in range(members)]
     procs = []
@@ -206,8 +217,10 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=4)
     parser.add_argument("--liveness", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=540.0, help="hard limit of the run, seconds")
+    parser.add_argument("--start", choices=("warm", "spawn"), default="warm",
+                        help="how members start: machinlike's warm forkserver, or spawned interpreters")
     args = parser.parse_args()
-    r = run(args.members, args.kills, args.liveness, args.timeout)
+    r = run(args.members, args.kills, args.liveness, args.timeout, args.start)
     if "error" in r:
         print(f"scale: N={args.members} {r['error']}: {r}")
         sys.exit(1)

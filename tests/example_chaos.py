@@ -3,16 +3,13 @@ on past the first member the launcher killed (shared by the examples' smoke test
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from example_run import run_example
 
 
 def trains_through_chaos(script: str, args: Sequence[str], learner: str,
-                         progress: Callable[[str], Optional[int]]) -> List[str]:
+                         progress: Callable[[str], int | None]) -> list[str]:
     """Run ``examples/<script> *args`` and check it trained past the first loss.
 
     Args:
@@ -23,9 +20,7 @@ def trains_through_chaos(script: str, args: Sequence[str], learner: str,
     Returns:
         The example's output lines.
     """
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], check=False, cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=150)
+    proc = run_example(script, args, timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     lost = next(i for i, x in enumerate(lines) if x.startswith(f"{learner} member") and "was lost" in x)

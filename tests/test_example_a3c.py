@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 from example_chaos import COMMON_TAGS, read_scalars
+from example_run import run_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "a3c.py")
@@ -24,9 +24,8 @@ def example_env():
 
 def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     out = tmp_path / "a3c.csv"
-    done = subprocess.run([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
-                           "--time-budget", "3", "--out", str(out), "--metrics-every", "0.3", "--device", "cpu"],
-                          cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=150)
+    done = run_example(SCRIPT, ["--num-workers", "2", "--envs-per-worker", "2", "--time-budget", "3",
+                                "--out", str(out), "--metrics-every", "0.3", "--device", "cpu"], timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))
@@ -112,10 +111,9 @@ def test_a3c_trains_through_a_worker_killed_by_chaos(tmp_path):
     # --chaos: an elastic world; every 2 s the launcher SIGKILLs a worker and restarts it.
     # The budget starts on the learner once the world formed: several kills fall inside it.
     out = tmp_path / "a3c.csv"
-    done = subprocess.run([sys.executable, SCRIPT, "--num-workers", "2", "--envs-per-worker", "2",
-                           "--stop-at", "0", "--time-budget", "8", "--chaos", "2", "--print-every", "0.5",
-                           "--out", str(out)],
-                          cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=120)
+    done = run_example(SCRIPT, ["--num-workers", "2", "--envs-per-worker", "2", "--stop-at", "0",
+                                "--time-budget", "8", "--chaos", "2", "--print-every", "0.5", "--out", str(out)],
+                       timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     lost = next(i for i, x in enumerate(lines) if x.startswith("[learner] member") and "was lost" in x)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import csv
 import importlib
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-
 from example_chaos import COMMON_TAGS, read_scalars, trains_through_chaos
+from example_run import run_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -93,11 +92,8 @@ def test_pacer_releases_waiters_in_order_and_stops(apex):
 
 def test_smoke(tmp_path):
     out = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "dqn_apex.py"), "--time-budget", "3",
-                           "--warmup", "200", "--target", "0", "--num-workers", "2", "--out", str(out),
-                           "--metrics-every", "0.3", "--device", "cpu"],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    proc = run_example("dqn_apex.py", ["--time-budget", "3", "--warmup", "200", "--target", "0", "--num-workers", "2",
+                                       "--out", str(out), "--metrics-every", "0.3", "--device", "cpu"], timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))

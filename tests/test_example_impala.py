@@ -6,13 +6,12 @@ from __future__ import annotations
 import csv
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-
 from example_chaos import COMMON_TAGS, read_scalars, trains_through_chaos
+from example_run import run_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -76,10 +75,8 @@ def test_inbox_parks_senders_when_full_and_answers_stop_on_close(impala):
 
 def _run_script(tmp_path, *extra):
     out = tmp_path / "curve.csv"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "impala.py"), "--time-budget", "2", "--target", "0",
-                           "--out", str(out), "--device", "cpu", *extra],
-                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    proc = run_example("impala.py", ["--time-budget", "2", "--target", "0", "--out", str(out), "--device", "cpu",
+                                     *extra], timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out, newline="") as stream:
         rows = list(csv.DictReader(stream))

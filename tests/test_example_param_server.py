@@ -6,21 +6,17 @@ import csv
 import importlib
 import os
 import re
-import subprocess
 import sys
 
+import example_run
 import pytest
-
 from example_chaos import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_example(script, *args, timeout=150):
-    # The examples import machinlike from the checkout, installed or not.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return example_run.run_example(script, args, timeout=timeout)
 
 
 def test_param_server_trains_and_writes_its_curve(tmp_path):

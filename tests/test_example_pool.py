@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from example_run import run_example
 
 
 def test_pool_tour():
-    # The example imports machinlike from the checkout, installed or not.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pool.py"), "--time-budget", "60"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = run_example("pool.py", ["--time-budget", "60"], timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     for text in [

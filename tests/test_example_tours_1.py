@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import example_run
 
 
 def run_example(script, *args, timeout=120):
-    # The examples import machinlike from the checkout, installed or not.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *map(str, args)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return example_run.run_example(script, args, timeout=timeout)
 
 
 def test_ordered_server_tour():
