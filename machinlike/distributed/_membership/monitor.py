@@ -20,9 +20,10 @@ checks this member's RPC listener, and declares the suspects lost.
         silence bound by this thread's own looks, and
         still stalled when read once more
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
-      free its keys (Claims.free), prune its worker,  m/own/<worker>
-      clear m/live, set m/gone, post "lost",          m/gone/<name>/<inc>, m/lostpost/...
-      record the departure (Departures)               m/dep/...
+      free its keys (Claims.free), clear m/live,      m/own/<worker>
+      set m/gone, post "lost",                        m/gone/<name>/<inc>, m/lostpost/...
+      record the departure (Departures), then prune   m/dep/...
+      its worker from RPC (waits for torch's token)
       (a declarer that dies mid-way is taken over after 6 s; m/lostpost keeps it
       to one "lost" event per incarnation)
 
@@ -358,15 +359,27 @@ class Monitor:
         else:
             log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
                         rec.rank)
-        released = self.free(rec, deadline)  # idempotent: releases compare the holder
+        released, workers = self._release(rec)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
         if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
             self._events.post("lost", rec)
             self._departures.record(rec.member, rec.incarnation, released)
+        # After the event: the prune waits for torch's membership token, which joins and
+        # renewals hold (a death that sends its callers into renewals held it for seconds,
+        # and the "lost" event waited behind it: issue 37). Nothing needs it first: the
+        # worker's entry is gone (forget), so whoever joins next prunes it anyway.
+        self._prune(workers, deadline)
 
     def free(self, rec: MemberRecord, deadline: float) -> List[str]:
-        """Release ``rec``'s keys, clear its claim, drop its worker from RPC, mark it gone;
-        returns the keys released (for :class:`Departures`).
+        """Release ``rec``'s keys, clear its claim, mark it gone, drop its worker from RPC;
+        returns the keys released (for :class:`Departures`)."""
+        released, workers = self._release(rec)
+        self._prune(workers, deadline)
+        return released
+
+    def _release(self, rec: MemberRecord) -> Tuple[List[str], List[str]]:
+        """``free``'s store work: keys, claim, worker entries, ``m/gone``; returns the keys
+        released and ``rec``'s worker names (the record's and the claim's).
 
         ``rec`` may be stale: the incarnation may have renewed its agent (a new worker name,
         its keys moved there) after this view last heard of it. So the claim as the store
@@ -391,9 +404,16 @@ class Monitor:
                 released += self._claims.free(now.worker)
             if self._registry.compare_set(live, held, "") == "":
                 break
-        for worker in workers:
-            if self._elastic:
-                self._endpoint.forget(worker)  # first: the prune then drops its address too
-                self._endpoint.prune(worker, deadline)
+        if self._elastic:
+            for worker in workers:
+                # Its entry first: whoever prunes the RPC group's list next (this member
+                # in _prune, or the next joiner) then drops its address too.
+                self._endpoint.forget(worker)
         self._registry.set(self._keys.gone(rec.member, rec.incarnation), "1")
-        return released
+        return released, workers
+
+    def _prune(self, workers: List[str], deadline: float) -> None:
+        """Drop ``workers`` from the dynamic RPC group (briefly, best effort: Endpoint.prune)."""
+        if self._elastic:
+            for worker in workers:
+                self._endpoint.prune(worker, deadline)
