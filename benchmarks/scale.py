@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing as mp
 import os
 import queue
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch.distributed as dist
 
-from machinlike._warm import warm_context
+from machinlike._warm import resolve_context
 
 __all__ = ["run", "main"]
 
@@ -134,20 +133,19 @@ def _say(text: str) -> None:
 def run(members: int, kills: int, liveness: float, timeout: float, start: str = "warm") -> Dict[str, Any]:
     """One run (see the module doc); every wait ends by ``timeout`` seconds from now.
 
-    ``start``: ``"warm"`` (machinlike's warm forkserver, as launch() starts its ranks) or
-    ``"spawn"`` (each member a new interpreter that imports torch itself).
+    ``start``: ``"warm"`` (machinlike's warm forkserver, as launch() starts its ranks),
+    ``"spawn"`` (each member a new interpreter that imports torch itself), or another
+    start method name (see ``machinlike._warm.resolve_context``).
     """
+    # By default members start from machinlike's warm forkserver (torch imported once), as
+    # launch()'s ranks do: spawned, each imports torch again (about 3.5 s of CPU here), and
+    # the join figure mostly measures this box starting interpreters.
+    ctx = resolve_context(start, "start")
     deadline = time.monotonic() + timeout
     left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60), use_libuv=True)
     address = f"tcp://127.0.0.1:{store.port}"
-    # By default members start from machinlike's warm forkserver (torch imported once), as
-    # launch()'s ranks do: spawned, each imports torch again (about 3.5 s of CPU here), and
-    # the join figure mostly measures this box starting interpreters.
-    if start not in ("warm", "spawn"):
-        raise ValueError(f"start={start!r}: use 'warm' or 'spawn'")
-    ctx = warm_context() if start == "warm" else mp.get_context("spawn")
     out = ctx.Queue()
     names = [f"m{i:03d}" for i in range(members)]
     procs = []

@@ -2,8 +2,8 @@
 
 Why: an example started as a new interpreter imports torch (about 3.5 s of CPU on the
 2-core CI box), then starts the warm forkserver of its ranks, which imports torch again
-(about 5 s more), before its first line of work; fourteen example runs spent two minutes
-of the suite on that alone. Here the script runs as ``__main__`` in a child of the
+(about 5 s more), before its first line of work; the suite's thirteen example runs spent
+about 100 s on that alone. Here the script runs as ``__main__`` in a child of the
 session's "train" warm forkserver (torch, torch._dynamo and machinlike already imported),
 and the ranks it launches come from that same server, as they would from its own.
 
@@ -25,6 +25,7 @@ import tempfile
 import types
 from collections.abc import Sequence
 
+import _background
 from machinlike._warm import warm_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +76,7 @@ def run_example(script: str, args: Sequence[object], *, timeout: float = 150.0,
     path = script if os.path.isabs(script) else os.path.join(EXAMPLES, script)
     argv = [str(a) for a in args]
     if env is None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        env = _background.checkout_env()
     with tempfile.TemporaryDirectory(prefix="mlk-example-") as folder:
         out, err = os.path.join(folder, "stdout"), os.path.join(folder, "stderr")
         for name in (out, err):
