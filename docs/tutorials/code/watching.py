@@ -23,10 +23,12 @@ LOGDIR = os.path.join(tempfile.gettempdir(), "machinlike_watching")
 
 # [learner]
 def learn(world: machinlike.World, logdir: str) -> int:
-    metrics = Metrics(logdir)  # TensorBoard event files (if installed) and metrics.csv
-    figures = WorldFigures(world)  # members alive, deaths, rejoins, each local member's RSS
     rejoined = threading.Event()
     world.on_member_change(lambda e: rejoined.set() if e.kind == "join" and e.incarnation > 1 else None)
+    if (world.get_incarnation("1") or 1) > 1:  # back before the line above: its event came earlier
+        rejoined.set()
+    metrics = Metrics(logdir)  # TensorBoard event files (if installed) and metrics.csv
+    figures = WorldFigures(world)  # members alive, deaths, rejoins, each local member's RSS
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
