@@ -182,13 +182,18 @@ def _io(pid: int) -> Tuple[int, int]:
 
 
 # ----------------------------------------------------------------------- a host
-def _host(index: int, names: List[str], port: int, liveness: float, design: str, conn: Any) -> None:
+def _host(index: int, names: List[str], port: int, liveness: float, design: str, switch: float,
+          conn: Any) -> None:
     """One process holding ``names`` as simulated members; obeys ``conn``'s commands."""
     os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
-    # Hundreds of member threads share one GIL here: at the default 5 ms switch interval
-    # a thread waits up to threads x 5 ms for its turn (1.28 s at 256, past liveness=2's
-    # 1.25 s silence bound), which starves members no real process would starve.
-    sys.setswitchinterval(0.001)
+    # Hundreds of member threads share one GIL here, as no real member does (one member,
+    # one process). Each thread waiting for the GIL wakes once per switch interval to ask
+    # for it: at 1 ms (this benchmark's setting before session 18) 1,024 members made
+    # 430k context switches/s, the box spent 80% of its time in the kernel and the joins
+    # took 116-156 s; at CPython's 5 ms they took 28-33 s. Too long an interval starves
+    # members instead (a turn comes every threads x interval at worst): keep N / --hosts
+    # at 128 or so (see --switch-interval).
+    sys.setswitchinterval(switch)
     from machinlike.distributed._membership import endpoint as _endpoint
     from machinlike.distributed._store import Keys
     from machinlike.distributed._membership import process_identity
@@ -306,7 +311,8 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
-def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int) -> Dict[str, Any]:
+def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int,
+            switch: float = 0.005) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     port_in, port_out = ctx.Pipe()
     stop = ctx.Event()
@@ -318,7 +324,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
     conns, procs = [], []
     for h in range(hosts):
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, theirs), daemon=True)
+        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, theirs), daemon=True)
         p.start()
         conns.append(mine)
         procs.append(p)
@@ -441,13 +447,16 @@ def main() -> None:
     parser.add_argument("--liveness", type=float, default=2.0)
     parser.add_argument("--window", type=float, default=8.0, help="seconds of steady state measured")
     parser.add_argument("--hosts", type=int, default=8, help="processes holding the simulated members")
+    parser.add_argument("--switch-interval", type=float, default=0.005,
+                        help="the hosts' sys.setswitchinterval, seconds (CPython's default; see _host)")
     parser.add_argument("--kills", type=int, default=4, help="deaths of each kind (remote, same host)")
     parser.add_argument("--timeout", type=float, default=240.0, help="hard limit per (N, design), seconds")
     parser.add_argument("--one", nargs=2, metavar=("N", "DESIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see CONNECTORS
     if args.one:
-        result = run_one(int(args.one[0]), args.one[1], args.liveness, args.window, args.hosts, args.kills)
+        result = run_one(int(args.one[0]), args.one[1], args.liveness, args.window, args.hosts, args.kills,
+                         args.switch_interval)
         print("RESULT " + json.dumps(result))
         return
     rows = []
@@ -455,6 +464,7 @@ def main() -> None:
         for design in args.designs.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), design,
                    "--liveness", str(args.liveness), "--window", str(args.window), "--hosts", str(args.hosts),
+                   "--switch-interval", str(args.switch_interval),
                    "--kills", str(args.kills)]
             # Its own session: over the hard limit, its store and hosts go with it.
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
