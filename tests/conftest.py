@@ -6,7 +6,8 @@ two at a time (``-n 2``, pytest-xdist), then the ``serial`` ones alone. Why: a s
 left this 2-core box idle 43% of its 12 minutes (processes starting, peers waiting out
 timeouts); the two parts take 370 s and 190 s here, against 731-738 s. ``serial`` marks
 the files whose tests hold a measured bound only with the machine to themselves (see
-``SERIAL``); ``python -m pytest`` alone still runs everything, one test at a time.
+``SERIAL``), and the tests that collect the background checks (``CHECKS``); ``python -m
+pytest`` alone still runs everything, one test at a time.
 """
 
 from __future__ import annotations
@@ -65,10 +66,22 @@ SERIAL = {
 }
 
 
+#: Tests that only collect a background check's outcome (``_background``): marked
+#: ``serial`` too, and run last, so that mypy and Sphinx run at nice 19 in the idle time
+#: the serial tests leave. In an xdist worker no check starts in the background, and
+#: each of these would run its check itself (mypy 52 s, Sphinx 37 s in CI).
+CHECKS = {
+    "test_types.py::test_mypy_finds_no_errors": "mypy",
+    "test_docs.py::test_sphinx_build_has_no_warnings": "sphinx",
+    "test_docs.py::test_api_reference_documents_every_public_name": "sphinx",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SERIAL:
+        if item.path.name in SERIAL or f"{item.path.name}::{item.name}" in CHECKS:
             item.add_marker(pytest.mark.serial)
+    items.sort(key=lambda item: f"{item.path.name}::{item.name}" in CHECKS)  # (stable: the checks last)
 
 
 def pytest_collection_finish(session):
@@ -77,10 +90,10 @@ def pytest_collection_finish(session):
     parallelism; there the test that needs a check runs it itself)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    files = {item.nodeid.split("::", 1)[0].rpartition("/")[2] for item in session.items}
-    if "test_types.py" in files and importlib.util.find_spec("mypy") is not None:
+    checks = {CHECKS.get(f"{item.path.name}::{item.name}") for item in session.items}
+    if "mypy" in checks and importlib.util.find_spec("mypy") is not None:
         _background.start("mypy", _background.mypy_argv())
-    if "test_docs.py" in files and importlib.util.find_spec("sphinx") is not None:
+    if "sphinx" in checks and importlib.util.find_spec("sphinx") is not None:
         folder = Path(tempfile.mkdtemp(prefix="mlk-sphinx-"))
         _background.start("sphinx", _background.sphinx_argv(folder / "html"), folder)
 
