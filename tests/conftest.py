@@ -4,7 +4,7 @@ the Sphinx build) started beside the suite (see ``_background``); the ``serial``
 The README's test command runs the suite in two parts: every test not marked ``serial``
 two at a time (``-n 2``, pytest-xdist), then the ``serial`` ones alone. Why: a serial run
 left this 2-core box idle 43% of its 12 minutes (processes starting, peers waiting out
-timeouts); the two parts take 370 s and 190 s here, against 731-738 s. ``serial`` marks
+timeouts); the two parts take 374 s and 199 s in CI, against 733 s in one. ``serial`` marks
 the files whose tests hold a measured bound only with the machine to themselves (see
 ``SERIAL``), and the tests that collect the background checks (``CHECKS``); ``python -m
 pytest`` alone still runs everything, one test at a time.
@@ -77,11 +77,16 @@ CHECKS = {
 }
 
 
+def _check_of(item: pytest.Item) -> str | None:
+    """The background check ``item`` collects (a ``CHECKS`` value), None for any other test."""
+    return CHECKS.get(f"{item.path.name}::{item.name}")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SERIAL or f"{item.path.name}::{item.name}" in CHECKS:
+        if item.path.name in SERIAL or _check_of(item):
             item.add_marker(pytest.mark.serial)
-    items.sort(key=lambda item: f"{item.path.name}::{item.name}" in CHECKS)  # (stable: the checks last)
+    items.sort(key=lambda item: _check_of(item) is not None)  # (stable: the checks last)
 
 
 def pytest_collection_finish(session):
@@ -90,7 +95,7 @@ def pytest_collection_finish(session):
     parallelism; there the test that needs a check runs it itself)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    checks = {CHECKS.get(f"{item.path.name}::{item.name}") for item in session.items}
+    checks = {_check_of(item) for item in session.items}
     if "mypy" in checks and importlib.util.find_spec("mypy") is not None:
         _background.start("mypy", _background.mypy_argv())
     if "sphinx" in checks and importlib.util.find_spec("sphinx") is not None:
