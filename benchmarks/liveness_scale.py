@@ -17,7 +17,12 @@ Each (N, design) runs in a fresh interpreter with a hard timeout: join all N (ti
 "go" until every member sees N members), a steady window (store requests and key reads
 counted by a proxy store around every member's client, the store's CPU and bytes), then
 ``--kills`` silent deaths and as many same-host SIGKILLs, one at a time; the time from a
-death to each survivor's "lost" event gives p50 and p99 over (survivor, death) pairs.
+death to each survivor's "lost" event gives p50 and p99 over (survivor, death) pairs,
+and "first named" (the median over deaths of the earliest survivor: about when its
+declarer posted it; the rest is the fan-out, through the departure bell). The members of
+one host process share one bell thread, as members of one process do (see
+machinlike/distributed/_membership/bell.py): one waiter per process at the store, not
+one per member as a deployment of N processes has.
 
 Designs (``MACHINLIKE_LIVENESS_WATCH``, see machinlike/distributed/_membership/watch.py): ``all``,
 every member reads every heartbeat (before issue 37); ``ring``, each reads its 2
@@ -60,7 +65,8 @@ def _client(host: str, port: int) -> dist.TCPStore:
 
 def _connect_all(names: List[str], port: int) -> Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]]:
     """Three connections per member: its own, and the ones its liveness watch and its RPC
-    agent group clone (the simulation has no agent, but the worker ids live there)."""
+    agent group clone (the simulation has no agent, but the worker ids live there); the
+    departure bell's, one per process, is made when the first member joins."""
     out: Dict[str, Tuple[dist.TCPStore, List[dist.TCPStore]]] = {}
     pending = list(names)
     take = threading.Lock()
@@ -113,6 +119,15 @@ class CountingStore(dist.Store):
         # holding the GIL; see _watch).
         inner = self._spare.pop() if self._spare else _client(self._inner.host, self._inner.port)
         return CountingStore(inner, self._counts)
+
+    # The server's address: members of one process on one store share a departure bell.
+    @property
+    def host(self) -> str:
+        return self._inner.host
+
+    @property
+    def port(self) -> int:
+        return self._inner.port
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._inner.set_timeout(timeout)
@@ -283,7 +298,8 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
         elif cmd == "log":
             # Positions this host's members filled with SKIP, and its members' pidfd wakes.
             every = list(members.values())
-            conn.send((sum(m.events.skipped for m in every), sum(m.monitor.pid_wakes for m in every)))
+            conn.send((sum(m.events.skipped for m in every), sum(m.monitor.pid_wakes for m in every),
+                       sum(m.bell.wakes for m in every)))
         elif cmd == "spared":
             conn.send(sum(m.monitor.spared for m in members.values()))
         elif cmd == "false":
@@ -295,6 +311,8 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
         elif cmd == "stop":
             for m in members.values():
                 m._closing.set()
+            for m in members.values():
+                m.bell.stop(2.0)  # (the last member here rings: this process's bell thread ends)
             for child in children.values():
                 child.kill()
             conn.send(True)
@@ -389,6 +407,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         for kind, victims in (("remote", names[:kills]), ("here", names[n - kills:])):
             pairs: List[float] = []
             named_all: List[float] = []
+            firsts: List[float] = []
             missed = 0
             for v in victims:
                 killed = ask(owner[v], "kill", v)
@@ -404,12 +423,15 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
                         break
                     time.sleep(0.1)
                 delays = [t - killed for t in got.values()]
+                if delays:
+                    firsts.append(min(delays))  # its declarer's own view: the rest is the fan-out
                 pairs += delays
                 missed += max(0, expected - len(delays))
                 named_all.append(max(delays) if delays and len(delays) >= expected else float("inf"))
             out[f"detect_{kind}_p50_s"] = _pct(pairs, 0.5)
             out[f"detect_{kind}_p99_s"] = _pct(pairs, 0.99)
             out[f"detect_{kind}_all_max_s"] = max(named_all) if named_all else float("nan")
+            out[f"detect_{kind}_first_s"] = _pct(firsts, 0.5)
             out[f"detect_{kind}_missed"] = missed
         out["spared"] = sum(ask(c, "spared") for c in conns)
         killed_names = names[:kills] + names[n - kills:]
@@ -491,7 +513,8 @@ def main() -> None:
                   f"p50/p99/all "
                   f"{row['detect_remote_p50_s']:.2f}/{row['detect_remote_p99_s']:.2f}/"
                   f"{row['detect_remote_all_max_s']:.2f} s  same host {row['detect_here_p50_s']:.2f}/"
-                  f"{row['detect_here_p99_s']:.2f}/{row['detect_here_all_max_s']:.2f} s  missed "
+                  f"{row['detect_here_p99_s']:.2f}/{row['detect_here_all_max_s']:.2f} s  first named remote/here "
+                  f"{row['detect_remote_first_s']:.2f}/{row['detect_here_first_s']:.2f} s  missed "
                   f"{row['detect_remote_missed'] + row['detect_here_missed']}  false losses "
                   f"{len(row['false_losses'])} (cut off {len(row['cut_off'])})", flush=True)
     ring = [r for r in rows if r["design"] == "ring"]

@@ -24,6 +24,13 @@ import pytest
 
 import _background
 
+# Every new store connection makes torch look up the peer's host name (getnameinfo); this
+# machine's resolver leaves about one query in thirty unanswered, and the look-up then
+# stalls for the resolver's timeout: 5 s by default, 200 connections took 35 s. One try
+# of 1 s bounds it (200 took 1 s). glibc reads this when a process first resolves, so it
+# is set before any test runs; the processes the tests start inherit it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+
 # Threads machinlike starts are all named with this prefix, so a leak check can tell
 # ours from the interpreter's and torch's own long-lived helpers.
 OUR_THREAD_PREFIX = "machinlike"

@@ -18,7 +18,8 @@ and nobody reads the whole history::
                       found SKIP there (it was too slow, below)? post again
                       seq opens range k+2? seal the ranges up to k
     catch_up()        deliver m/e/<next> .. while written: one check and one
-                      multi_get (a single get for one entry)
+                      multi_get (a single get for one entry); at each liveness tick,
+                      and at once when a departure rings the bell (see bell)
     a hole            a position claimed but not written for ``hole_wait``: its poster
                       died between its two requests. Any reader (or the sealer) fills
                       it with compare_set(m/e/<seq>, "", SKIP): the first writer wins,
@@ -50,6 +51,7 @@ import torch.distributed as dist
 
 from .._store import Keys, LogEntry, MemberRecord
 from .._store import Registry
+from .bell import Bell
 from .log_state import (
     GONE_KEPT, NO_EVENTS, SEGMENT, SKIP, EventCounts, History, Numbered, Snapshot, entry_of, read_history,
 )
@@ -66,6 +68,8 @@ KEEP = 4
 HOLE_WAIT = 1.0
 #: Times a post may find its position skipped before it gives up.
 POST_TRIES = 8
+#: The kinds of event that ring the bell after they are posted.
+DEPARTURES = ("lost", "leave")
 
 
 class EventLog:
@@ -77,14 +81,17 @@ class EventLog:
         deliver: Called with each new entry and its position in the log, in order.
         segment: Positions per range (tests make it small).
         hole_wait: Seconds before an unwritten position is skipped (see HOLE_WAIT).
+        bell: Rung after each departure posted here, so that every member reads it at
+            once (see bell); None: read at the liveness ticks only.
 
     Attributes:
         skipped: Positions this process filled with SKIP (their posters died mid-post).
     """
 
     def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[LogEntry, int], None], segment: int = SEGMENT,
-                 hole_wait: float = HOLE_WAIT) -> None:
+                 hole_wait: float = HOLE_WAIT, bell: Optional[Bell] = None) -> None:
         self._registry = registry
+        self._bell = bell
         self._keys = keys
         self._deliver = deliver
         self._segment = segment
@@ -113,6 +120,8 @@ class EventLog:
             if seq and seq % self._segment == 0:
                 self._seal(seq // self._segment)
             if won:
+                if kind in DEPARTURES and self._bell is not None:
+                    self._bell.ring()
                 return
             log.warning("machinlike: this member's %r event was skipped at position %d (it took over %g s "
                         "to write); it posts it again", kind, seq, self._hole_wait)

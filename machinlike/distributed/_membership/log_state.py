@@ -69,7 +69,7 @@ class History:
 
 def entry_of(value: str) -> Optional[LogEntry]:
     """The entry a position holds, None for a skipped one."""
-    return None if value == SKIP else LogEntry.decode_log(value)[0]
+    return None if value == SKIP else LogEntry.decode(value)
 
 
 class Snapshot:
@@ -92,7 +92,7 @@ class Snapshot:
         departures: Dict[str, Numbered] = {}
         for line in body.splitlines():
             seq, _, encoded = line.partition("|")
-            entry = LogEntry.decode_log(encoded)[0]
+            entry = LogEntry.decode(encoded)
             (joins if entry.kind == "join" else departures)[entry.record.member] = (int(seq), entry)
         return Snapshot(EventCounts(events, deaths, rejoins, leaves), joins, departures, start)
 

@@ -12,6 +12,8 @@ reaches the subscribers.
                 ├─ Endpoint   this member: incarnation, RPC worker, listener   (_membership.endpoint)
                 ├─ Claims     registry keys this member holds; their lock      (_membership.claims)
                 ├─ EventLog   post / read the event log in one order           (_membership.event_log)
+                │  └─ Bell    rung on a departure; its thread reads the log
+                │             at once                                          (_membership.bell)
                 └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
                    └─ PidWatch  its sleep, cut short by a watched process's
                                 exit on this host                              (_membership.pidwatch)
@@ -41,12 +43,13 @@ import torch.distributed as dist
 
 from ...exception import PeerLostError
 from .. import _transport
+from .bell import Bell
 from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
 from .._store import Keys, LogEntry, MemberRecord
-from .processes import alive_here
+from .processes import alive_here, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
 from .._transport import PipeLedger, recycle_after
@@ -99,7 +102,9 @@ class Membership:
         self.waits = Waits(self.registry, self.roster)
         self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
-        self.events = EventLog(self.registry, keys, self._deliver)
+        # Rung after each departure this member posts; its thread reads the log at each ring.
+        self.bell = Bell(self.registry, keys, store, name, self._closing)
+        self.events = EventLog(self.registry, keys, self._deliver, bell=self.bell)
         self.departures = Departures(self.registry, keys)
         # Whom the liveness thread checks: k successors in a ring by default (see watch).
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
@@ -168,7 +173,17 @@ class Membership:
         if self.liveness is not None:
             self.monitor.beat()  # its watchers read the heartbeat key as soon as they see the join
         self.events.post("join", self.endpoint.me)
+        self.start_liveness()
+
+    def start_liveness(self) -> None:
+        """Catch up with the log, start the liveness thread and the bell's (none without
+        liveness)."""
         self.monitor.start()
+        if self.liveness is not None:
+            self.bell.listen(self.events.catch_up, self._stopped, tick_of(self.liveness))
+
+    def _stopped(self) -> bool:
+        return self._closing.is_set() or self.roster.cut_off is not None
 
     # ------------------------------------------------------------------ leave
     def leave(self, deadline: float) -> None:
@@ -185,9 +200,10 @@ class Membership:
             log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
 
     def close(self) -> None:
-        """Stop the monitor (local teardown; tells nobody)."""
+        """Stop the monitor and the bell (local teardown; tells nobody)."""
         self._closing.set()
         self.monitor.join(5.0)
+        self.bell.stop(2.0)
         self.registry.close()
 
     # ------------------------------------------------------- documented queries

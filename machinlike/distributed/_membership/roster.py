@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ...exception import PeerLostError
 from .._store import MemberRecord
@@ -56,7 +56,9 @@ class Roster:
         # Retired worker -> the worker its member (same incarnation) moved to; bounded
         # with the gone workers (each entry's key is one of them).
         self._moved_to: Dict[str, str] = {}
-        self._callbacks: List[Callable[[MemberEvent], None]] = []
+        # Replaced, never changed in place: publish reads it without the lock (it runs once
+        # per event per member, N² times while a world of N fills).
+        self._callbacks: Tuple[Callable[[MemberEvent], None], ...] = ()
         self._static_order: List[str] = []
         # Set once, for good: the store was lost, or the others declared this member lost.
         self._cut_off: Optional[PeerLostError] = None
@@ -138,9 +140,7 @@ class Roster:
 
     def publish(self, event: MemberEvent) -> None:
         """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""
-        with self._lock:
-            callbacks = list(self._callbacks)
-        for callback in callbacks:
+        for callback in self._callbacks:
             try:
                 callback(event)
             except Exception:  # a user callback must not stop the monitor
@@ -302,13 +302,14 @@ class Roster:
     def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
         """Call ``callback(event)`` on every event applied from now on."""
         with self._lock:
-            self._callbacks.append(callback)
+            self._callbacks = self._callbacks + (callback,)
 
     def unsubscribe(self, callback: Callable[[MemberEvent], None]) -> None:
         """Stop calling ``callback`` (no error if it was not subscribed)."""
         with self._lock:
             if callback in self._callbacks:
-                self._callbacks.remove(callback)
+                i = self._callbacks.index(callback)
+                self._callbacks = self._callbacks[:i] + self._callbacks[i + 1:]
 
     def wait_until(self, predicate: Callable[[List[str]], bool], timeout: float) -> List[str]:
         """Block until ``predicate(live members)`` holds; return the members then.

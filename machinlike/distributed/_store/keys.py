@@ -9,6 +9,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/hb/<name>                  heartbeat counter
     <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
     <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
+    <ns>m/bell/<g>, <ns>m/belln      the g-th departure rung (the last 64 kept); rings so far
     <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
     <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker sequence counter
     <ns>m/lost/<name>/<inc>          counter electing one declarer of a loss
@@ -35,7 +36,7 @@ No state beyond the namespace string; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AbstractSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
 
 __all__ = [
     "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord",
@@ -140,6 +141,14 @@ class Keys:
         """Counter: positions of the event log claimed so far (wakes readers)."""
         return f"{self.ns}m/evn"
 
+    def bell_count(self) -> str:
+        """Counter: departures rung on the bell so far (see ``_membership.bell``)."""
+        return f"{self.ns}m/belln"
+
+    def bell(self, ring: int) -> str:
+        """Set by the ``ring``-th ring: every member's bell thread waits for the next one."""
+        return f"{self.ns}m/bell/{ring}"
+
     def owned(self, worker: str) -> str:
         return f"{self.ns}m/own/{worker}"
 
@@ -219,9 +228,12 @@ class Keys:
 
 
 # ----------------------------------------------------------------------- records
-@dataclass(frozen=True)
-class MemberRecord:
+class MemberRecord(NamedTuple):
     """One incarnation of a member, as its claim ``m/live/<name>`` holds it.
+
+    Why a named tuple (a frozen dataclass before session 19): every member decodes every
+    other member's join, so a world of N decodes N² of these; a frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, three times the cost.
 
     Attributes:
         member: The member's name.
@@ -250,12 +262,11 @@ class MemberRecord:
         return MemberRecord(self.member, self.incarnation, worker, self.rank, self.identity)
 
 
-@dataclass(frozen=True)
-class LogEntry:
+class LogEntry(NamedTuple):
     """One line of the event log: ``"kind|member|record"``.
 
     ``kind`` is ``"join"``, ``"leave"``, ``"lost"`` or ``"move"`` (a live member's new RPC
-    worker).
+    worker). A named tuple for the reason :class:`MemberRecord` is one.
     """
 
     kind: str
@@ -265,13 +276,15 @@ class LogEntry:
         return f"{self.kind}|{self.record.member}|{self.record.encode()}\n"
 
     @staticmethod
+    def decode(line: str) -> "LogEntry":
+        """The entry of one line (its newline, if any, ignored)."""
+        kind, member, inc, worker, rank, identity = line.rstrip("\n").split("|", 5)
+        return LogEntry(kind, MemberRecord(member, int(inc), worker, int(rank), identity))
+
+    @staticmethod
     def decode_log(text: str) -> List["LogEntry"]:
         """Every entry of the log's text, in order."""
-        out = []
-        for line in text.splitlines():
-            kind, member, encoded = line.split("|", 2)
-            out.append(LogEntry(kind, MemberRecord.decode(member, encoded)))
-        return out
+        return [LogEntry.decode(line) for line in text.splitlines()]
 
 
 @dataclass(frozen=True)

@@ -298,7 +298,7 @@ def start_static(session: Session) -> None:
     reg.set(keys.ready_prefix() + str(s.rank), "1")
     reg.wait_all(keys.ready_prefix(), ranks, deadline_left(deadline), "World start-up: ready barrier, ranks",
                  s.dist_timeout)
-    members.monitor.start()
+    members.start_liveness()
     session._undo.callback(members.close)
 
 
