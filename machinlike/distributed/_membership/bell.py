@@ -14,9 +14,12 @@ process holds (one, in a deployment; hundreds, in the benchmark's simulation and
       loop   wait(m/bell/<heard + 1>)               blocked in the store: no CPU and
                                                     no request while nothing happens
              heard, total = multi_get(m/belln, m/evn)
+             read m/e/<lo> .. m/e/<total - 1> once (check, multi_get), lo the
+             lowest position its members have yet to deliver
              each member listening here: closing, or cut off? it leaves the hub;
-             else catch it up with the log to ``total`` (EventLog.catch_up, one read
-             of the new entries: the event was posted before its ring)
+             else it delivers what is new from those values (EventLog.catch_up;
+             the event was posted before its ring); it reads on by itself from
+             wherever they stop
              no member left? end
              more than BURST rings within BURST gaps? sleep until the pace is one
              per ``gap`` (the rings in between are found at once after it)
@@ -26,10 +29,12 @@ liveness), so a death its watcher saw at once (a pidfd on the same host) still r
 the others up to a tick later: 0.85 s at the 99th percentile with 1,024 members (issue
 37). A faster tick costs every member requests all the time; the bell costs each member
 one request that waits, and one catch-up per departure.
-Why one thread per process: a ring woke the hundred-odd member threads of each of the
-benchmark's processes at once, and they queued for the process's GIL three times each
-(1.04 s p99 at 1,024 members, against 0.86 s with no bell); one thread catches its
-members up one after the other.
+Why one thread per process, and one read: a ring woke the hundred-odd member threads of
+each of the benchmark's processes at once, and they queued for the process's GIL three
+times each (1.04 s p99 at 1,024 members, against 0.86 s with no bell); one thread that
+then read the log for each member in turn still took 0.80 s, a request each, each
+waiting for the GIL again. The new entries are the same for every member of a process:
+read once, they are delivered to all in one go.
 Why departures only: a world filling would wake every member at each join (N² catch-ups
 while N members join), and nothing fails over on a join; joins are read at the ticks.
 Why a pace (a bucket of BURST wakes, refilled one per ``gap``, a tick): deaths one after
@@ -53,16 +58,20 @@ import datetime
 import logging
 import threading
 import time
-from typing import Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Callable, Dict, Hashable, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 
 from ...exception import PeerLostError
 from .._store import Keys, Registry, own_client
+from .log_state import SEGMENT
 
 __all__ = ["Bell", "BURST", "KEEP", "WAIT", "hub_count"]
 
 log = logging.getLogger(__name__)
+
+#: EventLog.catch_up as the bell calls it: (the log's counter, wait, positions read).
+CatchUp = Callable[[int, bool, Mapping[int, str]], None]
 
 #: Rings kept in the store (older ones are deleted by the ringer).
 KEEP = 64
@@ -129,19 +138,22 @@ class Bell:
             log.warning("machinlike: member %r could not ring the departure bell (%s); the others read the "
                         "departure at their next liveness tick", self._name, err)
 
-    def listen(self, catch_up: Callable[[int], None], stopped: Callable[[], bool], gap: float) -> None:
+    def listen(self, catch_up: CatchUp, position: Callable[[], int], stopped: Callable[[], bool],
+               gap: float) -> None:
         """Be caught up at each ring from now on (once).
 
         Args:
-            catch_up: Reads the log up to the position it is given (the log's counter,
-                read once for the process) and delivers what is new.
+            catch_up: Delivers what is new up to the position it is given (the log's
+                counter), from the values given (read once for the process) and reading
+                the rest (``EventLog.catch_up``).
+            position: The next position this member delivers (``EventLog.position``).
             stopped: Whether this member is done (closing, or cut off from the world).
             gap: Seconds between two catch-ups the bell starts, at least, after BURST
                 in a row.
         """
         if self._listener is not None:
             return
-        self._listener = _Listener(catch_up, stopped, self.ring)
+        self._listener = _Listener(catch_up, position, stopped, self.ring)
         self._hub = _join_hub(self._store, self._keys, self._listener, gap)
 
     def stop(self, timeout: float) -> None:
@@ -158,9 +170,10 @@ class Bell:
 class _Listener:
     """One member, as the hub sees it."""
 
-    def __init__(self, catch_up: Callable[[int], None], stopped: Callable[[], bool],
+    def __init__(self, catch_up: CatchUp, position: Callable[[], int], stopped: Callable[[], bool],
                  ring: Callable[[bool], None]) -> None:
         self.catch_up = catch_up
+        self.position = position
         self.stopped = stopped
         self.ring = ring
         self.wakes = 0
@@ -302,6 +315,17 @@ class _Hub:
                 self._close()
             self._discard()
 
+    def _read(self, own: dist.Store, lo: int, total: int) -> Dict[int, str]:
+        """Positions ``lo`` .. ``total - 1`` of the log, read once for every member here;
+        empty when they are more than a range (a member far behind reads for itself), or
+        not all written yet (a post under way: each member's own read handles it)."""
+        if not 0 <= total - lo <= SEGMENT or lo == total:
+            return {}
+        keys = [self._keys.log_entry(seq) for seq in range(lo, total)]
+        if not own.check(keys):
+            return {}
+        return {lo + i: v.decode() for i, v in enumerate(own.multi_get(keys))}
+
     def _serve(self) -> None:
         # The connection is made here: a member's join never waits on it.
         own = own_client(self._store, datetime.timedelta(seconds=REQUEST_TIMEOUT))
@@ -317,11 +341,13 @@ class _Hub:
                     own.wait([self._keys.bell(heard + 1)], WAIT)
                 except dist.DistStoreError:
                     continue  # WAIT passed with no departure: wait again
-                rung, total = own.multi_get([count, log_count])
-                heard = int(rung)
-                for member in self._members():
+                rung, counted = own.multi_get([count, log_count])
+                heard, total = int(rung), int(counted)
+                members = self._members()
+                known = self._read(own, min((m.position() for m in members), default=total), total)
+                for member in members:
                     try:
-                        member.catch_up(int(total))
+                        member.catch_up(total, True, known)
                         member.wakes += 1
                     except PeerLostError:
                         pass  # its monitor reports the store's loss; it stops listening then

@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -170,7 +170,13 @@ class EventLog:
         return reg.read(keys)
 
     # ---------------------------------------------------------------- reading
-    def catch_up(self, total: Optional[int] = None, wait: bool = True) -> None:
+    @property
+    def position(self) -> int:
+        """The next position this process delivers (read without the lock: a hint)."""
+        return self._seq
+
+    def catch_up(self, total: Optional[int] = None, wait: bool = True,
+                 known: Optional[Mapping[int, str]] = None) -> None:
         """Deliver every entry posted since the last call, in log order.
 
         Args:
@@ -178,6 +184,9 @@ class EventLog:
                 reads it with the heartbeats, in one request); None: read it here.
             wait: False: return at once when another thread is catching up (the liveness
                 tick: its next heartbeat must not wait behind another thread's reads).
+            known: Positions below ``total`` already read from the store, with their
+                values (the bell reads them once for the members of its process); those
+                from this reader's position on are delivered without a request.
         """
         if not self._lock.acquire(blocking=wait):
             return
@@ -187,6 +196,8 @@ class EventLog:
             if not self._started:
                 self._start()
             claimed, self._claimed = self._claimed, total
+            while known and self._seq < total and self._seq in known:
+                self._deliver_value(known[self._seq])
             while self._seq < total:
                 end = min(total, self._seq + self._segment)
                 values = self._read_written(self._seq, end, claimed)

@@ -180,7 +180,8 @@ class Membership:
         liveness)."""
         self.monitor.start()
         if self.liveness is not None:
-            self.bell.listen(self.events.catch_up, self._stopped, tick_of(self.liveness))
+            events = self.events
+            self.bell.listen(events.catch_up, lambda: events.position, self._stopped, tick_of(self.liveness))
 
     def _stopped(self) -> bool:
         return self._closing.is_set() or self.roster.cut_off is not None
@@ -200,7 +201,8 @@ class Membership:
             log.warning("machinlike: member %r leaves without telling the others: %s", self.name, err)
 
     def close(self) -> None:
-        """Stop the monitor and the bell (local teardown; tells nobody)."""
+        """Stop the monitor and leave the bell (local teardown: posts nothing; the last
+        member of this process to leave the bell rings it once, so that its thread ends)."""
         self._closing.set()
         self.monitor.join(5.0)
         self.bell.stop(2.0)
