@@ -8,6 +8,9 @@ ticks are 0.5 s apart; a departure must reach every member well inside that, eve
 from __future__ import annotations
 
 import datetime
+import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Dict, List, Tuple
@@ -120,3 +123,34 @@ def test_the_bell_thread_ends_with_the_last_member_of_the_process(server):
     threads[0].join(5)
     assert not threads[0].is_alive()
     assert _bell.hub_count() == before
+
+
+def test_the_bell_thread_ends_when_the_store_is_sigkilled(tmp_path):
+    # The store in a process of its own, SIGKILLed while the bell thread waits in it: the
+    # thread must end by itself (its wait fails), not hang the process.
+    port_file = tmp_path / "port"
+    code = ("import datetime, sys, time, torch.distributed as d\n"
+            "s = d.TCPStore('127.0.0.1', 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)\n"
+            f"open({str(port_file)!r}, 'w').write(str(s.port))\n"
+            "time.sleep(300)\n")
+    server = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        end = time.monotonic() + 60
+        while not (port_file.exists() and port_file.read_text()):
+            assert time.monotonic() < end and server.poll() is None, "the store process did not start"
+            time.sleep(0.05)
+        client = dist.TCPStore("127.0.0.1", int(port_file.read_text()), None, False, datetime.timedelta(seconds=30))
+        w = _World(client, "x", 2)
+        threads = [t for t in threading.enumerate() if t.name == "machinlike-bell-" + w.keys.ns]
+        assert len(threads) == 1
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        threads[0].join(10)
+        assert not threads[0].is_alive(), "the bell thread outlived its store"
+        for m in w.members.values():
+            m._closing.set()
+            m.monitor.join(5.0)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
