@@ -34,7 +34,9 @@ each of the benchmark's processes at once, and they queued for the process's GIL
 times each (1.04 s p99 at 1,024 members, against 0.86 s with no bell); one thread that
 then read the log for each member in turn still took 0.80 s, a request each, each
 waiting for the GIL again. The new entries are the same for every member of a process:
-read once, they are delivered to all in one go.
+read once, they are delivered to all in one go. (With 1,024 simulated members on 2
+cores the tail still varies from 0.65 to 1.59 s between runs: the declarer and this
+thread queue for the GIL behind 128 member threads; see BENCHMARKS.md, session 19.)
 Why departures only: a world filling would wake every member at each join (N² catch-ups
 while N members join), and nothing fails over on a join; joins are read at the ticks.
 Why a pace (a bucket of BURST wakes, refilled one per ``gap``, a tick): deaths one after
