@@ -93,7 +93,6 @@ class Bell:
         keys: The world's keys.
         store: The world's store; the bell thread opens a connection of its own to it.
         name: This member's name.
-        closing: Set when this member leaves or stops: it leaves the hub at the next ring.
 
     Attributes:
         rings: Departures this member rang.
@@ -102,13 +101,11 @@ class Bell:
         wakes: Catch-ups a ring started for this member.
     """
 
-    def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str,
-                 closing: threading.Event) -> None:
+    def __init__(self, registry: Registry, keys: Keys, store: dist.Store, name: str) -> None:
         self._registry = registry
         self._keys = keys
         self._store = store
         self._name = name
-        self._closing = closing
         self._hub: Optional[_Hub] = None
         self._listener: Optional[_Listener] = None
         self.rings = 0
@@ -321,7 +318,7 @@ class _Hub:
         """Positions ``lo`` .. ``total - 1`` of the log, read once for every member here;
         empty when they are more than a range (a member far behind reads for itself), or
         not all written yet (a post under way: each member's own read handles it)."""
-        if not 0 <= total - lo <= SEGMENT or lo == total:
+        if not 0 < total - lo <= SEGMENT:
             return {}
         keys = [self._keys.log_entry(seq) for seq in range(lo, total)]
         if not own.check(keys):

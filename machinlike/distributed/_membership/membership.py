@@ -103,7 +103,7 @@ class Membership:
         self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
         # Rung after each departure this member posts; its thread reads the log at each ring.
-        self.bell = Bell(self.registry, keys, store, name, self._closing)
+        self.bell = Bell(self.registry, keys, store, name)
         self.events = EventLog(self.registry, keys, self._deliver, bell=self.bell)
         self.departures = Departures(self.registry, keys)
         # Whom the liveness thread checks: k successors in a ring by default (see watch).

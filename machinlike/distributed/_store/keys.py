@@ -281,11 +281,6 @@ class LogEntry(NamedTuple):
         kind, member, inc, worker, rank, identity = line.rstrip("\n").split("|", 5)
         return LogEntry(kind, MemberRecord(member, int(inc), worker, int(rank), identity))
 
-    @staticmethod
-    def decode_log(text: str) -> List["LogEntry"]:
-        """Every entry of the log's text, in order."""
-        return [LogEntry.decode(line) for line in text.splitlines()]
-
 
 @dataclass(frozen=True)
 class OwnedKey:
