@@ -6,16 +6,19 @@ process holds (one, in a deployment; hundreds, in the benchmark's simulation and
 
     a member that posted "lost" or "leave"         the world's store
       ring()   g = add(m/belln, 1)                  m/belln      rings so far
-               fill m/bell/<g-1> if it is unset     m/bell/<g>   set by the g-th ring
-               set m/bell/<g>
+               set m/bell/<g> = "<seq>|<entry>"     m/bell/<g>   set by the g-th ring: the
+                                                                 departure it rings for
+               fill m/bell/<g-1> with "1" if unset               (or "1": none)
                delete m/bell/<g - KEEP>
     the process's bell thread (a _Hub; listen joins it)
       heard = add(m/belln, 0)
       loop   wait(m/bell/<heard + 1>)               blocked in the store: no CPU and
                                                     no request while nothing happens
-             heard, total = multi_get(m/belln, m/evn)
-             read m/e/<lo> .. m/e/<total - 1> once (check, multi_get), lo the
-             lowest position its members have yet to deliver
+             ring, heard, total = multi_get(m/bell/<heard + 1>, m/belln, m/evn)
+             the ring's entry is position total - 1, and its members have
+             delivered all before it? that is all there is to read; else read
+             m/e/<lo> .. m/e/<total - 1> once (check, multi_get), lo the lowest
+             position its members have yet to deliver
              each member listening here: closing, or cut off? it leaves the hub;
              else it delivers what is new from those values (EventLog.catch_up;
              the event was posted before its ring); it reads on by itself from
@@ -43,9 +46,12 @@ Why a pace (a bucket of BURST wakes, refilled one per ``gap``, a tick): deaths o
 another are each read at once, while a long burst wakes each member at most once per
 tick, so the store's load during it stays within about twice the steady one. (A plain
 sleep of a tick after each wake held the second of two deaths 0.1 s apart for 0.2 s.)
+Why the departure in the ring: a wake was four requests (the wait, the counters, a check
+and the entries), each one more wait for the GIL of a process with a hundred-odd member
+threads; with the entry carried, a lone departure is the wait and one read.
 Why the fill of the ring before: waiters wait for ring g, and a ringer that died between
 its two requests would leave them waiting for a key nobody writes; the next ring writes
-it. A waiter more than ``KEEP`` rings behind is impossible: it reads the counter just
+it (after its own: the waiters of ring g wake first). A waiter more than ``KEEP`` rings behind is impossible: it reads the counter just
 before it waits.
 The wait is bounded by ``WAIT``, long because torch logs a warning at each timed-out wait;
 the thread ends at the first ring after its last member's ``closing`` is set (a member's
@@ -65,7 +71,7 @@ from typing import Callable, Dict, Hashable, List, Mapping, Optional, Tuple
 import torch.distributed as dist
 
 from ...exception import PeerLostError
-from .._store import Keys, Registry, own_client
+from .._store import Keys, Registry, own_client, server_of
 from .log_state import SEGMENT
 
 __all__ = ["Bell", "BURST", "KEEP", "WAIT", "hub_count"]
@@ -83,6 +89,8 @@ WAIT = datetime.timedelta(hours=1)
 REQUEST_TIMEOUT = 10.0
 #: Wakes in a row before the bell keeps to one per ``gap``.
 BURST = 4
+#: What a ring holds when it carries no departure (a member stopping; a hole's fill).
+NONE = "1"
 
 
 class Bell:
@@ -115,18 +123,20 @@ class Bell:
     def wakes(self) -> int:
         return self._listener.wakes if self._listener is not None else 0
 
-    def ring(self, quiet: bool = False) -> None:
+    def ring(self, quiet: bool = False, entry: Optional[Tuple[int, str]] = None) -> None:
         """Wake every process's bell thread (after a departure was posted); never raises.
 
         Args:
             quiet: A failure is counted but not logged (this member is stopping).
+            entry: The departure's position in the log and its line (the bell threads
+                deliver it without reading the log); None: a ring with none.
         """
         reg, keys = self._registry, self._keys
         try:
             g = reg.add(keys.bell_count(), 1)
+            reg.set(keys.bell(g), NONE if entry is None else f"{entry[0]}|{entry[1]}")
             if g > 1:
-                reg.compare_set(keys.bell(g - 1), "", "1")  # (a hole only: "1" stays "1")
-            reg.set(keys.bell(g), "1")
+                reg.compare_set(keys.bell(g - 1), "", NONE)  # (a hole only: a set one stays)
             if g > KEEP:
                 reg.delete([keys.bell(g - KEEP)])
             self.rings += 1
@@ -185,16 +195,9 @@ _HUBS_LOCK = threading.Lock()
 _AT_EXIT = False  # whether _end_at_exit is registered (guarded by _HUBS_LOCK)
 
 
-def _address(store: dist.Store) -> Hashable:
-    """The store server a client talks to: host and port where it says (a TCPStore, or a
-    wrapper that forwards them), else the client object itself."""
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
-    return (host, port) if isinstance(host, str) and isinstance(port, int) else id(store)
-
-
 def _join_hub(store: dist.Store, keys: Keys, listener: _Listener, gap: float) -> "_Hub":
     global _AT_EXIT
-    key = (_address(store), keys.ns)
+    key = (server_of(store), keys.ns)
     with _HUBS_LOCK:
         if not _AT_EXIT:
             # (registered on first use: atexit runs its hooks last-in first-out, so this
@@ -222,6 +225,12 @@ def _end_at_exit() -> None:
         hubs = list(_HUBS.values())
     for hub in hubs:
         hub.end(1.0)
+
+
+def _carried(value: str) -> Dict[int, str]:
+    """The departure a ring's value carries, as {position: line}; empty for NONE."""
+    seq, sep, line = value.partition("|")
+    return {int(seq): line} if sep and seq.isdigit() else {}
 
 
 def hub_count() -> int:
@@ -340,10 +349,19 @@ class _Hub:
                     own.wait([self._keys.bell(heard + 1)], WAIT)
                 except dist.DistStoreError:
                     continue  # WAIT passed with no departure: wait again
-                rung, counted = own.multi_get([count, log_count])
+                try:
+                    carried, rung, counted = (v.decode() for v in own.multi_get(
+                        [self._keys.bell(heard + 1), count, log_count]))
+                except dist.DistStoreError:
+                    # (that ring was deleted: KEEP more came since the wait ended; its
+                    # multi_get waited REQUEST_TIMEOUT: read the counters alone)
+                    carried, rung, counted = NONE, *(v.decode() for v in own.multi_get([count, log_count]))
                 heard, total = int(rung), int(counted)
                 members = self._members()
-                known = self._read(own, min((m.position() for m in members), default=total), total)
+                lo = min((m.position() for m in members), default=total)
+                known = _carried(carried)
+                if lo not in known or total != lo + 1:  # more than the ring's own entry to read
+                    known = self._read(own, lo, total)
                 for member in members:
                     try:
                         member.catch_up(total, True, known)
@@ -356,6 +374,10 @@ class _Hub:
                 tokens, stamp = min(float(BURST), tokens + (now - stamp) / self._gap) - 1.0, now
                 if tokens < 0.0:
                     self._empty.wait(-tokens * self._gap)
+                    # Rings that came during the pause are read at once, from the newest
+                    # (over KEEP of them, the one after ``heard`` would be deleted: a wait
+                    # for it would last WAIT).
+                    heard = max(heard, own.add(count, 0) - 1)
         except (dist.DistError, RuntimeError, OSError) as err:
             # The store went, or this connection did: the liveness ticks still read the log.
             log.debug("machinlike: the departure bell of %s stopped: %s", self._keys.ns, err)

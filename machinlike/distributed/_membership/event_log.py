@@ -30,6 +30,9 @@ and nobody reads the whole history::
                       k+2 (one process) then deletes range and snapshot k + 1 - KEEP
     a new reader      starts from m/snap/<m/logk> (the members as they stand)
 
+    Entries and the newest snapshot are read through the process's LogCache (see
+    log_cache): the members of one process read and decode each position once.
+
 Why a position per event, and not compare-and-set of a shared segment (the design
 before): posters racing on one key retried, each retry re-reading and rewriting a growing
 segment, so 1,024 members joining at once never finished (O(N²) bytes, endless CAS
@@ -45,13 +48,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, List, Mapping, Optional, Tuple
+from typing import Callable, Hashable, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 
 from .._store import Keys, LogEntry, MemberRecord
 from .._store import Registry
 from .bell import Bell
+from .log_cache import LogCache, shared_cache
 from .log_state import (
     GONE_KEPT, NO_EVENTS, SEGMENT, SKIP, EventCounts, History, Numbered, Snapshot, entry_of, read_history,
 )
@@ -83,14 +87,19 @@ class EventLog:
         hole_wait: Seconds before an unwritten position is skipped (see HOLE_WAIT).
         bell: Rung after each departure posted here, so that every member reads it at
             once (see bell); None: read at the liveness ticks only.
+        server: The store server (``_store.server_of``): the members of this process on
+            the same log share what they read (see log_cache); None: a cache of this
+            reader's own.
 
     Attributes:
         skipped: Positions this process filled with SKIP (their posters died mid-post).
     """
 
     def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[LogEntry, int], None], segment: int = SEGMENT,
-                 hole_wait: float = HOLE_WAIT, bell: Optional[Bell] = None) -> None:
+                 hole_wait: float = HOLE_WAIT, bell: Optional[Bell] = None, server: Optional[Hashable] = None) -> None:
         self._registry = registry
+        self._server = server
+        self._cache = LogCache(segment)  # (the shared one replaces it at the first catch-up)
         self._bell = bell
         self._keys = keys
         self._deliver = deliver
@@ -121,7 +130,7 @@ class EventLog:
                 self._seal(seq // self._segment)
             if won:
                 if kind in DEPARTURES and self._bell is not None:
-                    self._bell.ring()
+                    self._bell.ring(entry=(seq, line))
                 return
             log.warning("machinlike: this member's %r event was skipped at position %d (it took over %g s "
                         "to write); it posts it again", kind, seq, self._hole_wait)
@@ -185,8 +194,8 @@ class EventLog:
             wait: False: return at once when another thread is catching up (the liveness
                 tick: its next heartbeat must not wait behind another thread's reads).
             known: Positions below ``total`` already read from the store, with their
-                values (the bell reads them once for the members of its process); those
-                from this reader's position on are delivered without a request.
+                values (the bell reads them once for the members of its process): kept
+                in the cache, they are delivered without a request.
         """
         if not self._lock.acquire(blocking=wait):
             return
@@ -196,13 +205,20 @@ class EventLog:
             if not self._started:
                 self._start()
             claimed, self._claimed = self._claimed, total
-            while known and self._seq < total and self._seq in known:
-                self._deliver_value(known[self._seq])
+            cache = self._cache
+            if known:
+                lo = min(known)
+                cache.put(lo, [known[seq] for seq in range(lo, lo + len(known))])
             while self._seq < total:
+                cached = cache.run(self._seq, total)
+                if cached:
+                    for entry in cached:
+                        self._deliver_entry(entry)
+                    continue
                 end = min(total, self._seq + self._segment)
                 values = self._read_written(self._seq, end, claimed)
-                for value in values:
-                    self._deliver_value(value)
+                for entry in cache.put(self._seq, values):
+                    self._deliver_entry(entry)
                 if values and self._seq < end:
                     break  # the rest is being written: the next catch-up reads on
                 if not values and not self._past_hole(self._seq, total):
@@ -210,8 +226,7 @@ class EventLog:
         finally:
             self._lock.release()
 
-    def _deliver_value(self, value: str) -> None:
-        entry = entry_of(value)
+    def _deliver_entry(self, entry: Optional[LogEntry]) -> None:
         if entry is not None:
             self._deliver(entry, self._seq)
         self._seq += 1
@@ -271,22 +286,29 @@ class EventLog:
         value = self._registry.compare_set(self._keys.log_entry(seq), "", SKIP)
         if value == SKIP:
             self.skipped += 1
-        self._deliver_value(value)
+        self._deliver_entry(self._cache.put(seq, [value])[0])
         return True
 
     def _start(self) -> None:
         """A new reader begins at the newest snapshot: the members as they stand."""
+        if self._server is not None:
+            self._cache = shared_cache(self._registry, self._keys, self._server)
         self._started = True
         head = self._registry.add(self._keys.log_head(), 0)
         if head:
             self._resume(head)
 
     def _resume(self, k: int) -> None:
-        state = Snapshot.decode(self._registry.get_or_empty(self._keys.log_snapshot(k)))
-        for seq, entry in state.entries():
+        kept = self._cache.snapshot(k)
+        if kept is None:
+            state = Snapshot.decode(self._registry.get_or_empty(self._keys.log_snapshot(k)))
+            kept = (state.start, state.entries())
+            self._cache.keep_snapshot(k, *kept)
+        start, entries = kept
+        for seq, entry in entries:
             if seq >= self._seq:
                 self._deliver(entry, seq)
-        self._seq, self._hole = max(self._seq, state.start), None
+        self._seq, self._hole = max(self._seq, start), None
 
     def _skip_ahead(self, head: int) -> None:
         """This reader's positions were deleted (it fell ``KEEP`` ranges behind)."""

@@ -48,7 +48,7 @@ from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
-from .._store import Keys, LogEntry, MemberRecord
+from .._store import Keys, LogEntry, MemberRecord, server_of
 from .processes import alive_here, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
@@ -104,7 +104,7 @@ class Membership:
         self.claims = Claims(self.registry, keys, self.endpoint)
         # Rung after each departure this member posts; its thread reads the log at each ring.
         self.bell = Bell(self.registry, keys, store, name)
-        self.events = EventLog(self.registry, keys, self._deliver, bell=self.bell)
+        self.events = EventLog(self.registry, keys, self._deliver, bell=self.bell, server=server_of(store))
         self.departures = Departures(self.registry, keys)
         # Whom the liveness thread checks: k successors in a ring by default (see watch).
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)

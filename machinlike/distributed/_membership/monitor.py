@@ -183,6 +183,7 @@ class Monitor:
         return self._pids.sleep(tick, self._closing)
 
     def _loop(self) -> None:
+        self.watch.connect()
         tick = self._tick()
         beat_key = self._keys.heartbeat(self._endpoint.name)
         ticks = 0

@@ -16,6 +16,7 @@ predicate may ask the roster again (``incarnation_of``, ``members``).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -43,7 +44,13 @@ class Roster:
         self.pipes = pipes
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
+        # Threads waiting on _changed (under the lock): an event wakes nobody when none
+        # waits, which is nearly always (it skips notify_all's cost, per event per member).
+        self._waiting = 0
         self._live: Dict[str, MemberRecord] = {}
+        # The live members' names, sorted (kept with _live): the liveness ring's successors
+        # are found by bisection, not by a pass over every member at each change.
+        self._names: List[str] = []
         self._by_worker: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation), oldest first
         # Gone RPC workers, oldest first (a dict as an ordered set): written under the lock,
@@ -71,6 +78,8 @@ class Roster:
         """Record the members of a static world (``records[i]`` has rank ``i``)."""
         with self._lock:
             for rec in records:
+                if rec.member not in self._live:
+                    bisect.insort(self._names, rec.member)
                 self._live[rec.member] = rec
                 self._by_worker[rec.worker] = rec.member
             self._static_order = [rec.member for rec in records]
@@ -97,6 +106,8 @@ class Roster:
                         # A newer incarnation joined before this view saw the old one lost
                         # (the log may hold them in that order): the old worker is gone now.
                         self._worker_gone(old.worker)
+                    if old is None:
+                        bisect.insort(self._names, rec.member)
                     self._live[rec.member] = rec
                     self._by_worker[rec.worker] = rec.member
                     self._gone.pop(rec.member, None)
@@ -104,6 +115,7 @@ class Roster:
                 current = self._live.get(rec.member)
                 if current is not None and current.incarnation == rec.incarnation:
                     del self._live[rec.member]
+                    del self._names[bisect.bisect_left(self._names, rec.member)]
                     self._gone.pop(rec.member, None)  # (re-inserted: newest last)
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                     while len(self._gone) > GONE_KEPT:
@@ -113,7 +125,8 @@ class Roster:
                 return [w for w, m in self._by_worker.items() if m == rec.member and w in self._gone_workers]
             finally:
                 self.version += 1
-                self._changed.notify_all()
+                if self._waiting:
+                    self._changed.notify_all()
 
     def _move(self, rec: MemberRecord) -> None:
         current = self._live.get(rec.member)
@@ -175,6 +188,21 @@ class Roster:
         """The live members' records, but ``me``'s."""
         with self._lock:
             return [r for m, r in self._live.items() if m != me]
+
+    def successors(self, me: str, k: int) -> List[MemberRecord]:
+        """The (at most ``k``) live members after ``me`` in name order, wrapping round;
+        ``me`` is never among them (O(k + log N))."""
+        with self._lock:
+            names, n = self._names, len(self._names)
+            start = bisect.bisect_right(names, me)
+            out: List[MemberRecord] = []
+            for i in range(start, start + n):
+                name = names[i % n]
+                if name != me:
+                    out.append(self._live[name])
+                    if len(out) == k:
+                        break
+            return out
 
     def incarnation_of(self, member: str) -> Optional[int]:
         """The incarnation of live ``member``; None when it is not live."""
@@ -271,7 +299,7 @@ class Roster:
                     return None
                 # The monitor's tick notifies; a dead process here is checked again after
                 # a short wait because its loss is logged only after its silence.
-                self._changed.wait(min(left, 0.25))
+                self._wait(min(left, 0.25))
         return None
 
     def member_of(self, worker: str) -> str:
@@ -297,6 +325,14 @@ class Roster:
                     break
                 worker = nxt
             return None if worker in self._gone_workers else worker
+
+    def _wait(self, timeout: float) -> None:
+        """(under the lock) Wait up to ``timeout`` seconds for the next change."""
+        self._waiting += 1
+        try:
+            self._changed.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     # ---------------------------------------------------------------- callbacks
     def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
@@ -326,4 +362,4 @@ class Roster:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"membership condition not met within {timeout:g} s (members: {members})")
-                self._changed.wait(left)
+                self._wait(left)

@@ -41,7 +41,6 @@ short timeout, after which that tick falls back to the probes (counted in ``fall
 from __future__ import annotations
 
 import datetime
-import heapq
 import os
 from typing import List, Optional, Sequence, Set, Tuple
 
@@ -77,6 +76,14 @@ class Watch:
     def silence(self, liveness: Optional[float]) -> float:
         """Seconds a remote member's heartbeat may stall before it is declared lost."""
         return 0.75 * (liveness or DEFAULT_LIVENESS)
+
+    def connect(self) -> None:
+        """Open what the ticks need (the liveness thread calls it first; never raises)."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether what :meth:`connect` opens is open."""
+        return True
 
 
 class AllWatch(Watch):
@@ -150,16 +157,31 @@ class RingWatch(Watch):
         bound = liveness or DEFAULT_LIVENESS
         return max(4 * tick_of(liveness), min(0.75 * bound, bound - 3 * tick_of(liveness)))
 
+    def connect(self) -> None:
+        """Open the connection of its own now, not at a tick in the middle of the run.
+
+        Why: the store server looks up each new client's host name on its one thread; a
+        lookup the resolver drops stalls every member's requests (1 s with the tests'
+        RES_OPTIONS, 5 s by default). Better at the start than mid-run, where the stall
+        delayed a departure by a second.
+        """
+        if self._fast is None:
+            try:
+                self._fast = own_client(self._store, self._timeout)
+            except (dist.DistError, RuntimeError, OSError):
+                pass  # (the store is going: the ticks' probes say so)
+
+    @property
+    def connected(self) -> bool:
+        return self._fast is not None
+
     def successors(self, me: str) -> List[MemberRecord]:
         """The (at most ``k``) live members after ``me`` in name order, wrapping round."""
         version = self._roster.version
         if version != self._version:
-            # The k smallest names after mine, then (wrapping round) the k smallest of
-            # all: O(N) without sorting, since it runs at every tick while members join.
-            others = self._roster.others(me)
-            after = heapq.nsmallest(self._k, (r for r in others if r.member > me), key=_name)
-            if len(after) < self._k:
-                after += heapq.nsmallest(self._k - len(after), (r for r in others if r.member < me), key=_name)
+            # (by bisection of the roster's sorted names: it runs at every tick while
+            # members join, and a pass over all members cost N per member per tick)
+            after = self._roster.successors(me, self._k)
             self._watched = after
             self._version = version
             # The keys a tick reads, made once per roster change (not at every tick).
@@ -210,10 +232,6 @@ class RingWatch(Watch):
         except (dist.DistNetworkError, ConnectionError):
             self._fast = None
             return None  # the probes raise PeerLostError if the store is really gone
-
-
-def _name(rec: MemberRecord) -> str:
-    return rec.member
 
 
 def watch_from_env(registry: Registry, keys: Keys, roster: Roster, events: EventLog, store: dist.Store,

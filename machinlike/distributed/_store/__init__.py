@@ -16,10 +16,10 @@ from .keys import (
     ServiceOwner, WOKEN_MARK,
 )
 from .registry import Registry
-from .client import own_client
+from .client import own_client, server_of
 
 __all__ = [
     "connect_store", "external_launcher", "GroupRecord", "host_store", "Keys",
     "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "own_client", "OwnedKey", "rebind_holder", "Registry",
-    "resolve_rank_and_size", "ServiceOwner", "WOKEN_MARK",
+    "resolve_rank_and_size", "server_of", "ServiceOwner", "WOKEN_MARK",
 ]

@@ -1,4 +1,5 @@
-"""own_client: a store connection of a thread's own, with its own timeout.
+"""own_client: a store connection of a thread's own, with its own timeout; server_of:
+which store server a client talks to.
 
 Why: a store client serialises its requests, so a thread that blocks in the store (a
 ``wait``) or needs a short timeout (the liveness watch's ``multi_get``) must not share
@@ -8,11 +9,11 @@ the world's connection with the others.
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["own_client"]
+__all__ = ["own_client", "server_of"]
 
 
 def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -35,3 +36,10 @@ def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.
         return None  # a store that cannot be cloned: the caller shares the one it has
     own.set_timeout(timeout)
     return own
+
+
+def server_of(store: dist.Store) -> Hashable:
+    """The store server a client talks to: ``(host, port)`` where it says (a TCPStore, or a
+    wrapper that forwards them), else the client object's id (a store in this process)."""
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else id(store)

@@ -9,6 +9,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/hb/<name>                  heartbeat counter
     <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
     <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
+    <ns>m/id                         this log's token: set once, by its first reader
     <ns>m/bell/<g>, <ns>m/belln      the g-th departure rung (the last 64 kept); rings so far
     <ns>m/own/<worker>               OwnedKey lines: registry keys a worker claimed
     <ns>m/t/<worker>, <ns>m/tid      RPC worker -> member name; worker sequence counter
@@ -140,6 +141,10 @@ class Keys:
     def log_count(self) -> str:
         """Counter: positions of the event log claimed so far (wakes readers)."""
         return f"{self.ns}m/evn"
+
+    def log_token(self) -> str:
+        """A random token set once by the log's first reader (a new store's log has another)."""
+        return f"{self.ns}m/id"
 
     def bell_count(self) -> str:
         """Counter: departures rung on the bell so far (see ``_membership.bell``)."""
