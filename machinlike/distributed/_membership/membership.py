@@ -12,8 +12,10 @@ reaches the subscribers.
                 ├─ Endpoint   this member: incarnation, RPC worker, listener   (_membership.endpoint)
                 ├─ Claims     registry keys this member holds; their lock      (_membership.claims)
                 ├─ EventLog   post / read the event log in one order           (_membership.event_log)
-                │  └─ Bell    rung on a departure; its thread reads the log
-                │             at once                                          (_membership.bell)
+                │  ├─ LogCache  positions read once for the members of this
+                │  │            process (shared, per log)                      (_membership.log_cache)
+                │  └─ Bell    rung on a departure, carrying it; its thread
+                │             delivers it at once                              (_membership.bell)
                 └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
                    └─ PidWatch  its sleep, cut short by a watched process's
                                 exit on this host                              (_membership.pidwatch)
