@@ -52,8 +52,8 @@ and the entries), each one more wait for the GIL of a process with a hundred-odd
 threads; with the entry carried, a lone departure is the wait and one read.
 Why the fill of the ring before: waiters wait for ring g, and a ringer that died between
 its two requests would leave them waiting for a key nobody writes; the next ring writes
-it (after its own: the waiters of ring g wake first). A waiter more than ``KEEP`` rings behind is impossible: it reads the counter just
-before it waits.
+it (after its own: the waiters of ring g wake first). A waiter more than ``KEEP`` rings
+behind is impossible: it reads the counter at each wake, and again after a pause.
 The wait is bounded by ``WAIT``, long because torch logs a warning at each timed-out wait;
 the thread ends at the first ring after its last member's ``closing`` is set (a member's
 own "leave" rings; ``stop`` rings once for the last one here when it stops without
