@@ -38,7 +38,7 @@ times each (1.04 s p99 at 1,024 members, against 0.86 s with no bell); one threa
 then read the log for each member in turn still took 0.80 s, a request each, each
 waiting for the GIL again. The new entries are the same for every member of a process:
 read once, they are delivered to all in one go. (With 1,024 simulated members on 2
-cores and the departure carried in the ring, five runs gave 0.17-0.66 s at the 99th
+cores and the departure carried in the ring, four runs gave 0.17-0.66 s at the 99th
 percentile. The declarer and this thread still queue for the GIL behind 128 member
 threads; see BENCHMARKS.md, session 20.)
 Why departures only: a world filling would wake every member at each join (N² catch-ups
