@@ -51,10 +51,6 @@ class LogCache:
 
     Args:
         cap: Positions kept (the newest).
-
-    Attributes:
-        hits: Positions delivered from here.
-        misses: Positions put here after a read of the store.
     """
 
     def __init__(self, cap: int = CAP) -> None:
@@ -64,8 +60,6 @@ class LogCache:
         self._low = 0  # every cached position is >= this
         self._high = 0  # every cached position is < this
         self._snapshot: Optional[Tuple[int, int, List[Numbered]]] = None  # (k, start, entries)
-        self.hits = 0
-        self.misses = 0
 
     def run(self, lo: int, hi: int) -> List[Optional[LogEntry]]:
         """The cached entries of positions ``lo`` .. ``hi - 1``, up to the first one not cached."""
@@ -76,7 +70,6 @@ class LogCache:
                 if seq not in entries:
                     break
                 out.append(entries[seq])
-            self.hits += len(out)
         return out
 
     def put(self, lo: int, values: Sequence[str]) -> List[Optional[LogEntry]]:
@@ -91,7 +84,6 @@ class LogCache:
                 out.append(entry)
                 if seq >= self._high - self._cap:
                     entries[seq] = entry
-            self.misses += len(values)
             self._high = max(self._high, lo + len(values))
             floor = self._high - self._cap
             if floor > self._low:
