@@ -13,8 +13,10 @@ member's process identity is that of a simulated remote host, so its death is se
 its silent heartbeat (the remote path). Same-host deaths use members whose identity is a
 real child process of this machine: its SIGKILL is seen through ``/proc``.
 
-Each (N, design) runs in a fresh interpreter with a hard timeout: join all N (timed from
-"go" until every member sees N members), a steady window (store requests and key reads
+Each (N, design) runs in a fresh interpreter with a hard timeout: join all N (``--joiners``
+threads per host join its members, 16 by default; timed from "go" until every member
+sees N members, with the store's and the hosts' CPU and the requests per member
+meanwhile), a steady window (store requests and key reads
 counted by a proxy store around every member's client, the store's CPU and bytes), then
 ``--kills`` silent deaths and as many same-host SIGKILLs, one at a time; the time from a
 death to each survivor's "lost" event gives p50 and p99 over (survivor, death) pairs,
@@ -198,7 +200,7 @@ def _io(pid: int) -> Tuple[int, int]:
 
 # ----------------------------------------------------------------------- a host
 def _host(index: int, names: List[str], port: int, liveness: float, design: str, switch: float,
-          conn: Any) -> None:
+          joiners: int, conn: Any) -> None:
     """One process holding ``names`` as simulated members; obeys ``conn``'s commands."""
     os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
     # Hundreds of member threads share one GIL here, as no real member does (one member,
@@ -272,7 +274,7 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
                         name = pending.pop()
                     start(name)
 
-            threads = [threading.Thread(target=joiner) for _ in range(8)]
+            threads = [threading.Thread(target=joiner) for _ in range(joiners or len(names))]
             for t in threads:
                 t.start()
             for t in threads:
@@ -330,7 +332,7 @@ def _say(text: str) -> None:
 
 
 def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int,
-            switch: float = 0.005) -> Dict[str, Any]:
+            switch: float = 0.005, joiners: int = 16) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     port_in, port_out = ctx.Pipe()
     stop = ctx.Event()
@@ -342,7 +344,8 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
     conns, procs = [], []
     for h in range(hosts):
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, theirs), daemon=True)
+        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, joiners, theirs),
+                        daemon=True)
         p.start()
         conns.append(mine)
         procs.append(p)
@@ -357,6 +360,8 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             c.send(n)
         connect = max(c.recv() for c in conns)
         _say(f"N={n} {design}: connected in {connect:.1f} s; joining")
+        before = [ask(c, "counts") for c in conns]
+        store_cpu0 = _cpu(server.pid)
         go = time.time()
         for c in conns:
             c.send(("join", None))
@@ -373,10 +378,18 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
                 break
             time.sleep(0.25)
         join = max(joined.values()) - go if len(joined) >= n else float("nan")
+        # The joins' cost (up to when the last was seen, about: the poll's last look).
+        spent = time.time() - go
+        after = [ask(c, "counts") for c in conns]
+        join_store_cpu = 100 * (_cpu(server.pid) - store_cpu0) / spent
+        join_requests = sum(a[0] - b[0] for a, b in zip(after, before))
+        join_hosts_cpu = 100 * sum(a[2] - b[2] for a, b in zip(after, before)) / spent
         positions = int(ask(conns[0], "positions"))
         skipped = sum(ask(c, "log")[0] for c in conns)
         _say(f"N={n} {design}: the joins returned in {started:.2f} s; {len(joined)} joined and seen by all in "
-             f"{join:.2f} s ({positions} log positions for {n} joins, {skipped} skipped); measuring")
+             f"{join:.2f} s ({positions} log positions for {n} joins, {skipped} skipped; store CPU "
+             f"{join_store_cpu:.0f}%, hosts' CPU {join_hosts_cpu:.0f}%, {join_requests / n:.1f} requests per member); "
+             f"measuring")
         time.sleep(2.0)  # settle: every member's ring (or table) is built
 
         def sample() -> Tuple[int, int, float, float, int, int]:
@@ -394,7 +407,8 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         span = t1 - t0
         out: Dict[str, Any] = dict(
             n=n, design=design, liveness=liveness, connect_s=connect, joins_started_s=started, join_s=join,
-            joined=len(joined),
+            joined=len(joined), join_store_cpu_pct=join_store_cpu, join_hosts_cpu_pct=join_hosts_cpu,
+            join_requests_per_member=join_requests / n,
             requests_per_s=(b[0] - a[0]) / span, key_reads_per_s=(b[1] - a[1]) / span,
             hosts_cpu_pct=100 * (b[2] - a[2]) / span, store_cpu_pct=100 * (b[3] - a[3]) / span,
             store_in_Bps=(b[4] - a[4]) / span, store_out_Bps=(b[5] - a[5]) / span)
@@ -472,13 +486,21 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=0.005,
                         help="the hosts' sys.setswitchinterval, seconds (CPython's default; see _host)")
     parser.add_argument("--kills", type=int, default=4, help="deaths of each kind (remote, same host)")
+    # 16: 128 joins in flight at 8 hosts. One thread per member (0, all at once, as a
+    # launcher starts its processes) puts 256 threads on each host's GIL, a convoy no
+    # deployment has (a member has its process to itself): it cost more CPU than the
+    # parallel joins saved (1,024 joined in 9.5-9.9 s, against 8.5 s at 16), and at
+    # liveness=2 it starved a whole host past the silence bound once in four runs.
+    parser.add_argument("--joiners", type=int, default=16,
+                        help="threads per host that join its members at once (0: one per member; 8 before "
+                             "session 21)")
     parser.add_argument("--timeout", type=float, default=240.0, help="hard limit per (N, design), seconds")
     parser.add_argument("--one", nargs=2, metavar=("N", "DESIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see CONNECTORS
     if args.one:
         result = run_one(int(args.one[0]), args.one[1], args.liveness, args.window, args.hosts, args.kills,
-                         args.switch_interval)
+                         args.switch_interval, args.joiners)
         print("RESULT " + json.dumps(result))
         return
     rows = []
@@ -486,7 +508,7 @@ def main() -> None:
         for design in args.designs.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), design,
                    "--liveness", str(args.liveness), "--window", str(args.window), "--hosts", str(args.hosts),
-                   "--switch-interval", str(args.switch_interval),
+                   "--switch-interval", str(args.switch_interval), "--joiners", str(args.joiners),
                    "--kills", str(args.kills)]
             # Its own session: over the hard limit, its store and hosts go with it.
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -509,7 +531,9 @@ def main() -> None:
                   f"/member)  key reads/s {row['key_reads_per_s']:10.0f} ({row['key_reads_per_member_s']:.1f}"
                   f"/member)  store CPU {row['store_cpu_pct']:5.1f}%  in {row['store_in_Bps'] / 1e6:6.2f} MB/s"
                   f"  out {row['store_out_Bps'] / 1e6:6.2f} MB/s  members' CPU {row['member_cpu_pct']:.3f}%"
-                  f"/member  connect {row['connect_s']:.1f} s  join {row['join_s']:.2f} s  detection remote "
+                  f"/member  connect {row['connect_s']:.1f} s  join {row['join_s']:.2f} s (store CPU "
+                  f"{row['join_store_cpu_pct']:.0f}%, {row['join_requests_per_member']:.1f} requests/member)  "
+                  f"detection remote "
                   f"p50/p99/all "
                   f"{row['detect_remote_p50_s']:.2f}/{row['detect_remote_p99_s']:.2f}/"
                   f"{row['detect_remote_all_max_s']:.2f} s  same host {row['detect_here_p50_s']:.2f}/"

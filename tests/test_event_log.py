@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -33,8 +33,8 @@ class _Reader:
         self.got: List[Tuple[int, str, str, int]] = []
         self.log = EventLog(Registry(store, "the test's store"), keys, self._deliver, segment=SEG)
 
-    def _deliver(self, entry: LogEntry, seq: int) -> None:
-        self.got.append((seq, entry.kind, entry.record.member, entry.record.incarnation))
+    def _deliver(self, run: Sequence[Tuple[int, LogEntry]]) -> None:
+        self.got += [(seq, entry.kind, entry.record.member, entry.record.incarnation) for seq, entry in run]
 
 
 def _rec(member: str, inc: int = 1) -> MemberRecord:
@@ -171,7 +171,7 @@ def test_many_posters_at_once_each_post_costs_a_constant_number_of_requests():
     barrier = threading.Barrier(posters)
 
     def post(n: int) -> None:
-        log = EventLog(Registry(counting[n], "the test's store"), keys, lambda e, s: None, segment=SEG)
+        log = EventLog(Registry(counting[n], "the test's store"), keys, lambda run: None, segment=SEG)
         barrier.wait(30)
         for i in range(each):
             log.post("join", _rec(f"p{n}x{i}"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import subprocess
+import sys
 import threading
 import time
 
@@ -104,3 +105,69 @@ def _wait_quietly(store: dist.Store, key: str, seconds: float) -> None:
         store.wait([key], datetime.timedelta(seconds=seconds))
     except dist.DistStoreError:
         pass
+
+
+def test_a_member_whose_first_catch_up_outlasts_the_silence_bound_is_not_declared_lost(monkeypatch):
+    # A member's join is posted before it has read the log so far; its watchers time its
+    # heartbeat from the moment they see the join. Here that first read takes 1.6 s (a
+    # subscriber slow on each join), beyond the 0.625 s silence bound of liveness=1: the
+    # member must beat meanwhile. Its identity names another host, so only its heartbeat
+    # can tell its watcher it lives (not /proc).
+    from machinlike.distributed._membership import endpoint as _endpoint
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    keys = Keys.elastic_world("slowstart")
+
+    def member(name: str) -> Membership:
+        client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30))
+        return Membership(client, keys, "the test's store", name, 1.0, elastic=False)
+
+    watcher = member("a")
+    losses = []
+    watcher.subscribe(lambda e: e.kind == "lost" and losses.append(e.member))
+    watcher.enter(None, time.monotonic() + 10)
+    watcher.announce()
+    slow = member("b")
+    slow.subscribe(lambda e: e.kind == "join" and time.sleep(0.8))
+    monkeypatch.setattr(_endpoint, "process_identity", lambda: "elsewhere/1:1/4242")
+    slow.enter(None, time.monotonic() + 10)
+    try:
+        began = time.monotonic()
+        slow.announce()  # returns once its first catch-up is done (two joins: 1.6 s)
+        assert time.monotonic() - began >= 1.5
+        assert slow.members() == ["a", "b"]
+        time.sleep(1.0)  # the watcher ticks on: its heartbeat moves
+        assert watcher.members() == ["a", "b"] and losses == []
+        assert slow.roster.cut_off is None
+    finally:
+        slow.close()
+        watcher.close()
+
+
+_EXITS_WITHOUT_CLOSING = """
+import datetime, sys, time
+import torch.distributed as dist
+from machinlike.distributed._membership import Membership
+from machinlike.distributed._store import Keys
+port, ns = int(sys.argv[1]), sys.argv[2]
+members = []
+for i in range(64):
+    client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
+    m = Membership(client, Keys.elastic_world(ns), "the test's store", f"m{i}", 0.5, elastic=False)
+    m.enter(None, time.monotonic() + 30)
+    m.announce()
+    members.append(m)
+time.sleep(0.5)
+sys.exit(3)  # without closing them: 64 liveness threads tick every 62 ms
+"""
+
+
+def test_a_process_that_exits_without_closing_its_members_exits_with_its_own_code():
+    # Before the exit hook, a liveness thread inside a store request at finalization made
+    # torch abort the process ("terminate called without an active exception"): 6 runs in 6.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    for run in range(2):
+        done = subprocess.run([sys.executable, "-c", _EXITS_WITHOUT_CLOSING, str(server.port), f"exit{run}"],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+        assert "terminate called" not in done.stderr

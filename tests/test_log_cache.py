@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import datetime
 import gc
-from typing import List, Tuple
+import threading
+from typing import List, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -67,8 +68,8 @@ class _Reader:
         self.got: List[Tuple[int, str, str]] = []
         self.log = EventLog(Registry(store, "the test's store"), keys, self._deliver, server=server)
 
-    def _deliver(self, entry: LogEntry, seq: int) -> None:
-        self.got.append((seq, entry.kind, entry.record.member))
+    def _deliver(self, run: Sequence[Tuple[int, LogEntry]]) -> None:
+        self.got += [(seq, entry.kind, entry.record.member) for seq, entry in run]
 
 
 def _rec(member: str) -> MemberRecord:
@@ -98,6 +99,36 @@ def test_the_members_of_one_process_read_each_position_once():
         r.log.catch_up()
     assert [s.reads for s in stores[:3]] == [first, 0, 0] and stores[3].reads >= 1
     assert all(r.got[40:] == [(i, "lost", f"a{i - 40}") for i in range(40, 50)] for r in readers)
+
+
+def test_members_catching_up_at_the_same_moment_take_turns_and_read_each_position_once():
+    # While a world fills, every member's tick finds positions nobody has read yet, at once:
+    # one reads them, the others wait their turn and find them in the cache.
+    server, keys = _server(), Keys.elastic_world("c4")
+    poster = _Reader(_client(server), keys, None)
+    stores = [_Counting(_client(server)) for _ in range(8)]
+    readers = [_Reader(s, keys, server_of(server)) for s in stores]
+    for r in readers:
+        r.log.catch_up()  # (each started: its first catch-up reads the log's token)
+    for round_ in range(3):
+        for i in range(30):
+            poster.log.post("join", _rec(f"r{round_}-{i}"))
+        before = sum(s.reads for s in stores)
+        start = threading.Barrier(len(readers))
+
+        def catch_up(reader: _Reader) -> None:
+            start.wait(10)
+            reader.log.catch_up()
+
+        threads = [threading.Thread(target=catch_up, args=(r,)) for r in readers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        # One reader read them: a check and a multi_get (the others none).
+        assert sum(s.reads for s in stores) - before <= 2, [s.reads for s in stores]
+        assert all(r.got == readers[0].got for r in readers)
+        assert len(readers[0].got) == 30 * (round_ + 1)
 
 
 def test_a_new_store_at_the_same_address_is_never_served_from_the_old_ones_cache():

@@ -93,3 +93,22 @@ def test_a_call_picked_before_a_move_goes_to_the_new_worker_and_a_gone_one_nowhe
     roster.apply("join", MemberRecord("host", 2, "host_9", 0, process_identity()))
     assert roster.resolve("host_0") is None and roster.resolve("host_7") is None
     assert roster.resolve("host_9") == "host_9"
+
+
+def test_a_run_of_joins_is_applied_at_once_in_order_and_replays_are_not_news():
+    roster = Roster(PipeLedger(0))
+    roster.apply("join", MemberRecord("b", 1, "b_1", 1, "x"))
+    version = roster.version
+    run = [MemberRecord(name, 1, f"{name}_1", i, "x") for i, name in enumerate(["z", "a", "m", "c", "y", "d"])]
+    run += [MemberRecord("b", 1, "b_1", 1, "x"),  # a replay
+            MemberRecord("a", 2, "a_2", 0, "x")]  # a newer incarnation of one in this run
+    told = roster.apply_joins(run)
+    assert told == [True] * 6 + [False, True]
+    assert roster.version == version + 1  # one change for the run
+    assert roster.members() == ["a", "b", "c", "d", "m", "y", "z"]
+    assert roster.incarnation_of("a") == 2 and roster.worker_gone("a_1") and not roster.worker_gone("a_2")
+    assert [r.member for r in roster.successors("d", 2)] == ["m", "y"]
+    assert [r.member for r in roster.successors("y", 2)] == ["z", "a"]  # (the ring wraps round)
+    # A short run is inserted name by name; the table is the same.
+    roster.apply_joins([MemberRecord("e", 1, "e_1", 9, "x")])
+    assert roster.members() == ["a", "b", "c", "d", "e", "m", "y", "z"]

@@ -1,7 +1,8 @@
 """EventLog: the world's membership events, posted to and read from the store in one order.
 
 Owns how far this process has read the log (the next position) and delivers every new
-entry once, in log order, to the callable it was built with (``Membership._deliver``).
+entry once, in log order, to the callable it was built with (``Membership._deliver``), a
+run of consecutive entries at a time.
 
 Each event has a position of its own, claimed from a counter; positions are cut into
 ranges of ``segment``, each with a snapshot, so that no key grows with the world's age
@@ -31,7 +32,8 @@ and nobody reads the whole history::
     a new reader      starts from m/snap/<m/logk> (the members as they stand)
 
     Entries and the newest snapshot are read through the process's LogCache (see
-    log_cache): the members of one process read and decode each position once.
+    log_cache): the members of one process read and decode each position once, taking
+    turns at the store (one reads, the others find what it read).
 
 Why a position per event, and not compare-and-set of a shared segment (the design
 before): posters racing on one key retried, each retry re-reading and rewriting a growing
@@ -48,7 +50,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Hashable, List, Mapping, Optional, Tuple
+from typing import Callable, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -60,7 +62,7 @@ from .log_state import (
     GONE_KEPT, NO_EVENTS, SEGMENT, SKIP, EventCounts, History, Numbered, Snapshot, entry_of, read_history,
 )
 
-__all__ = ["EventLog", "EventCounts", "History", "read_history", "SEGMENT", "GONE_KEPT", "HOLE_WAIT"]
+__all__ = ["EventLog", "EventCounts", "History", "read_history", "SEGMENT", "GONE_KEPT", "HOLE_WAIT", "READ_TURN"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,9 @@ KEEP = 4
 #: post's two requests take milliseconds; a poster merely starved this long finds SKIP
 #: and posts again, so this bounds only how long readers stall behind a dead poster.
 HOLE_WAIT = 1.0
+#: Seconds a member waits for another member of its process to finish reading the log
+#: before it reads the store itself (see EventLog._read_shared).
+READ_TURN = 0.25
 #: Times a post may find its position skipped before it gives up.
 POST_TRIES = 8
 #: The kinds of event that ring the bell after they are posted.
@@ -82,7 +87,9 @@ class EventLog:
     Args:
         registry: The world's store tables.
         keys: The world's keys.
-        deliver: Called with each new entry and its position in the log, in order.
+        deliver: Called with each run of new entries, as (position, entry) in log order
+            (skipped positions left out). If it raises, the run is delivered again at the
+            next catch-up.
         segment: Positions per range (tests make it small).
         hole_wait: Seconds before an unwritten position is skipped (see HOLE_WAIT).
         bell: Rung after each departure posted here, so that every member reads it at
@@ -95,7 +102,8 @@ class EventLog:
         skipped: Positions this process filled with SKIP (their posters died mid-post).
     """
 
-    def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[LogEntry, int], None], segment: int = SEGMENT,
+    def __init__(self, registry: Registry, keys: Keys, deliver: Callable[[Sequence[Numbered]], None],
+                 segment: int = SEGMENT,
                  hole_wait: float = HOLE_WAIT, bell: Optional[Bell] = None, server: Optional[Hashable] = None) -> None:
         self._registry = registry
         self._server = server
@@ -191,8 +199,10 @@ class EventLog:
         Args:
             total: The counter ``m/evn`` as the caller just read it (the liveness watch
                 reads it with the heartbeats, in one request); None: read it here.
-            wait: False: return at once when another thread is catching up (the liveness
-                tick: its next heartbeat must not wait behind another thread's reads).
+            wait: False: return at once when another thread is catching up, and deliver
+                only what is cached while another member of this process reads the store
+                (the liveness tick: its next heartbeat must not wait behind another
+                thread's reads).
             known: Positions below ``total`` already read from the store, with their
                 values (the bell reads them once for the members of its process): kept
                 in the cache, they are delivered without a request.
@@ -212,24 +222,59 @@ class EventLog:
             while self._seq < total:
                 cached = cache.run(self._seq, total)
                 if cached:
-                    for entry in cached:
-                        self._deliver_entry(entry)
+                    self._deliver_run(cached)
                     continue
                 end = min(total, self._seq + self._segment)
-                values = self._read_written(self._seq, end, claimed)
-                for entry in cache.put(self._seq, values):
-                    self._deliver_entry(entry)
-                if values and self._seq < end:
+                read = self._read_shared(cache, end, claimed, wait)
+                if read is None:
+                    if wait:
+                        continue  # another member of this process read them meanwhile: cached now
+                    break  # another is reading them: the next tick finds them cached
+                self._deliver_run(read[1])
+                if read[0] and self._seq < end:
                     break  # the rest is being written: the next catch-up reads on
-                if not values and not self._past_hole(self._seq, total):
+                if not read[0] and not self._past_hole(self._seq, total):
                     break  # a post under way (or a dead poster's, skipped in time)
         finally:
             self._lock.release()
 
-    def _deliver_entry(self, entry: Optional[LogEntry]) -> None:
-        if entry is not None:
-            self._deliver(entry, self._seq)
-        self._seq += 1
+    def _read_shared(self, cache: LogCache, end: int, claimed: int, wait: bool
+                     ) -> Optional[Tuple[List[str], List[Optional[LogEntry]]]]:
+        """Read positions ``self._seq`` .. (below ``end``) from the store into ``cache``: the
+        values read and their entries. None: another member of this process read
+        ``self._seq`` while this one waited for its turn (it is cached now), or, when
+        ``wait`` is False, another member is reading now.
+
+        Why one reader at a time: while a thousand members join, every tick of every member
+        finds new positions that no one has read yet, and each read them itself (two
+        requests per member per tick, on top of the tick's two: the joins' store load
+        doubled, and each request is one more wait for the GIL). Taking turns, the others
+        find them cached. The turn is waited for ``READ_TURN`` at most: a reader stuck on
+        a dying store must not make every member of the process wait out its timeout in
+        a row. A liveness tick (``wait`` False) does not wait at all: its heartbeats must
+        not stall behind another member's request.
+        """
+        turn = cache.reading.acquire(timeout=READ_TURN) if wait else cache.reading.acquire(False)
+        if not turn and not wait:
+            return None
+        try:
+            if turn and cache.run(self._seq, self._seq + 1):
+                return None
+            values = self._read_written(self._seq, end, claimed)
+            return values, cache.put(self._seq, values)
+        finally:
+            if turn:
+                cache.reading.release()
+
+    def _deliver_run(self, entries: Sequence[Optional[LogEntry]]) -> None:
+        """Deliver positions ``self._seq`` .. (None: a skipped one), then move past them."""
+        if not entries:
+            return  # (a hole being timed stays timed)
+        seq = self._seq
+        run = [(seq + i, entry) for i, entry in enumerate(entries) if entry is not None]
+        if run:
+            self._deliver(run)
+        self._seq = seq + len(entries)
         self._hole = None
 
     def _read_written(self, lo: int, hi: int, claimed: int) -> List[str]:
@@ -286,7 +331,7 @@ class EventLog:
         value = self._registry.compare_set(self._keys.log_entry(seq), "", SKIP)
         if value == SKIP:
             self.skipped += 1
-        self._deliver_entry(self._cache.put(seq, [value])[0])
+        self._deliver_run(self._cache.put(seq, [value]))
         return True
 
     def _start(self) -> None:
@@ -305,9 +350,9 @@ class EventLog:
             kept = (state.start, state.entries())
             self._cache.keep_snapshot(k, *kept)
         start, entries = kept
-        for seq, entry in entries:
-            if seq >= self._seq:
-                self._deliver(entry, seq)
+        run = [(seq, entry) for seq, entry in entries if seq >= self._seq]
+        if run:
+            self._deliver(run)
         self._seq, self._hole = max(self._seq, start), None
 
     def _skip_ahead(self, head: int) -> None:

@@ -51,10 +51,16 @@ class LogCache:
 
     Args:
         cap: Positions kept (the newest).
+
+    Attributes:
+        reading: Held by the member reading the store into this cache; the others of the
+            process wait their turn (bounded) and find what it read (see
+            EventLog._read_shared).
     """
 
     def __init__(self, cap: int = CAP) -> None:
         self._cap = cap
+        self.reading = threading.Lock()
         self._lock = threading.Lock()
         self._entries: Dict[int, Optional[LogEntry]] = {}
         self._low = 0  # every cached position is >= this

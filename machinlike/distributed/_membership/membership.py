@@ -20,7 +20,8 @@ reaches the subscribers.
                    └─ PidWatch  its sleep, cut short by a watched process's
                                 exit on this host                              (_membership.pidwatch)
 
-    EventLog.catch_up ─► _deliver ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
+    EventLog.catch_up ─► _deliver(run) ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
+                                       (a stretch of joins: Roster.apply_joins, one lock)
 
 Why this cut: each part owns one lock or none, and the state each lock guards sits in
 the same object (the Roster's lock guards the tables ``wait_until`` reads; the Claims
@@ -50,6 +51,7 @@ from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
+from .log_state import Numbered
 from .._store import Keys, LogEntry, MemberRecord, server_of
 from .processes import alive_here, tick_of
 from .member_event import MemberEvent
@@ -65,6 +67,8 @@ from .pidwatch import PidWatch, WakingEvent
 __all__ = ["Membership", "MemberEvent"]
 
 log = logging.getLogger(__name__)
+
+_new_event = tuple.__new__
 
 
 class Membership:
@@ -113,10 +117,46 @@ class Membership:
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                self.departures, liveness, elastic, self._closing, watch, pids)
 
-    def _deliver(self, entry: LogEntry, seq: int) -> None:
+    def _deliver(self, run: Sequence[Numbered]) -> None:
+        """Apply a run of the log's entries (position, entry), in order, and publish them.
+
+        A stretch of joins is applied at once (Roster.apply_joins), then published; any
+        other event is applied and published alone, so that a departure's clean-up and
+        its subscribers see the roster as of that event.
+        """
+        i, size = 0, len(run)
+        while i < size:
+            j = i
+            while j < size and run[j][1].kind == "join":
+                j += 1
+            if j > i + 1:
+                self._deliver_joins(run[i:j])
+                i = j
+            else:
+                self._deliver_one(run[i][1], run[i][0])
+                i += 1
+
+    def _deliver_joins(self, joins: Sequence[Numbered]) -> None:
+        newest = -1
+        for _, entry in joins:
+            number = _transport.worker_seq(entry.record.worker)
+            if number is not None and number > newest:
+                newest = number
+        if newest >= 0:
+            self.endpoint.note_seq(newest)
+        fresh = self.roster.apply_joins([entry.record for _, entry in joins])
+        publish = self.roster.publish
+        for (seq, entry), told in zip(joins, fresh):
+            if told:
+                rec = entry.record
+                # (tuple.__new__: the named tuple's own __new__ is a Python function, and
+                # twice the cost of this once per event per member)
+                publish(_new_event(MemberEvent, ("join", rec.member, rec.incarnation, rec.rank, seq)))
+
+    def _deliver_one(self, entry: LogEntry, seq: int) -> None:
         rec = entry.record
         if entry.kind in ("join", "move"):
-            number = _transport.worker_seq(rec.worker)  # (not ``seq``: the event's own)
+            number = _transport.worker_seq(rec.worker)  # (not ``seq``: the worker's own)
             if number is not None:  # (an elastic worker: see Endpoint.aged)
                 self.endpoint.note_seq(number)
         workers = self.roster.apply(entry.kind, rec)

@@ -2,7 +2,8 @@
 
 Owns the live table (member -> :class:`MemberRecord`), the RPC-worker index, who is
 gone and why, the callbacks, and one re-entrant lock with its Condition. Nothing else
-writes these: events reach it through :meth:`Roster.apply`, in the world's log order.
+writes these: events reach it through :meth:`Roster.apply` (a stretch of joins through
+:meth:`Roster.apply_joins`, at once), in the world's log order.
 
     EventLog.catch_up ──► Membership._deliver ──► Roster.apply(entry)   (under the lock)
                                                 │    join / leave / lost / move
@@ -99,19 +100,7 @@ class Roster:
                     self._move(rec)
                     return None
                 if kind == "join":
-                    old = self._live.get(rec.member)
-                    if old is not None and old.incarnation >= rec.incarnation:
-                        return None  # a static member's record, or a replayed join
-                    if old is not None and old.worker != rec.worker:
-                        # A newer incarnation joined before this view saw the old one lost
-                        # (the log may hold them in that order): the old worker is gone now.
-                        self._worker_gone(old.worker)
-                    if old is None:
-                        bisect.insort(self._names, rec.member)
-                    self._live[rec.member] = rec
-                    self._by_worker[rec.worker] = rec.member
-                    self._gone.pop(rec.member, None)
-                    return []
+                    return [] if self._join(rec) else None
                 current = self._live.get(rec.member)
                 if current is not None and current.incarnation == rec.incarnation:
                     del self._live[rec.member]
@@ -127,6 +116,50 @@ class Roster:
                 self.version += 1
                 if self._waiting:
                     self._changed.notify_all()
+
+    def apply_joins(self, records: Sequence[MemberRecord]) -> List[bool]:
+        """Apply a run of ``"join"`` events of the log at once (one lock, one wake-up);
+        for each, whether subscribers are told (False: a replayed join).
+
+        Why a run: a new member reads every member already there, and every member reads
+        every join: N² deliveries while a world of N fills. Inserting each name into the
+        sorted list moved up to N names each time; a run is merged in one sort.
+        """
+        with self._lock:
+            try:
+                added: List[str] = []
+                fresh = [self._join(rec, added) for rec in records]
+                if len(added) > 4:
+                    self._names.extend(added)
+                    self._names.sort()  # (a sorted run and k new names: about N + k log k)
+                else:
+                    for name in added:
+                        bisect.insort(self._names, name)
+                return fresh
+            finally:
+                self.version += 1
+                if self._waiting:
+                    self._changed.notify_all()
+
+    def _join(self, rec: MemberRecord, added: Optional[List[str]] = None) -> bool:
+        """(under the lock) ``rec`` joined; False when it is not news. A new name goes into
+        ``added`` (the caller sorts it in), or straight into the sorted names."""
+        old = self._live.get(rec.member)
+        if old is not None:
+            if old.incarnation >= rec.incarnation:
+                return False  # a static member's record, or a replayed join
+            if old.worker != rec.worker:
+                # A newer incarnation joined before this view saw the old one lost (the
+                # log may hold them in that order): the old worker is gone now.
+                self._worker_gone(old.worker)
+        elif added is not None:
+            added.append(rec.member)
+        else:
+            bisect.insort(self._names, rec.member)
+        self._live[rec.member] = rec
+        self._by_worker[rec.worker] = rec.member
+        self._gone.pop(rec.member, None)
+        return True
 
     def _move(self, rec: MemberRecord) -> None:
         current = self._live.get(rec.member)
