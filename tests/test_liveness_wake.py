@@ -171,3 +171,21 @@ def test_a_process_that_exits_without_closing_its_members_exits_with_its_own_cod
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
         assert "terminate called" not in done.stderr
+
+
+def test_a_member_whose_first_catch_up_fails_stops_beating():
+    # The liveness thread starts before the first catch-up; if that fails, the member never
+    # started, and its thread must not go on beating as if it were in the world.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, datetime.timedelta(seconds=30))
+    m = Membership(client, Keys.elastic_world("failstart"), "the test's store", "a", 1.0, elastic=False)
+    m.enter(None, time.monotonic() + 10)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the log cannot be read")
+
+    m.events.catch_up = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        m.monitor.start()
+    m.monitor.join(5.0)
+    assert m.monitor._thread is not None and not m.monitor._thread.is_alive()

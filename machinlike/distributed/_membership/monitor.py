@@ -207,6 +207,9 @@ class Monitor:
             self._thread.start()
         try:
             self._events.catch_up()
+        except BaseException:
+            self._closing.set()  # (a member that failed to start must not go on beating)
+            raise
         finally:
             self._caught_up.set()
 
