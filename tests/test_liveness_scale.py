@@ -29,6 +29,7 @@ from machinlike.distributed._membership import endpoint as _endpoint
 from machinlike.distributed._store import Keys
 from machinlike.distributed._membership import process_identity
 from machinlike.distributed._membership import Membership
+from machinlike.distributed._membership.processes import tick_of
 from machinlike.distributed._membership.watch import WATCH_ENV
 
 LIVENESS = 2.0
@@ -114,8 +115,10 @@ class _Counting(dist.Store):
 class _World:
     """``n`` members in namespace ``ns``; who saw whom lost, and when."""
 
-    def __init__(self, pool: List[dist.TCPStore], identity: Dict[str, str], ns: str, n: int, here: int) -> None:
+    def __init__(self, pool: List[dist.TCPStore], identity: Dict[str, str], ns: str, n: int, here: int,
+                 liveness: float = LIVENESS) -> None:
         self.counts = [0, 0]
+        self.tick = tick_of(liveness)
         self.lost: Dict[Tuple[str, str], float] = {}
         self.members: Dict[str, Membership] = {}
         self.children: Dict[str, subprocess.Popen] = {}
@@ -131,7 +134,7 @@ class _World:
             else:  # another host as far as /proc can tell: only its heartbeat speaks
                 identity["now"] = f"elsewhere/1:1/{i}"
             store = _Counting(pool[i % len(pool)], self.counts, spares)
-            m = Membership(store, keys, "the test's store", name, LIVENESS, elastic=False)
+            m = Membership(store, keys, "the test's store", name, liveness, elastic=False)
             m.subscribe(lambda e, me=name: e.kind == "lost" and self.lost.setdefault((me, e.member), time.time()))
             m.enter(None, time.monotonic() + 30)
             m.announce()
@@ -148,7 +151,7 @@ class _World:
     def per_member_tick(self, seconds: float) -> Tuple[float, float]:
         before = list(self.counts)
         time.sleep(seconds)
-        ticks = len(self.members) * seconds / TICK
+        ticks = len(self.members) * seconds / self.tick
         return (self.counts[0] - before[0]) / ticks, (self.counts[1] - before[1]) / ticks
 
     def kill(self, name: str) -> float:
@@ -189,8 +192,8 @@ def world_factory(monkeypatch):
     identity: Dict[str, str] = {}  # the identity the member entering now gets
     monkeypatch.setattr(_endpoint, "process_identity", lambda: identity["now"])
 
-    def make(ns: str, n: int, here: int = 0) -> _World:
-        made.append(_World(pool, identity, ns, n, here))
+    def make(ns: str, n: int, here: int = 0, liveness: float = LIVENESS) -> _World:
+        made.append(_World(pool, identity, ns, n, here, liveness))
         return made[-1]
 
     yield make
@@ -248,3 +251,36 @@ def test_a_process_starved_for_half_of_liveness_declares_nobody(world_factory):
         sys.setswitchinterval(before)
     time.sleep(3 * LIVENESS)
     assert not w.lost, f"live members declared lost after a {LIVENESS / 2:g} s pause: {sorted(w.lost)[:5]}"
+
+
+def test_where_the_silence_spans_8_ticks_a_member_beats_every_other_tick(world_factory):
+    # liveness 6: ticks of 0.5 s, a silence bound of 4.5 s (9 ticks). A member beats every
+    # other tick (1.5 requests a tick, not 2), stays live through a pause of half its
+    # liveness (its first tick after the pause beats at once), and a silent member is still
+    # named within the bound.
+    liveness = 6.0
+    w = world_factory("b", 24, liveness=liveness)
+    w.wait_joined(30)
+    time.sleep(3 * tick_of(liveness))
+    beats = {name: m.registry.get_or_empty(m.keys.heartbeat(name)) for name, m in w.members.items()}
+    requests, _ = w.per_member_tick(3.0)
+    moved = [int(m.registry.get_or_empty(m.keys.heartbeat(name))) - int(beats[name]) for name, m in w.members.items()]
+    # 0.5 heartbeat and 1 multi_get a tick (2 before: a beat every tick); fewer when a
+    # loaded machine makes ticks late, so only a loose floor.
+    assert 0.8 <= requests <= 1.75, requests
+    mean = sum(moved) / len(moved)
+    assert 1.5 <= mean <= 4.5, moved  # 6 ticks in 3 s (and the reads' time): about 3 beats each
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        end = time.perf_counter() + liveness / 2
+        while time.perf_counter() < end:  # no I/O, no sleep: the GIL stays here
+            pass
+    finally:
+        sys.setswitchinterval(before)
+    killed = w.kill("m0011")
+    named = max(w.named_by_all("m0011", 3 * liveness)) - killed
+    time.sleep(4 * tick_of(liveness))
+    false = {whom for (_, whom) in w.lost} - {"m0011"}
+    assert not false, f"live members declared lost after a {liveness / 2:g} s pause: {sorted(false)[:5]}"
+    assert named < liveness + 0.5, named

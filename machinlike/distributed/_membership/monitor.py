@@ -6,8 +6,10 @@ checks this member's RPC listener, and declares the suspects lost.
 
     each tick (liveness / 8, at most 0.5 s; at once   the world's store
       when a watched process here exits: PidWatch)
-      heartbeat; read the watched members' and the    m/hb/<name>   heartbeat counter
-      log counter (Watch: k ring successors, or all)  m/evn
+      heartbeat (every other tick where the silence   m/hb/<name>   heartbeat counter
+        bound spans 8 ticks: the default liveness)
+      read the watched members' heartbeats and the    m/evn
+        log counter (Watch: k ring successors, or all)
       EventLog.catch_up (Roster, Waits, callbacks)    m/e/<seq>
       declared lost itself? cut off: calls fail, stop
       listener closed, recycling due, or its own agent
@@ -153,6 +155,10 @@ class Monitor:
     def _tick(self) -> float:
         return tick_of(self._liveness)
 
+    def _beat_every(self) -> int:
+        """Ticks between heartbeats: 2 when the watch's silence bound spans 8 ticks or more, else 1."""
+        return 2 if self.watch.silence(self._liveness) >= 8 * self._tick() - 1e-9 else 1
+
     def lease(self) -> float:
         """Seconds a heartbeat may stall before its member is suspected."""
         return 0.75 * (self._liveness or DEFAULT_LIVENESS)
@@ -240,12 +246,21 @@ class Monitor:
         self.watch.connect()
         tick = self._tick()
         beat_key = self._keys.heartbeat(self._endpoint.name)
+        # Beat every other tick when the watchers' silence bound spans 8 ticks or more (the
+        # default liveness: 15): a quarter fewer store requests, and a gap between beats of
+        # 2 ticks still leaves 6 ticks of room. A tick that comes late (this process was
+        # stopped or starved) beats at once, so a pause costs at most one tick more.
+        every = self._beat_every()
+        beaten = float("-inf")
         ticks = 0
         pid_watched: Optional[List[MemberRecord]] = None
         while not self._sleep(tick):
             ticks += 1
             try:
-                self._registry.add(beat_key, 1)
+                now = time.monotonic()
+                if every == 1 or now - beaten >= 1.5 * tick:
+                    self._registry.add(beat_key, 1)
+                    beaten = now
                 if not self._caught_up.is_set():
                     continue  # (the joining thread reads the log so far: beat only, until it is done)
                 watched, counts = self.watch.tick(self._endpoint.name)  # catches up with the log too
