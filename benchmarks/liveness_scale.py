@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/liveness_scale.py [--sizes 64,256,1024] [--designs all,ring]
                                           [--liveness 2] [--window 8] [--hosts 4]
+                                          [--churn 10 --churn-seconds 60]
 
 One real TCPStore server (libuv, in a process of its own, so that its CPU and bytes are
 read from ``/proc/<pid>/stat`` and ``/proc/<pid>/io``) and N simulated members. A member
@@ -26,9 +27,18 @@ one host process share one bell thread, as members of one process do (see
 machinlike/distributed/_membership/bell.py): one waiter per process at the store, not
 one per member as a deployment of N processes has.
 
+With ``--churn R``, a last phase follows: for ``--churn-seconds``, each second R members
+die silently (random ones of the first N) and R new members join. Every death must be
+named by every member present at it that lives on, within ``liveness`` + 5 s; it prints
+the deaths' times to be named to all (p50, p99, max), the (survivor, death) pairs
+missed, the false losses, and samples of the hosts' memory, threads and descriptors, the
+store's memory and its keys. A view remembers 16,384 departed members and the store
+keeps 18,432 departures' records; ``--gone-kept`` and ``--departures-kept`` lower both, so
+that minutes of churn reach the bounds and the memory can be seen to level off.
+
 Designs (``MACHINLIKE_LIVENESS_WATCH``, see machinlike/distributed/_membership/watch.py): ``all``,
-every member reads every heartbeat (before issue 37); ``ring``, each reads its 2
-successors and the log counter in one request.
+every member reads every heartbeat (before issue 37); ``ring``, each reads its 3
+successors (and more past silent ones) and the log counter in one request.
 
 The last line reads ``liveness scale: N=1024 requests/s per member R, key reads/s per
 member K, store CPU C%, join J s, detection p99 D s`` (the ring, the largest N run).
@@ -37,16 +47,18 @@ member K, store CPU C%, join J s, detection p99 D s`` (the ring, the largest N r
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import multiprocessing as mp
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -59,6 +71,8 @@ CLK = os.sysconf("SC_CLK_TCK")
 # timeout (RES_OPTIONS, set in main), connect every member beforehand from many threads
 # (the stalls overlap), and report that time apart from the join.
 CONNECTORS = 32
+# --gone-kept, for the hosts (a benchmark's own knob: no World reads it).
+GONE_KEPT_ENV = "LIVENESS_SCALE_GONE_KEPT"
 
 
 def _client(host: str, port: int) -> dist.TCPStore:
@@ -198,10 +212,53 @@ def _io(pid: int) -> Tuple[int, int]:
     return int(rows["rchar"]), int(rows["wchar"])
 
 
+# ------------------------------------------------------------------ churn's book
+class _ChurnBook:
+    """One host's record of the deaths of the churn phase, bounded by the deaths in flight.
+
+    The driver says a member is about to die (``died``: this host's members then are the
+    ones that must name it), then settles it once its bound has passed (``settle``: what
+    was missed, when the first and the last of them named it), which forgets it. A loss
+    of a member the driver never killed is a false declaration. (A member that joins
+    reads the log from its start, and is told of the losses before it too: not counted.)
+    """
+
+    def __init__(self, dead: List[str]) -> None:
+        self.dead = set(dead)  # killed before the churn, and the churn's victims once said
+        self.expected: Dict[str, set] = {}
+        self.named: Dict[str, set] = {}
+        self.times: Dict[str, Tuple[float, float]] = {}
+        self.false: set = set()
+
+    def died(self, victim: str, present: List[str]) -> None:
+        self.dead.add(victim)
+        self.expected[victim] = set(present) - {victim}
+        self.named[victim] = set()
+
+    def note(self, observer: str, victim: str, at: float) -> None:
+        expected = self.expected.get(victim)
+        if expected is not None:
+            if observer in expected:
+                self.named[victim].add(observer)
+                first, last = self.times.get(victim, (at, at))
+                self.times[victim] = (min(first, at), max(last, at))
+        elif victim not in self.dead:
+            self.false.add(victim)
+
+    def settle(self, victim: str, alive: set) -> Tuple[int, int, float, float]:
+        """(members that had to name it and live on, of those the ones that did not, the
+        first and the last time one of them did; NaN: none)."""
+        expected = self.expected.pop(victim, set()) & alive
+        named = self.named.pop(victim, set())
+        first, last = self.times.pop(victim, (float("nan"), float("nan")))
+        return len(expected), len(expected - named), first, last
+
+
 # ----------------------------------------------------------------------- a host
 def _host(index: int, names: List[str], port: int, liveness: float, design: str, switch: float,
-          joiners: int, conn: Any) -> None:
-    """One process holding ``names`` as simulated members; obeys ``conn``'s commands."""
+          joiners: int, conn: Any, extra: Optional[List[str]] = None) -> None:
+    """One process holding ``names`` as simulated members (and ``extra``, members that join
+    during the churn); obeys ``conn``'s commands."""
     os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
     # Hundreds of member threads share one GIL here, as no real member does (one member,
     # one process). Each thread waiting for the GIL wakes once per switch interval to ask
@@ -211,6 +268,9 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
     # members instead (a turn comes every threads x interval at worst): keep N / --hosts
     # at 128 or so (see --switch-interval).
     sys.setswitchinterval(switch)
+    from machinlike.distributed._membership import roster as _roster
+    if os.environ.get(GONE_KEPT_ENV):
+        _roster.GONE_KEPT = int(os.environ[GONE_KEPT_ENV])  # (the bound is read at each departure)
     from machinlike.distributed._membership import endpoint as _endpoint
     from machinlike.distributed._store import Keys
     from machinlike.distributed._membership import process_identity
@@ -231,7 +291,9 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
     # Every member's two connections, made before the clock starts: made while the
     # store is busy, one in about thirty stalled 5 s in torch's client (see _client).
     began = time.monotonic()
-    clients = _connect_all(names, port)
+    clients = _connect_all(names + list(extra or []), port)
+    book: Optional[_ChurnBook] = None  # set for the churn phase
+    added = [0, 0]  # churn joins done, failed
     conn.send(time.monotonic() - began)  # imports done: the driver's "go" times the joins alone
 
     def start(name: str) -> None:
@@ -248,7 +310,10 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
         def on_change(event: Any, observer: str = name) -> None:
             if event.kind == "lost":
                 with lock:
-                    seen[(observer, event.member)] = time.time()
+                    if book is not None:
+                        book.note(observer, event.member, time.time())
+                    else:
+                        seen[(observer, event.member)] = time.time()
             elif event.kind == "join":
                 known[0] += 1
                 if known[0] == total:
@@ -288,12 +353,43 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             with counts.lock:
                 conn.send((counts.requests, counts.keys, _cpu(os.getpid())))
         elif cmd == "kill":
-            m = members.pop(arg)
+            with lock:
+                m = members.pop(arg)
             killed = time.time()
             if arg in children:
                 children[arg].send_signal(signal.SIGKILL)
             m._closing.set()  # its liveness thread stops at its next tick, saying nothing
+            clients.pop(arg, None)  # (its connections close once its thread has ended, as a dead process's do)
             conn.send(killed)
+        elif cmd == "churn":
+            with lock:
+                book = _ChurnBook(arg)
+            conn.send(True)
+        elif cmd == "add":  # a churn member joins, on a thread of its own (the driver goes on)
+
+            def add(name: str = arg) -> None:
+                try:
+                    start(name)
+                    added[0] += 1
+                except Exception:
+                    added[1] += 1
+
+            threading.Thread(target=add, daemon=True).start()
+            conn.send(True)
+        elif cmd == "died":
+            with lock:
+                book.died(arg, list(members))
+            conn.send(True)
+        elif cmd == "settle":
+            with lock:
+                conn.send(book.settle(arg, set(members)))
+        elif cmd == "churned":  # (joins done, failed), falsely named, named after settling, this process's memory
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with lock:
+                conn.send((tuple(added), sorted(book.false), rss,
+                           sorted(n for n, m in members.items() if m.roster.cut_off),
+                           threading.active_count(), len(os.listdir("/proc/self/fd"))))
         elif cmd == "seen":
             with lock:
                 conn.send({(o, v): t for (o, v), t in seen.items() if v == arg})
@@ -331,8 +427,104 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[str], extras: List[str],
+           rate: float, seconds: float, liveness: float, server_pid: int, port: int) -> Dict[str, Any]:
+    """``rate`` joins and ``rate`` silent deaths a second for ``seconds``; every death must be
+    named by every member present at it that lives on, within ``liveness`` + 5 s."""
+
+    def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
+        conn.send((cmd, arg))
+        return conn.recv()
+
+    def ask_all(cmd: str, arg: Any = None) -> List[Any]:
+        for c in conns:  # (all first, then the answers: one wait for the slowest host, not eight in a row)
+            c.send((cmd, arg))
+        return [c.recv() for c in conns]
+
+    ask_all("churn", dead)
+    rng = random.Random(37)
+    pool = list(pool)  # who may die: the members there before, and joiners 5 s after their join
+    joining: Deque[Tuple[float, str]] = collections.deque()
+    events = min(int(rate * seconds), len(extras))
+    probe = _client("127.0.0.1", port)
+    settle_after = liveness + 5.0
+    pending: Deque[Tuple[float, str, float]] = collections.deque()  # (due, victim, killed at)
+    delays: List[float] = []  # a death to the last member present at it naming it
+    firsts_named: List[float] = []  # a death to the first (about when its declarer posted it)
+    owed = missed = unnamed = 0
+    # (s since start, hosts' RSS, store RSS, store keys, hosts' threads, hosts' descriptors)
+    samples: List[Tuple[float, int, int, int, int, int]] = []
+
+    def settle_due(until: float) -> None:
+        nonlocal owed, missed, unnamed
+        while pending and pending[0][0] <= until:
+            _, victim, killed = pending.popleft()
+            answers = ask_all("settle", victim)
+            owed += sum(a[0] for a in answers)
+            missed += sum(a[1] for a in answers)
+            firsts = [a[2] for a in answers if a[2] == a[2]]
+            lasts = [a[3] for a in answers if a[3] == a[3]]
+            if lasts:
+                delays.append(max(lasts) - killed)
+                firsts_named.append(min(firsts) - killed)
+            else:
+                unnamed += 1
+
+    def sample(t0: float) -> None:
+        rows = ask_all("churned")
+        samples.append((time.monotonic() - t0, sum(r[2] for r in rows), _rss(server_pid), probe.num_keys(),
+                        sum(r[4] for r in rows), sum(r[5] for r in rows)))
+
+    start = time.monotonic()
+    sample(start)
+    every = max(1.0, seconds / 6)
+    next_sample = start + every
+    for i in range(events):
+        due = start + i / rate
+        while True:
+            now = time.monotonic()
+            settle_due(now)
+            if now >= next_sample:
+                sample(start)
+                next_sample += every
+            if now >= due:
+                break
+            time.sleep(min(0.01, due - now))
+        while joining and joining[0][0] <= now:
+            pool.append(joining.popleft()[1])
+        # A random member dies (swapped to the end: O(1)); deaths at random among all,
+        # as in a deployment (none of the members there before are spared for long).
+        pick = rng.randrange(len(pool))
+        pool[pick], pool[-1] = pool[-1], pool[pick]
+        victim = pool.pop()
+        ask_all("died", victim)  # (its host's members present now must name it)
+        pending.append((time.monotonic() + settle_after, victim, ask(owner[victim], "kill", victim)))
+        ask(owner[extras[i]], "add", extras[i])
+        joining.append((time.monotonic() + 5.0, extras[i]))
+    ran = time.monotonic() - start
+    while pending:
+        time.sleep(max(0.0, pending[0][0] - time.monotonic()))
+        settle_due(time.monotonic())
+    sample(start)
+    rows = ask_all("churned")
+    return dict(churn_events=events, churn_rate=events / ran if ran > 0 else float("nan"), churn_s=ran,
+                churn_joined=sum(r[0][0] for r in rows), churn_join_failed=sum(r[0][1] for r in rows),
+                churn_owed=owed, churn_missed=missed, churn_unnamed=unnamed,
+                churn_named_p50_s=_pct(delays, 0.5), churn_named_p99_s=_pct(delays, 0.99),
+                churn_named_max_s=max(delays) if delays else float("nan"),
+                churn_first_p50_s=_pct(firsts_named, 0.5), churn_first_p99_s=_pct(firsts_named, 0.99),
+                churn_false=sorted({v for r in rows for v in r[1]}),
+                churn_cut_off=sorted(n for r in rows for n in r[3]), churn_samples=samples)
+
+
 def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int,
-            switch: float = 0.005, joiners: int = 16) -> Dict[str, Any]:
+            switch: float = 0.005, joiners: int = 16, churn: float = 0.0,
+            churn_seconds: float = 60.0) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     port_in, port_out = ctx.Pipe()
     stop = ctx.Event()
@@ -341,15 +533,16 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
     port = port_in.recv()
     names = [f"m{i:05d}" for i in range(n - kills)] + [f"here-{i}" for i in range(kills)]
     shares = [names[h::hosts] for h in range(hosts)]
+    extras = [f"c{i:05d}" for i in range(int(churn * churn_seconds))]  # the churn's joiners
     conns, procs = [], []
     for h in range(hosts):
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, joiners, theirs),
-                        daemon=True)
+        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, joiners, theirs,
+                                            extras[h::hosts]), daemon=True)
         p.start()
         conns.append(mine)
         procs.append(p)
-    owner = {name: conns[h] for h in range(hosts) for name in shares[h]}
+    owner = {name: conns[h] for h in range(hosts) for name in shares[h] + extras[h::hosts]}
 
     def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
         conn.send((cmd, arg))
@@ -457,6 +650,10 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             cut_off += cut
         out["false_losses"] = sorted(false_named)
         out["cut_off"] = sorted(cut_off)
+        if churn > 0:
+            _say(f"N={n} {design}: churn, {churn:g} joins and deaths a second for {churn_seconds:g} s")
+            out.update(_churn(conns, owner, names[kills:n - kills], killed_names, extras, churn, churn_seconds,
+                              liveness, server.pid, port))
         return out
     finally:
         for c in conns:
@@ -494,13 +691,26 @@ def main() -> None:
     parser.add_argument("--joiners", type=int, default=16,
                         help="threads per host that join its members at once (0: one per member; 8 before "
                              "session 21)")
+    parser.add_argument("--churn", type=float, default=0.0,
+                        help="after the deaths: this many joins and as many silent deaths a second (0: none)")
+    parser.add_argument("--churn-seconds", type=float, default=60.0, help="how long the churn lasts")
+    parser.add_argument("--gone-kept", type=int, default=0,
+                        help="departed members each member's view remembers (roster.GONE_KEPT; 0: the "
+                             "default, 16,384), so that a churn of minutes reaches that bound too")
+    parser.add_argument("--departures-kept", type=int, default=0,
+                        help="MACHINLIKE_DEPARTURES_KEPT for the run (0: the default, 18,432), so that a "
+                             "churn of minutes reaches the bound of the store's keys")
     parser.add_argument("--timeout", type=float, default=240.0, help="hard limit per (N, design), seconds")
     parser.add_argument("--one", nargs=2, metavar=("N", "DESIGN"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")  # see CONNECTORS
+    if args.departures_kept:
+        os.environ["MACHINLIKE_DEPARTURES_KEPT"] = str(args.departures_kept)  # (the hosts inherit it)
+    if args.gone_kept:
+        os.environ[GONE_KEPT_ENV] = str(args.gone_kept)  # (read by _host)
     if args.one:
         result = run_one(int(args.one[0]), args.one[1], args.liveness, args.window, args.hosts, args.kills,
-                         args.switch_interval, args.joiners)
+                         args.switch_interval, args.joiners, args.churn, args.churn_seconds)
         print("RESULT " + json.dumps(result))
         return
     rows = []
@@ -509,7 +719,7 @@ def main() -> None:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", str(n), design,
                    "--liveness", str(args.liveness), "--window", str(args.window), "--hosts", str(args.hosts),
                    "--switch-interval", str(args.switch_interval), "--joiners", str(args.joiners),
-                   "--kills", str(args.kills)]
+                   "--kills", str(args.kills), "--churn", str(args.churn), "--churn-seconds", str(args.churn_seconds)]
             # Its own session: over the hard limit, its store and hosts go with it.
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
@@ -541,6 +751,21 @@ def main() -> None:
                   f"{row['detect_remote_first_s']:.2f}/{row['detect_here_first_s']:.2f} s  missed "
                   f"{row['detect_remote_missed'] + row['detect_here_missed']}  false losses "
                   f"{len(row['false_losses'])} (cut off {len(row['cut_off'])})", flush=True)
+            if "churn_events" in row:
+                first, last = row["churn_samples"][0], row["churn_samples"][-1]
+                print(f"        churn {row['churn_rate']:.1f} joins and deaths/s for {row['churn_s']:.0f} s "
+                      f"({row['churn_events']} each): joined {row['churn_joined']} ({row['churn_join_failed']} "
+                      f"failed); deaths named to all p50/p99/max {row['churn_named_p50_s']:.2f}/"
+                      f"{row['churn_named_p99_s']:.2f}/{row['churn_named_max_s']:.2f} s (first named "
+                      f"{row['churn_first_p50_s']:.2f}/{row['churn_first_p99_s']:.2f} s), missed "
+                      f"{row['churn_missed']} of {row['churn_owed']} (survivor, death) pairs, never named "
+                      f"{row['churn_unnamed']}, false losses "
+                      f"{len(row['churn_false'])} (cut off {len(row['churn_cut_off'])}); hosts' RSS "
+                      f"{first[1] / 2**20:.0f} -> {last[1] / 2**20:.0f} MB, store RSS {first[2] / 2**20:.0f} -> "
+                      f"{last[2] / 2**20:.0f} MB, store keys {first[3]} -> {last[3]}", flush=True)
+                print("        churn samples (s, hosts' RSS MB, store RSS MB, store keys, hosts' threads, hosts' "
+                      "descriptors): " + ", ".join(f"({t:.0f}, {h / 2**20:.0f}, {st / 2**20:.0f}, {k}, {th}, {fd})"
+                                                   for t, h, st, k, th, fd in row["churn_samples"]), flush=True)
     ring = [r for r in rows if r["design"] == "ring"]
     if ring:
         r = max(ring, key=lambda x: x["n"])

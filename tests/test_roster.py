@@ -78,6 +78,17 @@ def test_a_view_remembers_a_bounded_number_of_gone_workers_and_members(monkeypat
     assert roster.worker_gone("a399_409") and roster.gone("a399") == "lost"
     assert roster.worker_of("host") == "host_1360" and roster.member_of("host_1360") == "host"
     assert len(roster._moved_to) <= 50
+    # The index of each member's workers follows the table it indexes.
+    assert sum(len(w) for w in roster._workers_of.values()) == len(roster._by_worker)
+    assert all(roster._by_worker[w] == m for m, ws in roster._workers_of.items() for w in ws)
+
+
+def test_a_loss_names_its_members_workers_old_and_new_and_no_other():
+    roster = _roster_with(process_identity())
+    roster.apply("join", MemberRecord("hostess", 1, "hostess_2", 1, "elsewhere:1:2"))
+    roster.apply("move", MemberRecord("host", 1, "host_4", 0, process_identity()))
+    assert roster.apply("lost", MemberRecord("host", 1, "host_4", 0, process_identity())) == ["host_0", "host_4"]
+    assert roster.apply("lost", MemberRecord("hostess", 1, "hostess_2", 1, "elsewhere:1:2")) == ["hostess_2"]
 
 
 def test_a_call_picked_before_a_move_goes_to_the_new_worker_and_a_gone_one_nowhere():

@@ -35,22 +35,21 @@ alarm under load, a remote one by its silent lease.
 
 The thread starts before the member's first catch-up with the log, and only beats until
 that is done (see start). At the interpreter's exit, a hook ends every liveness thread
-of the process first (see _end_at_exit).
+of the process first (see exits).
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import threading
 import time
-import weakref
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ...exception import PeerLostError
 from .. import _transport
 from .._transport import AgentProbe
+from . import exits
 from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
@@ -63,34 +62,9 @@ from ..._deadline import deadline_left
 from .roster import Roster
 from .watch import AllWatch, Watch
 
-__all__ = ["Monitor", "EXIT_WAIT"]
+__all__ = ["Monitor"]
 
 log = logging.getLogger(__name__)
-
-#: Seconds the interpreter's exit waits, in all, for this process's liveness threads to end.
-EXIT_WAIT = 2.0
-
-# The monitors whose thread runs (held weakly), ended before the interpreter finalizes.
-_RUNNING: "weakref.WeakSet[Monitor]" = weakref.WeakSet()
-_RUNNING_LOCK = threading.Lock()
-_AT_EXIT = False  # whether _end_at_exit is registered (guarded by _RUNNING_LOCK)
-
-
-def _end_at_exit() -> None:
-    """Before the interpreter finalizes: end this process's liveness threads.
-
-    Why: a liveness thread in a store request when Python finalizes can never take the GIL
-    back; torch's C++ under it is unwound, and the process aborts ("terminate called
-    without an active exception", SIGABRT) instead of exiting with its own code. A
-    process of 64 members that ended without closing them aborted 6 times in 6.
-    """
-    with _RUNNING_LOCK:
-        monitors = list(_RUNNING)
-    for monitor in monitors:
-        monitor._closing.set()
-    deadline = time.monotonic() + EXIT_WAIT
-    for monitor in monitors:
-        monitor.join(deadline_left(deadline))
 
 
 class Monitor:
@@ -134,6 +108,9 @@ class Monitor:
         self._caught_up = threading.Event()  # set once start's first catch-up is done
         # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
         self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
+        # Watched members silent for a quarter of the bound (2 ticks at least) at the last
+        # look (the ring watches past them: see RingWatch).
+        self._silent = 0
         # Losses another member began to clean up -> when this one first saw that.
         self._declaring: Dict[Tuple[str, int], float] = {}
         # When this thread last looked (monotonic): a look much later than a tick means
@@ -200,14 +177,7 @@ class Monitor:
         thread beats from the start, and watches once that catch-up is done.
         """
         if self._liveness is not None and self._thread is None:
-            global _AT_EXIT
-            with _RUNNING_LOCK:
-                if not _AT_EXIT:
-                    # (registered on first use: atexit runs its hooks last-in first-out, so
-                    # this runs before the hooks of the store or torch's RPC, set up earlier)
-                    atexit.register(_end_at_exit)
-                    _AT_EXIT = True
-                _RUNNING.add(self)
+            exits.running(self)  # (ended first at the interpreter's exit: see exits)
             self._thread = threading.Thread(target=self._run, name=f"machinlike-liveness-{self._endpoint.name}",
                                             daemon=True)
             self._thread.start()
@@ -218,6 +188,10 @@ class Monitor:
             raise
         finally:
             self._caught_up.set()
+
+    def ask_to_end(self) -> None:
+        """Set ``closing``: the thread ends at its next tick (the interpreter's exit)."""
+        self._closing.set()
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds in all for the thread and a renewal under way to
@@ -231,8 +205,7 @@ class Monitor:
         try:
             self._loop()
         finally:
-            with _RUNNING_LOCK:
-                _RUNNING.discard(self)
+            exits.stopped(self)
             if self._pids is not None:
                 self._pids.close()
 
@@ -263,7 +236,8 @@ class Monitor:
                     beaten = now
                 if not self._caught_up.is_set():
                     continue  # (the joining thread reads the log so far: beat only, until it is done)
-                watched, counts = self.watch.tick(self._endpoint.name)  # catches up with the log too
+                # (catches up with the log too; the ring looks past the silent ones)
+                watched, counts = self.watch.tick(self._endpoint.name, self._silent)
                 if self._pids is not None and watched is not pid_watched:
                     # (the watch hands back the same list until the roster changes)
                     self._pids.watch(watched)
@@ -336,7 +310,9 @@ class Monitor:
         for gone in [k for k in self._declaring if k not in live]:  # (its "lost" came)
             del self._declaring[gone]
         bound = self.watch.silence(self._liveness)
+        quiet = max(bound / 4, 2 * self._tick())  # (silent: the ring watches past it)
         out = []
+        silent = 0
         for rec, count in zip(watched, counts):
             if self._roster.incarnation_of(rec.member) != rec.incarnation:
                 continue  # gone (or replaced) in the events this tick read
@@ -348,13 +324,18 @@ class Monitor:
             last = self._beats.get(key)
             if last is None or last[0] != count or local or starved:
                 self._beats[key] = (count, now)
-            elif now - last[1] > bound:
+                continue
+            if now - last[1] >= quiet:
+                silent += 1
+            if now - last[1] > bound:
                 again = self._registry.get_or_empty(self._keys.heartbeat(rec.member))
                 if again != count:
                     self.spared += 1
+                    silent -= 1
                     self._beats[key] = (again, time.monotonic())
                 else:
                     out.append(rec)
+        self._silent = silent
         return out
 
     def _start_renewal(self, recycle: bool, why: Optional[str] = None) -> None:

@@ -53,6 +53,10 @@ class Roster:
         # are found by bisection, not by a pass over every member at each change.
         self._names: List[str] = []
         self._by_worker: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
+        # member -> its workers in _by_worker (a worker's name holds its member's, so it
+        # never changes member): a loss finds its member's workers without a pass over
+        # every worker (N per loss per member before: O(N²) a loss for the world).
+        self._workers_of: Dict[str, List[str]] = {}
         self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation), oldest first
         # Gone RPC workers, oldest first (a dict as an ordered set): written under the lock,
         # read without it (one look-up is atomic). The oldest are forgotten past
@@ -82,7 +86,7 @@ class Roster:
                 if rec.member not in self._live:
                     bisect.insort(self._names, rec.member)
                 self._live[rec.member] = rec
-                self._by_worker[rec.worker] = rec.member
+                self._index(rec.worker, rec.member)
             self._static_order = [rec.member for rec in records]
             self.version += 1
 
@@ -111,7 +115,7 @@ class Roster:
                         del self._gone[next(iter(self._gone))]
                 self._worker_gone(rec.worker)
                 # Its worker, and any it had before a renewal (calls on those may be under way).
-                return [w for w, m in self._by_worker.items() if m == rec.member and w in self._gone_workers]
+                return [w for w in self._workers_of.get(rec.member, ()) if w in self._gone_workers]
             finally:
                 self.version += 1
                 if self._waiting:
@@ -157,16 +161,22 @@ class Roster:
         else:
             bisect.insort(self._names, rec.member)
         self._live[rec.member] = rec
-        self._by_worker[rec.worker] = rec.member
+        self._index(rec.worker, rec.member)
         self._gone.pop(rec.member, None)
         return True
+
+    def _index(self, worker: str, member: str) -> None:
+        """(under the lock) ``worker`` is ``member``'s."""
+        if worker not in self._by_worker:
+            self._workers_of.setdefault(member, []).append(worker)
+        self._by_worker[worker] = member
 
     def _move(self, rec: MemberRecord) -> None:
         current = self._live.get(rec.member)
         if current is None or current.incarnation != rec.incarnation or current.worker == rec.worker:
             return
         self._live[rec.member] = rec
-        self._by_worker[rec.worker] = rec.member
+        self._index(rec.worker, rec.member)
         self._moved_to[current.worker] = rec.worker
         # New calls go to the new worker; calls under way on the old one still complete.
         self._worker_gone(current.worker)
@@ -180,9 +190,13 @@ class Roster:
             oldest = next(iter(self._gone_workers))
             del self._gone_workers[oldest]
             self._moved_to.pop(oldest, None)
-            if self._by_worker.get(oldest) not in self._live or \
-                    self._live[self._by_worker[oldest]].worker != oldest:
-                self._by_worker.pop(oldest, None)
+            member = self._by_worker.get(oldest)
+            if member is not None and (member not in self._live or self._live[member].worker != oldest):
+                del self._by_worker[oldest]
+                workers = self._workers_of[member]
+                workers.remove(oldest)  # (a member's few workers)
+                if not workers:
+                    del self._workers_of[member]
 
     def publish(self, event: MemberEvent) -> None:
         """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""
