@@ -188,6 +188,18 @@ class _World:
             child.wait(5)
 
 
+def _hold_the_gil(seconds: float) -> None:
+    """Stop every other thread of this process for ``seconds`` (as a stopped process)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:  # no I/O, no sleep: the GIL stays here
+            pass
+    finally:
+        sys.setswitchinterval(before)
+
+
 @pytest.fixture
 def world_factory(monkeypatch):
     monkeypatch.setenv(WATCH_ENV, "ring")
@@ -247,14 +259,7 @@ def test_a_process_starved_for_half_of_liveness_declares_nobody(world_factory):
     w = world_factory("p", 16)
     w.wait_joined(30)
     time.sleep(4 * TICK)
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(10.0)
-    try:
-        end = time.perf_counter() + LIVENESS / 2
-        while time.perf_counter() < end:  # no I/O, no sleep: the GIL stays here
-            pass
-    finally:
-        sys.setswitchinterval(before)
+    _hold_the_gil(LIVENESS / 2)
     time.sleep(3 * LIVENESS)
     assert not w.lost, f"live members declared lost after a {LIVENESS / 2:g} s pause: {sorted(w.lost)[:5]}"
 
@@ -276,14 +281,7 @@ def test_where_the_silence_spans_8_ticks_a_member_beats_every_other_tick(world_f
     assert 0.8 <= requests <= 1.75, requests
     mean = sum(moved) / len(moved)
     assert 1.5 <= mean <= 4.5, moved  # 6 ticks in 3 s (and the reads' time): about 3 beats each
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(10.0)
-    try:
-        end = time.perf_counter() + liveness / 2
-        while time.perf_counter() < end:  # no I/O, no sleep: the GIL stays here
-            pass
-    finally:
-        sys.setswitchinterval(before)
+    _hold_the_gil(liveness / 2)
     killed = w.kill("m0011")
     named = max(w.named_by_all("m0011", 3 * liveness)) - killed
     time.sleep(4 * tick_of(liveness))
