@@ -89,6 +89,12 @@ def test_a_loss_names_its_members_workers_old_and_new_and_no_other():
     roster.apply("move", MemberRecord("host", 1, "host_4", 0, process_identity()))
     assert roster.apply("lost", MemberRecord("host", 1, "host_4", 0, process_identity())) == ["host_0", "host_4"]
     assert roster.apply("lost", MemberRecord("hostess", 1, "hostess_2", 1, "elsewhere:1:2")) == ["hostess_2"]
+    # A worker id that came round, under a name that maps to the same text ("a-b", "a_b").
+    roster.apply("join", MemberRecord("a-b", 1, "a_b_5", 2, "elsewhere:1:2"))
+    roster.apply("lost", MemberRecord("a-b", 1, "a_b_5", 2, "elsewhere:1:2"))
+    roster.apply("join", MemberRecord("a_b", 1, "a_b_5", 3, "elsewhere:1:2"))
+    assert roster.apply("lost", MemberRecord("a_b", 1, "a_b_5", 3, "elsewhere:1:2")) == ["a_b_5"]
+    assert "a-b" not in roster._workers_of
 
 
 def test_a_call_picked_before_a_move_goes_to_the_new_worker_and_a_gone_one_nowhere():

@@ -166,10 +166,22 @@ class Roster:
         return True
 
     def _index(self, worker: str, member: str) -> None:
-        """(under the lock) ``worker`` is ``member``'s."""
-        if worker not in self._by_worker:
+        """(under the lock) ``worker`` is ``member``'s (a worker id that came round may
+        have been another member's, whose name maps to the same text)."""
+        old = self._by_worker.get(worker)
+        if old != member:
+            if old is not None:
+                self._unindex(worker, old)
             self._workers_of.setdefault(member, []).append(worker)
         self._by_worker[worker] = member
+
+    def _unindex(self, worker: str, member: str) -> None:
+        """(under the lock) ``worker`` is no longer ``member``'s, nor in ``_by_worker``."""
+        self._by_worker.pop(worker, None)
+        workers = self._workers_of[member]
+        workers.remove(worker)  # (a member's few workers)
+        if not workers:
+            del self._workers_of[member]
 
     def _move(self, rec: MemberRecord) -> None:
         current = self._live.get(rec.member)
@@ -192,11 +204,7 @@ class Roster:
             self._moved_to.pop(oldest, None)
             member = self._by_worker.get(oldest)
             if member is not None and (member not in self._live or self._live[member].worker != oldest):
-                del self._by_worker[oldest]
-                workers = self._workers_of[member]
-                workers.remove(oldest)  # (a member's few workers)
-                if not workers:
-                    del self._workers_of[member]
+                self._unindex(oldest, member)
 
     def publish(self, event: MemberEvent) -> None:
         """Run the callbacks on ``event`` (outside the lock; one failing is logged)."""
