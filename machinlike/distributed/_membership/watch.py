@@ -78,7 +78,7 @@ class Watch:
 
     def tick(self, me: str, past: int = 0) -> Tuple[List[MemberRecord], List[str]]:
         """Catch up and read the watched members' heartbeats; ``past``: how many of the
-        members watched last tick are silent (the ring watches that many more)."""
+        members watched last tick are silent (the ring watches two more for each)."""
         raise NotImplementedError
 
     def silence(self, liveness: Optional[float]) -> float:
@@ -160,7 +160,7 @@ class RingWatch(Watch):
         self._timeout = datetime.timedelta(seconds=max(0.2, 2 * tick_of(liveness)))
         self._fast: Optional[dist.Store] = None  # the clone with the short timeout (made on first use)
         self._k = k
-        self._want = k  # successors watched now: k, and one per silent one
+        self._want = k  # successors watched now: k, and two per silent one
         self._version = -1
         self._watched: List[MemberRecord] = []
         self._keys_read: List[str] = []  # the log counter's key, then the watched heartbeats'
@@ -196,8 +196,9 @@ class RingWatch(Watch):
         """The (at most ``k`` + 2 x ``past``, and ``RING_MAX``) live members after ``me`` in
         name order, wrapping round."""
         version = self._roster.version
-        # (two more per silent one: a block of b dead members is passed in log2(b) looks,
-        # not b/k; the extra keys ride in the same multi_get, and only while some are silent)
+        # (two more per silent one: the list triples at each look while all are silent, so
+        # a block of b dead members is passed in about log3(b) looks, not b/k; the extra
+        # keys ride in the same multi_get, and only while some are silent)
         want = min(self._k + 2 * max(0, past), RING_MAX)
         if version != self._version or want != self._want:
             # (by bisection of the roster's sorted names: it runs at every tick while
