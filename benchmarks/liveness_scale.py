@@ -398,6 +398,7 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             every = list(members.values())
             conn.send((sum(m.events.skipped for m in every), sum(m.monitor.pid_wakes for m in every),
                        sum(m.bell.wakes for m in every)))
+            del every  # (a name left bound here kept every member of that moment alive for good)
         elif cmd == "spared":
             conn.send(sum(m.monitor.spared for m in members.values()))
         elif cmd == "false":
