@@ -28,10 +28,10 @@ machinlike/distributed/_membership/bell.py): one waiter per process at the store
 one per member as a deployment of N processes has.
 
 With ``--churn R``, a last phase follows: for ``--churn-seconds``, each second R members
-die silently (random ones of the first N) and R new members join. Every death must be
-named by every member present at it that lives on, within ``liveness`` + 5 s; it prints
-the deaths' times to be named to all (p50, p99, max), the (survivor, death) pairs
-missed, the false losses, and samples of the hosts' memory, threads and descriptors, the
+die silently (at random among all, a joiner once 5 s in) and R new members join. Every
+death must be named by every member present at it that lives on, within ``liveness`` +
+5 s; it prints the deaths' times to be named to all (p50, p99, max), the (survivor,
+death) pairs missed, the false losses, and samples of the hosts' memory, threads and descriptors, the
 store's memory and its keys. A view remembers 16,384 departed members and the store
 keeps 18,432 departures' records; ``--gone-kept`` and ``--departures-kept`` lower both, so
 that minutes of churn reach the bounds and the memory can be seen to level off.
@@ -370,9 +370,11 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             def add(name: str = arg) -> None:
                 try:
                     start(name)
-                    added[0] += 1
+                    done = 0
                 except Exception:
-                    added[1] += 1
+                    done = 1
+                with lock:  # (joins run on threads of their own)
+                    added[done] += 1
 
             threading.Thread(target=add, daemon=True).start()
             conn.send(True)
@@ -383,11 +385,9 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
         elif cmd == "settle":
             with lock:
                 conn.send(book.settle(arg, set(members)))
-        elif cmd == "churned":  # (joins done, failed), falsely named, named after settling, this process's memory
-            with open("/proc/self/statm") as f:
-                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        elif cmd == "churned":  # (joins done, failed), falsely named, memory, cut off, threads, descriptors
             with lock:
-                conn.send((tuple(added), sorted(book.false), rss,
+                conn.send((tuple(added), sorted(book.false), _rss(os.getpid()),
                            sorted(n for n, m in members.items() if m.roster.cut_off),
                            threading.active_count(), len(os.listdir("/proc/self/fd"))))
         elif cmd == "seen":
@@ -428,6 +428,12 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
+def _ask(conn: Any, cmd: str, arg: Any = None) -> Any:
+    """Send a host one command and return its answer."""
+    conn.send((cmd, arg))
+    return conn.recv()
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -437,10 +443,6 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
            rate: float, seconds: float, liveness: float, server_pid: int, port: int) -> Dict[str, Any]:
     """``rate`` joins and ``rate`` silent deaths a second for ``seconds``; every death must be
     named by every member present at it that lives on, within ``liveness`` + 5 s."""
-
-    def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
-        conn.send((cmd, arg))
-        return conn.recv()
 
     def ask_all(cmd: str, arg: Any = None) -> List[Any]:
         for c in conns:  # (all first, then the answers: one wait for the slowest host, not eight in a row)
@@ -504,8 +506,8 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
         pool[pick], pool[-1] = pool[-1], pool[pick]
         victim = pool.pop()
         ask_all("died", victim)  # (its host's members present now must name it)
-        pending.append((time.monotonic() + settle_after, victim, ask(owner[victim], "kill", victim)))
-        ask(owner[extras[i]], "add", extras[i])
+        pending.append((time.monotonic() + settle_after, victim, _ask(owner[victim], "kill", victim)))
+        _ask(owner[extras[i]], "add", extras[i])
         joining.append((time.monotonic() + 5.0, extras[i]))
     ran = time.monotonic() - start
     while pending:
@@ -545,16 +547,12 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         procs.append(p)
     owner = {name: conns[h] for h in range(hosts) for name in shares[h] + extras[h::hosts]}
 
-    def ask(conn: Any, cmd: str, arg: Any = None) -> Any:
-        conn.send((cmd, arg))
-        return conn.recv()
-
     try:
         for c in conns:
             c.send(n)
         connect = max(c.recv() for c in conns)
         _say(f"N={n} {design}: connected in {connect:.1f} s; joining")
-        before = [ask(c, "counts") for c in conns]
+        before = [_ask(c, "counts") for c in conns]
         store_cpu0 = _cpu(server.pid)
         go = time.time()
         for c in conns:
@@ -567,19 +565,19 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
         while time.monotonic() < deadline:
             joined = {}
             for c in conns:
-                joined.update(ask(c, "joined"))
+                joined.update(_ask(c, "joined"))
             if len(joined) >= n:
                 break
             time.sleep(0.25)
         join = max(joined.values()) - go if len(joined) >= n else float("nan")
         # The joins' cost (up to when the last was seen, about: the poll's last look).
         spent = time.time() - go
-        after = [ask(c, "counts") for c in conns]
+        after = [_ask(c, "counts") for c in conns]
         join_store_cpu = 100 * (_cpu(server.pid) - store_cpu0) / spent
         join_requests = sum(a[0] - b[0] for a, b in zip(after, before))
         join_hosts_cpu = 100 * sum(a[2] - b[2] for a, b in zip(after, before)) / spent
-        positions = int(ask(conns[0], "positions"))
-        skipped = sum(ask(c, "log")[0] for c in conns)
+        positions = int(_ask(conns[0], "positions"))
+        skipped = sum(_ask(c, "log")[0] for c in conns)
         _say(f"N={n} {design}: the joins returned in {started:.2f} s; {len(joined)} joined and seen by all in "
              f"{join:.2f} s ({positions} log positions for {n} joins, {skipped} skipped; store CPU "
              f"{join_store_cpu:.0f}%, hosts' CPU {join_hosts_cpu:.0f}%, {join_requests / n:.1f} requests per member); "
@@ -590,7 +588,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             req = keys = 0
             host_cpu = 0.0
             for c in conns:
-                r, k, cpu = ask(c, "counts")
+                r, k, cpu = _ask(c, "counts")
                 req, keys, host_cpu = req + r, keys + k, host_cpu + cpu
             rb, wb = _io(server.pid)
             return req, keys, host_cpu, _cpu(server.pid), rb, wb
@@ -618,7 +616,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             firsts: List[float] = []
             missed = 0
             for v in victims:
-                killed = ask(owner[v], "kill", v)
+                killed = _ask(owner[v], "kill", v)
                 dead += 1
                 expected = n - dead  # every survivor names it
                 end = time.monotonic() + 2.5 * liveness + 5
@@ -626,7 +624,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
                 while time.monotonic() < end:
                     got = {}
                     for c in conns:
-                        got.update(ask(c, "seen", v))
+                        got.update(_ask(c, "seen", v))
                     if len(got) >= expected:
                         break
                     time.sleep(0.1)
@@ -641,12 +639,12 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             out[f"detect_{kind}_all_max_s"] = max(named_all) if named_all else float("nan")
             out[f"detect_{kind}_first_s"] = _pct(firsts, 0.5)
             out[f"detect_{kind}_missed"] = missed
-        out["spared"] = sum(ask(c, "spared") for c in conns)
+        out["spared"] = sum(_ask(c, "spared") for c in conns)
         killed_names = names[:kills] + names[n - kills:]
         false_named: set = set()
         cut_off: List[str] = []
         for c in conns:
-            named, cut = ask(c, "false", killed_names)
+            named, cut = _ask(c, "false", killed_names)
             false_named |= set(named)
             cut_off += cut
         out["false_losses"] = sorted(false_named)
