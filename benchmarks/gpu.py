@@ -1,6 +1,6 @@
 """CUDA paths of machinlike against raw torch, side by side in one run (one command on a GPU).
 
-Run:  python benchmarks/gpu.py [--quick]
+Run:  python benchmarks/gpu.py [--quick] [--only-echo] [--lane off]
 
 On a machine without CUDA it prints "no GPU" and exits 0. With a GPU, every process on
 cuda:0, it prints each figure of issue 36's targets as it is measured (and a table at the
@@ -16,6 +16,11 @@ CUDA IPC where they have one:
    the server's ``torch.cuda.memory_reserved()`` before and after (target: flat, its
    snapshots plus 10%), the survivor's slowest pull (nothing waits out a timeout).
 4. The pool, ``share_method="cuda"``, 512 MB there and back, against copy mode.
+
+On one GPU, the processes of a host take turns on it (time slicing): each direction of an
+echo pays the GPU's switch between their contexts, about 150 us on an H100
+(``benchmarks/gpu_breakdown.py`` shows where the time goes). NVIDIA's MPS daemon
+(``nvidia-cuda-mps-control -d`` before the run) lets their work share the GPU without it.
 
 Figures are medians over repetitions; every CUDA timing synchronises the device first.
 Sizes are modest so that the run takes about three minutes on an H100.
@@ -97,9 +102,9 @@ def _raw_worker(rank: int, port: int, repeats: int, out: Any) -> None:
     rpc.init_rpc(str(rank), rank=rank, world_size=2, rpc_backend_options=options)
     if rank == 0:
         big, small = _mb(ECHO_MB), _mb(SMALL_MB)
-        out.put({"echo": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(big,)), repeats),
-                 "small": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(small,)), 10 * repeats),
-                 "call": _median_seconds(lambda: rpc.rpc_sync("1", nothing), 10 * repeats)})
+        out.put({"echo": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(big,)), 5 * repeats),
+                 "small": _median_seconds(lambda: rpc.rpc_sync("1", echo, args=(small,)), 20 * repeats),
+                 "call": _median_seconds(lambda: rpc.rpc_sync("1", nothing), 20 * repeats)})
     rpc.shutdown()
 
 
@@ -140,7 +145,7 @@ def mp_echo(repeats: int) -> Dict[str, float]:
     proc.start()
     out = {}
     try:
-        for label, megabytes, n in (("echo", ECHO_MB, repeats), ("small", SMALL_MB, 10 * repeats)):
+        for label, megabytes, n in (("echo", ECHO_MB, 5 * repeats), ("small", SMALL_MB, 20 * repeats)):
             x = _mb(megabytes)
 
             def once() -> None:
@@ -189,11 +194,11 @@ def _echo_body(world: Any, repeats: int) -> Dict[str, Any]:
         try:
             back = group.registered_sync("echo", (big,))
             assert back.device.type == "cuda" and torch.equal(back, big)
-            results["echo"] = _median_seconds(lambda: group.registered_sync("echo", (big,)), repeats)
-            results["small"] = _median_seconds(lambda: group.registered_sync("echo", (small,)), 10 * repeats)
+            results["echo"] = _median_seconds(lambda: group.registered_sync("echo", (big,)), 5 * repeats)
+            results["small"] = _median_seconds(lambda: group.registered_sync("echo", (small,)), 20 * repeats)
         except Exception as err:  # a CUDA path that fails: the row says why
             results["echo_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:110]}"
-        results["call"] = _median_seconds(lambda: group.registered_sync("nothing"), 10 * repeats)
+        results["call"] = _median_seconds(lambda: group.registered_sync("nothing"), 20 * repeats)
         say(f"  echo done: {results}")
         server = group.get_paired("model").to_here()
         pusher = _Big(MODEL_MB)
@@ -351,6 +356,10 @@ def _section(name: str, fn: Callable[[], Any]) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter churn (a smoke run)")
+    parser.add_argument("--only-echo", action="store_true",
+                        help="only the echoes and the push, beside raw torch RPC and torch.multiprocessing")
+    parser.add_argument("--lane", choices=("on", "off"), default="on",
+                        help="calls between the members through the same-host lane (default) or torch RPC only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         say("no GPU: benchmarks/gpu.py measures CUDA paths and has nothing to measure here")
@@ -359,7 +368,8 @@ def main() -> int:
 
     repeats = 3 if args.quick else 10
     pushes, victims = (200, 4) if args.quick else (2000, 20)
-    say(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    say(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"same-host lane {args.lane}")
     rows: List[Tuple[str, str, str, str, str]] = []
     moved = 2 * ECHO_MB  # there and back
 
@@ -368,8 +378,9 @@ def main() -> int:
         f"empty call {_ms(raw.get('call'))}")
     mp = _section("torch.multiprocessing CUDA IPC", lambda: mp_echo(repeats)) or {}
     say(f"  64 MB echo {_rate(moved, mp.get('echo'))}, 1 MB echo {_ms(mp.get('small'))}")
+    lane = args.lane == "on"
     ours = _section("machinlike echoes and push", lambda: launch(_echo_body, 2, args=(repeats,), timeout=300,
-                                                                 rpc_timeout=120)[0]) or {}
+                                                                 rpc_timeout=120, same_host_lane=lane)[0]) or {}
     say(f"  stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
     if "echo" in ours:
         ratio = f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)" if "echo" in raw else "(no raw figure)"
@@ -388,32 +399,34 @@ def main() -> int:
         rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
         say("  " + rows[-1][0] + ": " + rows[-1][1])
 
-    spans = _section(f"pulls into {PULLERS}", lambda: launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),),
-                                                             timeout=300, rpc_timeout=120)[2:])
-    if spans:
-        rounds = [max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(1, len(spans[0]))]
-        rows.append((f"pulls of one {MODEL_MB} MB version into {PULLERS} processes, in all",
-                     _ms(statistics.median(rounds)), "-", "-", "<= 30 ms"))
-        say("  " + rows[-1][0] + ": " + rows[-1][1])
+    if not args.only_echo:
+        spans = _section(f"pulls into {PULLERS}", lambda: launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),),
+                                                                 timeout=300, rpc_timeout=120,
+                                                                 same_host_lane=lane)[2:])
+        if spans:
+            rounds = [max(s[r][1] for s in spans) - min(s[r][0] for s in spans) for r in range(1, len(spans[0]))]
+            rows.append((f"pulls of one {MODEL_MB} MB version into {PULLERS} processes, in all",
+                         _ms(statistics.median(rounds)), "-", "-", "<= 30 ms"))
+            say("  " + rows[-1][0] + ": " + rows[-1][1])
 
-    done = _section("churn", lambda: churn(pushes, victims))
-    if done:
-        pusher, survivor = done["pusher"], done["survivor"]
-        if isinstance(pusher, dict) and isinstance(survivor, dict):
-            (first, _), (last, slabs) = pusher["first"], pusher["last"]
-            rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
-                         f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
-                         f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
-                         f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
-        else:
-            rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
-                         f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
-        say("  " + rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
+        done = _section("churn", lambda: churn(pushes, victims))
+        if done:
+            pusher, survivor = done["pusher"], done["survivor"]
+            if isinstance(pusher, dict) and isinstance(survivor, dict):
+                (first, _), (last, slabs) = pusher["first"], pusher["last"]
+                rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
+                             f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
+                             f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
+                             f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
+            else:
+                rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
+                             f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
+            say("  " + rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
 
-    pool = _section("pool", lambda: pool_round_trips(repeats))
-    if pool:
-        rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
-                     _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
+        pool = _section("pool", lambda: pool_round_trips(repeats))
+        if pool:
+            rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
+                         _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

@@ -153,6 +153,7 @@ class _FakeSlab:
         self.slot, self.ident, self.index, self.capacity = slot, ident, index, capacity
         self.storage = object()
         self.handle, self.offset, self.counter = b"h%d" % ident, 0, (b"/none", 0)
+        self.views = {}
 
 
 @pytest.fixture
@@ -240,15 +241,15 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
         return object()
 
     me = os.getpid()
-    one = cache.storage((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener)
-    assert cache.storage((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener) is one and len(opened) == 1
-    cache.storage((me, b"b", 0), 2 << 20, words, slab.slot, slab.ident, opener)
-    cache.storage((me, b"c", 0), 2 << 20, words, slab.slot, slab.ident, opener)  # over 4 MiB: "a" goes
+    one = cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener)
+    assert cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, opener) is one and len(opened) == 1
+    cache.open((me, b"b", 0), 2 << 20, words, slab.slot, slab.ident, opener)
+    cache.open((me, b"c", 0), 2 << 20, words, slab.slot, slab.ident, opener)  # over 4 MiB: "a" goes
     assert len(cache) == 2 and cache.held_bytes() == 4 << 20 and cache.stats["evicted"] == 1
     area.close()  # the owner retires the slab: the receiver drops it at its next trim
     assert cache.forget_dead() == 2 and len(cache) == 0 and cache.held_bytes() == 0
     dead = _dead_pid()
-    cache.storage((dead, b"d", 0), 2 << 20, words, 0, int(words[0, 2]), opener)
+    cache.open((dead, b"d", 0), 2 << 20, words, 0, int(words[0, 2]), opener)
     assert cache.forget_dead() == 1 and len(cache) == 0  # a dead owner's slab goes (departure, next opening)
 
 
@@ -258,9 +259,9 @@ def test_gone_openings_are_dropped_before_a_new_one_opens(area):
     words = cache.control(os.getpid(), area.fd, area.inode)
     slab = area.lease(0, 10, os.getpid()).slab
     order = []
-    cache.storage((os.getpid(), b"a", 0), 2 << 20, words, slab.slot, slab.ident, lambda: order.append("open a"))
+    cache.open((os.getpid(), b"a", 0), 2 << 20, words, slab.slot, slab.ident, lambda: order.append("open a"))
     area.close()
-    cache.storage((os.getpid(), b"b", 0), 2 << 20, words, slab.slot, -7,
+    cache.open((os.getpid(), b"b", 0), 2 << 20, words, slab.slot, -7,
                   lambda: order.append(f"open b with {len(cache)} opened"))
     assert order == ["open a", "open b with 0 opened"]
 
@@ -361,12 +362,9 @@ class _CpuSlab(_FakeSlab):
 
 @pytest.fixture
 def over_cpu(monkeypatch, ipc_on):
-    import contextlib
-
     monkeypatch.setattr(_cuda_ipc_area, "Slab", _CpuSlab)
     monkeypatch.setattr(_cuda_ipc, "_device", lambda index: torch.device("cpu"))
     monkeypatch.setattr(_cuda_ipc, "_synchronize", lambda device: None)
-    monkeypatch.setattr(_cuda_ipc, "_device_guard", lambda index: contextlib.nullcontext())
     monkeypatch.setattr(_cuda_ipc, "_cuda_ready", lambda: True)
     opened = []
 
@@ -417,6 +415,29 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
     counts = _cuda_ipc.stats()
     assert counts["sent_tensors"] >= 10 and counts["received_tensors"] >= 10 and counts["opened_opened"] == 1
+
+
+def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(over_cpu):
+    def send(tensors):
+        return pickle.loads(pickle.dumps(_cuda_ipc.export(tensors, (5, os.getpid()))[0]))
+
+    failed = _cuda_ipc.stats().get("staged_export_failed", 0)
+    with torch.inference_mode():  # the views are made here, and must stay writable outside
+        first = send([torch.ones(4, 3), torch.arange(5)])
+    assert torch.equal(first[0], torch.ones(4, 3))
+    slab = _cuda_ipc._area._slabs[0]
+    opened = next(iter(_cuda_ipc._opened._opened.values()))
+    made = (dict(slab.views), dict(opened.views))
+    assert len(made[0]) == 2 and len(made[1]) == 2
+    x = torch.full((4, 3), 2.0)
+    got = send([x, torch.arange(5) * 2])
+    assert torch.equal(got[0], x) and torch.equal(got[1], torch.arange(5) * 2) and not got[0].is_inference()
+    assert all(slab.views[k] is v for k, v in made[0].items())  # the same layout: no new view on either side
+    assert all(opened.views[k] is v for k, v in made[1].items())
+    for n in range(1, _cuda_ipc._VIEWS_KEPT + 5):  # layouts without end: the set is bounded
+        assert torch.equal(send([torch.full((n,), float(n))])[0], torch.full((n,), float(n)))
+    assert len(slab.views) <= _cuda_ipc._VIEWS_KEPT and len(opened.views) <= _cuda_ipc._VIEWS_KEPT
+    assert _cuda_ipc.stats().get("staged_export_failed", 0) == failed  # every message went through the slab
 
 
 def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):

@@ -75,6 +75,12 @@ def _count(what: str, n: int = 1) -> None:
         _counts[what] = _counts.get(what, 0) + n
 
 
+def _count2(what: str, n: int, other: str, m: int) -> None:
+    with _lock:  # (two counters under one acquisition: every message counts two)
+        _counts[what] = _counts.get(what, 0) + n
+        _counts[other] = _counts.get(other, 0) + m
+
+
 def configure(limit: int) -> None:
     """Set the bound, in bytes, of the export area and of the openings cache (0: IPC off)."""
     global _limit
@@ -201,10 +207,6 @@ def _synchronize(device: torch.device) -> None:
     torch.cuda.current_stream(device).synchronize()
 
 
-def _device_guard(index: int) -> Any:
-    return torch.cuda.device(index)
-
-
 def _cuda_ready() -> bool:
     return torch.cuda.is_initialized()
 
@@ -217,6 +219,28 @@ def _open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
     # torch internal: opens (or finds open) the allocation behind ``handle``; no
     # reference count (_NO_COUNTER) and no event (the sender synchronised before sending)
     return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
+
+
+_VIEWS_KEPT = 32  # layouts kept per slab; more start the slab's set afresh
+
+
+def _view(views: Dict[Any, torch.Tensor], storage: Any, index: int, start: int, dtype: torch.dtype,
+          shape: Tuple[int, ...]) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` over ``storage`` from byte ``start``: made once per slab
+    and layout (``views``), so a message in a known layout costs one torch call per tensor."""
+    key = (start, dtype, shape)
+    view = views.get(key)
+    if view is None:
+        if len(views) >= _VIEWS_KEPT:
+            views.clear()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        # Never an inference tensor (one made under inference_mode could not be written
+        # into outside it); writing into a normal one is allowed in either mode.
+        with torch.inference_mode(False):
+            raw = torch.empty(0, dtype=torch.uint8, device=_device(index)).set_(storage)
+            view = raw[start:start + nbytes].view(dtype).view(shape)
+        views[key] = view
+    return view
 
 
 # ----------------------------------------------------------------------- sender
@@ -310,21 +334,19 @@ class Batch:
             return None
         slab = lease.slab
         try:
-            raw = torch.empty(0, dtype=torch.uint8, device=_device(group.index)).set_(slab.storage)
             items = []
             for start, tensor in zip(layout, group.tensors):
-                nbytes = tensor.nbytes
-                if nbytes:
-                    raw[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-                items.append((start, tuple(tensor.shape), tensor.dtype, tensor.requires_grad,
-                              type(tensor) is torch.nn.Parameter))
+                shape = tuple(tensor.shape)
+                if tensor.nbytes:
+                    _view(slab.views, slab.storage, group.index, start, tensor.dtype, shape).copy_(
+                        tensor.detach() if tensor.requires_grad else tensor)
+                items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))
         except Exception as exc:
             area.release(lease)
             _count("staged_export_failed")
             _count(f"staged_export_failed:{type(exc).__name__}")
             return None
-        _count("sent_tensors", len(group.tensors))
-        _count("sent_bytes", offset)
+        _count2("sent_tensors", len(group.tensors), "sent_bytes", offset)
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
                                           group.index, slab.handle, slab.offset, slab.capacity, tuple(items)))
@@ -360,11 +382,10 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
             f"(slab {slot}: the lease ended or the sender's World stopped)"
         )
-    device = _device(index)
     try:
         try:
-            storage = cache.storage((pid, handle, offset), capacity, words, slot, slab_id,
-                                    lambda: _open_shared(index, handle, capacity, offset))
+            opened = cache.open((pid, handle, offset), capacity, words, slot, slab_id,
+                                lambda: _open_shared(index, handle, capacity, offset))
         except Exception as exc:  # the probe opened this sender's memory once; now it cannot
             _count("open_failed")
             raise RuntimeError(
@@ -372,27 +393,24 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
                 f"CUDA tensors through the CPU instead"
             ) from exc
-        with _device_guard(index):
-            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-            out: List[torch.Tensor] = []
-            total = 0
-            for start, shape, dtype, requires_grad, parameter in items:
-                own = torch.empty(shape, dtype=dtype, device=device)
-                nbytes = own.nbytes
-                if nbytes:
-                    own.copy_(raw[start:start + nbytes].view(dtype).view(shape))
-                total += nbytes
-                if parameter:
-                    own = torch.nn.Parameter(own, requires_grad=requires_grad)
-                elif requires_grad:
-                    own.requires_grad_(True)
-                out.append(own)
-            _synchronize(device)  # copied out before the lease ends
+        # (No device guard: each op below runs on its tensors' device by itself.)
+        out: List[torch.Tensor] = []
+        total = 0
+        for start, shape, dtype, requires_grad, parameter in items:
+            view = _view(opened.views, opened.storage, index, start, dtype, shape)
+            # clone: this process's own memory, one call (allocation and copy)
+            own = view.clone() if view.nbytes else torch.empty(shape, dtype=dtype, device=view.device)
+            total += own.nbytes
+            if parameter:
+                own = torch.nn.Parameter(own, requires_grad=requires_grad)
+            elif requires_grad:
+                own.requires_grad_(True)
+            out.append(own)
+        _synchronize(_device(index))  # copied out before the lease ends
     finally:
         if int(row[0]) == lease:
             row[0] = 0  # FREE: the sender may lend the slab again
-    _count("received_tensors", len(out))
-    _count("received_bytes", total)
+    _count2("received_tensors", len(out), "received_bytes", total)
     return out
 
 

@@ -49,7 +49,7 @@ import torch
 from ..._shm._peer_fd import open_peer_fd
 from ..._shm._segments import pid_alive
 
-__all__ = ["FREE", "RETIRED", "SLOTS", "Slab", "Lease", "ExportArea", "OpenCache", "slab_capacity"]
+__all__ = ["FREE", "RETIRED", "SLOTS", "Slab", "Lease", "ExportArea", "Opened", "OpenCache", "slab_capacity"]
 
 FREE = 0
 RETIRED = -1
@@ -70,9 +70,10 @@ def slab_capacity(nbytes: int) -> int:
 
 
 class Slab:
-    """One exported CUDA buffer of the area."""
+    """One exported CUDA buffer of the area; ``views``: tensors over it by layout, made
+    once (``cuda_ipc._view``: a message's Python work is a few torch calls, not a dozen)."""
 
-    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter")
+    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views")
 
     def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
         self.slot = slot
@@ -86,6 +87,7 @@ class Slab:
         self.handle: bytes = shared[1]
         self.offset: int = shared[3]
         self.counter: Tuple[bytes, int] = (shared[4], shared[5])
+        self.views: Dict[Any, torch.Tensor] = {}
 
 
 class Lease:
@@ -216,6 +218,7 @@ class ExportArea:
         except Exception:  # best effort, as torch's own consumers do
             self.stats["counter_release_failed"] = self.stats.get("counter_release_failed", 0) + 1
         slab.storage = None  # type: ignore[assignment]
+        slab.views = {}  # (they hold the storage too)
 
     def close(self) -> None:
         """Retire every slab (receivers drop their openings) and close the control page."""
@@ -233,8 +236,10 @@ class ExportArea:
 Key = Tuple[int, bytes, int]
 
 
-class _Opened:
-    __slots__ = ("storage", "capacity", "words", "slot", "ident")
+class Opened:
+    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``)."""
+
+    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views")
 
     def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
         self.storage = storage
@@ -242,6 +247,7 @@ class _Opened:
         self.words = words
         self.slot = slot
         self.ident = ident
+        self.views: Dict[Any, torch.Tensor] = {}
 
     def retired(self) -> bool:
         return int(self.words[self.slot, 2]) != self.ident
@@ -260,7 +266,7 @@ class OpenCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        self._opened: "OrderedDict[Key, _Opened]" = OrderedDict()
+        self._opened: "OrderedDict[Key, Opened]" = OrderedDict()
         self._controls: Dict[Tuple[int, int], Tuple[mmap.mmap, np.ndarray]] = {}
         self._held = 0
         self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
@@ -292,29 +298,29 @@ class OpenCache:
             self._controls.setdefault(key, (mapped, words))
             return self._controls[key][1]
 
-    def storage(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Any:
-        """The opened slab ``key`` (``opener()`` opens it when not cached)."""
+    def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Opened:
+        """The opened slab ``key`` (``opener()`` opens its storage when not cached)."""
         with self._lock:
             found = self._opened.get(key)
             if found is not None and found.ident == ident and not found.retired():
                 self._opened.move_to_end(key)
-                return found.storage
+                return found
             # First: a retired slab's handle must be closed before a slab that took its
             # place is opened (torch finds an open handle by its bytes, and the memory
             # behind equal bytes may be new).
             self._drop_gone()
-        storage = opener()
+        opened = Opened(opener(), capacity, words, slot, ident)
         with self._lock:
             old = self._opened.pop(key, None)
             if old is not None:
                 self._held -= old.capacity
-            self._opened[key] = _Opened(storage, capacity, words, slot, ident)
+            self._opened[key] = opened
             self._held += capacity
             self.stats["opened"] += 1
             while self._held > self.limit and len(self._opened) > 1:
                 self._drop(next(iter(self._opened)))
                 self.stats["evicted"] += 1
-        return storage
+        return opened
 
     def _drop_gone(self) -> None:
         for key, opened in list(self._opened.items()):
