@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from gpu import _median_seconds, echo
+
 _TIMES: Dict[str, List[float]] = {}
 
 
@@ -134,23 +136,6 @@ def _take(calls: int = 1) -> Tuple[Dict[str, List[float]], List[str]]:
     return out, _line_table(calls)
 
 
-def echo(x: Any) -> Any:
-    return x
-
-
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _body(world: Any, repeats: int) -> Any:
     torch.cuda.set_device(0)
     torch.cuda.init()
@@ -170,7 +155,7 @@ def _body(world: Any, repeats: int) -> Any:
             group.registered_sync("echo", (x,))  # probe, slabs, openings
             _take()
             group.registered_sync("take")
-            median = _median_s(lambda: group.registered_sync("echo", (x,)), repeats)
+            median = _median_seconds(lambda: group.registered_sync("echo", (x,)), repeats)
             mine = _take(repeats + 5)
             theirs = group.registered_sync("take", (repeats + 5,))
             out[megabytes] = (median, repeats + 5, mine, theirs)
@@ -198,7 +183,7 @@ def _export_alone(repeats: int) -> Tuple[float, List[str]]:
         for lease in cuda_ipc.export([x], target)[1]:
             area.release(lease)
 
-    median = _median_s(once, repeats)
+    median = _median_seconds(once, repeats)
     lines = _line_table(repeats + 5)
     cuda_ipc.close()
     cuda_ipc.configure(0)
