@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one command, for a machine with one CUDA GPU (about
+# five minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, its echoes again under
+# NVIDIA's MPS daemon (when nvidia-cuda-mps-control is there), and the Atari example's
+# frame rate with central inference on the GPU (when ale-py is installed).
+#
+# Run from the repository root:  [PYTHON=python] bash benchmarks/gpu_all.sh [OUTDIR]
+# Each step's output goes to OUTDIR (default: runs/gpu_all) and to the terminal; a step
+# that fails or runs past its limit is reported and the next one still runs.
+#
+# Why one script: a lent GPU comes for minutes, so every check runs in one call, in the
+# order of what matters most, each step under its own time limit.
+set -u
+out=${1:-runs/gpu_all}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+# TensorPipe's warnings of peers that went away (the churn's SIGKILLs) drown the figures.
+quiet() { grep -v "tensorpipe_agent\|socket.cpp\|UserWarning\|^  assert\|^Consider"; }
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit} s)"
+  timeout "$limit" "$@" 2>&1 | quiet | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "== $name: exit status $rc"
+}
+
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "$py cannot import torch: name the interpreter, PYTHON=path/to/python bash $0"
+  exit 1
+fi
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "no GPU: benchmarks/gpu_all.sh has nothing to run here"
+  exit 0
+fi
+nvidia-smi -L 2>/dev/null
+step pytest_gpu 150 "$py" -m pytest -m gpu -q -p no:benchmark tests/
+step gpu 200 "$py" benchmarks/gpu.py
+if command -v nvidia-cuda-mps-control >/dev/null; then
+  export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/machinlike-mps}
+  export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/machinlike-mps-log}
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d; then
+    step gpu_mps 60 "$py" benchmarks/gpu.py --only-echo
+    echo quit | nvidia-cuda-mps-control
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+if "$py" -c "import ale_py" 2>/dev/null; then
+  step atari 100 "$py" examples/impala_atari.py --algo impala --device cuda --inference central \
+    --num-workers 14 --time-budget 55
+fi
+echo "== done: $out"
