@@ -256,8 +256,8 @@ class _ChurnBook:
 
 # ----------------------------------------------------------------------- a host
 def _host(index: int, names: List[str], port: int, liveness: float, design: str, switch: float,
-          joiners: int, conn: Any, extra: Optional[List[str]] = None) -> None:
-    """One process holding ``names`` as simulated members (and ``extra``, members that join
+          joiners: int, conn: Any) -> None:
+    """One process holding ``names`` as simulated members (and the members that join it
     during the churn); obeys ``conn``'s commands."""
     os.environ["MACHINLIKE_LIVENESS_WATCH"] = design
     # Hundreds of member threads share one GIL here, as no real member does (one member,
@@ -286,18 +286,25 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
     seen: Dict[Tuple[str, str], float] = {}  # (observer, lost member) -> time.time()
     joined_at: Dict[str, float] = {}
     children: Dict[str, subprocess.Popen] = {}
+    worker_of: Dict[str, str] = {}  # member -> its RPC worker name (the churn's census looks for its entry)
     lock = threading.Lock()
     total = int(conn.recv())  # N
     # Every member's two connections, made before the clock starts: made while the
     # store is busy, one in about thirty stalled 5 s in torch's client (see _client).
     began = time.monotonic()
-    clients = _connect_all(names + list(extra or []), port)
+    clients = _connect_all(names, port)
     book: Optional[_ChurnBook] = None  # set for the churn phase
     added = [0, 0]  # churn joins done, failed
     conn.send(time.monotonic() - began)  # imports done: the driver's "go" times the joins alone
 
     def start(name: str) -> None:
-        store = CountingStore(clients[name][0], counts, clients[name][1])
+        made = clients.get(name)
+        if made is None:
+            # A churn joiner connects as it joins: a churn of minutes cannot hold all its
+            # joiners' connections beforehand (three each: the store's descriptors and
+            # this host's ports run out at about 20,000).
+            made = clients[name] = (_client("127.0.0.1", port), [_client("127.0.0.1", port) for _ in range(2)])
+        store = CountingStore(made[0], counts, made[1])
         if name.startswith("here-"):  # a same-host member: a real process /proc can watch
             child = subprocess.Popen(["sleep", "100000"])
             children[name] = child
@@ -321,6 +328,7 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
 
         m.subscribe(on_change)
         m.enter(None, time.monotonic() + 60)
+        worker_of[name] = m.endpoint.worker
         m.announce()
         with lock:
             members[name] = m
@@ -399,6 +407,8 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             conn.send((sum(m.events.skipped for m in every), sum(m.monitor.pid_wakes for m in every),
                        sum(m.bell.wakes for m in every)))
             del every  # (a name left bound here kept every member of that moment alive for good)
+        elif cmd == "workers":
+            conn.send({name: worker_of[name] for name in arg if name in worker_of})
         elif cmd == "spared":
             conn.send(sum(m.monitor.spared for m in members.values()))
         elif cmd == "false":
@@ -439,6 +449,22 @@ def _rss(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+CENSUS = 200  # the churn's first victims whose store records are looked for at its end
+
+
+def _census(probe: dist.TCPStore, victims: List[str], workers: Dict[str, str]) -> Dict[str, int]:
+    """Of ``victims`` (gone since the churn's start), how many still have each record in
+    the store (their departures are reaped ``MACHINLIKE_DEPARTURES_KEPT`` departures on);
+    ``workers``: their RPC worker names (``worker``: the entry ``m/t/<worker>``)."""
+    from machinlike.distributed._store import Keys
+
+    keys = Keys.elastic_world("0")
+    records = {"inc": keys.incarnations, "live": keys.live, "hb": keys.heartbeat, "probe": keys.probe_request,
+               "lost": lambda m: keys.lost(m, 1), "lostpost": lambda m: keys.lost_posted(m, 1),
+               "gone": lambda m: keys.gone(m, 1), "worker": lambda m: keys.worker(workers.get(m, "?"))}
+    return {kind: sum(1 for v in victims if probe.check([key(v)])) for kind, key in records.items()}
+
+
 def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[str], extras: List[str],
            rate: float, seconds: float, liveness: float, server_pid: int, port: int) -> Dict[str, Any]:
     """``rate`` joins and ``rate`` silent deaths a second for ``seconds``; every death must be
@@ -460,6 +486,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
     delays: List[float] = []  # a death to the last member present at it naming it
     firsts_named: List[float] = []  # a death to the first (about when its declarer posted it)
     owed = missed = unnamed = 0
+    victims: List[str] = []
     # (s since start, hosts' RSS, store RSS, store keys, hosts' threads, hosts' descriptors)
     samples: List[Tuple[float, int, int, int, int, int]] = []
 
@@ -505,6 +532,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
         pick = rng.randrange(len(pool))
         pool[pick], pool[-1] = pool[-1], pool[pick]
         victim = pool.pop()
+        victims.append(victim)
         ask_all("died", victim)  # (its host's members present now must name it)
         pending.append((time.monotonic() + settle_after, victim, _ask(owner[victim], "kill", victim)))
         _ask(owner[extras[i]], "add", extras[i])
@@ -522,7 +550,9 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
                 churn_named_max_s=max(delays) if delays else float("nan"),
                 churn_first_p50_s=_pct(firsts_named, 0.5), churn_first_p99_s=_pct(firsts_named, 0.99),
                 churn_false=sorted({v for r in rows for v in r[1]}),
-                churn_cut_off=sorted(n for r in rows for n in r[3]), churn_samples=samples)
+                churn_cut_off=sorted(n for r in rows for n in r[3]), churn_samples=samples,
+                churn_census=_census(probe, victims[:CENSUS],
+                                     {k: w for r in ask_all("workers", victims[:CENSUS]) for k, w in r.items()}))
 
 
 def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kills: int,
@@ -540,8 +570,8 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
     conns, procs = [], []
     for h in range(hosts):
         mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, joiners, theirs,
-                                            extras[h::hosts]), daemon=True)
+        p = ctx.Process(target=_host, args=(h, shares[h], port, liveness, design, switch, joiners, theirs),
+                        daemon=True)
         p.start()
         conns.append(mine)
         procs.append(p)
@@ -762,6 +792,8 @@ def main() -> None:
                       f"{len(row['churn_false'])} (cut off {len(row['churn_cut_off'])}); hosts' RSS "
                       f"{first[1] / 2**20:.0f} -> {last[1] / 2**20:.0f} MB, store RSS {first[2] / 2**20:.0f} -> "
                       f"{last[2] / 2**20:.0f} MB, store keys {first[3]} -> {last[3]}", flush=True)
+                print(f"        store records left of the churn's first {CENSUS} victims: {row['churn_census']}",
+                      flush=True)
                 print("        churn samples (s, hosts' RSS MB, store RSS MB, store keys, hosts' threads, hosts' "
                       "descriptors): " + ", ".join(f"({t:.0f}, {h / 2**20:.0f}, {st / 2**20:.0f}, {k}, {th}, {fd})"
                                                    for t, h, st, k, th, fd in row["churn_samples"]), flush=True)
