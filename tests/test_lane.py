@@ -113,6 +113,10 @@ def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
     with pytest.raises(RuntimeError) as broke:
         conn.send(b"x" * 100, _lane._Pending(None, time.monotonic() + 5))
     assert isinstance(translate_error(broke.value, "h", "the call", 5), PeerLostError), broke.value
+    deadline = time.monotonic() + 5
+    while conn._sock.fileno() != -1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert conn._sock.fileno() == -1  # its reader closed the descriptor (it waited for GC before)
     theirs.close()
     # A callee that reads nothing: the frame cannot leave by its deadline.
     conn, theirs = _conn_to(peer_closes_reading=False)

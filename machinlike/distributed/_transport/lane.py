@@ -157,6 +157,11 @@ class _Conn:
         with self._lock:
             failed = self._close_locked(why)
         self._fail(failed)
+        # This thread is the descriptor's last user: no send starts once the connection is
+        # closed, and one under way fails at once on the shut-down socket. Closing waits for
+        # it (the send lock), so a descriptor is never closed under a write.
+        with self._send_lock:
+            self._sock.close()
 
     def _close_locked(self, why: str) -> List[_Pending]:
         """Mark the connection closed and take its pending calls (under the lock); the
