@@ -280,12 +280,16 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     out: Any = None
     if name == "pusher":
         first = None
+        samples = []  # (push, reserved MiB, export slabs MiB): growth per death would show as a climb
         for i in range(pushes):
             model.weight.data.fill_(i)
             assert server.push(model)
             if i == min(pushes - 1, 100):  # every puller busy (the first victim dies after 0.5 s)
                 first = group.registered_sync("reserved")
-        out = {"first": first, "last": group.registered_sync("reserved")}
+            if i % max(1, pushes // 4) == 0:
+                reserved, slabs = group.registered_sync("reserved")
+                samples.append((i, reserved >> 20, slabs >> 20))
+        out = {"first": first, "last": group.registered_sync("reserved"), "samples": samples}
     elif name == "survivor":
         slowest = 0.0
         while True:
@@ -422,6 +426,9 @@ def main() -> int:
                 rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
                              f"{pusher!r}"[:100] + f" / {survivor!r}"[:100]))
             say("  " + rows[-1][0] + ": " + rows[-1][1] + "  " + rows[-1][4])
+            if isinstance(pusher, dict) and pusher.get("samples"):
+                say("  server's reserved / export slabs (MiB) by push: " +
+                    ", ".join(f"{i}: {r} / {sl}" for i, r, sl in pusher["samples"]))
 
         pool = _section("pool", lambda: pool_round_trips(repeats))
         if pool:

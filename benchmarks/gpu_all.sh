@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one command, for a machine with one CUDA GPU (about
-# five minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, its echoes again under
+# six minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, where the echo's time goes
+# (`benchmarks/gpu_breakdown.py`), the echoes again under
 # NVIDIA's MPS daemon (when nvidia-cuda-mps-control is there), and the Atari example's
 # frame rate with central inference on the GPU (when ale-py is installed).
 #
@@ -38,6 +39,7 @@ fi
 nvidia-smi -L 2>/dev/null
 step pytest_gpu 150 "$py" -m pytest -m gpu -q -p no:benchmark tests/
 step gpu 200 "$py" benchmarks/gpu.py
+step breakdown 60 "$py" benchmarks/gpu_breakdown.py --repeats 100
 if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/machinlike-mps}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/machinlike-mps-log}

@@ -116,10 +116,10 @@ def _patch() -> None:
     timed_lines = [cuda_ipc._receive_group, cuda_ipc.Batch._fill, cuda_stage.encode]
     _FILES.update({fn.__qualname__: fn.__code__.co_filename for fn in timed_lines})
     _line_timer(timed_lines)
-    samehost.outgoing = _timed("caller: outgoing (walk, copy into slab, sync)", samehost.outgoing)
+    samehost.outgoing = _timed("caller: outgoing (walk, copy into slab, record)", samehost.outgoing)
     cuda_stage.encode = _timed("either: cuda_stage.encode", cuda_stage.encode)
     cuda_ipc.Batch._fill = _timed("either: Batch._fill (lease, copy into slab)", cuda_ipc.Batch._fill)
-    cuda_ipc._receive_group = _timed("either: _receive_group (open, copy out, sync)", cuda_ipc._receive_group)
+    cuda_ipc._receive_group = _timed("either: _receive_group (open, wait ready, copy out)", cuda_ipc._receive_group)
     cuda_ipc_area.OpenCache.open = _timed("either: OpenCache.open", cuda_ipc_area.OpenCache.open)
     cuda_ipc_area.OpenCache.control = _timed("either: OpenCache.control", cuda_ipc_area.OpenCache.control)
     cuda_ipc_area.ExportArea.lease = _timed("either: ExportArea.lease", cuda_ipc_area.ExportArea.lease)

@@ -13,6 +13,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +156,7 @@ class _FakeSlab:
         self.storage = object()
         self.handle, self.offset, self.counter = b"h%d" % ident, 0, (b"/none", 0)
         self.views = {}
+        self.ready, self.ready_handle = None, b""
 
 
 @pytest.fixture
@@ -180,6 +183,24 @@ def test_a_freed_lease_is_lent_again_and_a_busy_one_is_not(area):
     third = area.lease(0, 1000, os.getpid())
     assert third.slab is first.slab and third.ident != first.ident
     assert area.held_bytes() == 4 << 20
+
+
+def test_a_taker_waits_briefly_for_its_own_last_slab_and_others_do_not(area):
+    area.reuse_wait = 5.0  # (2 ms by default: long enough for a receiver's copies to end)
+    first = area.lease(0, 1000, os.getpid())
+    threading.Timer(0.05, lambda: area.words.__setitem__((first.slab.slot, 0), _cuda_ipc_area.FREE)).start()
+    started = time.monotonic()
+    again = area.lease(0, 1000, os.getpid())  # its receiver's copies out are ending: wait, reuse
+    assert again.slab is first.slab and time.monotonic() - started >= 0.04
+    assert area.stats["reuse_waits"] == 1 and area.stats["slabs_made"] == 1
+    started = time.monotonic()
+    other = area.lease(0, 1000, os.getppid())  # another taker: a new slab at once
+    assert other.slab is not first.slab and time.monotonic() - started < 2.0
+    assert area.stats["reuse_waits"] == 1 and area.stats["slabs_made"] == 2
+    area.reuse_wait = 0.05
+    started = time.monotonic()
+    third = area.lease(0, 1000, os.getpid())  # its slab stays lent: a new one after the wait
+    assert third.slab not in (first.slab, other.slab) and 0.04 <= time.monotonic() - started < 2.0
 
 
 def test_devices_do_not_share_slabs(area):
@@ -275,7 +296,7 @@ def test_a_control_page_of_a_gone_sender_is_named():
 
 
 def test_a_receiver_without_cuda_refuses_and_does_not_initialise_it():
-    reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, 0, 2 << 20, ((0, (2,), torch.float32, False, False),))
+    reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, b"e" * 64, 0, 2 << 20, ((0, (2,), torch.float32, False, False),))
     with pytest.raises(RuntimeError, match="has not initialised CUDA"):
         _cuda_ipc._receive_group(*reduced)
     assert not torch.cuda.is_initialized()
@@ -353,26 +374,60 @@ def test_only_strided_unquantized_tensors_are_eligible(sparse):
 _HANDLES = {}
 
 
+class _Event:
+    """A stand-in for a CUDA event: complete unless a test holds it (``hold``/``let_go``)."""
+
+    def __init__(self):
+        self.recorded = 0
+        self._complete = threading.Event()
+        self._complete.set()
+
+    def record(self, stream=None):
+        self.recorded += 1
+
+    def query(self):
+        return self._complete.is_set()
+
+    def synchronize(self):
+        assert self._complete.wait(30)
+
+    def hold(self):
+        self._complete.clear()
+
+    def let_go(self):
+        self._complete.set()
+
+
 class _CpuSlab(_FakeSlab):
+    events = True  # a test sets False: a slab without an IPC event (the sender synchronises)
+
     def __init__(self, slot, ident, index, capacity):
         super().__init__(slot, ident, index, capacity)
         self.storage = torch.empty(capacity, dtype=torch.uint8).untyped_storage()
         _HANDLES[self.handle] = self.storage
+        if self.events:
+            self.ready, self.ready_handle = _Event(), b"e%d" % ident
+            _HANDLES[self.ready_handle] = self.ready
 
 
 @pytest.fixture
 def over_cpu(monkeypatch, ipc_on):
     monkeypatch.setattr(_cuda_ipc_area, "Slab", _CpuSlab)
-    monkeypatch.setattr(_cuda_ipc, "_device", lambda index: torch.device("cpu"))
-    monkeypatch.setattr(_cuda_ipc, "_synchronize", lambda device: None)
-    monkeypatch.setattr(_cuda_ipc, "_cuda_ready", lambda: True)
+    monkeypatch.setattr(_cuda_ipc.ops, "device", lambda index: torch.device("cpu"))
+    monkeypatch.setattr(_cuda_ipc.ops, "synchronize", lambda device: None)
+    monkeypatch.setattr(_cuda_ipc.ops, "cuda_ready", lambda: True)
+    monkeypatch.setattr(_cuda_ipc.ops, "mark_ready", lambda slab: slab.ready.record())
+    monkeypatch.setattr(_cuda_ipc.ops, "open_event", lambda index, handle: _HANDLES[handle])
+    done = _Event()  # every receiver's copies out: complete unless a test holds it
+    monkeypatch.setattr(_cuda_ipc.ops, "copies_done", lambda opened, index: done)
+    monkeypatch.setattr(_CpuSlab, "done", done, raising=False)
     opened = []
 
     def open_shared(index, handle, capacity, offset):
         opened.append(handle)
         return _HANDLES[handle]
 
-    monkeypatch.setattr(_cuda_ipc, "_open_shared", open_shared)
+    monkeypatch.setattr(_cuda_ipc.ops, "open_shared", open_shared)
     yield opened
     _HANDLES.clear()
 
@@ -388,13 +443,14 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     refs["again"] = refs["a"]  # the same tensor twice: one copy, arriving twice
     pending = []
     leases = batch.commit(list(memo.values()), lambda t, p: pytest.fail("staged"), pending)
-    assert len(leases) == 1 and pending == [torch.device("cpu")]  # one slab for the message
+    assert len(leases) == 1 and pending == []  # one slab for the message; its event, no wait
     area = _cuda_ipc._area
-    assert area.lent() == 1
+    assert area.lent() == 1 and area._slabs[0].ready.recorded == 1
     data = pickle.dumps(refs)
     assert data.count(b"_receive_group") == 1
     x.fill_(-1)  # the sender reuses its tensor once the call returned (the copy is in the slab)
     back = pickle.loads(data)
+    assert _cuda_ipc.released(10)
     assert area.lent() == 0  # the receiver ended the lease once it had copied out
     for key, tensor in sent.items():
         got = back[key]
@@ -411,6 +467,7 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
         assert got.untyped_storage().data_ptr() != area._slabs[0].storage.data_ptr()  # its own memory
     assert back["again"] is back["a"]
     assert len(over_cpu) == 1
+    assert _cuda_ipc.released(10)
     pickle.loads(pickle.dumps(_cuda_ipc.export([torch.ones(3)], (5, os.getpid()))[0]))
     assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
     counts = _cuda_ipc.stats()
@@ -419,7 +476,9 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
 
 def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(over_cpu):
     def send(tensors):
-        return pickle.loads(pickle.dumps(_cuda_ipc.export(tensors, (5, os.getpid()))[0]))
+        got = pickle.loads(pickle.dumps(_cuda_ipc.export(tensors, (5, os.getpid()))[0]))
+        assert _cuda_ipc.released(10)  # (the slab is FREE again: the next message takes it)
+        return got
 
     failed = _cuda_ipc.stats().get("staged_export_failed", 0)
     with torch.inference_mode():  # the views are made here, and must stay writable outside
@@ -434,9 +493,9 @@ def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(ove
     assert torch.equal(got[0], x) and torch.equal(got[1], torch.arange(5) * 2) and not got[0].is_inference()
     assert all(slab.views[k] is v for k, v in made[0].items())  # the same layout: no new view on either side
     assert all(opened.views[k] is v for k, v in made[1].items())
-    for n in range(1, _cuda_ipc._VIEWS_KEPT + 5):  # layouts without end: the set is bounded
+    for n in range(1, _cuda_ipc.ops.VIEWS_KEPT + 5):  # layouts without end: the set is bounded
         assert torch.equal(send([torch.full((n,), float(n))])[0], torch.full((n,), float(n)))
-    assert len(slab.views) <= _cuda_ipc._VIEWS_KEPT and len(opened.views) <= _cuda_ipc._VIEWS_KEPT
+    assert len(slab.views) <= _cuda_ipc.ops.VIEWS_KEPT and len(opened.views) <= _cuda_ipc.ops.VIEWS_KEPT
     assert _cuda_ipc.stats().get("staged_export_failed", 0) == failed  # every message went through the slab
 
 
@@ -446,6 +505,7 @@ def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):
     batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
     data = pickle.dumps(refs)
     assert torch.equal(pickle.loads(data)[0], torch.ones(3))
+    assert _cuda_ipc.released(10)
     with pytest.raises(RuntimeError, match="were released before this receiver loaded them"):
         pickle.loads(data)  # a second read of the same lease
 
@@ -465,6 +525,7 @@ def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
     refs = [batch.add(torch.ones(3))]
     batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
     pickle.loads(pickle.dumps(refs))  # maps the control page
+    assert _cuda_ipc.released(10)
     batch = _cuda_ipc.Batch((5, os.getpid()))
     refs = [batch.add(torch.ones(3))]
     batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
@@ -472,6 +533,88 @@ def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
     _cuda_ipc._area.close()  # the sender's World stopped (the receiver, here the same process, keeps its page)
     with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
         pickle.loads(data)
+
+
+def _one_message(tensor):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(tensor)]
+    assert batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    return pickle.dumps(refs)
+
+
+def test_the_lease_ends_only_once_the_receivers_copies_completed(over_cpu):
+    data = _one_message(torch.ones(3))
+    done = _CpuSlab.done
+    done.hold()  # the receiver's copies out are still running on its GPU
+    try:
+        assert torch.equal(pickle.loads(data)[0], torch.ones(3))
+        time.sleep(0.1)
+        assert _cuda_ipc._area.lent() == 1 and not _cuda_ipc.released(0.05)
+        assert _cuda_ipc.stats()["release_pending"] == 1
+    finally:
+        done.let_go()
+    assert _cuda_ipc.released(10) and _cuda_ipc._area.lent() == 0
+    counts = _cuda_ipc.stats()
+    assert counts["release_pending"] == 0 and counts["released"] >= 1
+
+
+def test_a_receiver_waits_for_the_senders_copies_without_a_device_wait(over_cpu):
+    data = _one_message(torch.arange(6.0))
+    ready = _cuda_ipc._area._slabs[0].ready
+    ready.hold()  # the sender's copies into the slab have not run yet
+    threading.Timer(0.2, ready.let_go).start()
+    started = time.monotonic()
+    assert torch.equal(pickle.loads(data)[0], torch.arange(6.0))
+    assert time.monotonic() - started >= 0.15  # it waited for them
+    assert _cuda_ipc.stats()["ready_waits"] == 1
+
+
+def test_a_receiver_waiting_for_a_retired_slab_is_told_by_name(over_cpu):
+    data = _one_message(torch.ones(3))
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    slab.ready.hold()  # copies that never run: the sender stops its World meanwhile
+
+    def stop():
+        area.words[slab.slot, 2] = _cuda_ipc_area.RETIRED
+
+    threading.Timer(0.1, stop).start()
+    try:
+        with pytest.raises(RuntimeError, match="died or stopped its World before its copies were done"):
+            pickle.loads(data)
+    finally:
+        slab.ready.let_go()
+
+
+def test_a_slab_without_an_ipc_event_synchronises_the_sender(monkeypatch, over_cpu):
+    monkeypatch.setattr(_CpuSlab, "events", False)
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.full((4,), 3.0))]
+    pending = []
+    batch.commit(refs, lambda t, p: pytest.fail("staged"), pending)
+    assert pending == [torch.device("cpu")]  # the caller synchronises before sending
+    assert torch.equal(pickle.loads(pickle.dumps(refs))[0], torch.full((4,), 3.0))
+    assert _cuda_ipc.released(10) and _cuda_ipc._area.lent() == 0
+
+
+def test_the_releaser_frees_after_a_failed_wait_and_restarts_after_close():
+    from machinlike.distributed._calls.cuda_ipc_release import Releaser
+
+    class Broken:
+        def synchronize(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    releaser = Releaser()
+    rows = torch.zeros(2, 4, dtype=torch.int64).numpy()
+    rows[0, 0], rows[1, 0] = 7, 9
+    releaser.put(Broken(), rows[0], 7)
+    assert releaser.drain(10) and rows[0, 0] == 0 and releaser.stats["release_wait_failed"] == 1
+    thread = releaser._thread
+    assert thread is not None and thread.is_alive()
+    assert releaser.close(10) and not thread.is_alive()  # World stop ends the thread
+    releaser.put(_Event(), rows[1], 8)  # a lease that ended otherwise is left alone
+    assert releaser.drain(10) and rows[1, 0] == 9 and releaser.stats["released"] == 1
+    assert releaser.close(10) and releaser.pending() == 0
 
 
 def _loopback(monkeypatch, mangle=None):
@@ -491,12 +634,13 @@ def _loopback(monkeypatch, mangle=None):
 
 def test_the_probe_crosses_both_ways_and_the_verdict_is_kept(monkeypatch, over_cpu):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
-    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
     calls = _loopback(monkeypatch)
     peer = os.getpid() + 1  # (a pid that is not ours: the verdict is about the member name)
     assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer)
     assert calls == ["_describe", "_probe"]
     assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer) and len(calls) == 2  # kept
+    assert _cuda_ipc.released(10)
     assert _cuda_ipc._area.lent() == 0  # both probe leases ended by their receivers
     packed = _cuda_ipc.terms(1 << 20, (77, peer))
     assert _cuda_ipc.reply_target(packed) is None  # (the caller is this process: never to itself)
@@ -504,7 +648,7 @@ def test_the_probe_crosses_both_ways_and_the_verdict_is_kept(monkeypatch, over_c
 
 def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
-    monkeypatch.setattr(_cuda_ipc, "_current_index", lambda: 0)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
 
     def broken(member, fn, args=(), timeout=None):
         if fn.__name__ == "_describe":
@@ -516,3 +660,25 @@ def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over
     assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
     assert _cuda_ipc.stats()["staged_probe_failed"] == before + 1
     assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back
+
+
+def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
+    from machinlike.distributed._calls.cuda_ipc_release import await_ready
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+    row = torch.zeros(4, dtype=torch.int64).numpy()
+    row[2] = 5
+    with pytest.raises(RuntimeError, match=r"process 123's CUDA copies are done \(has it died\?\)"):
+        await_ready(Broken(), 123, row, 5, 1.0)
+    never = _Event()
+    never.hold()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"process {os.getpid()} \\(alive\\) did not complete within"):
+        await_ready(never, os.getpid(), row, 5, 0.1)  # a live sender whose GPU never gets there
+    assert time.monotonic() - started < 5
+    with pytest.raises(RuntimeError, match="died or stopped its World"):
+        await_ready(never, _dead_pid(), row, 5, 30.0)
+    assert await_ready(_Event(), os.getpid(), row, 5, 1.0) is False  # done at once: no wait

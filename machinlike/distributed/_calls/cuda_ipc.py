@@ -10,12 +10,22 @@ memory (``_cuda_stage``)::
       of the message ─► Batch, by device
     commit: lease one slab per device,             unpickling: _receive_group(...)
       copy each tensor into it (device to            map the sender's control page and open
-      device), synchronise ─────────────────────►    the slab (both cached), check the lease,
-    pickled: the lease, the slab's handle,           copy each tensor out into memory of its
-      each tensor's offset, shape, dtype             own on cuda:i, synchronise, lease FREE
+      device), record the slab's IPC event           the slab and its event (all cached),
+      ``ready`` (no wait) ───────────────────────►   check the lease, wait until ``ready``
+    pickled: the lease, the slab's handles,          completed (CPU polls: usually done),
+      each tensor's offset, shape, dtype             copy each tensor out into memory of
+                                                     its own on cuda:i, record an event:
+                                                     lease FREE once it completed
+                                                     (``cuda_ipc_release``, a thread)
+
+Why nobody waits for the GPU on a message's path: on a GPU time-sliced between processes,
+each wait for the other process's copies costs a switch of contexts (about 150 us). The
+sender's copies run while the message travels; the receiver's copies out are ordered on
+its current stream, where what it received is ready as any torch op's result is.
 
 The receiver owns what it gets (its own allocation, sendable on); the sender's tensor is
-never shared, so it may be reused or freed once the call returned.
+never shared: its copy into the slab is ordered on the sender's current stream, so it may
+be reused or freed once the call returned (work on another stream waits for that one).
 
 When IPC is used (else staging, as before, counted in ``stats``):
   - the World allows it (``same_host_shm`` and ``cuda_ipc_cache_bytes`` > 0), the peer
@@ -48,9 +58,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .staging import stage_tensor
-from .cuda_ipc_area import _NO_COUNTER, _NO_EVENT, ExportArea, Lease, OpenCache
+from .cuda_ipc_area import ExportArea, Lease, Opened, OpenCache
+from .cuda_ipc_release import Releaser, await_ready
+from . import cuda_ipc_ops as ops
 
-__all__ = ["configure", "close", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
+__all__ = ["configure", "close", "released", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
            "Batch", "eligible", "export", "forget_dead", "TERMS_MASK"]
 
 TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
@@ -58,12 +70,15 @@ _PID_SHIFT = 48
 _KEY_SHIFT = 80
 _ALIGN = 512  # each tensor's offset in a slab: any dtype's alignment, and the copy kernels'
 _PEERS_KEPT = 4096
+_READY_WAIT_S = 120.0  # a receiver waits this long at most for a live sender's copies
+_CLOSE_DRAIN_S = 5.0  # World stop: seconds at most for this process's pending releases
 
 _lock = threading.Lock()
 _limit = 0
 _area: Optional[ExportArea] = None
 _exit_hook = False
 _opened: Optional[OpenCache] = None
+_releaser = Releaser()
 _key: Optional[int] = None
 _counts: Dict[str, int] = {}
 # By RPC worker name: (its key, or 0 for "stage", retry time or None for "final").
@@ -102,10 +117,17 @@ def close() -> None:
     with _lock:
         area, _area = _area, None
         _peers.clear()
+    _releaser.close(_CLOSE_DRAIN_S)  # (leases this process still reads end before its openings go)
     if area is not None:
         area.close()
     if _opened is not None:
         _opened.forget_all()
+
+
+def released(timeout: float) -> bool:
+    """Wait, ``timeout`` seconds at most, until every lease this process received is FREE
+    again (each ends once its copies out completed, in a thread of its own)."""
+    return _releaser.drain(timeout)
 
 
 def _export_area() -> ExportArea:
@@ -148,6 +170,8 @@ def stats() -> Dict[str, int]:
         out.update({f"area_{k}": v for k, v in _area.stats.items()})
         out["area_held_bytes"] = _area.held_bytes()
         out["area_lent"] = _area.lent()
+    out.update(_releaser.stats)
+    out["release_pending"] = _releaser.pending()
     if _opened is not None:
         out.update({f"opened_{k}": v for k, v in _opened.stats.items()})
         out["opened_held_bytes"] = _opened.held_bytes()
@@ -194,53 +218,6 @@ def reply_target(reply: int) -> Optional[Tuple[int, int]]:
     if not key or key != local_key() or pid == os.getpid():
         return None
     return key, pid
-
-
-# ------------------------------------------------------------- device operations
-# The few CUDA operations of this module, by name: the CPU tests run the rest of the
-# path (offsets, views, leases, pickling) over CPU memory by replacing these.
-def _device(index: int) -> torch.device:
-    return torch.device("cuda", index)
-
-
-def _synchronize(device: torch.device) -> None:
-    torch.cuda.current_stream(device).synchronize()
-
-
-def _cuda_ready() -> bool:
-    return torch.cuda.is_initialized()
-
-
-def _current_index() -> int:
-    return torch.cuda.current_device()
-
-
-def _open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
-    # torch internal: opens (or finds open) the allocation behind ``handle``; no
-    # reference count (_NO_COUNTER) and no event (the sender synchronised before sending)
-    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
-
-
-_VIEWS_KEPT = 32  # layouts kept per slab; more start the slab's set afresh
-
-
-def _view(views: Dict[Any, torch.Tensor], storage: Any, index: int, start: int, dtype: torch.dtype,
-          shape: Tuple[int, ...]) -> torch.Tensor:
-    """A ``dtype`` tensor of ``shape`` over ``storage`` from byte ``start``: made once per slab
-    and layout (``views``), so a message in a known layout costs one torch call per tensor."""
-    key = (start, dtype, shape)
-    view = views.get(key)
-    if view is None:
-        if len(views) >= _VIEWS_KEPT:
-            views.clear()
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        # Never an inference tensor (one made under inference_mode could not be written
-        # into outside it); writing into a normal one is allowed in either mode.
-        with torch.inference_mode(False):
-            raw = torch.empty(0, dtype=torch.uint8, device=_device(index)).set_(storage)
-            view = raw[start:start + nbytes].view(dtype).view(shape)
-        views[key] = view
-    return view
 
 
 # ----------------------------------------------------------------------- sender
@@ -301,7 +278,8 @@ class Batch:
 
     def commit(self, refs: List[_Ref], stage: Any, pending: List[torch.device]) -> List[Lease]:
         """Copy each group into a leased slab; a group without one is staged (``stage(tensor,
-        pending)``, counted). ``pending`` gets each device to synchronise before sending."""
+        pending)``, counted). ``pending`` gets each device to synchronise before sending
+        (staged copies; a slab's copies only where it has no IPC event)."""
         leases: List[Lease] = []
         for group in self.groups.values():
             lease = self._fill(group)
@@ -311,9 +289,10 @@ class Batch:
                         ref.staged = stage(group.tensors[ref.i], pending)
                 continue
             leases.append(lease)
-            device = _device(group.index)
-            if device not in pending:
-                pending.append(device)
+            if lease.slab.ready is None:  # no IPC event: the copies complete before sending
+                device = ops.device(group.index)
+                if device not in pending:
+                    pending.append(device)
         return leases
 
     def _fill(self, group: _Group) -> Optional[Lease]:
@@ -338,9 +317,11 @@ class Batch:
             for start, tensor in zip(layout, group.tensors):
                 shape = tuple(tensor.shape)
                 if tensor.nbytes:
-                    _view(slab.views, slab.storage, group.index, start, tensor.dtype, shape).copy_(
+                    ops.view(slab.views, slab.storage, group.index, start, tensor.dtype, shape).copy_(
                         tensor.detach() if tensor.requires_grad else tensor)
                 items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+            if slab.ready is not None:
+                ops.mark_ready(slab)
         except Exception as exc:
             area.release(lease)
             _count("staged_export_failed")
@@ -349,27 +330,30 @@ class Batch:
         _count2("sent_tensors", len(group.tensors), "sent_bytes", offset)
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
-                                          group.index, slab.handle, slab.offset, slab.capacity, tuple(items)))
+                                          group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
+                                          tuple(items)))
         return lease
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Lease]]:
-    """``tensors`` (CUDA) as picklable references through IPC, committed and synchronised;
-    and their leases. Used by the probe; calls go through ``_cuda_stage.encode``."""
+    """``tensors`` (CUDA) as picklable references through IPC, committed (the receiver
+    waits for the copies); and their leases. Used by the probe; calls go through ``_cuda_stage.encode``."""
     batch = Batch(target)
     refs = [batch.add(tensor) for tensor in tensors]
     pending: List[torch.device] = []
     leases = batch.commit(refs, stage_tensor, pending)
     for device in pending:
-        _synchronize(device)
+        ops.synchronize(device)
     return refs, leases
 
 
 # --------------------------------------------------------------------- receiver
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
-                   offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
-    """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``."""
-    if not _cuda_ready():  # the sender checked; never initialise CUDA for it
+                   ready: bytes, offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
+    """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``;
+    they are ready on this process's current stream of ``cuda:index`` (the lease ends once
+    the copies completed, in the releaser's thread)."""
+    if not ops.cuda_ready():  # the sender checked; never initialise CUDA for it
         raise RuntimeError(
             f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
             f"initialised CUDA (a stale verdict of the sender's); nothing was received"
@@ -382,22 +366,18 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
             f"(slab {slot}: the lease ended or the sender's World stopped)"
         )
+    handed = False
+    copying = False
     try:
-        try:
-            opened = cache.open((pid, handle, offset), capacity, words, slot, slab_id,
-                                lambda: _open_shared(index, handle, capacity, offset))
-        except Exception as exc:  # the probe opened this sender's memory once; now it cannot
-            _count("open_failed")
-            raise RuntimeError(
-                f"cannot open the CUDA memory process {pid} exported for this call (cuda:{index}, "
-                f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
-                f"CUDA tensors through the CPU instead"
-            ) from exc
+        opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
+        if ready and await_ready(opened.ready, pid, row, slab_id, _READY_WAIT_S):
+            _count("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []
         total = 0
+        copying = True
         for start, shape, dtype, requires_grad, parameter in items:
-            view = _view(opened.views, opened.storage, index, start, dtype, shape)
+            view = ops.view(opened.views, opened.storage, index, start, dtype, shape)
             # clone: this process's own memory, one call (allocation and copy)
             own = view.clone() if view.nbytes else torch.empty(shape, dtype=dtype, device=view.device)
             total += own.nbytes
@@ -406,17 +386,47 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             elif requires_grad:
                 own.requires_grad_(True)
             out.append(own)
-        _synchronize(_device(index))  # copied out before the lease ends
+        _releaser.put(ops.copies_done(opened, index), row, lease)
+        handed = True
     finally:
-        if int(row[0]) == lease:
-            row[0] = 0  # FREE: the sender may lend the slab again
+        if not handed:
+            if copying:  # copies may be queued: they end before the slab is lent again
+                try:
+                    ops.synchronize(ops.device(index))
+                except Exception:
+                    pass
+            if int(row[0]) == lease:
+                row[0] = 0  # FREE: the sender may lend the slab again
     _count2("received_tensors", len(out), "received_bytes", total)
     return out
 
 
+def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, index: int, handle: bytes,
+             ready: bytes, offset: int, capacity: int) -> Opened:
+    """The sender's slab opened here (cached), its event opened too when it has one.
+
+    Raises:
+        RuntimeError: the memory or the event cannot be opened (named, with the fix).
+    """
+    try:
+        opened = cache.open((pid, handle, offset), capacity, words, slot, slab_id,
+                            lambda: ops.open_shared(index, handle, capacity, offset))
+        if ready and opened.ready is None:
+            opened.ready = ops.open_event(index, ready)
+        return opened
+    except Exception as exc:  # the probe opened this sender's memory once; now it cannot
+        _count("open_failed")
+        raise RuntimeError(
+            f"cannot open the CUDA memory process {pid} exported for this call (cuda:{index}, "
+            f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
+            f"CUDA tensors through the CPU instead"
+        ) from exc
+
+
 def _after_fork_in_child() -> None:
-    global _lock, _area, _opened, _key
+    global _lock, _area, _opened, _key, _releaser
     _lock = threading.Lock()
+    _releaser = Releaser()  # (the parent's thread is not running here)
     _area = None  # the parent's slabs and openings are not this process's (and CUDA is unusable here)
     _opened = None
     _key = None

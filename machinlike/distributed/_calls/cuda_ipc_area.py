@@ -11,9 +11,12 @@ lease's state lives in a small ``memfd`` control page that receivers map too::
                                                     holds it (see ``_retire``)
     lease(device, nbytes, taker):
       a FREE slab that fits ─► state = lease id, taker = the receiver's pid
-      none: reclaim slabs whose taker died, then allocate (bounded by ``limit``),
-      then evict FREE slabs; still none ─► None (the caller stages through the CPU)
-    the receiver copied out and synchronised ─► state = FREE (written by the receiver)
+      none: reclaim slabs whose taker died; wait (10 ms at most) for one lent to the
+      same taker to come FREE; then allocate (bounded by ``limit``), then evict FREE
+      slabs; still none ─► None (the caller stages through the CPU)
+    the copies into the slab are queued ─► its IPC event ``ready`` is recorded (no wait)
+    the receiver's copies out are done ─► state = FREE (written by the receiver's releaser
+      thread, ``cuda_ipc_release``)
 
 Why a control page and not a reply from the receiver: a request's slabs could be freed
 when the reply arrives, but a reply's slabs have no later message to free them; the CPU
@@ -40,6 +43,7 @@ import itertools
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -56,9 +60,10 @@ RETIRED = -1
 SLOTS = 128
 _WORDS = 4
 _PAGE = SLOTS * _WORDS * 8
+_REUSE_WAIT_S = 0.010  # a sender waits this long at most for its taker's last slab (see ``lease``)
 _GRAIN = 2 << 20  # slabs hold whole powers of two from 2 MiB: they recycle well
 _NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
-_NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; unused: the sender synchronised before sending
+_NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; torch's own event is unused: the slab has its own
 
 
 def slab_capacity(nbytes: int) -> int:
@@ -71,9 +76,13 @@ def slab_capacity(nbytes: int) -> int:
 
 class Slab:
     """One exported CUDA buffer of the area; ``views``: tensors over it by layout, made
-    once (``cuda_ipc._view``: a message's Python work is a few torch calls, not a dozen)."""
+    once (``cuda_ipc_ops.view``: a message's Python work is a few torch calls, not a dozen);
+    ``ready``: an interprocess event recorded after each message's copies into it (its
+    handle ``ready_handle`` goes with the message; None and b"" where this torch or
+    driver has no IPC events: the sender synchronises before sending instead)."""
 
-    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views")
+    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views",
+                 "ready", "ready_handle")
 
     def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
         self.slot = slot
@@ -88,6 +97,15 @@ class Slab:
         self.offset: int = shared[3]
         self.counter: Tuple[bytes, int] = (shared[4], shared[5])
         self.views: Dict[Any, torch.Tensor] = {}
+        self.ready: Optional[torch.cuda.Event] = None
+        self.ready_handle = b""
+        try:
+            with torch.cuda.device(index):  # (an event not yet recorded takes the current device)
+                event = torch.cuda.Event(interprocess=True)
+                self.ready_handle = event.ipc_handle()
+            self.ready = event
+        except Exception:  # no IPC events here: the sender synchronises instead
+            self.ready_handle = b""
 
 
 class Lease:
@@ -118,7 +136,9 @@ class ExportArea:
         self._slabs: List[Slab] = []
         self._held = 0
         self._ids = itertools.count(1)
-        self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0}
+        self.reuse_wait = _REUSE_WAIT_S
+        self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
+                                      "reuse_waits": 0}
 
     @property
     def fd(self) -> int:
@@ -137,24 +157,42 @@ class ExportArea:
     def lease(self, index: int, nbytes: int, taker: int) -> Optional[Lease]:
         """A slab of ``cuda:index`` for ``nbytes``, lent to process ``taker``; None: no room.
 
+        With no FREE slab that fits but one lent to ``taker`` itself (its receiver's copies
+        out of the last message are ending: the receiver frees each lease once they ran,
+        ``cuda_ipc_release``), waits ``reuse_wait`` seconds at most for it before making a
+        new slab: a new slab costs the receiver milliseconds to open, and memory.
+
         Raises:
             RuntimeError: (from torch) the slab could not be allocated or exported.
         """
         capacity = slab_capacity(nbytes)
-        with self._lock:
-            slab = self._free_slab(index, nbytes)
-            if slab is None and self._reclaim():
+        deadline = 0.0
+        spins = 0
+        while True:
+            with self._lock:
                 slab = self._free_slab(index, nbytes)
-            if slab is None:
-                slab = self._new_slab(index, capacity)
-            if slab is None:
-                self.stats["no_room"] += 1
-                return None
-            ident = next(self._ids)
-            row = self.words[slab.slot]
-            row[1] = taker
-            row[0] = ident  # last: the receiver checks the state, then reads
-            return Lease(slab, ident)
+                if slab is None and not spins and self._reclaim():
+                    slab = self._free_slab(index, nbytes)
+                if slab is None and (spins and time.monotonic() >= deadline or not self._lent_to(taker, index, nbytes)):
+                    slab = self._new_slab(index, capacity)
+                    if slab is None:
+                        self.stats["no_room"] += 1
+                        return None
+                if slab is not None:
+                    ident = next(self._ids)
+                    row = self.words[slab.slot]
+                    row[1] = taker
+                    row[0] = ident  # last: the receiver checks the state, then reads
+                    return Lease(slab, ident)
+            if not spins:
+                deadline = time.monotonic() + self.reuse_wait
+                self.stats["reuse_waits"] += 1
+            spins += 1
+            time.sleep(0 if spins < 32 else 50e-6)  # (outside the lock; the GIL goes to other threads)
+
+    def _lent_to(self, taker: int, index: int, nbytes: int) -> bool:
+        return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] != FREE
+                   and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
     def release(self, lease: Lease) -> None:
         """End ``lease`` from this side (its message never left, or was refused)."""
@@ -219,6 +257,7 @@ class ExportArea:
             self.stats["counter_release_failed"] = self.stats.get("counter_release_failed", 0) + 1
         slab.storage = None  # type: ignore[assignment]
         slab.views = {}  # (they hold the storage too)
+        slab.ready = None  # receivers check the slab's id before they ask its event
 
     def close(self) -> None:
         """Retire every slab (receivers drop their openings) and close the control page."""
@@ -237,9 +276,11 @@ Key = Tuple[int, bytes, int]
 
 
 class Opened:
-    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``)."""
+    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``);
+    ``ready``: the slab's event, opened at the first message that names it; ``done``: this
+    process's event recorded after each message's copies out (both None until then)."""
 
-    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views")
+    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "done")
 
     def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
         self.storage = storage
@@ -248,6 +289,8 @@ class Opened:
         self.slot = slot
         self.ident = ident
         self.views: Dict[Any, torch.Tensor] = {}
+        self.ready: Any = None
+        self.done: Any = None
 
     def retired(self) -> bool:
         return int(self.words[self.slot, 2]) != self.ident

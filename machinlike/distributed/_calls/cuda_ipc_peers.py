@@ -46,7 +46,7 @@ def _probe(tensors: List[torch.Tensor], caller: int) -> Any:
     """(Remote) the probe's second half: check what arrived, send it back through IPC."""
     probe = tensors[0]
     expected = torch.arange(16, device=probe.device)
-    if probe.device != _ipc._device(probe.device.index) or not bool((probe == expected).all()):
+    if probe.device != _ipc.ops.device(probe.device.index) or not bool((probe == expected).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
     refs, _ = _ipc.export([probe], (_ipc.local_key(), caller))
     return refs
@@ -86,7 +86,7 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, None)
         _ipc._count("staged_peer_other_gpus")
         return None
-    device = _ipc._device(_ipc._current_index())
+    device = _ipc.ops.device(_ipc.ops.current_index())
     refs, leases = _ipc.export([torch.arange(16, device=device)], (mine, pid))
     try:
         back = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)

@@ -1,0 +1,84 @@
+"""The CUDA operations of the IPC path (``cuda_ipc``), by name, in one place.
+
+Everything else of the path (offsets, views, leases, control pages, pickling, waits and
+releases) is plain Python over these few calls; the CPU tests run all of it over CPU
+memory by replacing them (``tests/test_cuda_ipc.py``). Each is looked up on this module
+at call time (``ops.device(...)``) for that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import torch
+
+from .cuda_ipc_area import _NO_COUNTER, _NO_EVENT, Opened, Slab
+from .cuda_ipc_release import Done
+
+__all__ = ["device", "synchronize", "mark_ready", "open_event", "copies_done", "cuda_ready", "current_index",
+           "open_shared", "view", "VIEWS_KEPT"]
+
+
+def device(index: int) -> torch.device:
+    return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device) -> None:
+    torch.cuda.current_stream(device).synchronize()
+
+
+def mark_ready(slab: Slab) -> None:
+    """(Sender) record the slab's event after the copies queued into it."""
+    assert slab.ready is not None
+    slab.ready.record(torch.cuda.current_stream(device(slab.index)))
+
+
+def open_event(index: int, handle: bytes) -> Any:
+    """(Receiver) a sender's slab event, opened here (once per opening)."""
+    return torch.cuda.Event.from_ipc_handle(device(index), handle)
+
+
+def copies_done(opened: Opened, index: int) -> Done:
+    """(Receiver) this opening's event, recorded after the copies out queued on ``cuda:index``."""
+    if opened.done is None:
+        opened.done = torch.cuda.Event(blocking=True)  # (its waiter, the releaser, sleeps: no core spun)
+    opened.done.record(torch.cuda.current_stream(device(index)))
+    return opened.done
+
+
+def cuda_ready() -> bool:
+    return torch.cuda.is_initialized()
+
+
+def current_index() -> int:
+    return torch.cuda.current_device()
+
+
+def open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
+    # torch internal: opens (or finds open) the allocation behind ``handle``; no
+    # reference count (_NO_COUNTER) and none of torch's events (the slab has its own: Slab.ready)
+    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
+
+
+VIEWS_KEPT = 32  # layouts kept per slab; more start the slab's set afresh
+
+
+def view(views: Dict[Any, torch.Tensor], storage: Any, index: int, start: int, dtype: torch.dtype,
+          shape: Tuple[int, ...]) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` over ``storage`` from byte ``start``: made once per slab
+    and layout (``views``), so a message in a known layout costs one torch call per tensor."""
+    key = (start, dtype, shape)
+    view = views.get(key)
+    if view is None:
+        if len(views) >= VIEWS_KEPT:
+            views.clear()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        # Never an inference tensor (one made under inference_mode could not be written
+        # into outside it); writing into a normal one is allowed in either mode.
+        with torch.inference_mode(False):
+            raw = torch.empty(0, dtype=torch.uint8, device=device(index)).set_(storage)
+            view = raw[start:start + nbytes].view(dtype).view(shape)
+        views[key] = view
+    return view
+
+

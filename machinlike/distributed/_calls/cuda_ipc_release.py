@@ -1,0 +1,163 @@
+"""The two waits of the CUDA IPC path, kept off the GPU's queues: for the sender's copies
+into a slab (``await_ready``) and for the receiver's copies out of it (``Releaser``).
+
+The receiver polls the sender's slab event from the CPU (``query``; the usual answer is
+"done": the copies ran while the message travelled) instead of queueing a wait for it on
+its own stream: were the sender SIGKILLed before its copies ran, such a wait would never
+end and would stop every later kernel of the receiver's stream with it.
+
+A receiver copies a message's tensors out of the sender's slab on its current stream and
+may not tell the sender "FREE" before those copies ran. Waiting for them in the thread
+that unpickles costs the GPU's switch between the two processes' contexts (about 150 us
+a direction on a time-sliced GPU) on every message's critical path. So the receiver
+records an event after its copies and hands the lease to one thread that waits::
+
+    receiver (unpickling)                      releaser thread (one per process, lazily)
+    clone each tensor out of the slab          event.synchronize()   (the GIL is free)
+    event.record(current stream)               row[0] == lease? ──► row[0] = FREE
+    put(event, row, lease) ───────────────►      (the sender may lend the slab again)
+    return: the tensors are ready on the
+      receiver's current stream, as torch's own ops' results are
+
+Why a thread and not a GPU-side wait in the sender (its stream waiting on an event the
+receiver records): a receiver SIGKILLed between its record and its copies would leave
+that event never completing, and the sender's stream stuck behind it. Here a receiver
+that dies leaves its lease lent, and the sender takes it back by the receiver's pid
+(``cuda_ipc_area.ExportArea._reclaim``), as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, Optional, Protocol, Tuple
+
+import numpy as np
+
+from ..._shm._segments import pid_alive
+
+__all__ = ["Done", "Ready", "Releaser", "await_ready"]
+
+FREE = 0
+
+
+class Done(Protocol):
+    """What the releaser waits on: a ``torch.cuda.Event`` recorded after the copies."""
+
+    def synchronize(self) -> None: ...
+
+
+class Ready(Protocol):
+    """What ``await_ready`` polls: the sender's slab event, opened here."""
+
+    def query(self) -> bool: ...
+
+
+def await_ready(event: Ready, pid: int, row: np.ndarray, slab_id: int, limit: float) -> bool:
+    """Return once process ``pid``'s copies into its slab completed (``event``, polled from
+    the CPU: a wait queued on this process's stream could never end if the sender died);
+    whether it had to wait. ``row``: the slab's control row, ``slab_id`` its id there.
+
+    Raises:
+        RuntimeError: the sender died or retired the slab first (named).
+        TimeoutError: its copies did not complete within ``limit`` seconds.
+    """
+    if _ran(event, pid):  # the usual case: the copies ran while the message travelled
+        return False
+    start = checked = time.monotonic()
+    spins = 0
+    while not _ran(event, pid):
+        spins += 1
+        time.sleep(0 if spins < 64 else 50e-6)  # (yields the GIL; later, the CPU too)
+        now = time.monotonic()
+        if now - checked >= 0.01:
+            checked = now
+            if int(row[2]) != slab_id or not pid_alive(pid):
+                raise RuntimeError(f"process {pid}, which sent CUDA tensors through CUDA IPC, died or stopped "
+                                   f"its World before its copies were done; nothing was received")
+            if now - start > limit:
+                raise TimeoutError(f"the CUDA copies of process {pid} (alive) did not complete within "
+                                   f"{limit:.0f} s; its GPU is stuck or far behind")
+    return True
+
+
+def _ran(event: Ready, pid: int) -> bool:
+    try:
+        return event.query()
+    except Exception as exc:  # (an error of this call only: nothing sticks to the context)
+        raise RuntimeError(f"cannot learn whether process {pid}'s CUDA copies are done (has it died?): "
+                           f"{type(exc).__name__}: {exc}; nothing was received") from exc
+
+
+class Releaser:
+    """One thread that frees leases once their copies are done (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: Deque[Tuple[Done, np.ndarray, int]] = deque()
+        self._busy = 0
+        self._thread: Optional[threading.Thread] = None
+        self._stop = False
+        self.stats: Dict[str, int] = {"released": 0, "release_wait_failed": 0}
+
+    def put(self, done: Done, row: np.ndarray, lease: int) -> None:
+        """Free ``row``'s lease ``lease`` once ``done`` completed."""
+        with self._cond:
+            self._items.append((done, row, lease))
+            self._busy += 1
+            if self._thread is None:
+                self._stop = False
+                self._thread = threading.Thread(target=self._run, name="machinlike-cuda-ipc-release", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def pending(self) -> int:
+        """Leases handed over and not yet freed."""
+        with self._cond:
+            return self._busy
+
+    def drain(self, timeout: float) -> bool:
+        """Wait, ``timeout`` seconds at most, until every lease handed over is freed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self, timeout: float) -> bool:
+        """Free what is pending (``timeout`` seconds at most), then end the thread; a later
+        ``put`` starts a new one. Returns whether everything pending was freed."""
+        drained = self.drain(timeout)
+        with self._cond:
+            thread, self._thread = self._thread, None
+            self._stop = True
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        return drained
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                while not self._items and not self._stop and self._thread is me:
+                    self._cond.wait()
+                if not self._items:
+                    return
+                done, row, lease = self._items.popleft()
+            try:
+                done.synchronize()
+            except Exception:  # a CUDA error here is the process's, and shows there too;
+                failed = True  # the copies are over either way (the stream stopped)
+            else:
+                failed = False
+            if int(row[0]) == lease:
+                row[0] = FREE
+            with self._cond:
+                self._busy -= 1
+                self.stats["release_wait_failed" if failed else "released"] += 1
+                self._cond.notify_all()
