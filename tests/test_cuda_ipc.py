@@ -681,4 +681,14 @@ def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
     assert time.monotonic() - started < 5
     with pytest.raises(RuntimeError, match="died or stopped its World"):
         await_ready(never, _dead_pid(), row, 5, 30.0)
+    sender = subprocess.Popen(["sleep", "60"])  # a live sender SIGKILLed while the receiver waits
+    try:
+        threading.Timer(0.3, sender.kill).start()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"process {sender.pid}, which sent CUDA tensors .* died"):
+            await_ready(never, sender.pid, row, 5, 30.0)
+        assert 0.25 <= time.monotonic() - started < 5  # told at once, not at the bound
+    finally:
+        sender.kill()
+        sender.wait(10)
     assert await_ready(_Event(), os.getpid(), row, 5, 1.0) is False  # done at once: no wait
