@@ -255,6 +255,13 @@ def _reserved() -> Tuple[int, int]:
     return torch.cuda.memory_reserved(), _cuda_ipc.stats().get("area_held_bytes", 0)
 
 
+def _area_stats() -> Dict[str, int]:
+    """The server's export area counters: slabs made, waits for a taker's last slab, reclaims."""
+    from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
+
+    return {k: v for k, v in _cuda_ipc.stats().items() if k.startswith("area_")}
+
+
 def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     from machinlike.server import PushPullModelServerImpl
 
@@ -269,6 +276,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     if name == "server":
         impl = PushPullModelServerImpl("model", group)
         group.register("reserved", _reserved)
+        group.register("area", _area_stats)
         group.register("finished", finished.release)
     group.barrier(timeout=120)
     if name == "server":  # until the pusher and the survivor are through (no barrier: victims die)
@@ -289,7 +297,8 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
             if i % max(1, pushes // 4) == 0:
                 reserved, slabs = group.registered_sync("reserved")
                 samples.append((i, reserved >> 20, slabs >> 20))
-        out = {"first": first, "last": group.registered_sync("reserved"), "samples": samples}
+        out = {"first": first, "last": group.registered_sync("reserved"), "samples": samples,
+               "area": group.registered_sync("area")}
     elif name == "survivor":
         slowest = 0.0
         while True:
@@ -429,6 +438,7 @@ def main() -> int:
             if isinstance(pusher, dict) and pusher.get("samples"):
                 say("  server's reserved / export slabs (MiB) by push: " +
                     ", ".join(f"{i}: {r} / {sl}" for i, r, sl in pusher["samples"]))
+                say(f"  server's export area: {pusher.get('area')}")
 
         pool = _section("pool", lambda: pool_round_trips(repeats))
         if pool:
