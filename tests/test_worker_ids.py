@@ -1,7 +1,7 @@
 """torch's 16-bit worker ids come round in a long-lived elastic world, and every call,
 paired value and remote result still reaches the member it names.
 
-The id space is shrunk to 16 (``MACHINLIKE_WORKER_ID_SPACE``) so that ids are given again
+The id space is shrunk to 32 (``MACHINLIKE_WORKER_ID_SPACE``) so that ids are given again
 several times within the test: actors join under new names, talk to the host both ways
 (services, paired values, remote results), and leave or are SIGKILLed. A handle to a
 gone actor's value must fail naming that actor, never answer with a newer actor's value.
@@ -21,8 +21,11 @@ from machinlike.distributed import World, get_world
 from machinlike.exception import PeerLostError
 from machinlike.process import Process
 
-SPACE = 16
-CYCLES = 28
+# 16 ran out under CI's load (twice in four sessions: an actor's join found 64 ids in a
+# row held, by live workers or gone ones not yet pruned). 32 keeps the wrap-arounds with
+# room; 2 * SPACE actors make the last one's worker number at least 2 * SPACE.
+SPACE = 32
+CYCLES = 2 * SPACE
 #: The monitors tick every liveness / 8 s (0.25 s here, 0.5 s at the default 10 s), and each
 #: cycle waits for its actor's leave or loss to be seen. A member on this host is declared
 #: lost only once /proc shows its process gone, so a short bound brings no false loss.
