@@ -58,7 +58,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .staging import stage_tensor
-from .cuda_ipc_area import ExportArea, Lease, Opened, OpenCache
+from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 
@@ -396,7 +396,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 except Exception:
                     pass
             if int(row[0]) == lease:
-                row[0] = 0  # FREE: the sender may lend the slab again
+                row[0] = FREE  # the sender may lend the slab again
     _count2("received_tensors", len(out), "received_bytes", total)
     return out
 

@@ -104,8 +104,8 @@ class Slab:
                 event = torch.cuda.Event(interprocess=True)
                 self.ready_handle = event.ipc_handle()
             self.ready = event
-        except Exception:  # no IPC events here: the sender synchronises instead
-            self.ready_handle = b""
+        except Exception:  # no IPC events here (ready stays None): the sender synchronises instead
+            pass
 
 
 class Lease:

@@ -36,10 +36,9 @@ from typing import Deque, Dict, Optional, Protocol, Tuple
 import numpy as np
 
 from ..._shm._segments import pid_alive
+from .cuda_ipc_area import FREE
 
 __all__ = ["Done", "Ready", "Releaser", "await_ready"]
-
-FREE = 0
 
 
 class Done(Protocol):
