@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pool_targets as targets
 import pytest
@@ -206,6 +208,27 @@ def test_join_times_out_while_a_task_runs_then_finishes(tmp_path):
     finally:
         pool.terminate()
         release.close()
+
+
+@pytest.mark.parametrize("cls", [Pool, P2PPool])
+def test_close_during_a_callback_still_lets_join_finish(cls):
+    """close() while the manager thread runs a callback, with every worker idle and ready:
+    no event follows, so the manager must see the close itself before it sleeps (it slept
+    for good, and join() hung until terminate(), before session 25)."""
+    pool = cls(2)
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(set(pool.map(targets.pid_of, range(8), chunksize=1))) < 2:  # both up, both said READY
+            assert time.monotonic() < deadline, "one worker never ran a task"
+        in_callback, release = threading.Event(), threading.Event()
+        result = pool.apply_async(targets.square, (3,), callback=lambda _: (in_callback.set(), release.wait(WAIT)))
+        assert in_callback.wait(WAIT)
+        pool.close()
+        release.set()
+        pool.join(30)
+        assert result.get(0) == 9
+    finally:
+        pool.terminate()
 
 
 @pytest.mark.parametrize("cls", [Pool, P2PPool])

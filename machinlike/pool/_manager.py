@@ -11,6 +11,8 @@
                          decides about a replacement (same slot, same context)
         writable      ─> flush what the task pipe did not take
         then: pump the backlog, steal for idle workers, stop workers once closed & done
+      before each sleep: stop workers once closed & done, start queued replacements
+      (callers wake only a sleeping manager)
       until the pool is terminated or broken, or closed with every worker gone
 
 Like CPython's ``_ExecutorManagerThread``, it is handed exactly what it uses, and owns
@@ -116,12 +118,22 @@ class Manager:
 
     def _loop(self) -> None:
         flags, watch, wakeup, dispatch = self._flags, self._watch, self._wakeup, self._dispatch
+        supervisor = self._supervisor
         while True:
             with flags.lock:
                 if self._finished():
                     return
-                watch.sync_writes(dispatch.workers)
-                wakeup.arm()
+                # Callers wake only a sleeping manager: what one changed while this thread
+                # was awake (close() during a callback, a replacement queued by a submit)
+                # is looked at here, or nothing would ever wake it for that.
+                dispatch.stop_when_done(flags)
+                spawn = supervisor.pending()
+                if not spawn:
+                    watch.sync_writes(dispatch.workers)
+                    wakeup.arm()
+            if spawn:
+                self._spawn_queued()
+                continue
             events = watch.poll()
             with flags.lock:
                 wakeup.disarm()
