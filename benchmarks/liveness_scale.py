@@ -459,7 +459,8 @@ def _census(probe: dist.TCPStore, victims: List[str], workers: Dict[str, str]) -
     from machinlike.distributed._store import Keys
 
     keys = Keys.elastic_world("0")
-    records = {"inc": keys.incarnations, "live": keys.live, "hb": keys.heartbeat, "probe": keys.probe_request,
+    records = {"inc": keys.incarnations, "live": keys.live, "hb": keys.heartbeat, "hush": keys.silence,
+               "probe": keys.probe_request,
                "lost": lambda m: keys.lost(m, 1), "lostpost": lambda m: keys.lost_posted(m, 1),
                "gone": lambda m: keys.gone(m, 1), "worker": lambda m: keys.worker(workers.get(m, "?"))}
     return {kind: sum(1 for v in victims if probe.check([key(v)])) for kind, key in records.items()}

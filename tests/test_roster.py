@@ -13,7 +13,7 @@ import time
 from machinlike.distributed._store.keys import MemberRecord
 from machinlike.distributed._membership.processes import process_identity
 from machinlike.distributed._transport.pipes import PipeLedger
-from machinlike.distributed._membership.roster import Roster
+from machinlike.distributed._membership.roster import Roster, ring_key
 
 
 def _roster_with(identity: str) -> Roster:
@@ -124,8 +124,44 @@ def test_a_run_of_joins_is_applied_at_once_in_order_and_replays_are_not_news():
     assert roster.version == version + 1  # one change for the run
     assert roster.members() == ["a", "b", "c", "d", "m", "y", "z"]
     assert roster.incarnation_of("a") == 2 and roster.worker_gone("a_1") and not roster.worker_gone("a_2")
-    assert [r.member for r in roster.successors("d", 2)] == ["m", "y"]
-    assert [r.member for r in roster.successors("y", 2)] == ["z", "a"]  # (the ring wraps round)
-    # A short run is inserted name by name; the table is the same.
+    ring = sorted(roster.members(), key=ring_key)  # (names in the order of a stable hash)
+    assert ring != sorted(ring)
+    i = ring.index("d")
+    assert [r.member for r in roster.successors("d", 2)] == [ring[(i + 1) % 7], ring[(i + 2) % 7]]
+    assert [r.member for r in roster.successors(ring[-1], 2)] == ring[:2]  # (the ring wraps round)
+    # A short run is inserted name by name; the table and the ring are the same.
     roster.apply_joins([MemberRecord("e", 1, "e_1", 9, "x")])
     assert roster.members() == ["a", "b", "c", "d", "e", "m", "y", "z"]
+    ring = sorted(roster.members(), key=ring_key)
+    assert [[r.member for r in roster.successors(name, 7)] for name in ring] == \
+        [ring[i + 1:] + ring[:i] for i in range(8)]
+
+
+def test_a_run_of_joiners_named_in_sequence_is_scattered_over_the_liveness_ring():
+    # In name order every joiner of a run ("c00000", "c00001", ...) stood just before the
+    # same members, so their watchers (the 3 members before each in the ring) changed at
+    # every join, and deaths there went unnamed while the joins went on (session 25).
+    roster = Roster(PipeLedger(0))
+    roster.apply_joins([MemberRecord(f"m{i:05d}", 1, f"m{i:05d}_0", i, "elsewhere/1:1/1") for i in range(256)])
+
+    def watchers() -> dict:
+        out: dict = {}
+        for name in roster.members():
+            for rec in roster.successors(name, 3):
+                out.setdefault(rec.member, set()).add(name)
+        return out
+
+    before = watchers()
+    changes = dict.fromkeys(before, 0)
+    for i in range(100):
+        roster.apply("join", MemberRecord(f"c{i:05d}", 1, f"c{i:05d}_0", 256 + i, "elsewhere/1:1/1"))
+        now = watchers()
+        for member in changes:
+            changes[member] += now[member] != before[member]
+        before = now
+    assert all(len(w) == 3 for w in before.values())
+    # a member's watchers change when a joiner lands among the 3 before it: 100 x 3/256
+    # times on average; in name order, "m00000"'s changed at all 100 joins
+    assert max(changes.values()) <= 6, sorted(changes.values())[-5:]  # (4: the hash is fixed)
+    roster.apply("lost", roster.successors("m00000", 1)[0])
+    assert all(len(roster.successors(name, 3)) == 3 for name in roster.members())

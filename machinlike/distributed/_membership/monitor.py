@@ -19,7 +19,8 @@ checks this member's RPC listener, and declares the suspects lost.
         own (Endpoint, Claims), post "move"
       suspect (a watched member): process gone (same
         host, /proc) or heartbeat stalled for the watch's
-        silence bound by this thread's own looks, and
+        silence bound by this thread's own looks (from    m/hush/<name>  (Silences)
+        the silence an earlier watcher noted), and
         still stalled when read once more
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
       free its keys (Claims.free), clear m/live,      m/own/<worker>
@@ -60,6 +61,7 @@ from .processes import DEFAULT_LIVENESS, alive_here, tick_of
 from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
+from .silences import Silences
 from .watch import AllWatch, Watch
 
 __all__ = ["Monitor"]
@@ -106,8 +108,9 @@ class Monitor:
         # The agent renewal under way, on a thread of its own (see _start_renewal).
         self._renewing: Optional[threading.Thread] = None
         self._caught_up = threading.Event()  # set once start's first catch-up is done
-        # (member, incarnation) -> (heartbeat count, when it last moved); only the thread.
-        self._beats: Dict[Tuple[str, int], Tuple[str, float]] = {}
+        # The watched members' heartbeat timers, and the notes of long silences (the ring's
+        # watchers can all die; with "all", everyone watches: no notes); only the thread.
+        self.silences = Silences(registry, keys, notes=not isinstance(self.watch, AllWatch))
         # Watched members silent for a quarter of the bound (2 ticks at least) at the last
         # look (the ring watches past them: see RingWatch).
         self._silent = 0
@@ -294,17 +297,17 @@ class Monitor:
         """The watched members to declare lost: a process gone here (``/proc``), or a
         heartbeat this thread saw stalled for the watch's whole silence bound.
 
-        A stall counts only from this thread's own looks: after a look that came late
-        (this process was starved or stopped) every timer starts again, so a starved
-        watcher does not blame the members it could not see. A suspect's heartbeat is
+        A stall counts only from looks of a thread that was not starved: after a look
+        that came late (this process was starved or stopped) every timer starts again, so
+        a starved watcher does not blame the members it could not see. A timer goes on
+        from the silence an earlier watcher noted (see silences). A suspect's heartbeat is
         read once more before it is declared (a beat that just came spares it).
         """
         now = time.monotonic()
         starved = self._looked is not None and now - self._looked > 3 * self._tick()
         self._looked = now
-        current = {(r.member, r.incarnation) for r in watched}
-        for gone in [k for k in self._beats if k not in current]:  # bounded by the watched members
-            del self._beats[gone]
+        silences = self.silences
+        silences.keep({(r.member, r.incarnation) for r in watched})
         live = {(r.member, r.incarnation) for r in self._roster.others(self._endpoint.name)} \
             if self._declaring else set()
         for gone in [k for k in self._declaring if k not in live]:  # (its "lost" came)
@@ -320,19 +323,18 @@ class Monitor:
             if local is False:
                 out.append(rec)
                 continue
-            key = (rec.member, rec.incarnation)
-            last = self._beats.get(key)
-            if last is None or last[0] != count or local or starved:
-                self._beats[key] = (count, now)
+            if local or starved:
+                silences.restart(rec, count, now)
                 continue
-            if now - last[1] >= quiet:
+            still = silences.look(rec, count, now, quiet)  # (goes on from another watcher's note)
+            if still >= quiet:
                 silent += 1
-            if now - last[1] > bound:
+            if still > bound:
                 again = self._registry.get_or_empty(self._keys.heartbeat(rec.member))
                 if again != count:
                     self.spared += 1
                     silent -= 1
-                    self._beats[key] = (again, time.monotonic())
+                    silences.restart(rec, again, time.monotonic())
                 else:
                     out.append(rec)
         self._silent = silent

@@ -21,6 +21,7 @@ import bisect
 import logging
 import threading
 import time
+import zlib
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ...exception import PeerLostError
@@ -29,12 +30,27 @@ from .processes import alive_here, is_here
 from .member_event import MemberEvent
 from .._transport import PipeLedger
 
-__all__ = ["Roster", "GONE_KEPT"]
+__all__ = ["Roster", "GONE_KEPT", "ring_key"]
 
 log = logging.getLogger(__name__)
 
 #: Gone RPC workers, and gone members, a view remembers (the most recent).
 GONE_KEPT = 16384
+
+
+def ring_key(member: str) -> str:
+    """Where ``member`` stands in the liveness ring: its name after a stable hash of it.
+
+    Why not the name alone: names come in runs (``actor-00017``, ``actor-00018``; a host's
+    members named alike). In name order every joiner of a run stood just before the same
+    members, so their watchers changed at every join, each new one timing them from
+    scratch: at 10 joins a second, deaths there went unnamed as long as the joins went on.
+    A hash scatters a run over the ring; every view computes the same order.
+    """
+    return f"{zlib.crc32(member.encode('utf-8', 'surrogatepass')):08x}{member}"
+
+
+_KEY_NAME = 8  # where the name starts in a ring key
 
 
 class Roster:
@@ -49,9 +65,9 @@ class Roster:
         # waits, which is nearly always (it skips notify_all's cost, per event per member).
         self._waiting = 0
         self._live: Dict[str, MemberRecord] = {}
-        # The live members' names, sorted (kept with _live): the liveness ring's successors
-        # are found by bisection, not by a pass over every member at each change.
-        self._names: List[str] = []
+        # The live members' ring keys, sorted (kept with _live): the liveness ring's
+        # successors are found by bisection, not by a pass over every member at each change.
+        self._ring: List[str] = []
         self._by_worker: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
         # member -> its workers in _by_worker (a worker's name holds its member's, so it
         # never changes member): a loss finds its member's workers without a pass over
@@ -84,7 +100,7 @@ class Roster:
         with self._lock:
             for rec in records:
                 if rec.member not in self._live:
-                    bisect.insort(self._names, rec.member)
+                    bisect.insort(self._ring, ring_key(rec.member))
                 self._live[rec.member] = rec
                 self._index(rec.worker, rec.member)
             self._static_order = [rec.member for rec in records]
@@ -108,7 +124,7 @@ class Roster:
                 current = self._live.get(rec.member)
                 if current is not None and current.incarnation == rec.incarnation:
                     del self._live[rec.member]
-                    del self._names[bisect.bisect_left(self._names, rec.member)]
+                    del self._ring[bisect.bisect_left(self._ring, ring_key(rec.member))]
                     self._gone.pop(rec.member, None)  # (re-inserted: newest last)
                     self._gone[rec.member] = "left" if kind == "leave" else "lost"
                     while len(self._gone) > GONE_KEPT:
@@ -134,11 +150,11 @@ class Roster:
                 added: List[str] = []
                 fresh = [self._join(rec, added) for rec in records]
                 if len(added) > 4:
-                    self._names.extend(added)
-                    self._names.sort()  # (a sorted run and k new names: about N + k log k)
+                    self._ring.extend(ring_key(name) for name in added)
+                    self._ring.sort()  # (a sorted run and k new keys: about N + k log k)
                 else:
                     for name in added:
-                        bisect.insort(self._names, name)
+                        bisect.insort(self._ring, ring_key(name))
                 return fresh
             finally:
                 self.version += 1
@@ -159,7 +175,7 @@ class Roster:
         elif added is not None:
             added.append(rec.member)
         else:
-            bisect.insort(self._names, rec.member)
+            bisect.insort(self._ring, ring_key(rec.member))
         self._live[rec.member] = rec
         self._index(rec.worker, rec.member)
         self._gone.pop(rec.member, None)
@@ -245,14 +261,14 @@ class Roster:
             return [r for m, r in self._live.items() if m != me]
 
     def successors(self, me: str, k: int) -> List[MemberRecord]:
-        """The (at most ``k``) live members after ``me`` in name order, wrapping round;
-        ``me`` is never among them (O(k + log N))."""
+        """The (at most ``k``) live members after ``me`` in ring order (:func:`ring_key`),
+        wrapping round; ``me`` is never among them (O(k + log N))."""
         with self._lock:
-            names, n = self._names, len(self._names)
-            start = bisect.bisect_right(names, me)
+            ring, n = self._ring, len(self._ring)
+            start = bisect.bisect_right(ring, ring_key(me))
             out: List[MemberRecord] = []
             for i in range(start, start + n):
-                name = names[i % n]
+                name = ring[i % n][_KEY_NAME:]
                 if name != me:
                     out.append(self._live[name])
                     if len(out) == k:

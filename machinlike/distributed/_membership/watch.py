@@ -3,8 +3,9 @@
 Two strategies, chosen once per process (``MACHINLIKE_LIVENESS_WATCH``, read when a World
 starts; the benchmark ``benchmarks/liveness_scale.py`` runs both side by side):
 
-    "ring" (default)  each member checks the next ``k`` live members after it in name
-                      order (its successors), wrapping round:
+    "ring" (default)  each member checks the next ``k`` live members after it in ring
+                      order (its successors; names ordered by a stable hash of each,
+                      ``roster.ring_key``), wrapping round:
 
                           a ──► b ──► c ──► d ──► e ──► a      (k = 1 drawn; k = 3 by
                                                                  default: dead watchers
@@ -26,8 +27,11 @@ starts; the benchmark ``benchmarks/liveness_scale.py`` runs both side by side):
 Why a ring: the store is one thread. With "all", key reads grow as N² (8.4 M/s at 1,024
 members); with the ring every member reads k + 1 keys per tick whatever N is, and a
 death still reaches everyone within one more tick, through the log they already read.
-Why successors in name order: every view orders the same names the same way, with no
-coordination; the views agree once they have read the same events.
+Why successors in ring order: every view orders the same names the same way, with no
+coordination; the views agree once they have read the same events. Why a hash of the
+name, not the name: names come in runs (joiners numbered in sequence, a host's members
+named alike); in name order a run of joiners kept changing the watchers of the members
+after it, and a host's members died as one block of neighbours.
 
 Why the silence bound is shorter for the ring: a loss is seen by a watcher, then by
 everyone one tick later, so the ring declares after ``min(3/4, 1 - 3 ticks/liveness)`` of
@@ -129,8 +133,8 @@ class RingWatch(Watch):
     and two successors more for each watched member that is silent.
 
     Why the more: a dead member's watchers are the members before it. When they died too
-    and are not yet declared (a host's members, named alike, dying together; or heavy
-    churn), nobody timed it: the ring learned of it only once they were declared, a
+    and are not yet declared (a host's members dying together; or heavy churn), nobody
+    timed it: the ring learned of it only once they were declared, a
     silence bound later, and a block of b dead members took b/k bounds. Looking past the
     silent ones (as the monitor counts them: silent for a quarter of the bound, 2 ticks at
     least) starts a timer on the members behind them within a fraction of the bound.
@@ -194,7 +198,7 @@ class RingWatch(Watch):
 
     def successors(self, me: str, past: int = 0) -> List[MemberRecord]:
         """The (at most ``k`` + 2 x ``past``, and ``RING_MAX``) live members after ``me`` in
-        name order, wrapping round."""
+        ring order, wrapping round."""
         version = self._roster.version
         # (two more per silent one: the list triples at each look while all are silent, so
         # a block of b dead members is passed in about log3(b) looks, not b/k; the extra

@@ -7,6 +7,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/inc/<name>                 counter: incarnations of a member          members
     <ns>m/live/<name>                MemberRecord of its live incarnation, "" when none
     <ns>m/hb/<name>                  heartbeat counter
+    <ns>m/hush/<name>                how long a watcher saw it stand still (_membership.silences)
     <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
     <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
     <ns>m/id                         this log's token: set once, by its first reader
@@ -121,6 +122,10 @@ class Keys:
 
     def heartbeat_prefix(self) -> str:
         return f"{self.ns}m/hb/"
+
+    def silence(self, member: str) -> str:
+        """The note of how long ``member``'s heartbeat stood still (``_membership.silences``)."""
+        return f"{self.ns}m/hush/{member}"
 
     def probe_request(self, member: str) -> str:
         """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
