@@ -434,6 +434,11 @@ def _pct(values: List[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def _first(names: Optional[List[str]]) -> str:
+    """' (a, b, ...)' for a non-empty list of names, else ''."""
+    return f" ({', '.join(names)}{', ...' if len(names) >= 10 else ''})" if names else ""
+
+
 def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
@@ -487,6 +492,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
     delays: List[float] = []  # a death to the last member present at it naming it
     firsts_named: List[float] = []  # a death to the first (about when its declarer posted it)
     owed = missed = unnamed = 0
+    unnamed_names: List[str] = []  # the first few (where they stand in the ring says why)
     victims: List[str] = []
     # (s since start, hosts' RSS, store RSS, store keys, hosts' threads, hosts' descriptors)
     samples: List[Tuple[float, int, int, int, int, int]] = []
@@ -505,6 +511,8 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
                 firsts_named.append(min(firsts) - killed)
             else:
                 unnamed += 1
+                if len(unnamed_names) < 10:
+                    unnamed_names.append(victim)
 
     def sample(t0: float) -> None:
         rows = ask_all("churned")
@@ -546,7 +554,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
     rows = ask_all("churned")
     return dict(churn_events=events, churn_rate=events / ran if ran > 0 else float("nan"), churn_s=ran,
                 churn_joined=sum(r[0][0] for r in rows), churn_join_failed=sum(r[0][1] for r in rows),
-                churn_owed=owed, churn_missed=missed, churn_unnamed=unnamed,
+                churn_owed=owed, churn_missed=missed, churn_unnamed=unnamed, churn_unnamed_names=unnamed_names,
                 churn_named_p50_s=_pct(delays, 0.5), churn_named_p99_s=_pct(delays, 0.99),
                 churn_named_max_s=max(delays) if delays else float("nan"),
                 churn_first_p50_s=_pct(firsts_named, 0.5), churn_first_p99_s=_pct(firsts_named, 0.99),
@@ -789,7 +797,7 @@ def main() -> None:
                       f"{row['churn_named_p99_s']:.2f}/{row['churn_named_max_s']:.2f} s (first named "
                       f"{row['churn_first_p50_s']:.2f}/{row['churn_first_p99_s']:.2f} s), missed "
                       f"{row['churn_missed']} of {row['churn_owed']} (survivor, death) pairs, never named "
-                      f"{row['churn_unnamed']}, false losses "
+                      f"{row['churn_unnamed']}{_first(row.get('churn_unnamed_names'))}, false losses "
                       f"{len(row['churn_false'])} (cut off {len(row['churn_cut_off'])}); hosts' RSS "
                       f"{first[1] / 2**20:.0f} -> {last[1] / 2**20:.0f} MB, store RSS {first[2] / 2**20:.0f} -> "
                       f"{last[2] / 2**20:.0f} MB, store keys {first[3]} -> {last[3]}", flush=True)

@@ -14,11 +14,12 @@ it, and the notes in the store that let the next watcher go on from there.
       still for the whole bound: a suspect (the monitor declares it)
 
 Why: a dead member's watchers are the members before it in the ring (``watch``). Under
-heavy churn all of them sometimes die too, after it and before they declared it, or are
-displaced by joiners; the next watcher then timed it from scratch, a whole bound later (at 256 members with 10 deaths a
-second, about 1 death in 100 was named after 15 s instead of ~8). The note carries the
-silence over: the next watcher declares it at most a quarter bound (the note's step)
-after the first watcher would have, plus the time it took to come to it.
+heavy churn all of them sometimes die too, after it and before they declared it, or
+joiners displace them; the next watcher then timed it from scratch, a whole bound later
+(at 256 members with 10 deaths a second, the slowest deaths were named after 14.5 s
+instead of ~8). The note carries the silence over: the next watcher declares it at most
+a quarter bound (the note's step) after the first watcher would have, plus the time it
+took to come to it.
 
 Why durations, not times: the hosts' clocks need not agree. A note says the heartbeat
 stood still for at least that long when it was written, and it has stood still since
@@ -26,12 +27,12 @@ stood still for at least that long when it was written, and it has stood still s
 the note), so taking it as the silence so far never declares a member early. The writer
 measured it from its own looks, with the same starvation guard as every timer.
 
-What it costs: one read when a member is first watched (joins, deaths, and the ring
-looking past silent members: a few a second at 10 deaths a second, against 3 requests a
-second per member), and per silent member one write per quiet step per watcher (at most
-3 before the bound). Nothing more while every member beats.
-Keys: one per member ever silent that long, deleted with its heartbeat
-(``Departures.reap``).
+What it costs: one read when a member is first watched (three watchers change at each
+join and each death, and the ring looks past silent members: at 10 joins and 10 deaths
+a second, about 60 reads a second for the whole world, against 3 requests a second per
+member), and per silent member one write per quiet step per watcher (at most 3 before
+the bound). Nothing more while every member beats. Keys: one per member ever silent
+that long, deleted with its heartbeat (``Departures.reap``).
 
 Not thread-safe: the liveness thread alone uses it.
 """
