@@ -232,6 +232,40 @@ def test_close_during_a_callback_still_lets_join_finish(cls):
 
 
 @pytest.mark.parametrize("cls", [Pool, P2PPool])
+def test_an_imap_input_ending_during_a_callback_after_close_still_lets_join_finish(cls):
+    """The same lost wake-up through the imap feeder: after close(), the input runs out
+    (no task more) while the manager runs a callback; the feed's end must still stop the
+    idle workers."""
+    pool = cls(2)
+    more = threading.Event()
+
+    def source():
+        yield 2
+        assert more.wait(WAIT)
+
+    try:
+        deadline = time.monotonic() + WAIT
+        while len(set(pool.map(targets.pid_of, range(8), chunksize=1))) < 2:  # both up, both said READY
+            assert time.monotonic() < deadline, "one worker never ran a task"
+        results = pool.imap(targets.square, source())
+        assert next(results) == 4  # (the feeder now waits inside the input)
+        in_callback, release = threading.Event(), threading.Event()
+        pool.apply_async(targets.square, (3,), callback=lambda _: (in_callback.set(), release.wait(WAIT)))
+        assert in_callback.wait(WAIT)
+        pool.close()
+        more.set()
+        assert list(results) == []
+        while pool._backend._flags.feeds_open:  # the feed's end is counted (the feeder thread)
+            assert time.monotonic() < deadline, "the imap feed never ended"
+            time.sleep(0.01)
+        release.set()
+        pool.join(30)
+    finally:
+        more.set()
+        pool.terminate()
+
+
+@pytest.mark.parametrize("cls", [Pool, P2PPool])
 def test_no_worker_idles_while_another_has_a_backlog(cls, tmp_path):
     """One long task and many short ones queued behind it: every short task must run on
     the other worker while the long one still runs (they are taken back from its
