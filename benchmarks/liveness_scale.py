@@ -111,11 +111,14 @@ class _Counts:
         self.lock = threading.Lock()
         self.requests = 0
         self.keys = 0
+        self.notes = 0  # of the requests, those on the notes of silence (m/hush/<name>)
 
-    def note(self, keys: int) -> None:
+    def note(self, keys: int, key: str = "") -> None:
         with self.lock:
             self.requests += 1
             self.keys += keys
+            if "m/hush/" in key:
+                self.notes += 1
 
 
 class CountingStore(dist.Store):
@@ -149,7 +152,7 @@ class CountingStore(dist.Store):
         self._inner.set_timeout(timeout)
 
     def set(self, key, value) -> None:
-        self._counts.note(1)
+        self._counts.note(1, key)
         self._inner.set(key, value)
 
     def get(self, key):
@@ -161,7 +164,7 @@ class CountingStore(dist.Store):
         return self._inner.add(key, value)
 
     def compare_set(self, key, expected, desired):
-        self._counts.note(1)
+        self._counts.note(1, key)
         return self._inner.compare_set(key, expected, desired)
 
     def append(self, key, value) -> None:
@@ -359,7 +362,7 @@ def _host(index: int, names: List[str], port: int, liveness: float, design: str,
             conn.send(dict(joined_at))
         elif cmd == "counts":
             with counts.lock:
-                conn.send((counts.requests, counts.keys, _cpu(os.getpid())))
+                conn.send((counts.requests, counts.keys, _cpu(os.getpid()), counts.notes))
         elif cmd == "kill":
             with lock:
                 m = members.pop(arg)
@@ -519,6 +522,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
         samples.append((time.monotonic() - t0, sum(r[2] for r in rows), _rss(server_pid), probe.num_keys(),
                         sum(r[4] for r in rows), sum(r[5] for r in rows)))
 
+    counted = [sum(col) for col in zip(*ask_all("counts"))]  # (requests, keys, CPU, notes) before
     start = time.monotonic()
     sample(start)
     every = max(1.0, seconds / 6)
@@ -547,6 +551,7 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
         _ask(owner[extras[i]], "add", extras[i])
         joining.append((time.monotonic() + 5.0, extras[i]))
     ran = time.monotonic() - start
+    during = [sum(col) - b for col, b in zip(zip(*ask_all("counts")), counted)]  # (the churn's own)
     while pending:
         time.sleep(max(0.0, pending[0][0] - time.monotonic()))
         settle_due(time.monotonic())
@@ -555,6 +560,8 @@ def _churn(conns: List[Any], owner: Dict[str, Any], pool: List[str], dead: List[
     return dict(churn_events=events, churn_rate=events / ran if ran > 0 else float("nan"), churn_s=ran,
                 churn_joined=sum(r[0][0] for r in rows), churn_join_failed=sum(r[0][1] for r in rows),
                 churn_owed=owed, churn_missed=missed, churn_unnamed=unnamed, churn_unnamed_names=unnamed_names,
+                churn_requests_per_s=during[0] / ran if ran > 0 else float("nan"),
+                churn_note_requests_per_s=during[3] / ran if ran > 0 else float("nan"),
                 churn_named_p50_s=_pct(delays, 0.5), churn_named_p99_s=_pct(delays, 0.99),
                 churn_named_max_s=max(delays) if delays else float("nan"),
                 churn_first_p50_s=_pct(firsts_named, 0.5), churn_first_p99_s=_pct(firsts_named, 0.99),
@@ -627,7 +634,7 @@ def run_one(n: int, design: str, liveness: float, window: float, hosts: int, kil
             req = keys = 0
             host_cpu = 0.0
             for c in conns:
-                r, k, cpu = _ask(c, "counts")
+                r, k, cpu, _ = _ask(c, "counts")
                 req, keys, host_cpu = req + r, keys + k, host_cpu + cpu
             rb, wb = _io(server.pid)
             return req, keys, host_cpu, _cpu(server.pid), rb, wb
@@ -800,7 +807,9 @@ def main() -> None:
                       f"{row['churn_unnamed']}{_first(row.get('churn_unnamed_names'))}, false losses "
                       f"{len(row['churn_false'])} (cut off {len(row['churn_cut_off'])}); hosts' RSS "
                       f"{first[1] / 2**20:.0f} -> {last[1] / 2**20:.0f} MB, store RSS {first[2] / 2**20:.0f} -> "
-                      f"{last[2] / 2**20:.0f} MB, store keys {first[3]} -> {last[3]}", flush=True)
+                      f"{last[2] / 2**20:.0f} MB, store keys {first[3]} -> {last[3]}; store requests "
+                      f"{row.get('churn_requests_per_s', float('nan')):.0f}/s, of which on notes of silence "
+                      f"{row.get('churn_note_requests_per_s', float('nan')):.1f}/s", flush=True)
                 print(f"        store records left of the churn's first {CENSUS} victims: {row['churn_census']}",
                       flush=True)
                 print("        churn samples (s, hosts' RSS MB, store RSS MB, store keys, hosts' threads, hosts' "

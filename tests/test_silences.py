@@ -88,3 +88,14 @@ def test_without_notes_nothing_is_read_or_written(world):
     assert watcher.look(DEAD, "41", 9.0, QUIET) == 9.0
     assert watcher.written == watcher.resumed == 0
     assert registry.get_or_empty(keys.silence("d")) == "3 41 5.000"
+
+
+def test_a_watcher_told_not_to_write_still_times_and_reads(world):
+    # (the monitor lets only the nearest watcher that is not silent itself write)
+    registry, keys = world
+    registry.set(keys.silence("d"), "3 41 1.000")
+    farther = Silences(registry, keys)
+    assert farther.look(DEAD, "41", 0.0, QUIET, write=False) == 1.0 and farther.resumed == 1
+    assert farther.look(DEAD, "41", 5.0, QUIET, write=False) == 6.0 and farther.written == 0
+    assert registry.get_or_empty(keys.silence("d")) == "3 41 1.000"
+    assert farther.look(DEAD, "41", 5.5, QUIET) == 6.5 and farther.written == 1  # its turn: step 3

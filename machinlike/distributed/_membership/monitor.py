@@ -316,6 +316,7 @@ class Monitor:
         quiet = max(bound / 4, 2 * self._tick())  # (silent: the ring watches past it)
         out = []
         silent = 0
+        writer = True  # (no member before it in this list is heard: this one writes its notes)
         for rec, count in zip(watched, counts):
             if self._roster.incarnation_of(rec.member) != rec.incarnation:
                 continue  # gone (or replaced) in the events this tick read
@@ -325,10 +326,13 @@ class Monitor:
                 continue
             if local or starved:
                 silences.restart(rec, count, now)
+                writer = False
                 continue
-            still = silences.look(rec, count, now, quiet)  # (goes on from another watcher's note)
+            still = silences.look(rec, count, now, quiet, writer)  # (goes on from another watcher's note)
             if still >= quiet:
                 silent += 1
+            else:
+                writer = False
             if still > bound:
                 again = self._registry.get_or_empty(self._keys.heartbeat(rec.member))
                 if again != count:

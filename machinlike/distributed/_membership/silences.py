@@ -10,7 +10,8 @@ it, and the notes in the store that let the next watcher go on from there.
       count moved, or this thread was starved: the
         timer starts again
       still for a whole quarter of the bound more   ──>   m/hush/<name>
-        ("quiet" step): write the silence so far
+        ("quiet" step): its nearest watcher that is
+        not silent itself writes the silence so far
       still for the whole bound: a suspect (the monitor declares it)
 
 Why: a dead member's watchers are the members before it in the ring (``watch``). Under
@@ -27,12 +28,15 @@ stood still for at least that long when it was written, and it has stood still s
 the note), so taking it as the silence so far never declares a member early. The writer
 measured it from its own looks, with the same starvation guard as every timer.
 
+Who writes: the watcher nearest before a member in the ring, or, while that one is
+silent too (dead, most likely), the next; the monitor says which (``write``). Every
+watcher writing the same note cost three times the requests.
+
 What it costs: one read when a member is first watched (three watchers change at each
-join and each death, and the ring looks past silent members: at 10 joins and 10 deaths
-a second, about 60 reads a second for the whole world, against 3 requests a second per
-member), and per silent member one write per quiet step per watcher (at most 3 before
-the bound). Nothing more while every member beats. Keys: one per member ever silent
-that long, deleted with its heartbeat (``Departures.reap``).
+join and each death, and the ring looks past silent members), and per silent member one
+write per quiet step (at most 3 before the bound). Nothing while every member beats.
+Keys: one per member ever silent that long, deleted with its heartbeat
+(``Departures.reap``).
 
 Not thread-safe: the liveness thread alone uses it.
 """
@@ -90,12 +94,12 @@ class Silences:
         """Its heartbeat moved (or the look cannot be trusted): time it from ``now``."""
         self._seen[(rec.member, rec.incarnation)] = _Seen(count, now)
 
-    def look(self, rec: MemberRecord, count: str, now: float, quiet: float) -> float:
+    def look(self, rec: MemberRecord, count: str, now: float, quiet: float, write: bool = True) -> float:
         """Seconds ``rec``'s heartbeat has stood still at ``count`` (0.0: it moved).
 
         At the first look, another watcher's note of a silence at the same count sets
-        where the timer starts; from ``quiet`` seconds on, the silence so far is written
-        at each whole ``quiet`` step.
+        where the timer starts; from ``quiet`` seconds on, when ``write``, the silence so
+        far is written at each whole ``quiet`` step.
 
         Raises:
             PeerLostError: the store is lost.
@@ -114,7 +118,7 @@ class Silences:
             self.restart(rec, count, now)
             return 0.0
         still = now - seen.since
-        if self._notes and still >= quiet and int(still // quiet) > seen.steps:
+        if write and self._notes and still >= quiet and int(still // quiet) > seen.steps:
             seen.steps = int(still // quiet)
             self._registry.set(self._keys.silence(rec.member), f"{rec.incarnation} {count} {still:.3f}")
             self.written += 1
