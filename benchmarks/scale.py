@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import queue
 import signal
@@ -100,7 +101,10 @@ def _member(address: str, name: str, names: List[str], liveness: float, out: Any
             cut = world.membership.roster.cut_off  # declared lost itself while it lived?
             if not all(v in lost for v in victims) and os.environ.get("SCALE_DEBUG_DIR"):
                 _dump(world, name, victims, os.environ["SCALE_DEBUG_DIR"])
-            out.put(("lost", name, dict(lost), str(cut) if cut is not None else ""))
+            # Through the store, not the queue: a victim SIGKILLed while its queue's feeder
+            # thread still held the queue's one writer lock (just after its "called") left
+            # every later put waiting for good, and the driver waited out its limit.
+            phases.set(f"x/lost/{name}", json.dumps([dict(lost), str(cut) if cut is not None else ""]))
         _phase(phases, "stop", left())
 
 
@@ -180,11 +184,18 @@ def run(members: int, kills: int, liveness: float, timeout: float, start: str = 
             time.sleep(min(left(), 1.5 * liveness))  # one death at a time (each is named within liveness)
         store.set("x/report", ",".join(victims))
         delays: List[float] = []
-        survivors = members - kills
         false_losses: set = set()
         cut_off: Dict[str, str] = {}
-        for _ in range(survivors):
-            _, name, lost, cut = out.get(timeout=left())
+        reports = [f"x/lost/{name}" for name in names if name not in victims]
+        try:
+            store.wait(reports, datetime.timedelta(seconds=left()))
+        except dist.DistStoreError:
+            silent = [k.rsplit("/", 1)[1] for k in reports if not store.check([k])]
+            result["error"] = f"over the {timeout:g} s limit: no report from {silent}"
+            return result
+        for key in reports:
+            name = key.rsplit("/", 1)[1]
+            lost, cut = json.loads(store.get(key).decode())
             delays += [lost[v] - killed[v] if v in lost else float("inf") for v in victims]
             false_losses |= set(lost) - set(victims)
             missed = [v for v in victims if v not in lost]

@@ -363,7 +363,7 @@ def test_a_death_whose_watchers_all_die_after_it_is_timed_on_from_their_note(wor
     note = w.members["m0000"].keys.silence(victim)
     killed = w.kill(victim)
     deadline = time.monotonic() + 6.0
-    while True:  # (the watchers write it at 1.5 s and 3 s of silence; they declare after 6 s)
+    while True:  # (its nearest watcher writes it at 1.5 s and 3 s of silence; they declare after 6 s)
         parts = registry.get_or_empty(note).split()
         if len(parts) == 3 and float(parts[2]) >= 3.0:
             break

@@ -29,8 +29,8 @@ the note), so taking it as the silence so far never declares a member early. The
 measured it from its own looks, with the same starvation guard as every timer.
 
 Who writes: the watcher nearest before a member in the ring, or, while that one is
-silent too (dead, most likely), the next; the monitor says which (``write``). Every
-watcher writing the same note cost three times the requests.
+silent too (dead, most likely), the next; the monitor says which (``write``). With every
+watcher writing the same note, a death cost three times the writes.
 
 What it costs: one read when a member is first watched (three watchers change at each
 join and each death, and the ring looks past silent members), and per silent member one
