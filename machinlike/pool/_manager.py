@@ -179,15 +179,13 @@ class Manager:
                 return  # terminate() fails and ends everything
             dispatch.pump()
             dispatch.steal()
-            dispatch.stop_when_done(flags)
+            dispatch.stop_when_done(flags)  # (before the callbacks below: workers end meanwhile)
             fatal = supervisor.error()
         for item in out:
             self._deliver(*item)
         if fatal is not None:
             self.break_pool(fatal)
-            return
-        if supervisor.pending():
-            self._spawn_queued()
+        # (queued replacements start in _loop, next, before it sleeps)
 
     # ------------------------------------------------------------------ frames and deaths (lock held)
 
