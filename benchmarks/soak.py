@@ -21,7 +21,7 @@ end). A dead actor there is no longer seen through ``/proc``: the learner declar
 lost once its heartbeat stops for ``--liveness`` seconds (default 2 here).
 
 ``--departures-kept N`` deletes a gone actor's store records N departures later instead of
-18,432 later (see machinlike/distributed/_departures.py), so that the key count can level
+18,432 later (see machinlike/distributed/_membership/departures.py), so that the key count can level
 off within a short run.
 
 The last line reads ``soak: N cycles, rss +X MB, fds +F, maps +M, shm +S MB, store keys

@@ -45,7 +45,7 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
-from . import _checks, _lifeline, _reductions, _warm
+from . import _checks, _lifeline, _mainguard, _reductions, _warm
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
@@ -241,6 +241,7 @@ class Process(BaseProcess):
             pickle.PicklingError, TypeError: the target, an argument or the cleaner
                 cannot be pickled (spawn-like contexts only).
         """
+        _mainguard.check(f"{type(self).__name__}.start()")
         self._report_reader, self._report_writer = connection.Pipe(duplex=False)
         try:
             super().start()
@@ -435,5 +436,5 @@ class Process(BaseProcess):
             error.__cause__ = RemoteTraceback(text)
             return error
         if exitcode:
-            return ProcessExitedError(self.name, self.pid, exitcode)
+            return ProcessExitedError(self.name, self.pid, exitcode, _mainguard.explain(exitcode))
         return None

@@ -6,7 +6,7 @@ descriptors per dead actor it called, so without recycling the learner dies with
 many open files" after about 30 deaths; ``benchmarks/soak.py`` is the long version.
 
 It keeps the store records of only the last 16 departures instead of 18,432 (see
-machinlike/distributed/_departures.py), so that the store's key count levels off within
+machinlike/distributed/_membership/departures.py), so that the store's key count levels off within
 the run: every actor joins under a new name, and each name left about 7 keys for good
 before.
 """

@@ -42,8 +42,9 @@ Process pools
   arguments or pickling its result) fails that task with the original exception and the
   worker's traceback as ``__cause__``. The pool is *broken* only when it cannot run
   anything: the initializer raised (pending and new tasks then fail with
-  :class:`BrokenPoolError`, caused by the initializer's exception), or a worker slot
-  died three times in a row while starting.
+  :class:`BrokenPoolError`, caused by the initializer's exception), a worker slot
+  died three times in a row while starting, or a worker was stopped because the script
+  makes pools or processes at import time (``machinlike._mainguard``: the error says so).
 * Shutdown: ``terminate()``, garbage collection of the pool and interpreter exit end the
   workers (SIGTERM, a 1 s grace period, SIGKILL); a worker also dies with its parent.
   Pools refuse to be pickled.
@@ -72,6 +73,7 @@ from __future__ import annotations
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
+from .. import _mainguard
 from .._warm import resolve_context
 from ..exception import WorkerLostError
 from ._api import PoolBase
@@ -179,6 +181,7 @@ class Pool(PoolBase):
         has_context: bool, is_recursive: Any, is_daemon: Any, is_copy_tensor: Any, share_method: Any, ctx: Any,
         required: bool = False,
     ) -> None:
+        _mainguard.check(f"{type(self).__name__}(...)")
         processes = check_processes(processes, required)
         check_callable(initializer, "initializer", optional=True)
         initargs = as_args(initargs, "initargs")
@@ -292,6 +295,7 @@ class ThreadPool(PoolBase):
         self, processes: Any, initializer: Any, initargs: Any, maxtasks: Any, worker_contexts: Any,
         has_context: bool, is_daemon: Any, required: bool = False,
     ) -> None:
+        _mainguard.check(f"{type(self).__name__}(...)")
         processes = check_processes(processes, required)
         check_callable(initializer, "initializer", optional=True)
         initargs = as_args(initargs, "initargs")

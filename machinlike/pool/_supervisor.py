@@ -22,7 +22,7 @@ from __future__ import annotations
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from .. import _reductions
+from .. import _mainguard, _reductions
 from ..exception import WorkerLostError
 from ..pickle import dumps as _plain_dumps
 from . import _worker
@@ -139,6 +139,9 @@ class Supervisor:
         if not w.started_up and life is not Life.EXITING:
             if self._init_failure is not None:
                 return  # the pool breaks, with the initializer's error
+            if exitcode == _mainguard.EXIT_CODE:  # (a replacement would do the same again)
+                self._fatal = WorkerLostError(w.name, w.pid, exitcode, _mainguard.EXPLANATION)
+                return
             self._strikes[w.slot] += 1
             if self._strikes[w.slot] >= STARTUP_RETRIES:
                 self._fatal = WorkerLostError(w.name, w.pid, exitcode, "while starting, for the third time in a row")

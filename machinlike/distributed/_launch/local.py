@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch.distributed as dist
 
-from ... import _checks
+from ... import _checks, _mainguard
 from ..._lifeline import watch_parent
 from ..._procs import end_processes
 from ..._warm import resolve_context
@@ -193,6 +193,7 @@ def launch(
         ProcessExitedError: such a rank died without reporting (names exit code / signal).
         TimeoutError: the run exceeded ``timeout`` (stacks of the ranks go to stderr).
     """
+    _mainguard.check("launch(...)")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     _checks.positive_int("world_size", world_size)
@@ -342,12 +343,14 @@ class _Job:
                     if report is None:
                         p = self.processes[rank]
                         p.join()
-                        report = (False, ProcessExitedError(p.name, p.pid, p.exitcode,
-                                                            "it ended without reporting a result"))
+                        detail = _mainguard.explain(p.exitcode) or "it ended without reporting a result"
+                        report = (False, ProcessExitedError(p.name, p.pid, p.exitcode, detail))
                 if report is None:
                     continue  # the pipe closed first; the exit sentinel decides
                 ok, value = report
-                if not ok and rank not in vital and used[rank] < max_restarts:
+                # (a rank stopped by the main-module guard would stop again when restarted)
+                stopped = isinstance(value, ProcessExitedError) and value.exitcode == _mainguard.EXIT_CODE
+                if not ok and rank not in vital and used[rank] < max_restarts and not stopped:
                     used[rank] += 1
                     cause = f"{type(value).__name__}: {value}"
                     log.warning("launch: restarting rank %d (%r), restart %d of %d, after %s", rank,

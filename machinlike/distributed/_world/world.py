@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from ... import _checks
+from ... import _checks, _mainguard
 from .._store import rendezvous as _rendezvous
 from .._groups import CollectiveGroup
 from .._membership import DEFAULT_LIVENESS
@@ -148,6 +148,7 @@ class World:
         cuda_ipc_cache_bytes: int = 4 << 30,
         same_host_lane: bool = True,
     ) -> None:
+        _mainguard.check("World(...)")
         self._settings: Settings = settings(
             name, rank, world_size, init_method=init_method, backend=backend, rpc_timeout=rpc_timeout,
             rpc_threads=rpc_threads, collective=collective, init_rpc=init_rpc, dist_timeout=dist_timeout,

@@ -1,0 +1,89 @@
+"""A script that starts processes at import time, without ``if __name__ == "__main__":``.
+
+Each new process of the spawn and forkserver start methods imports the script again; the
+child that reaches a Pool, a Process, ``launch`` or a World there is stopped with exit code
+``_mainguard.EXIT_CODE`` and a message naming the call, and the parent's error says the fix
+at once: a pool breaks at its first such worker (not after three), ``launch`` does not
+restart the rank. Real scripts, run as a user runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from machinlike import _mainguard
+from machinlike.exception import ProcessExitedError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPTS = {
+    "process": """
+from machinlike.process import Process
+p = Process(target=print, args=("the target ran",))
+p.start()
+p.join(60)
+p.watch()
+""",
+    "pool": """
+from machinlike.pool import Pool
+with Pool(2) as pool:
+    print(pool.map(abs, [-1, -2]))
+""",
+    "launch": """
+import logging
+logging.basicConfig(level=logging.WARNING)
+from machinlike import launch
+print(launch(lambda world: world.rank, 2, max_restarts=2, timeout=60))
+""",
+    "world_then_pool": """
+from machinlike import World
+from machinlike.pool import P2PPool
+world = World(name="learner", rank=0, world_size=1)
+try:
+    with P2PPool(1) as pool:
+        print(pool.map(abs, [-1]))
+finally:
+    world.stop()
+""",
+}
+
+CALL = {"process": "Process.start()", "pool": "Pool(...)", "launch": "launch(...)", "world_then_pool": "World(...)"}
+
+
+@pytest.mark.parametrize("kind", sorted(SCRIPTS))
+def test_an_unguarded_script_fails_at_once_saying_the_fix(tmp_path, kind):
+    script = tmp_path / f"unguarded_{kind}.py"
+    script.write_text(SCRIPTS[kind])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    took = time.monotonic() - started
+    assert done.returncode != 0, done.stdout
+    err = done.stderr
+    # The parent's error: the exit code, what happened, the fix.
+    assert f"exited with code {_mainguard.EXIT_CODE}: it stopped before it ran anything of yours" in err, err
+    assert 'under `if __name__ == "__main__":`' in err
+    # The child's own line names the call it reached; multiprocessing's RuntimeError is gone.
+    assert f"machinlike: {CALL[kind]} was called while this process" in err, err
+    assert "bootstrapping phase" not in err
+    assert "the target ran" not in done.stdout
+    if kind in ("pool", "world_then_pool"):
+        assert "third time" not in err  # broken at the first stopped worker
+    if kind == "launch":
+        assert "restarting rank" not in err  # a restart would only stop again
+    assert took < 60, f"{kind}: {took:.1f} s"
+
+
+def test_a_guarded_process_is_never_stopped_and_the_check_is_a_no_op_here():
+    assert not _mainguard.starting()
+    _mainguard.check("Pool(...)")  # returns: this process is not being started
+    assert _mainguard.explain(_mainguard.EXIT_CODE) == _mainguard.EXPLANATION
+    assert _mainguard.explain(1) == "" and _mainguard.explain(None) == ""
+    err = ProcessExitedError("rank 0", 123, _mainguard.EXIT_CODE, _mainguard.explain(_mainguard.EXIT_CODE))
+    assert str(err).startswith(f"rank 0 (pid 123) exited with code {_mainguard.EXIT_CODE}: it stopped before")
