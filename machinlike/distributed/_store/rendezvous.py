@@ -47,13 +47,26 @@ _SLURM_HINT = ("start every rank with srun (it sets SLURM_PROCID, SLURM_NTASKS, 
 
 @dataclass
 class StoreInfo:
-    """The store a world uses, and how to describe it in errors."""
+    """The store a world uses, and how to describe it in errors.
+
+    ``server``: where this process hosts the store, the hosting ``TCPStore``; its listener
+    lives exactly as long as this reference (``close_server``). Everything else, torch's
+    RPC included, talks to the store through ``store``, a client connection of its own:
+    torch's RPC agent keeps the store it was given for the rest of the process, so a
+    World that handed it the hosting store left the port bound after ``stop()``, and
+    the next World on that port failed with "Address already in use".
+    """
 
     store: dist.Store
     host: str
     port: int
     hosted_here: bool
     owner: str
+    server: Optional[dist.Store] = None
+
+    def close_server(self) -> None:
+        """Drop the hosting store: its listener closes now (clients' next requests fail)."""
+        self.server = None
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -325,9 +338,10 @@ def open_store(rank: int, world_size: Optional[int], init_method: Optional[str],
         sock = _listen(host, port)
         port = sock.getsockname()[1]
         # The store takes over the listening fd (and closes it when it goes).
-        store = dist.TCPStore(host, port, world_size, True, delta, wait_for_workers=False,
-                              master_listen_fd=sock.detach())
-        return StoreInfo(store, host, port, True, "rank 0")
+        server = dist.TCPStore(host, port, world_size, True, delta, wait_for_workers=False,
+                               master_listen_fd=sock.detach())
+        client = server.clone()  # type: ignore[attr-defined]  # (a new connection; absent from torch's stubs)
+        return StoreInfo(client, host, port, True, "rank 0", server)
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
                      "the torchrun agent" if all_clients else "rank 0")
 

@@ -148,6 +148,8 @@ def _open(session: Session) -> _rendezvous.StoreInfo:
                                      False, "the launcher")
     session.store = info
     session.store_address = f"tcp://{info.host}:{info.port}"
+    if info.server is not None:  # (the last undo step: the store's listener closes at the World's end)
+        session._undo.callback(info.close_server)
     # TensorPipe reads its interface from the environment when RPC starts, gloo each
     # time a group is created, so the setting stays for the World's life and the
     # previous values come back at teardown (the next World may have another master).

@@ -395,6 +395,9 @@ class World:
         leave, and RPC stops locally; the process hosting the store first waits (within
         ``timeout``) for the other members to leave, since they need the store.
 
+        The process hosting the store closes it last: once ``stop`` returns, its port is
+        free, and a new World of this process may use it.
+
         Calls this member still serves get what is left of ``timeout`` (at least 1 s) to
         finish; one that takes longer (a service that blocks) does not hold the stop: its
         caller gets an error and the RPC agent finishes shutting down in the background.
