@@ -37,9 +37,19 @@ _LOST_MARKERS = (
 )
 
 
+# The callee could not pickle its reply: the lane says so, torch's RPC in the C++ frame
+# that failed (its message carries a C++ stack, whose words must not read as a loss).
+_REPLY_UNPICKLABLE = ("the reply could not be pickled", "serializepyobject")
+
+
 def translate_error(err: BaseException, member: str, what: str, timeout: float) -> BaseException:
-    """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``."""
+    """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``
+    (a TypeError for a result the callee could not pickle)."""
     text = str(err).lower()
+    if isinstance(err, RuntimeError) and any(marker in text for marker in _REPLY_UNPICKLABLE):
+        cause = str(err).split("\n", 1)[0]
+        return TypeError(f"{what} on member {member!r}: its result cannot be pickled to be sent back "
+                         f"({cause}); return tensors, numbers, strings or containers of them")
     if "timeout" in text or "timed out" in text:
         context = _context.current()
         if context is not None and context.timed_out is not None:
