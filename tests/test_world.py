@@ -146,6 +146,39 @@ def test_a_world_frees_its_store_port_at_stop_and_after_a_failed_start():
                                                                                "built again"], done.stdout
 
 
+OWN_GROUP_SCRIPT = """
+import os, socket
+import torch, torch.distributed as dist
+from machinlike.distributed import World
+
+def url():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return f"tcp://127.0.0.1:{p}"
+
+dist.init_process_group("gloo", init_method=url(), rank=0, world_size=1)
+try:
+    World("solo", 0, 1, init_method=url())
+except RuntimeError as err:
+    print("refused:", err, flush=True)
+world = World("solo", 0, 1, init_method=url(), collective=False)  # keeps the user's group
+group = world.create_rpc_group("g", ["solo"])
+group.register("twice", lambda x: 2 * x)
+assert group.registered_sync("twice", (2,)) == 4
+world.stop()
+t = torch.ones(1)
+dist.all_reduce(t)
+print("the user's group still works:", dist.is_initialized() and t.item() == 1.0, flush=True)
+"""
+
+
+def test_a_process_with_its_own_default_process_group_is_told_how_to_keep_it():
+    done = subprocess.run([sys.executable, "-c", OWN_GROUP_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refused, works = done.stdout.strip().splitlines()
+    assert refused.startswith("refused: this process already has torch's default process group"), refused
+    assert "pass collective=False to keep yours" in refused and "destroy_process_group()" in refused
+    assert works == "the user's group still works: True"
+
+
 def test_startup_names_the_missing_rank():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"World start-up: ranks: '1' did not arrive within"):

@@ -115,7 +115,8 @@ class World:
     Raises:
         ValueError, TypeError: invalid arguments (the message names the parameter), or
             (elastic) a live member already has ``name``.
-        RuntimeError: this process already has a World.
+        RuntimeError: this process already has a World, or (``collective=True``) torch's
+            default process group.
         OSError: rank 0 cannot listen on the master address and port (both named).
         TimeoutError: the master (address and port named) cannot be reached, or some rank
             did not arrive, within ``dist_timeout``.
@@ -162,6 +163,12 @@ class World:
         self._stop_lock = threading.Lock()
         _claim_current(self)
         try:
+            if self._settings.collective and dist.is_initialized():  # (before anything is opened or sent)
+                raise RuntimeError(
+                    "this process already has torch's default process group (torch.distributed."
+                    "init_process_group was called before): World(collective=True) starts its own; pass "
+                    "collective=False to keep yours (RpcGroups and the servers need no process group), or call "
+                    "torch.distributed.destroy_process_group() first")
             (start_elastic if self._settings.elastic else start_static)(self._session)
         except BaseException:
             self._teardown()
