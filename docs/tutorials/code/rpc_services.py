@@ -61,6 +61,47 @@ class Batcher:
 # [/batcher]
 
 
+# [relay]
+def relayed(world: machinlike.World) -> list:
+    """Calls in a cycle: member 0's "hop" calls member 1's, which calls member 0's, ...
+
+    A plain service holds one of its owner's RPC threads while it waits for the next hop:
+    with more such calls at once than ``rpc_threads`` (16), every thread of both members
+    waits for a thread that never frees, and the calls end at their timeout. This one
+    returns a future at once and completes it when the next hop answers: it holds none.
+    """
+    group = world.create_rpc_group("relay", ["0", "1"])
+    other = "1" if world.name == "0" else "0"
+
+    @rpc.functions.async_execution
+    def hop(depth: int) -> torch.futures.Future:
+        answer: torch.futures.Future = torch.futures.Future()
+        if depth == 0:
+            answer.set_result(world.name)
+            return answer
+        nested = group.registered_async(f"hop{other}", args=(depth - 1,))
+
+        def finish() -> None:  # runs once the next hop answered: wait() returns at once
+            try:
+                answer.set_result(world.name + nested.wait())
+            except Exception as err:  # its error, with its type, for this hop's caller
+                answer.set_exception(err)
+
+        nested.add_done_callback(finish)
+        return answer
+
+    group.register(f"hop{world.name}", hop)
+    group.barrier()
+    paths = []
+    if world.name == "0":  # 64 cycles at once: four times the threads either member has
+        calls = [group.registered_async("hop1", args=(4,), timeout=20) for _ in range(64)]
+        paths = [call.wait() for call in calls]
+    group.barrier()
+    group.destroy()
+    return paths
+# [/relay]
+
+
 def check_positive(x: float) -> float:
     if x <= 0:
         raise ValueError(f"x must be positive, got {x}")
@@ -198,6 +239,8 @@ def main() -> None:
     assert all(o["total"] == 0.0 + 1.0 + 2.0 for o in outcomes)
     assert all(o["count"] == 1 + 2 + 3 for o in outcomes)
     assert "did not answer within 0.5 s" in outcomes[0]["timeout"]
+    paths = machinlike.launch(relayed, 2, timeout=60)[0]
+    assert paths == ["10101"] * 64  # member 1, 0, 1, 0, 1: every hop answered
 
     # A member that dies: calls to it fail fast with PeerLostError naming it, and the
     # launcher reports how its process ended. stop_timeout bounds how long the
