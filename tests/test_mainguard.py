@@ -80,6 +80,25 @@ def test_an_unguarded_script_fails_at_once_saying_the_fix(tmp_path, kind):
     assert took < 60, f"{kind}: {took:.1f} s"
 
 
+THREADS_AT_IMPORT = """
+from machinlike.pool import Pool, ThreadPool
+helpers = ThreadPool(1)  # at import time, in every child too: harmless (no process starts)
+if __name__ == "__main__":
+    with Pool(2) as pool:
+        print(pool.map(abs, [-1, -2]))
+    helpers.close()
+"""
+
+
+def test_a_thread_pool_made_at_import_time_does_not_stop_the_children(tmp_path):
+    script = tmp_path / "threads_at_import.py"
+    script.write_text(THREADS_AT_IMPORT)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0 and done.stdout.strip() == "[1, 2]", done.stderr[-3000:]
+
+
 def test_a_guarded_process_is_never_stopped_and_the_check_is_a_no_op_here():
     assert not _mainguard.starting()
     _mainguard.check("Pool(...)")  # returns: this process is not being started

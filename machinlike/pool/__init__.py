@@ -295,7 +295,6 @@ class ThreadPool(PoolBase):
         self, processes: Any, initializer: Any, initargs: Any, maxtasks: Any, worker_contexts: Any,
         has_context: bool, is_daemon: Any, required: bool = False,
     ) -> None:
-        _mainguard.check(f"{type(self).__name__}(...)")
         processes = check_processes(processes, required)
         check_callable(initializer, "initializer", optional=True)
         initargs = as_args(initargs, "initargs")
