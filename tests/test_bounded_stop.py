@@ -74,6 +74,57 @@ def test_a_static_stop_is_bounded_while_a_service_blocks(world):
     assert elapsed < 2 + 1 + 1.5, elapsed
 
 
+def _slow() -> int:
+    time.sleep(20)
+    return 1
+
+
+def _stop_while_calling(world):
+    """Member 0 stops (timeout=3) while a call of its to member 1's slow service is pending;
+    member 1 stops half a second later. Returns member 0's stop time."""
+    group = world.create_rpc_group("g", ["0", "1"])
+    if world.rank == 1:
+        group.register("slow", _slow)
+    group.barrier(timeout=30)
+    if world.rank == 1:
+        time.sleep(1.5)
+        return None
+    # The mechanism, checked directly: the RPC agent has a store connection of its own.
+    session = world._session
+    assert session.rpc_store is not None and session.rpc_store is not session.store.store
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(_pending_call(group)))
+    caller.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    world.stop(timeout=3)
+    elapsed = time.monotonic() - start
+    caller.join(30)
+    return elapsed, outcome
+
+
+def _pending_call(group) -> str:
+    try:
+        group.registered_sync("slow", timeout=30)
+        return "returned"
+    except Exception as err:  # the callee's World stopped under it
+        return type(err).__name__
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "agent"])
+def test_a_static_stop_with_its_own_call_pending_ends_by_its_deadline(lane):
+    # torch's graceful shutdown waits in the store for the other rank's calls to end, and
+    # goes on in the background once the stop's time is out; it shared the world's store
+    # connection, so the stop's last store write waited behind it for the store's timeout:
+    # stop(timeout=3) took 5.5 s in about a third of standalone runs (rarely under pytest,
+    # for reasons of timing not looked into): three runs each, and the mechanism checked.
+    for _ in range(3):
+        first = launch(_stop_while_calling, 2, timeout=90, same_host_lane=lane, return_exceptions=True)[0]
+        elapsed, outcome = first
+        assert elapsed < 3 + 1.0, first
+        assert outcome and outcome[0] != "returned", first
+
+
 def _elastic_body(world):
     group = world.create_rpc_group("g", ["busy", "caller"])
     if world.name == "busy":

@@ -167,6 +167,7 @@ world.stop()
 t = torch.ones(1)
 dist.all_reduce(t)
 print("the user's group still works:", dist.is_initialized() and t.item() == 1.0, flush=True)
+dist.destroy_process_group()  # (torch may abort at exit with a gloo group still alive)
 """
 
 

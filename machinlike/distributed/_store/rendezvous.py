@@ -26,10 +26,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple, cast
+from typing import Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
 import torch.distributed as dist
+
+from .client import own_client
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
            "parse_nodelist", "slurm_master_port", "external_launcher", "host_store"]
@@ -340,8 +342,7 @@ def open_store(rank: int, world_size: Optional[int], init_method: Optional[str],
         # The store takes over the listening fd (and closes it when it goes).
         server = dist.TCPStore(host, port, world_size, True, delta, wait_for_workers=False,
                                master_listen_fd=sock.detach())
-        client = cast(Any, server).clone()  # (a new connection; absent from torch 2.13's stubs, in 2.14's)
-        return StoreInfo(client, host, port, True, "rank 0", server)
+        return StoreInfo(own_client(server, delta) or server, host, port, True, "rank 0", server)
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
                      "the torchrun agent" if all_clients else "rank 0")
 

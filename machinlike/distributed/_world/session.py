@@ -55,7 +55,7 @@ from .. import _transport
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._groups import RetiredGroups
-from .._store import Keys, Registry, ServiceOwner
+from .._store import Keys, Registry, ServiceOwner, own_client
 from .._membership import process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
@@ -97,6 +97,12 @@ class Session:
         membership: The world's members and tables (None until the store is open).
         groups: This process's RpcGroups and what they use of the world (with ``membership``).
         rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
+        rpc_store: A static World's RPC agent's own store connection (None: RPC shares
+            ``store``'s). Why its own: torch's graceful shutdown waits in the store for
+            the other ranks (a client serves one request at a time), and once it outlives
+            the stop's time it goes on in the background; on the world's connection it held
+            the stop's last store writes up to the store's timeout (2.5 s past the
+            deadline, seen in ``stop(timeout=3)`` while a call was pending).
         process_group: The process group's destruction step, None when it did not start.
         retired_groups: Collective groups destroyed while the World runs, dropped at its
             stop, after the process group (see ``RetiredGroups``).
@@ -114,6 +120,7 @@ class Session:
         #: What this member serves to incoming calls (served once the member entered).
         self.tables = _serve.LocalTables(settings.name)
         self.rpc: Optional[Once] = None
+        self.rpc_store: Optional[dist.Store] = None
         self.lane: Optional[_transport.lane.Lane] = None  # this process's (shared by its Worlds)
         self.process_group: Optional[Once] = None
         self.retired_groups = RetiredGroups()
@@ -291,7 +298,9 @@ def start_static(session: Session) -> None:
         session.process_group = Once(dist.destroy_process_group)
         session._undo.callback(session.process_group)
     if s.rpc:
-        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), info.store), s.rank, s.size)
+        session.rpc_store = own_client(info.store, datetime.timedelta(seconds=s.dist_timeout))
+        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), session.rpc_store or info.store),
+                                          s.rank, s.size)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
         with session.network_hint():
             _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports)

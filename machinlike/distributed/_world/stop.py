@@ -50,8 +50,8 @@ def leave_static(session: Session, deadline: float, wait: float) -> None:
         log.warning("World %r stops without its peers: %s", s.name, err)
     members.close()
     if session.rpc is not None:
-        if everyone:
-            info.store.set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
+        if everyone:  # (bounds the graceful shutdown's waits in the store)
+            (session.rpc_store or info.store).set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
         session.rpc(everyone, max(deadline_left(deadline), 0.5))
     if session.process_group is not None:
         session.process_group()
