@@ -298,7 +298,8 @@ def start_static(session: Session) -> None:
         session.process_group = Once(dist.destroy_process_group)
         session._undo.callback(session.process_group)
     if s.rpc:
-        session.rpc_store = own_client(info.store, datetime.timedelta(seconds=s.dist_timeout))
+        # (what is left of the start's time: its connect, then torch's rendezvous in it)
+        session.rpc_store = own_client(info.store, datetime.timedelta(seconds=max(deadline_left(deadline), 1.0)))
         url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), session.rpc_store or info.store),
                                           s.rank, s.size)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
