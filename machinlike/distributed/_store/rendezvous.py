@@ -52,11 +52,12 @@ class StoreInfo:
     """The store a world uses, and how to describe it in errors.
 
     ``server``: where this process hosts the store, the hosting ``TCPStore``; its listener
-    lives exactly as long as this reference (``close_server``). Everything else, torch's
-    RPC included, talks to the store through ``store``, a client connection of its own:
-    torch's RPC agent keeps the store it was given for the rest of the process, so a
-    World that handed it the hosting store left the port bound after ``stop()``, and
-    the next World on that port failed with "Address already in use".
+    lives exactly as long as this reference (``close_server``). Everything else talks to
+    the store through ``store``, a client connection: torch's RPC agent keeps the store
+    it was given for the rest of the process, and the World's own objects form reference
+    cycles freed only at a gc pass, so either holding the hosting store left the port
+    bound after ``stop()``, and the next World on that port failed with "Address already
+    in use".
     """
 
     store: dist.Store

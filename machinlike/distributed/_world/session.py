@@ -97,8 +97,8 @@ class Session:
         membership: The world's members and tables (None until the store is open).
         groups: This process's RpcGroups and what they use of the world (with ``membership``).
         rpc: The RPC shutdown step, None when RPC did not start: ``rpc(graceful, timeout)``.
-        rpc_store: A static World's RPC agent's own store connection (None: RPC shares
-            ``store``'s). Why its own: torch's graceful shutdown waits in the store for
+        rpc_store: A static World's RPC agent's store: a connection of its own where one
+            can be made, else ``store``'s (None until RPC starts). Why its own: torch's graceful shutdown waits in the store for
             the other ranks (a client serves one request at a time), and once it outlives
             the stop's time it goes on in the background; on the world's connection it held
             the stop's last store writes up to the store's timeout (2.5 s past the
@@ -299,9 +299,9 @@ def start_static(session: Session) -> None:
         session._undo.callback(session.process_group)
     if s.rpc:
         # (what is left of the start's time: its connect, then torch's rendezvous in it)
-        session.rpc_store = own_client(info.store, datetime.timedelta(seconds=max(deadline_left(deadline), 1.0)))
-        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), session.rpc_store or info.store),
-                                          s.rank, s.size)
+        session.rpc_store = own_client(info.store, datetime.timedelta(seconds=max(deadline_left(deadline), 1.0))) \
+            or info.store
+        url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), session.rpc_store), s.rank, s.size)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
         with session.network_hint():
             _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports)
