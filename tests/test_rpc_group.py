@@ -104,19 +104,36 @@ def _unpicklable_results(world):
             g.registered_async("lock").wait()
         with pytest.raises(TypeError, match=r"paired value 'lock' on member '0': its result cannot be pickled"):
             g.get_paired("lock").to_here()
+        # An argument this process cannot pickle: the caller's own pickler refuses it,
+        # before anything is sent (it used to be the pickler's bare error, no call named).
+        sent = r"on member '0' was not sent: an argument \(or the function\) cannot be pickled " \
+               r"\((TypeError|AttributeError|PicklingError): .*\); send tensors"
+        lock = threading.Lock()
+        with pytest.raises(TypeError, match=r"service 'lock' of group 'unpicklable' " + sent):
+            g.registered_sync("lock", args=(lock,))
+        with pytest.raises(TypeError, match=r"service 'lock' of group 'unpicklable' " + sent):
+            g.registered_async("lock", args=(lambda: 1,))
+        with pytest.raises(TypeError, match=r"registered_remote of service 'lock' .*" + sent):
+            g.registered_remote("lock", kwargs={"x": lock})
+        with pytest.raises(TypeError, match=r"rpc_sync of .*_whoami.* " + sent):
+            g.rpc_sync("0", _whoami, args=(lock,))
+        with pytest.raises(TypeError, match=r"rpc_async of .*_whoami.* " + sent):
+            g.rpc_async("0", _whoami, args=(lock,))
+        with pytest.raises(TypeError, match=r"remote of .*_whoami.* " + sent):
+            g.remote("0", _whoami, args=(lock,))
         assert g.rpc_sync("0", _whoami) == "0"  # the group still serves
     g.barrier()
 
 
 @world_test(2, timeout=60)
-def test_a_result_that_cannot_be_pickled_is_a_type_error_naming_the_call(world):
+def test_a_result_or_argument_that_cannot_be_pickled_is_a_type_error_naming_the_call(world):
     # Through the same-host lane, and below through torch RPC: both used to say only
     # "RuntimeError: process N failed the call" or torch's bare text with a C++ stack.
     _unpicklable_results(world)
 
 
 @world_test(2, timeout=60, same_host_lane=False)
-def test_a_result_that_cannot_be_pickled_through_torch_rpc_is_named_alike(world):
+def test_a_result_or_argument_that_cannot_be_pickled_through_torch_rpc_is_named_alike(world):
     _unpicklable_results(world)
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any, Callable, Optional, Tuple, TypeVar, Union
 
@@ -42,10 +43,21 @@ _LOST_MARKERS = (
 _REPLY_UNPICKLABLE = ("the reply could not be pickled", "serializepyobject")
 
 
+# What a pickler raises for an object it cannot pickle (a lock, a socket, a local function):
+# TypeError ("cannot pickle"), AttributeError ("Can't pickle local object", Python <= 3.13)
+# or PicklingError.
+_PICKLING_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
+
+
 def translate_error(err: BaseException, member: str, what: str, timeout: float) -> BaseException:
     """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``
-    (a TypeError for a result the callee could not pickle)."""
+    (a TypeError for a call this process could not pickle, or a result the callee could not)."""
     text = str(err).lower()
+    if isinstance(err, _PICKLING_ERRORS):  # raised here, while pickling the call (_until_sent)
+        return TypeError(f"{what} on member {member!r} was not sent: an argument (or the function) "
+                         f"cannot be pickled ({type(err).__name__}: {err}); send tensors, numbers, strings, containers "
+                         f"of them and module-level functions and classes, and make anything else "
+                         f"on the member (a service it registers, or a function it runs)")
     if isinstance(err, RuntimeError) and any(marker in text for marker in _REPLY_UNPICKLABLE):
         cause = str(err).split("\n", 1)[0]
         return TypeError(f"{what} on member {member!r}: its result cannot be pickled to be sent back "
@@ -165,6 +177,11 @@ def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[s
         roster.pipes.called(to)
         try:
             return to, send(to, max(0.001, deadline - time.monotonic()))
+        except _PICKLING_ERRORS as err:
+            if "pickl" not in str(err).lower():
+                raise
+            # The caller's own pickler refused the call: nothing was sent, nothing to retry.
+            raise fail(err, to) from err
         except (RuntimeError, ValueError) as err:
             attempt = attempt or _Attempts(to)
             if not attempt.again(roster, err, deadline):
