@@ -1,6 +1,7 @@
 """The documentation: the Sphinx site builds with warnings as errors (once, in a
 module fixture), the API reference covers every public name and lists every top-level
-re-export, the Examples page lists every example program, and every tutorial program runs.
+re-export, the Examples page lists every example program, the troubleshooting page quotes
+only messages the code still says, and every tutorial program runs.
 
 How the tutorials stay true: every Python code block of ``docs/tutorials`` is a
 ``literalinclude`` of part of a complete program in ``docs/tutorials/code/`` (checked
@@ -123,6 +124,37 @@ def test_examples_page_lists_every_example():
     programs = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
     unlisted = [name for name in programs if f"``examples/{name}``" not in page]
     assert not unlisted, f"examples missing from docs/examples.rst: {unlisted}"
+
+
+def _package_text() -> str:
+    """Every source file of the package, its string literals that Python joins
+    (``"a " f"b"`` across lines) joined here too, so a message reads as it is raised."""
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "machinlike").rglob("*.py")))
+    return re.sub(r"\"\s*\n\s*[frbFRB]*\"", "", text).replace('\\"', '"')
+
+
+def test_troubleshooting_quotes_what_the_code_says():
+    # Each line of the page's message blocks is "Type: message", "..." standing for the
+    # parts made at run time: every literal piece must still be in the package's source
+    # and the type must exist, so that the page cannot drift from the errors it explains.
+    import builtins
+
+    import machinlike.exception
+
+    page = (DOCS / "tutorials" / "troubleshooting.rst").read_text()
+    blocks = re.findall(r"\.\. code-block:: text\n\n((?:   .*\n)+)", page)
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    assert len(lines) >= 10, "the page's message blocks were not found"
+    source = _package_text()
+    missing = []
+    for line in lines:
+        typed = re.match(r"(\w+): (?:\[Errno \d+\] )?(.*)", line)
+        if typed and typed.group(1).endswith("Error"):
+            assert hasattr(builtins, typed.group(1)) or hasattr(machinlike.exception, typed.group(1)), line
+            line = typed.group(2)
+        pieces = [piece.strip(" :;,.()") for piece in line.split("...")]
+        missing += [f"{piece!r} (of {line!r})" for piece in pieces if piece and piece not in source]
+    assert not missing, "quoted in troubleshooting.rst but not said by the code: " + "; ".join(missing)
 
 
 def test_tutorial_python_comes_from_executed_programs():
