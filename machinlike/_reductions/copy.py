@@ -34,7 +34,9 @@ def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
         # A one-element or expanded tensor can count as contiguous with another stride,
         # and a byte view needs stride 1.
         flat = flat.clone(memory_format=torch.contiguous_format)
-    return pickle.PickleBuffer(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs: ndarray is a buffer
+    # (Any: numpy's stubs make an ndarray a buffer on Python 3.12 and later only.)
+    array: Any = flat.view(torch.uint8).numpy()
+    return pickle.PickleBuffer(array)
 
 
 def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
