@@ -135,7 +135,8 @@ def _package_text() -> str:
 
 def test_troubleshooting_quotes_what_the_code_says():
     # Each line of the page's message blocks is "Type: message", "..." standing for the
-    # parts made at run time: every literal piece must still be in the package's source
+    # parts made at run time: every literal piece between them (and between the ": " that
+    # join a message's parts) must still be in the package's source
     # and the type must exist, so that the page cannot drift from the errors it explains.
     import builtins
 
@@ -152,7 +153,8 @@ def test_troubleshooting_quotes_what_the_code_says():
         if typed and typed.group(1).endswith("Error"):
             assert hasattr(builtins, typed.group(1)) or hasattr(machinlike.exception, typed.group(1)), line
             line = typed.group(2)
-        pieces = [piece.strip(" :;,.()") for piece in line.split("...")]
+        # (": " too: a message is often a caller's prefix and a detail made elsewhere)
+        pieces = [piece.strip(" :;,.()") for piece in re.split(r"\.\.\.|: ", line)]
         missing += [f"{piece!r} (of {line!r})" for piece in pieces if piece and piece not in source]
     assert not missing, "quoted in troubleshooting.rst but not said by the code: " + "; ".join(missing)
 

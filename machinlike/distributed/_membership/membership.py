@@ -16,6 +16,8 @@ reaches the subscribers.
                 │  │            process (shared, per log)                      (_membership.log_cache)
                 │  └─ Bell    rung on a departure, carrying it; its thread
                 │             delivers it at once                              (_membership.bell)
+                ├─ (StoreWatch: one per store in the process) a store that
+                │             stops answering is lost like a dead one          (_membership.store_watch)
                 └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
                    └─ PidWatch  its sleep, cut short by a watched process's
                                 exit on this host                              (_membership.pidwatch)
@@ -60,6 +62,7 @@ from .._transport import PipeLedger, recycle_after
 from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
+from .store_watch import watch_store
 from .waits import Waits
 from .watch import watch_from_env
 from .pidwatch import PidWatch, WakingEvent
@@ -116,6 +119,9 @@ class Membership:
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                self.departures, liveness, elastic, self._closing, watch, pids)
+        self._store = store
+        # Leaves this process's watch of the store (see start_liveness).
+        self._unwatch_store: Callable[[], None] = lambda: None
 
     def _deliver(self, run: Sequence[Numbered]) -> None:
         """Apply a run of the log's entries (position, entry), in order, and publish them.
@@ -222,6 +228,11 @@ class Membership:
         liveness)."""
         self.monitor.start()
         if self.liveness is not None:
+            # A store that stops answering is lost like one that died (torch's client
+            # would wait for it for good): see store_watch.
+            monitor = self.monitor
+            self._unwatch_store = watch_store(self._store, self.registry, self.liveness,
+                                              lambda: monitor.store_answered, self._closing)
             events = self.events
             self.bell.listen(events.catch_up, lambda: events.position, self._stopped, tick_of(self.liveness))
 
@@ -233,6 +244,7 @@ class Membership:
         """Leave the world on purpose: free this member's keys, tell the others."""
         self._closing.set()
         self.monitor.join(max(0.0, min(deadline_left(deadline), 5.0)))
+        self._unwatch_store()
         if self.roster.cut_off is not None:
             return
         try:
@@ -247,6 +259,7 @@ class Membership:
         member of this process to leave the bell rings it once, so that its thread ends)."""
         self._closing.set()
         self.monitor.join(5.0)
+        self._unwatch_store()
         self.bell.stop(2.0)
         self.registry.close()
 

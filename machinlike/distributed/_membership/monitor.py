@@ -126,6 +126,9 @@ class Monitor:
         # Members a call of this process timed out on, to ask for a probe (see call_timed_out).
         self._timed_out: Deque[str] = collections.deque(maxlen=64)
         self._probe_requests: Optional[str] = None  # m/probe/<me> as last read (None: not yet)
+        #: When this thread last had an answer from the store (monotonic): while it is
+        #: recent, the StoreWatch need not ask the store itself.
+        self.store_answered = time.monotonic()
 
     @property
     def pid_wakes(self) -> int:
@@ -236,11 +239,12 @@ class Monitor:
                 now = time.monotonic()
                 if every == 1 or now - beaten >= 1.5 * tick:
                     self._registry.add(beat_key, 1)
-                    beaten = now
+                    beaten = self.store_answered = now
                 if not self._caught_up.is_set():
                     continue  # (the joining thread reads the log so far: beat only, until it is done)
                 # (catches up with the log too; the ring looks past the silent ones)
                 watched, counts = self.watch.tick(self._endpoint.name, self._silent)
+                self.store_answered = time.monotonic()
                 if self._pids is not None and watched is not pid_watched:
                     # (the watch hands back the same list until the roster changes)
                     self._pids.watch(watched)

@@ -2,8 +2,9 @@
 
 Owns opening or reaching the store (rendezvous: explicit addresses, torchrun and SLURM
 environments), the spelling of every key and its typed value (keys), one-round-trip tables
-over the store (registry), a connection of a thread's own (client) and look-ups bounded
-by a deadline on their own thread (lookups). It imports no other layer.
+over the store (registry), a connection of a thread's own (client), this process's
+connections to it, to cut when it falls silent (connections), and look-ups bounded by a
+deadline on their own thread (lookups). It imports no other layer.
 
 This face names what the floors above may use. They reach one of its modules by name only
 where the module itself is the seam: callee entry points sent by reference, a process slot
@@ -17,9 +18,10 @@ from .keys import (
 )
 from .registry import Registry
 from .client import own_client, server_of
+from .connections import IP, connections_to, shut_down, store_address
 
 __all__ = [
-    "connect_store", "external_launcher", "GroupRecord", "host_store", "Keys",
+    "connect_store", "connections_to", "external_launcher", "GroupRecord", "host_store", "IP", "Keys",
     "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "own_client", "OwnedKey", "rebind_holder", "Registry",
-    "resolve_rank_and_size", "server_of", "ServiceOwner", "WOKEN_MARK",
+    "resolve_rank_and_size", "server_of", "ServiceOwner", "shut_down", "store_address", "WOKEN_MARK",
 ]

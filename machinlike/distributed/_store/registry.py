@@ -45,6 +45,7 @@ class Registry:
         self._store_owner = store_owner
         self._local = threading.local()
         self._lookups = BoundedLookups(store, store_owner)
+        self._silent: Optional[str] = None  # why the store was declared silent (mark_silent)
 
     # ------------------------------------------------------------------ connections
     def _waiter(self) -> dist.Store:
@@ -64,7 +65,14 @@ class Registry:
         """End this process's look-up thread (see ``_store.lookups``); the store stays open."""
         self._lookups.close()
 
+    def mark_silent(self, why: str) -> None:
+        """Say ``why`` in every error from now on: the store did not answer, and this
+        process is about to cut its connections to it (``_membership.store_watch``)."""
+        self._silent = why
+
     def _lost(self, err: BaseException) -> PeerLostError:
+        if self._silent is not None:
+            return PeerLostError(self._store_owner, self._silent)
         return PeerLostError(self._store_owner, f"the world's store is unreachable ({err})")
 
     # ------------------------------------------------------------------------ owners
