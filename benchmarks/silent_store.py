@@ -42,15 +42,9 @@ def _stopped_host() -> Tuple[subprocess.Popen, int]:
 
 def _stop(host: subprocess.Popen) -> None:
     host.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # (every thread stopped: SIGSTOP is only queued)
-        states = []
-        for tid in os.listdir(f"/proc/{host.pid}/task"):
-            with open(f"/proc/{host.pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        if all(state in "Tt" for state in states):
-            return
-        time.sleep(0.005)
+    # Reported once every thread of the child has stopped (SIGSTOP itself is only queued);
+    # WNOWAIT leaves the report for Popen.
+    os.waitid(os.P_PID, host.pid, os.WSTOPPED | os.WNOWAIT)
 
 
 def _end(host: subprocess.Popen) -> None:
