@@ -46,6 +46,10 @@ class Registry:
         self._local = threading.local()
         self._lookups = BoundedLookups(store, store_owner)
         self._silent: Optional[str] = None  # why the store was declared silent (mark_silent)
+        # The error that broke the main connection: torch's client never reconnects (a new
+        # server on the same port included), so later requests on it fail here, at once and
+        # without torch's C++ warning and stack for each.
+        self._broken: Optional[BaseException] = None
 
     # ------------------------------------------------------------------ connections
     def _waiter(self) -> dist.Store:
@@ -67,8 +71,22 @@ class Registry:
 
     def mark_silent(self, why: str) -> None:
         """Say ``why`` in every error from now on: the store did not answer, and this
-        process is about to cut its connections to it (``_membership.store_watch``)."""
+        process is about to cut its connections to it (``_membership.store_watch``); the
+        main connection's requests fail at once from now on."""
         self._silent = why
+        if self._broken is None:
+            self._broken = ConnectionError(why)
+
+    def _main(self) -> dist.Store:
+        """The main connection; PeerLostError once a request on it failed for the network."""
+        if self._broken is not None:
+            raise self._lost(self._broken)
+        return self._store
+
+    def _lost_main(self, err: BaseException) -> PeerLostError:
+        if self._broken is None:
+            self._broken = err
+        return self._lost(err)
 
     def _lost(self, err: BaseException) -> PeerLostError:
         if self._silent is not None:
@@ -78,18 +96,20 @@ class Registry:
     # ------------------------------------------------------------------------ owners
     def claim(self, key: str, owner: str) -> Optional[str]:
         """Take ``key`` for ``owner``; return the current holder if someone else has it."""
+        store = self._main()
         try:
-            held = self._store.compare_set(key, "", owner).decode()
+            held = store.compare_set(key, "", owner).decode()
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
         return None if held == owner else held
 
     def release(self, key: str, owner: str) -> bool:
         """Free ``key`` if ``owner`` holds it; False when it does not."""
+        store = self._main()
         try:
-            return self._store.compare_set(key, owner, "") == b""
+            return store.compare_set(key, owner, "") == b""
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
         """Who holds ``key`` right now, None if nobody.
@@ -101,51 +121,60 @@ class Registry:
             TimeoutError: the store did not answer within ``timeout``.
             PeerLostError: the store is gone.
         """
-        try:
-            if timeout is None:
-                held = self._store.compare_set(key, _PROBE, _PROBE).decode()
-            else:
-                held = self._lookups.run(lambda store: store.compare_set(key, _PROBE, _PROBE).decode(), timeout,
+        if timeout is None:
+            store = self._main()
+            try:
+                held = store.compare_set(key, _PROBE, _PROBE).decode()
+            except (dist.DistNetworkError, ConnectionError) as err:
+                raise self._lost_main(err) from err
+        else:
+            try:  # (on the look-up thread's connection, not the main one)
+                held = self._lookups.run(lambda own: own.compare_set(key, _PROBE, _PROBE).decode(), timeout,
                                          "the owner look-up")
-        except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            except (dist.DistNetworkError, ConnectionError) as err:
+                raise self._lost(err) from err
         return None if held in ("", _PROBE) else held
 
     def set(self, key: str, value: str) -> None:
+        store = self._main()
         try:
-            self._store.set(key, value)
+            store.set(key, value)
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to counter ``key`` (0 when absent); the new value."""
+        store = self._main()
         try:
-            return int(self._store.add(key, amount))
+            return int(store.add(key, amount))
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def append(self, key: str, text: str) -> None:
+        store = self._main()
         try:
-            self._store.append(key, text)  # type: ignore[attr-defined]  # in torch, not in its stubs
+            store.append(key, text)  # type: ignore[attr-defined]  # in torch, not in its stubs
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def compare_set(self, key: str, expected: str, desired: str) -> str:
         """Set ``key`` to ``desired`` if it holds ``expected`` ("" also matches absent); the value after."""
+        store = self._main()
         try:
-            return self._store.compare_set(key, expected, desired).decode()
+            return store.compare_set(key, expected, desired).decode()
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def get_or_empty(self, key: str) -> str:
         """The value of ``key``, "" when absent (never waits)."""
+        store = self._main()
         try:
             # One compare-and-set that sets nothing: a check then a get waited the store's
             # whole timeout for a key deleted between the two (a retired worker's entry).
-            held = self._store.compare_set(key, _PROBE, _PROBE).decode()
+            held = store.compare_set(key, _PROBE, _PROBE).decode()
             return "" if held == _PROBE else held
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def values_or_empty(self, prefix: str, names: Sequence[str]) -> List[str]:
         """Values of ``prefix + name`` for each name, "" for absent ones, in one round trip."""
@@ -195,10 +224,11 @@ class Registry:
     def present(self, keys: Sequence[str]) -> bool:
         """Whether every key exists: one request, on the main connection (a per-thread
         clone costs 250 ms of GIL in torch, too much for one look)."""
+        store = self._main()
         try:
-            return bool(self._store.check(list(keys)))
+            return bool(store.check(list(keys)))
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def read(self, keys: Sequence[str]) -> List[str]:
         """Values of ``keys``, which exist (see :meth:`present`), in one request.
@@ -206,10 +236,11 @@ class Registry:
         Raises:
             torch.distributed.DistStoreError: a key was absent for the store's timeout.
         """
+        store = self._main()
         try:
-            return [v.decode() for v in self._store.multi_get(list(keys))]
+            return [v.decode() for v in store.multi_get(list(keys))]
         except (dist.DistNetworkError, ConnectionError) as err:
-            raise self._lost(err) from err
+            raise self._lost_main(err) from err
 
     def values(self, prefix: str, names: Sequence[str]) -> List[str]:
         try:
