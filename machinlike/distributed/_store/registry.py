@@ -11,7 +11,7 @@ Ownership uses the store's atomic compare-and-set; a released key keeps an empty
     release  compare_set(k, me, "")   held by me -> "" ; otherwise -> not ours
     look up  compare_set(k, P, P)     P is a probe no owner can be: absent -> P
 
-Blocking waits (barriers, group joins) use a per-thread clone of the store connection,
+Blocking waits (barriers, group joins) use a per-thread connection of their own,
 because a store client serialises its operations and one thread's wait would otherwise
 stall every other thread of the process.
 """
@@ -25,6 +25,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch.distributed as dist
 
 from ...exception import PeerLostError
+from .client import own_client
 from .lookups import BoundedLookups
 
 __all__ = ["Registry"]
@@ -55,8 +56,11 @@ class Registry:
     def _waiter(self) -> dist.Store:
         store = getattr(self._local, "store", None)
         if store is None:
-            clone = getattr(self._store, "clone", None)
-            store = clone() if clone is not None else self._store
+            # A new connection with the main one's timeout (own_client: TCPStore.clone held
+            # the GIL for 250 ms under load); the main one where the store cannot make one.
+            timeout = getattr(self._store, "timeout", None)  # (in torch, not in its stubs)
+            own = own_client(self._store, timeout) if isinstance(timeout, datetime.timedelta) else None
+            store = own or self._store
             self._local.store = store
         return store
 
