@@ -17,8 +17,8 @@ from .keys import (
     ServiceOwner, WOKEN_MARK,
 )
 from .registry import Registry
-from .client import own_client, server_of
-from .connections import IP, connections_to, shut_down, store_address
+from .client import own_client, server_of, store_address
+from .connections import IP, connections_to, shut_down
 
 __all__ = [
     "connect_store", "connections_to", "external_launcher", "GroupRecord", "host_store", "IP", "Keys",

@@ -1,5 +1,5 @@
-"""own_client: a store connection of a thread's own, with its own timeout; server_of:
-which store server a client talks to.
+"""own_client: a store connection of a thread's own, with its own timeout; server_of and
+store_address: which store server a client talks to.
 
 Why: a store client serialises its requests, so a thread that blocks in the store (a
 ``wait``) or needs a short timeout (the liveness watch's ``multi_get``) must not share
@@ -9,11 +9,11 @@ the world's connection with the others.
 from __future__ import annotations
 
 import datetime
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["own_client", "server_of"]
+__all__ = ["own_client", "server_of", "store_address"]
 
 
 def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -38,8 +38,14 @@ def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.
     return own
 
 
-def server_of(store: dist.Store) -> Hashable:
-    """The store server a client talks to: ``(host, port)`` where it says (a TCPStore, or a
-    wrapper that forwards them), else the client object's id (a store in this process)."""
+def store_address(store: dist.Store) -> Optional[Tuple[str, int]]:
+    """``(host, port)`` of the server a client talks to, where it says (a TCPStore, or a
+    wrapper that forwards them); None for a store with no address (a HashStore)."""
     host, port = getattr(store, "host", None), getattr(store, "port", None)
-    return (host, port) if isinstance(host, str) and isinstance(port, int) else id(store)
+    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
+
+
+def server_of(store: dist.Store) -> Hashable:
+    """The store server a client talks to: its ``store_address``, else the client object's
+    id (a store in this process)."""
+    return store_address(store) or id(store)

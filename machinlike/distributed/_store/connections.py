@@ -13,18 +13,9 @@ import os
 import socket
 from typing import List, Optional, Set, Tuple, Union
 
-import torch.distributed as dist
-
-__all__ = ["IP", "store_address", "connections_to", "shut_down"]
+__all__ = ["IP", "connections_to", "shut_down"]
 
 IP = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
-
-
-def store_address(store: dist.Store) -> Optional[Tuple[str, int]]:
-    """``(host, port)`` of a TCP store (or a wrapper that names them); None for a store in
-    this process (a test's HashStore)."""
-    host, port = getattr(store, "host", None), getattr(store, "port", None)
-    return (host, port) if isinstance(host, str) and isinstance(port, int) else None
 
 
 def _parse(hex_address: str) -> Tuple[IP, int]:
