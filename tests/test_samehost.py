@@ -160,12 +160,15 @@ def _paths_checks(g):
         got = g.registered_sync("echo", (state,))
         assert type(got) is type(state) and got._metadata == state._metadata
         assert all(torch.equal(got[k], state[k]) for k in state)
-        # one tensor sent many times: segments are recycled, not made anew
+        # one tensor sent many times: segments are recycled, not made anew. (A few, not
+        # one: the callee frees our argument's segment when its RPC thread drops the
+        # argument, which under load can come after its reply reached us and we sent the
+        # next call; that call then needs a second segment, rarely a third.)
         created = _shm.cache().stats["created"]
         for i in range(100):
             t.fill_(i)
             assert float(g.registered_sync("echo", (t,))[-1]) == i
-        assert _shm.cache().stats["created"] - created <= 1
+        assert _shm.cache().stats["created"] - created <= 3
         # explicit sharing: the same memory, edits seen by both sides, no copy
         shared = share(torch.zeros(4 * MB))
         before = both()

@@ -81,6 +81,16 @@ def test_default_push_pulls_clears_and_waits_for_room(world):
         impl.manage_model(managed, GatedSGD(managed.parameters(), gate))
         impl.start()
         group.register("open_gate", gate.set)
+
+        def jammed():
+            # Full for good: the primary is in its gated step with a push queued behind
+            # it and a forward parked (so the secondary's thread waits on that forward),
+            # and the secondary's own queue is full. Nothing moves until the gate opens.
+            stats = impl.stats()
+            primary, secondary = stats["primary"], stats["secondary"]
+            return primary["queued"] == 1 and primary["parked"] >= 1 and secondary["queued"] == 1
+
+        group.register("jammed", jammed)
     group.barrier()
     if world.name == "1":
         server = group.get_paired("server").to_here()
@@ -92,9 +102,15 @@ def test_default_push_pulls_clears_and_waits_for_room(world):
         assert model.pp_version == 0 and model.lin.weight.abs().sum().item() == 0.0
         assert all(p.grad is None for p in model.parameters())
         # Jam it: the primary waits in its first step, so the fast path is soon refused...
+        # (pushed until every stage is full, not a fixed count: under load a stage may
+        # move an item between two pushes, and then the next push is accepted)
         _set_grads(model, 1)
-        outcomes = [server.push(model, pull=False) for _ in range(20)]
-        assert outcomes[-1] is False
+        outcomes = []
+        deadline = time.monotonic() + 30
+        while not group.registered_sync("jammed"):
+            assert time.monotonic() < deadline, f"never jammed: {outcomes}"
+            outcomes.append(server.push(model, pull=False))
+        assert server.push(model, pull=False) is False
         accepted = 1 + outcomes.count(True)
         # ...while the default push waits for room instead of dropping the gradients.
         result = []
