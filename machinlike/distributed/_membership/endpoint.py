@@ -179,6 +179,12 @@ class Endpoint:
                 self._agent_store = dist.PrefixStore(self._keys.rpc_prefix(), self._agent_client)
             return self._agent_store
 
+    def let_go(self) -> None:
+        """Drop the agent group's connection (after the agent's shutdown): it closes now,
+        not when a cycle holding this endpoint is collected."""
+        with self._agent_store_lock:
+            self._agent_store = self._agent_client = None
+
     def note_seq(self, seq: int) -> None:
         """A worker of the world got sequence number ``seq`` (this view saw it join or move)."""
         if seq > self._latest_seq:

@@ -211,6 +211,7 @@ class Monitor:
         try:
             self._loop()
         finally:
+            self.watch.disconnect()
             exits.stopped(self)
             if self._pids is not None:
                 self._pids.close()

@@ -65,7 +65,7 @@ class StoreWatch:
     """
 
     def __init__(self, client: dist.Store, address: Tuple[str, int], bound: float) -> None:
-        self._client = client
+        self._client: Optional[dist.Store] = client  # None once the probe thread ended
         self._address = address
         self._bound = bound
         self._closing = threading.Event()
@@ -134,7 +134,10 @@ class StoreWatch:
         return max((answered() for _, answered, _ in members), default=float("-inf"))
 
     def _probe(self) -> None:
+        client = self._client
         try:
+            if client is None:
+                return
             period = self._bound / 4
             while not self._closing.wait(period):
                 last = self._last_answer()
@@ -145,12 +148,14 @@ class StoreWatch:
                 self.probes += 1
                 self._began = time.monotonic()
                 try:
-                    self._client.check([_PROBE_KEY])
+                    client.check([_PROBE_KEY])
                 except Exception:  # (the store died or was shut down: the monitors say so)
                     self._closing.set()  # (nothing left to watch: the watch thread ends too)
                     return
                 self._began = None
         finally:
+            # Its connection closes now, not when a cycle holding the watch is collected.
+            self._client = None
             exits.stopped(self)
 
     def _watch(self) -> None:
@@ -227,7 +232,13 @@ def watch_store(store: dist.Store, registry: Registry, liveness: float,
 
     def leave() -> None:
         with _watches_lock:
-            if watch.remove(token) and _watches.get(address) is watch:
+            last = watch.remove(token)
+            if last and _watches.get(address) is watch:
                 del _watches[address]
+        if last:
+            # Its threads end at once (the closing event wakes them) and the probe's
+            # connection with them: a stopped World leaves no connection of the watch's
+            # open. (A probe stuck on a silent store is left behind after 1 s.)
+            watch.join(1.0)
 
     return leave

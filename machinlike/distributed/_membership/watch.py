@@ -92,6 +92,9 @@ class Watch:
     def connect(self) -> None:
         """Open what the ticks need (the liveness thread calls it first; never raises)."""
 
+    def disconnect(self) -> None:
+        """Close what :meth:`connect` opened (the liveness thread calls it last)."""
+
     @property
     def connected(self) -> bool:
         """Whether what :meth:`connect` opens is open."""
@@ -191,6 +194,10 @@ class RingWatch(Watch):
                 self._fast = own_client(self._store, self._timeout)
             except (dist.DistError, RuntimeError, OSError):
                 pass  # (the store is going: the ticks' probes say so)
+
+    def disconnect(self) -> None:
+        # (dropping the client closes its socket: torch's TCPStore has no close)
+        self._fast = None
 
     @property
     def connected(self) -> bool:

@@ -92,9 +92,11 @@ class BoundedLookups:
 
     def close(self, timeout: float = 1.0) -> None:
         """End the lookup thread once the look-ups before this are done (at most ``timeout``
-        seconds: one stuck on a silent store is left behind, a daemon)."""
+        seconds: one stuck on a silent store is left behind, a daemon). Its connection
+        closes with it (one opened by ``warm`` and never used, at once)."""
         with self._lock:
             thread, self._thread = self._thread, None
+            self._ready = None
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout)

@@ -70,8 +70,13 @@ class Registry:
         self._lookups.warm()
 
     def close(self) -> None:
-        """End this process's look-up thread (see ``_store.lookups``); the store stays open."""
+        """End this process's look-up thread (see ``_store.lookups``) and let go of the
+        threads' waiter connections (a later wait opens a new one); the main connection
+        stays open."""
         self._lookups.close()
+        # (a fresh local drops every thread's waiter now, not when the World's reference
+        # cycles are collected)
+        self._local = threading.local()
 
     def mark_silent(self, why: str) -> None:
         """Say ``why`` in every error from now on: the store did not answer, and this

@@ -410,13 +410,19 @@ _rpc_registered = False
 _tokens = itertools.count()
 
 
-def _rendezvous_handler(url: str, **kwargs: object) -> Iterator[Tuple[dist.Store, int, int]]:
-    token = urlparse(url).netloc
+def _registered(url: str) -> Tuple[dist.Store, int, int]:
     with _rpc_lock:
-        entry = _rpc_stores.get(token)
+        entry = _rpc_stores.get(urlparse(url).netloc)
     if entry is None:
         raise RuntimeError(f"no machinlike store registered for rendezvous {url!r}")
-    yield entry
+    return entry
+
+
+def _rendezvous_handler(url: str, **kwargs: object) -> Iterator[Tuple[dist.Store, int, int]]:
+    # (no local of this frame holds the store: torch keeps the generator in a global of
+    # torch.distributed.rpc for the rest of the process, and the store's connection would
+    # stay open with it after the World stopped)
+    yield _registered(url)
     raise RuntimeError("machinlike rendezvous does not support re-rendezvous")
 
 

@@ -302,6 +302,9 @@ def start_static(session: Session) -> None:
         session.rpc_store = own_client(info.store, datetime.timedelta(seconds=max(deadline_left(deadline), 1.0))) \
             or info.store
         url = _rendezvous.rpc_init_method(dist.PrefixStore(keys.rpc_prefix(), session.rpc_store), s.rank, s.size)
+        # (after the agent's shutdown: its connection closes at stop, not when a cycle
+        # holding the session is collected)
+        session._undo.callback(setattr, session, "rpc_store", None)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
         with session.network_hint():
             _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports)
@@ -378,6 +381,7 @@ def start_elastic(session: Session) -> None:
     _bind(session, members)
     with session.network_hint():
         members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout, s.rpc_transports)
+    session._undo.callback(members.endpoint.let_go)  # (after the agent's shutdown, below)
     session.rpc = Once(functools.partial(_shutdown_rpc, session))
     session._undo.callback(session.rpc, False, 1.0)
     members.announce()
