@@ -22,6 +22,7 @@ from torch.distributed import rpc
 
 from ...exception import PeerLostError
 from .. import _transport
+from .._store import forked as _forked
 from .._membership import Roster, Waits
 from . import context as _context
 
@@ -120,6 +121,7 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
 def send_async(roster: "Roster", to: str, entry: Any, args: Tuple, timeout: float) -> torch.futures.Future:
     """``rpc.rpc_async(to, entry, args, timeout)``, through the lane when ``to`` runs on this
     host and the lane takes the call (see ``sync_call``); for ``send_call``'s closures."""
+    _forked.check("an RPC call")
     carried = _by_lane(roster, to, lambda lane, pid: lane.call_async(pid, entry, args, timeout))
     if carried is not _NOT_CARRIED:
         return carried
@@ -166,6 +168,7 @@ def _until_sent(roster: "Roster", worker: str, timeout: float, send: Callable[[s
                 fail: Callable[[BaseException, str], BaseException]) -> Tuple[str, _Sent]:
     """``send(worker, seconds left)``, again as ``_Attempts`` says, within ``timeout``
     seconds; ``fail(err, worker)`` is what to raise when an error stands."""
+    _forked.check("an RPC call")
     deadline = time.monotonic() + timeout
     _transport.wait_steady(timeout)  # (an agent swap under way: see _transport._swap)
     attempt: Optional[_Attempts] = None  # made on the first error only (the hot path has none)

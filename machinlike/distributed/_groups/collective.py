@@ -16,6 +16,8 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .._store import forked as _forked
+
 __all__ = ["CollectiveGroup", "RetiredGroups"]
 
 ReduceOp = dist.ReduceOp
@@ -205,6 +207,7 @@ class CollectiveGroup:
         return f"<CollectiveGroup ranks={self.ranks}>"
 
     def _g(self) -> Any:
+        _forked.check("a collective")  # (gloo's threads did not cross the fork: it would wait for good)
         if self._destroyed:
             raise RuntimeError(f"CollectiveGroup {self.ranks} has been destroyed")
         if self.group is None:

@@ -84,6 +84,7 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
     from .._world import World
 
     world = None
+    me = os.getpid()
     try:
         fn, args, kwargs = loads(payload)
         store = connect_store("127.0.0.1", port, world_kwargs.get("dist_timeout", 60.0))
@@ -93,7 +94,11 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
             world = World(name, rank, world_size, store=store, **world_kwargs)
         message = (True, fn(world, *args, **kwargs))
     except BaseException as exc:  # reported to the parent, which decides what to raise
+        if os.getpid() != me:
+            raise  # (a child fn forked, ending: the report and the World are its parent's)
         message = (False, ExceptionWithTraceback(exc, where=f"rank {rank} ({name!r})"))
+    if os.getpid() != me:
+        return  # (a child fn forked returned: the same)
     try:
         data = dumps(message)
     except Exception as exc:

@@ -4,7 +4,8 @@ Owns opening or reaching the store (rendezvous: explicit addresses, torchrun and
 environments), the spelling of every key and its typed value (keys), one-round-trip tables
 over the store (registry), a connection of a thread's own (client), this process's
 connections to it, to cut when it falls silent (connections), and look-ups bounded by a
-deadline on their own thread (lookups). It imports no other layer.
+deadline on their own thread (lookups), and whether this process is a child forked from
+a World's (forked). It imports no other layer.
 
 This face names what the floors above may use. They reach one of its modules by name only
 where the module itself is the seam: callee entry points sent by reference, a process slot
@@ -19,9 +20,10 @@ from .keys import (
 from .registry import Registry
 from .client import own_client, server_of, store_address
 from .connections import IP, connections_to, shut_down
+from . import forked
 
 __all__ = [
-    "connect_store", "connections_to", "external_launcher", "GroupRecord", "host_store", "IP", "Keys",
+    "connect_store", "connections_to", "external_launcher", "forked", "GroupRecord", "host_store", "IP", "Keys",
     "LogEntry", "LOST_MARK", "MemberRecord", "OPEN_EPOCH", "own_client", "OwnedKey", "rebind_holder", "Registry",
     "resolve_rank_and_size", "server_of", "ServiceOwner", "shut_down", "store_address", "WOKEN_MARK",
 ]

@@ -24,6 +24,8 @@ from typing import Callable, Generic, List, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
 
+from . import forked
+
 __all__ = ["BoundedLookups"]
 
 T = TypeVar("T")
@@ -61,6 +63,7 @@ class BoundedLookups:
             TimeoutError: the store did not answer within ``timeout`` (names its host).
             Exception: what ``op`` raised.
         """
+        forked.check("a store look-up")
         pending: _Pending[T] = _Pending(op)
         self._start()
         self._queue.put(pending)  # type: ignore[arg-type]

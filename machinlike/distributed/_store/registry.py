@@ -25,6 +25,7 @@ from typing import Iterable, List, Optional, Sequence
 import torch.distributed as dist
 
 from ...exception import PeerLostError
+from . import forked
 from .client import own_client
 from .lookups import BoundedLookups
 
@@ -54,6 +55,7 @@ class Registry:
 
     # ------------------------------------------------------------------ connections
     def _waiter(self) -> dist.Store:
+        forked.check("a store request")
         store = getattr(self._local, "store", None)
         if store is None:
             # A new connection with the main one's timeout (own_client: TCPStore.clone held
@@ -88,6 +90,7 @@ class Registry:
 
     def _main(self) -> dist.Store:
         """The main connection; PeerLostError once a request on it failed for the network."""
+        forked.check("a store request")
         if self._broken is not None:
             raise self._lost(self._broken)
         return self._store

@@ -63,6 +63,11 @@ class AgentStop:
             self._agent = None
             self._finished.set()
 
+    @property
+    def agent(self) -> Optional[object]:
+        """The agent, until its shutdown returned (then None)."""
+        return self._agent
+
     def done(self) -> bool:
         """Whether the shutdown returned."""
         return self._finished.is_set()

@@ -11,7 +11,9 @@ Owns three lists, touched only through the functions here::
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
 import threading
 import time
 from typing import List, Optional, Tuple
@@ -126,6 +128,23 @@ def pool_threads() -> Tuple[int, int]:
 def _first_agent() -> Optional[object]:
     """The agent torch's RRef context is bound to (the process's first), if it is retired."""
     return _first[0] if _first else None
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (os.fork) inherits this process's agents as husks: their threads did
+    # not cross the fork, and an agent's destructor joins them. Run by exit()'s static
+    # destructors (the current agent) or by the interpreter's teardown (the lists here),
+    # that join crashed the child (SIGSEGV) in place of the exit status it asked for. The
+    # child keeps them for good instead: it has nothing of its own to free in them.
+    agents = [agent for agent, _ in _retired] + list(_first)
+    agents += [stop.agent for stop in _reaping if stop.agent is not None]
+    if rpc.is_available() and rpc.api._is_current_rpc_agent_set():
+        agents.append(rpc.api._get_current_rpc_agent())
+    for agent in agents:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def shutdown(graceful: bool, timeout: float) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Union
@@ -28,7 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch.distributed as dist
 
 from ... import _checks, _mainguard
-from .._store import rendezvous as _rendezvous
+from .._store import forked as _forked, rendezvous as _rendezvous
 from .._groups import CollectiveGroup
 from .._membership import DEFAULT_LIVENESS
 from .._membership import MemberEvent, Membership
@@ -161,6 +162,7 @@ class World:
         self._session = Session(self._settings)
         self._stopped = False
         self._stop_lock = threading.Lock()
+        self._pid = os.getpid()  # (a child forked from this process must not stop it: see stop)
         _claim_current(self)
         try:
             if self._settings.collective and dist.is_initialized():  # (before anything is opened or sent)
@@ -409,7 +411,8 @@ class World:
         finish; one that takes longer (a service that blocks) does not hold the stop: its
         caller gets an error and the RPC agent finishes shutting down in the background.
 
-        Safe to call twice; called on leaving a ``with World(...)`` block.
+        Safe to call twice; called on leaving a ``with World(...)`` block. Does nothing
+        (a warning) in a child forked from the World's process: the World is its parent's.
 
         Args:
             timeout: Seconds to wait for the peers. None: ``dist_timeout``.
@@ -418,6 +421,14 @@ class World:
             ValueError: ``timeout`` is not a positive number.
         """
         wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
+        if os.getpid() != self._pid:
+            # A child forked from the World's process (os.fork) that unwinds through a
+            # ``with World`` block or launch's body: its store connections and pipes are
+            # its parent's, and a stop from here would talk over them (and break them).
+            log.warning("World %r belongs to process %d; stop() in process %d, forked from it, does nothing "
+                        "(end a forked child with os._exit, or start it with the 'spawn' method)",
+                        self.name, self._pid, os.getpid())
+            return
         with self._stop_lock:
             if self._stopped:
                 return
@@ -465,10 +476,12 @@ def _claim_current(world: World) -> None:
         RuntimeError: this process has one already.
     """
     global _current
+    _forked.check("a new World")  # (its parent's World is _current here: not this child's to stop)
     with _lock:
         if _current is not None:
             raise RuntimeError(f"this process already has a World ({_current.name!r}); stop() it before creating another")
         _current = world
+        _forked.running(True)
 
 
 def _release_current(world: World) -> None:
@@ -477,6 +490,7 @@ def _release_current(world: World) -> None:
     with _lock:
         if _current is world:
             _current = None
+            _forked.running(False)
 
 
 def require_world() -> World:
