@@ -94,3 +94,39 @@ def test_stop_in_a_forked_child_does_nothing_and_says_so():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines() == ["child status 768", "after the child [0, 2, 4]", "stopped"], done.stdout
     assert "stop() in process" in done.stderr and "does nothing" in done.stderr, done.stderr[-3000:]
+
+
+WITH_POOL = textwrap.dedent("""
+    import os, sys
+    from machinlike.pool import Pool
+
+    def square(x):
+        return x * x
+
+    if __name__ == "__main__":
+        with Pool(1) as pool:
+            assert pool.map(square, range(3)) == [0, 1, 4]
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    pool.map(square, range(3))
+                    os._exit(10)
+                except RuntimeError as err:
+                    if "forked (os.fork) from it, cannot submit" not in str(err):
+                        os._exit(11)
+                sys.exit(3)  # leaves the with block: terminate() in the child
+            print("child status", os.waitpid(pid, 0)[1], flush=True)
+            print("after the child", pool.map(square, range(3)), flush=True)
+        print("terminated", flush=True)
+""")
+
+
+def test_a_forked_child_neither_submits_to_nor_ends_its_parents_pool(tmp_path):
+    # Before: the child's submission went over the workers' pipes it shares with its
+    # parent, and leaving the with block SIGTERMed the parent's workers.
+    script = tmp_path / "pool_fork.py"
+    script.write_text(WITH_POOL)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["child status 768", "after the child [0, 1, 4]", "terminated"], done.stdout
+    assert "terminate() in process" in done.stderr and "does nothing" in done.stderr, done.stderr[-3000:]

@@ -9,6 +9,8 @@ exit). The five public pools are configurations of it (see ``machinlike.pool``).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -22,6 +24,8 @@ from ._result import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
 from ._state import PoolState
 
 __all__ = ["PoolBase"]
+
+log = logging.getLogger(__name__)
 
 # Before multiprocessing's own exit work (which joins non-daemon children, and would
 # wait forever for the workers of a pool nobody closed).
@@ -58,6 +62,9 @@ class PoolBase:
     _feeder: Feeder
 
     def _setup(self, backend: Engine) -> None:
+        # A child forked (os.fork) from this process shares the workers' pipes and lacks
+        # the pool's threads: it may neither submit nor end the pool (see _forked).
+        self._pid = os.getpid()
         self._backend = backend
         self._feeder = Feeder(backend, backend.name)
         # Garbage collection of the pool, or interpreter exit, terminates it. The
@@ -121,6 +128,7 @@ class PoolBase:
         kwds = _as_kwds(kwds)
         check_callable(callback, "callback", optional=True)
         check_callable(error_callback, "error_callback", optional=True)
+        self._refuse_if_forked()
         backend = self._backend
         backend.check_running()
         result = AsyncResult(self, callback, error_callback)
@@ -269,6 +277,7 @@ class PoolBase:
         chunksize = _check_chunksize(chunksize, optional=True)
         check_callable(callback, "callback", optional=True)
         check_callable(error_callback, "error_callback", optional=True)
+        self._refuse_if_forked()
         backend = self._backend
         backend.check_running()
         try:
@@ -294,6 +303,7 @@ class PoolBase:
     def _imap(self, cls: type, func: Any, iterable: Any, chunksize: Any) -> IMapIterator:
         check_callable(func, "func")
         chunksize = _check_chunksize(chunksize, optional=False)
+        self._refuse_if_forked()
         self._backend.check_running()
         try:
             source = iter(iterable)
@@ -314,6 +324,8 @@ class PoolBase:
 
         Submitting afterwards raises ``ValueError``. Follow with :meth:`join` to wait.
         """
+        if self._forked("close"):
+            return
         self._backend.close()
         self._feeder.unbound()
 
@@ -324,6 +336,8 @@ class PoolBase:
         (1 s). Threads cannot be killed: a thread pool's running task finishes in the
         background and its result is dropped. Leaving a ``with`` block calls this.
         """
+        if self._forked("terminate"):
+            return
         self._feeder.stop()
         self._backend.terminate()
 
@@ -338,11 +352,29 @@ class PoolBase:
             TimeoutError: work or workers remain after ``timeout`` seconds.
         """
         timeout = check_timeout(timeout)
+        if self._forked("join"):
+            return
         deadline = None if timeout is None else time.monotonic() + timeout
         self._backend.join(timeout)
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not self._feeder.join(remaining):
             raise TimeoutError(f"the pool's input feeder is still reading an imap input after {timeout:g} s")
+
+    def _forked(self, what: str) -> bool:
+        """Whether this is a child forked from the pool's process (then ``what`` does
+        nothing, and says so: ending the pool from here would end its creator's workers)."""
+        if os.getpid() == self._pid:
+            return False
+        log.warning("%r belongs to process %d; %s() in process %d, forked from it, does nothing (end a forked "
+                    "child with os._exit, or start it with the 'spawn' method)", self, self._pid, what, os.getpid())
+        return True
+
+    def _refuse_if_forked(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"{self!r} belongs to process {self._pid}: process {os.getpid()}, forked (os.fork) from it, cannot "
+                f"submit to it (its workers' pipes are the parent's, and its threads did not cross the fork); "
+                f"create a pool in the child, or start the child with 'spawn'")
 
     def __enter__(self) -> "PoolBase":
         return self
