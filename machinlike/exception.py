@@ -20,7 +20,7 @@ import os
 import pickle
 import signal
 import traceback
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Type, Union
 
 __all__ = [
     "RemoteTraceback",
@@ -99,26 +99,87 @@ class ExceptionWithTraceback:
             text = f"Traceback (most recent call last) on {where}, pid {os.getpid()}:\n{body}"
         else:  # an exception that was never raised has no stack: say where anyway
             text = f"Exception on {where}, pid {os.getpid()}:\n{text}"
-        self.exc = _picklable_or_stand_in(exc)
+        shipped = _shippable(exc)
+        #: What ``unwrap`` returns: ``exc``, or a RemoteError standing in for it.
+        self.exc: BaseException = exc if isinstance(shipped, _ByState) else shipped
+        self._shipped = shipped
         self.tb_text = text
 
     def __reduce__(self) -> Any:
-        return _rebuild_exception, (self.exc, self.tb_text)
+        return _rebuild_exception, (self._shipped, self.tb_text)
 
     def unwrap(self) -> BaseException:
         """Return the carried exception with the traceback chained (no pickling needed)."""
         return _rebuild_exception(self.exc, self.tb_text)
 
 
-def _picklable_or_stand_in(exc: BaseException) -> BaseException:
-    # Probe with a round trip now: an exception whose __init__ rejects its own args
-    # pickles fine but explodes while *unpickling* on the other side, where the error
-    # would be about the transport instead of the user's exception.
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return RemoteError(_qualified_name(type(exc)), str(exc))
+class _ByState:
+    """Ships an exception by its class, ``args`` and attributes; unpickled, it is that
+    exception again, made without calling its ``__init__``."""
+
+    __slots__ = ("cls", "args", "state")
+
+    def __init__(self, cls: Type[BaseException], args: tuple, state: Dict[str, Any]) -> None:
+        self.cls, self.args, self.state = cls, args, state
+
+    def __reduce__(self) -> Any:
+        return _rebuild_by_state, (self.cls, self.args, self.state)
+
+
+# Attributes an OSError keeps outside its __dict__ (its __new__ fills them from args only
+# when the class has no __init__ of its own).
+_OS_ERROR_FIELDS = ("errno", "strerror", "filename", "filename2")
+
+
+def _rebuild_by_state(cls: Type[BaseException], args: tuple, state: Dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)  # (its own __new__: OSError's refuses to make another's)
+    exc.args = args
+    for name, value in state.items():
+        setattr(exc, name, value)
     return exc
+
+
+def _by_state(exc: BaseException) -> _ByState:
+    state = dict(getattr(exc, "__dict__", None) or {})
+    if isinstance(exc, OSError):
+        # (only those set: one set to None, even, would show in its str)
+        state.update((name, getattr(exc, name)) for name in _OS_ERROR_FIELDS if getattr(exc, name) is not None)
+    return _ByState(type(exc), exc.args, state)
+
+
+def _shippable(exc: BaseException) -> Union[BaseException, _ByState]:
+    """``exc`` when a pickle round trip gives it back; else the same exception by state;
+    else a RemoteError standing in (a class that is not importable by name, or an
+    attribute that cannot be pickled).
+
+    Why by state: pickle rebuilds an exception by calling its class with ``args``. One
+    whose ``__init__`` takes other arguments (``def __init__(self, env_id, reason)``)
+    then fails on the other side, where the error would be about the transport, not the
+    user's exception; or, worse, it is rebuilt with its fields shuffled (an OSError
+    subclass whose ``__init__(path, errno)`` passes ``(errno, text)`` on). The probe's
+    ``str`` tells the second from a faithful copy.
+    """
+    try:
+        again = pickle.loads(pickle.dumps(exc))
+        if type(again) is type(exc) and str(again) == str(exc):
+            return exc
+    except Exception:
+        pass
+    by_state = _by_state(exc)
+    try:
+        again = pickle.loads(pickle.dumps(by_state))
+        if type(again) is type(exc) and str(again) == str(exc):
+            return by_state
+    except Exception:
+        pass
+    return RemoteError(_qualified_name(type(exc)), _text(exc))
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception as err:  # (a __str__ that fails: the type is still worth naming)
+        return f"<str() of the exception failed: {type(err).__name__}: {err}>"
 
 
 def describe_exitcode(exitcode: Optional[int]) -> str:

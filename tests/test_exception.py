@@ -21,6 +21,19 @@ from machinlike.exception import (
 class NeedsTwoArgs(Exception):
     def __init__(self, a, b):
         super().__init__(f"{a}-{b}")  # args != (a, b): pickle cannot rebuild it
+        self.a, self.b = a, b
+
+
+class DiskGone(OSError):
+    def __init__(self, path, errno):
+        super().__init__(errno, f"{path} is gone")
+        self.path = path
+
+
+class Keyworded(RuntimeError):
+    def __init__(self, *, env_id, reason):
+        super().__init__(f"env {env_id}: {reason}")
+        self.env_id = env_id
 
 
 class Custom(ValueError):
@@ -47,11 +60,41 @@ def test_original_type_and_remote_traceback_as_cause():
     assert "in _raise" in str(cause) and "Custom: bad value" in str(cause)
 
 
-def test_unrebuildable_type_becomes_remote_error_naming_it():
+def test_an_exception_whose_init_takes_other_arguments_keeps_its_type_and_attributes():
+    # (before: a RemoteError naming it, which ``except NeedsTwoArgs`` does not catch)
     exc = _carried(NeedsTwoArgs(1, 2))
-    assert isinstance(exc, RemoteError)
-    assert exc.type_name.endswith("NeedsTwoArgs") and exc.message == "1-2"
+    assert type(exc) is NeedsTwoArgs and str(exc) == "1-2" and (exc.a, exc.b) == (1, 2)
     assert "NeedsTwoArgs" in str(exc.__cause__)
+    exc = _carried(DiskGone("/data", 28))
+    assert type(exc) is DiskGone and exc.errno == 28 and exc.path == "/data"
+    exc = _carried(Keyworded(env_id=3, reason="reset failed"))
+    assert type(exc) is Keyworded and str(exc) == "env 3: reset failed" and exc.env_id == 3
+    assert isinstance(exc.__cause__, RemoteTraceback)
+
+
+def _crash_env():
+    raise Keyworded(env_id=5, reason="out of memory")
+
+
+def test_a_pool_workers_exception_with_a_keyword_init_arrives_as_itself():
+    from machinlike.pool import Pool
+
+    with Pool(1) as pool:
+        with pytest.raises(Keyworded, match="env 5: out of memory") as info:
+            pool.apply(_crash_env)
+    assert info.value.env_id == 5 and "on pool worker" in str(info.value.__cause__)
+
+
+def test_unrebuildable_type_becomes_remote_error_naming_it():
+    local = type("LocalError", (Exception,), {})  # not importable by name: cannot be sent
+    exc = _carried(local("oops"))
+    assert isinstance(exc, RemoteError)
+    assert exc.type_name.endswith("LocalError") and exc.message == "oops"
+    assert "LocalError" in str(exc.__cause__)
+    unpicklable = NeedsTwoArgs(1, 2)
+    unpicklable.b = lambda: None  # an attribute that cannot be pickled
+    exc = _carried(unpicklable)
+    assert isinstance(exc, RemoteError) and exc.type_name.endswith("NeedsTwoArgs") and exc.message == "1-2"
 
 
 def test_exception_never_raised_still_says_where():

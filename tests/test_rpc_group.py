@@ -30,6 +30,18 @@ def _withdraw(amount):
     raise Overdrawn("acct-7", amount)
 
 
+class EnvCrashed(RuntimeError):
+    """Its __init__ takes keywords only: plain pickling cannot rebuild it from its args."""
+
+    def __init__(self, *, env_id: int, reason: str) -> None:
+        super().__init__(f"env {env_id}: {reason}")
+        self.env_id = env_id
+
+
+def _crash_env():
+    raise EnvCrashed(env_id=4, reason="reset failed")
+
+
 def _scale(tensor, factor=1):
     return tensor * factor
 
@@ -247,6 +259,9 @@ def test_remote_exception_keeps_type_and_traceback(world):
     with pytest.raises(ZeroDivisionError) as info:
         g.rpc_sync("1", lambda: 1 / 0)
     assert "on member '1'" in str(info.value.__cause__)
+    with pytest.raises(EnvCrashed, match="env 4: reset failed") as info:  # (before: a RemoteError)
+        g.rpc_sync("1", _crash_env)
+    assert info.value.env_id == 4 and "on member '1'" in str(info.value.__cause__)
     g.barrier()
     g.destroy()
 
