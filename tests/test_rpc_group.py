@@ -544,3 +544,38 @@ def test_machin_keywords_of_create_rpc_group(world):
     h.barrier()
     g.destroy()
     h.destroy()
+
+
+@world_test(2, timeout=120)
+def test_groups_made_and_destroyed_again_and_again_leave_no_keys_behind(world):
+    # A group per episode: before, each incarnation left 9 keys in the store for good
+    # (member lists, emptied service and value keys, barrier arrivals), and each member's
+    # claim list (m/own/<worker>) grew by a line per claim it ever made.
+    PAIR = ["0", "1"]
+    store = world._session.store.store
+    members = world._session.membership
+    base = world.create_rpc_group("base", PAIR)
+    base.barrier()
+    peer = PAIR[1 - PAIR.index(world.name)]
+    counts = []
+    for episode in range(120):
+        g = world.create_rpc_group(f"episode-{episode}", PAIR)
+        g.register(f"act-{world.name}", _scale)
+        g.pair(f"score-{world.name}", episode)
+        if episode % 3 == 0:
+            g.deregister(f"act-{world.name}")  # withdrawn before the destroy too
+            g.register(f"act-{world.name}", _scale)
+        g.barrier()
+        assert g.registered_sync(f"act-{peer}", (torch.ones(1), episode)).item() == episode
+        assert g.get_paired(f"score-{peer}").to_here() == episode
+        g.barrier()
+        g.destroy()
+        if episode % 40 == 39:
+            base.barrier()  # (every member destroyed its episodes so far)
+            counts.append(store.num_keys())
+    own = members.registry.get_or_empty(members.keys.owned(members.endpoint.worker))
+    assert len(own.splitlines()) <= 20, own  # (a line per claim before: 3 an episode)
+    # Flat, but for the base group's barrier arrivals (a member deletes its previous
+    # round's key once it passed the next: up to one each may be in flight)
+    assert max(counts) - min(counts) <= len(PAIR) and max(counts) < 100, counts
+    base.barrier()

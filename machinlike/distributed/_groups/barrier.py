@@ -55,6 +55,14 @@ class Barrier:
         self._lock = threading.Lock()
         self._generation = 0  # this member's next round
 
+    def last_key(self) -> Optional[str]:
+        """The arrival key of this member's last round (the one left in the store), None
+        before its first round. (Read without the lock: a round under way holds it.)"""
+        generation = self._generation
+        if not generation:
+            return None
+        return self._keys.barrier_prefix(self._group, self._epoch, generation - 1) + self._member
+
     def wait(self, wait: float) -> None:
         """Arrive, and wait up to ``wait`` seconds for every member to arrive.
 

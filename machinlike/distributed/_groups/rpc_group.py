@@ -30,6 +30,7 @@ from .._calls import RpcFuture, prepare_call
 from . import directory as _directory
 from .directory import GroupDirectory
 from .parts import GroupParts
+from .group_end import end_incarnation
 from .._calls import PairedRef, ResultRef
 
 __all__ = ["RpcGroup"]
@@ -402,24 +403,31 @@ class RpcGroup:
     def destroy(self) -> None:
         """Withdraw every service and value this member owns and leave the group.
 
-        The group name can be created again once every member destroyed its handle.
-        Safe to call twice.
+        The group name can be created again once every member destroyed its handle; the
+        last member to destroy it deletes its keys from the store. Safe to call twice.
 
         Raises:
             RuntimeError: this process has no World.
         """
         d = self._directory()
+        left: Optional[List[str]] = None
         with self._lock:
             if self._destroyed:
                 return
             parts = self._parts
             # Parts of a World that stopped hold nothing of this one's (its tables went with it).
             if parts is not None and parts.directory is d:
-                parts.services.close()
-                parts.values.close()
-            # The last barrier key stays: a slower member may still be waiting on it.
+                claimed = parts.services.close() + parts.values.close()
+                if parts.barrier is not None and self._members is not None and d.name in self._members:
+                    # (the last barrier key stays until every member is out: a slower one
+                    # may still be waiting on it)
+                    last = parts.barrier.last_key()
+                    left = [d.keys.group_join_prefix(self._name, self._epoch) + d.name, *claimed,
+                            *([last] if last else [])]
             self._destroyed = True
         d.remove(self)
+        if left is not None and self._members is not None:
+            end_incarnation(d.registry, d.keys, self._name, self._epoch, len(self._members), left)
 
     # ------------------------------------------------------------------ accessors
     def size(self) -> int:

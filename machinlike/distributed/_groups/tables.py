@@ -21,7 +21,7 @@ register racing a destroy either withdrawn by it or refused, never left behind.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List, Set
 
 from .._calls import LocalTables, is_async
 from .._membership import Claims, Endpoint, Roster
@@ -117,6 +117,10 @@ class OwnedKeys:
         self._owners = owners
         self._lock = threading.Lock()
         self._mine: Dict[str, str] = {}  # key -> the holder text it was claimed with
+        # Store keys this member claimed here and released since (emptied, not deleted:
+        # another member may claim one again), bounded by the group's distinct keys;
+        # the group's last member out deletes them (see _groups.group_end).
+        self._released: Set[str] = set()
         self._closed = False
 
     def add(self, key: str, item: Any) -> None:
@@ -156,17 +160,24 @@ class OwnedKeys:
                 raise KeyError(self._kind.absent.format(key=key, group=self._group, member=self._member))
             self._withdraw(key, holder)
 
-    def close(self) -> None:
-        """Withdraw every key; a later :meth:`add` raises. Idempotent."""
+    def close(self) -> List[str]:
+        """Withdraw every key; a later :meth:`add` raises. Idempotent.
+
+        Returns:
+            Every store key this member claimed in the group (all released now).
+        """
         with self._lock:
             for key, holder in list(self._mine.items()):
                 self._withdraw(key, holder)
             self._closed = True
+            return sorted(self._released)
 
     def _withdraw(self, key: str, holder: str) -> None:
         kind = self._kind
         # Released first: should the store fail, the key is still listed here for a retry.
-        self._claims.release(kind.store_key(self._owners, key), kind.release_with(holder, self._endpoint.worker))
+        store_key = kind.store_key(self._owners, key)
+        self._claims.release(store_key, kind.release_with(holder, self._endpoint.worker))
+        self._released.add(store_key)
         del self._mine[key]
         kind.drop(self._owners, key)
         self._local.pop(self._sid + key, None)

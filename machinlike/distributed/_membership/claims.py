@@ -6,7 +6,8 @@ line in ``m/own/<worker>``; whoever declares the worker lost releases every key 
 there (:meth:`free`), so a survivor can take them over.
 
     claim(key, holder)    compare_set(key, "", holder); won -> append OwnedKey to m/own/<worker>
-    release(key, holder)  compare_set(key, holder, "")
+    release(key, holder)  compare_set(key, holder, ""); once the released lines of m/own/<worker>
+                          outnumber the held ones (and 16), it is written anew from the held
     renewed(renew)        under the lock: the endpoint renews its worker, then every key
                           listed under the old worker moves to the new one
     free(worker)          release every key listed under a (gone) worker; delete the entries
@@ -15,6 +16,9 @@ there (:meth:`free`), so a survivor can take them over.
 
 Why one lock: a claim made while the worker is being replaced would be noted under the
 old name and never moved; a holder naming an old worker is read as naming the current one.
+Only this member writes its own list, under this lock, so it can be rewritten from what it
+holds: a member that registers and withdraws (or creates and destroys groups) for days
+would otherwise grow its list by a line per claim it ever made.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .._store import Registry
 __all__ = ["Claims"]
 
 _OLD_KEPT = 64
+_STALE_MIN = 16  # released lines tolerated in m/own/<worker> before it is rewritten
 
 
 class Claims:
@@ -50,6 +55,10 @@ class Claims:
         # one can name an old worker; older ones are forgotten (a member that recycles
         # for days would keep one per recycling).
         self._old_workers: Dict[str, None] = {}
+        # m/own/<current worker> as this member wrote it (key -> its line), without the
+        # lines of claims released since; _stale counts those.
+        self._listed: Dict[str, str] = {}
+        self._stale = 0
 
     def claim(self, key: str, holder: str) -> Optional[str]:
         """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
@@ -65,13 +74,23 @@ class Claims:
             holder = self._current(holder)
             held = self._registry.claim(key, holder)
             if held is None:
-                self._registry.append(self._keys.owned(self._endpoint.worker), OwnedKey(key, holder).encode())
+                line = OwnedKey(key, holder).encode()
+                self._registry.append(self._keys.owned(self._endpoint.worker), line)
+                if self._listed.pop(key, None) is not None:
+                    self._stale += 1
+                self._listed[key] = line
         return held
 
     def release(self, key: str, holder: str) -> bool:
         """Free ``key`` if ``holder`` holds it; False when it does not."""
         with self._lock:
-            return self._registry.release(key, self._current(holder))
+            released = self._registry.release(key, self._current(holder))
+            if self._listed.pop(key, None) is not None:
+                self._stale += 1
+                if self._stale > max(_STALE_MIN, len(self._listed)):
+                    self._registry.set(self._keys.owned(self._endpoint.worker), "".join(self._listed.values()))
+                    self._stale = 0
+            return released
 
     def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
         """Who holds ``key`` right now (its holder text), None if nobody.
@@ -114,6 +133,8 @@ class Claims:
             moved.append(OwnedKey(self._keys.worker(old.worker), self._endpoint.name).encode())
             if moved:
                 self._registry.append(self._keys.owned(self._endpoint.worker), "".join(moved))
+            self._listed = {owned.key: owned.encode() for owned in OwnedKey.decode_all("".join(moved))}
+            self._stale = 0
             # Every claim moved: no key is left per retired worker.
             self._registry.delete([self._keys.owned(old.worker)])
 

@@ -24,6 +24,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>rg/<group>/<epoch>/s/<key>   ServiceOwner of a service
     <ns>rg/<group>/<epoch>/v/<key>   RPC worker that paired a value
     <ns>rg/<group>/<epoch>/bar/<gen>/<m>  barrier arrivals
+    <ns>rg/<group>/<epoch>/end, .../ended  keys the members left, and how many destroyed
     <ns>os/<group>/<server>/...      an ordered server's own keys               servers
     <ns>gs/<group>/<server>/...      a gradient server's own keys
     <ns>rpc, <ns>pg                  prefixes of torch's RPC and process-group rendezvous
@@ -215,6 +216,14 @@ class Keys:
 
     def group_join_prefix(self, group: str, epoch: str) -> str:
         return f"{self.ns}rg/{group}/{epoch}/join/"
+
+    def group_end(self, group: str, epoch: str) -> str:
+        """The keys the incarnation's members leave behind at destroy, one per line."""
+        return f"{self.ns}rg/{group}/{epoch}/end"
+
+    def group_ended(self, group: str, epoch: str) -> str:
+        """Counter: members that destroyed the incarnation."""
+        return f"{self.ns}rg/{group}/{epoch}/ended"
 
     def service(self, group: str, epoch: str, key: str) -> str:
         return f"{self.ns}rg/{group}/{epoch}/s/{key}"
