@@ -44,12 +44,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .lane_future import LaneFuture
 from .lane_server import Server
 from .lane_wire import (
     HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes, send_frame,
 )
 
-__all__ = ["NotForLane", "Lane", "TENSOR_LIMIT", "start", "stop", "current"]
+__all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current"]
 
 
 _CONNECT_S = 2.0  # seconds at most to connect and read a peer's hello (less when the call has less)
@@ -70,10 +71,14 @@ class _Pending:
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         if self.fut is not None:
-            if error is None:
-                self.fut.set_result(value)
-            else:
-                self.fut.set_exception(error)
+            try:
+                if error is None:
+                    self.fut.set_result(value)
+                else:
+                    self.fut.set_exception(error)
+            finally:
+                if isinstance(self.fut, LaneFuture):
+                    self.fut.arrived()
             return
         self.value, self.error = value, error
         self.event.set()  # type: ignore[union-attr]  # (a sync call's)
@@ -350,7 +355,7 @@ class Lane:
         payload = request_bytes(fn, args)
         deadline = time.monotonic() + timeout
         conn = self._conn(pid, deadline)
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = LaneFuture()
         pending = _Pending(fut, deadline)
         cid = conn.send(payload, pending)
         self.calls += 1

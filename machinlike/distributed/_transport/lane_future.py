@@ -1,0 +1,43 @@
+"""LaneFuture: an async lane call's torch Future that a signal can interrupt a wait for.
+
+Why: a wait in torch's C++ ``Future.wait`` holds the thread until the call ends, up to its
+whole timeout, whatever signal comes, so a Ctrl-C did nothing for that long. The lane
+completes its own futures (``lane._Pending.complete``), so it can open a sentinel there::
+
+    made:       a Lock, acquired            (held: not arrived)
+    completed:  set_result / set_exception, then arrived(): the Lock released
+    waited:     wait_arrived(): acquire + release (a blocking acquire is interrupted by
+                signals), then torch's wait returns at once
+
+A Lock is the cheapest such sentinel: an Event costs 1.6 us to make, and a done-callback on
+the Future added 40 us to a small call (see ``_calls.future``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["LaneFuture"]
+
+
+class LaneFuture(torch.futures.Future):
+    """An async lane call's torch Future whose wait a signal interrupts (see the module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._open = threading.Lock()
+        self._open.acquire()
+
+    def arrived(self) -> None:
+        """Say that the Future completed (its completer calls this once)."""
+        try:
+            self._open.release()
+        except RuntimeError:  # (said already)
+            pass
+
+    def wait_arrived(self) -> None:
+        """Block until :meth:`arrived` was called (interruptible by signals)."""
+        self._open.acquire()
+        self._open.release()
