@@ -595,13 +595,22 @@ def _nap(seconds):
 
 
 @world_test(2, timeout=90)
-def test_ctrl_c_interrupts_a_wait_for_an_async_call_or_a_remote_result_at_once(world):
-    # Before: torch's C++ wait held the main thread until the call ended (here 4 s, up to
-    # its whole timeout), whatever the signal; a sync call's wait was interruptible.
+def test_ctrl_c_interrupts_a_wait_for_a_call_a_remote_result_or_a_barrier_at_once(world):
+    # Before: torch's C++ waits held the main thread until the call ended (here 4 s, up to
+    # its whole timeout), or until the slow member came to the barrier, whatever the
+    # signal; a sync call's wait was interruptible.
     group = world.create_rpc_group("interrupted", ["0", "1"])
     group.register(f"nap{world.name}", _nap)
     group.barrier()
+    if world.name == "1":
+        time.sleep(4)  # late for the barrier below
+        group.barrier(timeout=30)
     if world.name == "0":
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            group.barrier(timeout=30)
+        assert time.monotonic() - start < 2.0, "barrier"
         waits = {"registered_async": lambda: group.registered_async("nap1", (4,)).wait(),
                  "rpc_async": lambda: group.rpc_async("1", _nap, args=(4,)).wait(),
                  "registered_remote": lambda: group.registered_remote("nap1", (4,)).to_here(),

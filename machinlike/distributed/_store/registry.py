@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ...exception import PeerLostError
 from . import forked
 from .client import own_client
+from .main_waits import MainWaits
 from .lookups import BoundedLookups
 
 __all__ = ["Registry"]
@@ -47,6 +48,8 @@ class Registry:
         self._store_owner = store_owner
         self._local = threading.local()
         self._lookups = BoundedLookups(store, store_owner)
+        # The main thread's waits run on helpers, so that a Ctrl-C ends them (see main_waits).
+        self._main_waits = MainWaits(self._connection)
         self._silent: Optional[str] = None  # why the store was declared silent (mark_silent)
         # The error that broke the main connection: torch's client never reconnects (a new
         # server on the same port included), so later requests on it fail here, at once and
@@ -58,13 +61,15 @@ class Registry:
         forked.check("a store request")
         store = getattr(self._local, "store", None)
         if store is None:
-            # A new connection with the main one's timeout (own_client: TCPStore.clone held
-            # the GIL for 250 ms under load); the main one where the store cannot make one.
-            timeout = getattr(self._store, "timeout", None)  # (in torch, not in its stubs)
-            own = own_client(self._store, timeout) if isinstance(timeout, datetime.timedelta) else None
-            store = own or self._store
-            self._local.store = store
+            store = self._local.store = self._connection()
         return store
+
+    def _connection(self) -> dist.Store:
+        # A new connection with the main one's timeout (own_client: TCPStore.clone held
+        # the GIL for 250 ms under load); the main one where the store cannot make one.
+        timeout = getattr(self._store, "timeout", None)  # (in torch, not in its stubs)
+        own = own_client(self._store, timeout) if isinstance(timeout, datetime.timedelta) else None
+        return own or self._store
 
     def warm(self) -> None:
         """Open the look-up thread's store connection now (see ``BoundedLookups.warm``);
@@ -76,6 +81,7 @@ class Registry:
         threads' waiter connections (a later wait opens a new one); the main connection
         stays open."""
         self._lookups.close()
+        self._main_waits.close()
         # (a fresh local drops every thread's waiter now, not when the World's reference
         # cycles are collected)
         self._local = threading.local()
@@ -209,10 +215,13 @@ class Registry:
             TimeoutError: naming the names whose key never appeared and the wait.
             PeerLostError: the store itself is gone.
         """
-        store = self._waiter()
         keys = [prefix + name for name in names]
         try:
-            store.wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
+            if threading.current_thread() is threading.main_thread():
+                forked.check("a store request")
+                self._main_waits.wait(keys, timeout)
+            else:
+                self._waiter().wait(keys, datetime.timedelta(seconds=max(timeout, 0.001)))
             return
         except dist.DistStoreError:
             pass
