@@ -159,19 +159,13 @@ def _shippable(exc: BaseException) -> Union[BaseException, _ByState]:
     subclass whose ``__init__(path, errno)`` passes ``(errno, text)`` on). The probe's
     ``str`` tells the second from a faithful copy.
     """
-    try:
-        again = pickle.loads(pickle.dumps(exc))
-        if type(again) is type(exc) and str(again) == str(exc):
-            return exc
-    except Exception:
-        pass
-    by_state = _by_state(exc)
-    try:
-        again = pickle.loads(pickle.dumps(by_state))
-        if type(again) is type(exc) and str(again) == str(exc):
-            return by_state
-    except Exception:
-        pass
+    for shipped in (exc, _by_state(exc)):
+        try:
+            again = pickle.loads(pickle.dumps(shipped))
+            if type(again) is type(exc) and str(again) == str(exc):
+                return shipped
+        except Exception:
+            pass
     return RemoteError(_qualified_name(type(exc)), _text(exc))
 
 
