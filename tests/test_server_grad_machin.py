@@ -84,11 +84,14 @@ def test_default_push_pulls_clears_and_waits_for_room(world):
 
         def jammed():
             # Full for good: the primary is in its gated step with a push queued behind
-            # it and a forward parked (so the secondary's thread waits on that forward),
-            # and the secondary's own queue is full. Nothing moves until the gate opens.
+            # it and a forward parked; the secondary's thread holds the next push (taken
+            # off its queue, not forwarded: it waits for the parked forward), and its
+            # queue is full. Nothing moves until the gate opens. (Before the thread took
+            # that push, the queue was full too, but room came as it took it.)
             stats = impl.stats()
             primary, secondary = stats["primary"], stats["secondary"]
-            return primary["queued"] == 1 and primary["parked"] >= 1 and secondary["queued"] == 1
+            held = secondary["accepted"] - secondary["forwarded"] - secondary["queued"]
+            return primary["queued"] == 1 and primary["parked"] >= 1 and secondary["queued"] == 1 and held == 1
 
         group.register("jammed", jammed)
     group.barrier()
