@@ -130,21 +130,36 @@ def _first_agent() -> Optional[object]:
     return _first[0] if _first else None
 
 
+# The current agent, read in the parent just before a fork (see _after_fork_in_child).
+_at_fork: List[object] = []
+
+
+def _before_fork() -> None:
+    # In the parent, where torch may be called (the child may not: a lock another thread
+    # held at the fork, torch's included, is held for good there).
+    if rpc.is_available() and rpc.api._is_current_rpc_agent_set():
+        _at_fork.append(rpc.api._get_current_rpc_agent())
+
+
+def _after_fork_in_parent() -> None:
+    _at_fork.clear()
+
+
 def _after_fork_in_child() -> None:
     # A forked child (os.fork) inherits this process's agents as husks: their threads did
     # not cross the fork, and an agent's destructor joins them. Run by exit()'s static
     # destructors (the current agent) or by the interpreter's teardown (the lists here),
     # that join crashed the child (SIGSEGV) in place of the exit status it asked for. The
-    # child keeps them for good instead: it has nothing of its own to free in them.
-    agents = [agent for agent, _ in _retired] + list(_first)
+    # child keeps them for good instead: it has nothing of its own to free in them. (Only
+    # Python here: no call into torch.)
+    agents = [agent for agent, _ in _retired] + list(_first) + list(_at_fork)
     agents += [stop.agent for stop in _reaping if stop.agent is not None]
-    if rpc.is_available() and rpc.api._is_current_rpc_agent_set():
-        agents.append(rpc.api._get_current_rpc_agent())
     for agent in agents:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(agent))
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def shutdown(graceful: bool, timeout: float) -> None:
