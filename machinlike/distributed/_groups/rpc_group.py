@@ -410,7 +410,8 @@ class RpcGroup:
             RuntimeError: this process has no World.
         """
         d = self._directory()
-        left: Optional[List[str]] = None
+        left: Optional[List[str]] = None  # the keys this member leaves, when it counts itself out
+        size = 0
         with self._lock:
             if self._destroyed:
                 return
@@ -422,12 +423,13 @@ class RpcGroup:
                     # (the last barrier key stays until every member is out: a slower one
                     # may still be waiting on it)
                     last = parts.barrier.last_key()
+                    size = len(self._members)
                     left = [d.keys.group_join_prefix(self._name, self._epoch) + d.name, *claimed,
                             *([last] if last else [])]
             self._destroyed = True
         d.remove(self)
-        if left is not None and self._members is not None:
-            end_incarnation(d.registry, d.keys, self._name, self._epoch, len(self._members), left)
+        if left is not None:
+            end_incarnation(d.registry, d.keys, self._name, self._epoch, size, left)
 
     # ------------------------------------------------------------------ accessors
     def size(self) -> int:

@@ -135,9 +135,8 @@ class StoreWatch:
 
     def _probe(self) -> None:
         client = self._client
+        assert client is not None  # (only this thread clears it, as it ends)
         try:
-            if client is None:
-                return
             period = self._bound / 4
             while not self._closing.wait(period):
                 last = self._last_answer()
