@@ -246,3 +246,25 @@ def test_the_lanes_pickling_keeps_every_plain_tensor(make):
     assert back.shape == tensor.shape and back.requires_grad == tensor.requires_grad
     assert torch.equal(back.detach().resolve_conj(), tensor.detach().resolve_conj())
     assert torch.equal(pickle.loads(reply_bytes(tensor)).detach().resolve_conj(), tensor.detach().resolve_conj())
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    lambda: torch.randn(2, 3, 2, 4, 5).to(memory_format=torch.channels_last_3d),
+    lambda: torch.arange(12.).reshape(3, 4).t(),
+], ids=["channels_last", "channels_last_3d", "transposed"])
+def test_a_dense_tensor_keeps_its_layout_both_ways(make):
+    """As through torch RPC: a channels-last batch arrives channels-last (and a transpose as
+    a transpose), not as a contiguous copy the receiver's convolutions convert again."""
+    import pickle
+
+    from machinlike import pickle as mpickle
+    from machinlike.distributed._transport.lane_wire import reply_bytes
+
+    tensor = make()
+    _, (back,) = pickle.loads(request_bytes(_echo, (tensor,)))
+    replied = pickle.loads(reply_bytes(tensor))
+    copied = mpickle.loads(mpickle.dumps(tensor, copy_tensor=True))
+    for got in (back, replied, copied):
+        assert torch.equal(got, tensor) and got.stride() == tensor.stride()
+

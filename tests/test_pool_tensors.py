@@ -98,13 +98,18 @@ def test_tensor_parameters_and_dtypes_survive_both_policies():
         torch.ones(5, dtype=torch.bfloat16),
         torch.zeros(0),
         torch.arange(12.0).reshape(3, 4).t(),  # not contiguous
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),  # keeps its strides
+        torch.randn(LARGE // 60 + 1, 3, 4, 5).to(memory_format=torch.channels_last),
+        torch.eye(3).to_sparse(),  # no nbytes: the policy once asked for it and raised
     ]
     for pool in (Pool(1), Pool(1, is_copy_tensor=False, share_method="cpu")):
         with pool:
             for value in values:
                 back = pool.apply(targets.identity, (value,))
-                assert type(back) is type(value) and back.dtype == value.dtype
-                assert torch.equal(back.detach(), value.detach())
+                assert type(back) is type(value) and back.dtype == value.dtype and back.layout == value.layout
+                assert torch.equal(back.detach().to_dense(), value.detach().to_dense())
+                if value.layout == torch.strided and value.numel() > 1:
+                    assert back.stride() == value.stride(), (value.shape, value.stride(), back.stride())
 
 
 @pytest.mark.gpu

@@ -227,6 +227,47 @@ def test_concurrent_senders_and_bounded_cache():
         assert not errors and held <= 12 * MB, (errors, held)
 
 
+def _both(*args, **kwargs):
+    return args, kwargs
+
+
+def _kinds_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("both", _both)
+    g.barrier()
+    got = []
+    if world.rank == 0:
+        big = torch.randn(MB)  # 4 MB: through shared memory
+        cases = {
+            "sparse": torch.eye(3).to_sparse(),
+            "sparse_large": torch.sparse_coo_tensor(torch.arange(300_000).unsqueeze(0), torch.ones(300_000),
+                                                    (400_000,)),
+            "channels_last": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+            "channels_last_large": torch.randn(8, 3, 84, 84 * 8).to(memory_format=torch.channels_last),
+        }
+        for name, value in cases.items():
+            (back,), _ = g.registered_sync("both", args=(value,))
+            same = torch.equal(back.to_dense(), value.to_dense())
+            got.append((name, same, back.layout == value.layout,
+                        value.layout != torch.strided or back.stride() == value.stride()))
+        (a,), kw = g.registered_sync("both", args=(big,), kwargs={"again": big})
+        got.append(("once", torch.equal(a, big), a is kw["again"]))
+    g.barrier()
+    g.destroy()
+    return got
+
+
+def test_sparse_tensors_layouts_and_a_tensor_in_args_and_kwargs():
+    """A sparse tensor crosses (it has no ``nbytes``: the shared-memory walk once raised on
+    it), a channels-last one keeps its strides small or large, and one tensor in both args
+    and kwargs arrives as one tensor, as torch RPC gives."""
+    got = run_world(_kinds_body, 2, timeout=120)[0]
+    assert got == [("sparse", True, True, True), ("sparse_large", True, True, True),
+                   ("channels_last", True, True, True), ("channels_last_large", True, True, True),
+                   ("once", True, True)], got
+
+
 def _off_body(world):
     g = world.create_rpc_group("g", world.get_members())
     if world.rank == 1:

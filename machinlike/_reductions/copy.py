@@ -6,13 +6,13 @@ by-value ``__reduce_ex__``."""
 from __future__ import annotations
 
 import pickle
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from .table import DispatchTable, policy_table
 
-__all__ = ["copy_reducers"]
+__all__ = ["copy_reducers", "dense_order", "undo_order"]
 
 
 def _is_plain_strided(tensor: torch.Tensor) -> bool:
@@ -24,6 +24,32 @@ def _is_plain_strided(tensor: torch.Tensor) -> bool:
         and not tensor.is_conj()
         and not tensor.is_neg()
     )
+
+
+def dense_order(tensor: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The order of dimensions in which ``tensor``'s elements lie densely in memory, when
+    that is not its own (a channels-last image, a transpose): ``tensor.permute(order)`` is
+    contiguous. None: ``tensor`` is contiguous already, or dense in no order (sliced,
+    expanded); a copy of it is contiguous.
+
+    Copies keep such a layout, as torch RPC and ``torch.save`` do: a channels-last batch
+    that arrived contiguous would make the receiver's convolutions convert it again.
+    """
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda dim: -strides[dim]))
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def undo_order(tensor: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
+    """``tensor`` (a copy of ``original.permute(order)``) in ``original``'s dimension order."""
+    if order is None:
+        return tensor
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tensor.permute(inverse)
 
 
 def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
@@ -46,22 +72,29 @@ def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.to("cpu")
-    if not data.is_contiguous():
+    order = dense_order(data)
+    if order is not None:
+        data = data.permute(order)
+    elif not data.is_contiguous():
         data = data.contiguous()
     return (
         _rebuild_tensor_copy,
-        (type(tensor), _byte_view(data), tensor.dtype, tuple(tensor.shape), tensor.requires_grad, device),
+        (type(tensor), _byte_view(data), tensor.dtype, tuple(data.shape), tensor.requires_grad, device, order),
     )
 
 
 def _rebuild_tensor_copy(
-    cls: type, data: bytearray, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool, device: str
+    cls: type, data: bytearray, dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool, device: str,
+    order: Optional[Tuple[int, ...]] = None,
 ) -> torch.Tensor:
+    """The tensor of :func:`_reduce_tensor_copy`; ``shape`` is the copy's, in ``order``
+    (None: the tensor's own; a stream from before ``order`` existed has no such field)."""
     if len(data) == 0:
         tensor = torch.empty(shape, dtype=dtype)
     else:
         storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
         tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # type: ignore[call-overload]  # torch stubs
+    tensor = undo_order(tensor, order)
     if device != "cpu":
         tensor = tensor.to(device)
     if cls is torch.nn.Parameter:

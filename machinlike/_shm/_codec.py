@@ -27,6 +27,7 @@ from typing import Any, Callable, Deque, Dict, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._segments import cache
 
@@ -186,26 +187,31 @@ def reduce_copy(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     seg = cache().lease(nbytes)
     if seg is None:
         return None
+    source = tensor.detach()
+    order = dense_order(source)  # a channels-last or transposed tensor keeps its layout
+    if order is not None:
+        source = source.permute(order)
     try:
-        seg.data[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+        seg.data[:nbytes].view(tensor.dtype).view(source.shape).copy_(source)
     except BaseException:
         cache().release(seg)
         raise
-    return (_load_copy, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, tensor.dtype, tuple(tensor.shape),
-                         tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+    return (_load_copy, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, tensor.dtype, tuple(source.shape),
+                         tensor.requires_grad, type(tensor) is torch.nn.Parameter, order))
 
 
 def _load_copy(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype: torch.dtype,
-               shape: Tuple[int, ...], requires_grad: bool, parameter: bool) -> torch.Tensor:
+               shape: Tuple[int, ...], requires_grad: bool, parameter: bool,
+               order: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
     tensor = _receive.lent_view(pid, fd, inode, capacity, nbytes).view(dtype).view(shape)
-    return _finish(tensor, requires_grad, parameter)
+    return _finish(undo_order(tensor, order), requires_grad, parameter)
 
 
 # ----------------------------------------------------------------------------- walk
 def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
     # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
-    if tensor.device.type != "cpu" or tensor.nbytes < threshold or tensor.requires_grad \
-            or not shm_eligible(tensor):
+    # (the layout first: a sparse tensor has no nbytes)
+    if not shm_eligible(tensor) or tensor.nbytes < threshold or tensor.requires_grad:
         return tensor
     reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
     return tensor if reduced is None else _Placeholder(reduced)

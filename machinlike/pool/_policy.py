@@ -122,7 +122,7 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
         if kind == "cpu":
             if share_cpu:
                 return _share_cpu(tensor)
-            if tensor.nbytes >= large and _reductions._is_plain_strided(tensor):
+            if _reductions._is_plain_strided(tensor) and tensor.nbytes >= large:  # (sparse: no nbytes)
                 return _lend(tensor) or _copy_through_shared_memory(tensor)
             return copy_tensor(tensor)
         if kind == "cuda" and share_cuda:

@@ -159,9 +159,9 @@ class InferenceServer:
 def _large(out: Any, threshold: int) -> bool:
     """Whether an output holds a tensor worth sending through shared memory."""
     if isinstance(out, torch.Tensor):
-        return out.nbytes >= threshold
+        return out.layout == torch.strided and out.nbytes >= threshold  # (a sparse tensor has no nbytes)
     values = out.values() if isinstance(out, dict) else out
-    return any(t.nbytes >= threshold for t in values)
+    return any(t.layout == torch.strided and t.nbytes >= threshold for t in values)
 
 
 def _check_wait(value: Any) -> float:

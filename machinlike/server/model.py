@@ -189,8 +189,8 @@ def _share_state(_key: Any, value: Any) -> Any:
         return value
     adopted = {}
     for name, tensor in value.items():
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.nbytes >= _SHARE_FROM \
-                and not tensor.requires_grad and _shm.shm_eligible(tensor):
+        if isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= _SHARE_FROM \
+                and not tensor.requires_grad:  # (eligible first: a sparse tensor has no nbytes)
             storage = torch.UntypedStorage._new_shared(tensor.nbytes)  # by descriptor: /proc-reachable
             # torch's stubs lack the (UntypedStorage, offset, size) overload of set_
             copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)  # type: ignore[call-overload]

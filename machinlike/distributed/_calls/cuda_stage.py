@@ -94,11 +94,6 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
     initialised CUDA. The terms ask the callee to reply through shared memory from
     ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
-    if ipc is not None and (args or kwargs):  # one walk: one slab per device for the call
+    if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
         args, kwargs = encode((args, kwargs), shm_threshold, ipc)
-    else:
-        if args:
-            args = encode(args, shm_threshold)
-        if kwargs:
-            kwargs = encode(kwargs, shm_threshold)
     return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from ..._reductions.copy import _byte_view, _rebuild_tensor_copy
+from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order
 
 __all__ = ["NotForLane", "TENSOR_LIMIT", "REQ", "OK", "ERR", "HELLO", "request_bytes", "reply_bytes", "address",
            "send_frame", "read_frame", "IDLE_WAKE_S"]
@@ -54,11 +54,13 @@ def _tensor_reducer(limit: Optional[int]) -> Callable[[torch.Tensor], Tuple[Any,
         if limit is not None and size > limit:
             raise NotForLane(f"a tensor of {size} bytes")
         data = tensor.detach().resolve_conj().resolve_neg()
+        order = None
         if not data.is_contiguous():
-            data = data.contiguous()
+            order = dense_order(data)  # a channels-last or transposed tensor keeps its layout
+            data = data.contiguous() if order is None else data.permute(order)
         # machinlike.pickle's copy policy: one in-band pickle-5 buffer, wrapped on arrival.
-        return _rebuild_tensor_copy, (torch.Tensor, _byte_view(data), tensor.dtype, tuple(tensor.shape),
-                                      tensor.requires_grad, "cpu")
+        return _rebuild_tensor_copy, (torch.Tensor, _byte_view(data), tensor.dtype, tuple(data.shape),
+                                      tensor.requires_grad, "cpu", order)
     return reduce
 
 
