@@ -105,6 +105,95 @@ def test_machin_numbers(world):
     group.destroy()
 
 
+class Lookup(nn.Module):
+    """An embedding with sparse gradients: the rows a batch looked up, each once per lookup."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(8, 2, sparse=True)
+        with torch.no_grad():
+            self.table.weight.copy_(torch.arange(16.0).reshape(8, 2))
+
+    def forward(self, rows):
+        return self.table(rows).sum()
+
+
+SPARSE_PUSHES = {"1": [1, 1, 2], "2": [2, 5]}  # rows each client looks up
+SPARSE_OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1.0),  # steps on the sparse sum as it is
+    "sparse_adam": lambda params: torch.optim.SparseAdam(params, lr=0.5),  # raises on a dense one
+    "adam": lambda params: torch.optim.Adam(params, lr=0.5),  # raises on a sparse one: made dense
+}
+
+
+def _expected_after_one_step(name):
+    model = Lookup()
+    for rows in SPARSE_PUSHES.values():
+        model(torch.tensor(rows)).backward()  # accumulates, sparse: the sum the server makes
+    if name == "adam":
+        model.table.weight.grad = model.table.weight.grad.to_dense()
+    SPARSE_OPTIMIZERS[name](model.parameters()).step()
+    return model.table.weight.detach()
+
+
+@world_test(3, timeout=90)
+def test_sparse_gradients_are_summed_sparse_and_stepped_by_any_optimizer(world):
+    """Embedding gradients (``sparse=True``) from two clients: sent and summed sparse, then
+    stepped as they are by an optimizer that takes them (SparseAdam would raise on a dense
+    one) and made dense for one that does not (Adam would raise on a sparse one)."""
+    group = world.create_rpc_group("group", ["0", "1", "2"])
+    if world.name == "0":
+        impls = []
+        for name, make in SPARSE_OPTIMIZERS.items():
+            # one secondary on the primary's process, batches of two: both pushes in one sum
+            impl = PushPullGradServerImpl(name, group, primary_reducer="0", secondary_reducers=["0"],
+                                          reduce_batch_size=2)
+            model = Lookup()
+            impl.manage_model(model, make(model.parameters()))
+            impl.start()
+            impls.append(impl)
+    group.barrier()
+    servers = {name: group.get_paired(name).to_here() for name in SPARSE_OPTIMIZERS}
+    if world.name != "0":
+        model = Lookup()
+        model(torch.tensor(SPARSE_PUSHES[world.name])).backward()
+        assert model.table.weight.grad.layout == torch.sparse_coo
+        for server in servers.values():
+            assert server.push(model, pull=False)
+    group.barrier()
+    if world.name == "1":
+        for name, server in servers.items():
+            assert server.flush(timeout=30) == 1
+            fresh = Lookup()
+            assert server.pull(fresh) and fresh.pp_version == 1
+            assert torch.allclose(fresh.table.weight, _expected_after_one_step(name)), name
+    group.barrier()
+    if world.name == "0":
+        for impl in impls:
+            assert impl.stats()["primary"]["applied"] == 2
+            impl.stop()
+    group.barrier()
+    group.destroy()
+
+
+def test_reduce_items_sums_sparse_and_dense_gradients_in_any_order():
+    from machinlike.server._grad.items import Item, reduce_items
+
+    def sparse(rows):
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.ones(len(rows), 2), (4, 2))
+
+    dense = torch.full((4, 2), 0.5)
+    expected = dense + sparse([0, 0, 3]).to_dense() + sparse([3]).to_dense()
+    for order in ([sparse([0, 0, 3]), sparse([3]), dense], [dense, sparse([0, 0, 3]), sparse([3])],
+                  [sparse([0, 0, 3]), dense.clone(), sparse([3])]):
+        got = reduce_items([Item({"w": grad.clone()}, 1, [0]) for grad in order], torch.device("cpu")).grads["w"]
+        assert got.layout == torch.strided and torch.equal(got, expected)
+    only_sparse = reduce_items([Item({"w": sparse([0, 0, 3])}, 1, [0]), Item({"w": sparse([3, 1])}, 1, [0])],
+                               torch.device("cpu")).grads["w"]
+    assert only_sparse.layout == torch.sparse_coo and only_sparse.is_coalesced() and only_sparse._nnz() == 3
+    assert torch.equal(only_sparse.to_dense(), sparse([0, 0, 3, 3, 1]).to_dense())
+
+
 CLIENT_THREADS = 2
 ROUNDS = 15
 

@@ -170,6 +170,10 @@ class PushPullGradServer:
         parameters' dtypes here (a float64 client of a float32 server sends float32) and
         moved to their device by the primary, as ``load_state_dict`` would.
 
+        A sparse gradient (``nn.Embedding(sparse=True)``) travels and is summed sparse; the
+        primary steps on it as it is when its optimizer takes one (torch's ``SparseAdam``,
+        and ``SGD`` and ``Adagrad`` without weight decay), and made dense otherwise.
+
         Args:
             model: A model of the managed architecture, after ``backward()``.
             none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
@@ -182,7 +186,8 @@ class PushPullGradServer:
             and the gradients were dropped (counted as ``rejected`` by the server).
 
         Raises:
-            TypeError: ``model`` is not an ``nn.Module``, or a gradient is sparse.
+            TypeError: ``model`` is not an ``nn.Module``, or a gradient is sparse in another
+                layout than COO.
             ValueError: the parameters differ from the managed model's (names or shapes:
                 the message lists them), a gradient cannot be cast to its parameter's
                 dtype without losing meaning (complex to real, floating to integer), or
@@ -212,10 +217,13 @@ class PushPullGradServer:
             grad = param.grad
             if grad is None:
                 absent.append(name)
-            elif grad.layout != torch.strided:
-                raise TypeError(f"parameter {name!r} has a {grad.layout} gradient; only dense gradients can be pushed")
-            else:
+            elif grad.layout == torch.strided:
                 grads[name] = grad.detach()
+            elif grad.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its rows looked up, summed
+                grads[name] = grad.detach().coalesce()
+            else:
+                raise TypeError(f"parameter {name!r} has a {grad.layout} gradient; the gradient server takes "
+                                f"dense and sparse COO gradients: convert it with .to_sparse_coo() or .to_dense()")
         if absent and not none_as_zero:
             shown = ", ".join(repr(n) for n in absent[:6]) + (f" and {len(absent) - 6} more" if len(absent) > 6 else "")
             raise ValueError(f"no gradient (.grad is None) for {shown}: run backward() before push(), or pass "

@@ -10,7 +10,8 @@ gradients' accumulation dtype) and two helpers for the futures reducers hand out
 
 Every gradient dict of a batch adds into the first one (all queued tensors belong to the
 reducer: received through RPC, or cloned by a local client), in the gradient's dtype,
-float16/bfloat16 in float32. A secondary forwards ``(sum, count, versions)``; the
+float16/bfloat16 in float32; a sparse (COO) gradient, as ``nn.Embedding(sparse=True)``
+makes, stays sparse through the sums (coalesced). A secondary forwards ``(sum, count, versions)``; the
 primary sums those, and for "mean" divides by the total count once (in ``_grad.primary``).
 
 Why apart from ``_grad.reducer``: the reducers' state machine (queues, thread, flushes) and
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Grads", "Item", "accumulation_dtype", "reduce_items", "wait_future", "completed"]
+__all__ = ["Grads", "Item", "accumulation_dtype", "reduce_items", "takes_sparse", "wait_future", "completed"]
 
 Grads = Dict[str, torch.Tensor]
 
@@ -69,11 +70,32 @@ def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
             if held is None:
                 wanted = accumulation_dtype(grad.dtype)
                 total[name] = grad if grad.dtype == wanted else grad.to(wanted)
-            else:
-                held.add_(grad)
+            elif held.layout == torch.strided or grad.layout != torch.strided:
+                held.add_(grad)  # dense + dense or sparse, sparse + sparse
+            else:  # torch adds a dense tensor into a sparse one only out of place
+                total[name] = grad.to(held.dtype).add_(held)
         count += item.count
         versions.extend(item.versions)
+    for name, grad in total.items():
+        if grad.layout == torch.sparse_coo:  # duplicate rows summed: what travels on stays small
+            total[name] = grad.coalesce()
     return Item(total, count, versions, origin)
+
+
+def takes_sparse(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps on sparse gradients as they are: torch's ``SparseAdam``,
+    and its ``SGD`` and ``Adagrad`` without weight decay (with it, they raise on one).
+
+    Any other optimizer gets a sparse gradient made dense: right for every optimizer, at
+    the cost of a dense gradient (``Adam``, ``RMSprop`` and others raise on a sparse one,
+    and on the primary's thread that would stop the server).
+    """
+    kind = type(optimizer)
+    if kind is torch.optim.SparseAdam:
+        return True
+    if kind is torch.optim.SGD or kind is torch.optim.Adagrad:
+        return all(not group.get("weight_decay") for group in optimizer.param_groups)
+    return False
 
 
 def wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:

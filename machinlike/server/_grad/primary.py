@@ -7,7 +7,8 @@ published, and the lag counters. Only the primary's reducer thread changes them 
 
     manage(model, ...)   checkpoint? resume: publish its parameters above the lease
                          else: publish version 0 (or continue a custom server's chain)
-    apply(item)          (the primary's thread) .grad = sum (/ count for "mean"),
+    apply(item)          (the primary's thread) .grad = sum (/ count for "mean"; a sparse
+                         one made dense for an optimizer that cannot step on it),
                          optimizer.step(), lr_scheduler.step(), lag, publish v + 1,
                          note the pushes applied (elastic), checkpoint when due
     publish(v)           lease v (checkpoint) ─► snapshot to CPU ─► the ordered server:
@@ -29,7 +30,7 @@ import torch
 
 from .._churn import Ledger
 from .checkpoint import PrimaryCheckpoint
-from .items import Item
+from .items import Item, takes_sparse
 from .._spec import Spec, spec_of
 from ..ordered import OrderedServerBase, OrderedServerSimpleImpl
 
@@ -171,6 +172,8 @@ class ManagedModel:
                     continue
                 if self._reduce_method == "mean":
                     grad.div_(item.count)  # the sum belongs to us: divide it in place, once
+                if grad.layout != torch.strided and not takes_sparse(self.optimizer):
+                    grad = grad.to_dense()
                 param.grad = grad.to(device=param.device, dtype=param.dtype)
         self.optimizer.step()
         if self.lr_scheduler is not None:
