@@ -70,6 +70,36 @@ def test_every_collective_on_the_whole_world(world):
     g.destroy()
 
 
+@world_test(2, timeout=60)
+def test_pieces_of_the_wrong_size_or_dtype_and_a_bad_op_raise_before_anything_is_sent(world):
+    """gloo aborts the process (SIGABRT) when the bytes it receives do not fit the tensor
+    waiting for them: what one member can see wrong is refused there, and the group goes on."""
+    g = world.create_collective_group([0, 1])
+    mine = torch.zeros(2 + world.rank)
+    wrong = {
+        "tensor_list holds 3 tensors": lambda: g.all_gather([torch.zeros(2)] * 3, torch.zeros(2)),
+        r"tensor_list\[0\] is a torch.float32 tensor of 2 elements; every piece needs tensor's dtype and number of "
+        r"elements \(torch.float32, 3\)" if world.rank else r"tensor_list\[0\] is a torch.float64":
+            (lambda: g.all_gather([torch.zeros(2), torch.zeros(3)], mine)) if world.rank
+            else (lambda: g.all_gather([torch.zeros(2, dtype=torch.float64)] * 2, mine)),
+        r"gather_list\[1\] is int": lambda: g.gather(torch.zeros(1), [torch.zeros(1), 5], dst=world.rank),
+        r"scatter_list\[0\] is a torch.float32 tensor of 4": lambda: g.scatter(
+            torch.zeros(1), [torch.zeros(4), torch.zeros(1)], src=world.rank),
+        "input_list holds 1 tensors": lambda: g.reduce_scatter(torch.zeros(1), [torch.zeros(1)]),
+    }
+    for message, call in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(TypeError, match=r"op must be a torch.distributed.ReduceOp .*not 'max'"):
+        g.all_reduce(torch.ones(1), op="max")
+    with pytest.raises(TypeError, match="op must be a torch.distributed.ReduceOp"):
+        g.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * 2, op=max)
+    out = [torch.zeros(1), torch.zeros(1)]  # nothing was sent: the next collective pairs up
+    g.all_gather(out, torch.tensor([world.rank + 1.0]))
+    assert [o.item() for o in out] == [1.0, 2.0]
+    g.destroy()
+
+
 @world_test(3, timeout=60)
 def test_point_to_point_and_any_source_receive(world):
     g = world.create_collective_group([0, 1, 2])

@@ -79,6 +79,12 @@ class _PairwiseAllToAll:
         return self._done or (not self._copy_back and all(work.is_completed() for work in self._works))
 
 
+def _op(op: Any) -> Any:
+    if not isinstance(op, ReduceOp):  # (torch's own message names pybind's overloads, not the fix)
+        raise TypeError(f"op must be a torch.distributed.ReduceOp (ReduceOp.SUM, ReduceOp.MAX, ...), not {op!r}")
+    return op
+
+
 def _real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
@@ -162,8 +168,10 @@ class CollectiveGroup:
     operation returns torch's work handle (``wait()``), otherwise None.
 
     Every operation raises ``RuntimeError`` in a process outside the group or after
-    :meth:`destroy` (torch would silently do nothing), and ``ValueError`` when a ``src``
-    or ``dst`` is not a rank of the group.
+    :meth:`destroy` (torch would silently do nothing), ``ValueError`` when a ``src``
+    or ``dst`` is not a rank of the group or a list of pieces is not one tensor per member
+    of the right dtype and number of elements, and ``TypeError`` when ``op`` is not a
+    ``ReduceOp``: all before anything is sent.
 
     Attributes:
         group: The torch process group (e.g. for ``DistributedDataParallel(process_group=...)``);
@@ -218,6 +226,22 @@ class CollectiveGroup:
         if rank not in self.ranks:
             raise ValueError(f"{param}={rank} is not a rank of CollectiveGroup {self.ranks}")
         return rank
+
+    def _pieces(self, name: str, tensors: Any, like: torch.Tensor, like_name: str) -> Any:
+        """``tensors``, checked to be one tensor per member of ``like``'s dtype and number of
+        elements. Checked here, before anything is sent: gloo aborts the whole process
+        (SIGABRT) when the bytes it receives do not fit the tensor waiting for them."""
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.ranks):
+            got = f"{len(tensors)} tensors" if isinstance(tensors, (list, tuple)) else repr(tensors)
+            raise ValueError(f"{name} holds {got}; CollectiveGroup {self.ranks} needs one tensor per member "
+                             f"({len(self.ranks)})")
+        for index, piece in enumerate(tensors):
+            if not isinstance(piece, torch.Tensor) or piece.dtype != like.dtype or piece.numel() != like.numel():
+                shown = (f"a {piece.dtype} tensor of {piece.numel()} elements" if isinstance(piece, torch.Tensor)
+                         else type(piece).__name__)
+                raise ValueError(f"{name}[{index}] is {shown}; every piece needs {like_name}'s dtype and number "
+                                 f"of elements ({like.dtype}, {like.numel()})")
+        return tensors
 
     # ------------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -292,7 +316,7 @@ class CollectiveGroup:
             op: A ``torch.distributed.ReduceOp`` (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ...).
             async_op: Return a work handle instead of waiting.
         """
-        return dist.all_reduce(tensor, op=op, group=self._g(), async_op=async_op)
+        return dist.all_reduce(tensor, op=_op(op), group=self._g(), async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` over all members into ``tensor`` of rank ``dst``.
@@ -303,7 +327,7 @@ class CollectiveGroup:
             op: A ``torch.distributed.ReduceOp``.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.reduce(tensor, self._peer("dst", dst), op=op, group=self._g(), async_op=async_op)
+        return dist.reduce(tensor, self._peer("dst", dst), op=_op(op), group=self._g(), async_op=async_op)
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
         """Every member's ``tensor`` into ``tensor_list`` of every member, in rank order.
@@ -313,7 +337,9 @@ class CollectiveGroup:
             tensor: This member's contribution.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.all_gather(tensor_list, tensor, group=self._g(), async_op=async_op)
+        group = self._g()
+        self._pieces("tensor_list", tensor_list, tensor, "tensor")
+        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
                async_op: bool = False) -> Any:
@@ -326,7 +352,10 @@ class CollectiveGroup:
             dst: Global rank that receives.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.gather(tensor, gather_list, self._peer("dst", dst), group=self._g(), async_op=async_op)
+        group = self._g()
+        if gather_list is not None and self._my_rank == self._peer("dst", dst):
+            self._pieces("gather_list", gather_list, tensor, "tensor")
+        return dist.gather(tensor, gather_list, self._peer("dst", dst), group=group, async_op=async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
                 async_op: bool = False) -> Any:
@@ -338,7 +367,10 @@ class CollectiveGroup:
             src: Global rank of the source.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.scatter(tensor, scatter_list, self._peer("src", src), group=self._g(), async_op=async_op)
+        group = self._g()
+        if scatter_list is not None and self._my_rank == self._peer("src", src):
+            self._pieces("scatter_list", scatter_list, tensor, "tensor")
+        return dist.scatter(tensor, scatter_list, self._peer("src", src), group=group, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Any:
@@ -350,7 +382,9 @@ class CollectiveGroup:
             op: A ``torch.distributed.ReduceOp``.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.reduce_scatter(output, input_list, op=op, group=self._g(), async_op=async_op)
+        group = self._g()
+        self._pieces("input_list", input_list, output, "output")
+        return dist.reduce_scatter(output, input_list, op=_op(op), group=group, async_op=async_op)
 
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
