@@ -135,7 +135,7 @@ def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_
     far = time.monotonic() + 600
 
     def add(cid, answered_first=False):
-        pending = _lane._Pending(torch.futures.Future(), far)
+        pending = _lane._Pending(_lane.LaneFuture(), far)
         if answered_first:
             pending.fut.set_result(cid)
         expiry.add(conn, cid, pending)
@@ -150,7 +150,7 @@ def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_
         for cid in range(4097, 6000):
             add(cid)
         assert len(expiry._heap) <= 4097  # shed, not one entry per call ever made
-        live = _lane._Pending(torch.futures.Future(), time.monotonic() + 0.2)
+        live = _lane._Pending(_lane.LaneFuture(), time.monotonic() + 0.2)
         expiry.add(conn, conn.send(b"call", live), live)  # (a real send: the peer never answers)
         with pytest.raises(RuntimeError, match="timed out"):
             live.fut.wait()  # still expired at its deadline

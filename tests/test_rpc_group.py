@@ -315,6 +315,66 @@ def test_async_services_answer_out_of_order(world):
     g.destroy()
 
 
+def _futures_body(world):
+    g = world.create_rpc_group("futures", ["0", "1"])
+    if world.name == "1":
+        g.register("scale", _scale)
+        g.register("withdraw", _withdraw)
+    else:
+        relay = lambda amount: g.registered_async("withdraw", args=(amount,)).then(lambda f: f.wait())  # noqa: E731
+        g.register("relay", rpc.functions.async_execution(relay))
+        g.register("forward", rpc.functions.async_execution(lambda x: g.registered_async("scale", args=(x, 3))))
+    g.barrier()
+    if world.name == "0":
+        one = torch.ones(2)
+        calls = [g.registered_async("scale", args=(one, k)) for k in range(3)] + [g.rpc_async("1", _scale, args=(one, 5))]
+        assert all(isinstance(f, torch.futures.Future) and isinstance(f, RpcFuture) for f in calls)
+        assert [t.tolist() for t in torch.futures.wait_all(calls)] == [[0, 0], [1, 1], [2, 2], [5, 5]]
+        assert [f.value().sum().item() for f in torch.futures.collect_all(calls).wait()] == [0, 2, 4, 10]
+        assert g.registered_async("scale", args=(one, 2)).then(lambda f: f.wait().sum().item() + 1).wait() == 5
+        seen = []
+        done = g.registered_async("scale", args=(one, 4))
+        done.add_done_callback(lambda f: seen.append(f.value().sum().item()))  # torch's form
+        done.add_done_callback(lambda: seen.append("no argument"))  # the form of rounds before
+        done.wait()
+        deadline = time.monotonic() + 10
+        while len(seen) < 2 and time.monotonic() < deadline:  # (callbacks run on the completing thread)
+            time.sleep(0.01)
+        assert sorted(seen, key=str) == [8.0, "no argument"]
+        failed = g.registered_async("withdraw", args=(9,))
+        # the remote error: its type from wait(), value() and a then callback's wait()
+        with pytest.raises(Overdrawn):
+            failed.wait()
+        with pytest.raises(Overdrawn):
+            failed.value()
+        with pytest.raises(Overdrawn):
+            failed.then(lambda f: f.wait()).wait()
+        with pytest.raises(Overdrawn):  # torch's then would make it a RuntimeError
+            failed.then(lambda f: f.value() + 1).wait()
+        with pytest.raises(TimeoutError, match="'1'"):
+            g.rpc_async("1", time.sleep, args=(5,), timeout=0.3).then(lambda f: f.wait()).wait()
+    if world.name == "1":  # async_execution services returning our futures, on member 0
+        assert g.registered_sync("forward", args=(torch.ones(1),)).item() == 3.0
+        with pytest.raises(Overdrawn) as caught:
+            g.registered_sync("relay", args=(12,))
+        assert caught.value.amount == 12
+    g.barrier()
+    g.destroy()
+
+
+@world_test(2, timeout=90)
+def test_async_results_are_torch_futures(world):
+    """What torch RPC users write on futures works on ours: ``wait_all``, ``collect_all``,
+    ``then``, ``value``, ``add_done_callback(fn(fut))``, and an ``async_execution``
+    service returning one; the remote error keeps its type on every path."""
+    _futures_body(world)
+
+
+@world_test(2, timeout=90, same_host_lane=False)
+def test_async_results_are_torch_futures_through_torch_rpc(world):
+    _futures_body(world)
+
+
 @world_test(3, timeout=90)
 def test_stale_owner_cache_is_corrected(world):
     g = world.create_rpc_group("stale", MEMBERS)

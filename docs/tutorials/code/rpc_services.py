@@ -75,20 +75,14 @@ def relayed(world: machinlike.World) -> list:
 
     @rpc.functions.async_execution
     def hop(depth: int) -> torch.futures.Future:
-        answer: torch.futures.Future = torch.futures.Future()
         if depth == 0:
+            answer: torch.futures.Future = torch.futures.Future()
             answer.set_result(world.name)
             return answer
-        nested = group.registered_async(f"hop{other}", args=(depth - 1,))
-
-        def finish() -> None:  # runs once the next hop answered: wait() returns at once
-            try:
-                answer.set_result(world.name + nested.wait())
-            except Exception as err:  # its error, with its type, for this hop's caller
-                answer.set_exception(err)
-
-        nested.add_done_callback(finish)
-        return answer
+        # then() runs once the next hop answered (wait() returns at once); an error the
+        # next hop raised reaches this hop's caller with its own type
+        return group.registered_async(f"hop{other}", args=(depth - 1,)).then(
+            lambda nested: world.name + nested.wait())
 
     group.register(f"hop{world.name}", hop)
     group.barrier()

@@ -1,7 +1,32 @@
-"""RpcFuture: the pending result of an asynchronous call, settled as a synchronous one is."""
+"""RpcFuture: the pending result of an asynchronous call, settled as a synchronous one is.
+
+An RpcFuture is a ``torch.futures.Future``, so what torch RPC users write works on it:
+``then()`` (whose callback's exception keeps its type), ``value()``,
+``add_done_callback(fn)``, ``torch.futures.wait_all`` and ``collect_all``, and returning
+one (or its ``then``) from an ``@async_execution`` service. It is completed
+with what ``wait()`` is to give, once, by whoever carried the call::
+
+    the lane (same host): completes this very future      ┐
+      (call_async(into=it): no second future, no callback) ├─► complete(value, error)
+    torch RPC: its own future's done-callback               ┘     value ──► set_result
+                                                                  a remote error's envelope
+                                                                    ──► set_exception (its type)
+                                                                  a transport error ──► TimeoutError /
+                                                                    PeerLostError naming the member
+                                                                  "missing" (a stale owner cache)
+                                                                    ──► the retry, on a thread of
+                                                                    its own (a synchronous call)
+                                                                  then the sentinel opens
+
+Why settled at completion, not in ``wait()``: torch's ``then`` and ``wait_all`` read the
+future in C++, past any Python ``wait``; the value they read must be the final one. Why
+the lane completes it directly: a second future and a torch done-callback per call cost a
+pipelined small call about 15 % (``benchmarks/rpc.py``).
+"""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Callable, Optional
 
@@ -9,33 +34,81 @@ import torch
 
 from .. import _transport
 from .send import translate_error
-from .serve import is_missing, unwrap
+from .serve import ENVELOPES, is_missing, unwrap
 
 __all__ = ["RpcFuture"]
 
+_set_result = torch._C.Future.set_result  # (torch.futures.Future's own is a Python frame over it)
 
-class RpcFuture:
-    """The pending result of an asynchronous call.
 
-    ``wait()`` returns the value, or raises the remote exception (original type, remote
-    traceback as ``__cause__``), ``TimeoutError`` or :class:`~machinlike.exception.PeerLostError`.
+class RpcFuture(_transport.lane.LaneFuture):
+    """The pending result of an asynchronous call; a ``torch.futures.Future``.
+
+    ``wait()`` (and ``value()`` once done) returns the value, or raises the remote
+    exception (original type, remote traceback as ``__cause__``), ``TimeoutError`` or
+    :class:`~machinlike.exception.PeerLostError`.
     """
 
-    __slots__ = ("_fut", "_member", "_what", "_timeout", "_retry")
+    __slots__ = ("member", "_what", "_timeout", "_retry")
 
-    def __init__(
-        self,
-        fut: torch.futures.Future,
-        member: str,
-        what: str,
-        timeout: float,
-        retry: Optional[Callable[[], Any]] = None,
-    ) -> None:
-        self._fut = fut
-        self._member = member
+    def __init__(self, fut: Optional[torch.futures.Future], member: str, what: str, timeout: float,
+                 retry: Optional[Callable[[], Any]] = None) -> None:
+        """``fut``: the transport's future to take the result from; None: the lane completes
+        this one (``call_async(into=...)``) or :meth:`take_from` names it later."""
+        super().__init__()
+        self.member = member  # (the caller sets the member a resent call went to)
         self._what = what
         self._timeout = timeout
         self._retry = retry
+        if fut is not None:
+            self.take_from(fut)
+
+    def take_from(self, fut: torch.futures.Future) -> None:
+        """Complete this future from ``fut`` (torch RPC's) once it completes; nothing when
+        ``fut`` is this future itself (the lane completes it)."""
+        if fut is not self:
+            fut.add_done_callback(self._from_torch)
+
+    def _from_torch(self, fut: torch.futures.Future) -> None:
+        try:
+            value = fut.wait()  # (completed: at once)
+        except RuntimeError as err:
+            self.complete(None, err)
+        else:
+            self.complete(value, None)
+
+    def complete(self, value: Any, error: Optional[BaseException]) -> None:
+        """Settle with what the transport delivered (its completer calls this once)."""
+        if error is None and type(value) not in ENVELOPES:  # the common case, on the lane's thread: short
+            _set_result(self, value)
+            self.arrived()
+            return
+        try:
+            if error is not None:
+                failure = translate_error(error, self.member, self._what, self._timeout)
+                if failure is not error:
+                    failure.__cause__ = error
+                self.set_exception(failure)
+            elif is_missing(value) and self._retry is not None:
+                threading.Thread(target=self._run_retry, name="machinlike-call-retry", daemon=True).start()
+                return  # (the retry completes it)
+            else:
+                self.set_result(unwrap(value))
+        except BaseException as exc:  # the remote error unwrap raises; never left pending
+            if not self.done():
+                self.set_exception(exc)
+        self.arrived()
+
+    def _run_retry(self) -> None:
+        retry = self._retry
+        assert retry is not None  # (only started with one)
+        try:
+            value = retry()
+        except BaseException as exc:
+            self.set_exception(exc)
+        else:
+            self.set_result(value)
+        self.arrived()
 
     def wait(self) -> Any:
         """Block until the call finished (at most its RPC timeout) and return its value.
@@ -46,35 +119,53 @@ class RpcFuture:
             Exception: what the remote function raised (original type, remote traceback
                 as ``__cause__``).
         """
-        fut = self._fut
-        if not fut.done():
-            # Waited for on an Event, not in torch's C++ wait, which holds the thread until
-            # the call ended (up to its whole timeout) whatever signal comes: a Ctrl-C now
-            # raises at once. A lane call's Future has its own sentinel; another's gets an
-            # Event from a done-callback (40 us more a call), on the main thread only, the
-            # one signals reach. Bounded: torch completes the future at the call's timeout.
-            if isinstance(fut, _transport.lane.LaneFuture):
-                fut.wait_arrived()
-            elif threading.current_thread() is threading.main_thread():
-                arrived = threading.Event()
-                fut.add_done_callback(lambda _: arrived.set())
-                arrived.wait()
-        try:
-            value = fut.wait()
-        except RuntimeError as err:
-            raise translate_error(err, self._member, self._what, self._timeout) from err
-        if is_missing(value) and self._retry is not None:
-            return self._retry()
-        return unwrap(value)
+        if not self.done() and threading.current_thread() is threading.main_thread():
+            # On the sentinel, not in torch's C++ wait, which holds the thread until the
+            # call ended (up to its whole timeout) whatever signal comes: a Ctrl-C raises
+            # at once. Bounded: the call fails at its timeout, and a retry shares it.
+            self.wait_arrived()
+        if self.done():  # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
+            return self.value()
+        return torch.futures.Future.wait(self)
 
-    def done(self) -> bool:
-        """Whether the result (or error) has arrived."""
-        return self._fut.done()
+    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future:
+        """A future of ``callback(self)``, run once this one completes, as torch's ``then``;
+        an exception ``callback`` raises keeps its type (torch's wraps it in a
+        ``RuntimeError``), so a remote error a relay re-raises reaches its own caller as
+        itself."""
+        out: torch.futures.Future = torch.futures.Future()
 
-    def add_done_callback(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` once the result (or error) has arrived (at once if it has)."""
-        self._fut.add_done_callback(lambda _: callback())
+        def run(fut: torch.futures.Future) -> None:
+            try:
+                value = callback(fut)
+            except BaseException as exc:
+                out.set_exception(exc)
+            else:
+                out.set_result(value)
+
+        super().add_done_callback(run)
+        return out
+
+    def add_done_callback(self, callback: Callable[..., None]) -> None:
+        """Call ``callback(fut)`` once the result (or error) has arrived, as torch does (at
+        once if it has); a callback that takes no argument is called without one."""
+        if _takes_no_argument(callback):
+            super().add_done_callback(lambda _: callback())
+        else:
+            super().add_done_callback(callback)
 
     def __repr__(self) -> str:
-        state = "done" if self._fut.done() else "pending"
-        return f"<RpcFuture {self._what} on {self._member!r} {state}>"
+        state = "done" if self.done() else "pending"
+        return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+def _takes_no_argument(callback: Callable[..., None]) -> bool:
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):  # a builtin without a signature: torch's form
+        return False
+    try:
+        signature.bind(None)
+    except TypeError:
+        return True
+    return False

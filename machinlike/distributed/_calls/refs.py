@@ -323,7 +323,7 @@ def _release_later(keeper: Holder, rid: str, token: str, created: Optional[RpcFu
         return
     if created is not None:
         if not created.done():
-            created.add_done_callback(lambda: _release_later(keeper, rid, token, created))
+            created.add_done_callback(lambda _: _release_later(keeper, rid, token, created))
             return
         try:
             keeper = created.wait()  # the creation's answer names the keeper

@@ -118,11 +118,13 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
         err, roster.member_of(to), _text(what), timeout if stated is None else stated))[1]
 
 
-def send_async(roster: "Roster", to: str, entry: Any, args: Tuple, timeout: float) -> torch.futures.Future:
+def send_async(roster: "Roster", to: str, entry: Any, args: Tuple, timeout: float,
+               into: Optional["_transport.lane.LaneFuture"] = None) -> torch.futures.Future:
     """``rpc.rpc_async(to, entry, args, timeout)``, through the lane when ``to`` runs on this
-    host and the lane takes the call (see ``sync_call``); for ``send_call``'s closures."""
+    host and the lane takes the call (see ``sync_call``); for ``send_call``'s closures.
+    ``into``: the future the lane completes when it carries the call (it is returned then)."""
     _forked.check("an RPC call")
-    carried = _by_lane(roster, to, lambda lane, pid: lane.call_async(pid, entry, args, timeout))
+    carried = _by_lane(roster, to, lambda lane, pid: lane.call_async(pid, entry, args, timeout, into))
     if carried is not _NOT_CARRIED:
         return carried
     return rpc.rpc_async(to, entry, args=args, timeout=timeout)

@@ -31,7 +31,7 @@ from .results import ResultTable
 from .samehost import reply as _reply
 from .shipping import _load_function
 
-__all__ = ["LocalTables", "bind_tables", "unwrap", "is_failure", "is_missing"]
+__all__ = ["LocalTables", "bind_tables", "unwrap", "is_failure", "is_missing", "ENVELOPES"]
 
 
 class LocalTables:
@@ -86,6 +86,9 @@ class _Missing:
 
 
 _MISSING = _Missing()
+
+#: The types of what a callee answers other than a plain value (a caller unwraps them).
+ENVELOPES = (_Failure, _Missing)
 
 
 def _resolve(result: Any) -> Any:

@@ -48,6 +48,12 @@ _CACHED_THEN_FRESH = (False, True)
 _FRESH = (True,)
 
 
+
+def _named(result: RpcFuture, member: str) -> RpcFuture:
+    """``result``, told the member its call goes to (a resend may go to another worker)."""
+    result.member = member
+    return result
+
 class Caller:
     """The outgoing calls of one group incarnation.
 
@@ -104,14 +110,15 @@ class Caller:
         call = (self._sid + key,) + call_args
         deadline = time.monotonic() + wait
         worker, entry = self._service_target(key, False, deadline)
-        what = f"service {key!r} of group {self._group!r}"
-        worker, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
-                                lambda to, left: send_async(self._roster, to, entry,
-                                                            _samehost.outgoing(to, call), left))  # [shm hook]
         # The owner answered "missing" (a stale cache): look it up again and call the new
         # one with what is left of this call's timeout, not a fresh one.
-        return RpcFuture(fut, self._roster.member_of(worker), what,
-                         wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
+        what = f"service {key!r} of group {self._group!r}"
+        result = RpcFuture(None, "", what, wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
+        _, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
+                           lambda to, left: send_async(self._roster, to, entry, _samehost.outgoing(to, call),  # [shm hook]
+                                                       left, _named(result, self._roster.member_of(to))))
+        result.take_from(fut)
+        return result
 
     def service_remote(self, key: str, call_args: CallArgs, wait: float) -> ResultRef:
         """A handle to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
@@ -163,10 +170,12 @@ class Caller:
         """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""
         entry = _serve._run_async if is_async(func) else _serve._run
         what = f"rpc_async of {func!r}"
+        result = RpcFuture(None, to, what, wait)
         _, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
                            lambda worker, left: send_async(self._roster, worker, entry,
-                                                           _samehost.outgoing(worker, call), left))  # [shm hook]
-        return RpcFuture(fut, to, what, wait)
+                                                           _samehost.outgoing(worker, call), left, result))  # [shm hook]
+        result.take_from(fut)
+        return result
 
     def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:
         """A handle to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``).

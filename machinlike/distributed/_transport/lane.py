@@ -42,8 +42,6 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
-
 from .lane_future import LaneFuture
 from .lane_server import Server
 from .lane_wire import (
@@ -62,7 +60,7 @@ class _Pending:
 
     __slots__ = ("event", "fut", "value", "error", "deadline")
 
-    def __init__(self, fut: Optional[torch.futures.Future], deadline: float) -> None:
+    def __init__(self, fut: Optional[LaneFuture], deadline: float) -> None:
         self.event = None if fut is not None else threading.Event()
         self.fut = fut
         self.value: Any = None
@@ -71,14 +69,7 @@ class _Pending:
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         if self.fut is not None:
-            try:
-                if error is None:
-                    self.fut.set_result(value)
-                else:
-                    self.fut.set_exception(error)
-            finally:
-                if isinstance(self.fut, LaneFuture):
-                    self.fut.arrived()
+            self.fut.complete(value, error)
             return
         self.value, self.error = value, error
         self.event.set()  # type: ignore[union-attr]  # (a sync call's)
@@ -345,9 +336,13 @@ class Lane:
         return pending.value
 
     def call_async(self, pid: int, fn: Callable[..., Any], args: Tuple[Any, ...],
-                   timeout: float) -> torch.futures.Future:
+                   timeout: float, into: Optional[LaneFuture] = None) -> LaneFuture:
         """A torch Future of ``fn(*args)`` run by process ``pid`` (failed with a RuntimeError
         at ``timeout`` seconds, as torch RPC's are).
+
+        Args:
+            into: The future to complete (its ``complete``), made by the caller; None: a new
+                one. Never completed when this raises.
 
         Raises:
             NotForLane: nothing was sent; send it through torch RPC.
@@ -355,7 +350,7 @@ class Lane:
         payload = request_bytes(fn, args)
         deadline = time.monotonic() + timeout
         conn = self._conn(pid, deadline)
-        fut = LaneFuture()
+        fut = LaneFuture() if into is None else into
         pending = _Pending(fut, deadline)
         cid = conn.send(payload, pending)
         self.calls += 1
