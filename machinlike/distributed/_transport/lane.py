@@ -20,7 +20,8 @@ nothing, and a small call takes fewer hops than either TensorPipe transport.
 
 What the lane does not carry raises :class:`NotForLane` before anything is sent, and the
 caller sends that call through torch RPC as before: a peer with no lane (none started,
-or another network namespace), a CUDA tensor, a tensor with autograd history, one larger than
+or another network namespace), a call inside a distributed autograd context (torch RPC
+records its gradients' way back), a CUDA tensor, a tensor with autograd history, one larger than
 ``TENSOR_LIMIT`` (TensorPipe's cma channel moves it with one copy; the shared-memory hook
 turns larger ones into small placeholders before they get here), an RRef, anything its
 pickler refuses. A call once sent is never sent again: a connection that breaks fails its

@@ -20,10 +20,11 @@ import time
 from typing import Any, Callable, Optional, Tuple
 
 import torch
+from torch.distributed import autograd as _dist_autograd
 
 from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order
 
-__all__ = ["NotForLane", "TENSOR_LIMIT", "REQ", "OK", "ERR", "HELLO", "request_bytes", "reply_bytes", "address",
+__all__ = ["NotForLane", "TENSOR_LIMIT", "in_autograd_context", "REQ", "OK", "ERR", "HELLO", "request_bytes", "reply_bytes", "address",
            "send_frame", "read_frame", "IDLE_WAKE_S"]
 
 
@@ -80,12 +81,31 @@ def _dumps(obj: Any, pickler: type) -> bytes:
     return buf.getvalue()
 
 
+def in_autograd_context() -> bool:
+    """Whether this thread is inside a ``torch.distributed.autograd`` context.
+
+    Such a call goes through torch RPC: torch records on both sides the functions that
+    carry the gradients back (its tensors' and its result's, a remote model's output
+    included); through the lane, ``dist_autograd.get_gradients`` would silently lack them.
+    A process that never made a context pays one counter read.
+    """
+    try:
+        if not _dist_autograd._get_debug_info()["num_autograd_contexts"]:
+            return False
+        _dist_autograd._current_context()  # (raises when this thread has none)
+    except RuntimeError:  # none here, or distributed autograd not initialised
+        return False
+    return True
+
+
 def request_bytes(fn: Callable[..., Any], args: Tuple[Any, ...]) -> bytes:
     """A call's bytes.
 
     Raises:
         NotForLane: the lane does not carry it (see the module doc).
     """
+    if in_autograd_context():
+        raise NotForLane("a call inside a distributed autograd context")
     try:
         data = _dumps((fn, args), _RequestPickler)
     except NotForLane:
