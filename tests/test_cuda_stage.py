@@ -138,7 +138,8 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
     monkeypatch.setattr(_samehost, "_current", Local())
     big = torch.ones(1 << 12)
     what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))
-    assert reply == 1 << 10 and not isinstance(args[0], torch.Tensor) and walks == [((big,), {})]  # (args and kwargs in one walk)
+    # (args and kwargs in one walk)
+    assert reply == 1 << 10 and not isinstance(args[0], torch.Tensor) and walks == [((big,), {})]
     walks.clear()
     out = _samehost.reply([big], 1 << 10)
     assert not isinstance(out[0], torch.Tensor) and walks == [[big]]

@@ -327,7 +327,8 @@ def _futures_body(world):
     g.barrier()
     if world.name == "0":
         one = torch.ones(2)
-        calls = [g.registered_async("scale", args=(one, k)) for k in range(3)] + [g.rpc_async("1", _scale, args=(one, 5))]
+        calls = [g.registered_async("scale", args=(one, k)) for k in range(3)]
+        calls.append(g.rpc_async("1", _scale, args=(one, 5)))
         assert all(isinstance(f, torch.futures.Future) and isinstance(f, RpcFuture) for f in calls)
         assert [t.tolist() for t in torch.futures.wait_all(calls)] == [[0, 0], [1, 1], [2, 2], [5, 5]]
         assert [f.value().sum().item() for f in torch.futures.collect_all(calls).wait()] == [0, 2, 4, 10]

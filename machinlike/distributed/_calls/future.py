@@ -72,7 +72,7 @@ class RpcFuture(_transport.lane.LaneFuture):
     def _from_torch(self, fut: torch.futures.Future) -> None:
         try:
             value = fut.wait()  # (completed: at once)
-        except RuntimeError as err:
+        except BaseException as err:  # (torch's are RuntimeErrors; any other must settle too)
             self.complete(None, err)
         else:
             self.complete(value, None)
@@ -80,8 +80,10 @@ class RpcFuture(_transport.lane.LaneFuture):
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Settle with what the transport delivered (its completer calls this once)."""
         if error is None and type(value) not in ENVELOPES:  # the common case, on the lane's thread: short
-            _set_result(self, value)
-            self.arrived()
+            try:
+                _set_result(self, value)
+            finally:
+                self.arrived()
             return
         try:
             if error is not None:

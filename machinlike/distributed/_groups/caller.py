@@ -48,11 +48,11 @@ _CACHED_THEN_FRESH = (False, True)
 _FRESH = (True,)
 
 
-
 def _named(result: RpcFuture, member: str) -> RpcFuture:
     """``result``, told the member its call goes to (a resend may go to another worker)."""
     result.member = member
     return result
+
 
 class Caller:
     """The outgoing calls of one group incarnation.
@@ -115,7 +115,8 @@ class Caller:
         what = f"service {key!r} of group {self._group!r}"
         result = RpcFuture(None, "", what, wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
         _, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
-                           lambda to, left: send_async(self._roster, to, entry, _samehost.outgoing(to, call),  # [shm hook]
+                           lambda to, left: send_async(self._roster, to, entry,
+                                                       _samehost.outgoing(to, call),  # [shm hook]
                                                        left, _named(result, self._roster.member_of(to))))
         result.take_from(fut)
         return result
@@ -173,7 +174,8 @@ class Caller:
         result = RpcFuture(None, to, what, wait)
         _, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
                            lambda worker, left: send_async(self._roster, worker, entry,
-                                                           _samehost.outgoing(worker, call), left, result))  # [shm hook]
+                                                           _samehost.outgoing(worker, call),  # [shm hook]
+                                                           left, result))
         result.take_from(fut)
         return result
 

@@ -24,8 +24,8 @@ from torch.distributed import autograd as _dist_autograd
 
 from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order
 
-__all__ = ["NotForLane", "TENSOR_LIMIT", "in_autograd_context", "REQ", "OK", "ERR", "HELLO", "request_bytes", "reply_bytes", "address",
-           "send_frame", "read_frame", "IDLE_WAKE_S"]
+__all__ = ["NotForLane", "TENSOR_LIMIT", "in_autograd_context", "REQ", "OK", "ERR", "HELLO", "request_bytes",
+           "reply_bytes", "address", "send_frame", "read_frame", "IDLE_WAKE_S"]
 
 
 TENSOR_LIMIT = 1 << 20  # bytes; a larger tensor in a request goes through torch RPC
