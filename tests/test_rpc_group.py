@@ -354,6 +354,19 @@ def _futures_body(world):
             failed.then(lambda f: f.value() + 1).wait()
         with pytest.raises(TimeoutError, match="'1'"):
             g.rpc_async("1", time.sleep, args=(5,), timeout=0.3).then(lambda f: f.wait()).wait()
+        # A callback may call the same member: it does not run on the thread that reads
+        # the answers (through the lane, it would wait for its own answer until its timeout)
+        started = time.monotonic()
+        chained = g.registered_async("scale", args=(one, 1)).then(
+            lambda f: f.wait().sum().item() + g.registered_sync("scale", args=(one, 3), timeout=10).sum().item())
+        assert chained.wait() == 8.0 and time.monotonic() - started < 5
+        inner = []
+        done = g.registered_async("scale", args=(one, 1))
+        done.add_done_callback(lambda f: inner.append(g.registered_sync("scale", args=(one, 2), timeout=10)))
+        done.wait()
+        while not inner and time.monotonic() - started < 10:
+            time.sleep(0.01)
+        assert [t.tolist() for t in inner] == [[2.0, 2.0]] and time.monotonic() - started < 5
     if world.name == "1":  # async_execution services returning our futures, on member 0
         assert g.registered_sync("forward", args=(torch.ones(1),)).item() == 3.0
         with pytest.raises(Overdrawn) as caught:

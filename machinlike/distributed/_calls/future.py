@@ -17,6 +17,8 @@ with what ``wait()`` is to give, once, by whoever carried the call::
                                                                     ──► the retry, on a thread of
                                                                     its own (a synchronous call)
                                                                   then the sentinel opens
+    the user's callbacks (then, add_done_callback): run inside the completion, or, when the
+      lane's own thread completes it, on a helper thread (they may block; that thread must read)
 
 Why settled at completion, not in ``wait()``: torch's ``then`` and ``wait_all`` read the
 future in C++, past any Python ``wait``; the value they read must be the final one. Why
@@ -27,8 +29,11 @@ pipelined small call about 15 % (``benchmarks/rpc.py``).
 from __future__ import annotations
 
 import inspect
+import logging
+import os
+import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -38,7 +43,10 @@ from .serve import ENVELOPES, is_missing, unwrap
 
 __all__ = ["RpcFuture"]
 
+log = logging.getLogger(__name__)
+
 _set_result = torch._C.Future.set_result  # (torch.futures.Future's own is a Python frame over it)
+_mark_completing = _transport.lane.mark_completing
 
 
 class RpcFuture(_transport.lane.LaneFuture):
@@ -79,6 +87,13 @@ class RpcFuture(_transport.lane.LaneFuture):
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Settle with what the transport delivered (its completer calls this once)."""
+        _mark_completing(True)  # (the user's callbacks, run inside, leave this thread: see _off_the_lane)
+        try:
+            self._settle(value, error)
+        finally:
+            _mark_completing(False)
+
+    def _settle(self, value: Any, error: Optional[BaseException]) -> None:
         if error is None and type(value) not in ENVELOPES:  # the common case, on the lane's thread: short
             try:
                 _set_result(self, value)
@@ -145,20 +160,93 @@ class RpcFuture(_transport.lane.LaneFuture):
             else:
                 out.set_result(value)
 
-        super().add_done_callback(run)
+        super().add_done_callback(_off_the_lane(run))
         return out
 
     def add_done_callback(self, callback: Callable[..., None]) -> None:
         """Call ``callback(fut)`` once the result (or error) has arrived, as torch does (at
-        once if it has); a callback that takes no argument is called without one."""
+        once if it has); a callback that takes no argument is called without one. A
+        callback may block (make a call, wait for another future): one the same-host lane
+        would run on its own thread runs on a helper thread instead."""
         if _takes_no_argument(callback):
-            super().add_done_callback(lambda _: callback())
+            super().add_done_callback(_off_the_lane(lambda _: callback()))
         else:
-            super().add_done_callback(callback)
+            super().add_done_callback(_off_the_lane(callback))
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+_CALLBACK_THREADS = 32  # helper threads at most (a callback that waits for one queued behind 32 others waits)
+
+
+class _Helpers:
+    """Daemon threads that run callbacks: another starts while the queued outnumber the idle,
+    up to ``_CALLBACK_THREADS``; they stay, asleep on the queue. Daemons, not an executor's
+    threads, which the interpreter joins at exit: a callback that never ends hangs nothing."""
+
+    def __init__(self) -> None:
+        self._tasks: "queue.SimpleQueue[Tuple[Callable[[Any], None], Any]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = self._queued = 0
+
+    def submit(self, callback: Callable[[Any], None], fut: Any) -> None:
+        with self._lock:
+            self._queued += 1
+            if self._queued > self._idle and self._threads < _CALLBACK_THREADS:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"machinlike-callback-{self._threads}", daemon=True).start()
+        self._tasks.put((callback, fut))
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            callback, fut = self._tasks.get()
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            _logged(callback, fut)
+
+
+_helpers: Optional[_Helpers] = None
+_helpers_lock = threading.Lock()
+
+
+def _off_the_lane(callback: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``callback``, run on a helper thread when the lane's completer would run it.
+
+    Why: the lane's reader thread completes its futures, and their callbacks run inside. A
+    callback there that called the same peer (``fut.then(lambda f: group.registered_sync(...))``)
+    would wait for an answer only that thread reads: it would hang until its timeout.
+    """
+    def run(fut: Any) -> None:
+        if not _transport.lane.completing():
+            callback(fut)
+            return
+        global _helpers
+        with _helpers_lock:
+            if _helpers is None:
+                _helpers = _Helpers()
+            helpers = _helpers
+        helpers.submit(callback, fut)
+    return run
+
+
+def _logged(callback: Callable[[Any], None], fut: Any) -> None:
+    try:
+        callback(fut)
+    except Exception:  # what torch does with a done-callback's exception: said, not raised
+        log.exception("a done-callback of an RpcFuture raised")
+
+
+def _after_fork_in_child() -> None:
+    global _helpers, _helpers_lock
+    _helpers, _helpers_lock = None, threading.Lock()  # (the parent's threads are not here)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _takes_no_argument(callback: Callable[..., None]) -> bool:
