@@ -43,14 +43,14 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .lane_future import LaneFuture, completing, mark_completing
+from .lane_future import LaneFuture, completer, completing
 from .lane_server import Server
 from .lane_wire import (
     HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes, send_frame,
 )
 
 __all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing",
-           "mark_completing"]
+           "completer"]
 
 
 _CONNECT_S = 2.0  # seconds at most to connect and read a peer's hello (less when the call has less)
@@ -70,8 +70,12 @@ class _Pending:
         self.deadline = deadline
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
-        if self.fut is not None:
-            self.fut.complete(value, error)
+        fut = self.fut
+        if fut is not None:
+            # Answered: the expiry heap keeps this entry until its deadline, not the future
+            # (nor what it holds: an RpcFuture's retry holds the call's arguments).
+            self.fut = None
+            fut.complete(value, error)
             return
         self.value, self.error = value, error
         self.event.set()  # type: ignore[union-attr]  # (a sync call's)
@@ -212,7 +216,7 @@ class _Expiry:
         self._thread: Optional[threading.Thread] = None
 
     def add(self, conn: _Conn, cid: int, pending: _Pending) -> None:
-        if pending.fut is not None and pending.fut.done():
+        if pending.fut is None or pending.fut.done():
             return  # answered while it was being sent: nothing to expire
         with self._cond:
             if self._thread is None:

@@ -25,19 +25,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["LaneFuture", "completing", "mark_completing"]
+__all__ = ["LaneFuture", "completing", "completer"]
 
-_completer = threading.local()
+#: ``completer.on``: whether this thread is completing a lane future now (a completer sets
+#: it around the completion; an attribute, not a function: it is set twice an answer).
+completer = threading.local()
 
 
 def completing() -> bool:
     """Whether this thread is completing a lane future now (its done-callbacks run inside)."""
-    return getattr(_completer, "on", False)
-
-
-def mark_completing(on: bool) -> None:
-    """Say that this thread starts (True) or ends (False) completing a lane future."""
-    _completer.on = on
+    return getattr(completer, "on", False)
 
 
 class LaneFuture(torch.futures.Future):
@@ -51,14 +48,14 @@ class LaneFuture(torch.futures.Future):
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Complete with ``value``, or fail with ``error``, then open the sentinel (the
         lane's completer calls this once; a subclass may settle the value its own way)."""
-        _completer.on = True
+        completer.on = True
         try:
             if error is None:
                 self.set_result(value)
             else:
                 self.set_exception(error)
         finally:
-            _completer.on = False
+            completer.on = False
             self.arrived()
 
     def arrived(self) -> None:
