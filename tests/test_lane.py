@@ -160,6 +160,23 @@ def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_
         theirs.close()
 
 
+def test_an_answered_calls_expiry_entry_lets_its_future_go():
+    # An entry stays in the heap until its deadline (or the heap's shedding): it must not
+    # keep the future alive, nor what an RpcFuture holds (its retry, the call's arguments).
+    import gc
+    import weakref
+
+    fut = _lane.LaneFuture()
+    gone = weakref.ref(fut)
+    pending = _lane._Pending(fut, time.monotonic() + 600)
+    heap = [pending]  # (what the expiry keeps)
+    pending.complete("answer", None)
+    assert fut.wait() == "answer" and pending.fut is None
+    del fut
+    gc.collect()
+    assert gone() is None and heap[0].fut is None
+
+
 def _idle_body(world, same_host_lane):
     g = world.create_rpc_group("g", world.get_members())
     g.barrier()
