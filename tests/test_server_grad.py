@@ -168,9 +168,15 @@ def test_sparse_gradients_are_summed_sparse_and_stepped_by_any_optimizer(world):
             assert server.pull(fresh) and fresh.pp_version == 1
             assert torch.allclose(fresh.table.weight, _expected_after_one_step(name)), name
     group.barrier()
+    if world.name == "2":  # none_as_zero: a zero gradient SparseAdam can step on (a dense one stopped it)
+        model = Lookup()
+        assert servers["sparse_adam"].push(model, none_as_zero=True, pull=False)
+        assert servers["sparse_adam"].flush(timeout=30) == 2  # (the version it made)
+        assert servers["sparse_adam"].pull(model) and model.pp_version == 2
+    group.barrier()
     if world.name == "0":
         for impl in impls:
-            assert impl.stats()["primary"]["applied"] == 2
+            assert impl.stats()["primary"]["applied"] == (3 if impl is impls[1] else 2)
             impl.stop()
     group.barrier()
     group.destroy()

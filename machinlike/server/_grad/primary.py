@@ -168,7 +168,7 @@ class ManagedModel:
             for name, param in self._params.items():
                 grad = item.grads.get(name)
                 if grad is None:
-                    param.grad = torch.zeros_like(param)
+                    param.grad = _zero_gradient(param, self.optimizer)
                     continue
                 if self._reduce_method == "mean":
                     grad.div_(item.count)  # the sum belongs to us: divide it in place, once
@@ -195,3 +195,13 @@ class ManagedModel:
         lag = self._lag
         return {"version": self.version, "lag_mean": lag["sum"] / lag["count"] if lag["count"] else 0.0,
                 "lag_max": lag["max"], "since_version": time.monotonic() - self._published_at}
+
+
+def _zero_gradient(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:
+    """A zero gradient for ``param`` that ``optimizer`` can step on: sparse, with no rows,
+    for ``SparseAdam`` (which raises on a dense one), dense for any other."""
+    if type(optimizer) is torch.optim.SparseAdam and param.dim():
+        return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=param.device),
+                                       torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                                       param.shape, check_invariants=True)
+    return torch.zeros_like(param)
