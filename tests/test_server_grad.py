@@ -186,7 +186,7 @@ def test_reduce_items_sums_sparse_and_dense_gradients_in_any_order():
     from machinlike.server._grad.items import Item, reduce_items
 
     def sparse(rows):
-        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.ones(len(rows), 2), (4, 2))
+        return torch.sparse_coo_tensor(torch.tensor([rows]), torch.ones(len(rows), 2), (4, 2), check_invariants=True)
 
     dense = torch.full((4, 2), 0.5)
     expected = dense + sparse([0, 0, 3]).to_dense() + sparse([3]).to_dense()
