@@ -205,12 +205,15 @@ def _kill_body(world):
         g.barrier(timeout=30)
         return "killed"
     pending = g.registered_async("sleep1", (20,), timeout=30)
+    chained = g.registered_async("sleep1", (20,), timeout=30).then(lambda f: f.wait())  # (the loss, as itself)
     start = time.monotonic()
     with pytest.raises(PeerLostError, match="'1'"):
         g.registered_sync("sleep1", (20,), timeout=30)
     took = time.monotonic() - start
     with pytest.raises(PeerLostError):
         pending.wait()
+    with pytest.raises(PeerLostError, match="'1'"):
+        chained.wait()
     assert took < 5.0, took
     with pytest.raises(TimeoutError, match="within 0.3 s"):
         g.registered_sync("sleep0", (2,), timeout=0.3)  # (its own lane: a call to itself)
