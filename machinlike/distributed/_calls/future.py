@@ -87,6 +87,7 @@ class RpcFuture(_transport.lane.LaneFuture):
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Settle with what the transport delivered (its completer calls this once)."""
+        outer = getattr(_completer, "on", False)  # (a completion may run inside another's callbacks)
         _completer.on = True  # (the user's callbacks, run inside, leave this thread: see _off_the_lane)
         settled = True
         try:
@@ -95,7 +96,7 @@ class RpcFuture(_transport.lane.LaneFuture):
             else:
                 settled = self._settle(value, error)
         finally:
-            _completer.on = False
+            _completer.on = outer
             if settled:
                 self.arrived()
 

@@ -48,6 +48,7 @@ class LaneFuture(torch.futures.Future):
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Complete with ``value``, or fail with ``error``, then open the sentinel (the
         lane's completer calls this once; a subclass may settle the value its own way)."""
+        outer = getattr(completer, "on", False)
         completer.on = True
         try:
             if error is None:
@@ -55,7 +56,7 @@ class LaneFuture(torch.futures.Future):
             else:
                 self.set_exception(error)
         finally:
-            completer.on = False
+            completer.on = outer
             self.arrived()
 
     def arrived(self) -> None:
