@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["EXIT_CODE", "EXPLANATION", "check", "starting", "explain"]
+__all__ = ["EXIT_CODE", "EXPLANATION", "check", "check_main_file", "starting", "explain"]
 
 #: The exit code of a child stopped by ``check``: outside sysexits' 64-78, and not 1 or 2.
 EXIT_CODE = 86
@@ -71,6 +71,32 @@ def check(what: str) -> None:
         sys.stderr.flush()
     finally:
         os._exit(EXIT_CODE)
+
+
+def check_main_file(what: str, method: Optional[str]) -> None:
+    """Raise before anything starts when start method ``method`` cannot start a child of
+    this script: ``spawn`` and ``forkserver`` run its main module again in every new process,
+    by its path, and that path is no file (a script read from stdin, ``python - < x.py``).
+    Without this, each child failed to start, and the parent said only that it exited with
+    code 1 (a pool: broken after three tries).
+
+    Raises:
+        RuntimeError: so; the message says the fix.
+    """
+    if method == "fork":
+        return
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return  # python -c, a notebook or a prompt (nothing to run again); python -m (run by name)
+    if not os.path.isabs(path):
+        path = os.path.join(getattr(multiprocessing.process, "ORIGINAL_DIR", None) or os.getcwd(), path)  # (as spawn)
+    if os.path.isfile(path):
+        return
+    raise RuntimeError(
+        f"{what} cannot start processes from this script: the {method!r} start method runs its main module again "
+        f"in every new process, by its path, and {path!r} is not a file (a script read from stdin?); save the "
+        f"script to a file and run `python script.py`")
 
 
 def explain(exitcode: Optional[int]) -> str:

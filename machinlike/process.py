@@ -242,6 +242,7 @@ class Process(BaseProcess):
                 cannot be pickled (spawn-like contexts only).
         """
         _mainguard.check(f"{type(self).__name__}.start()")
+        _mainguard.check_main_file(f"{type(self).__name__}.start()", self._start_method)
         self._report_reader, self._report_writer = connection.Pipe(duplex=False)
         try:
             super().start()

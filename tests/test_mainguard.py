@@ -106,3 +106,31 @@ def test_a_guarded_process_is_never_stopped_and_the_check_is_a_no_op_here():
     assert _mainguard.explain(1) == "" and _mainguard.explain(None) == ""
     err = ProcessExitedError("rank 0", 123, _mainguard.EXIT_CODE, _mainguard.explain(_mainguard.EXIT_CODE))
     assert str(err).startswith(f"rank 0 (pid 123) exited with code {_mainguard.EXIT_CODE}: it stopped before")
+
+
+@pytest.mark.parametrize("kind", ["process", "pool", "launch"])
+def test_a_script_read_from_stdin_is_told_to_be_a_file_before_anything_starts(tmp_path, kind):
+    # spawn and forkserver run the main module again by its path: "<stdin>" has none, and
+    # each child failed to start ("exited with code 1", a pool broken after three tries).
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-"], input=SCRIPTS[kind], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode != 0 and "the target ran" not in done.stdout
+    assert (f"RuntimeError: {CALL[kind]} cannot start processes from this script: the 'forkserver' start method "
+            f"runs its main module again") in done.stderr, done.stderr
+    assert "save the script to a file and run `python script.py`" in done.stderr
+    assert "FileNotFoundError" not in done.stderr  # (no child was started)
+    assert time.monotonic() - started < 30
+
+
+def test_a_script_given_with_dash_c_still_starts_processes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = ("from machinlike.pool import Pool\n"
+            "if __name__ == '__main__':\n"
+            "    with Pool(1) as pool:\n"
+            "        print(pool.map(abs, [-3]))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0 and done.stdout.strip() == "[3]", done.stderr
+

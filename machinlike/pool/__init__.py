@@ -191,6 +191,7 @@ class Pool(PoolBase):
         check_bool(is_daemon, "is_daemon")
         methods = _check_policy(is_copy_tensor, share_method)
         context = resolve_context(ctx)
+        _mainguard.check_main_file(f"{type(self).__name__}(...)", context.get_start_method())
         codec = Codec(is_copy_tensor, methods, is_recursive)
         core = ProcessCore(
             processes=processes, initializer=initializer, initargs=initargs, contexts=contexts,

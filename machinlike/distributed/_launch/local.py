@@ -223,6 +223,7 @@ def launch(
     if elastic:
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
+    _mainguard.check_main_file("launch(...)", context.get_start_method())
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
