@@ -146,7 +146,9 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
                                   ((torch.zeros(0, 4),), ValueError, "needs rows along dim 0"),
                                   (((torch.zeros(2, 4), torch.zeros(3, 4)),), ValueError, "different row counts"),
                                   ((torch.zeros(2, 4), -1.0), ValueError, "timeout=-1.0 must be a positive"),
-                                  ((torch.zeros(2, 4), None, 1), TypeError, "with_version must be a bool")]:
+                                  ((torch.zeros(2, 4), None, 1), TypeError, "with_version must be a bool"),
+                                  ((torch.eye(2).to_sparse(),), TypeError, "sparse_coo tensor: the server batches"),
+                                  (((torch.zeros(2, 4), torch.eye(2).to_sparse()),), TypeError, "send x.to_dense")]:
             with pytest.raises(error, match=match):
                 server.infer(*bad)
         if world.rank == 1:  # a request run at once on the host's RPC thread fails as a batched one

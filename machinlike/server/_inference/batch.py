@@ -22,10 +22,11 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
     """``x`` as sent (a tensor or a tuple of tensors) and its row count.
 
     Raises:
-        TypeError: ``x`` is not a tensor or a non-empty tuple/list of tensors.
+        TypeError: ``x`` is not a tensor or a non-empty tuple/list of tensors, or one is
+            sparse.
         ValueError: a tensor has no dim 0, no rows, or the tensors' row counts differ.
     """
-    if type(x) is torch.Tensor and x.dim() and x.shape[0] and not x.requires_grad:
+    if type(x) is torch.Tensor and x.layout == torch.strided and x.dim() and x.shape[0] and not x.requires_grad:
         return x, x.shape[0]  # the common request, checked in one line (a call costs ~1 ms)
     if isinstance(x, torch.Tensor):
         tensors: Tuple[torch.Tensor, ...] = (x,)
@@ -35,6 +36,9 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
         raise TypeError(f"{param} must be a tensor or a non-empty tuple of tensors (rows along dim 0), not "
                         f"{type(x).__name__}" + (f" of {[type(t).__name__ for t in x][:4]}"
                                                  if isinstance(x, (tuple, list)) else ""))
+    for t in tensors:
+        if t.layout != torch.strided:  # rows are joined and split along dim 0
+            raise TypeError(f"{param} holds a {t.layout} tensor: the server batches dense rows; send x.to_dense()")
     rows = [t.shape[0] if t.dim() else -1 for t in tensors]
     if min(rows) < 1:
         raise ValueError(f"{param} has a tensor of shape {list(tensors[rows.index(min(rows))].shape)}: every "
