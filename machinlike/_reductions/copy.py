@@ -72,11 +72,10 @@ def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
     data = tensor.detach()
     if data.device.type != "cpu":
         data = data.to("cpu")
-    order = dense_order(data)
-    if order is not None:
-        data = data.permute(order)
-    elif not data.is_contiguous():
-        data = data.contiguous()
+    order = None
+    if not data.is_contiguous():  # (the common tensor asks nothing more)
+        order = dense_order(data)  # a channels-last or transposed tensor keeps its layout
+        data = data.contiguous() if order is None else data.permute(order)
     return (
         _rebuild_tensor_copy,
         (type(tensor), _byte_view(data), tensor.dtype, tuple(data.shape), tensor.requires_grad, device, order),

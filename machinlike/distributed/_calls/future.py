@@ -46,7 +46,6 @@ __all__ = ["RpcFuture"]
 log = logging.getLogger(__name__)
 
 _set_result = torch._C.Future.set_result  # (torch.futures.Future's own is a Python frame over it)
-_completer = _transport.lane.completer
 
 
 class RpcFuture(_transport.lane.LaneFuture):
@@ -85,23 +84,13 @@ class RpcFuture(_transport.lane.LaneFuture):
         else:
             self.complete(value, None)
 
-    def complete(self, value: Any, error: Optional[BaseException]) -> None:
-        """Settle with what the transport delivered (its completer calls this once)."""
-        outer = getattr(_completer, "on", False)  # (a completion may run inside another's callbacks)
-        _completer.on = True  # (the user's callbacks, run inside, leave this thread: see _off_the_lane)
-        settled = True
-        try:
-            if error is None and type(value) not in ENVELOPES:  # the common case: short
-                _set_result(self, value)
-            else:
-                settled = self._settle(value, error)
-        finally:
-            _completer.on = outer
-            if settled:
-                self.arrived()
-
     def _settle(self, value: Any, error: Optional[BaseException]) -> bool:
-        """Settle with an error or an envelope; False: a retry will (it was started)."""
+        """Settle with what the transport delivered (``complete``, the lane's entry, runs
+        this with the user's callbacks sent off its thread: see _off_the_lane); False: a
+        retry will (it was started)."""
+        if error is None and type(value) not in ENVELOPES:  # the common case: short
+            _set_result(self, value)
+            return True
         try:
             if error is not None:
                 failure = translate_error(error, self.member, self._what, self._timeout)

@@ -227,21 +227,23 @@ class CollectiveGroup:
             raise ValueError(f"{param}={rank} is not a rank of CollectiveGroup {self.ranks}")
         return rank
 
-    def _pieces(self, name: str, tensors: Any, like: torch.Tensor, like_name: str) -> Any:
-        """``tensors``, checked to be one tensor per member of ``like``'s dtype and number of
-        elements. Checked here, before anything is sent: gloo aborts the whole process
-        (SIGABRT) when the bytes it receives do not fit the tensor waiting for them."""
+    def _one_per_member(self, name: str, tensors: Any) -> None:
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.ranks):
             got = f"{len(tensors)} tensors" if isinstance(tensors, (list, tuple)) else repr(tensors)
-            raise ValueError(f"{name} holds {got}; CollectiveGroup {self.ranks} needs one tensor per member "
+            raise ValueError(f"{name} holds {got}; CollectiveGroup {self.ranks} needs one per member "
                              f"({len(self.ranks)})")
+
+    def _pieces(self, name: str, tensors: Any, like: torch.Tensor, like_name: str) -> None:
+        """Check ``tensors`` to be one tensor per member of ``like``'s dtype and number of
+        elements. Checked here, before anything is sent: gloo aborts the whole process
+        (SIGABRT) when the bytes it receives do not fit the tensor waiting for them."""
+        self._one_per_member(name, tensors)
         for index, piece in enumerate(tensors):
             if not isinstance(piece, torch.Tensor) or piece.dtype != like.dtype or piece.numel() != like.numel():
                 shown = (f"a {piece.dtype} tensor of {piece.numel()} elements" if isinstance(piece, torch.Tensor)
                          else type(piece).__name__)
                 raise ValueError(f"{name}[{index}] is {shown}; every piece needs {like_name}'s dtype and number "
                                  f"of elements ({like.dtype}, {like.numel()})")
-        return tensors
 
     # ------------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
@@ -408,10 +410,8 @@ class CollectiveGroup:
             ValueError: A list does not hold exactly ``size()`` tensors.
         """
         group = self._g()
-        for name, tensors in (("output_tensor_list", output_tensor_list), ("input_tensor_list", input_tensor_list)):
-            if len(tensors) != len(self.ranks):
-                raise ValueError(f"{name} holds {len(tensors)} tensors; CollectiveGroup {self.ranks} needs "
-                                 f"one per member ({len(self.ranks)})")
+        self._one_per_member("output_tensor_list", output_tensor_list)
+        self._one_per_member("input_tensor_list", input_tensor_list)
         if self._native_all_to_all is not False:
             try:
                 # async_op=True so that an error here is the backend refusing the call

@@ -43,14 +43,13 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .lane_future import LaneFuture, completer, completing
+from .lane_future import LaneFuture, completing
 from .lane_server import Server
 from .lane_wire import (
     HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes, send_frame,
 )
 
-__all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing",
-           "completer"]
+__all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing"]
 
 
 _CONNECT_S = 2.0  # seconds at most to connect and read a peer's hello (less when the call has less)

@@ -25,16 +25,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["LaneFuture", "completing", "completer"]
+__all__ = ["LaneFuture", "completing"]
 
-#: ``completer.on``: whether this thread is completing a lane future now (a completer sets
-#: it around the completion; an attribute, not a function: it is set twice an answer).
-completer = threading.local()
+# ``_completer.on``: whether this thread is completing a lane future now (set around each
+# completion: an attribute, not a function call, twice an answer).
+_completer = threading.local()
 
 
 def completing() -> bool:
     """Whether this thread is completing a lane future now (its done-callbacks run inside)."""
-    return getattr(completer, "on", False)
+    return getattr(_completer, "on", False)
 
 
 class LaneFuture(torch.futures.Future):
@@ -47,17 +47,25 @@ class LaneFuture(torch.futures.Future):
 
     def complete(self, value: Any, error: Optional[BaseException]) -> None:
         """Complete with ``value``, or fail with ``error``, then open the sentinel (the
-        lane's completer calls this once; a subclass may settle the value its own way)."""
-        outer = getattr(completer, "on", False)
-        completer.on = True
+        lane's completer calls this once), saying :func:`completing` meanwhile."""
+        outer = getattr(_completer, "on", False)  # (a completion may run inside another's callbacks)
+        _completer.on = True
+        settled = True
         try:
-            if error is None:
-                self.set_result(value)
-            else:
-                self.set_exception(error)
+            settled = self._settle(value, error)
         finally:
-            completer.on = outer
-            self.arrived()
+            _completer.on = outer
+            if settled:
+                self.arrived()
+
+    def _settle(self, value: Any, error: Optional[BaseException]) -> bool:
+        """Set the result or the error; False: it is left to be set later (the sentinel
+        then opens when it is). A subclass settles the value its own way."""
+        if error is None:
+            self.set_result(value)
+        else:
+            self.set_exception(error)
+        return True
 
     def arrived(self) -> None:
         """Say that the Future completed (its completer calls this once)."""
