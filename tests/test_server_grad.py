@@ -578,6 +578,42 @@ def test_grad_server_helper_runs_every_reducer(world):
     assert _our_threads() == []
 
 
+def _frozen_encoder():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)  # a pretrained encoder, fine-tuned above
+    return model
+
+
+@world_test(2, timeout=90)
+def test_frozen_parameters_stay_frozen_and_compiled_clients_push_plain_names(world):
+    # AdamW decays every parameter it steps on; torch's optimizers skip one whose .grad is
+    # None, and the server must too, or a frozen encoder drifts. A frozen parameter needs no
+    # none_as_zero; a compiled client pushes and pulls the names of the module it wraps.
+    servers = grad_server_helper([_frozen_encoder], optimizer=torch.optim.AdamW, learning_rate=0.1)
+    server = servers[0]
+    model = _frozen_encoder()
+    encoder = model[0].weight.detach().clone()
+    if world.name == "1":
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(3):
+            compiled(torch.randn(5, 4)).pow(2).mean().backward()
+            assert model[2].weight.grad is not None and model[0].weight.grad is None
+            assert server.push(compiled, pull=False)
+        head = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))  # nothing frozen, no backward
+        with pytest.raises(ValueError, match=r"no gradient \(.grad is None\) for '0.weight', '0.bias', "
+                                             r"'2.weight', '2.bias'"):
+            server.push(head)
+        assert server.flush(timeout=30) >= 1
+        assert server.pull(compiled) and compiled.pp_version >= 1
+    servers.group.barrier()
+    fresh = _frozen_encoder()
+    assert server.pull(fresh)
+    assert torch.equal(fresh[0].weight, encoder)  # the frozen encoder did not move
+    assert not torch.equal(fresh[2].weight, _frozen_encoder()[2].weight)  # the head learned
+    servers.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @world_test(2, timeout=90)

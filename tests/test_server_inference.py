@@ -303,9 +303,10 @@ def test_weights_update_between_batches_and_tag_outputs_with_their_version(world
         net = nn.Linear(4, 2)
         nn.init.zeros_(net.weight)
         nn.init.zeros_(net.bias)
-        impl = InferenceServerImpl("inf", group, net)
+        # Compiled, as a host runs its model for speed: weights load into the module it wraps.
+        impl = InferenceServerImpl("inf", group, torch.compile(net, backend="eager"))
         models = PushPullModelServerImpl("ms", group)
-        follower = InferenceServerImpl("follower", group, nn.Linear(4, 2), version=-1,
+        follower = InferenceServerImpl("follower", group, torch.compile(nn.Linear(4, 2), backend="eager"), version=-1,
                                        model_server=group.get_paired("ms").to_here(), pull_every=0.05)
         plain = InferenceServerImpl("plain", group, _tagged)
         with pytest.raises(TypeError, match="no weights to update"):
@@ -321,7 +322,7 @@ def test_weights_update_between_batches_and_tag_outputs_with_their_version(world
         ones = nn.Linear(4, 2)
         nn.init.ones_(ones.weight)
         nn.init.zeros_(ones.bias)
-        impl.update(ones, 7)
+        impl.update(ones, 7)  # from a plain module
         assert impl.version == 7
     group.barrier()
     if world.rank == 1:

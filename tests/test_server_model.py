@@ -22,6 +22,9 @@ class Model(nn.Module):
             self.fc2.weight.fill_(2)
             self.fc3.weight.fill_(3)
 
+    def forward(self, x):
+        return self.fc1(x) + self.fc2(x) + self.fc3(x)
+
     def weights(self):
         return [self.fc1.weight.item(), self.fc2.weight.item(), self.fc3.weight.item()]
 
@@ -156,3 +159,39 @@ def test_model_server_helper(world):
     servers.close()  # idempotent
     with pytest.raises(RuntimeError, match="has been destroyed"):
         servers.group.barrier()  # the helper created the group, close() removed it
+
+
+@world_test(2, timeout=90)
+def test_compiled_and_wrapped_models_share_a_server_with_plain_ones_and_pulls_cast_dtypes(world):
+    # A learner compiles (or wraps) its model, actors run it plain, often in bfloat16: the
+    # server moves the wrapped module's names, and a pull casts as load_state_dict does.
+    group = world.create_rpc_group("g", ["0", "1"])
+    if world.name == "0":
+        PushPullModelServerImpl("server", group)
+    group.barrier()
+    server = group.get_paired("server").to_here()
+    if world.name == "1":
+        learner = torch.compile(Model(), backend="eager")
+        assert learner(torch.ones(1, 1)).item() == 6.0  # compiled and run: still the same module
+        with torch.no_grad():
+            learner.fc1.weight.fill_(7)
+        assert server.push(learner) and learner.pp_version == 1
+        wrapped = nn.DataParallel(Model())  # no GPU: it only prefixes the names with "module."
+        assert server.pull(wrapped) and wrapped.module.weights() == [7.0, 2.0, 3.0] and wrapped.pp_version == 1
+        with torch.no_grad():
+            wrapped.module.fc2.weight.fill_(8)
+        assert server.push(wrapped) and wrapped.pp_version == 2
+    group.barrier()
+    if world.name == "0":
+        actor = Model().to(torch.bfloat16)
+        assert server.pull(actor) and actor.fc1.weight.dtype == torch.bfloat16
+        assert actor.weights() == [7.0, 8.0, 3.0]
+        compiled = torch.compile(Model(), backend="eager")
+        assert server.pull(compiled) and compiled._orig_mod.weights() == [7.0, 8.0, 3.0]
+        complex_model = Model().to(torch.complex64)
+        assert server.pull(complex_model)  # real into complex keeps the meaning
+        with pytest.raises(ValueError, match=r"dtypes differ \('fc1.weight': torch.complex64 instead of "
+                                             r"torch.float32"):
+            server.push(complex_model)  # a push does not cast: the server keeps one dtype per entry
+    group.barrier()
+    group.destroy()

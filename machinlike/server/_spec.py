@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Tuple
 
+import sys
+
 import torch
 
-__all__ = ["Spec", "spec_of", "mismatch", "cast_loss", "uncastable", "check_module"]
+__all__ = ["Spec", "spec_of", "mismatch", "cast_loss", "uncastable", "loadable", "check_module", "unwrap"]
 
 # name -> (shape, dtype)
 Spec = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
@@ -88,8 +90,40 @@ def uncastable(source: Mapping[str, torch.dtype], target: Mapping[str, torch.dty
     return "; ".join(bad[:_SHOWN]) + (f"; and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else "")
 
 
+def loadable(source: Spec, target: Spec, source_is: str, target_is: str) -> Optional[str]:
+    """How ``source``'s values fail to load into ``target`` as ``load_state_dict`` would
+    load them (names and shapes must agree, dtypes are cast unless :func:`cast_loss`
+    objects); None when they load."""
+    diff = mismatch(source, target, source_is, target_is, check_dtypes=False)
+    if diff is not None:
+        return diff
+    lossy = uncastable({n: d for n, (_, d) in source.items()}, {n: d for n, (_, d) in target.items()})
+    return None if lossy is None else f"values cannot be cast to {target_is}'s dtypes ({lossy})"
+
+
 def check_module(model: object, param: str = "model") -> torch.nn.Module:
     """Refuse anything but an ``nn.Module`` with a TypeError naming the parameter."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{param} must be a torch.nn.Module, not {type(model).__name__}")
     return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose tensors a server moves: ``model`` without the wrappers that only
+    prefix its names (``torch.compile``'s ``_orig_mod.``, ``DistributedDataParallel``'s and
+    ``DataParallel``'s ``module.``).
+
+    Why: a learner compiles or wraps its model while actors and servers run it plain; the
+    names a server compares and loads must be the same on both sides.
+    """
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        if isinstance(model, parallel):
+            model = model.module
+            continue
+        # Only a process that imported dynamo can hold a compiled module: no import here.
+        dynamo = sys.modules.get("torch._dynamo.eval_frame")
+        if dynamo is not None and isinstance(model, dynamo.OptimizedModule):
+            model = model._orig_mod
+            continue
+        return model

@@ -76,7 +76,7 @@ from ._host import host_checkpoint
 from ._grad import Hosting, check_not_hosted
 from ._errors import ServerStoppedError
 from ._grad import PrimaryReducer, SecondaryReducer
-from ._spec import check_module
+from ._spec import check_module, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "CheckpointError"]
@@ -261,7 +261,7 @@ class PushPullGradServerImpl:
             raise TypeError(f"optimizer must have a step() method, not {type(optimizer).__name__}")
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
             raise TypeError(f"lr_scheduler must have a step() method or be None, not {type(lr_scheduler).__name__}")
-        params = dict(model.named_parameters())
+        params = dict(unwrap(model).named_parameters())
         if not params:
             raise ValueError("the managed model has no parameters")
         managed.manage(model, params, optimizer, lr_scheduler)

@@ -45,7 +45,7 @@ from ._common import check_group, check_name
 from ._inference import Inputs, check_inputs
 from ._inference import Batcher, Request
 from ._inference import ModelSlot, Puller
-from ._spec import mismatch, spec_of
+from ._spec import mismatch, spec_of, unwrap
 from .model import PushPullModelServer
 
 __all__ = ["InferenceServer", "InferenceServerImpl"]
@@ -299,7 +299,7 @@ class InferenceServerImpl:
             raise TypeError(f"inference server {self.server_name!r} runs {type(self._slot.fn).__name__}, not an "
                             f"nn.Module: it has no weights to update")
         if isinstance(state, torch.nn.Module):
-            state = state.state_dict()
+            state = unwrap(state).state_dict()
         elif not isinstance(state, Mapping):
             raise TypeError(f"state must be an nn.Module or a state dict, not {type(state).__name__}")
         _check_version(version)

@@ -36,7 +36,7 @@ from .. import _shm
 from ..distributed import RpcGroup
 from ._common import check_group, check_name
 from ._host import HostCheckpoint, host_checkpoint
-from ._spec import Spec, check_module, mismatch, spec_of
+from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullModelServer", "PushPullModelServerImpl"]
@@ -109,9 +109,11 @@ class PushPullModelServer:
         Gradients are not touched.
 
         Args:
-            model: The model; its state dict is sent. From a GPU, the server gets a copy on
-                the same device index when it uses CUDA (device to device through CUDA IPC
-                on this host), else on the CPU.
+            model: The model; its state dict is sent (of the module it wraps for a
+                ``torch.compile``\ d, ``DistributedDataParallel`` or ``DataParallel`` model,
+                so that plain models pull it). From a GPU, the server gets a copy on the
+                same device index when it uses CUDA (device to device through CUDA IPC on
+                this host), else on the CPU.
             pull_on_fail: When another version got there first, load the newest one into
                 ``model`` (see :meth:`pull`).
 
@@ -124,8 +126,7 @@ class PushPullModelServer:
             ValueError: the server holds a model of another architecture (names, shapes or
                 dtypes differ; the message lists them).
         """
-        check_module(model)
-        state = model.state_dict()
+        state = unwrap(check_module(model)).state_dict()
         mine = spec_of(state)
         diff = mismatch(self._server_spec(mine), mine, "the server's model", "this model")
         if diff is not None:
@@ -148,10 +149,11 @@ class PushPullModelServer:
         """Load the newest version into ``model`` unless it already has it.
 
         Nothing is transferred when ``model.pp_version`` is the newest version. Gradients
-        are not cleared.
+        are not cleared. Values are converted to the model's dtypes as ``load_state_dict``
+        converts them (a float32 learner's weights into a bfloat16 actor).
 
         Args:
-            model: A model of the server's architecture.
+            model: A model of the server's architecture (compiled or wrapped: as :meth:`push`).
 
         Returns:
             True if a newer state was loaded (``model.pp_version`` updated), False if the
@@ -159,18 +161,19 @@ class PushPullModelServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
-            ValueError: the server's state dict does not fit ``model`` (nothing is loaded).
+            ValueError: the server's state dict does not fit ``model`` (names or shapes, or
+                a cast that would lose meaning, such as complex to real; nothing is loaded).
         """
-        check_module(model)
+        target = unwrap(check_module(model))
         got = self.o_server.pull_if_changed(self.model_name, get_version(model))
         if got is None:
             return False
         state, version = got
-        diff = mismatch(spec_of(state), spec_of(model.state_dict()), "the server's model", "this model")
+        diff = loadable(spec_of(state), spec_of(target.state_dict()), "the server's model", "this model")
         if diff is not None:
             raise ValueError(f"cannot pull model {self.model_name!r} into a model of another architecture "
                              f"(nothing was loaded): {diff}")
-        model.load_state_dict(state)
+        target.load_state_dict(state)
         set_version(model, version)
         return True
 

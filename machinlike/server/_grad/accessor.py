@@ -15,7 +15,7 @@ from .._common import check_group, check_members, check_name, check_timeout, rpc
 from .hosted import hosted_secondary
 from .items import wait_future
 from .reducer import SecondaryReducer
-from .._spec import Spec, check_module, mismatch, spec_of, uncastable
+from .._spec import Spec, check_module, loadable, mismatch, spec_of, uncastable, unwrap
 from ..model import get_version, set_version
 from ..ordered import OrderedServerBase, OrderedServerSimple
 
@@ -175,9 +175,16 @@ class PushPullGradServer:
         and ``SGD`` and ``Adagrad`` without weight decay), and made dense otherwise.
 
         Args:
-            model: A model of the managed architecture, after ``backward()``.
+            model: A model of the managed architecture, after ``backward()``; a
+                ``torch.compile``\ d, ``DistributedDataParallel`` or ``DataParallel`` model
+                counts as the module it wraps.
             none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
-                gradient (they are not sent). False: refuse such a push.
+                gradient (they are not sent). False: refuse such a push. A frozen
+                parameter (``requires_grad=False``) without a gradient is never sent and
+                needs no ``none_as_zero``. A parameter that no push of a batch had a
+                gradient for keeps ``.grad = None`` on the primary, so its optimizer skips
+                it as torch's optimizers skip it locally (AdamW's weight decay leaves a
+                frozen encoder as it is).
             pull: Pull and clear the gradients after pushing (machin's behaviour).
 
         Returns:
@@ -203,8 +210,7 @@ class PushPullGradServer:
         """
         if not isinstance(pull, bool):
             raise TypeError(f"pull must be a bool, not {type(pull).__name__}")
-        check_module(model)
-        params = dict(model.named_parameters())
+        params = dict(unwrap(check_module(model)).named_parameters())
         spec = self._server_spec()
         # Dtypes may differ: gradients are cast to the managed model's (below), unless a
         # cast would lose their meaning.
@@ -216,7 +222,8 @@ class PushPullGradServer:
         for name, param in params.items():
             grad = param.grad
             if grad is None:
-                absent.append(name)
+                if param.requires_grad:  # a frozen parameter has none by design: nothing to send
+                    absent.append(name)
             elif grad.layout == torch.strided:
                 grads[name] = grad.detach()
             elif grad.layout == torch.sparse_coo:  # nn.Embedding(sparse=True): its rows looked up, summed
@@ -292,18 +299,13 @@ class PushPullGradServer:
             ValueError: the published parameters' names or shapes do not fit ``model``,
                 or a cast would lose meaning (complex to real; nothing is loaded).
         """
-        check_module(model)
+        params = dict(unwrap(check_module(model)).named_parameters())
         got = self.o_server.pull_if_changed(self.model_name, get_version(model))
         if got is None:
             return False
         state, version = got
-        params = dict(model.named_parameters())
-        diff = mismatch(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
-                        "this model", check_dtypes=False)
-        if diff is None:
-            lossy = uncastable({k: t.dtype for k, t in state.items() if isinstance(t, torch.Tensor)},
-                               {k: p.dtype for k, p in params.items()})
-            diff = None if lossy is None else f"values cannot be cast to this model's dtypes ({lossy})"
+        diff = loadable(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
+                        "this model")
         if diff is not None:
             raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
         with torch.no_grad():

@@ -167,8 +167,8 @@ class ManagedModel:
         with torch.no_grad():
             for name, param in self._params.items():
                 grad = item.grads.get(name)
-                if grad is None:
-                    param.grad = _zero_gradient(param, self.optimizer)
+                if grad is None:  # no push of the batch had one: the optimizer skips it, as locally
+                    param.grad = None
                     continue
                 if self._reduce_method == "mean":
                     grad.div_(item.count)  # the sum belongs to us: divide it in place, once
@@ -196,12 +196,3 @@ class ManagedModel:
         return {"version": self.version, "lag_mean": lag["sum"] / lag["count"] if lag["count"] else 0.0,
                 "lag_max": lag["max"], "since_version": time.monotonic() - self._published_at}
 
-
-def _zero_gradient(param: torch.nn.Parameter, optimizer: Any) -> torch.Tensor:
-    """A zero gradient for ``param`` that ``optimizer`` can step on: sparse, with no rows,
-    for ``SparseAdam`` (which raises on a dense one), dense for any other."""
-    if type(optimizer) is torch.optim.SparseAdam and param.dim():
-        return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=param.device),
-                                       torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
-                                       param.shape, check_invariants=True)
-    return torch.zeros_like(param)

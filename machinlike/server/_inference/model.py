@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import torch
 
 from .batch import Inputs, to_device
+from .._spec import unwrap
 from ..model import PushPullModelServer, get_version
 
 __all__ = ["ModelSlot", "Puller"]
@@ -39,7 +40,8 @@ class ModelSlot:
 
     def __init__(self, fn: Callable[..., Any], version: int, device: Optional[torch.device]) -> None:
         self.fn = fn
-        self.module: Optional[torch.nn.Module] = fn if isinstance(fn, torch.nn.Module) else None
+        # Weights load into the module a compiled or wrapped fn runs (names without prefixes).
+        self.module: Optional[torch.nn.Module] = unwrap(fn) if isinstance(fn, torch.nn.Module) else None
         self.device = device
         self._lock = threading.Lock()  # a batch, or a weight swap: never both
         self.version = version
