@@ -39,3 +39,6 @@ def test_accessors_refuse_bad_arguments_without_a_world():
         server.PushPullModelServer("model")
     with pytest.raises(TypeError, match="model_creators must be a non-empty list of callables"):
         server.grad_server_helper([])
+    with pytest.raises(TypeError, match=r"callables that build a model each, not function \(one server per "
+                                        r"creator: pass \[model_creator\]\)"):
+        server.grad_server_helper(lambda: None)  # one creator, not in a list

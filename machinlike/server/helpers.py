@@ -203,7 +203,9 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
     """
     if isinstance(model_creators, (str, bytes)) or not isinstance(model_creators, (list, tuple)) \
             or not model_creators or not all(callable(c) for c in model_creators):
-        raise TypeError("model_creators must be a non-empty list of callables that build a model each")
+        fix = " (one server per creator: pass [model_creator])" if callable(model_creators) else ""
+        raise TypeError(f"model_creators must be a non-empty list of callables that build a model each, not "
+                        f"{type(model_creators).__name__}{fix}")
     count = len(model_creators)
     rates = _per_model(learning_rate, count, "learning_rate", lambda: 1e-3, (int, float))
     opt_kwargs = _per_model(optimizer_kwargs, count, "optimizer_kwargs", dict, (dict,))
