@@ -8,11 +8,12 @@ poll says so with ``allow_zero=True``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
 __all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
-           "sequence_of_str", "optional_str", "nonempty_str"]
+           "sequence_of_str", "optional_str", "nonempty_str", "not_async"]
 
 
 def seconds(param: str, value: Any, *, allow_zero: bool = False) -> float:
@@ -144,3 +145,22 @@ def optional_str(param: str, value: Optional[Any]) -> Optional[str]:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{param} must be a str or None, not {type(value).__name__} ({value!r})")
     return value
+
+
+def not_async(param: str, func: Any, runs: str) -> None:
+    """Refuse an ``async def`` function where it would be called without an event loop:
+    the call would only return an unawaited coroutine, which no caller can use.
+
+    Args:
+        param: The parameter's name.
+        func: The callable.
+        runs: Where it would run, for the message (``"on an RPC thread"``).
+
+    Raises:
+        TypeError: naming the function and the fix.
+    """
+    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+        name = getattr(func, "__qualname__", type(func).__name__)
+        raise TypeError(f"{param} {name} is an async function: it would run {runs} without an event loop and "
+                        f"return an unawaited coroutine; pass a plain function, such as "
+                        f"lambda *args: asyncio.run({name.rsplit('.', 1)[-1]}(*args))")

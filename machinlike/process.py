@@ -59,6 +59,7 @@ _EXIT = "exit"
 def _check_callable(value: Any, param: str) -> None:
     if value is not None and not callable(value):
         raise TypeError(f"{param} must be callable or None, not {type(value).__name__}")
+    _checks.not_async(param, value, "in the child process")
 
 
 def _add_note(exc: BaseException, note: str) -> None:

@@ -6,6 +6,7 @@ import itertools
 import threading
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
+from ._checks import not_async
 from .process import call_with_cleaner
 
 __all__ = ["Thread"]
@@ -53,6 +54,7 @@ class Thread(threading.Thread):
         for value, param in ((target, "target"), (cleaner, "cleaner")):
             if value is not None and not callable(value):
                 raise TypeError(f"{param} must be callable or None, not {type(value).__name__}")
+            not_async(param, value, "on the thread")
         try:
             args = tuple(args)
         except TypeError:

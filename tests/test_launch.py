@@ -111,6 +111,15 @@ def test_launch_validates(kwargs, error, match):
         launch(_rank_and_name, **kwargs)
 
 
+async def _async_body(world):
+    pass
+
+
+def test_launch_refuses_an_async_function_before_starting_anything():
+    with pytest.raises(TypeError, match=r"fn _async_body is an async function: it would run in each rank"):
+        launch(_async_body, world_size=2)
+
+
 def test_run_world_needs_a_timeout():
     with pytest.raises(ValueError, match="timeout=None must be a positive number"):
         run_world(_rank_and_name, 2, timeout=None)

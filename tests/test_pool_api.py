@@ -213,6 +213,10 @@ def test_pools_refuse_to_be_pickled():
             pickle.dumps(pool.apply_async(targets.square, (1,)))
 
 
+async def _coroutine(x):
+    return x
+
+
 def test_argument_validation():
     bad_constructors = [
         (lambda: Pool(0), ValueError, "processes must be >= 1"),
@@ -238,6 +242,12 @@ def test_argument_validation():
     with ThreadPool(1) as pool:
         bad_calls = [
             (lambda: pool.apply(3), TypeError, "func must be callable"),
+            (lambda: pool.map(_coroutine, range(3)), TypeError,
+             r"func _coroutine is an async function: it would run in a pool worker without an event loop and "
+             r"return an unawaited coroutine; pass a plain function, such as lambda \*args: "
+             r"asyncio.run\(_coroutine\(\*args\)\)"),
+            (lambda: pool.apply_async(targets.square, (1,), callback=_coroutine), TypeError,
+             "callback _coroutine is an async function: it would run when its task ends"),
             (lambda: pool.apply(targets.square, 3), TypeError, "args must be a tuple"),
             (lambda: pool.apply(targets.square, "ab"), TypeError, r"write \('ab',\)"),
             (lambda: pool.apply(targets.square, (1,), [1]), TypeError, "kwds must be a mapping"),

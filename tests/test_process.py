@@ -178,9 +178,15 @@ def test_lambda_target_under_spawn():
     assert p.exception is None and t.item() == 1
 
 
+async def _coroutine():
+    pass
+
+
 def test_argument_validation():
     with pytest.raises(TypeError, match="target must be callable"):
         Process(target=3)
+    with pytest.raises(TypeError, match="target _coroutine is an async function: it would run in the child process"):
+        Process(target=_coroutine)
     with pytest.raises(TypeError, match="cleaner must be callable"):
         Process(target=targets.noop, cleaner="no")
     with pytest.raises(ValueError, match="group must be None"):
@@ -271,6 +277,8 @@ def test_thread_target_and_cleaner_both_fail():
 def test_thread_argument_validation():
     with pytest.raises(TypeError, match="target must be callable"):
         Thread(target=1)
+    with pytest.raises(TypeError, match="target _coroutine is an async function: it would run on the thread"):
+        Thread(target=_coroutine)
     with pytest.raises(ValueError, match="group must be None"):
         Thread(group=1)
 

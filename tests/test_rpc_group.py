@@ -48,6 +48,10 @@ def _scale(tensor, factor=1):
     return tensor * factor
 
 
+async def _async_service(x):
+    return x
+
+
 def _whoami():
     from machinlike.distributed import get_cur_name
 
@@ -78,6 +82,10 @@ def test_register_call_and_errors(world):
             g.register(3, _scale)
         with pytest.raises(TypeError, match="service must be callable"):
             g.register("x", 5)
+        with pytest.raises(TypeError, match=r"service _async_service is an async function: it would run on an "
+                                            r"RPC thread without an event loop"):
+            g.register("x", _async_service)
+        assert not g.is_registered("x")
         with pytest.raises(ValueError, match="timeout=-1 must be a positive number"):
             g.registered_sync("scale1", timeout=-1)
     for owner in MEMBERS:
@@ -236,6 +244,8 @@ def test_rpc_calls_lambdas_closures_and_membership(world):
         g.rpc_sync("2", _whoami)
     with pytest.raises(TypeError, match="func must be callable"):
         g.rpc_sync(other, 42)
+    with pytest.raises(TypeError, match="func _async_service is an async function: it would run on the callee's"):
+        g.rpc_async(other, _async_service)
     assert g.size() == 2 and g.is_member() and g.is_member("0") and not g.is_member("2")
     assert g.get_group_name() == "calls" and g.get_cur_name() == world.name
     g.barrier()

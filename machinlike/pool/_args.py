@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterable
 from typing import Any, List, Optional
 
+from .._checks import not_async
+
 __all__ = ["PoolPicklingError", "default_processes", "check_processes", "check_maxtasks", "check_callable",
            "check_bool", "check_contexts", "as_args"]
 
@@ -47,6 +49,7 @@ def check_callable(value: Any, param: str, optional: bool = False) -> None:
         return
     if not callable(value):
         raise TypeError(f"{param} must be callable{' or None' if optional else ''}, not {type(value).__name__}")
+    not_async(param, value, "when its task ends" if param.endswith("callback") else "in a pool worker")
 
 
 def check_bool(value: Any, param: str) -> bool:

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ...pickle import dumps, loads
-from ..._checks import call_args
+from ..._checks import call_args, not_async
 
 __all__ = ["ship_function", "is_async", "prepare_call"]
 
@@ -84,8 +84,10 @@ def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional
     """``(shipped func, args, kwargs)`` of a plain call, checked before anything is sent.
 
     Raises:
-        TypeError: ``func`` is not callable, or ``args``/``kwargs`` are not a sequence / dict.
+        TypeError: ``func`` is not callable or is an ``async def`` function, or
+            ``args``/``kwargs`` are not a sequence / dict.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
+    not_async("func", func, "on the callee's RPC thread")
     return (ship_function(func),) + call_args(args, kwargs)

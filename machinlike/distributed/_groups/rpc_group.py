@@ -132,11 +132,13 @@ class RpcGroup:
 
         Raises:
             KeyError: ``key`` is already registered in the group (by any member).
-            TypeError: ``service`` is not callable.
+            TypeError: ``service`` is not callable, or is an ``async def`` function (it
+                would run without an event loop).
         """
         _check_key(key)
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
+        _checks.not_async("service", service, "on an RPC thread")
         self._usable(need_member=True).services.add(key, service)
 
     def deregister(self, key: str) -> None:

@@ -201,6 +201,7 @@ def launch(
     _mainguard.check("launch(...)")
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    _checks.not_async("fn", fn, "in each rank")
     _checks.positive_int("world_size", world_size)
     if timeout is not None:
         _checks.seconds("timeout", timeout)

@@ -260,6 +260,7 @@ def launch_ray(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+    _checks.not_async("fn", fn, "in each rank")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     for param, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stop_timeout", stop_timeout)):
