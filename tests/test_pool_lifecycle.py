@@ -288,6 +288,23 @@ def test_no_worker_idles_while_another_has_a_backlog(cls, tmp_path):
         release.close()
 
 
+@pytest.mark.parametrize("cls", [Pool, P2PPool])
+def test_a_task_larger_than_the_pipe_runs_and_is_not_passed_between_idle_workers(cls):
+    """A task whose frame takes many writes (8 MB through a 64 KB pipe) is unstarted until
+    its worker has read it all. An idle worker stole it, then the first one stole it
+    back, and so on for good: Pool(2).apply with a 4 MB argument hung (1,570 take-backs
+    in 5 s)."""
+    payload = bytes(8 << 20)
+    pool = cls(2)
+    try:
+        pool.map(targets.square, range(4), chunksize=1)  # both workers up
+        for _ in range(3):
+            assert pool.apply_async(len, (payload,)).get(20) == len(payload)
+        assert pool.map(len, [payload, payload[:5]], chunksize=1) == [len(payload), 5]
+    finally:
+        pool.terminate()
+
+
 def test_a_pool_starts_safely_from_a_parent_running_torch_threads():
     torch.set_num_threads(2)
     product = torch.ones(300, 300) @ torch.ones(300, 300)  # starts torch's intra-op threads

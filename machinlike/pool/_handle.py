@@ -184,8 +184,18 @@ class WorkerHandle:
         self.want_write = not done
 
     def unstarted(self) -> int:
-        started = self.ledger.started()
-        return sum(1 for task in self.inflight if task.seq > started)
+        """How many of its tasks a thief may take now (see :meth:`_stealable`)."""
+        return len(self._stealable(self.ledger.started()))
+
+    def _stealable(self, started: int) -> List[Task]:
+        """Its unstarted tasks a thief may take: all of them behind a running task; with
+        none running, all but the oldest, which a ready worker is reading in now. Taking
+        that one would only send it twice, and while a large frame was still being
+        written two idle workers passed it back and forth for good."""
+        unstarted = [t for t in self.inflight if t.seq > started]
+        if unstarted and unstarted[0] is self.inflight[0] and self.is_ready():
+            del unstarted[0]
+        return unstarted
 
     def take_back_unstarted(self, wait: float) -> List[Task]:
         """Take back the newest half of its unstarted tasks, atomically with its claims.
@@ -199,7 +209,7 @@ class WorkerHandle:
         taken: List[Task] = []
 
         def choose(started: int) -> List[int]:
-            unstarted = [t for t in self.inflight if t.seq > started]
+            unstarted = self._stealable(started)
             taken.extend(unstarted[len(unstarted) - steal_count(len(unstarted)):])
             return [t.seq for t in taken]
 
