@@ -17,7 +17,10 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
   (load into the model included in both);
 * pools: a fresh 256 MB tensor through a copy-mode ``Pool`` whose worker returns its sum
   (GB/s, and against a warm memcpy measured just before), and an already-shared 256 MB
-  tensor through a share-mode pool (ms beyond the worker's compute, median and max of 20).
+  tensor through a share-mode pool (ms beyond the worker's compute, median and max of 20);
+* numpy arrays (observations, replay batches): a 64 MB array echoed through
+  ``registered_sync`` against raw ``rpc_sync``, and sent to a ``Pool`` worker that sums
+  it against the standard library's ``multiprocessing`` pool (both spawn their workers).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed import rpc
@@ -119,6 +123,12 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
         group.registered_sync("echo", (shared,))
         results["shared"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(tensor,)),
                                        lambda: group.registered_sync("echo", (shared,)), 2, blocks)
+        array = tensor.numpy().copy()
+        for _ in range(2):
+            group.registered_sync("echo", (array,))
+            rpc.rpc_sync("1", echo, args=(array,))
+        results["numpy"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(array,)),
+                                      lambda: group.registered_sync("echo", (array,)), 2, blocks)
         for _ in range(50):
             rpc.rpc_sync("1", noop)
             group.registered_sync("noop")
@@ -193,6 +203,17 @@ def pools(reps: int) -> Dict[str, float]:
             extra.append(time.perf_counter() - start - compute)
         out["shared_median"] = statistics.median(extra) * 1e3
         out["shared_max"] = max(extra) * 1e3
+    array = np.random.default_rng(0).random(8 * MB)  # 64 MB of float64
+    import multiprocessing
+
+    for name, make in (("numpy_stdlib", lambda: multiprocessing.get_context("spawn").Pool(2)),
+                       ("numpy_ours", lambda: Pool(2))):
+        with make() as pool:
+            pool.apply(np.sum, (array,))
+            start = time.perf_counter()
+            for _ in range(reps):
+                pool.apply(np.sum, (array,))
+            out[name] = array.nbytes / 1e9 / ((time.perf_counter() - start) / reps)
     return out
 
 
@@ -225,12 +246,17 @@ def main() -> None:
          f"{pool['copy'] / pool['memcpy']:.2f}", ">= 3 GB/s, >= 0.4"),
         ("pool share mode, shared 256 MB, ms beyond compute", "-",
          f"{pool['shared_median']:.2f} / {pool['shared_max']:.2f}", "-", "<= 2 / <= 3 (median / max)"),
+        ("64 MB numpy echo, registered_sync (GB/s)", f"{gb / two['numpy']['raw']:.2f}",
+         f"{gb / two['numpy']['ours']:.2f}", f"{two['numpy']['raw'] / two['numpy']['ours']:.2f}x", ""),
+        ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
+         f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'peer':>16}  {'machinlike':>14}  {'ratio':>7}  target")
     for name, peer, ours, ratio, target in rows:
         print(f"{name:<{width}}  {peer:>16}  {ours:>14}  {ratio:>7}  {target}")
-    print("peer: raw torch rpc_sync (TensorPipe) on the same agent; for the pool, a warm memcpy of 256 MB")
+    print("peer: raw torch rpc_sync (TensorPipe) on the same agent; for the pool, a warm memcpy of 256 MB, "
+          "for numpy arrays in a pool, multiprocessing.Pool")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

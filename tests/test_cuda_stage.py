@@ -119,10 +119,10 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
     walks = []
     real = _cuda_stage.walk
 
-    def counting(obj, leaf, memo=None):
+    def counting(obj, leaf, memo=None, array=None):
         if memo is None:
             walks.append(obj)
-        return real(obj, leaf, memo)
+        return real(obj, leaf, memo, array)
 
     monkeypatch.setattr(_cuda_stage, "walk", counting)
 
@@ -140,6 +140,10 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
     what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))
     # (args and kwargs in one walk)
     assert reply == 1 << 10 and not isinstance(args[0], torch.Tensor) and walks == [((big,), {})]
+    walks.clear()
+    array = big.numpy().copy()  # a numpy array takes the same walk
+    _, args, _, _ = _samehost.outgoing("peer", ("f", (array,), {}))
+    assert type(args[0]) is not type(array) and len(walks) == 1
     walks.clear()
     out = _samehost.reply([big], 1 << 10)
     assert not isinstance(out[0], torch.Tensor) and walks == [[big]]

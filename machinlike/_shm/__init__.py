@@ -5,10 +5,11 @@ face is :func:`machinlike.distributed.share` and the World's ``same_host_shm`` k
 """
 
 from ._codec import (
-    Leaf, encode, encode_tensor, is_shared_by_reference, reduce_by_reference, reduce_copy, share, share_and_reduce,
-    shm_eligible, walk,
+    Leaf, encode, encode_array, encode_tensor, is_shared_by_reference, reduce_array, reduce_by_reference, reduce_copy,
+    share, share_and_reduce, shm_eligible, walk,
 )
 from ._segments import cache, reachable
 
-__all__ = ["Leaf", "walk", "encode", "encode_tensor", "share", "share_and_reduce", "shm_eligible", "reduce_copy", "reduce_by_reference",
+__all__ = ["Leaf", "walk", "encode", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
+           "reduce_copy", "reduce_array", "reduce_by_reference",
            "is_shared_by_reference", "cache", "reachable"]

@@ -31,7 +31,7 @@ import torch
 from ._peer_fd import open_peer_fd
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
-__all__ = ["Mapping", "attach", "lent_view", "foreign_origin", "forget_all", "set_limit", "bury"]
+__all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "forget_all", "set_limit", "bury"]
 
 Key = Tuple[int, int]
 
@@ -219,6 +219,12 @@ def _free(header: np.ndarray) -> None:
 
 def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over a lent segment's data; the segment is freed when it dies."""
+    return torch.from_numpy(lent_array(pid, fd, inode, capacity, nbytes))
+
+
+def lent_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> np.ndarray:
+    """A uint8 array over a lent segment's data; the segment is freed when it and every
+    view of it died."""
     if pid == os.getpid():
         seg = cache().find(inode)
         if seg is None:
@@ -230,7 +236,7 @@ def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torc
     header[1] = os.getpid()
     data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)
     weakref.finalize(data, _free, header)
-    return torch.from_numpy(data)
+    return data
 
 
 def _after_fork_in_child() -> None:

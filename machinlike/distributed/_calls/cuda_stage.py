@@ -35,6 +35,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..._shm import walk
+from ..._shm import encode_array as _shm_encode_array
 from ..._shm import encode_tensor as _shm_encode_tensor
 from . import cuda_ipc as _cuda_ipc
 from .staging import lands_on, stage_tensor
@@ -80,7 +81,7 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
             return _shm_encode_tensor(tensor, shm_threshold)
         return tensor
 
-    out = walk(obj, leaf)
+    out = walk(obj, leaf, None, (lambda array: _shm_encode_array(array, shm_threshold)) if shm_threshold else None)
     if batch is not None:  # one slab per device; a device without one stages (counted)
         batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
