@@ -25,12 +25,14 @@ script is not imported again, meet this first::
 
 from __future__ import annotations
 
+import ast
+import functools
 import multiprocessing.process
 import os
 import sys
-from typing import Optional
+from typing import FrozenSet, Optional
 
-__all__ = ["EXIT_CODE", "EXPLANATION", "check", "check_main_file", "starting", "explain"]
+__all__ = ["EXIT_CODE", "EXPLANATION", "check", "check_main_file", "starting", "explain", "note_guarded_name"]
 
 #: The exit code of a child stopped by ``check``: outside sysexits' 64-78, and not 1 or 2.
 EXIT_CODE = 86
@@ -103,3 +105,66 @@ def explain(exitcode: Optional[int]) -> str:
     """``EXPLANATION`` for a child that ended with ``EXIT_CODE`` without a report of its
     own; else ""."""
     return EXPLANATION if exitcode == EXIT_CODE else ""
+
+
+def note_guarded_name(exc: BaseException) -> None:
+    """Explain a NameError raised in a spawned child for a name that the script defines
+    under its ``if __name__ == "__main__":`` block, which the child skipped when it
+    imported the script as ``__mp_main__`` (a pool's lambda, a rank's body or a function
+    run over RPC using such a name): the most common surprise for users of ``fork``.
+
+    Adds a note (``exc.add_note``) with the fix; does nothing for any other exception.
+    """
+    if not isinstance(exc, NameError):
+        return
+    name = getattr(exc, "name", None)
+    main = sys.modules.get("__main__")
+    if not name or getattr(main, "__name__", None) != "__mp_main__":
+        return
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or name not in _guarded_names(path):
+        return
+    exc.add_note(f"{name!r} is defined under the script's `if __name__ == \"__main__\":` block, which this process "
+                 f"(pid {os.getpid()}) skipped: a spawned process imports the script as '__mp_main__'. Pass it as "
+                 f"an argument or define it at module level (a Pool can also send the globals its functions use: "
+                 f"Pool(is_recursive=True))")
+
+
+@functools.lru_cache(maxsize=4)
+def _guarded_names(path: str) -> FrozenSet[str]:
+    """The global names a script binds under its ``if __name__ == "__main__":`` blocks."""
+    try:
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return frozenset()
+    names: set = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            for statement in node.body:
+                _bound(statement, names)
+    return frozenset(names)
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+    return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+
+def _bound(node: ast.AST, names: set) -> None:
+    """Add the names ``node`` binds at the level it runs at (not inside functions or classes)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        names.add(node.name)
+        return
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        return
+    if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        return  # their own scopes
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        names.add(node.id)
+        return
+    for child in ast.iter_child_nodes(node):
+        _bound(child, names)

@@ -22,6 +22,8 @@ import signal
 import traceback
 from typing import Any, Dict, Optional, Type, Union
 
+from . import _mainguard
+
 __all__ = [
     "RemoteTraceback",
     "RemoteError",
@@ -93,6 +95,7 @@ class ExceptionWithTraceback:
             import multiprocessing
 
             where = f"process {multiprocessing.current_process().name!r}"
+        _mainguard.note_guarded_name(exc)  # a name the script defines under its main guard: say so
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         head, sep, body = text.partition("\n")
         if head.startswith("Traceback (most recent call last)") and sep:

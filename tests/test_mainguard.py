@@ -134,3 +134,83 @@ def test_a_script_given_with_dash_c_still_starts_processes(tmp_path):
                           timeout=150)
     assert done.returncode == 0 and done.stdout.strip() == "[3]", done.stderr
 
+
+
+GUARDED_GLOBALS = """
+from machinlike import launch
+from machinlike.pool import Pool
+
+
+def rank_body(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        try:
+            group.rpc_sync("0", lambda: LIMIT + 1)
+        except NameError as exc:
+            print("rpc:", exc.__notes__[0])
+    group.barrier()
+    return LIMIT
+
+
+if __name__ == "__main__":
+    LIMIT = 10
+    with Pool(1) as pool:
+        try:
+            pool.map(lambda i: i + LIMIT, range(2))
+        except NameError as exc:
+            print("pool:", exc.__notes__[0])
+    with Pool(1, is_recursive=True) as pool:
+        print("recursive:", pool.map(lambda i: i + LIMIT, range(2)))
+    try:
+        launch(rank_body, 2, timeout=60)
+    except NameError as exc:
+        print("launch:", exc.__notes__[0])
+"""
+
+
+def test_a_name_defined_under_the_main_guard_is_explained_where_a_child_misses_it(tmp_path):
+    # A lambda or body using a global the script sets under its main guard: a spawned
+    # child imports the script as __mp_main__, skips the block, and raised a bare NameError.
+    script = tmp_path / "guarded_globals.py"
+    script.write_text(GUARDED_GLOBALS)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    note = ("'LIMIT' is defined under the script's `if __name__ == \"__main__\":` block, which this process (pid ")
+    for where in ("pool", "rpc", "launch"):
+        assert lines.get(where, "").startswith(note), done.stdout
+        assert "Pass it as an argument or define it at module level" in lines[where]
+    assert lines["recursive"] == "[10, 11]"
+
+
+def test_the_names_a_script_binds_under_its_main_guard(tmp_path):
+    script = tmp_path / "names.py"
+    script.write_text(
+        "import os\n"
+        "top = 1\n"
+        "if '__main__' == __name__:\n"
+        "    import numpy as np, torch.nn\n"
+        "    from math import pi as PI\n"
+        "    a, (b, c) = 1, (2, 3)\n"
+        "    for i in range(3):\n"
+        "        with open(__file__) as fh:\n"
+        "            total: int = 0\n"
+        "    def helper(inner=1):\n"
+        "        local = 2\n"
+        "    class Box:\n"
+        "        field = 3\n"
+        "    squares = [k * k for k in range(3)]\n"
+        "    f = lambda q: q\n"
+        "if __name__ != '__main__':\n"
+        "    elsewhere = 1\n")
+    names = _mainguard._guarded_names(str(script))
+    assert names == {"np", "torch", "PI", "a", "b", "c", "i", "fh", "total", "helper", "Box", "squares", "f"}
+    broken = tmp_path / "broken.py"
+    broken.write_text("if __name__ == '__main__':\n    x = (\n")
+    assert _mainguard._guarded_names(str(broken)) == frozenset()
+    assert _mainguard._guarded_names(str(tmp_path / "absent.py")) == frozenset()
+    error = NameError("name 'a' is not defined", name="a")
+    _mainguard.note_guarded_name(error)  # this process is no spawned child: nothing to explain
+    assert not hasattr(error, "__notes__")
