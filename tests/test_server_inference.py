@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -118,6 +119,16 @@ class _Picky(nn.Module):
         return self.lin(x)
 
 
+def test_an_output_without_a_row_per_input_row_says_how_rows_are_read():
+    from machinlike.server._inference.batch import split
+
+    # One sample sent as a 1-D tensor of 4 features is 4 rows to the server; a Linear
+    # gives back 2 numbers: the message says how to send one sample.
+    with pytest.raises(ValueError, match=r"returned shapes \[\[2\]\] for 4 input rows: .* send one sample as "
+                                         r"x.unsqueeze\(0\)"):
+        split(torch.ones(2), [4], "fn of inference server 'inf'")
+
+
 @world_test(3, timeout=90)
 def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     group = world.create_rpc_group("g", world.get_members())
@@ -143,6 +154,8 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     if world.rank != 0:
         server = group.get_paired("picky").to_here()
         for bad, error, match in [(("x",), TypeError, "x must be a tensor"),
+                                  ((np.ones((2, 4), np.float32),), TypeError, r"not ndarray; convert numpy arrays "
+                                                                              r"with torch.from_numpy\(x\)"),
                                   ((torch.zeros(0, 4),), ValueError, "needs rows along dim 0"),
                                   (((torch.zeros(2, 4), torch.zeros(3, 4)),), ValueError, "different row counts"),
                                   ((torch.zeros(2, 4), -1.0), ValueError, "timeout=-1.0 must be a positive"),

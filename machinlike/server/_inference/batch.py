@@ -33,9 +33,12 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
     elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
         tensors = tuple(x)
     else:
+        arrays = type(x).__module__ == "numpy" or isinstance(x, (tuple, list)) and any(
+            type(t).__module__ == "numpy" for t in x)
         raise TypeError(f"{param} must be a tensor or a non-empty tuple of tensors (rows along dim 0), not "
                         f"{type(x).__name__}" + (f" of {[type(t).__name__ for t in x][:4]}"
-                                                 if isinstance(x, (tuple, list)) else ""))
+                                                 if isinstance(x, (tuple, list)) else "")
+                        + ("; convert numpy arrays with torch.from_numpy(x) (no copy)" if arrays else ""))
     for t in tensors:
         if t.layout != torch.strided:  # rows are joined and split along dim 0
             raise TypeError(f"{param} holds a {t.layout} tensor: the server batches dense rows; send x.to_dense()")
@@ -78,7 +81,8 @@ def _rows(value: Any, total: int, what: str) -> List[torch.Tensor]:
     wrong = [list(t.shape) for t in tensors if not t.dim() or t.shape[0] != total]
     if wrong:
         raise ValueError(f"{what} returned shapes {wrong} for {total} input rows: every output needs one "
-                         f"row per input row along dim 0")
+                         f"row per input row along dim 0 (the server reads a request's dim 0 as its rows: send one "
+                         f"sample as x.unsqueeze(0))")
     return tensors
 
 
