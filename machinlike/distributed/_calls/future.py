@@ -33,19 +33,21 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, Callable, Optional, Tuple
+import traceback
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from .. import _transport
 from .send import translate_error
-from .serve import ENVELOPES, is_missing, unwrap
+from .serve import ENVELOPES, is_failure, is_missing, unwrap
 
 __all__ = ["RpcFuture"]
 
 log = logging.getLogger(__name__)
 
-_set_result = torch._C.Future.set_result  # (torch.futures.Future's own is a Python frame over it)
+# torch.futures.Future's own are Python frames over these.
+_set_result, _value, _wait = torch._C.Future.set_result, torch._C.Future.value, torch._C.Future.wait
 
 
 class RpcFuture(_transport.lane.LaneFuture):
@@ -56,7 +58,7 @@ class RpcFuture(_transport.lane.LaneFuture):
     :class:`~machinlike.exception.PeerLostError`.
     """
 
-    __slots__ = ("member", "_what", "_timeout", "_retry")
+    __slots__ = ("member", "_what", "_timeout", "_retry", "_unread", "_read")
 
     def __init__(self, fut: Optional[torch.futures.Future], member: str, what: str, timeout: float,
                  retry: Optional[Callable[[], Any]] = None) -> None:
@@ -67,6 +69,8 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._what = what
         self._timeout = timeout
         self._retry = retry
+        self._unread: Optional[BaseException] = None  # its failure, said at collection unless _read
+        self._read = False  # someone waited, read its value or registered a callback
         if fut is not None:
             self.take_from(fut)
 
@@ -96,16 +100,22 @@ class RpcFuture(_transport.lane.LaneFuture):
                 failure = translate_error(error, self.member, self._what, self._timeout)
                 if failure is not error:
                     failure.__cause__ = error
-                self.set_exception(failure)
+                self._fail(failure)
+            elif is_failure(value):  # the remote error, as it arrived (its traceback is its cause's text)
+                self._fail(value.exc)
             elif is_missing(value) and self._retry is not None:
                 threading.Thread(target=self._run_retry, name="machinlike-call-retry", daemon=True).start()
                 return False
             else:
                 self.set_result(unwrap(value))
-        except BaseException as exc:  # the remote error unwrap raises; never left pending
+        except BaseException as exc:  # never left pending
             if not self.done():
-                self.set_exception(exc)
+                self._fail(exc)
         return True
+
+    def _fail(self, error: BaseException) -> None:
+        self._unread = frameless(error)  # (its frames are this plumbing's: see frameless)
+        self.set_exception(error)
 
     def _run_retry(self) -> None:
         retry = self._retry
@@ -113,7 +123,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         try:
             value = retry()
         except BaseException as exc:
-            self.set_exception(exc)
+            self._fail(exc)
         else:
             self.set_result(value)
         self.arrived()
@@ -127,27 +137,36 @@ class RpcFuture(_transport.lane.LaneFuture):
             Exception: what the remote function raised (original type, remote traceback
                 as ``__cause__``).
         """
-        if not self.done() and threading.current_thread() is threading.main_thread():
-            # On the sentinel, not in torch's C++ wait, which holds the thread until the
-            # call ended (up to its whole timeout) whatever signal comes: a Ctrl-C raises
-            # at once. Bounded: the call fails at its timeout, and a retry shares it.
-            self.wait_arrived()
-        if self.done():  # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
-            return self.value()
-        return torch.futures.Future.wait(self)
+        self._read = True
+        try:
+            if not self.done() and threading.current_thread() is threading.main_thread():
+                # On the sentinel, not in torch's C++ wait, which holds the thread until the
+                # call ended (up to its whole timeout) whatever signal comes: a Ctrl-C raises
+                # at once. Bounded: the call fails at its timeout, and a retry shares it.
+                self.wait_arrived()
+            if self.done():  # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
+                return _value(self)
+            return _wait(self)
+        except BaseException:
+            del self  # this frame joins the error's traceback, which torch keeps: see release_frames
+            raise
 
     def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future:
         """A future of ``callback(self)``, run once this one completes, as torch's ``then``;
         an exception ``callback`` raises keeps its type (torch's wraps it in a
         ``RuntimeError``), so a remote error a relay re-raises reaches its own caller as
         itself."""
-        out: torch.futures.Future = torch.futures.Future()
+        self._read = True  # the callback is handed the error
+        out: torch.futures.Future = _Derived()
 
         def run(fut: torch.futures.Future) -> None:
             try:
                 value = callback(fut)
             except BaseException as exc:
-                out.set_exception(exc)
+                if exc is not getattr(fut, "_unread", None):  # the callback's own: say where, as text
+                    below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+                    exc.add_note("raised in a then() callback:\n" + "".join(traceback.format_tb(below)).rstrip())
+                out.set_exception(frameless(exc))
             else:
                 out.set_result(value)
 
@@ -159,14 +178,78 @@ class RpcFuture(_transport.lane.LaneFuture):
         once if it has); a callback that takes no argument is called without one. A
         callback may block (make a call, wait for another future): one the same-host lane
         would run on its own thread runs on a helper thread instead."""
+        self._read = True  # the callback is handed the error (or, taking no argument, chose not to look)
         if _takes_no_argument(callback):
             super().add_done_callback(_off_the_lane(lambda _: callback()))
         else:
             super().add_done_callback(_off_the_lane(callback))
 
+    def value(self) -> Any:
+        """The value of a completed future, or its error raised (as torch's ``value``)."""
+        self._read = True
+        try:
+            return _value(self)
+        except BaseException:
+            del self  # (as in wait)
+            raise
+
+    def __del__(self) -> None:
+        # As asyncio does for a task's exception never retrieved: a call that failed
+        # while nobody held its future (fire and forget) is said, not lost in silence.
+        error = getattr(self, "_unread", None)  # (unset: torch made this object without __init__)
+        if error is not None and not self._read:
+            try:
+                log.warning("%s on member %r failed and its future was dropped unread: %s: %s (wait() on it, "
+                            "or add_done_callback, to handle its errors)", self._what, self.member,
+                            type(error).__name__, error)
+            except Exception:  # (at interpreter exit logging may be gone)
+                pass
+
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+class _Derived(torch.futures.Future):
+    """The future ``then`` returns: torch's, but its ``wait`` and ``value`` leave no frame
+    holding it in the traceback of the error they raise (torch's ``wait`` is a Python frame
+    over the C++ one, and the error lives on in the future: see :func:`frameless`)."""
+
+    def wait(self) -> Any:
+        try:
+            return _wait(self)
+        except BaseException:
+            del self
+            raise
+
+    def value(self) -> Any:
+        try:
+            return _value(self)
+        except BaseException:
+            del self
+            raise
+
+
+def frameless(error: BaseException) -> BaseException:
+    """``error`` with no traceback, nor any error chained to it (``__cause__``,
+    ``__context__``): what a future may hold.
+
+    Why: torch keeps a future's error in C++, where Python's collector cannot follow it. A
+    frame of that error's traceback, or a caller of that frame, holding the future (the
+    frames that complete it, wait on it or run its callbacks all do) tied the two together
+    for good: every failed asynchronous call leaked its future, the error, their frames
+    and the call's arguments. A remote error's own traceback is its cause's text.
+    """
+    seen = set()
+    pending: List[Optional[BaseException]] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
+    return error
 
 
 _CALLBACK_THREADS = 32  # helper threads at most (a callback that waits for one queued behind 32 others waits)
@@ -199,6 +282,7 @@ class _Helpers:
                 self._idle -= 1
                 self._queued -= 1
             _logged(callback, fut)
+            del callback, fut  # asleep on the queue, hold no future (nor its callback's)
 
 
 _helpers: Optional[_Helpers] = None
