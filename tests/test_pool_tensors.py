@@ -113,6 +113,22 @@ def test_tensor_parameters_and_dtypes_survive_both_policies():
                     assert back.stride() == value.stride(), (value.shape, value.stride(), back.stride())
 
 
+def _large_result(i):
+    import numpy as np
+
+    return torch.full((LARGE,), float(i)), np.full(LARGE, i)
+
+
+def test_a_worker_retiring_after_its_task_lets_the_pool_load_its_large_results_first():
+    """maxtasksperchild=1: a worker is told to stop right after its task, and its results'
+    segments closed with it before the pool had opened them ("cannot reach the shared
+    memory of process ...: the sender is gone", for every tensor of 1 MiB or more)."""
+    with Pool(2, maxtasksperchild=1) as pool:
+        out = pool.map(_large_result, range(6), chunksize=1)
+    assert [(float(t[0]), int(a[0])) for t, a in out] == [(float(i), i) for i in range(6)]
+    assert all(t.shape == (LARGE,) and a.shape == (LARGE,) for t, a in out)
+
+
 def _add_one_to_array(array):
     array += 1
     return array

@@ -8,8 +8,17 @@ from ._codec import (
     Leaf, encode, encode_array, encode_tensor, is_shared_by_reference, reduce_array, reduce_by_reference, reduce_copy,
     share, share_and_reduce, shm_eligible, walk,
 )
+from . import _segments
 from ._segments import cache, reachable
 
 __all__ = ["Leaf", "walk", "encode", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
-           "is_shared_by_reference", "cache", "reachable"]
+           "is_shared_by_reference", "cache", "reachable", "await_taken"]
+
+
+def await_taken(timeout: float) -> bool:
+    """Before this process exits: wait (at most ``timeout`` s) until its lent segments
+    were taken by their receivers (see ``SegmentCache.wait_taken``); True at once when it
+    lent none."""
+    made = _segments._cache
+    return True if made is None else made.wait_taken(timeout)

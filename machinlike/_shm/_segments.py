@@ -32,6 +32,7 @@ import itertools
 import mmap
 import os
 import threading
+import time
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -155,6 +156,28 @@ class SegmentCache:
             best.header[0] = best.lease
             self.stats["leases"] += 1
             return best
+
+    def wait_taken(self, timeout: float) -> bool:
+        """Wait until every lent segment was taken by its receiver (mapped there: it then
+        outlives this process) or freed, for at most ``timeout`` seconds. For a process
+        about to exit: its segments' descriptors close with it, and a receiver that had
+        not opened one yet could not load what it was sent.
+
+        Returns:
+            True when none is left untaken.
+        """
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            with self._lock:
+                untaken = [s for s in self._segments if s.state() not in (FREE, RETIRED) and not int(s.header[1])]
+            if not untaken:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            # (a word in shared memory has no wake-up to wait on: poll, backing off)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def release(self, seg: Segment) -> None:
         """Hand back a lease that was never sent (encoding failed)."""

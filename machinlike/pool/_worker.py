@@ -17,7 +17,7 @@ import os
 import signal
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import _lifeline
+from .. import _lifeline, _shm
 from ..exception import ExceptionWithTraceback
 from ..pickle import dumps as _plain_dumps
 from ._ledger import IDLE, LOADING, PHASES, PICKLING, RUNNING, Ledger
@@ -39,6 +39,9 @@ from ._wire import (
 )
 
 __all__ = ["main", "run_chunk"]
+
+#: Seconds a stopping worker waits for the pool to open its last results' segments.
+_TAKEN_WAIT = 10.0
 
 
 def run_chunk(call: Callable[..., Any], items: List[Any], star: bool) -> Tuple[List[Any], Optional[Dict[int, BaseException]]]:
@@ -251,6 +254,10 @@ def main(
     try:
         write_frame(result_fd, READY, 0, 0, 0)
         worker.serve()
+        # Told to stop (maxtasksperchild, or a closed pool done) right after its last
+        # results: the pool may not have opened their segments yet, and they close with
+        # this process (the pool then failed to load them).
+        _shm.await_taken(_TAKEN_WAIT)
     except _Exit as done:
         raise SystemExit(done.code) from None
     except BrokenPipeError:
