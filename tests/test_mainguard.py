@@ -90,12 +90,16 @@ if __name__ == "__main__":
 """
 
 
-def test_a_thread_pool_made_at_import_time_does_not_stop_the_children(tmp_path):
-    script = tmp_path / "threads_at_import.py"
-    script.write_text(THREADS_AT_IMPORT)
+def _run_script(tmp_path, name: str, text: str) -> subprocess.CompletedProcess:
+    script = tmp_path / name
+    script.write_text(text)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=150)
+
+
+def test_a_thread_pool_made_at_import_time_does_not_stop_the_children(tmp_path):
+    done = _run_script(tmp_path, "threads_at_import.py", THREADS_AT_IMPORT)
     assert done.returncode == 0 and done.stdout.strip() == "[1, 2]", done.stderr[-3000:]
 
 
@@ -171,11 +175,7 @@ if __name__ == "__main__":
 def test_a_name_defined_under_the_main_guard_is_explained_where_a_child_misses_it(tmp_path):
     # A lambda or body using a global the script sets under its main guard: a spawned
     # child imports the script as __mp_main__, skips the block, and raised a bare NameError.
-    script = tmp_path / "guarded_globals.py"
-    script.write_text(GUARDED_GLOBALS)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=150)
+    done = _run_script(tmp_path, "guarded_globals.py", GUARDED_GLOBALS)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in done.stdout.splitlines() if ": " in line)
     note = ("'LIMIT' is defined under the script's `if __name__ == \"__main__\":` block, which this process (pid ")

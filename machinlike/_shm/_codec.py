@@ -284,19 +284,14 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
     twice, as pickle would give.
     """
     kind = type(obj)
-    if kind is torch.Tensor or kind is torch.nn.Parameter:
+    encode_one: Optional[Callable[[Any], Any]] = \
+        leaf if kind is torch.Tensor or kind is torch.nn.Parameter else array if kind is np.ndarray else None
+    if encode_one is not None:
         if memo is None:
-            return leaf(obj)
+            return encode_one(obj)
         done = memo.get(id(obj))
         if done is None:
-            done = memo[id(obj)] = leaf(obj)
-        return done
-    if kind is np.ndarray and array is not None:
-        if memo is None:
-            return array(obj)
-        done = memo.get(id(obj))
-        if done is None:
-            done = memo[id(obj)] = array(obj)
+            done = memo[id(obj)] = encode_one(obj)
         return done
     if kind is tuple or kind is list:
         if not obj:
