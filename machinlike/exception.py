@@ -20,7 +20,7 @@ import os
 import pickle
 import signal
 import traceback
-from typing import Any, Dict, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Type, Union
 
 from . import _mainguard
 
@@ -32,7 +32,12 @@ __all__ = [
     "WorkerLostError",
     "PeerLostError",
     "describe_exitcode",
+    "drop_frames",
+    "freeze_traceback",
 ]
+
+#: Where :func:`freeze_traceback` keeps an exception's traceback, as text.
+_FROZEN = "_machinlike_traceback_text"
 
 
 class RemoteTraceback(Exception):
@@ -73,8 +78,39 @@ def _qualified_name(cls: type) -> str:
 
 
 def _rebuild_exception(exc: BaseException, tb_text: str) -> BaseException:
+    getattr(exc, "__dict__", {}).pop(_FROZEN, None)  # (the sender's record, carried as tb_text)
     exc.__cause__ = RemoteTraceback(tb_text)
     return exc
+
+
+def drop_frames(error: BaseException) -> BaseException:
+    """``error`` without a traceback, nor any error chained to it (``__cause__``,
+    ``__context__``); see :func:`freeze_traceback` for why."""
+    seen = set()
+    pending: List[Optional[BaseException]] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
+    return error
+
+
+def freeze_traceback(exc: BaseException) -> BaseException:
+    """``exc`` with its traceback kept as text (what :class:`ExceptionWithTraceback` then
+    carries to the caller) and its frames, and those of the errors chained to it, let go.
+
+    Why: a torch Future keeps its error (or a result carrying one) in C++, where Python's
+    collector cannot follow it. A frame of the error's traceback holding the future (the
+    frames that complete it do) tied the two together for good: each failed request
+    leaked its future, the error, the frames and everything they held (its inputs).
+    """
+    state = getattr(exc, "__dict__", None)
+    if state is not None and _FROZEN not in state:
+        state[_FROZEN] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return drop_frames(exc) if state is not None else exc
 
 
 class ExceptionWithTraceback:
@@ -96,7 +132,8 @@ class ExceptionWithTraceback:
 
             where = f"process {multiprocessing.current_process().name!r}"
         _mainguard.note_guarded_name(exc)  # a name the script defines under its main guard: say so
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        frozen = getattr(exc, "__dict__", {}).get(_FROZEN)
+        text = frozen if frozen is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         head, sep, body = text.partition("\n")
         if head.startswith("Traceback (most recent call last)") and sep:
             text = f"Traceback (most recent call last) on {where}, pid {os.getpid()}:\n{body}"
@@ -144,6 +181,7 @@ def _rebuild_by_state(cls: Type[BaseException], args: tuple, state: Dict[str, An
 
 def _by_state(exc: BaseException) -> _ByState:
     state = dict(getattr(exc, "__dict__", None) or {})
+    state.pop(_FROZEN, None)
     if isinstance(exc, OSError):
         # (only those set: one set to None, even, would show in its str)
         state.update((name, getattr(exc, name)) for name in _OS_ERROR_FIELDS if getattr(exc, name) is not None)

@@ -15,6 +15,7 @@ from machinlike.exception import (
     RemoteTraceback,
     WorkerLostError,
     describe_exitcode,
+    freeze_traceback,
 )
 
 
@@ -49,6 +50,29 @@ def _carried(exc):
         _raise(exc)
     except BaseException as e:
         return pickle.loads(pickle.dumps(ExceptionWithTraceback(e, where="worker 7")))
+
+
+def test_a_frozen_traceback_lets_go_of_its_frames_and_still_travels_as_text():
+    # What a torch Future will hold must not reach frames (see freeze_traceback).
+    def fail(payload):
+        try:
+            _raise(Custom("bad value"))
+        except Custom as inner:
+            raise NeedsTwoArgs(1, 2) from inner
+
+    try:
+        fail(list(range(3)))
+    except NeedsTwoArgs as caught:
+        exc = caught
+    frozen = freeze_traceback(exc)
+    assert frozen is exc and exc.__traceback__ is None and exc.__cause__.__traceback__ is None
+    arrived = pickle.loads(pickle.dumps(ExceptionWithTraceback(exc, where="worker 7")))
+    text = str(arrived.__cause__)
+    assert type(arrived) is NeedsTwoArgs and (arrived.a, arrived.b) == (1, 2)
+    assert "on worker 7, pid" in text and "in fail" in text and "in _raise" in text, text
+    assert "Custom: bad value" in text and "direct cause" in text
+    assert "_machinlike_traceback_text" not in vars(arrived)  # the record stays with the sender
+    assert freeze_traceback(exc) is exc and "in fail" in ExceptionWithTraceback(exc).tb_text  # idempotent
 
 
 def test_original_type_and_remote_traceback_as_cause():

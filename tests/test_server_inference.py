@@ -129,6 +129,39 @@ def test_an_output_without_a_row_per_input_row_says_how_rows_are_read():
         split(torch.ones(2), [4], "fn of inference server 'inf'")
 
 
+def _futures_alive():
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.futures.Future))
+
+
+@world_test(2, timeout=90)
+def test_failed_requests_leave_nothing_behind_on_the_host_and_keep_its_traceback(world):
+    # torch keeps a request future's error in C++; its traceback's frames held the batch's
+    # requests, and so that future: every failed request lived on the host for good, with
+    # its rows (200 of 200).
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impl = InferenceServerImpl("picky", group, _Picky())
+        group.register("alive", _futures_alive)
+    group.barrier()
+    if world.rank == 1:
+        server = group.get_paired("picky").to_here()
+        before = group.registered_sync("alive")
+        for _ in range(50):
+            with pytest.raises(ValueError, match="negative rows are refused") as failed:
+                server.infer(-torch.ones(64, 4), timeout=TIMEOUT)
+        remote = str(failed.value.__cause__)
+        assert "on member '0'" in remote and "in forward" in remote and "raise ValueError" in remote, remote
+        assert group.registered_sync("alive") - before <= 2  # (the last one may still be on its way out)
+    group.barrier()
+    if world.rank == 0:
+        impl.close()
+    group.barrier()
+    group.destroy()
+
+
 @world_test(3, timeout=90)
 def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     group = world.create_rpc_group("g", world.get_members())

@@ -34,11 +34,12 @@ import os
 import queue
 import threading
 import traceback
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from .. import _transport
+from ...exception import drop_frames
 from .send import translate_error
 from .serve import ENVELOPES, is_failure, is_missing, unwrap
 
@@ -114,7 +115,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         return True
 
     def _fail(self, error: BaseException) -> None:
-        self._unread = frameless(error)  # (its frames are this plumbing's: see frameless)
+        self._unread = drop_frames(error)  # (its frames are this plumbing's: see freeze_traceback)
         self.set_exception(error)
 
     def _run_retry(self) -> None:
@@ -166,7 +167,7 @@ class RpcFuture(_transport.lane.LaneFuture):
                 if exc is not getattr(fut, "_unread", None):  # the callback's own: say where, as text
                     below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
                     exc.add_note("raised in a then() callback:\n" + "".join(traceback.format_tb(below)).rstrip())
-                out.set_exception(frameless(exc))
+                out.set_exception(drop_frames(exc))
             else:
                 out.set_result(value)
 
@@ -213,7 +214,7 @@ class RpcFuture(_transport.lane.LaneFuture):
 class _Derived(torch.futures.Future):
     """The future ``then`` returns: torch's, but its ``wait`` and ``value`` leave no frame
     holding it in the traceback of the error they raise (torch's ``wait`` is a Python frame
-    over the C++ one, and the error lives on in the future: see :func:`frameless`)."""
+    over the C++ one, and the error lives on in the future: see :func:`~machinlike.exception.freeze_traceback`)."""
 
     def wait(self) -> Any:
         try:
@@ -228,28 +229,6 @@ class _Derived(torch.futures.Future):
         except BaseException:
             del self
             raise
-
-
-def frameless(error: BaseException) -> BaseException:
-    """``error`` with no traceback, nor any error chained to it (``__cause__``,
-    ``__context__``): what a future may hold.
-
-    Why: torch keeps a future's error in C++, where Python's collector cannot follow it. A
-    frame of that error's traceback, or a caller of that frame, holding the future (the
-    frames that complete it, wait on it or run its callbacks all do) tied the two together
-    for good: every failed asynchronous call leaked its future, the error, their frames
-    and the call's arguments. A remote error's own traceback is its cause's text.
-    """
-    seen = set()
-    pending: List[Optional[BaseException]] = [error]
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        current.__traceback__ = None
-        pending += [current.__cause__, current.__context__]
-    return error
 
 
 _CALLBACK_THREADS = 32  # helper threads at most (a callback that waits for one queued behind 32 others waits)

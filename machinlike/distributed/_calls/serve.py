@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 from torch.distributed import rpc
 
-from ...exception import ExceptionWithTraceback
+from ...exception import ExceptionWithTraceback, freeze_traceback
 from .results import ResultTable
 from .samehost import reply as _reply
 from .shipping import _load_function
@@ -73,7 +73,8 @@ class _Failure:
 
 
 def _failure(exc: BaseException) -> _Failure:
-    return _Failure(ExceptionWithTraceback(exc, where=_where()))
+    # Frozen: an asynchronous answer sits in a torch Future, in C++ (see freeze_traceback).
+    return _Failure(ExceptionWithTraceback(freeze_traceback(exc), where=_where()))
 
 
 class _Missing:

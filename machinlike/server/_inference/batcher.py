@@ -33,6 +33,7 @@ from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 import torch
 
 from .batch import Inputs, join, on_cuda, signature, split
+from ...exception import freeze_traceback
 from .._errors import ServerStoppedError
 
 __all__ = ["Request", "Batcher"]
@@ -274,7 +275,9 @@ class Batcher:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
         try:
             if exc is not None:
-                req.fut.set_exception(exc)
+                # Its frames hold this batch's requests: frozen, or the future, its error
+                # and the request's rows lived for good (see freeze_traceback).
+                req.fut.set_exception(freeze_traceback(exc))
             else:
                 req.fut.set_result(value if req.reply is None else req.reply(value))
         except Exception:  # a reply that cannot be made must not stop the others'
