@@ -70,6 +70,69 @@ def test_every_collective_on_the_whole_world(world):
     g.destroy()
 
 
+def _strided(values):
+    """A tensor of ``values`` that is not contiguous (a column of a transposed matrix)."""
+    values = torch.as_tensor(values, dtype=torch.float32)
+    base = torch.zeros(values.numel(), 3)
+    base[:, 1] = values
+    column = base[:, 1]
+    assert not column.is_contiguous()
+    return column
+
+
+@world_test(2, timeout=60)
+def test_tensors_that_are_not_contiguous_give_the_right_results(world):
+    # gloo reads and writes a tensor's memory as if it were contiguous: raw all_reduce of
+    # x.t()[0] gave [2, 1, 1, 1] for [2, 2, 2, 2], silently.
+    cg = world.create_collective_group([0, 1])
+    me, other = world.rank, 1 - world.rank
+    for async_op in (False, True):
+        def finish(work):
+            if async_op:  # the results reach the caller's tensors in wait()
+                work.wait()
+                assert work.is_completed()
+
+        x = _strided([1.0, 2.0, 3.0, 4.0])
+        finish(cg.all_reduce(x, async_op=async_op))
+        assert x.tolist() == [2.0, 4.0, 6.0, 8.0], (async_op, x)
+        y = _strided([me + 1.0] * 3)
+        finish(cg.broadcast(y, src=1, async_op=async_op))
+        assert y.tolist() == [2.0] * 3
+        z = _strided([me + 1.0] * 3)
+        finish(cg.reduce(z, dst=0, async_op=async_op))
+        if me == 0:
+            assert z.tolist() == [3.0] * 3
+        gathered = [_strided([0.0, 0.0]) for _ in range(2)]
+        finish(cg.all_gather(gathered, _strided([me, me + 10.0]), async_op=async_op))
+        assert [g.tolist() for g in gathered] == [[0.0, 10.0], [1.0, 11.0]]
+        collected = [_strided([0.0, 0.0]) for _ in range(2)] if me == 0 else None
+        finish(cg.gather(_strided([me, me]), collected, dst=0, async_op=async_op))
+        if me == 0:
+            assert [c.tolist() for c in collected] == [[0.0, 0.0], [1.0, 1.0]]
+        piece = _strided([0.0, 0.0])
+        pieces = [_strided([5.0, 6.0]), _strided([7.0, 8.0])] if me == 1 else None
+        finish(cg.scatter(piece, pieces, src=1, async_op=async_op))
+        assert piece.tolist() == ([5.0, 6.0] if me == 0 else [7.0, 8.0])
+        out = _strided([0.0, 0.0])
+        finish(cg.reduce_scatter(out, [_strided([1.0, 2.0]), _strided([3.0, 4.0])], async_op=async_op))
+        assert out.tolist() == ([2.0, 4.0] if me == 0 else [6.0, 8.0])
+        outs = [_strided([0.0, 0.0]) for _ in range(2)]
+        finish(cg.all_to_all(outs, [_strided([10.0 * me, 1.0]), _strided([10.0 * me + 1, 2.0])], async_op=async_op))
+        assert [o.tolist() for o in outs] == [[float(me), 1.0 + me], [10.0 + me, 1.0 + me]]
+        got = _strided([0.0, 0.0])
+        if me == 0:
+            cg.send(_strided([3.0, 4.0]), dst=1)
+            assert cg.recv(got, src=1) == 1 and got.tolist() == [5.0, 6.0]
+        else:
+            assert cg.recv(got) == 0 and got.tolist() == [3.0, 4.0]
+            cg.send(_strided([5.0, 6.0]), dst=0)
+        if me == 0:
+            assert cg.irecv(got, src=None).wait() == 1 and got.tolist() == [9.0, 9.5]
+        else:
+            cg.isend(_strided([9.0, 9.5]), dst=0).wait()
+    cg.barrier()
+
+
 @world_test(2, timeout=60)
 def test_pieces_of_the_wrong_size_or_dtype_and_a_bad_op_raise_before_anything_is_sent(world):
     """gloo aborts the process (SIGABRT) when the bytes it receives do not fit the tensor

@@ -2,8 +2,10 @@
 
 A thin layer over ``torch.distributed`` with the group bound in. Ranks are global ranks,
 as in torch. What it adds: receiving from any source reports the *global* sender rank
-(``recv`` returns it, ``irecv(...).wait()`` yields it), and calling an op from a process
-outside the group is a clear error instead of torch's silent no-op.
+(``recv`` returns it, ``irecv(...).wait()`` yields it), calling an op from a process
+outside the group is a clear error instead of torch's silent no-op, and a tensor that is
+not contiguous (a transposed or sliced one) is exchanged through a contiguous copy
+(``dense.DenseStage``), where gloo silently reduced the wrong elements.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._store import forked as _forked
+from .dense import DenseStage
 
 __all__ = ["CollectiveGroup", "RetiredGroups"]
 
@@ -254,7 +257,7 @@ class CollectiveGroup:
             dst: Global rank of the receiver.
             tag: Matches this send with a ``recv`` of the same tag.
         """
-        dist.send(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+        dist.send(DenseStage.read(tensor), self._peer("dst", dst), group=self._g(), tag=tag)
 
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
         """Receive into ``tensor`` from ``src`` (blocking).
@@ -268,7 +271,11 @@ class CollectiveGroup:
             The global rank of the sender.
         """
         group = self._g()
-        return dist.recv(tensor, None if src is None else self._peer("src", src), group=group, tag=tag)
+        stage = DenseStage()
+        sender = dist.recv(stage.write(tensor, reads=False), None if src is None else self._peer("src", src),
+                           group=group, tag=tag)
+        stage.done(None, False)
+        return sender
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
         """Send ``tensor`` to global rank ``dst`` asynchronously.
@@ -281,7 +288,7 @@ class CollectiveGroup:
         Returns:
             A work handle with ``wait()``.
         """
-        return dist.isend(tensor, self._peer("dst", dst), group=self._g(), tag=tag)
+        return dist.isend(DenseStage.read(tensor), self._peer("dst", dst), group=self._g(), tag=tag)
 
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Any:
         """Receive into ``tensor`` asynchronously.
@@ -295,9 +302,12 @@ class CollectiveGroup:
             A handle whose ``wait()`` returns the global rank of the sender.
         """
         group = self._g()
+        stage = DenseStage()
+        buffer = stage.write(tensor, reads=False)
         if src is None:
-            return _AnySourceRecv(dist.irecv(tensor, None, group=group, tag=tag), group)
-        return _KnownSourceRecv(dist.irecv(tensor, self._peer("src", src), group=group, tag=tag), src)
+            return _AnySourceRecv(stage.done(dist.irecv(buffer, None, group=group, tag=tag), True), group)
+        return _KnownSourceRecv(stage.done(dist.irecv(buffer, self._peer("src", src), group=group, tag=tag), True),
+                                src)
 
     # ----------------------------------------------------------------- collectives
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
@@ -308,7 +318,9 @@ class CollectiveGroup:
             src: Global rank of the source.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.broadcast(tensor, self._peer("src", src), group=self._g(), async_op=async_op)
+        stage = DenseStage()
+        work = dist.broadcast(stage.write(tensor), self._peer("src", src), group=self._g(), async_op=async_op)
+        return stage.done(work, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` over all members; every member gets the result in place.
@@ -318,7 +330,9 @@ class CollectiveGroup:
             op: A ``torch.distributed.ReduceOp`` (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ...).
             async_op: Return a work handle instead of waiting.
         """
-        return dist.all_reduce(tensor, op=_op(op), group=self._g(), async_op=async_op)
+        stage = DenseStage()
+        work = dist.all_reduce(stage.write(tensor), op=_op(op), group=self._g(), async_op=async_op)
+        return stage.done(work, async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` over all members into ``tensor`` of rank ``dst``.
@@ -329,7 +343,9 @@ class CollectiveGroup:
             op: A ``torch.distributed.ReduceOp``.
             async_op: Return a work handle instead of waiting.
         """
-        return dist.reduce(tensor, self._peer("dst", dst), op=_op(op), group=self._g(), async_op=async_op)
+        stage = DenseStage()
+        work = dist.reduce(stage.write(tensor), self._peer("dst", dst), op=_op(op), group=self._g(), async_op=async_op)
+        return stage.done(work, async_op)
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
         """Every member's ``tensor`` into ``tensor_list`` of every member, in rank order.
@@ -341,7 +357,9 @@ class CollectiveGroup:
         """
         group = self._g()
         self._pieces("tensor_list", tensor_list, tensor, "tensor")
-        return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        stage = DenseStage()
+        work = dist.all_gather(stage.writes(tensor_list), stage.read(tensor), group=group, async_op=async_op)
+        return stage.done(work, async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
                async_op: bool = False) -> Any:
@@ -357,7 +375,10 @@ class CollectiveGroup:
         group = self._g()
         if gather_list is not None and self._my_rank == self._peer("dst", dst):
             self._pieces("gather_list", gather_list, tensor, "tensor")
-        return dist.gather(tensor, gather_list, self._peer("dst", dst), group=group, async_op=async_op)
+        stage = DenseStage()
+        work = dist.gather(stage.read(tensor), stage.writes(gather_list), self._peer("dst", dst), group=group,
+                           async_op=async_op)
+        return stage.done(work, async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
                 async_op: bool = False) -> Any:
@@ -372,7 +393,11 @@ class CollectiveGroup:
         group = self._g()
         if scatter_list is not None and self._my_rank == self._peer("src", src):
             self._pieces("scatter_list", scatter_list, tensor, "tensor")
-        return dist.scatter(tensor, scatter_list, self._peer("src", src), group=group, async_op=async_op)
+        stage = DenseStage()
+        inputs = None if scatter_list is None else [stage.read(t) for t in scatter_list]
+        work = dist.scatter(stage.write(tensor, reads=False), inputs, self._peer("src", src), group=group,
+                            async_op=async_op)
+        return stage.done(work, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Any:
@@ -386,7 +411,10 @@ class CollectiveGroup:
         """
         group = self._g()
         self._pieces("input_list", input_list, output, "output")
-        return dist.reduce_scatter(output, input_list, op=_op(op), group=group, async_op=async_op)
+        stage = DenseStage()
+        work = dist.reduce_scatter(stage.write(output, reads=False), [stage.read(t) for t in input_list], op=_op(op),
+                                   group=group, async_op=async_op)
+        return stage.done(work, async_op)
 
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
@@ -413,10 +441,12 @@ class CollectiveGroup:
         self._one_per_member("output_tensor_list", output_tensor_list)
         self._one_per_member("input_tensor_list", input_tensor_list)
         if self._native_all_to_all is not False:
+            stage = DenseStage()
+            outputs, inputs = stage.writes(output_tensor_list), [stage.read(t) for t in input_tensor_list]
             try:
                 # async_op=True so that an error here is the backend refusing the call
                 # (before anything was sent), not a failure of the exchange itself.
-                work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
+                work = dist.all_to_all(outputs, inputs, group=group, async_op=True)
             except (RuntimeError, NotImplementedError) as exc:
                 if not _lacks_all_to_all(exc):
                     raise
@@ -425,10 +455,10 @@ class CollectiveGroup:
             else:
                 self._native_all_to_all = True
                 if async_op:
-                    return work
+                    return stage.done(work, True)
                 if work is not None:  # (torch 2.14's stubs type it Optional)
                     work.wait()
-                return None
+                return stage.done(None, False)
         pairwise = _PairwiseAllToAll(output_tensor_list, input_tensor_list, group, self.ranks, self._my_rank)
         if async_op:
             return pairwise
