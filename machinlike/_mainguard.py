@@ -124,6 +124,8 @@ def note_guarded_name(exc: BaseException) -> None:
     path = getattr(main, "__file__", None)
     if not isinstance(path, str) or name not in _guarded_names(path):
         return
+    if any(note.startswith(f"{name!r} is defined under") for note in getattr(exc, "__notes__", ())):
+        return  # (carried once already, then again: said once)
     exc.add_note(f"{name!r} is defined under the script's `if __name__ == \"__main__\":` block, which this process "
                  f"(pid {os.getpid()}) skipped: a spawned process imports the script as '__mp_main__'. Pass it as "
                  f"an argument or define it at module level (a Pool can also send the globals its functions use: "

@@ -149,7 +149,7 @@ class RpcFuture(_transport.lane.LaneFuture):
                 return _value(self)
             return _wait(self)
         except BaseException:
-            del self  # this frame joins the error's traceback, which torch keeps: see release_frames
+            del self  # this frame joins the error's traceback, which torch keeps (see exception.freeze_traceback)
             raise
 
     def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future:
