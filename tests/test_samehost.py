@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -455,3 +456,20 @@ def _server_body(world):
 
 def test_model_server_push_and_pull_through_shared_memory():
     assert run_world(_server_body, 2, timeout=60) == [True, True]
+
+
+def test_waiting_for_segments_to_be_taken_is_bounded_and_sees_each_taker():
+    from machinlike._shm._segments import SegmentCache
+
+    segments = SegmentCache(64 * MB)
+    assert segments.wait_taken(0.0)  # nothing lent
+    seg = segments.lease(MB)
+    started = time.monotonic()
+    assert not segments.wait_taken(0.05)  # lent, never taken (a message lost): gives up in time
+    assert time.monotonic() - started < 1.0
+    seg.header[1] = os.getpid()  # its receiver mapped it: it outlives this process now
+    assert segments.wait_taken(0.05)
+    other = segments.lease(MB)
+    segments.release(other)  # handed back unsent: nothing to wait for
+    assert segments.wait_taken(0.05)
+    segments.close()
