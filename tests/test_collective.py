@@ -85,7 +85,7 @@ def test_tensors_that_are_not_contiguous_give_the_right_results(world):
     # gloo reads and writes a tensor's memory as if it were contiguous: raw all_reduce of
     # x.t()[0] gave [2, 1, 1, 1] for [2, 2, 2, 2], silently.
     cg = world.create_collective_group([0, 1])
-    me, other = world.rank, 1 - world.rank
+    me = world.rank
     for async_op in (False, True):
         def finish(work):
             if async_op:  # the results reach the caller's tensors in wait()

@@ -129,6 +129,10 @@ def test_a_worker_retiring_after_its_task_lets_the_pool_load_its_large_results_f
     assert all(t.shape == (LARGE,) and a.shape == (LARGE,) for t, a in out)
 
 
+def _reader_of(array):
+    return lambda i: int(array.reshape(-1)[i])
+
+
 def _add_one_to_array(array):
     array += 1
     return array
@@ -164,6 +168,13 @@ def test_numpy_arrays_cross_through_lent_segments_under_both_policies():
             edited = pool.apply(_add_one_to_array, (frames,))
             assert (edited == frames + 1).all()  # the worker edited its own copy, not ours
             assert pool.map(len, [frames] * 6, chunksize=1) == [64] * 6
+            # A map's function over a large array (every worker loads it): through named
+            # shared memory, as a tensor's; dill had pickled it into each pipe.
+            assert pool.map(_reader_of(frames), range(3), chunksize=1) == [int(frames.reshape(-1)[i]) for i in range(3)]
+    from machinlike.pool._policy import Codec
+
+    payload, _ = Codec(True, frozenset(), False).dumps_tracked(_reader_of(values[0]), multi_load=True)
+    assert len(payload) < 4096, len(payload)
 
 
 @pytest.mark.gpu

@@ -111,13 +111,34 @@ def _lend(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
 
 
 def _reduce_array(array: np.ndarray) -> Any:
-    if array.nbytes >= LARGE_TENSOR_BYTES and not array.dtype.hasobject \
-            and not getattr(_tracking, "multi_load", False):
-        reduced = _shm.reduce_array(array)
-        if reduced is not None:
-            _track(array)  # a payload never delivered is loaded here, which frees the lease
-            return reduced
-    return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if array.nbytes < LARGE_TENSOR_BYTES or array.dtype.hasobject:
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    if getattr(_tracking, "multi_load", False):  # (a map's function: every worker loads it)
+        return _array_through_shared_memory(array)
+    reduced = _shm.reduce_array(array)
+    if reduced is None:
+        return _array_through_shared_memory(array)
+    _track(array)  # a payload never delivered is loaded here, which frees the lease
+    return reduced
+
+
+def _array_through_shared_memory(array: np.ndarray) -> Tuple[Any, ...]:
+    """``array`` copied into fresh named shared memory, as a large tensor of a payload that
+    several workers load (a closure over it) is: pickled, it went through each pipe."""
+    storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
+    order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    np.copyto(_array_over(storage, array.dtype, array.shape, order), array, casting="no")
+    return _array_from_storage, (_NamedStorage(storage), array.dtype, array.shape, order)
+
+
+def _array_over(storage: torch.UntypedStorage, dtype: np.dtype, shape: Tuple[int, ...], order: Any) -> np.ndarray:
+    # (the tensor stays alive as the array's base, and the storage with it)
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().view(dtype).reshape(shape, order=order)
+
+
+def _array_from_storage(storage: torch.UntypedStorage, dtype: np.dtype, shape: Tuple[int, ...],
+                        order: Any) -> np.ndarray:
+    return _array_over(storage, dtype, shape, order)
 
 
 def _share_cpu(tensor: torch.Tensor) -> Tuple[Any, ...]:
