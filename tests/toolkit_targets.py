@@ -153,3 +153,10 @@ def share_and_send(queue):
     t = torch.arange(4.0)
     t.share_memory_()
     queue.put(dumps(t, copy_tensor=False))
+
+
+def put_array_and_exit(queue):
+    """Put a 2 MiB numpy array (Fortran order) on a share-mode queue, and return (exit)."""
+    import numpy as np
+
+    queue.put(np.asfortranarray(np.arange(1 << 18, dtype=np.float64).reshape(512, 512)))

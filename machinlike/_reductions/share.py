@@ -40,12 +40,15 @@ segment (as torch's own) and its claim file until torch's manager exits.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 import multiprocessing.reduction
 from torch.multiprocessing import reductions as _torch_red
 
+from .arrays import LARGE_ARRAY_BYTES, reduce_array_named
 from .claims import first_load as _first_load, make_claim as _make_claim, take_claim as _take_claim
 from .table import DispatchTable, policy_table
 from .undo import note_undo as _note_undo
@@ -238,6 +241,15 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
     return _torch_red.reduce_tensor(copy)
 
 
+def _reduce_array_share(array: np.ndarray) -> Any:
+    if array.nbytes < LARGE_ARRAY_BYTES or array.dtype.hasobject:
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return reduce_array_named(array, _reduce_storage_share)
+
+
 def share_reducers() -> DispatchTable:
-    """The share policy's table: torch's multiprocessing reducers, ours for CPU storages."""
-    return policy_table(reduce_tensor_share, _reduce_storage_share)
+    """The share policy's table: torch's multiprocessing reducers, ours for CPU storages
+    and large numpy arrays (copied once into named shared memory, see ``arrays``)."""
+    table = policy_table(reduce_tensor_share, _reduce_storage_share)
+    table[np.ndarray] = _reduce_array_share
+    return table

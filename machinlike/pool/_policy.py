@@ -125,20 +125,7 @@ def _reduce_array(array: np.ndarray) -> Any:
 def _array_through_shared_memory(array: np.ndarray) -> Tuple[Any, ...]:
     """``array`` copied into fresh named shared memory, as a large tensor of a payload that
     several workers load (a closure over it) is: pickled, it went through each pipe."""
-    storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
-    order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
-    np.copyto(_array_over(storage, array.dtype, array.shape, order), array, casting="no")
-    return _array_from_storage, (_NamedStorage(storage), array.dtype, array.shape, order)
-
-
-def _array_over(storage: torch.UntypedStorage, dtype: np.dtype, shape: Tuple[int, ...], order: Any) -> np.ndarray:
-    # (the tensor stays alive as the array's base, and the storage with it)
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().view(dtype).reshape(shape, order=order)
-
-
-def _array_from_storage(storage: torch.UntypedStorage, dtype: np.dtype, shape: Tuple[int, ...],
-                        order: Any) -> np.ndarray:
-    return _array_over(storage, dtype, shape, order)
+    return _reductions.reduce_array_named(array, _share_storage)
 
 
 def _share_cpu(tensor: torch.Tensor) -> Tuple[Any, ...]:
