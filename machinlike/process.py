@@ -299,11 +299,14 @@ class Process(BaseProcess):
         writer = self._report_writer
         try:
             if self._call_payload is not None:
-                user = loads(self._call_payload)
-                self._target, self._args, self._kwargs, self._cleaner, extra, _ = user
+                self._target, self._args, self._kwargs, self._cleaner, extra, _ = loads(self._call_payload)
                 self.__dict__.update(extra)
                 self._call_payload = None
             call_with_cleaner(body, (), {}, self._cleaner)
+            # The process ends with os._exit, past every finalizer: what the call received
+            # in named shared memory (a large array, a shared tensor) must be let go here,
+            # or its segment outlived both processes until torch's manager exited.
+            self._target = self._args = self._kwargs = None
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 code = exc.code if isinstance(exc.code, int) else 1

@@ -172,6 +172,31 @@ def test_child_output_goes_to_the_parents_current_stdout(capfd):
     assert "hello from the child" in capfd.readouterr().out
 
 
+def test_a_large_numpy_argument_leaves_no_shared_memory_behind():
+    # Arguments travel in share mode: a large array is copied once into named shared
+    # memory. The child ends with os._exit, past every finalizer, so unless it lets go of
+    # its arguments first the segment outlived both processes (until torch's manager exited).
+    import pathlib
+
+    import numpy as np
+
+    def ours():
+        return {p.name for p in pathlib.Path("/dev/shm").glob(f"torch_{os.getpid()}_*") if p.stat().st_size > 1 << 20}
+
+    before = ours()
+    queue = SimpleQueue()
+    try:
+        for _ in range(3):
+            p = Process(target=targets.sum_into, args=(np.ones((1024, 1024)), queue))
+            p.start()
+            p.join(60)
+            p.watch()
+            assert queue.get(timeout=60) == 1024.0 * 1024
+    finally:
+        queue.close()
+    assert ours() - before == set()
+
+
 def test_lambda_target_under_spawn():
     t = torch.zeros(1)
     p = run(targets.closure_over(t), ctx="spawn")

@@ -160,3 +160,8 @@ def put_array_and_exit(queue):
     import numpy as np
 
     queue.put(np.asfortranarray(np.arange(1 << 18, dtype=np.float64).reshape(512, 512)))
+
+
+def sum_into(array, queue) -> None:
+    """Put the sum of ``array`` (a numpy array argument) on ``queue``."""
+    queue.put(float(array.sum()))
