@@ -16,12 +16,22 @@ from typing import Any, Callable, Literal, Tuple
 import numpy as np
 import torch
 
-__all__ = ["LARGE_ARRAY_BYTES", "reduce_array_named", "array_from_storage"]
+__all__ = ["LARGE_ARRAY_BYTES", "Order", "order_of", "array_over", "reduce_array_named", "array_from_storage"]
 
 #: From this size on, an array moves through shared memory (the tensors' threshold).
 LARGE_ARRAY_BYTES = 1 << 20
 
 Order = Literal["C", "F"]
+
+
+def order_of(array: np.ndarray) -> Order:
+    """The order a copy of ``array`` keeps: "F" for a Fortran-ordered (column-major) one."""
+    return "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+
+
+def array_over(data: np.ndarray, dtype: np.dtype, shape: Tuple[int, ...], order: Order) -> np.ndarray:
+    """An array of ``dtype``, ``shape`` and ``order`` over the bytes ``data`` (uint8)."""
+    return data.view(dtype).reshape(shape, order=order)
 
 
 class _Storage:
@@ -41,7 +51,7 @@ def reduce_array_named(array: np.ndarray, reduce_storage: Callable[[Any], Tuple[
     """``array`` copied into new named shared memory: its rebuild call, whose storage
     pickles through ``reduce_storage``. A Fortran-ordered array keeps its order."""
     storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
-    order: Order = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    order = order_of(array)
     np.copyto(array_from_storage(storage, array.dtype, array.shape, order), array, casting="no")
     return array_from_storage, (_Storage(storage, reduce_storage), array.dtype, array.shape, order)
 
@@ -50,4 +60,4 @@ def array_from_storage(storage: torch.UntypedStorage, dtype: np.dtype, shape: Tu
                        order: Order) -> np.ndarray:
     """An array of ``dtype`` and ``shape`` over ``storage`` (which it keeps alive)."""
     # (the uint8 tensor is the array's base, and holds the storage)
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy().view(dtype).reshape(shape, order=order)
+    return array_over(torch.empty(0, dtype=torch.uint8).set_(storage).numpy(), dtype, shape, order)

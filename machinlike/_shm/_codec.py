@@ -27,12 +27,13 @@ from __future__ import annotations
 import collections
 import os
 import threading
-from typing import Any, Callable, Deque, Dict, Literal, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Optional, Tuple
 
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._segments import cache
@@ -219,11 +220,9 @@ def reduce_array(array: np.ndarray) -> Optional[Tuple[Any, ...]]:
     seg = cache().lease(nbytes)
     if seg is None:
         return None
-    # A Fortran-ordered array (numpy's column-major order) arrives in that order.
-    order: Literal["C", "F"] = "F" if array.flags.f_contiguous and not array.flags.c_contiguous else "C"
+    order = order_of(array)  # a Fortran-ordered array arrives in that order
     try:
-        target = seg.data[:nbytes].numpy().view(array.dtype).reshape(array.shape, order=order)
-        np.copyto(target, array, casting="no")
+        np.copyto(array_over(seg.data[:nbytes].numpy(), array.dtype, array.shape, order), array, casting="no")
     except BaseException:
         cache().release(seg)
         raise
@@ -231,8 +230,8 @@ def reduce_array(array: np.ndarray) -> Optional[Tuple[Any, ...]]:
 
 
 def _load_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype: np.dtype,
-                shape: Tuple[int, ...], order: Literal["C", "F"]) -> np.ndarray:
-    return _receive.lent_array(pid, fd, inode, capacity, nbytes).view(dtype).reshape(shape, order=order)
+                shape: Tuple[int, ...], order: Order) -> np.ndarray:
+    return array_over(_receive.lent_array(pid, fd, inode, capacity, nbytes), dtype, shape, order)
 
 
 # ----------------------------------------------------------------------------- walk

@@ -14,9 +14,10 @@ with a dispatch table per policy::
                                                                     sent on: a device copy)
 
 A numpy array of at least 1 MiB (without Python objects in it) travels as a copy through
-a lent segment under every policy (numpy memory cannot be moved into shared memory in
-place, so there is nothing to share by reference); a pickled one went through the pipe
-at 0.4 GB/s.
+a lent segment under every policy, or through fresh named shared memory when several
+workers load it (a map's function) or no segment is free (numpy memory cannot be moved
+into shared memory in place, so there is nothing to share by reference); a pickled one
+went through the pipe at 0.4 GB/s.
 
 Copy mode still shares *a copy*: a large tensor is copied once, into a pre-faulted
 segment of the sender's (``machinlike._shm``) that nobody else uses until the receiver's

@@ -42,7 +42,8 @@ class _PairwiseAllToAll:
 
     Pieces for this member itself are copied locally. Where the backend is gloo, which
     sends CPU tensors only on some builds, CUDA pieces travel as CPU copies and are
-    copied into the outputs in ``wait()``.
+    copied into the outputs in ``wait()``. Every tensor is contiguous (the caller's
+    ``DenseStage`` stands in for those that are not).
     """
 
     def __init__(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], group: Any,
@@ -55,15 +56,12 @@ class _PairwiseAllToAll:
                 out.copy_(inp)
                 continue
             send = inp.cpu() if stage and inp.device.type != "cpu" else inp
-            recv = out
+            recv = out  # (contiguous, as the caller's DenseStage hands it)
             if stage and out.device.type != "cpu":
                 recv = torch.empty(out.shape, dtype=out.dtype)
                 self._copy_back.append((out, recv))
-            elif not out.is_contiguous():
-                recv = torch.empty_like(out, memory_format=torch.contiguous_format)
-                self._copy_back.append((out, recv))
             # Complex tensors travel as their real views, as torch's own collectives do.
-            self._works.append(dist.isend(_real(send.contiguous()), peer, group=group, tag=_ALL_TO_ALL_TAG))
+            self._works.append(dist.isend(_real(send), peer, group=group, tag=_ALL_TO_ALL_TAG))
             self._works.append(dist.irecv(_real(recv), peer, group=group, tag=_ALL_TO_ALL_TAG))
         self._done = False
 
@@ -440,9 +438,9 @@ class CollectiveGroup:
         group = self._g()
         self._one_per_member("output_tensor_list", output_tensor_list)
         self._one_per_member("input_tensor_list", input_tensor_list)
+        stage = DenseStage()  # (a refusal below writes nothing: the fallback uses the same stand-ins)
+        outputs, inputs = stage.writes(output_tensor_list), [stage.read(t) for t in input_tensor_list]
         if self._native_all_to_all is not False:
-            stage = DenseStage()
-            outputs, inputs = stage.writes(output_tensor_list), [stage.read(t) for t in input_tensor_list]
             try:
                 # async_op=True so that an error here is the backend refusing the call
                 # (before anything was sent), not a failure of the exchange itself.
@@ -459,11 +457,11 @@ class CollectiveGroup:
                 if work is not None:  # (torch 2.14's stubs type it Optional)
                     work.wait()
                 return stage.done(None, False)
-        pairwise = _PairwiseAllToAll(output_tensor_list, input_tensor_list, group, self.ranks, self._my_rank)
+        pairwise = _PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
         if async_op:
-            return pairwise
+            return stage.done(pairwise, True)
         pairwise.wait()
-        return None
+        return stage.done(None, False)
 
     def barrier(self, async_op: bool = False) -> Any:
         """Wait until every member reached the barrier (at most the group's timeout).
