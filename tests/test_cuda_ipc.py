@@ -361,10 +361,11 @@ def test_a_ref_pickles_its_group_once():
     assert calls == 1  # the group's call is written once, then taken from the memo
 
 
-@pytest.mark.parametrize("sparse", [True, False])
-def test_only_strided_unquantized_tensors_are_eligible(sparse):
-    tensor = torch.ones(2, 2).to_sparse() if sparse else torch.ones(2)
-    assert _cuda_ipc.eligible(tensor) is (not sparse)
+@pytest.mark.parametrize("kind", ["sparse", "nested", "plain"])
+def test_only_strided_unquantized_tensors_are_eligible(kind):
+    tensor = {"sparse": lambda: torch.ones(2, 2).to_sparse(), "plain": lambda: torch.ones(2),
+              "nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])}[kind]()
+    assert _cuda_ipc.eligible(tensor) is (kind == "plain")
 
 
 # ------------------------------------------------- the whole path over CPU memory

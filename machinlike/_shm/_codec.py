@@ -71,6 +71,7 @@ def shm_eligible(tensor: torch.Tensor) -> bool:
         and (type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter)
         and tensor.grad_fn is None
         and not tensor.is_quantized
+        and not tensor.is_nested  # (strided too, but its storage is a buffer of parts)
         and not tensor.is_conj()
         and not tensor.is_neg()
     )

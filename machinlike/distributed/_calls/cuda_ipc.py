@@ -223,7 +223,7 @@ def reply_target(reply: int) -> Optional[Tuple[int, int]]:
 # ----------------------------------------------------------------------- sender
 def eligible(tensor: torch.Tensor) -> bool:
     """Whether a CUDA tensor may cross through a slab (else it is staged)."""
-    return tensor.layout == torch.strided and not tensor.is_quantized
+    return tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
 
 
 class _Group:

@@ -65,12 +65,13 @@ def stage_tensor(tensor: torch.Tensor, pending: List[torch.device]) -> _Staged:
             may be read (the copy is asynchronous); untouched for a blocking copy.
     """
     source = tensor.detach()
-    if source.device.type == "cuda" and source.layout == torch.strided and not source.is_quantized:
+    if source.device.type == "cuda" and source.layout == torch.strided and not source.is_quantized \
+            and not source.is_nested:
         host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
         host.copy_(source, non_blocking=True)
         if source.device not in pending:
             pending.append(source.device)
-    else:  # sparse, quantized, or not CUDA at all: torch's own blocking copy
+    else:  # sparse, quantized, nested, or not CUDA at all: torch's own blocking copy
         host = source.to("cpu", copy=True)
     index = source.device.index if source.device.type == "cuda" else 0  # (a CUDA tensor's is never None)
     return _Staged(host, index, tensor.requires_grad, type(tensor) is torch.nn.Parameter)

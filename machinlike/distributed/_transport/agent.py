@@ -11,6 +11,8 @@ Everything machinlike needs from torch's *private* RPC internals lives in this f
   about a joiner (what torch's dynamic ``init_rpc`` does).
 - ``_reset_current_rpc_agent`` and ``api._get_current_rpc_agent``: retire an agent whose
   listener closed, so that a new one can start while the old one keeps serving.
+- ``rpc.internal._internal_rpc_pickler._dispatch_table`` (in ``tensor_parts``): its tensor
+  entry, wrapped so that tensors without a storage travel as their parts.
 - The store key ``addrs/<worker>``: the address an agent listens on; ``names/<id>``: the
   worker that claimed torch id <id> (deleted with the worker's other keys).
 - The store layout of torch's dynamic join: the joiner takes the token
@@ -46,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 from torch.distributed import rpc
 
-from . import agents as _agents, dynamic_group as _group
+from . import agents as _agents, dynamic_group as _group, tensor_parts as _tensor_parts
 from .workers import worker_id
 
 __all__ = ["claim_worker_id", "start_static", "static_start_quiet", "start_dynamic", "wait_current", "wait_steady",
@@ -122,6 +124,7 @@ def start_static(name: str, rank: int, world_size: int, init_method: str, thread
                  transports: Optional[List[str]] = None) -> None:
     """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous;
     ``transports`` None: TensorPipe's default list."""
+    _tensor_parts.install()
     with static_start_quiet():
         rpc.init_rpc(name, rank=rank, world_size=world_size,
                      rpc_backend_options=_options(threads, timeout, init_method, transports=transports))
@@ -155,6 +158,7 @@ def start_dynamic(store: dist.Store, name: str, tid: int, threads: int, timeout:
     """
     from torch.distributed.rpc import TensorPipeAgent
 
+    _tensor_parts.install()
     store.set_timeout(datetime.timedelta(seconds=timeout))
     _group.remember(store)
     try:
