@@ -6,15 +6,19 @@ sender or be loaded by several processes (a queue's item, a map's function)::
             in the receiver (the storage pickles by the policy's own storage reducer)
 
 Why: pickled, a numpy array's bytes go through the pipe (0.3-0.4 GB/s for 64 MB on this
-box), where a tensor's storage travels as a name. Owns no state.
+box), where a tensor's storage travels as a name. Where ``/dev/shm`` has no room (a
+container's 64 MB), the array goes by value as before. Owns no state.
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, Literal, Tuple
 
 import numpy as np
 import torch
+
+from . import shm_space
 
 __all__ = ["LARGE_ARRAY_BYTES", "Order", "order_of", "array_over", "reduce_array_named", "array_from_storage"]
 
@@ -49,8 +53,15 @@ class _Storage:
 
 def reduce_array_named(array: np.ndarray, reduce_storage: Callable[[Any], Tuple[Any, ...]]) -> Tuple[Any, ...]:
     """``array`` copied into new named shared memory: its rebuild call, whose storage
-    pickles through ``reduce_storage``. A Fortran-ordered array keeps its order."""
-    storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
+    pickles through ``reduce_storage``. A Fortran-ordered array keeps its order. Where
+    shared memory has no room, the array's own reduction (by value; see ``shm_space``)."""
+    try:
+        storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
+    except RuntimeError as err:
+        if not shm_space.is_full(err):
+            raise
+        shm_space.warn_by_value(array.nbytes, "a numpy array")
+        return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[return-value]  # (a tuple for arrays)
     order = order_of(array)
     np.copyto(array_from_storage(storage, array.dtype, array.shape, order), array, casting="no")
     return array_from_storage, (_Storage(storage, reduce_storage), array.dtype, array.shape, order)

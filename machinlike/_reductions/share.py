@@ -48,6 +48,7 @@ import torch
 import multiprocessing.reduction
 from torch.multiprocessing import reductions as _torch_red
 
+from . import shm_space
 from .arrays import LARGE_ARRAY_BYTES, reduce_array_named
 from .claims import first_load as _first_load, make_claim as _make_claim, take_claim as _take_claim
 from .table import DispatchTable, policy_table
@@ -144,7 +145,13 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
             _note_undo(lambda: os.close(handle.detach()))
         return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
     global _uses_manager
-    manager, handle, size = storage._share_filename_cpu_()
+    try:
+        manager, handle, size = storage._share_filename_cpu_()
+    except RuntimeError as err:
+        if shm_space.is_full(err):
+            raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory (a queue's default: "
+                                       "SimpleQueue(copy_tensor=True) sends copies instead)") from err
+        raise
     _uses_manager = True
     token = os.urandom(12)
     claim = _make_claim(token, handle)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
@@ -90,7 +91,12 @@ def _fd_of(storage: torch.UntypedStorage) -> Optional[int]:
 def _register_own(storage: torch.UntypedStorage) -> Tuple[int, int, int]:
     fd = _fd_of(storage)
     if fd is None:
-        fd, _ = storage._share_fd_cpu_()  # moves it into fd-backed shared memory, in place
+        try:
+            fd, _ = storage._share_fd_cpu_()  # moves it into fd-backed shared memory, in place
+        except RuntimeError as err:
+            if shm_space.is_full(err):
+                raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory") from err
+            raise
     size = storage.nbytes()
     inode = os.fstat(fd).st_ino
     with _lock:

@@ -1,0 +1,58 @@
+"""When ``/dev/shm`` is too small: a copy goes by value, a share says how to make room.
+
+Containers give ``/dev/shm`` 64 MB unless told otherwise (``docker run --shm-size``), and
+every named or fd-shared tensor storage of torch lives there; torch then refuses with
+"unable to allocate shared memory(shm) for file ...: No space left on device". Where the
+receiver gets a copy anyway (a numpy array through a queue or a process's arguments),
+the copy travels by value instead, slower but correct, and the process is told once.
+Where sharing is the point (a tensor through a queue, ``share()``, a Hogwild model), the
+error says what was asked, what is free and how to get more. Owns one flag: whether this
+process has been told.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+__all__ = ["is_full", "full_error", "warn_by_value"]
+
+_SHM = "/dev/shm"
+_warned = False
+
+
+def is_full(err: BaseException) -> bool:
+    """Whether ``err`` is torch's refusal to allocate shared memory for lack of room."""
+    text = str(err)
+    return "shared memory" in text and ("No space left" in text or "(28)" in text)
+
+
+def _room() -> str:
+    try:
+        stats = os.statvfs(_SHM)
+    except OSError:
+        return "a size that cannot be read"
+    free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+    return f"{free / 2**20:.0f} MB free of {total / 2**20:.0f} MB"
+
+
+_FIX = ("give the machine's shared memory more room: in Docker `--shm-size=8g` (or `--ipc=host`), in "
+        "Kubernetes an emptyDir with medium Memory mounted at /dev/shm, elsewhere remount it "
+        "(`mount -o remount,size=8G /dev/shm`)")
+
+
+def full_error(nbytes: int, what: str) -> RuntimeError:
+    """The error for ``what`` that needed ``nbytes`` of shared memory and found no room."""
+    return RuntimeError(f"shared memory is full: {what} needs {nbytes / 2**20:.1f} MB of it and /dev/shm has "
+                        f"{_room()}; {_FIX}")
+
+
+def warn_by_value(nbytes: int, what: str) -> None:
+    """Say once per process that copies go by value because shared memory is full."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    warnings.warn(f"shared memory is full (/dev/shm has {_room()}): {what} of {nbytes / 2**20:.1f} MB travels by value, "
+                  f"through the pipe, and so will later ones that find no room (slower, still correct); "
+                  f"to keep them in shared memory, {_FIX}", RuntimeWarning, stacklevel=2)
