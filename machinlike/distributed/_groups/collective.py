@@ -130,25 +130,41 @@ class RetiredGroups:
     the test or user frame ends). Keeping destroyed groups here means that last release
     happens in :meth:`release` at the World's stop, after its waits on the store have
     released the GIL many times over, or in :meth:`keep` for groups retired
-    ``RELEASE_AFTER`` seconds earlier, whose workers finished long ago. So the list stays
-    bounded by the groups destroyed within that window.
+    ``RELEASE_AFTER`` seconds earlier, whose workers finished long ago.
+
+    Bounded in number too: a group holds five descriptors (gloo's sockets, pipes and its
+    event loop), so a program that makes and destroys groups in a loop ran out of them
+    (ulimit -n 1024 after about 200 groups in 30 s). Past ``MAX_KEPT`` the oldest go at
+    once, but never before ``MIN_AGE`` seconds after their destruction: ``keep`` waits
+    for that with the GIL released, which is all a finishing gloo worker needs.
     """
 
     #: Seconds after its destruction that a group is dropped by a later ``keep``.
     RELEASE_AFTER = 30.0
+    #: Groups kept at most; past it the oldest go (see ``MIN_AGE``).
+    MAX_KEPT = 32
+    #: Seconds a group is kept at least after its destruction.
+    MIN_AGE = 0.1
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: List[tuple] = []  # (when retired, process group)
+        self._kept: List[tuple] = []  # (when retired, process group), oldest first
 
     def keep(self, group: Any) -> None:
-        """Hold ``group`` (already destroyed in torch) and drop the long-retired ones."""
+        """Hold ``group`` (already destroyed in torch) and drop the long-retired ones, and
+        the oldest past ``MAX_KEPT``."""
         now = time.monotonic()
         with self._lock:
             old = [g for when, g in self._kept if now - when > self.RELEASE_AFTER]
             self._kept = [(when, g) for when, g in self._kept if now - when <= self.RELEASE_AFTER]
             self._kept.append((now, group))
-        del old  # their last references go here, outside the lock
+            excess = max(0, len(self._kept) - self.MAX_KEPT)
+            forced, self._kept = self._kept[:excess], self._kept[excess:]
+        if forced:
+            young = forced[-1][0] + self.MIN_AGE - time.monotonic()
+            if young > 0:
+                time.sleep(young)  # (an age, not a condition anything could signal; the GIL is free)
+        del old, forced  # their last references go here, outside the lock
 
     def __len__(self) -> int:
         with self._lock:
