@@ -9,7 +9,9 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
   physical bounds everything below is read against;
 * RPC, two local processes over the same agent, blocks alternated so that noise hits
   both: a 64 MB echo through ``registered_sync`` against raw ``rpc_sync``; the same with
-  a tensor shared explicitly (``share()``); a no-op ``registered_sync`` against raw
+  a tensor shared explicitly (``share()``); lists of many tensors (200 frames of 64 KB,
+  1,000 transitions) echoed and returned by a service (a replay sample); a no-op
+  ``registered_sync`` against raw
   (the size check must not tax small calls); and the same world with
   ``same_host_shm=False`` for the 64 MB echo (what TensorPipe alone gives);
 * the model server: two actors pull a 64 MB model at once through
@@ -51,6 +53,22 @@ MB = 1 << 20
 
 def echo(x: Any) -> Any:
     return x
+
+
+_batches: Dict[str, Any] = {}
+
+
+def batch(kind: str) -> Any:
+    """A replay sample as a list: 200 frames of 64 KB, or 1,000 small transitions."""
+    if kind not in _batches:
+        _batches[kind] = many(kind)
+    return _batches[kind]
+
+
+def many(kind: str) -> Any:
+    if kind == "frames":
+        return [torch.rand(16384) for _ in range(200)]
+    return [{"obs": torch.rand(8), "action": 1, "reward": 0.5, "next_obs": torch.rand(8)} for _ in range(1000)]
 
 
 def noop() -> None:
@@ -106,6 +124,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
     if world.rank == 1:
         group.register("echo", echo)
         group.register("noop", noop)
+        group.register("batch", batch)
     if world.rank == 0:
         _model["m"] = make_model()
         PushPullModelServerImpl("server", group)
@@ -129,6 +148,17 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             rpc.rpc_sync("1", echo, args=(array,))
         results["numpy"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(array,)),
                                       lambda: group.registered_sync("echo", (array,)), 2, blocks)
+        for kind in ("frames", "transitions"):  # lists of many tensors, both ways and as a reply
+            items = many(kind)
+            for _ in range(3):
+                group.registered_sync("echo", (items,))
+                rpc.rpc_sync("1", echo, args=(items,))
+                group.registered_sync("batch", (kind,))
+                rpc.rpc_sync("1", batch, args=(kind,))
+            results[f"echo_{kind}"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(items,)),
+                                                 lambda: group.registered_sync("echo", (items,)), 5, blocks)
+            results[f"batch_{kind}"] = _alternate(lambda: rpc.rpc_sync("1", batch, args=(kind,)),
+                                                  lambda: group.registered_sync("batch", (kind,)), 5, blocks)
         for _ in range(50):
             rpc.rpc_sync("1", noop)
             group.registered_sync("noop")
@@ -248,6 +278,12 @@ def main() -> None:
          f"{pool['shared_median']:.2f} / {pool['shared_max']:.2f}", "-", "<= 2 / <= 3 (median / max)"),
         ("64 MB numpy echo, registered_sync (GB/s)", f"{gb / two['numpy']['raw']:.2f}",
          f"{gb / two['numpy']['ours']:.2f}", f"{two['numpy']['raw'] / two['numpy']['ours']:.2f}x", ""),
+        *[(f"{what} (ms)", f"{two[key]['raw'] * 1e3:.1f}", f"{two[key]['ours'] * 1e3:.1f}",
+           f"{two[key]['raw'] / two[key]['ours']:.2f}x", "")
+          for key, what in (("echo_frames", "echo of a list of 200 x 64 KB tensors"),
+                            ("batch_frames", "reply of a list of 200 x 64 KB tensors"),
+                            ("echo_transitions", "echo of 1,000 transitions (dicts of 2 small tensors)"),
+                            ("batch_transitions", "reply of 1,000 transitions"))],
         ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
     ]

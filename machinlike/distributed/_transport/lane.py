@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import heapq
 import os
-import pickle
 import socket
 import threading
 import time
@@ -46,7 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .lane_future import LaneFuture, completing
 from .lane_server import Server
 from .lane_wire import (
-    HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes, send_frame,
+    HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, Body, NotForLane, address, load_body, read_frame, request_bytes,
+    send_frame,
 )
 
 __all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing"]
@@ -96,7 +96,7 @@ class _Conn:
         self.late = 0  # answers that came after their call had timed out
         threading.Thread(target=self._read, name=f"machinlike-lane-{pid}", daemon=True).start()
 
-    def send(self, payload: bytes, pending: _Pending) -> int:
+    def send(self, payload: Body, pending: _Pending) -> int:
         """Send one call; its id. Raises NotForLane when the connection is closed (nothing sent)."""
         with self._lock:
             if self.closed is not None:
@@ -138,7 +138,7 @@ class _Conn:
                 frame = read_frame(self._sock)
                 if frame is None:
                     break
-                kind, cid, payload = frame
+                kind, cid, body = frame
                 with self._lock:
                     pending = self._pending.pop(cid, None)
                     if pending is None:
@@ -146,12 +146,12 @@ class _Conn:
                         continue
                 if kind == OK:
                     try:
-                        value, error = pickle.loads(payload), None
+                        value, error = load_body(body), None
                     except Exception as err:
                         value, error = None, RuntimeError(f"the reply from process {self.pid} could not be "
                                                           f"unpickled: {type(err).__name__}: {err}")
                 else:
-                    value, error = None, RuntimeError(f"process {self.pid} failed the call: {payload.decode()}")
+                    value, error = None, RuntimeError(f"process {self.pid} failed the call: {body.data.decode()}")
                 pending.complete(value, error)
         except OSError as err:
             why = f"eof ({err})"

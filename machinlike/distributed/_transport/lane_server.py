@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import functools
 import os
-import pickle
 import queue
 import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 import torch
 
-from .lane_wire import ERR, HELLO, IDLE_WAKE_S, OK, REQ, address, read_frame, reply_bytes, send_frame
+from .lane_wire import ERR, HELLO, IDLE_WAKE_S, OK, REQ, Body, address, load_body, read_frame, reply_bytes, send_frame
 
 __all__ = ["Server"]
 
@@ -139,9 +138,9 @@ class Server:
                     self._conns.remove(conn)
             conn.close()  # (a reply still being made then fails to send: its caller has EOF)
 
-    def _run(self, conn: socket.socket, send_lock: threading.Lock, cid: int, data: bytearray) -> None:
+    def _run(self, conn: socket.socket, send_lock: threading.Lock, cid: int, data: Body) -> None:
         try:
-            fn, args = pickle.loads(data)
+            fn, args = load_body(data)
             if getattr(fn, "_wrapped_async_rpc_function", None) is not None:
                 fut = fn(*args)
                 fut.add_done_callback(lambda done: self._settle(conn, send_lock, cid, done))
@@ -161,13 +160,15 @@ class Server:
         self._reply(conn, send_lock, cid, value)
 
     def _reply(self, conn: socket.socket, send_lock: threading.Lock, cid: int, value: Any) -> None:
+        payload: Union[bytes, Body]
         try:
             payload, kind = reply_bytes(value), OK
         except Exception as err:
             payload, kind = f"the reply could not be pickled: {type(err).__name__}: {err}".encode(), ERR
         self._finish(conn, send_lock, cid, kind, payload)
 
-    def _finish(self, conn: socket.socket, send_lock: threading.Lock, cid: int, kind: int, payload: bytes) -> None:
+    def _finish(self, conn: socket.socket, send_lock: threading.Lock, cid: int, kind: int,
+                payload: Union[bytes, Body]) -> None:
         try:
             self._answer(conn, send_lock, cid, kind, payload)
         finally:
@@ -177,7 +178,8 @@ class Server:
                     self._idle.notify_all()
 
     @staticmethod
-    def _answer(conn: socket.socket, send_lock: threading.Lock, cid: int, kind: int, payload: bytes) -> None:
+    def _answer(conn: socket.socket, send_lock: threading.Lock, cid: int, kind: int,
+                payload: Union[bytes, Body]) -> None:
         try:
             with send_lock:
                 send_frame(conn, kind, cid, payload, time.monotonic() + _REPLY_S)
