@@ -140,6 +140,38 @@ def _conn_to(peer_closes_reading: bool):
     return _lane._Conn(4242, mine, lambda conn: None), theirs
 
 
+def test_a_frame_cut_inside_its_buffers_reads_as_eof():
+    """A peer killed while writing a frame's out-of-band buffers: the reader sees the end
+    (its calls then fail as lost), not a short buffer or a wait for bytes that never come."""
+    from machinlike.distributed._transport.lane_wire import OUT_OF_BAND, read_frame, reply_bytes
+
+    body = reply_bytes([torch.zeros(OUT_OF_BAND // 4), torch.zeros(OUT_OF_BAND // 4)])
+    whole = _frame_bytes(body)
+    for cut in (15, 15 + 8, len(whole) - OUT_OF_BAND - 1, len(whole) - 1):  # sizes, pickle, buffers
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.settimeout(5)
+        with mine, theirs:
+            mine.sendall(whole[:cut])
+            mine.close()
+            assert read_frame(theirs) is None, cut
+
+
+def _frame_bytes(body):
+    from machinlike.distributed._transport.lane_wire import send_frame
+
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.settimeout(5)
+    theirs.settimeout(5)
+    got = bytearray()
+    with mine, theirs:
+        sender = threading.Thread(target=lambda: (send_frame(mine, 1, 3, body, time.monotonic() + 5), mine.close()))
+        sender.start()
+        while chunk := theirs.recv(1 << 20):
+            got += chunk
+        sender.join()
+    return bytes(got)
+
+
 def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
     # A callee that died before this reader noticed breaks the send itself: that must
     # read as a lost peer, not as a timeout (CI once saw a 60 s "did not answer" here).
