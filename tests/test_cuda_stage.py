@@ -270,3 +270,32 @@ def test_cuda_tensors_through_an_elastic_group(world):
     assert world.elastic
     world.wait_for_members(["0", "1", "2"], timeout=60)
     _cuda_round_trips(world, world.create_rpc_group("cuda", ["0", "1", "2"]))  # no device maps anywhere
+
+
+def _echo(x):
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@world_test(2, timeout=120)
+def test_cuda_tensors_without_a_storage_of_their_own_cross(world):
+    """Compressed sparse and nested CUDA tensors are neither exported through IPC nor
+    staged through pinned memory (they have no plain storage); torch's own copy takes them
+    to the CPU and the RPC pickler sends them as their parts (``_transport.tensor_parts``)."""
+    torch.cuda.init()
+    group = world.create_rpc_group("parts", ["0", "1"])
+    group.register(f"echo/{world.name}", _echo)
+    group.barrier()
+    if world.name == "0":
+        dense = torch.eye(64, device="cuda")
+        nested = torch.nested.nested_tensor([torch.ones(300, 300), torch.ones(200, 300)], device="cuda")
+        for value in (dense.to_sparse_csr(), dense.to_sparse_bsc((4, 4)), nested):
+            back = group.registered_sync("echo/1", args=(value,))
+            assert back.device.type == "cuda" and back.layout == value.layout, (back.device, back.layout)
+            if value.is_nested:
+                assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(back.unbind(), value.unbind()))
+            else:
+                assert torch.equal(back.to_dense().cpu(), value.to_dense().cpu())
+    group.barrier()
+    group.destroy()
