@@ -10,9 +10,9 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
 * RPC, two local processes over the same agent, blocks alternated so that noise hits
   both: a 64 MB echo through ``registered_sync`` against raw ``rpc_sync``; the same with
   a tensor shared explicitly (``share()``); lists of many tensors (200 frames of 64 KB,
-  1,000 transitions) echoed and returned by a service (a replay sample); a no-op
-  ``registered_sync`` against raw
-  (the size check must not tax small calls); and the same world with
+  1,000 transitions) echoed and returned by a service (a replay sample); lists of plain
+  Python data (a million floats, 200k tuples) echoed; a no-op ``registered_sync``
+  against raw (the size check must not tax small calls); and the same world with
   ``same_host_shm=False`` for the 64 MB echo (what TensorPipe alone gives);
 * the model server: two actors pull a 64 MB model at once through
   ``PushPullModelServer.pull`` against raw ``rpc_sync`` calls returning the state dict
@@ -68,6 +68,10 @@ def batch(kind: str) -> Any:
 def many(kind: str) -> Any:
     if kind == "frames":
         return [torch.rand(16384) for _ in range(200)]
+    if kind == "rewards":  # plain Python data: nothing to put through shared memory
+        return [float(i) for i in range(1_000_000)]
+    if kind == "steps":
+        return [(i, 0.5, False) for i in range(200_000)]
     return [{"obs": torch.rand(8), "action": 1, "reward": 0.5, "next_obs": torch.rand(8)} for _ in range(1000)]
 
 
@@ -148,7 +152,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             rpc.rpc_sync("1", echo, args=(array,))
         results["numpy"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(array,)),
                                       lambda: group.registered_sync("echo", (array,)), 2, blocks)
-        for kind in ("frames", "transitions"):  # lists of many tensors, both ways and as a reply
+        for kind in ("frames", "transitions", "rewards", "steps"):  # lists of many items, both ways, as a reply
             items = many(kind)
             for _ in range(3):
                 group.registered_sync("echo", (items,))
@@ -283,7 +287,9 @@ def main() -> None:
           for key, what in (("echo_frames", "echo of a list of 200 x 64 KB tensors"),
                             ("batch_frames", "reply of a list of 200 x 64 KB tensors"),
                             ("echo_transitions", "echo of 1,000 transitions (dicts of 2 small tensors)"),
-                            ("batch_transitions", "reply of 1,000 transitions"))],
+                            ("batch_transitions", "reply of 1,000 transitions"),
+                            ("echo_rewards", "echo of a list of 1,000,000 floats"),
+                            ("echo_steps", "echo of a list of 200,000 (int, float, bool) tuples"))],
         ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
     ]

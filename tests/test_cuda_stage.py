@@ -71,6 +71,25 @@ def test_walk_returns_the_object_itself_when_nothing_changed():
     assert _cuda_stage.walk((), _marked) == () and _cuda_stage.walk({}, _marked) == {}
 
 
+def test_walk_passes_over_plain_data_but_finds_a_tensor_beside_it():
+    np = pytest.importorskip("numpy")
+    rewards = [float(i) for i in range(1000)] + [np.float32(1.0), None, "done", True]
+    steps = [(i, 0.5, False) for i in range(100)]
+    infos = [{"lives": 3, "score": 1.0} for _ in range(100)]
+    for plain in (rewards, steps, infos, tuple(steps), {"r": rewards}):
+        assert _cuda_stage.walk(plain, _marked) is plain  # the fast path: no copy made
+    t = torch.ones(1)
+    # Every border of the fast path: a tensor among atoms, one level down in a tuple, a
+    # list or a dict, two levels down, and beside sequences and dicts mixed.
+    for obj, path in [(rewards + [t], (-1,)), (steps + [(1, t)], (-1, 1)), (infos + [{"x": t}], (-1, "x")),
+                      (steps + [[[t]]], (-1, 0, 0)), ([(1,), {"a": t}], (1, "a")),
+                      ({"a": 1, "b": [t]}, ("b", 0))]:
+        out = _cuda_stage.walk(obj, _marked)
+        for key in path:
+            out = out[key]
+        assert out == ("staged", t), path
+
+
 def test_walk_leaves_tensors_inside_other_objects():
     class Box:
         def __init__(self):

@@ -25,6 +25,7 @@ tensor received by reference travels on by reference.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import threading
 from typing import Any, Callable, Deque, Dict, Optional, Tuple
@@ -280,6 +281,28 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
 Leaf = Callable[[torch.Tensor], Any]
 ArrayLeaf = Callable[[np.ndarray], Any]
 
+# Types that hold no tensor or array. A list, tuple or dict made of them, directly or one
+# level down (transitions as tuples, infos as dicts), is passed over at C speed (sets of
+# its items' types) instead of one Python call per item, which made a call with a list
+# of a million rewards 4 times slower than raw RPC and one of 200k tuples 2.5 times.
+_ATOMS = frozenset({float, int, bool, str, bytes, complex, type(None), np.float64, np.float32, np.float16,
+                    np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_})
+_SEQUENCES = frozenset({tuple, list})
+_DICTS = frozenset({dict})
+
+
+def _plain(values: Any) -> bool:
+    """Whether ``values`` (a list, tuple or dict's values) holds only atoms, directly or in
+    lists, tuples or dicts of atoms."""
+    kinds = set(map(type, values))
+    if kinds <= _ATOMS:
+        return True
+    if kinds <= _SEQUENCES:
+        return _ATOMS.issuperset(map(type, itertools.chain.from_iterable(values)))
+    if kinds <= _DICTS:
+        return _ATOMS.issuperset(map(type, itertools.chain.from_iterable(map(dict.values, values))))
+    return False
+
 
 def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Optional[ArrayLeaf] = None) -> Any:
     """``obj`` with each tensor ``t`` (in lists, tuples, dicts) replaced by ``leaf(t)``,
@@ -300,7 +323,7 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
             done = memo[id(obj)] = encode_one(obj)
         return done
     if kind is tuple or kind is list:
-        if not obj:
+        if not obj or _plain(obj):
             return obj
         memo = {} if memo is None else memo
         items = [walk(item, leaf, memo, array) for item in obj]
@@ -308,7 +331,7 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
             return obj
         return tuple(items) if kind is tuple else items
     if kind is dict or kind is collections.OrderedDict:
-        if not obj:
+        if not obj or _plain(obj.values()):
             return obj
         memo = {} if memo is None else memo
         values = {key: walk(value, leaf, memo, array) for key, value in obj.items()}
