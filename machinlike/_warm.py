@@ -182,14 +182,30 @@ if WARM_AVAILABLE:
         _profile = "train"
 
 
+def _fresh_seeds() -> None:
+    """Seed torch's and numpy's global generators from the OS, as a spawned child's are.
+
+    Why: a forked child starts with its server's generator states, the same in every
+    child, so every pool worker, process and launched rank drew the same ``torch.rand``
+    (every actor the same "random" exploration). ``random`` reseeds itself after a fork.
+    """
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # (CUDA's generators are seeded lazily: no CUDA context is made here)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
 def child_setup(process_obj: _process.BaseProcess) -> None:
-    """In a child of a warm server: take the parent's stdout/stderr and environment (as
-    they were when it started this child), borrow its server.
+    """In a child of a warm server: fresh random seeds, the parent's stdout/stderr and
+    environment (as they were when it started this child), borrow its server.
 
     For process classes that start through a warm context's ``Process._Popen`` without
     deriving from its Process class (:class:`machinlike.process.Process`); a no-op in a
     child started any other way.
     """
+    _fresh_seeds()
     environ = getattr(process_obj, "_environ", None)
     if environ is not None:
         # (Before the target runs; the main module was imported with the server's.)

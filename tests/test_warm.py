@@ -47,3 +47,36 @@ def test_children_see_the_parents_environment_of_now_not_the_servers(monkeypatch
     child.join(30)
     monkeypatch.delenv("MACHINLIKE_TEST_WARM_ENV")
     assert machinlike.launch(_rank_env, 1, timeout=120) == [None]
+
+
+def _draws(*_):
+    import time
+
+    import numpy as np
+    import torch
+    time.sleep(0.2)  # hold this worker so the next task goes to another
+    return os.getpid(), torch.initial_seed(), torch.rand(1).item(), float(np.random.rand())
+
+
+def _rank_draws(world):
+    return _draws()
+
+
+def test_every_child_starts_with_its_own_random_seeds():
+    # Children fork from one warm server: without fresh seeds they all carried its torch
+    # generator, so every actor drew the same "random" numbers (spawn gives each its own).
+    with Pool(3) as pool:
+        draws = pool.map(_draws, range(6))
+    out = machinlike.SimpleQueue()
+    children = [Process(target=lambda q: q.put(_draws()), args=(out,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    draws += [out.get(timeout=60) for _ in children]
+    for child in children:
+        child.join(30)
+    draws += machinlike.launch(_rank_draws, 2, timeout=120)
+    by_pid = {pid: rest for pid, *rest in draws}
+    assert len(by_pid) >= 5, draws  # at least two pool workers, two processes, two ranks
+    for column in range(3):  # seed, torch draw, numpy draw: one per process, none shared
+        values = [rest[column] for rest in by_pid.values()]
+        assert len(set(values)) == len(values), (column, draws)
