@@ -197,6 +197,26 @@ def _fresh_seeds() -> None:
         numpy_random.seed()
 
 
+def _thread_count_of_now(server_value: Optional[str]) -> None:
+    """Apply ``OMP_NUM_THREADS`` as the parent has it now (``server_value``: the server's).
+
+    Why: torch read it when the server imported torch, so a value the parent set since
+    (``os.environ["OMP_NUM_THREADS"] = "1"`` before starting actors, a common habit) was
+    ignored here, while a spawned child's torch reads it. A value the parent removed keeps
+    the server's count.
+    """
+    value = os.environ.get("OMP_NUM_THREADS")
+    torch = sys.modules.get("torch")
+    if value is None or value == server_value or torch is None:
+        return
+    try:
+        count = int(value)
+    except ValueError:  # torch ignores a malformed value too
+        return
+    if count > 0:
+        torch.set_num_threads(count)
+
+
 def child_setup(process_obj: _process.BaseProcess) -> None:
     """In a child of a warm server: fresh random seeds, the parent's stdout/stderr and
     environment (as they were when it started this child), borrow its server.
@@ -209,8 +229,10 @@ def child_setup(process_obj: _process.BaseProcess) -> None:
     environ = getattr(process_obj, "_environ", None)
     if environ is not None:
         # (Before the target runs; the main module was imported with the server's.)
+        server_threads = os.environ.get("OMP_NUM_THREADS")
         os.environ.clear()
         os.environ.update(environ)
+        _thread_count_of_now(server_threads)
     slots = getattr(process_obj, "_stdio_slots", ())
     if slots:
         inherited = _forkserver.get_inherited_fds() or []

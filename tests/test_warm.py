@@ -80,3 +80,30 @@ def test_every_child_starts_with_its_own_random_seeds():
     for column in range(3):  # seed, torch draw, numpy draw: one per process, none shared
         values = [rest[column] for rest in by_pid.values()]
         assert len(set(values)) == len(values), (column, draws)
+
+
+def _threads(*_):
+    import torch
+    return torch.get_num_threads()
+
+
+def _rank_threads(world):
+    return _threads()
+
+
+def test_children_take_the_thread_count_the_parent_set_after_the_server_started(monkeypatch):
+    with Pool(1) as pool:
+        pool.apply(_threads)  # the light server runs, with the environment of then
+    assert machinlike.launch(_rank_threads, 1, timeout=120)  # so does the train server
+    # An actor script sets OMP_NUM_THREADS before it starts its workers; spawn's children
+    # read it as torch loads, the warm servers' torch had read theirs already.
+    wanted = 3 if os.environ.get("OMP_NUM_THREADS") != "3" else 4
+    monkeypatch.setenv("OMP_NUM_THREADS", str(wanted))
+    with Pool(1) as pool:
+        assert pool.apply(_threads) == wanted
+    out = machinlike.SimpleQueue()
+    child = Process(target=lambda q: q.put(_threads()), args=(out,))
+    child.start()
+    assert out.get(timeout=60) == wanted
+    child.join(30)
+    assert machinlike.launch(_rank_threads, 1, timeout=120) == [wanted]
