@@ -352,3 +352,30 @@ def test_a_dense_tensor_keeps_its_layout_both_ways(make):
     for got in (back, replied, copied):
         assert torch.equal(got, tensor) and got.stride() == tensor.stride()
 
+
+
+def _kept_futures_body(world):
+    import gc
+    import weakref
+    group = world.create_rpc_group("kept", ["0", "1"])
+    group.register(f"echo{world.rank}", _echo)
+    group.barrier()
+    freed = None
+    if world.rank == 0:
+        sent = [torch.rand(50_000) for _ in range(4)]
+        refs = [weakref.ref(t) for t in sent]
+        futures = [group.registered_async("echo1", args=(t,)) for t in sent]  # an actor's habit
+        assert all(torch.equal(f.wait(), t) for f, t in zip(futures, sent))
+        del sent
+        gc.collect()
+        freed = [ref() is None for ref in refs]  # the futures live on, the arguments must not
+        assert futures
+    group.barrier()
+    return freed
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_kept_future_does_not_keep_its_arguments(lane):
+    # Each future held the closure that resends the call (for a stale owner cache), so an
+    # actor that kept its futures kept every trajectory it had sent: 100 KB a call.
+    assert run_world(_kept_futures_body, 2, timeout=90, same_host_lane=lane)[0] == [True] * 4

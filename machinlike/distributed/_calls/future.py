@@ -94,9 +94,14 @@ class RpcFuture(_transport.lane.LaneFuture):
         this with the user's callbacks sent off its thread: see _off_the_lane); False: a
         retry will (it was started)."""
         if error is None and type(value) not in ENVELOPES:  # the common case: short
+            self._retry = None  # (it holds the call's arguments: a kept future must not)
             _set_result(self, value)
             return True
         try:
+            if error is None and is_missing(value) and self._retry is not None:
+                threading.Thread(target=self._run_retry, name="machinlike-call-retry", daemon=True).start()
+                return False
+            self._retry = None
             if error is not None:
                 failure = translate_error(error, self.member, self._what, self._timeout)
                 if failure is not error:
@@ -104,9 +109,6 @@ class RpcFuture(_transport.lane.LaneFuture):
                 self._fail(failure)
             elif is_failure(value):  # the remote error, as it arrived (its traceback is its cause's text)
                 self._fail(value.exc)
-            elif is_missing(value) and self._retry is not None:
-                threading.Thread(target=self._run_retry, name="machinlike-call-retry", daemon=True).start()
-                return False
             else:
                 self.set_result(unwrap(value))
         except BaseException as exc:  # never left pending
@@ -119,7 +121,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         self.set_exception(error)
 
     def _run_retry(self) -> None:
-        retry = self._retry
+        retry, self._retry = self._retry, None
         assert retry is not None  # (only started with one)
         try:
             value = retry()
