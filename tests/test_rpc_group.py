@@ -642,8 +642,25 @@ def test_group_creation_names_absent_member(world):
 
 def test_rpc_group_requires_world():
     group = RpcGroup("g", ["0"], 0)
-    with pytest.raises(RuntimeError, match="no World in this process"):
+    with pytest.raises(RuntimeError, match="no World in this process: RpcGroup 'g' works only in a process that "
+                                           "joined its world.*make the call in the member"):
         group.registered_sync("x")
+
+
+def _call_through(group):
+    return group.registered_sync("double", args=(1,))
+
+
+@world_test(1, timeout=60)
+def test_a_group_sent_to_a_pool_worker_says_why_it_cannot_be_used_there(world):
+    from machinlike.pool import Pool
+    group = world.create_rpc_group("parent", world.get_members())
+    group.register("double", lambda x: 2 * x)
+    with Pool(1) as pool:  # a worker is no member: the group's calls need a World there
+        with pytest.raises(RuntimeError, match="RpcGroup 'parent' works only in a process that joined its world, "
+                                               "and a pool worker"):
+            pool.apply(_call_through, (group,))
+    assert group.registered_sync("double", args=(1,)) == 2
 
 
 @world_test(2, timeout=60)

@@ -142,13 +142,20 @@ def current() -> Optional[GroupDirectory]:
     return _current
 
 
-def require() -> GroupDirectory:
-    """This process's group directory.
+def require(user: Optional[str] = None) -> GroupDirectory:
+    """This process's group directory; ``user``: what needs it, for the error (None: a
+    World's own call).
 
     Raises:
         RuntimeError: no World runs in this process.
     """
     directory = _current
     if directory is None:
-        raise RuntimeError("no World in this process: create one first, e.g. World(rank=..., world_size=...)")
+        if user is None:
+            raise RuntimeError("no World in this process: create one first, e.g. World(rank=..., world_size=...)")
+        # Typically a handle sent to a pool worker or a child process, which are not members.
+        raise RuntimeError(f"no World in this process: {user} works only in a process that joined its world, "
+                           f"and a pool worker or a child process has not; make the call in the member that has "
+                           f"the World and send the worker its result, or start a World in each worker "
+                           f"(machinlike.launch gives every rank one)")
     return directory

@@ -84,14 +84,14 @@ class RpcGroup:
     def _directory(self) -> GroupDirectory:
         d = self._dir
         if d is None or not d.open:
-            d = _directory.require()  # its World stopped: the current one's, as before
+            d = _directory.require(f"RpcGroup {self._name!r}")  # its World stopped: the current one's, as before
         return d
 
     def _usable(self, need_member: bool) -> GroupParts:
         """The parts for the directory in use (built when it changed), if this handle may be used."""
         d = self._dir
         if d is None or not d.open:
-            d = _directory.require()
+            d = _directory.require(f"RpcGroup {self._name!r}")
         parts = self._parts
         if parts is None or parts.directory is not d:
             parts = self._bind(d)
