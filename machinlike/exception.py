@@ -113,6 +113,20 @@ def freeze_traceback(exc: BaseException) -> BaseException:
     return drop_frames(exc) if state is not None else exc
 
 
+_DAEMONIC = "daemonic processes are not allowed to have children"  # multiprocessing's assertion
+
+
+def _note_daemonic(exc: BaseException) -> None:
+    """Say the fix on multiprocessing's bare assertion in a daemon (a pool worker, by
+    default) that tried to start a process: vectorised environments and DataLoader
+    workers in actor tasks meet it first."""
+    if isinstance(exc, AssertionError) and str(exc) == _DAEMONIC and not getattr(exc, "__notes__", None):
+        exc.add_note("this process is a daemon, which multiprocessing lets start no process: a Pool's workers "
+                     "are daemons unless the pool is made with is_daemon=False, a Process when daemon=True. "
+                     "Use Pool(..., is_daemon=False) (or Process(daemon=False)) for tasks that start processes "
+                     "(gymnasium's AsyncVectorEnv, a DataLoader with num_workers > 0, a nested pool)")
+
+
 class ExceptionWithTraceback:
     """Picklable carrier of an exception together with its formatted traceback.
 
@@ -132,6 +146,7 @@ class ExceptionWithTraceback:
 
             where = f"process {multiprocessing.current_process().name!r}"
         _mainguard.note_guarded_name(exc)  # a name the script defines under its main guard: say so
+        _note_daemonic(exc)
         frozen = getattr(exc, "__dict__", {}).get(_FROZEN)
         text = frozen if frozen is not None else "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         head, sep, body = text.partition("\n")

@@ -274,3 +274,21 @@ def test_public_names():
     assert issubclass(P2PPool, Pool) and issubclass(CtxPool, Pool) and issubclass(CtxThreadPool, ThreadPool)
     for module in ("_api", "_core", "_errors", "_feed", "_policy", "_result", "_thread", "_wire", "_worker"):
         assert hasattr(__import__(f"machinlike.pool.{module}", fromlist=["__all__"]), "__all__")
+
+
+def _start_a_child():
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=print)
+    child.start()
+    child.join(30)
+    return child.exitcode
+
+
+def test_a_task_that_starts_a_process_in_a_daemon_worker_is_told_the_fix():
+    # What a vectorised environment (gymnasium's AsyncVectorEnv) in an actor task meets.
+    with Pool(1) as pool:
+        with pytest.raises(AssertionError, match="daemonic processes") as info:
+            pool.apply(_start_a_child)
+        assert any("Pool(..., is_daemon=False)" in note for note in info.value.__notes__)
+    with Pool(1, is_daemon=False) as pool:
+        assert pool.apply(_start_a_child) == 0
