@@ -493,3 +493,84 @@ def test_waiting_for_segments_to_be_taken_is_bounded_and_sees_each_taker():
     segments.release(other)  # handed back unsent: nothing to wait for
     assert segments.wait_taken(0.05)
     segments.close()
+
+
+def _sample(k):
+    return [torch.full((16384,), float(k)) for _ in range(50)]  # 50 frames of 64 KB
+
+
+def _lent():
+    return _shm.cache().lent()
+
+
+def _lent_settles_at(g, count, lane):
+    # torch RPC's threads may drop their last reference to a reply a moment after the
+    # caller has it; the lane's reader drops its own before it reads on: at once.
+    deadline = time.monotonic() + (0.0 if lane else 10.0)
+    while g.rpc_sync("1", _lent) != count:
+        assert time.monotonic() < deadline, f"the callee's lent segments did not come to {count}"
+        time.sleep(0.01)
+
+
+def _packed_body(world, lane):
+    import gc
+
+    import numpy as np
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("sample", _sample)
+        g.register("lent", _lent)
+    g.barrier()
+    if world.rank == 0:
+        rng = np.random.default_rng(0)
+        twice = torch.rand(8192)
+        items = ([torch.rand(8192) for _ in range(40)]
+                 + [torch.rand(1, 3, 32, 32).to(memory_format=torch.channels_last) for _ in range(10)]
+                 + [torch.arange(4096).reshape(64, 64).t() for _ in range(10)]
+                 + [torch.rand(8192).to(torch.bfloat16), torch.rand(8192) > 0.5, torch.rand(4096, dtype=torch.float64),
+                    torch.nn.Parameter(torch.rand(4096), requires_grad=False), torch.rand(10), twice, twice]
+                 + [rng.random(4096).astype(np.float32) for _ in range(10)]
+                 + [np.asfortranarray(rng.random((64, 64))) for _ in range(5)]
+                 + [rng.random((128, 64))[::2, ::-1]])  # strided: copied by numpy, not moved
+        before = _leases() + g.rpc_sync("1", _leases)
+        out = g.registered_sync("echo", (items,))
+        assert _leases() + g.rpc_sync("1", _leases) - before == 2  # one segment there, one back
+        for sent, got in zip(items, out):
+            assert type(got) is type(sent), type(sent)
+            if isinstance(sent, np.ndarray):
+                assert got.dtype == sent.dtype and (got == sent).all()
+                assert got.flags.f_contiguous == sent.flags.f_contiguous
+            else:
+                assert got.dtype == sent.dtype and torch.equal(got, sent) and got.stride() == sent.stride()
+        assert out[-17] is out[-18]  # one tensor twice arrives as one
+        assert out[-19].numel() == 10  # (small: pickled in the message)
+        del out, sent, got
+        _lent_settles_at(g, 0, lane)
+        # The lease lasts while any item of the message lives, and only that long.
+        first = g.registered_sync("sample", (1,))
+        assert g.rpc_sync("1", _lent) == 1
+        one = first[7]
+        del first
+        gc.collect()
+        assert g.rpc_sync("1", _lent) == 1
+        second = g.registered_sync("sample", (2,))  # another segment: ours is still held
+        assert float(one.sum()) == 16384.0 and all(float(t[0]) == 2.0 for t in second)
+        del one, second
+        _lent_settles_at(g, 0, lane)
+        created = g.rpc_sync("1", lambda: _shm.cache().stats["created"])
+        for k in range(30):
+            assert float(g.registered_sync("sample", (k,))[-1][-1]) == k
+        assert g.rpc_sync("1", lambda: _shm.cache().stats["created"]) - created <= 1  # recycled
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_many_medium_tensors_and_arrays_cross_in_one_segment(lane):
+    """A replay sample (hundreds of tensors or arrays under the threshold, adding up to it)
+    is copied into one lent segment: every dtype, layout and order arrives as sent, one
+    object twice as one; the segment is lent while any of its items lives, then recycled;
+    through the lane and through torch RPC alike."""
+    run_world(_packed_body, 2, args=(lane,), timeout=120, same_host_lane=lane)

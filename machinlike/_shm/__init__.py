@@ -9,9 +9,10 @@ from ._codec import (
     share, share_and_reduce, shm_eligible, walk,
 )
 from . import _segments
+from ._pack import PACK_MIN, Pack
 from ._segments import cache, reachable
 
-__all__ = ["Leaf", "walk", "encode", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
+__all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "encode", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
            "is_shared_by_reference", "cache", "reachable", "await_taken"]
 

@@ -38,6 +38,7 @@ from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
+from ._pack import Pack
 from ._segments import cache
 
 __all__ = ["walk", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
@@ -243,39 +244,49 @@ def _load_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype
 
 
 # ----------------------------------------------------------------------------- walk
-def _encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
+def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = None) -> Any:
     # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
     # (the layout first: a sparse tensor has no nbytes)
-    if not shm_eligible(tensor) or tensor.nbytes < threshold or tensor.requires_grad:
+    if not shm_eligible(tensor) or tensor.requires_grad:
         return tensor
+    nbytes = tensor.nbytes
+    if nbytes < threshold:
+        return pack.add(tensor) if pack is not None and pack.wants(nbytes) else tensor
     reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
     return tensor if reduced is None else _Placeholder(reduced)
 
 
-def encode_array(array: np.ndarray, threshold: int) -> Any:
+def encode_array(array: np.ndarray, threshold: int, pack: Optional[Pack] = None) -> Any:
     """A numpy array of :func:`encode`'s walk: a placeholder, or ``array`` itself (small,
-    holding Python objects, or no segment free)."""
-    if array.nbytes < threshold or array.dtype.hasobject:
+    holding Python objects, or no segment free); with ``pack``, a medium one joins it."""
+    if array.dtype.hasobject:
         return array
+    if array.nbytes < threshold:
+        return pack.add(array) if pack is not None and pack.wants(array.nbytes) else array
     reduced = reduce_array(array)
     return array if reduced is None else _Placeholder(reduced)
 
 
-def encode_tensor(tensor: torch.Tensor, threshold: int) -> Any:
+def encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = None) -> Any:
     """One tensor of :func:`encode`'s walk: a placeholder, or ``tensor`` itself (for a
-    caller that walks an object for other reasons too, see ``distributed._calls.cuda_stage``)."""
-    return _encode_tensor(tensor, threshold)
+    caller that walks an object for other reasons too, see ``distributed._calls.cuda_stage``);
+    with ``pack``, a medium one joins it (the caller commits it after the walk)."""
+    return _encode_tensor(tensor, threshold, pack)
 
 
 def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> Any:
     """``obj`` with its large CPU tensors and numpy arrays (in lists, tuples, dicts)
-    replaced by placeholders.
+    replaced by placeholders, and its medium ones packed into one segment when they add
+    up to ``threshold`` (see ``_pack``).
 
     Returns ``obj`` itself when nothing was replaced. A tensor that appears twice is
     encoded once, so the receiver gets one tensor twice, as pickle would give.
     """
-    return walk(obj, lambda tensor: _encode_tensor(tensor, threshold), memo,
-                lambda array: encode_array(array, threshold))
+    pack = Pack(threshold)
+    out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
+               lambda array: encode_array(array, threshold, pack))
+    pack.commit()
+    return out
 
 
 Leaf = Callable[[torch.Tensor], Any]

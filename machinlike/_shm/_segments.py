@@ -125,6 +125,11 @@ class SegmentCache:
         """Bytes of segments owned now (free and lent)."""
         return sum(s.capacity for s in self._segments)
 
+    def lent(self) -> int:
+        """Segments lent now (a receiver still holds what was copied into them)."""
+        with self._lock:
+            return sum(not self._is_free(s) for s in self._segments)
+
     def set_limit(self, limit: int) -> None:
         with self._lock:
             self.limit = limit

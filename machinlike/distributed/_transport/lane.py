@@ -153,6 +153,9 @@ class _Conn:
                 else:
                     value, error = None, RuntimeError(f"process {self.pid} failed the call: {body.data.decode()}")
                 pending.complete(value, error)
+                # Not kept while the next frame is awaited: the caller may have dropped the
+                # value already, and its tensors may hold a sender's lent segment.
+                frame = body = value = pending = None  # type: ignore[assignment]
         except OSError as err:
             why = f"eof ({err})"
         with self._lock:

@@ -63,6 +63,7 @@ class _Workers:
             if job is None:
                 return
             job()
+            job = None  # (its arguments are not kept while the next job is awaited)
 
     def stop(self) -> None:
         """Let every thread end once the jobs queued before this are done."""
@@ -130,6 +131,7 @@ class Server:
                     self._answer(conn, send_lock, frame[1], ERR, b"the callee's lane was shut down (its World stopped)")
                     continue
                 self._workers.submit(functools.partial(self._run, conn, send_lock, frame[1], frame[2]))
+                frame = None  # (its bytes are not kept while the next frame is awaited)
         except OSError:
             return
         finally:
