@@ -495,6 +495,32 @@ def test_waiting_for_segments_to_be_taken_is_bounded_and_sees_each_taker():
     segments.close()
 
 
+def test_a_full_cache_says_why_once_and_reads_each_taker_once(monkeypatch, caplog):
+    import logging
+
+    from machinlike._shm import _segments
+
+    reads = []
+    monkeypatch.setattr(_segments, "pid_alive", lambda pid: reads.append(pid) or True)
+    segments = _segments.SegmentCache(32 * MB)
+    held = [segments.lease(MB) for _ in range(32)]
+    for seg in held:
+        seg.header[1] = 1  # taken by a live process that keeps them (a replay buffer)
+    with caplog.at_level(logging.WARNING, logger="machinlike._shm._segments"):
+        reads.clear()
+        assert segments.lease(MB) is None and segments.lease(MB) is None
+        assert reads == [1, 1]  # one /proc read per lease, not one per lent segment
+        assert segments.lease(64 * MB) is None  # larger than the whole cache
+        assert segments.stats["fallbacks"] == 3
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # each kind once
+    assert "all lent to receivers that still hold" in said[0] and "clone()" in said[0]
+    assert "larger than shm_cache_bytes" in said[1]
+    held[0].header[0] = _segments.FREE  # the receiver let one go
+    assert segments.lease(MB) is held[0]
+    segments.close()
+
+
 def _sample(k):
     return [torch.full((16384,), float(k)) for _ in range(50)]  # 50 frames of 64 KB
 

@@ -29,16 +29,19 @@ caller then sends the tensor the ordinary way and ``stats`` counts it.
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import numpy as np
 import torch
 
 __all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable", "pid_alive"]
+
+log = logging.getLogger(__name__)
 
 #: Bytes before a segment's data: the state word, then the taker's pid (page aligned).
 HEADER = 4096
@@ -120,6 +123,7 @@ class SegmentCache:
         self._by_inode: Dict[int, Segment] = {}
         self._ids = itertools.count(1)
         self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "fallbacks": 0}
+        self._said: Set[str] = set()  # the kinds of fallback warned about
 
     def held_bytes(self) -> int:
         """Bytes of segments owned now (free and lent)."""
@@ -142,15 +146,17 @@ class SegmentCache:
     def lease(self, nbytes: int) -> Optional[Segment]:
         """A segment of at least ``nbytes`` bytes, marked lent; None when over the limit."""
         capacity = -(-nbytes // _GRAIN) * _GRAIN
+        alive: Dict[int, bool] = {}  # takers seen in this lease: one /proc read each, not one per segment
         with self._lock:
             best: Optional[Segment] = None
             for seg in self._segments:
-                if seg.capacity >= nbytes and seg.capacity <= 2 * capacity and self._is_free(seg):
+                if seg.capacity >= nbytes and seg.capacity <= 2 * capacity and self._is_free(seg, alive):
                     if best is None or seg.capacity < best.capacity:
                         best = seg
             if best is None:
-                if not self._evict(capacity):
+                if not self._evict(capacity, alive):
                     self.stats["fallbacks"] += 1
+                    self._say_fallback(capacity)
                     return None
                 best = Segment(capacity)
                 self._segments.append(best)
@@ -161,6 +167,23 @@ class SegmentCache:
             best.header[0] = best.lease
             self.stats["leases"] += 1
             return best
+
+    def _say_fallback(self, capacity: int) -> None:
+        """The first fallback of each kind, once per process: the send is slower, not lost."""
+        kind = "large" if capacity > self.limit else "lent"
+        if kind in self._said:
+            return
+        self._said.add(kind)
+        if kind == "large":
+            log.warning("a message of %d bytes of tensors is larger than shm_cache_bytes (%d): it travels through "
+                        "TensorPipe (slower); raise World(shm_cache_bytes=...) to send it through shared memory. "
+                        "Said once per process; stats['fallbacks'] counts them.", capacity, self.limit)
+            return
+        log.warning("this process's same-host shared-memory segments (shm_cache_bytes=%d) are all lent to receivers "
+                    "that still hold what was sent through them, so tensors now travel through TensorPipe (slower). "
+                    "A receiver that keeps what it receives (a replay buffer, say) should keep clone()s or copy it "
+                    "into its own storage; or raise World(shm_cache_bytes=...). Said once per process; "
+                    "stats['fallbacks'] counts them.", self.limit)
 
     def wait_taken(self, timeout: float) -> bool:
         """Wait until every lent segment was taken by its receiver (mapped there: it then
@@ -188,18 +211,25 @@ class SegmentCache:
         """Hand back a lease that was never sent (encoding failed)."""
         seg.header[0] = FREE
 
-    def _is_free(self, seg: Segment) -> bool:
+    def _is_free(self, seg: Segment, alive: Optional[Dict[int, bool]] = None) -> bool:
         state = seg.state()
         if state == FREE:
             return True
         taker = int(seg.header[1])
-        if taker and taker != os.getpid() and not pid_alive(taker):
+        if not taker or taker == os.getpid():
+            return False
+        known = None if alive is None else alive.get(taker)
+        if known is None:
+            known = pid_alive(taker)
+            if alive is not None:
+                alive[taker] = known
+        if not known:
             seg.header[0] = FREE  # its receiver was killed while holding it
             self.stats["reclaimed"] += 1
             return True
         return False
 
-    def _evict(self, room: int) -> bool:
+    def _evict(self, room: int, alive: Optional[Dict[int, bool]] = None) -> bool:
         """Close free segments until ``room`` more bytes fit under the limit."""
         held = self.held_bytes()
         if held + room <= self.limit:
@@ -207,7 +237,7 @@ class SegmentCache:
         for seg in sorted(self._segments, key=lambda s: -s.capacity):
             if held + room <= self.limit:
                 break
-            if self._is_free(seg):
+            if self._is_free(seg, alive):
                 self._drop(seg)
                 held -= seg.capacity
                 self.stats["evicted"] += 1
