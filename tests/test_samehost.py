@@ -600,3 +600,29 @@ def test_many_medium_tensors_and_arrays_cross_in_one_segment(lane):
     object twice as one; the segment is lent while any of its items lives, then recycled;
     through the lane and through torch RPC alike."""
     run_world(_packed_body, 2, args=(lane,), timeout=120, same_host_lane=lane)
+
+
+def _pinning_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("sample", _sample)
+        g.register("lent", _lent)
+    g.barrier()
+    result = None
+    if world.rank == 0:
+        kept = [g.registered_sync("sample", (k,))[3] for k in range(10)]  # one frame of each sample
+        assert [float(t[0]) for t in kept] == [float(k) for k in range(10)]
+        lent = g.rpc_sync("1", _lent)
+        fallbacks = g.rpc_sync("1", lambda: _shm.cache().stats["fallbacks"])
+        del kept
+        result = lent, fallbacks, g.rpc_sync("1", _lent)
+    g.barrier()
+    return result
+
+
+def test_a_receiver_that_keeps_a_few_items_of_each_message_pins_a_bounded_amount():
+    # Each sample's 50 frames view one 4 MiB segment; keeping one frame keeps the segment.
+    # Past half the receiver's shm_cache_bytes (8 MiB: one segment) it copies items out,
+    # so its sender's segments come back at once and no send falls back.
+    result = run_world(_pinning_body, 2, timeout=120, shm_cache_bytes=8 * MB)
+    assert result[0] == (1, 0, 0), result

@@ -4,34 +4,36 @@ Why: a replay sample is a list of hundreds of tensors or arrays of 4 KiB to 1 Mi
 (frames, observations), each under the threshold from which one tensor gets a segment of
 its own. Through the lane each was an out-of-band buffer: copied into a socket, out again
 into fresh memory, a system call or more per buffer (a reply of 200 x 64 KB took 15 ms
-against raw torch RPC's 11). Packed, the sender copies each into one segment at its offset
-and the receiver only maps it (cached)::
+against raw torch RPC's 11). Packed, the sender copies each into one segment at its
+offset, and the receiver maps the segment (cached) and views it::
 
-    sender: encode's walk                         receiver: unpickling
-      medium item ─► Pack.add ─► _Packed ref        _load_packed(ref 1) ─► the segment's
-      ...                                              array, mapped once (kept weakly)
-      Pack.commit: total >= threshold?              _load_packed(ref k) ─► the same array,
-        yes, a segment leased: copy each at            a view at ref k's offset
-          its offset, refs rebuild as views          every view died ─► the segment is FREE
+    sender: encode's walk                        receiver: unpickling
+      medium item ─► Pack.add ─► _Packed ref       ref 1 ─► _Unpacked (pickled once,
+      ...                                            memo) ─► _load_pack: every item,
+      Pack.commit: items add up to threshold?          views into the mapped segment
+        yes, a segment leased: copy each at          ref k ─► operator.getitem(items, k)
+          its offset, one table for all of them      every view died ─► segment FREE
         no: refs pickle as the items themselves
 
-The lease ends when the last of the message's tensors and arrays dies: a receiver that
-keeps one frame of a sample keeps the whole segment, a bounded cost (the sender's
-``shm_cache_bytes``; past it, leases fail and items travel as before).
+The lease ends when the last of the message's items dies, so a receiver that keeps one
+frame of a sample keeps the sample's segment. Bounded: past half its own
+``shm_cache_bytes`` of such segments, a receiver copies a message's items out (its
+segment is FREE at once), however many senders there are.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 import weakref
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Tuple, Union
 
 import numpy as np
 import torch
 
-from .._reductions.arrays import Order, array_over, order_of
+from .._reductions.arrays import array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._segments import Segment, cache
@@ -51,13 +53,26 @@ def _as_is(item: Item) -> Item:
 
 
 class _Packed:
-    """Pickles as a view into the message's segment, or as the item itself (not packed)."""
+    """Pickles as its item of the unpacked message, or as the item itself (not packed)."""
 
     __slots__ = ("item", "reduced")
 
     def __init__(self, item: Item) -> None:
         self.item = item
         self.reduced: Tuple[Any, ...] = (_as_is, (item,))
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return self.reduced
+
+
+class _Unpacked:
+    """Pickles as the call that loads every item of the segment at once; pickled once per
+    message (pickle's memo), before the first item that names it."""
+
+    __slots__ = ("reduced",)
+
+    def __init__(self, reduced: Tuple[Any, ...]) -> None:
+        self.reduced = reduced
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return self.reduced
@@ -98,22 +113,23 @@ class Pack:
         if seg is None:
             return  # (counted by the cache as a fallback)
         try:
+            table = []
             offset = 0
             for ref in self._refs:
-                ref.reduced = _copy_in(seg, offset, ref.item)
+                table.append(_copy_in(seg, offset, ref.item))
                 offset += -(-ref.item.nbytes // _ALIGN) * _ALIGN
         except BaseException:
-            for ref in self._refs:
-                ref.reduced = (_as_is, (ref.item,))
             cache().release(seg)
             raise
-        for ref in self._refs:
+        whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table)))
+        for index, ref in enumerate(self._refs):
+            ref.reduced = (operator.getitem, (whole, index))
             ref.item = None  # type: ignore[assignment]  # (the copy is made: the message need not keep it)
 
 
 def _copy_in(seg: Segment, offset: int, item: Item) -> Tuple[Any, ...]:
+    """Copy ``item`` into ``seg`` at ``offset``; its entry of the message's table."""
     nbytes = item.nbytes
-    head = (os.getpid(), seg.fd, seg.inode, seg.capacity, offset, nbytes)
     if isinstance(item, np.ndarray):
         order = order_of(item)
         if item.flags.c_contiguous or item.flags.f_contiguous:  # one memmove: no per-item dispatch
@@ -121,7 +137,7 @@ def _copy_in(seg: Segment, offset: int, item: Item) -> Tuple[Any, ...]:
         else:
             np.copyto(array_over(seg.data[offset:offset + nbytes].numpy(), item.dtype, item.shape, order), item,
                       casting="no")
-        return (_load_packed_array, (*head, item.dtype, item.shape, order))
+        return (_ARRAY, offset, nbytes, item.dtype, item.shape, order)
     source = item.detach()
     layout = None
     if source.is_contiguous():  # (torch's copy_ costs more in dispatch than 64 KB take to move)
@@ -131,45 +147,78 @@ def _copy_in(seg: Segment, offset: int, item: Item) -> Tuple[Any, ...]:
         if layout is not None:
             source = source.permute(layout)
         seg.data[offset:offset + nbytes].view(item.dtype).view(source.shape).copy_(source)
-    return (_load_packed_tensor, (*head, item.dtype, tuple(source.shape), item.requires_grad,
-                                  type(item) is torch.nn.Parameter, layout))
+    return (_TENSOR, offset, nbytes, item.dtype, tuple(source.shape), item.requires_grad,
+            type(item) is torch.nn.Parameter, layout)
+
+
+_TENSOR, _ARRAY = 0, 1
 
 
 # ------------------------------------------------------------------------- receiver
-# The mapped data of each packed segment being loaded, by (owner pid, inode): every item
-# of a message views one array, whose death frees the lease. Kept weakly: a key that is
-# alive is the same lease (its owner lends the segment again only once it died).
-_bases: "weakref.WeakValueDictionary[Tuple[int, int], np.ndarray]" = weakref.WeakValueDictionary()
-_bases_lock = threading.Lock()
+# Bytes of peers' packed segments that items received here still view. Past half this
+# process's mapping bound (shm_cache_bytes), a message's items are copied out instead,
+# which frees its segment at once: a receiver that keeps a few items of every message
+# (a filtered replay buffer) pins at most that much, whatever the number of senders, and
+# a sender with the same setting keeps half its segments for its next messages.
+_pinned = 0
+_pinned_lock = threading.Lock()
 
 
-def _base(pid: int, fd: int, inode: int, capacity: int) -> np.ndarray:
-    with _bases_lock:
-        base = _bases.get((pid, inode))
-        if base is None:
-            base = _bases[(pid, inode)] = _receive.lent_array(pid, fd, inode, capacity, capacity)
-    return base
+def _unpin(nbytes: int) -> None:
+    global _pinned
+    with _pinned_lock:
+        _pinned -= nbytes
 
 
-def _load_packed_tensor(pid: int, fd: int, inode: int, capacity: int, offset: int, nbytes: int,
-                        dtype: torch.dtype, shape: Tuple[int, ...], requires_grad: bool, parameter: bool,
-                        order: Optional[Tuple[int, ...]]) -> torch.Tensor:
-    data = torch.from_numpy(_base(pid, fd, inode, capacity)[offset:offset + nbytes])
-    tensor = undo_order(data.view(dtype).view(shape), order)
+def _load_pack(pid: int, fd: int, inode: int, capacity: int, table: List[Tuple[Any, ...]]) -> List[Item]:
+    """Every item of a packed message: views into the segment (it goes back to its owner
+    once they all died), or past the pinning bound copies (it goes back now)."""
+    global _pinned
+    base = _receive.lent_array(pid, fd, inode, capacity, capacity)  # FREE once it dies
+    with _pinned_lock:
+        view = _pinned + capacity <= _receive.limit() // 2
+        if view:
+            _pinned += capacity
+    if view:
+        weakref.finalize(base, _unpin, capacity)
+        return [_view(base, entry) for entry in table]
+    start = base.ctypes.data
+    return [_copy_out(start, entry) for entry in table]
+
+
+def _view(base: np.ndarray, entry: Tuple[Any, ...]) -> Item:
+    kind, offset, nbytes = entry[0], entry[1], entry[2]
+    data = base[offset:offset + nbytes]
+    if kind == _ARRAY:
+        dtype, shape, order = entry[3:]
+        return array_over(data, dtype, shape, order)
+    dtype, shape, requires_grad, parameter, order = entry[3:]
+    return _finish(undo_order(torch.from_numpy(data).view(dtype).view(shape), order), requires_grad, parameter)
+
+
+def _copy_out(start: int, entry: Tuple[Any, ...]) -> Item:
+    kind, offset, nbytes = entry[0], entry[1], entry[2]
+    if kind == _ARRAY:
+        dtype, shape, order = entry[3:]
+        array = np.empty(shape, dtype=dtype, order=order)
+        ctypes.memmove(array.ctypes.data, start + offset, nbytes)
+        return array
+    dtype, shape, requires_grad, parameter, order = entry[3:]
+    tensor = torch.empty(shape, dtype=dtype)
+    ctypes.memmove(tensor.data_ptr(), start + offset, nbytes)
+    return _finish(undo_order(tensor, order), requires_grad, parameter)
+
+
+def _finish(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
-
-
-def _load_packed_array(pid: int, fd: int, inode: int, capacity: int, offset: int, nbytes: int,
-                       dtype: np.dtype, shape: Tuple[int, ...], order: Order) -> np.ndarray:
-    return array_over(_base(pid, fd, inode, capacity)[offset:offset + nbytes], dtype, shape, order)
+    return tensor.requires_grad_(True) if requires_grad else tensor
 
 
 def _after_fork_in_child() -> None:
-    global _bases_lock
-    _bases_lock = threading.Lock()
-    _bases.clear()
+    global _pinned, _pinned_lock
+    _pinned_lock = threading.Lock()
+    _pinned = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -31,7 +31,8 @@ import torch
 from ._peer_fd import open_peer_fd
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
-__all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "forget_all", "set_limit", "bury"]
+__all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "forget_all", "set_limit", "limit",
+           "bury"]
 
 Key = Tuple[int, int]
 
@@ -90,6 +91,11 @@ def set_limit(limit: int) -> None:
     """Bytes of peers' memory this process keeps mapped between transfers."""
     global _limit
     _limit = limit
+
+
+def limit() -> int:
+    """Bytes of peers' memory this process keeps mapped between transfers (``set_limit``)."""
+    return _limit
 
 
 def _open(pid: int, fd: int, inode: int, size: int, lent: bool) -> Tuple[Optional[mmap.mmap], Any]:
