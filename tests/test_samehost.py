@@ -626,3 +626,58 @@ def test_a_receiver_that_keeps_a_few_items_of_each_message_pins_a_bounded_amount
     # so its sender's segments come back at once and no send falls back.
     result = run_world(_pinning_body, 2, timeout=120, shm_cache_bytes=8 * MB)
     assert result[0] == (1, 0, 0), result
+
+
+def _small_body(world):
+    import numpy as np
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("both", _both)
+    g.barrier()
+    if world.rank == 0:
+        shared = torch.rand(8)
+        smalls = ([torch.rand(8) for _ in range(20)]
+                  + [torch.arange(12).reshape(3, 4).t(), torch.rand(1, 2, 3, 3).to(memory_format=torch.channels_last),
+                     torch.rand(16) > 0.5, torch.rand(16).to(torch.bfloat16), torch.zeros(0),
+                     torch.nn.Parameter(torch.rand(4), requires_grad=False), torch.rand(3, requires_grad=True),
+                     np.asfortranarray(np.random.rand(4, 4)), np.arange(6, dtype=np.int16), shared])
+        args, kwargs = g.registered_sync("both", args=tuple(smalls), kwargs={"again": shared})
+        for sent, got in zip(smalls, args):
+            assert type(got) is type(sent), type(sent)
+            if isinstance(sent, np.ndarray):
+                assert got.dtype == sent.dtype and (got == sent).all()
+                assert got.flags.f_contiguous == sent.flags.f_contiguous
+                assert got.base is None or got.base.nbytes == got.nbytes  # its own memory
+            else:
+                assert got.dtype == sent.dtype and torch.equal(got.detach(), sent.detach())
+                assert got.stride() == sent.stride() and got.requires_grad == sent.requires_grad
+                assert got.untyped_storage().nbytes() == got.numel() * got.element_size()  # its own memory
+        assert args[-1] is kwargs["again"]  # one tensor in args and kwargs arrives as one
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_many_small_tensors_and_arrays_cross_as_one_bundle(lane):
+    """A list of transitions holds thousands of tiny tensors: one bytes object carries them
+    (per-tensor pickling cost more than their bytes); each arrives in memory of its own,
+    every dtype, layout and order as sent, one object found twice as one."""
+    run_world(_small_body, 2, timeout=120, same_host_lane=lane)
+
+
+def test_small_items_are_bundled_from_eight_on_and_aliasing_survives():
+    import pickle
+
+    from machinlike._shm._pack import SMALL_MIN, _Packed
+
+    few = [torch.rand(8) for _ in range(SMALL_MIN - 1)]
+    assert _shm.encode(few, MB) is few  # too few to bother: left as they are
+    many = [torch.rand(8) for _ in range(SMALL_MIN)]
+    memo = {}
+    out = _shm.encode((many, many[0]), MB, memo)
+    assert all(type(x) is _Packed for x in out[0]) and out[1] is out[0][0]
+    assert _shm.encode(({"k": many[0]},), MB, memo)[0]["k"] is out[0][0]  # kwargs share the memo
+    back = pickle.loads(pickle.dumps(out))
+    assert all(torch.equal(a, b) for a, b in zip(back[0], many)) and back[1] is back[0][0]
+    assert len({t.untyped_storage().data_ptr() for t in back[0]}) == SMALL_MIN  # each its own memory

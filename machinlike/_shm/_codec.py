@@ -41,7 +41,7 @@ from . import _receive
 from ._pack import Pack
 from ._segments import cache
 
-__all__ = ["walk", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
+__all__ = ["walk", "swap", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference", "is_shared_by_reference"]
 
 _lock = threading.Lock()
@@ -251,7 +251,12 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = 
         return tensor
     nbytes = tensor.nbytes
     if nbytes < threshold:
-        return pack.add(tensor) if pack is not None and pack.wants(nbytes) else tensor
+        if pack is None or not nbytes:
+            return tensor
+        if pack.wants(nbytes):
+            return pack.add(tensor)
+        pack.note_small(tensor)
+        return tensor
     reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
     return tensor if reduced is None else _Placeholder(reduced)
 
@@ -262,7 +267,12 @@ def encode_array(array: np.ndarray, threshold: int, pack: Optional[Pack] = None)
     if array.dtype.hasobject:
         return array
     if array.nbytes < threshold:
-        return pack.add(array) if pack is not None and pack.wants(array.nbytes) else array
+        if pack is None or not array.nbytes:
+            return array
+        if pack.wants(array.nbytes):
+            return pack.add(array)
+        pack.note_small(array)
+        return array
     reduced = reduce_array(array)
     return array if reduced is None else _Placeholder(reduced)
 
@@ -285,8 +295,19 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
     pack = Pack(threshold)
     out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
                lambda array: encode_array(array, threshold, pack))
-    pack.commit()
-    return out
+    return swap(out, pack.commit(), memo)
+
+
+def swap(obj: Any, swaps: Dict[int, Any], memo: Optional[Dict[int, Any]] = None) -> Any:
+    """``obj`` (a walk's output) with each tensor or array whose ``id`` is in ``swaps``
+    replaced by its value (``Pack.commit``'s bundled small items); ``memo``, the walk's,
+    learns them too (a later walk sharing it finds the same placeholder)."""
+    if not swaps:
+        return obj
+    if memo is not None:
+        for key in swaps.keys() & memo.keys():
+            memo[key] = swaps[key]
+    return walk(obj, lambda tensor: swaps.get(id(tensor), tensor), None, lambda array: swaps.get(id(array), array))
 
 
 Leaf = Callable[[torch.Tensor], Any]

@@ -19,6 +19,12 @@ The lease ends when the last of the message's items dies, so a receiver that kee
 frame of a sample keeps the sample's segment. Bounded: past half its own
 ``shm_cache_bytes`` of such segments, a receiver copies a message's items out (its
 segment is FREE at once), however many senders there are.
+
+Small items (under ``PACK_MIN``: a transition's observation) cost more to pickle one by
+one than their bytes. From ``SMALL_MIN`` of them in a message, one bytes object in the
+message carries them all and the receiver copies each out (so keeping one keeps nothing
+else); the walk notes them and ``swap`` puts their placeholders in afterwards, so a call
+with a few small tensors pays nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, List, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
@@ -36,13 +42,14 @@ import torch
 from .._reductions.arrays import array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
-from ._segments import Segment, cache
+from ._segments import cache
 
-__all__ = ["Pack", "PACK_MIN"]
+__all__ = ["Pack", "PACK_MIN", "SMALL_MIN"]
 
-#: Bytes from which a tensor or array under the threshold is packed: below it, pickling
-#: it in the message costs less than finding its place.
+#: Bytes from which a tensor or array under the threshold is packed into a segment; below
+#: it, one is bundled with the message's other small ones (at least ``SMALL_MIN``).
 PACK_MIN = 4096
+SMALL_MIN = 8
 _ALIGN = 64  # every item starts on a cache line (and on any dtype's alignment)
 
 Item = Union[torch.Tensor, np.ndarray]
@@ -91,9 +98,15 @@ class Pack:
         self._refs: List[_Packed] = []
         self._total = 0  # bytes of the segment (each item aligned)
         self._bytes = 0  # bytes of the items (one alone is under the threshold: never packed)
+        self._small: List[Item] = []
 
     def wants(self, nbytes: int) -> bool:
         return PACK_MIN <= nbytes < self._threshold
+
+    def note_small(self, item: Item) -> None:
+        """``item`` (eligible, under ``PACK_MIN``) stays in the message; :meth:`commit`
+        bundles such items when there are many (the walk then swaps them, see there)."""
+        self._small.append(item)
 
     def add(self, item: Item) -> _Packed:
         """A placeholder for ``item`` (a strided CPU tensor without history, or a numpy
@@ -104,11 +117,43 @@ class Pack:
         self._bytes += item.nbytes
         return ref
 
-    def commit(self) -> None:
-        """Copy the items into one leased segment when they add up to the threshold and a
-        segment is free; else they pickle as themselves."""
-        if self._bytes < self._threshold:
-            return
+    def commit(self) -> Dict[int, _Packed]:
+        """Copy the medium items into one leased segment when they add up to the threshold
+        and a segment is free (else they pickle as themselves); bundle the small ones when
+        there are at least ``SMALL_MIN``.
+
+        Returns:
+            The small items' placeholders by ``id`` of the item, for the caller to swap in
+            (empty: none bundled).
+        """
+        swaps = self._bundle_small()
+        if self._bytes >= self._threshold:
+            self._pack_medium()
+        return swaps
+
+    def _bundle_small(self) -> Dict[int, _Packed]:
+        # Tiny tensors (a transition's observation) cost more in per-tensor pickling than
+        # their bytes: one bytes object carries them all, and the receiver copies each out
+        # (no view: keeping one must not keep the others).
+        items = list({id(item): item for item in self._small}.values())
+        if len(items) < SMALL_MIN:
+            return {}
+        total = sum(-(-item.nbytes // _ALIGN) * _ALIGN for item in items)
+        blob = torch.empty(total, dtype=torch.uint8)
+        table = []
+        offset = 0
+        for item in items:
+            table.append(_copy_in(blob, offset, item))
+            offset += -(-item.nbytes // _ALIGN) * _ALIGN
+        whole = _Unpacked((_load_small, (blob.numpy().tobytes(), table)))
+        swaps = {}
+        for index, item in enumerate(items):
+            ref = _Packed(item)
+            ref.reduced = (operator.getitem, (whole, index))
+            swaps[id(item)] = ref
+        return swaps
+
+    def _pack_medium(self) -> None:
         seg = cache().lease(self._total)
         if seg is None:
             return  # (counted by the cache as a fallback)
@@ -116,7 +161,7 @@ class Pack:
             table = []
             offset = 0
             for ref in self._refs:
-                table.append(_copy_in(seg, offset, ref.item))
+                table.append(_copy_in(seg.data, offset, ref.item))
                 offset += -(-ref.item.nbytes // _ALIGN) * _ALIGN
         except BaseException:
             cache().release(seg)
@@ -127,26 +172,26 @@ class Pack:
             ref.item = None  # type: ignore[assignment]  # (the copy is made: the message need not keep it)
 
 
-def _copy_in(seg: Segment, offset: int, item: Item) -> Tuple[Any, ...]:
-    """Copy ``item`` into ``seg`` at ``offset``; its entry of the message's table."""
+def _copy_in(dest: torch.Tensor, offset: int, item: Item) -> Tuple[Any, ...]:
+    """Copy ``item`` into ``dest`` (uint8) at ``offset``; its entry of the message's table."""
     nbytes = item.nbytes
     if isinstance(item, np.ndarray):
         order = order_of(item)
         if item.flags.c_contiguous or item.flags.f_contiguous:  # one memmove: no per-item dispatch
-            ctypes.memmove(seg.data.data_ptr() + offset, item.ctypes.data, nbytes)
+            ctypes.memmove(dest.data_ptr() + offset, item.ctypes.data, nbytes)
         else:
-            np.copyto(array_over(seg.data[offset:offset + nbytes].numpy(), item.dtype, item.shape, order), item,
+            np.copyto(array_over(dest[offset:offset + nbytes].numpy(), item.dtype, item.shape, order), item,
                       casting="no")
         return (_ARRAY, offset, nbytes, item.dtype, item.shape, order)
     source = item.detach()
     layout = None
     if source.is_contiguous():  # (torch's copy_ costs more in dispatch than 64 KB take to move)
-        ctypes.memmove(seg.data.data_ptr() + offset, source.data_ptr(), nbytes)
+        ctypes.memmove(dest.data_ptr() + offset, source.data_ptr(), nbytes)
     else:
         layout = dense_order(source)  # a channels-last or transposed tensor keeps its layout
         if layout is not None:
             source = source.permute(layout)
-        seg.data[offset:offset + nbytes].view(item.dtype).view(source.shape).copy_(source)
+        dest[offset:offset + nbytes].view(item.dtype).view(source.shape).copy_(source)
     return (_TENSOR, offset, nbytes, item.dtype, tuple(source.shape), item.requires_grad,
             type(item) is torch.nn.Parameter, layout)
 
@@ -183,6 +228,12 @@ def _load_pack(pid: int, fd: int, inode: int, capacity: int, table: List[Tuple[A
         weakref.finalize(base, _unpin, capacity)
         return [_view(base, entry) for entry in table]
     start = base.ctypes.data
+    return [_copy_out(start, entry) for entry in table]
+
+
+def _load_small(data: bytes, table: List[Tuple[Any, ...]]) -> List[Item]:
+    """Every item of a message's bundle of small ones, each copied out of ``data``."""
+    start = np.frombuffer(data, dtype=np.uint8).ctypes.data
     return [_copy_out(start, entry) for entry in table]
 
 

@@ -34,7 +34,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..._shm import Pack, walk
+from ..._shm import Pack, swap, walk
 from ..._shm import encode_array as _shm_encode_array
 from ..._shm import encode_tensor as _shm_encode_tensor
 from . import cuda_ipc as _cuda_ipc
@@ -84,7 +84,7 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
 
     out = walk(obj, leaf, None, (lambda array: _shm_encode_array(array, shm_threshold, pack)) if shm_threshold else None)
     if pack is not None:
-        pack.commit()
+        out = swap(out, pack.commit())
     if batch is not None:  # one slab per device; a device without one stages (counted)
         batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
