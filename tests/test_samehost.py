@@ -407,7 +407,18 @@ def _wait_exit(pid, timeout):
         os.close(fd)
 
 
-def _sigkill_body(world):
+def _payload(packed, value):
+    """8 MB of ``value``: one tensor (a segment of its own) or 128 of 64 KB (packed in one)."""
+    if packed:
+        return [torch.full((16384,), value) for _ in range(128)]
+    return torch.full((2 * MB,), value)
+
+
+def _total(payload):
+    return sum(float(t.sum()) for t in payload) if isinstance(payload, list) else float(payload.sum())
+
+
+def _sigkill_body(world, packed):
     g = world.create_rpc_group("g", world.get_members())
     if world.rank == 1:
         g.register("die", _die_holding)
@@ -416,18 +427,17 @@ def _sigkill_body(world):
     g.barrier()
     if world.rank == 2:
         # the sender dies while the receiver holds what it sent
-        t = torch.full((2 * MB,), 7.0)
-        assert g.registered_sync("hold", (t, os.getpid()))
+        assert g.registered_sync("hold", (_payload(packed, 7.0), os.getpid()))
         os.kill(os.getpid(), signal.SIGKILL)
     if world.rank == 1:
         return "victim"  # killed by its own service below
     pids = [os.getpid(), g.rpc_sync("1", os.getpid)]
     with pytest.raises(PeerLostError):
-        g.registered_sync("die", (torch.ones(2 * MB),), timeout=20)  # the receiver dies holding it
+        g.registered_sync("die", (_payload(packed, 1.0),), timeout=20)  # the receiver dies holding it
     assert _held.wait(30)  # rank 2's call arrived; it dies right after
     assert _wait_exit(_kept["pid"], 30)
     held = _kept.pop("x")
-    assert float(held.sum()) == 7.0 * 2 * MB  # still readable after its sender died
+    assert _total(held) == 7.0 * 2 * MB  # still readable after its sender died
     del held
     reclaimed = _shm.cache().stats["reclaimed"]
     _shm.cache().lease(8 * MB)  # the killed receiver's lease (2 M float32) comes back
@@ -436,9 +446,10 @@ def _sigkill_body(world):
     return _our_memory(), pids + [_kept.pop("pid")]
 
 
-def test_sigkill_of_either_end_leaves_nothing():
+@pytest.mark.parametrize("packed", [False, True])
+def test_sigkill_of_either_end_leaves_nothing(packed):
     before = _dev_shm()
-    results = run_world(_sigkill_body, 3, timeout=120, return_exceptions=True, rpc_timeout=30)
+    results = run_world(_sigkill_body, 3, args=(packed,), timeout=120, return_exceptions=True, rpc_timeout=30)
     memory, pids = results[0]
     assert memory == (0, 0), results
     assert _new_in_dev_shm(before, set(pids)) == []
@@ -529,6 +540,24 @@ def _lent():
     return _shm.cache().lent()
 
 
+def _assert_arrived_as_sent(sent_items, got_items, own_memory):
+    """Each item arrived as the same type, dtype, values and layout; with ``own_memory``,
+    each in memory of its own (not a view into a shared block)."""
+    import numpy as np
+
+    assert len(got_items) == len(sent_items)
+    for sent, got in zip(sent_items, got_items):
+        assert type(got) is type(sent), type(sent)
+        if isinstance(sent, np.ndarray):
+            assert got.dtype == sent.dtype and (got == sent).all()
+            assert got.flags.f_contiguous == sent.flags.f_contiguous
+            assert not own_memory or got.base is None or got.base.nbytes == got.nbytes
+        else:
+            assert got.dtype == sent.dtype and torch.equal(got.detach(), sent.detach())
+            assert got.stride() == sent.stride() and got.requires_grad == sent.requires_grad
+            assert not own_memory or got.untyped_storage().nbytes() == got.numel() * got.element_size()
+
+
 def _lent_settles_at(g, count, lane):
     # torch RPC's threads may drop their last reference to a reply a moment after the
     # caller has it; the lane's reader drops its own before it reads on: at once.
@@ -563,16 +592,10 @@ def _packed_body(world, lane):
         before = _leases() + g.rpc_sync("1", _leases)
         out = g.registered_sync("echo", (items,))
         assert _leases() + g.rpc_sync("1", _leases) - before == 2  # one segment there, one back
-        for sent, got in zip(items, out):
-            assert type(got) is type(sent), type(sent)
-            if isinstance(sent, np.ndarray):
-                assert got.dtype == sent.dtype and (got == sent).all()
-                assert got.flags.f_contiguous == sent.flags.f_contiguous
-            else:
-                assert got.dtype == sent.dtype and torch.equal(got, sent) and got.stride() == sent.stride()
+        _assert_arrived_as_sent(items, out, own_memory=False)
         assert out[-17] is out[-18]  # one tensor twice arrives as one
         assert out[-19].numel() == 10  # (small: pickled in the message)
-        del out, sent, got
+        del out
         _lent_settles_at(g, 0, lane)
         # The lease lasts while any item of the message lives, and only that long.
         first = g.registered_sync("sample", (1,))
@@ -643,16 +666,7 @@ def _small_body(world):
                      torch.nn.Parameter(torch.rand(4), requires_grad=False), torch.rand(3, requires_grad=True),
                      np.asfortranarray(np.random.rand(4, 4)), np.arange(6, dtype=np.int16), shared])
         args, kwargs = g.registered_sync("both", args=tuple(smalls), kwargs={"again": shared})
-        for sent, got in zip(smalls, args):
-            assert type(got) is type(sent), type(sent)
-            if isinstance(sent, np.ndarray):
-                assert got.dtype == sent.dtype and (got == sent).all()
-                assert got.flags.f_contiguous == sent.flags.f_contiguous
-                assert got.base is None or got.base.nbytes == got.nbytes  # its own memory
-            else:
-                assert got.dtype == sent.dtype and torch.equal(got.detach(), sent.detach())
-                assert got.stride() == sent.stride() and got.requires_grad == sent.requires_grad
-                assert got.untyped_storage().nbytes() == got.numel() * got.element_size()  # its own memory
+        _assert_arrived_as_sent(smalls, args, own_memory=True)
         assert args[-1] is kwargs["again"]  # one tensor in args and kwargs arrives as one
     g.barrier()
     g.destroy()

@@ -316,7 +316,7 @@ ArrayLeaf = Callable[[np.ndarray], Any]
 # Types that hold no tensor or array. A list, tuple or dict made of them, directly or one
 # level down (transitions as tuples, infos as dicts), is passed over at C speed (sets of
 # its items' types) instead of one Python call per item, which made a call with a list
-# of a million rewards 4 times slower than raw RPC and one of 200k tuples 2.5 times.
+# of a million rewards 3.5 times slower than raw RPC and one of 200k tuples 4.8 times.
 _ATOMS = frozenset({float, int, bool, str, bytes, complex, type(None), np.float64, np.float32, np.float16,
                     np.int64, np.int32, np.int16, np.int8, np.uint8, np.bool_})
 _SEQUENCES = frozenset({tuple, list})
