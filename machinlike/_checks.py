@@ -64,7 +64,8 @@ def positive_int(param: str, value: Any, minimum: int = 1) -> int:
 
 
 def member_name(value: Any, param: str = "name") -> str:
-    """A valid member name: 1-100 letters, digits, ``_``, ``:`` or ``-``.
+    """A valid member name: 1-100 ASCII letters, digits, ``_``, ``:`` or ``-`` (what torch
+    RPC's worker names allow).
 
     Raises:
         TypeError: not a str.
@@ -72,8 +73,8 @@ def member_name(value: Any, param: str = "name") -> str:
     """
     if not isinstance(value, str):
         raise TypeError(f"{param} must be a str, not {type(value).__name__} ({value!r})")
-    if not value or len(value) > 100 or not all(c.isalnum() or c in "_:-" for c in value):
-        raise ValueError(f"{param}={value!r} is not a valid member name: use 1-100 letters, digits, "
+    if not value or len(value) > 100 or not value.isascii() or not all(c.isalnum() or c in "_:-" for c in value):
+        raise ValueError(f"{param}={value!r} is not a valid member name: use 1-100 ASCII letters, digits, "
                          f"'_', ':' or '-'")
     return value
 

@@ -24,6 +24,8 @@ LOCAL = "tcp://127.0.0.1:0"  # rank 0 picks a free port itself: only valid for w
         (dict(rank=0, world_size=0), ValueError, "world_size=0 must be at least 1"),
         (dict(rank="0", world_size=1), TypeError, "rank must be an int"),
         (dict(rank=0, world_size=1, name="a b"), ValueError, "name='a b' is not a valid member name"),
+        # a letter, but not one torch RPC's worker names allow (it raised at start-up)
+        (dict(rank=0, world_size=1, name="acteur-é"), ValueError, "is not a valid member name: use 1-100 ASCII"),
         (dict(rank=0, world_size=1, rpc_timeout=0), ValueError, "rpc_timeout=0 must be a positive"),
         (dict(rank=0, world_size=1, rpc_threads=0), ValueError, "rpc_threads=0 must be a positive int"),
         (dict(rank=0, world_size=1, init_method="file:///tmp/x"), ValueError, "init_method='file:///tmp/x' is not supported"),
