@@ -248,6 +248,17 @@ def pools(reps: int) -> Dict[str, float]:
             for _ in range(reps):
                 pool.apply(np.sum, (array,))
             out[name] = array.nbytes / 1e9 / ((time.perf_counter() - start) / reps)
+    frames = many("frames")  # a list of 200 x 64 KB tensors to a worker (ms)
+    for name, make in (("frames_stdlib", lambda: multiprocessing.get_context("spawn").Pool(1)),
+                       ("frames_ours", lambda: Pool(1))):
+        with make() as pool:
+            pool.apply(len, (frames,))
+            times = []
+            for _ in range(reps * 3):
+                start = time.perf_counter()
+                pool.apply(len, (frames,))
+                times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times) * 1e3
     return out
 
 
@@ -292,6 +303,8 @@ def main() -> None:
                             ("echo_steps", "echo of a list of 200,000 (int, float, bool) tuples"))],
         ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
+        ("pool, list of 200 x 64 KB tensors to a worker (ms)", f"{pool['frames_stdlib']:.1f} (stdlib)",
+         f"{pool['frames_ours']:.1f}", f"{pool['frames_stdlib'] / pool['frames_ours']:.2f}x", ""),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'peer':>16}  {'machinlike':>14}  {'ratio':>7}  target")

@@ -55,11 +55,41 @@ def test_share_mode_maps_each_storage_once_per_worker():
         assert float(t[0]) == 10.0
 
 
-def test_worker_killed_holding_a_lent_segment():
+@pytest.mark.parametrize("packed", [False, True])
+def test_worker_killed_holding_a_lent_segment(packed):
+    # 8 MB of 5.0: one tensor (a segment of its own) or 128 of 64 KB (one packed segment)
+    t = [torch.full((16384,), 5.0) for _ in range(128)] if packed else torch.full((2 * MB,), 5.0)
     with Pool(1) as pool:
-        t = torch.full((2 * MB,), 5.0)
         with pytest.raises(WorkerLostError):
             pool.apply(targets.kill_self_holding, (t,))
         reclaimed = _shm.cache().stats["reclaimed"]
         assert pool.apply(targets.tensor_sum, (t,)) == 5.0 * 2 * MB  # the replacement worker
         assert _shm.cache().stats["reclaimed"] == reclaimed + 1  # the dead worker's lease came back
+
+
+def test_copy_mode_packs_many_medium_tensors_into_one_segment_both_ways():
+    import numpy as np
+
+    frames = [torch.rand(16384) for _ in range(64)] + [np.random.rand(2048) for _ in range(8)]  # 64 KB, 16 KB
+    steps = [torch.rand(8) for _ in range(20)]  # small: bundled
+    items = frames + steps
+    originals = [x.clone() if isinstance(x, torch.Tensor) else x.copy() for x in items]
+    with Pool(1) as pool:
+        before = _shm.cache().stats["leases"]
+        worker_before = pool.apply(targets.shm_stats)["leases"]
+        back = pool.apply(targets.add_one_to_each, (items,))
+        assert _shm.cache().stats["leases"] == before + 1  # the task's 64 + 8 medium items: one segment
+        assert pool.apply(targets.shm_stats)["leases"] == worker_before + 1  # and the result's
+        for sent, original, got in zip(items, originals, back):
+            assert type(got) is type(sent)
+            if isinstance(sent, np.ndarray):
+                assert (got == original + 1).all() and (sent == original).all()  # copies both ways
+            else:
+                assert torch.equal(got, original + 1) and torch.equal(sent, original)
+    with Pool(2) as pool:
+        # A map's chunks are packed too; a function's closure (loaded by every worker) is not.
+        weights = [torch.full((16384,), 2.0) for _ in range(32)]
+        sums = pool.map(lambda k: float(sum(w.sum() for w in weights)) + k, range(8), chunksize=1)
+        assert sums == [32 * 16384 * 2.0 + k for k in range(8)]
+        chunks = pool.map(targets.add_one_to_each, [[torch.zeros(16384) for _ in range(20)] for _ in range(4)])
+        assert all(float(t.sum()) == 16384.0 for chunk in chunks for t in chunk)

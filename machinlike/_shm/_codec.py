@@ -41,7 +41,7 @@ from . import _receive
 from ._pack import Pack
 from ._segments import cache
 
-__all__ = ["walk", "swap", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
+__all__ = ["walk", "swap", "pack_items", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference", "is_shared_by_reference"]
 
 _lock = threading.Lock()
@@ -244,12 +244,14 @@ def _load_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype
 
 
 # ----------------------------------------------------------------------------- walk
-def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = None) -> Any:
+def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = None, large: bool = True) -> Any:
     # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
     # (the layout first: a sparse tensor has no nbytes)
     if not shm_eligible(tensor) or tensor.requires_grad:
         return tensor
     nbytes = tensor.nbytes
+    if not large and nbytes >= threshold:
+        return tensor
     if nbytes < threshold:
         if pack is None or not nbytes:
             return tensor
@@ -261,10 +263,11 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = 
     return tensor if reduced is None else _Placeholder(reduced)
 
 
-def encode_array(array: np.ndarray, threshold: int, pack: Optional[Pack] = None) -> Any:
+def encode_array(array: np.ndarray, threshold: int, pack: Optional[Pack] = None, large: bool = True) -> Any:
     """A numpy array of :func:`encode`'s walk: a placeholder, or ``array`` itself (small,
-    holding Python objects, or no segment free); with ``pack``, a medium one joins it."""
-    if array.dtype.hasobject:
+    holding Python objects, or no segment free); with ``pack``, a medium one joins it;
+    ``large`` False: one of ``threshold`` bytes or more is left as it is."""
+    if array.dtype.hasobject or (not large and array.nbytes >= threshold):
         return array
     if array.nbytes < threshold:
         if pack is None or not array.nbytes:
@@ -296,6 +299,17 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
     out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
                lambda array: encode_array(array, threshold, pack))
     return swap(out, pack.commit(), memo)
+
+
+def pack_items(obj: Any, threshold: int) -> Tuple[Any, bool]:
+    """``obj`` with only its medium and small tensors and arrays packed (see ``_pack``);
+    large ones are left to the caller's pickler (a pool's policy). Returns it and whether a
+    segment was lent for it (loading the payload frees it)."""
+    pack = Pack(threshold)
+    out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack, large=False), None,
+               lambda array: encode_array(array, threshold, pack, large=False))
+    out = swap(out, pack.commit())
+    return out, pack.leased
 
 
 def swap(obj: Any, swaps: Dict[int, Any], memo: Optional[Dict[int, Any]] = None) -> Any:

@@ -99,6 +99,7 @@ class Pack:
         self._total = 0  # bytes of the segment (each item aligned)
         self._bytes = 0  # bytes of the items (one alone is under the threshold: never packed)
         self._small: List[Item] = []
+        self.leased = False  # a segment was lent for this message (loading it frees it)
 
     def wants(self, nbytes: int) -> bool:
         return PACK_MIN <= nbytes < self._threshold
@@ -166,6 +167,7 @@ class Pack:
         except BaseException:
             cache().release(seg)
             raise
+        self.leased = True
         whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table)))
         for index, ref in enumerate(self._refs):
             ref.reduced = (operator.getitem, (whole, index))

@@ -4,7 +4,10 @@ Built on :class:`machinlike.pickle.Pickler` (C pickler, dill for lambdas and clo
 with a dispatch table per policy::
 
     policy                       CPU tensor                         CUDA tensor
-    copy (is_copy_tensor=True)   < 1 MiB: data in the pickle        data in the pickle
+    copy (is_copy_tensor=True)   < 1 MiB: data in the pickle, or    data in the pickle
+                                 packed with the payload's others
+                                 of 4 KiB+ into one lent segment
+                                 when they add up to 1 MiB
                                  >= 1 MiB: one copy into a recycled
                                  segment lent to the receiver
     share_method="cpu"           shared memory (moved there once),  data in the pickle
@@ -62,6 +65,12 @@ def _track(storage: Union[torch.UntypedStorage, torch.Tensor, np.ndarray]) -> No
     kept = getattr(_tracking, "kept", None)
     if kept is not None:
         kept.append(storage)
+
+
+def _track_lease(payload: Any) -> None:
+    kept = getattr(_tracking, "kept", None)
+    if kept is not None:
+        kept.append(payload)  # a payload never delivered is loaded here, which frees the lease
 
 
 def _share_storage(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
@@ -243,6 +252,12 @@ class Codec:
         if pickler is None or pickler._busy:
             pickler = _PolicyPickler(self._table, self.recurse)
             picklers.setdefault(self._key(), pickler)
+        if self.copy and not getattr(_tracking, "multi_load", False):
+            # Many medium tensors and arrays (a list of frames, a state dict): one lent
+            # segment for them all, not their bytes through the pipe (see _shm._pack).
+            obj, leased = _shm.pack_items(obj, LARGE_TENSOR_BYTES)
+            if leased:
+                _track_lease(obj)
         return pickler.to_bytes(obj)
 
     def dumps_tracked(self, obj: Any, multi_load: bool = False) -> Tuple[bytes, List[Any]]:
