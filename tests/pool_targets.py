@@ -354,3 +354,16 @@ def add_one_to_each(items):
         else:
             item += 1
     return items
+
+
+def frames_or_generator(i: int):
+    """32 frames of 64 KB (packed into one segment), or for 2 something no pickler takes."""
+    if i == 2:
+        return (x for x in range(3))
+    return [torch.full((16384,), float(i)) for _ in range(32)]
+
+
+def lent_segments(_=None) -> int:
+    from machinlike import _shm
+
+    return _shm.cache().lent()

@@ -93,3 +93,13 @@ def test_copy_mode_packs_many_medium_tensors_into_one_segment_both_ways():
         assert sums == [32 * 16384 * 2.0 + k for k in range(8)]
         chunks = pool.map(targets.add_one_to_each, [[torch.zeros(16384) for _ in range(20)] for _ in range(4)])
         assert all(float(t.sum()) == 16384.0 for chunk in chunks for t in chunk)
+
+
+def test_a_chunk_that_fails_to_pickle_hands_its_packed_segment_back():
+    # The worker pickles a chunk's results at once (its frames packed into one lent
+    # segment); one of them cannot be pickled, so it pickles them one by one: the first
+    # segment, never sent, must come back, or every such chunk would keep one for good.
+    with Pool(1) as pool:
+        with pytest.raises(TypeError, match="cannot pickle 'generator' object"):
+            pool.map(targets.frames_or_generator, range(4), chunksize=4)
+        assert pool.apply(targets.lent_segments) == 0

@@ -301,15 +301,15 @@ def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> A
     return swap(out, pack.commit(), memo)
 
 
-def pack_items(obj: Any, threshold: int) -> Tuple[Any, bool]:
+def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:
     """``obj`` with only its medium and small tensors and arrays packed (see ``_pack``);
-    large ones are left to the caller's pickler (a pool's policy). Returns it and whether a
-    segment was lent for it (loading the payload frees it)."""
+    large ones are left to the caller's pickler (a pool's policy). Returns it and its
+    pack, whose ``leased`` says a segment was lent (loading the payload frees it; a
+    payload never made must ``release`` it)."""
     pack = Pack(threshold)
     out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack, large=False), None,
                lambda array: encode_array(array, threshold, pack, large=False))
-    out = swap(out, pack.commit())
-    return out, pack.leased
+    return swap(out, pack.commit()), pack
 
 
 def swap(obj: Any, swaps: Dict[int, Any], memo: Optional[Dict[int, Any]] = None) -> Any:

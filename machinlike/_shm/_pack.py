@@ -34,7 +34,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ import torch
 from .._reductions.arrays import array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
-from ._segments import cache
+from ._segments import Segment, cache
 
 __all__ = ["Pack", "PACK_MIN", "SMALL_MIN"]
 
@@ -99,7 +99,7 @@ class Pack:
         self._total = 0  # bytes of the segment (each item aligned)
         self._bytes = 0  # bytes of the items (one alone is under the threshold: never packed)
         self._small: List[Item] = []
-        self.leased = False  # a segment was lent for this message (loading it frees it)
+        self._seg: Optional[Segment] = None  # the segment lent for this message (loading it frees it)
 
     def wants(self, nbytes: int) -> bool:
         return PACK_MIN <= nbytes < self._threshold
@@ -131,6 +131,17 @@ class Pack:
         if self._bytes >= self._threshold:
             self._pack_medium()
         return swaps
+
+    @property
+    def leased(self) -> bool:
+        """Whether a segment was lent for this message (loading the message frees it)."""
+        return self._seg is not None
+
+    def release(self) -> None:
+        """Hand the segment back: the message was never sent (its pickling failed)."""
+        if self._seg is not None:
+            cache().release(self._seg)
+            self._seg = None
 
     def _bundle_small(self) -> Dict[int, _Packed]:
         # Tiny tensors (a transition's observation) cost more in per-tensor pickling than
@@ -167,7 +178,7 @@ class Pack:
         except BaseException:
             cache().release(seg)
             raise
-        self.leased = True
+        self._seg = seg
         whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table)))
         for index, ref in enumerate(self._refs):
             ref.reduced = (operator.getitem, (whole, index))

@@ -252,13 +252,19 @@ class Codec:
         if pickler is None or pickler._busy:
             pickler = _PolicyPickler(self._table, self.recurse)
             picklers.setdefault(self._key(), pickler)
-        if self.copy and not getattr(_tracking, "multi_load", False):
-            # Many medium tensors and arrays (a list of frames, a state dict): one lent
-            # segment for them all, not their bytes through the pipe (see _shm._pack).
-            obj, leased = _shm.pack_items(obj, LARGE_TENSOR_BYTES)
-            if leased:
-                _track_lease(obj)
-        return pickler.to_bytes(obj)
+        if not self.copy or getattr(_tracking, "multi_load", False):
+            return pickler.to_bytes(obj)
+        # Many medium tensors and arrays (a list of frames, a state dict): one lent segment
+        # for them all, not their bytes through the pipe (see _shm._pack).
+        obj, pack = _shm.pack_items(obj, LARGE_TENSOR_BYTES)
+        try:
+            data = pickler.to_bytes(obj)
+        except BaseException:
+            pack.release()  # (a worker then pickles a failed chunk item by item)
+            raise
+        if pack.leased:
+            _track_lease(obj)
+        return data
 
     def dumps_tracked(self, obj: Any, multi_load: bool = False) -> Tuple[bytes, List[Any]]:
         """Like :meth:`dumps`, plus what the payload names in shared memory (storages that
