@@ -55,6 +55,11 @@ _ALIGN = 64  # every item starts on a cache line (and on any dtype's alignment)
 Item = Union[torch.Tensor, np.ndarray]
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next item start."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _as_is(item: Item) -> Item:
     return item
 
@@ -86,7 +91,8 @@ class _Unpacked:
 
 
 class Pack:
-    """The medium items of one message; :meth:`commit` packs them (or leaves them be).
+    """The medium and small items of one message; :meth:`commit` packs the first into one
+    segment and bundles the second (or leaves them be).
 
     Args:
         threshold: Bytes from which one item gets a segment of its own; items of
@@ -114,7 +120,7 @@ class Pack:
         array without Python objects), filled by :meth:`commit`."""
         ref = _Packed(item)
         self._refs.append(ref)
-        self._total += -(-item.nbytes // _ALIGN) * _ALIGN
+        self._total += _aligned(item.nbytes)
         self._bytes += item.nbytes
         return ref
 
@@ -150,13 +156,13 @@ class Pack:
         items = list({id(item): item for item in self._small}.values())
         if len(items) < SMALL_MIN:
             return {}
-        total = sum(-(-item.nbytes // _ALIGN) * _ALIGN for item in items)
+        total = sum(_aligned(item.nbytes) for item in items)
         blob = torch.empty(total, dtype=torch.uint8)
         table = []
         offset = 0
         for item in items:
             table.append(_copy_in(blob, offset, item))
-            offset += -(-item.nbytes // _ALIGN) * _ALIGN
+            offset += _aligned(item.nbytes)
         whole = _Unpacked((_load_small, (blob.numpy().tobytes(), table)))
         swaps = {}
         for index, item in enumerate(items):
@@ -174,7 +180,7 @@ class Pack:
             offset = 0
             for ref in self._refs:
                 table.append(_copy_in(seg.data, offset, ref.item))
-                offset += -(-ref.item.nbytes // _ALIGN) * _ALIGN
+                offset += _aligned(ref.item.nbytes)
         except BaseException:
             cache().release(seg)
             raise
