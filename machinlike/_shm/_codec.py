@@ -38,7 +38,7 @@ from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
-from ._pack import Pack
+from ._pack import Pack, finish as _finish
 from ._segments import cache
 
 __all__ = ["walk", "swap", "pack_items", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
@@ -174,12 +174,6 @@ def share_and_reduce(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
             return None
         _register_own(storage)
     return reduce_by_reference(tensor)
-
-
-def _finish(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
 def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, shape: Tuple[int, ...],

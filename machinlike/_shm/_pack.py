@@ -44,7 +44,7 @@ from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._segments import Segment, cache
 
-__all__ = ["Pack", "PACK_MIN", "SMALL_MIN"]
+__all__ = ["Pack", "PACK_MIN", "SMALL_MIN", "finish"]
 
 #: Bytes from which a tensor or array under the threshold is packed into a segment; below
 #: it, one is bundled with the message's other small ones (at least ``SMALL_MIN``).
@@ -263,7 +263,7 @@ def _view(base: np.ndarray, entry: Tuple[Any, ...]) -> Item:
         dtype, shape, order = entry[3:]
         return array_over(data, dtype, shape, order)
     dtype, shape, requires_grad, parameter, order = entry[3:]
-    return _finish(undo_order(torch.from_numpy(data).view(dtype).view(shape), order), requires_grad, parameter)
+    return finish(undo_order(torch.from_numpy(data).view(dtype).view(shape), order), requires_grad, parameter)
 
 
 def _copy_out(start: int, entry: Tuple[Any, ...]) -> Item:
@@ -276,10 +276,11 @@ def _copy_out(start: int, entry: Tuple[Any, ...]) -> Item:
     dtype, shape, requires_grad, parameter, order = entry[3:]
     tensor = torch.empty(shape, dtype=dtype)
     ctypes.memmove(tensor.data_ptr(), start + offset, nbytes)
-    return _finish(undo_order(tensor, order), requires_grad, parameter)
+    return finish(undo_order(tensor, order), requires_grad, parameter)
 
 
-def _finish(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+def finish(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A received tensor as its sender had it: a Parameter, or requiring grad, or plain."""
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(True) if requires_grad else tensor
