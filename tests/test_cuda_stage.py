@@ -106,9 +106,17 @@ def test_encode_without_cuda_tensors_or_shm_changes_nothing():
 
 def test_encode_puts_large_cpu_tensors_through_shm_in_the_same_walk():
     small, big = torch.ones(4), torch.ones(1 << 16)
-    out = _cuda_stage.encode([small, big], 1 << 10)
+    out = _bare(_cuda_stage.encode([small, big], 1 << 10))  # (a segment was lent: guarded)
     assert out[0] is small and not isinstance(out[1], torch.Tensor)  # a same-host placeholder
     assert torch.equal(pickle.loads(pickle.dumps(out[1])), big)
+
+
+def _bare(encoded):
+    """An encoded object without its wrapper (``_shm._unsent``: a segment was lent for it)."""
+    from machinlike._shm._unsent import _Guarded
+
+    assert type(encoded) is _Guarded
+    return encoded.value
 
 
 # ---------------------------------------------------------- CPU-only processes skip it
@@ -135,6 +143,7 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
     # walk must not run a second time over the same arguments.
     monkeypatch.setattr(_cuda_stage, "active", lambda: True)
     monkeypatch.setattr(_samehost._shm, "encode", lambda *a: pytest.fail("second walk"))
+    monkeypatch.setattr(_samehost._shm, "encode_parts", lambda *a: pytest.fail("second walk"))
     walks = []
     real = _cuda_stage.walk
 
@@ -158,14 +167,14 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
     big = torch.ones(1 << 12)
     what, args, kwargs, reply = _samehost.outgoing("peer", ("f", (big,), {}))
     # (args and kwargs in one walk)
-    assert reply == 1 << 10 and not isinstance(args[0], torch.Tensor) and walks == [((big,), {})]
+    assert reply == 1 << 10 and not isinstance(_bare(args)[0], torch.Tensor) and walks == [((big,), {})]
     walks.clear()
     array = big.numpy().copy()  # a numpy array takes the same walk
     _, args, _, _ = _samehost.outgoing("peer", ("f", (array,), {}))
-    assert type(args[0]) is not type(array) and len(walks) == 1
+    assert type(_bare(args)[0]) is not type(array) and len(walks) == 1
     walks.clear()
     out = _samehost.reply([big], 1 << 10)
-    assert not isinstance(out[0], torch.Tensor) and walks == [[big]]
+    assert not isinstance(_bare(out)[0], torch.Tensor) and walks == [[big]]
 
 
 # ------------------------------------------------- a staged tensor across real RPC

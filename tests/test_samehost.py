@@ -688,10 +688,97 @@ def test_small_items_are_bundled_from_eight_on_and_aliasing_survives():
     few = [torch.rand(8) for _ in range(SMALL_MIN - 1)]
     assert _shm.encode(few, MB) is few  # too few to bother: left as they are
     many = [torch.rand(8) for _ in range(SMALL_MIN)]
-    memo = {}
-    out = _shm.encode((many, many[0]), MB, memo)
+    out, kwargs = _shm.encode_parts(((many, many[0]), {"k": many[0]}), MB)
     assert all(type(x) is _Packed for x in out[0]) and out[1] is out[0][0]
-    assert _shm.encode(({"k": many[0]},), MB, memo)[0]["k"] is out[0][0]  # kwargs share the memo
+    assert kwargs["k"] is out[0][0]  # args and kwargs are one walk
     back = pickle.loads(pickle.dumps(out))
     assert all(torch.equal(a, b) for a, b in zip(back[0], many)) and back[1] is back[0][0]
     assert len({t.untyped_storage().data_ptr() for t in back[0]}) == SMALL_MIN  # each its own memory
+
+
+def _unpicklable_result(n):
+    return torch.rand(n), threading.Lock()
+
+
+def _unpicklable_sample(n):
+    return [torch.rand(8192) for _ in range(n)], threading.Lock()
+
+
+def _unsent_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("both", _both)
+        g.register("result", _unpicklable_result)
+        g.register("sample", _unpicklable_sample)
+    g.barrier()
+    if world.rank == 0:
+        large, medium = torch.rand(MB), [torch.rand(8192) for _ in range(100)]  # 4 MB; 100 x 32 KB (packed)
+        calls = [lambda a, k: g.registered_sync("both", args=a, kwargs=k),
+                 lambda a, k: g.registered_async("both", args=a, kwargs=k).wait(),
+                 lambda a, k: g.rpc_sync("1", _both, args=a, kwargs=k)]
+        leases = _leases()
+        for call in calls:
+            # The unpicklable part before, after and beside the tensors, in args or in kwargs.
+            for args, kwargs in (((large, threading.Lock()), {}), ((threading.Lock(), medium), {}),
+                                 ((large, medium), {"x": threading.Lock()})):
+                with pytest.raises(TypeError, match="cannot be pickled"):
+                    call(args, kwargs)
+                assert _lent() == 0, (args, kwargs)
+        assert _leases() - leases >= 9  # (they were lent, and came back)
+        for key in ("result", "sample"):
+            with pytest.raises(TypeError, match="result cannot be pickled"):
+                g.registered_sync(key, args=(MB if key == "result" else 100,))
+            assert g.rpc_sync("1", _lent) == 0, key
+        out = g.registered_sync("both", args=(large,), kwargs={"x": medium})  # what pickles still crosses
+        assert torch.equal(out[0][0], large) and all(torch.equal(a, b) for a, b in zip(out[1]["x"], medium))
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_message_that_cannot_be_pickled_hands_its_segments_back(lane):
+    """Tensors are copied into lent segments before the carrier pickles the call or the
+    result; when that pickling fails (a lock beside them), the segments come back at
+    once on either side, instead of staying lent until the World stops."""
+    run_world(_unsent_body, 2, timeout=120, same_host_lane=lane)
+
+
+def test_a_guarded_message_is_released_only_when_it_was_not_pickled_whole():
+    import gc
+    import pickle
+
+    segments = _shm.cache()
+
+    def lent():
+        gc.collect()
+        return sum(not segments._is_free(seg) for seg in segments._segments)
+
+    assert lent() == 0
+    # Pickled whole: still lent once the sender dropped it (the receiver has not loaded
+    # it yet), free once the receiver's tensors die.
+    parts = ([torch.rand(MB)], {"x": torch.rand(MB)})
+    guarded = _shm.encode_parts(parts, MB)
+    data = pickle.dumps(guarded)
+    del guarded
+    assert lent() == 2
+    back = pickle.loads(data)
+    assert torch.equal(back[0][0], parts[0][0]) and torch.equal(back[1]["x"], parts[1]["x"])
+    del back
+    assert lent() == 0
+    # Not pickled whole (its first part fails; its second): handed back when dropped.
+    for parts in (([torch.rand(MB), threading.Lock()], {"x": torch.rand(MB)}),
+                  ([torch.rand(MB)], {"x": torch.rand(MB), "y": threading.Lock()})):
+        guarded = _shm.encode_parts(parts, MB)
+        assert lent() == 2
+        with pytest.raises(TypeError):
+            pickle.dumps(guarded)
+        del guarded
+        assert lent() == 0
+    # A hand-back after the cache closed (a World stopped) does nothing.
+    guarded = _shm.encode_parts(([torch.rand(MB), threading.Lock()],), MB)
+    with pytest.raises(TypeError):
+        pickle.dumps(guarded)
+    segments.close()
+    del guarded
+    gc.collect()

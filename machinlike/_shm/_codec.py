@@ -28,7 +28,7 @@ import collections
 import itertools
 import os
 import threading
-from typing import Any, Callable, Deque, Dict, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,9 +39,10 @@ from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._pack import Pack, finish as _finish
-from ._segments import cache
+from ._segments import Segment, cache
+from ._unsent import guard
 
-__all__ = ["walk", "swap", "pack_items", "encode", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
+__all__ = ["walk", "swap", "pack_items", "encode", "encode_parts", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference", "is_shared_by_reference"]
 
 _lock = threading.Lock()
@@ -191,8 +192,9 @@ def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, sh
 
 
 # -------------------------------------------------------------------------- by copy
-def reduce_copy(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
-    """Copy ``tensor`` into a lent segment; its rebuild call, or None without a segment."""
+def reduce_copy(tensor: torch.Tensor, lent: Optional[List[Segment]] = None) -> Optional[Tuple[Any, ...]]:
+    """Copy ``tensor`` into a lent segment; its rebuild call, or None without a segment.
+    ``lent`` learns the segment (the message's record, see ``_unsent``)."""
     nbytes = tensor.nbytes
     seg = cache().lease(nbytes)
     if seg is None:
@@ -206,6 +208,8 @@ def reduce_copy(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     except BaseException:
         cache().release(seg)
         raise
+    if lent is not None:
+        lent.append(seg)
     return (_load_copy, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, tensor.dtype, tuple(source.shape),
                          tensor.requires_grad, type(tensor) is torch.nn.Parameter, order))
 
@@ -217,8 +221,9 @@ def _load_copy(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype:
     return _finish(undo_order(tensor, order), requires_grad, parameter)
 
 
-def reduce_array(array: np.ndarray) -> Optional[Tuple[Any, ...]]:
-    """Copy ``array`` into a lent segment; its rebuild call, or None without a segment."""
+def reduce_array(array: np.ndarray, lent: Optional[List[Segment]] = None) -> Optional[Tuple[Any, ...]]:
+    """Copy ``array`` into a lent segment; its rebuild call, or None without a segment
+    (``lent``: as for :func:`reduce_copy`)."""
     nbytes = array.nbytes
     seg = cache().lease(nbytes)
     if seg is None:
@@ -229,6 +234,8 @@ def reduce_array(array: np.ndarray) -> Optional[Tuple[Any, ...]]:
     except BaseException:
         cache().release(seg)
         raise
+    if lent is not None:
+        lent.append(seg)
     return (_load_array, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, array.dtype, array.shape, order))
 
 
@@ -253,7 +260,7 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = 
             return pack.add(tensor)
         pack.note_small(tensor)
         return tensor
-    reduced = reduce_by_reference(tensor) or reduce_copy(tensor)
+    reduced = reduce_by_reference(tensor) or reduce_copy(tensor, None if pack is None else pack.lent)
     return tensor if reduced is None else _Placeholder(reduced)
 
 
@@ -270,7 +277,7 @@ def encode_array(array: np.ndarray, threshold: int, pack: Optional[Pack] = None,
             return pack.add(array)
         pack.note_small(array)
         return array
-    reduced = reduce_array(array)
+    reduced = reduce_array(array, None if pack is None else pack.lent)
     return array if reduced is None else _Placeholder(reduced)
 
 
@@ -281,18 +288,31 @@ def encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = N
     return _encode_tensor(tensor, threshold, pack)
 
 
-def encode(obj: Any, threshold: int, memo: Optional[Dict[int, Any]] = None) -> Any:
+def encode(obj: Any, threshold: int) -> Any:
     """``obj`` with its large CPU tensors and numpy arrays (in lists, tuples, dicts)
     replaced by placeholders, and its medium ones packed into one segment when they add
     up to ``threshold`` (see ``_pack``).
 
     Returns ``obj`` itself when nothing was replaced. A tensor that appears twice is
-    encoded once, so the receiver gets one tensor twice, as pickle would give.
+    encoded once, so the receiver gets one tensor twice, as pickle would give. When
+    segments were lent, it is wrapped so that they come back should pickling it fail
+    (see ``_unsent``; it unpickles as the encoded object).
     """
+    return encode_parts((obj,), threshold)[0]
+
+
+def encode_parts(parts: Tuple[Any, ...], threshold: int) -> Tuple[Any, ...]:
+    """:func:`encode` for the parts of one message (a call's args and kwargs) in one walk:
+    a tensor found in two parts arrives as one, and their segments come back unless every
+    part was pickled."""
     pack = Pack(threshold)
-    out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
-               lambda array: encode_array(array, threshold, pack))
-    return swap(out, pack.commit(), memo)
+    memo: Dict[int, Any] = {}
+    out = [walk(part, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
+                lambda array: encode_array(array, threshold, pack)) for part in parts]
+    swaps = pack.commit()
+    if swaps:
+        out = [swap(part, swaps) for part in out]
+    return guard(out, pack.lent)
 
 
 def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:
@@ -306,15 +326,11 @@ def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:
     return swap(out, pack.commit()), pack
 
 
-def swap(obj: Any, swaps: Dict[int, Any], memo: Optional[Dict[int, Any]] = None) -> Any:
+def swap(obj: Any, swaps: Dict[int, Any]) -> Any:
     """``obj`` (a walk's output) with each tensor or array whose ``id`` is in ``swaps``
-    replaced by its value (``Pack.commit``'s bundled small items); ``memo``, the walk's,
-    learns them too (a later walk sharing it finds the same placeholder)."""
+    replaced by its value (``Pack.commit``'s bundled small items)."""
     if not swaps:
         return obj
-    if memo is not None:
-        for key in swaps.keys() & memo.keys():
-            memo[key] = swaps[key]
     return walk(obj, lambda tensor: swaps.get(id(tensor), tensor), None, lambda array: swaps.get(id(array), array))
 
 

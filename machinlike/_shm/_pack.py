@@ -106,6 +106,7 @@ class Pack:
         self._bytes = 0  # bytes of the items (one alone is under the threshold: never packed)
         self._small: List[Item] = []
         self._seg: Optional[Segment] = None  # the segment lent for this message (loading it frees it)
+        self.lent: List[Segment] = []  # every segment lent for this message, its large items' too
 
     def wants(self, nbytes: int) -> bool:
         return PACK_MIN <= nbytes < self._threshold
@@ -185,6 +186,7 @@ class Pack:
             cache().release(seg)
             raise
         self._seg = seg
+        self.lent.append(seg)
         whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table)))
         for index, ref in enumerate(self._refs):
             ref.reduced = (operator.getitem, (whole, index))

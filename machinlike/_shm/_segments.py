@@ -20,8 +20,9 @@ The receiver reaches the descriptor through ``/proc``, which needs the same host
 namespace and user (see ``reachable``).
 
 A lease that is never freed (its receiver was SIGKILLed) is reclaimed when the taker's
-process is gone; one never taken at all (a message lost in a timeout) stays lent until
-:meth:`SegmentCache.close`. Bytes held (free and lent) never exceed ``limit``: a lease
+process is gone; one whose message was never pickled whole comes back when the carrier
+drops the message (``_unsent``); one never taken at all (a message lost in a timeout)
+stays lent until :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed ``limit``: a lease
 that would pass it evicts free segments, and fails (None) when that is not enough; the
 caller then sends the tensor the ordinary way and ``stats`` counts it.
 """
@@ -207,9 +208,22 @@ class SegmentCache:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
-    def release(self, seg: Segment) -> None:
-        """Hand back a lease that was never sent (encoding failed)."""
-        seg.header[0] = FREE
+    def release(self, seg: Segment, lease: Optional[int] = None) -> None:
+        """Hand back a lease that was never sent (encoding or pickling failed).
+
+        ``lease``: only while ``seg`` is still this cache's, lent under that lease and not
+        taken (a late hand-back, after the World stopped, does nothing); None: at once.
+
+        Takes no lock: it may run in a garbage collection (``_unsent``) that interrupted
+        this very cache under its lock. Nothing else writes a lent, untaken segment's state
+        (``lease`` only picks FREE ones), and a segment closed meanwhile has no header."""
+        try:
+            if lease is not None and (self._by_inode.get(seg.inode) is not seg or seg.state() != lease
+                                      or int(seg.header[1])):
+                return
+            seg.header[0] = FREE
+        except AttributeError:  # closed (World stop)
+            pass
 
     def _is_free(self, seg: Segment, alive: Optional[Dict[int, bool]] = None) -> bool:
         state = seg.state()

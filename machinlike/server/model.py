@@ -110,7 +110,7 @@ class PushPullModelServer:
 
         Args:
             model: The model; its state dict is sent (of the module it wraps for a
-                ``torch.compile``\ d, ``DistributedDataParallel`` or ``DataParallel`` model,
+                compiled (``torch.compile``), ``DistributedDataParallel`` or ``DataParallel`` model,
                 so that plain models pull it). From a GPU, the server gets a copy on the
                 same device index when it uses CUDA (device to device through CUDA IPC on
                 this host), else on the CPU.

@@ -35,6 +35,8 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from ..._shm import Pack, swap, walk
+from ..._shm import guard as _shm_guard
+from ..._shm._segments import Segment
 from ..._shm import encode_array as _shm_encode_array
 from ..._shm import encode_tensor as _shm_encode_tensor
 from . import cuda_ipc as _cuda_ipc
@@ -61,8 +63,15 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
             (``_cuda_ipc``); None: they are staged.
 
     Returns:
-        ``obj`` itself when nothing was replaced. The copies are complete.
+        ``obj`` itself when nothing was replaced. The copies are complete. Wrapped as
+        ``_shm.encode`` wraps it when segments were lent.
     """
+    out, lent = _encode(obj, shm_threshold, ipc)
+    return _shm_guard((out,), lent)[0]
+
+
+def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]) -> Tuple[Any, List[Segment]]:
+    """:func:`encode`'s object, unwrapped, and the segments lent for it."""
     pending: List[torch.device] = []
     batch: Optional[_cuda_ipc.Batch] = None
     refs: List[Any] = []
@@ -89,7 +98,7 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
         batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
-    return out
+    return out, ([] if pack is None else pack.lent)
 
 
 def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
@@ -99,5 +108,6 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
     ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
-        args, kwargs = encode((args, kwargs), shm_threshold, ipc)
+        both, lent = _encode((args, kwargs), shm_threshold, ipc)
+        args, kwargs = _shm_guard(both, lent)
     return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))

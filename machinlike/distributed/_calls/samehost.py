@@ -133,11 +133,10 @@ def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
         return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member))
     what, args, kwargs = call
-    memo: Dict[int, Any] = {}  # one tensor in both args and kwargs arrives as one tensor, as pickle gives
-    if args:
-        args = _shm.encode(args, threshold, memo)
-    if kwargs:
-        kwargs = _shm.encode(kwargs, threshold, memo)
+    if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
+        args, kwargs = _shm.encode_parts((args, kwargs), threshold)
+    elif args:
+        args, = _shm.encode_parts((args,), threshold)
     return (what, args, kwargs, threshold)
 
 

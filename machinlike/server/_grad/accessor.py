@@ -176,7 +176,7 @@ class PushPullGradServer:
 
         Args:
             model: A model of the managed architecture, after ``backward()``; a
-                ``torch.compile``\ d, ``DistributedDataParallel`` or ``DataParallel`` model
+                compiled (``torch.compile``), ``DistributedDataParallel`` or ``DataParallel`` model
                 counts as the module it wraps.
             none_as_zero: Treat parameters whose ``.grad`` is None as having a zero
                 gradient (they are not sent). False: refuse such a push. A frozen

@@ -1,0 +1,96 @@
+"""Segments lent for a message that was never pickled whole come back to their owner.
+
+Why: ``encode`` copies a message's tensors into lent segments *before* the carrier
+pickles the message. When pickling then fails (a lock or a generator beside the tensors,
+in a call's arguments or in a service's result), nobody will ever take those segments,
+and each such failure kept one lent until the World stopped (a service that now and then
+returned something unpicklable slowly filled ``shm_cache_bytes``, and from then on every
+large tensor fell back to the slow path). The carrier (torch RPC's pickler, the lane's,
+on either side) is not ours to ask, so each part of the message carries a mark that is
+pickled after it::
+
+    guard((args, kwargs), lent) ─► (_Guarded(args), _Guarded(kwargs)) sharing one record
+    pickling _Guarded(part) ─► (_first, (part, _Mark(index)))    part first, then its mark:
+                                                                 index seen
+    unpickling ─► part itself (the receiver sees no wrapper)
+    the record dies (the carrier dropped the message):
+        every index seen ─► nothing (sent; the receiver frees the segments as it drops them)
+        else             ─► the segments are released (nobody can have taken them)
+
+A message pickled whole but lost on the way (a timeout) stays lent as before (see
+``_segments``); this module is only about messages that never left.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, List, Sequence, Set, Tuple
+
+from ._segments import Segment, cache
+
+__all__ = ["guard"]
+
+
+def _first(value: Any, _mark: None) -> Any:
+    return value
+
+
+def _nothing() -> None:
+    return None
+
+
+class _Mark:
+    """Pickled right after its part: records that the part pickled."""
+
+    __slots__ = ("seen", "index")
+
+    def __init__(self, seen: Set[int], index: int) -> None:
+        self.seen = seen
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        self.seen.add(self.index)
+        return (_nothing, ())
+
+
+class _Record:
+    """Lives as long as the message's parts do; its finalizer settles the lease."""
+
+    __slots__ = ("__weakref__",)
+
+
+class _Guarded:
+    """One part of a message; unpickles as the part itself."""
+
+    __slots__ = ("value", "record", "seen", "index")
+
+    def __init__(self, value: Any, record: _Record, seen: Set[int], index: int) -> None:
+        self.value = value
+        self.record = record
+        self.seen = seen
+        self.index = index
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (_first, (self.value, _Mark(self.seen, self.index)))
+
+
+def _settle(lent: List[Tuple[Segment, int]], seen: Set[int], parts: int) -> None:
+    if len(seen) == parts:
+        return
+    segments = cache()
+    for seg, lease in lent:
+        segments.release(seg, lease)
+
+
+def guard(parts: Sequence[Any], lent: List[Segment]) -> Tuple[Any, ...]:
+    """``parts`` (one message's, pickled in this order by one carrier) wrapped so that the
+    segments ``lent`` for them are released unless every part was pickled by the time the
+    carrier drops them; ``parts`` as a tuple, unchanged, when nothing was lent."""
+    if not lent:
+        return parts if type(parts) is tuple else tuple(parts)
+    record = _Record()
+    seen: Set[int] = set()
+    leases = [(seg, seg.lease) for seg in lent]  # (a segment may be freed and lent again meanwhile)
+    finalizer = weakref.finalize(record, _settle, leases, seen, len(parts))
+    finalizer.atexit = False  # (at exit the cache itself is closed)
+    return tuple(_Guarded(part, record, seen, index) for index, part in enumerate(parts))
