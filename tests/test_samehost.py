@@ -782,3 +782,36 @@ def test_a_guarded_message_is_released_only_when_it_was_not_pickled_whole():
     segments.close()
     del guarded
     gc.collect()
+
+
+def _slow_large(pause):
+    time.sleep(pause)
+    return torch.rand(MB), [torch.rand(8192) for _ in range(100)]  # one segment of its own, one packed
+
+
+def _late_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("slow", _slow_large)
+    g.barrier()
+    if world.rank == 0:
+        leases = g.rpc_sync("1", _leases)
+        for call in (lambda: g.registered_sync("slow", args=(1.0,), timeout=0.2),
+                     lambda: g.registered_async("slow", args=(1.0,), timeout=0.2).wait()):
+            with pytest.raises(TimeoutError):
+                call()
+            deadline = time.monotonic() + 20
+            while g.rpc_sync("1", _leases) == leases:  # the reply is made after the timeout
+                assert time.monotonic() < deadline, "the slow service never replied"
+                time.sleep(0.05)
+            leases = g.rpc_sync("1", _leases)
+            _lent_settles_at(g, 0, False)  # (the late reply crosses, is loaded and dropped)
+    g.barrier()
+    g.destroy()
+
+
+def test_a_reply_after_its_call_timed_out_hands_its_segments_back():
+    """A service that answers after its caller gave up: the caller's lane loads the late
+    reply and drops it, so the service's lent segments come back (they stayed lent until
+    its World stopped, and enough timeouts filled ``shm_cache_bytes``)."""
+    run_world(_late_body, 2, timeout=120, same_host_lane=True)

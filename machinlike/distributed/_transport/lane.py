@@ -45,8 +45,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .lane_future import LaneFuture, completing
 from .lane_server import Server
 from .lane_wire import (
-    HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, Body, NotForLane, address, load_body, read_frame, request_bytes,
-    send_frame,
+    HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, Body, NotForLane, address, drop_late, load_body, read_frame,
+    request_bytes, send_frame,
 )
 
 __all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing"]
@@ -143,7 +143,10 @@ class _Conn:
                     pending = self._pending.pop(cid, None)
                     if pending is None:
                         self.late += 1
-                        continue
+                if pending is None:
+                    if kind == OK:
+                        drop_late(body)
+                    continue
                 if kind == OK:
                     try:
                         value, error = load_body(body), None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copyreg
 import io
+import logging
 import os
 import pickle
 import select
@@ -35,8 +36,10 @@ from torch.distributed import autograd as _dist_autograd
 
 from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order
 
-__all__ = ["NotForLane", "TENSOR_LIMIT", "OUT_OF_BAND", "Body", "in_autograd_context", "REQ", "OK", "ERR", "HELLO",
+__all__ = ["drop_late", "NotForLane", "TENSOR_LIMIT", "OUT_OF_BAND", "Body", "in_autograd_context", "REQ", "OK", "ERR", "HELLO",
            "request_bytes", "reply_bytes", "load_body", "address", "send_frame", "read_frame", "IDLE_WAKE_S"]
+
+log = logging.getLogger(__name__)
 
 
 # Bytes of tensors (and arrays) a request carries at most, one or many; a larger one goes
@@ -124,6 +127,19 @@ def _dumps(obj: Any, pickler: Callable[..., Any], budget: Optional[int] = None) 
 def load_body(body: Body) -> Any:
     """The object a frame's body holds."""
     return pickle.loads(body.data, buffers=body.buffers)
+
+
+def drop_late(body: Body) -> None:
+    """Load a reply whose call gave up, and drop it: its lent segments (CPU shared memory,
+    CUDA IPC) are taken and come back to their sender, who would otherwise keep them lent
+    until its World stopped. Only a reply that names this package's loaders is loaded (a
+    plain one holds nothing lent, and a user's classes need not run for nothing)."""
+    if b"machinlike." not in body.data:
+        return
+    try:
+        load_body(body)
+    except Exception:  # (nobody waits for it: its errors have no one to reach)
+        log.debug("a late reply could not be loaded", exc_info=True)
 
 
 def in_autograd_context() -> bool:
