@@ -9,13 +9,16 @@ the caller as an instance of its *original* type, with the remote traceback chai
     except ValueError as e:          # the worker raised ValueError
         print(e.__cause__)           # "Traceback (most recent call last) on worker ..."
 
-When the original type cannot be rebuilt on the receiving side (it does not pickle, or
-its constructor does not accept its own ``args``), a :class:`RemoteError` carrying the
-type's name and message is raised instead; nothing is silently dropped.
+An exception whose constructor does not accept its own ``args`` is rebuilt from its
+state; one holding attributes that do not pickle arrives without them (a note names
+them). When the type itself cannot be found on the receiving side, a :class:`RemoteError`
+carrying the type's name and message is raised instead, an instance of the type's nearest
+builtin base too; nothing is silently dropped.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
 import pickle
 import signal
@@ -58,6 +61,10 @@ class RemoteTraceback(Exception):
 class RemoteError(Exception):
     """Stands in for a remote exception whose type could not be rebuilt here.
 
+    What :meth:`standing_in` makes is also an instance of the original's nearest builtin
+    base (a ``RuntimeError`` subclass arrives as a RemoteError that is a RuntimeError), so
+    that ``except RuntimeError`` catches it here as it would have caught the original.
+
     Attributes:
         type_name: Qualified name of the original exception type.
         message: ``str()`` of the original exception.
@@ -70,6 +77,41 @@ class RemoteError(Exception):
 
     def __str__(self) -> str:
         return f"{self.type_name}: {self.message}"
+
+    def __reduce__(self) -> Any:
+        base = next((cls for cls in type(self).__mro__[1:] if cls.__module__ == "builtins"), Exception)
+        return _remote_error, (self.type_name, self.message, base.__name__)
+
+    @staticmethod
+    def standing_in(exc: BaseException) -> "RemoteError":
+        """A RemoteError naming ``exc``'s type and message, an instance of its nearest
+        builtin base too where that base allows it."""
+        for cls in type(exc).__mro__:
+            if cls.__module__ == "builtins":
+                return _remote_error(_qualified_name(type(exc)), _text(exc), cls.__name__)
+        return RemoteError(_qualified_name(type(exc)), _text(exc))  # (every exception has a builtin base)
+
+
+_REMOTE_KINDS: Dict[str, type] = {}
+
+
+def _remote_error(type_name: str, message: str, base: str) -> RemoteError:
+    """A RemoteError that is also an instance of builtin exception ``base`` (by name),
+    when that base can be mixed in (not one whose constructor wants other arguments,
+    such as ``UnicodeDecodeError``); else a plain one."""
+    kind = _REMOTE_KINDS.get(base)
+    if kind is None:
+        builtin = getattr(builtins, base, None)
+        kind = RemoteError
+        if isinstance(builtin, type) and issubclass(builtin, BaseException) and builtin not in (BaseException, Exception):
+            try:
+                mixed = type("RemoteError", (RemoteError, builtin), {"__module__": __name__})
+                mixed("probe", "probe")
+                kind = mixed
+            except TypeError:
+                pass
+        _REMOTE_KINDS[base] = kind
+    return kind(type_name, message)
 
 
 def _qualified_name(cls: type) -> str:
@@ -194,9 +236,19 @@ def _rebuild_by_state(cls: Type[BaseException], args: tuple, state: Dict[str, An
     return exc
 
 
-def _by_state(exc: BaseException) -> _ByState:
+def _by_state(exc: BaseException, picklable_only: bool = False) -> _ByState:
+    """``exc`` by state; ``picklable_only``: without the attributes that do not pickle (a
+    lock, a socket, an open environment), which a note on the shipped error names."""
     state = dict(getattr(exc, "__dict__", None) or {})
     state.pop(_FROZEN, None)
+    if picklable_only:
+        dropped = [name for name, value in state.items() if not _pickles(value)]
+        for name in dropped:
+            del state[name]
+        if dropped:
+            note = (f"(attributes {', '.join(dropped)} of this exception could not be pickled and were left "
+                    f"behind in the process that raised it)")
+            state["__notes__"] = [*state.get("__notes__", []), note]
     if isinstance(exc, OSError):
         # (only those set: one set to None, even, would show in its str)
         state.update((name, getattr(exc, name)) for name in _OS_ERROR_FIELDS if getattr(exc, name) is not None)
@@ -215,14 +267,22 @@ def _shippable(exc: BaseException) -> Union[BaseException, _ByState]:
     subclass whose ``__init__(path, errno)`` passes ``(errno, text)`` on). The probe's
     ``str`` tells the second from a faithful copy.
     """
-    for shipped in (exc, _by_state(exc)):
+    for shipped in (exc, _by_state(exc), _by_state(exc, picklable_only=True)):
         try:
             again = pickle.loads(pickle.dumps(shipped))
             if type(again) is type(exc) and str(again) == str(exc):
                 return shipped
         except Exception:
             pass
-    return RemoteError(_qualified_name(type(exc)), _text(exc))
+    return RemoteError.standing_in(exc)
+
+
+def _pickles(value: Any) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def _text(exc: BaseException) -> str:

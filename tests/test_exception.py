@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import signal
 
 import pytest
@@ -109,16 +110,39 @@ def test_a_pool_workers_exception_with_a_keyword_init_arrives_as_itself():
     assert info.value.env_id == 5 and "on pool worker" in str(info.value.__cause__)
 
 
-def test_unrebuildable_type_becomes_remote_error_naming_it():
+def test_unrebuildable_type_becomes_remote_error_naming_it_and_keeping_its_builtin_base():
     local = type("LocalError", (Exception,), {})  # not importable by name: cannot be sent
     exc = _carried(local("oops"))
     assert isinstance(exc, RemoteError)
     assert exc.type_name.endswith("LocalError") and exc.message == "oops"
     assert "LocalError" in str(exc.__cause__)
+    # ``except RuntimeError`` (or OSError, KeyError...) catches the stand-in as it would
+    # have caught the original (before: a plain RemoteError, which it let through).
+    for base in (RuntimeError, KeyError, ConnectionResetError, TimeoutError):
+        local = type("LocalError", (base,), {})
+        exc = _carried(local("oops"))
+        assert isinstance(exc, RemoteError) and isinstance(exc, base) and "LocalError: " in str(exc) and "oops" in str(exc)
+        assert type(pickle.loads(pickle.dumps(exc))) is type(exc)  # (it travels on as itself)
+    local = type("LocalError", (UnicodeDecodeError,), {})  # a base that cannot be mixed in
+    exc = _carried(local("utf-8", b"\xff", 0, 1, "bad"))
+    assert type(exc) is RemoteError and "LocalError" in exc.type_name
+
+
+class HoldsEnv(RuntimeError):
+    def __init__(self, message):
+        super().__init__(message)
+        self.env = threading.Lock()  # (an environment, a socket: nothing that pickles)
+        self.step = 7
+
+
+def test_an_exception_holding_an_unpicklable_attribute_arrives_as_itself_without_it():
+    exc = _carried(HoldsEnv("env stepped after close"))
+    assert type(exc) is HoldsEnv and str(exc) == "env stepped after close" and exc.step == 7
+    assert not hasattr(exc, "env") and any("env" in note and "left behind" in note for note in exc.__notes__)
     unpicklable = NeedsTwoArgs(1, 2)
     unpicklable.b = lambda: None  # an attribute that cannot be pickled
     exc = _carried(unpicklable)
-    assert isinstance(exc, RemoteError) and exc.type_name.endswith("NeedsTwoArgs") and exc.message == "1-2"
+    assert type(exc) is NeedsTwoArgs and str(exc) == "1-2" and exc.a == 1 and not hasattr(exc, "b")
 
 
 def test_exception_never_raised_still_says_where():
