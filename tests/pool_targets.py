@@ -367,3 +367,8 @@ def lent_segments(_=None) -> int:
     from machinlike import _shm
 
     return _shm.cache().lent()
+
+
+def layout_of(tensor: torch.Tensor):
+    """What a worker got: strides, storage bytes, sum; and the tensor itself back."""
+    return tuple(tensor.stride()), tensor.untyped_storage().nbytes(), float(tensor.sum()), tensor

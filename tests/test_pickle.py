@@ -437,3 +437,15 @@ def test_public_names():
     assert sorted(module.__all__) == ["Pickler", "dumps", "loads", "mark_static_module"]
     for name in module.__all__:
         assert getattr(module, name) is not None
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_an_expanded_tensor_pickles_as_its_distinct_elements(copy):
+    big = torch.arange(3.0).reshape(3, 1).expand(3, 4_000_000)
+    data = dumps(big, copy_tensor=copy)
+    assert len(data) < 4096  # (48 MB element by element)
+    back = loads(data)
+    assert back.stride() == (1, 0) and torch.equal(back, big)
+    grad = torch.zeros(1, requires_grad=True).detach().expand(5).requires_grad_()  # a leaf that requires grad
+    again = loads(dumps(grad, copy_tensor=copy))
+    assert again.requires_grad and again.grad_fn is None and torch.equal(again, grad)

@@ -209,3 +209,17 @@ def test_cuda_share_mode_returns_the_tensors_it_received():
         assert back_param.tolist() == [5.0] * 3
         results = pool.map(targets.add_one_, [torch.zeros(4, device="cuda") for _ in range(4)])
         assert [r.tolist() for r in results] == [[1.0] * 4] * 4
+
+
+@pytest.mark.parametrize("policy", [{"is_copy_tensor": True}, {"is_copy_tensor": False, "share_method": "cpu"}])
+def test_expanded_tensors_cross_as_their_distinct_elements(policy):
+    # torch.zeros(1).expand(10**7) is 40 MB element by element; pickle and torch RPC send
+    # its one element and its strides, and so do the pools (before: 40 MB each way).
+    large = torch.arange(3.0).reshape(3, 1).expand(3, 4_000_000)  # 48 MB, 12 bytes distinct
+    small = torch.rand(1, 8).expand(16, 8)
+    with Pool(1, **policy) as pool:
+        for sent in (large, small):
+            strides, nbytes, total, back = pool.apply(targets.layout_of, (sent,))
+            assert strides == sent.stride() and nbytes == sent.untyped_storage().nbytes()
+            assert total == pytest.approx(float(sent.sum()))
+            assert back.stride() == sent.stride() and torch.equal(back, sent)

@@ -815,3 +815,33 @@ def test_a_reply_after_its_call_timed_out_hands_its_segments_back():
     reply and drops it, so the service's lent segments come back (they stayed lent until
     its World stopped, and enough timeouts filled ``shm_cache_bytes``)."""
     run_world(_late_body, 2, timeout=120, same_host_lane=True)
+
+
+def _layout(tensor):
+    return tuple(tensor.stride()), tensor.untyped_storage().nbytes()
+
+
+def _expanded_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("layout", _layout)
+    g.barrier()
+    if world.rank == 0:
+        frame = torch.rand(1, 2 * MB // 4)  # its one row is large: a segment of its own
+        cases = [torch.zeros(1).expand(10_000_000), torch.rand(1, 512).expand(4096, 512),
+                 frame.expand(8, -1), torch.rand(64, 1, 64).expand(64, 32, 64)]
+        for sent in cases:
+            assert g.registered_sync("layout", args=(sent,)) == (sent.stride(), sent.untyped_storage().nbytes())
+            back = g.registered_sync("echo", args=([sent, sent],))
+            assert back[0] is back[1] and back[0].stride() == sent.stride() and torch.equal(back[0], sent)
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_expanded_tensors_cross_as_their_distinct_elements(lane):
+    """``torch.zeros(1).expand(10**7)`` arrives as torch RPC delivers it: one element and
+    its strides (it was copied element by element: 40 MB through a segment, and 40 MB held
+    by the receiver); a large distinct part still takes a segment."""
+    run_world(_expanded_body, 2, timeout=120, same_host_lane=lane)

@@ -12,7 +12,7 @@ import torch
 
 from .table import DispatchTable, policy_table
 
-__all__ = ["copy_reducers", "dense_order", "undo_order"]
+__all__ = ["copy_reducers", "dense_order", "undo_order", "expanded", "expand_back"]
 
 
 def _is_plain_strided(tensor: torch.Tensor) -> bool:
@@ -42,6 +42,30 @@ def dense_order(tensor: torch.Tensor) -> Optional[Tuple[int, ...]]:
     return order if tensor.permute(order).is_contiguous() else None
 
 
+def expanded(tensor: torch.Tensor) -> Optional[Tuple[torch.Tensor, Tuple[int, ...]]]:
+    """``(compact, shape)`` for a tensor that repeats its elements along dimensions of
+    stride 0 (``expand``, ``broadcast_to``): ``compact`` has those dimensions of size 1,
+    and ``compact.expand(shape)`` is the tensor again. None for any other tensor (and for
+    one requiring grad, whose expansion would be a step of its graph).
+
+    Why: copied element by element, ``torch.zeros(1).expand(10**7)`` is 40 MB to send and
+    to hold, where pickle and torch RPC send its one element and its strides.
+    """
+    strides = tensor.stride()
+    if 0 not in strides or tensor.requires_grad or not tensor.numel():
+        return None
+    shape = tuple(tensor.shape)
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None) for stride, size in zip(strides, shape))
+    if all(part == slice(None) for part in index):
+        return None
+    return tensor[index], shape
+
+
+def expand_back(compact: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+    """The tensor :func:`expanded` took apart."""
+    return compact.expand(shape)
+
+
 def undo_order(tensor: torch.Tensor, order: Optional[Tuple[int, ...]]) -> torch.Tensor:
     """``tensor`` (a copy of ``original.permute(order)``) in ``original``'s dimension order."""
     if order is None:
@@ -68,6 +92,9 @@ def _byte_view(tensor: torch.Tensor) -> pickle.PickleBuffer:
 def _reduce_tensor_copy(tensor: torch.Tensor) -> Tuple[Any, ...]:
     if not _is_plain_strided(tensor):
         return tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    parts = expanded(tensor)
+    if parts is not None:  # its distinct elements travel (this reducer again), expanded on arrival
+        return expand_back, parts
     device = str(tensor.device)
     data = tensor.detach()
     if data.device.type != "cpu":

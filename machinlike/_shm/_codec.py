@@ -36,9 +36,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
-from .._reductions.copy import dense_order, undo_order
+from .._reductions.copy import dense_order, expand_back, expanded, undo_order
 from . import _receive
-from ._pack import Pack, finish as _finish
+from ._pack import PACK_MIN, Pack, finish as _finish
 from ._segments import Segment, cache
 from ._unsent import guard
 
@@ -251,6 +251,13 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = 
     if not shm_eligible(tensor) or tensor.requires_grad:
         return tensor
     nbytes = tensor.nbytes
+    if nbytes >= PACK_MIN and 0 in tensor.stride():
+        parts = expanded(tensor)
+        if parts is not None:  # its distinct elements travel, expanded on arrival (see expanded)
+            compact = parts[0]
+            if compact.nbytes >= threshold:  # (a large one takes its own segment; a smaller one is
+                compact = _encode_tensor(compact, threshold, pack, large)  # left to the carrier)
+            return _Placeholder((expand_back, (compact, parts[1])))
     if not large and nbytes >= threshold:
         return tensor
     if nbytes < threshold:

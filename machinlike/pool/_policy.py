@@ -157,6 +157,9 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
             if share_cpu:
                 return _share_cpu(tensor)
             if _reductions._is_plain_strided(tensor) and tensor.nbytes >= large:  # (sparse: no nbytes)
+                parts = _reductions.expanded(tensor)
+                if parts is not None:  # its distinct elements travel (this table again), expanded on arrival
+                    return _reductions.expand_back, parts
                 return _lend(tensor) or _copy_through_shared_memory(tensor)
             return copy_tensor(tensor)
         if kind == "cuda" and share_cuda:

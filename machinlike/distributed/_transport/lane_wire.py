@@ -34,7 +34,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, U
 import torch
 from torch.distributed import autograd as _dist_autograd
 
-from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order
+from ..._reductions.copy import _byte_view, _rebuild_tensor_copy, dense_order, expand_back, expanded
 
 __all__ = ["drop_late", "NotForLane", "TENSOR_LIMIT", "OUT_OF_BAND", "Body", "in_autograd_context", "REQ", "OK", "ERR", "HELLO",
            "request_bytes", "reply_bytes", "load_body", "address", "send_frame", "read_frame", "IDLE_WAKE_S"]
@@ -71,6 +71,9 @@ def _tensor_reducer(limit: Optional[int]) -> Callable[[torch.Tensor], Tuple[Any,
                 or tensor.is_quantized or tensor.is_nested):
             raise NotForLane(f"a {tensor.device.type} {tensor.layout} tensor"
                              + (" with autograd history" if tensor.grad_fn is not None else ""))
+        parts = expanded(tensor)
+        if parts is not None:  # its distinct elements travel (this reducer again), expanded on arrival
+            return expand_back, parts
         size = tensor.numel() * tensor.element_size()
         if limit is not None and size > limit:
             raise NotForLane(f"a tensor of {size} bytes")
