@@ -143,6 +143,15 @@ def _unpicklable_results(world):
             g.rpc_async("0", _whoami, args=(lock,))
         with pytest.raises(TypeError, match=r"remote of .*_whoami.* " + sent):
             g.remote("0", _whoami, args=(lock,))
+        # A meta tensor has no data: torch's refusal spoke of CPU tensors and device maps.
+        meta = r"on member '0' was not sent: an argument is a tensor on the 'meta' device, which has no data"
+        empty = torch.empty(3, device="meta")
+        with pytest.raises(ValueError, match=r"service 'lock' of group 'unpicklable' " + meta):
+            g.registered_sync("lock", args=(empty,))
+        with pytest.raises(ValueError, match=r"service 'lock' of group 'unpicklable' " + meta):
+            g.registered_async("lock", args=([empty],)).wait()
+        with pytest.raises(ValueError, match=r"rpc_sync of .*_whoami.* " + meta):
+            g.rpc_sync("0", _whoami, kwargs={"x": empty})
         assert g.rpc_sync("0", _whoami) == "0"  # the group still serves
     g.barrier()
 

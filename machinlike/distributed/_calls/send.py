@@ -59,6 +59,10 @@ def translate_error(err: BaseException, member: str, what: str, timeout: float) 
                          f"cannot be pickled ({type(err).__name__}: {err}); send tensors, numbers, strings, containers "
                          f"of them and module-level functions and classes, and make anything else "
                          f"on the member (a service it registers, or a function it runs)")
+    if isinstance(err, RuntimeError) and "found tensor on device: meta" in text:
+        return ValueError(f"{what} on member {member!r} was not sent: an argument is a tensor on the 'meta' device, "
+                          f"which has no data to send; send its shape and dtype (or a real tensor, e.g. "
+                          f"torch.empty_like(t, device='cpu')) and make the meta tensor on the member")
     if isinstance(err, RuntimeError) and any(marker in text for marker in _REPLY_UNPICKLABLE):
         cause = str(err).split("\n", 1)[0]
         return TypeError(f"{what} on member {member!r}: its result cannot be pickled to be sent back "
