@@ -11,7 +11,8 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
   both: a 64 MB echo through ``registered_sync`` against raw ``rpc_sync``; the same with
   a tensor shared explicitly (``share()``); lists of many tensors (200 frames of 64 KB,
   1,000 transitions) echoed and returned by a service (a replay sample); lists of plain
-  Python data (a million floats, 200k tuples) echoed; a no-op ``registered_sync``
+  Python data (a million floats, 200k tuples) echoed; one frame expanded 256 times (64 MB
+  to look at, 256 KB distinct: both sides should send the 256 KB); a no-op ``registered_sync``
   against raw (the size check must not tax small calls); and the same world with
   ``same_host_shm=False`` for the 64 MB echo (what TensorPipe alone gives);
 * the model server: two actors pull a 64 MB model at once through
@@ -152,6 +153,13 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             rpc.rpc_sync("1", echo, args=(array,))
         results["numpy"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(array,)),
                                       lambda: group.registered_sync("echo", (array,)), 2, blocks)
+        # One frame expanded 256 times (an initial frame stack): 64 MB to look at, 256 KB distinct.
+        stack = torch.rand(1, 64 * 1024).expand(256, -1)
+        for _ in range(3):
+            group.registered_sync("echo", (stack,))
+            rpc.rpc_sync("1", echo, args=(stack,))
+        results["expanded"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(stack,)),
+                                         lambda: group.registered_sync("echo", (stack,)), 5, blocks)
         for kind in ("frames", "transitions", "rewards", "steps"):  # lists of many items, both ways, as a reply
             items = many(kind)
             for _ in range(3):
@@ -300,7 +308,8 @@ def main() -> None:
                             ("echo_transitions", "echo of 1,000 transitions (dicts of 2 small tensors)"),
                             ("batch_transitions", "reply of 1,000 transitions"),
                             ("echo_rewards", "echo of a list of 1,000,000 floats"),
-                            ("echo_steps", "echo of a list of 200,000 (int, float, bool) tuples"))],
+                            ("echo_steps", "echo of a list of 200,000 (int, float, bool) tuples"),
+                            ("expanded", "echo of one 256 KB frame expanded 256 times"))],
         ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
         ("pool, list of 200 x 64 KB tensors to a worker (ms)", f"{pool['frames_stdlib']:.1f} (stdlib)",
