@@ -106,6 +106,65 @@ def test_rows_reach_their_callers_and_are_batched(world):
     group.destroy()
 
 
+def _multi_input(obs):
+    """A policy over a Dict observation: an image and a vector part."""
+    time.sleep(0.002)  # (lets concurrent requests gather)
+    return {"value": obs["image"].float().mean((1, 2, 3)) + obs["vector"].sum(1), "first": obs["vector"][:, :1]}
+
+
+@world_test(3, timeout=90)
+def test_dict_observations_are_batched_by_key_and_reach_fn_as_one_dict(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impl = InferenceServerImpl("dict", group, _multi_input, max_batch=64, max_wait=0.01)
+    group.barrier()
+    if world.rank != 0:
+        server = group.get_paired("dict").to_here()
+        errors = []
+
+        def calls(thread):
+            try:
+                for call in range(10):
+                    rows = 1 + (thread + call) % 4
+                    obs = {"image": torch.randint(0, 255, (rows, 4, 8, 8), dtype=torch.uint8),
+                           "vector": torch.rand(rows, 3) + world.rank * 100 + thread * 10 + call}
+                    if call % 3 == 2:  # the same keys in another order: a batch of its own, same answer
+                        obs = {"vector": obs["vector"], "image": obs["image"]}
+                    got = server.infer(obs, timeout=TIMEOUT)
+                    want = _multi_input(obs)
+                    assert set(got) == {"value", "first"}, got
+                    assert torch.allclose(got["value"], want["value"]) and torch.equal(got["first"], want["first"])
+            except BaseException as exc:  # reported below, on the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls, args=(t,)) for t in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not errors, errors
+        # Atari-sized images from a caller on this host travel through shared memory.
+        leases = _shm.cache().stats["leases"]
+        big = {"image": torch.randint(0, 255, (16, 4, 84, 84), dtype=torch.uint8), "vector": torch.rand(16, 3)}
+        assert torch.allclose(server.infer(big)["value"], _multi_input(big)["value"])
+        assert _shm.cache().stats["leases"] > leases
+        # Refused before anything is sent, saying why.
+        with pytest.raises(TypeError, match=r"keys must be strings: \[0\]"):
+            server.infer({0: torch.ones(2, 3)})
+        with pytest.raises(ValueError, match=r"different row counts \[2, 3\]"):
+            server.infer({"image": torch.ones(2, 4, 8, 8), "vector": torch.ones(3, 3)})
+        with pytest.raises(TypeError, match=r"dict of tensors by name .* torch.from_numpy"):
+            server.infer({"image": np.ones((2, 3))})
+    group.barrier()
+    if world.rank == 0:
+        stats = impl.stats()
+        assert stats["requests"] == 2 * (3 * 10 + 1) and stats["errors"] == 0, stats
+        assert stats["mean_requests"] > 1.0, stats  # dicts of several callers ran in one batch
+        impl.close()
+    group.barrier()
+    group.destroy()
+
+
 class _Picky(nn.Module):
     """Refuses rows that start with a negative number."""
 
@@ -117,6 +176,20 @@ class _Picky(nn.Module):
         if (x[:, 0] < 0).any():
             raise ValueError("negative rows are refused")
         return self.lin(x)
+
+
+def test_dict_inputs_join_by_key_and_move_to_the_device_whole():
+    from machinlike.server._inference.batch import join, nbytes, signature, to_device
+
+    a = {"image": torch.ones(2, 3), "vector": torch.zeros(2, 1)}
+    b = {"image": torch.full((1, 3), 2.0), "vector": torch.ones(1, 1)}
+    swapped = {"vector": torch.ones(1, 1), "image": torch.full((1, 3), 2.0)}
+    assert signature(a) == signature(b) != signature(swapped)  # (fn may read the keys in order)
+    assert signature(a) != signature((a["image"], a["vector"]))
+    joined = join([a, b])
+    assert list(joined) == ["image", "vector"] and joined["image"].shape == (3, 3) and joined["vector"][2, 0] == 1
+    moved = to_device(joined, torch.device("cpu"))
+    assert list(moved) == ["image", "vector"] and nbytes(moved) == 3 * 3 * 4 + 3 * 4
 
 
 def test_an_output_without_a_row_per_input_row_says_how_rows_are_read():

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 from torch.distributed import rpc
@@ -42,7 +42,7 @@ from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
-from ._inference import Inputs, check_inputs
+from ._inference import Inputs, check_inputs, tensors_of
 from ._inference import Batcher, Request
 from ._inference import ModelSlot, Puller
 from ._spec import mismatch, spec_of, unwrap
@@ -95,15 +95,16 @@ class InferenceServer:
                                and _shm.reachable(int(pid)))
         return self._local
 
-    def infer(self, x: Union[torch.Tensor, Tuple[torch.Tensor, ...]], timeout: Optional[float] = None,
-              with_version: bool = False) -> Any:
+    def infer(self, x: Inputs, timeout: Optional[float] = None, with_version: bool = False) -> Any:
         """``fn``'s output for the rows of ``x``, computed in a batch with other callers' rows.
 
         Thread-safe: concurrent calls of one process are batched together too.
 
         Args:
-            x: A tensor, or a tuple of tensors with the same number of rows (along dim 0).
-                A tuple reaches ``fn`` as separate positional arguments.
+            x: A tensor, a tuple of tensors, or a dict of tensors by name (a ``Dict``
+                observation), all with the same number of rows (along dim 0). A tuple
+                reaches ``fn`` as separate positional arguments, a dict as one argument
+                (``fn(x)``); requests join a batch only with the same keys in the same order.
             timeout: Seconds for the whole call (the wait for a batch included); None: the
                 world's ``rpc_timeout``.
             with_version: Return ``(output, version)``: the version of the weights that
@@ -132,7 +133,7 @@ class InferenceServer:
         x, rows = check_inputs(x)
         reply = 0
         if self._same_host() and (x.device.type == "cpu" if isinstance(x, torch.Tensor)
-                                  else all(t.device.type == "cpu" for t in x)):
+                                  else all(t.device.type == "cpu" for t in tensors_of(x))):
             reply = self.shm_threshold or 0
             if not isinstance(x, torch.Tensor) or x.nbytes >= reply:  # a small tensor stays as it is
                 x = _shm.encode(x, reply)

@@ -4,8 +4,8 @@ the model wrapper that runs ``fn`` on it.
 This face names what the modules above it may use.
 """
 
-from .batch import check_inputs, Inputs
+from .batch import check_inputs, Inputs, tensors_of
 from .batcher import Batcher, Request
 from .model import ModelSlot, Puller
 
-__all__ = ["Batcher", "check_inputs", "Inputs", "ModelSlot", "Puller", "Request"]
+__all__ = ["Batcher", "check_inputs", "Inputs", "ModelSlot", "Puller", "Request", "tensors_of"]

@@ -1,21 +1,30 @@
 """Rows of inference requests: their shape signature, joining many into one batch, and
 handing a batch's output rows back to each request.
 
-A request's input is a tensor, or a tuple of tensors, with rows along dim 0. Requests
-join one batch only when their *signatures* are equal: the same structure, and per tensor
-the same trailing shape and dtype; only the row counts differ. ``fn``'s output is a
+A request's input is a tensor, a tuple of tensors, or a dict of tensors by name (a
+gymnasium ``Dict`` observation: image and vector parts), with rows along dim 0. Requests
+join one batch only when their *signatures* are equal: the same structure (the same keys,
+in the same order), and per tensor the same trailing shape and dtype; only the row counts
+differ. ``fn``'s output is a
 tensor, a tuple or list of tensors, or a dict of tensors, each with one row per input row.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["Inputs", "check_inputs", "signature", "join", "split", "on_cuda", "nbytes", "to_device"]
+__all__ = ["Inputs", "tensors_of", "check_inputs", "signature", "join", "split", "on_cuda", "nbytes", "to_device"]
 
-Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...]]
+Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...], Dict[str, torch.Tensor]]
+
+
+def tensors_of(x: Inputs) -> Tuple[torch.Tensor, ...]:
+    """The tensors of a request's input, in order."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    return tuple(x.values()) if isinstance(x, dict) else x
 
 
 def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
@@ -32,12 +41,16 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
         tensors: Tuple[torch.Tensor, ...] = (x,)
     elif isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
         tensors = tuple(x)
+    elif isinstance(x, dict) and x and all(type(k) is str and isinstance(t, torch.Tensor) for k, t in x.items()):
+        tensors = tuple(x.values())
     else:
-        arrays = type(x).__module__ == "numpy" or isinstance(x, (tuple, list)) and any(
-            type(t).__module__ == "numpy" for t in x)
-        raise TypeError(f"{param} must be a tensor or a non-empty tuple of tensors (rows along dim 0), not "
-                        f"{type(x).__name__}" + (f" of {[type(t).__name__ for t in x][:4]}"
-                                                 if isinstance(x, (tuple, list)) else "")
+        parts = list(x.values()) if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else [x]
+        arrays = any(type(t).__module__ == "numpy" for t in parts)
+        keys = [k for k in x if type(k) is not str] if isinstance(x, dict) else []
+        raise TypeError(f"{param} must be a tensor, a non-empty tuple of tensors or a non-empty dict of tensors by "
+                        f"name (rows along dim 0), not {type(x).__name__}"
+                        + (f" of {[type(t).__name__ for t in parts][:4]}" if isinstance(x, (tuple, list, dict)) else "")
+                        + (f" (keys must be strings: {keys[:4]})" if keys else "")
                         + ("; convert numpy arrays with torch.from_numpy(x) (no copy)" if arrays else ""))
     for t in tensors:
         if t.layout != torch.strided:  # rows are joined and split along dim 0
@@ -52,6 +65,8 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
     # requires_grad / autograd history would make RPC record distributed autograd.
     if any(t.requires_grad for t in tensors):
         tensors = tuple(t.detach() for t in tensors)
+    if isinstance(x, dict):
+        return dict(zip(x.keys(), tensors)), rows[0]
     return (tensors[0] if isinstance(x, torch.Tensor) else tensors), rows[0]
 
 
@@ -59,16 +74,21 @@ def signature(x: Inputs) -> Hashable:
     """What must agree for two requests to share a batch (everything but the row count)."""
     if isinstance(x, torch.Tensor):
         return (tuple(x.shape[1:]), x.dtype, x.device.type)
-    return tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in x)
+    parts = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in tensors_of(x))
+    return (tuple(x), parts) if isinstance(x, dict) else parts
 
 
 def join(inputs: Sequence[Inputs]) -> Inputs:
     """One batch of the requests' rows, in order (the inputs share a signature)."""
     if len(inputs) == 1:
         return inputs[0]
-    if isinstance(inputs[0], torch.Tensor):
+    first = inputs[0]
+    if isinstance(first, torch.Tensor):
         return torch.cat(inputs)  # type: ignore[arg-type]
-    return tuple(torch.cat([x[i] for x in inputs]) for i in range(len(inputs[0])))
+    if isinstance(first, dict):
+        dicts: Sequence[Dict[str, torch.Tensor]] = inputs  # type: ignore[assignment]  # (one signature: all dicts)
+        return {key: torch.cat([x[key] for x in dicts]) for key in first}
+    return tuple(torch.cat([x[i] for x in inputs]) for i in range(len(first)))  # type: ignore[index]
 
 
 def _rows(value: Any, total: int, what: str) -> List[torch.Tensor]:
@@ -127,12 +147,12 @@ def on_cuda(x: Optional[Inputs]) -> bool:
     """Whether a request's inputs came as CUDA tensors (its outputs then stay on the GPU)."""
     if x is None:
         return False
-    return x.is_cuda if isinstance(x, torch.Tensor) else any(t.is_cuda for t in x)
+    return x.is_cuda if isinstance(x, torch.Tensor) else any(t.is_cuda for t in tensors_of(x))
 
 
 def nbytes(x: Inputs) -> int:
     """Bytes of a request's tensors."""
-    return x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in x)
+    return x.nbytes if isinstance(x, torch.Tensor) else sum(t.nbytes for t in tensors_of(x))
 
 
 def to_device(x: Inputs, device: Union[None, torch.device]) -> Inputs:
@@ -140,5 +160,7 @@ def to_device(x: Inputs, device: Union[None, torch.device]) -> Inputs:
         return x
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
+    if isinstance(x, dict):
+        return {key: t.to(device, non_blocking=True) for key, t in x.items()}
     return tuple(t.to(device, non_blocking=True) for t in x)
 
