@@ -789,3 +789,65 @@ def test_ctrl_c_interrupts_a_wait_for_a_call_a_remote_result_or_a_barrier_at_onc
             assert time.monotonic() - start < 2.0, what
         assert group.registered_async("nap1", (0.01,)).wait() == 0.01  # the group still works
     group.barrier(timeout=30)
+
+
+_flag = threading.Event()
+
+
+def _wait_for_flag():
+    return _flag.wait(20)  # (blocks one of the callee's threads until the flag is set)
+
+
+def _set_flag():
+    _flag.set()
+    return True
+
+
+def _refuse(x):
+    raise ValueError(f"refused {x}")
+
+
+def _awaited(world):
+    import asyncio
+
+    g = world.create_rpc_group("aw", ["0", "1"])
+    if world.name == "1":
+        g.register("wait_flag", _wait_for_flag)
+        g.register("set_flag", _set_flag)
+        g.register("refuse", _refuse)
+    g.barrier()
+    if world.name == "0":
+        async def waiter():
+            return await g.registered_async("wait_flag")
+
+        async def setter():
+            await asyncio.sleep(0)  # runs only if the waiter's await let the loop go on
+            return await g.rpc_async("1", _set_flag)
+
+        async def main():
+            # An await that held the loop would leave the setter unsent: the flag would
+            # time out (20 s) and the waiter get False.
+            assert await asyncio.gather(waiter(), setter()) == [True, True]
+            squares = await asyncio.gather(*(g.rpc_async("1", pow, args=(i, 2)) for i in range(16)))
+            assert squares == [i * i for i in range(16)]
+            with pytest.raises(ValueError, match="refused 3") as info:
+                await g.registered_async("refuse", args=(3,))
+            assert isinstance(info.value.__cause__, RemoteTraceback)
+            with pytest.raises(TimeoutError, match="did not answer within 0.2 s"):
+                await g.rpc_async("1", time.sleep, args=(2,), timeout=0.2)
+
+        asyncio.run(main())
+        with pytest.raises(RuntimeError, match="no running event loop"):
+            g.registered_async("set_flag").__await__().send(None)
+    g.barrier()
+    g.destroy()
+
+
+@world_test(2, timeout=60)
+def test_a_coroutine_awaits_a_call_while_its_event_loop_runs_on(world):
+    _awaited(world)
+
+
+@world_test(2, timeout=60, same_host_lane=False)
+def test_a_coroutine_awaits_a_call_through_torch_rpc_alike(world):
+    _awaited(world)

@@ -3,7 +3,8 @@
 An RpcFuture is a ``torch.futures.Future``, so what torch RPC users write works on it:
 ``then()`` (whose callback's exception keeps its type), ``value()``,
 ``add_done_callback(fn)``, ``torch.futures.wait_all`` and ``collect_all``, and returning
-one (or its ``then``) from an ``@async_execution`` service. It is completed
+one (or its ``then``) from an ``@async_execution`` service. A coroutine may ``await`` it:
+the event loop runs on while the call is pending. It is completed
 with what ``wait()`` is to give, once, by whoever carried the call::
 
     the lane (same host): completes this very future      ┐
@@ -28,13 +29,14 @@ several microseconds of the lane's reader thread per answer.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import os
 import queue
 import threading
 import traceback
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Generator, Optional, Tuple
 
 import torch
 
@@ -196,6 +198,27 @@ class RpcFuture(_transport.lane.LaneFuture):
             del self  # (as in wait)
             raise
 
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await fut`` in a coroutine: the event loop runs on while the call is pending
+        (no thread of it waits); gives the value or raises as :meth:`wait` does.
+        Cancelling the awaiting task stops the wait, not the call.
+
+        Raises:
+            RuntimeError: no event loop runs in this thread.
+        """
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def arrived(_: Any) -> None:  # (on whichever thread completed the call)
+            try:
+                loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
+                pass
+
+        self.add_done_callback(arrived)
+        yield from waiter.__await__()
+        return self.wait()  # (done: at once)
+
     def __del__(self) -> None:
         # As asyncio does for a task's exception never retrieved: a call that failed
         # while nobody held its future (fire and forget) is said, not lost in silence.
@@ -211,6 +234,11 @@ class RpcFuture(_transport.lane.LaneFuture):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+def _wake(waiter: "asyncio.Future[None]") -> None:
+    if not waiter.done():  # (a cancelled await)
+        waiter.set_result(None)
 
 
 class _Derived(torch.futures.Future):
