@@ -292,3 +292,29 @@ def test_a_task_that_starts_a_process_in_a_daemon_worker_is_told_the_fix():
         assert any("Pool(..., is_daemon=False)" in note for note in info.value.__notes__)
     with Pool(1, is_daemon=False) as pool:
         assert pool.apply(_start_a_child) == 0
+
+
+def test_results_are_awaitable_while_the_event_loop_runs_on():
+    import asyncio
+
+    gate = threading.Event()
+
+    async def opener():
+        await asyncio.sleep(0)  # runs only if the other await let the loop go on
+        gate.set()
+
+    async def main(process_pool, thread_pool):
+        # An await that held the loop would leave the gate shut: the task would wait its
+        # 20 s out and give False.
+        held = thread_pool.apply_async(gate.wait, (20,))
+        assert await asyncio.gather(held, opener()) == [True, None]
+        assert await process_pool.apply_async(targets.square, (7,)) == 49
+        assert await process_pool.map_async(targets.square, range(6)) == [0, 1, 4, 9, 16, 25]
+        with pytest.raises(ValueError, match="boom from the task"):
+            await process_pool.apply_async(targets.raise_value_error)
+        done = process_pool.apply_async(targets.square, (3,))
+        done.wait(30)
+        assert await done == 9  # (settled already: at once)
+
+    with Pool(2) as process_pool, ThreadPool(2) as thread_pool:
+        asyncio.run(main(process_pool, thread_pool))

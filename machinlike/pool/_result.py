@@ -18,13 +18,14 @@ A callback that raises does not break the pool: its exception goes to
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
 import types
 from _thread import allocate_lock
 from collections import deque
-from typing import Any, Callable, Dict, List, Optional, Protocol
+from typing import Any, Callable, Dict, Generator, List, Optional, Protocol
 
 from .. import _checks
 from ._errors import PoolTimeoutError
@@ -79,10 +80,12 @@ class AsyncResult:
     """The pending result of :meth:`Pool.apply_async` (and base of :class:`MapResult`).
 
     The standard ``multiprocessing.pool.AsyncResult`` interface: :meth:`get`,
-    :meth:`wait`, :meth:`ready`, :meth:`successful`.
+    :meth:`wait`, :meth:`ready`, :meth:`successful`; and a coroutine may ``await`` it
+    (the event loop runs on meanwhile; it gives what :meth:`get` gives).
     """
 
-    __slots__ = ("_pool", "_callback", "_error_callback", "_state", "_success", "_value", "_event", "__weakref__")
+    __slots__ = ("_pool", "_callback", "_error_callback", "_state", "_success", "_value", "_event", "_wakers",
+                 "__weakref__")
 
     def __init__(
         self,
@@ -101,6 +104,8 @@ class AsyncResult:
         # A raw lock held until the result is settled: the cheapest one-shot event.
         self._event = allocate_lock()
         self._event.acquire()
+        # Awaiting coroutines' wake-ups, run once settled; None once run (under _settle_guard).
+        self._wakers: Optional[List[Callable[[], None]]] = []
 
     def ready(self) -> bool:
         """Whether the result has arrived (successfully or not)."""
@@ -158,6 +163,30 @@ class AsyncResult:
             return self._value
         raise self._value
 
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await result`` in a coroutine: the event loop runs on until the result is
+        settled; gives the value or raises as :meth:`get` does.
+
+        Raises:
+            RuntimeError: no event loop runs in this thread.
+        """
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake() -> None:  # (on the thread that settled the result)
+            try:
+                loop.call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
+                pass
+
+        with _settle_guard:
+            pending = self._wakers is not None
+            if pending:
+                self._wakers.append(wake)  # type: ignore[union-attr]
+        if pending:
+            yield from waiter.__await__()
+        return self.get()
+
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _SETTLING: "pending", _DONE: "ready"}[self._state]
         return f"<{type(self).__name__} {state}>"
@@ -183,6 +212,10 @@ class AsyncResult:
         self._state = _DONE
         self._pool = None
         self._event.release()
+        with _settle_guard:
+            wakers, self._wakers = self._wakers, None
+        for wake in wakers or ():
+            wake()
         return True
 
     def _is_done(self) -> bool:
@@ -203,6 +236,11 @@ class AsyncResult:
 
 #: The standard library's name for the result of ``apply_async``.
 ApplyResult = AsyncResult
+
+
+def _wake(waiter: "asyncio.Future[None]") -> None:
+    if not waiter.done():  # (a cancelled await)
+        waiter.set_result(None)
 
 
 class MapResult(AsyncResult):
