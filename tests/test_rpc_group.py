@@ -830,6 +830,7 @@ def _awaited(world):
             assert await asyncio.gather(waiter(), setter()) == [True, True]
             squares = await asyncio.gather(*(g.rpc_async("1", pow, args=(i, 2)) for i in range(16)))
             assert squares == [i * i for i in range(16)]
+            assert await g.rpc_async("1", pow, args=(3, 2)).then(lambda f: f.value() + 1) == 10  # then's too
             with pytest.raises(ValueError, match="refused 3") as info:
                 await g.registered_async("refuse", args=(3,))
             assert isinstance(info.value.__cause__, RemoteTraceback)

@@ -5,6 +5,7 @@ death is named, weights and versions change between batches, in static and elast
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -109,6 +110,8 @@ def test_rows_reach_their_callers_and_are_batched(world):
 def _multi_input(obs):
     """A policy over a Dict observation: an image and a vector part."""
     time.sleep(0.002)  # (lets concurrent requests gather)
+    if "boom" in obs:
+        raise ValueError(f"refused {len(obs['boom'])} rows")
     return {"value": obs["image"].float().mean((1, 2, 3)) + obs["vector"].sum(1), "first": obs["vector"][:, :1]}
 
 
@@ -148,6 +151,23 @@ def test_dict_observations_are_batched_by_key_and_reach_fn_as_one_dict(world):
         big = {"image": torch.randint(0, 255, (16, 4, 84, 84), dtype=torch.uint8), "vector": torch.rand(16, 3)}
         assert torch.allclose(server.infer(big)["value"], _multi_input(big)["value"])
         assert _shm.cache().stats["leases"] > leases
+        # infer_async: both halves of an actor's environments in flight at once (double
+        # buffering), a coroutine awaiting one, fn's error as itself.
+        halves = [{"image": big["image"][half::2], "vector": big["vector"][half::2]} for half in (0, 1)]
+        pending = [server.infer_async(half, timeout=TIMEOUT) for half in halves]
+        for half, fut in zip(halves, pending):
+            assert torch.allclose(fut.wait()["value"], _multi_input(half)["value"])
+
+        async def awaited():
+            return await server.infer_async(halves[0], with_version=True)
+
+        out, version = asyncio.run(awaited())
+        assert version == 0 and torch.equal(out["first"], halves[0]["vector"][:, :1])
+        failing = server.infer_async({"image": torch.ones(2, 4, 8, 8), "vector": torch.ones(2, 3),
+                                      "boom": torch.ones(2, 1)})
+        with pytest.raises(ValueError, match="refused 2 rows") as info:
+            failing.wait()
+        assert isinstance(info.value.__cause__, RemoteTraceback) and not getattr(info.value, "__notes__", None)
         # Refused before anything is sent, saying why.
         with pytest.raises(TypeError, match=r"keys must be strings: \[0\]"):
             server.infer({0: torch.ones(2, 3)})
@@ -158,7 +178,7 @@ def test_dict_observations_are_batched_by_key_and_reach_fn_as_one_dict(world):
     group.barrier()
     if world.rank == 0:
         stats = impl.stats()
-        assert stats["requests"] == 2 * (3 * 10 + 1) and stats["errors"] == 0, stats
+        assert stats["requests"] == 2 * (3 * 10 + 5) and stats["errors"] == 2, stats
         assert stats["mean_requests"] > 1.0, stats  # dicts of several callers ran in one batch
         impl.close()
     group.barrier()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed import rpc
@@ -124,6 +124,46 @@ class InferenceServer:
             Exception: what ``fn`` raised on these rows (its type; the host's traceback
                 as ``__cause__``).
         """
+        world, args, wait = self._request(x, timeout, with_version)
+        try:
+            out, version = self.group.registered_sync(self._key, args, timeout=wait)
+        except (PeerLostError, KeyError) as err:
+            gone = self._host_gone(world, err)
+            if gone is err:
+                raise
+            raise gone from err
+        return (out, version) if with_version else out
+
+    def infer_async(self, x: Inputs, timeout: Optional[float] = None,
+                    with_version: bool = False) -> torch.futures.Future:
+        """:meth:`infer` without waiting: a future of its output, so that an actor steps one
+        half of its environments while the other half's rows are in a batch (double
+        buffering), or awaits it in a coroutine.
+
+        Returns:
+            A ``torch.futures.Future``: ``wait()`` (or ``await``) gives what :meth:`infer`
+            returns, or raises what it raises.
+
+        Raises:
+            TypeError, ValueError: as :meth:`infer` (here: nothing is sent).
+        """
+        world, args, wait = self._request(x, timeout, with_version)
+
+        def settle(fut: torch.futures.Future) -> Any:
+            try:
+                out, version = fut.wait()
+            except (PeerLostError, KeyError) as err:
+                gone = self._host_gone(world, err)
+                if gone is err:
+                    raise
+                raise gone from err
+            return (out, version) if with_version else out
+
+        return self.group.registered_async(self._key, args, timeout=wait).then(settle, _note=False)
+
+    def _request(self, x: Any, timeout: Any, with_version: Any) -> Tuple[Any, Tuple[Any, ...], float]:
+        """``(world, the service's arguments, seconds)`` of one request, its inputs checked
+        (and, to a host on this host, their large tensors in shared memory)."""
         world = get_world()
         if world is None:
             raise RuntimeError("infer() needs a World in this process (machinlike.distributed.World)")
@@ -137,24 +177,23 @@ class InferenceServer:
             reply = self.shm_threshold or 0
             if not isinstance(x, torch.Tensor) or x.nbytes >= reply:  # a small tensor stays as it is
                 x = _shm.encode(x, reply)
-        try:
-            out, version = self.group.registered_sync(
-                self._key, (x, rows, world.name, world.incarnation, wait, reply), timeout=wait)
-        except PeerLostError as err:
+        return world, (x, rows, world.name, world.incarnation, wait, reply), wait
+
+    def _host_gone(self, world: Any, err: BaseException) -> BaseException:
+        """What a failed request raises: the host named when it is gone, else ``err``."""
+        if isinstance(err, PeerLostError):
             if err.member == self.host:
-                raise
+                return err
             # The RPC worker of a host just declared lost may no longer map to its member.
-            raise PeerLostError(self.host, f"host of inference server {self.server_name!r}: {err.detail}") from err
-        except KeyError as err:
-            # A lost host's services vanish with its claims: say who is gone, not "not found".
-            now = world.get_incarnation(self.host)
-            if now == self.host_incarnation:
-                raise  # the host lives and closed the server
-            why = ("it left or was lost" if now is None else
-                   f"it came back (incarnation {now}) and this accessor names incarnation "
-                   f"{self.host_incarnation}: get a new one with group.get_paired({self.server_name!r})")
-            raise PeerLostError(self.host, f"host of inference server {self.server_name!r}: {why}") from err
-        return (out, version) if with_version else out
+            return PeerLostError(self.host, f"host of inference server {self.server_name!r}: {err.detail}")
+        # A lost host's services vanish with its claims: say who is gone, not "not found".
+        now = world.get_incarnation(self.host)
+        if now == self.host_incarnation:
+            return err  # the host lives and closed the server
+        why = ("it left or was lost" if now is None else
+               f"it came back (incarnation {now}) and this accessor names incarnation "
+               f"{self.host_incarnation}: get a new one with group.get_paired({self.server_name!r})")
+        return PeerLostError(self.host, f"host of inference server {self.server_name!r}: {why}")
 
 
 def _large(out: Any, threshold: int) -> bool:

@@ -156,11 +156,12 @@ class RpcFuture(_transport.lane.LaneFuture):
             del self  # this frame joins the error's traceback, which torch keeps (see exception.freeze_traceback)
             raise
 
-    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future:
+    def then(self, callback: Callable[[Any], Any], _note: bool = True) -> torch.futures.Future:
         """A future of ``callback(self)``, run once this one completes, as torch's ``then``;
         an exception ``callback`` raises keeps its type (torch's wraps it in a
         ``RuntimeError``), so a remote error a relay re-raises reaches its own caller as
-        itself."""
+        itself. The future is awaitable too. (``_note``: this package's own callbacks
+        skip the note that says where a callback raised.)"""
         self._read = True  # the callback is handed the error
         out: torch.futures.Future = _Derived()
 
@@ -168,7 +169,7 @@ class RpcFuture(_transport.lane.LaneFuture):
             try:
                 value = callback(fut)
             except BaseException as exc:
-                if exc is not getattr(fut, "_unread", None):  # the callback's own: say where, as text
+                if _note and exc is not getattr(fut, "_unread", None):  # the callback's own: say where, as text
                     below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
                     exc.add_note("raised in a then() callback:\n" + "".join(traceback.format_tb(below)).rstrip())
                 out.set_exception(drop_frames(exc))
@@ -206,18 +207,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         Raises:
             RuntimeError: no event loop runs in this thread.
         """
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def arrived(_: Any) -> None:  # (on whichever thread completed the call)
-            try:
-                loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
-                pass
-
-        self.add_done_callback(arrived)
-        yield from waiter.__await__()
-        return self.wait()  # (done: at once)
+        return _awaiting(self)
 
     def __del__(self) -> None:
         # As asyncio does for a task's exception never retrieved: a call that failed
@@ -234,6 +224,22 @@ class RpcFuture(_transport.lane.LaneFuture):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+def _awaiting(fut: torch.futures.Future) -> Generator[Any, None, Any]:
+    """Await ``fut`` in the running event loop: a done-callback wakes the loop."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def arrived(_: Any) -> None:  # (on whichever thread completed the call)
+        try:
+            loop.call_soon_threadsafe(_wake, waiter)
+        except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
+            pass
+
+    fut.add_done_callback(arrived)
+    yield from waiter.__await__()
+    return fut.wait()  # (done: at once)
 
 
 def _wake(waiter: "asyncio.Future[None]") -> None:
@@ -259,6 +265,10 @@ class _Derived(torch.futures.Future):
         except BaseException:
             del self
             raise
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """``await`` it in a coroutine, as an RpcFuture."""
+        return _awaiting(self)
 
 
 _CALLBACK_THREADS = 32  # helper threads at most (a callback that waits for one queued behind 32 others waits)
