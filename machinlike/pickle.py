@@ -139,6 +139,14 @@ def _is_importable(obj: Any) -> bool:
     return found is obj
 
 
+def _of_fileless_main(func: Any) -> bool:
+    """Whether ``func`` was defined in a ``__main__`` that no process can import again (a
+    notebook, ``python -c``, a REPL: it has no file)."""
+    if getattr(func, "__module__", None) != "__main__":
+        return False
+    return getattr(sys.modules.get("__main__"), "__file__", None) is None
+
+
 class _ByValue:
     """Envelope for a whole-object dill stream, so that the C unpickler can load it."""
 
@@ -262,6 +270,11 @@ class Pickler(pickle.Pickler):
         if cls in _FUNCTION_TYPES:
             if _is_importable(obj):
                 return NotImplemented
+            if not self._recurse and _of_fileless_main(obj):
+                # A notebook's or ``python -c``'s function: no process can import its module,
+                # so the globals it uses (helpers, constants) travel with it, as cloudpickle
+                # does; by reference they were a NameError in the worker.
+                return _byvalue.reduce_by_value(obj, True, self.dispatch_table)
         elif issubclass(cls, type):
             if obj in _SPECIAL_CLASSES or _is_importable(obj):
                 return NotImplemented

@@ -449,3 +449,35 @@ def test_an_expanded_tensor_pickles_as_its_distinct_elements(copy):
     grad = torch.zeros(1, requires_grad=True).detach().expand(5).requires_grad_()  # a leaf that requires grad
     again = loads(dumps(grad, copy_tensor=copy))
     assert again.requires_grad and again.grad_fn is None and torch.equal(again, grad)
+
+
+_FILELESS = """
+from machinlike import launch
+from machinlike.pool import Pool
+
+SCALE = 10
+
+def helper(x):
+    return x * SCALE
+
+def outer(x):
+    return helper(x) + 1
+
+def body(world):
+    return outer(world.rank)
+
+with Pool(2) as pool:
+    print("pool", pool.map(outer, range(3)), pool.map(lambda x: helper(x) - 1, range(3)))
+print("launch", launch(body, 2, timeout=60))
+"""
+
+
+def test_a_notebooks_functions_take_the_globals_they_use_along():
+    # A notebook's (or ``python -c``'s) __main__ has no file: no worker can import it, so a
+    # function of it that called another one of it failed there with a NameError.
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", _FILELESS], capture_output=True, text=True, timeout=120,
+                         cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "pool [1, 11, 21] [-1, 9, 19]" in run.stdout and "launch [1, 11]" in run.stdout, run.stdout
