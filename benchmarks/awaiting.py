@@ -18,6 +18,11 @@ calls one after the other (each step needs the last one's answer), gathered:
 
 Prints the median wall time of a gather (ms) per round, the ratio, and the lower bound
 (``STEPS`` service times: every actor's chain at once).
+
+Then the callee's side, with the default 16 RPC threads: ``CONCURRENT`` calls at once of a
+service that waits ``SERVICE_MS`` (for a batch, another member's answer) written as an
+``async def`` service (``await asyncio.sleep``: it holds no RPC thread while it waits)
+against a plain one (``time.sleep``: each call holds a thread, 16 at a time).
 """
 
 from __future__ import annotations
@@ -42,6 +47,31 @@ RPC_THREADS = 64
 def act(x: Any) -> Any:
     time.sleep(SERVICE_MS / 1000)
     return x
+
+
+async def wait_async(x: Any) -> Any:
+    await asyncio.sleep(SERVICE_MS / 1000)
+    return x
+
+
+def _callee_body(world: Any, rounds: int) -> Dict[str, List[float]]:
+    group = world.create_rpc_group("callee", world.get_members())
+    if world.rank == 1:
+        group.register("plain", act)
+        group.register("coroutine", wait_async)
+    group.barrier()
+    times: Dict[str, List[float]] = {"plain": [], "coroutine": []}
+    if world.rank == 0:
+        for name in ("plain", "coroutine"):  # warm-up
+            [f.wait() for f in [group.registered_async(name, args=(i,)) for i in range(CONCURRENT)]]
+        for _ in range(rounds):
+            for name in ("plain", "coroutine"):
+                start = time.perf_counter()
+                futures = [group.registered_async(name, args=(i,)) for i in range(CONCURRENT)]
+                assert [f.wait() for f in futures] == list(range(CONCURRENT))
+                times[name].append(time.perf_counter() - start)
+    group.barrier()
+    return times
 
 
 def _body(world: Any, rounds: int) -> Dict[str, List[float]]:
@@ -109,6 +139,13 @@ def main() -> None:
           f"await's time; default executor: {threads} threads)")
     print(f"{'run_in_executor(None, fut.wait)':<38} {executor_future:8.1f} ms  ({executor_future / awaited:.2f}x)")
     print(f"{'bound (steps x service time)':<38} {bound:8.1f} ms")
+    callee = launch(_callee_body, 2, args=(3 if args.quick else 10,), timeout=300)[0]
+    plain = statistics.median(callee["plain"]) * 1e3
+    coroutine = statistics.median(callee["coroutine"]) * 1e3
+    print(f"\n{CONCURRENT} calls at once of a service that waits {SERVICE_MS:g} ms, 16 RPC threads (the default)")
+    print(f"{'async def service (await)':<38} {coroutine:8.1f} ms")
+    print(f"{'plain service (time.sleep)':<38} {plain:8.1f} ms  ({plain / coroutine:.2f}x the async one's time)")
+    print(f"{'bound (one service time)':<38} {SERVICE_MS:8.1f} ms")
 
 
 if __name__ == "__main__":

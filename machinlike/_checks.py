@@ -160,7 +160,12 @@ def not_async(param: str, func: Any, runs: str) -> None:
     Raises:
         TypeError: naming the function and the fix.
     """
-    if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+    if inspect.isasyncgenfunction(func):
+        name = getattr(func, "__qualname__", type(func).__name__)
+        raise TypeError(f"{param} {name} is an async generator function: a call would give an async generator, "
+                        f"which cannot be sent back; collect its items in an async def function instead "
+                        f"(return [item async for item in {name.rsplit('.', 1)[-1]}(...)])")
+    if inspect.iscoroutinefunction(func):
         name = getattr(func, "__qualname__", type(func).__name__)
         raise TypeError(f"{param} {name} is an async function: it would run {runs} without an event loop and "
                         f"return an unawaited coroutine; pass a plain function, such as "

@@ -52,6 +52,10 @@ async def _async_service(x):
     return x
 
 
+async def _async_generator():
+    yield 1
+
+
 def _whoami():
     from machinlike.distributed import get_cur_name
 
@@ -82,9 +86,9 @@ def test_register_call_and_errors(world):
             g.register(3, _scale)
         with pytest.raises(TypeError, match="service must be callable"):
             g.register("x", 5)
-        with pytest.raises(TypeError, match=r"service _async_service is an async function: it would run on an "
-                                            r"RPC thread without an event loop"):
-            g.register("x", _async_service)
+        with pytest.raises(TypeError, match=r"service _async_generator is an async generator function: a call "
+                                            r"would give an async generator"):
+            g.register("x", _async_generator)
         assert not g.is_registered("x")
         with pytest.raises(ValueError, match="timeout=-1 must be a positive number"):
             g.registered_sync("scale1", timeout=-1)
@@ -253,8 +257,9 @@ def test_rpc_calls_lambdas_closures_and_membership(world):
         g.rpc_sync("2", _whoami)
     with pytest.raises(TypeError, match="func must be callable"):
         g.rpc_sync(other, 42)
-    with pytest.raises(TypeError, match="func _async_service is an async function: it would run on the callee's"):
-        g.rpc_async(other, _async_service)
+    with pytest.raises(TypeError, match="func _async_generator is an async generator function"):
+        g.rpc_async(other, _async_generator)
+    assert g.rpc_async(other, _async_service, args=(5,)).wait() == 5  # (an async def function: on a loop there)
     assert g.size() == 2 and g.is_member() and g.is_member("0") and not g.is_member("2")
     assert g.get_group_name() == "calls" and g.get_cur_name() == world.name
     g.barrier()
@@ -852,3 +857,82 @@ def test_a_coroutine_awaits_a_call_while_its_event_loop_runs_on(world):
 @world_test(2, timeout=60, same_host_lane=False)
 def test_a_coroutine_awaits_a_call_through_torch_rpc_alike(world):
     _awaited(world)
+
+
+_gates = {}
+
+
+def _gate():
+    """This process's asyncio.Event of the coroutine services (made on their loop)."""
+    import asyncio
+
+    if "gate" not in _gates:
+        _gates["gate"] = asyncio.Event()
+    return _gates["gate"]
+
+
+async def _wait_at_gate(x):
+    await _gate().wait()
+    return x * 2
+
+
+async def _open_gate():
+    _gate().set()
+    return "open"
+
+
+async def _async_refuse(x):
+    raise KeyError(f"no {x}")
+
+
+class _Shard:
+    async def size(self, extra):
+        return 40 + extra
+
+
+def _coroutine_services(world):
+    import asyncio
+
+    g = world.create_rpc_group("co", ["0", "1"])
+    if world.name == "1":
+        g.register("wait_at_gate", _wait_at_gate)
+        g.register("open_gate", _open_gate)
+        g.register("refuse", _async_refuse)
+        g.pair("shard", _Shard())
+    g.barrier()
+    if world.name == "0":
+        # Eight coroutines wait at the gate on a member of four RPC threads: had they held
+        # a thread each, the call that opens the gate would find none (and time out).
+        waiting = [g.registered_async("wait_at_gate", args=(i,)) for i in range(8)]
+        time.sleep(0.2)  # (they arrive first; the gate must open with all of them pending)
+        assert g.registered_sync("open_gate", timeout=10) == "open"
+        assert [f.wait() for f in waiting] == [i * 2 for i in range(8)]
+        with pytest.raises(KeyError, match="no 5") as info:
+            g.registered_sync("refuse", args=(5,))
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        # An async def function sent with rpc_* / remote, and a paired object's async method.
+        assert g.rpc_sync("1", _wait_at_gate, args=(3,)) == 6
+        assert g.rpc_async("1", _wait_at_gate, args=(4,)).wait() == 8
+        assert g.remote("1", _wait_at_gate, args=(5,)).to_here() == 10
+        shard = g.get_paired("shard")
+        assert shard.rpc_sync().size(2) == 42 and shard.rpc_async().size(1).wait() == 41
+        assert shard.remote().size(0).to_here() == 40
+        with pytest.raises(TypeError, match="async generator"):  # (still refused: nothing to answer with)
+            g.register("gen", _async_generator)
+        assert asyncio.run(_awaits_a_relay(g)) == 14
+    g.barrier()
+    g.destroy()
+
+
+async def _awaits_a_relay(g):
+    return await g.registered_async("wait_at_gate", args=(7,))
+
+
+@world_test(2, timeout=60, rpc_threads=4)
+def test_async_def_services_wait_without_holding_an_rpc_thread(world):
+    _coroutine_services(world)
+
+
+@world_test(2, timeout=60, rpc_threads=4, same_host_lane=False)
+def test_async_def_services_through_torch_rpc_alike(world):
+    _coroutine_services(world)

@@ -10,6 +10,7 @@ where the module itself is the seam: callee entry points sent by reference, a pr
 the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
+from .coroutines import as_async_execution, is_coroutine_function
 from .future import RpcFuture
 from .send import send_async, send_call, sync_call
 from .serve import is_missing, LocalTables, unwrap
@@ -19,6 +20,6 @@ from .samehost import share
 from .context import CallContext
 
 __all__ = [
-    "CallContext", "is_async", "is_missing", "LocalTables", "PairedRef", "prepare_call",
+    "as_async_execution", "CallContext", "is_async", "is_coroutine_function", "is_missing", "LocalTables", "PairedRef", "prepare_call",
     "ResultRef", "RpcFuture", "send_async", "send_call", "share", "sync_call", "unwrap",
 ]

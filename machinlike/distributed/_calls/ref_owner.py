@@ -15,12 +15,14 @@ Why module-level functions: torch pickles an RPC's function by reference.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, Tuple
 
 import torch
 from torch.distributed import rpc
 
 from . import context as _context, samehost as _samehost, serve as _serve
+from .coroutines import future_of
 from .serve import _done, _failure, _resolve
 from .shipping import _load_function
 from .results import Holder, is_absent
@@ -97,6 +99,8 @@ def _keep_outcome(head: Tuple[str, str, Holder], make: Callable[[], Any]) -> tor
         out = make()
     except Exception as exc:
         return _done(_failure(exc))
+    if inspect.iscoroutine(out):  # an ``async def`` function or method: on this process's loop thread
+        out = future_of(out)
     fut = out if isinstance(out, torch.futures.Future) else _done(out)
     return fut.then(lambda f: _kept(head, f))
 

@@ -21,12 +21,14 @@ remote traceback chained as ``__cause__``. torch would instead turn it into a
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.distributed import rpc
 
 from ...exception import ExceptionWithTraceback, freeze_traceback
+from .coroutines import future_of
 from .results import ResultTable
 from .samehost import reply as _reply
 from .shipping import _load_function
@@ -93,9 +95,12 @@ ENVELOPES = (_Failure, _Missing)
 
 
 def _resolve(result: Any) -> Any:
-    # A plain service may still hand back a Future; finish it on this RPC thread.
+    # A plain service may still hand back a Future, or a coroutine (an ``async def``
+    # method called through a handle): finish it on this RPC thread.
     if isinstance(result, torch.futures.Future):
         return result.wait()
+    if inspect.iscoroutine(result):
+        return future_of(result).wait()
     return result
 
 
@@ -116,7 +121,10 @@ def _settled(fut: torch.futures.Future, reply: int) -> torch.futures.Future:
     """What an asynchronous service's future answers with: ``_settle``'s envelope once it
     completes. A future already complete (a service that answered on the spot, as an
     idle inference server does) is settled here: ``Future.then`` costs about 30 us on
-    the RPC thread, a third of such a call's time on the callee."""
+    the RPC thread, a third of such a call's time on the callee. A coroutine (an ``async
+    def`` function's call) runs on this process's loop thread."""
+    if inspect.iscoroutine(fut):
+        fut = future_of(fut)
     if fut.done():
         return _done(_settle(fut, reply))
     return fut.then(lambda done: _settle(done, reply))

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from ...pickle import dumps, loads
+from .coroutines import is_coroutine_function
 from ..._checks import call_args, not_async
 
 __all__ = ["ship_function", "is_async", "prepare_call"]
@@ -76,18 +77,20 @@ def _load_function(func: Any) -> Callable[..., Any]:
 
 
 def is_async(func: Any) -> bool:
-    """Whether ``func`` is marked with ``@rpc.functions.async_execution``."""
-    return hasattr(func, "_wrapped_async_rpc_function")
+    """Whether ``func`` answers later: marked with ``@rpc.functions.async_execution``, or an
+    ``async def`` function (the callee runs it on its loop thread, see ``coroutines``)."""
+    return hasattr(func, "_wrapped_async_rpc_function") or is_coroutine_function(func)
 
 
 def prepare_call(func: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Tuple:
     """``(shipped func, args, kwargs)`` of a plain call, checked before anything is sent.
 
     Raises:
-        TypeError: ``func`` is not callable or is an ``async def`` function, or
+        TypeError: ``func`` is not callable or is an async generator function, or
             ``args``/``kwargs`` are not a sequence / dict.
     """
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
-    not_async("func", func, "on the callee's RPC thread")
+    if not is_coroutine_function(func):  # (an async def function runs on the callee's loop thread)
+        not_async("func", func, "on the callee's RPC thread")
     return (ship_function(func),) + call_args(args, kwargs)

@@ -26,7 +26,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ... import _checks
-from .._calls import RpcFuture, prepare_call
+from .._calls import RpcFuture, as_async_execution, is_coroutine_function, prepare_call
 from . import directory as _directory
 from .directory import GroupDirectory
 from .parts import GroupParts
@@ -124,7 +124,9 @@ class RpcGroup:
         ``service`` may return a value or, when decorated with
         ``@torch.distributed.rpc.functions.async_execution``, a ``torch.futures.Future`` that
         it completes later without holding an RPC thread. It runs in this process, on an
-        RPC thread, so it must be thread-safe.
+        RPC thread, so it must be thread-safe. An ``async def`` service runs on this
+        process's event loop thread instead, and may ``await`` other calls (a relay)
+        without holding an RPC thread; it must not block that loop.
 
         Args:
             key: Name of the service, unique in the group.
@@ -132,12 +134,13 @@ class RpcGroup:
 
         Raises:
             KeyError: ``key`` is already registered in the group (by any member).
-            TypeError: ``service`` is not callable, or is an ``async def`` function (it
-                would run without an event loop).
+            TypeError: ``service`` is not callable, or is an async generator function.
         """
         _check_key(key)
         if not callable(service):
             raise TypeError(f"service must be callable, not {type(service).__name__}")
+        if is_coroutine_function(service):
+            service = as_async_execution(service)
         _checks.not_async("service", service, "on an RPC thread")
         self._usable(need_member=True).services.add(key, service)
 
