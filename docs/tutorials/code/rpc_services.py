@@ -96,6 +96,30 @@ def relayed(world: machinlike.World) -> list:
 # [/relay]
 
 
+# [coroutine]
+def relayed_by_coroutines(world: machinlike.World) -> list:
+    """The same cycle with ``async def`` services: each hop awaits the next one on its
+    member's event loop thread, holding no RPC thread, and reads as a plain function."""
+    group = world.create_rpc_group("corelay", ["0", "1"])
+    other = "1" if world.name == "0" else "0"
+
+    async def hop(depth: int) -> str:
+        if depth == 0:
+            return world.name
+        return world.name + await group.registered_async(f"hop{other}", args=(depth - 1,))
+
+    group.register(f"hop{world.name}", hop)
+    group.barrier()
+    paths = []
+    if world.name == "0":  # 64 cycles at once, as above
+        calls = [group.registered_async("hop1", args=(4,), timeout=20) for _ in range(64)]
+        paths = [call.wait() for call in calls]
+    group.barrier()
+    group.destroy()
+    return paths
+# [/coroutine]
+
+
 def check_positive(x: float) -> float:
     if x <= 0:
         raise ValueError(f"x must be positive, got {x}")
@@ -235,6 +259,7 @@ def main() -> None:
     assert "did not answer within 0.5 s" in outcomes[0]["timeout"]
     paths = machinlike.launch(relayed, 2, timeout=60)[0]
     assert paths == ["10101"] * 64  # member 1, 0, 1, 0, 1: every hop answered
+    assert machinlike.launch(relayed_by_coroutines, 2, timeout=60)[0] == ["10101"] * 64
 
     # A member that dies: calls to it fail fast with PeerLostError naming it, and the
     # launcher reports how its process ended. stop_timeout bounds how long the
