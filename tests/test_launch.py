@@ -111,13 +111,33 @@ def test_launch_validates(kwargs, error, match):
         launch(_rank_and_name, **kwargs)
 
 
-async def _async_body(world):
-    pass
+async def _async_body(world, offset):
+    import asyncio
+
+    group = world.create_rpc_group("aio", world.get_members())
+    group.register(f"add{world.rank}", _add_in_a_coroutine)
+    group.barrier()
+    other = 1 - world.rank
+    got = await asyncio.gather(*(group.registered_async(f"add{other}", args=(i, offset)) for i in range(4)))
+    group.barrier()
+    return got
 
 
-def test_launch_refuses_an_async_function_before_starting_anything():
-    with pytest.raises(TypeError, match=r"fn _async_body is an async function: it would run in each rank"):
-        launch(_async_body, world_size=2)
+async def _add_in_a_coroutine(x, y):
+    return x + y
+
+
+async def _async_generator_body(world):
+    yield world.rank
+
+
+def test_an_async_rank_function_runs_in_an_event_loop_of_its_rank():
+    assert launch(_async_body, 2, args=(10,), timeout=60) == [[10, 11, 12, 13]] * 2
+
+
+def test_launch_refuses_an_async_generator_before_starting_anything():
+    with pytest.raises(TypeError, match=r"fn _async_generator_body is an async generator function"):
+        launch(_async_generator_body, world_size=2)
 
 
 def test_run_world_needs_a_timeout():

@@ -39,6 +39,7 @@ from ..._warm import resolve_context
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
 from .._store import external_launcher
+from .rank_fn import check_rank_fn, run_rank_fn
 
 __all__ = ["launch", "LaunchResult", "Restart"]
 
@@ -92,7 +93,7 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
             world = World(name, rank, store=store, elastic=True, **world_kwargs)
         else:
             world = World(name, rank, world_size, store=store, **world_kwargs)
-        message = (True, fn(world, *args, **kwargs))
+        message = (True, run_rank_fn(fn, world, args, kwargs))
     except BaseException as exc:  # reported to the parent, which decides what to raise
         if os.getpid() != me:
             raise  # (a child fn forked, ending: the report and the World are its parent's)
@@ -120,7 +121,7 @@ def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict
     name = str(names[rank]) if names is not None else None
     world = World(name, **world_kwargs)
     try:
-        return fn(world, *args, **(kwargs or {}))
+        return run_rank_fn(fn, world, args, kwargs)
     finally:
         world.stop(stop_timeout)
 
@@ -156,7 +157,8 @@ def launch(
 
     Args:
         fn: The function; lambdas and local functions work (sent by value, see
-            :mod:`machinlike.pickle`).
+            :mod:`machinlike.pickle`). An ``async def`` function runs in an event loop
+            of its rank (``asyncio.run``).
         world_size: Number of processes (ranks 0..world_size-1).
         args, kwargs: Extra arguments of ``fn`` (copied into each process).
         timeout: Seconds for the whole run; None waits as long as the ranks run (a rank
@@ -199,9 +201,7 @@ def launch(
         TimeoutError: the run exceeded ``timeout`` (stacks of the ranks go to stderr).
     """
     _mainguard.check("launch(...)")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    _checks.not_async("fn", fn, "in each rank")
+    check_rank_fn(fn)
     _checks.positive_int("world_size", world_size)
     if timeout is not None:
         _checks.seconds("timeout", timeout)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ... import _checks
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
+from .rank_fn import check_rank_fn, run_rank_fn
 
 __all__ = ["launch_ray"]
 
@@ -87,7 +88,7 @@ class _RankActor:
         try:
             fn, args, kwargs = payload
             self._world = self._join(rank, world_size, name, host, port, world_kwargs)
-            message = (True, fn(self._world, *args, **kwargs))
+            message = (True, run_rank_fn(fn, self._world, args, kwargs))
         except BaseException as exc:  # reported to the driver, which decides what to raise
             message = (False, ExceptionWithTraceback(exc, where=where))
         try:
@@ -223,7 +224,8 @@ def launch_ray(
 
     Args:
         fn: The function; lambdas and local functions work (sent by value). Modules it
-            imports must be importable on the cluster's nodes.
+            imports must be importable on the cluster's nodes. An ``async def``
+            function runs in an event loop of its rank (``asyncio.run``).
         world_size: Number of ranks.
         args, kwargs: Extra arguments of ``fn`` (copied to each rank).
         resources: What each rank's actor needs: one mapping for all ranks or one per
@@ -258,9 +260,7 @@ def launch_ray(
             ranks are killed.
         ProcessExitedError: a rank's actor died without reporting.
     """
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    _checks.not_async("fn", fn, "in each rank")
+    check_rank_fn(fn)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     for param, value in (("timeout", timeout), ("start_timeout", start_timeout), ("stop_timeout", stop_timeout)):
