@@ -890,6 +890,13 @@ class _Shard:
         return 40 + extra
 
 
+async def _calls_blocking(how):
+    group = _gates["group"]
+    if how == "sync":
+        return group.registered_sync("open_gate")
+    return group.registered_async("open_gate").wait()
+
+
 def _coroutine_services(world):
     import asyncio
 
@@ -898,7 +905,9 @@ def _coroutine_services(world):
         g.register("wait_at_gate", _wait_at_gate)
         g.register("open_gate", _open_gate)
         g.register("refuse", _async_refuse)
+        g.register("blocking", _calls_blocking)
         g.pair("shard", _Shard())
+        _gates["group"] = g
     g.barrier()
     if world.name == "0":
         # Eight coroutines wait at the gate on a member of four RPC threads: had they held
@@ -920,6 +929,11 @@ def _coroutine_services(world):
         with pytest.raises(TypeError, match="async generator"):  # (still refused: nothing to answer with)
             g.register("gen", _async_generator)
         assert asyncio.run(_awaits_a_relay(g)) == 14
+        # A blocking call inside a coroutine service would stall them all: refused, saying so.
+        for how in ("sync", "wait"):
+            with pytest.raises(RuntimeError, match=r"blocks, and this is an async def service .* await the "
+                                                   r"asynchronous form"):
+                g.registered_sync("blocking", args=(how,), timeout=10)
     g.barrier()
     g.destroy()
 

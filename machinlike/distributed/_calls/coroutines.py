@@ -29,9 +29,10 @@ from typing import Any, Callable, Coroutine, Optional
 import torch
 from torch.distributed import rpc
 
-__all__ = ["is_coroutine_function", "as_async_execution", "future_of"]
+__all__ = ["is_coroutine_function", "as_async_execution", "future_of", "on_loop_thread", "blocking_error"]
 
 _loop: Optional[asyncio.AbstractEventLoop] = None
+_thread: Optional[threading.Thread] = None
 _lock = threading.Lock()
 
 
@@ -42,7 +43,7 @@ def is_coroutine_function(func: Any) -> bool:
 
 def _running_loop() -> asyncio.AbstractEventLoop:
     """This process's loop for coroutine services, started on first use."""
-    global _loop
+    global _loop, _thread
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
@@ -53,10 +54,26 @@ def _running_loop() -> asyncio.AbstractEventLoop:
                 loop.call_soon(started.set)
                 loop.run_forever()
 
-            threading.Thread(target=run, name="machinlike-coroutines", daemon=True).start()
+            thread = threading.Thread(target=run, name="machinlike-coroutines", daemon=True)
+            thread.start()
             started.wait()  # (a new thread's first step: at once)
-            _loop = loop
+            _loop, _thread = loop, thread
         return _loop
+
+
+def on_loop_thread() -> bool:
+    """Whether this thread is the loop thread of this process's coroutine services."""
+    return _thread is not None and threading.current_thread() is _thread
+
+
+def blocking_error(what: str) -> RuntimeError:
+    """What a blocking call raises on the loop thread (see :func:`on_loop_thread`): there
+    it would stall every coroutine service of the process, and wait out its timeout should
+    its callee call one of them back."""
+    return RuntimeError(f"{what} blocks, and this is an async def service (on the event loop thread of this "
+                        f"process's coroutine services): it would stall all of them, and wait out its timeout "
+                        f"should its callee call one of them back; await the asynchronous form instead "
+                        f"(await group.registered_async(...), await fut)")
 
 
 def _settle(fut: torch.futures.Future, done: "concurrent.futures.Future[Any]") -> None:
@@ -91,8 +108,8 @@ def as_async_execution(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _after_fork_in_child() -> None:
-    global _loop, _lock
-    _loop = None  # (its thread did not come along)
+    global _loop, _thread, _lock
+    _loop = _thread = None  # (its thread did not come along)
     _lock = threading.Lock()
 
 

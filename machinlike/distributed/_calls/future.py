@@ -42,6 +42,7 @@ import torch
 
 from .. import _transport
 from ...exception import drop_frames
+from .coroutines import blocking_error, on_loop_thread
 from .send import translate_error
 from .serve import ENVELOPES, is_failure, is_missing, unwrap
 
@@ -143,6 +144,8 @@ class RpcFuture(_transport.lane.LaneFuture):
                 as ``__cause__``).
         """
         self._read = True
+        if not self.done() and on_loop_thread():
+            raise blocking_error(f"wait() on {self._what} on member {self.member!r}")
         try:
             if not self.done() and threading.current_thread() is threading.main_thread():
                 # On the sentinel, not in torch's C++ wait, which holds the thread until the

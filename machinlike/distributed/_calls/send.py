@@ -25,6 +25,7 @@ from .. import _transport
 from .._store import forked as _forked
 from .._membership import Roster, Waits
 from . import context as _context
+from .coroutines import blocking_error, on_loop_thread
 
 __all__ = ["translate_error", "sync_call", "send_call", "send_async"]
 
@@ -103,6 +104,8 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     Raises:
         PeerLostError, TimeoutError: the worker is gone / did not answer (its member named).
     """
+    if on_loop_thread():
+        raise blocking_error(_text(what))
     if roster.cut_off is not None:
         raise roster.cut_off
     if roster.resolve(worker) is None:
