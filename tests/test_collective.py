@@ -402,3 +402,13 @@ def test_groups_made_and_destroyed_in_a_loop_hold_no_more_descriptors():
     process out of them under ulimit -n 1024."""
     for counts in run_world(_groups_in_a_loop, 2, timeout=120):
         assert counts[1] - counts[0] <= 10, counts
+
+
+def test_member_names_given_as_ranks_are_refused_with_the_fix():
+    from machinlike.distributed._groups.collective import CollectiveGroup
+
+    with pytest.raises(TypeError, match=r"member names \(get_members\(\)\) are not ranks: pass "
+                                        r"list\(range\(world.world_size\)\)"):
+        CollectiveGroup.create(["0", "1"], 0, 2, None, 10.0)
+    with pytest.raises(TypeError, match=r"ranks must be a sequence of int ranks, not 'ab'$"):
+        CollectiveGroup.create("ab", 0, 2, None, 10.0)

@@ -217,7 +217,10 @@ class CollectiveGroup:
                 None: the group goes with its last reference.
         """
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
-            raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}")
+            names = not isinstance(ranks, (str, bytes)) and any(isinstance(r, str) for r in ranks)
+            raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}"
+                            + ("; member names (get_members()) are not ranks: pass list(range(world.world_size)) "
+                               "for the whole world" if names else ""))
         ranks = sorted(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
             raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
