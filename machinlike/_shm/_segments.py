@@ -22,10 +22,11 @@ namespace and user (see ``reachable``).
 A lease that is never freed (its receiver was SIGKILLed) is reclaimed when the taker's
 process is gone; one whose message was never pickled whole comes back when the carrier
 drops the message (``_unsent``); a reply that came after its call timed out is taken
-and dropped by the caller's lane; one never taken at all (a late reply through torch RPC,
-which drops it unread) stays lent until :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed ``limit``: a lease
-that would pass it evicts free segments, and fails (None) when that is not enough; the
-caller then sends the tensor the ordinary way and ``stats`` counts it.
+and dropped by the caller's lane; one never taken at all (a late reply through torch
+RPC, which drops it unread) stays lent until :meth:`SegmentCache.close`. Bytes held
+(free and lent) never exceed ``limit``: a lease that would pass it evicts free segments,
+and fails (None) when that is not enough; the caller then sends the tensor the ordinary
+way and ``stats`` counts it.
 """
 
 from __future__ import annotations

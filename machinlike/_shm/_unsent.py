@@ -17,8 +17,8 @@ pickled after it::
         every index seen ─► nothing (sent; the receiver frees the segments as it drops them)
         else             ─► the segments are released (nobody can have taken them)
 
-A message pickled whole but lost on the way (a timeout) stays lent as before (see
-``_segments``); this module is only about messages that never left.
+A message pickled whole but never taken (a reply after its call timed out) is another
+matter, see ``_segments``; this module is only about messages that never left.
 """
 
 from __future__ import annotations
