@@ -100,3 +100,51 @@ def _stop_waits_for_absent_peer_body(world):
 def test_stop_is_bounded_when_a_peer_does_not_stop():
     results = run_world(_stop_waits_for_absent_peer_body, 2, timeout=60)
     assert all(elapsed < 1.5 + 3 for elapsed in results), results
+
+
+def _hang_for_good():
+    time.sleep(120)  # (the process is SIGKILLed meanwhile)
+
+
+async def _relay_to_two(group_name):
+    from machinlike.distributed import get_world
+
+    group = get_world().get_rpc_group(group_name)
+    return await group.registered_async("hang", timeout=60)
+
+
+def _awaited_death_body(world):
+    import asyncio
+
+    g = world.create_rpc_group("death", world.get_members())
+    if world.rank == 2:
+        g.register("hang", _hang_for_good)
+    if world.rank == 1:
+        g.register("relay", _relay_to_two)
+    g.barrier()
+    if world.rank == 2:
+        time.sleep(120)  # until killed
+    if world.rank == 0:
+        victim = g.rpc_sync("2", os.getpid)
+
+        async def main():
+            direct = g.registered_async("hang", timeout=60)  # awaited here
+            relayed = g.registered_async("relay", args=("death",), timeout=60)  # awaited by a coroutine service on 1
+            await asyncio.sleep(0.3)
+            os.kill(victim, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(PeerLostError) as direct_error:
+                await direct
+            with pytest.raises(PeerLostError) as relayed_error:
+                await relayed
+            return time.monotonic() - start, direct_error.value.member, relayed_error.value.member
+
+        elapsed, *named = asyncio.run(main())
+        assert named == ["2", "2"] and elapsed < 10, (elapsed, named)  # not the 60 s timeout
+    world.create_rpc_group("after", ["0", "1"]).barrier(timeout=30)
+    return "survived"
+
+
+def test_a_member_killed_while_awaited_fails_the_await_and_the_coroutine_relay_naming_it():
+    results = run_world(_awaited_death_body, 3, timeout=90, return_exceptions=True, rpc_timeout=20)
+    assert results[:2] == ["survived", "survived"], results
