@@ -125,14 +125,7 @@ class InferenceServer:
                 as ``__cause__``).
         """
         world, args, wait = self._request(x, timeout, with_version)
-        try:
-            out, version = self.group.registered_sync(self._key, args, timeout=wait)
-        except (PeerLostError, KeyError) as err:
-            gone = self._host_gone(world, err)
-            if gone is err:
-                raise
-            raise gone from err
-        return (out, version) if with_version else out
+        return self._answer(world, lambda: self.group.registered_sync(self._key, args, timeout=wait), with_version)
 
     def infer_async(self, x: Inputs, timeout: Optional[float] = None,
                     with_version: bool = False) -> torch.futures.Future:
@@ -148,18 +141,20 @@ class InferenceServer:
             TypeError, ValueError: as :meth:`infer` (here: nothing is sent).
         """
         world, args, wait = self._request(x, timeout, with_version)
+        return self.group.registered_async(self._key, args, timeout=wait).then(
+            lambda fut: self._answer(world, fut.wait, with_version), _note=False)
 
-        def settle(fut: torch.futures.Future) -> Any:
-            try:
-                out, version = fut.wait()
-            except (PeerLostError, KeyError) as err:
-                gone = self._host_gone(world, err)
-                if gone is err:
-                    raise
-                raise gone from err
-            return (out, version) if with_version else out
-
-        return self.group.registered_async(self._key, args, timeout=wait).then(settle, _note=False)
+    def _answer(self, world: Any, reply: Callable[[], Any], with_version: bool) -> Any:
+        """What a request gives: ``reply()``'s output (with its version when asked); a
+        failure that means the host is gone names the host."""
+        try:
+            out, version = reply()
+        except (PeerLostError, KeyError) as err:
+            gone = self._host_gone(world, err)
+            if gone is err:
+                raise
+            raise gone from err
+        return (out, version) if with_version else out
 
     def _request(self, x: Any, timeout: Any, with_version: Any) -> Tuple[Any, Tuple[Any, ...], float]:
         """``(world, the service's arguments, seconds)`` of one request, its inputs checked
