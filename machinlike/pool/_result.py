@@ -18,7 +18,6 @@ A callback that raises does not break the pool: its exception goes to
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from collections import deque
 from typing import Any, Callable, Dict, Generator, List, Optional, Protocol
 
 from .. import _checks
+from .._awaiting import loop_waker
 from ._errors import PoolTimeoutError
 
 __all__ = ["AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator", "ApplyResult", "Job"]
@@ -105,7 +105,7 @@ class AsyncResult:
         self._event = allocate_lock()
         self._event.acquire()
         # Awaiting coroutines' wake-ups, run once settled; None once run (under _settle_guard).
-        self._wakers: Optional[List[Callable[[], None]]] = []
+        self._wakers: Optional[List[Callable[[Any], None]]] = []
 
     def ready(self) -> bool:
         """Whether the result has arrived (successfully or not)."""
@@ -170,15 +170,7 @@ class AsyncResult:
         Raises:
             RuntimeError: no event loop runs in this thread.
         """
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def wake() -> None:  # (on the thread that settled the result)
-            try:
-                loop.call_soon_threadsafe(_wake, waiter)
-            except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
-                pass
-
+        waiter, wake = loop_waker()
         with _settle_guard:
             pending = self._wakers is not None
             if pending:
@@ -215,7 +207,7 @@ class AsyncResult:
         with _settle_guard:
             wakers, self._wakers = self._wakers, None
         for wake in wakers or ():
-            wake()
+            wake(None)
         return True
 
     def _is_done(self) -> bool:
@@ -236,11 +228,6 @@ class AsyncResult:
 
 #: The standard library's name for the result of ``apply_async``.
 ApplyResult = AsyncResult
-
-
-def _wake(waiter: "asyncio.Future[None]") -> None:
-    if not waiter.done():  # (a cancelled await)
-        waiter.set_result(None)
 
 
 class MapResult(AsyncResult):

@@ -29,7 +29,6 @@ several microseconds of the lane's reader thread per answer.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import os
@@ -40,6 +39,7 @@ from typing import Any, Callable, Generator, Optional, Tuple
 
 import torch
 
+from ..._awaiting import loop_waker
 from .. import _transport
 from ...exception import drop_frames
 from .coroutines import blocking_error, on_loop_thread
@@ -231,23 +231,10 @@ class RpcFuture(_transport.lane.LaneFuture):
 
 def _awaiting(fut: torch.futures.Future) -> Generator[Any, None, Any]:
     """Await ``fut`` in the running event loop: a done-callback wakes the loop."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def arrived(_: Any) -> None:  # (on whichever thread completed the call)
-        try:
-            loop.call_soon_threadsafe(_wake, waiter)
-        except RuntimeError:  # the loop was closed meanwhile: nobody awaits any more
-            pass
-
-    fut.add_done_callback(arrived)
+    waiter, wake = loop_waker()
+    fut.add_done_callback(wake)
     yield from waiter.__await__()
     return fut.wait()  # (done: at once)
-
-
-def _wake(waiter: "asyncio.Future[None]") -> None:
-    if not waiter.done():  # (a cancelled await)
-        waiter.set_result(None)
 
 
 class _Derived(torch.futures.Future):
