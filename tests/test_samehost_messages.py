@@ -1,0 +1,198 @@
+"""What becomes of a same-host message's segments when it goes wrong, and tensors that
+travel as less than their elements, across real processes: a call or a result that
+cannot be pickled hands its segments back, a reply after its call timed out is taken and
+dropped, an expanded tensor crosses as its distinct elements. (Apart from
+``test_samehost.py``, which runs alone for its /dev/shm checks: these look only at
+their own processes' segments.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from machinlike import _shm
+from machinlike.testing import run_world
+
+MB = 1 << 20
+
+
+def _echo(x):
+    return x
+
+
+def _both(*args, **kwargs):
+    return args, kwargs
+
+
+def _leases():
+    return _shm.cache().stats["leases"]
+
+
+def _lent():
+    return _shm.cache().lent()
+
+
+def _lent_settles_at(g, count, lane):
+    # torch RPC's threads may drop their last reference to a reply a moment after the
+    # caller has it; the lane's reader drops its own before it reads on: at once.
+    deadline = time.monotonic() + (0.0 if lane else 10.0)
+    while g.rpc_sync("1", _lent) != count:
+        assert time.monotonic() < deadline, f"the callee's lent segments did not come to {count}"
+        time.sleep(0.01)
+
+
+def _unpicklable_result(n):
+    return torch.rand(n), threading.Lock()
+
+
+def _unpicklable_sample(n):
+    return [torch.rand(8192) for _ in range(n)], threading.Lock()
+
+
+def _unsent_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("both", _both)
+        g.register("result", _unpicklable_result)
+        g.register("sample", _unpicklable_sample)
+    g.barrier()
+    if world.rank == 0:
+        large, medium = torch.rand(MB), [torch.rand(8192) for _ in range(100)]  # 4 MB; 100 x 32 KB (packed)
+        calls = [lambda a, k: g.registered_sync("both", args=a, kwargs=k),
+                 lambda a, k: g.registered_async("both", args=a, kwargs=k).wait(),
+                 lambda a, k: g.rpc_sync("1", _both, args=a, kwargs=k)]
+        leases = _leases()
+        for call in calls:
+            # The unpicklable part before, after and beside the tensors, in args or in kwargs.
+            for args, kwargs in (((large, threading.Lock()), {}), ((threading.Lock(), medium), {}),
+                                 ((large, medium), {"x": threading.Lock()})):
+                with pytest.raises(TypeError, match="cannot be pickled"):
+                    call(args, kwargs)
+                assert _lent() == 0, (args, kwargs)
+        assert _leases() - leases >= 9  # (they were lent, and came back)
+        for key in ("result", "sample"):
+            with pytest.raises(TypeError, match="result cannot be pickled"):
+                g.registered_sync(key, args=(MB if key == "result" else 100,))
+            assert g.rpc_sync("1", _lent) == 0, key
+        out = g.registered_sync("both", args=(large,), kwargs={"x": medium})  # what pickles still crosses
+        assert torch.equal(out[0][0], large) and all(torch.equal(a, b) for a, b in zip(out[1]["x"], medium))
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_message_that_cannot_be_pickled_hands_its_segments_back(lane):
+    """Tensors are copied into lent segments before the carrier pickles the call or the
+    result; when that pickling fails (a lock beside them), the segments come back at
+    once on either side, instead of staying lent until the World stops."""
+    run_world(_unsent_body, 2, timeout=120, same_host_lane=lane)
+
+
+def test_a_guarded_message_is_released_only_when_it_was_not_pickled_whole():
+    import gc
+    import pickle
+
+    segments = _shm.cache()
+    lent_before = sum(not segments._is_free(seg) for seg in segments._segments)  # (earlier tests' in this process)
+
+    def lent():
+        gc.collect()
+        return sum(not segments._is_free(seg) for seg in segments._segments) - lent_before
+
+    # Pickled whole: still lent once the sender dropped it (the receiver has not loaded
+    # it yet), free once the receiver's tensors die.
+    parts = ([torch.rand(MB)], {"x": torch.rand(MB)})
+    guarded = _shm.encode_parts(parts, MB)
+    data = pickle.dumps(guarded)
+    del guarded
+    assert lent() == 2
+    back = pickle.loads(data)
+    assert torch.equal(back[0][0], parts[0][0]) and torch.equal(back[1]["x"], parts[1]["x"])
+    del back
+    assert lent() == 0
+    # Not pickled whole (its first part fails; its second): handed back when dropped.
+    for parts in (([torch.rand(MB), threading.Lock()], {"x": torch.rand(MB)}),
+                  ([torch.rand(MB)], {"x": torch.rand(MB), "y": threading.Lock()})):
+        guarded = _shm.encode_parts(parts, MB)
+        assert lent() == 2
+        with pytest.raises(TypeError):
+            pickle.dumps(guarded)
+        del guarded
+        assert lent() == 0
+    # A hand-back after its segment was closed (its World stopped) does nothing.
+    earlier = {id(seg) for seg in segments._segments if not segments._is_free(seg)}
+    guarded = _shm.encode_parts(([torch.rand(MB), threading.Lock()],), MB)
+    with pytest.raises(TypeError):
+        pickle.dumps(guarded)
+    (seg,) = [seg for seg in segments._segments if not segments._is_free(seg) and id(seg) not in earlier]
+    with segments._lock:
+        segments._drop(seg)
+    del guarded
+    gc.collect()
+
+
+def _slow_large(pause):
+    time.sleep(pause)
+    return torch.rand(MB), [torch.rand(8192) for _ in range(100)]  # one segment of its own, one packed
+
+
+def _late_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("slow", _slow_large)
+    g.barrier()
+    if world.rank == 0:
+        leases = g.rpc_sync("1", _leases)
+        for call in (lambda: g.registered_sync("slow", args=(1.0,), timeout=0.2),
+                     lambda: g.registered_async("slow", args=(1.0,), timeout=0.2).wait()):
+            with pytest.raises(TimeoutError):
+                call()
+            deadline = time.monotonic() + 20
+            while g.rpc_sync("1", _leases) == leases:  # the reply is made after the timeout
+                assert time.monotonic() < deadline, "the slow service never replied"
+                time.sleep(0.05)
+            leases = g.rpc_sync("1", _leases)
+            _lent_settles_at(g, 0, False)  # (the late reply crosses, is loaded and dropped)
+    g.barrier()
+    g.destroy()
+
+
+def test_a_reply_after_its_call_timed_out_hands_its_segments_back():
+    """A service that answers after its caller gave up: the caller's lane loads the late
+    reply and drops it, so the service's lent segments come back (they stayed lent until
+    its World stopped, and enough timeouts filled ``shm_cache_bytes``)."""
+    run_world(_late_body, 2, timeout=120, same_host_lane=True)
+
+
+def _layout(tensor):
+    return tuple(tensor.stride()), tensor.untyped_storage().nbytes()
+
+
+def _expanded_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("layout", _layout)
+    g.barrier()
+    if world.rank == 0:
+        frame = torch.rand(1, 2 * MB // 4)  # its one row is large: a segment of its own
+        cases = [torch.zeros(1).expand(10_000_000), torch.rand(1, 512).expand(4096, 512),
+                 frame.expand(8, -1), torch.rand(64, 1, 64).expand(64, 32, 64)]
+        for sent in cases:
+            assert g.registered_sync("layout", args=(sent,)) == (sent.stride(), sent.untyped_storage().nbytes())
+            back = g.registered_sync("echo", args=([sent, sent],))
+            assert back[0] is back[1] and back[0].stride() == sent.stride() and torch.equal(back[0], sent)
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_expanded_tensors_cross_as_their_distinct_elements(lane):
+    """``torch.zeros(1).expand(10**7)`` arrives as torch RPC delivers it: one element and
+    its strides (it was copied element by element: 40 MB through a segment, and 40 MB held
+    by the receiver); a large distinct part still takes a segment."""
+    run_world(_expanded_body, 2, timeout=120, same_host_lane=lane)
