@@ -15,33 +15,7 @@ import torch
 
 from machinlike import _shm
 from machinlike.testing import run_world
-
-MB = 1 << 20
-
-
-def _echo(x):
-    return x
-
-
-def _both(*args, **kwargs):
-    return args, kwargs
-
-
-def _leases():
-    return _shm.cache().stats["leases"]
-
-
-def _lent():
-    return _shm.cache().lent()
-
-
-def _lent_settles_at(g, count, lane):
-    # torch RPC's threads may drop their last reference to a reply a moment after the
-    # caller has it; the lane's reader drops its own before it reads on: at once.
-    deadline = time.monotonic() + (0.0 if lane else 10.0)
-    while g.rpc_sync("1", _lent) != count:
-        assert time.monotonic() < deadline, f"the callee's lent segments did not come to {count}"
-        time.sleep(0.01)
+from test_samehost import MB, _both, _echo, _leases, _lent, _lent_settles_at
 
 
 def _unpicklable_result(n):
