@@ -40,6 +40,7 @@ from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
 from .._store import external_launcher
 from .rank_fn import check_rank_fn, run_rank_fn
+from .termination import Termination
 
 __all__ = ["launch", "LaunchResult", "Restart"]
 
@@ -80,6 +81,7 @@ _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
                world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool) -> None:
     watch_parent()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked, not spawned: not the launcher's handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     from .._store import connect_store
     from .._world import World
@@ -165,7 +167,13 @@ def launch(
             that dies still ends the run at once).
         names: Member names per rank. None: ``"0"``, ``"1"``, ...
         ctx: Multiprocessing context; None: the warm forkserver (torch preloaded).
-        stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end.
+        stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end;
+            also the grace the ranks get when this process is sent SIGTERM (a scheduler's
+            stop or preemption): while ``launch`` runs, SIGTERM is passed on to the ranks
+            (a rank's own handler may save a checkpoint and return), those still running
+            after ``stop_timeout`` are killed, and then this process ends by the signal,
+            as it would have at once (a second SIGTERM: at once). Only where SIGTERM has
+            its default disposition and ``launch`` runs in the main thread.
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.
@@ -230,15 +238,17 @@ def launch(
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
     job = _Job(context, names, store.port, payload, world_kwargs, stop_timeout, elastic)
-    try:
-        for rank in range(world_size):
-            job.start(rank)
-        return job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
-    finally:
-        end_processes([p for p in job.processes if p is not None], grace=2.0, reap=5.0)
-        for reader in job.readers:
-            reader.close()
-        del store
+    with Termination() as termination:  # SIGTERM here: the ranks get stop_timeout to finish
+        try:
+            for rank in range(world_size):
+                job.start(rank)
+            return job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
+        finally:
+            grace = stop_timeout if termination.requested else 2.0
+            end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0)
+            for reader in job.readers:
+                reader.close()
+            del store
 
 
 def _chaos_victims(processes: List[Any], started: List[float], vital: Set[int], results: Dict[int, Any],

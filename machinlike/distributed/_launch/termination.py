@@ -1,0 +1,67 @@
+"""A launcher told to terminate (SIGTERM) hands the request to its ranks first.
+
+Why: a scheduler ends a job by sending SIGTERM to the process it started, here the one
+that called ``launch`` (SLURM's ``--signal`` before a preemption, ``kill``, a container
+runtime's stop). With the default disposition that process died at once, and its ranks
+followed through their lifelines (``os._exit``): a rank that had installed a SIGTERM
+handler to save a checkpoint never ran it. As torchrun does, the signal now reaches the
+ranks, and they get the stop grace to finish::
+
+    SIGTERM ─► launcher (in launch): the handler raises _Terminated in the main thread
+               launch's finally: SIGTERM to every live rank, up to ``grace`` s, SIGKILL
+               then the launcher ends by the same signal (exit status 143, as before)
+    a second SIGTERM meanwhile: the launcher ends at once (its ranks through their
+               lifelines)
+
+Only the default disposition is replaced, only in the main thread, and only while
+``launch`` runs: a program that installed its own handler (or ignores the signal) keeps it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Optional, Type
+
+__all__ = ["Termination"]
+
+
+class _Terminated(BaseException):
+    """Raised in the launcher's main thread by SIGTERM; launch's cleanup runs, then the
+    signal is delivered again (a BaseException: no ``except Exception`` swallows it)."""
+
+
+class Termination:
+    """Context of one ``launch``: turns SIGTERM into a graceful end of the ranks.
+
+    Attributes:
+        requested: Whether SIGTERM arrived while the context was entered.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._installed = False
+
+    def __enter__(self) -> "Termination":
+        if threading.current_thread() is threading.main_thread() \
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.requested:  # a second one: no more grace
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        self.requested = True
+        raise _Terminated()
+
+    def __exit__(self, kind: Optional[Type[BaseException]], value: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if not self._installed:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self._installed = False
+        if self.requested:
+            signal.raise_signal(signal.SIGTERM)  # ends this process, as SIGTERM always did
