@@ -90,13 +90,25 @@ def test_walk_passes_over_plain_data_but_finds_a_tensor_beside_it():
         assert out == ("staged", t), path
 
 
-def test_walk_leaves_tensors_inside_other_objects():
-    class Box:
-        def __init__(self):
-            self.t = torch.ones(1)
+class _Box:
+    def __init__(self):
+        self.t = torch.ones(1)
 
-    box = Box()
-    assert _cuda_stage.walk([box], _marked)[0] is box  # documented: lists, tuples and dicts only
+
+class _Slots:
+    __slots__ = ("t",)
+
+    def __init__(self):
+        self.t = torch.ones(1)
+
+
+def test_walk_finds_tensors_in_objects_pickled_by_their_state_only():
+    box = _Box()
+    out = _cuda_stage.walk([box], _marked)[0]
+    assert out is not box and type(pickle.loads(pickle.dumps(out))) is _Box  # pickles as the object, walked
+    assert pickle.loads(pickle.dumps(out)).t == ("staged", box.t)
+    slots = _Slots()
+    assert _cuda_stage.walk([slots], _marked)[0] is slots  # its own state: left to the carrier
 
 
 def test_encode_without_cuda_tensors_or_shm_changes_nothing():
@@ -107,7 +119,8 @@ def test_encode_without_cuda_tensors_or_shm_changes_nothing():
 def test_encode_puts_large_cpu_tensors_through_shm_in_the_same_walk():
     small, big = torch.ones(4), torch.ones(1 << 16)
     out = _bare(_cuda_stage.encode([small, big], 1 << 10))  # (a segment was lent: guarded)
-    assert out[0] is small and not isinstance(out[1], torch.Tensor)  # a same-host placeholder
+    assert torch.equal(pickle.loads(pickle.dumps(out[0])), small)  # (too few to bundle: pickles as itself)
+    assert not isinstance(out[1], torch.Tensor)  # a same-host placeholder
     assert torch.equal(pickle.loads(pickle.dumps(out[1])), big)
 
 

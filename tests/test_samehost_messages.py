@@ -7,6 +7,8 @@ their own processes' segments.)"""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import threading
 import time
 
@@ -170,3 +172,84 @@ def test_expanded_tensors_cross_as_their_distinct_elements(lane):
     its strides (it was copied element by element: 40 MB through a segment, and 40 MB held
     by the receiver); a large distinct part still takes a segment."""
     run_world(_expanded_body, 2, timeout=120, same_host_lane=lane)
+
+
+Batch = collections.namedtuple("Batch", "obs act")
+
+
+@dataclasses.dataclass
+class _Step:
+    obs: torch.Tensor
+    info: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    frame: torch.Tensor
+
+
+class _Node:
+    def __init__(self, data, parent=None):
+        self.data, self.parent, self.children = data, parent, []
+
+
+class _Stated:
+    def __init__(self, t):
+        self.t = t
+
+    def __setstate__(self, state):  # pickle's protocol: runs on arrival, as without the walk
+        self.__dict__.update(state, restored=True)
+
+
+class _Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _objects_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+    g.barrier()
+    if world.rank == 0:
+        big, other = torch.rand(MB), torch.rand(MB)  # 4 MB each: through a segment
+        small = [torch.rand(4) for _ in range(16)]  # bundled
+        walked = {
+            "namedtuple": (Batch(big, small), lambda b: type(b) is Batch and torch.equal(b.obs, big)
+                           and all(torch.equal(x, y) for x, y in zip(b.act, small))),
+            "dataclass": (_Step(big, {"frames": [other], "r": 1.0}),
+                          lambda b: type(b) is _Step and torch.equal(b.obs, big)
+                          and torch.equal(b.info["frames"][0], other) and b.info["r"] == 1.0),
+            "frozen": (_Frozen(big), lambda b: type(b) is _Frozen and torch.equal(b.frame, big)),
+            "setstate": (_Stated(big), lambda b: b.restored and torch.equal(b.t, big)),
+        }
+        for name, (sent, arrived) in walked.items():
+            leases = _leases()
+            assert arrived(g.registered_sync("echo", args=(sent,))), name
+            assert _leases() > leases, f"{name}: its tensors did not take shared memory"
+        root = _Node(big)
+        root.children.append(_Node(other, root))
+        back = g.registered_sync("echo", args=(root,))  # a parent reached again from its child
+        assert back.children[0].parent is back and torch.equal(back.children[0].data, other)
+        shared = [big]
+        back = g.registered_sync("echo", args=((shared, shared),))
+        assert back[0] is back[1] and torch.equal(back[0][0], big)  # one list, as pickle gives
+        ring = [big]
+        ring.append((ring,))  # a cycle through a tuple: that tuple stays as it is
+        back = g.registered_sync("echo", args=(ring,))
+        assert torch.equal(back[0], big) and torch.equal(back[1][0][0], big)
+        slotted = g.registered_sync("echo", args=(_Slotted(big),))  # left to the carrier
+        assert torch.equal(slotted.t, big)
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_tensors_in_namedtuples_dataclasses_and_objects_take_shared_memory(lane):
+    """The tensors of a namedtuple, a dataclass or an object pickled by its ``__dict__``
+    (a ``Batch`` or ``Transition`` of RL code) take the same-host path as in a tuple (they
+    took the carrier's: a 64 MB one 2.5 times slower); objects reached twice, a cycle
+    through a child's parent included, arrive as pickle gives them."""
+    run_world(_objects_body, 2, timeout=120, same_host_lane=lane)

@@ -5,15 +5,16 @@ face is :func:`machinlike.distributed.share` and the World's ``same_host_shm`` k
 """
 
 from ._codec import (
-    Leaf, encode, encode_parts, encode_array, encode_tensor, is_shared_by_reference, reduce_array, reduce_by_reference, reduce_copy,
-    share, share_and_reduce, shm_eligible, swap, walk, pack_items,
+    encode, encode_parts, encode_array, encode_tensor, is_shared_by_reference, reduce_array, reduce_by_reference, reduce_copy,
+    share, share_and_reduce, shm_eligible, pack_items,
 )
+from ._walk import Leaf, walk
 from . import _segments
 from ._pack import PACK_MIN, Pack
 from ._segments import cache, reachable
 from ._unsent import guard
 
-__all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "swap", "pack_items", "encode", "encode_parts", "guard", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
+__all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "pack_items", "encode", "encode_parts", "guard", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
            "is_shared_by_reference", "cache", "reachable", "await_taken"]
 

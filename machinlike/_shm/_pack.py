@@ -23,8 +23,8 @@ segment is FREE at once), however many senders there are.
 Small items (under ``PACK_MIN``: a transition's observation) cost more to pickle one by
 one than their bytes. From ``SMALL_MIN`` of them in a message, one bytes object in the
 message carries them all and the receiver copies each out (so keeping one keeps nothing
-else); the walk notes them and ``swap`` puts their placeholders in afterwards, so a call
-with a few small tensors pays nothing.
+else). The walk puts a placeholder for each in at once (one walk, not a second one to
+swap them in); with fewer than ``SMALL_MIN`` the placeholders pickle as the items.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import operator
 import os
 import threading
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -104,17 +104,19 @@ class Pack:
         self._refs: List[_Packed] = []
         self._total = 0  # bytes of the segment (each item aligned)
         self._bytes = 0  # bytes of the items (one alone is under the threshold: never packed)
-        self._small: List[Item] = []
+        self._small: List[_Packed] = []
         self._seg: Optional[Segment] = None  # the segment lent for this message (loading it frees it)
         self.lent: List[Segment] = []  # every segment lent for this message, its large items' too
 
     def wants(self, nbytes: int) -> bool:
         return PACK_MIN <= nbytes < self._threshold
 
-    def note_small(self, item: Item) -> None:
-        """``item`` (eligible, under ``PACK_MIN``) stays in the message; :meth:`commit`
-        bundles such items when there are many (the walk then swaps them, see there)."""
-        self._small.append(item)
+    def add_small(self, item: Item) -> _Packed:
+        """A placeholder for ``item`` (eligible, under ``PACK_MIN``): :meth:`commit`
+        bundles such items when there are many; else it pickles as the item itself."""
+        ref = _Packed(item)
+        self._small.append(ref)
+        return ref
 
     def add(self, item: Item) -> _Packed:
         """A placeholder for ``item`` (a strided CPU tensor without history, or a numpy
@@ -125,19 +127,13 @@ class Pack:
         self._bytes += item.nbytes
         return ref
 
-    def commit(self) -> Dict[int, _Packed]:
+    def commit(self) -> None:
         """Copy the medium items into one leased segment when they add up to the threshold
         and a segment is free (else they pickle as themselves); bundle the small ones when
-        there are at least ``SMALL_MIN``.
-
-        Returns:
-            The small items' placeholders by ``id`` of the item, for the caller to swap in
-            (empty: none bundled).
-        """
-        swaps = self._bundle_small()
+        there are at least ``SMALL_MIN``."""
+        self._bundle_small()
         if self._bytes >= self._threshold:
             self._pack_medium()
-        return swaps
 
     @property
     def leased(self) -> bool:
@@ -150,27 +146,24 @@ class Pack:
             cache().release(self._seg)
             self._seg = None
 
-    def _bundle_small(self) -> Dict[int, _Packed]:
+    def _bundle_small(self) -> None:
         # Tiny tensors (a transition's observation) cost more in per-tensor pickling than
         # their bytes: one bytes object carries them all, and the receiver copies each out
-        # (no view: keeping one must not keep the others).
-        items = list({id(item): item for item in self._small}.values())
-        if len(items) < SMALL_MIN:
-            return {}
-        total = sum(_aligned(item.nbytes) for item in items)
-        blob = torch.empty(total, dtype=torch.uint8)
+        # (no view: keeping one must not keep the others). (The walk's memo gave an item
+        # met twice one placeholder.)
+        refs = self._small
+        if len(refs) < SMALL_MIN:
+            return
+        blob = torch.empty(sum(_aligned(ref.item.nbytes) for ref in refs), dtype=torch.uint8)
         table = []
         offset = 0
-        for item in items:
-            table.append(_copy_in(blob, offset, item))
-            offset += _aligned(item.nbytes)
+        for ref in refs:
+            table.append(_copy_in(blob, offset, ref.item))
+            offset += _aligned(ref.item.nbytes)
         whole = _Unpacked((_load_small, (blob.numpy().tobytes(), table)))
-        swaps = {}
-        for index, item in enumerate(items):
-            ref = _Packed(item)
+        for index, ref in enumerate(refs):
             ref.reduced = (operator.getitem, (whole, index))
-            swaps[id(item)] = ref
-        return swaps
+            ref.item = None  # type: ignore[assignment]  # (copied: the message need not keep it)
 
     def _pack_medium(self) -> None:
         seg = cache().lease(self._total)
@@ -204,11 +197,12 @@ def _copy_in(dest: torch.Tensor, offset: int, item: Item) -> Tuple[Any, ...]:
             np.copyto(array_over(dest[offset:offset + nbytes].numpy(), item.dtype, item.shape, order), item,
                       casting="no")
         return (_ARRAY, offset, nbytes, item.dtype, item.shape, order)
-    source = item.detach()
+    source = item
     layout = None
     if source.is_contiguous():  # (torch's copy_ costs more in dispatch than 64 KB take to move)
         ctypes.memmove(dest.data_ptr() + offset, source.data_ptr(), nbytes)
     else:
+        source = item.detach()  # (only copy_ needs it: detach costs more than a small item's copy)
         layout = dense_order(source)  # a channels-last or transposed tensor keeps its layout
         if layout is not None:
             source = source.permute(layout)

@@ -40,7 +40,7 @@ When IPC is used (else staging, as before, counted in ``stats``):
 Anything else (no room in the area, a tensor that is sparse or quantized, an export that
 fails) stages that device's tensors of the message instead; nothing raises.
 
-Limits: tensors are found in lists, tuples and dicts, as by the staging walk; views of one
+Limits: tensors are found where the staging walk finds them (``_shm._walk``); views of one
 storage arrive as separate tensors; processes that see different GPUs, or the same GPUs
 in a different order (``CUDA_VISIBLE_DEVICES``), stage. Between hosts nothing changes.
 """

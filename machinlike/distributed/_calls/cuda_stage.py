@@ -9,7 +9,7 @@ receiver puts it back::
 
     sender (CUDA initialised here)                receiver
     outgoing / reply: one walk over the call's    unpickling: staging._land(host, index, ...)
-    lists, tuples and dicts                         this process initialised CUDA and
+    containers and dataclass-like objects           this process initialised CUDA and
       cuda:i tensor ─► pinned copy ─► _Staged ───►    sees cuda:i?  yes ─► on cuda:i
       CPU tensor ─► same-host placeholder (when                     no  ─► stays on the CPU
                     the peer shares this host)
@@ -22,8 +22,9 @@ peer's devices then; staging works for any pair at any time, at the price of two
 (device to host, host to device). Between processes of one host that use the same GPUs,
 ``cuda_ipc`` replaces staging (``staging`` stays the fallback) (the walk hands it those tensors: ``encode``'s ``ipc``).
 
-Limits, stated in the docs: tensors are found in lists, tuples and dicts (as the
-same-host path finds them), not inside other objects; views of one CUDA storage arrive
+Limits, stated in the docs: tensors are found where the same-host path finds them
+(lists, tuples, dicts, namedtuples, objects pickled by their ``__dict__``: see
+``_shm._walk``), not inside objects that pickle their own way; views of one CUDA storage arrive
 as separate tensors; ``requires_grad`` is kept, autograd history (distributed autograd)
 is not.
 """
@@ -34,7 +35,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from ..._shm import Pack, swap, walk
+from ..._shm import Pack, walk
 from ..._shm import guard as _shm_guard
 from ..._shm._segments import Segment
 from ..._shm import encode_array as _shm_encode_array
@@ -93,7 +94,7 @@ def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]) -> Tup
 
     out = walk(obj, leaf, None, (lambda array: _shm_encode_array(array, shm_threshold, pack)) if shm_threshold else None)
     if pack is not None:
-        out = swap(out, pack.commit())
+        pack.commit()
     if batch is not None:  # one slab per device; a device without one stages (counted)
         batch.commit(refs, stage_tensor, pending)
     for device in pending:  # the copies were queued on each device's current stream
