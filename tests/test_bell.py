@@ -158,3 +158,42 @@ def test_the_bell_thread_ends_when_the_store_is_sigkilled(tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait(10)
+
+
+class _Racing:
+    """A real store client whose next wait, once armed, deletes the key it waited for as it
+    returns: KEEP rings came between the bell thread's wake and its read (a burst while
+    the thread starved)."""
+
+    def __init__(self, real):
+        self._real = real
+        self.armed = None  # the ring counter's key, to move on by KEEP rings
+
+    def wait(self, keys, timeout):
+        self._real.wait(keys, timeout)
+        if self.armed is not None:
+            self._real.add(self.armed, _bell.KEEP)  # (later rings fill only the ring before theirs)
+            self._real.delete_key(keys[0])
+            self.armed = None
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_a_ring_deleted_before_its_read_holds_the_bell_thread_a_moment_only(server, monkeypatch):
+    made = []
+    real_client = _bell.own_client
+    monkeypatch.setattr(_bell, "own_client", lambda *a: made.append(_Racing(real_client(*a))) or made[-1])
+    w = _World(server, "d", 2)
+    try:
+        threads = [t for t in threading.enumerate() if t.name == "machinlike-bell-" + w.keys.ns]
+        made[0].armed = w.keys.bell_count()
+        w.members["m0"].bell.ring()  # the thread wakes; its ring is gone when it reads it
+        deadline = time.monotonic() + 5
+        while made[0].armed is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert made[0].armed is None
+    finally:
+        w.close()
+    threads[0].join(_bell.RING_READ.total_seconds() + 2.0)  # (it waited the requests' 10 s)
+    assert not threads[0].is_alive()

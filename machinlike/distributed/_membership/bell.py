@@ -88,6 +88,8 @@ KEEP = 64
 WAIT = datetime.timedelta(hours=1)
 #: Timeout of the bell connection's other requests (its counter read), seconds.
 REQUEST_TIMEOUT = 10.0
+#: Bound on the read of the ring that woke the thread (it may have been deleted since).
+RING_READ = datetime.timedelta(seconds=1)
 #: Wakes in a row before the bell keeps to one per ``gap``.
 BURST = 4
 #: What a ring holds when it carries no departure (a member stopping; a hole's fill).
@@ -351,11 +353,16 @@ class _Hub:
                 except dist.DistStoreError:
                     continue  # WAIT passed with no departure: wait again
                 try:
-                    carried, rung, counted = (v.decode() for v in own.multi_get(
-                        [self._keys.bell(heard + 1), count, log_count]))
+                    # A read of a key waits for it: that ring, deleted because KEEP more
+                    # came since the wait ended (a burst while this thread starved), held
+                    # the thread REQUEST_TIMEOUT. A short bound: then the counters alone.
+                    own.set_timeout(RING_READ)
+                    try:
+                        carried, rung, counted = (v.decode() for v in own.multi_get(
+                            [self._keys.bell(heard + 1), count, log_count]))
+                    finally:
+                        own.set_timeout(datetime.timedelta(seconds=REQUEST_TIMEOUT))
                 except dist.DistStoreError:
-                    # (that ring was deleted: KEEP more came since the wait ended; its
-                    # multi_get waited REQUEST_TIMEOUT: read the counters alone)
                     carried, rung, counted = NONE, *(v.decode() for v in own.multi_get([count, log_count]))
                 heard, total = int(rung), int(counted)
                 members = self._members()
