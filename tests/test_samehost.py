@@ -549,7 +549,7 @@ def _assert_arrived_as_sent(sent_items, got_items, own_memory):
     for sent, got in zip(sent_items, got_items):
         assert type(got) is type(sent), type(sent)
         if isinstance(sent, np.ndarray):
-            assert got.dtype == sent.dtype and (got == sent).all()
+            assert got.dtype == sent.dtype and got.shape == sent.shape and (got == sent).all()
             assert got.flags.f_contiguous == sent.flags.f_contiguous
             assert not own_memory or got.base is None or got.base.nbytes == got.nbytes
         else:
@@ -664,10 +664,13 @@ def _small_body(world):
                   + [torch.arange(12).reshape(3, 4).t(), torch.rand(1, 2, 3, 3).to(memory_format=torch.channels_last),
                      torch.rand(16) > 0.5, torch.rand(16).to(torch.bfloat16), torch.zeros(0),
                      torch.nn.Parameter(torch.rand(4), requires_grad=False), torch.rand(3, requires_grad=True),
-                     np.asfortranarray(np.random.rand(4, 4)), np.arange(6, dtype=np.int16), shared])
+                     np.asfortranarray(np.random.rand(4, 4)), np.arange(6, dtype=np.int16), shared,
+                     torch.tensor(0.5), torch.tensor(7), np.array(2.5, dtype=np.float32),  # 0-d: a reward
+                     np.arange(6, dtype=np.int16) + 1, torch.rand(8).to(torch.float16)])
         args, kwargs = g.registered_sync("both", args=tuple(smalls), kwargs={"again": shared})
         _assert_arrived_as_sent(smalls, args, own_memory=True)
-        assert args[-1] is kwargs["again"]  # one tensor in args and kwargs arrives as one
+        at = next(i for i, x in enumerate(smalls) if x is shared)
+        assert args[at] is kwargs["again"]  # one tensor in args and kwargs arrives as one
     g.barrier()
     g.destroy()
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .._gc import paused as paused_gc
 from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, expand_back, expanded, undo_order
@@ -313,9 +314,10 @@ def encode_parts(parts: Tuple[Any, ...], threshold: int) -> Tuple[Any, ...]:
     part was pickled."""
     pack = Pack(threshold)
     memo: Dict[int, Any] = {}
-    out = [walk(part, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
-                lambda array: encode_array(array, threshold, pack)) for part in parts]
-    pack.commit()
+    with paused_gc():
+        out = [walk(part, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
+                    lambda array: encode_array(array, threshold, pack)) for part in parts]
+        pack.commit()
     return guard(out, pack.lent)
 
 
@@ -325,9 +327,10 @@ def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:
     pack, whose ``leased`` says a segment was lent (loading the payload frees it; a
     payload never made must ``release`` it)."""
     pack = Pack(threshold)
-    out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack, large=False), None,
-               lambda array: encode_array(array, threshold, pack, large=False))
-    pack.commit()
+    with paused_gc():
+        out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack, large=False), None,
+                   lambda array: encode_array(array, threshold, pack, large=False))
+        pack.commit()
     return out, pack
 
 

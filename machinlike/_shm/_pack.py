@@ -43,6 +43,7 @@ from .._reductions.arrays import array_over, order_of
 from .._reductions.copy import dense_order, undo_order
 from . import _receive
 from ._segments import Segment, cache
+from ._small import Stack, stack, unstack
 
 __all__ = ["Pack", "PACK_MIN", "SMALL_MIN", "finish"]
 
@@ -148,19 +149,20 @@ class Pack:
 
     def _bundle_small(self) -> None:
         # Tiny tensors (a transition's observation) cost more in per-tensor pickling than
-        # their bytes: one bytes object carries them all, and the receiver copies each out
-        # (no view: keeping one must not keep the others). (The walk's memo gave an item
-        # met twice one placeholder.)
+        # their bytes: those of one kind are stacked (``_small``), the others copied into
+        # one bytes object, and the receiver copies each out (no view: keeping one must
+        # not keep the others). (The walk's memo gave an item met twice one placeholder.)
         refs = self._small
         if len(refs) < SMALL_MIN:
             return
-        blob = torch.empty(sum(_aligned(ref.item.nbytes) for ref in refs), dtype=torch.uint8)
+        stacks, rest = stack([ref.item for ref in refs])
+        blob = torch.empty(sum(_aligned(refs[i].item.nbytes) for i in rest), dtype=torch.uint8)
         table = []
         offset = 0
-        for ref in refs:
-            table.append(_copy_in(blob, offset, ref.item))
-            offset += _aligned(ref.item.nbytes)
-        whole = _Unpacked((_load_small, (blob.numpy().tobytes(), table)))
+        for i in rest:
+            table.append(_copy_in(blob, offset, refs[i].item))
+            offset += _aligned(refs[i].item.nbytes)
+        whole = _Unpacked((_load_small, (len(refs), stacks, blob.numpy().tobytes(), table, rest)))
         for index, ref in enumerate(refs):
             ref.reduced = (operator.getitem, (whole, index))
             ref.item = None  # type: ignore[assignment]  # (copied: the message need not keep it)
@@ -246,10 +248,17 @@ def _load_pack(pid: int, fd: int, inode: int, capacity: int, table: List[Tuple[A
     return [_copy_out(start, entry) for entry in table]
 
 
-def _load_small(data: bytes, table: List[Tuple[Any, ...]]) -> List[Item]:
-    """Every item of a message's bundle of small ones, each copied out of ``data``."""
-    start = np.frombuffer(data, dtype=np.uint8).ctypes.data
-    return [_copy_out(start, entry) for entry in table]
+def _load_small(count: int, stacks: List[Stack], data: bytes, table: List[Tuple[Any, ...]],
+                rest: List[int]) -> List[Item]:
+    """Every item of a message's bundle of small ones, each copied out: the stacked ones
+    from their stacks, the rest out of ``data``."""
+    out: List[Any] = [None] * count
+    unstack(stacks, out)
+    if rest:
+        start = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        for position, entry in zip(rest, table):
+            out[position] = _copy_out(start, entry)
+    return out
 
 
 def _view(base: np.ndarray, entry: Tuple[Any, ...]) -> Item:
