@@ -11,6 +11,7 @@ import collections
 import dataclasses
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -224,6 +225,7 @@ def _objects_body(world):
                           and torch.equal(b.info["frames"][0], other) and b.info["r"] == 1.0),
             "frozen": (_Frozen(big), lambda b: type(b) is _Frozen and torch.equal(b.frame, big)),
             "setstate": (_Stated(big), lambda b: b.restored and torch.equal(b.t, big)),
+            "namespace": (types.SimpleNamespace(obs=big), lambda b: torch.equal(b.obs, big)),
         }
         for name, (sent, arrived) in walked.items():
             leases = _leases()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import itertools
+import types
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
@@ -65,6 +66,8 @@ class _Rebuilt:
 
 def _plan_of(kind: type) -> int:
     """How pickle's default reduction treats ``kind``'s objects, where the walk can mirror it."""
+    if kind is types.SimpleNamespace:  # (its reduction: the class, then its __dict__ as state)
+        return _STATE
     if kind in copyreg.dispatch_table or getattr(kind, "__reduce_ex__") is not _OBJECT_REDUCE_EX \
             or getattr(kind, "__reduce__") is not _OBJECT_REDUCE:
         return _LEAVE  # pickled its own way (an enum, a tensor subclass, a lock's refusal)
