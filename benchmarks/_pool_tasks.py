@@ -3,6 +3,7 @@ reference (the standard pools cannot send functions defined in ``__main__`` by v
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -17,3 +18,11 @@ def timed_sum(tensor: torch.Tensor):
     begin = time.perf_counter()
     total = float(tensor.sum())
     return total, time.perf_counter() - begin
+
+
+Step = collections.namedtuple("Step", "obs reward")
+
+
+def steps(n: int):
+    """``n`` transitions as an actor's worker returns them: (observation, 0-d reward)."""
+    return [Step(torch.rand(8), torch.tensor(0.5)) for _ in range(n)]

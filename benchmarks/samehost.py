@@ -24,7 +24,9 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
   tensor through a share-mode pool (ms beyond the worker's compute, median and max of 20);
 * numpy arrays (observations, replay batches): a 64 MB array echoed through
   ``registered_sync`` against raw ``rpc_sync``, and sent to a ``Pool`` worker that sums
-  it against the standard library's ``multiprocessing`` pool (both spawn their workers).
+  it against the standard library's ``multiprocessing`` pool (both spawn their workers);
+  the same two pools for a list of 200 x 64 KB tensors to a worker, and for 1,000
+  (observation, reward) namedtuples a worker returns.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from torch.distributed import rpc
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [BENCH_DIR, os.path.dirname(BENCH_DIR)]
 
-from _pool_tasks import timed_sum  # noqa: E402
+from _pool_tasks import steps, timed_sum  # noqa: E402
 
 from machinlike import launch  # noqa: E402
 from machinlike.distributed import share  # noqa: E402
@@ -278,6 +280,16 @@ def pools(reps: int) -> Dict[str, float]:
                 pool.apply(len, (frames,))
                 times.append(time.perf_counter() - start)
             out[name] = statistics.median(times) * 1e3
+    for name, make in (("steps_stdlib", lambda: multiprocessing.get_context("spawn").Pool(1)),
+                       ("steps_ours", lambda: Pool(1))):  # 1,000 namedtuples of small tensors back
+        with make() as pool:
+            pool.apply(steps, (1000,))
+            times = []
+            for _ in range(reps * 3):
+                start = time.perf_counter()
+                pool.apply(steps, (1000,))
+                times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times) * 1e3
     return out
 
 
@@ -326,6 +338,8 @@ def main() -> None:
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
         ("pool, list of 200 x 64 KB tensors to a worker (ms)", f"{pool['frames_stdlib']:.1f} (stdlib)",
          f"{pool['frames_ours']:.1f}", f"{pool['frames_stdlib'] / pool['frames_ours']:.2f}x", ""),
+        ("pool, 1,000 (obs, reward) namedtuples from a worker (ms)", f"{pool['steps_stdlib']:.1f} (stdlib)",
+         f"{pool['steps_ours']:.1f}", f"{pool['steps_stdlib'] / pool['steps_ours']:.2f}x", ""),
     ]
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'peer':>16}  {'machinlike':>14}  {'ratio':>7}  target")
