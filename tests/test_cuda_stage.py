@@ -111,6 +111,15 @@ def test_walk_finds_tensors_in_objects_pickled_by_their_state_only():
     assert _cuda_stage.walk([slots], _marked)[0] is slots  # its own state: left to the carrier
 
 
+def test_the_walks_plans_stay_bounded_when_classes_are_made_per_call():
+    from machinlike._shm import _walk
+
+    for i in range(3 * _walk._PLANS_MAX):
+        kind = collections.namedtuple("Made", "x")  # a namedtuple class made inside a loop
+        assert _cuda_stage.walk([kind(torch.ones(1))], _marked)[0].x == ("staged", torch.ones(1))
+    assert len(_walk._plans) <= _walk._PLANS_MAX
+
+
 def test_encode_without_cuda_tensors_or_shm_changes_nothing():
     obj = ({"x": torch.ones(1000)}, [torch.ones(3)])
     assert _cuda_stage.encode(obj, 0) is obj

@@ -47,6 +47,7 @@ _DICTS = frozenset({dict})
 
 _LEAVE, _FIELDS, _STATE = 0, 1, 2  # what the walk does with an object of a class
 _plans: Dict[type, int] = {}
+_PLANS_MAX = 1024
 _IN_PROGRESS = object()  # the memo's mark of a tuple whose items are being walked
 _OBJECT_GETSTATE = getattr(object, "__getstate__", None)
 _OBJECT_REDUCE_EX, _OBJECT_REDUCE = object.__reduce_ex__, object.__reduce__
@@ -84,6 +85,8 @@ def _plan_of(kind: type) -> int:
 def _plan(kind: type) -> int:
     plan = _plans.get(kind)
     if plan is None:
+        if len(_plans) >= _PLANS_MAX:  # classes made anew per call (a namedtuple in a function)
+            _plans.clear()             # must not pile up here, each kept alive
         plan = _plans[kind] = _plan_of(kind)
     return plan
 
