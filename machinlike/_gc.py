@@ -1,10 +1,10 @@
 """Pausing the cyclic garbage collector around a burst of allocations of one message.
 
 Why: encoding a list of 1,000 transitions allocates some ten thousand tracked objects
-(containers, placeholders), freed when the message is gone. Each 700 allocations started a collection of the young generations, and every
-tenth of those one of the middle generation, in a process that holds a replay buffer's
-worth of objects: about 40 % of the encode's time (11 ms of which 4 ms collecting, for
-2,000 small tensors). Paused, the objects that are freed with the message are never
+(containers, placeholders), freed when the message is gone. Each 700 allocations started
+a collection of the young generations, and every tenth of those one of the middle
+generation, in a process that holds a replay buffer's worth of objects: about 40 % of the
+encode's time (11 ms of which 4 ms collecting, for 2,000 small tensors). Paused, the objects that are freed with the message are never
 collected. (Not around loading: there what is allocated is what the receiver keeps, and
 one collection of all of it at the end cost more than the collections during the load,
 which untrack tuples of numbers as they go: 200k tuples loaded in 42 ms against 31.)
