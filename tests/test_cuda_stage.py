@@ -120,6 +120,21 @@ def test_the_walks_plans_stay_bounded_when_classes_are_made_per_call():
     assert len(_walk._plans) <= _walk._PLANS_MAX
 
 
+class _Odd(type):
+    def __getattr__(cls, name):
+        raise RuntimeError(f"no {name} here")  # (not AttributeError: hasattr lets it through)
+
+
+class _OddClass(metaclass=_Odd):
+    def __init__(self):
+        self.t = torch.ones(1)
+
+
+def test_a_class_whose_attribute_lookup_raises_is_left_to_the_carrier():
+    odd = _OddClass()
+    assert _cuda_stage.walk([odd], _marked)[0] is odd
+
+
 def test_encode_without_cuda_tensors_or_shm_changes_nothing():
     obj = ({"x": torch.ones(1000)}, [torch.ones(3)])
     assert _cuda_stage.encode(obj, 0) is obj

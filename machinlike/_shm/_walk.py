@@ -87,7 +87,11 @@ def _plan(kind: type) -> int:
     if plan is None:
         if len(_plans) >= _PLANS_MAX:  # classes made anew per call (a namedtuple in a function)
             _plans.clear()             # must not pile up here, each kept alive
-        plan = _plans[kind] = _plan_of(kind)
+        try:
+            plan = _plan_of(kind)
+        except Exception:  # a metaclass whose attribute lookup raises: the carrier decides
+            plan = _LEAVE
+        _plans[kind] = plan
     return plan
 
 
