@@ -75,10 +75,11 @@ def _plan_of(kind: type) -> int:
     if issubclass(kind, tuple):  # a namedtuple without instance attributes: its items are all
         return _FIELDS if hasattr(kind, "_make") and hasattr(kind, "_fields") and kind.__dictoffset__ == 0 else _LEAVE
     if kind.__new__ is not object.__new__ or kind.__dictoffset__ == 0 \
+            or kind.__getattribute__ is not object.__getattribute__ \
             or any("__slots__" in vars(base) for base in kind.__mro__) \
             or hasattr(kind, "__getnewargs_ex__") or hasattr(kind, "__getnewargs__") \
             or getattr(kind, "__getstate__", None) is not _OBJECT_GETSTATE:
-        return _LEAVE  # a builtin's subclass, slots, constructor arguments or a state of its own
+        return _LEAVE  # a builtin's subclass, slots, a proxy, constructor arguments or a state of its own
     return _STATE
 
 
