@@ -202,6 +202,20 @@ class _Stated:
         self.__dict__.update(state, restored=True)
 
 
+class _Sample(dict):  # a batch class over a dict, with an attribute (an RLlib SampleBatch)
+    pass
+
+
+class _Trajectory(list):
+    pass
+
+
+def _sample(big):
+    sample = _Sample(obs=big, r=1.0)
+    sample.count = 3
+    return sample
+
+
 class _Slotted:
     __slots__ = ("t",)
 
@@ -226,6 +240,12 @@ def _objects_body(world):
             "frozen": (_Frozen(big), lambda b: type(b) is _Frozen and torch.equal(b.frame, big)),
             "setstate": (_Stated(big), lambda b: b.restored and torch.equal(b.t, big)),
             "namespace": (types.SimpleNamespace(obs=big), lambda b: torch.equal(b.obs, big)),
+            "dict subclass": (_sample(big), lambda b: type(b) is _Sample and b.count == 3 and b["r"] == 1.0
+                              and torch.equal(b["obs"], big)),
+            "list subclass": (_Trajectory([big, other]), lambda b: type(b) is _Trajectory and len(b) == 2
+                              and torch.equal(b[1], other)),
+            "deque": (collections.deque([big, other], maxlen=4), lambda b: type(b) is collections.deque
+                      and b.maxlen == 4 and torch.equal(b[0], big)),
         }
         for name, (sent, arrived) in walked.items():
             leases = _leases()
@@ -250,8 +270,9 @@ def _objects_body(world):
 
 @pytest.mark.parametrize("lane", [True, False])
 def test_tensors_in_namedtuples_dataclasses_and_objects_take_shared_memory(lane):
-    """The tensors of a namedtuple, a dataclass or an object pickled by its ``__dict__``
-    (a ``Batch`` or ``Transition`` of RL code) take the same-host path as in a tuple (they
+    """The tensors of a namedtuple, a dataclass, an object pickled by its ``__dict__``, a
+    dict's or a list's subclass or a deque (a ``Batch``, a ``Transition``, a
+    ``SampleBatch``, a frame stack of RL code) take the same-host path as in a tuple (they
     took the carrier's: a 64 MB one 2.5 times slower); objects reached twice, a cycle
     through a child's parent included, arrive as pickle gives them."""
     run_world(_objects_body, 2, timeout=120, same_host_lane=lane)

@@ -6,10 +6,12 @@ holds them; what holds none is passed on as it is::
 
     tensor / Parameter / array      ─► leaf(x)   (once per object: the memo)
     list, tuple, dict, OrderedDict  ─► its items walked; a copy when one changed
-    namedtuple                      ─► the same, rebuilt with ``_make``
+    namedtuple, deque               ─► the same, rebuilt with ``_make`` / maxlen kept
     an object pickled by its state  ─► its ``__dict__`` walked; when one changed, a
       (dataclass, plain class,         _Rebuilt, which pickles as pickle would have
       an environment's info)           pickled the object (a blank one, then its state)
+    a dict's or a list's subclass   ─► its items and attributes walked: a _Rebuilt too
+      (a SampleBatch)                  (a blank one, its items, then its state)
     anything else                   ─► left to the carrier
 
 Objects count since RL code moves ``Batch``/``Transition`` namedtuples and dataclasses:
@@ -26,7 +28,7 @@ import collections
 import copyreg
 import itertools
 import types
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -45,7 +47,7 @@ _ATOMS = frozenset({float, int, bool, str, bytes, complex, type(None), np.float6
 _SEQUENCES = frozenset({tuple, list})
 _DICTS = frozenset({dict})
 
-_LEAVE, _FIELDS, _STATE = 0, 1, 2  # what the walk does with an object of a class
+_LEAVE, _FIELDS, _STATE, _KEYED, _LISTED = 0, 1, 2, 3, 4  # what the walk does with an object of a class
 _plans: Dict[type, int] = {}
 _PLANS_MAX = 1024
 _IN_PROGRESS = object()  # the memo's mark of a tuple whose items are being walked
@@ -54,15 +56,22 @@ _OBJECT_REDUCE_EX, _OBJECT_REDUCE = object.__reduce_ex__, object.__reduce__
 
 
 class _Rebuilt:
-    """Pickles as its object would have, with the walked state (see the module doc)."""
+    """Pickles as its object would have, with the walked state and items (see the module
+    doc): a blank object of ``kind``, then its items (a list's or a dict's subclass), then
+    its state."""
 
-    __slots__ = ("reduced",)
+    __slots__ = ("kind", "state", "listed", "keyed")
 
     def __init__(self) -> None:
-        self.reduced: Tuple[Any, ...] = ()
+        self.kind: type = object
+        self.state: Optional[Dict[str, Any]] = None
+        self.listed: Optional[List[Any]] = None
+        self.keyed: Optional[List[Tuple[Any, Any]]] = None
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        return self.reduced
+        # (fresh iterators each time: a message pickled twice, the lane's then TensorPipe's)
+        return (_new, (self.kind,), self.state, None if self.listed is None else iter(self.listed),
+                None if self.keyed is None else iter(self.keyed))
 
 
 def _plan_of(kind: type) -> int:
@@ -74,13 +83,21 @@ def _plan_of(kind: type) -> int:
         return _LEAVE  # pickled its own way (an enum, a tensor subclass, a lock's refusal)
     if issubclass(kind, tuple):  # a namedtuple without instance attributes: its items are all
         return _FIELDS if hasattr(kind, "_make") and hasattr(kind, "_fields") and kind.__dictoffset__ == 0 else _LEAVE
-    if kind.__new__ is not object.__new__ or kind.__dictoffset__ == 0 \
-            or kind.__getattribute__ is not object.__getattribute__ \
-            or any("__slots__" in vars(base) for base in kind.__mro__) \
-            or hasattr(kind, "__getnewargs_ex__") or hasattr(kind, "__getnewargs__") \
-            or getattr(kind, "__getstate__", None) is not _OBJECT_GETSTATE:
-        return _LEAVE  # a builtin's subclass, slots, a proxy, constructor arguments or a state of its own
-    return _STATE
+    if issubclass(kind, dict):  # a batch class over a dict (an RLlib SampleBatch): its items too
+        return _KEYED if _by_default(kind, dict) else _LEAVE
+    if issubclass(kind, list):
+        return _LISTED if _by_default(kind, list) else _LEAVE
+    return _STATE if kind.__dictoffset__ != 0 and _by_default(kind, object) else _LEAVE
+
+
+def _by_default(kind: type, base: type) -> bool:
+    """Whether ``kind``, a subclass of ``base``, is pickled by ``base``'s default reduction:
+    not with slots, a proxy's attribute lookup, constructor arguments or a state of its own."""
+    return (kind.__new__ is base.__new__
+            and kind.__getattribute__ is base.__getattribute__
+            and not any("__slots__" in vars(cls) for cls in kind.__mro__)
+            and not hasattr(kind, "__getnewargs_ex__") and not hasattr(kind, "__getnewargs__")
+            and getattr(kind, "__getstate__", None) is _OBJECT_GETSTATE)
 
 
 def _plan(kind: type) -> int:
@@ -153,6 +170,11 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
         return obj if _plain(obj) else _tuple(obj, leaf, memo, array, kind._make)
     if plan == _STATE:
         return _object(obj, leaf, memo, array)
+    if plan == _KEYED or plan == _LISTED:
+        return _items(obj, leaf, memo, array)
+    if kind is collections.deque:  # (a frame stack)
+        return obj if not obj or _plain(obj) else _tuple(obj, leaf, memo, array,
+                                                         lambda items: collections.deque(items, obj.maxlen))
     return obj
 
 
@@ -178,8 +200,9 @@ def _dict(obj: dict, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf
     return out
 
 
-def _tuple(obj: tuple, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf],
-           make: Callable[[Any], tuple]) -> Any:
+def _tuple(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf],
+           make: Callable[[Any], Any]) -> Any:
+    """A tuple, a namedtuple or a deque (``make`` builds one from the walked items)."""
     memo[id(obj)] = _IN_PROGRESS  # (a tuple exists only after its items: met again meanwhile, it stays as it is)
     items = [walk(item, leaf, memo, array) for item in obj]
     out = obj if all(a is b for a, b in zip(items, obj)) else make(items)
@@ -197,7 +220,30 @@ def _object(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLea
     if walked is state:
         memo[id(obj)] = obj
         return obj
-    out.reduced = (_new, (type(obj),), walked)
+    out.kind, out.state = type(obj), walked
+    return out
+
+
+def _items(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf]) -> Any:
+    """A list's or a dict's subclass: its items and its attributes walked."""
+    keyed = isinstance(obj, dict)
+    state = getattr(obj, "__dict__", None) or None
+    if _plain(obj.values() if keyed else obj) and (state is None or _plain(state.values())):
+        return obj
+    out = _Rebuilt()
+    memo[id(obj)] = out
+    same = True
+    if keyed:
+        out.keyed = [(key, walk(value, leaf, memo, array)) for key, value in obj.items()]
+        same = all(walked is value for (_, walked), value in zip(out.keyed, obj.values()))
+    else:
+        out.listed = [walk(item, leaf, memo, array) for item in obj]
+        same = all(walked is item for walked, item in zip(out.listed, obj))
+    walked_state = None if state is None else _dict(state, leaf, memo, array)
+    if same and walked_state is state:
+        memo[id(obj)] = obj
+        return obj
+    out.kind, out.state = type(obj), walked_state
     return out
 
 
