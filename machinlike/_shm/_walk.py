@@ -168,10 +168,8 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
     plan = _plan(kind)
     if plan == _FIELDS:
         return obj if _plain(obj) else _tuple(obj, leaf, memo, array, kind._make)
-    if plan == _STATE:
-        return _object(obj, leaf, memo, array)
-    if plan == _KEYED or plan == _LISTED:
-        return _items(obj, leaf, memo, array)
+    if plan == _STATE or plan == _KEYED or plan == _LISTED:
+        return _object(obj, leaf, memo, array, plan)
     if kind is collections.deque:  # (a frame stack)
         return obj if not obj or _plain(obj) else _tuple(obj, leaf, memo, array,
                                                          lambda items: collections.deque(items, obj.maxlen))
@@ -210,35 +208,20 @@ def _tuple(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf
     return out
 
 
-def _object(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf]) -> Any:
-    state = obj.__dict__
-    if not state or _plain(state.values()):
-        return obj
-    out = _Rebuilt()
-    memo[id(obj)] = out  # (before its state: a part that points back, a child's parent, gets it)
-    walked = _dict(state, leaf, memo, array) if type(state) is dict else state
-    if walked is state:
-        memo[id(obj)] = obj
-        return obj
-    out.kind, out.state = type(obj), walked
-    return out
-
-
-def _items(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf]) -> Any:
-    """A list's or a dict's subclass: its items and its attributes walked."""
-    keyed = isinstance(obj, dict)
+def _object(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf], plan: int) -> Any:
+    """An object pickled by its state; a list's or a dict's subclass, its items too."""
     state = getattr(obj, "__dict__", None) or None
-    if _plain(obj.values() if keyed else obj) and (state is None or _plain(state.values())):
+    items = obj.values() if plan == _KEYED else obj if plan == _LISTED else ()
+    if _plain(items) and (state is None or _plain(state.values())):
         return obj
     out = _Rebuilt()
-    memo[id(obj)] = out
-    same = True
-    if keyed:
+    memo[id(obj)] = out  # (before its contents: a part that points back, a child's parent, gets it)
+    if plan == _KEYED:
         out.keyed = [(key, walk(value, leaf, memo, array)) for key, value in obj.items()]
         same = all(walked is value for (_, walked), value in zip(out.keyed, obj.values()))
     else:
-        out.listed = [walk(item, leaf, memo, array) for item in obj]
-        same = all(walked is item for walked, item in zip(out.listed, obj))
+        out.listed = [walk(item, leaf, memo, array) for item in items] if plan == _LISTED else None
+        same = out.listed is None or all(walked is item for walked, item in zip(out.listed, obj))
     walked_state = None if state is None else _dict(state, leaf, memo, array)
     if same and walked_state is state:
         memo[id(obj)] = obj
