@@ -19,7 +19,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 
@@ -72,6 +72,14 @@ class _Workers:
             self._queued += count
         for _ in range(count):
             self._jobs.put(None)
+
+
+def _payload(value: Any) -> Tuple[Union[bytes, Body], int]:
+    """The reply frame's body and kind for ``value``: OK, or ERR saying it did not pickle."""
+    try:
+        return reply_bytes(value), OK
+    except Exception as err:
+        return f"the reply could not be pickled: {type(err).__name__}: {err}".encode(), ERR
 
 
 class Server:
@@ -151,7 +159,11 @@ class Server:
         except BaseException as err:  # the entry points catch the user's errors; this is ours
             self._finish(conn, send_lock, cid, ERR, f"{type(err).__name__}: {err}".encode())
             return
-        self._reply(conn, send_lock, cid, value)
+        payload, kind = _payload(value)
+        # A reply that failed to pickle releases its lent segments as it dies: before its
+        # caller hears of it, which may at once ask what is lent here.
+        del value, fn, args
+        self._finish(conn, send_lock, cid, kind, payload)
 
     def _settle(self, conn: socket.socket, send_lock: threading.Lock, cid: int, fut: torch.futures.Future) -> None:
         try:
@@ -159,14 +171,8 @@ class Server:
         except BaseException as err:
             self._finish(conn, send_lock, cid, ERR, f"{type(err).__name__}: {err}".encode())
             return
-        self._reply(conn, send_lock, cid, value)
-
-    def _reply(self, conn: socket.socket, send_lock: threading.Lock, cid: int, value: Any) -> None:
-        payload: Union[bytes, Body]
-        try:
-            payload, kind = reply_bytes(value), OK
-        except Exception as err:
-            payload, kind = f"the reply could not be pickled: {type(err).__name__}: {err}".encode(), ERR
+        payload, kind = _payload(value)
+        del value
         self._finish(conn, send_lock, cid, kind, payload)
 
     def _finish(self, conn: socket.socket, send_lock: threading.Lock, cid: int, kind: int,
