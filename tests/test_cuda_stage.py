@@ -102,13 +102,24 @@ class _Slots:
         self.t = torch.ones(1)
 
 
-def test_walk_finds_tensors_in_objects_pickled_by_their_state_only():
+class _Args(_Slots):
+    __slots__ = ()
+
+    def __getnewargs__(self):  # (made with arguments: left to the carrier)
+        return ()
+
+
+def test_walk_finds_tensors_in_objects_pickled_by_their_dict_slots_or_own_state():
     box = _Box()
     out = _cuda_stage.walk([box], _marked)[0]
     assert out is not box and type(pickle.loads(pickle.dumps(out))) is _Box  # pickles as the object, walked
     assert pickle.loads(pickle.dumps(out)).t == ("staged", box.t)
-    slots = _Slots()
-    assert _cuda_stage.walk([slots], _marked)[0] is slots  # its own state: left to the carrier
+    for kind in (_Slots, torch.nn.Linear):  # slots; a state of its own (a module's __getstate__)
+        obj = kind() if kind is _Slots else kind(1, 1)
+        back = pickle.loads(pickle.dumps(_cuda_stage.walk([obj], _marked)[0]))
+        assert type(back) is kind and (back.t if kind is _Slots else back._parameters["weight"])[0] == "staged"
+    args = _Args()
+    assert _cuda_stage.walk([args], _marked)[0] is args
 
 
 def test_the_walks_plans_stay_bounded_when_classes_are_made_per_call():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 import types
@@ -223,6 +224,40 @@ class _Slotted:
         self.t = t
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _SlottedStep:
+    obs: torch.Tensor
+    reward: float
+
+
+class _OwnState:  # drops what cannot be pickled, and makes it anew on arrival
+    def __init__(self, t):
+        self.t, self.lock = t, threading.Lock()
+
+    def __getstate__(self):
+        return {"t": self.t}
+
+    def __setstate__(self, state):
+        self.t, self.lock = state["t"], threading.Lock()
+
+
+def _trained():
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.rand(2, 1024)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _same_training(sent, back):
+    (model, optimizer), (model2, optimizer2) = sent, back
+    params = optimizer2.param_groups[0]["params"]
+    return (all(a is b for a, b in zip(model2.parameters(), params))  # one tensor each, as pickle gives
+            and all(p in optimizer2.state for p in params)  # (its keys: the moments were lost)
+            and all(torch.equal(a, b) for a, b in zip(model.parameters(), params))
+            and torch.equal(optimizer.state[model[0].weight]["exp_avg"], optimizer2.state[params[0]]["exp_avg"]))
+
+
 def _objects_body(world):
     g = world.create_rpc_group("g", world.get_members())
     if world.rank == 1:
@@ -231,6 +266,7 @@ def _objects_body(world):
     if world.rank == 0:
         big, other = torch.rand(MB), torch.rand(MB)  # 4 MB each: through a segment
         small = [torch.rand(4) for _ in range(16)]  # bundled
+        trained = _trained()
         walked = {
             "namedtuple": (Batch(big, small), lambda b: type(b) is Batch and torch.equal(b.obs, big)
                            and all(torch.equal(x, y) for x, y in zip(b.act, small))),
@@ -246,6 +282,11 @@ def _objects_body(world):
                               and torch.equal(b[1], other)),
             "deque": (collections.deque([big, other], maxlen=4), lambda b: type(b) is collections.deque
                       and b.maxlen == 4 and torch.equal(b[0], big)),
+            "slots": (_Slotted(big), lambda b: type(b) is _Slotted and torch.equal(b.t, big)),
+            "slotted dataclass": (_SlottedStep(big, 1.0), lambda b: type(b) is _SlottedStep
+                                  and b.reward == 1.0 and torch.equal(b.obs, big)),
+            "own __getstate__": (_OwnState(big), lambda b: torch.equal(b.t, big) and not b.lock.locked()),
+            "model and optimizer": (trained, functools.partial(_same_training, trained)),
         }
         for name, (sent, arrived) in walked.items():
             leases = _leases()
@@ -262,17 +303,20 @@ def _objects_body(world):
         ring.append((ring,))  # a cycle through a tuple: that tuple stays as it is
         back = g.registered_sync("echo", args=(ring,))
         assert torch.equal(back[0], big) and torch.equal(back[1][0][0], big)
-        slotted = g.registered_sync("echo", args=(_Slotted(big),))  # left to the carrier
-        assert torch.equal(slotted.t, big)
+        key = torch.rand(MB)  # a key, in a defaultdict and in a list: one tensor on arrival
+        keyed, by_default, listed = g.registered_sync(
+            "echo", args=(({key: {"step": torch.zeros(1)}}, collections.defaultdict(list, x=[key]), [key]),))
+        assert next(iter(keyed)) is by_default["x"][0] is listed[0] and by_default.default_factory is list
     g.barrier()
     g.destroy()
 
 
 @pytest.mark.parametrize("lane", [True, False])
 def test_tensors_in_namedtuples_dataclasses_and_objects_take_shared_memory(lane):
-    """The tensors of a namedtuple, a dataclass, an object pickled by its ``__dict__``, a
-    dict's or a list's subclass or a deque (a ``Batch``, a ``Transition``, a
-    ``SampleBatch``, a frame stack of RL code) take the same-host path as in a tuple (they
-    took the carrier's: a 64 MB one 2.5 times slower); objects reached twice, a cycle
-    through a child's parent included, arrive as pickle gives them."""
+    """The tensors of a namedtuple, a dataclass, an object pickled by its ``__dict__``, its
+    slots or its own ``__getstate__``, a dict's or a list's subclass or a deque (a ``Batch``,
+    a ``Transition``, a ``SampleBatch``, a frame stack, a model and its optimizer) take the
+    same-host path as in a tuple (they took the carrier's: a 64 MB one 2.5 times slower);
+    objects reached twice, a cycle through a child's parent and a tensor that is a key
+    (an optimizer's state) included, arrive as pickle gives them."""
     run_world(_objects_body, 2, timeout=120, same_host_lane=lane)

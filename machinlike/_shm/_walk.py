@@ -5,11 +5,14 @@ the message's tensors are swapped for placeholders first, in a copy of the struc
 holds them; what holds none is passed on as it is::
 
     tensor / Parameter / array      ─► leaf(x)   (once per object: the memo)
-    list, tuple, dict, OrderedDict  ─► its items walked; a copy when one changed
+    list, tuple, dict (ordered, or  ─► its items walked (a dict's keys too); a copy when
+      with a default)                  one changed
     namedtuple, deque               ─► the same, rebuilt with ``_make`` / maxlen kept
     an object pickled by its state  ─► its ``__dict__`` walked; when one changed, a
       (dataclass, plain class,         _Rebuilt, which pickles as pickle would have
       an environment's info)           pickled the object (a blank one, then its state)
+    one with slots or its own       ─► what its ``__getstate__`` returns walked: a
+      ``__getstate__`` (a Batch)       _Rebuilt too (its ``__setstate__`` gets that state)
     a dict's or a list's subclass   ─► its items and attributes walked: a _Rebuilt too
       (a SampleBatch)                  (a blank one, its items, then its state)
     anything else                   ─► left to the carrier
@@ -47,7 +50,7 @@ _ATOMS = frozenset({float, int, bool, str, bytes, complex, type(None), np.float6
 _SEQUENCES = frozenset({tuple, list})
 _DICTS = frozenset({dict})
 
-_LEAVE, _FIELDS, _STATE, _KEYED, _LISTED = 0, 1, 2, 3, 4  # what the walk does with an object of a class
+_LEAVE, _FIELDS, _STATE, _KEYED, _LISTED, _GETSTATE = 0, 1, 2, 3, 4, 5  # what the walk does with an object of a class
 _plans: Dict[type, int] = {}
 _PLANS_MAX = 1024
 _IN_PROGRESS = object()  # the memo's mark of a tuple whose items are being walked
@@ -64,7 +67,7 @@ class _Rebuilt:
 
     def __init__(self) -> None:
         self.kind: type = object
-        self.state: Optional[Dict[str, Any]] = None
+        self.state: Any = None  # (None: no state, as pickle skips a None state)
         self.listed: Optional[List[Any]] = None
         self.keyed: Optional[List[Tuple[Any, Any]]] = None
 
@@ -87,7 +90,9 @@ def _plan_of(kind: type) -> int:
         return _KEYED if _by_default(kind, dict) else _LEAVE
     if issubclass(kind, list):
         return _LISTED if _by_default(kind, list) else _LEAVE
-    return _STATE if kind.__dictoffset__ != 0 and _by_default(kind, object) else _LEAVE
+    if kind.__dictoffset__ != 0 and _by_default(kind, object):
+        return _STATE
+    return _GETSTATE if _by_getstate(kind) else _LEAVE
 
 
 def _by_default(kind: type, base: type) -> bool:
@@ -98,6 +103,17 @@ def _by_default(kind: type, base: type) -> bool:
             and not any("__slots__" in vars(cls) for cls in kind.__mro__)
             and not hasattr(kind, "__getnewargs_ex__") and not hasattr(kind, "__getnewargs__")
             and getattr(kind, "__getstate__", None) is _OBJECT_GETSTATE)
+
+
+def _by_getstate(kind: type) -> bool:
+    """Whether pickle reduces ``kind``'s objects to a blank one and what ``__getstate__``
+    returns (slots, or a state of the class's own), with nothing the walk cannot mirror."""
+    if getattr(kind, "__getattribute__") is not object.__getattribute__ or hasattr(kind, "__getnewargs_ex__") \
+            or hasattr(kind, "__getnewargs__"):
+        return False
+    # (A type of C without slots of Python, a lock, refuses pickling in its own way.)
+    own = getattr(kind, "__getstate__", None) is not _OBJECT_GETSTATE
+    return own or any("__slots__" in vars(cls) for cls in kind.__mro__)
 
 
 def _plan(kind: type) -> int:
@@ -161,7 +177,7 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
         return obj if done is _IN_PROGRESS else done
     if kind is list:
         return obj if not obj or _plain(obj) else _list(obj, leaf, memo, array)
-    if kind is dict or kind is collections.OrderedDict:
+    if kind is dict or kind is collections.OrderedDict or kind is collections.defaultdict:
         return obj if not obj or _plain(obj.values()) else _dict(obj, leaf, memo, array)
     if kind is tuple:
         return obj if not obj or _plain(obj) else _tuple(obj, leaf, memo, array, tuple)
@@ -170,6 +186,8 @@ def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Opt
         return obj if _plain(obj) else _tuple(obj, leaf, memo, array, kind._make)
     if plan == _STATE or plan == _KEYED or plan == _LISTED:
         return _object(obj, leaf, memo, array, plan)
+    if plan == _GETSTATE:
+        return _stated(obj, leaf, memo, array)
     if kind is collections.deque:  # (a frame stack)
         return obj if not obj or _plain(obj) else _tuple(obj, leaf, memo, array,
                                                          lambda items: collections.deque(items, obj.maxlen))
@@ -187,13 +205,26 @@ def _list(obj: list, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf
 
 
 def _dict(obj: dict, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf]) -> Any:
-    out: dict = {} if type(obj) is dict else collections.OrderedDict()
+    """A dict, an OrderedDict or a defaultdict; keys that are not atoms are walked too (an
+    optimizer's state is keyed by its parameters, which its groups hold too: walked in one
+    place and not in the other, they would arrive as two tensors, and its state lost).
+    (Not the keys of a dict of atoms, passed over before: checking a million keys doubled
+    the time of a dict of a million rewards.)"""
+    kind = type(obj)
+    out: dict = {} if kind is dict else collections.defaultdict(getattr(obj, "default_factory")) \
+        if kind is collections.defaultdict else collections.OrderedDict()
     memo[id(obj)] = out
-    out.update({key: walk(value, leaf, memo, array) for key, value in obj.items()})
-    if all(out[key] is value for key, value in obj.items()):
+    if _ATOMS.issuperset(map(type, obj)):
+        out.update({key: walk(value, leaf, memo, array) for key, value in obj.items()})
+        same = all(out[key] is value for key, value in obj.items())
+    else:
+        pairs = [(walk(key, leaf, memo, array), walk(value, leaf, memo, array)) for key, value in obj.items()]
+        out.update(pairs)
+        same = all(walked is key and value is obj[key] for (walked, value), key in zip(pairs, obj))
+    if same:
         memo[id(obj)] = obj
         return obj
-    if type(obj) is not dict:
+    if kind is collections.OrderedDict:
         out.__dict__.update(obj.__dict__)  # a state dict's _metadata (module versions)
     return out
 
@@ -227,6 +258,27 @@ def _object(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLea
         memo[id(obj)] = obj
         return obj
     out.kind, out.state = type(obj), walked_state
+    return out
+
+
+def _stated(obj: Any, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf]) -> Any:
+    """An object pickled by what its ``__getstate__`` returns (slots, a state of its own)."""
+    try:
+        state = obj.__getstate__()
+    except Exception:  # (its refusal to be pickled: the carrier says it, with its message)
+        return obj
+    if state is None or type(state) in _ATOMS:
+        return obj
+    # The memo keys objects by id: a state made for this call must outlive the walk, or
+    # another object could take its id and find its entry.
+    memo[~id(state)] = state
+    out = _Rebuilt()
+    memo[id(obj)] = out  # (before the state: a part that points back gets it)
+    walked = walk(state, leaf, memo, array)
+    if walked is state:
+        memo[id(obj)] = obj
+        return obj
+    out.kind, out.state = type(obj), walked
     return out
 
 
