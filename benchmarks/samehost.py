@@ -13,7 +13,8 @@ cores; both contenders get the same setting). Prints, side by side (issue 14's t
   1,000 transitions) echoed and returned by a service (a replay sample); lists of plain
   Python data (a million floats, 200k tuples) echoed; one frame expanded 256 times (64 MB
   to look at, 256 KB distinct: both sides should send the 256 KB); a dataclass batch
-  (16 MB of observations, small actions and rewards); a no-op ``registered_sync``
+  (16 MB of observations, small actions and rewards); a module with its Adam optimizer
+  (48 MB: weights and moments); a no-op ``registered_sync``
   against raw (the size check must not tax small calls); and the same world with
   ``same_host_shm=False`` for the 64 MB echo (what TensorPipe alone gives);
 * the model server: two actors pull a 64 MB model at once through
@@ -79,6 +80,12 @@ def many(kind: str) -> Any:
         return [(i, 0.5, False) for i in range(200_000)]
     if kind == "dataclass":  # a learner's batch as RL code writes it: 16 MB of observations
         return Sample(torch.rand(4096, 1024), torch.randint(0, 6, (4096,)), torch.rand(4096))
+    if kind == "model":  # a module and its optimizer, a step taken: 16 MB of weights, 32 MB of moments
+        model = torch.nn.Linear(2048, 2048)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.rand(2, 2048)).sum().backward()
+        optimizer.step()
+        return model, optimizer
     return [{"obs": torch.rand(8), "action": 1, "reward": 0.5, "next_obs": torch.rand(8)} for _ in range(1000)]
 
 
@@ -173,7 +180,7 @@ def _rpc_body(world: Any, quick: bool) -> Dict[str, Any]:
             rpc.rpc_sync("1", echo, args=(stack,))
         results["expanded"] = _alternate(lambda: rpc.rpc_sync("1", echo, args=(stack,)),
                                          lambda: group.registered_sync("echo", (stack,)), 5, blocks)
-        for kind in ("frames", "transitions", "rewards", "steps", "dataclass"):  # both ways, and as a reply
+        for kind in ("frames", "transitions", "rewards", "steps", "dataclass", "model"):  # both ways, and as a reply
             items = many(kind)
             for _ in range(3):
                 group.registered_sync("echo", (items,))
@@ -333,6 +340,7 @@ def main() -> None:
                             ("echo_rewards", "echo of a list of 1,000,000 floats"),
                             ("echo_steps", "echo of a list of 200,000 (int, float, bool) tuples"),
                             ("echo_dataclass", "echo of a dataclass batch (16 MB of observations)"),
+                            ("echo_model", "echo of a module and its Adam optimizer (48 MB)"),
                             ("expanded", "echo of one 256 KB frame expanded 256 times"))],
         ("pool, 64 MB numpy array to a worker (GB/s)", f"{pool['numpy_stdlib']:.2f} (stdlib)",
          f"{pool['numpy_ours']:.2f}", f"{pool['numpy_ours'] / pool['numpy_stdlib']:.2f}x", ""),
