@@ -122,6 +122,19 @@ def test_walk_finds_tensors_in_objects_pickled_by_their_dict_slots_or_own_state(
     assert _cuda_stage.walk([args], _marked)[0] is args
 
 
+def test_walk_leaves_what_torch_rpc_pickles_its_own_way():
+    """An RRef, a script module, a RemoteModule: torch RPC's pickler reduces them itself
+    (a fork of the RRef, ``torch.jit.save``), which a rebuilt object would bypass."""
+    import torch.distributed.rpc as rpc
+    from torch.distributed.nn.api.remote_module import RemoteModule
+
+    from machinlike._shm import _walk
+
+    for kind in (rpc.PyRRef, rpc.RRef, RemoteModule, torch.jit.RecursiveScriptModule):
+        assert _walk._plan_of(kind) == _walk._LEAVE, kind
+    assert _walk._plan_of(torch.nn.Linear) == _walk._GETSTATE
+
+
 def test_the_walks_plans_stay_bounded_when_classes_are_made_per_call():
     from machinlike._shm import _walk
 

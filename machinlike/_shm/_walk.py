@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import itertools
+import sys
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -109,11 +110,25 @@ def _by_getstate(kind: type) -> bool:
     """Whether pickle reduces ``kind``'s objects to a blank one and what ``__getstate__``
     returns (slots, or a state of the class's own), with nothing the walk cannot mirror."""
     if getattr(kind, "__getattribute__") is not object.__getattribute__ or hasattr(kind, "__getnewargs_ex__") \
-            or hasattr(kind, "__getnewargs__"):
+            or hasattr(kind, "__getnewargs__") or _carried_own_way(kind):
         return False
     # (A type of C without slots of Python, a lock, refuses pickling in its own way.)
     own = getattr(kind, "__getstate__", None) is not _OBJECT_GETSTATE
     return own or any("__slots__" in vars(cls) for cls in kind.__mro__)
+
+
+def _carried_own_way(kind: type) -> bool:
+    """Whether torch RPC's pickler reduces ``kind`` its own way (an RRef, a script module,
+    a class registered with it, a RemoteModule), bypassed if the walk rebuilt it."""
+    if issubclass(kind, torch.jit.ScriptModule):
+        return True
+    internal = sys.modules.get("torch.distributed.rpc.internal")  # (loaded with torch RPC)
+    if internal is None:
+        return False
+    # (private names of torch's: read with defaults, so that a torch without them walks on)
+    owns = tuple(getattr(getattr(internal, "_internal_rpc_pickler", None), "_class_reducer_dict", ()))
+    rref = getattr(getattr(getattr(internal, "dist", None), "rpc", None), "PyRRef", None)
+    return issubclass(kind, owns + ((rref,) if isinstance(rref, type) else ()))
 
 
 def _plan(kind: type) -> int:
