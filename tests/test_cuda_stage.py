@@ -109,6 +109,46 @@ class _Args(_Slots):
         return ()
 
 
+class _Pair:
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b=0.5):
+        self.a, self.b = a, b
+
+
+class _OneSlot:
+    __slots__ = ("a",)
+
+    def __init__(self, a):
+        self.a = a
+
+
+class _Kept:
+    def __init__(self, a):
+        self.a = a
+
+    def __getstate__(self):
+        return {"a": self.a}
+
+
+def test_walk_passes_over_lists_of_slotted_or_own_state_objects_of_numbers():
+    """A replay of slotted transitions (or of objects with their own ``__getstate__``)
+    holding numbers only is passed over whole; a tensor in any of them is still found."""
+    for kind in (_Pair, _OneSlot, _Kept):
+        plain = [kind(i) for i in range(100)]
+        assert _cuda_stage.walk(plain, _marked) is plain, kind
+        t = torch.ones(1)
+        for where in (0, 99):
+            mixed = [kind(i) for i in range(100)]
+            mixed[where] = kind(t)
+            back = pickle.loads(pickle.dumps(_cuda_stage.walk(mixed, _marked)))
+            assert back[where].a == ("staged", t) and back[50].a == 50, (kind, where)
+    unset = [_Pair(1), _Pair(2)]
+    del unset[1].b  # (a slot without a value: pickle leaves it out, so does the walk)
+    back = pickle.loads(pickle.dumps(_cuda_stage.walk(unset + [_Pair(torch.ones(1))], _marked)))
+    assert not hasattr(back[1], "b") and back[2].a[0] == "staged"
+
+
 def test_walk_finds_tensors_in_objects_pickled_by_their_dict_slots_or_own_state():
     box = _Box()
     out = _cuda_stage.walk([box], _marked)[0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import itertools
+import operator
 import sys
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -53,6 +54,9 @@ _DICTS = frozenset({dict})
 
 _LEAVE, _FIELDS, _STATE, _KEYED, _LISTED, _GETSTATE = 0, 1, 2, 3, 4, 5  # what the walk does with an object of a class
 _plans: Dict[type, int] = {}
+# Per class of slots only (no state of its own, no __dict__): its slots' values at once, for
+# lists of them (a million-transition replay of slotted dataclasses); None: it has none.
+_slot_values: Dict[type, Tuple[Optional[Callable[[Any], Any]], bool]] = {}  # (getter, several slots)
 _PLANS_MAX = 1024
 _IN_PROGRESS = object()  # the memo's mark of a tuple whose items are being walked
 _OBJECT_GETSTATE = getattr(object, "__getstate__", None)
@@ -136,10 +140,14 @@ def _plan(kind: type) -> int:
     if plan is None:
         if len(_plans) >= _PLANS_MAX:  # classes made anew per call (a namedtuple in a function)
             _plans.clear()             # must not pile up here, each kept alive
+            _slot_values.clear()
         try:
             plan = _plan_of(kind)
         except Exception:  # a metaclass whose attribute lookup raises: the carrier decides
             plan = _LEAVE
+        if plan == _GETSTATE and kind.__dictoffset__ == 0 and getattr(kind, "__getstate__") is _OBJECT_GETSTATE:
+            names = copyreg._slotnames(kind)  # type: ignore[attr-defined]  # (what pickle reads)
+            _slot_values[kind] = (operator.attrgetter(*names) if names else None, len(names) > 1)
         _plans[kind] = plan
     return plan
 
@@ -161,7 +169,23 @@ def _plain(values: Any) -> bool:
         if plan == _STATE:  # (a list of dataclasses of numbers)
             states: Any = map(vars, values)
             return _ATOMS.issuperset(map(type, itertools.chain.from_iterable(map(dict.values, states))))
+        if plan == _GETSTATE:
+            return _plain_states(next(iter(kinds)), values)
     return False
+
+
+def _plain_states(kind: type, values: Any) -> bool:
+    """Whether objects of ``kind``, pickled by their slots or ``__getstate__``, hold only atoms."""
+    try:
+        if kind in _slot_values:  # slots only: their values read at C speed
+            getter, several = _slot_values[kind]
+            if getter is None:
+                return True
+            rows = map(getter, values)
+            return _ATOMS.issuperset(map(type, itertools.chain.from_iterable(rows) if several else rows))
+        return _plain(list(map(operator.methodcaller("__getstate__"), values)))  # (dicts or lists of atoms)
+    except Exception:  # an unset slot, a refusal to pickle: each is walked (or left) on its own
+        return False
 
 
 def walk(obj: Any, leaf: Leaf, memo: Optional[Dict[int, Any]] = None, array: Optional[ArrayLeaf] = None) -> Any:
