@@ -2,8 +2,9 @@
 the structure, the types, the values and the sharing that plain pickling gives.
 
 The walk rebuilds containers and objects around the tensors it replaces (lists, tuples,
-dicts with tensor keys, defaultdicts, namedtuples, dataclasses, slotted classes, classes
-with their own ``__getstate__``, dict and list subclasses), so each of them, an object
+dicts with tensor keys, defaultdicts, OrderedDicts, deques, namedtuples, dataclasses,
+SimpleNamespaces, slotted classes, classes with their own ``__getstate__``, dict and list
+subclasses), so each of them, an object
 reached twice and a structure that reaches itself included, must arrive as pickle would
 give it. Random messages find the combinations no hand-written case thinks of.
 """
@@ -14,6 +15,7 @@ import collections
 import dataclasses
 import pickle
 import random
+import types
 from typing import Any, Dict, List
 
 import pytest
@@ -81,7 +83,7 @@ def _message(rng: random.Random, depth: int, made: List[Any]) -> Any:
             return made[-1]
         return rng.choice([1, 2.5, "s", None, True])
     a, b = _message(rng, depth - 1, made), _message(rng, depth - 1, made)
-    kind = rng.randrange(12)
+    kind = rng.randrange(15)
     out: Any
     if kind == 0:
         out = [a, b]
@@ -110,9 +112,15 @@ def _message(rng: random.Random, depth: int, made: List[Any]) -> Any:
         out = _Listed([a, b])
     elif kind == 10:
         out = collections.defaultdict(list, a=[a], b=b)
-    else:  # tensors as keys (an optimizer's state), beside a tensor value
+    elif kind == 11:  # tensors as keys (an optimizer's state), beside a tensor value
         out = {key: 1 for key in (a, b) if isinstance(key, torch.Tensor)}
         out["v"] = torch.zeros(1)
+    elif kind == 12:
+        out = collections.deque([a, b], maxlen=rng.choice([None, 4]))
+    elif kind == 13:
+        out = collections.OrderedDict(b=b, a=a)
+    else:
+        out = types.SimpleNamespace(a=a, b=b)
     if type(out) in (list, dict, _Plain, _OwnState, _Slots) and rng.random() < 0.15:
         if isinstance(out, list):
             out.append(out)  # a structure that reaches itself
@@ -139,8 +147,9 @@ def _shape(x: Any, seen: Dict[int, int], mark: float) -> Any:
                  for k, v in x.items()]
         extra = (x.default_factory,) if isinstance(x, collections.defaultdict) else ()
         return (name, tuple(items), tuple(sorted(vars(x).items())) if hasattr(x, "__dict__") else (), *extra)
-    if isinstance(x, (list, tuple)):
-        return (name, tuple(_shape(v, seen, mark) for v in x))
+    if isinstance(x, (list, tuple, collections.deque)):
+        extra = (x.maxlen,) if isinstance(x, collections.deque) else ()
+        return (name, tuple(_shape(v, seen, mark) for v in x), *extra)
     if not hasattr(x, "__dict__"):
         return (name, tuple((n, _shape(getattr(x, n), seen, mark) if hasattr(x, n) else "unset") for n in ("a", "b")))
     return (name, tuple((n, _shape(v, seen, mark)) for n, v in sorted(vars(x).items())))
