@@ -363,6 +363,7 @@ def _cuda_round_trips(world, group):
     if me == "2":
         group.register("cpu_devices", _devices)  # never initialises CUDA
     group.register(f"double/{me}", _double)
+    group.register(f"echo/{me}", _echo)
     group.barrier()
     if me == "0":
         x = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
@@ -379,6 +380,19 @@ def _cuda_round_trips(world, group):
         # comes back as CPU tensors.
         assert group.registered_sync("cpu_devices", args=([x, x.half()],)) == ["cpu", "cpu"]
         assert group.registered_sync("double/2", args=(x,)).device.type == "cpu"
+        # A module and its optimizer (objects pickled by their own __getstate__): their
+        # CUDA tensors are found, arrive on the GPU (or the CPU of a CPU-only member) as
+        # Parameters, and the optimizer's state stays keyed by the model's parameters.
+        model = torch.nn.Linear(256, 256).cuda()
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 256, device="cuda")).sum().backward()
+        optimizer.step()
+        for member, device in (("1", "cuda"), ("2", "cpu")):
+            model2, optimizer2 = group.registered_sync(f"echo/{member}", args=((model, optimizer),))
+            params = optimizer2.param_groups[0]["params"]
+            assert all(type(p) is torch.nn.Parameter and p.device.type == device for p in params), member
+            assert all(a is b for a, b in zip(model2.parameters(), params)) and all(p in optimizer2.state for p in params)
+            assert torch.equal(model2.weight.cpu(), model.weight.cpu())
     group.barrier()
     if me == "2":
         assert not torch.cuda.is_initialized()
