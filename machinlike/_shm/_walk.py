@@ -143,11 +143,11 @@ def _plan(kind: type) -> int:
             _slot_values.clear()
         try:
             plan = _plan_of(kind)
+            if plan == _GETSTATE and kind.__dictoffset__ == 0 and getattr(kind, "__getstate__") is _OBJECT_GETSTATE:
+                names = copyreg._slotnames(kind)  # type: ignore[attr-defined]  # (what pickle reads)
+                _slot_values[kind] = (operator.attrgetter(*names) if names else None, len(names) > 1)
         except Exception:  # a metaclass whose attribute lookup raises: the carrier decides
             plan = _LEAVE
-        if plan == _GETSTATE and kind.__dictoffset__ == 0 and getattr(kind, "__getstate__") is _OBJECT_GETSTATE:
-            names = copyreg._slotnames(kind)  # type: ignore[attr-defined]  # (what pickle reads)
-            _slot_values[kind] = (operator.attrgetter(*names) if names else None, len(names) > 1)
         _plans[kind] = plan
     return plan
 
