@@ -247,8 +247,9 @@ def _dict(obj: dict, leaf: Leaf, memo: Dict[int, Any], array: Optional[ArrayLeaf
     """A dict, an OrderedDict or a defaultdict; keys that are not atoms are walked too (an
     optimizer's state is keyed by its parameters, which its groups hold too: walked in one
     place and not in the other, they would arrive as two tensors, and its state lost).
-    (Not the keys of a dict of atoms, passed over before: checking a million keys doubled
-    the time of a dict of a million rewards.)"""
+    (Not the keys of a dict whose values are atoms, here or one level down in a list or an
+    object, which is passed over whole: checking a million keys doubled the time of a dict
+    of a million rewards, and the keys of 100,000 infos would add 74%.)"""
     kind = type(obj)
     out: dict = {} if kind is dict else collections.defaultdict(getattr(obj, "default_factory")) \
         if kind is collections.defaultdict else collections.OrderedDict()
