@@ -18,6 +18,7 @@ import random
 import types
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,14 @@ class _Placeholder:
 
     def __reduce__(self):
         return (torch.add, (self.tensor, _MARK))
+
+
+class _ArrayPlaceholder:
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __reduce__(self):
+        return (np.add, (self.array, _MARK))
 
 
 _Pair = collections.namedtuple("_Pair", "a b")
@@ -73,13 +82,15 @@ class _Listed(list):
 
 
 def _message(rng: random.Random, depth: int, made: List[Any]) -> Any:
-    """A random message; ``made`` collects what may be referred to again."""
+    """A random message of tensors and numpy arrays; ``made`` collects what may be
+    referred to again."""
     if depth == 0 or rng.random() < 0.2:
         pick = rng.random()
         if pick < 0.3 and made:
             return rng.choice(made)  # one object reached twice
         if pick < 0.6:
-            made.append(torch.full((2,), float(rng.randint(0, 9))))
+            value = float(rng.randint(0, 9))
+            made.append(torch.full((2,), value) if rng.random() < 0.7 else np.full(2, value))
             return made[-1]
         return rng.choice([1, 2.5, "s", None, True])
     a, b = _message(rng, depth - 1, made), _message(rng, depth - 1, made)
@@ -113,7 +124,7 @@ def _message(rng: random.Random, depth: int, made: List[Any]) -> Any:
     elif kind == 10:
         out = collections.defaultdict(list, a=[a], b=b)
     elif kind == 11:  # tensors as keys (an optimizer's state), beside a tensor value
-        out = {key: 1 for key in (a, b) if isinstance(key, torch.Tensor)}
+        out = {key: 1 for key in (a, b) if isinstance(key, torch.Tensor)}  # (arrays are not hashable)
         out["v"] = torch.zeros(1)
     elif kind == 12:
         out = collections.deque([a, b], maxlen=rng.choice([None, 4]))
@@ -139,11 +150,11 @@ def _shape(x: Any, seen: Dict[int, int], mark: float) -> Any:
     if isinstance(x, (int, float, str, bool, type(None))):
         return x
     seen[id(x)] = len(seen)
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple((x - mark).tolist()))
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return (type(x).__name__, tuple((x - mark).tolist()))
     name = type(x).__name__
     if isinstance(x, dict):
-        items = [(_shape(k, seen, mark) if isinstance(k, torch.Tensor) else k, _shape(v, seen, mark))
+        items = [(_shape(k, seen, mark) if not isinstance(k, (str, int)) else k, _shape(v, seen, mark))
                  for k, v in x.items()]
         extra = (x.default_factory,) if isinstance(x, collections.defaultdict) else ()
         return (name, tuple(items), tuple(sorted(vars(x).items())) if hasattr(x, "__dict__") else (), *extra)
@@ -162,7 +173,7 @@ def test_walked_messages_arrive_as_pickle_gives_them(seed):
     for _ in range(300):
         message = _message(rng, rng.randint(1, 5), [])
         expected = _shape(pickle.loads(pickle.dumps(message)), {}, 0.0)
-        out = walk(message, _Placeholder)
+        out = walk(message, _Placeholder, None, _ArrayPlaceholder)
         walked += out is not message
         assert _shape(pickle.loads(pickle.dumps(out)), {}, _MARK) == expected, message
     assert walked > 100  # (the messages did hold tensors to replace)
