@@ -8,6 +8,7 @@ elastic worlds, real processes) are marked ``gpu`` and skip without a CUDA devic
 from __future__ import annotations
 
 import collections
+import dataclasses
 import pickle
 
 import pytest
@@ -181,7 +182,9 @@ def test_the_walks_plans_stay_bounded_when_classes_are_made_per_call():
     for i in range(3 * _walk._PLANS_MAX):
         kind = collections.namedtuple("Made", "x")  # a namedtuple class made inside a loop
         assert _cuda_stage.walk([kind(torch.ones(1))], _marked)[0].x == ("staged", torch.ones(1))
-    assert len(_walk._plans) <= _walk._PLANS_MAX
+        slotted = dataclasses.make_dataclass("Slotted", ["x"], slots=True)  # (its slots' getter is kept too)
+        assert _cuda_stage.walk([slotted(1), slotted(2)], _marked)[0].x == 1
+    assert len(_walk._plans) <= _walk._PLANS_MAX and len(_walk._slot_values) <= _walk._PLANS_MAX
 
 
 class _Odd(type):
