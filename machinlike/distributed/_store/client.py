@@ -1,19 +1,71 @@
-"""own_client: a store connection of a thread's own, with its own timeout; server_of and
-store_address: which store server a client talks to.
+"""own_client: a store connection of a thread's own, with its own timeout; new_client: a
+connection whose slowness is told; server_of and store_address: which store server a
+client talks to.
 
 Why: a store client serialises its requests, so a thread that blocks in the store (a
 ``wait``) or needs a short timeout (the liveness watch's ``multi_get``) must not share
 the world's connection with the others.
+
+Why a slow connection is logged: torch's client looks up the name of the address it
+connects to (a reverse lookup: ``getnameinfo``) on every connection, and a World opens
+about six. Where the resolver drops a query now and then, a World then starts in 5 s
+instead of 0.1 s; where it never answers, each connection waits 10 s. /etc/hosts answers
+the lookup only for the address torch connects to, which for an IPv4 address is its IPv6
+form (``::ffff:a.b.c.d``): an entry for ``127.0.0.1`` alone does not. Nothing of this shows
+otherwise (torch warns only when the lookup fails, not when it is slow).
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import logging
+import threading
+import time
 from typing import Hashable, Optional, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["own_client", "server_of", "store_address"]
+__all__ = ["own_client", "new_client", "server_of", "store_address", "SLOW_CONNECT_S"]
+
+log = logging.getLogger(__name__)
+
+SLOW_CONNECT_S = 2.0  # seconds; a store connection that takes longer is logged, once per process
+_slow_told = threading.Event()
+
+
+def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool = True) -> dist.TCPStore:
+    """A new client of the store at ``host:port`` whose requests end after ``timeout``.
+
+    A connection that took ``SLOW_CONNECT_S`` or more is logged as a warning with its
+    usual causes and the fix, once per process (see the module doc).
+
+    Raises:
+        RuntimeError, ConnectionError, TimeoutError: as ``TCPStore`` raises them.
+    """
+    start = time.monotonic()
+    store = dist.TCPStore(host, port, None, False, timeout, use_libuv=use_libuv)
+    took = time.monotonic() - start
+    if took >= SLOW_CONNECT_S and not _slow_told.is_set():
+        _slow_told.set()
+        log.warning("%s", slow_connection(host, port, took))
+    return store
+
+
+def slow_connection(host: str, port: int, took: float) -> str:
+    """What a connection to ``host:port`` that took ``took`` seconds says, with the fix."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name: torch connects to what it resolves to
+        looked_up, entry = f"the address {host!r} resolves to", "'ADDRESS NAME' (an IPv4 ADDRESS in its form ::ffff:a.b.c.d)"
+    else:
+        looked_up = f"::ffff:{address}" if address.version == 4 else str(address)
+        entry = f"'{looked_up} {'localhost' if address.is_loopback else 'NAME'}'"
+    return (f"connecting to the store at {host}:{port} took {took:.1f} s (said once per process). Either the "
+            f"store's host is too busy to answer, or this host's name resolver is slow: torch's store client "
+            f"looks up the name of {looked_up} on each of its connections, and a World opens about six. "
+            f"Fix: add a line {entry} to /etc/hosts (an entry for the IPv4 form alone is not used), or make the "
+            f"resolver answer; see 'A World is slow to start' in machinlike's troubleshooting guide")
 
 
 def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.Store]:
@@ -25,8 +77,7 @@ def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.
     against 1 ms for a new client; 1,024 members starting at once stalled for minutes.
     """
     if isinstance(store, dist.TCPStore):
-        return dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout,
-                             use_libuv=getattr(store, "libuvBackend", True))  # (not in torch's stubs)
+        return new_client(store.host, store.port, timeout, getattr(store, "libuvBackend", True))  # (not in torch's stubs)
     clone = getattr(store, "clone", None)
     if clone is None:
         return None

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from .client import own_client
+from .client import new_client, own_client
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
            "parse_nodelist", "slurm_master_port", "external_launcher", "host_store"]
@@ -389,7 +389,7 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
         time.sleep(min(pause, left))
         pause = min(2 * pause, 0.5)
     try:
-        return dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+        return new_client(host, port, datetime.timedelta(seconds=timeout))
     except (RuntimeError, ConnectionError, TimeoutError) as err:
         raise _unreachable(host, port, timeout, err) from None
 
