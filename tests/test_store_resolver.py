@@ -1,10 +1,11 @@
-"""A store connection slowed by the host's name resolver is told, once, with the fix that works.
+"""Store connections slowed by the host's name resolver: told once, with the fix that
+works; and the liveness watch keeps reading while its own connection cannot be opened.
 
 torch's store client looks up the name of the address it connects to on every connection;
-a resolver that loses queries makes a connection wait for the resolver's timeout. The
+a resolver that loses queries makes a connection wait for the resolver's timeout. Each
 script runs in a mount namespace of its own whose /etc/resolv.conf names a local resolver
-that loses the first try of every query and answers the second (the real glibc resolver,
-the real torch client), then with the /etc/hosts line the warning proposes.
+that loses the first try of a query and answers its retry (the real glibc resolver, the
+real torch client).
 """
 
 from __future__ import annotations
@@ -17,30 +18,35 @@ import sys
 
 import pytest
 
-_SCRIPT = r'''
-import json, logging, socket, subprocess, sys, threading, time
+_RESOLVER = r'''
+import json, logging, os, socket, subprocess, sys, threading, time
 
 
-def lossy_resolver(sock):
-    """Loses the first try of each query, answers its retry: no such name (so the name
-    lookup falls back to the address, as for a loopback address nobody registered)."""
+def lossy_resolver(sock, lossy):
+    """While ``lossy()``, loses the first try of each query; answers the others: no such
+    name (so the lookup falls back to the address, as for an address nobody registered)."""
     seen = set()
     while True:
         query, peer = sock.recvfrom(512)
-        if query[:2] not in seen:
+        if lossy() and query[:2] not in seen:
             seen.add(query[:2])
             continue
         # the query's id and question; flags: a response, recursion, no such name; no records
         sock.sendto(query[:2] + b"\x81\x83" + query[4:6] + bytes(6) + query[12:], peer)
 
 
-if __name__ == "__main__":
+def start_resolver(lossy=lambda: True):
     dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     dns.bind(("127.0.0.77", 53))
-    threading.Thread(target=lossy_resolver, args=(dns,), daemon=True).start()
+    threading.Thread(target=lossy_resolver, args=(dns, lossy), daemon=True).start()
+'''
+
+_SLOW_CONNECTIONS = _RESOLVER + r'''
+if __name__ == "__main__":
+    start_resolver()
     from machinlike.distributed._store import client, connect_store, host_store
 
-    client.SLOW_CONNECT_S = 0.5  # (a lost try costs 1 s: RES_OPTIONS below)
+    client.SLOW_CONNECT_S = 0.5  # (a lost try costs 1 s: RES_OPTIONS)
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -58,17 +64,44 @@ if __name__ == "__main__":
     print(json.dumps({"slow": slow, "fixed": fixed, "said": said, "port": server.port}))
 '''
 
+_WATCH = _RESOLVER + r'''
+FLAG = os.path.join(os.getcwd(), "lossy")
 
-def test_a_slow_resolver_is_named_once_and_the_hosts_line_it_proposes_ends_it(tmp_path):
+
+def body(world):
+    group = world.create_rpc_group("g", ["a", "b"])
+    group.barrier(timeout=30)
+    watch = world.membership.monitor.watch
+    out = {}
+    if world.name == "a":
+        deadline = time.monotonic() + 10
+        while not watch.connected and time.monotonic() < deadline:
+            time.sleep(0.02)  # (the monitor opens it at its start)
+        open(FLAG, "w").close()  # from now on each new connection waits 1 s for its lookup
+        before = watch.requests
+        watch.disconnect()  # as after a network error: the next tick opens a new one
+        time.sleep(3)  # 12 ticks
+        out = {"reads": watch.requests - before, "failures": watch.connect_failures}
+    group.barrier(timeout=30)
+    return out
+
+
+if __name__ == "__main__":
+    start_resolver(lambda: os.path.exists(FLAG))
+    from machinlike import launch
+
+    print(json.dumps(launch(body, 2, names=["a", "b"], timeout=60, liveness=2.0)[0]))
+'''
+
+
+def _run_in_namespace(tmp_path, script: str, *args: str) -> subprocess.CompletedProcess:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("a resolver of the test's own needs root and unshare(1)")
     (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.77\n")
-    with open("/etc/hosts") as hosts:
-        (tmp_path / "hosts").write_text(hosts.read() + "\n::ffff:127.0.0.1 localhost\n")
-    (tmp_path / "script.py").write_text(_SCRIPT)
+    (tmp_path / "script.py").write_text(script)
     env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:2")
     command = (f"mount --bind {tmp_path / 'resolv.conf'} /etc/resolv.conf && "
-               f"exec {sys.executable} {tmp_path / 'script.py'} {tmp_path / 'hosts'}")
+               f"exec {sys.executable} {tmp_path / 'script.py'} {' '.join(args)}")
     try:
         done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True,
                               timeout=60, cwd=tmp_path, env=env)
@@ -77,6 +110,13 @@ def test_a_slow_resolver_is_named_once_and_the_hosts_line_it_proposes_ends_it(tm
     if "mount:" in done.stderr and "permission denied" in done.stderr.lower():
         pytest.skip(f"cannot mount here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_a_slow_resolver_is_named_once_and_the_hosts_line_it_proposes_ends_it(tmp_path):
+    with open("/etc/hosts") as hosts:
+        (tmp_path / "hosts").write_text(hosts.read() + "\n::ffff:127.0.0.1 localhost\n")
+    done = _run_in_namespace(tmp_path, _SLOW_CONNECTIONS, str(tmp_path / "hosts"))
     got = json.loads(done.stdout.splitlines()[-1])
     assert min(got["slow"]) >= 0.9, got  # each connection waited for a lost query
     assert max(got["fixed"]) < 0.5, got  # the proposed line answers the lookup
@@ -85,3 +125,14 @@ def test_a_slow_resolver_is_named_once_and_the_hosts_line_it_proposes_ends_it(tm
     assert f"store at 127.0.0.1:{got['port']} took 1." in message, message
     assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in message, message
     assert "A World is slow to start" in message, message
+
+
+def test_the_liveness_watch_reads_one_by_one_while_its_connection_cannot_be_opened(tmp_path):
+    # Its connection has a timeout of two ticks (0.5 s here), shorter than the lookup: every
+    # try fails. Before, each tick tried again, held the monitor for the lookup, raised
+    # before reading anything and logged a traceback: 2 reads in 5 s.
+    done = _run_in_namespace(tmp_path, _WATCH)
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["failures"] == 1, got  # one try in 3 s: the next after 16 ticks (4 s)
+    assert got["reads"] >= 8, got  # the successor's heartbeat and the log, one by one, at every tick
+    assert "liveness monitor of" not in done.stderr, done.stderr[-3000:]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
@@ -67,6 +68,13 @@ RING_K = 3
 #: Successors a member watches at most while some of them are silent (k plus two per
 #: silent one: see RingWatch); a bound on one multi_get's size.
 RING_MAX = 256
+
+# Ticks between tries to open the multi_get's connection after one failed. Why not every
+# tick: a try can hold the monitor for the resolver's timeout (the store client looks up
+# the store's name on each connection, 5 s where a query is lost), and where every try
+# failed (a resolver slower than the short timeout) the tick raised each time: no key
+# was read and a traceback was logged at every tick. Meanwhile the keys are read one by one.
+RECONNECT_TICKS = 16
 
 
 class Watch:
@@ -153,6 +161,8 @@ class RingWatch(Watch):
 
     Attributes:
         fallbacks: Ticks whose multi_get found a key absent (timed out) and fell back.
+        connect_failures: Tries to open the multi_get's connection that failed (each
+            followed by ``RECONNECT_TICKS`` ticks of one-by-one reads).
     """
 
     def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, store: dist.Store,
@@ -166,6 +176,8 @@ class RingWatch(Watch):
         self._store = store
         self._timeout = datetime.timedelta(seconds=max(0.2, 2 * tick_of(liveness)))
         self._fast: Optional[dist.Store] = None  # the clone with the short timeout (made on first use)
+        self._tick = tick_of(liveness)
+        self._retry_at = float("-inf")  # (monotonic) the next try to open _fast, after one failed
         self._k = k
         self._want = k  # successors watched now: k, and two per silent one
         self._version = -1
@@ -176,6 +188,7 @@ class RingWatch(Watch):
         self.requests = 0
         self.key_reads = 0
         self.fallbacks = 0
+        self.connect_failures = 0
 
     def silence(self, liveness: Optional[float]) -> float:
         bound = liveness or DEFAULT_LIVENESS
@@ -193,7 +206,9 @@ class RingWatch(Watch):
             try:
                 self._fast = own_client(self._store, self._timeout)
             except (dist.DistError, RuntimeError, OSError):
-                pass  # (the store is going: the ticks' probes say so)
+                # (the store is going, and the ticks' probes say so; or it answered too late)
+                self.connect_failures += 1
+                self._retry_at = time.monotonic() + RECONNECT_TICKS * self._tick
 
     def disconnect(self) -> None:
         # (dropping the client closes its socket: torch's TCPStore has no close)
@@ -249,9 +264,11 @@ class RingWatch(Watch):
 
     def _multi_get(self, keys: Sequence[str]) -> Optional[List[str]]:
         if self._fast is None:
-            self._fast = own_client(self._store, self._timeout)
+            if time.monotonic() < self._retry_at:
+                return None  # (the last try failed: one by one until the next)
+            self.connect()
             if self._fast is None:
-                return None  # not a TCPStore (a test's HashStore): the probes only
+                return None  # not a TCPStore (a test's HashStore), or it failed: one by one
         self.requests += 1
         self.key_reads += len(keys)
         try:
