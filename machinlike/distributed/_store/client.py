@@ -9,10 +9,11 @@ the world's connection with the others.
 Why a slow connection is logged: torch's client looks up the name of the address it
 connects to (a reverse lookup: ``getnameinfo``) on every connection, and a World opens
 about six. Where the resolver drops a query now and then, a World then starts in 5 s
-instead of 0.1 s; where it never answers, each connection waits 10 s. /etc/hosts answers
-the lookup only for the address torch connects to, which for an IPv4 address is its IPv6
-form (``::ffff:a.b.c.d``): an entry for ``127.0.0.1`` alone does not. Nothing of this shows
-otherwise (torch warns only when the lookup fails, not when it is slow).
+instead of 0.1 s; where it never answers, the first connection of each process waits
+10 s (on torch 2.13 the later ones skipped the lookup once one had failed). /etc/hosts
+answers the lookup only for the address torch connects to, which for an IPv4 address is
+its IPv6 form (``::ffff:a.b.c.d``): an entry for ``127.0.0.1`` alone does not. Nothing of
+this shows otherwise (torch warns only when the lookup fails, not when it is slow).
 """
 
 from __future__ import annotations
