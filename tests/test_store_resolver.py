@@ -94,12 +94,35 @@ if __name__ == "__main__":
 '''
 
 
-def _run_in_namespace(tmp_path, script: str, *args: str) -> subprocess.CompletedProcess:
+_STORE_WATCH = _RESOLVER + r'''
+if __name__ == "__main__":
+    lossy = threading.Event()
+    start_resolver(lossy.is_set)
+    from machinlike.distributed._membership.store_watch import watch_store
+    from machinlike.distributed._store import Registry, connect_store, host_store
+
+    server = host_store("127.0.0.1", 1, 30)
+    store = connect_store("127.0.0.1", server.port, 30)
+    lossy.set()  # from now on a new connection waits 6 s for its lookup (RES_OPTIONS)
+    start = time.monotonic()
+    try:
+        leave = watch_store(store, Registry(store, "rank 0"), 1.0, time.monotonic, threading.Event())
+    except Exception as err:
+        print(json.dumps({"took": time.monotonic() - start, "error": f"{type(err).__name__}: {err}"[:300]}))
+    else:
+        took = time.monotonic() - start
+        leave()
+        print(json.dumps({"took": took, "error": None}))
+'''
+
+
+def _run_in_namespace(tmp_path, script: str, *args: str,
+                      res_options: str = "timeout:1 attempts:2") -> subprocess.CompletedProcess:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("a resolver of the test's own needs root and unshare(1)")
     (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.77\n")
     (tmp_path / "script.py").write_text(script)
-    env = dict(os.environ, RES_OPTIONS="timeout:1 attempts:2")
+    env = dict(os.environ, RES_OPTIONS=res_options)
     command = (f"mount --bind {tmp_path / 'resolv.conf'} /etc/resolv.conf && "
                f"exec {sys.executable} {tmp_path / 'script.py'} {' '.join(args)}")
     try:
@@ -136,3 +159,11 @@ def test_the_liveness_watch_reads_one_by_one_while_its_connection_cannot_be_open
     assert got["failures"] == 1, got  # one try in 3 s: the next after 16 ticks (4 s)
     assert got["reads"] >= 8, got  # the successor's heartbeat and the log, one by one, at every tick
     assert "liveness monitor of" not in done.stderr, done.stderr[-3000:]
+
+
+def test_the_store_watch_opens_its_probe_when_a_lookup_outlasts_the_silence_bound(tmp_path):
+    # Its bound is 5 s at least (SILENCE_MIN); the lookup, 6 s. Its connection had the
+    # bound as its timeout, so World start failed: "The client socket has timed out after 5000ms".
+    done = _run_in_namespace(tmp_path, _STORE_WATCH, res_options="timeout:6 attempts:2")
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["error"] is None and 5.5 < got["took"] < 20, got

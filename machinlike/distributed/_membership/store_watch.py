@@ -51,6 +51,13 @@ log = logging.getLogger(__name__)
 #: Seconds a store may go unanswered at least, whatever the members' liveness bound.
 SILENCE_MIN = 5.0
 
+# Seconds the probe's connection may take to open. Why not the bound: torch's client gives
+# its timeout to the connection too, and looks up the store's name on each connection (a
+# lost query: 5 s, then the retry), so with a bound of 5 s a World failed to start with
+# "The client socket has timed out after 5000ms" where raw torch starts. The probe's own
+# requests are timed by the watch thread, not by the client's timeout.
+PROBE_CONNECT_S = 30.0
+
 # (never created: a check of an absent key answers as fast as any request)
 _PROBE_KEY = "mlk/store-probe"
 
@@ -222,7 +229,7 @@ def watch_store(store: dist.Store, registry: Registry, liveness: float,
         watch = _watches.get(address)
         if watch is None or watch.ended:
             bound = max(liveness, SILENCE_MIN)
-            client = own_client(store, datetime.timedelta(seconds=bound))
+            client = own_client(store, datetime.timedelta(seconds=max(bound, PROBE_CONNECT_S)))
             if client is None:
                 return lambda: None
             watch = _watches[address] = StoreWatch(client, address, bound)
