@@ -88,6 +88,8 @@ KEEP = 64
 WAIT = datetime.timedelta(hours=1)
 #: Timeout of the bell connection's other requests (its counter read), seconds.
 REQUEST_TIMEOUT = 10.0
+#: Seconds the bell's connection may take to open.
+CONNECT_TIMEOUT = 30.0
 #: Bound on the read of the ring that woke the thread (it may have been deleted since).
 RING_READ = datetime.timedelta(seconds=1)
 #: Wakes in a row before the bell keeps to one per ``gap``.
@@ -338,8 +340,15 @@ class _Hub:
         return {lo + i: v.decode() for i, v in enumerate(own.multi_get(keys))}
 
     def _serve(self) -> None:
-        # The connection is made here: a member's join never waits on it.
-        own = own_client(self._store, datetime.timedelta(seconds=REQUEST_TIMEOUT))
+        # The connection is made here: a member's join never waits on it. Opening it may
+        # take longer than a request (a name lookup the resolver lost: see _store.client).
+        try:
+            own = own_client(self._store, datetime.timedelta(seconds=REQUEST_TIMEOUT),
+                             datetime.timedelta(seconds=CONNECT_TIMEOUT))
+        except (dist.DistError, RuntimeError, OSError) as err:
+            log.warning("machinlike: the departure bell of %s could not connect to the store (%s); "
+                        "departures are heard at the liveness ticks only", self._keys.ns, err)
+            return
         if own is None:
             return  # a store that cannot be reached anew (a test's HashStore): ticks alone
         count, log_count = self._keys.bell_count(), self._keys.log_count()

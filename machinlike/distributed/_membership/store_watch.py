@@ -54,8 +54,7 @@ SILENCE_MIN = 5.0
 # Seconds the probe's connection may take to open. Why not the bound: torch's client gives
 # its timeout to the connection too, and looks up the store's name on each connection (a
 # lost query: 5 s, then the retry), so with a bound of 5 s a World failed to start with
-# "The client socket has timed out after 5000ms" where raw torch starts. The probe's own
-# requests are timed by the watch thread, not by the client's timeout.
+# "The client socket has timed out after 5000ms" where raw torch starts.
 PROBE_CONNECT_S = 30.0
 
 # (never created: a check of an absent key answers as fast as any request)
@@ -229,7 +228,7 @@ def watch_store(store: dist.Store, registry: Registry, liveness: float,
         watch = _watches.get(address)
         if watch is None or watch.ended:
             bound = max(liveness, SILENCE_MIN)
-            client = own_client(store, datetime.timedelta(seconds=max(bound, PROBE_CONNECT_S)))
+            client = own_client(store, datetime.timedelta(seconds=bound), datetime.timedelta(seconds=PROBE_CONNECT_S))
             if client is None:
                 return lambda: None
             watch = _watches[address] = StoreWatch(client, address, bound)

@@ -35,17 +35,26 @@ SLOW_CONNECT_S = 2.0  # seconds; a store connection that takes longer is logged,
 _slow_told = threading.Event()
 
 
-def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool = True) -> dist.TCPStore:
+def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool = True,
+               connect_timeout: Optional[datetime.timedelta] = None) -> dist.TCPStore:
     """A new client of the store at ``host:port`` whose requests end after ``timeout``.
 
     A connection that took ``SLOW_CONNECT_S`` or more is logged as a warning with its
     usual causes and the fix, once per process (see the module doc).
 
+    Args:
+        connect_timeout: How long connecting may take, when longer than ``timeout``
+            (torch gives a client's timeout to its connection too, the name lookup
+            included); None: ``timeout``.
+
     Raises:
         RuntimeError, ConnectionError, TimeoutError: as ``TCPStore`` raises them.
     """
     start = time.monotonic()
-    store = dist.TCPStore(host, port, None, False, timeout, use_libuv=use_libuv)
+    opening = timeout if connect_timeout is None else max(timeout, connect_timeout)
+    store = dist.TCPStore(host, port, None, False, opening, use_libuv=use_libuv)
+    if opening != timeout:
+        store.set_timeout(timeout)
     took = time.monotonic() - start
     if took >= SLOW_CONNECT_S and not _slow_told.is_set():
         _slow_told.set()
@@ -69,16 +78,19 @@ def slow_connection(host: str, port: int, took: float) -> str:
             f"resolver answer; see 'A World is slow to start' in machinlike's troubleshooting guide")
 
 
-def own_client(store: dist.Store, timeout: datetime.timedelta) -> Optional[dist.Store]:
+def own_client(store: dist.Store, timeout: datetime.timedelta,
+               connect_timeout: Optional[datetime.timedelta] = None) -> Optional[dist.Store]:
     """A new connection to ``store`` whose requests end after ``timeout``; None when the
     store can be neither reached anew nor cloned (a test's HashStore, a store written in
-    Python).
+    Python). ``connect_timeout``: as :func:`new_client`'s (a clone connects within the
+    original's timeout).
 
     Why not ``clone()`` for a TCPStore: torch's clone took 250 ms here, holding the GIL,
     against 1 ms for a new client; 1,024 members starting at once stalled for minutes.
     """
     if isinstance(store, dist.TCPStore):
-        return new_client(store.host, store.port, timeout, getattr(store, "libuvBackend", True))  # (not in torch's stubs)
+        return new_client(store.host, store.port, timeout,
+                          getattr(store, "libuvBackend", True), connect_timeout)  # (not in torch's stubs)
     clone = getattr(store, "clone", None)
     if clone is None:
         return None
