@@ -67,7 +67,8 @@ def slow_connection(host: str, port: int, took: float) -> str:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:  # a name: torch connects to what it resolves to
-        looked_up, entry = f"the address {host!r} resolves to", "'ADDRESS NAME' (an IPv4 ADDRESS in its form ::ffff:a.b.c.d)"
+        looked_up = f"the address {host!r} resolves to"
+        entry = "'ADDRESS NAME' (an IPv4 ADDRESS in its form ::ffff:a.b.c.d)"
     else:
         looked_up = f"::ffff:{address}" if address.version == 4 else str(address)
         entry = f"'{looked_up} {'localhost' if address.is_loopback else 'NAME'}'"
