@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterator, List, Optional
 
 import torch.distributed as dist
 
+from ... import _descriptors
 from .._calls import context as _context, cuda_ipc as _cuda_ipc, samehost as _samehost, serve as _serve
 from .. import _transport
 from .._transport import netif as _netif
@@ -214,6 +215,17 @@ def _bind(session: Session, members: Membership) -> None:
     session._undo.callback(members.unsubscribe, _cuda_ipc_departure)
 
 
+def _count_members(session: Session, members: Membership, budget: _descriptors.Budget) -> None:
+    """Keep ``budget`` told how many members the elastic World has (it warns when this
+    process could not open the descriptors they need)."""
+    def count(event: Any) -> None:
+        if event.kind != "move":
+            budget.joined(1 if event.kind == "join" else -1)
+
+    members.subscribe(count)
+    session._undo.callback(members.unsubscribe, count)
+
+
 def _cuda_ipc_departure(event: Any) -> None:
     if event.kind != "join":  # drops what dead or retired senders left opened here (no-op without CUDA)
         _cuda_ipc.forget_dead()
@@ -263,6 +275,7 @@ def start_static(session: Session) -> None:
     s = session.settings
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
+    _descriptors.Budget(s.name, info.server is not None).check(s.size)  # (warns only)
     if s.rpc:  # after the store (a wrong address or environment is named first), before the others wait
         _transport.claim_worker_id(s.rank)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -376,6 +389,7 @@ def start_elastic(session: Session) -> None:
     info = _open(session)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     members = _membership(session, info, Keys.elastic_world(restart))
+    _count_members(session, members, _descriptors.Budget(s.name, info.server is not None))
     members.enter(None if s.rank < 0 else s.rank, deadline)
     session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
     _bind(session, members)

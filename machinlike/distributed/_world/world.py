@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from ... import _checks, _mainguard
+from ... import _checks, _descriptors, _mainguard
 from .._store import forked as _forked, rendezvous as _rendezvous
 from .._groups import CollectiveGroup
 from .._membership import DEFAULT_LIVENESS
@@ -159,6 +159,9 @@ class World:
             same_host_shm=same_host_shm, shm_threshold=shm_threshold, shm_cache_bytes=shm_cache_bytes,
             cuda_ipc_cache_bytes=cuda_ipc_cache_bytes, same_host_lane=same_host_lane,
         )
+        # After the checks, before anything opens a connection (``_descriptors`` says why);
+        # the ranks and pools this process starts later inherit it.
+        _descriptors.raise_limit()
         self._session = Session(self._settings)
         self._stopped = False
         self._stop_lock = threading.Lock()

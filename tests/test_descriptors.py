@@ -1,0 +1,138 @@
+"""Open files (``machinlike._descriptors``): a World raises its process's soft limit, a
+store host of many members survives a soft limit of 180, and one that may not open what
+its members need says so with the fix.
+
+Each runs in a fresh interpreter whose limits are set before it starts (``preexec_fn``):
+the suite's own processes keep theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from machinlike import _descriptors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SOFT, _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _run(code: str, soft: int, hard: int, timeout: float) -> subprocess.CompletedProcess:
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, preexec_fn=limit,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"overstayed {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _hard_at_least(n: int) -> None:
+    if _HARD != resource.RLIM_INFINITY and _HARD < n:
+        pytest.skip(f"this machine's hard limit of open files is {_HARD}, under the {n} this test needs")
+
+
+def test_a_world_raises_the_soft_limit_up_to_the_hard_one():
+    _hard_at_least(4096)
+    result = _run("""
+        import resource, machinlike
+        with machinlike.World(name="a", rank=0, world_size=1, init_method="tcp://127.0.0.1:0"):
+            print("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    """, 256, 4096, 120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "soft 4096" in result.stdout
+    assert "ulimit" not in result.stderr  # a World of one needs far fewer: nothing said
+
+
+def test_raise_limit_stops_at_its_target_and_never_lowers():
+    _hard_at_least(8000)
+    result = _run("""
+        import resource
+        from machinlike import _descriptors
+        print("first", _descriptors.raise_limit(4000))  # 1,000 -> the target, under the hard limit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (8000, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        print("second", _descriptors.raise_limit(4000))  # above the target already: kept
+        print("third", _descriptors.raise_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    """, 1000, _HARD, 60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "first 4000" in result.stdout and "second 8000" in result.stdout
+    third = result.stdout.split("third ")[1].split()
+    hard = int(third[1])
+    assert int(third[0]) == (_descriptors.TARGET if hard == resource.RLIM_INFINITY else min(hard, _descriptors.TARGET))
+
+
+def test_a_store_host_of_twelve_members_survives_a_soft_limit_of_180():
+    # Without the raise, the host (about 250 descriptors with twelve members calling it)
+    # runs out and its RPC agent aborts it or fails its calls ("Too many open files").
+    _hard_at_least(1024)
+    result = _run("""
+        import machinlike
+
+        def member(world):
+            group = world.create_rpc_group("g", world.get_members())
+            group.register("f" + world.name, lambda: world.name)
+            group.barrier()
+            if world.name == "0":  # the store's host calls every member, so each has a pipe to it
+                assert [group.registered_sync("f" + m) for m in world.get_members()] == world.get_members()
+            group.barrier()
+            return world.name
+
+        if __name__ == "__main__":
+            print("done", machinlike.launch(member, 12, timeout=120))
+    """, 180, _HARD, 150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done ['0', '1', '2', '3', '4', '5', '6', '7', '8', '9', '10', '11']" in result.stdout
+
+
+def test_a_store_host_that_may_not_open_enough_says_so_with_the_fix():
+    result = _run(f"""
+        import machinlike
+        try:
+            machinlike.World(name="0", rank=0, world_size=64, init_method="tcp://127.0.0.1:{_free_port()}",
+                             dist_timeout=2)
+        except TimeoutError:
+            print("timed out, as the other 63 never come")
+    """, 256, 256, 60)
+    assert "timed out" in result.stdout, result.stderr[-3000:]
+    err = " ".join(result.stderr.split())
+    assert "World '0': this process may open 256 files (ulimit -n; hard limit 256) and 64 members need about 840" \
+        in err, err[-3000:]
+    assert "SIGABRT" in err and "LimitNOFILE=" in err
+
+
+def test_an_elastic_budget_counts_joins_and_departures_and_warns_once(caplog):
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        pytest.skip("no limit of open files here")
+    budget = _descriptors.Budget("learner", hosts_store=True)
+    fits = (soft - _descriptors.BASE) // _descriptors.PER_MEMBER_HOST  # members that fit this soft limit
+    with caplog.at_level(logging.WARNING, logger="machinlike"):
+        for _ in range(fits):
+            budget.joined(1)
+        budget.joined(-1)
+        budget.joined(1)
+        assert not caplog.records  # at the limit, not past it
+        budget.joined(1)
+        budget.joined(1)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and f"{fits + 1} members need about" in warnings[0], warnings
+    assert not _descriptors.Budget("actor", hosts_store=False).check(fits + 1)  # others need less
