@@ -1,23 +1,29 @@
 """Open files: this process's allowance (``ulimit -n``) raised once, and a warning before a
-World outgrows it.
+World or a launch outgrows it.
 
 Why: torch's RPC agent (TensorPipe) cannot survive a connection that finds no descriptor:
 its event loop throws, and the process ends by SIGABRT ("too many open files"), a learner
 with it. A process of a World keeps about 200 descriptors for torch's agent and gloo
-alone, and the process that hosts the store about ten more for each member (six store
-connections, the member's RPC pipe and lane), so under the soft limit most Linux
-sessions start with (1,024) a store host died at about 90 members. The hard limit there
-is usually 512k or more: raising the soft one is a user's right, and what Go's runtime
-and Ray do at start. What may not be raised (a hard limit that low) is said, once, with
-the fix, when the members a World has or expects need more::
+alone; a member that hosts the store and that every member calls (rank 0 of a World
+started by hand, a learner) about 20 more a member (six store connections, an RPC pipe,
+the same-host lane, gloo's pair); ``launch``'s own process, which hosts its ranks' store,
+about 12 a rank. So under the soft limit most Linux sessions start with (1,024) a store
+host runs out at about 45 members. The hard limit there is usually 512k or more: raising the
+soft one is a user's right, and what Go's runtime and Ray do at start. What may not be
+raised (a hard limit that low) is said, once, with the fix, when the members a World has
+or expects need more::
 
-    World(...)  raise_limit()           soft = min(hard, TARGET) when it was lower
-                Budget(name, hosts)     one per World
-      static:   budget.check(size)      at start-up: size is known
-      elastic:  budget.joined(+1 / -1)  on each join, leave or loss: the count changes
-                  need(members) > soft ─► one warning for this World (never an error: the
-                                          figures are estimates, and a World that calls few
-                                          peers needs fewer)
+    World(...) / launch(...)   raise_limit()        soft = min(hard, TARGET) when lower
+                               Budget(who, per)     one per World / launch
+      static, launch:  budget.check(size)           at start-up: the size is known
+      elastic:         budget.joined(+1 / -1)       on each join, leave or loss
+                         need(members) > soft ─► one warning (never an error: the figures
+                                                  are estimates; a World that calls few
+                                                  peers needs fewer)
+
+(Measured on 2-core Linux, torch 2.13, every member calling rank 0: a World's rank 0
+hosting the store 214 descriptors at 4 members, 363 at 12; any other member 155 and 168;
+raw torch RPC's rank 0, 327 and 799, its shared-memory transport's memfds.)
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import logging
 import resource
 import threading
 
-__all__ = ["TARGET", "BASE", "PER_MEMBER_HOST", "PER_MEMBER", "raise_limit", "need", "Budget"]
+__all__ = ["TARGET", "BASE", "PER_MEMBER_HOST", "PER_MEMBER", "PER_RANK_LAUNCHER", "raise_limit", "need", "Budget"]
 
 log = logging.getLogger("machinlike")
 
@@ -34,8 +40,9 @@ TARGET = 65536  # enough for thousands of members at the store's host; not unlim
 # code still walks every possible descriptor before an exec (a soft limit of 2**30 makes
 # that take seconds)
 BASE = 200  # a World's process before any peer (torch's agent, gloo; measured 150-180)
-PER_MEMBER_HOST = 10  # the store's host, for each member (measured 9.2, each member calling it)
-PER_MEMBER = 2  # any other member, for each member (measured 1.2)
+PER_MEMBER_HOST = 20  # a member hosting the store, for each member (measured 18.6, each calling it)
+PER_MEMBER = 2  # any other member, for each member (measured 1.6)
+PER_RANK_LAUNCHER = 12  # launch()'s process, which hosts the store, for each rank (measured 12)
 
 _lock = threading.Lock()
 
@@ -58,18 +65,22 @@ def raise_limit(target: int = TARGET) -> int:
         return soft
 
 
-def need(members: int, hosts_store: bool) -> int:
-    """Descriptors a process of a World of ``members`` members needs, about."""
-    return BASE + members * (PER_MEMBER_HOST if hosts_store else PER_MEMBER)
+def need(members: int, per_member: int, base: int = BASE) -> int:
+    """Descriptors a process needs, about: ``base`` and ``per_member`` for each of ``members``."""
+    return base + members * per_member
 
 
 class Budget:
-    """Warns, once, when a World's members need more descriptors than this process may
-    open (the module doc). ``hosts_store``: this process hosts the World's store."""
+    """Warns, once, when the members of a World (or the ranks of a launch) need more
+    descriptors than this process may open (the module doc). ``who``: the World's or the
+    launch's name, for the message; ``per_member``, ``base``: as for :func:`need`;
+    ``role``: what this process is to them, for the message."""
 
-    def __init__(self, name: str, hosts_store: bool) -> None:
-        self._name = name
-        self._hosts_store = hosts_store
+    def __init__(self, who: str, per_member: int, base: int = BASE, role: str = "") -> None:
+        self._who = who
+        self._per_member = per_member
+        self._base = base
+        self._role = role
         self._members = 0
         self._warned = False
         self._lock = threading.Lock()
@@ -86,18 +97,16 @@ class Budget:
         returns whether they do."""
         if self._warned:
             return True
-        wanted = need(members, self._hosts_store)
+        wanted = need(members, self._per_member, self._base)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY or wanted <= soft:
             return False
         self._warned = True
-        role = (f"it hosts the store: about {PER_MEMBER_HOST} a member" if self._hosts_store
-                else f"about {PER_MEMBER} a member")
         log.warning(
-            "World %r: this process may open %d files (ulimit -n; hard limit %s) and %d members need about %d "
-            "here (%d for torch's RPC agent and gloo, %s). Out of descriptors, torch's RPC agent aborts the "
-            "process (SIGABRT, 'too many open files'). Fix: raise the hard limit before starting (`ulimit -Hn "
-            "65536` as root, LimitNOFILE= in a systemd unit, `--ulimit nofile=65536` for docker); machinlike "
-            "raises the soft one itself", self._name, soft,
-            "unlimited" if hard == resource.RLIM_INFINITY else hard, members, wanted, BASE, role)
+            "%s: this process may open %d files (ulimit -n; hard limit %s) and %d members need about %d here (%d "
+            "to start, about %d a member%s). Out of descriptors, torch's RPC agent aborts the process (SIGABRT, "
+            "'too many open files'). Fix: raise the hard limit before starting (`ulimit -Hn 65536` as root, "
+            "LimitNOFILE= in a systemd unit, `--ulimit nofile=65536` for docker); machinlike raises the soft one "
+            "itself", self._who, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, members, wanted,
+            self._base, self._per_member, f": {self._role}" if self._role else "")
         return True

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch.distributed as dist
 
-from ... import _checks, _mainguard
+from ... import _checks, _descriptors, _mainguard
 from ..._lifeline import watch_parent
 from ..._procs import end_processes
 from ..._warm import resolve_context
@@ -75,6 +75,7 @@ class LaunchResult(list):
         super().__init__(results)
         self.restarts: List[Restart] = list(restarts)
 
+_LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
 
@@ -234,6 +235,11 @@ def launch(
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     _mainguard.check_main_file("launch(...)", context.get_start_method())
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
+    # This process hosts the ranks' store and keeps pipes to each: its allowance of open
+    # files first (``_descriptors`` says why); the ranks inherit it.
+    _descriptors.raise_limit()
+    _descriptors.Budget("launch()", _descriptors.PER_RANK_LAUNCHER, base=_LAUNCHER_BASE,
+                        role="it hosts their store").check(world_size)
     store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status 127.0.0.1:%d", store.port, store.port)

@@ -215,6 +215,14 @@ def _bind(session: Session, members: Membership) -> None:
     session._undo.callback(members.unsubscribe, _cuda_ipc_departure)
 
 
+def _budget(session: Session, info: _rendezvous.StoreInfo) -> _descriptors.Budget:
+    """What this process's descriptors must cover: more a member where it hosts the store."""
+    if info.server is not None:
+        return _descriptors.Budget(f"World {session.settings.name!r}", _descriptors.PER_MEMBER_HOST,
+                                   role="it hosts the store, and every member may call it")
+    return _descriptors.Budget(f"World {session.settings.name!r}", _descriptors.PER_MEMBER)
+
+
 def _count_members(session: Session, members: Membership, budget: _descriptors.Budget) -> None:
     """Keep ``budget`` told how many members the elastic World has (it warns when this
     process could not open the descriptors they need)."""
@@ -275,7 +283,7 @@ def start_static(session: Session) -> None:
     s = session.settings
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
-    _descriptors.Budget(s.name, info.server is not None).check(s.size)  # (warns only)
+    _budget(session, info).check(s.size)  # (warns only)
     if s.rpc:  # after the store (a wrong address or environment is named first), before the others wait
         _transport.claim_worker_id(s.rank)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -389,7 +397,7 @@ def start_elastic(session: Session) -> None:
     info = _open(session)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     members = _membership(session, info, Keys.elastic_world(restart))
-    _count_members(session, members, _descriptors.Budget(s.name, info.server is not None))
+    _count_members(session, members, _budget(session, info))
     members.enter(None if s.rank < 0 else s.rank, deadline)
     session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
     _bind(session, members)
