@@ -9,6 +9,7 @@ receiver without CUDA refusing to initialise it. The end-to-end runs are marked 
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
@@ -498,6 +499,35 @@ def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(ove
         assert torch.equal(send([torch.full((n,), float(n))])[0], torch.full((n,), float(n)))
     assert len(slab.views) <= _cuda_ipc.ops.VIEWS_KEPT and len(opened.views) <= _cuda_ipc.ops.VIEWS_KEPT
     assert _cuda_ipc.stats().get("staged_export_failed", 0) == failed  # every message went through the slab
+
+
+def test_a_message_never_pickled_whole_hands_its_slab_back(over_cpu):
+    # A CUDA tensor beside something no carrier can pickle (a lock): its slab was lent to
+    # a receiver that will never take it, and used to stay lent until that receiver died.
+    from machinlike._shm import guard
+
+    def committed():
+        batch = _cuda_ipc.Batch((5, os.getpid()))
+        refs = [batch.add(torch.ones(3))]
+        leases = batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+        return refs, [_cuda_ipc.unsent_release(lease) for lease in leases]
+
+    refs, ends = committed()
+    parts = guard(((refs, threading.Lock()),), [], ends)
+    with pytest.raises(TypeError):
+        pickle.dumps(parts)
+    area = _cuda_ipc._area
+    assert area.lent() == 1
+    del parts, refs
+    gc.collect()
+    assert area.lent() == 0 and area.stats["unsent_released"] == 1
+    refs, ends = committed()  # pickled whole: the receiver ends the lease, not the guard
+    slab = area._slabs[0]
+    data = pickle.dumps(guard(((refs, 1),), [], ends))
+    gc.collect()
+    assert area.lent() == 1 and area.stats["unsent_released"] == 1
+    assert torch.equal(pickle.loads(data)[0][0][0], torch.ones(3)) and _cuda_ipc.released(10)
+    assert area.lent() == 0 and area._slabs == [slab]
 
 
 def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):

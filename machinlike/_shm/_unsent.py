@@ -18,13 +18,15 @@ pickled after it::
         else             ─► the segments are released (nobody can have taken them)
 
 A message pickled whole but never taken (a reply after its call timed out) is another
-matter, see ``_segments``; this module is only about messages that never left.
+matter, see ``_segments``; this module is only about messages that never left. What else
+a message holds lent for its receiver (the CUDA IPC slabs of ``_calls.cuda_ipc``) comes
+back the same way, through the callables ``guard`` is handed (``also``).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Sequence, Set, Tuple
+from typing import Any, Callable, List, Sequence, Set, Tuple
 
 from ._segments import Segment, cache
 
@@ -74,23 +76,28 @@ class _Guarded:
         return (_first, (self.value, _Mark(self.seen, self.index)))
 
 
-def _settle(lent: List[Tuple[Segment, int]], seen: Set[int], parts: int) -> None:
+def _settle(lent: List[Tuple[Segment, int]], also: Sequence[Callable[[], None]], seen: Set[int],
+            parts: int) -> None:
     if len(seen) == parts:
         return
-    segments = cache()
-    for seg, lease in lent:
-        segments.release(seg, lease)
+    if lent:
+        segments = cache()
+        for seg, lease in lent:
+            segments.release(seg, lease)
+    for release in also:
+        release()
 
 
-def guard(parts: Sequence[Any], lent: List[Segment]) -> Tuple[Any, ...]:
+def guard(parts: Sequence[Any], lent: List[Segment], also: Sequence[Callable[[], None]] = ()) -> Tuple[Any, ...]:
     """``parts`` (one message's, pickled in this order by one carrier) wrapped so that the
-    segments ``lent`` for them are released unless every part was pickled by the time the
-    carrier drops them; ``parts`` as a tuple, unchanged, when nothing was lent."""
-    if not lent:
+    segments ``lent`` for them are released, and each of ``also`` called (what else was
+    lent for them; each must end only its own lease), unless every part was pickled by
+    the time the carrier drops them; ``parts`` as a tuple, unchanged, when nothing was lent."""
+    if not lent and not also:
         return parts if type(parts) is tuple else tuple(parts)
     record = _Record()
     seen: Set[int] = set()
     leases = [(seg, seg.lease) for seg in lent]  # (a segment may be freed and lent again meanwhile)
-    finalizer = weakref.finalize(record, _settle, leases, seen, len(parts))
+    finalizer = weakref.finalize(record, _settle, leases, tuple(also), seen, len(parts))
     finalizer.atexit = False  # (at exit the cache itself is closed)
     return tuple(_Guarded(part, record, seen, index) for index, part in enumerate(parts))

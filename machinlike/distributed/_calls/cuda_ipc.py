@@ -48,12 +48,13 @@ in a different order (``CUDA_VISIBLE_DEVICES``), stage. Between hosts nothing ch
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import operator
 import os
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -63,7 +64,7 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 
 __all__ = ["configure", "close", "released", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
-           "Batch", "eligible", "export", "forget_dead", "TERMS_MASK"]
+           "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
 
 TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
 _PID_SHIFT = 48
@@ -333,6 +334,13 @@ class Batch:
                                           group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
                                           tuple(items)))
         return lease
+
+
+def unsent_release(lease: Lease) -> Callable[[], None]:
+    """What ends ``lease`` if its message is never pickled whole (``_shm.guard`` calls it
+    then, from a garbage collection): it comes FREE again instead of staying lent to a
+    receiver that will never take it (until that receiver died or this World stopped)."""
+    return functools.partial(_export_area().release_unsent, lease)
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Lease]]:

@@ -200,6 +200,16 @@ class ExportArea:
             if self.words[lease.slab.slot, 0] == lease.ident:
                 self.words[lease.slab.slot, 0] = FREE
 
+    def release_unsent(self, lease: Lease) -> None:
+        """:meth:`release` for a message that was never pickled whole, from a garbage
+        collection (``_shm.guard``): takes no lock, as the collection may have interrupted
+        this very area under it. Nothing else writes a lent slab its receiver never took
+        (``lease`` only picks FREE ones; a closed area's slabs are retired)."""
+        row = self.words[lease.slab.slot]
+        if row[0] == lease.ident:
+            row[0] = FREE
+            self.stats["unsent_released"] = self.stats.get("unsent_released", 0) + 1
+
     def _free_slab(self, index: int, nbytes: int) -> Optional[Slab]:
         best: Optional[Slab] = None
         for slab in self._slabs:

@@ -31,7 +31,7 @@ is not.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -67,12 +67,14 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
         ``obj`` itself when nothing was replaced. The copies are complete. Wrapped as
         ``_shm.encode`` wraps it when segments were lent.
     """
-    out, lent = _encode(obj, shm_threshold, ipc)
-    return _shm_guard((out,), lent)[0]
+    out, lent, leases = _encode(obj, shm_threshold, ipc)
+    return _shm_guard((out,), lent, leases)[0]
 
 
-def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]) -> Tuple[Any, List[Segment]]:
-    """:func:`encode`'s object, unwrapped, and the segments lent for it."""
+def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]
+            ) -> Tuple[Any, List[Segment], List[Callable[[], None]]]:
+    """:func:`encode`'s object, unwrapped, the segments lent for it, and the ends of its
+    CUDA IPC leases (for a message that is never pickled whole: ``_shm.guard``)."""
     pending: List[torch.device] = []
     batch: Optional[_cuda_ipc.Batch] = None
     refs: List[Any] = []
@@ -95,11 +97,12 @@ def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]) -> Tup
     out = walk(obj, leaf, None, (lambda array: _shm_encode_array(array, shm_threshold, pack)) if shm_threshold else None)
     if pack is not None:
         pack.commit()
+    leases: List[Callable[[], None]] = []
     if batch is not None:  # one slab per device; a device without one stages (counted)
-        batch.commit(refs, stage_tensor, pending)
+        leases = [_cuda_ipc.unsent_release(lease) for lease in batch.commit(refs, stage_tensor, pending)]
     for device in pending:  # the copies were queued on each device's current stream
         torch.cuda.current_stream(device).synchronize()
-    return out, ([] if pack is None else pack.lent)
+    return out, ([] if pack is None else pack.lent), leases
 
 
 def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
@@ -109,6 +112,6 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
     ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
-        both, lent = _encode((args, kwargs), shm_threshold, ipc)
-        args, kwargs = _shm_guard(both, lent)
+        both, lent, leases = _encode((args, kwargs), shm_threshold, ipc)
+        args, kwargs = _shm_guard(both, lent, leases)
     return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))
