@@ -693,6 +693,41 @@ def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over
     assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back
 
 
+@pytest.mark.parametrize("side", ["caller", "callee"])
+def test_a_probe_that_travelled_staged_proves_nothing(monkeypatch, over_cpu, side):
+    # An export that fails stages its tensor; the probe still arrives equal, but no handle
+    # was opened: the peer must not be taken for one that receives through IPC.
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
+    calls = _loopback(monkeypatch)
+    exports = []
+    real_fill = _cuda_ipc.Batch._fill
+
+    def fill(self, group):  # the caller's export is the first, the callee's the second
+        exports.append(side)
+        if (side == "caller") == (len(exports) == 1):
+            raise_in = _cuda_ipc_area.ExportArea.lease
+            monkeypatch.setattr(_cuda_ipc_area.ExportArea, "lease", lambda *a: (_ for _ in ()).throw(
+                RuntimeError("CUDA error: invalid argument")))
+            try:
+                return real_fill(self, group)
+            finally:
+                monkeypatch.setattr(_cuda_ipc_area.ExportArea, "lease", raise_in)
+        return real_fill(self, group)
+
+    monkeypatch.setattr(_cuda_ipc.Batch, "_fill", fill)
+    peer = os.getpid() + 1
+    assert _cuda_ipc_peers.peer_target("peer", peer) is None
+    counts = _cuda_ipc.stats()
+    if side == "caller":  # nothing sent; asked again later, not staged for good
+        assert calls == ["_describe"] and counts["staged_probe_not_exported"] >= 1
+        assert _cuda_ipc._peers["peer"][1] is not None
+    else:
+        assert calls == ["_describe", "_probe"] and counts["staged_probe_failed"] >= 1
+        assert _cuda_ipc._peers["peer"] == (0, None)
+    assert _cuda_ipc.released(10) and _cuda_ipc._area.lent() == 0
+
+
 def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
     from machinlike.distributed._calls.cuda_ipc_release import await_ready
 

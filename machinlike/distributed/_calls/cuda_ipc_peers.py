@@ -10,7 +10,10 @@ have the same key) and sends a 16-element probe there and back through IPC (``_p
                     ── 0 (no CUDA there yet) ───► stage; ask again after _RETRY_S
                     ── another key ─────────────► stage for good (other GPUs)
                     ── our key ── probe there and back ── equal ──► IPC for good
-                                                      └─ not ─────► stage for good
+                                  │                   └─ not, or staged
+                                  │                      on the way back ──► stage for good
+                                  └─ not exported here (staged) ──► stage; ask again after
+                                                                    _UNANSWERED_RETRY_S
 
 Why a probe and not the key alone: the key says that both processes see the same GPUs,
 not that the driver lets one open the other's handles (two containers, for one); the probe
@@ -42,14 +45,16 @@ def _describe() -> int:
     return _ipc.local_key() if _ipc._limit > 0 else -1
 
 
-def _probe(tensors: List[torch.Tensor], caller: int) -> Any:
-    """(Remote) the probe's second half: check what arrived, send it back through IPC."""
+def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
+    """(Remote) the probe's second half: check what arrived, send it back through IPC;
+    and whether it went back through IPC (an export that failed stages it, and a staged
+    probe proves nothing)."""
     probe = tensors[0]
     expected = torch.arange(16, device=probe.device)
     if probe.device != _ipc.ops.device(probe.device.index) or not bool((probe == expected).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
-    refs, _ = _ipc.export([probe], (_ipc.local_key(), caller))
-    return refs
+    refs, leases = _ipc.export([probe], (_ipc.local_key(), caller))
+    return refs, bool(leases)
 
 
 def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
@@ -88,9 +93,13 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         return None
     device = _ipc.ops.device(_ipc.ops.current_index())
     refs, leases = _ipc.export([torch.arange(16, device=device)], (mine, pid))
+    if not leases:  # this side could not export it (it was staged, counted): ask again later
+        _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+        _ipc._count("staged_probe_not_exported")
+        return None
     try:
-        back = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
-        ok = bool((back[0].cpu() == torch.arange(16)).all())
+        back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
+        ok = exported and bool((back[0].cpu() == torch.arange(16)).all())
     except Exception:
         ok = False
     if not ok:
