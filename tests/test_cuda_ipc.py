@@ -235,6 +235,37 @@ def test_no_room_is_none_and_counted_and_free_slabs_are_evicted(area):
     assert all(area.words[slab.slot, 2] != slab.ident for slab in retired if slab is not bigger.slab)
 
 
+def test_closing_waits_briefly_for_live_receivers_to_end_their_leases(area):
+    # A receiver may still be copying out of a slab when its sender's World stops: the
+    # slab's memory must not go back to the allocator (nor its event die) under the copies.
+    lent = area.lease(0, 10, os.getpid())  # (a live receiver: this process)
+    dead = area.lease(0, 10, _dead_pid())  # a dead one's is not waited for
+    retired_at = []
+    real_retire = area._retire
+    area._retire = lambda slab: (retired_at.append(time.monotonic()), real_retire(slab))
+    freed_at = []
+
+    def free():
+        freed_at.append(time.monotonic())
+        area.words[lent.slab.slot, 0] = _cuda_ipc_area.FREE
+
+    threading.Timer(0.1, free).start()
+    started = time.monotonic()
+    area.close(5.0)
+    assert freed_at and len(retired_at) == 2 and min(retired_at) >= freed_at[0]
+    assert time.monotonic() - started < 2.0
+    assert dead.slab.storage is None
+
+
+def test_closing_does_not_wait_past_its_bound_for_a_lease_never_taken(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _FakeSlab)
+    made = _cuda_ipc_area.ExportArea(16 << 20)
+    made.lease(0, 10, os.getpid())  # its message was lost: nobody will end it
+    started = time.monotonic()
+    made.close(0.2)
+    assert 0.2 <= time.monotonic() - started < 2.0 and made._slabs == []  # then retired all the same
+
+
 def test_release_only_ends_its_own_lease(area):
     first = area.lease(0, 10, os.getpid())
     area.words[first.slab.slot, 0] = _cuda_ipc_area.FREE

@@ -73,6 +73,9 @@ _ALIGN = 512  # each tensor's offset in a slab: any dtype's alignment, and the c
 _PEERS_KEPT = 4096
 _READY_WAIT_S = 120.0  # a receiver waits this long at most for a live sender's copies
 _CLOSE_DRAIN_S = 5.0  # World stop: seconds at most for this process's pending releases
+# World stop: seconds at most for peers to end what they were lent (copying out takes
+# milliseconds; a lease whose message was lost stays lent, so not longer).
+_CLOSE_LENT_S = 0.5
 
 _lock = threading.Lock()
 _limit = 0
@@ -120,7 +123,7 @@ def close() -> None:
         _peers.clear()
     _releaser.close(_CLOSE_DRAIN_S)  # (leases this process still reads end before its openings go)
     if area is not None:
-        area.close()
+        area.close(_CLOSE_LENT_S)
     if _opened is not None:
         _opened.forget_all()
 

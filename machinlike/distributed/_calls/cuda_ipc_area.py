@@ -210,6 +210,11 @@ class ExportArea:
             row[0] = FREE
             self.stats["unsent_released"] = self.stats.get("unsent_released", 0) + 1
 
+    def _lent_to_the_living(self) -> bool:
+        with self._lock:
+            rows = [self.words[slab.slot] for slab in self._slabs]
+        return any(row[0] != FREE and pid_alive(int(row[1])) for row in rows)
+
     def _free_slab(self, index: int, nbytes: int) -> Optional[Slab]:
         best: Optional[Slab] = None
         for slab in self._slabs:
@@ -269,8 +274,14 @@ class ExportArea:
         slab.views = {}  # (they hold the storage too)
         slab.ready = None  # receivers check the slab's id before they ask its event
 
-    def close(self) -> None:
-        """Retire every slab (receivers drop their openings) and close the control page."""
+    def close(self, wait: float = 0.0) -> None:
+        """Retire every slab (receivers drop their openings) and close the control page;
+        first wait, ``wait`` seconds at most, for slabs lent to live receivers to come FREE
+        (one may still be copying out of it: its memory must not go back to the allocator
+        nor its event be destroyed under those copies). Raises nothing."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self._lent_to_the_living():
+            time.sleep(0.001)  # (only at a World's stop: receivers write the page, no wake-up)
         with self._lock:
             for slab in list(self._slabs):
                 self._retire(slab)
