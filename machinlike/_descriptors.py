@@ -1,5 +1,5 @@
 """Open files: this process's allowance (``ulimit -n``) raised once, and a warning before a
-World or a launch outgrows it.
+World, a launch or a process pool outgrows it.
 
 Why: torch's RPC agent (TensorPipe) cannot survive a connection that finds no descriptor:
 its event loop throws, and the process ends by SIGABRT ("too many open files"), a learner
@@ -32,7 +32,8 @@ import logging
 import resource
 import threading
 
-__all__ = ["TARGET", "BASE", "PER_MEMBER_HOST", "PER_MEMBER", "PER_RANK_LAUNCHER", "raise_limit", "need", "Budget"]
+__all__ = ["TARGET", "BASE", "PER_MEMBER_HOST", "PER_MEMBER", "PER_RANK_LAUNCHER", "PER_POOL_WORKER",
+           "raise_limit", "need", "Budget"]
 
 log = logging.getLogger("machinlike")
 
@@ -43,7 +44,9 @@ BASE = 200  # a World's process before any peer (torch's agent, gloo; measured 1
 PER_MEMBER_HOST = 20  # a member hosting the store, for each member (measured 18.6, each calling it)
 PER_MEMBER = 2  # any other member, for each member (measured 1.6)
 PER_RANK_LAUNCHER = 12  # launch()'s process, which hosts the store, for each rank (measured 12)
+PER_POOL_WORKER = 5  # a process pool's owner, for each worker (measured 4.2: pipes, sentinels)
 
+_ABORTS = "torch's RPC agent aborts the process (SIGABRT, 'too many open files')"
 _lock = threading.Lock()
 
 
@@ -74,10 +77,14 @@ class Budget:
     """Warns, once, when the members of a World (or the ranks of a launch) need more
     descriptors than this process may open (the module doc). ``who``: the World's or the
     launch's name, for the message; ``per_member``, ``base``: as for :func:`need`;
-    ``role``: what this process is to them, for the message."""
+    ``role``: what this process is to them, ``unit`` what they are, and ``outcome`` what
+    running out does, for the message."""
 
-    def __init__(self, who: str, per_member: int, base: int = BASE, role: str = "") -> None:
+    def __init__(self, who: str, per_member: int, base: int = BASE, role: str = "", unit: str = "members",
+                 outcome: str = _ABORTS) -> None:
         self._who = who
+        self._unit = unit
+        self._outcome = outcome
         self._per_member = per_member
         self._base = base
         self._role = role
@@ -103,10 +110,10 @@ class Budget:
             return False
         self._warned = True
         log.warning(
-            "%s: this process may open %d files (ulimit -n; hard limit %s) and %d members need about %d here (%d "
-            "to start, about %d a member%s). Out of descriptors, torch's RPC agent aborts the process (SIGABRT, "
-            "'too many open files'). Fix: raise the hard limit before starting (`ulimit -Hn 65536` as root, "
-            "LimitNOFILE= in a systemd unit, `--ulimit nofile=65536` for docker); machinlike raises the soft one "
-            "itself", self._who, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, members, wanted,
-            self._base, self._per_member, f": {self._role}" if self._role else "")
+            "%s: this process may open %d files (ulimit -n; hard limit %s) and %d %s need about %d here (%d "
+            "to start, about %d a %s%s). Out of descriptors, %s. Fix: raise the hard limit before starting "
+            "(`ulimit -Hn 65536` as root, LimitNOFILE= in a systemd unit, `--ulimit nofile=65536` for docker); "
+            "machinlike raises the soft one itself", self._who, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, members, self._unit,
+            wanted, self._base, self._per_member, self._unit[:-1], f": {self._role}" if self._role else "",
+            self._outcome)
         return True

@@ -1,6 +1,6 @@
-"""Open files (``machinlike._descriptors``): a World raises its process's soft limit, a
-store host of many members survives a soft limit of 180, and one that may not open what
-its members need says so with the fix.
+"""Open files (``machinlike._descriptors``): a World, a launch and a process pool raise
+their process's soft limit, so that many members or workers start under a low one, and
+one that may not open what they need says so with the fix.
 
 Each runs in a fresh interpreter whose limits are set before it starts (``preexec_fn``):
 the suite's own processes keep theirs.
@@ -153,6 +153,20 @@ def test_a_launch_whose_ranks_need_more_than_the_hard_limit_says_so_first():
             machinlike.launch(lambda world: None, 10, timeout=30)
     """, 100, 100, text, 60)
     assert text in err, err[-3000:]
+
+
+def test_a_pool_of_sixty_workers_starts_under_a_soft_limit_of_200():
+    # Its owner keeps about 4 descriptors a worker: without the raise, starting the
+    # workers fails ("OSError: [Errno 24] Too many open files").
+    _hard_at_least(1024)
+    result = _run("""
+        from machinlike.pool import Pool
+        if __name__ == "__main__":
+            with Pool(60) as pool:
+                print("sum", sum(pool.map(lambda x: x, range(120))))
+    """, 200, _HARD, 120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sum 7140" in result.stdout
 
 
 def test_an_elastic_budget_counts_joins_and_departures_and_warns_once(caplog):

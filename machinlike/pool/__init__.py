@@ -73,7 +73,7 @@ from __future__ import annotations
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-from .. import _mainguard
+from .. import _descriptors, _mainguard
 from .._warm import resolve_context
 from ..exception import WorkerLostError
 from ._api import PoolBase
@@ -104,6 +104,7 @@ __all__ = [
 
 ShareMethod = Union[None, str, Sequence[str]]
 _SHARE_METHODS = ("cpu", "cuda")
+_POOL_BASE = 40  # a pool owner's own descriptors before any worker (measured 12-30)
 
 
 def _check_policy(is_copy_tensor: Any, share_method: Any) -> frozenset:
@@ -190,6 +191,12 @@ class Pool(PoolBase):
         check_bool(is_recursive, "is_recursive")
         check_bool(is_daemon, "is_daemon")
         methods = _check_policy(is_copy_tensor, share_method)
+        # Before the first process or pipe (``_descriptors`` says why): a pool of hundreds
+        # of workers (environments stepped in parallel) outgrows a soft limit of 1,024.
+        _descriptors.raise_limit()
+        _descriptors.Budget(f"{type(self).__name__}(processes={processes})", _descriptors.PER_POOL_WORKER,
+                            base=_POOL_BASE, role="it keeps pipes to each", unit="workers",
+                            outcome="starting a worker fails (OSError: Too many open files)").check(processes)
         context = resolve_context(ctx)
         _mainguard.check_main_file(f"{type(self).__name__}(...)", context.get_start_method())
         codec = Codec(is_copy_tensor, methods, is_recursive)
