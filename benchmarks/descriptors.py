@@ -105,9 +105,10 @@ def main() -> int:
         print(f"  {mode:<14} {role:<36} {a:>5} / {b:>5}   {slope:>3} a member   (ran under a soft limit of {limit})")
     ours = next(r for r in rows if r[0] == "machinlike" and r[1].startswith("rank 0"))
     raw = next(r for r in rows if r[0] != "machinlike" and r[1].startswith("rank 0"))
+    fit_ours = (1024 - ours[2]) // max(1, ours[4]) + small
+    fit_raw = (1024 - raw[2]) // max(1, raw[4]) + small
     print(f"rank 0 per member: machinlike {ours[4]}, raw torch RPC {raw[4]} ({raw[4] / max(1, ours[4]):.1f}x); "
-          f"members that fit a soft limit of 1,024 at rank 0: machinlike {(1024 - ours[2]) // max(1, ours[4]) + small}, "
-          f"raw {(1024 - raw[2]) // max(1, raw[4]) + small}")
+          f"members that fit a soft limit of 1,024 at rank 0: machinlike {fit_ours}, raw {fit_raw}")
     return 0
 
 

@@ -11,11 +11,11 @@ about 12 a rank. So under the soft limit most Linux sessions start with (1,024) 
 host runs out at about 45 members. The hard limit there is usually 512k or more: raising the
 soft one is a user's right, and what Go's runtime and Ray do at start. What may not be
 raised (a hard limit that low) is said, once, with the fix, when the members a World has
-or expects need more::
+or expects (or a pool's workers) need more::
 
-    World(...) / launch(...)   raise_limit()        soft = min(hard, TARGET) when lower
-                               Budget(who, per)     one per World / launch
-      static, launch:  budget.check(size)           at start-up: the size is known
+    World / launch / Pool      raise_limit()        soft = min(hard, TARGET) when lower
+                               Budget(who, per)     one per World / launch / pool
+      static, launch, pool:  budget.check(size)     at start-up: the size is known
       elastic:         budget.joined(+1 / -1)       on each join, leave or loss
                          need(members) > soft ─► one warning (never an error: the figures
                                                   are estimates; a World that calls few
@@ -74,9 +74,9 @@ def need(members: int, per_member: int, base: int = BASE) -> int:
 
 
 class Budget:
-    """Warns, once, when the members of a World (or the ranks of a launch) need more
-    descriptors than this process may open (the module doc). ``who``: the World's or the
-    launch's name, for the message; ``per_member``, ``base``: as for :func:`need`;
+    """Warns, once, when the members of a World (the ranks of a launch, the workers of a
+    pool) need more descriptors than this process may open (the module doc). ``who``:
+    the World, the launch or the pool, for the message; ``per_member``, ``base``: as for :func:`need`;
     ``role``: what this process is to them, ``unit`` what they are, and ``outcome`` what
     running out does, for the message."""
 
@@ -113,7 +113,7 @@ class Budget:
             "%s: this process may open %d files (ulimit -n; hard limit %s) and %d %s need about %d here (%d "
             "to start, about %d a %s%s). Out of descriptors, %s. Fix: raise the hard limit before starting "
             "(`ulimit -Hn 65536` as root, LimitNOFILE= in a systemd unit, `--ulimit nofile=65536` for docker); "
-            "machinlike raises the soft one itself", self._who, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, members, self._unit,
-            wanted, self._base, self._per_member, self._unit[:-1], f": {self._role}" if self._role else "",
-            self._outcome)
+            "machinlike raises the soft one itself", self._who, soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard, members, self._unit, wanted, self._base,
+            self._per_member, self._unit[:-1], f": {self._role}" if self._role else "", self._outcome)
         return True

@@ -75,6 +75,7 @@ class LaunchResult(list):
         super().__init__(results)
         self.restarts: List[Restart] = list(restarts)
 
+
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
