@@ -4,14 +4,15 @@ World, a launch or a process pool outgrows it.
 Why: torch's RPC agent (TensorPipe) cannot survive a connection that finds no descriptor:
 its event loop throws, and the process ends by SIGABRT ("too many open files"), a learner
 with it. A process of a World keeps about 200 descriptors for torch's agent and gloo
-alone; a member that hosts the store and that every member calls (rank 0 of a World
-started by hand, a learner) about 20 more a member (six store connections, an RPC pipe,
-the same-host lane, gloo's pair); ``launch``'s own process, which hosts its ranks' store,
-about 12 a rank. So under the soft limit most Linux sessions start with (1,024) a store
-host runs out at about 45 members. The hard limit there is usually 512k or more: raising the
-soft one is a user's right, and what Go's runtime and Ray do at start. What may not be
-raised (a hard limit that low) is said, once, with the fix, when the members a World has
-or expects (or a pool's workers) need more::
+alone (about 100 without gloo's process group, as in an elastic World); a member that
+hosts the store and that every member calls (rank 0 of a World started by hand, a
+learner) about 20 more a member (six store connections, an RPC pipe, the same-host lane,
+gloo's pair); ``launch``'s own process, which hosts its ranks' store, about 12 a rank; a
+process pool's owner about 5 a worker. So under the soft limit most Linux sessions start
+with (1,024) a store host runs out at about 45 members. The hard limit there is usually
+512k or more: raising the soft one is a user's right, and what Go's runtime and Ray do
+at start. What may not be raised (a hard limit that low) is said, once, with the fix,
+when the members a World has or expects (or a pool's workers) need more::
 
     World / launch / Pool      raise_limit()        soft = min(hard, TARGET) when lower
                                Budget(who, per)     one per World / launch / pool
@@ -23,7 +24,8 @@ or expects (or a pool's workers) need more::
 
 (Measured on 2-core Linux, torch 2.13, every member calling rank 0: a World's rank 0
 hosting the store 214 descriptors at 4 members, 363 at 12; any other member 155 and 168;
-raw torch RPC's rank 0, 327 and 799, its shared-memory transport's memfds.)
+raw torch RPC's rank 0, 327 and 799, its shared-memory transport's memfds. An elastic
+World's host, its members calling nobody: 62 at 3 members, 164 at 11.)
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import logging
 import resource
 import threading
 
-__all__ = ["TARGET", "BASE", "PER_MEMBER_HOST", "PER_MEMBER", "PER_RANK_LAUNCHER", "PER_POOL_WORKER",
+__all__ = ["TARGET", "BASE", "BASE_NO_GLOO", "PER_MEMBER_HOST", "PER_MEMBER", "PER_RANK_LAUNCHER", "PER_POOL_WORKER",
            "raise_limit", "need", "Budget"]
 
 log = logging.getLogger("machinlike")
@@ -41,6 +43,7 @@ TARGET = 65536  # enough for thousands of members at the store's host; not unlim
 # code still walks every possible descriptor before an exec (a soft limit of 2**30 makes
 # that take seconds)
 BASE = 200  # a World's process before any peer (torch's agent, gloo; measured 150-180)
+BASE_NO_GLOO = 100  # the same without a gloo process group (an elastic World; measured 40-60)
 PER_MEMBER_HOST = 20  # a member hosting the store, for each member (measured 18.6, each calling it)
 PER_MEMBER = 2  # any other member, for each member (measured 1.6)
 PER_RANK_LAUNCHER = 12  # launch()'s process, which hosts the store, for each rank (measured 12)

@@ -217,10 +217,12 @@ def _bind(session: Session, members: Membership) -> None:
 
 def _budget(session: Session, info: _rendezvous.StoreInfo) -> _descriptors.Budget:
     """What this process's descriptors must cover: more a member where it hosts the store."""
+    s = session.settings
+    base = _descriptors.BASE if s.collective and not s.elastic else _descriptors.BASE_NO_GLOO
     if info.server is not None:
-        return _descriptors.Budget(f"World {session.settings.name!r}", _descriptors.PER_MEMBER_HOST,
+        return _descriptors.Budget(f"World {s.name!r}", _descriptors.PER_MEMBER_HOST, base,
                                    role="it hosts the store, and every member may call it")
-    return _descriptors.Budget(f"World {session.settings.name!r}", _descriptors.PER_MEMBER)
+    return _descriptors.Budget(f"World {s.name!r}", _descriptors.PER_MEMBER, base)
 
 
 def _count_members(session: Session, members: Membership, budget: _descriptors.Budget) -> None:
