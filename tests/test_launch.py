@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -33,6 +34,9 @@ def _exit_on_rank_2(world, how):
     if world.rank == 2:
         if how == "os._exit":
             os._exit(3)
+        if how == "abort":
+            faulthandler.disable()  # (its dump of the stacks is not the test's)
+            os.abort()
         os.kill(os.getpid(), signal.SIGKILL)
     threading.Event().wait(120)
 
@@ -66,11 +70,17 @@ def test_first_failure_is_raised_with_remote_traceback_and_others_killed():
     assert "_fail_on_rank_1_others_block" in str(cause)
 
 
-@pytest.mark.parametrize("how, text", [("os._exit", "exited with code 3"), ("SIGKILL", "killed by signal SIGKILL")])
+@pytest.mark.parametrize("how, text", [
+    ("os._exit", "exited with code 3: it ended without reporting a result$"),
+    ("SIGKILL", "killed by signal SIGKILL \\(9\\): it ended without reporting a result$"),
+    # (torch's C++ code that throws where nothing catches: TensorPipe out of descriptors)
+    ("abort", "killed by signal SIGABRT \\(6\\): it ended without reporting a result \\(a C\\+\\+ abort: its "
+              "message, such as TensorPipe's 'too many open files', is on the rank's standard error just before\\)"),
+])
 def test_rank_death_is_named(how, text):
     with pytest.raises(ProcessExitedError, match=rf"rank 2 \('2'\) \(pid \d+\) {text}") as info:
         launch(_exit_on_rank_2, 3, args=(how,), timeout=100)
-    assert info.value.exitcode == (3 if how == "os._exit" else -signal.SIGKILL)
+    assert info.value.exitcode == {"os._exit": 3, "SIGKILL": -signal.SIGKILL, "abort": -signal.SIGABRT}[how]
 
 
 def test_timeout_names_the_stuck_ranks(capfd):

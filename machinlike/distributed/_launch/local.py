@@ -76,6 +76,11 @@ class LaunchResult(list):
         self.restarts: List[Restart] = list(restarts)
 
 
+_NO_REPORT = "it ended without reporting a result"
+# What a rank's SIGABRT most often is: C++ code of torch's that threw where nothing
+# catches (TensorPipe's event loop out of descriptors, for one), its message printed first.
+_ABORTED = (" (a C++ abort: its message, such as TensorPipe's 'too many open files', is on the rank's standard "
+            "error just before)")
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
@@ -367,7 +372,8 @@ class _Job:
                     if report is None:
                         p = self.processes[rank]
                         p.join()
-                        detail = _mainguard.explain(p.exitcode) or "it ended without reporting a result"
+                        detail = _mainguard.explain(p.exitcode) or _NO_REPORT + (
+                            _ABORTED if p.exitcode == -signal.SIGABRT else "")
                         report = (False, ProcessExitedError(p.name, p.pid, p.exitcode, detail))
                 if report is None:
                     continue  # the pipe closed first; the exit sentinel decides
