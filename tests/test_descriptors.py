@@ -169,6 +169,22 @@ def test_a_pool_of_sixty_workers_starts_under_a_soft_limit_of_200():
     assert "sum 7140" in result.stdout
 
 
+def _threads_and_descriptors(world):
+    loops = sum(1 for task in os.listdir("/proc/self/task")
+                if open(f"/proc/self/task/{task}/comm").read().strip() == "TP_UV_loop")
+    return loops, len(os.listdir("/proc/self/fd"))
+
+
+def test_a_static_world_on_one_host_keeps_no_multi_lane_channel():
+    # torch's default channel list adds mpt_uv, whose lanes carried nothing on one host
+    # (cma outranks it; the lane and shared memory carry the calls) and cost each process
+    # 16 event-loop threads and about 110 descriptors (155 at rank 1 of 4, now about 45).
+    from machinlike import launch
+
+    for loops, descriptors in launch(_threads_and_descriptors, 2, timeout=60):
+        assert loops == 1 and descriptors < 120, (loops, descriptors)
+
+
 def test_an_elastic_budget_counts_joins_and_departures_and_warns_once(caplog):
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:

@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 # the store stopped accepting its actors' connections; with these, 424-704 over 100
 # cycles. cma moves CPU tensors between processes of one host; basic carries everything
 # else over the transport's own connection (shm on one host, uv TCP between hosts).
+# A static World all of whose ranks run on one host takes them too (``start_static``'s
+# ``channels``): there mpt_uv's lanes carried nothing (cma outranks it, and the lane and
+# shared memory carry the calls) and cost each process 16 event-loop threads, about 110
+# descriptors, and 8 TCP connections per peer it called.
 ELASTIC_CHANNELS = ["cma", "basic"]
 
 
@@ -121,13 +125,13 @@ def claim_worker_id(rank: int) -> None:
 
 
 def start_static(name: str, rank: int, world_size: int, init_method: str, threads: int, timeout: float,
-                 transports: Optional[List[str]] = None) -> None:
+                 transports: Optional[List[str]] = None, channels: Optional[List[str]] = None) -> None:
     """Start a static agent (``world_size`` fixed) through ``init_method``'s rendezvous;
-    ``transports`` None: TensorPipe's default list."""
+    ``transports``, ``channels`` None: TensorPipe's default lists."""
     _tensor_parts.install()
     with static_start_quiet():
         rpc.init_rpc(name, rank=rank, world_size=world_size,
-                     rpc_backend_options=_options(threads, timeout, init_method, transports=transports))
+                     rpc_backend_options=_options(threads, timeout, init_method, channels, transports))
     _agents.started(None)
 
 

@@ -330,7 +330,8 @@ def start_static(session: Session) -> None:
         session._undo.callback(setattr, session, "rpc_store", None)
         session._undo.callback(_rendezvous.forget_rpc_store, url)
         with session.network_hint():
-            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports)
+            _transport.start_static(s.name, s.rank, s.size, url, s.rpc_threads, s.rpc_timeout, s.rpc_transports,
+                                    _static_channels(members, names))
         session.rpc = Once(functools.partial(_shutdown_rpc, session))
         session._undo.callback(session.rpc, False, 1.0)
     reg.set(keys.ready_prefix() + str(s.rank), "1")
@@ -338,6 +339,14 @@ def start_static(session: Session) -> None:
                  s.dist_timeout)
     members.start_liveness()
     session._undo.callback(members.close)
+
+
+def _static_channels(members: Membership, names: List[str]) -> Optional[List[str]]:
+    """TensorPipe's channels for a static World: the elastic list where every rank runs on
+    this host (each rank decides alike, from the identities all exchanged), else torch's
+    default list (its multi-lane TCP channel carries large tensors between hosts)."""
+    here = members.roster.on_this_host
+    return list(_transport.ELASTIC_CHANNELS) if all(here(name) for name in names) else None
 
 
 def _check_sizes(reg: Registry, info: _rendezvous.StoreInfo, keys: Keys, rank: int, size: int,
