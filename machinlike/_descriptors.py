@@ -3,16 +3,17 @@ World, a launch or a process pool outgrows it.
 
 Why: torch's RPC agent (TensorPipe) cannot survive a connection that finds no descriptor:
 its event loop throws, and the process ends by SIGABRT ("too many open files"), a learner
-with it. A process of a World keeps about 200 descriptors for torch's agent and gloo
-alone (about 100 without gloo's process group, as in an elastic World); a member that
-hosts the store and that every member calls (rank 0 of a World started by hand, a
-learner) about 20 more a member (six store connections, an RPC pipe, the same-host lane,
-gloo's pair); ``launch``'s own process, which hosts its ranks' store, about 12 a rank; a
-process pool's owner about 5 a worker. So under the soft limit most Linux sessions start
-with (1,024) a store host runs out at about 45 members. The hard limit there is usually
-512k or more: raising the soft one is a user's right, and what Go's runtime and Ray do
-at start. What may not be raised (a hard limit that low) is said, once, with the fix,
-when the members a World has or expects (or a pool's workers) need more::
+with it. A process of a World keeps about 50 descriptors for torch's agent and gloo on
+one host (about 200 in a static World across hosts, whose agent keeps torch's default
+channels); a member that hosts the store and that every member calls (rank 0 of a World
+started by hand, a learner) about 20 more a member (six store connections, the RPC pipes
+both ways and their channels' connections, the same-host lane, gloo's pair); ``launch``'s
+own process, which hosts its ranks' store, about 12 a rank; a process pool's owner about
+5 a worker. So under the soft limit most Linux sessions start with (1,024) a store host
+runs out at about 50 members. The hard limit there is usually 512k or more: raising the
+soft one is a user's right, and what Go's runtime and Ray do at start. What may not be
+raised (a hard limit that low) is said, once, with the fix, when the members a World has
+or expects (or a pool's workers) need more::
 
     World / launch / Pool      raise_limit()        soft = min(hard, TARGET) when lower
                                Budget(who, per)     one per World / launch / pool
@@ -22,10 +23,12 @@ when the members a World has or expects (or a pool's workers) need more::
                                                   are estimates; a World that calls few
                                                   peers needs fewer)
 
-(Measured on 2-core Linux, torch 2.13, every member calling rank 0: a World's rank 0
-hosting the store 214 descriptors at 4 members, 363 at 12; any other member 155 and 168;
-raw torch RPC's rank 0, 327 and 799, its shared-memory transport's memfds. An elastic
-World's host, its members calling nobody: 62 at 3 members, 164 at 11.)
+(Measured on 2-core Linux, torch 2.13, every member calling rank 0: a static World's rank
+0 hosting the store 102 descriptors at 4 members, 251 at 12 (214 and 363 with torch's
+default channels); any other member 43 and 56; raw torch RPC's rank 0, 327 and 799, its
+shared-memory transport's memfds. An elastic World's host, its members calling nobody:
+62 at 3 members, 164 at 11. The estimates below keep the larger figures: a warning is
+better early than late.)
 """
 
 from __future__ import annotations
