@@ -12,8 +12,8 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 """
 
 from .agent import (
-    ELASTIC_CHANNELS, claim_worker_id, closed_agent_error, introduce_current, no_agent_error, renewing, set_default_timeout,
-    start_dynamic, start_static, wait_current, wait_steady,
+    ELASTIC_CHANNELS, claim_worker_id, closed_agent_error, introduce_current, no_agent_error, renewing,
+    set_default_timeout, start_dynamic, start_static, wait_current, wait_steady,
 )
 from . import lane
 from .agents import pool_threads, reap_retired, shutdown
@@ -24,7 +24,8 @@ from .probe import AgentProbe
 from .workers import ID_SPACE_ENV, id_held, id_space, worker_seq
 
 __all__ = [
-    "ELASTIC_CHANNELS", "AgentProbe", "ListenerWatch", "lane", "PipeLedger", "ID_SPACE_ENV", "claim_worker_id", "closed_agent_error",
+    "ELASTIC_CHANNELS", "AgentProbe", "ListenerWatch", "lane", "PipeLedger", "ID_SPACE_ENV", "claim_worker_id",
+    "closed_agent_error",
     "forget_retired", "id_held", "id_space", "introduce_current", "no_agent_error", "pool_threads",
     "prune_workers", "published_address", "reap_retired", "recycle_after", "renewing", "set_default_timeout", "shutdown",
     "start_dynamic", "start_static", "token_holder", "wait_current", "wait_steady", "worker_seq",

@@ -70,8 +70,8 @@ log = logging.getLogger(__name__)
 # else over the transport's own connection (shm on one host, uv TCP between hosts).
 # A static World all of whose ranks run on one host takes them too (``start_static``'s
 # ``channels``): there mpt_uv's lanes carried nothing (cma outranks it, and the lane and
-# shared memory carry the calls) and cost each process 16 event-loop threads, about 110
-# descriptors, and 8 TCP connections per peer it called.
+# shared memory carry the calls) and cost each process 16 event-loop threads and about
+# 110 descriptors.
 ELASTIC_CHANNELS = ["cma", "basic"]
 
 
