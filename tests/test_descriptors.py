@@ -185,6 +185,20 @@ def test_a_static_world_on_one_host_keeps_no_multi_lane_channel():
         assert loops == 1 and descriptors < 120, (loops, descriptors)
 
 
+def test_a_static_world_across_hosts_keeps_torchs_default_channels():
+    # The multi-host tests run in network namespaces of one machine (one host to /proc):
+    # the other branch of the choice, checked on its own.
+    from types import SimpleNamespace
+
+    from machinlike.distributed._world.session import _static_channels
+
+    def members(remote):
+        return SimpleNamespace(roster=SimpleNamespace(on_this_host=lambda name: name not in remote))
+
+    assert _static_channels(members(set()), ["0", "1", "2"]) == ["cma", "basic"]
+    assert _static_channels(members({"2"}), ["0", "1", "2"]) is None
+
+
 def test_an_elastic_budget_counts_joins_and_departures_and_warns_once(caplog):
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
