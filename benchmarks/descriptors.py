@@ -12,7 +12,9 @@ transports), rank 0 hosting the store and calling each rank once.
 Printed: each process's count by kind, and the cost per member between the sizes (the
 slope), which is what bounds a world under a limit of open files (``ulimit -n``). It also
 prints the soft limit a World's process runs under (machinlike raises it to 65,536 or the
-hard limit: ``machinlike/_descriptors.py``).
+hard limit: ``machinlike/_descriptors.py``). Then the same slope for the process that
+runs ``machinlike.launch`` (it hosts its ranks' store) and for a process pool's owner,
+beside ``multiprocessing.Pool``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import resource
 import socket
 import sys
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch.multiprocessing as mp
 
@@ -86,6 +88,37 @@ def measure(mode: str, n: int) -> Tuple[Tuple[Dict[str, int], int], Tuple[Dict[s
     return first, second
 
 
+def _launcher_count(world: Any, launcher: int) -> Optional[int]:
+    group = world.create_rpc_group("fds", world.get_members())
+    group.barrier()  # every rank has joined: the launcher holds what it holds for all of them
+    count = len(os.listdir(f"/proc/{launcher}/fd")) if world.rank == 0 else None
+    group.barrier()
+    return count
+
+
+def launcher(n: int) -> int:
+    """Descriptors of the process running ``machinlike.launch`` of ``n`` ranks, mid-run."""
+    import machinlike
+    return machinlike.launch(_launcher_count, n, args=(os.getpid(),), timeout=300)[0]
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def pool_owner(kind: str, n: int) -> int:
+    """Descriptors of a process holding a pool of ``n`` workers that ran a map."""
+    if kind == "machinlike":
+        from machinlike.pool import Pool
+        with Pool(n) as pool:
+            pool.map(_square, range(4 * n))
+            return len(os.listdir("/proc/self/fd"))
+    import multiprocessing
+    with multiprocessing.get_context("forkserver").Pool(n) as pool:
+        pool.map(_square, range(4 * n))
+        return len(os.listdir("/proc/self/fd"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs=2, default=[4, 12], help="two world sizes (the slope between)")
@@ -109,6 +142,13 @@ def main() -> int:
     fit_raw = (1024 - raw[2]) // max(1, raw[4]) + small
     print(f"rank 0 per member: machinlike {ours[4]}, raw torch RPC {raw[4]} ({raw[4] / max(1, ours[4]):.1f}x); "
           f"members that fit a soft limit of 1,024 at rank 0: machinlike {fit_ours}, raw {fit_raw}")
+    a, b = launcher(small), launcher(large)
+    print(f"launch()'s own process (hosts the ranks' store): {a} / {b} at {small} / {large} ranks, "
+          f"{(b - a) / max(1, large - small):.1f} a rank", flush=True)
+    for kind in ("machinlike", "multiprocessing.Pool"):
+        a, b = pool_owner(kind, small), pool_owner(kind, large * 2)
+        print(f"{kind} owner: {a} / {b} at {small} / {large * 2} workers, "
+              f"{(b - a) / max(1, large * 2 - small):.1f} a worker", flush=True)
     return 0
 
 
