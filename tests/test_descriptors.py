@@ -26,11 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SOFT, _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def _run(code: str, soft: int, hard: int, timeout: float) -> subprocess.CompletedProcess:
+def _limited(soft: int, hard: int):
+    """A ``preexec_fn`` that sets the child's limits of open files before it starts."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, preexec_fn=limit,
+    return limit
+
+
+def _run(code: str, soft: int, hard: int, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, preexec_fn=_limited(soft, hard),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -44,10 +49,7 @@ def _run(code: str, soft: int, hard: int, timeout: float) -> subprocess.Complete
 def _said(code: str, soft: int, hard: int, text: str, timeout: float) -> str:
     """Run ``code`` under those limits until its stderr has said ``text`` (then kill it:
     what follows is not the test's); its stderr so far, on one line."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, preexec_fn=limit,
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, preexec_fn=_limited(soft, hard),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     seen: list = []
     timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
