@@ -307,7 +307,10 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
             slowest = max(slowest, time.perf_counter() - start)
             if getattr(model, "pp_version", 0) >= pushes:
                 break
-        out = {"slowest_pull": slowest}
+        from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
+
+        counts = _cuda_ipc.stats()  # (its leases of the server's slabs ended before each next pull)
+        out = {"slowest_pull": slowest, "flush": {k: counts.get(k, 0) for k in ("flush_waits", "flush_late")}}
     else:
         index = int(name[len("victim"):])
         # one by one, while pulls are in flight: a thread kills the process mid-transfer
@@ -438,6 +441,8 @@ def main() -> int:
             if isinstance(pusher, dict) and pusher.get("samples"):
                 say("  server's reserved / export slabs (MiB) by push: " +
                     ", ".join(f"{i}: {r} / {sl}" for i, r, sl in pusher["samples"]))
+            if isinstance(pusher, dict) and isinstance(survivor, dict):
+                say(f"  server's area: {pusher.get('area')}; survivor's flushes before a pull: {survivor.get('flush')}")
                 say(f"  server's export area: {pusher.get('area')}")
 
         pool = _section("pool", lambda: pool_round_trips(repeats))

@@ -669,14 +669,60 @@ def test_the_releaser_frees_after_a_failed_wait_and_restarts_after_close():
     releaser = Releaser()
     rows = torch.zeros(2, 4, dtype=torch.int64).numpy()
     rows[0, 0], rows[1, 0] = 7, 9
-    releaser.put(Broken(), rows[0], 7)
+    releaser.put(Broken(), rows[0], 7, 1234)
     assert releaser.drain(10) and rows[0, 0] == 0 and releaser.stats["release_wait_failed"] == 1
     thread = releaser._thread
     assert thread is not None and thread.is_alive()
     assert releaser.close(10) and not thread.is_alive()  # World stop ends the thread
-    releaser.put(_Event(), rows[1], 8)  # a lease that ended otherwise is left alone
+    releaser.put(_Event(), rows[1], 8, 1234)  # a lease that ended otherwise is left alone
     assert releaser.drain(10) and rows[1, 0] == 9 and releaser.stats["released"] == 1
     assert releaser.close(10) and releaser.pending() == 0
+
+
+def test_a_flush_waits_for_one_owners_leases_only_and_for_no_longer_than_its_bound():
+    from machinlike.distributed._calls.cuda_ipc_release import Releaser
+
+    releaser = Releaser()
+    rows = torch.zeros(2, 4, dtype=torch.int64).numpy()
+    rows[0, 0], rows[1, 0] = 7, 8
+    copies = _Event()
+    copies.hold()  # the copies out of owner 100's slab are still running
+    releaser.put(copies, rows[0], 7, 100)
+    assert releaser.flush(200, 10) and releaser.stats["flush_waits"] == 0  # nothing of 200's: at once
+    started = time.monotonic()
+    assert not releaser.flush(100, 0.05)  # bounded: the call goes on, the sender may make a slab
+    assert time.monotonic() - started < 5 and releaser.stats["flush_late"] == 1 and rows[0, 0] == 7
+    threading.Timer(0.05, copies.let_go).start()
+    assert releaser.flush(100, 10) and rows[0, 0] == 0  # FREE before the caller goes on
+    assert releaser.stats["flush_waits"] == 2 and releaser._by_owner == {}  # (nothing kept per owner)
+    releaser.put(_Event(), rows[1], 8, 100)
+    assert releaser.drain(10) and releaser._by_owner == {}
+    assert releaser.close(10)
+
+
+def test_a_call_ends_the_leases_of_the_callees_slabs_before_it_is_sent(monkeypatch, over_cpu):
+    """A puller that calls its server again at once: the server finds its last slab FREE
+    (before, it was often still lent, and the server made a second one after 10 ms)."""
+    from machinlike.distributed._calls import cuda_ipc_release
+
+    monkeypatch.setattr(cuda_ipc_release, "FLUSH_S", 10.0)  # (the copies below end after 50 ms)
+    data = _one_message(torch.ones(3))  # a reply from the "server" (this process's pid)
+    done = _CpuSlab.done
+    done.hold()  # the puller's copies out of it are still running
+    try:
+        assert torch.equal(pickle.loads(data)[0], torch.ones(3))
+        assert _cuda_ipc._area.lent() == 1
+        threading.Timer(0.05, done.let_go).start()
+        out = _cuda_stage.outgoing(("pull", (), {}), 1 << 20, (5, os.getpid()))  # the next call
+        assert _cuda_ipc._area.lent() == 0  # ended before the call left
+        assert _cuda_ipc.stats()["flush_waits"] == 1 and out[0] == "pull"
+        done.hold()
+        pickle.loads(_one_message(torch.ones(2)))
+        _cuda_stage.outgoing(("pull", (), {}), 1 << 20, (5, os.getpid() + 1))  # another callee: no wait
+        assert _cuda_ipc._area.lent() == 1 and _cuda_ipc.stats()["flush_waits"] == 1
+    finally:
+        done.let_go()
+    assert _cuda_ipc.released(10)
 
 
 def _loopback(monkeypatch, mangle=None):

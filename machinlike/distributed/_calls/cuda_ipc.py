@@ -63,7 +63,7 @@ from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 
-__all__ = ["configure", "close", "released", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
+__all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
            "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
 
 TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
@@ -132,6 +132,12 @@ def released(timeout: float) -> bool:
     """Wait, ``timeout`` seconds at most, until every lease this process received is FREE
     again (each ends once its copies out completed, in a thread of its own)."""
     return _releaser.drain(timeout)
+
+
+def before_call(pid: int) -> None:
+    """End this process's leases of process ``pid``'s slabs before calling it (bounded:
+    ``cuda_ipc_release.FLUSH_S``), so that its reply finds the last one FREE."""
+    _releaser.flush(pid)
 
 
 def _export_area() -> ExportArea:
@@ -397,7 +403,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             elif requires_grad:
                 own.requires_grad_(True)
             out.append(own)
-        _releaser.put(ops.copies_done(opened, index), row, lease)
+        _releaser.put(ops.copies_done(opened, index), row, lease, pid)
         handed = True
     finally:
         if not handed:

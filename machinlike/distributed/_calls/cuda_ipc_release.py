@@ -19,6 +19,18 @@ records an event after its copies and hands the lease to one thread that waits::
     return: the tensors are ready on the
       receiver's current stream, as torch's own ops' results are
 
+A lease that ends late costs the sender a second slab: a puller that calls its server
+again at once would find the slab of the last reply still lent, and the server would wait
+for it (``ExportArea.lease``, 10 ms at most), then make another. So before a call to a
+process, the caller ends the leases it holds of that process's slabs (``flush``): the
+copies out ran long ago in the usual case (the caller used what it received), and when
+they have not, waiting for them here costs the caller what the slab would have cost the
+callee's wait, without the memory::
+
+    caller, before calling process P       releaser thread
+    flush(P): leases of P's slabs pending? ──► (frees them in order; flush waits for
+      wait for them (bounded), then send         those of P, ``FLUSH_S`` at most)
+
 Why a thread and not a GPU-side wait in the sender (its stream waiting on an event the
 receiver records): a receiver SIGKILLed between its record and its copies would leave
 that event never completing, and the sender's stream stuck behind it. Here a receiver
@@ -38,7 +50,11 @@ import numpy as np
 from ..._shm._segments import pid_alive
 from .cuda_ipc_area import FREE
 
-__all__ = ["Done", "Ready", "Releaser", "await_ready"]
+__all__ = ["Done", "Ready", "Releaser", "await_ready", "FLUSH_S"]
+
+# Seconds a caller waits at most for its leases of the callee's slabs to end (``flush``):
+# the sender's own wait for a lent slab (``cuda_ipc_area._REUSE_WAIT_S``), which this saves.
+FLUSH_S = 0.010
 
 
 class Done(Protocol):
@@ -94,17 +110,19 @@ class Releaser:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._items: Deque[Tuple[Done, np.ndarray, int]] = deque()
+        self._items: Deque[Tuple[Done, np.ndarray, int, int]] = deque()
         self._busy = 0
+        self._by_owner: Dict[int, int] = {}  # leases pending by the slab owner's pid (none: absent)
         self._thread: Optional[threading.Thread] = None
         self._stop = False
-        self.stats: Dict[str, int] = {"released": 0, "release_wait_failed": 0}
+        self.stats: Dict[str, int] = {"released": 0, "release_wait_failed": 0, "flush_waits": 0, "flush_late": 0}
 
-    def put(self, done: Done, row: np.ndarray, lease: int) -> None:
-        """Free ``row``'s lease ``lease`` once ``done`` completed."""
+    def put(self, done: Done, row: np.ndarray, lease: int, owner: int) -> None:
+        """Free ``row``'s lease ``lease`` of process ``owner``'s slab once ``done`` completed."""
         with self._cond:
-            self._items.append((done, row, lease))
+            self._items.append((done, row, lease, owner))
             self._busy += 1
+            self._by_owner[owner] = self._by_owner.get(owner, 0) + 1
             if self._thread is None:
                 self._stop = False
                 self._thread = threading.Thread(target=self._run, name="machinlike-cuda-ipc-release", daemon=True)
@@ -115,6 +133,26 @@ class Releaser:
         """Leases handed over and not yet freed."""
         with self._cond:
             return self._busy
+
+    def flush(self, owner: int, timeout: Optional[float] = None) -> bool:
+        """Wait, ``timeout`` seconds at most (None: ``FLUSH_S``), until the leases handed
+        over of process ``owner``'s slabs are freed (see the module docstring); whether they
+        were. Counted: ``flush_waits`` when there were some, ``flush_late`` when they
+        outlasted ``timeout``."""
+        if not self._busy:  # (the usual case, without the lock: nothing pending at all)
+            return True
+        with self._cond:
+            if not self._by_owner.get(owner):
+                return True
+            self.stats["flush_waits"] += 1
+            deadline = time.monotonic() + (FLUSH_S if timeout is None else timeout)
+            while self._by_owner.get(owner):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats["flush_late"] += 1
+                    return False
+                self._cond.wait(left)
+            return True
 
     def drain(self, timeout: float) -> bool:
         """Wait, ``timeout`` seconds at most, until every lease handed over is freed."""
@@ -147,7 +185,7 @@ class Releaser:
                     self._cond.wait()
                 if not self._items:
                     return
-                done, row, lease = self._items.popleft()
+                done, row, lease, owner = self._items.popleft()
             try:
                 done.synchronize()
             except Exception:  # a CUDA error here is the process's, and shows there too;
@@ -158,5 +196,8 @@ class Releaser:
                 row[0] = FREE
             with self._cond:
                 self._busy -= 1
+                left = self._by_owner.pop(owner) - 1
+                if left:
+                    self._by_owner[owner] = left
                 self.stats["release_wait_failed" if failed else "released"] += 1
                 self._cond.notify_all()

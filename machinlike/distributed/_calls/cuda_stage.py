@@ -111,6 +111,8 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
     initialised CUDA. The terms ask the callee to reply through shared memory from
     ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
+    if ipc is not None:  # the callee's slabs this process still reads: their leases end first
+        _cuda_ipc.before_call(ipc[1])
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
         both, lent, leases = _encode((args, kwargs), shm_threshold, ipc)
         args, kwargs = _shm_guard(both, lent, leases)
