@@ -76,7 +76,8 @@ def test_register_call_and_errors(world):
             g.register("scale0", _scale)
         with pytest.raises(KeyError, match=r"Service \[scale1\] not registered in Group \[svc\]"):
             g.deregister("scale1")
-        with pytest.raises(KeyError, match=r"Service \[nope\] not found on Group \[svc\]"):
+        with pytest.raises(KeyError, match=r"Service \[nope\] not found on Group \[svc\]: no live member has "
+                                           r"registered it.*group.barrier\(\).*group.is_registered\('nope'\)"):
             g.registered_sync("nope")
         with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):
             g.registered_async("nope")
@@ -183,7 +184,8 @@ def test_pair_values_and_errors(world):
             g.pair("v0", 1)
         with pytest.raises(KeyError, match=r"Value with key \[v0\] not paired to Group \[vals\]"):
             g.unpair("v0")
-        with pytest.raises(KeyError, match=r"Value with key \[missing\] not found on Group \[vals\]"):
+        with pytest.raises(KeyError, match=r"Value with key \[missing\] not found on Group \[vals\]: no live "
+                                           r"member has paired it.*group.is_paired\('missing'\)"):
             g.get_paired("missing")
     for owner in MEMBERS:
         assert g.is_paired(f"v{owner}")

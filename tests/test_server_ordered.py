@@ -37,6 +37,11 @@ def test_machin_push_pull_sequence(world):
         assert server.pull(("tuple", "key")) == (10, 7)
         with pytest.raises(TypeError, match="key must be hashable"):
             server.push(["list"], 1, 1, None)
+        # An accessor built for a server nobody hosts says what makes one (machin: a bare KeyError).
+        with pytest.raises(KeyError, match=r"Service \[nobody/_pull\] not found on Group \[group\]: no member "
+                                           r"hosts ordered server 'nobody'; create OrderedServerSimpleImpl\('nobody', "
+                                           r"group\) on the member that is to host it"):
+            OrderedServerSimple("nobody", group).pull("a")
     group.barrier()
     if world.name == "0":
         stats = impl.stats()

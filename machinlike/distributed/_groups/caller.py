@@ -54,6 +54,13 @@ def _named(result: RpcFuture, member: str) -> RpcFuture:
     return result
 
 
+def _not_found(what: str, key: str, group: str, verb: str) -> str:
+    """machin's words (callers match them), then why and the fix."""
+    return (f"{what} [{key}] not found on Group [{group}]: no live member has {verb}ed it (yet: members start "
+            f"at their own pace); {verb} it on its member, then meet at group.barrier() before the first "
+            f"call, or wait until group.is_{verb}ed({key!r})")
+
+
 class Caller:
     """The outgoing calls of one group incarnation.
 
@@ -77,7 +84,7 @@ class Caller:
         # A look-up in the store counts against the call's own time (a silent store).
         owner = self._owners.service(key, refresh, max(0.001, deadline - time.monotonic()))
         if owner is None:
-            raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+            raise KeyError(_not_found("Service", key, self._group, "register"))
         return owner.worker, _serve._call_async_service if owner.is_async else _serve._call_service
 
     def service_sync(self, key: str, call_args: CallArgs, wait: float) -> Any:
@@ -99,7 +106,7 @@ class Caller:
                               stated)
             if not is_missing(value):
                 return unwrap(value)
-        raise KeyError(f"Service [{key}] not found on Group [{self._group}]")
+        raise KeyError(_not_found("Service", key, self._group, "register"))
 
     def service_async(self, key: str, call_args: CallArgs, wait: float) -> RpcFuture:
         """Service ``key``'s pending result (see ``RpcGroup.registered_async``).
@@ -154,7 +161,7 @@ class Caller:
                               max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
             if not is_missing(value):  # the owner's (member, incarnation)
                 return PairedRef(value[0], value[1], sid)
-        raise KeyError(f"Value with key [{key}] not found on Group [{self._group}]")
+        raise KeyError(_not_found("Value with key", key, self._group, "pair"))
 
     # ---------------------------------------------------------------- plain calls
     def run_sync(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> Any:
