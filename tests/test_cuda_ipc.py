@@ -720,6 +720,11 @@ def test_a_call_ends_the_leases_of_the_callees_slabs_before_it_is_sent(monkeypat
         pickle.loads(_one_message(torch.ones(2)))
         _cuda_stage.outgoing(("pull", (), {}), 1 << 20, (5, os.getpid() + 1))  # another callee: no wait
         assert _cuda_ipc._area.lent() == 1 and _cuda_ipc.stats()["flush_waits"] == 1
+        # A call that sends CUDA tensors through IPC (here: the walk says it lent a slab)
+        # does not wait: the callee reads them after this process's copies out ran.
+        monkeypatch.setattr(_cuda_stage, "_encode", lambda obj, threshold, ipc: (obj, [], [lambda: None]))
+        _cuda_stage.outgoing(("push", (1,), {}), 1 << 20, (5, os.getpid()))
+        assert _cuda_ipc._area.lent() == 1 and _cuda_ipc.stats()["flush_waits"] == 1
     finally:
         done.let_go()
     assert _cuda_ipc.released(10)

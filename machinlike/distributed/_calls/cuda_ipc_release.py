@@ -21,15 +21,19 @@ records an event after its copies and hands the lease to one thread that waits::
 
 A lease that ends late costs the sender a second slab: a puller that calls its server
 again at once would find the slab of the last reply still lent, and the server would wait
-for it (``ExportArea.lease``, 10 ms at most), then make another. So before a call to a
-process, the caller ends the leases it holds of that process's slabs (``flush``): the
-copies out ran long ago in the usual case (the caller used what it received), and when
-they have not, waiting for them here costs the caller what the slab would have cost the
-callee's wait, without the memory::
+for it (``ExportArea.lease``, 10 ms at most), then make another. So before a call that
+sends no CUDA tensor (a pull) to a process, the caller ends the leases it holds of that
+process's slabs (``flush``): the copies out ran long ago in the usual case (the caller
+used what it received), and when they have not, the caller waits for them instead of the
+callee's thread, and no second slab is made::
 
     caller, before calling process P       releaser thread
     flush(P): leases of P's slabs pending? ──► (frees them in order; flush waits for
       wait for them (bounded), then send         those of P, ``FLUSH_S`` at most)
+
+A call that sends CUDA tensors skips it: the callee reads them only once the caller's
+slab event ran, which comes after the caller's copies out on its stream, so the leases
+end meanwhile, without holding the caller up.
 
 Why a thread and not a GPU-side wait in the sender (its stream waiting on an event the
 receiver records): a receiver SIGKILLed between its record and its copies would leave

@@ -111,9 +111,14 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
     initialised CUDA. The terms ask the callee to reply through shared memory from
     ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
     what, args, kwargs = call
-    if ipc is not None:  # the callee's slabs this process still reads: their leases end first
-        _cuda_ipc.before_call(ipc[1])
+    leases: List[Callable[[], None]] = []
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
         both, lent, leases = _encode((args, kwargs), shm_threshold, ipc)
         args, kwargs = _shm_guard(both, lent, leases)
+    if ipc is not None and not leases:
+        # A call that sends no CUDA tensor through IPC (a pull, a request for actions) asks
+        # for the callee's: the leases this process holds of its slabs end first, so that
+        # its reply finds the last one FREE. Not a call that sends some: the callee reads
+        # them only after this process's copies out, which its slab's event follows, ran.
+        _cuda_ipc.before_call(ipc[1])
     return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))
