@@ -285,8 +285,10 @@ def test_all_to_all_native_and_pairwise_fallback(world, path):
             assert grid.tolist() == [[0.0, 1.0, 2.0], [float(r)] * n]
             # The refusal is remembered: the backend was asked once, not on every call.
             assert len(calls) == 1
-        else:
+        elif g._native_all_to_all:
             assert len(calls) == 2
+        else:  # a backend without alltoall (gloo of torch 2.11): refused once, then the fallback
+            assert len(calls) == 1
 
         with pytest.raises(ValueError, match=r"input_tensor_list holds 2 tensors; CollectiveGroup \[0, 1, 2\] needs "
                                              r"one per member \(3\)"):

@@ -569,14 +569,17 @@ def test_destroy_racing_registers_leaves_no_service_behind(world):
     """A register in flight when destroy() runs is either withdrawn by it or refused."""
     g = world.create_rpc_group("race", ["0", "1"])
     sync = world.create_rpc_group("race_sync", ["0", "1"])
-    keys = [f"k{i}" for i in range(400)]
     if world.name == "0":
-        started, refused = threading.Event(), []
+        started, refused, tried = threading.Event(), [], []
 
         def registering(offset):
-            for i, key in enumerate(keys[offset::4]):
+            # Until refused (each thread is, once destroy() has run): a fixed number of
+            # keys could all be registered before destroy() began, and nothing would race.
+            for i in range(20_000):
                 if i == 3:
                     started.set()
+                key = f"k{offset}_{i}"
+                tried.append(key)
                 try:
                     g.register(key, _whoami)
                 except RuntimeError as err:
@@ -590,10 +593,12 @@ def test_destroy_racing_registers_leaves_no_service_behind(world):
         g.destroy()
         for thread in threads:
             thread.join(30)
-        assert refused and all("has been destroyed" in why for why in refused)
+        assert len(refused) == 4 and all("has been destroyed" in why for why in refused)
+        sync.pair("tried", tried)
     sync.barrier()
     if world.name == "1":
-        assert [key for key in keys if g.is_registered(key)] == []
+        tried = sync.get_paired("tried").to_here()
+        assert len(tried) >= 4 and [key for key in tried if g.is_registered(key)] == []
         g.destroy()
     sync.barrier()
     sync.destroy()

@@ -58,7 +58,7 @@ def reduce_array_named(array: np.ndarray, reduce_storage: Callable[[Any], Tuple[
     try:
         storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
     except RuntimeError as err:
-        if not shm_space.is_full(err):
+        if not shm_space.is_full(err, array.nbytes):
             raise
         shm_space.warn_by_value(array.nbytes, "a numpy array")
         return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[return-value]  # (a tuple for arrays)

@@ -148,7 +148,7 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     try:
         manager, handle, size = storage._share_filename_cpu_()
     except RuntimeError as err:
-        if shm_space.is_full(err):
+        if shm_space.is_full(err, storage.nbytes()):
             raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory (a queue's default: "
                                        "SimpleQueue(copy_tensor=True) sends copies instead)") from err
         raise

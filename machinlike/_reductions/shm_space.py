@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Optional
 
 __all__ = ["is_full", "full_error", "warn_by_value"]
 
@@ -21,10 +22,26 @@ _SHM = "/dev/shm"
 _warned = False
 
 
-def is_full(err: BaseException) -> bool:
-    """Whether ``err`` is torch's refusal to allocate shared memory for lack of room."""
+def is_full(err: BaseException, nbytes: Optional[int] = None) -> bool:
+    """Whether ``err`` is torch's refusal to allocate shared memory for lack of room;
+    ``nbytes``: what was asked for (None: unknown)."""
     text = str(err)
-    return "shared memory" in text and ("No space left" in text or "(28)" in text)
+    if "shared memory" not in text:
+        return False
+    if "No space left" in text or "(28)" in text:
+        return True
+    # torch 2.11 words the same refusal "...: Success (0)" (its errno read after it was
+    # overwritten): then the room there is decides.
+    return nbytes is not None and "unable to allocate" in text and _free() < nbytes
+
+
+def _free() -> int:
+    """Bytes free in /dev/shm (0 when that cannot be read)."""
+    try:
+        stats = os.statvfs(_SHM)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
 
 
 def _room() -> str:

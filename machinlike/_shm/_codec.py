@@ -99,7 +99,7 @@ def _register_own(storage: torch.UntypedStorage) -> Tuple[int, int, int]:
         try:
             fd, _ = storage._share_fd_cpu_()  # moves it into fd-backed shared memory, in place
         except RuntimeError as err:
-            if shm_space.is_full(err):
+            if shm_space.is_full(err, storage.nbytes()):
                 raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory") from err
             raise
     size = storage.nbytes()

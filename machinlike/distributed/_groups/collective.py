@@ -439,7 +439,7 @@ class CollectiveGroup:
         member's piece into ``output_tensor_list[j]`` (members in rank order).
 
         Works on every backend: where the backend has no ``alltoall`` (gloo before torch
-        2.13, for one), the pieces travel as point-to-point sends and receives on a tag
+        2.12, for one), the pieces travel as point-to-point sends and receives on a tag
         reserved for this (5000000; do not use it for your own sends), CUDA
         tensors staged through the CPU where the backend cannot send them.
 

@@ -11,7 +11,7 @@ tensor, a tuple or list of tensors, or a dict of tensors, each with one row per 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
@@ -84,7 +84,7 @@ def join(inputs: Sequence[Inputs]) -> Inputs:
         return inputs[0]
     first = inputs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(inputs)  # type: ignore[arg-type]
+        return torch.cat(cast(List[torch.Tensor], inputs))  # (one signature: all tensors; torch's stubs differ by release)
     if isinstance(first, dict):
         dicts: Sequence[Dict[str, torch.Tensor]] = inputs  # type: ignore[assignment]  # (one signature: all dicts)
         return {key: torch.cat([x[key] for x in dicts]) for key in first}
