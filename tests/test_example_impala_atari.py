@@ -218,5 +218,7 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
         assert 0 <= last["episode/return_mean100"] < 100 and 20 < last["episode/length_mean100"] < 5000
     assert 0 < last["learner/entropy"] <= 1.39 and last["learner/grad_norm"] > 0  # ln 4: Breakout's 4 actions
     assert last["inference/batch"] == 2 and last["inference/call_p95_ms"] > 0 and last["learner/policy_lag"] >= 0
-    assert 50 < last["rss_mb/0"] < 4000
+    # (megabytes, not bytes or pages; 4,082 MB seen with a CUDA build of torch, 2.11+cu130,
+    # on a machine without a GPU)
+    assert 50 < last["rss_mb/0"] < 8000
     assert (tmp_path / "curve" / "metrics.png").exists()

@@ -5,7 +5,8 @@
 #
 # Usage: tools/torch_matrix.sh [--full | --ci | --install-only] [--python PY] [VERSION ...]
 #   VERSION         torch releases to test (default: the claimed ones, $CLAIMED below)
-#   --full          the whole suite instead of the smoke subset ($SMOKE below)
+#   --full          the whole suite instead of the smoke subset ($SMOKE below); the
+#                   environment gets the test, examples and machin extras too
 #   --ci            CI's smaller subset ($CI_SMOKE below, a minute or two per torch);
 #                   exits 3, not 1, when a release cannot be downloaded here, so that
 #                   CI can tell "not testable on this machine" from "tests failed"
@@ -102,6 +103,27 @@ for v in "${versions[@]}"; do
         unavailable=1
       fi
       rm -rf "$env_dir"
+    fi
+  fi
+  if [ "$status" = ok ] && [ $full = 1 ] && [ ! -e "$env_dir/.installed-extras" ]; then
+    # The whole suite imports what the README's test command installs (gymnasium, Ray,
+    # Sphinx, machin's own imports...): the test, examples and machin extras of setup.cfg,
+    # torch held at this release, then machin itself without its declared requirements.
+    echo "== torch $v: adding the test, examples and machin extras (log: $log)"
+    mapfile -t extras < <("$python" -c '
+import configparser, sys
+cfg = configparser.ConfigParser()
+cfg.read(sys.argv[1])
+for name in ("test", "examples", "machin"):
+    for line in cfg["options.extras_require"][name].splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            print(line)
+' "$root/setup.cfg")
+    if { PIP_CONSTRAINT="$no_cap" nice -n 10 "$env_dir/bin/pip" install -q "torch==$v" "${extras[@]}" &&
+         PIP_CONSTRAINT="$no_cap" nice -n 10 "$env_dir/bin/pip" install -q --no-deps machin==0.4.2 &&
+         touch "$env_dir/.installed-extras"; } >> "$log" 2>&1; then :; else
+      status="installing the extras failed"
     fi
   fi
   if [ "$status" = ok ] && [ $install_only = 1 ]; then

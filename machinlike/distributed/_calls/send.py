@@ -41,8 +41,9 @@ _LOST_MARKERS = (
 
 
 # The callee could not pickle its reply: the lane says so, torch's RPC in the C++ frame
-# that failed (its message carries a C++ stack, whose words must not read as a loss).
-_REPLY_UNPICKLABLE = ("the reply could not be pickled", "serializepyobject")
+# that failed (its message carries a C++ stack, whose words must not read as a loss), or,
+# torch 2.9, in the Python frame of its pickler ("At: .../rpc/internal.py(136): serialize").
+_REPLY_UNPICKLABLE = ("the reply could not be pickled", "serializepyobject", "): serialize")
 
 
 # What a pickler raises for an object it cannot pickle (a lock, a socket, a local function):
