@@ -160,10 +160,11 @@ class OrderedServerSimple(OrderedServerBase):
             # The services vanish with a lost host's claims: say who is gone, not "not found".
             host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
             if not host:  # none ever did: say what makes one
-                raise KeyError(f"Service [{self.server_name}/{service}] not found on Group "  # (machin's words)
-                               f"[{self.group.get_group_name()}]: no member hosts ordered server "
-                               f"{self.server_name!r}; create OrderedServerSimpleImpl({self.server_name!r}, group) on the member that is "
-                               f"to host it first, and meet at group.barrier() before the first call") from err
+                name = self.server_name
+                raise KeyError(f"Service [{name}/{service}] not found on Group "  # (machin's words)
+                               f"[{self.group.get_group_name()}]: no member hosts ordered server {name!r}; "
+                               f"create OrderedServerSimpleImpl({name!r}, group) on the member that is to host "
+                               f"it first, and meet at group.barrier() before the first call") from err
             back = current_world().get_incarnation(host)
             why = ("it was lost; calls fail until it is restarted and serves again" if back is None else
                    f"it came back (incarnation {back}) and does not serve yet")

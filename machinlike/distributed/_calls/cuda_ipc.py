@@ -63,8 +63,8 @@ from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 
-__all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms", "reply_target",
-           "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
+__all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
+           "reply_target", "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
 
 TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
 _PID_SHIFT = 48

@@ -84,7 +84,8 @@ def join(inputs: Sequence[Inputs]) -> Inputs:
         return inputs[0]
     first = inputs[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(cast(List[torch.Tensor], inputs))  # (one signature: all tensors; torch's stubs differ by release)
+        # (one signature: all tensors; a cast, as torch's stubs for cat differ by release)
+        return torch.cat(cast(List[torch.Tensor], inputs))
     if isinstance(first, dict):
         dicts: Sequence[Dict[str, torch.Tensor]] = inputs  # type: ignore[assignment]  # (one signature: all dicts)
         return {key: torch.cat([x[key] for x in dicts]) for key in first}
