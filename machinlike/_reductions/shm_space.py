@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 __all__ = ["is_full", "full_error", "warn_by_value"]
 
@@ -32,24 +32,22 @@ def is_full(err: BaseException, nbytes: Optional[int] = None) -> bool:
         return True
     # torch 2.11 words the same refusal "...: Success (0)" (its errno read after it was
     # overwritten): then the room there is decides.
-    return nbytes is not None and "unable to allocate" in text and _free() < nbytes
+    return nbytes is not None and "unable to allocate" in text and _space()[0] < nbytes
 
 
-def _free() -> int:
-    """Bytes free in /dev/shm (0 when that cannot be read)."""
+def _space() -> Tuple[int, int]:
+    """Bytes (free, total) of /dev/shm; (0, 0) when they cannot be read."""
     try:
         stats = os.statvfs(_SHM)
     except OSError:
-        return 0
-    return stats.f_bavail * stats.f_frsize
+        return 0, 0
+    return stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
 
 
 def _room() -> str:
-    try:
-        stats = os.statvfs(_SHM)
-    except OSError:
+    free, total = _space()
+    if not total:
         return "a size that cannot be read"
-    free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
     return f"{free / 2**20:.0f} MB free of {total / 2**20:.0f} MB"
 
 

@@ -115,7 +115,6 @@ class Releaser:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._items: Deque[Tuple[Done, np.ndarray, int, int]] = deque()
-        self._busy = 0
         self._by_owner: Dict[int, int] = {}  # leases pending by the slab owner's pid (none: absent)
         self._thread: Optional[threading.Thread] = None
         self._stop = False
@@ -125,7 +124,6 @@ class Releaser:
         """Free ``row``'s lease ``lease`` of process ``owner``'s slab once ``done`` completed."""
         with self._cond:
             self._items.append((done, row, lease, owner))
-            self._busy += 1
             self._by_owner[owner] = self._by_owner.get(owner, 0) + 1
             if self._thread is None:
                 self._stop = False
@@ -136,14 +134,14 @@ class Releaser:
     def pending(self) -> int:
         """Leases handed over and not yet freed."""
         with self._cond:
-            return self._busy
+            return sum(self._by_owner.values())
 
     def flush(self, owner: int, timeout: Optional[float] = None) -> bool:
         """Wait, ``timeout`` seconds at most (None: ``FLUSH_S``), until the leases handed
         over of process ``owner``'s slabs are freed (see the module docstring); whether they
         were. Counted: ``flush_waits`` when there were some, ``flush_late`` when they
         outlasted ``timeout``."""
-        if not self._busy:  # (the usual case, without the lock: nothing pending at all)
+        if not self._by_owner:  # (the usual case, without the lock: nothing pending at all)
             return True
         with self._cond:
             if not self._by_owner.get(owner):
@@ -162,7 +160,7 @@ class Releaser:
         """Wait, ``timeout`` seconds at most, until every lease handed over is freed."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._busy:
+            while self._by_owner:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -199,7 +197,6 @@ class Releaser:
             if int(row[0]) == lease:
                 row[0] = FREE
             with self._cond:
-                self._busy -= 1
                 left = self._by_owner.pop(owner) - 1
                 if left:
                     self._by_owner[owner] = left
