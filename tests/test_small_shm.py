@@ -1,8 +1,9 @@
 """A machine whose ``/dev/shm`` is small: a container's 64 MB, unless ``--shm-size`` says more.
 
-Each test runs a script in a mount namespace of its own with a 16 MB tmpfs over
-``/dev/shm`` (root only; skipped elsewhere). Copies that found no room failed before
-(torch's "unable to allocate shared memory"), where the standard library's queue and pool
+The first test runs a script in a mount namespace of its own with a 16 MB tmpfs over
+``/dev/shm`` (root only; skipped elsewhere); the second reads a small room in place of
+the real one. Copies that found no room failed before (torch's "unable to allocate shared
+memory", or before torch 2.11 a SIGBUS), where the standard library's queue and pool
 pickle by value; they now go by value with one warning. Shares, where sharing is the
 point, fail with an error that says how to make room.
 """
@@ -15,10 +16,16 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
+import torch
+
+from machinlike._reductions import shm_space
+from machinlike.distributed import share
+from machinlike.pickle import dumps, loads
+from machinlike.server.model import _share_state
 
 pytestmark = pytest.mark.timeout(120)
-
 _SCRIPT = textwrap.dedent('''
     import threading, warnings
     import numpy as np, torch, machinlike, machinlike.distributed
@@ -76,3 +83,25 @@ def test_copies_go_by_value_and_shares_say_how_to_make_room(tmp_path):
         "queue tensor refused True True",
         "share refused True True",
     ], (done.stdout, done.stderr[-3000:])
+
+
+def test_the_room_is_read_before_torch_allocates(monkeypatch):
+    # torch before 2.11 reserved no pages for a shared memory file: a copy into one larger
+    # than the room left killed the process with SIGBUS. The room is read first (here, as
+    # if 1 MB were free of 64), and what finds too little goes by value or is refused.
+    monkeypatch.setattr(shm_space, "_space", lambda: (1 << 20, 64 << 20))
+    monkeypatch.setattr(shm_space, "_warned", False)
+    array = np.arange(1 << 20, dtype=np.float64)  # 8 MB
+    with pytest.warns(RuntimeWarning, match="shared memory is full"):
+        data = dumps(array, copy_tensor=False)
+    assert len(data) > array.nbytes and (loads(data) == array).all()
+    for name, send in (("queue tensor", lambda t: dumps(t, copy_tensor=False)), ("share", share)):
+        tensor = torch.ones(1 << 21)  # 8 MB
+        with pytest.raises(RuntimeError, match=r"shared memory is full: .* 8\.0 MB .* 1 MB free of 64 MB; .*--shm-size"):
+            send(tensor)
+        assert not tensor.is_shared(), name
+    shm_space._warned = False  # (said once per process: said again here)
+    state = {"weight": torch.ones(1 << 21)}
+    with pytest.warns(RuntimeWarning, match="a pushed model's tensor of 8.0 MB"):
+        kept = _share_state("model", state)  # a model server's pushed state, left where it is
+    assert kept["weight"] is state["weight"] and not kept["weight"].is_shared()

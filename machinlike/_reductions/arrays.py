@@ -55,11 +55,14 @@ def reduce_array_named(array: np.ndarray, reduce_storage: Callable[[Any], Tuple[
     """``array`` copied into new named shared memory: its rebuild call, whose storage
     pickles through ``reduce_storage``. A Fortran-ordered array keeps its order. Where
     shared memory has no room, the array's own reduction (by value; see ``shm_space``)."""
+    storage = None
     try:
-        storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
+        if shm_space.has_room(array.nbytes):
+            storage = torch.UntypedStorage._new_using_filename_cpu(array.nbytes)
     except RuntimeError as err:
         if not shm_space.is_full(err, array.nbytes):
             raise
+    if storage is None:
         shm_space.warn_by_value(array.nbytes, "a numpy array")
         return array.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # type: ignore[return-value]  # (a tuple for arrays)
     order = order_of(array)

@@ -129,6 +129,9 @@ def _movable(storage: torch.UntypedStorage) -> bool:
     return True
 
 
+_SHARING = "sharing a tensor's memory (a queue's default: SimpleQueue(copy_tensor=True) sends copies instead)"
+
+
 def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
     if storage.device.type != "cpu":
         raise RuntimeError(
@@ -146,11 +149,12 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
         return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
     global _uses_manager
     try:
+        if not storage.is_shared() and not shm_space.has_room(storage.nbytes()):
+            raise shm_space.full_error(storage.nbytes(), _SHARING)
         manager, handle, size = storage._share_filename_cpu_()
     except RuntimeError as err:
         if shm_space.is_full(err, storage.nbytes()):
-            raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory (a queue's default: "
-                                       "SimpleQueue(copy_tensor=True) sends copies instead)") from err
+            raise shm_space.full_error(storage.nbytes(), _SHARING) from err
         raise
     _uses_manager = True
     token = os.urandom(12)

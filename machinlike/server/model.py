@@ -33,6 +33,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import _shm
+from .._reductions import shm_space
 from ..distributed import RpcGroup
 from ._common import check_group, check_name
 from ._host import HostCheckpoint, host_checkpoint
@@ -194,6 +195,10 @@ def _share_state(_key: Any, value: Any) -> Any:
     for name, tensor in value.items():
         if isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= _SHARE_FROM \
                 and not tensor.requires_grad:  # (eligible first: a sparse tensor has no nbytes)
+            if not shm_space.has_room(tensor.nbytes):  # (pulls then copy it out of the pushed state)
+                shm_space.warn_by_value(tensor.nbytes, "a pushed model's tensor")
+                adopted[name] = tensor
+                continue
             storage = torch.UntypedStorage._new_shared(tensor.nbytes)  # by descriptor: /proc-reachable
             # torch's stubs lack the (UntypedStorage, offset, size) overload of set_
             copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)  # type: ignore[call-overload]
