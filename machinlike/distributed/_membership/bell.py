@@ -72,7 +72,7 @@ from typing import Callable, Dict, Hashable, List, Mapping, Optional, Tuple
 import torch.distributed as dist
 
 from ...exception import PeerLostError
-from .._store import Keys, Registry, own_client, server_of
+from .._store import Keys, Registry, multi_get, own_client, server_of
 from .log_state import SEGMENT
 
 __all__ = ["Bell", "BURST", "KEEP", "WAIT", "hub_count"]
@@ -337,7 +337,7 @@ class _Hub:
         keys = [self._keys.log_entry(seq) for seq in range(lo, total)]
         if not own.check(keys):
             return {}
-        return {lo + i: v.decode() for i, v in enumerate(own.multi_get(keys))}
+        return {lo + i: v.decode() for i, v in enumerate(multi_get(own, keys))}
 
     def _serve(self) -> None:
         # The connection is made here: a member's join never waits on it. Opening it may
@@ -367,12 +367,12 @@ class _Hub:
                     # the thread REQUEST_TIMEOUT. A short bound: then the counters alone.
                     own.set_timeout(RING_READ)
                     try:
-                        carried, rung, counted = (v.decode() for v in own.multi_get(
-                            [self._keys.bell(heard + 1), count, log_count]))
+                        carried, rung, counted = (v.decode() for v in multi_get(
+                            own, [self._keys.bell(heard + 1), count, log_count]))
                     finally:
                         own.set_timeout(datetime.timedelta(seconds=REQUEST_TIMEOUT))
                 except dist.DistStoreError:
-                    carried, rung, counted = NONE, *(v.decode() for v in own.multi_get([count, log_count]))
+                    carried, rung, counted = NONE, *(v.decode() for v in multi_get(own, [count, log_count]))
                 heard, total = int(rung), int(counted)
                 members = self._members()
                 lo = min((m.position() for m in members), default=total)

@@ -52,7 +52,7 @@ from typing import List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
-from .._store import Keys, MemberRecord, Registry, own_client
+from .._store import Keys, MemberRecord, Registry, multi_get, own_client
 from .event_log import EventLog
 from .processes import DEFAULT_LIVENESS, tick_of
 from .roster import Roster
@@ -272,7 +272,7 @@ class RingWatch(Watch):
         self.requests += 1
         self.key_reads += len(keys)
         try:
-            return [v.decode() for v in self._fast.multi_get(list(keys))]
+            return [v.decode() for v in multi_get(self._fast, keys)]
         except dist.DistStoreError:
             # A key was deleted since it was seen (a member gone for many departures):
             # read them one by one this tick, and learn again which exist.

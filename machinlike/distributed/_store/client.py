@@ -23,16 +23,24 @@ import ipaddress
 import logging
 import threading
 import time
-from typing import Hashable, Optional, Tuple
+from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["own_client", "new_client", "server_of", "store_address", "SLOW_CONNECT_S"]
+__all__ = ["own_client", "new_client", "multi_get", "server_of", "store_address", "SLOW_CONNECT_S"]
 
 log = logging.getLogger(__name__)
 
 SLOW_CONNECT_S = 2.0  # seconds; a store connection that takes longer is logged, once per process
 _slow_told = threading.Event()
+
+
+def multi_get(store: dist.Store, keys: Sequence[str]) -> List[bytes]:
+    """``store.multi_get(keys)``: the values of ``keys`` in one round trip (each must exist:
+    the store waits for an absent one up to its timeout). (Read by name: torch 2.8's type
+    stubs lack it, which its stores have.)"""
+    get: Callable[[List[str]], List[bytes]] = getattr(store, "multi_get")
+    return get(list(keys))
 
 
 def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool = True,

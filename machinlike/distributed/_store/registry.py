@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ...exception import PeerLostError
 from . import forked
-from .client import own_client
+from .client import multi_get, own_client
 from .main_waits import MainWaits
 from .lookups import BoundedLookups
 
@@ -198,7 +198,7 @@ class Registry:
         """Values of ``prefix + name`` for each name, "" for absent ones, in one round trip."""
         keys = [prefix + n for n in names]
         try:
-            return [v.decode() for v in self._waiter().multi_get(keys)] if self._waiter().check(keys) \
+            return [v.decode() for v in multi_get(self._waiter(), keys)] if self._waiter().check(keys) \
                 else [self.get_or_empty(k) for k in keys]
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
@@ -259,13 +259,13 @@ class Registry:
         """
         store = self._main()
         try:
-            return [v.decode() for v in store.multi_get(list(keys))]
+            return [v.decode() for v in multi_get(store, keys)]
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost_main(err) from err
 
     def values(self, prefix: str, names: Sequence[str]) -> List[str]:
         try:
-            return [v.decode() for v in self._waiter().multi_get([prefix + n for n in names])]
+            return [v.decode() for v in multi_get(self._waiter(), [prefix + n for n in names])]
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
