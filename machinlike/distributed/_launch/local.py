@@ -18,11 +18,9 @@ Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import os
 import signal
-import socket
 import time
 from multiprocessing.connection import Connection, wait
 import logging
@@ -30,15 +28,13 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Union
 
-import torch.distributed as dist
-
 from ... import _checks, _descriptors, _mainguard
 from ..._lifeline import watch_parent
 from ..._procs import end_processes
 from ..._warm import resolve_context
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
-from .._store import external_launcher
+from .._store import external_launcher, host_store
 from .rank_fn import check_rank_fn, run_rank_fn
 from .termination import Termination
 
@@ -133,15 +129,6 @@ def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict
         return run_rank_fn(fn, world, args, kwargs)
     finally:
         world.stop(stop_timeout)
-
-
-def _host_store(world_size: int, timeout: float) -> dist.TCPStore:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(1024)
-    port = sock.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, world_size, True, datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False, master_listen_fd=sock.detach())
 
 
 def launch(
@@ -246,7 +233,7 @@ def launch(
     _descriptors.raise_limit()
     _descriptors.Budget("launch()", _descriptors.PER_RANK_LAUNCHER, base=_LAUNCHER_BASE,
                         role="it hosts their store").check(world_size)
-    store = _host_store(world_size, world_kwargs.get("dist_timeout", 60.0))
+    store = host_store("127.0.0.1", world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
     job = _Job(context, names, store.port, payload, world_kwargs, stop_timeout, elastic)

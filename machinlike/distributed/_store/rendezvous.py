@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from .client import new_client, own_client
 
@@ -338,11 +340,8 @@ def open_store(rank: int, world_size: Optional[int], init_method: Optional[str],
     host, port, all_clients = _master_from(init_method)
     delta = datetime.timedelta(seconds=timeout)
     if rank == 0 and not all_clients:
-        sock = _listen(host, port)
-        port = sock.getsockname()[1]
-        # The store takes over the listening fd (and closes it when it goes).
-        server = dist.TCPStore(host, port, world_size, True, delta, wait_for_workers=False,
-                               master_listen_fd=sock.detach())
+        server = _serve(_listen(host, port), host, world_size, delta)
+        port = server.port
         return StoreInfo(own_client(server, delta) or server, host, port, True, "rank 0", server)
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
                      "the torchrun agent" if all_clients else "rank 0")
@@ -355,10 +354,20 @@ def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:
         ValueError: ``host`` does not resolve.
         OSError: nothing can listen on ``host``.
     """
-    sock = _listen(host, 0)
+    return _serve(_listen(host, 0), host, world_size, datetime.timedelta(seconds=timeout))
+
+
+# torch before 2.8: its libuv store server refuses a listening socket (NotImplementedError,
+# after logging an error line), so the older server takes it there.
+_LIBUV_TAKES_FD = TorchVersion(torch.__version__) >= "2.8"
+
+
+def _serve(sock: socket.socket, host: str, world_size: Optional[int], timeout: datetime.timedelta) -> dist.TCPStore:
+    """A store server on ``sock``, bound and listening, which it takes over (and closes when
+    it goes); ``world_size`` None: no fixed size."""
     port = sock.getsockname()[1]
-    return dist.TCPStore(host, port, world_size, True, datetime.timedelta(seconds=timeout),
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach(), use_libuv=_LIBUV_TAKES_FD)
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
