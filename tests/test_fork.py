@@ -19,6 +19,8 @@ import torch
 
 from machinlike.testing import world_test
 
+from proc_util import printed
+
 
 def _twice(x):
     return 2 * x
@@ -92,7 +94,7 @@ WITH_WORLD = textwrap.dedent("""
 def test_stop_in_a_forked_child_does_nothing_and_says_so():
     done = subprocess.run([sys.executable, "-c", WITH_WORLD], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["child status 768", "after the child [0, 2, 4]", "stopped"], done.stdout
+    assert printed(done.stdout) == ["child status 768", "after the child [0, 2, 4]", "stopped"], done.stdout
     assert "stop() in process" in done.stderr and "does nothing" in done.stderr, done.stderr[-3000:]
 
 
@@ -128,5 +130,5 @@ def test_a_forked_child_neither_submits_to_nor_ends_its_parents_pool(tmp_path):
     script.write_text(WITH_POOL)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines() == ["child status 768", "after the child [0, 1, 4]", "terminated"], done.stdout
+    assert printed(done.stdout) == ["child status 768", "after the child [0, 1, 4]", "terminated"], done.stdout
     assert "terminate() in process" in done.stderr and "does nothing" in done.stderr, done.stderr[-3000:]

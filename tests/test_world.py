@@ -14,6 +14,8 @@ import pytest
 from machinlike.distributed import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 from machinlike.testing import world_test
 
+from proc_util import printed
+
 LOCAL = "tcp://127.0.0.1:0"  # rank 0 picks a free port itself: only valid for world_size=1
 
 
@@ -99,7 +101,7 @@ def test_a_static_rank_other_than_the_processes_worker_id_is_refused_at_once():
     # World as another rank used to fail inside init_rpc, after the other ranks' rendezvous.
     done = subprocess.run([sys.executable, "-c", WORKER_ID_SCRIPT], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stderr[-3000:]
-    refused, started = done.stdout.strip().splitlines()
+    refused, started = printed(done.stdout)
     assert refused.startswith("refused in ") and float(refused.split()[2]) < 2.0, refused
     assert "cannot start a static World as rank 1" in refused and "worker_id: 0" in refused, refused
     assert "fresh process" in refused and started == "rank 0 started"
@@ -154,7 +156,7 @@ def test_a_world_frees_its_store_port_at_stop_and_after_a_failed_start():
     # failed with "Address already in use" (a failed start kept it until a gc pass).
     done = subprocess.run([sys.executable, "-c", SAME_PORT_SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.split("\n")
+    lines = printed(done.stdout)
     assert lines[0:6:2] == ["stopped, port free: True"] * 3, done.stdout
     assert lines[6:8] == ["failed start, port free: True", "built again"], done.stdout
     left = [int(line.rpartition(": ")[2]) for line in lines[1:7:2]]
@@ -192,7 +194,7 @@ dist.destroy_process_group()  # (torch may abort at exit with a gloo group still
 def test_a_process_with_its_own_default_process_group_is_told_how_to_keep_it():
     done = subprocess.run([sys.executable, "-c", OWN_GROUP_SCRIPT], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    refused, works = done.stdout.strip().splitlines()
+    refused, works = printed(done.stdout)
     assert refused.startswith("refused: this process already has torch's default process group"), refused
     assert "pass collective=False to keep yours" in refused and "destroy_process_group()" in refused
     assert works == "the user's group still works: True"
