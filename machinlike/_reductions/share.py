@@ -148,8 +148,8 @@ def _reduce_storage_share(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
             _note_undo(lambda: os.close(handle.detach()))
         return (_rebuild_storage_fd, (handle, size, key, os.urandom(12)))
     global _uses_manager
-    if not storage.is_shared() and not shm_space.has_room(storage.nbytes()):
-        raise shm_space.full_error(storage.nbytes(), _SHARING)
+    if not storage.is_shared():
+        shm_space.require_room(storage.nbytes(), _SHARING)
     try:
         manager, handle, size = storage._share_filename_cpu_()
     except RuntimeError as err:

@@ -21,7 +21,7 @@ import os
 import warnings
 from typing import Optional, Tuple
 
-__all__ = ["is_full", "has_room", "full_error", "warn_by_value"]
+__all__ = ["is_full", "has_room", "require_room", "full_error", "warn_by_value"]
 
 _SHM = "/dev/shm"
 _warned = False
@@ -46,6 +46,12 @@ def has_room(nbytes: int) -> bool:
     the answer, or, before torch 2.11, its SIGBUS."""
     free, total = _space()
     return not total or free >= nbytes
+
+
+def require_room(nbytes: int, what: str) -> None:
+    """Raise ``full_error(nbytes, what)`` unless /dev/shm has ``nbytes`` free (see ``has_room``)."""
+    if not has_room(nbytes):
+        raise full_error(nbytes, what)
 
 
 def _space() -> Tuple[int, int]:

@@ -96,8 +96,8 @@ def _fd_of(storage: torch.UntypedStorage) -> Optional[int]:
 def _register_own(storage: torch.UntypedStorage) -> Tuple[int, int, int]:
     fd = _fd_of(storage)
     if fd is None:
-        if not storage.is_shared() and not shm_space.has_room(storage.nbytes()):
-            raise shm_space.full_error(storage.nbytes(), "sharing a tensor's memory")
+        if not storage.is_shared():
+            shm_space.require_room(storage.nbytes(), "sharing a tensor's memory")
         try:
             fd, _ = storage._share_fd_cpu_()  # moves it into fd-backed shared memory, in place
         except RuntimeError as err:

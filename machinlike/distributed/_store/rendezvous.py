@@ -45,6 +45,9 @@ DEFAULT_MASTER_PORT = 29500
 # jobs sharing a first node collide only when their ids are SLURM_PORT_SPAN apart.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 10000
+# torch before 2.8: its libuv store server refuses a listening socket (NotImplementedError,
+# after logging an error line), so the older server takes it there (``_serve``).
+_LIBUV_TAKES_FD = TorchVersion(torch.__version__) >= "2.8"
 _SLURM_HINT = ("start every rank with srun (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST and "
                "SLURM_JOB_ID), or pass rank and world_size")
 
@@ -355,11 +358,6 @@ def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:
         OSError: nothing can listen on ``host``.
     """
     return _serve(_listen(host, 0), host, world_size, datetime.timedelta(seconds=timeout))
-
-
-# torch before 2.8: its libuv store server refuses a listening socket (NotImplementedError,
-# after logging an error line), so the older server takes it there.
-_LIBUV_TAKES_FD = TorchVersion(torch.__version__) >= "2.8"
 
 
 def _serve(sock: socket.socket, host: str, world_size: Optional[int], timeout: datetime.timedelta) -> dist.TCPStore:
