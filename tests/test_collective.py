@@ -326,6 +326,79 @@ def test_all_to_all_passes_on_other_errors(world):
         dist.all_to_all = native
 
 
+@pytest.mark.parametrize("path", ["native", "fallback"])
+@world_test(3, timeout=90)
+def test_reduce_scatter_native_and_all_reduce_fallback(world, path):
+    """Sums and maxima, complex and non-contiguous tensors, async handles and a sub-group,
+    through the backend's reduce_scatter and through the all_reduce fallback of builds
+    whose backend lacks it (gloo before torch 2.8; forced here by a dist.reduce_scatter
+    that refuses as that gloo does, before anything is sent)."""
+    calls = []
+    native = dist.reduce_scatter
+
+    def asked(*args, **kwargs):
+        calls.append(1)
+        if path == "fallback":
+            raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+        return native(*args, **kwargs)
+
+    dist.reduce_scatter = asked
+    try:
+        g = world.create_collective_group([0, 1, 2])
+        r, n = world.rank, 3
+        out = torch.zeros(2)
+        pieces = [torch.full((2,), float(r * 10 + i)) for i in range(n)]
+        g.reduce_scatter(out, pieces)
+        assert out.tolist() == [float(sum(s * 10 + r for s in range(n)))] * 2
+        assert [p.tolist() for p in pieces] == [[float(r * 10 + i)] * 2 for i in range(n)]  # (left as they were)
+
+        g.reduce_scatter(out, [torch.tensor([float(r * i), float(-r)]) for i in range(n)], op=dist.ReduceOp.MAX)
+        assert out.tolist() == [float(2 * r), 0.0]
+
+        # A complex output that is a column of a grid, pieces that are rows of a transpose.
+        grid = torch.zeros(2, 2, dtype=torch.complex64)
+        source = torch.tensor([[complex(r, i) for i in range(n)]] * 2, dtype=torch.complex64).t()
+        work = g.reduce_scatter(grid[:, 1], [source[i] for i in range(n)], async_op=True)
+        work.wait()
+        assert grid[:, 1].tolist() == [complex(0 + 1 + 2, r * n)] * 2 and grid[:, 0].tolist() == [0j, 0j]
+
+        if path == "fallback" or not g._native_reduce_scatter:
+            assert len(calls) == 1  # the refusal is remembered: the backend was asked once
+        else:
+            assert len(calls) == 3
+
+        sub = world.create_collective_group([0, 2])
+        if sub.is_member():
+            out = torch.zeros(1)
+            sub.reduce_scatter(out, [torch.tensor([float(r * 10 + peer)]) for peer in (0, 2)])
+            assert out.item() == float((0 * 10 + r) + (2 * 10 + r))  # member s sends s * 10 + r to r
+        g.barrier()
+        sub.destroy()
+        g.destroy()
+    finally:
+        dist.reduce_scatter = native
+
+
+@world_test(2, timeout=60)
+def test_reduce_scatter_passes_on_other_errors(world):
+    """Only a backend's "does not support reduce_scatter" selects the fallback; any other
+    error of the native call reaches the caller as it is."""
+    native = dist.reduce_scatter
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer [10.0.0.7]:29500")
+
+    dist.reduce_scatter = failing
+    try:
+        g = world.create_collective_group([0, 1])
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            g.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * 2)
+        g.barrier()
+        g.destroy()
+    finally:
+        dist.reduce_scatter = native
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @world_test(2, timeout=90)

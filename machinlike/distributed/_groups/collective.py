@@ -20,74 +20,16 @@ import torch.distributed as dist
 
 from .._store import forked as _forked
 from .dense import DenseStage
+from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks
 
 __all__ = ["CollectiveGroup", "RetiredGroups"]
 
 ReduceOp = dist.ReduceOp
 
-# The point-to-point tag of all_to_all's fallback (a value user code is unlikely to
-# pick), so that its pieces never match a user's receive.
-_ALL_TO_ALL_TAG = 5000000
-
-
-def _lacks_all_to_all(exc: BaseException) -> bool:
-    """Whether ``exc`` is a backend saying it has no alltoall (torch's c10d words it as
-    "Backend gloo does not support alltoall"; some builds say "unsupported")."""
-    text = str(exc).lower()
-    return "alltoall" in text.replace("_", "") and ("not support" in text or "unsupported" in text)
-
-
-class _PairwiseAllToAll:
-    """all_to_all as one send and one receive per peer; ``wait()`` completes it.
-
-    Pieces for this member itself are copied locally. Where the backend is gloo, which
-    sends CPU tensors only on some builds, CUDA pieces travel as CPU copies and are
-    copied into the outputs in ``wait()``. Every tensor is contiguous (the caller's
-    ``DenseStage`` stands in for those that are not).
-    """
-
-    def __init__(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], group: Any,
-                 ranks: List[int], my_rank: int) -> None:
-        stage = dist.get_backend(group) == "gloo"
-        self._copy_back: List[tuple] = []  # (output, CPU buffer) pairs filled by receives
-        self._works: List[Any] = []
-        for peer, out, inp in zip(ranks, outputs, inputs):
-            if peer == my_rank:
-                out.copy_(inp)
-                continue
-            send = inp.cpu() if stage and inp.device.type != "cpu" else inp
-            recv = out  # (contiguous, as the caller's DenseStage hands it)
-            if stage and out.device.type != "cpu":
-                recv = torch.empty(out.shape, dtype=out.dtype)
-                self._copy_back.append((out, recv))
-            # Complex tensors travel as their real views, as torch's own collectives do.
-            self._works.append(dist.isend(_real(send), peer, group=group, tag=_ALL_TO_ALL_TAG))
-            self._works.append(dist.irecv(_real(recv), peer, group=group, tag=_ALL_TO_ALL_TAG))
-        self._done = False
-
-    def wait(self) -> bool:
-        """Block until every piece was sent and received (at most the group's timeout)."""
-        for work in self._works:
-            work.wait()
-        if not self._done:
-            for out, buffer in self._copy_back:
-                out.copy_(buffer)
-            self._done = True
-        return True
-
-    def is_completed(self) -> bool:
-        # Staged pieces reach their outputs in wait(), so only then is it complete.
-        return self._done or (not self._copy_back and all(work.is_completed() for work in self._works))
-
-
 def _op(op: Any) -> Any:
     if not isinstance(op, ReduceOp):  # (torch's own message names pybind's overloads, not the fix)
         raise TypeError(f"op must be a torch.distributed.ReduceOp (ReduceOp.SUM, ReduceOp.MAX, ...), not {op!r}")
     return op
-
-
-def _real(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 class _AnySourceRecv:
@@ -203,8 +145,9 @@ class CollectiveGroup:
         self._my_rank = my_rank
         self._retire = retire
         self._destroyed = False
-        # None: all_to_all not tried yet; False: the backend lacks it (pairwise fallback).
+        # None: not tried yet; False: the backend lacks it (see substitutes).
         self._native_all_to_all: Optional[bool] = None
+        self._native_reduce_scatter: Optional[bool] = None
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
@@ -420,6 +363,9 @@ class CollectiveGroup:
                        async_op: bool = False) -> Any:
         """Reduce ``input_list[i]`` over all members into ``output`` of the ``i``-th member.
 
+        Works on every backend: where the backend has no ``reduce_scatter`` (gloo before
+        torch 2.8), it is one ``all_reduce`` of every piece, each member keeping its own.
+
         Args:
             output: Filled in place with this member's reduced piece.
             input_list: ``size()`` tensors, one per member in rank order.
@@ -428,10 +374,25 @@ class CollectiveGroup:
         """
         group = self._g()
         self._pieces("input_list", input_list, output, "output")
+        op = _op(op)
         stage = DenseStage()
-        work = dist.reduce_scatter(stage.write(output, reads=False), [stage.read(t) for t in input_list], op=_op(op),
-                                   group=group, async_op=async_op)
-        return stage.done(work, async_op)
+        out, inputs = stage.write(output, reads=False), [stage.read(t) for t in input_list]
+        if self._native_reduce_scatter is not False:
+            try:
+                # (gloo before torch 2.8 refuses it at the call, async or not, before anything is sent)
+                work = dist.reduce_scatter(out, inputs, op=op, group=group, async_op=async_op)
+            except (RuntimeError, NotImplementedError) as exc:
+                if not lacks(exc, "reducescatter"):
+                    raise
+                self._native_reduce_scatter = False
+            else:
+                self._native_reduce_scatter = True
+                return stage.done(work, async_op)
+        substitute = ReduceScatterByAllReduce(out, inputs, op, group, self.ranks.index(self._my_rank))
+        if async_op:
+            return stage.done(substitute, True)
+        substitute.wait()
+        return stage.done(None, False)
 
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
@@ -465,7 +426,7 @@ class CollectiveGroup:
                 # (before anything was sent), not a failure of the exchange itself.
                 work = dist.all_to_all(outputs, inputs, group=group, async_op=True)
             except (RuntimeError, NotImplementedError) as exc:
-                if not _lacks_all_to_all(exc):
+                if not lacks(exc, "alltoall"):
                     raise
                 # Every member's backend refuses alike, so every member falls back alike.
                 self._native_all_to_all = False
@@ -476,7 +437,7 @@ class CollectiveGroup:
                 if work is not None:  # (torch 2.14's stubs type it Optional)
                     work.wait()
                 return stage.done(None, False)
-        pairwise = _PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
+        pairwise = PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
         if async_op:
             return stage.done(pairwise, True)
         pairwise.wait()
