@@ -285,7 +285,7 @@ def test_all_to_all_native_and_pairwise_fallback(world, path):
             assert grid.tolist() == [[0.0, 1.0, 2.0], [float(r)] * n]
             # The refusal is remembered: the backend was asked once, not on every call.
             assert len(calls) == 1
-        elif g._native_all_to_all:
+        elif "alltoall" not in g._lacking:
             assert len(calls) == 2
         else:  # a backend without alltoall (gloo of torch 2.11): refused once, then the fallback
             assert len(calls) == 1
@@ -306,24 +306,28 @@ def test_all_to_all_native_and_pairwise_fallback(world, path):
         dist.all_to_all = native
 
 
+@pytest.mark.parametrize("op", ["all_to_all", "reduce_scatter"])
 @world_test(2, timeout=60)
-def test_all_to_all_passes_on_other_errors(world):
-    """Only a backend's "does not support alltoall" selects the fallback; any other error
-    of the native call reaches the caller as it is."""
-    native = dist.all_to_all
+def test_only_a_missing_collective_selects_its_substitute(world, op):
+    """Only a backend's "does not support <op>" selects the substitute; any other error of
+    the native call reaches the caller as it is."""
+    native = getattr(dist, op)
 
     def failing(*args, **kwargs):
         raise RuntimeError("Connection closed by peer [10.0.0.7]:29500")
 
-    dist.all_to_all = failing
+    setattr(dist, op, failing)
     try:
         g = world.create_collective_group([0, 1])
         with pytest.raises(RuntimeError, match="Connection closed by peer"):
-            g.all_to_all([torch.zeros(1)] * 2, [torch.zeros(1)] * 2)
+            if op == "all_to_all":
+                g.all_to_all([torch.zeros(1)] * 2, [torch.zeros(1)] * 2)
+            else:
+                g.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * 2)
         g.barrier()
         g.destroy()
     finally:
-        dist.all_to_all = native
+        setattr(dist, op, native)
 
 
 @pytest.mark.parametrize("path", ["native", "fallback"])
@@ -362,7 +366,7 @@ def test_reduce_scatter_native_and_all_reduce_fallback(world, path):
         work.wait()
         assert grid[:, 1].tolist() == [complex(0 + 1 + 2, r * n)] * 2 and grid[:, 0].tolist() == [0j, 0j]
 
-        if path == "fallback" or not g._native_reduce_scatter:
+        if path == "fallback" or "reducescatter" in g._lacking:
             assert len(calls) == 1  # the refusal is remembered: the backend was asked once
         else:
             assert len(calls) == 3
@@ -374,26 +378,6 @@ def test_reduce_scatter_native_and_all_reduce_fallback(world, path):
             assert out.item() == float((0 * 10 + r) + (2 * 10 + r))  # member s sends s * 10 + r to r
         g.barrier()
         sub.destroy()
-        g.destroy()
-    finally:
-        dist.reduce_scatter = native
-
-
-@world_test(2, timeout=60)
-def test_reduce_scatter_passes_on_other_errors(world):
-    """Only a backend's "does not support reduce_scatter" selects the fallback; any other
-    error of the native call reaches the caller as it is."""
-    native = dist.reduce_scatter
-
-    def failing(*args, **kwargs):
-        raise RuntimeError("Connection closed by peer [10.0.0.7]:29500")
-
-    dist.reduce_scatter = failing
-    try:
-        g = world.create_collective_group([0, 1])
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
-            g.reduce_scatter(torch.zeros(1), [torch.zeros(1)] * 2)
-        g.barrier()
         g.destroy()
     finally:
         dist.reduce_scatter = native

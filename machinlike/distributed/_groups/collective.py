@@ -13,7 +13,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,19 @@ def _op(op: Any) -> Any:
     if not isinstance(op, ReduceOp):  # (torch's own message names pybind's overloads, not the fix)
         raise TypeError(f"op must be a torch.distributed.ReduceOp (ReduceOp.SUM, ReduceOp.MAX, ...), not {op!r}")
     return op
+
+
+# What CollectiveGroup._native returns when the backend lacks the collective.
+_LACKING = object()
+
+
+def _finish(stage: DenseStage, work: Any, async_op: bool) -> Any:
+    """What a collective started with ``async_op=True`` returns: its handle, or None once done."""
+    if async_op:
+        return stage.done(work, True)
+    if work is not None:  # (torch 2.14's stubs type a Work as Optional)
+        work.wait()
+    return stage.done(None, False)
 
 
 class _AnySourceRecv:
@@ -145,9 +158,7 @@ class CollectiveGroup:
         self._my_rank = my_rank
         self._retire = retire
         self._destroyed = False
-        # None: not tried yet; False: the backend lacks it (see substitutes).
-        self._native_all_to_all: Optional[bool] = None
-        self._native_reduce_scatter: Optional[bool] = None
+        self._lacking: Set[str] = set()  # the collectives the backend refused (see _native)
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
@@ -189,6 +200,22 @@ class CollectiveGroup:
         if rank not in self.ranks:
             raise ValueError(f"{param}={rank} is not a rank of CollectiveGroup {self.ranks}")
         return rank
+
+    def _native(self, op: str, start: Callable[[], Any]) -> Any:
+        """``start()``'s work handle (torch's collective, started with ``async_op=True`` so
+        that an error here is the backend refusing it before anything was sent, not a
+        failure of the exchange), or ``_LACKING`` when the backend has no ``op`` (spelled as
+        :func:`~.substitutes.lacks` reads it). A refusal is remembered: every member's
+        backend refuses alike, so every member takes the substitute alike."""
+        if op in self._lacking:
+            return _LACKING
+        try:
+            return start()
+        except (RuntimeError, NotImplementedError) as exc:
+            if not lacks(exc, op):
+                raise
+            self._lacking.add(op)
+            return _LACKING
 
     def _one_per_member(self, name: str, tensors: Any) -> None:
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.ranks):
@@ -377,22 +404,11 @@ class CollectiveGroup:
         op = _op(op)
         stage = DenseStage()
         out, inputs = stage.write(output, reads=False), [stage.read(t) for t in input_list]
-        if self._native_reduce_scatter is not False:
-            try:
-                # (gloo before torch 2.8 refuses it at the call, async or not, before anything is sent)
-                work = dist.reduce_scatter(out, inputs, op=op, group=group, async_op=async_op)
-            except (RuntimeError, NotImplementedError) as exc:
-                if not lacks(exc, "reducescatter"):
-                    raise
-                self._native_reduce_scatter = False
-            else:
-                self._native_reduce_scatter = True
-                return stage.done(work, async_op)
-        substitute = ReduceScatterByAllReduce(out, inputs, op, group, self.ranks.index(self._my_rank))
-        if async_op:
-            return stage.done(substitute, True)
-        substitute.wait()
-        return stage.done(None, False)
+        work = self._native("reducescatter", lambda: dist.reduce_scatter(out, inputs, op=op, group=group,
+                                                                         async_op=True))
+        if work is _LACKING:
+            work = ReduceScatterByAllReduce(out, inputs, op, group, self.ranks.index(self._my_rank))
+        return _finish(stage, work, async_op)
 
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
@@ -420,28 +436,10 @@ class CollectiveGroup:
         self._one_per_member("input_tensor_list", input_tensor_list)
         stage = DenseStage()  # (a refusal below writes nothing: the fallback uses the same stand-ins)
         outputs, inputs = stage.writes(output_tensor_list), [stage.read(t) for t in input_tensor_list]
-        if self._native_all_to_all is not False:
-            try:
-                # async_op=True so that an error here is the backend refusing the call
-                # (before anything was sent), not a failure of the exchange itself.
-                work = dist.all_to_all(outputs, inputs, group=group, async_op=True)
-            except (RuntimeError, NotImplementedError) as exc:
-                if not lacks(exc, "alltoall"):
-                    raise
-                # Every member's backend refuses alike, so every member falls back alike.
-                self._native_all_to_all = False
-            else:
-                self._native_all_to_all = True
-                if async_op:
-                    return stage.done(work, True)
-                if work is not None:  # (torch 2.14's stubs type it Optional)
-                    work.wait()
-                return stage.done(None, False)
-        pairwise = PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
-        if async_op:
-            return stage.done(pairwise, True)
-        pairwise.wait()
-        return stage.done(None, False)
+        work = self._native("alltoall", lambda: dist.all_to_all(outputs, inputs, group=group, async_op=True))
+        if work is _LACKING:
+            work = PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
+        return _finish(stage, work, async_op)
 
     def barrier(self, async_op: bool = False) -> Any:
         """Wait until every member reached the barrier (at most the group's timeout).
