@@ -46,8 +46,10 @@ DEFAULT_MASTER_PORT = 29500
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 10000
 # torch before 2.8: its libuv store server refuses a listening socket (NotImplementedError,
-# after logging an error line), and the older server, which takes one, holds every reply of
-# an empty value 208 ms (a withdrawn key holds one), so libuv binds the port there (``_serve``).
+# after logging an error line), so the older server takes it there (``_serve``). Not libuv
+# on a port: before 2.8 it listens on every interface, and the store is bound to the master
+# address only (the docs' trust model). The cost: the older server holds every reply of an
+# empty value 208 ms (a withdrawn key holds one), which keeps 2.6 and 2.7 out of the range.
 _LIBUV_TAKES_FD = TorchVersion(torch.__version__) >= "2.8"
 _SLURM_HINT = ("start every rank with srun (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_JOB_NODELIST and "
                "SLURM_JOB_ID), or pass rank and world_size")
@@ -365,14 +367,8 @@ def _serve(sock: socket.socket, host: str, world_size: Optional[int], timeout: d
     """A store server on ``sock``, bound and listening, which it takes over (and closes when
     it goes); ``world_size`` None: no fixed size."""
     port = sock.getsockname()[1]
-    if not _LIBUV_TAKES_FD:
-        # The socket has shown the port free (or picked one) and is let go for libuv to bind
-        # it, on every interface: before 2.8 it takes no address (raw torch's store listens
-        # so on every release).
-        sock.close()
-        return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False, use_libuv=True)
     return dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                         master_listen_fd=sock.detach(), use_libuv=True)
+                         master_listen_fd=sock.detach(), use_libuv=_LIBUV_TAKES_FD)
 
 
 def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
