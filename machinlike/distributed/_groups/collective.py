@@ -32,8 +32,14 @@ def _op(op: Any) -> Any:
     return op
 
 
-# What CollectiveGroup._native returns when the backend lacks the collective.
-_LACKING = object()
+# What CollectiveGroup._native returns when the collective is to run as its substitute.
+_SUBSTITUTE = object()
+# Collectives that run as their substitute on a backend that has them, because it is slower:
+# gloo's alltoall took 2.3-4 times the time of the pairwise exchange, which moves the same
+# bytes, at every size tried (3 and 4 ranks, pieces of 1 KB to 16 MB, torch 2.13, one host;
+# benchmarks/collective.py). (Not gloo's reduce_scatter: its substitute moves size() times
+# the data, and lost from 16 MB pieces on.)
+_SLOWER = {"gloo": frozenset({"alltoall"})}
 
 
 def _finish(stage: DenseStage, work: Any, async_op: bool) -> Any:
@@ -158,7 +164,9 @@ class CollectiveGroup:
         self._my_rank = my_rank
         self._retire = retire
         self._destroyed = False
-        self._lacking: Set[str] = set()  # the collectives the backend refused (see _native)
+        # The collectives that run as their substitute: slower on this backend, or refused by
+        # it (None: not known yet, see _native).
+        self._substituted: Optional[Set[str]] = None
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
@@ -204,18 +212,21 @@ class CollectiveGroup:
     def _native(self, op: str, start: Callable[[], Any]) -> Any:
         """``start()``'s work handle (torch's collective, started with ``async_op=True`` so
         that an error here is the backend refusing it before anything was sent, not a
-        failure of the exchange), or ``_LACKING`` when the backend has no ``op`` (spelled as
-        :func:`~.substitutes.lacks` reads it). A refusal is remembered: every member's
-        backend refuses alike, so every member takes the substitute alike."""
-        if op in self._lacking:
-            return _LACKING
+        failure of the exchange), or ``_SUBSTITUTE`` when ``op`` (spelled as
+        :func:`~.substitutes.lacks` reads it) runs as its substitute: the backend is slower
+        at it (``_SLOWER``) or has no ``op``. A refusal is remembered: every member's backend
+        refuses alike, so every member takes the substitute alike."""
+        if self._substituted is None:
+            self._substituted = set(_SLOWER.get(dist.get_backend(self.group), ()))
+        if op in self._substituted:
+            return _SUBSTITUTE
         try:
             return start()
         except (RuntimeError, NotImplementedError) as exc:
             if not lacks(exc, op):
                 raise
-            self._lacking.add(op)
-            return _LACKING
+            self._substituted.add(op)
+            return _SUBSTITUTE
 
     def _one_per_member(self, name: str, tensors: Any) -> None:
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(self.ranks):
@@ -406,7 +417,7 @@ class CollectiveGroup:
         out, inputs = stage.write(output, reads=False), [stage.read(t) for t in input_list]
         work = self._native("reducescatter", lambda: dist.reduce_scatter(out, inputs, op=op, group=group,
                                                                          async_op=True))
-        if work is _LACKING:
+        if work is _SUBSTITUTE:
             work = ReduceScatterByAllReduce(out, inputs, op, group, self.ranks.index(self._my_rank))
         return _finish(stage, work, async_op)
 
@@ -415,16 +426,15 @@ class CollectiveGroup:
         """Send ``input_tensor_list[i]`` to the ``i``-th member and receive the ``j``-th
         member's piece into ``output_tensor_list[j]`` (members in rank order).
 
-        Works on every backend: where the backend has no ``alltoall`` (gloo before torch
-        2.12, for one), the pieces travel as point-to-point sends and receives on a tag
-        reserved for this (5000000; do not use it for your own sends), CUDA
-        tensors staged through the CPU where the backend cannot send them.
+        Works on every backend: on gloo (whose own alltoall, from torch 2.12, took 2.3 to 4
+        times as long) and where the backend has none, the pieces travel as point-to-point
+        sends and receives on a tag reserved for this (5000000; do not use it for your own
+        sends), CUDA tensors staged through the CPU where the backend cannot send them.
 
         Args:
             output_tensor_list: ``size()`` tensors, filled in place; piece ``j`` has the
-                size of what member ``j`` sends here (pieces of different sizes need a
-                backend that allows them: NCCL, MPI or the fallback; gloo's alltoall
-                wants one size).
+                size of what member ``j`` sends here (pieces of different sizes are fine on
+                gloo, NCCL and MPI).
             input_tensor_list: ``size()`` tensors to send.
             async_op: Return a work handle instead of waiting.
 
@@ -434,10 +444,10 @@ class CollectiveGroup:
         group = self._g()
         self._one_per_member("output_tensor_list", output_tensor_list)
         self._one_per_member("input_tensor_list", input_tensor_list)
-        stage = DenseStage()  # (a refusal below writes nothing: the fallback uses the same stand-ins)
+        stage = DenseStage()  # (a refusal below writes nothing: the substitute uses the same stand-ins)
         outputs, inputs = stage.writes(output_tensor_list), [stage.read(t) for t in input_tensor_list]
         work = self._native("alltoall", lambda: dist.all_to_all(outputs, inputs, group=group, async_op=True))
-        if work is _LACKING:
+        if work is _SUBSTITUTE:
             work = PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
         return _finish(stage, work, async_op)
 
