@@ -94,6 +94,16 @@ def rank_job(quick: bool) -> None:
     data = torch.ones(1024 * 1024)  # 4 MiB of float32
     results["all_reduce"] = _paired(lambda: dist.all_reduce(data), lambda: everyone.all_reduce(data),
                                     2, 3 if quick else 9)
+    # (ours on gloo: the pairwise exchange; raw: gloo's own alltoall, where the torch has it)
+    sent, received = [torch.ones(1024 * 1024) for _ in range(2)], [torch.zeros(1024 * 1024) for _ in range(2)]
+    if hasattr(dist, "all_to_all"):
+        try:
+            dist.all_to_all(received, sent)
+        except RuntimeError:  # (gloo before torch 2.12 has none: no row)
+            pass
+        else:
+            results["all_to_all"] = _paired(lambda: dist.all_to_all(received, sent),
+                                            lambda: everyone.all_to_all(received, sent), 2, 3 if quick else 9)
     group.barrier()
     everyone.destroy()
     group.destroy()
@@ -146,6 +156,9 @@ def main() -> None:
     rows.append(("barrier: RpcGroup vs gloo (us)", bar["raw"] * 1e6, bar["ours"] * 1e6))
     red = res["all_reduce"]
     rows.append(("all_reduce 4 MiB: CollectiveGroup vs dist (ms)", red["raw"] * 1e3, red["ours"] * 1e3))
+    if "all_to_all" in res:
+        a2a = res["all_to_all"]
+        rows.append(("all_to_all 2 x 4 MiB: CollectiveGroup vs dist (ms)", a2a["raw"] * 1e3, a2a["ours"] * 1e3))
     width = max(len(r[0]) for r in rows)
     print(f"two hosts (network namespaces, veth), interface {res['interface']}; "
           f"World() start-up on rank 0: {res['startup']:.2f} s")
