@@ -1,8 +1,9 @@
-"""Collectives a backend lacks, built from ones it has.
+"""Collectives a backend lacks, or is slower at, built from ones it has.
 
 Why: gloo's set of collectives grew release by release (``alltoall`` came to gloo in
 torch 2.12, ``reduce_scatter`` in 2.8), and a CollectiveGroup offers every collective on
-every backend it runs on. The backend is asked first; its refusal (raised before anything
+every backend it runs on. The backend is asked first, unless it is known to be slower at
+the op (gloo's alltoall: see ``collective._SLOWER``); its refusal (raised before anything
 is sent, the same on every member, so every member falls back alike) is remembered by the
 caller, and the op is then made of others::
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 __all__ = ["ALL_TO_ALL_TAG", "lacks", "real", "PairwiseAllToAll", "ReduceScatterByAllReduce"]
 
-# The point-to-point tag of all_to_all's fallback (a value user code is unlikely to
+# The point-to-point tag of the pairwise all_to_all (a value user code is unlikely to
 # pick), so that its pieces never match a user's receive.
 ALL_TO_ALL_TAG = 5000000
 
