@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check of the project in one command, for a machine with one CUDA GPU (about
-# six minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, where the echo's time goes
-# (`benchmarks/gpu_breakdown.py`), the echoes again under
-# NVIDIA's MPS daemon (when nvidia-cuda-mps-control is there), and the Atari example's
-# frame rate with central inference on the GPU (when ale-py is installed).
+# six minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, the Atari example's
+# frame rate with central inference on the GPU (when ale-py is installed), where the
+# echo's time goes (`benchmarks/gpu_breakdown.py`), and the echoes again under NVIDIA's
+# MPS daemon (when nvidia-cuda-mps-control is there).
 #
 # Run from the repository root:  [PYTHON=python] [BUDGET=seconds] bash benchmarks/gpu_all.sh [OUTDIR]
 # Each step's output goes to OUTDIR (default: $OUT/gpu_all where the device tool sets $OUT,
@@ -21,6 +21,9 @@ budget=${BUDGET:-520}
 started=$SECONDS
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# The scripts import machinlike from this checkout (pytest finds it from the root anyway;
+# a script run by path does not).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 # TensorPipe's warnings of peers that went away (the churn's SIGKILLs) drown the figures.
 quiet() { grep -v "tensorpipe_agent\|socket.cpp\|UserWarning\|^  assert\|^Consider"; }
@@ -49,21 +52,23 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 nvidia-smi -L 2>/dev/null
-step pytest_gpu 150 "$py" -m pytest -m gpu -q -p no:benchmark tests/
+# In the order of what matters most: the tests, the figures the issue names, the
+# example's frame rate, then where the time goes and the echoes under MPS.
+step pytest_gpu 170 "$py" -m pytest -m gpu -q -p no:benchmark --durations=20 tests/
 step gpu 190 "$py" benchmarks/gpu.py
-step breakdown 45 "$py" benchmarks/gpu_breakdown.py --repeats 100
+if "$py" -c "import ale_py" 2>/dev/null; then
+  step atari 80 "$py" examples/impala_atari.py --algo impala --device cuda --inference central \
+    --num-workers 14 --time-budget 50
+fi
+step breakdown 40 "$py" benchmarks/gpu_breakdown.py --repeats 100
 if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/machinlike-mps}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/machinlike-mps-log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
-    step gpu_mps 50 "$py" benchmarks/gpu.py --only-echo
+    step gpu_mps 40 "$py" benchmarks/gpu.py --only-echo
     echo quit | nvidia-cuda-mps-control
   fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-fi
-if "$py" -c "import ale_py" 2>/dev/null; then
-  step atari 80 "$py" examples/impala_atari.py --algo impala --device cuda --inference central \
-    --num-workers 14 --time-budget 50
 fi
 echo "== done in $((SECONDS - started)) s: $out"

@@ -113,11 +113,12 @@ def _patch() -> None:
     if _PATCHED:
         return
     _PATCHED = True
-    timed_lines = [cuda_ipc._receive_group, cuda_ipc.Batch._fill, cuda_stage.encode]
+    # (_encode: the walk both a reply (encode) and a call's arguments (outgoing) go through)
+    timed_lines = [cuda_ipc._receive_group, cuda_ipc.Batch._fill, cuda_stage._encode]
     _FILES.update({fn.__qualname__: fn.__code__.co_filename for fn in timed_lines})
     _line_timer(timed_lines)
     samehost.outgoing = _timed("caller: outgoing (walk, copy into slab, record)", samehost.outgoing)
-    cuda_stage.encode = _timed("either: cuda_stage.encode", cuda_stage.encode)
+    cuda_stage._encode = _timed("either: cuda_stage._encode (walk, copies into slabs)", cuda_stage._encode)
     cuda_ipc.Batch._fill = _timed("either: Batch._fill (lease, copy into slab)", cuda_ipc.Batch._fill)
     cuda_ipc._receive_group = _timed("either: _receive_group (open, wait ready, copy out)", cuda_ipc._receive_group)
     cuda_ipc_area.OpenCache.open = _timed("either: OpenCache.open", cuda_ipc_area.OpenCache.open)

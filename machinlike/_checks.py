@@ -16,21 +16,28 @@ __all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_arg
            "sequence_of_str", "optional_str", "nonempty_str", "not_async"]
 
 
-def seconds(param: str, value: Any, *, allow_zero: bool = False) -> float:
+def seconds(param: str, value: Any, *, allow_zero: bool = False, or_none: bool = False) -> float:
     """``value`` as a positive (or, with ``allow_zero``, non-negative), finite number of seconds.
+
+    ``or_none``: the caller takes None too (its default); the message says so.
 
     Raises:
         TypeError: not a number (bool counts as not a number).
         ValueError: negative, NaN or infinite; zero unless ``allow_zero``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{param}={value!r} must be a number of seconds, not {type(value).__name__}")
+        raise TypeError(f"{param}={value!r} must be a number of seconds, not {type(value).__name__}"
+                        + ("; or None for the default" if or_none else ""))
     if allow_zero:
         if not (value >= 0 and math.isfinite(value)):
             raise ValueError(f"{param}={value!r} must be a number of seconds >= 0 (finite), or None to wait "
                              f"without a limit")
     elif not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{param}={value!r} must be a positive number of seconds (finite)")
+        # torch RPC reads 0 (and machin -1) as "no limit"; nothing here waits without one.
+        fix = "; pass None for the default, or a bound in seconds" if or_none else ""
+        unbounded = " (0 or a negative value does not mean 'no limit': every wait here is bounded)" \
+            if or_none and value <= 0 else ""
+        raise ValueError(f"{param}={value!r} must be a positive number of seconds (finite){fix}{unbounded}")
     return float(value)
 
 
@@ -45,7 +52,7 @@ def seconds_or_none(param: str, value: Any, default: None = None, *, allow_zero:
 def seconds_or_none(param: str, value: Any, default: Optional[float] = None, *,
                     allow_zero: bool = False) -> Optional[float]:
     """Like :func:`seconds`, with None standing for ``default`` (None: no limit)."""
-    return default if value is None else seconds(param, value, allow_zero=allow_zero)
+    return default if value is None else seconds(param, value, allow_zero=allow_zero, or_none=True)
 
 
 def positive_int(param: str, value: Any, minimum: int = 1) -> int:

@@ -82,8 +82,10 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
             if dying and phase == "create":
                 # Die while the others are inside group creation: once each has written
                 # its join record (so each waits for this incarnation, not the next).
+                # (each writes the list it proposes just before its join record, under a
+                # key that does not depend on the epoch, which digests the incarnations)
                 others = [m for m in MEMBERS if m != me]
-                world.membership.registry.wait_all(world.membership.keys.group_join_prefix(f"it{i}", "0"), others, SLOW,
+                world.membership.registry.wait_all(world.membership.keys.group_proposal(f"it{i}", ""), others, SLOW,
                                                    f"iteration {i}: the others entering group creation")
                 _die()
             group = world.create_rpc_group(f"it{i}", MEMBERS, timeout=SLOW)

@@ -27,6 +27,15 @@ from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as
 from machinlike.distributed._world.settings import settings as resolve_settings
 
 
+@pytest.fixture(autouse=True)
+def _no_settling_after(monkeypatch):
+    """The receives faked over CPU memory note a GPU; a later call in this process must
+    not ask a CPU build of torch for its streams (cuda_settle)."""
+    from machinlike.distributed._calls import cuda_settle
+
+    monkeypatch.setattr(cuda_settle, "_devices", set())
+
+
 @pytest.fixture
 def ipc_on():
     _cuda_ipc.configure(64 << 20)
@@ -840,3 +849,42 @@ def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
         sender.kill()
         sender.wait(10)
     assert await_ready(_Event(), os.getpid(), row, 5, 1.0) is False  # done at once: no wait
+
+
+# ------------------------------------------------------------------ the caller's stream
+class _Stream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited_for: list = []
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.waited_for.append(other.name)
+
+
+def test_a_result_is_ordered_on_the_callers_own_stream_and_costs_nothing_elsewhere(monkeypatch):
+    """What arrives on a GPU was copied on the reader thread's default stream: the caller's
+    current stream must wait for it when it is another one (cuda_settle). Over fake streams:
+    which stream waits for which, and that nothing is asked of CUDA before a receive."""
+    from machinlike.distributed._calls import cuda_settle, staging
+
+    asked: list = []
+    current = {0: _Stream("side0"), 1: _Stream("default1")}
+    default = {0: _Stream("default0"), 1: current[1]}
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: asked.append(device.index) or current[device.index])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device: default[device.index])
+    cuda_settle.settle()
+    assert asked == []  # a process that received no CUDA tensor asks nothing of CUDA
+    cuda_settle.noted(0)
+    cuda_settle.noted(1)
+    cuda_settle.noted(0)
+    assert cuda_settle.settled("result") == "result"
+    assert current[0].waited_for == ["default0"]  # a stream of the caller's own waits
+    assert current[1].waited_for == []  # the default stream is already in order
+    assert sorted(asked) == [0, 1]
+    # A staged tensor that lands on a GPU is noted too (its copy runs on the same stream).
+    monkeypatch.setattr(cuda_settle, "_devices", set())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device: self)
+    staging._land(torch.ones(2), 1, False, False)
+    assert cuda_settle.devices() == {1}

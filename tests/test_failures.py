@@ -60,6 +60,14 @@ def _killed_member_body(world):
     with pytest.raises(PeerLostError, match=r"barrier of RpcGroup 'g': members: '2' left or died"):
         g.barrier(timeout=30)
     assert time.monotonic() - start < 4
+    # A call by key to a service this member had called on member 2 names it too, after
+    # its registration was withdrawn (it used to read "not found", as if never registered).
+    if world.name == "0":
+        with pytest.raises(PeerLostError, match=r"service 'die' of group 'g': its owner was lost") as info:
+            g.registered_sync("die", timeout=5)
+        assert info.value.member == "2"
+    # The survivors still meet in the group when they wait for the live members only.
+    g.barrier(timeout=30, skip_gone=True)
     survivors.barrier(timeout=20)
     # ... so a survivor can take its keys over, and callers reach the new owner.
     if world.name == "1":
@@ -80,6 +88,77 @@ def test_killed_member_is_named_and_nothing_hangs():
     results = run_world(_killed_member_body, 3, timeout=90, return_exceptions=True, rpc_timeout=20)
     assert results[:2] == ["survived", "survived"], results
     assert results[2] == "victim"
+
+
+def _helper_close_after_a_death_body(world):
+    import torch
+
+    from machinlike.server import model_server_helper
+
+    handles = model_server_helper(1, members=MEMBERS, timeout=20)
+    (server,) = handles
+    if world.name == "2":
+        _die()
+    net = torch.nn.Linear(2, 2)
+    world.wait_for_members(["2"], timeout=10, gone=True)
+    start = time.monotonic()
+    if world.name == "1":
+        time.sleep(1.0)  # still working when the host closes
+        assert server.push(net) and server.pull(net) is False
+    # The host's close waits for the live member instead of failing at once on the dead
+    # one (and leaving member 1's last calls to a server that was gone).
+    handles.close(timeout=20)
+    return time.monotonic() - start
+
+
+def test_a_helpers_servers_close_among_the_survivors_of_a_death():
+    results = run_world(_helper_close_after_a_death_body, 3, timeout=60, return_exceptions=True)
+    host, other = results[0], results[1]
+    assert isinstance(host, float) and isinstance(other, float), results
+    assert host >= 0.9, results  # it waited for member 1
+
+
+_HAND_STARTED = """
+import os, signal, sys, time
+from machinlike import World
+from machinlike.exception import PeerLostError
+rank, port = int(sys.argv[1]), sys.argv[2]
+with World(["learner", "actor-1", "actor-2"][rank], rank, 3, init_method=f"tcp://127.0.0.1:{port}",
+           dist_timeout=30) as world:
+    group = world.create_rpc_group("g", world.get_members())
+    group.barrier()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # it hosts the world's store
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            group.is_registered("anything")  # a read of the store
+        except PeerLostError as err:
+            print("LOST", err.member, flush=True)
+            break
+        time.sleep(0.05)
+"""
+
+
+def test_a_lost_store_is_named_after_the_member_that_hosted_it():
+    """Worlds started by hand: rank 0 hosts the store, and its loss names that member, as
+    any other loss does (it read "member 'rank 0'" before: no member has that name)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _HAND_STARTED, str(rank), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
+    try:
+        said = [proc.communicate(timeout=60)[0] for proc in procs[1:]]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert all("LOST learner" in out for out in said), [out[-2000:] for out in said]
 
 
 def _stop_waits_for_absent_peer_body(world):

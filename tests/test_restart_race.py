@@ -38,3 +38,32 @@ def test_a_rank_restarted_in_place_is_grouped_with_at_once_three_times_in_a_row(
         results = launch(_race_body, 3, max_restarts=1, timeout=90)
         assert list(results) == [1, 1, 2]
         assert [r.rank for r in results.restarts] == [2], results.restarts  # no healthy rank restarted
+
+
+def _again_body(world: World) -> str:
+    keys, registry = world.membership.keys, world.membership.registry
+    if world.incarnation == 1:
+        group = world.create_rpc_group("g", ["0", "1", "2"], timeout=30)
+        group.barrier(timeout=30)
+        if world.rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        group.destroy()  # (its keys stay: the dead member never counts itself out)
+        registry.wait_all(keys.scratch("again/"), ["up"], 60, "the restarted rank")
+    else:
+        registry.set(keys.scratch("again/up"), "1")
+    # Made again with the member's next incarnation. Each process counts its own
+    # creations of a name, so the restarted one (at 0) and the others (at 1) agreed on no
+    # epoch: it read the old incarnation's keys and "made" the group alone while the
+    # others waited for it until their timeout.
+    group = world.create_rpc_group("g", ["0", "1", "2"], timeout=30)
+    group.register(f"svc{world.rank}", _noop)
+    group.barrier(timeout=30)
+    assert all(group.is_registered(f"svc{r}") for r in range(3))
+    group.barrier(timeout=30)
+    return group._epoch
+
+
+def test_a_group_is_made_again_with_a_restarted_member():
+    results = launch(_again_body, 3, max_restarts=1, timeout=90)
+    assert len(set(results)) == 1, list(results)
+    assert [r.rank for r in results.restarts] == [2], results.restarts

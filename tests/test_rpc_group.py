@@ -626,6 +626,61 @@ def test_group_creation_validates_and_pickles_as_handle(world):
     g.destroy()
 
 
+@world_test(3, timeout=60)
+def test_a_group_name_names_one_group_in_the_world(world):
+    """Two member sets under one name: the second is refused in every process (it used to
+    succeed and share the first one's service, value and barrier keys)."""
+    everyone = world.create_rpc_group("all", MEMBERS)
+    if world.name != "2":
+        first = world.create_rpc_group("dup", ["0", "1"])
+        first.register(f"svc{world.name}", _whoami)
+    everyone.barrier()
+    if world.name == "2":
+        with pytest.raises(ValueError, match=r"RpcGroup 'dup' already exists in this world with members "
+                                             r"\['0', '1'\], not members=\['2'\].*destroy\(\) it first"):
+            world.create_rpc_group("dup", ["2"], timeout=5)
+        # Refused without leaving its member list behind; a name of its own works.
+        alone = world.create_rpc_group("dup-2", ["2"])
+        alone.register("svc0", _whoami)
+        assert alone.registered_sync("svc0") == "2"
+    everyone.barrier()
+    if world.name != "2":
+        assert first.registered_sync("svc0") == "0"
+        first.barrier()
+        first.destroy()
+    everyone.barrier()
+    # Once every member destroyed it, the name is free for other members.
+    if world.name != "0":
+        again = world.create_rpc_group("dup", ["1", "2"])
+        again.barrier()
+        again.destroy()
+    # Created at the same time by two member sets: exactly one of them gets the name.
+    outcome = "made"
+    try:
+        world.create_rpc_group("race", ["0", "1"] if world.name != "2" else ["2"], timeout=10)
+    except ValueError as err:
+        assert "already exists in this world" in str(err)
+        outcome = "refused"
+    everyone.pair(f"race{world.name}", outcome)
+    everyone.barrier()
+    outcomes = [everyone.get_paired(f"race{m}").to_here() for m in MEMBERS]
+    assert outcomes[0] == outcomes[1] != outcomes[2], outcomes
+    everyone.barrier()
+    # A fixed group under an open group's name is refused too (open_group refused the reverse).
+    if world.name == "0":
+        world.create_rpc_group("opened")
+    everyone.barrier()
+    if world.name == "1":
+        with pytest.raises(ValueError, match=r"RpcGroup 'opened' is an open group in this world"):
+            world.create_rpc_group("opened", ["1"], timeout=5)
+    everyone.barrier()
+    # Members that pass other lists are told so, on both sides (once their wait is over).
+    if world.name != "2":
+        with pytest.raises(ValueError, match=r"members of RpcGroup 'mm' disagree: this member passed members="):
+            world.create_rpc_group("mm", ["0", "1"] if world.name == "0" else MEMBERS, timeout=2)
+    everyone.barrier()
+
+
 def _barrier_worker(group, rounds, errors):
     try:
         for _ in range(rounds):

@@ -65,7 +65,8 @@ class ServerHandles(tuple):
         """Stop this member's servers, wait for every member, withdraw them, leave the group.
 
         Every member must call it (it contains group barriers): all secondary reducers
-        stop, then all primaries, then the services are withdrawn. The group is destroyed
+        stop, then all primaries, then the services are withdrawn. A member that died or
+        left is not waited for: the survivors close together. The group is destroyed
         when the helper created it. Safe to call twice.
 
         Args:
@@ -88,7 +89,9 @@ class ServerHandles(tuple):
             for impl in self.impls:
                 if isinstance(impl, PushPullGradServerImpl):
                     impl._stop_roles(roles, left())
-            self.group.barrier(timeout=left())
+            # (skip_gone: a member that died does not fail the survivors' close; the
+            # host that closes first would otherwise leave the others' pulls failing)
+            self.group.barrier(timeout=left(), skip_gone=True)
         self._closed = True
         for impl in self.impls:
             impl.close()
@@ -99,7 +102,13 @@ class ServerHandles(tuple):
 def _resolve_group(group: Optional[RpcGroup], members: Union[str, Sequence[str]], name: str,
                    timeout: Optional[float]) -> Tuple[RpcGroup, bool]:
     if group is not None:
-        return check_group(group), False
+        if check_group(group).is_open():
+            raise ValueError(f"group={group!r} is open (created without members), and a helper's barriers wait "
+                             f"for a fixed set of members: create the group with members=[...], or build the "
+                             f"server on its host (PushPullModelServerImpl(name, group), PushPullGradServerImpl"
+                             f"(name, group, ...)) and look its accessor up elsewhere with "
+                             f"group.get_paired(name).to_here(), as examples/impala.py does")
+        return group, False
     world = get_world()
     if world is None:
         raise RuntimeError("no World in this process: create one first (or use machinlike.launch)")
@@ -133,7 +142,8 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
 
     Args:
         model_num: Number of servers (one per model).
-        group: Group to host them in; None: create one named ``server_name`` from ``members``.
+        group: Group to host them in, with fixed members (not an open one); None: create
+            one named ``server_name`` from ``members``.
         members: ``"all"`` (every world member) or member names; used when ``group`` is None.
         server_name: Prefix of the servers' names (and the created group's name).
         timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
@@ -178,7 +188,8 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
 
     Args:
         model_creators: One zero-argument callable per model.
-        group: Group to use; None: create one named ``server_name`` from ``members``.
+        group: Group to use, with fixed members (not an open one); None: create one
+            named ``server_name`` from ``members``.
         members: ``"all"`` or member names; used when ``group`` is None.
         optimizer: Optimizer class.
         learning_rate: One for all models, or one per model.

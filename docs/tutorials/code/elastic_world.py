@@ -43,8 +43,8 @@ def learner(world: machinlike.World) -> list:
     world.on_member_change(on_change)
     group = world.create_rpc_group("actors")
     world.wait_for_members(["actor-0", "actor-1"], timeout=30)
-    # actor-1 dies: calls to it fail fast with PeerLostError naming it (or KeyError once
-    # its keys are freed), never by waiting out the timeout.
+    # actor-1 dies: calls to it (and to a service of its that this process called
+    # before) fail fast with PeerLostError naming it, never by waiting out the timeout.
     with seen:
         seen.wait_for(lambda: "lost actor-1#1" in log, timeout=10)
     try:

@@ -18,8 +18,9 @@ from .shipping import is_async, prepare_call
 from .refs import PairedRef, ResultRef
 from .samehost import share
 from .context import CallContext
+from .cuda_settle import settled
 
 __all__ = [
     "as_async_execution", "CallContext", "is_async", "is_coroutine_function", "is_missing", "LocalTables", "PairedRef", "prepare_call",
-    "ResultRef", "RpcFuture", "send_async", "send_call", "share", "sync_call", "unwrap",
+    "ResultRef", "RpcFuture", "send_async", "send_call", "settled", "share", "sync_call", "unwrap",
 ]

@@ -21,7 +21,9 @@ memory (``_cuda_stage``)::
 Why nobody waits for the GPU on a message's path: on a GPU time-sliced between processes,
 each wait for the other process's copies costs a switch of contexts (about 150 us). The
 sender's copies run while the message travels; the receiver's copies out are ordered on
-its current stream, where what it received is ready as any torch op's result is.
+the unpickling thread's current stream (the default one), and the caller's current
+stream is ordered after it when the result reaches the caller (``cuda_settle``): what it
+received is ready on its stream as any torch op's result is.
 
 The receiver owns what it gets (its own allocation, sendable on); the sender's tensor is
 never shared: its copy into the slab is ordered on the sender's current stream, so it may
@@ -62,6 +64,7 @@ from .staging import stage_tensor
 from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
+from .cuda_settle import noted
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
            "reply_target", "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
@@ -368,8 +371,9 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
                    ready: bytes, offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
     """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``;
-    they are ready on this process's current stream of ``cuda:index`` (the lease ends once
-    the copies completed, in the releaser's thread)."""
+    they are ready on this thread's current stream of ``cuda:index`` and, once the result
+    reaches the caller, on the caller's (``cuda_settle``); the lease ends once the copies
+    completed, in the releaser's thread."""
     if not ops.cuda_ready():  # the sender checked; never initialise CUDA for it
         raise RuntimeError(
             f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
@@ -404,6 +408,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 own.requires_grad_(True)
             out.append(own)
         _releaser.put(ops.copies_done(opened, index), row, lease, pid)
+        noted(index)  # (the caller's stream waits for these copies: cuda_settle)
         handed = True
     finally:
         if not handed:

@@ -137,8 +137,9 @@ class ExportArea:
         self._held = 0
         self._ids = itertools.count(1)
         self.reuse_wait = _REUSE_WAIT_S
+        # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
-                                      "reuse_waits": 0}
+                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0}
 
     @property
     def fd(self) -> int:
@@ -208,7 +209,7 @@ class ExportArea:
         row = self.words[lease.slab.slot]
         if row[0] == lease.ident:
             row[0] = FREE
-            self.stats["unsent_released"] = self.stats.get("unsent_released", 0) + 1
+            self.stats["unsent_released"] += 1
 
     def _lent_to_the_living(self) -> bool:
         with self._lock:
@@ -269,7 +270,7 @@ class ExportArea:
         try:
             torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)
         except Exception:  # best effort, as torch's own consumers do
-            self.stats["counter_release_failed"] = self.stats.get("counter_release_failed", 0) + 1
+            self.stats["counter_release_failed"] += 1
         slab.storage = None  # type: ignore[assignment]
         slab.views = {}  # (they hold the storage too)
         slab.ready = None  # receivers check the slab's id before they ask its event

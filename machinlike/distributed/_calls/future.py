@@ -43,6 +43,7 @@ from ..._awaiting import loop_waker
 from .. import _transport
 from ...exception import drop_frames
 from .coroutines import blocking_error, on_loop_thread
+from .cuda_settle import settle
 from .send import translate_error
 from .serve import ENVELOPES, is_failure, is_missing, unwrap
 
@@ -152,9 +153,10 @@ class RpcFuture(_transport.lane.LaneFuture):
                 # call ended (up to its whole timeout) whatever signal comes: a Ctrl-C raises
                 # at once. Bounded: the call fails at its timeout, and a retry shares it.
                 self.wait_arrived()
-            if self.done():  # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
-                return _value(self)
-            return _wait(self)
+            # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
+            result = _value(self) if self.done() else _wait(self)
+            settle()  # (CUDA tensors in it: ready on this thread's stream too)
+            return result
         except BaseException:
             del self  # this frame joins the error's traceback, which torch keeps (see exception.freeze_traceback)
             raise
@@ -197,7 +199,9 @@ class RpcFuture(_transport.lane.LaneFuture):
         """The value of a completed future, or its error raised (as torch's ``value``)."""
         self._read = True
         try:
-            return _value(self)
+            result = _value(self)
+            settle()
+            return result
         except BaseException:
             del self  # (as in wait)
             raise

@@ -44,6 +44,7 @@ from . import context as _context, ref_owner as _ref_owner, samehost as _samehos
 from .future import RpcFuture
 from .send import send_async, send_call, sync_call
 from .serve import unwrap
+from .cuda_settle import settled
 from .context import CallContext
 from .ref_owner import Target
 from .results import Holder
@@ -106,9 +107,9 @@ class _Ref:
         deadline = _now() + wait
         self._ready(deadline)
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
-        return unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_value,
-                                _samehost.outgoing(worker, (self._target, (), {})),  # [shm hook]
-                                max(0.001, deadline - _now()), self._what, wait))
+        return settled(unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_value,
+                                        _samehost.outgoing(worker, (self._target, (), {})),  # [shm hook]
+                                        max(0.001, deadline - _now()), self._what, wait)))
 
     def rpc_sync(self, timeout: Optional[float] = None) -> _Proxy:
         """``ref.rpc_sync().m(*args)`` runs ``value.m(*args)`` on the owner and returns its result."""
@@ -172,9 +173,9 @@ class _Ref:
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
         what = f"{name}() of {self._what()}"
         if how == "sync":
-            return unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_call,
-                                    _samehost.outgoing(worker, ((self._target, name), args, kwargs)),  # [shm hook]
-                                    max(0.001, deadline - _now()), what, wait))
+            call = _samehost.outgoing(worker, ((self._target, name), args, kwargs))  # [shm hook]
+            return settled(unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_call, call,
+                                            max(0.001, deadline - _now()), what, wait)))
         if how == "async":
             _, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
                                lambda to, left: send_async(

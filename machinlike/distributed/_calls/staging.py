@@ -13,6 +13,8 @@ from typing import Any, List, Tuple
 
 import torch
 
+from .cuda_settle import noted
+
 __all__ = ["lands_on", "stage_tensor"]
 
 
@@ -35,7 +37,11 @@ def lands_on(index: int, cuda_ready: bool, device_count: int) -> torch.device:
 def _land(host: torch.Tensor, index: int, requires_grad: bool, parameter: bool) -> torch.Tensor:
     ready = torch.cuda.is_initialized()
     device = lands_on(index, ready, torch.cuda.device_count() if ready else 0)
-    tensor = host if device.type == "cpu" else host.to(device)
+    if device.type == "cpu":
+        tensor = host
+    else:
+        tensor = host.to(device)
+        noted(index)  # (the caller's stream waits for this copy: cuda_settle)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(True) if requires_grad else tensor

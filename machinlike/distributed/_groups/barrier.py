@@ -63,13 +63,16 @@ class Barrier:
             return None
         return self._keys.barrier_prefix(self._group, self._epoch, generation - 1) + self._member
 
-    def wait(self, wait: float) -> None:
+    def wait(self, wait: float, skip_gone: bool = False) -> None:
         """Arrive, and wait up to ``wait`` seconds for every member to arrive.
+
+        Args:
+            skip_gone: Wait for the live members only (a gone member counts as arrived).
 
         Raises:
             TimeoutError: naming the members that did not arrive, or an earlier round of
                 this member that did not finish.
-            PeerLostError: a member is gone.
+            PeerLostError: a member is gone (not with ``skip_gone``).
         """
         deadline = time.monotonic() + wait
         # Rounds of one member run one at a time, which is what makes deleting the
@@ -83,7 +86,8 @@ class Barrier:
             prefix = self._keys.barrier_prefix(self._group, self._epoch, generation)
             self._registry.set(prefix + self._member, "1")
             self._waits.wait_all(prefix, self._members, self._members, max(0.001, deadline_left(deadline)),
-                                 f"barrier of RpcGroup {self._group!r}: members", wait, self._incarnations)
+                                 f"barrier of RpcGroup {self._group!r}: members", wait, self._incarnations,
+                                 skip_gone)
             if generation:
                 self._registry.delete([self._keys.barrier_prefix(self._group, self._epoch, generation - 1)
                                        + self._member])

@@ -32,11 +32,12 @@ from .._calls import context as _context, ref_owner as _ref_owner, refs as _refs
 from .._calls import serve as _serve
 from .._calls import RpcFuture, is_async, is_missing, send_async, send_call, sync_call, unwrap
 from .owners import OwnerCache
-from .._calls import PairedRef, ResultRef
+from .._calls import PairedRef, ResultRef, settled
 
 from .._membership import Roster
 from .._membership import Waits
 from ..._deadline import deadline_left
+from ...exception import PeerLostError
 
 __all__ = ["Caller"]
 
@@ -84,7 +85,7 @@ class Caller:
         # A look-up in the store counts against the call's own time (a silent store).
         owner = self._owners.service(key, refresh, max(0.001, deadline - time.monotonic()))
         if owner is None:
-            raise KeyError(_not_found("Service", key, self._group, "register"))
+            raise self._nobody("s", key)
         return owner.worker, _serve._call_async_service if owner.is_async else _serve._call_service
 
     def service_sync(self, key: str, call_args: CallArgs, wait: float) -> Any:
@@ -105,7 +106,7 @@ class Caller:
                               left if left > 0.001 else 0.001, lambda: f"service {key!r} of group {self._group!r}",
                               stated)
             if not is_missing(value):
-                return unwrap(value)
+                return settled(unwrap(value))
         raise KeyError(_not_found("Service", key, self._group, "register"))
 
     def service_async(self, key: str, call_args: CallArgs, wait: float) -> RpcFuture:
@@ -161,7 +162,28 @@ class Caller:
                               max(0.001, deadline_left(deadline)), f"value {key!r} of group {self._group!r}", wait)
             if not is_missing(value):  # the owner's (member, incarnation)
                 return PairedRef(value[0], value[1], sid)
-        raise KeyError(_not_found("Value with key", key, self._group, "pair"))
+        raise self._nobody("v", key)
+
+    def _nobody(self, kind: str, key: str) -> Exception:
+        """The error for a service (``kind`` "s") or value ("v") ``key`` that nobody holds.
+
+        PeerLostError naming the owner when this process last found it held by a member
+        since lost (the call would have failed so a moment earlier, before the liveness
+        monitor withdrew the dead member's keys), else KeyError.
+        """
+        what, verb = ("Service", "register") if kind == "s" else ("Value with key", "pair")
+        lost = self._owners.lost_owner(kind, key)
+        why = None if lost is None else self._roster.gone(lost)
+        if lost is not None and why == "lost":
+            noun = "service" if kind == "s" else "value"
+            return PeerLostError(lost, f"{noun} {key!r} of group {self._group!r}: its owner was lost, and no live "
+                                       f"member has {verb}ed it since; {verb} it again on a live member (a "
+                                       f"restarted one does so itself) and retry")
+        if lost is not None:
+            since = "left the world" if why == "left" else "was lost and is back as a new process"
+            return KeyError(f"{what} [{key}] not found on Group [{self._group}]: its owner, member {lost!r}, "
+                            f"{since}, and no live member has {verb}ed it since")
+        return KeyError(_not_found(what, key, self._group, verb))
 
     # ---------------------------------------------------------------- plain calls
     def run_sync(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> Any:
@@ -171,8 +193,9 @@ class Caller:
         """
         entry = _serve._run_async if is_async(func) else _serve._run
         worker = self._roster.worker_of(to)
-        return unwrap(sync_call(self._roster, self._waits, worker, entry, _samehost.outgoing(worker, call),  # [shm hook]
-                                wait, f"rpc_sync of {func!r}"))
+        return settled(unwrap(sync_call(self._roster, self._waits, worker, entry,
+                                        _samehost.outgoing(worker, call),  # [shm hook]
+                                        wait, f"rpc_sync of {func!r}")))
 
     def run_async(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> RpcFuture:
         """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""

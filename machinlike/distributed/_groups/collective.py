@@ -186,6 +186,12 @@ class CollectiveGroup:
         ranks = sorted(ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
             raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
+        if backend is not None and not isinstance(backend, str):
+            number = isinstance(backend, (int, float)) and not isinstance(backend, bool)
+            raise TypeError(f"backend={backend!r} must be a backend's name ('gloo', 'nccl') or None for the "
+                            f"World's, not {type(backend).__name__}"
+                            + (f"; machin's second argument was the timeout: pass timeout={backend!r}"
+                               if number else ""))
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
         member = my_rank in ranks
         return cls(group if member else None, ranks, my_rank, retire)

@@ -4,9 +4,12 @@ Owns nothing: each function is handed the World's :class:`GroupDirectory` (which
 process's handles and each name's epoch) and leaves the new handle there::
 
     create_group(d, name, members)   every member: wait for the members (elastic worlds),
-                                     reserve the epoch, write its member list under
+                                     reserve the epoch ("<count>.<digest of the
+                                     members>"), write its member list under
                                      rg/<name>/<epoch>/join/, wait for the others' lists,
-                                     agree, publish the GroupRecord ──► RpcGroup, d.add
+                                     agree, claim rg/<name>/current with the GroupRecord
+                                     (refused: another group in use holds the name)
+                                     ──► RpcGroup, d.add
     open_group(d, name)              claim rg/<name>/current as open ("o/*") ──► RpcGroup
     find_group(d, name)              this process's handle, else one built from the
                                      GroupRecord in the store, else None
@@ -17,11 +20,13 @@ waits, agreement), while the handle is what one process uses afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Dict, Optional, Sequence
 
 from .directory import GroupDirectory
-from .._store import OPEN_EPOCH, GroupRecord, MemberRecord
+from .group_end import end_incarnation
+from .._store import OPEN_EPOCH, WOKEN_MARK, GroupRecord, MemberRecord
 
 from .rpc_group import RpcGroup
 from ...exception import PeerLostError
@@ -55,23 +60,97 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
     if d.name not in members:
         raise ValueError(f"this process ({d.name!r}) is not in members={members}; "
                          f"only members create the group")
-    epoch = d.reserve(name)
-    keys = d.keys
-    prefix = keys.group_join_prefix(name, str(epoch))
-    listing = GroupRecord.listing(members)
     # In an elastic world the group is made of these incarnations: one that dies and
     # comes back is a new process, gone for this group (it creates a new one).
     incarnations = d.roster.incarnations(members) if d.elastic else None
+    keys = d.keys
+    epoch = d.reserve(name, _tag(members, incarnations))
+    prefix = keys.group_join_prefix(name, epoch)
+    listing = GroupRecord.listing(members)
+    proposal = keys.group_proposal(name, d.name)
+    d.registry.set(proposal, listing)
     d.registry.set(prefix + d.name, listing)
-    d.waits.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
-                          f"creating RpcGroup {name!r}: members", wait, incarnations)
-    odd = [m for m, v in zip(members, d.registry.values(prefix, members)) if v != listing]
+    try:
+        d.waits.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
+                         f"creating RpcGroup {name!r}: members", wait, incarnations)
+    except TimeoutError as err:
+        # A member that passed another list waits under another epoch (its digest differs).
+        # (The proposal stays: a member timing out a moment later reads it too.)
+        other = {m: d.registry.get_or_empty(keys.group_proposal(name, m)) for m in members if m != d.name}
+        theirs = {m: held.split(",") for m, held in other.items() if held and held != listing}
+        if theirs:
+            raise ValueError(f"members of RpcGroup {name!r} disagree: this member passed members={list(members)}, "
+                             f"but {theirs} (by member); every member must pass the same list") from err
+        raise
+    except BaseException:
+        d.registry.delete([proposal])
+        raise
+    d.registry.delete([proposal])
+    held_lists = d.registry.values(prefix, members)
+    if WOKEN_MARK in held_lists:
+        # Woken because a member that had joined is gone since (one that had not is
+        # marked lost: the wait raised): the others' places were filled to end the wait.
+        gone = d.roster.not_current(members, incarnations)
+        raise PeerLostError(gone[0] if gone else members[held_lists.index(WOKEN_MARK)],
+                            f"creating RpcGroup {name!r}: {gone} left or died while being waited for")
+    odd = [m for m, v in zip(members, held_lists) if v != listing]
     if odd:
         raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
-    d.registry.set(keys.group(name), GroupRecord(str(epoch), tuple(members)).encode())
-    group = RpcGroup(name, members, str(epoch), incarnations, directory=d)
+    record = GroupRecord(epoch, tuple(members)).encode()
+    # The name is claimed world-wide once every member joined, not before: a member that
+    # refused alone (seeing another group's claim that the others had not seen yet)
+    # would leave them waiting for it until their timeout.
+    held = d.registry.compare_set(keys.group(name), "", record)
+    if held != record:
+        try:
+            _refuse_taken(d, name, members, held)
+        except ValueError:
+            # Every member refuses alike; the last out deletes the member lists (one read
+            # by another member that is not out yet must stay until then).
+            end_incarnation(d.registry, keys, name, epoch, len(members), [prefix + d.name])
+            raise
+        d.registry.set(keys.group(name), record)
+    group = RpcGroup(name, members, epoch, incarnations, directory=d)
     d.add(group)
     return group
+
+
+def _tag(members: Sequence[str], incarnations: Optional[Dict[str, int]]) -> str:
+    """The digest in an incarnation's epoch: of its members and, in an elastic world, of
+    their incarnations.
+
+    Why: each process counts its own creations of a name, so two groups of one name (made
+    by different members) or a group made again with a member's next incarnation (whose
+    count starts at 0 while the others' went on) would otherwise share an epoch, and with
+    it service, value and barrier keys, some of them left by the old incarnation.
+    """
+    text = GroupRecord.listing(members)
+    if incarnations is not None:
+        text += "|" + ",".join(str(incarnations.get(m, 0)) for m in members)
+    return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+
+
+def _refuse_taken(d: GroupDirectory, name: str, members: Sequence[str], held: str) -> None:
+    """Raise ValueError if ``held`` (the name's current record) is another group in use.
+
+    Not in use: no record, one of these same members (made again), or one that has a
+    member gone or back as another incarnation (its record stays when a member died).
+    """
+    if not held:
+        return
+    record = GroupRecord.decode(held)
+    if record.members is None:
+        raise ValueError(f"RpcGroup {name!r} is an open group in this world (members=None); a group with "
+                         f"fixed members needs a name of its own")
+    if list(record.members) == list(members):
+        return
+    others = list(record.members)
+    current = d.roster.incarnations(others) if d.elastic else None
+    if d.roster.not_current(others, None) or record.epoch.partition(".")[2] != _tag(others, current):
+        return
+    raise ValueError(f"RpcGroup {name!r} already exists in this world with members {others}, not "
+                     f"members={list(members)}; give this group a name of its own, or have each member of the "
+                     f"existing one destroy() it first")
 
 
 def _wait_for_members(d: GroupDirectory, name: str, members: Sequence[str], deadline: float) -> None:

@@ -21,7 +21,7 @@ The directory names its handles through the small ``GroupHandle`` protocol, not
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Protocol
+from typing import Dict, List, Optional, Protocol, Tuple
 
 from .._calls import LocalTables
 from .._membership import Claims
@@ -33,6 +33,9 @@ from .._membership import Roster
 from .._membership import Waits
 
 __all__ = ["GroupDirectory", "GroupHandle", "bind", "current", "require"]
+
+# How many (name, members) creation counts a process keeps (see GroupDirectory.reserve).
+_EPOCHS_KEPT = 4096
 
 
 class GroupHandle(Protocol):
@@ -74,7 +77,7 @@ class GroupDirectory:
         self.tables = tables
         self._lock = threading.Lock()
         self._groups: Dict[str, GroupHandle] = {}
-        self._epochs: Dict[str, int] = {}
+        self._epochs: Dict[Tuple[str, str], int] = {}
         self._open = True
 
     @property
@@ -95,17 +98,24 @@ class GroupDirectory:
         with self._lock:
             return list(self._groups.values())
 
-    def reserve(self, name: str) -> int:
-        """The epoch of a new incarnation of group ``name`` here (counts creations).
+    def reserve(self, name: str, tag: str) -> str:
+        """The epoch of a new incarnation of group ``name`` here: ``"<count>.<tag>"``,
+        ``count`` counting this process's creations of ``name`` with ``tag`` (the digest of
+        the incarnation's members, see ``create``), so the members agree on it.
 
         Raises:
             ValueError: this process already has a handle of ``name``.
         """
         with self._lock:
             self._refuse_existing(name)
-            epoch = self._epochs.get(name, 0)
-            self._epochs[name] = epoch + 1
-            return epoch
+            count = self._epochs.pop((name, tag), 0)
+            self._epochs[(name, tag)] = count + 1  # (re-inserted: the dict is oldest first)
+            # Bounded: an elastic world makes a new tag at each restart of a member. A
+            # count forgotten restarts at 0, which only collides with an incarnation of
+            # the same members created thousands of creations of this process ago.
+            while len(self._epochs) > _EPOCHS_KEPT:
+                del self._epochs[next(iter(self._epochs))]
+            return f"{count}.{tag}"
 
     def add(self, group: GroupHandle) -> None:
         """Keep ``group`` as this process's handle of its name.

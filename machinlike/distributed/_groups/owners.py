@@ -8,6 +8,7 @@ so that a cached call is a single RPC round trip like a raw ``rpc_sync``::
                                 otherwise (or refresh=True) ──► Claims.owner(Keys.service|value)
                                                                  └─► cache it (or forget it)
     hold_* / drop_*             this member's own register / pair / withdraw (no look-up)
+    lost_owner(kind, key)       the gone member a look-up last found held the key
 
 Why a part of its own: the callers (``caller``) read it on every call and correct
 it when an owner answers "missing"; the tables (``tables``) write this member's
@@ -20,7 +21,7 @@ most one more look-up.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, TypeVar
+from typing import Callable, Dict, Optional, Tuple, TypeVar
 
 from .._membership import Claims
 from .._store import Keys, ServiceOwner
@@ -59,6 +60,9 @@ class OwnerCache:
         self._roster = roster
         self._services: Dict[str, ServiceOwner] = {}
         self._values: Dict[str, str] = {}
+        # The member a look-up last found gone with the key, by (kind, key): a caller
+        # that called the key's owner before it died is told that, not "nobody has it".
+        self._lost: Dict[Tuple[str, str], str] = {}
 
     # ---------------------------------------------------------------- store keys
     def service_key(self, key: str) -> str:
@@ -80,7 +84,7 @@ class OwnerCache:
             PeerLostError: the world's store is gone (on a look-up).
             TimeoutError: the store did not answer within ``timeout``.
         """
-        return self._look_up(self._services, self.service_key(key), key, ServiceOwner.decode,
+        return self._look_up("s", self._services, self.service_key(key), key, ServiceOwner.decode,
                              _service_worker, refresh, timeout)
 
     def value(self, key: str, refresh: bool = False, timeout: Optional[float] = None) -> Optional[str]:
@@ -93,24 +97,35 @@ class OwnerCache:
             PeerLostError: the world's store is gone (on a look-up).
             TimeoutError: the store did not answer within ``timeout``.
         """
-        return self._look_up(self._values, self.value_key(key), key, _same, _same, refresh, timeout)
+        return self._look_up("v", self._values, self.value_key(key), key, _same, _same, refresh, timeout)
 
-    def _look_up(self, cache: Dict[str, _Owner], store_key: str, key: str, decode: Callable[[str], _Owner],
-                 worker_of: Callable[[_Owner], str], refresh: bool, timeout: Optional[float]) -> Optional[_Owner]:
+    def lost_owner(self, kind: str, key: str) -> Optional[str]:
+        """The member that held service (``kind`` "s") or value ("v") ``key`` when this
+        process last found it, if that member is gone and nobody holds ``key`` since."""
+        return self._lost.get((kind, key))
+
+    def _look_up(self, kind: str, cache: Dict[str, _Owner], store_key: str, key: str,
+                 decode: Callable[[str], _Owner], worker_of: Callable[[_Owner], str], refresh: bool,
+                 timeout: Optional[float]) -> Optional[_Owner]:
         if not refresh:
             owner = cache.get(key)
             if owner is not None and not self._roster.worker_gone(worker_of(owner)):
                 return owner  # the common case: no store round trip
         held = self._claims.owner(store_key, timeout)
         if held is None:
-            cache.pop(key, None)
+            last = cache.pop(key, None)
+            if last is not None and self._roster.worker_gone(worker_of(last)):
+                self._lost[(kind, key)] = self._roster.member_of(worker_of(last))
+                # (bounded like the cache: by the keys this process called)
             return None
+        self._lost.pop((kind, key), None)
         owner = cache[key] = decode(held)
         return owner
 
     # ------------------------------------------------------ this member's own keys
     def hold_service(self, key: str, owner: ServiceOwner) -> None:
         """This member just claimed service ``key`` as ``owner``."""
+        self._lost.pop(("s", key), None)
         self._services[key] = owner
 
     def drop_service(self, key: str) -> None:
@@ -118,6 +133,7 @@ class OwnerCache:
 
     def hold_value(self, key: str, worker: str) -> None:
         """This member (RPC worker ``worker``) just paired value ``key``."""
+        self._lost.pop(("v", key), None)
         self._values[key] = worker
 
     def drop_value(self, key: str) -> None:

@@ -181,7 +181,9 @@ class RpcGroup:
 
         Raises:
             KeyError: no member registered ``key``.
-            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named; also
+                once its dead owner's registration was withdrawn, if this process had
+                called it there, until some member registers ``key`` again).
             Exception: whatever the service raised, with its remote traceback as cause.
         """
         _check_key(key)
@@ -206,6 +208,8 @@ class RpcGroup:
 
         Raises:
             KeyError: no member registered ``key`` (raised here, not by ``wait()``).
+            PeerLostError: its owner, as this process last found it, was lost (as
+                :meth:`registered_sync`).
         """
         _check_key(key)
         parts = self._usable(False)
@@ -233,6 +237,8 @@ class RpcGroup:
 
         Raises:
             KeyError: no member registered ``key``.
+            PeerLostError: its owner, as this process last found it, was lost (as
+                :meth:`registered_sync`).
         """
         _check_key(key)
         parts = self._usable(False)
@@ -295,7 +301,8 @@ class RpcGroup:
 
         Raises:
             KeyError: nothing is paired under ``key``.
-            TimeoutError, PeerLostError: the owner did not answer / is gone (named).
+            TimeoutError, PeerLostError: the owner did not answer / is gone (named, as
+                :meth:`registered_sync`).
         """
         _check_key(key)
         parts = self._usable(need_member=False)
@@ -387,22 +394,28 @@ class RpcGroup:
         return parts.caller.run_remote(to, func, call, wait)
 
     # -------------------------------------------------------------------- barrier
-    def barrier(self, timeout: Optional[float] = None) -> None:
+    def barrier(self, timeout: Optional[float] = None, *, skip_gone: bool = False) -> None:
         """Wait until every member reached this barrier (thread-safe, reusable).
 
         Two threads of one member calling it are two successive rounds.
 
         Args:
             timeout: Seconds; None: the world's ``dist_timeout``.
+            skip_gone: Wait for the live members only: a member that left or was lost,
+                before or during the wait, does not hold it up (the survivors of a
+                static world meet to finish, e.g. to close their servers).
 
         Raises:
             TimeoutError: naming the members that did not arrive within ``timeout``.
+            PeerLostError: a member is gone (at once, naming it); not with ``skip_gone``.
         """
         parts = self._usable(need_member=True)
         if parts.barrier is None:
             raise RuntimeError(f"RpcGroup {self._name!r} is open (members=None), so a barrier has no fixed "
                                f"set of members to wait for; create a group with members=[...] for barriers")
-        parts.barrier.wait(_seconds("timeout", timeout, parts.directory.dist_timeout))
+        if not isinstance(skip_gone, bool):
+            raise TypeError(f"skip_gone must be True or False, not {skip_gone!r}")
+        parts.barrier.wait(_seconds("timeout", timeout, parts.directory.dist_timeout), skip_gone)
 
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
@@ -453,6 +466,10 @@ class RpcGroup:
     def get_group_name(self) -> str:
         """Name of the group."""
         return self._name
+
+    def is_open(self) -> bool:
+        """Whether the group is open: created without members, it is whoever is in the world."""
+        return self._members is None
 
     def get_group_members(self) -> List[str]:
         """Member names, sorted (of an open group: the live members of the world)."""

@@ -59,7 +59,7 @@ from .processes import alive_here, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
 from .._transport import PipeLedger, recycle_after
-from .._store import Registry
+from .._store import STORE_OF_RANK0, Registry
 from ..._deadline import deadline_left
 from .roster import Roster
 from .store_watch import watch_store
@@ -215,6 +215,9 @@ class Membership:
                    for r, (member, identity) in enumerate(zip(names, identities))]
         self.roster.seed_static(records)
         self.endpoint.enter_static(rank, records[rank])
+        if self.registry.store_owner == STORE_OF_RANK0:
+            # (errors about the store then name the member that hosts it, as others do)
+            self.registry.name_store_owner(names[0])
 
     def announce(self) -> None:
         """Post this member's "join" and start the monitor."""

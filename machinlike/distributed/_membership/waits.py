@@ -32,7 +32,7 @@ from .roster import Roster
 
 __all__ = ["Waits"]
 
-_Wait = Tuple[str, Dict[str, str], Optional[Dict[str, int]]]  # prefix, member -> name, incarnations
+_Wait = Tuple[str, Dict[str, str], Optional[Dict[str, int]], bool]  # prefix, member -> name, incarnations, skip_gone
 
 
 class Waits:
@@ -52,7 +52,8 @@ class Waits:
         self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
 
     def wait_all(self, prefix: str, names: Sequence[str], members: Sequence[str], timeout: float, what: str,
-                 stated: Optional[float] = None, incarnations: Optional[Dict[str, int]] = None) -> None:
+                 stated: Optional[float] = None, incarnations: Optional[Dict[str, int]] = None,
+                 skip_gone: bool = False) -> None:
         """``Registry.wait_all`` that fails fast when a member it waits for is gone.
 
         ``names[i]`` is the key suffix member ``members[i]`` writes.
@@ -60,26 +61,29 @@ class Waits:
         Args:
             incarnations: The incarnation each member must have (a member that came back
                 as a later one counts as gone); None: any.
+            skip_gone: A gone member counts as arrived instead of failing the wait.
 
         Raises:
-            PeerLostError: a member it waits for left or was lost (named).
+            PeerLostError: a member it waits for left or was lost (named); not with
+                ``skip_gone``.
             TimeoutError: as ``Registry.wait_all``.
         """
         mapping = dict(zip(members, names))
         with self._lock:
             self._wait_ids += 1
             wid = self._wait_ids
-            self._waits[wid] = (prefix, mapping, incarnations)
+            self._waits[wid] = (prefix, mapping, incarnations, skip_gone)
         try:
             already = self._roster.not_current(members, incarnations)
             if already:
-                self._wake(prefix, [mapping[m] for m in already], list(names))
+                # (skip_gone: the live members' keys are left to come: the wait goes on)
+                self._wake(prefix, [mapping[m] for m in already], [] if skip_gone else list(names))
             self._registry.wait_all(prefix, names, timeout, what, stated)
             marked = [m for m, v in zip(members, self._registry.values(prefix, names)) if v == LOST_MARK]
         finally:
             with self._lock:
                 self._waits.pop(wid, None)
-        if marked:
+        if marked and not skip_gone:
             gone = ", ".join(repr(m) for m in marked)
             raise PeerLostError(marked[0], f"{what}: {gone} left or died while being waited for")
 
@@ -117,7 +121,7 @@ class Waits:
             for worker in workers:
                 for done in self._pending.pop(worker, ()):
                     done.set()  # wait_call sees the future still pending: lost
-            wake = [(p, m[rec.member], list(m.values())) for p, m, incs in self._waits.values()
+            wake = [(p, m[rec.member], [] if skip else list(m.values())) for p, m, incs, skip in self._waits.values()
                     if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
         for prefix, name, names in wake:
             self._wake(prefix, [name], names)

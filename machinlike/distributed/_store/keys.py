@@ -217,6 +217,11 @@ class Keys:
     def group_join_prefix(self, group: str, epoch: str) -> str:
         return f"{self.ns}rg/{group}/{epoch}/join/"
 
+    def group_proposal(self, group: str, member: str) -> str:
+        """The member list ``member`` is creating ``group`` with (read when a creation
+        times out, to tell members that passed other lists from members that did not come)."""
+        return f"{self.ns}gp/{group}/{member}"
+
     def group_end(self, group: str, epoch: str) -> str:
         """The keys the incarnation's members leave behind at destroy, one per line."""
         return f"{self.ns}rg/{group}/{epoch}/end"

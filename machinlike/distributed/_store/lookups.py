@@ -50,7 +50,7 @@ class BoundedLookups:
 
     def __init__(self, store: dist.Store, store_owner: str) -> None:
         self._store = store
-        self._store_owner = store_owner
+        self.store_owner = store_owner
         self._queue: "queue.SimpleQueue[Optional[_Pending[object]]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
@@ -68,7 +68,7 @@ class BoundedLookups:
         self._start()
         self._queue.put(pending)  # type: ignore[arg-type]
         if not pending.done.wait(max(timeout, 0.001)):
-            raise TimeoutError(f"{what}: the world's store ({self._store_owner}) did not answer within "
+            raise TimeoutError(f"{what}: the world's store ({self.store_owner}) did not answer within "
                                f"{timeout:.3g} s")
         ok, value = pending.result[0]
         if ok:

@@ -30,7 +30,11 @@ from .client import multi_get, own_client
 from .main_waits import MainWaits
 from .lookups import BoundedLookups
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "STORE_OF_RANK0"]
+
+#: How errors name the store's host before its name is known: a static world's rank 0
+#: (``Membership.enter_static`` names it once the members' names are exchanged).
+STORE_OF_RANK0 = "rank 0"
 
 _PROBE = "\x00probe"
 
@@ -55,6 +59,16 @@ class Registry:
         # server on the same port included), so later requests on it fail here, at once and
         # without torch's C++ warning and stack for each.
         self._broken: Optional[BaseException] = None
+
+    @property
+    def store_owner(self) -> str:
+        """Who hosts the store, as errors name it."""
+        return self._store_owner
+
+    def name_store_owner(self, owner: str) -> None:
+        """Name the store's host anew (a static world's rank 0, once its name is known)."""
+        self._store_owner = owner
+        self._lookups.store_owner = owner
 
     # ------------------------------------------------------------------ connections
     def _waiter(self) -> dist.Store:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from .client import new_client, own_client
+from .registry import STORE_OF_RANK0
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
            "parse_nodelist", "slurm_master_port", "external_launcher", "host_store"]
@@ -348,9 +349,9 @@ def open_store(rank: int, world_size: Optional[int], init_method: Optional[str],
     if rank == 0 and not all_clients:
         server = _serve(_listen(host, port), host, world_size, delta)
         port = server.port
-        return StoreInfo(own_client(server, delta) or server, host, port, True, "rank 0", server)
+        return StoreInfo(own_client(server, delta) or server, host, port, True, STORE_OF_RANK0, server)
     return StoreInfo(connect_store(host, port, timeout), host, port, False,
-                     "the torchrun agent" if all_clients else "rank 0")
+                     "the torchrun agent" if all_clients else STORE_OF_RANK0)
 
 
 def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:

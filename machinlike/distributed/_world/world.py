@@ -381,7 +381,7 @@ class World:
             The group; in a process outside ``ranks`` its ``is_member()`` is False.
 
         Raises:
-            TypeError: ``ranks`` is not a sequence of int.
+            TypeError: ``ranks`` is not a sequence of int, or ``backend`` not a str.
             ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout.
             RuntimeError: the World was created with ``collective=False`` or is elastic
                 (gloo groups are fixed at creation), or is stopped.

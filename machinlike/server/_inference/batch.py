@@ -159,9 +159,12 @@ def nbytes(x: Inputs) -> int:
 def to_device(x: Inputs, device: Union[None, torch.device]) -> Inputs:
     if device is None:
         return x
+    # Only a copy to a GPU may be left to run on: one from a GPU to the CPU (pinned) would
+    # return before it finished, and the CPU model would read it at once.
+    quick = device.type != "cpu"
     if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
+        return x.to(device, non_blocking=quick)
     if isinstance(x, dict):
-        return {key: t.to(device, non_blocking=True) for key, t in x.items()}
-    return tuple(t.to(device, non_blocking=True) for t in x)
+        return {key: t.to(device, non_blocking=quick) for key, t in x.items()}
+    return tuple(t.to(device, non_blocking=quick) for t in x)
 
