@@ -102,8 +102,10 @@ def _death_body(world):
     lost = threading.Event()
     world.on_member_change(lambda e: lost.set() if (e.kind, e.member) == ("lost", "victim") else None)
     ready = world.create_rpc_group("ready", ["a", "b", "victim"])
-    ready.barrier(timeout=30)
+    # Read before the barrier: the victim dies as soon as it passes it, and a death on
+    # this host is seen at once (its pidfd), before this member may have returned.
     dead_worker = world.membership.worker_of("victim")
+    ready.barrier(timeout=30)
     start = time.monotonic()
     # Calls made while it dies fail with PeerLostError naming it (or KeyError once its
     # keys are freed), never by waiting out their timeout.
