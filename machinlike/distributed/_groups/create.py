@@ -64,7 +64,8 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
     # comes back is a new process, gone for this group (it creates a new one).
     incarnations = d.roster.incarnations(members) if d.elastic else None
     keys = d.keys
-    epoch = d.reserve(name, _tag(members, incarnations))
+    tag = _tag(members, incarnations)
+    epoch = d.reserve(name, tag)
     prefix = keys.group_join_prefix(name, epoch)
     listing = GroupRecord.listing(members)
     proposal = keys.group_proposal(name, d.name)
@@ -74,6 +75,7 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
         d.waits.wait_all(prefix, members, members, max(0.001, deadline_left(deadline)),
                          f"creating RpcGroup {name!r}: members", wait, incarnations)
     except TimeoutError as err:
+        d.unreserve(name, tag, epoch)
         # A member that passed another list waits under another epoch (its digest differs).
         # (The proposal stays: a member timing out a moment later reads it too.)
         other = {m: d.registry.get_or_empty(keys.group_proposal(name, m)) for m in members if m != d.name}

@@ -117,6 +117,15 @@ class GroupDirectory:
                 del self._epochs[next(iter(self._epochs))]
             return f"{count}.{tag}"
 
+    def unreserve(self, name: str, tag: str, epoch: str) -> None:
+        """Give back ``epoch`` of a creation that timed out, unless a later one was
+        reserved since: a retry then meets a member that comes late, which never counted
+        the failed attempt (it would wait under the next epoch for good)."""
+        with self._lock:
+            count = int(epoch.partition(".")[0])
+            if self._epochs.get((name, tag)) == count + 1:
+                self._epochs[(name, tag)] = count
+
     def add(self, group: GroupHandle) -> None:
         """Keep ``group`` as this process's handle of its name.
 

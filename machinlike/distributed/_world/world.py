@@ -332,9 +332,11 @@ class World:
             TypeError: ``group_name`` is not a str or ``members`` not a sequence of str.
             ValueError: bad name, unknown or duplicate members, this process not among
                 them, members that passed different lists, or the group already exists
-                here.
+                here, or with other members anywhere in the world (until each of its
+                members destroyed it).
             RuntimeError: the World was created with ``init_rpc=False``, or is stopped.
-            TimeoutError: naming the members that never came.
+            TimeoutError: naming the members that never came (call it again to go on
+                waiting: they meet whoever comes late).
             PeerLostError: a member left or died while it was awaited (named).
         """
         self._require_live()
