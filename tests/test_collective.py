@@ -221,6 +221,33 @@ def test_subgroup_uses_global_ranks_and_refuses_outsiders(world):
         sub.barrier()
 
 
+@world_test(3, timeout=60)
+def test_groups_created_in_another_order_are_refused_not_wired_wrong(world):
+    """torch pairs a new group's processes by how many groups each made before: rank 0
+    making [0, 1] then [1, 2] while the others make [1, 2] first wired rank 0 with rank 2
+    (an all_reduce over "[0, 1]" summed ranks 0 and 2) or waited out gloo's timeout. Every
+    process is told at once, naming the rank that differs; and a process that never
+    comes is named within the group's timeout."""
+    import time
+
+    r = world.rank
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"collective group creation 1: rank \d created ranks \[\d, \d\] where this "
+                                         r"rank created .*same ranks in the same order"):
+        world.create_collective_group([0, 1] if r == 0 else [1, 2], timeout=20)
+    assert time.monotonic() - start < 5
+    # The next creation agrees again: nothing of the refused one was made.
+    sub = world.create_collective_group([0, 1])
+    if r < 2:
+        t = torch.tensor([10.0 ** r])
+        sub.all_reduce(t)
+        assert t.item() == 11.0
+    if r == 2:  # rank 2 skips a creation (torch's rule: everyone calls it, members or not)
+        return
+    with pytest.raises(TimeoutError, match=r"creating collective group \[0, 1\].*ranks: '2' did not arrive within 1 s"):
+        world.create_collective_group([0, 1], timeout=1)
+
+
 @world_test(2, timeout=90)
 def test_ddp_on_a_collective_group(world):
     torch.manual_seed(0)

@@ -101,7 +101,7 @@ def test_rows_reach_their_callers_and_are_batched(world):
         assert 0 <= stats["queue_wait_p50"] <= stats["queue_wait_p95"] and stats["fn_time_p95"] >= 0.002, stats
         for impl in impls:
             impl.close()
-        with pytest.raises(KeyError):
+        with pytest.raises(ServerStoppedError, match="inference server 'tag' on '0' was closed"):
             InferenceServer("tag", group, "0").infer(torch.ones(1, 3))  # withdrawn; its host lives
     group.barrier()
     group.destroy()
@@ -557,5 +557,35 @@ def test_timeouts_the_pending_bound_and_close_fail_only_the_requests_they_concer
     assert got["held"] == [[1.0, 1.0]] and got["queued"] == [[0.0, 0.0]] and got["held2"] == [[2.0, 2.0]], got
     assert got["late"][0] == "TimeoutError", got
     assert got["refused"][0] == "RuntimeError" and "max_pending=2" in got["refused"][1], got
-    assert got["waiting"][0] in ("ServerStoppedError", "KeyError"), got  # closed while it waited, or after
+    assert got["waiting"][0] == "ServerStoppedError", got  # closed while it waited, or after (not "not found")
     assert stats["expired"] == 1 and stats["rejected"] >= 1 and stats["rows"] == 2, stats
+
+
+def _slow_double(x):
+    time.sleep(0.4)
+    return x * 2
+
+
+@world_test(2, timeout=60)
+def test_requests_that_arrive_while_fn_runs_inline_make_one_batch(world):
+    """With max_wait=0 the first request of an idle server runs at once on its RPC thread;
+    the ones that arrive meanwhile wait for fn and then go together (the batcher took the
+    first of them at once, and it ran alone: 3 batches for a burst of 6, now 2)."""
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impl = InferenceServerImpl("burst", group, _slow_double, max_wait=0)
+    group.barrier()
+    if world.rank == 1:
+        server = group.get_paired("burst").to_here()
+        futures = []
+        for i in range(6):
+            futures.append(server.infer_async(torch.full((1, 1), float(i))))
+            if i < 2:
+                time.sleep(0.1)  # the first runs inline (0.4 s); the second comes alone
+        assert [f.wait().item() for f in futures] == [2.0 * i for i in range(6)]
+    group.barrier()
+    if world.rank == 0:
+        stats = impl.stats()
+        assert stats["requests"] == 6 and stats["batches"] == 2, stats
+        impl.close()
+    group.barrier()

@@ -42,6 +42,7 @@ from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, process_identity
 from ..exception import PeerLostError
 from ._common import check_group, check_name
+from ._errors import ServerStoppedError
 from ._inference import Inputs, check_inputs, tensors_of
 from ._inference import Batcher, Request
 from ._inference import ModelSlot, Puller
@@ -183,8 +184,10 @@ class InferenceServer:
             return PeerLostError(self.host, f"host of inference server {self.server_name!r}: {err.detail}")
         # A lost host's services vanish with its claims: say who is gone, not "not found".
         now = world.get_incarnation(self.host)
-        if now == self.host_incarnation:
-            return err  # the host lives and closed the server
+        if now == self.host_incarnation:  # the host lives and closed the server (its service is withdrawn)
+            return ServerStoppedError(f"inference server {self.server_name!r} on {self.host!r} was closed (its "
+                                      f"host withdrew it); a new one needs a new accessor: "
+                                      f"group.get_paired({self.server_name!r})")
         why = ("it left or was lost" if now is None else
                f"it came back (incarnation {now}) and this accessor names incarnation "
                f"{self.host_incarnation}: get a new one with group.get_paired({self.server_name!r})")

@@ -170,13 +170,17 @@ class CollectiveGroup:
 
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
-               timeout: float, retire: Optional[Callable[[Any], None]] = None) -> "CollectiveGroup":
+               timeout: float, retire: Optional[Callable[[Any], None]] = None,
+               agree: Optional[Callable[[List[int], float], None]] = None) -> "CollectiveGroup":
         """Build the group (every process of the world calls it); use
         :meth:`World.create_collective_group`, which checks its arguments and keeps track.
 
         Args:
             retire: Takes the torch group once destroyed (:meth:`RetiredGroups.keep`);
                 None: the group goes with its last reference.
+            agree: ``agree(ranks, timeout)`` returns once every process stated the same
+                ranks for this creation (``creation_order``), after the arguments are
+                checked and before torch makes the group; None: not checked.
         """
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             names = not isinstance(ranks, (str, bytes)) and any(isinstance(r, str) for r in ranks)
@@ -192,6 +196,8 @@ class CollectiveGroup:
                             f"World's, not {type(backend).__name__}"
                             + (f"; machin's second argument was the timeout: pass timeout={backend!r}"
                                if number else ""))
+        if agree is not None:
+            agree(ranks, timeout)
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
         member = my_rank in ranks
         return cls(group if member else None, ranks, my_rank, retire)

@@ -107,6 +107,11 @@ class Keys:
             raise ValueError(f"kind={kind!r}: a server namespace is 'os' or 'gs'")
         return f"{self.ns}{kind}/{group}/{server}/"
 
+    def collective_prefix(self, number: int) -> str:
+        """Each rank's ranks of collective group creation ``number`` (names: ranks), and
+        ``read``, the count of ranks that read them (see ``_groups.creation_order``)."""
+        return f"{self.ns}cg/{number}/"
+
     def scratch(self, tag: str) -> str:
         """A key of this world outside machinlike's tables (tests, benchmarks: their own notes)."""
         return f"{self.ns}x/{tag}"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ... import _checks, _descriptors, _mainguard
 from .._store import forked as _forked, rendezvous as _rendezvous
-from .._groups import CollectiveGroup
+from .._groups import CollectiveGroup, CreationOrder
 from .._membership import DEFAULT_LIVENESS
 from .._membership import MemberEvent, Membership
 from .._groups import GroupDirectory
@@ -163,6 +163,7 @@ class World:
         # the ranks and pools this process starts later inherit it.
         _descriptors.raise_limit()
         self._session = Session(self._settings)
+        self._creation_order: Optional[CreationOrder] = None  # (made at the first collective group)
         self._stopped = False
         self._stop_lock = threading.Lock()
         self._pid = os.getpid()  # (a child forked from this process must not stop it: see stop)
@@ -384,7 +385,12 @@ class World:
 
         Raises:
             TypeError: ``ranks`` is not a sequence of int, or ``backend`` not a str.
-            ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout.
+            ValueError: empty, duplicate or out-of-range ranks, or a non-positive timeout;
+                or another process created its collective group of the same rank (its
+                first, second...) with other ranks (named): every process creates its
+                groups with the same ranks in the same order.
+            TimeoutError: a process did not create this group within ``timeout`` (named).
+            PeerLostError: a process is gone (named).
             RuntimeError: the World was created with ``collective=False`` or is elastic
                 (gloo groups are fixed at creation), or is stopped.
         """
@@ -392,9 +398,12 @@ class World:
         if not self._settings.collective:
             why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
             raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
+        if self._creation_order is None:
+            m = self.membership
+            self._creation_order = CreationOrder(m.registry, m.keys, m.waits, self.rank, m.roster.names_by_rank())
         return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
                                       _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
-                                      retire=self._session.retired_groups.keep)
+                                      retire=self._session.retired_groups.keep, agree=self._creation_order.agree)
 
     # -------------------------------------------------------------------- shutdown
     def stop(self, timeout: Optional[float] = None) -> None:

@@ -153,7 +153,11 @@ class Batcher:
     def _take(self) -> Optional[Tuple[List[Request], List[Tuple[Request, BaseException]]]]:
         """The next batch and the requests to fail (expired, caller gone); None once closed."""
         with self._cond:
-            while not self._queue and not self._closed:
+            # Also while a request runs inline on its RPC thread: fn is taken, and the
+            # requests arriving meanwhile make one batch when it is free (taken at once,
+            # the first of them waited for the model alone, then ran alone: a trial met
+            # batches of 1.5 requests under max_wait=0, 43% less throughput).
+            while (not self._queue or self._busy) and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
@@ -270,6 +274,7 @@ class Batcher:
                 counts["errors"] += 1
             if idle:
                 self._busy = False
+                self._cond.notify()  # (the batcher thread waits for fn to be free)
 
     def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
