@@ -128,8 +128,8 @@ def note_guarded_name(exc: BaseException) -> None:
         return  # (carried once already, then again: said once)
     exc.add_note(f"{name!r} is defined under the script's `if __name__ == \"__main__\":` block, which this process "
                  f"(pid {os.getpid()}) skipped: a spawned process imports the script as '__mp_main__'. Pass it as "
-                 f"an argument or define it at module level (a Pool can also send the globals its functions use: "
-                 f"Pool(is_recursive=True))")
+                 f"an argument (launch(fn, n, args=(...)) gives it to every rank) or define it at module level "
+                 f"(a Pool can also send the globals its functions use: Pool(is_recursive=True))")
 
 
 @functools.lru_cache(maxsize=4)

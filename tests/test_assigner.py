@@ -322,11 +322,15 @@ def test_optimize_placement_rejects_wrong_shapes():
 
 # -- validation -----------------------------------------------------------------------------
 
+_SHARED = nn.Linear(2, 2)  # one module listed twice
+
 BAD = [
     ({"models": []}, ValueError, "models is empty"),
     ({"models": nn.Linear(2, 2)}, TypeError, "models must be a list"),
     ({"models": [nn.Linear(2, 2), "x"]}, TypeError, r"models\[1\] must be an nn.Module"),
     ({"model_connection": {(0, 5): 1}}, ValueError, r"\(0, 5\) names a model outside 0..1"),
+    ({"models": [_SHARED, _SHARED], "move_models": True}, ValueError,
+     r"models\[1\] is the same module as models\[0\], and move_models=True would move it twice"),
     ({"model_connection": {(1, 1): 1}}, ValueError, "connects model 1 to itself"),
     ({"model_connection": {(0, 1): -1}}, ValueError, r"model_connection\[\(0, 1\)\] must be"),
     ({"model_connection": {0: 1}}, TypeError, "keys must be \\(source, target\\) pairs"),

@@ -67,7 +67,12 @@ def _join_leave_body(world):
     # It leaves with stop(): its service disappears; callers get KeyError, not a transport error.
     reply.put("bye")
     world.wait_for_members(["late"], timeout=20, gone=True)
-    with pytest.raises(KeyError, match="not found on Group"):
+    # A wait that times out says what it waited for and who is live.
+    with pytest.raises(TimeoutError, match=r"waited 0.2 s for \['late'\] to be live, not yet \(live: \['host'\]\)"):
+        world.wait_for_members(["late"], timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"waited 0.2 s for 2 live members, 1 are"):
+        world.wait_for_members(2, timeout=0.2)
+    with pytest.raises(KeyError, match="not found on Group.*its owner, member 'late', left the world"):
         group.registered_sync("late-svc", timeout=10)
     with pytest.raises(PeerLostError, match="'late'.*left"):
         group.rpc_sync("late", _whoami, timeout=10)

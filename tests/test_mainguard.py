@@ -181,7 +181,8 @@ def test_a_name_defined_under_the_main_guard_is_explained_where_a_child_misses_i
     note = ("'LIMIT' is defined under the script's `if __name__ == \"__main__\":` block, which this process (pid ")
     for where in ("pool", "rpc", "launch"):
         assert lines.get(where, "").startswith(note), done.stdout
-        assert "Pass it as an argument or define it at module level" in lines[where]
+        fix = "Pass it as an argument (launch(fn, n, args=(...)) gives it to every rank) or define it at module level"
+        assert fix in lines[where]
     assert lines["recursive"] == "[10, 11]"
 
 

@@ -29,7 +29,7 @@ from ._objective import (
 )
 from ._search import _NoFit, _solve
 from ._validate import (
-    _check_int, _check_models, _check_number, _complexities, _connection_matrix,
+    _check_int, _check_models, _check_moved_once, _check_number, _complexities, _connection_matrix,
 )
 
 __all__ = ["ModelAssigner", "InfeasiblePlacementError"]
@@ -138,6 +138,8 @@ class ModelAssigner:
         seed: int = 0,
     ) -> None:
         self._models = _check_models(models)
+        if move_models:
+            _check_moved_once(self._models)
         n = len(self._models)
         conn = _connection_matrix(model_connection, n)
         multiplier = _check_number(model_size_multiplier, "model_size_multiplier", positive=True)

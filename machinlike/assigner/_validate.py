@@ -44,6 +44,19 @@ def _check_models(models: object) -> list[torch.nn.Module]:
     return list(models)
 
 
+def _check_moved_once(models: Sequence[torch.nn.Module]) -> None:
+    """Raise ValueError if one module is listed twice for moving: it is on one device, so
+    it would end up at the last of its places while ``assignment`` lists both. (A plan
+    alone may list a module as the template of several copies.)"""
+    seen: dict[int, int] = {}
+    for i, model in enumerate(models):
+        first = seen.setdefault(id(model), i)
+        if first != i:
+            raise ValueError(f"models[{i}] is the same module as models[{first}], and move_models=True would move "
+                             f"it twice (it ends up on one device only); pass each model once, or plan with "
+                             f"move_models=False")
+
+
 def _connection_matrix(model_connection: Any, n: int) -> np.ndarray:
     """``model_connection`` (dict of pairs or ``[n, n]`` matrix) as an ``[n, n]`` array."""
     if isinstance(model_connection, Mapping):

@@ -297,11 +297,22 @@ class World:
         wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
         if isinstance(members, int) and not isinstance(members, bool):
             count = _checks.positive_int("members", members)
-            return self.membership.wait_until(lambda live: len(live) >= count, wait)
+            return self._wait_members(lambda live: len(live) >= count, wait,
+                                      lambda live: f"{count} live members, {len(live)} are")
         names = set(_checks.sequence_of_str("members", members))
         if gone:
-            return self.membership.wait_until(lambda live: not names & set(live), wait)
-        return self.membership.wait_until(lambda live: names <= set(live), wait)
+            return self._wait_members(lambda live: not names & set(live), wait,
+                                      lambda live: f"{sorted(names & set(live))} to be gone, still live")
+        return self._wait_members(lambda live: names <= set(live), wait,
+                                  lambda live: f"{sorted(names - set(live))} to be live, not yet")
+
+    def _wait_members(self, reached: Callable[[List[str]], bool], wait: float,
+                      missing: Callable[[List[str]], str]) -> List[str]:
+        try:
+            return self.membership.wait_until(reached, wait)
+        except TimeoutError:
+            live = self.membership.members()
+            raise TimeoutError(f"wait_for_members: waited {wait:g} s for {missing(live)} (live: {live})") from None
 
     def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running"
