@@ -80,6 +80,8 @@ def main() -> None:
     results = machinlike.launch(worker, 3, timeout=60)
     for rank, result in enumerate(results):
         print(rank, {k: v for k, v in result.items() if k != "weights"})
+    if len(results) < 3:  # under torchrun: this worker's value alone
+        raise SystemExit(0)
     assert all(r["all_reduce"] == 6.0 and r["broadcast"] == 2.0 for r in results)
     assert results[0]["senders"] == [1, 2]
     # DDP kept the two learners' models identical; rank 2 did not train.
