@@ -76,6 +76,10 @@ class Peer:
     def map(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
         return self.pool.map(func, items)
 
+    def imap(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
+        """One item a task, results in order as they come (lazy input)."""
+        return list(self.pool.imap(func, items, chunksize=1))
+
     def close(self) -> None:
         self.pool.terminate()
 
@@ -105,6 +109,9 @@ class LokyPeer(Peer):
     def map(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
         chunksize = math.ceil(len(items) / (WORKERS * 4))
         return list(self.pool.map(func, items, chunksize=chunksize))
+
+    def imap(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
+        return list(self.pool.map(func, items, chunksize=1))  # (an executor's map is its imap)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, kill_workers=True)
@@ -198,6 +205,15 @@ def map_rate(peer: Peer, count: int) -> float:
     return count / elapsed
 
 
+def imap_rate(peer: Peer, count: int) -> float:
+    items = list(range(count))
+    begin = time.perf_counter()
+    result = peer.imap(square, items)
+    elapsed = time.perf_counter() - begin
+    assert result[-1] == (count - 1) ** 2
+    return count / elapsed
+
+
 def round_trip(peer: Peer, tensor: torch.Tensor) -> tuple:
     begin = time.perf_counter()
     total, compute = peer.get(peer.submit(timed_sum, tensor))
@@ -253,18 +269,19 @@ def main() -> None:
             rates[peer.name] = {
                 "apply": median_of(reps, lambda: apply_rate(peer, apply_count)),
                 "map": median_of(reps, lambda: map_rate(peer, map_count)),
+                "imap": median_of(reps, lambda: imap_rate(peer, apply_count)),
             }
             print(f"  measured {peer.name}", flush=True)
         ours = rates["machinlike Pool"]
         p2p = rates["machinlike P2PPool"]
         rows = []
         for name, r in rates.items():
-            rows.append((name, f"{r['apply']:,.0f}", f"{r['map']:,.0f}",
+            rows.append((name, f"{r['apply']:,.0f}", f"{r['map']:,.0f}", f"{r['imap']:,.0f}",
                          ratio(ours["apply"], r["apply"], True), ratio(ours["map"], r["map"], True),
-                         ratio(p2p["apply"], r["apply"], True)))
-        table(f"Throughput, tasks/s (chunksize 1: {apply_count} apply_async; chunked: map of {map_count}); "
-              f"ratio: machinlike / peer",
-              ["chunksize 1", "chunked map", "Pool c1", "Pool map", "P2P c1"], rows)
+                         ratio(p2p["apply"], r["apply"], True), ratio(p2p["imap"], r["imap"], True)))
+        table(f"Throughput, tasks/s (chunksize 1: {apply_count} apply_async; chunked: map of {map_count}; "
+              f"imap of {apply_count} at chunksize 1); ratio: machinlike / peer",
+              ["chunksize 1", "chunked map", "imap c1", "Pool c1", "Pool map", "P2P c1", "P2P imap"], rows)
     finally:
         for peer in peers:
             peer.close()

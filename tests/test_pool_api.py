@@ -7,6 +7,7 @@ import itertools
 import multiprocessing
 import pickle
 import threading
+import time
 
 import pool_targets as targets
 import pytest
@@ -151,6 +152,27 @@ def test_imap_is_lazy_for_every_chunksize():
             gc.collect()
             assert closed.wait(WAIT), "an abandoned imap must stop reading and close its input"
             closed.clear()
+
+
+def test_imap_of_a_list_hands_many_chunks_at_once_and_keeps_its_window():
+    """An input in memory (a list's, a tuple's or a range's iterator) is pulled several
+    chunks a round (a P2PPool's imap at chunksize=1 ran at a third of multiprocessing.Pool's
+    rate, one engine wake-up an item); the results and the read-ahead bound are unchanged."""
+    from machinlike.pool import _feed
+
+    items = list(range(3000))
+    with P2PPool(2) as pool:
+        for chunksize in (1, 7):
+            assert list(pool.imap(targets.square, items, chunksize=chunksize)) == [k * k for k in items]
+            assert sorted(pool.imap_unordered(targets.square, tuple(items), chunksize=chunksize)) == \
+                [k * k for k in items]
+        iterator = iter(range(10_000))
+        results = pool.imap(targets.square, iterator, chunksize=2)
+        assert [results.next(WAIT) for _ in range(5)] == [k * k for k in range(5)]
+        time.sleep(0.2)  # (give the feeder time to over-read, if it would: it must not)
+        assert next(iterator) < 5 + pool._backend.ahead() * 2 + 2 + 1
+        del results
+    assert type(iter(range(1))) in _feed._NEVER_BLOCKS and type(iter(x for x in ())) not in _feed._NEVER_BLOCKS
 
 
 def test_an_error_of_the_input_iterable_ends_imap_at_its_position():

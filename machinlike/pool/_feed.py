@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 __all__ = ["Feeder"]
 
 _ENDED = (PoolState.TERMINATE, PoolState.BROKEN)
+_CHUNKS_AT_ONCE = 64  # chunks pulled and handed to the engine in one round at most
+# Iterators whose next item is in memory already: pulling several chunks never waits.
+_NEVER_BLOCKS = frozenset({type(iter([])), type(iter(())), type(iter(range(0)))})
 
 
 class _Feed:
@@ -165,18 +168,37 @@ class Feeder:
             result._abort(error)
             self._finish(feed, close_source=True)
             return
-        try:
-            items = list(itertools.islice(feed.source, feed.chunksize))
-        except BaseException as exc:  # the input itself failed: raised at its position
-            result._failed(feed.position, 1, exc)
+        # From an input that never blocks (a list's, a tuple's or a range's iterator), as
+        # many chunks as its window has room for in one hand-over (up to _CHUNKS_AT_ONCE):
+        # one chunk a round cost a wake-up of the engine per item at chunksize=1 (a P2PPool's
+        # imap ran at a third of multiprocessing.Pool's rate). Any other input (a generator
+        # may wait for its next item) one chunk a round: what was pulled goes out at once.
+        count = 1
+        if type(feed.source) in _NEVER_BLOCKS:
+            room = feed.ahead - (feed.position - feed.consumed)  # (consumed: an int, read bare)
+            count = _CHUNKS_AT_ONCE if self._unbounded else max(1, min(_CHUNKS_AT_ONCE, room // feed.chunksize))
+        chunks = []
+        failure: Optional[BaseException] = None
+        ended = False
+        for _ in range(count):
+            try:
+                items = list(itertools.islice(feed.source, feed.chunksize))
+            except BaseException as exc:  # the input itself failed: raised at its position
+                failure = exc
+                break
+            if items:
+                chunks.append((feed.position, items))
+                feed.position += len(items)
+            if len(items) < feed.chunksize:
+                ended = True
+                break
+        if chunks:
+            backend.map(result, feed.handle, feed.star, chunks, False)
+        if failure is not None:
+            result._failed(feed.position, 1, failure)
             result._set_length(feed.position + 1)
             self._finish(feed, close_source=False)
-            return
-        if items:
-            start = feed.position
-            feed.position += len(items)
-            backend.map(result, feed.handle, feed.star, [(start, items)], False)
-        if len(items) < feed.chunksize:
+        elif ended:
             result._set_length(feed.position)
             self._finish(feed, close_source=False)
 
