@@ -248,6 +248,28 @@ def test_groups_created_in_another_order_are_refused_not_wired_wrong(world):
         world.create_collective_group([0, 1], timeout=1)
 
 
+def _dies_before_a_collective_group(world):
+    import signal
+    import time
+
+    if world.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        world.create_collective_group([0, 1], timeout=30)
+    except Exception as err:  # (the PeerLostError, sent back as a value)
+        return type(err).__name__, getattr(err, "member", None), time.monotonic() - start
+    return "made", None, time.monotonic() - start
+
+
+def test_a_process_killed_before_a_collective_group_fails_its_creation_fast_and_named():
+    """Creation waits for every process (torch's rule): one SIGKILLed is named within the
+    loss bound, not waited for until the group's timeout (30 s here)."""
+    results = run_world(_dies_before_a_collective_group, 3, timeout=60, return_exceptions=True)
+    for kind, member, took in results[:2]:
+        assert (kind, member) == ("PeerLostError", "2") and took < 10, results
+
+
 @world_test(2, timeout=90)
 def test_ddp_on_a_collective_group(world):
     torch.manual_seed(0)
