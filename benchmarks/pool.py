@@ -196,19 +196,11 @@ def apply_rate(peer: Peer, count: int) -> float:
     return count / (time.perf_counter() - begin)
 
 
-def map_rate(peer: Peer, count: int) -> float:
+def items_rate(run: Callable[[Callable[..., Any], List[Any]], List[Any]], count: int) -> float:
+    """Items per second of ``run(square, items)`` (a peer's map or imap) over ``count`` items."""
     items = list(range(count))
     begin = time.perf_counter()
-    result = peer.map(square, items)
-    elapsed = time.perf_counter() - begin
-    assert result[-1] == (count - 1) ** 2
-    return count / elapsed
-
-
-def imap_rate(peer: Peer, count: int) -> float:
-    items = list(range(count))
-    begin = time.perf_counter()
-    result = peer.imap(square, items)
+    result = run(square, items)
     elapsed = time.perf_counter() - begin
     assert result[-1] == (count - 1) ** 2
     return count / elapsed
@@ -268,8 +260,8 @@ def main() -> None:
         for peer in peers:
             rates[peer.name] = {
                 "apply": median_of(reps, lambda: apply_rate(peer, apply_count)),
-                "map": median_of(reps, lambda: map_rate(peer, map_count)),
-                "imap": median_of(reps, lambda: imap_rate(peer, apply_count)),
+                "map": median_of(reps, lambda: items_rate(peer.map, map_count)),
+                "imap": median_of(reps, lambda: items_rate(peer.imap, apply_count)),
             }
             print(f"  measured {peer.name}", flush=True)
         ours = rates["machinlike Pool"]
