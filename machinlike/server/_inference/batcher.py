@@ -274,7 +274,8 @@ class Batcher:
                 counts["errors"] += 1
             if idle:
                 self._busy = False
-                self._cond.notify()  # (the batcher thread waits for fn to be free)
+                if self._queue:  # (the batcher thread waits for fn to be free; else it sleeps on)
+                    self._cond.notify()
 
     def _settle(self, req: Request, value: Any = None, exc: Optional[BaseException] = None) -> None:
         req.x = None  # the rows (maybe a caller's shared segment) are not needed any more
