@@ -463,6 +463,9 @@ def test_weights_update_between_batches_and_tag_outputs_with_their_version(world
         nn.init.zeros_(ones.bias)
         impl.update(ones, 7)  # from a plain module
         assert impl.version == 7
+        with pytest.raises(ValueError, match="'inf'.*version 6 is older than version 7.*nothing was loaded"):
+            impl.update(net, 6)  # versions the outputs carry never go back
+        impl.update(ones, 7)  # the same version again is fine
     group.barrier()
     if world.rank == 1:
         out, version = server.infer(x, with_version=True)
@@ -482,6 +485,15 @@ def test_weights_update_between_batches_and_tag_outputs_with_their_version(world
     if world.rank == 0:
         stats = follower.stats()
         assert stats["pulls"] == 1 and stats["pull_failures"] == 0 and stats["version"] == 1, stats
+        # An update past the model server's version: its next push (version 2) is older.
+        follower.update(nn.Linear(4, 2), 10)
+        learner, model_server = nn.Linear(4, 2), group.get_paired("ms").to_here()
+        assert model_server.pull(learner) and model_server.push(learner)
+        deadline = time.monotonic() + TIMEOUT
+        while follower.stats()["stale_pulls"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = follower.stats()
+        assert stats["stale_pulls"] == 1 and stats["pulls"] == 1 and stats["version"] == 10, stats
         for server in (impl, follower, models):
             server.close()
         with pytest.raises(ServerStoppedError):

@@ -45,7 +45,7 @@ from ._common import check_group, check_name
 from ._errors import ServerStoppedError
 from ._inference import Inputs, check_inputs, tensors_of
 from ._inference import Batcher, Request
-from ._inference import ModelSlot, Puller
+from ._inference import ModelSlot, Puller, StaleVersionError
 from ._spec import mismatch, spec_of, unwrap
 from .model import PushPullModelServer
 
@@ -330,7 +330,8 @@ class InferenceServerImpl:
         Raises:
             TypeError: ``fn`` is not an ``nn.Module``, or ``state`` / ``version`` has the
                 wrong type.
-            ValueError: ``state`` does not fit ``fn`` (names, shapes; nothing is loaded).
+            ValueError: ``state`` does not fit ``fn`` (names, shapes; nothing is loaded),
+                or ``version`` is below :attr:`version` (outputs' versions never go back).
         """
         module = self._slot.module
         if module is None:
@@ -344,7 +345,10 @@ class InferenceServerImpl:
         diff = mismatch(spec_of(module.state_dict()), spec_of(state), "fn", "state", check_dtypes=False)
         if diff is not None:
             raise ValueError(f"cannot update inference server {self.server_name!r} (nothing was loaded): {diff}")
-        self._slot.load(state, version)
+        try:
+            self._slot.load(state, version)
+        except StaleVersionError as exc:
+            raise StaleVersionError(f"cannot update inference server {self.server_name!r}: {exc}") from None
 
     @property
     def version(self) -> int:
@@ -363,12 +367,14 @@ class InferenceServerImpl:
         ``expired`` (requests that outwaited their caller's timeout), ``errors`` (requests
         failed by ``fn``), ``isolations`` (failed batches re-run request by request),
         ``rejected`` (over ``max_pending``), ``pending`` (waiting now), ``version``; with
-        a ``model_server`` also ``pulls`` (new weights loaded) and ``pull_failures``.
+        a ``model_server`` also ``pulls`` (new weights loaded), ``pull_failures`` and
+        ``stale_pulls`` (pulled weights older than an :meth:`update` made since: not loaded).
         """
         out = self._batcher.stats()
         out["version"] = self._slot.version
         if self._puller is not None:
             out["pulls"], out["pull_failures"] = self._puller.pulls, self._puller.failures
+            out["stale_pulls"] = self._puller.stale
         return out
 
     def close(self, timeout: Optional[float] = None) -> None:

@@ -6,6 +6,6 @@ This face names what the modules above it may use.
 
 from .batch import check_inputs, Inputs, tensors_of
 from .batcher import Batcher, Request
-from .model import ModelSlot, Puller
+from .model import ModelSlot, Puller, StaleVersionError
 
-__all__ = ["Batcher", "check_inputs", "Inputs", "ModelSlot", "Puller", "Request", "tensors_of"]
+__all__ = ["Batcher", "check_inputs", "Inputs", "ModelSlot", "Puller", "Request", "StaleVersionError", "tensors_of"]

@@ -24,9 +24,13 @@ from .batch import Inputs, to_device
 from .._spec import unwrap
 from ..model import PushPullModelServer, get_version
 
-__all__ = ["ModelSlot", "Puller"]
+__all__ = ["ModelSlot", "Puller", "StaleVersionError"]
 
 log = logging.getLogger(__name__)
+
+
+class StaleVersionError(ValueError):
+    """Weights older than those loaded: versions a server's outputs carry never go back."""
 
 
 class ModelSlot:
@@ -64,11 +68,18 @@ class ModelSlot:
 
         Raises:
             TypeError: ``fn`` is not an ``nn.Module``.
+            StaleVersionError: ``version`` is below the version loaded now (nothing is
+                loaded): outputs would carry versions that go back.
         """
         module = self.module
         if module is None:
             raise TypeError(f"fn is a {type(self.fn).__name__}, not an nn.Module: it has no weights to load")
         with self._lock:
+            # Checked under the lock: an update and a pull racing must not let the older win.
+            if version < self.version:
+                raise StaleVersionError(f"version {version} is older than version {self.version}, which the "
+                                        f"server runs now (nothing was loaded): pass a version of at least "
+                                        f"{self.version}")
             module.load_state_dict(state)
             self.version = version
 
@@ -89,6 +100,7 @@ class Puller:
         self._stop = threading.Event()
         self.pulls = 0
         self.failures = 0
+        self.stale = 0  # pulls older than an update() the user made meanwhile: not loaded
         self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-pull-{what}", daemon=True)
         self._thread.start()
 
@@ -101,6 +113,8 @@ class Puller:
                     version = get_version(self._shadow)
                     self._slot.load(self._shadow.state_dict(), -1 if version is None else version)
                     self.pulls += 1
+            except StaleVersionError:
+                self.stale += 1
             except Exception as exc:  # the server keeps serving the weights it has; say so
                 self.failures += 1
                 log.warning("inference server %r: pulling from %r failed: %s: %s", self._what,
