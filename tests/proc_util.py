@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 from typing import List
 
 
@@ -27,3 +28,18 @@ def wait_for_exit(pid: int, timeout: float) -> bool:
         return bool(readable)
     finally:
         os.close(fd)
+
+
+def wait_stopped(pid: int, within: float = 10.0) -> None:
+    """Until every thread of ``pid`` is stopped: ``kill`` only queues SIGSTOP, and a thread
+    busy on a loaded box stops a moment later (CI once saw the store answer after it)."""
+    deadline = time.monotonic() + within
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: its threads are {states}"
+        time.sleep(0.005)

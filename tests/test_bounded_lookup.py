@@ -18,6 +18,8 @@ import pytest
 from machinlike.distributed import World
 from machinlike.exception import PeerLostError
 
+from proc_util import wait_stopped
+
 HOST = """
 import datetime, socket, sys, threading
 import torch.distributed as dist
@@ -30,21 +32,6 @@ sys.stdin.read()
 """
 
 
-def _wait_stopped(pid: int, within: float = 10.0) -> None:
-    """Until every thread of ``pid`` is stopped: ``kill`` only queues SIGSTOP, and a thread
-    busy on a loaded box stops a moment later (CI once saw the store answer after it)."""
-    deadline = time.monotonic() + within
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
-        if all(state in "Tt" for state in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop: its threads are {states}"
-        time.sleep(0.005)
-
-
 def test_an_owner_look_up_in_a_silent_store_ends_within_the_calls_timeout():
     host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -55,7 +42,7 @@ def test_an_owner_look_up_in_a_silent_store_ends_within_the_calls_timeout():
             assert group.registered_sync("svc", timeout=10) == os.getpid()
             host.send_signal(signal.SIGSTOP)
             try:
-                _wait_stopped(host.pid)
+                wait_stopped(host.pid)
                 start = time.monotonic()
                 with pytest.raises(TimeoutError, match=r"owner look-up: the world's store .* did not answer within 1.5"):
                     group.registered_sync("nobody-has-this", timeout=1.5)
@@ -78,7 +65,7 @@ def test_a_store_silent_for_the_liveness_bound_is_lost_and_every_request_ends():
             group.register("svc", os.getpid)
             # A pause shorter than the bound is no loss.
             host.send_signal(signal.SIGSTOP)
-            _wait_stopped(host.pid)
+            wait_stopped(host.pid)
             time.sleep(0.5)
             host.send_signal(signal.SIGCONT)
             assert group.registered_sync("svc", timeout=10) == os.getpid()
@@ -87,7 +74,7 @@ def test_a_store_silent_for_the_liveness_bound_is_lost_and_every_request_ends():
             # forever) fails once the store was silent for the bound (liveness, and
             # SILENCE_MIN = 5 s at least), and so does every call after.
             host.send_signal(signal.SIGSTOP)
-            _wait_stopped(host.pid)
+            wait_stopped(host.pid)
             start = time.monotonic()
             said = r"member 'rank 0' is unreachable: the world's store at 127.0.0.1:\d+ did not answer for 5 s"
             with pytest.raises(PeerLostError, match=said):

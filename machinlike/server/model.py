@@ -35,7 +35,8 @@ import torch
 from .. import _shm
 from .._reductions import shm_space
 from ..distributed import RpcGroup
-from ._common import check_group, check_name
+from ._budget import CallBudget
+from ._common import check_group, check_name, check_timeout, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
 from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
@@ -93,18 +94,22 @@ class PushPullModelServer:
     def __repr__(self) -> str:
         return f"<PushPullModelServer {self.model_name!r} on {self.o_server!r}>"
 
-    def _server_spec(self, mine: Spec) -> Spec:
+    def _budget(self, timeout: Any, what: str) -> CallBudget:
+        seconds = check_timeout(timeout) or self.o_server.timeout or rpc_timeout()
+        return CallBudget(seconds, f"{what} model {self.model_name!r}")
+
+    def _server_spec(self, mine: Spec, budget: CallBudget) -> Spec:
         if self._spec is None:
             key = f"{self.model_name}/spec"
-            got = self.o_server.pull(key)
+            got = self.o_server._bounded(budget.left()).pull(key)
             # On an empty server the first pusher's architecture becomes the server's; of
             # two racing first pushers exactly one claims it, the other reads it back.
-            if got is None and not self.o_server.push(key, mine, 0, None):
-                got = self.o_server.pull(key)
+            if got is None and not self.o_server._bounded(budget.left()).push(key, mine, 0, None):
+                got = self.o_server._bounded(budget.left()).pull(key)
             self._spec = mine if got is None else got[0]
         return self._spec
 
-    def push(self, model: torch.nn.Module, pull_on_fail: bool = True) -> bool:
+    def push(self, model: torch.nn.Module, pull_on_fail: bool = True, *, timeout: Optional[float] = None) -> bool:
         """Push the model's state dict as the version after ``model.pp_version``.
 
         Gradients are not touched.
@@ -117,6 +122,8 @@ class PushPullModelServer:
                 this host), else on the CPU.
             pull_on_fail: When another version got there first, load the newest one into
                 ``model`` (see :meth:`pull`).
+            timeout: Seconds for the whole push (the pull after a rejection included);
+                None: the ordered server accessor's timeout (the World's ``rpc_timeout``).
 
         Returns:
             True if the push made the next version (``model.pp_version`` is incremented),
@@ -126,10 +133,15 @@ class PushPullModelServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ValueError: the server holds a model of another architecture (names, shapes or
                 dtypes differ; the message lists them).
+            TimeoutError: not done within ``timeout``.
         """
         state = unwrap(check_module(model)).state_dict()
+        with self._budget(timeout, "push of") as budget:
+            return self._push(model, state, pull_on_fail, budget)
+
+    def _push(self, model: torch.nn.Module, state: Dict[str, Any], pull_on_fail: bool, budget: CallBudget) -> bool:
         mine = spec_of(state)
-        diff = mismatch(self._server_spec(mine), mine, "the server's model", "this model")
+        diff = mismatch(self._server_spec(mine, budget), mine, "the server's model", "this model")
         if diff is not None:
             raise ValueError(f"cannot push model {self.model_name!r}: the server holds another architecture: {diff}")
         version = get_version(model)
@@ -139,14 +151,14 @@ class PushPullModelServer:
         # (distributed._calls.cuda_stage) to any other; the server keeps what it received.
         payload = {k: ((v.detach().clone() if v.is_cuda else v.detach().cpu()) if isinstance(v, torch.Tensor) else v)
                    for k, v in state.items()}
-        if self.o_server.push(self.model_name, payload, base + 1, base):
+        if self.o_server._bounded(budget.left()).push(self.model_name, payload, base + 1, base):
             set_version(model, base + 1)
             return True
         if pull_on_fail:
-            self.pull(model)
+            self._pull(model, budget)
         return False
 
-    def pull(self, model: torch.nn.Module) -> bool:
+    def pull(self, model: torch.nn.Module, *, timeout: Optional[float] = None) -> bool:
         """Load the newest version into ``model`` unless it already has it.
 
         Nothing is transferred when ``model.pp_version`` is the newest version. Gradients
@@ -155,6 +167,8 @@ class PushPullModelServer:
 
         Args:
             model: A model of the server's architecture (compiled or wrapped: as :meth:`push`).
+            timeout: Seconds for the pull; None: the ordered server accessor's timeout
+                (the World's ``rpc_timeout``).
 
         Returns:
             True if a newer state was loaded (``model.pp_version`` updated), False if the
@@ -164,9 +178,15 @@ class PushPullModelServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ValueError: the server's state dict does not fit ``model`` (names or shapes, or
                 a cast that would lose meaning, such as complex to real; nothing is loaded).
+            TimeoutError: not done within ``timeout``.
         """
-        target = unwrap(check_module(model))
-        got = self.o_server.pull_if_changed(self.model_name, get_version(model))
+        check_module(model)
+        with self._budget(timeout, "pull of") as budget:
+            return self._pull(model, budget)
+
+    def _pull(self, model: torch.nn.Module, budget: CallBudget) -> bool:
+        target = unwrap(model)
+        got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
         if got is None:
             return False
         state, version = got

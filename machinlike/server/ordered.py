@@ -62,6 +62,10 @@ class OrderedServerBase(abc.ABC):
     can be a version; machin's convention (and the model and gradient servers') is ints.
     """
 
+    #: Seconds per call; None: the World's ``rpc_timeout`` (what the model and gradient
+    #: servers' calls through this server take when not given a timeout of their own).
+    timeout: Optional[float] = None
+
     @abc.abstractmethod
     def push(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
         """Store ``value`` as ``version`` of ``key`` on top of ``prev_version``.
@@ -111,6 +115,12 @@ class OrderedServerBase(abc.ABC):
             return None
         return got
 
+    def _bounded(self, seconds: float) -> "OrderedServerBase":
+        """This server with its calls bounded by ``seconds`` each, where it can be (the
+        model and gradient servers' steps of one call share a deadline); a server of the
+        user's own bounds its calls itself: this one."""
+        return self
+
 
 class OrderedServerSimple(OrderedServerBase):
     """Accessor of an :class:`OrderedServerSimpleImpl`; picklable, usable from any process.
@@ -143,19 +153,28 @@ class OrderedServerSimple(OrderedServerBase):
     def __repr__(self) -> str:
         return f"<OrderedServerSimple {self.server_name!r} of group {self.group.get_group_name()!r}>"
 
-    def push(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> bool:
-        return self._call("_push", (_check_key(key), value, version, prev_version))
+    def push(self, key: Hashable, value: Any, version: Any, prev_version: Any, *,
+             timeout: Optional[float] = None) -> bool:
+        """See :meth:`OrderedServerBase.push`; ``timeout``: seconds (None: the accessor's)."""
+        return self._call("_push", (_check_key(key), value, version, prev_version), timeout)
 
-    def pull(self, key: Hashable, version: Any = None) -> Optional[Tuple[Any, Any]]:
-        return self._call("_pull", (_check_key(key), version))
+    def pull(self, key: Hashable, version: Any = None, *, timeout: Optional[float] = None) -> Optional[Tuple[Any, Any]]:
+        """See :meth:`OrderedServerBase.pull`; ``timeout``: seconds (None: the accessor's)."""
+        return self._call("_pull", (_check_key(key), version), timeout)
 
-    def pull_if_changed(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
-        return self._call("_pull_if_changed", (_check_key(key), have_version))
+    def pull_if_changed(self, key: Hashable, have_version: Any, *,
+                        timeout: Optional[float] = None) -> Optional[Tuple[Any, Any]]:
+        """See :meth:`OrderedServerBase.pull_if_changed`; ``timeout``: seconds (None: the accessor's)."""
+        return self._call("_pull_if_changed", (_check_key(key), have_version), timeout)
 
-    def _call(self, service: str, args: Tuple[Any, ...]) -> Any:
+    def _bounded(self, seconds: float) -> "OrderedServerSimple":
+        return OrderedServerSimple._checked(self.server_name, self.group, seconds)
+
+    def _call(self, service: str, args: Tuple[Any, ...], timeout: Any) -> Any:
+        wait = self.timeout if timeout is None else check_timeout(timeout)
         try:
             return self.group.registered_sync(f"{self.server_name}/{service}", args + (self.group.get_cur_name(),),
-                                              timeout=self.timeout)
+                                              timeout=wait)
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
             host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))

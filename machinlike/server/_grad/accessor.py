@@ -11,6 +11,7 @@ import torch
 
 from ...distributed import RpcGroup, get_world
 from ...exception import PeerLostError
+from .._budget import CallBudget
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from .hosted import hosted_secondary
 from .items import wait_future
@@ -143,17 +144,22 @@ class PushPullGradServer:
         self._turn += 1
         return live[self._turn % len(live)]
 
-    def _server_spec(self) -> Spec:
+    def _server_spec(self, budget: CallBudget) -> Spec:
         if self._spec is None:
-            self._spec = self.group.registered_sync(f"{self.server_name}/_spec", timeout=self.timeout)
+            self._spec = self.group.registered_sync(f"{self.server_name}/_spec", timeout=budget.left())
         return self._spec
 
+    def _budget(self, timeout: Any, what: str) -> CallBudget:
+        return CallBudget(check_timeout(timeout) or self.timeout or rpc_timeout(),
+                          f"{what} gradient server {self.server_name!r}")
+
     # ------------------------------------------------------------------ pushing
-    def push(self, model: torch.nn.Module, *, none_as_zero: bool = False, pull: bool = True) -> bool:
+    def push(self, model: torch.nn.Module, *, none_as_zero: bool = False, pull: bool = True,
+             timeout: Optional[float] = None) -> bool:
         """Send the model's gradients to a secondary reducer; by default then pull, as machin did.
 
         With ``pull=True`` (machin's contract): the gradients are queued (waiting for room
-        when the reducer's queue is full, within the accessor's timeout), then the newest
+        when the reducer's queue is full, within the timeout), then the newest
         published parameters are loaded into ``model`` (:meth:`pull`) and its gradients
         are cleared (``model.zero_grad()``). The pushed gradients are applied later, with
         their batch: the parameters loaded here do not include them yet.
@@ -186,6 +192,8 @@ class PushPullGradServer:
                 it as torch's optimizers skip it locally (AdamW's weight decay leaves a
                 frozen encoder as it is).
             pull: Pull and clear the gradients after pushing (machin's behaviour).
+            timeout: Seconds for the whole push (the wait for room, a push to another
+                secondary after one that left, the pull included); None: the accessor's.
 
         Returns:
             ``pull=True``: what :meth:`pull` returned (True if newer parameters were
@@ -211,7 +219,12 @@ class PushPullGradServer:
         if not isinstance(pull, bool):
             raise TypeError(f"pull must be a bool, not {type(pull).__name__}")
         params = dict(unwrap(check_module(model)).named_parameters())
-        spec = self._server_spec()
+        with self._budget(timeout, "push to") as budget:
+            return self._push(model, params, none_as_zero, pull, budget)
+
+    def _push(self, model: torch.nn.Module, params: Dict[str, torch.nn.Parameter], none_as_zero: bool, pull: bool,
+              budget: CallBudget) -> bool:
+        spec = self._server_spec(budget)
         # Dtypes may differ: gradients are cast to the managed model's (below), unless a
         # cast would lose their meaning.
         diff = mismatch(spec, spec_of(params), f"the model of gradient server {self.server_name!r}",
@@ -248,25 +261,26 @@ class PushPullGradServer:
             copies = {k: g.to("cpu", dtype=spec[k][1], copy=True) for k, g in grads.items()}
             if not pull:
                 return local.accept(copies, version, me)
-            wait_future(local.offer(copies, version, me), self.timeout or rpc_timeout(),
+            wait_future(local.offer(copies, version, me), budget.left(),
                         f"push to gradient server {self.server_name!r} (waiting for room in its queue)")
         else:
             # Sent in the managed model's dtypes, on the CPU (what RPC carries); the primary
             # moves them to the model's device when it applies them.
             queued = self._push_remote({k: g.to("cpu", dtype=spec[k][1]) for k, g in grads.items()}, version, me,
-                                       pull)
+                                       pull, budget)
             if not pull:
                 return queued
         model.zero_grad()
-        return self.pull(model)
+        return self._pull(params, model, budget)
 
-    def _push_remote(self, grads: Dict[str, torch.Tensor], version: int, me: str, pull: bool) -> bool:
+    def _push_remote(self, grads: Dict[str, torch.Tensor], version: int, me: str, pull: bool,
+                     budget: CallBudget) -> bool:
         tried: Set[str] = set()
         while True:
             member = self._route(tried)
             service = f"{self.server_name}/{'_push_wait' if pull else '_push'}/{member}"
             try:
-                return self.group.registered_sync(service, (grads, version, me), timeout=self.timeout)
+                return self.group.registered_sync(service, (grads, version, me), timeout=budget.left())
             except KeyError:
                 # Its service is absent (it left, was cleaned up, or came back and has not
                 # registered yet): nothing was queued there. Not marked lost: a member that
@@ -279,7 +293,7 @@ class PushPullGradServer:
                 raise
 
     # ------------------------------------------------------------------ pulling
-    def pull(self, model: torch.nn.Module) -> bool:
+    def pull(self, model: torch.nn.Module, *, timeout: Optional[float] = None) -> bool:
         """Load the newest published parameters into ``model`` unless it has them.
 
         Only parameters are loaded (in place, so optimizers keep their references);
@@ -289,6 +303,7 @@ class PushPullGradServer:
 
         Args:
             model: A model of the managed architecture.
+            timeout: Seconds for the pull; None: the accessor's timeout.
 
         Returns:
             True if newer parameters were loaded (``model.pp_version`` updated), False if
@@ -298,9 +313,14 @@ class PushPullGradServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ValueError: the published parameters' names or shapes do not fit ``model``,
                 or a cast would lose meaning (complex to real; nothing is loaded).
+            TimeoutError: not done within ``timeout``.
         """
         params = dict(unwrap(check_module(model)).named_parameters())
-        got = self.o_server.pull_if_changed(self.model_name, get_version(model))
+        with self._budget(timeout, "pull from") as budget:
+            return self._pull(params, model, budget)
+
+    def _pull(self, params: Dict[str, torch.nn.Parameter], model: torch.nn.Module, budget: CallBudget) -> bool:
+        got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
         if got is None:
             return False
         state, version = got
