@@ -24,6 +24,7 @@ import torch
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc, cuda_ipc_area as _cuda_ipc_area
 from machinlike.distributed._calls import cuda_ipc_peers as _cuda_ipc_peers
 from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as _samehost
+from machinlike.distributed._calls.strides import kept_strides
 from machinlike.distributed._world.settings import settings as resolve_settings
 
 
@@ -478,7 +479,9 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sent = {"a": x, "t": x.t(), "h": x.half()[1:3], "b": x > 5, "i": torch.tensor(7), "e": torch.zeros(0, 4),
             "p": torch.nn.Parameter(torch.ones(3)), "g": torch.ones(2, requires_grad=True),
-            "c": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), "d": torch.arange(5, dtype=torch.float64)}
+            "c": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64), "d": torch.arange(5, dtype=torch.float64),
+            "cl": torch.arange(96.0).reshape(2, 3, 4, 4).to(memory_format=torch.channels_last),
+            "x": torch.arange(3.0).reshape(3, 1).expand(3, 5), "s": torch.arange(24.0).reshape(4, 6)[:, ::2]}
     batch = _cuda_ipc.Batch((5, os.getpid()))
     memo = {}
     refs = {key: memo.setdefault(id(t), batch.add(t)) for key, t in sent.items()}
@@ -507,6 +510,10 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
         assert torch.equal(got.detach(), expected.detach()), key
         assert got.requires_grad == tensor.requires_grad and got.grad_fn is None, key
         assert got.untyped_storage().data_ptr() != area._slabs[0].storage.data_ptr()  # its own memory
+        # Its layout as clone() keeps it (as a CPU tensor's crosses): a dense one's strides.
+        assert got.stride() == tensor.clone().stride(), (key, got.stride(), tensor.stride())
+    assert back["t"].stride() == (1, 6) and back["cl"].is_contiguous(memory_format=torch.channels_last)
+    assert back["x"].is_contiguous() and back["s"].is_contiguous()  # not dense: contiguous
     assert back["again"] is back["a"]
     assert len(over_cpu) == 1
     assert _cuda_ipc.released(10)
@@ -514,6 +521,17 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
     counts = _cuda_ipc.stats()
     assert counts["sent_tensors"] >= 10 and counts["received_tensors"] >= 10 and counts["opened_opened"] == 1
+
+
+def test_kept_strides_are_a_dense_tensors_own_and_none_otherwise():
+    x = torch.zeros(4, 6)
+    assert kept_strides(x) is None and kept_strides(torch.zeros(0, 3).t()) is None
+    assert kept_strides(x.t()) == (1, 6)
+    assert kept_strides(torch.zeros(2, 3, 5, 5).to(memory_format=torch.channels_last)) == (75, 1, 15, 3)
+    assert kept_strides(torch.zeros(2, 3, 4, 5, 5).to(memory_format=torch.channels_last_3d)) == (300, 1, 75, 15, 3)
+    assert kept_strides(torch.zeros(3, 1).expand(3, 4)) is None  # overlapping
+    assert kept_strides(x[:, ::2]) is None and kept_strides(x[:, 1:5].t()) is None  # gaps
+    assert kept_strides(torch.zeros(4, 1, 6).permute(2, 1, 0)) == (1, 6, 6)  # a size-1 dimension: any stride
 
 
 def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(over_cpu):

@@ -53,6 +53,7 @@ def _check_same(back, sent):
     assert type(back) is type(sent) and back.device == torch.device("cuda", 0)
     assert back.dtype == sent.dtype and back.shape == sent.shape and torch.equal(back, sent)
     assert back.requires_grad == sent.requires_grad
+    assert back.stride() == sent.clone().stride()  # its layout, as a CPU tensor's crosses
 
 
 # ------------------------------------------------------------------ kinds, reuse, send on
@@ -70,9 +71,11 @@ def test_tensors_cross_by_ipc_are_owned_and_can_be_sent_on(world):
         x = torch.arange(1 << 20, dtype=torch.float32, device="cuda").reshape(1024, 1024)
         payload: dict = {"a": x, "t": x.t(), "h": x.half()[:3], "b": x > 5, "i": torch.tensor(7, device="cuda"),
                    "e": torch.zeros(0, 4, device="cuda"), "p": nn.Parameter(torch.ones(3, device="cuda")),
-                   "g": torch.ones(2, device="cuda", requires_grad=True), "same": [x, x], "cpu": torch.ones(3)}
+                   "g": torch.ones(2, device="cuda", requires_grad=True), "same": [x, x], "cpu": torch.ones(3),
+                   "cl": torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last),
+                   "x": x[:1].expand(4, 1024)}
         back = group.registered_sync("echo/1", (payload,))
-        for key in ("a", "t", "h", "b", "i", "e", "p", "g"):
+        for key in ("a", "t", "h", "b", "i", "e", "p", "g", "cl", "x"):
             _check_same(back[key], payload[key])
         assert back["same"][0] is back["same"][1] and torch.equal(back["same"][0], x)
         assert back["cpu"].device.type == "cpu" and torch.equal(back["cpu"], payload["cpu"])
@@ -100,8 +103,8 @@ def test_tensors_cross_by_ipc_are_owned_and_can_be_sent_on(world):
         theirs = group.registered_sync("stats/1")
         mine = _settled_stats()
         assert not _staged(mine) and not _staged(theirs), (mine, theirs)
-        # Received here: 8 of the echoed dict, 1 forwarded, 15 big ones (and the probe's).
-        assert mine["sent_tensors"] >= 25 and mine["received_tensors"] >= 24 and theirs["sent_tensors"] >= 24
+        # Received here: 10 of the echoed dict, 1 forwarded, 15 big ones (and the probe's).
+        assert mine["sent_tensors"] >= 27 and mine["received_tensors"] >= 26 and theirs["sent_tensors"] >= 26
         assert mine["area_lent"] == 0 and theirs["area_lent"] == 0  # every lease was freed by its receiver
     group.barrier()
     group.destroy()

@@ -65,6 +65,7 @@ from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
+from .strides import kept_strides
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
            "reply_target", "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
@@ -328,11 +329,12 @@ class Batch:
         try:
             items = []
             for start, tensor in zip(layout, group.tensors):
-                shape = tuple(tensor.shape)
-                if tensor.nbytes:
-                    ops.view(slab.views, slab.storage, group.index, start, tensor.dtype, shape).copy_(
+                shape, strides = tuple(tensor.shape), kept_strides(tensor)
+                if tensor.nbytes:  # (in the tensor's own layout: a plain copy of its bytes)
+                    ops.view(slab.views, slab.storage, group.index, start, tensor.dtype, shape, strides).copy_(
                         tensor.detach() if tensor.requires_grad else tensor)
-                items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+                items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter,
+                              strides))
             if slab.ready is not None:
                 ops.mark_ready(slab)
         except Exception as exc:
@@ -397,9 +399,10 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         out: List[torch.Tensor] = []
         total = 0
         copying = True
-        for start, shape, dtype, requires_grad, parameter in items:
-            view = ops.view(opened.views, opened.storage, index, start, dtype, shape)
-            # clone: this process's own memory, one call (allocation and copy)
+        for start, shape, dtype, requires_grad, parameter, strides in items:
+            view = ops.view(opened.views, opened.storage, index, start, dtype, shape, strides)
+            # clone: this process's own memory, one call (allocation and copy), in the
+            # sender's layout (clone keeps a dense tensor's strides)
             own = view.clone() if view.nbytes else torch.empty(shape, dtype=dtype, device=view.device)
             total += own.nbytes
             if parameter:

@@ -8,7 +8,7 @@ at call time (``ops.device(...)``) for that reason.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -64,20 +64,22 @@ VIEWS_KEPT = 32  # layouts kept per slab; more start the slab's set afresh
 
 
 def view(views: Dict[Any, torch.Tensor], storage: Any, index: int, start: int, dtype: torch.dtype,
-          shape: Tuple[int, ...]) -> torch.Tensor:
-    """A ``dtype`` tensor of ``shape`` over ``storage`` from byte ``start``: made once per slab
-    and layout (``views``), so a message in a known layout costs one torch call per tensor."""
-    key = (start, dtype, shape)
+          shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
+    """A ``dtype`` tensor of ``shape`` over ``storage`` from byte ``start``, contiguous or
+    with ``strides`` (a dense layout: ``strides.kept_strides``): made once per slab and
+    layout (``views``), so a message in a known layout costs one torch call per tensor."""
+    key = (start, dtype, shape, strides)
     view = views.get(key)
     if view is None:
         if len(views) >= VIEWS_KEPT:
             views.clear()
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        nbytes = torch.Size(shape).numel() * dtype.itemsize  # (a dense layout spans as many)
         # Never an inference tensor (one made under inference_mode could not be written
         # into outside it); writing into a normal one is allowed in either mode.
         with torch.inference_mode(False):
             raw = torch.empty(0, dtype=torch.uint8, device=device(index)).set_(storage)
-            view = raw[start:start + nbytes].view(dtype).view(shape)
+            flat = raw[start:start + nbytes].view(dtype)
+            view = flat.view(shape) if strides is None else flat.as_strided(shape, strides)
         views[key] = view
     return view
 

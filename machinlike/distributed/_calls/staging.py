@@ -14,6 +14,7 @@ from typing import Any, List, Tuple
 import torch
 
 from .cuda_settle import noted
+from .strides import kept_strides
 
 __all__ = ["lands_on", "stage_tensor"]
 
@@ -73,7 +74,9 @@ def stage_tensor(tensor: torch.Tensor, pending: List[torch.device]) -> _Staged:
     source = tensor.detach()
     if source.device.type == "cuda" and source.layout == torch.strided and not source.is_quantized \
             and not source.is_nested:
-        host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        strides = kept_strides(source)  # (its layout: the copy is a plain one, and arrives so)
+        host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True) if strides is None else \
+            torch.empty_strided(source.shape, strides, dtype=source.dtype, pin_memory=True)
         host.copy_(source, non_blocking=True)
         if source.device not in pending:
             pending.append(source.device)
