@@ -12,6 +12,7 @@ import time
 import pytest
 
 from machinlike.distributed import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
+from machinlike.distributed._membership import connect_read_only
 from machinlike.testing import world_test
 
 from proc_util import printed
@@ -216,6 +217,25 @@ def test_unreachable_master_is_a_clear_timeout():
         port = probe.getsockname()[1]
     with pytest.raises(TimeoutError, match=rf"could not reach the world's store .* at 127.0.0.1:{port} within 1 s"):
         World(rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=1)
+
+
+def test_a_port_held_by_a_listener_that_never_answers_is_named_within_the_timeout():
+    # Another program on the port, accepting and never answering: torch's client reads its
+    # first answer without a timeout, so a rank other than 0 waited for good.
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf"127.0.0.1:{port} accepted the connection but did not answer.*"
+                                               rf"port of its own"):
+            World(rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=2)
+        assert time.monotonic() - start < 8
+        with pytest.raises(ConnectionError, match="did not answer"):
+            connect_read_only(f"127.0.0.1:{port}", timeout=2)  # (python -m machinlike status)
+    assert get_world() is None
 
 
 def test_master_port_in_use_is_named():

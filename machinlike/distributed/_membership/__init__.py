@@ -10,7 +10,7 @@ where the module itself is the seam: callee entry points sent by reference, a pr
 the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
-from .processes import DEFAULT_LIVENESS, is_here, process_identity
+from .processes import alive_here, DEFAULT_LIVENESS, is_here, process_identity
 from .roster import Roster
 from .waits import Waits
 from .claims import Claims
@@ -21,7 +21,7 @@ from .status import (
 )
 
 __all__ = [
-    "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Endpoint", "event_counts", "is_here",
+    "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Endpoint", "event_counts", "is_here",
     "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
     "ReadOnlyStore", "Roster", "Waits", "WorldStatus",
 ]

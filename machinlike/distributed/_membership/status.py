@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
-from .._store import Keys, MemberRecord, OwnedKey
+from .._store import Keys, MemberRecord, new_client, OwnedKey
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
            "event_counts"]
@@ -83,9 +83,8 @@ def connect_read_only(address: str, timeout: float) -> ReadOnlyStore:
     except OSError as err:
         raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
     try:
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-    except (RuntimeError, dist.DistError) as err:
+        store = new_client(host.strip("[]"), int(port), datetime.timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError, TimeoutError) as err:
         raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
     return ReadOnlyStore(store)
 

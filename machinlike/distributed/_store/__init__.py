@@ -18,13 +18,14 @@ from .keys import (
     ServiceOwner, WOKEN_MARK,
 )
 from .registry import STORE_OF_RANK0, Registry
-from .client import multi_get, own_client, server_of, store_address
+from .client import multi_get, new_client, own_client, server_of, store_address
 from .connections import IP, connections_to, shut_down
 from . import forked
 
 __all__ = [
     "connect_store", "connections_to", "external_launcher", "forked", "GroupRecord", "host_store", "IP", "Keys",
-    "LogEntry", "LOST_MARK", "MemberRecord", "multi_get", "OPEN_EPOCH", "own_client", "OwnedKey", "rebind_holder", "Registry",
+    "LogEntry", "LOST_MARK", "MemberRecord", "multi_get", "new_client", "OPEN_EPOCH", "own_client", "OwnedKey",
+    "rebind_holder", "Registry",
     "resolve_rank_and_size", "server_of", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0",
     "WOKEN_MARK",
 ]

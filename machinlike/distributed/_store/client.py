@@ -60,7 +60,7 @@ def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: boo
     """
     start = time.monotonic()
     opening = timeout if connect_timeout is None else max(timeout, connect_timeout)
-    store = dist.TCPStore(host, port, None, False, opening, use_libuv=use_libuv)
+    store = _connect(host, port, opening, use_libuv)
     if opening != timeout:
         store.set_timeout(timeout)
     took = time.monotonic() - start
@@ -68,6 +68,46 @@ def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: boo
         _slow_told.set()
         log.warning("%s", slow_connection(host, port, took))
     return store
+
+
+_SILENT_GRACE_S = 1.0  # past the connection's own timeout, before a silent server is given up
+
+
+def _connect(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool) -> dist.TCPStore:
+    """``TCPStore(host, port)`` as a client, in a thread of its own, given up after
+    ``timeout`` (and a second) when it has not returned.
+
+    Why a thread: torch's client honours its timeout while connecting, but not in its
+    first exchange after (a validation and a ping, read without a timeout): a listener
+    that accepts and never answers (another program on the port, a frozen store host)
+    held it, and the World's start-up, for good. The thread is left behind then, blocked
+    in that read until the listener closes the connection.
+
+    Raises:
+        TimeoutError: connected, but no answer within the timeout (names the address).
+    """
+    made: List[dist.TCPStore] = []
+    failed: List[BaseException] = []
+
+    def run() -> None:
+        try:
+            made.append(dist.TCPStore(host, port, None, False, timeout, use_libuv=use_libuv))
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name=f"machinlike-connect-{host}:{port}", daemon=True)
+    thread.start()
+    within = timeout.total_seconds() + _SILENT_GRACE_S
+    thread.join(within)
+    if failed:
+        raise failed[0]
+    if not made:
+        raise TimeoutError(
+            f"the store at {host}:{port} accepted the connection but did not answer within {within:g} s: "
+            f"something other than this world's store holds that port (another job or program), or the "
+            f"store's process is frozen; give this world a port of its own (MASTER_PORT, or "
+            f"init_method='tcp://HOST:PORT'), or see who listens there (ss -ltnp 'sport = :{port}')")
+    return made[0]
 
 
 def slow_connection(host: str, port: int, took: float) -> str:

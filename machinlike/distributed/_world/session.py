@@ -57,7 +57,7 @@ from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._groups import RetiredGroups
 from .._store import Keys, Registry, ServiceOwner, own_client
-from .._membership import process_identity
+from .._membership import alive_here, process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
 from .._membership import Membership
@@ -298,12 +298,19 @@ def start_static(session: Session) -> None:
     reg.set(keys.proc_prefix() + str(s.rank), process_identity())
     reg.set(keys.size_prefix() + str(s.rank), str(s.size))  # before the name: whoever sees a name sees it
     reg.set(keys.name_prefix() + str(s.rank), s.name)
+    held = _seat_held(info, restart, s.rank, mine) if mine > 1 else None
+    if held is not None:  # (at once: waiting out dist_timeout for ranks of another job helps nobody)
+        _give_back_seat(info, keys, restart, s.rank)
+        raise held
     try:
         reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
     except TimeoutError as err:
         if mine > 1:  # the world before this one on the store, when its size was another
             _check_sizes(reg, info, Keys.static_world(restart, mine - 1), s.rank, s.size, ["0"], remove=False)
-        raise _stranger_error(info, restart, s.rank, s.size, mine) or err
+        stranger = _stranger_error(info, restart, s.rank, s.size, mine)
+        if stranger is not None:
+            _give_back_seat(info, keys, restart, s.rank)
+        raise stranger or err
     _check_sizes(reg, info, keys, s.rank, s.size, ranks)
     names = reg.values(keys.name_prefix(), ranks)
     if len(set(names)) != len(names):
@@ -399,6 +406,44 @@ def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: 
         f"(that world is running, or ran, on this store) and no other rank came to start another: a static "
         f"world cannot admit a new process; join a running world as World(name, elastic=True, "
         f"init_method=...), or start every rank of a new static world on a fresh address")
+
+
+def _give_back_seat(info: _rendezvous.StoreInfo, keys: Keys, restart: str, rank: int) -> None:
+    """Undo a refused stranger's marks on the running world's store: its rank's count of
+    worlds (else that job's next World on the store would wait for this rank a world
+    ahead) and its start-up keys."""
+    seat = str(rank)
+    try:
+        info.store.add(Keys.static_counter(restart, rank), -1)
+        for prefix in (keys.proc_prefix(), keys.size_prefix(), keys.name_prefix()):
+            info.store.delete_key(prefix + seat)
+    except (RuntimeError, dist.DistNetworkError):  # the store went away: nothing left to undo
+        pass
+
+
+def _seat_held(info: _rendezvous.StoreInfo, restart: str, rank: int, mine: int) -> Optional[RuntimeError]:
+    """The error for a process that came as rank ``rank`` to a store where the static
+    world before this one has that rank held, running, by another live process of this
+    host (two jobs given one port: the second's rank 0 could not listen, its other ranks
+    reached the first job's store); None otherwise (then ``_stranger_error`` may tell,
+    once the start-up timed out)."""
+    previous = Keys.static_world(restart, mine - 1)
+    seat = str(rank)
+    try:
+        if not info.store.check([previous.proc_prefix() + seat, previous.ready_prefix() + seat]) \
+                or info.store.check([previous.stop_prefix() + seat]):  # (stopping, or stopped: it was let go)
+            return None
+        holder = info.store.get(previous.proc_prefix() + seat).decode()
+    except (RuntimeError, dist.DistNetworkError):  # the store went away: the start's own wait tells
+        return None
+    if holder == process_identity() or alive_here(holder) is not True:
+        return None
+    return RuntimeError(
+        f"World start-up: rank {rank} of the static world at {info.host}:{info.port} is held by process "
+        f"{holder.rpartition('/')[2]} of this host, in a world that is running: a static world cannot admit a "
+        f"new process. To join that world, start it and this process as World(name, elastic=True, "
+        f"init_method=...); if this process belongs to another job that was given the same port (MASTER_PORT, "
+        f"or init_method's), give each job a port of its own")
 
 
 def start_elastic(session: Session) -> None:
