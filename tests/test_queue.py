@@ -156,6 +156,23 @@ def test_multi_p2p_get_any_serves_ready_channels_in_turn():
     assert order == [0, 1, 0, 1, 0, 1]
 
 
+def test_machins_quick_put_and_quick_get_keep_their_meaning():
+    # machin's MultiP2PQueue had only these: quick_put round robin, quick_get from any.
+    queue = MultiP2PQueue(3)
+    for k in range(6):
+        queue.quick_put(k)
+    assert [queue.get(i, WAIT) for i in (0, 0, 1, 1, 2, 2)] == [0, 3, 1, 4, 2, 5]
+    queue.quick_put("x")  # (channel 0 again)
+    assert queue.quick_get(WAIT) == "x"
+    with pytest.raises(TimeoutError):
+        queue.quick_get(timeout=0.05)
+    with pytest.raises(TypeError, match=r"put\(index, obj\) takes the channel first.*quick_put\(obj\)"):
+        queue.put("x")  # machin's put(obj)
+    simple = SimpleQueue()
+    simple.quick_put([1, 2])
+    assert simple.quick_get(WAIT) == [1, 2]
+
+
 def test_multi_p2p_argument_validation():
     with pytest.raises(ValueError, match="queue_num must be >= 1"):
         MultiP2PQueue(0)

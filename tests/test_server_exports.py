@@ -12,7 +12,7 @@ DOCUMENTED = {
     "machinlike.server.ordered": ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"],
     "machinlike.server.model": ["PushPullModelServer", "PushPullModelServerImpl"],
     "machinlike.server.grad": ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError",
-                               "CheckpointError"],
+                               "MissingGradientError", "CheckpointError"],
     "machinlike.server.inference": ["InferenceServer", "InferenceServerImpl"],
     "machinlike.server.helpers": ["ServerHandles", "grad_server_helper", "model_server_helper"],
 }

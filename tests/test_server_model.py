@@ -159,6 +159,14 @@ def test_model_server_helper(world):
     servers.close()  # idempotent
     with pytest.raises(RuntimeError, match="has been destroyed"):
         servers.group.barrier()  # the helper created the group, close() removed it
+    # machin's call: the second argument (or group_name=) names the group to create;
+    # the servers keep their names.
+    for machins in (model_server_helper(1, "apex_group"), model_server_helper(1, group_name="apex_group2")):
+        assert machins.group.get_group_name() in ("apex_group", "apex_group2")
+        assert machins.group.is_paired("model_server_0")
+        machins.close()
+    with pytest.raises(TypeError, match="pass the new group's name once"):
+        model_server_helper(1, "a", group_name="b")
 
 
 @world_test(2, timeout=90)

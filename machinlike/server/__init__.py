@@ -13,7 +13,7 @@ Module layout (machin's ``machin.parallel.server``):
 - :mod:`.helpers`: :func:`grad_server_helper`, :func:`model_server_helper`.
 """
 
-from .grad import CheckpointError, PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
+from .grad import CheckpointError, MissingGradientError, PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
 from .inference import InferenceServer, InferenceServerImpl
 from .helpers import ServerHandles, grad_server_helper, model_server_helper
 from .model import PushPullModelServer, PushPullModelServerImpl
@@ -30,6 +30,7 @@ __all__ = [
     "InferenceServer",
     "InferenceServerImpl",
     "ServerStoppedError",
+    "MissingGradientError",
     "CheckpointError",
     "ServerHandles",
     "grad_server_helper",

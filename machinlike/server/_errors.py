@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["ServerStoppedError"]
+__all__ = ["MissingGradientError", "ServerStoppedError"]
 
 
 class ServerStoppedError(RuntimeError):
     """A server refused work because it is stopped or its worker thread (a gradient
     server's reducer, an inference server's batcher) failed."""
+
+
+class MissingGradientError(ValueError, RuntimeError):
+    """A gradient push found parameters without a gradient (``.grad`` is None).
+
+    A ``ValueError`` (the push's input is wrong) and a ``RuntimeError``, the type machin
+    raised for it, so that machin code's ``except RuntimeError`` still catches it.
+    """

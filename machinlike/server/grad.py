@@ -74,12 +74,13 @@ from ._grad import ReducerServices
 from ._grad import GradSettings, grad_settings
 from ._host import host_checkpoint
 from ._grad import Hosting, check_not_hosted
-from ._errors import ServerStoppedError
+from ._errors import MissingGradientError, ServerStoppedError
 from ._grad import PrimaryReducer, SecondaryReducer
 from ._spec import check_module, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
-__all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "CheckpointError"]
+__all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "MissingGradientError",
+           "CheckpointError"]
 
 log = logging.getLogger(__name__)
 

@@ -99,8 +99,19 @@ class ServerHandles(tuple):
             self.group.destroy()
 
 
-def _resolve_group(group: Optional[RpcGroup], members: Union[str, Sequence[str]], name: str,
-                   timeout: Optional[float]) -> Tuple[RpcGroup, bool]:
+def _resolve_group(group: Union[None, RpcGroup, str], group_name: Optional[str], members: Union[str, Sequence[str]],
+                   name: str, timeout: Optional[float]) -> Tuple[RpcGroup, bool]:
+    """The helper's group, and whether it made it: ``group``, or a new one of ``members``
+    named ``group_name`` (machin's parameter, also given as ``group``), else ``name``."""
+    if isinstance(group, str):  # machin's second parameter: the name of the group to create
+        if group_name is not None:
+            raise TypeError(f"group={group!r} and group_name={group_name!r}: pass the new group's name once")
+        group, group_name = None, group
+    if group_name is not None:
+        if group is not None:
+            raise TypeError(f"group_name={group_name!r} names a group to create, and group={group!r} is one: "
+                            f"pass one of them")
+        name = check_name(group_name, "group_name")
     if group is not None:
         if check_group(group).is_open():
             raise ValueError(f"group={group!r} is open (created without members), and a helper's barriers wait "
@@ -132,9 +143,9 @@ def _per_model(value: Any, count: int, param: str, default: Callable[[], Any], s
     raise TypeError(f"{param} must be a list with one entry per model creator, not {type(value).__name__}")
 
 
-def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
+def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = None,
                         members: Union[str, Sequence[str]] = "all", *, server_name: str = "model_server",
-                        timeout: Optional[float] = None) -> ServerHandles:
+                        group_name: Optional[str] = None, timeout: Optional[float] = None) -> ServerHandles:
     """Create ``model_num`` model servers hosted by the group's first member.
 
     Every member calls it and gets the accessors; servers are named
@@ -143,9 +154,11 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
     Args:
         model_num: Number of servers (one per model).
         group: Group to host them in, with fixed members (not an open one); None: create
-            one named ``server_name`` from ``members``.
+            one named ``server_name`` from ``members``; a str: create one of that name
+            (machin's ``group_name``).
         members: ``"all"`` (every world member) or member names; used when ``group`` is None.
         server_name: Prefix of the servers' names (and the created group's name).
+        group_name: machin's keyword: the name of the group to create (as a str ``group``).
         timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
 
     Returns:
@@ -159,7 +172,7 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
     check_name(server_name, "server_name")
-    group, owned = _resolve_group(group, members, server_name, timeout)
+    group, owned = _resolve_group(group, group_name, members, server_name, timeout)
     host = group.get_group_members()[0]
     names = [f"{server_name}_{i}" for i in range(model_num)]
     impls = [PushPullModelServerImpl._checked(n, group) for n in names] if group.get_cur_name() == host else []
@@ -168,7 +181,8 @@ def model_server_helper(model_num: int = 1, group: Optional[RpcGroup] = None,
     return ServerHandles(accessors, group, impls, owned)
 
 
-def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], group: Optional[RpcGroup] = None,
+def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
+                       group: Union[None, RpcGroup, str] = None,
                        members: Union[str, Sequence[str]] = "all", optimizer: Any = torch.optim.Adam,
                        learning_rate: Union[float, Sequence[float]] = 1e-3,
                        optimizer_kwargs: Optional[Sequence[Dict[str, Any]]] = None, lr_scheduler: Any = None,
@@ -177,7 +191,7 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
                        server_name: str = "grad_server", primary_reducer: Optional[str] = None,
                        secondary_reducers: Optional[Sequence[str]] = None, reduce_method: str = "sum",
                        reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64,
-                       timeout: Optional[float] = None) -> ServerHandles:
+                       group_name: Optional[str] = None, timeout: Optional[float] = None) -> ServerHandles:
     """Create and start one gradient server per model creator; every member calls it.
 
     Only the primary reducer calls the creators, building the managed models (clients
@@ -189,7 +203,8 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
     Args:
         model_creators: One zero-argument callable per model.
         group: Group to use, with fixed members (not an open one); None: create one
-            named ``server_name`` from ``members``.
+            named ``server_name`` from ``members``; a str: create one of that name
+            (machin's ``group_name``).
         members: ``"all"`` or member names; used when ``group`` is None.
         optimizer: Optimizer class.
         learning_rate: One for all models, or one per model.
@@ -201,6 +216,7 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
         secondary_reducers: None: every group member (each pushes to its own reducer).
         reduce_method, reduce_device, reduce_batch_size, max_queue_size: See
             :class:`PushPullGradServerImpl`.
+        group_name: machin's keyword: the name of the group to create (as a str ``group``).
         timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
 
     Returns:
@@ -225,7 +241,7 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]], 
     sched_kwargs = _per_model(lr_scheduler_kwargs, count, "lr_scheduler_kwargs", dict, (dict,))
     timeout = check_timeout(timeout)
     check_name(server_name, "server_name")
-    group, owned = _resolve_group(group, members, server_name, timeout)
+    group, owned = _resolve_group(group, group_name, members, server_name, timeout)
     names = [f"{server_name}_{i}" for i in range(count)]
     # Checked once for all models (every member checks, reducer or not). The secondaries
     # are always listed: a helper's servers use the members it was given, never discover.

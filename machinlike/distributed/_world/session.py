@@ -310,7 +310,10 @@ def start_static(session: Session) -> None:
         stranger = _stranger_error(info, restart, s.rank, s.size, mine)
         if stranger is not None:
             _give_back_seat(info, keys, restart, s.rank)
-        raise stranger or err
+            raise stranger
+        raise TimeoutError(f"{err}: this static world has world_size={s.size} ranks (0 to {s.size - 1}), each "
+                           f"started with init_method tcp://{info.host}:{info.port}; start the missing ones, pass the "
+                           f"world_size you start, or a larger dist_timeout if they start slowly") from None
     _check_sizes(reg, info, keys, s.rank, s.size, ranks)
     names = reg.values(keys.name_prefix(), ranks)
     if len(set(names)) != len(names):

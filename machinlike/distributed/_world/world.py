@@ -407,7 +407,8 @@ class World:
         """
         self._require_live()
         if not self._settings.collective:
-            why = "is elastic (gloo groups have fixed members)" if self.elastic else "was created with collective=False"
+            why = "is elastic (gloo groups have fixed members)" if self.elastic else \
+                "was created with collective=False (machin's init_dist=False)"
             raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
         if self._creation_order is None:
             m = self.membership

@@ -12,6 +12,7 @@ import torch
 from ...distributed import RpcGroup, get_world
 from ...exception import PeerLostError
 from .._budget import CallBudget
+from .._errors import MissingGradientError
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from .hosted import hosted_secondary
 from .items import wait_future
@@ -206,7 +207,8 @@ class PushPullGradServer:
             ValueError: the parameters differ from the managed model's (names or shapes:
                 the message lists them), a gradient cannot be cast to its parameter's
                 dtype without losing meaning (complex to real, floating to integer), or
-                gradients are None without ``none_as_zero``.
+                gradients are None without ``none_as_zero`` (:class:`MissingGradientError`,
+                also a ``RuntimeError`` as in machin).
             ServerStoppedError: the chosen reducer is stopped or failed.
             PeerLostError: the chosen secondary was lost during the push (later pushes
                 avoid it; the push may have been accepted, and is then either applied or
@@ -246,8 +248,8 @@ class PushPullGradServer:
                                 f"dense and sparse COO gradients: convert it with .to_sparse_coo() or .to_dense()")
         if absent and not none_as_zero:
             shown = ", ".join(repr(n) for n in absent[:6]) + (f" and {len(absent) - 6} more" if len(absent) > 6 else "")
-            raise ValueError(f"no gradient (.grad is None) for {shown}: run backward() before push(), or pass "
-                             f"none_as_zero=True to count them as zero")
+            raise MissingGradientError(f"no gradient (.grad is None) for {shown}: run backward() before push(), "
+                                       f"or pass none_as_zero=True to count them as zero")
         lossy = uncastable({k: g.dtype for k, g in grads.items()}, {k: d for k, (_, d) in spec.items()})
         if lossy is not None:
             raise ValueError(f"cannot push to gradient server {self.server_name!r}: gradients cannot be cast to the "
