@@ -57,6 +57,9 @@ def _join_leave_body(world):
     # A process started by hand, long after the world was built, joins by address.
     start = time.monotonic()
     child = Process(target=_late_joiner, args=(world.store_address, queue, reply))
+    # Waiting for a departure waits for one that has not joined yet (it used to return at once).
+    with pytest.raises(TimeoutError, match=r"\['late'\] to be gone, still live or not joined yet"):
+        world.wait_for_members(["late"], timeout=0.2, gone=True)
     child.start()
     members = queue.get(timeout=30)
     assert members == ["host", "late"], members

@@ -13,6 +13,7 @@ import pytest
 
 from machinlike.distributed import World, get_cur_name, get_cur_rank, get_world, is_world_initialized
 from machinlike.distributed._membership import connect_read_only
+from machinlike import launch
 from machinlike.testing import world_test
 
 from proc_util import printed
@@ -247,6 +248,25 @@ def test_master_port_in_use_is_named():
         port = busy.getsockname()[1]
         with pytest.raises(OSError, match=rf"rank 0 cannot listen on 127.0.0.1:{port}"):
             World(rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+
+
+def _wait_for_a_stopping_rank(world):
+    import logging
+
+    if world.rank == 0:
+        return []  # done: its World.stop waits for every rank, the waiting ones included
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("machinlike.distributed._world.world").addHandler(handler)
+    with pytest.raises(TimeoutError, match=r"\['0'\] to be gone, still live"):
+        world.wait_for_members(["0"], timeout=2.5, gone=True)
+    return said
+
+
+def test_waiting_for_a_static_member_that_began_its_stop_says_why_it_lasts():
+    said = launch(_wait_for_a_stopping_rank, 2, timeout=60)[1]
+    assert len(said) == 1 and "member '0' has begun World.stop" in said[0] and "elastic world" in said[0], said
 
 
 @world_test(3, timeout=60)

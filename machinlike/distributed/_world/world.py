@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Set, Union
 
 import torch.distributed as dist
 
@@ -43,6 +43,8 @@ from .stop import leave_elastic, leave_static
 __all__ = ["World", "MemberEvent", "get_world", "require_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
 
 log = logging.getLogger(__name__)
+
+_STOP_MARK_LOOK_S = 1.0  # seconds between looks for a static rank's stop mark (wait_for_members(gone=True))
 
 
 class World:
@@ -284,9 +286,10 @@ class World:
         Args:
             members: Names that must all be live, or a number of live members to reach.
             timeout: Seconds; None: ``dist_timeout``.
-            gone: Wait for the opposite instead: none of the named members is live (they
-                left or were lost; one that has not joined yet is not live either: to wait
-                for a departure, ``membership.gone(name)`` tells the two apart).
+            gone: Wait for the named members' departure instead: each has left or was
+                lost (one that has not joined yet is waited for). A static world's members
+                leave together (``World.stop`` waits for every rank): waiting for one that
+                began its stop lasts until this rank stops too, or it is lost (logged once).
 
         Returns:
             The live members at that moment, sorted.
@@ -301,10 +304,43 @@ class World:
                                       lambda live: f"{count} live members, {len(live)} are")
         names = set(_checks.sequence_of_str("members", members))
         if gone:
-            return self._wait_members(lambda live: not names & set(live), wait,
-                                      lambda live: f"{sorted(names & set(live))} to be gone, still live")
+            return self._wait_gone(names, wait)
         return self._wait_members(lambda live: names <= set(live), wait,
                                   lambda live: f"{sorted(names - set(live))} to be live, not yet")
+
+    def _wait_gone(self, names: Set[str], wait: float) -> List[str]:
+        m = self.membership
+        deadline = time.monotonic() + wait
+        told: Set[str] = set()
+
+        def departed(live: List[str]) -> bool:
+            return all(n not in live and m.gone(n) is not None for n in names)
+
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return m.wait_until(departed, left if self.elastic else min(left, _STOP_MARK_LOOK_S))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    live = m.members()
+                    waiting = sorted(n for n in names if n in live or m.gone(n) is None)
+                    raise TimeoutError(f"wait_for_members: waited {wait:g} s for {waiting} to be gone, still "
+                                       f"{'live' if set(waiting) <= set(live) else 'live or not joined yet'} "
+                                       f"(live: {live})") from None
+            self._tell_stopping(names - told, told)
+
+    def _tell_stopping(self, names: Set[str], told: Set[str]) -> None:
+        """(Static world) say once, for each of ``names`` that began its ``World.stop``, why
+        waiting for it to be gone takes as long as that stop: it waits for this rank too."""
+        m = self.membership
+        by_rank = m.roster.names_by_rank()
+        for name in sorted(n for n in names if n in by_rank and n != self.name):
+            if m.registry.present([m.keys.stop_prefix() + str(by_rank.index(name))]):
+                told.add(name)
+                log.warning("wait_for_members(gone=True): member %r has begun World.stop, which in a static "
+                            "world waits for every rank, this one included: it leaves when this rank stops too "
+                            "(return from the function launch() runs, or call world.stop()), or when it is "
+                            "lost; members leave one by one only in an elastic world", name)
 
     def _wait_members(self, reached: Callable[[List[str]], bool], wait: float,
                       missing: Callable[[List[str]], str]) -> List[str]:
