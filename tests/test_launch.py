@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import threading
 import time
@@ -83,12 +84,28 @@ def test_rank_death_is_named(how, text):
     assert info.value.exitcode == {"os._exit": 3, "SIGKILL": -signal.SIGKILL, "abort": -signal.SIGABRT}[how]
 
 
+def _hang_but_rank_0(world):
+    if world.rank != 0:
+        _hang(world)
+
+
 def test_timeout_names_the_stuck_ranks(capfd):
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rank 0 \('0'\), rank 1 \('1'\) did not finish within 3 s"):
         launch(_hang, 2, timeout=3)
     assert time.monotonic() - start < 20
-    assert "_hang" in capfd.readouterr().err  # the ranks' stacks were dumped
+    err = capfd.readouterr().err
+    # Each rank's stacks whole, under a header naming it (they used to come interleaved).
+    parts = re.split(r"===== launch: (rank \d) \('\d'\), pid \d+: still running the function; its threads: =====",
+                     err)
+    assert [parts[1], parts[3]] == ["rank 0", "rank 1"], err[-3000:]
+    assert all("_hang" in part and part.count("Current thread") + part.count("Thread 0x") >= 1
+               for part in (parts[2], parts[4])), err[-3000:]
+    # A rank that returned and waits in World.stop is told apart from one still running.
+    with pytest.raises(TimeoutError, match=r"launch: rank 1 \('1'\) did not finish within 3 s \(1 of 2 ranks "
+                                           r"reported; rank 0 \('0'\) returned and waited in World.stop\)"):
+        launch(_hang_but_rank_0, 2, timeout=3)
+    assert "rank 0 ('0'), pid" in capfd.readouterr().err
 
 
 def _fail_or_return(world):

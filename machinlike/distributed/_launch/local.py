@@ -11,14 +11,13 @@ started again in place (same name, next incarnation) while the others go on; a r
          ◄───────────────────────────────── send (ok, result | exception)   then world.stop()
     first failure: kill the other ranks, re-raise it (remote traceback as __cause__)
     a rank that dies without a result: ProcessExitedError naming its exit code / signal
-    timeout: dump every rank's stacks (SIGUSR1 + faulthandler), kill, raise TimeoutError
+    timeout: each running rank's stacks, one at a time under its name (stacks), kill, raise TimeoutError
 
 Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.wait``.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import signal
 import time
@@ -36,6 +35,7 @@ from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
 from .._store import external_launcher, host_store
 from .rank_fn import check_rank_fn, run_rank_fn
+from .stacks import StackFiles, arm
 from .termination import Termination
 
 __all__ = ["launch", "LaunchResult", "Restart"]
@@ -82,10 +82,11 @@ _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
 
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
-               world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool) -> None:
+               world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool,
+               stacks: Optional[str]) -> None:
     watch_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked, not spawned: not the launcher's handler)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    arm(stacks)
     from .._store import connect_store
     from .._world import World
 
@@ -247,6 +248,7 @@ def launch(
             end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0)
             for reader in job.readers:
                 reader.close()
+            job.stacks.close()
             del store
 
 
@@ -298,6 +300,7 @@ class _Job:
         self.readers: List[Connection] = []
         self.reader_of: List[Any] = [None] * len(names)
         self.started: List[float] = [0.0] * len(names)
+        self.stacks = StackFiles()  # where a rank writes its stacks when the run times out
 
     def start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
@@ -307,7 +310,7 @@ class _Job:
         process = self.context.Process(
             target=_rank_main, name=f"rank {rank} ({self.names[rank]!r})", daemon=False,
             args=(rank, len(self.names), self.names[rank], self.port, self.payload, self.world_kwargs, writer,
-                  self.stop_timeout, self.elastic))
+                  self.stop_timeout, self.elastic, self.stacks.path(rank)))
         process.start()
         writer.close()
         self.started[rank] = time.monotonic()
@@ -343,7 +346,7 @@ class _Job:
                 self._chaos_kill(rng, vital, results, used, max_restarts, chaos)
                 continue
             if not ready:
-                _timed_out([p for p in self.processes if p is not None], results, timeout)
+                _timed_out(self.processes, results, timeout, self.stacks)
             for handle in ready:
                 if handle not in waiting:
                     continue  # dropped with its rank's restart in this same round
@@ -401,15 +404,14 @@ class _Job:
                 pass  # it ended on its own meanwhile; its sentinel reports it
 
 
-def _timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float]) -> None:
-    stuck = [p for rank, p in enumerate(processes) if p.is_alive()]
-    for p in stuck:
-        try:
-            os.kill(p.pid, signal.SIGUSR1)  # faulthandler in the rank prints its stacks
-        except ProcessLookupError:
-            pass
-    for p in stuck:
-        p.join(1.0)  # give faulthandler a moment to write; the processes are killed anyway
-    names = ", ".join(p.name for p in stuck)
-    raise TimeoutError(f"launch: {names} did not finish within {timeout:g} s "
-                       f"({len(results)} of {len(processes)} ranks reported); their stacks were dumped to stderr")
+def _timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float], stacks: StackFiles) -> None:
+    alive = [r for r, p in enumerate(processes) if p is not None and p.is_alive()]
+    doing = ["returned its result, and waits in World.stop" if r in results else "still running the function"
+             for r in alive]
+    stacks.dump(alive, [processes[r] for r in alive], doing)
+    late = [processes[r].name for r in alive if r not in results]
+    stopping = [processes[r].name for r in alive if r in results]
+    also = f"; {', '.join(stopping)} returned and waited in World.stop" if stopping else ""
+    raise TimeoutError(f"launch: {', '.join(late) or 'no rank'} did not finish within {timeout:g} s "
+                       f"({len(results)} of {len(processes)} ranks reported{also}); the stacks of every rank "
+                       f"still running are on stderr above, each under its name")

@@ -1,0 +1,103 @@
+"""The stacks of the ranks that did not finish: each rank's own, under a header naming it.
+
+    launch()                                   rank r
+    --------                                   ------
+    StackFiles(): a private folder             arm(path): faulthandler on SIGUSR1, into
+                                                 <folder>/<r> (a file of its own)
+    timeout ─► for each rank still running, one at a time:
+                 header "rank r (name), pid p: <what it was doing>" to stderr
+                 SIGUSR1 ─────────────────────► faulthandler writes every thread's stack
+                 the file stops growing ─► copied to stderr under its header
+
+Why files, one rank at a time: every rank used to write to the same inherited stderr at
+once, so the dumps came interleaved character by character, with nothing saying which rank
+a stack was. faulthandler is kept for the writing: it answers even when the rank's main
+thread is stuck in C++ (a store or RPC wait) where a Python handler would never run.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from typing import IO, Any, List, Optional, Sequence
+
+__all__ = ["StackFiles", "arm"]
+
+_SETTLE_S = 0.05  # a dump is complete once its file has not grown for this long
+_WAIT_S = 2.0  # at most this long per rank (a rank that is gone writes nothing)
+
+_armed: List[IO[str]] = []  # the rank's open stack file (kept: faulthandler writes to its descriptor)
+
+
+def arm(path: Optional[str]) -> None:
+    """(In a rank) write every thread's stack into ``path`` on SIGUSR1; None: to stderr."""
+    if path is None:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        return
+    stream = open(path, "w")
+    _armed.append(stream)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+
+
+class StackFiles:
+    """The launcher's side: a private folder with one stack file per rank."""
+
+    def __init__(self) -> None:
+        self._folder: Optional[str] = tempfile.mkdtemp(prefix="machinlike-stacks-")
+
+    def path(self, rank: int) -> Optional[str]:
+        return None if self._folder is None else os.path.join(self._folder, str(rank))
+
+    def dump(self, ranks: Sequence[int], processes: Sequence[Any], doing: Sequence[str],
+             out: Optional[IO[str]] = None) -> None:
+        """Have each of ``ranks`` (alive) write its stacks, one after the other, and copy
+        them to ``out`` (None: this process's stderr, as it is now) under a header naming
+        the rank and what it was doing (``doing``)."""
+        out = sys.stderr if out is None else out
+        for rank, process, what in zip(ranks, processes, doing):
+            out.write(f"\n===== launch: {process.name}, pid {process.pid}: {what}; its threads: =====\n")
+            out.flush()
+            text = self._collect(rank, process.pid)
+            out.write(text if text else "(no stacks: it ended before it could write them)\n")
+            out.flush()
+
+    def _collect(self, rank: int, pid: int) -> str:
+        path = self.path(rank)
+        if path is None:
+            return ""
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return ""
+        deadline = time.monotonic() + _WAIT_S
+        size, steady = -1, 0.0
+        while time.monotonic() < deadline:
+            now = _size(path)
+            if now > 0 and now == size:
+                if time.monotonic() - steady >= _SETTLE_S:
+                    break
+            else:
+                size, steady = now, time.monotonic()
+            time.sleep(0.01)  # (a failure path: nothing to wait on but the file)
+        try:
+            with open(path) as stream:
+                return stream.read()
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
