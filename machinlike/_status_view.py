@@ -152,6 +152,9 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
 
 
 def _read(store: ReadOnlyStore) -> Optional[WorldStatus]:
+    if not store.answering():  # (asked first: torch's client would print C++ frames)
+        raise ConnectionError("the world's store stopped answering (nothing listens at its address now); has "
+                              "the world ended?")
     try:
         return read_status(store)
     except (RuntimeError, OSError) as err:  # the store went away: the world ended

@@ -141,3 +141,34 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
     # The usage error in this process: the exit status reaching the shell is proven above.
     assert status_main(["status", "nowhere", "--once"]) == 2
     assert "address must be 'host:port'" in capsys.readouterr().err
+
+
+HOST = """
+import datetime, socket, sys
+import torch.distributed as dist
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); sock.listen(64)
+store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, datetime.timedelta(seconds=60),
+                      wait_for_workers=False, master_listen_fd=sock.detach())
+print(store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_live_view_ends_with_one_line_when_the_store_goes():
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        port = int(host.stdout.readline())
+        view = subprocess.Popen([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{port}", "--interval",
+                                 "0.2"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(20):  # its first screen drawn: it reads the store
+            if "every 0.2 s" in view.stdout.readline():
+                break
+        host.kill()  # the world's end, as the view sees it
+        _, err = view.communicate(timeout=30)
+        assert view.returncode == 1 and "the world's store stopped answering" in err, err
+        assert "frame #" not in err, err  # torch's client's C++ frames, printed when its server went
+    finally:
+        if host.poll() is None:
+            host.kill()
+        host.wait(10)

@@ -45,10 +45,23 @@ class ReadOnlyStore:
 
     Args:
         store: A connected store client.
+        address: ``(host, port)`` of its server, for :meth:`answering`; None: unknown.
     """
 
-    def __init__(self, store: dist.Store) -> None:
+    def __init__(self, store: dist.Store, address: Optional[Tuple[str, int]] = None) -> None:
         self._store = store
+        self._address = address
+
+    def answering(self) -> bool:
+        """Whether the server still accepts connections (a plain connection, not the
+        client's: torch's client logs pages of C++ frames when its server has gone)."""
+        if self._address is None:
+            return True
+        try:
+            socket.create_connection(self._address, timeout=2.0).close()
+        except OSError:
+            return False
+        return True
 
     def has(self, key: str) -> bool:
         return bool(self._store.check([key]))
@@ -86,7 +99,7 @@ def connect_read_only(address: str, timeout: float) -> ReadOnlyStore:
         store = new_client(host.strip("[]"), int(port), datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError, TimeoutError) as err:
         raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
-    return ReadOnlyStore(store)
+    return ReadOnlyStore(store, (host.strip("[]"), int(port)))
 
 
 @dataclass
