@@ -94,8 +94,19 @@ class _WarmForkServer(_forkserver.ForkServer):
                     # stdlib main raises SystemExit then): finalising an interpreter that
                     # imported torch._dynamo takes seconds, and the server holds the
                     # caller's stdout, so a caller reading it to EOF would wait them out.
+                    # It preloads with Ctrl-C ignored: the terminal sends it to the whole
+                    # process group, and a server importing torch printed a page of
+                    # KeyboardInterrupt traceback that was the parent's to handle. Its
+                    # children get the default handler back (main restores what it found).
                     command = (
-                        f"import os, sys; sys.path[:] = {sys.path!r}\n"
+                        f"import os, signal, sys; sys.path[:] = {sys.path!r}\n"
+                        f"signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+                        f"for name in {self._preload_modules!r}:\n"
+                        f"    try:\n"
+                        f"        __import__(name)\n"
+                        f"    except ImportError:\n"
+                        f"        pass\n"
+                        f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
                         f"from multiprocessing.forkserver import main\n"
                         f"try:\n"
                         f"    main({listener.fileno()}, {alive_r}, {self._preload_modules!r})\n"

@@ -107,3 +107,34 @@ def test_children_take_the_thread_count_the_parent_set_after_the_server_started(
     assert out.get(timeout=60) == wanted
     child.join(30)
     assert machinlike.launch(_rank_threads, 1, timeout=120) == [wanted]
+
+
+CTRL_C = """
+import os, signal, sys, time
+from machinlike import _warm
+from machinlike.process import Process
+
+server = _warm._get_server("light")
+server.ensure_running()  # returns at once; the server imports torch for a second or two
+pid = server._forkserver_pid
+deadline = time.monotonic() + 60
+while "libtorch" not in open(f"/proc/{pid}/maps").read():  # importing torch now
+    assert time.monotonic() < deadline, "the server never loaded torch"
+    time.sleep(0.005)
+os.kill(pid, signal.SIGINT)  # a Ctrl-C reaches the whole process group
+child = Process(target=os.getpid, ctx=_warm.resolve_context(None))
+child.start()
+child.join(60)
+print("child", child.exitcode, flush=True)
+"""
+
+
+def test_a_ctrl_c_while_the_server_preloads_is_left_to_the_parent():
+    # It used to kill the server with a page of KeyboardInterrupt traceback (the parent's
+    # own Ctrl-C handling then came second, and the next child found no server).
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", CTRL_C], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "child 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "KeyboardInterrupt" not in proc.stderr, proc.stderr
