@@ -86,6 +86,10 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
                stacks: Optional[str]) -> None:
     watch_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked, not spawned: not the launcher's handler)
+    # Ctrl-C is the launcher's to handle (a terminal sends it to every process of the
+    # group): it ends every rank (SIGTERM). A rank of its own raised KeyboardInterrupt in
+    # fn, and a second Ctrl-C (or timeout(1) passing one on) printed each rank's traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     arm(stacks)
     from .._store import connect_store
     from .._world import World
@@ -168,7 +172,9 @@ def launch(
             (a rank's own handler may save a checkpoint and return), those still running
             after ``stop_timeout`` are killed, and then this process ends by the signal,
             as it would have at once (a second SIGTERM: at once). Only where SIGTERM has
-            its default disposition and ``launch`` runs in the main thread.
+            its default disposition and ``launch`` runs in the main thread. The ranks
+            ignore SIGINT: a Ctrl-C raises ``KeyboardInterrupt`` here, and the ranks are
+            ended (SIGTERM, then SIGKILL after two seconds).
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.

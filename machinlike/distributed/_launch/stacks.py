@@ -2,11 +2,12 @@
 
     launch()                                   rank r
     --------                                   ------
-    StackFiles(): a private folder             arm(path): faulthandler on SIGUSR1, into
-                                                 <folder>/<r> (a file of its own)
+    StackFiles(): a private folder             arm(path): faulthandler on SIGUSR2, into
+                                                 <folder>/<r> (a file of its own); on
+                                                 SIGUSR1 to stderr, for anyone who asks
     timeout ─► for each rank still running, one at a time:
                  header "rank r (name), pid p: <what it was doing>" to stderr
-                 SIGUSR1 ─────────────────────► faulthandler writes every thread's stack
+                 SIGUSR2 ─────────────────────► faulthandler writes every thread's stack
                  the file stops growing ─► copied to stderr under its header
 
 Why files, one rank at a time: every rank used to write to the same inherited stderr at
@@ -35,13 +36,14 @@ _armed: List[IO[str]] = []  # the rank's open stack file (kept: faulthandler wri
 
 
 def arm(path: Optional[str]) -> None:
-    """(In a rank) write every thread's stack into ``path`` on SIGUSR1; None: to stderr."""
+    """(In a rank) write every thread's stack to stderr on SIGUSR1 (``kill -USR1 PID`` by
+    hand), and into ``path`` on SIGUSR2 (the launcher's timeout; None: not armed)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if path is None:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
         return
     stream = open(path, "w")
     _armed.append(stream)
-    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+    faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
 class StackFiles:
@@ -71,7 +73,7 @@ class StackFiles:
         if path is None:
             return ""
         try:
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR2)
         except ProcessLookupError:
             return ""
         deadline = time.monotonic() + _WAIT_S
