@@ -47,6 +47,7 @@ if __name__ == "__main__":
     from machinlike.distributed._store import client, connect_store, host_store
 
     client.SLOW_CONNECT_S = 0.5  # (a lost try costs 1 s: RES_OPTIONS)
+    client.os.getloadavg = lambda: (0.0, 0.0, 0.0)  # (a loaded test machine is told apart: its own test)
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -148,6 +149,15 @@ def test_a_slow_resolver_is_named_once_and_the_hosts_line_it_proposes_ends_it(tm
     assert f"store at 127.0.0.1:{got['port']} took 1." in message, message
     assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in message, message
     assert "A World is slow to start" in message, message
+
+
+def test_a_slow_connection_on_an_overloaded_machine_names_the_load_first():
+    from machinlike.distributed._store.client import slow_connection
+
+    busy = slow_connection("127.0.0.1", 29500, 5.0, load=6.4, cores=2)
+    assert "machine is overloaded (load 6.4 on 2 cores)" in busy and "/etc/hosts" not in busy, busy
+    calm = slow_connection("127.0.0.1", 29500, 5.0, load=1.0, cores=2)
+    assert "'::ffff:127.0.0.1 localhost' to /etc/hosts" in calm, calm
 
 
 def test_the_liveness_watch_reads_one_by_one_while_its_connection_cannot_be_opened(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import os
 import threading
 import time
 from typing import Callable, Hashable, List, Optional, Sequence, Tuple
@@ -110,8 +111,19 @@ def _connect(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool)
     return made[0]
 
 
-def slow_connection(host: str, port: int, took: float) -> str:
-    """What a connection to ``host:port`` that took ``took`` seconds says, with the fix."""
+def slow_connection(host: str, port: int, took: float, load: Optional[float] = None,
+                    cores: Optional[int] = None) -> str:
+    """What a connection to ``host:port`` that took ``took`` seconds says, with the fix;
+    ``load`` / ``cores``: this machine's 1-minute load average and cores (None: read them),
+    so that an overloaded machine is named before the resolver."""
+    if load is None:
+        load = os.getloadavg()[0]
+    cores = cores or os.cpu_count() or 1
+    if load > 2 * cores:
+        return (f"connecting to the store at {host}:{port} took {took:.1f} s (said once per process): this "
+                f"machine is overloaded (load {load:.1f} on {cores} cores), so processes wait for a core; run "
+                f"fewer processes at once. (If it is not the load, see 'A World is slow to start' in machinlike's "
+                f"troubleshooting guide.)")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:  # a name: torch connects to what it resolves to
