@@ -48,15 +48,12 @@ _BUILTIN = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
 Resources = Mapping[str, float]
 
 
-class _ActorDied(ProcessExitedError):
-    """A rank's actor ended without reporting (Ray knows no exit code, only a reason)."""
-
-    def __init__(self, name: str, pid: Optional[int], exitcode: Optional[int] = None, detail: str = "") -> None:
-        super().__init__(name, pid, exitcode, detail)
-        self.args = (f"{name} (pid {pid}) died without reporting a result: {detail}",)
-
-    def __str__(self) -> str:
-        return self.args[0]
+def _actor_died(name: str, pid: Optional[int], detail: str) -> ProcessExitedError:
+    """A rank's actor that ended without reporting: a ProcessExitedError (by that name in a
+    traceback) that says so, as Ray knows no exit code, only a reason."""
+    err = ProcessExitedError(name, pid, None, detail)
+    err.args = (f"{name} (pid {pid}) died without reporting a result: {detail}",)
+    return err
 
 
 def _node_address() -> str:
@@ -349,8 +346,8 @@ def _collect(ray: Any, runs: Dict[Any, int], actors: List[Any], pids: List[Any],
             try:
                 ok, value = loads(ray.get(ref))
             except ray.exceptions.RayActorError as err:
-                ok, value = False, _ActorDied(f"rank {rank} ({names[rank]!r})", _pid(ray, pids[rank]),
-                                              detail=f"its Ray actor died ({str(err).strip().splitlines()[0]})")
+                ok, value = False, _actor_died(f"rank {rank} ({names[rank]!r})", _pid(ray, pids[rank]),
+                                               f"its Ray actor died ({str(err).strip().splitlines()[0]})")
                 value.__cause__ = err
             except ray.exceptions.RayTaskError as err:  # Ray could not even call run (e.g. unpickling fn)
                 ok, value = False, err
