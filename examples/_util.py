@@ -6,6 +6,7 @@ Not part of the library: the examples import it from their own folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import faulthandler
 import math
@@ -15,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -404,7 +405,7 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     chaos = getattr(args, "chaos", None)
     if chaos is not None and not chaos_ok:
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos is not supported by this example yet")
-    try:
+    with interruptible():
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
             if chaos is not None:  # the parser refuses it (see _Parser)
                 raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos needs --engine local")
@@ -419,6 +420,14 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
                   f"({', '.join(r.name for r in results.restarts) or 'none'})", flush=True)
             return results
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C inside ends the example with one line instead of a traceback (exit status
+    130): the launcher has stopped every rank by the time the KeyboardInterrupt gets here."""
+    try:
+        yield
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
         raise SystemExit(130) from None

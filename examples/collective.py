@@ -72,7 +72,8 @@ def main() -> None:
     if args.num_workers < 2:
         parser.error("--num-workers must be at least 2 (the DDP sub-group has ranks 0 and 1)")
     start = time.monotonic()
-    results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
+    with _util.interruptible():  # Ctrl-C: one line, as the training examples end
+        results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
     for result in results:
         print(result)
     print(f"done in {time.monotonic() - start:.1f} s")

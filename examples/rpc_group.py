@@ -78,7 +78,8 @@ def main() -> None:
                         help="rounds of calls member 0 makes (default 50)")
     args = parser.parse_args()
     start = time.monotonic()
-    results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
+    with _util.interruptible():  # Ctrl-C: one line, as the training examples end
+        results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
     for result in results:
         print(f"member {result['member']}: {result['calls']} calls")
     print(f"done in {time.monotonic() - start:.1f} s")
