@@ -83,7 +83,8 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
                    help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
     p.add_argument("--logdir", default=None,
                    help="folder of the run's metrics (TensorBoard event files, metrics.csv, metrics.png; "
-                        "default: --out without its extension, e.g. runs/<name>)")
+                        "default: --out without its extension, e.g. runs/<name>); a run first removes those "
+                        "files of an earlier run there: pass another --logdir to keep runs apart")
     p.add_argument("--metrics-every", type=non_negative_float, default=1.0,
                    help="seconds between metric points (default 1)")
     p.add_argument("--no-metrics", action="store_true", help="write no metrics (the CSV curve stays)")

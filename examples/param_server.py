@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import _util  # the examples' shared plumbing, beside this script
 import machinlike
-from _metrics import logdir_of
+from _metrics import fresh_logdir, logdir_of
 from machinlike.metrics import Metrics, WorldFigures, flatten_stats
 from machinlike.server import grad_server_helper
 
@@ -139,6 +139,8 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     last = {"steps": 0, "t": 0.0}
     # The library's writer used directly (the RL examples wrap it in _metrics.RunMetrics):
     # x = pushes applied, the supervised run's "environment steps".
+    if not args.no_metrics:
+        fresh_logdir(logdir_of(args))  # this run's points only, not an earlier run's before them
     metrics = None if args.no_metrics else Metrics(logdir_of(args))
     figures = None if metrics is None else WorldFigures(world)
     _util.announce_watch(world, logdir_of(args), args.no_metrics, "server")
