@@ -3,7 +3,9 @@
 Not part of the library (the examples import it from their own folder); it shows how a
 program uses :mod:`machinlike.metrics`. The process that trains (rank 0) makes one
 :class:`RunMetrics` and calls :meth:`RunMetrics.log` from its loop; everything else is
-optional. Tags, by TensorBoard panel:
+optional. A run starts its folder afresh: an earlier run's metrics.csv, metrics.png and event
+files there are removed (:func:`fresh_logdir`); pass another ``--logdir`` to keep both. Tags,
+by TensorBoard panel:
 
     env/       steps, steps_per_s (and frames_per_s where a step is several frames)
     episode/   return_mean100, length_mean100, episodes
@@ -19,19 +21,43 @@ The x axis of every tag is environment steps, so panels line up.
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import threading
 import time
-from typing import Any, Deque, Dict, Mapping, Optional, Sequence
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 
 from machinlike.metrics import Metrics, WorldFigures
 
-__all__ = ["RunMetrics", "logdir_of"]
+__all__ = ["RunMetrics", "fresh_logdir", "logdir_of"]
 
 
 def logdir_of(args: Any) -> str:
     """``--logdir``, or the folder named after ``--out`` (``runs/impala.csv`` -> ``runs/impala``)."""
     return args.logdir or os.path.splitext(args.out)[0]
+
+
+def fresh_logdir(logdir: str) -> List[str]:
+    """Remove an earlier run's metrics from ``logdir``: its ``metrics.csv``, ``metrics.png``
+    and TensorBoard event files (``events.out.tfevents.*``), nothing else.
+
+    Why: the CSV sink appends and TensorBoard reads every event file of the folder, so a
+    re-run with the same ``--logdir`` drew each earlier run too, going back to step 0 (while
+    the curve, ``--out``, is written afresh). A run that should be kept needs another ``--logdir``.
+
+    Returns:
+        The paths removed.
+    """
+    earlier = [os.path.join(logdir, name) for name in ("metrics.csv", "metrics.png")]
+    earlier += glob.glob(os.path.join(glob.escape(logdir), "events.out.tfevents.*"))
+    removed = []
+    for path in earlier:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 class RunMetrics:
@@ -46,13 +72,16 @@ class RunMetrics:
         every: Seconds between logged points (:meth:`due`); 0: every call.
         window: Episodes in the moving means.
         frames_per_step: Frames in one environment step (Atari's frame skip); 0: no frames/s.
-        enabled: False: every call is a no-op (``--no-metrics``).
+        enabled: False: every call is a no-op (``--no-metrics``); True: the folder starts
+            afresh (:func:`fresh_logdir`).
     """
 
     def __init__(self, logdir: str, world: Any = None, every: float = 1.0, window: int = 100,
                  frames_per_step: int = 0, enabled: bool = True) -> None:
         self.every = every
         self.frames_per_step = frames_per_step
+        if enabled:
+            fresh_logdir(logdir)  # this run's points only, not an earlier run's before them
         self._metrics = Metrics(logdir) if enabled else None
         self._figures = WorldFigures(world) if enabled and world is not None else None
         self._lock = threading.Lock()

@@ -6,44 +6,89 @@ Not part of the library: the examples import it from their own folder.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import faulthandler
+import math
 import os
 import queue
 import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 import machinlike
 
 
+def _checked(convert: Callable[[str], Any], ok: Callable[[Any], bool], allowed: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)`` when it is a finite number and ``ok``, else
+    argparse's error, which names the flag (``argument --steps: must be an integer >= 1, got '0'``)."""
+
+    def check(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    check.__name__ = allowed
+    return check
+
+
+# The examples' numeric flags take one of these as their argparse ``type``: a bad value is
+# refused while parsing, before any process starts, in a message naming the flag.
+positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _checked(float, lambda v: v > 0, "a number > 0")
+non_negative_float = _checked(float, lambda v: v >= 0, "a number >= 0")
+fraction = _checked(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+open_fraction = _checked(float, lambda v: 0 < v < 1, "a number in (0, 1), 0 and 1 excluded")
+number = _checked(float, lambda v: True, "a finite number")
+
+
+class _Parser(argparse.ArgumentParser):
+    """The training examples' parser: refuses, as argparse does, the common options that
+    cannot go together."""
+
+    def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed = super().parse_args(args, namespace)
+        # A Ray run has no launcher of ours to kill ranks and restart them: refused rather
+        # than a whole run without the kills asked for.
+        if parsed.chaos is not None and parsed.engine == "ray":
+            self.error("--chaos needs --engine local: the launcher that kills and restarts ranks is the local "
+                       "engine's (Ray actors are not restarted)")
+        return parsed
+
+
 def parser(description: str, *, workers: int, budget: float, out: str) -> argparse.ArgumentParser:
     """An argument parser with the options every training example takes."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--num-workers", type=int, default=workers,
+    p = _Parser(description=description)
+    p.add_argument("--num-workers", type=positive_int, default=workers,
                    help=f"worker processes besides the learner/server (default {workers})")
-    p.add_argument("--time-budget", type=float, default=budget,
+    p.add_argument("--time-budget", type=positive_float, default=budget,
                    help=f"stop training after this many seconds (default {budget:g})")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0)")
     p.add_argument("--out", default=out, help=f"learning-curve CSV path; a PNG goes beside it (default {out})")
     p.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="where the ranks run: local processes, or Ray actors (default local; under "
                         "torchrun or srun the ranks are theirs whatever this says)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster for --engine ray ('host:port' or 'auto'; default: a new local Ray)")
-    p.add_argument("--ray-cpus", type=float, default=1.0,
+    p.add_argument("--ray-cpus", type=positive_float, default=1.0,
                    help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
     p.add_argument("--logdir", default=None,
                    help="folder of the run's metrics (TensorBoard event files, metrics.csv, metrics.png; "
-                        "default: --out without its extension, e.g. runs/<name>)")
-    p.add_argument("--metrics-every", type=float, default=1.0,
+                        "default: --out without its extension, e.g. runs/<name>); a run first removes those "
+                        "files of an earlier run there: pass another --logdir to keep runs apart")
+    p.add_argument("--metrics-every", type=non_negative_float, default=1.0,
                    help="seconds between metric points (default 1)")
     p.add_argument("--no-metrics", action="store_true", help="write no metrics (the CSV curve stays)")
-    p.add_argument("--chaos", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--chaos", type=positive_float, default=None, metavar="SECONDS",
                    help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
                         "restarts it and training goes on (an elastic world; local engine only)")
     p.add_argument("--device", type=device_arg, default="cpu",
@@ -361,10 +406,10 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
     chaos = getattr(args, "chaos", None)
     if chaos is not None and not chaos_ok:
         raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos is not supported by this example yet")
-    try:
+    with interruptible():
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
-            if chaos is not None:
-                print("--chaos applies to the local engine only: this Ray run kills nobody", file=sys.stderr)
+            if chaos is not None:  # the parser refuses it (see _Parser)
+                raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos needs --engine local")
             return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
                                          address=args.ray_address, resources={"num_cpus": args.ray_cpus})
         if chaos is not None:
@@ -376,6 +421,14 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
                   f"({', '.join(r.name for r in results.restarts) or 'none'})", flush=True)
             return results
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Ctrl-C inside ends the example with one line instead of a traceback (exit status
+    130): the launcher has stopped every rank by the time the KeyboardInterrupt gets here."""
+    try:
+        yield
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
         raise SystemExit(130) from None

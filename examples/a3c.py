@@ -482,31 +482,32 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
 
 def main() -> None:
     p = _util.parser(__doc__.splitlines()[0], workers=3, budget=540.0, out="runs/a3c.csv")
-    p.add_argument("--envs-per-worker", type=int, default=4, help="environments each worker steps (default 4)")
-    p.add_argument("--rollout", type=int, default=32, help="steps per environment between pushes (default 32)")
-    p.add_argument("--actor-lr", type=float, default=1e-3, help="Adam learning rate of the actor (default 1e-3)")
-    p.add_argument("--critic-lr", type=float, default=1e-3, help="Adam learning rate of the critic (default 1e-3)")
-    p.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
-    p.add_argument("--gae-lambda", type=float, default=0.95, help="GAE lambda (default 0.95)")
-    p.add_argument("--entropy", type=float, default=0.01, help="entropy bonus weight (default 0.01)")
-    p.add_argument("--reward-scale", type=float, default=0.1,
+    p.add_argument("--envs-per-worker", type=_util.positive_int, default=4,
+                   help="environments each worker steps (default 4)")
+    p.add_argument("--rollout", type=_util.positive_int, default=32,
+                   help="steps per environment between pushes (default 32)")
+    p.add_argument("--actor-lr", type=_util.positive_float, default=1e-3,
+                   help="Adam learning rate of the actor (default 1e-3)")
+    p.add_argument("--critic-lr", type=_util.positive_float, default=1e-3,
+                   help="Adam learning rate of the critic (default 1e-3)")
+    p.add_argument("--gamma", type=_util.fraction, default=0.99, help="discount (default 0.99)")
+    p.add_argument("--gae-lambda", type=_util.fraction, default=0.95, help="GAE lambda (default 0.95)")
+    p.add_argument("--entropy", type=_util.non_negative_float, default=0.01, help="entropy bonus weight (default 0.01)")
+    p.add_argument("--reward-scale", type=_util.positive_float, default=0.1,
                    help="rewards are multiplied by this for learning; keeps the critic's targets small (default 0.1)")
-    p.add_argument("--clip", type=float, default=0.5, help="gradient-norm clip per network and push (default 0.5)")
-    p.add_argument("--hidden", type=int, default=64, help="hidden units per layer (default 64)")
-    p.add_argument("--reduce-batch", type=int, default=1,
+    p.add_argument("--clip", type=_util.positive_float, default=0.5,
+                   help="gradient-norm clip per network and push (default 0.5)")
+    p.add_argument("--hidden", type=_util.positive_int, default=64, help="hidden units per layer (default 64)")
+    p.add_argument("--reduce-batch", type=_util.positive_int, default=1,
                    help="pushes each reducer combines; 1: every push is one optimizer step (default 1)")
-    p.add_argument("--target", type=float, default=195.0,
+    p.add_argument("--target", type=_util.non_negative_float, default=195.0,
                    help="quality bar for the mean return of the last 100 episodes (default 195)")
-    p.add_argument("--stop-at", type=float, default=400.0,
+    p.add_argument("--stop-at", type=_util.non_negative_float, default=400.0,
                    help="stop once the mean return of the last 100 episodes reaches this; 0: train for the "
                         "whole budget (default 400, well above --target)")
-    p.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines (default 5)")
+    p.add_argument("--print-every", type=_util.positive_float, default=5.0,
+                   help="seconds between progress lines (default 5)")
     args = p.parse_args()
-    if args.num_workers < 1:
-        p.error("--num-workers must be at least 1 (workers; rank 0 is the learner)")
-    for name in ("envs_per_worker", "rollout", "hidden", "reduce_batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
     start = time.monotonic()
     results = _util.run(worker, args.num_workers + 1, args, chaos_ok=True)
     final = results[0] if results else None

@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+import _util  # the examples' shared plumbing, beside this script
 from machinlike.assigner import DeviceSpec, InfeasiblePlacementError, ModelAssigner, ModelSizeEstimator
 
 
@@ -29,7 +30,8 @@ def mlp(width: int, depth: int, dtype: torch.dtype = torch.float32) -> nn.Module
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0, help="seed of the placement search (default 0)")
+    parser.add_argument("--seed", type=_util.non_negative_int, default=0,
+                        help="seed of the placement search (default 0)")
     args = parser.parse_args()
 
     names = ["encoder", "actor", "critic", "world_model", "target_critic"]

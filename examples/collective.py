@@ -1,5 +1,7 @@
-"""A tour of CollectiveGroup: collectives over the world and over a sub-group, any-source
-receives, and DistributedDataParallel on a sub-group.
+"""A tour of CollectiveGroup: collectives, any-source receives and DistributedDataParallel.
+
+Collectives over the world and over a sub-group, receives from any source, and
+DistributedDataParallel on a sub-group.
 
 Run it locally:      python examples/collective.py --num-workers 3
 or under torchrun:   torchrun --standalone --nproc-per-node 3 examples/collective.py
@@ -12,6 +14,7 @@ import time
 
 import torch
 
+import _util  # the examples' shared plumbing, beside this script
 import machinlike
 
 
@@ -63,13 +66,15 @@ def worker(world: machinlike.World, ddp_steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-workers", type=int, default=3, help="processes (at least 2; default 3)")
-    parser.add_argument("--steps", type=int, default=200, help="DDP training steps (default 200)")
+    parser.add_argument("--num-workers", type=_util.positive_int, default=3, help="processes (at least 2; default 3)")
+    parser.add_argument("--steps", type=_util.positive_int, default=200, help="DDP training steps (default 200)")
     args = parser.parse_args()
     if args.num_workers < 2:
         parser.error("--num-workers must be at least 2 (the DDP sub-group has ranks 0 and 1)")
     start = time.monotonic()
-    for result in machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300):
+    with _util.interruptible():  # Ctrl-C: one line, as the training examples end
+        results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
+    for result in results:
         print(result)
     print(f"done in {time.monotonic() - start:.1f} s")
 

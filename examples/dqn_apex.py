@@ -626,37 +626,44 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
 
 def main() -> None:
     parser = _util.parser(__doc__.splitlines()[0], workers=3, budget=420, out="runs/dqn_apex.csv")
-    parser.add_argument("--batch-size", type=int, default=64, help="transitions per update (default 64)")
-    parser.add_argument("--fetch-batches", type=int, default=4,
+    parser.add_argument("--batch-size", type=_util.positive_int, default=64, help="transitions per update (default 64)")
+    parser.add_argument("--fetch-batches", type=_util.positive_int, default=4,
                         help="minibatches fetched from the shards per sample request (default 4)")
-    parser.add_argument("--steps-per-update", type=int, default=4,
+    parser.add_argument("--steps-per-update", type=_util.positive_int, default=4,
                         help="environment steps the actors may take per learner update, all together (default 4)")
-    parser.add_argument("--warmup", type=int, default=2000, help="transitions before the first update (default 2000)")
-    parser.add_argument("--shard-capacity", type=int, default=20_000, help="transitions per actor's shard")
-    parser.add_argument("--lr", type=float, default=5e-4, help="Adam learning rate (default 5e-4)")
-    parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
-    parser.add_argument("--n-step", type=int, default=3, help="n of the n-step returns (default 3)")
-    parser.add_argument("--target-every", type=int, default=250, help="updates between target-network copies")
-    parser.add_argument("--publish-every", type=int, default=10, help="updates between model-server pushes")
-    parser.add_argument("--pull-every", type=int, default=50, help="actor steps between model-server pulls")
-    parser.add_argument("--add-batch", type=int, default=16, help="transitions an actor adds (and prioritises) at once")
-    parser.add_argument("--alpha", type=float, default=0.6, help="priority exponent (default 0.6)")
-    parser.add_argument("--beta", type=float, default=0.4, help="importance-sampling exponent (default 0.4)")
-    parser.add_argument("--epsilon", type=float, default=0.4, help="Ape-X base epsilon (default 0.4)")
-    parser.add_argument("--epsilon-alpha", type=float, default=7.0, help="Ape-X epsilon exponent alpha (default 7)")
-    parser.add_argument("--eval-epsilon", type=float, default=0.02,
+    parser.add_argument("--warmup", type=_util.non_negative_int, default=2000,
+                        help="transitions before the first update (default 2000)")
+    parser.add_argument("--shard-capacity", type=_util.positive_int, default=20_000,
+                        help="transitions per actor's shard (default 20000)")
+    parser.add_argument("--lr", type=_util.positive_float, default=5e-4, help="Adam learning rate (default 5e-4)")
+    parser.add_argument("--gamma", type=_util.fraction, default=0.99, help="discount (default 0.99)")
+    parser.add_argument("--n-step", type=_util.positive_int, default=3, help="n of the n-step returns (default 3)")
+    parser.add_argument("--target-every", type=_util.positive_int, default=250,
+                        help="updates between target-network copies (default 250)")
+    parser.add_argument("--publish-every", type=_util.positive_int, default=10,
+                        help="updates between model-server pushes (default 10)")
+    parser.add_argument("--pull-every", type=_util.positive_int, default=50,
+                        help="actor steps between model-server pulls (default 50)")
+    parser.add_argument("--add-batch", type=_util.positive_int, default=16,
+                        help="transitions an actor adds (and prioritises) at once (default 16)")
+    parser.add_argument("--alpha", type=_util.non_negative_float, default=0.6, help="priority exponent (default 0.6)")
+    parser.add_argument("--beta", type=_util.fraction, default=0.4, help="importance-sampling exponent (default 0.4)")
+    parser.add_argument("--epsilon", type=_util.fraction, default=0.4, help="Ape-X base epsilon (default 0.4)")
+    parser.add_argument("--epsilon-alpha", type=_util.non_negative_float, default=7.0,
+                        help="Ape-X epsilon exponent alpha (default 7)")
+    parser.add_argument("--eval-epsilon", type=_util.fraction, default=0.02,
                         help="actors at or below this epsilon make the metric (default 0.02)")
-    parser.add_argument("--max-grad-norm", type=float, default=10.0, help="gradient clipping (default 10)")
-    parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
-    parser.add_argument("--target", type=float, default=195.0,
+    parser.add_argument("--max-grad-norm", type=_util.positive_float, default=10.0,
+                        help="gradient clipping (default 10)")
+    parser.add_argument("--window", type=_util.positive_int, default=100,
+                        help="episodes in the mean return (default 100)")
+    parser.add_argument("--target", type=_util.non_negative_float, default=195.0,
                         help="stop when the metric reaches this; 0: use the whole budget (default 195)")
-    parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
-    parser.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines")
+    parser.add_argument("--rpc-timeout", type=_util.positive_float, default=120.0,
+                        help="seconds per RPC wait (default 120)")
+    parser.add_argument("--print-every", type=_util.positive_float, default=5.0,
+                        help="seconds between progress lines (default 5)")
     args = parser.parse_args()
-    for name in ("num_workers", "batch_size", "fetch_batches", "steps_per_update", "shard_capacity", "n_step",
-                 "target_every", "publish_every", "pull_every", "add_batch", "window"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     start = time.monotonic()
     results = [r for r in _util.run(worker, 1 + args.num_workers, args, chaos_ok=True) if r]
     for result in results:

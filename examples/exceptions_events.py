@@ -27,6 +27,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Dict, List
 
+import _util  # the examples' shared plumbing, beside this script
 from machinlike.event import AndEvent, Event, OrEvent
 from machinlike.exception import ProcessExitedError
 from machinlike.process import Process
@@ -208,9 +209,9 @@ def events(workers: int, timeout: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-workers", type=int, default=3,
+    parser.add_argument("--num-workers", type=_util.positive_int, default=3,
                         help="workers in parts 2 and 4 (at least 2; default 3)")
-    parser.add_argument("--time-budget", type=float, default=60.0,
+    parser.add_argument("--time-budget", type=_util.positive_float, default=60.0,
                         help="limit of every wait, in seconds (default 60)")
     args = parser.parse_args()
     if args.num_workers < 2:

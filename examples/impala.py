@@ -393,27 +393,36 @@ def main() -> None:
     parser = _util.parser(__doc__.splitlines()[0], workers=2, budget=300, out="runs/impala.csv")
     parser.add_argument("--learners", type=int, default=1, choices=(1, 2),
                         help="learner processes; 2 form a CollectiveGroup and train with DDP (default 1)")
-    parser.add_argument("--envs-per-actor", type=int, default=8, help="environments per actor (default 8)")
-    parser.add_argument("--unroll", type=int, default=20, help="trajectory length T, steps (default 20)")
-    parser.add_argument("--batch-size", type=int, default=4,
+    parser.add_argument("--envs-per-actor", type=_util.positive_int, default=8,
+                        help="environments per actor (default 8)")
+    parser.add_argument("--unroll", type=_util.positive_int, default=20, help="trajectory length T, steps (default 20)")
+    parser.add_argument("--batch-size", type=_util.positive_int, default=4,
                         help="actor messages (each E trajectories of T steps) per update (default 4)")
-    parser.add_argument("--queue-size", type=int, default=8, help="messages a learner queues (default 8)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
-    parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
-    parser.add_argument("--entropy-cost", type=float, default=0.01, help="(default 0.01)")
-    parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
-    parser.add_argument("--rho-bar", type=float, default=1.0, help="V-trace importance clip rho-bar (default 1)")
-    parser.add_argument("--c-bar", type=float, default=1.0, help="V-trace trace clip c-bar (default 1)")
-    parser.add_argument("--max-grad-norm", type=float, default=10.0, help="gradient clipping (default 10)")
-    parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
-    parser.add_argument("--target", type=float, default=195.0,
+    parser.add_argument("--queue-size", type=_util.positive_int, default=8,
+                        help="messages a learner queues (default 8)")
+    parser.add_argument("--lr", type=_util.positive_float, default=1e-3, help="Adam learning rate (default 1e-3)")
+    parser.add_argument("--gamma", type=_util.fraction, default=0.99, help="discount (default 0.99)")
+    parser.add_argument("--entropy-cost", type=_util.non_negative_float, default=0.01,
+                        help="weight of the entropy bonus subtracted from the loss (default 0.01)")
+    parser.add_argument("--baseline-cost", type=_util.non_negative_float, default=0.5,
+                        help="weight of the value (baseline) loss added to the policy loss (default 0.5)")
+    parser.add_argument("--rho-bar", type=_util.positive_float, default=1.0,
+                        help="V-trace importance clip rho-bar (default 1)")
+    parser.add_argument("--c-bar", type=_util.positive_float, default=1.0, help="V-trace trace clip c-bar (default 1)")
+    parser.add_argument("--max-grad-norm", type=_util.positive_float, default=10.0,
+                        help="gradient clipping (default 10)")
+    parser.add_argument("--window", type=_util.positive_int, default=100,
+                        help="episodes in the mean return (default 100)")
+    parser.add_argument("--target", type=_util.non_negative_float, default=195.0,
                         help="stop when the mean return reaches this; 0: use the whole budget (default 195)")
-    parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
-    parser.add_argument("--print-every", type=float, default=5.0, help="seconds between progress lines")
+    parser.add_argument("--rpc-timeout", type=_util.positive_float, default=120.0,
+                        help="seconds per RPC wait (default 120)")
+    parser.add_argument("--print-every", type=_util.positive_float, default=5.0,
+                        help="seconds between progress lines (default 5)")
     args = parser.parse_args()
-    for name in ("num_workers", "envs_per_actor", "unroll", "batch_size", "queue_size", "window"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.num_workers < args.learners:
+        parser.error(f"--learners {args.learners} needs at least {args.learners} actors (one per learner), "
+                     f"--num-workers is {args.num_workers}")
     if args.queue_size < args.batch_size:
         parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
     if args.chaos is not None and args.learners != 1:

@@ -1,6 +1,7 @@
-"""APPO or IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains
-a Nature-CNN with PPO's clipped surrogate (--algo appo, the default on the CPU) or V-trace
-(--algo impala, the default on a GPU).
+"""APPO or IMPALA on Atari (ALE through ale-py): actors step batches of games, a learner trains a CNN.
+
+The learner trains a Nature-CNN with PPO's clipped surrogate (--algo appo, the default on the
+CPU) or V-trace (--algo impala, the default on a GPU).
 
 Run it locally (1 learner + 2 actors x 16 games of Pong; the launcher starts the processes):
     python examples/impala_atari.py
@@ -346,56 +347,59 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--curve", default=None, metavar="PNG",
                         help="also draw the mean return against wall time and frames into this PNG")
     parser.add_argument("--env", default="pong", help="ALE game: pong, breakout, ALE/Pong-v5, ... (default pong)")
-    parser.add_argument("--envs-per-worker", type=int, default=16, help="games each actor steps (default 16)")
+    parser.add_argument("--envs-per-worker", type=_util.positive_int, default=16,
+                        help="games each actor steps (default 16)")
     # On a GPU, central: one batched forward there for every actor's games left the CPU
     # cores to the games (H200, 8 actors: 4.65x the CPU learner's local inference).
     parser.add_argument("--inference", choices=("local", "central", "auto"), default=None,
                         help="where the acting policy runs: a copy in each actor, one batched server on the "
                              "learner, or whichever trains faster in a short trial (default: central with a "
                              "CUDA --device, else local)")
-    parser.add_argument("--auto-seconds", type=float, default=10.0,
+    parser.add_argument("--auto-seconds", type=_util.positive_float, default=10.0,
                         help="--inference auto: seconds each mode is measured (default 10)")
-    parser.add_argument("--max-batch", type=int, default=64, help="central inference: rows per forward (default 64)")
-    parser.add_argument("--max-wait", type=float, default=0.002,
+    parser.add_argument("--max-batch", type=_util.positive_int, default=64,
+                        help="central inference: rows per forward (default 64)")
+    parser.add_argument("--max-wait", type=_util.non_negative_float, default=0.002,
                         help="central inference: seconds a forward waits for more rows (default 0.002)")
     # IMPALA: one; with the actors on the same two cores, a second intra-op thread only waits
     # for a core (measured: 1,031 agent steps/s with one, 929 with two, local inference).
-    parser.add_argument("--learner-threads", type=int, default=None,
+    parser.add_argument("--learner-threads", type=_util.positive_int, default=None,
                         help="torch threads of the learner (default: 2 for appo on the CPU, else 1)")
-    parser.add_argument("--unroll", type=int, default=None,
+    parser.add_argument("--unroll", type=_util.positive_int, default=None,
                         help="trajectory length T, steps (default: impala 32; appo 128, so that most "
                              "trajectories hold a point of Pong, not only the value's guess of one)")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--batch-size", type=_util.positive_int, default=None,
                         help="actor messages (E games x T steps each) per update (default: impala 1; appo 2 on "
                              "the CPU, 4 on a GPU)")
     # More, smaller steps per batch (A2C-like) take more steps per frame, as RMSprop's step
     # does not grow with the batch; but a step over 4 games costs ~30% more per sample than
     # one over 16 (the convolutions at a small batch), and on Pong neither learned faster
     # within 3M frames: one step per batch by default.
-    parser.add_argument("--minibatches", type=int, default=None,
+    parser.add_argument("--minibatches", type=_util.positive_int, default=None,
                         help="optimizer steps per batch (appo: per epoch), each on a slice of its games (impala: "
                              "at most one per game) or of its shuffled steps (appo) (default: impala 1; appo 4 on "
                              "the CPU, 8 on a GPU)")
-    parser.add_argument("--epochs", type=int, default=None,
+    parser.add_argument("--epochs", type=_util.positive_int, default=None,
                         help="appo: passes over each batch (default 2 on the CPU, 4 on a GPU)")
-    parser.add_argument("--max-epochs", type=int, default=None,
+    parser.add_argument("--max-epochs", type=_util.positive_int, default=None,
                         help="appo: more passes, up to this many, while no next batch waits (default: "
                              "--epochs on the CPU, 6 on a GPU)")
     parser.add_argument("--advantages", choices=("gae", "vtrace"), default="gae",
                         help="appo: GAE on the learner's values, or V-trace-corrected (default gae)")
-    parser.add_argument("--gae-lambda", type=float, default=0.95, help="appo: GAE's lambda (default 0.95)")
+    parser.add_argument("--gae-lambda", type=_util.fraction, default=0.95, help="appo: GAE's lambda (default 0.95)")
     # 0.2, not the PPO baselines' 0.1: the ratio is against the policy that acted, a few
     # versions back (lag), and 0.1 clipped 25-40% of the steps in the short checks.
-    parser.add_argument("--clip", type=float, default=0.2, help="appo: the surrogate's epsilon (default 0.2)")
+    parser.add_argument("--clip", type=_util.open_fraction, default=0.2,
+                        help="appo: the surrogate's epsilon (default 0.2)")
     parser.add_argument("--lr-schedule", choices=("adaptive", "constant"), default="adaptive",
                         help="appo: adapt the learning rate to keep each epoch's KL near --kl-target (rl_games' "
                              "schedule), or keep --lr (default adaptive)")
-    parser.add_argument("--kl-target", type=float, default=0.01,
+    parser.add_argument("--kl-target", type=_util.positive_float, default=0.01,
                         help="appo: the KL per epoch the adaptive schedule aims at; extra epochs stop above "
                              "it (default 0.01)")
-    parser.add_argument("--max-lr", type=float, default=1e-3,
+    parser.add_argument("--max-lr", type=_util.positive_float, default=1e-3,
                         help="appo: the adaptive schedule's ceiling (default 1e-3)")
-    parser.add_argument("--value-clip", type=float, default=None,
+    parser.add_argument("--value-clip", type=_util.non_negative_float, default=None,
                         help="appo: clip the value's move per batch to this (PPO2), in the value head's "
                              "units; 0: off (default 0: values are normalised, as rl_games' Pong)")
     parser.add_argument("--no-input-norm", dest="input_norm", action="store_false",
@@ -404,29 +408,34 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="appo: the value head predicts raw returns instead of normalised ones")
     # One: a trajectory that waits in a queue is trained on further from the weights that
     # acted (measured policy lag 8 versions with a queue of 4, 3 with one).
-    parser.add_argument("--queue-size", type=int, default=None,
+    parser.add_argument("--queue-size", type=_util.positive_int, default=None,
                         help="messages the learner queues (default: --batch-size)")
     parser.add_argument("--optimizer", choices=("rmsprop", "adam"), default=None,
                         help="RMSprop as the IMPALA paper (decay 0.99, eps 0.01) or Adam (default: impala "
                              "rmsprop, appo adam)")
-    parser.add_argument("--lr", type=float, default=None, help="learning rate (default: impala 6e-4, appo 2.5e-4)")
-    parser.add_argument("--gamma", type=float, default=0.99, help="discount (default 0.99)")
+    parser.add_argument("--lr", type=_util.positive_float, default=None,
+                        help="learning rate (default: impala 6e-4, appo 2.5e-4)")
+    parser.add_argument("--gamma", type=_util.fraction, default=0.99, help="discount (default 0.99)")
     # The losses are sums over the batch's steps (as TorchBeast and DeepMind's scalable_agent
     # sum theirs, with entropy costs of 0.0006 and 0.00025): 0.01 kept Pong's policy uniform.
-    parser.add_argument("--entropy-cost", type=float, default=None,
+    parser.add_argument("--entropy-cost", type=_util.non_negative_float, default=None,
                         help="weight of the entropy bonus: impala's summed loss (default 0.0006), appo's mean "
                              "loss (default 0.01)")
     parser.add_argument("--normalize-advantages", action="store_true",
                         help="scale each minibatch's V-trace advantages to mean 0, std 1 (default off)")
-    parser.add_argument("--baseline-cost", type=float, default=0.5, help="(default 0.5)")
-    parser.add_argument("--max-grad-norm", type=float, default=None,
+    parser.add_argument("--baseline-cost", type=_util.non_negative_float, default=0.5,
+                        help="weight of the value (baseline) loss added to the policy loss (default 0.5)")
+    parser.add_argument("--max-grad-norm", type=_util.positive_float, default=None,
                         help="gradient clipping (default: impala 40, appo 0.5)")
-    parser.add_argument("--window", type=int, default=100, help="episodes in the mean return (default 100)")
-    parser.add_argument("--target", type=float, default=None,
+    parser.add_argument("--window", type=_util.positive_int, default=100,
+                        help="episodes in the mean return (default 100)")
+    parser.add_argument("--target", type=_util.number, default=None,
                         help="stop when the mean return reaches this; 0: use the whole budget "
                              "(default 18 for Pong, else 0)")
-    parser.add_argument("--rpc-timeout", type=float, default=120.0, help="seconds per RPC wait (default 120)")
-    parser.add_argument("--print-every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--rpc-timeout", type=_util.positive_float, default=120.0,
+                        help="seconds per RPC wait (default 120)")
+    parser.add_argument("--print-every", type=_util.positive_float, default=10.0,
+                        help="seconds between progress lines (default 10)")
     args = parser.parse_args(argv)
     args.launched = launched
     if args.algo is None:
@@ -448,24 +457,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.queue_size = args.batch_size
     if args.inference is None:
         args.inference = "central" if args.device.startswith("cuda") else "local"
-    for name in ("num_workers", "envs_per_worker", "unroll", "batch_size", "queue_size", "window", "max_batch",
-                 "learner_threads", "minibatches", "epochs"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.queue_size < args.batch_size:
         parser.error(f"--queue-size {args.queue_size} must be at least --batch-size {args.batch_size}")
-    if args.max_wait < 0 or args.auto_seconds <= 0:
-        parser.error("--max-wait must be >= 0 and --auto-seconds > 0")
-    if not 0 < args.clip < 1:
-        parser.error(f"--clip {args.clip:g}: the ratio's clip range must lie in (0, 1), e.g. 0.1 or 0.2")
-    if args.value_clip < 0:
-        parser.error(f"--value-clip {args.value_clip:g} must be >= 0 (0 turns the value clip off)")
     args.value_clip = args.value_clip or None
-    if args.kl_target <= 0 or args.max_lr < args.lr:
-        parser.error(f"--kl-target {args.kl_target:g} must be > 0 and --max-lr {args.max_lr:g} at least --lr "
-                     f"{args.lr:g}")
-    if not 0 <= args.gae_lambda <= 1:
-        parser.error(f"--gae-lambda {args.gae_lambda:g} must lie in [0, 1] (0.95 is the usual)")
+    if args.max_lr < args.lr:
+        parser.error(f"--max-lr {args.max_lr:g} must be at least --lr {args.lr:g}")
     if args.curve is not None and not args.curve.lower().endswith(".png"):
         parser.error(f"--curve {args.curve!r}: name a .png file, e.g. --curve pong.png")
     episode_plot = os.path.splitext(os.path.abspath(args.out))[0] + ".png"

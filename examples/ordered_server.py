@@ -93,15 +93,14 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-workers", type=int, default=3, help="member processes (default 3)")
-    parser.add_argument("--increments", type=int, default=50,
+    parser.add_argument("--num-workers", type=_util.positive_int, default=3, help="member processes (default 3)")
+    parser.add_argument("--increments", type=_util.positive_int, default=50,
                         help="counter increments per member in the race (default 50)")
-    parser.add_argument("--depth", type=int, default=2, help="older versions the server keeps (default 2)")
-    parser.add_argument("--time-budget", type=float, default=120.0,
+    parser.add_argument("--depth", type=_util.non_negative_int, default=2,
+                        help="older versions the server keeps (default 2)")
+    parser.add_argument("--time-budget", type=_util.positive_float, default=120.0,
                         help="give up (and stop every process) after this many seconds (default 120)")
     args = parser.parse_args()
-    if args.num_workers < 1 or args.increments < 1 or args.depth < 0:
-        parser.error("--num-workers and --increments must be at least 1, --depth at least 0")
     start = time.monotonic()
     results = _util.run(worker, args.num_workers, args, timeout_margin=0.0)
     for result in results:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import _util  # the examples' shared plumbing, beside this script
 import machinlike
-from _metrics import logdir_of
+from _metrics import fresh_logdir, logdir_of
 from machinlike.metrics import Metrics, WorldFigures, flatten_stats
 from machinlike.server import grad_server_helper
 
@@ -139,6 +139,8 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     last = {"steps": 0, "t": 0.0}
     # The library's writer used directly (the RL examples wrap it in _metrics.RunMetrics):
     # x = pushes applied, the supervised run's "environment steps".
+    if not args.no_metrics:
+        fresh_logdir(logdir_of(args))  # this run's points only, not an earlier run's before them
     metrics = None if args.no_metrics else Metrics(logdir_of(args))
     figures = None if metrics is None else WorldFigures(world)
     _util.announce_watch(world, logdir_of(args), args.no_metrics, "server")
@@ -312,25 +314,23 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
 
 def main() -> None:
     p = _util.parser(__doc__.splitlines()[0], workers=3, budget=120.0, out="runs/param_server.csv")
-    p.add_argument("--epochs", type=int, default=30,
+    p.add_argument("--epochs", type=_util.positive_int, default=30,
                    help="passes over the training split, shared among the trainers (default 30)")
-    p.add_argument("--batch-size", type=int, default=16, help="mini-batch of one push (default 16)")
-    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate on the server (default 1e-3)")
-    p.add_argument("--hidden", type=int, default=128, help="hidden units per layer (default 128)")
-    p.add_argument("--reduce-batch", type=int, default=2,
+    p.add_argument("--batch-size", type=_util.positive_int, default=16, help="mini-batch of one push (default 16)")
+    p.add_argument("--lr", type=_util.positive_float, default=1e-3,
+                   help="Adam learning rate on the server (default 1e-3)")
+    p.add_argument("--hidden", type=_util.positive_int, default=128, help="hidden units per layer (default 128)")
+    p.add_argument("--reduce-batch", type=_util.positive_int, default=2,
                    help="pushes each reducer combines; a step averages its square (default 2)")
-    p.add_argument("--max-queue", type=int, default=8,
+    p.add_argument("--max-queue", type=_util.positive_int, default=8,
                    help="pushes a secondary reducer may hold before refusing more (default 8)")
-    p.add_argument("--eval-every", type=float, default=0.5, help="seconds between evaluations (default 0.5)")
-    p.add_argument("--print-every", type=float, default=2.0, help="seconds between progress lines (default 2)")
-    p.add_argument("--target", type=float, default=0.95,
+    p.add_argument("--eval-every", type=_util.positive_float, default=0.5,
+                   help="seconds between evaluations (default 0.5)")
+    p.add_argument("--print-every", type=_util.positive_float, default=2.0,
+                   help="seconds between progress lines (default 2)")
+    p.add_argument("--target", type=_util.fraction, default=0.95,
                    help="test accuracy reported as the target (with --chaos the run ends there; default 0.95)")
     args = p.parse_args()
-    if args.num_workers < 1:
-        p.error("--num-workers must be at least 1 (trainers; rank 0 is the server)")
-    for name in ("epochs", "batch_size", "hidden", "reduce_batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_queue < args.reduce_batch:
         p.error("--max-queue must be at least --reduce-batch")
     start = time.monotonic()

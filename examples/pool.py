@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+import _util  # the examples' shared plumbing, beside this script
 from machinlike.exception import WorkerLostError
 from machinlike.pool import CtxPool, CtxThreadPool, Pool, ThreadPool
 
@@ -271,11 +272,9 @@ def remote_exception(wait: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-budget", type=float, default=60.0,
+    parser.add_argument("--time-budget", type=_util.positive_float, default=60.0,
                         help="limit of every wait, in seconds (default 60)")
     args = parser.parse_args()
-    if args.time_budget <= 0:
-        parser.error("--time-budget must be positive")
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="machinlike-pool-tour-") as folder:
         functions(args.time_budget)

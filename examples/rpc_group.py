@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import _util  # the examples' shared plumbing, beside this script
 import machinlike
 
 
@@ -72,11 +73,13 @@ def worker(world: machinlike.World, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-workers", type=int, default=3, help="processes to start (default 3)")
-    parser.add_argument("--steps", type=int, default=50, help="rounds of calls member 0 makes (default 50)")
+    parser.add_argument("--num-workers", type=_util.positive_int, default=3, help="processes to start (default 3)")
+    parser.add_argument("--steps", type=_util.positive_int, default=50,
+                        help="rounds of calls member 0 makes (default 50)")
     args = parser.parse_args()
     start = time.monotonic()
-    results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
+    with _util.interruptible():  # Ctrl-C: one line, as the training examples end
+        results = machinlike.launch(worker, args.num_workers, args=(args.steps,), timeout=300)
     for result in results:
         print(f"member {result['member']}: {result['calls']} calls")
     print(f"done in {time.monotonic() - start:.1f} s")

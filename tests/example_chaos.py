@@ -3,6 +3,9 @@ on past the first member the launcher killed (shared by the examples' smoke test
 
 from __future__ import annotations
 
+import csv
+import glob
+import os
 from collections.abc import Callable, Sequence
 
 from example_run import run_example
@@ -44,6 +47,31 @@ def read_scalars(logdir: str) -> dict:
     acc = EventAccumulator(logdir)
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def earlier_run(logdir: str) -> None:
+    """Leave in ``logdir`` what an earlier run of an example left there: metrics.csv and
+    TensorBoard event files (a point at step 10**9 of the tag ``earlier/run``), metrics.png,
+    and a file of the user's (``notes.txt``)."""
+    from machinlike.metrics import Metrics
+
+    with Metrics(logdir) as metrics:
+        metrics.scalars({"earlier/run": 1.0, "env/steps": 10**9}, 10**9)
+    for name, text in (("metrics.png", "not a png"), ("notes.txt", "mine")):
+        with open(os.path.join(logdir, name), "w") as stream:
+            stream.write(text)
+
+
+def only_this_run(logdir: str) -> None:
+    """Check that ``logdir`` holds the metrics of the last run only (the example removed
+    :func:`earlier_run`'s) and kept the user's own file."""
+    with open(os.path.join(logdir, "metrics.csv"), newline="") as stream:
+        rows = list(csv.DictReader(stream))
+    assert rows and not [r for r in rows if r["tag"] == "earlier/run" or int(r["step"]) >= 10**9], rows[:3]
+    assert "earlier/run" not in read_scalars(logdir)
+    assert len(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))) == 1, os.listdir(logdir)
+    with open(os.path.join(logdir, "notes.txt")) as stream:
+        assert stream.read() == "mine"
 
 
 #: What every training example writes (the field's usual set and the library's own figures).

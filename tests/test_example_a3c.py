@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from example_chaos import COMMON_TAGS, read_scalars
+from example_chaos import COMMON_TAGS, earlier_run, only_this_run, read_scalars
 from example_run import run_example
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +24,7 @@ def example_env():
 
 def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     out = tmp_path / "a3c.csv"
+    earlier_run(str(tmp_path / "a3c"))  # a re-run: its metrics (runs/<name>/) start afresh
     done = run_example(SCRIPT, ["--num-workers", "2", "--envs-per-worker", "2", "--time-budget", "3",
                                 "--out", str(out), "--metrics-every", "0.3", "--device", "cpu"], timeout=150)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -40,6 +41,7 @@ def test_a3c_runs_to_its_budget_and_writes_its_curve(tmp_path):
     last = {tag: points[-1][1] for tag, points in scalars.items()}
     assert last["world/members_alive"] == 3 and last["server/actor/primary/applied"] > 0
     assert last["env/steps"] > 0 and 0 < last["learner/entropy"] <= 0.7
+    only_this_run(str(tmp_path / "a3c"))
 
 
 def test_ctrl_c_stops_the_whole_example(tmp_path):

@@ -134,12 +134,12 @@ def test_defaults_follow_the_algorithm_and_the_device(atari, monkeypatch):
 
 @pytest.mark.parametrize("argv, message", [
     (["--algo", "impala", "--epochs", "3"], "--epochs 3: IMPALA makes one pass over each batch; use --algo appo"),
-    (["--clip", "1.5"], "--clip 1.5: the ratio's clip range must lie in (0, 1)"),
-    (["--gae-lambda", "2"], "--gae-lambda 2 must lie in [0, 1]"),
-    (["--lr", "2e-3"], "--max-lr 0.001 at least --lr 0.002"),
+    (["--clip", "1.5"], "argument --clip: must be a number in (0, 1), 0 and 1 excluded, got '1.5'"),
+    (["--gae-lambda", "2"], "argument --gae-lambda: must be a number in [0, 1], got '2'"),
+    (["--lr", "2e-3"], "--max-lr 0.001 must be at least --lr 0.002"),
     (["--curve", "pong.csv"], "--curve 'pong.csv': name a .png file"),
     (["--out", "runs/a.csv", "--curve", "runs/a.png"], "--curve 'runs/a.png' is where the episode plot of --out"),
-    (["--algo", "appo", "--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--algo", "appo", "--epochs", "0"], "argument --epochs: must be an integer >= 1, got '0'"),
 ])
 def test_bad_learner_flags_are_named(atari, capsys, argv, message):
     example, _ = atari

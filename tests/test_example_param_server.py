@@ -10,7 +10,7 @@ import sys
 
 import example_run
 import pytest
-from example_chaos import read_scalars
+from example_chaos import earlier_run, only_this_run, read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,6 +21,7 @@ def run_example(script, *args, timeout=150):
 
 def test_param_server_trains_and_writes_its_curve(tmp_path):
     out = tmp_path / "ps.csv"
+    earlier_run(str(tmp_path / "ps"))  # a re-run: its metrics (runs/<name>/) start afresh
     done = run_example("param_server.py", "--num-workers", 2, "--epochs", 2, "--time-budget", 20, "--out", out,
                        "--device", "cpu")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -46,6 +47,7 @@ def test_param_server_trains_and_writes_its_curve(tmp_path):
     assert not missing, sorted(scalars)
     accuracy = scalars["eval/test_accuracy"]
     assert 0 <= accuracy[0][1] <= 1 and accuracy[-1][1] > 0.5 and accuracy[-1][0] == scalars["server/primary/applied"][-1][1]
+    only_this_run(str(tmp_path / "ps"))
 
 
 def test_param_server_help(monkeypatch, capsys):

@@ -1,0 +1,45 @@
+"""The examples refuse bad flag values while parsing, before any process starts: exit
+status 2 and argparse's message naming the flag and the value (examples/_util.py's
+``type=`` validators, and the cross-flag checks right after parsing)."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+@pytest.mark.parametrize("script, argv, words", [
+    ("collective.py", ["--steps", "0"], ["argument --steps", "an integer >= 1", "'0'"]),
+    ("rpc_group.py", ["--num-workers", "0"], ["argument --num-workers", "an integer >= 1", "'0'"]),
+    ("rpc_group.py", ["--steps", "-3"], ["argument --steps", "'-3'"]),
+    ("assigner.py", ["--seed", "-1"], ["argument --seed", "an integer >= 0", "'-1'"]),
+    ("ordered_server.py", ["--time-budget", "0"], ["argument --time-budget", "a number > 0", "'0'"]),
+    ("exceptions_events.py", ["--time-budget", "0"], ["argument --time-budget", "'0'"]),
+    ("pool.py", ["--time-budget", "nan"], ["argument --time-budget", "'nan'"]),
+    ("param_server.py", ["--chaos", "0"], ["argument --chaos", "a number > 0", "'0'"]),
+    ("param_server.py", ["--time-budget", "-1"], ["argument --time-budget", "'-1'"]),
+    ("param_server.py", ["--engine", "ray", "--chaos", "3"], ["--chaos needs --engine local"]),
+    ("a3c.py", ["--gamma", "1.5"], ["argument --gamma", "a number in [0, 1]", "'1.5'"]),
+    ("a3c.py", ["--print-every", "0"], ["argument --print-every", "'0'"]),
+    ("dqn_apex.py", ["--alpha", "-1"], ["argument --alpha", "a number >= 0", "'-1'"]),
+    ("impala.py", ["--rpc-timeout", "0"], ["argument --rpc-timeout", "'0'"]),
+    ("impala.py", ["--learners", "2", "--num-workers", "1"], ["--learners 2", "--num-workers is 1"]),
+])
+def test_a_bad_flag_is_refused_by_name(monkeypatch, capsys, script, argv, words):
+    # The script's main in this process (as `python examples/<script>` runs it): argparse
+    # refuses before any rank or pool starts, so no new interpreter is needed.
+    monkeypatch.syspath_prepend(EXAMPLES)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(os.path.join(EXAMPLES, script), run_name="__main__")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2, err
+    assert err.startswith("usage: ") and f"{script}: error: " in err, err
+    for word in words:
+        assert word in err, err
