@@ -177,3 +177,20 @@ def test_run_world_needs_a_timeout():
 def test_world_test_passes_parameters_and_fixtures(world, n, tmp_path):
     assert n in (1, 2) and tmp_path.is_dir()
     (tmp_path / f"rank{world.rank}").write_text(str(n))
+
+
+def _rank(world):
+    return world.rank
+
+
+def test_the_stack_folders_are_removed_also_those_of_a_killed_launcher(tmp_path):
+    import subprocess
+    import tempfile
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tempfile.mkdtemp(prefix=f"machinlike-stacks-{dead.pid}-")  # a launcher SIGKILLed before its clean-up
+    mine = f"machinlike-stacks-{os.getpid()}-"
+    assert launch(_rank, 2, timeout=60) == [0, 1]
+    assert not os.path.exists(orphan)
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)]  # its own: removed at the end

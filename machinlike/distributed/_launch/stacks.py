@@ -46,11 +46,17 @@ def arm(path: Optional[str]) -> None:
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
+_PREFIX = "machinlike-stacks-"
+
+
 class StackFiles:
-    """The launcher's side: a private folder with one stack file per rank."""
+    """The launcher's side: a private folder with one stack file per rank, named after this
+    process (``machinlike-stacks-<pid>-*``): the folders of launchers that were killed
+    before they could remove theirs are removed by the next one."""
 
     def __init__(self) -> None:
-        self._folder: Optional[str] = tempfile.mkdtemp(prefix="machinlike-stacks-")
+        _remove_orphans()
+        self._folder: Optional[str] = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
 
     def path(self, rank: int) -> Optional[str]:
         return None if self._folder is None else os.path.join(self._folder, str(rank))
@@ -103,3 +109,16 @@ def _size(path: str) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
+
+
+def _remove_orphans() -> None:
+    """Remove the stack folders whose launcher is gone (SIGKILLed before its ``close``)."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
