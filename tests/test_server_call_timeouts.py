@@ -85,7 +85,7 @@ def _body(world):
         slow = SlowOrdered(kv)
         err = _timed(lambda: PushPullModelServer("slow", slow).push(net, timeout=1.0),
                      r"push of model 'slow': not done within 1 s", budget=1.0 + 0.6)
-        assert slow.calls == 2, slow.calls  # the third call was never made
+        assert slow.calls <= 2, slow.calls  # the third call was never made (the second, if the first ran long)
 
         os.kill(host, signal.SIGSTOP)
         try:
