@@ -260,7 +260,7 @@ def _wait_for_a_stopping_rank(world):
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("machinlike.distributed._world.world").addHandler(handler)
     with pytest.raises(TimeoutError, match=r"\['0'\] to be gone, still live"):
-        world.wait_for_members(["0"], timeout=2.5, gone=True)
+        world.wait_for_members(["0"], timeout=4, gone=True)
     return said
 
 
