@@ -158,4 +158,5 @@ def _read(store: ReadOnlyStore) -> Optional[WorldStatus]:
     try:
         return read_status(store)
     except (RuntimeError, OSError) as err:  # the store went away: the world ended
-        raise ConnectionError(f"the world's store stopped answering ({err}); has the world ended?") from err
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__  # (not torch's frames)
+        raise ConnectionError(f"the world's store stopped answering ({why}); has the world ended?") from err

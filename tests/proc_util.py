@@ -37,8 +37,11 @@ def wait_stopped(pid: int, within: float = 10.0) -> None:
     while True:
         states = []
         for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                states.append(f.read().rsplit(")", 1)[1].split()[0])
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass  # the thread ended meanwhile
         if all(state in "Tt" for state in states):
             return
         assert time.monotonic() < deadline, f"process {pid} did not stop: its threads are {states}"

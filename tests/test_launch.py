@@ -102,9 +102,9 @@ def test_timeout_names_the_stuck_ranks(capfd):
     assert all("_hang" in part and part.count("Current thread") + part.count("Thread 0x") >= 1
                for part in (parts[2], parts[4])), err[-3000:]
     # A rank that returned and waits in World.stop is told apart from one still running.
-    with pytest.raises(TimeoutError, match=r"launch: rank 1 \('1'\) did not finish within 3 s \(1 of 2 ranks "
+    with pytest.raises(TimeoutError, match=r"launch: rank 1 \('1'\) did not finish within 8 s \(1 of 2 ranks "
                                            r"reported; rank 0 \('0'\) returned and waited in World.stop\)"):
-        launch(_hang_but_rank_0, 2, timeout=3)
+        launch(_hang_but_rank_0, 2, timeout=8)
     assert "rank 0 ('0'), pid" in capfd.readouterr().err
 
 
@@ -184,13 +184,21 @@ def _rank(world):
 
 
 def test_the_stack_folders_are_removed_also_those_of_a_killed_launcher(tmp_path):
-    import subprocess
+    import fcntl
+    import shutil
     import tempfile
 
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    orphan = tempfile.mkdtemp(prefix=f"machinlike-stacks-{dead.pid}-")  # a launcher SIGKILLed before its clean-up
-    mine = f"machinlike-stacks-{os.getpid()}-"
-    assert launch(_rank, 2, timeout=60) == [0, 1]
-    assert not os.path.exists(orphan)
-    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(mine)]  # its own: removed at the end
+    orphan = tempfile.mkdtemp(prefix="machinlike-stacks-")  # a launcher SIGKILLed before its clean-up
+    open(os.path.join(orphan, "launcher.lock"), "w").close()
+    alive = tempfile.mkdtemp(prefix="machinlike-stacks-")  # a launcher that lives (its lock held)
+    held = os.open(os.path.join(alive, "launcher.lock"), os.O_CREAT | os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        before = set(os.listdir(tempfile.gettempdir()))
+        assert launch(_rank, 2, timeout=60) == [0, 1]
+        assert not os.path.exists(orphan) and os.path.exists(alive)
+        # its own: removed at the end
+        assert not [n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("machinlike-stacks-")]
+    finally:
+        os.close(held)
+        shutil.rmtree(alive, ignore_errors=True)

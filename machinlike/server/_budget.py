@@ -38,6 +38,11 @@ class CallBudget:
         self.what = what
         self._deadline = time.monotonic() + seconds
 
+    def then(self, note: str) -> None:
+        """Say, in the error of a step that runs out from now on, what is already done
+        (``note``): a caller must not redo what took effect."""
+        self.what = f"{self.what} ({note})"
+
     def left(self) -> float:
         """Seconds left for the next step.
 

@@ -26,6 +26,7 @@ lease, see ``_host``).
 from __future__ import annotations
 
 import abc
+import copy
 import logging
 import threading
 import time
@@ -168,7 +169,9 @@ class OrderedServerSimple(OrderedServerBase):
         return self._call("_pull_if_changed", (_check_key(key), have_version), timeout)
 
     def _bounded(self, seconds: float) -> "OrderedServerSimple":
-        return OrderedServerSimple._checked(self.server_name, self.group, seconds)
+        bounded = copy.copy(self)  # (a subclass's overrides kept)
+        bounded.timeout = seconds
+        return bounded
 
     def _call(self, service: str, args: Tuple[Any, ...], timeout: Any) -> Any:
         wait = self.timeout if timeout is None else check_timeout(timeout)

@@ -2,10 +2,10 @@
 
 A CPU tensor crosses a call in its own layout (torch pickles its storage and strides), so
 a channels-last image batch or a transposed matrix arrives as it was sent. The CUDA paths
-copy each tensor into a buffer of their own (a slab, a pinned host tensor); they keep the
-layout the way ``clone()`` does: a dense tensor (every element once, no gaps) keeps its
-strides, and the copy is then a plain copy of its bytes; any other (an expanded or sliced
-view) arrives contiguous, with the same values.
+copy each tensor into a buffer of their own (a slab, a pinned host tensor): a dense tensor
+(every element once, no gaps) keeps its strides, and the copy is then a plain copy of its
+bytes; any other (an expanded or sliced view, a sliced channels-last one too) arrives
+contiguous, with the same values.
 """
 
 from __future__ import annotations

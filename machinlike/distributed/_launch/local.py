@@ -81,6 +81,10 @@ _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, sta
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
 
+def _ignore_interrupt(signum: int, frame: Any) -> None:
+    """A rank's SIGINT: nothing (the launcher ends the ranks)."""
+
+
 def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
                world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool,
                stacks: Optional[str]) -> None:
@@ -89,7 +93,8 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
     # Ctrl-C is the launcher's to handle (a terminal sends it to every process of the
     # group): it ends every rank (SIGTERM). A rank of its own raised KeyboardInterrupt in
     # fn, and a second Ctrl-C (or timeout(1) passing one on) printed each rank's traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A handler that does nothing, not SIG_IGN: a program fn runs (exec) gets the default back.
+    signal.signal(signal.SIGINT, _ignore_interrupt)
     arm(stacks)
     from .._store import connect_store
     from .._world import World
@@ -173,8 +178,9 @@ def launch(
             after ``stop_timeout`` are killed, and then this process ends by the signal,
             as it would have at once (a second SIGTERM: at once). Only where SIGTERM has
             its default disposition and ``launch`` runs in the main thread. The ranks
-            ignore SIGINT: a Ctrl-C raises ``KeyboardInterrupt`` here, and the ranks are
-            ended (SIGTERM, then SIGKILL after two seconds).
+            ignore SIGINT (the programs they run do not): a Ctrl-C raises
+            ``KeyboardInterrupt`` here, and the ranks are ended (SIGTERM, then SIGKILL after
+            two seconds).
         return_exceptions: Keep going when a rank fails or dies: its slot in the result
             list holds the exception (as ``asyncio.gather`` does). False: the first failure
             ends the run.

@@ -19,6 +19,7 @@ thread is stuck in C++ (a store or RPC wait) where a Python handler would never 
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import os
 import shutil
 import signal
@@ -41,22 +42,33 @@ def arm(path: Optional[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if path is None:
         return
-    stream = open(path, "w")
+    try:
+        stream = open(path, "w")
+    except OSError:  # (its folder is gone: this rank runs on, with no stacks for a timeout)
+        return
     _armed.append(stream)
     faulthandler.register(signal.SIGUSR2, file=stream, all_threads=True)
 
 
 _PREFIX = "machinlike-stacks-"
+_LOCK = "launcher.lock"
 
 
 class StackFiles:
-    """The launcher's side: a private folder with one stack file per rank, named after this
-    process (``machinlike-stacks-<pid>-*``): the folders of launchers that were killed
-    before they could remove theirs are removed by the next one."""
+    """The launcher's side: a private folder with one stack file per rank, and a lock file
+    the launcher holds (``flock``) while it lives: the folders of launchers killed before
+    they could remove theirs are removed by the next one (a held lock is never taken, in
+    any PID namespace that shares the folder)."""
 
     def __init__(self) -> None:
         _remove_orphans()
-        self._folder: Optional[str] = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+        # Made under another name and renamed once locked: a folder of the prefix without
+        # its lock held is an orphan to any other launcher.
+        making = tempfile.mkdtemp(prefix="machinlike-making-")
+        self._lock: Optional[int] = os.open(os.path.join(making, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._folder: Optional[str] = os.path.join(os.path.dirname(making), _PREFIX + os.path.basename(making))
+        os.rename(making, self._folder)
 
     def path(self, rank: int) -> Optional[str]:
         return None if self._folder is None else os.path.join(self._folder, str(rank))
@@ -102,6 +114,9 @@ class StackFiles:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 def _size(path: str) -> int:
@@ -112,13 +127,23 @@ def _size(path: str) -> int:
 
 
 def _remove_orphans() -> None:
-    """Remove the stack folders whose launcher is gone (SIGKILLed before its ``close``)."""
+    """Remove the stack folders whose launcher is gone: its lock can be taken."""
     root = tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(root) if n.startswith(_PREFIX)]
     except OSError:
         return
     for name in names:
-        pid = name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        folder = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(folder, _LOCK), os.O_RDWR)
+        except OSError:
+            continue  # not ours to judge (being made, or not a launcher's)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its launcher lives
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)

@@ -28,7 +28,7 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["own_client", "new_client", "multi_get", "server_of", "store_address", "SLOW_CONNECT_S"]
+__all__ = ["own_client", "new_client", "multi_get", "server_of", "store_address", "SilentStoreError", "SLOW_CONNECT_S"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: boo
     return store
 
 
+class SilentStoreError(TimeoutError):
+    """A store address accepted the connection and never answered (another program's
+    port, or a frozen store): told as it is, not as an unreachable store."""
+
+
 _SILENT_GRACE_S = 1.0  # past the connection's own timeout, before a silent server is given up
 
 
@@ -85,7 +90,7 @@ def _connect(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool)
     in that read until the listener closes the connection.
 
     Raises:
-        TimeoutError: connected, but no answer within the timeout (names the address).
+        SilentStoreError: connected, but no answer within the timeout (names the address).
     """
     made: List[dist.TCPStore] = []
     failed: List[BaseException] = []
@@ -100,10 +105,12 @@ def _connect(host: str, port: int, timeout: datetime.timedelta, use_libuv: bool)
     thread.start()
     within = timeout.total_seconds() + _SILENT_GRACE_S
     thread.join(within)
-    if failed:
+    if not thread.is_alive() and failed:
         raise failed[0]
     if not made:
-        raise TimeoutError(
+        # (The thread stays blocked in torch's read; should the listener answer or close
+        # while this process exits, torch may abort it from that thread.)
+        raise SilentStoreError(
             f"the store at {host}:{port} accepted the connection but did not answer within {within:g} s: "
             f"something other than this world's store holds that port (another job or program), or the "
             f"store's process is frozen; give this world a port of its own (MASTER_PORT, or "

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
-from .client import new_client, own_client
+from .client import SilentStoreError, new_client, own_client
 from .registry import STORE_OF_RANK0
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
@@ -401,6 +401,8 @@ def connect_store(host: str, port: int, timeout: float) -> dist.TCPStore:
         pause = min(2 * pause, 0.5)
     try:
         return new_client(host, port, datetime.timedelta(seconds=timeout))
+    except SilentStoreError:
+        raise  # (reached: what answers there is not a store, and the error says so)
     except (RuntimeError, ConnectionError, TimeoutError) as err:
         raise _unreachable(host, port, timeout, err) from None
 

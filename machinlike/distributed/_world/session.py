@@ -56,13 +56,14 @@ from .. import _transport
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._groups import RetiredGroups
-from .._store import Keys, Registry, ServiceOwner, own_client
-from .._membership import alive_here, process_identity
+from .._store import Keys, ServiceOwner, own_client
+from .._membership import process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
 from .._membership import Membership
 from ..._deadline import deadline_left
 from .settings import Settings
+from .strangers import check_sizes, give_back_seat, seat_held, stranger_error
 
 __all__ = ["Session", "Once", "start_static", "start_elastic"]
 
@@ -298,23 +299,27 @@ def start_static(session: Session) -> None:
     reg.set(keys.proc_prefix() + str(s.rank), process_identity())
     reg.set(keys.size_prefix() + str(s.rank), str(s.size))  # before the name: whoever sees a name sees it
     reg.set(keys.name_prefix() + str(s.rank), s.name)
-    held = _seat_held(info, restart, s.rank, mine) if mine > 1 else None
+    held = seat_held(info, restart, s.rank, mine) if mine > 1 else None
     if held is not None:  # (at once: waiting out dist_timeout for ranks of another job helps nobody)
-        _give_back_seat(info, keys, restart, s.rank)
+        give_back_seat(info, keys, restart, s.rank)
         raise held
     try:
         reg.wait_all(keys.name_prefix(), ranks, deadline_left(deadline), "World start-up: ranks", s.dist_timeout)
     except TimeoutError as err:
         if mine > 1:  # the world before this one on the store, when its size was another
-            _check_sizes(reg, info, Keys.static_world(restart, mine - 1), s.rank, s.size, ["0"], remove=False)
-        stranger = _stranger_error(info, restart, s.rank, s.size, mine)
+            try:
+                check_sizes(reg, info, Keys.static_world(restart, mine - 1), s.rank, s.size, ["0"], remove=False)
+            except ValueError:
+                give_back_seat(info, keys, restart, s.rank)
+                raise
+        stranger = stranger_error(info, restart, s.rank, s.size, mine)
         if stranger is not None:
-            _give_back_seat(info, keys, restart, s.rank)
+            give_back_seat(info, keys, restart, s.rank)
             raise stranger
         raise TimeoutError(f"{err}: this static world has world_size={s.size} ranks (0 to {s.size - 1}), each "
                            f"started with init_method tcp://{info.host}:{info.port}; start the missing ones, pass the "
                            f"world_size you start, or a larger dist_timeout if they start slowly") from None
-    _check_sizes(reg, info, keys, s.rank, s.size, ranks)
+    check_sizes(reg, info, keys, s.rank, s.size, ranks)
     names = reg.values(keys.name_prefix(), ranks)
     if len(set(names)) != len(names):
         clash = sorted({n for n in names if names.count(n) > 1})
@@ -357,96 +362,6 @@ def _static_channels(members: Membership, names: List[str]) -> Optional[List[str
     default list (its multi-lane TCP channel carries large tensors between hosts)."""
     here = members.roster.on_this_host
     return list(_transport.ELASTIC_CHANNELS) if all(here(name) for name in names) else None
-
-
-def _check_sizes(reg: Registry, info: _rendezvous.StoreInfo, keys: Keys, rank: int, size: int,
-                 ranks: List[str], remove: bool = True) -> None:
-    """Refuse a static world whose ranks were started with different ``world_size``s
-    (``ranks``' sizes as recorded in ``keys``' namespace; ``remove``: this rank's own
-    start-up keys there are deleted first).
-
-    Why: a process started as rank ``r`` with a larger ``world_size`` than a running
-    world's is the first World of rank ``r`` on that store, so it lands in the running
-    world's namespace, finds every rank it waits for there, and then waited 40 s in
-    gloo's rendezvous for ranks that never come ("connectFullMesh failed"). With a
-    smaller rank it lands in a namespace of its own and times out; the previous world's
-    rank 0 then tells the size it had.
-
-    Raises:
-        ValueError: some rank asked for another size (named, with the fix).
-    """
-    sizes = reg.values_or_empty(keys.size_prefix(), ranks)
-    other = {int(r): int(n) for r, n in zip(ranks, sizes) if n and int(n) != size}
-    if not other:
-        return
-    if remove:
-        reg.delete([keys.proc_prefix() + str(rank), keys.size_prefix() + str(rank), keys.name_prefix() + str(rank)])
-    theirs = sorted(set(other.values()))
-    raise ValueError(
-        f"World start-up: rank {rank} was started with world_size={size}, but ranks {sorted(other)} of the static "
-        f"world at {info.host}:{info.port} were started with world_size={theirs[0] if len(theirs) == 1 else theirs} "
-        f"(a running world, or ranks started with different sizes): every rank of a static world passes the same "
-        f"world_size; to add a process to a running world, join it as World(name, elastic=True, init_method=...), "
-        f"or start every rank of a new static world on a fresh address")
-
-
-def _stranger_error(info: _rendezvous.StoreInfo, restart: str, rank: int, size: int, mine: int) -> Optional[TimeoutError]:
-    """The error for a process that came to a *running* static world as rank ``rank``:
-    every other rank started exactly one World fewer on this store than this one, and
-    that previous World started complete (all its ranks ready); None otherwise (then the
-    others are merely late, or never came)."""
-    try:
-        others = [info.store.add(Keys.static_counter(restart, r), 0) for r in range(size) if r != rank]
-        if not others or any(n != mine - 1 for n in others):
-            return None
-        previous = Keys.static_world(restart, mine - 1)
-        if not info.store.check([previous.ready_prefix() + str(r) for r in range(size)]):
-            return None
-    except (RuntimeError, dist.DistNetworkError):  # the store went away too: the first error stands
-        return None
-    return TimeoutError(
-        f"World start-up: rank {rank} of the static world at {info.host}:{info.port} was taken already "
-        f"(that world is running, or ran, on this store) and no other rank came to start another: a static "
-        f"world cannot admit a new process; join a running world as World(name, elastic=True, "
-        f"init_method=...), or start every rank of a new static world on a fresh address")
-
-
-def _give_back_seat(info: _rendezvous.StoreInfo, keys: Keys, restart: str, rank: int) -> None:
-    """Undo a refused stranger's marks on the running world's store: its rank's count of
-    worlds (else that job's next World on the store would wait for this rank a world
-    ahead) and its start-up keys."""
-    seat = str(rank)
-    try:
-        info.store.add(Keys.static_counter(restart, rank), -1)
-        for prefix in (keys.proc_prefix(), keys.size_prefix(), keys.name_prefix()):
-            info.store.delete_key(prefix + seat)
-    except (RuntimeError, dist.DistNetworkError):  # the store went away: nothing left to undo
-        pass
-
-
-def _seat_held(info: _rendezvous.StoreInfo, restart: str, rank: int, mine: int) -> Optional[RuntimeError]:
-    """The error for a process that came as rank ``rank`` to a store where the static
-    world before this one has that rank held, running, by another live process of this
-    host (two jobs given one port: the second's rank 0 could not listen, its other ranks
-    reached the first job's store); None otherwise (then ``_stranger_error`` may tell,
-    once the start-up timed out)."""
-    previous = Keys.static_world(restart, mine - 1)
-    seat = str(rank)
-    try:
-        if not info.store.check([previous.proc_prefix() + seat, previous.ready_prefix() + seat]) \
-                or info.store.check([previous.stop_prefix() + seat]):  # (stopping, or stopped: it was let go)
-            return None
-        holder = info.store.get(previous.proc_prefix() + seat).decode()
-    except (RuntimeError, dist.DistNetworkError):  # the store went away: the start's own wait tells
-        return None
-    if holder == process_identity() or alive_here(holder) is not True:
-        return None
-    return RuntimeError(
-        f"World start-up: rank {rank} of the static world at {info.host}:{info.port} is held by process "
-        f"{holder.rpartition('/')[2]} of this host, in a world that is running: a static world cannot admit a "
-        f"new process. To join that world, start it and this process as World(name, elastic=True, "
-        f"init_method=...); if this process belongs to another job that was given the same port (MASTER_PORT, "
-        f"or init_method's), give each job a port of its own")
 
 
 def start_elastic(session: Session) -> None:

@@ -119,10 +119,11 @@ class World:
         ValueError, TypeError: invalid arguments (the message names the parameter), or
             (elastic) a live member already has ``name``.
         RuntimeError: this process already has a World, or (``collective=True``) torch's
-            default process group.
+            default process group, or (static) this rank is held in a world running on
+            that store by another live process of this host (two jobs given one port).
         OSError: rank 0 cannot listen on the master address and port (both named).
-        TimeoutError: the master (address and port named) cannot be reached, or some rank
-            did not arrive, within ``dist_timeout``.
+        TimeoutError: the master (address and port named) cannot be reached, or answers
+            as no store does, or some rank did not arrive, within ``dist_timeout``.
     """
 
     def __init__(
@@ -324,6 +325,8 @@ class World:
                 if time.monotonic() >= deadline:
                     live = m.members()
                     waiting = sorted(n for n in names if n in live or m.gone(n) is None)
+                    if not waiting:  # they went just now
+                        return live
                     raise TimeoutError(f"wait_for_members: waited {wait:g} s for {waiting} to be gone, still "
                                        f"{'live' if set(waiting) <= set(live) else 'live or not joined yet'} "
                                        f"(live: {live})") from None

@@ -216,7 +216,9 @@ class PushPullGradServer:
                 reachable, or (elastic world) the primary reducer is gone (named). A
                 secondary known gone before the push, or without the service any more, is
                 skipped without an error: nothing was queued there.
-            TimeoutError: it did not answer (or, with ``pull=True``, had no room) in time.
+            TimeoutError: it did not answer (or, with ``pull=True``, had no room) in time;
+                when the gradients were queued and only the pull after them ran out, the
+                message says so (push again and they count twice: pull instead).
         """
         if not isinstance(pull, bool):
             raise TypeError(f"pull must be a bool, not {type(pull).__name__}")
@@ -273,6 +275,8 @@ class PushPullGradServer:
             if not pull:
                 return queued
         model.zero_grad()
+        budget.then("the gradients were queued and will be applied; the pull after them ran out: call pull(model) "
+                    "rather than pushing again")
         return self._pull(params, model, budget)
 
     def _push_remote(self, grads: Dict[str, torch.Tensor], version: int, me: str, pull: bool,
