@@ -116,3 +116,14 @@ def _body(world):
 
 def test_each_accessor_call_ends_within_its_timeout_all_steps_together():
     run_world(_body, 2, timeout=120, rpc_timeout=30)
+
+
+def test_a_step_after_one_that_took_effect_says_so_when_it_runs_out():
+    from machinlike.server._budget import CallBudget
+
+    with pytest.raises(TimeoutError, match=r"push to gradient server 'g' \(the gradients were queued\): not done "
+                                           r"within 0.05 s") as caught:
+        with CallBudget(0.05, "push to gradient server 'g'") as budget:
+            budget.then("the gradients were queued")
+            raise TimeoutError("the pull's call did not answer")  # as a step that ran out raises
+    assert str(caught.value.__cause__) == "the pull's call did not answer"
