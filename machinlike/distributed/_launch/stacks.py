@@ -2,13 +2,14 @@
 
     launch()                                   rank r
     --------                                   ------
-    StackFiles(): a private folder             arm(path): faulthandler on SIGUSR2, into
-                                                 <folder>/<r> (a file of its own); on
+    StackFiles(): a private folder, its lock   arm(path): faulthandler on SIGUSR2, into
+      held (flock) while this launcher lives       <folder>/<r> (a file of its own); on
                                                  SIGUSR1 to stderr, for anyone who asks
     timeout ─► for each rank still running, one at a time:
                  header "rank r (name), pid p: <what it was doing>" to stderr
                  SIGUSR2 ─────────────────────► faulthandler writes every thread's stack
                  the file stops growing ─► copied to stderr under its header
+    a later launch removes the folders whose lock nobody holds (a launcher SIGKILLed)
 
 Why files, one rank at a time: every rank used to write to the same inherited stderr at
 once, so the dumps came interleaved character by character, with nothing saying which rank
