@@ -23,7 +23,7 @@ import torch
 from machinlike._reductions import shm_space
 from machinlike.distributed import share
 from machinlike.pickle import dumps, loads
-from machinlike.server.model import _share_state
+from machinlike.server._state_pool import StatePool
 
 pytestmark = pytest.mark.timeout(120)
 _SCRIPT = textwrap.dedent('''
@@ -103,5 +103,5 @@ def test_the_room_is_read_before_torch_allocates(monkeypatch):
     shm_space._warned = False  # (said once per process: said again here)
     state = {"weight": torch.ones(1 << 21)}
     with pytest.warns(RuntimeWarning, match="a pushed model's tensor of 8.0 MB"):
-        kept = _share_state("model", state)  # a model server's pushed state, left where it is
+        kept = StatePool()("model", state)  # a model server's pushed state, left where it is
     assert kept["weight"] is state["weight"] and not kept["weight"].is_shared()

@@ -9,14 +9,14 @@ from ._codec import (
     share, share_and_reduce, shm_eligible, pack_items,
 )
 from ._walk import Leaf, walk
-from . import _segments
+from . import _recycled as recycled, _segments
 from ._pack import PACK_MIN, Pack
 from ._segments import cache, reachable
 from ._unsent import guard
 
 __all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "pack_items", "encode", "encode_parts", "guard", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
-           "is_shared_by_reference", "cache", "reachable", "await_taken"]
+           "is_shared_by_reference", "cache", "reachable", "await_taken", "recycled"]
 
 
 def await_taken(timeout: float) -> bool:

@@ -38,7 +38,7 @@ from .._gc import paused as paused_gc
 from .._reductions import shm_space
 from .._reductions.arrays import Order, array_over, order_of
 from .._reductions.copy import dense_order, expand_back, expanded, undo_order
-from . import _receive
+from . import _receive, _recycled
 from ._pack import PACK_MIN, Pack, finish as _finish
 from ._segments import Segment, cache
 from ._unsent import guard
@@ -162,12 +162,15 @@ def reduce_by_reference(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
     origin = _origin(storage)
     if origin is None:
         return None
-    if origin[0] == os.getpid() and not any(kept.data_ptr() == storage.data_ptr() for kept in _recent):
+    seq = _recycled.sequence(storage) if origin[0] == os.getpid() else _recycled.sent_sequence(tensor)
+    # (a recycled storage's owner keeps it alive, and reuses it once nothing here holds it)
+    if origin[0] == os.getpid() and seq is None and not any(kept.data_ptr() == storage.data_ptr() for kept in _recent):
         if len(_recent) == _RECENT:
             _receive.bury(_recent.popleft())
         _recent.append(storage)
     return (_load_by_reference, (*origin, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-                                 tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter))
+                                 tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter)
+            + (() if seq is None else (seq,)))
 
 
 def share_and_reduce(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
@@ -183,7 +186,7 @@ def share_and_reduce(tensor: torch.Tensor) -> Optional[Tuple[Any, ...]]:
 
 def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, shape: Tuple[int, ...],
                        stride: Tuple[int, ...], dtype: torch.dtype, requires_grad: bool,
-                       parameter: bool) -> torch.Tensor:
+                       parameter: bool, seq: Optional[int] = None) -> torch.Tensor:
     if pid == os.getpid():
         entry = _own.get(inode)
         if entry is None or entry[0].expired():
@@ -191,8 +194,8 @@ def _load_by_reference(pid: int, fd: int, inode: int, size: int, offset: int, sh
         storage = torch.UntypedStorage._new_with_weak_ptr(entry[0].cdata)
     else:
         storage = _receive.attach(pid, fd, inode, size, lent=False).shared_storage()
-    tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-    return _finish(tensor, requires_grad, parameter)
+    tensor = _finish(torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride), requires_grad, parameter)
+    return tensor if seq is None else _recycled.note(tensor, seq)  # (its owner may rewrite it: see _recycled)
 
 
 # -------------------------------------------------------------------------- by copy

@@ -32,12 +32,11 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import _shm
-from .._reductions import shm_space
 from ..distributed import RpcGroup
 from ._budget import CallBudget
 from ._common import check_group, check_name, check_timeout, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
+from ._state_pool import StatePool, unchanged
 from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
@@ -51,7 +50,7 @@ def get_version(model: torch.nn.Module) -> Optional[int]:
     return getattr(model, VERSION_ATTR, None)
 
 
-def set_version(model: torch.nn.Module, version: int) -> None:
+def set_version(model: torch.nn.Module, version: Optional[int]) -> None:
     # A plain attribute (not a buffer): it must not enter the state dict.
     object.__setattr__(model, VERSION_ATTR, version)
 
@@ -186,46 +185,23 @@ class PushPullModelServer:
 
     def _pull(self, model: torch.nn.Module, budget: CallBudget) -> bool:
         target = unwrap(model)
-        got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
-        if got is None:
-            return False
-        state, version = got
-        diff = loadable(spec_of(state), spec_of(target.state_dict()), "the server's model", "this model")
-        if diff is not None:
-            raise ValueError(f"cannot pull model {self.model_name!r} into a model of another architecture "
-                             f"(nothing was loaded): {diff}")
-        target.load_state_dict(state)
-        set_version(model, version)
-        return True
-
-
-_SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
-
-
-def _share_state(_key: Any, value: Any) -> Any:
-    """A pushed state dict, its large CPU tensors copied into memory shared by reference.
-
-    Pulls by members on this host then read the server's copy in place (the puller's
-    ``load_state_dict`` is the only copy); a pushed state is never edited afterwards, and
-    a pull never hands the received tensors to the user.
-    """
-    if not isinstance(value, dict):
-        return value
-    adopted = {}
-    for name, tensor in value.items():
-        if isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= _SHARE_FROM \
-                and not tensor.requires_grad:  # (eligible first: a sparse tensor has no nbytes)
-            if not shm_space.has_room(tensor.nbytes):  # (pulls then copy it out of the pushed state)
-                shm_space.warn_by_value(tensor.nbytes, "a pushed model's tensor")
-                adopted[name] = tensor
-                continue
-            storage = torch.UntypedStorage._new_shared(tensor.nbytes)  # by descriptor: /proc-reachable
-            # torch's stubs lack the (UntypedStorage, offset, size) overload of set_
-            copy = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)  # type: ignore[call-overload]
-            copy.copy_(tensor)
-            tensor = _shm.share(copy)
-        adopted[name] = tensor
-    return adopted
+        while True:
+            got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
+            if got is None:
+                return False
+            state, version = got
+            diff = loadable(spec_of(state), spec_of(target.state_dict()), "the server's model", "this model")
+            if diff is not None:
+                raise ValueError(f"cannot pull model {self.model_name!r} into a model of another architecture "
+                                 f"(nothing was loaded): {diff}")
+            target.load_state_dict(state)
+            if unchanged(state):
+                set_version(model, version)
+                return True
+            # The host rewrote the memory of this state while it was read (newer versions
+            # were made meanwhile, see _state_pool): the model holds a mix, so it has no
+            # version until a whole newest state is loaded (within the same budget).
+            set_version(model, None)
 
 
 class PushPullModelServerImpl:
@@ -282,8 +258,9 @@ class PushPullModelServerImpl:
         self.group = group
         self.model_name = model_name
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
+        self._pool = StatePool()
         if o_server is None:
-            self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1, _share_state,
+            self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1, self._pool,
                                                                   checkpoint)
             o_server = OrderedServerSimple._checked(f"{server_name}/ordered", group)
         self.o_server = o_server
@@ -292,6 +269,7 @@ class PushPullModelServerImpl:
         except BaseException:
             if self.o_server_impl is not None:
                 self.o_server_impl.close()
+            self._pool.close()
             raise
         self._closed = False
 
@@ -325,3 +303,4 @@ class PushPullModelServerImpl:
         self.group.unpair(self.server_name)
         if self.o_server_impl is not None:
             self.o_server_impl.close()
+        self._pool.close()

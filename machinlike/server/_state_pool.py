@@ -1,0 +1,125 @@
+"""The shared memory of a hosted model chain, reused from superseded states.
+
+Why: a model server's host copies each pushed state into shared memory of its own, so that
+the pulls of this host read it in place. Fresh memory for each push was most of a push
+(see ``_shm._recycled``); the memory of a state that nothing holds any more (not the chain,
+whose newest two versions it keeps, nor a reply being sent, nor a checkpoint being
+written) is rewritten instead::
+
+    push ─► adopt(key, state) ─► per large tensor, the slot (key, name, bytes):
+              a storage of the slot that only the slot holds, least recently written first
+                  └─► rewrite it under its seqlock ─► the state's tensor views it
+              none free and fewer than KEEP ─► make one (shared, seqlock header)
+              none free and KEEP of them held ─► fresh memory, not kept (as before)
+    pull on this host ─► the reply names the storage and its sequence; the puller's
+              load_state_dict copies it, then checks that the sequence did not move
+              (PushPullModelServer retries a pull whose state was rewritten meanwhile)
+
+A reader is only ever overtaken when several newer versions were made while it read: a
+slot's storages are reused in turn, and the chain holds the newest two.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Hashable, List, Mapping, Tuple
+
+import torch
+
+from .. import _shm
+from .._reductions import shm_space
+
+__all__ = ["StatePool", "SHARE_FROM", "unchanged"]
+
+SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
+KEEP = 4  # storages per slot: the chain's two, one being written, one a late reader may still read
+_SLOTS_MAX = 1024  # slots are per key and tensor name: a model has a fixed set of them
+
+Slot = Tuple[Hashable, str, int]
+
+
+def unchanged(state: Mapping[str, Any]) -> bool:
+    """Whether every tensor of a pulled ``state`` still holds what was sent (see the module doc)."""
+    return all(_shm.recycled.unchanged(value) for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)  # (torch internal)
+
+
+class StatePool:
+    """The ``adopt`` hook of a hosted model chain (see the module doc); ``close()`` it with
+    its host. Without recycling on this machine (``_shm.recycled.supported``), each push
+    gets fresh memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: Dict[Slot, List[torch.UntypedStorage]] = {}  # least recently written first
+        self._recycle = _shm.recycled.supported()
+
+    def close(self) -> None:
+        """Stop reusing memory; tensors that view it keep it alive as long as they live."""
+        with self._lock:
+            slots, self._slots, self._recycle = self._slots, {}, False
+        for storages in slots.values():
+            for storage in storages:
+                _shm.recycled.forget(storage)
+
+    def __call__(self, key: Hashable, value: Any) -> Any:
+        """A pushed state dict, its large CPU tensors copied into memory shared by reference.
+
+        A pushed state is never edited afterwards by anyone but this pool (once no one holds
+        it), and a pull never hands the received tensors to the user.
+        """
+        if not isinstance(value, dict):
+            return value
+        adopted = {}
+        for name, tensor in value.items():
+            # (eligible first: a sparse tensor has no nbytes)
+            if isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= SHARE_FROM \
+                    and not tensor.requires_grad:
+                tensor = self._copy(key, name, tensor)
+            adopted[name] = tensor
+        return adopted
+
+    def _copy(self, key: Hashable, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.nbytes
+        with self._lock:  # (a storage is chosen and held by its view before another push looks)
+            storage, fresh = self._take((key, name, nbytes))
+            if storage is not None:
+                view = self._view(storage, _shm.recycled.HEADER, tensor)
+        if storage is None:
+            if not shm_space.has_room(nbytes):  # (pulls then copy it out of the pushed state)
+                shm_space.warn_by_value(nbytes, "a pushed model's tensor")
+                return tensor
+            view = self._view(torch.UntypedStorage._new_shared(nbytes), 0, tensor)
+            view.copy_(tensor)
+            return _shm.share(view)
+        with _shm.recycled.rewrite(storage):
+            view.copy_(tensor)
+        return _shm.share(view) if fresh else view
+
+    def _take(self, slot: Slot) -> Tuple[Any, bool]:
+        """A storage of ``slot`` to write (and whether it is new), or None: make fresh memory."""
+        if not self._recycle:
+            return None, False
+        storages = self._slots.get(slot)
+        if storages is None:
+            if len(self._slots) >= _SLOTS_MAX:
+                return None, False
+            storages = self._slots[slot] = []
+        for i, storage in enumerate(storages):
+            if _use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint
+                storages.append(storages.pop(i))
+                return storage, False
+        if len(storages) >= KEEP or not shm_space.has_room(slot[2] + _shm.recycled.HEADER):
+            return None, False
+        storage = _shm.recycled.make(slot[2])
+        storages.append(storage)
+        return storage, True
+
+    @staticmethod
+    def _view(storage: torch.UntypedStorage, offset: int, like: torch.Tensor) -> torch.Tensor:
+        # torch's stubs lack the (UntypedStorage, offset, size) overload of set_
+        return torch.empty(0, dtype=like.dtype).set_(  # type: ignore[call-overload]
+            storage, offset // like.element_size(), like.shape)

@@ -1,0 +1,181 @@
+"""A model server's host reuses the shared memory of superseded states (server/_state_pool)
+under a seqlock (_shm/_recycled): what nothing holds is rewritten, what a reply, the chain or
+anyone here holds is not, and a same-host puller whose state was rewritten while it read
+it loads the newest state again instead of keeping a mix under an old version."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from machinlike import _shm
+from machinlike.server._state_pool import KEEP, StatePool, unchanged
+from machinlike.testing import run_world
+
+MB = 1 << 20
+needs_recycling = pytest.mark.skipif(not _shm.recycled.supported(), reason="recycling is off on this architecture")
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((MB // 2,), value), "b": torch.full((4,), value)}  # 2 MB: adopted; 16 B: kept
+
+
+@needs_recycling
+def test_the_memory_of_a_state_nobody_holds_is_reused_and_a_held_one_never():
+    pool = StatePool()
+    try:
+        first = pool("m", _state(1.0))
+        address = first["w"].untyped_storage().data_ptr()
+        held = pool("m", _state(2.0))  # the first is still held here: other memory
+        assert held["w"].untyped_storage().data_ptr() != address
+        assert float(first["w"][0]) == 1.0 and float(held["w"][-1]) == 2.0
+        del first
+        again = pool("m", _state(3.0))  # the first's memory, free now, is rewritten
+        assert again["w"].untyped_storage().data_ptr() == address
+        assert float(again["w"].min()) == float(again["w"].max()) == 3.0 and float(held["w"][0]) == 2.0
+        kept = [pool("m", _state(float(i))) for i in range(KEEP + 2)]  # all held: fresh ones beyond KEEP
+        assert len({s["w"].untyped_storage().data_ptr() for s in kept}) == KEEP + 2
+        assert len(pool._slots[("m", "w", MB * 2)]) == KEEP  # only KEEP are kept for reuse
+        assert [float(s["w"][0]) for s in kept] == [float(i) for i in range(KEEP + 2)]
+    finally:
+        pool.close()
+
+
+def test_without_recycling_each_state_gets_fresh_memory(monkeypatch):
+    monkeypatch.setattr(_shm.recycled, "supported", lambda: False)
+    pool = StatePool()
+    first = pool("m", _state(1.0))
+    assert _shm.is_shared_by_reference(first["w"]) and not torch.equal(first["w"], first["b"])
+    del first
+    second = pool("m", _state(2.0))
+    assert not pool._slots and float(second["w"].max()) == 2.0
+    assert _shm.recycled.sequence(second["w"].untyped_storage()) is None
+
+
+@needs_recycling
+def test_a_received_view_knows_when_its_memory_was_rewritten():
+    storage = _shm.recycled.make(64)
+    try:
+        assert _shm.recycled.sequence(storage) == 0
+        view = torch.empty(0).set_(storage, _shm.recycled.HEADER // 4, (16,))
+        reader = _shm.recycled.note(torch.empty(0).set_(storage, _shm.recycled.HEADER // 4, (16,)), 0)
+        assert unchanged({"w": reader, "n": 3}) and _shm.recycled.unchanged(view)  # (not received: always)
+        with _shm.recycled.rewrite(storage):
+            assert not _shm.recycled.unchanged(reader)  # odd while written
+            view.fill_(5.0)
+        assert _shm.recycled.sequence(storage) == 2 and not unchanged({"w": reader})
+    finally:
+        _shm.recycled.forget(storage)
+    assert _shm.recycled.sequence(storage) is None
+
+
+def _model(value: float) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # a 4 MB weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _values(model: torch.nn.Module) -> set:
+    return {float(v) for p in model.parameters() for v in (p.min(), p.max())}
+
+
+class _Overtaken(torch.nn.Module):
+    """A puller whose first load is overtaken: four newer versions are pushed (each rewriting
+    memory on the host) after the state arrived and before it is read."""
+
+    def __init__(self, server, pusher) -> None:
+        super().__init__()
+        self.net = _model(0.0)
+        self.loads = 0
+        self._peers = (server, pusher)  # (a tuple: not a submodule)
+
+    def load_state_dict(self, state, *args, **kwargs):  # type: ignore[override]
+        self.loads += 1
+        server, pusher = self._peers
+        if self.loads == 1:
+            for _ in range(4):
+                with torch.no_grad():
+                    for p in pusher.parameters():
+                        p.fill_(float(pusher.pp_version + 1))
+                assert server.push(pusher)
+        return super().load_state_dict(state, *args, **kwargs)
+
+
+def _overtaken_body(world):
+    from machinlike.server import PushPullModelServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    impl = PushPullModelServerImpl("server", g) if world.rank == 0 else None
+    g.barrier()
+    out = None
+    if world.rank == 1:
+        server = g.get_paired("server").to_here()
+        pusher = torch.nn.Module()
+        pusher.net = _model(0.0)
+        for _ in range(3):
+            with torch.no_grad():
+                for p in pusher.parameters():
+                    p.fill_(float(getattr(pusher, "pp_version", 0) + 1))
+            assert server.push(pusher)
+        reader = _Overtaken(server, pusher)
+        assert server.pull(reader)
+        out = (reader.loads, reader.pp_version, _values(reader.net), pusher.pp_version)
+        for _ in range(40):  # many more pushes: the host's memory stays bounded
+            assert server.push(pusher)
+    g.barrier()
+    if impl is not None:
+        out = max(len(storages) for storages in impl._pool._slots.values())
+    g.barrier()
+    return out
+
+
+@needs_recycling
+def test_a_pull_overtaken_by_rewrites_loads_the_newest_state_whole():
+    kept, (loads, version, values, newest) = run_world(_overtaken_body, 2, timeout=90)
+    assert newest == 7
+    # Its state's memory was rewritten while it waited: it loaded again, the newest, whole.
+    assert (loads, version, values) == (2, 7, {7.0})
+    assert kept <= KEEP
+
+
+def _race_body(world, seconds):
+    import time
+
+    from machinlike.server import PushPullModelServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        PushPullModelServerImpl("server", g)
+    g.barrier()
+    out = None
+    if world.rank > 0:
+        server = g.get_paired("server").to_here()
+        model = torch.nn.Module()
+        model.net = _model(0.0)
+        end = time.monotonic() + seconds
+        if world.rank == 1:  # the learner: version v holds the value v everywhere
+            pushes = 0
+            while time.monotonic() < end:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.fill_(float(getattr(model, "pp_version", 0) + 1))
+                pushes += server.push(model)
+            out = pushes
+        else:  # an actor: every state it loads is one version, whole
+            torn, pulls = [], 0
+            while time.monotonic() < end:
+                if server.pull(model):
+                    pulls += 1
+                    if _values(model.net) != {float(model.pp_version)}:
+                        torn.append((model.pp_version, sorted(_values(model.net))))
+            out = (pulls, torn)
+    g.barrier()
+    return out
+
+
+def test_an_actor_pulling_while_a_learner_pushes_only_ever_loads_whole_versions():
+    _, pushes, (pulls, torn) = run_world(_race_body, 3, args=(1.0,), timeout=90)
+    assert pushes > 20 and pulls > 5
+    assert torn == [], (pushes, pulls, torn[:3], len(torn))
