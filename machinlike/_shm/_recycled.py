@@ -25,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from typing import Iterator, Optional, Set
+from typing import Dict, Iterator, Optional
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["HEADER", "supported", "make", "forget", "rewrite", "sequence", "note", "sent_sequence", "unchanged"]
 
 HEADER = 64  # bytes ahead of the data: a multiple of every dtype's size, and a cache line
 _ATTR = "_machinlike_seq"
-_marked: Set[int] = set()  # data addresses of this process's recycled storages (their owners forget them)
+# This process's recycled storages by data address, weakly: an owner that never said
+# forget() must not leave its address to a later storage.
+_marked: Dict[int, StorageWeakRef] = {}
 
 
 def supported() -> bool:
@@ -48,13 +51,16 @@ def make(nbytes: int) -> torch.UntypedStorage:
     """
     storage = torch.UntypedStorage._new_shared(HEADER + nbytes)  # by descriptor: /proc-reachable
     _header(storage).zero_()
-    _marked.add(storage.data_ptr())
+    _marked[storage.data_ptr()] = StorageWeakRef(storage)
+    if len(_marked) > 256:  # forget the storages that died
+        for address in [a for a, ref in _marked.items() if ref.expired()]:
+            _marked.pop(address, None)
     return storage
 
 
 def forget(storage: torch.UntypedStorage) -> None:
     """No more rewrites of ``storage``: it travels as any shared storage from now on."""
-    _marked.discard(storage.data_ptr())
+    _marked.pop(storage.data_ptr(), None)
 
 
 def _header(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -75,7 +81,8 @@ def rewrite(storage: torch.UntypedStorage) -> Iterator[None]:
 
 def sequence(storage: torch.UntypedStorage) -> Optional[int]:
     """The sequence of one of this process's recycled storages; None for any other storage."""
-    if storage.data_ptr() not in _marked:
+    ref = _marked.get(storage.data_ptr())
+    if ref is None or ref.cdata != storage._cdata or ref.expired():
         return None
     return int(_header(storage).item())
 
