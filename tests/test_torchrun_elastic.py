@@ -73,3 +73,63 @@ def test_restarted_worker_group_rejoins_on_the_agents_store(tmp_path):
         # opens no store of its own, on no second port.
         assert match.group(1, 2) == match.group(3, 4), line
     assert "exitcode  : 3" in done.stderr or "exitcode: 3" in done.stderr.replace("  ", " "), done.stderr[-3000:]
+
+
+TWO_NODES = textwrap.dedent(
+    """
+    import os, sys, time
+
+    import torch
+    from machinlike.distributed import World
+
+    marker = sys.argv[1]
+    node = os.environ["GROUP_RANK"]
+    world = World(dist_timeout=25)
+    group = world.create_rpc_group("g", world.get_members())
+    group.register(f"rank{world.rank}", lambda: node)
+    group.barrier()
+    if not os.path.exists(marker + node):
+        open(marker + node, "w").close()
+        if node == "1":
+            os._exit(3)  # node 1's worker dies: its agent restarts for a failure, ...
+        time.sleep(120)  # ... node 0's, healthy, for a change of membership (its agent stops it)
+    seen = [group.registered_sync(f"rank{r}") for r in range(world.world_size)]
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    os.write(1, f"node {node} count {os.environ['TORCHELASTIC_RESTART_COUNT']} rank {world.rank}: seen {seen} "
+                f"all_reduce {int(t.item())}\\n".encode())
+    group.barrier()
+    world.stop()
+    """
+)
+
+
+def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
+    # torchrun counts a restart for a failure on the failed node only: the two nodes' workers
+    # came back with restart counts 1 and 0, and once waited for each other in two
+    # namespaces until the start-up timeout. Their Worlds now agree on the round.
+    script = tmp_path / "nodes.py"
+    script.write_text(TWO_NODES)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk2-{os.getpid()}",
+               "--rdzv-conf", "last_call_timeout=1", str(script), str(tmp_path / "died")]
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    report = "\n".join(out + err[-4000:] for out, err in outs)
+    assert [node.returncode for node in nodes] == [0, 0], report
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
+    assert [re.sub(r"rank \d", "rank R", line) for line in lines] == [
+        "node 0 count 0 rank R: seen ['0', '1'] all_reduce 2",
+        "node 1 count 1 rank R: seen ['0', '1'] all_reduce 2"], report

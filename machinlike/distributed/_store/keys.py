@@ -29,6 +29,10 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>gs/<group>/<server>/...      a gradient server's own keys
     <ns>rpc, <ns>pg                  prefixes of torch's RPC and process-group rendezvous
 
+Under torchrun, ``<restart>`` is ``r<round>``, the round its Worlds' ranks agreed on
+(``_world.rounds``) through ``mlk/tr/{round, ticket/<rank>, want/<rank>,
+grant/<rank>/<ticket>, ack/<round>/<rank>}``.
+
 Why one module: the same strings are written by one process and read by another (or by
 the next incarnation of the same member), so a key built in two places is a protocol
 with two authors. Values are typed records with ``encode``/``decode``; the on-store text
@@ -81,6 +85,32 @@ class Keys:
         next one; the k-th World of every rank meets the k-th World of the others.
         """
         return f"{_root(restart)}incarnation/{rank}"
+
+    # torchrun's rounds (see _world.rounds), beside every namespace
+    @staticmethod
+    def round_counter() -> str:
+        """Counter of the rounds drawn by the rank 0s of a torchrun job's Worlds."""
+        return "mlk/tr/round"
+
+    @staticmethod
+    def round_ticket(rank: int) -> str:
+        """Counter of the processes that came as ``rank`` (one ticket each)."""
+        return f"mlk/tr/ticket/{rank}"
+
+    @staticmethod
+    def round_want(rank: int) -> str:
+        """The ticket of the newest process that came as ``rank``."""
+        return f"mlk/tr/want/{rank}"
+
+    @staticmethod
+    def round_grant(rank: int, ticket: str) -> str:
+        """The round rank 0 granted to ticket ``ticket`` of ``rank``."""
+        return f"mlk/tr/grant/{rank}/{ticket}"
+
+    @staticmethod
+    def round_ack(round_: int, rank: int) -> str:
+        """Set by ``rank`` once it took round ``round_``."""
+        return f"mlk/tr/ack/{round_}/{rank}"
 
     @staticmethod
     def static_world(restart: str, incarnation: int) -> "Keys":

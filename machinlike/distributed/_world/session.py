@@ -62,6 +62,7 @@ from .._groups import directory as _directory
 from .._groups import GroupDirectory
 from .._membership import Membership
 from ..._deadline import deadline_left
+from .rounds import agree_round
 from .settings import Settings
 from .strangers import check_sizes, give_back_seat, seat_held, stranger_error
 
@@ -289,7 +290,9 @@ def start_static(session: Session) -> None:
     _budget(session, info).check(s.size)  # (warns only)
     if s.rpc:  # after the store (a wrong address or environment is named first), before the others wait
         _transport.claim_worker_id(s.rank)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Under torchrun, the round its ranks agree on (see rounds: its restart count is no round).
+    restart = agree_round(info.store, s.rank, s.size, deadline, f"{info.host}:{info.port}") \
+        if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
     # A namespace per world incarnation (see Keys.static_counter).
     mine = info.store.add(Keys.static_counter(restart, s.rank), 1)
     keys = Keys.static_world(restart, mine)
