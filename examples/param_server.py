@@ -181,6 +181,12 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
             missing = sorted(finished.expected - set(finished.reports))
             raise TimeoutError(f"trainers {missing} did not finish within the time budget plus 60 s")
         servers.watch()  # a failed reducer thread ends the run with its own error
+        if not world.elastic:  # (srun, unlike torchrun and launch(), lets the other tasks run on)
+            lost = sorted(finished.expected - set(finished.reports) - set(world.get_members()))
+            if lost:
+                raise RuntimeError(f"trainers {lost} died before they finished, and a static world cannot take them "
+                                   f"back: start the job again (under srun, --kill-on-bad-exit ends every task "
+                                   f"at the first failure; torchrun --max-restarts restarts the workers)")
         measure()
     server.flush()  # apply every push still queued, partial batches included
     final = measure(final=True)
@@ -322,8 +328,9 @@ def main() -> None:
     p.add_argument("--hidden", type=_util.positive_int, default=128, help="hidden units per layer (default 128)")
     p.add_argument("--reduce-batch", type=_util.positive_int, default=2,
                    help="pushes each reducer combines; a step averages its square (default 2)")
-    p.add_argument("--max-queue", type=_util.positive_int, default=8,
-                   help="pushes a secondary reducer may hold before refusing more (default 8)")
+    p.add_argument("--max-queue", type=_util.positive_int, default=32,
+                   help="pushes a secondary reducer may hold before refusing more; a refused push is counted "
+                        "and its gradient dropped (default 32)")
     p.add_argument("--eval-every", type=_util.positive_float, default=0.5,
                    help="seconds between evaluations (default 0.5)")
     p.add_argument("--print-every", type=_util.positive_float, default=2.0,
@@ -343,12 +350,15 @@ def main() -> None:
     png = _util.plot_csv(args.out, "epochs", ["test_accuracy", "train_loss"], "param_server: MLP on digits")
     if final.get("trainers") is None or args.chaos is not None:
         final["trainers"] = {m: t for m, t in final.get("trainers", {}).items() if "secondary" in t}
+    refused = sum(t["secondary"]["rejected"] for t in final["trainers"].values() if "secondary" in t)
     per_trainer = ", ".join(f"{m}: {t['secondary']['accepted']} pushes taken, {t['secondary']['rejected']} refused"
                             for m, t in final["trainers"].items())
     _util.summary("param_server", {
         "test accuracy": f"{100 * final['test_acc']:.2f}% ({len(args.data['y_test'])} held-out images)",
         "train accuracy": f"{100 * final['train_acc']:.2f}%",
-        "epochs": f"{final['epochs']:.1f} (of {args.epochs})",
+        "epochs": f"{final['epochs']:.1f} (of {args.epochs})" + (
+            f"; {refused} pushes were refused by full queues and dropped (a larger --max-queue than "
+            f"{args.max_queue} holds more)" if refused else ""),
         "server": (f"{stats['steps']} optimizer steps from {stats['applied']} pushes, version "
                    f"{stats['version']}, lag mean {stats['lag_mean']:.2f} max {stats['lag_max']}"),
         "secondary reducers": per_trainer or "not reported (with --chaos the run ends while they train)",

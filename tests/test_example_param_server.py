@@ -82,3 +82,43 @@ def test_param_server_trains_through_a_trainer_killed_by_chaos(tmp_path):
     assert " 0 trainers lost" not in chaos
     deaths = read_scalars(str(tmp_path / "ps"))["world/deaths"]
     assert deaths[-1][1] >= 1, deaths  # the kills show in the metrics (and as red lines in metrics.png)
+
+
+def test_under_srun_a_dead_trainer_ends_every_task_at_once(tmp_path):
+    # srun (without --kill-on-bad-exit) lets the other tasks of a step run on when one dies:
+    # the server waited out its time budget plus 60 s for a trainer that was gone. It now
+    # ends at its next look (every --eval-every s), naming the trainer. Three tasks as srun
+    # starts them (its environment; no SLURM daemons needed).
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    base.update(SLURM_STEP_ID="0", SLURM_JOB_ID="43", SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3",
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, os.path.join(ROOT, "examples", "param_server.py"), "--num-workers", "2",
+               "--epochs", "1000", "--time-budget", "100", "--no-metrics", "--out", str(tmp_path / "ps.csv")]
+    logs = [tmp_path / f"task{r}.log" for r in range(3)]
+    tasks = [subprocess.Popen(command, env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)), cwd=tmp_path,
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT) for r in range(3)]
+    try:
+        deadline = time.monotonic() + 90
+        while "pushes applied" not in logs[0].read_text() and time.monotonic() < deadline:
+            assert tasks[0].poll() is None, logs[0].read_text()
+            time.sleep(0.2)
+        tasks[2].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [task.wait(timeout=60) for task in tasks]
+        took = time.monotonic() - killed
+    finally:
+        for task in tasks:
+            task.kill()
+    server = logs[0].read_text()
+    assert "RuntimeError: trainers ['2'] died before they finished" in server and "--kill-on-bad-exit" in server, \
+        server[-3000:]
+    assert codes[0] != 0 and took < 30, (codes, took, server[-2000:])

@@ -312,6 +312,12 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 
     (mine,) = machinlike.launch(job, 99, args=(100,))
     os.write(1, f"launched rank {mine - 100} of {world.world_size}\\n".encode())
+    # Restarts and kills are torchrun's to do here: asked of launch(), they are refused.
+    for bad in ({"chaos": 1.0, "max_restarts": 1}, {"max_restarts": 2}):
+        try:
+            machinlike.launch(job, 99, args=(100,), **bad)
+        except ValueError as err:
+            os.write(1, f"refused {sorted(bad)}: {'but torchrun started this one' in str(err)}\\n".encode())
     """
 )
 
@@ -330,3 +336,6 @@ def test_torchrun_builds_world_without_arguments(tmp_path):
     assert lines == [f"rank {r} of 3: services 3 all_reduce 3" for r in range(3)], done.stdout
     launched = sorted(line for line in done.stdout.splitlines() if line.startswith("launched "))
     assert launched == [f"launched rank {r} of 3" for r in range(3)], done.stdout
+    refused = sorted(line for line in done.stdout.splitlines() if line.startswith("refused "))
+    assert refused == sorted(["refused ['chaos', 'max_restarts']: True", "refused ['max_restarts']: True"] * 3), \
+        done.stdout

@@ -127,6 +127,21 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
         world.stop(stop_timeout)
 
 
+def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None:
+    # Under torchrun or srun the launcher started this process: there is nothing here to
+    # kill or restart, and a run without what was asked for would look like a success.
+    launcher = external_launcher() or "torchrun"
+    if chaos is not None:
+        raise ValueError(f"chaos={chaos!r} needs launch() to start the ranks itself, but {launcher} started this "
+                         f"one: run the script without {launcher} (launch() then spawns the ranks), or pass "
+                         f"chaos=None")
+    if max_restarts:
+        hint = ("torchrun's --max-restarts restarts the whole worker group" if launcher == "torchrun" else
+                "srun restarts nothing; --kill-on-bad-exit ends the step when a task fails")
+        raise ValueError(f"max_restarts={max_restarts!r} needs launch() to start the ranks itself, but {launcher} "
+                         f"started this one ({hint}): pass max_restarts=0 here, or run without {launcher}")
+
+
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
               names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any]) -> Any:
     from .._store import resolve_rank_and_size
@@ -189,7 +204,8 @@ def launch(
             with a World built from the launcher's environment, instead of starting
             processes; ``world_size`` is then the launcher's. None: detect it
             (``TORCHELASTIC_RUN_ID``, or an srun step of several tasks). This is what lets
-            one script run all these ways.
+            one script run all these ways; ``max_restarts`` and ``chaos`` are then refused
+            (``ValueError``): the cluster launcher owns the processes.
         max_restarts: How many times each rank may be restarted after it raised or died;
             0 (the default): the first failure ends the run. Above 0 the ranks form an
             elastic World (no default process group, so no collectives): a restarted rank
@@ -225,6 +241,7 @@ def launch(
     if reserved:
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
     if torchrun if torchrun is not None else external_launcher() is not None:
+        _refuse_restarts_in_place(max_restarts, chaos)
         return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)])
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
