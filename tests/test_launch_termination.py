@@ -147,3 +147,34 @@ def test_a_launcher_with_its_own_sigterm_handler_keeps_it(tmp_path):
     while [pid for pid in _rank_pids(tmp_path) if _alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in _rank_pids(tmp_path) if _alive(pid)]
+
+
+def test_a_ctrl_c_during_a_ranks_start_waits_for_the_start_to_end():
+    # Interrupted while it wrote a rank's start-up data, the launcher left the forkserver's
+    # child printing an UnpicklingError traceback under the example's "interrupted" line.
+    import os
+    import signal
+    import threading
+
+    from machinlike.distributed._launch.termination import deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred():
+            steps.append("start")
+            # process-directed, from another thread (as a terminal's Ctrl-C may land there)
+            sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+            sender.start()
+            sender.join()
+            for _ in range(1000):  # bytecodes on which KeyboardInterrupt would have been raised
+                steps.append("written")
+            steps.append("recorded")
+    assert steps[0] == "start" and steps[-1] == "recorded" and len(steps) == 1002
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred():  # an ignored Ctrl-C stays ignored
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -36,7 +36,7 @@ from ...pickle import dumps, loads
 from .._store import external_launcher, host_store
 from .rank_fn import check_rank_fn, run_rank_fn
 from .stacks import StackFiles, arm
-from .termination import Termination
+from .termination import Termination, deferred
 
 __all__ = ["launch", "LaunchResult", "Restart"]
 
@@ -332,6 +332,10 @@ class _Job:
         self.stacks = StackFiles()  # where a rank writes its stacks when the run times out
 
     def start(self, rank: int) -> None:
+        with deferred():  # (an interrupted start left a half-sent rank behind: see deferred)
+            self._start(rank)
+
+    def _start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
         # Not daemonic, so that a rank may start pools and processes of its own; it
         # still cannot outlive this call (killed in launch's finally) or its parent

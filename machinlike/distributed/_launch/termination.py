@@ -19,12 +19,44 @@ Only the default disposition is replaced, only in the main thread, and only whil
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from types import FrameType, TracebackType
-from typing import Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Type
 
-__all__ = ["Termination"]
+__all__ = ["Termination", "deferred"]
+
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends (a rank's start, a few milliseconds).
+
+    Why: interrupted while it wrote a new rank's start-up data to the forkserver's child,
+    the launcher left that child to print an ``UnpicklingError`` traceback under the
+    example's "interrupted" line (and a rank started but not yet recorded would be missed
+    by the cleanup). The signals' handlers are swapped for one that notes them, and a
+    noted signal is raised again once the old handlers are back. (Not a blocked mask: a
+    process-directed signal then reaches another thread, whose Python handler still
+    interrupts the main thread.) Main thread only; an ignored signal stays ignored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: List[int] = []
+    kept: Dict[signal.Signals, Any] = {}
+    for sig in _DEFERRED:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            kept[sig] = signal.signal(sig, lambda signum, _frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
+        for signum in dict.fromkeys(noted):  # (once each: a second Ctrl-C adds nothing here)
+            signal.raise_signal(signum)
 
 
 class _Terminated(BaseException):
