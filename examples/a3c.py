@@ -435,8 +435,8 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     except PeerLostError as err:
         if err.member != learner:
             raise
-    except KeyError as err:  # past the gate, a missing service means the learner withdrew it: finishing
-        print(f"[worker {world.name}] stopped: the learner withdrew its services ({err})", flush=True)
+    except KeyError:  # past the gate, a missing service means the learner withdrew it: finishing
+        print(f"[worker {world.name}] stopped: the learner finished (it withdrew its services)", flush=True)
     for impl in impls:
         impl.close()
     return None

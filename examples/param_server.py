@@ -271,8 +271,8 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     except PeerLostError as err:
         if err.member != server_member:
             raise
-    except KeyError as err:  # past the gate, a missing service means the server withdrew it: finishing
-        print(f"[trainer {world.name}] stopped: the server withdrew its services ({err})", flush=True)
+    except KeyError:  # past the gate, a missing service means the server withdrew it: finishing
+        print(f"[trainer {world.name}] stopped: the server finished (it withdrew its services)", flush=True)
     impl.close()
     return None
 

@@ -198,12 +198,12 @@ class MemberLog:
             return
         if event.kind == "lost":
             self.counts["losses"] += 1
-            log.warning("%s on %r: member %r (incarnation %d) was lost", self._what, self._me, event.member,
-                        event.incarnation)
+            log.info("%s on %r: member %r (incarnation %d) was lost", self._what, self._me, event.member,
+                 event.incarnation)
         elif event.kind == "join" and event.incarnation > 1:
             self.counts["rejoins"] += 1
-            log.warning("%s on %r: member %r rejoined (incarnation %d)", self._what, self._me, event.member,
-                        event.incarnation)
+            log.info("%s on %r: member %r rejoined (incarnation %d)", self._what, self._me, event.member,
+                 event.incarnation)
 
     def stats(self) -> Optional[Dict[str, int]]:
         """``{"losses": n, "rejoins": m}``; None outside an elastic world."""

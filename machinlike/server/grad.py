@@ -44,7 +44,7 @@ instead (it returns False, nothing of it is applied) and counted as ``rejected``
 :meth:`PushPullGradServerImpl.stats`. The primary never drops: a partial
 sum that finds its queue full waits (the forwarding secondary pauses, its queue fills,
 clients get False). ``stop()`` drops what is still queued and counts it as ``dropped``;
-call ``flush()`` first to apply everything.
+call the accessor's :meth:`PushPullGradServer.flush` first to apply everything.
 
 Parts. :class:`PushPullGradServerImpl` is the entrance: it checks its arguments once and
 wires one member's parts, each owning its state: the reducers' state machine
@@ -217,12 +217,12 @@ class PushPullGradServerImpl:
             return
         if event.kind == "lost":
             self._events["losses"] += 1
-            log.warning("gradient server %r on %r: member %r (incarnation %d) was lost", self.server_name,
-                        self.member, event.member, event.incarnation)
+            log.info("gradient server %r on %r: member %r (incarnation %d) was lost", self.server_name,
+                 self.member, event.member, event.incarnation)
         elif event.kind == "join" and event.incarnation > 1:
             self._events["rejoins"] += 1
-            log.warning("gradient server %r on %r: member %r rejoined (incarnation %d)", self.server_name,
-                        self.member, event.member, event.incarnation)
+            log.info("gradient server %r on %r: member %r rejoined (incarnation %d)", self.server_name,
+                 self.member, event.member, event.incarnation)
 
     def __repr__(self) -> str:
         roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]

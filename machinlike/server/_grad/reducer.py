@@ -89,7 +89,7 @@ class _Reducer:
             self._cond.notify_all()
         if dropped:
             log.warning("gradient server %r: the %s reducer on member %r stopped with %d queued gradient "
-                        "pushes not applied (flush() before stop() to apply them)",
+                        "pushes not applied (the accessor's flush() before stop() applies them)",
                         self.server_name, self.role, self.member, dropped)
         self._fail_futures(doomed)
         thread = self._thread
