@@ -194,3 +194,33 @@ def test_a_primary_checkpoint_needs_its_lease(tmp_path):
     Checkpointer(tmp_path, "grad-server", "g", suffix=".lease").save({"lease": 5})
     with pytest.raises(CheckpointError, match="holds version 7, above the lease 5"):
         ckpt.resume(params, torch.optim.SGD(params.values(), lr=1.0), None)
+
+
+def _closing_body(world, directory, pushes):
+    group = world.create_rpc_group("g")
+    impl = PushPullGradServerImpl("grad", group, primary_reducer=world.name, secondary_reducers=[world.name],
+                                  reduce_batch_size=1, max_queue_size=8, checkpoint_dir=directory,
+                                  checkpoint_every=100)
+    model = Two()
+    impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    impl.start()
+    server = group.get_paired("grad", timeout=30).to_here()
+    client = Two()
+    server.pull(client)
+    start = client.w.detach().clone()
+    for _ in range(pushes):
+        client.w.grad = torch.tensor([1.0, 2.0])
+        server.push(client)
+    server.flush(timeout=30)
+    server.pull(client)
+    impl.close()
+    return start.tolist(), client.w.detach().tolist()
+
+
+def test_a_closing_primary_checkpoints_the_versions_made_since_its_last_checkpoint(tmp_path):
+    # checkpoint_every=100 and 5 pushes: only the first checkpoint (version 0) was due; a
+    # whole job restarted from the directory lost every version after it.
+    (start, end), = launch(_closing_body, 1, args=(str(tmp_path), 5), timeout=60)
+    assert start == [0.0, 0.0] and end == [-5.0, -10.0]
+    (resumed, _), = launch(_closing_body, 1, args=(str(tmp_path), 0), timeout=60)
+    assert resumed == end

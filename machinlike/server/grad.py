@@ -288,6 +288,7 @@ class PushPullGradServerImpl:
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop this member's reducers; what they still hold is dropped (counted, logged).
+        With ``checkpoint_dir``, the primary then writes a checkpoint of every version made.
 
         Later pushes and flushes reaching this member raise :class:`ServerStoppedError`.
         Safe to call twice.
@@ -306,6 +307,11 @@ class PushPullGradServerImpl:
         for reducer in self._reducers():
             if reducer.role in roles:
                 reducer.stop(max(0.001, deadline - time.monotonic()))
+        if "primary" in roles and self._managed is not None:
+            try:  # (the primary's thread has ended: its model and optimizer hold still)
+                self._managed.last_checkpoint()
+            except OSError as err:  # the versions are served already: say so, as a periodic one does
+                log.error("gradient server %r could not write its last checkpoint: %s", self.server_name, err)
 
     def watch(self) -> None:
         """Re-raise the exception that ended a reducer thread of this member, if any."""

@@ -112,6 +112,14 @@ class PrimaryCheckpoint:
         if self._host.due(self._made):
             self._host.save(self._made, self._snapshot())
 
+    def last(self) -> None:
+        """Write a checkpoint of every version made, unless it is written already.
+
+        Raises:
+            OSError: the checkpoint could not be written.
+        """
+        self._host.save(self._made, self._snapshot())
+
     def _snapshot(self) -> Dict[str, Any]:
         if self._state is None:
             raise RuntimeError("PrimaryCheckpoint.manage() must be called before a checkpoint is written")

@@ -90,6 +90,16 @@ class ManagedModel:
         self._publish_first()
 
     # ------------------------------------------------------------ checkpoints
+    def last_checkpoint(self) -> None:
+        """With the primary stopped: write a checkpoint of the versions made since the last
+        one (a job restarted from it loses none of them); nothing without checkpoints.
+
+        Raises:
+            OSError: the checkpoint could not be written.
+        """
+        if self._checkpoint is not None and self.model is not None:
+            self._checkpoint.last()
+
     def _resume(self) -> bool:
         """Load the checkpoint, if any, and publish it under a never-used version."""
         if self._checkpoint is None:
