@@ -231,7 +231,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     data = {k: torch.from_numpy(v) for k, v in args.data.items()}
     server_member, trainers = "0", [str(r) for r in range(1, args.num_workers + 1)]
     options = dict(primary_reducer=server_member, reduce_method="mean", reduce_batch_size=args.reduce_batch,
-                   max_queue_size=args.max_queue)
+                   max_queue_size=args.max_queue, checkpoint_dir=args.checkpoint_dir)
     group = world.create_rpc_group(GROUP)  # open: a restarted trainer rejoins at once
     gate = _util.ReadyGate(world, group, f"{GROUP}/ready")
     if world.name == server_member:
@@ -300,7 +300,8 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
         # trainers' copies stay on the CPU (pushes and pulls cast between them).
         [lambda: make_model(args.hidden).to(args.device)], group=group, optimizer=torch.optim.Adam, learning_rate=args.lr,
         server_name=SERVER, primary_reducer=server_member, secondary_reducers=trainers,
-        reduce_method="mean", reduce_batch_size=args.reduce_batch, max_queue_size=args.max_queue)
+        reduce_method="mean", reduce_batch_size=args.reduce_batch, max_queue_size=args.max_queue,
+        checkpoint_dir=args.checkpoint_dir)
     # No try/finally around close(): it waits for every member, so after a failure it
     # would only hide the error; the launcher stops every rank when one raises.
     result: Optional[Dict[str, Any]] = None
@@ -331,6 +332,9 @@ def main() -> None:
     p.add_argument("--max-queue", type=_util.positive_int, default=32,
                    help="pushes a secondary reducer may hold before refusing more; a refused push is counted "
                         "and its gradient dropped (default 32)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="the server's checkpoints: a run (or a torchrun restart) with the same directory resumes "
+                        "the model and optimizer where the last one stopped (default: none)")
     p.add_argument("--eval-every", type=_util.positive_float, default=0.5,
                    help="seconds between evaluations (default 0.5)")
     p.add_argument("--print-every", type=_util.positive_float, default=2.0,

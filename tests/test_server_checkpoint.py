@@ -224,3 +224,30 @@ def test_a_closing_primary_checkpoints_the_versions_made_since_its_last_checkpoi
     assert start == [0.0, 0.0] and end == [-5.0, -10.0]
     (resumed, _), = launch(_closing_body, 1, args=(str(tmp_path), 0), timeout=60)
     assert resumed == end
+
+
+def _helper_body(world, directory):
+    from machinlike.server import grad_server_helper
+
+    servers = grad_server_helper([Two, Two], optimizer=torch.optim.SGD, learning_rate=1.0, reduce_batch_size=1,
+                                 checkpoint_dir=directory, checkpoint_every=100)
+    client = Two()
+    seen = []
+    for i, server in enumerate(servers):
+        server.pull(client)
+        seen.append(client.w.detach().tolist())
+        client.w.grad = torch.tensor([1.0, float(i + 1)])
+        server.push(client)
+        server.flush(timeout=30)
+    servers.close()
+    return seen
+
+
+def test_the_gradient_helper_checkpoints_each_of_its_servers(tmp_path):
+    # A job restarted (torchrun --max-restarts, or by hand) with the same directory resumes
+    # every model where the last run stopped, each from its own file.
+    first = launch(_helper_body, 1, args=(str(tmp_path),), timeout=60)[0]
+    again = launch(_helper_body, 1, args=(str(tmp_path),), timeout=60)[0]
+    assert first == [[0.0, 0.0], [0.0, 0.0]] and again == [[-1.0, -1.0], [-1.0, -2.0]]
+    assert sorted(os.listdir(tmp_path)) == ["grad_server_0.ckpt", "grad_server_0.lease", "grad_server_1.ckpt",
+                                            "grad_server_1.lease"]

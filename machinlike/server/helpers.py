@@ -191,7 +191,9 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
                        server_name: str = "grad_server", primary_reducer: Optional[str] = None,
                        secondary_reducers: Optional[Sequence[str]] = None, reduce_method: str = "sum",
                        reduce_device: Any = "cpu", reduce_batch_size: int = 4, max_queue_size: int = 64,
-                       group_name: Optional[str] = None, timeout: Optional[float] = None) -> ServerHandles:
+                       group_name: Optional[str] = None, timeout: Optional[float] = None,
+                       checkpoint_dir: Any = None, checkpoint_every: int = 100,
+                       checkpoint_interval: Optional[float] = None) -> ServerHandles:
     """Create and start one gradient server per model creator; every member calls it.
 
     Only the primary reducer calls the creators, building the managed models (clients
@@ -218,6 +220,9 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
             :class:`PushPullGradServerImpl`.
         group_name: machin's keyword: the name of the group to create (as a str ``group``).
         timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
+        checkpoint_dir, checkpoint_every, checkpoint_interval: The primary's checkpoints,
+            one file per server in ``checkpoint_dir`` (see :class:`PushPullGradServerImpl`):
+            a job started again with the same directory resumes every model. None: none.
 
     Returns:
         :class:`ServerHandles`: a tuple of :class:`PushPullGradServer` accessors, which
@@ -249,7 +254,9 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
                              secondary_reducers=(group.get_group_members() if secondary_reducers is None
                                                  else secondary_reducers),
                              reduce_method=reduce_method, reduce_device=reduce_device,
-                             reduce_batch_size=reduce_batch_size, max_queue_size=max_queue_size)
+                             reduce_batch_size=reduce_batch_size, max_queue_size=max_queue_size,
+                             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                             checkpoint_interval=checkpoint_interval)
     primary, secondaries = settings.primary, settings.secondaries
     me = group.get_cur_name()
     impls: List[PushPullGradServerImpl] = []
