@@ -1,6 +1,6 @@
 """``python -m machinlike <command>``: tools run from a shell.
 
-    python -m machinlike status ADDRESS [--once] [--interval S]   a live view of a world
+    python -m machinlike status ADDRESS [--once] [--json] [--interval S]   a live view of a world
 """
 
 from __future__ import annotations

@@ -11,16 +11,17 @@ them move between reads.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .distributed._membership import (
     MemberStatus, ReadOnlyStore, WorldStatus, connect_read_only, read_status,
 )
 
-__all__ = ["BeatClock", "render", "main"]
+__all__ = ["BeatClock", "render", "as_json", "main"]
 
 
 class BeatClock:
@@ -97,6 +98,19 @@ def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: f
     return head + "\n".join(line[:width] for line in lines) + "\n"
 
 
+def as_json(address: str, status: Optional[WorldStatus], clock: BeatClock, now: float) -> str:
+    """One read as one line of JSON (``--json``): the view's fields, by name."""
+    record: Dict[str, Any] = {"address": address, "time": time.time(), "world": None}
+    if status is not None:
+        record["world"] = {
+            "kind": status.kind, "namespace": status.namespace, "alive": len(status.alive()),
+            "deaths": status.deaths, "rejoins": status.rejoins, "leaves": status.leaves, "events": status.events,
+            "members": [{"name": m.name, "state": m.state, "incarnation": m.incarnation, "restarts": m.restarts,
+                         "rank": m.rank, "pid": m.pid, "host_id": m.host or None, "last_beat": clock.describe(m, now),
+                         "services": m.services, "paired": m.values} for m in status.members]}
+    return json.dumps(record)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m machinlike", description="Tools for machinlike jobs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -111,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --once: seconds between the two reads that tell a beating member from a "
                         "silent one (default 0.6; a member beats every liveness/8 s, at most 0.25 s)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store (default 5)")
+    s.add_argument("--json", action="store_true",
+                   help="one line of JSON per read (with --once, one) instead of the table, for scripts and logs")
     return p
 
 
@@ -127,6 +143,19 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
         print(f"machinlike status: {err}", file=sys.stderr)
         return 1 if isinstance(err, ConnectionError) else 2
     clock = BeatClock()
+    # A terminal is redrawn in place; a pipe or a file gets each read after the last.
+    screen = out.isatty() and not args.json
+
+    def show(status: Optional[WorldStatus], now: float, live: bool) -> None:
+        if args.json:
+            out.write(as_json(args.address, status, clock, now) + "\n")
+        else:
+            text = render(args.address, status, clock, now, shutil.get_terminal_size((120, 40)).columns)
+            if screen and live:
+                text = "\x1b[H\x1b[2J" + text + f"\n(every {args.interval:g} s; Ctrl-C to quit)\n"
+            out.write(text if screen or not live else text + "\n")
+        out.flush()
+
     try:
         if args.once:
             clock.observe(_read(store), time.monotonic())
@@ -134,15 +163,13 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
             now = time.monotonic()
             status = _read(store)
             clock.observe(status, now)
-            out.write(render(args.address, status, clock, now, shutil.get_terminal_size((120, 40)).columns))
+            show(status, now, live=False)
             return 0
         while True:
             now = time.monotonic()
             status = _read(store)
             clock.observe(status, now)
-            screen = render(args.address, status, clock, now, shutil.get_terminal_size((120, 40)).columns)
-            out.write("\x1b[H\x1b[2J" + screen + f"\n(every {args.interval:g} s; Ctrl-C to quit)\n")
-            out.flush()
+            show(status, now, live=True)
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import json
 import os
 import signal
 import socket
@@ -101,6 +102,12 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
         assert {n: rows[n][1] for n in procs} == {n: "alive" for n in procs}, text
         assert rows["actor"][5] == str(procs["actor"].pid) and "obs:svc/actor" in text
         assert rows["learner"][6].startswith("<"), text  # its heartbeat moved between the two reads
+        out = io.StringIO()
+        assert status_main(["status", address, "--once", "--json"], out=out) == 0
+        record = json.loads(out.getvalue())  # one line, by name: for scripts and logs
+        members = {m["name"]: m for m in record["world"]["members"]}
+        assert record["world"]["alive"] == 2 and members["actor"]["pid"] == procs["actor"].pid, record
+        assert members["actor"]["state"] == "alive" and "obs:svc/actor" in members["actor"]["services"], record
 
         procs["actor"].send_signal(signal.SIGKILL)
         procs["actor"].wait(10)
@@ -161,8 +168,10 @@ def test_the_live_view_ends_with_one_line_when_the_store_goes():
         port = int(host.stdout.readline())
         view = subprocess.Popen([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{port}", "--interval",
                                  "3"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(20):  # its first screen drawn: it reads the store
-            if "every 3 s" in view.stdout.readline():
+        for _ in range(20):  # its first view written: it reads the store
+            line = view.stdout.readline()
+            assert "\x1b" not in line  # (a pipe: each view after the last, no terminal codes)
+            if "no machinlike world in this store" in line:
                 break
         # The world's end, as the view sees it: between two reads (the screen is drawn after
         # a read, then it waits 3 s), as a store most often ends; one that ends inside a
