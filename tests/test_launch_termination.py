@@ -98,6 +98,7 @@ def test_sigterm_reaches_the_ranks_which_may_save_before_the_launcher_ends(tmp_p
     out, err = _finish(proc, 30)
     took = time.monotonic() - begin
     assert proc.returncode == -signal.SIGTERM, err  # ends by the signal, as before
+    assert "launch: ended by SIGTERM" in err, err  # and says so (a log ending mid-run read as a crash)
     assert "launch returned" not in out
     assert (tmp_path / "checkpoint0").read_text() == "saved", err
     assert not (tmp_path / "checkpoint1").exists()  # the default action: died of it

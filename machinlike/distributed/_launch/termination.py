@@ -20,12 +20,15 @@ Only the default disposition is replaced, only in the main thread, and only whil
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from types import FrameType, TracebackType
 from typing import Any, Dict, Iterator, List, Optional, Type
 
 __all__ = ["Termination", "deferred"]
+
+log = logging.getLogger(__name__)
 
 _DEFERRED = (signal.SIGINT, signal.SIGTERM)
 
@@ -96,4 +99,6 @@ class Termination:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self._installed = False
         if self.requested:
+            # (a log ending mid-progress, with no word of why, read as a crash)
+            log.warning("launch: ended by SIGTERM; its ranks were passed the signal and have stopped")
             signal.raise_signal(signal.SIGTERM)  # ends this process, as SIGTERM always did
