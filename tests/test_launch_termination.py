@@ -179,3 +179,19 @@ def test_a_ctrl_c_during_a_ranks_start_waits_for_the_start_to_end():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_second_ctrl_c_during_a_deferred_start_is_not_held_back():
+    # (a start that hangs, the warm forkserver's first import of torch, stays interruptible)
+    import signal
+
+    from machinlike.distributed._launch.termination import deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred():
+            signal.raise_signal(signal.SIGINT)
+            steps.append("noted")
+            signal.raise_signal(signal.SIGINT)
+            steps.append("not reached")
+    assert steps == ["noted"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

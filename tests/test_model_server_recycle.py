@@ -24,19 +24,19 @@ def _state(value: float) -> dict:
 def test_the_memory_of_a_state_nobody_holds_is_reused_and_a_held_one_never():
     pool = StatePool()
     try:
-        first = pool("m", _state(1.0))
-        address = first["w"].untyped_storage().data_ptr()
-        held = pool("m", _state(2.0))  # the first is still held here: other memory
-        assert held["w"].untyped_storage().data_ptr() != address
-        assert float(first["w"][0]) == 1.0 and float(held["w"][-1]) == 2.0
-        del first
-        again = pool("m", _state(3.0))  # the first's memory, free now, is rewritten
-        assert again["w"].untyped_storage().data_ptr() == address
-        assert float(again["w"].min()) == float(again["w"].max()) == 3.0 and float(held["w"][0]) == 2.0
-        kept = [pool("m", _state(float(i))) for i in range(KEEP + 2)]  # all held: fresh ones beyond KEEP
-        assert len({s["w"].untyped_storage().data_ptr() for s in kept}) == KEEP + 2
-        assert len(pool._slots[("m", "w", MB * 2)]) == KEEP  # only KEEP are kept for reuse
-        assert [float(s["w"][0]) for s in kept] == [float(i) for i in range(KEEP + 2)]
+        states = [pool("m", _state(float(i))) for i in range(KEEP)]  # KEEP storages made first
+        addresses = [s["w"].untyped_storage().data_ptr() for s in states]
+        assert len(set(addresses)) == KEEP and len(pool._slots[("m", "w", MB * 2)]) == KEEP
+        del states[1]  # nobody holds the second any more: its memory is rewritten next
+        again = pool("m", _state(7.0))
+        assert again["w"].untyped_storage().data_ptr() == addresses[1]
+        assert float(again["w"].min()) == float(again["w"].max()) == 7.0
+        assert [float(s["w"][0]) for s in states] == [0.0, 2.0, 3.0]  # the held ones untouched
+        beyond = pool("m", _state(8.0))  # all KEEP held: fresh memory, not kept
+        assert beyond["w"].untyped_storage().data_ptr() not in addresses
+        assert len(pool._slots[("m", "w", MB * 2)]) == KEEP and float(beyond["w"][-1]) == 8.0
+        assert _shm.recycled.sequence(beyond["w"].untyped_storage()) is None
+        assert _shm.recycled.sequence(again["w"].untyped_storage()) == 4  # written twice
     finally:
         pool.close()
 

@@ -231,9 +231,9 @@ def _helper_body(world, directory):
 
     servers = grad_server_helper([Two, Two], optimizer=torch.optim.SGD, learning_rate=1.0, reduce_batch_size=1,
                                  checkpoint_dir=directory, checkpoint_every=100)
-    client = Two()
     seen = []
     for i, server in enumerate(servers):
+        client = Two()  # (one per server: a model's pp_version is one server's)
         server.pull(client)
         seen.append(client.w.detach().tolist())
         client.w.grad = torch.tensor([1.0, float(i + 1)])

@@ -96,8 +96,10 @@ TWO_NODES = textwrap.dedent(
     seen = [group.registered_sync(f"rank{r}") for r in range(world.world_size)]
     t = torch.ones(1)
     torch.distributed.all_reduce(t)
+    from machinlike.distributed._membership import ReadOnlyStore, read_status
+    status = read_status(ReadOnlyStore(world._store_info.store))  # what the status view finds there
     os.write(1, f"node {node} count {os.environ['TORCHELASTIC_RESTART_COUNT']} rank {world.rank}: seen {seen} "
-                f"all_reduce {int(t.item())}\\n".encode())
+                f"all_reduce {int(t.item())} status {status.kind} {status.alive()}\\n".encode())
     group.barrier()
     world.stop()
     """
@@ -131,5 +133,5 @@ def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
     assert [node.returncode for node in nodes] == [0, 0], report
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
     assert [re.sub(r"rank \d", "rank R", line) for line in lines] == [
-        "node 0 count 0 rank R: seen ['0', '1'] all_reduce 2",
-        "node 1 count 1 rank R: seen ['0', '1'] all_reduce 2"], report
+        "node 0 count 0 rank R: seen ['0', '1'] all_reduce 2 status static ['0', '1']",
+        "node 1 count 1 rank R: seen ['0', '1'] all_reduce 2 status static ['0', '1']"], report

@@ -14,8 +14,9 @@ after the reply that named it was sent, when the owner holds nothing of it any m
     receiver   remembers the sent seq on the tensor; after reading its data,
                unchanged(tensor) ⇔ the seq in memory is still the sent one
 
-Only on x86-64: there a core's stores reach every other core in the order they were
-made, so a reader that saw any byte of a rewrite also sees the odd seq stored before it.
+Only on x86-64: there a core's ordinary stores reach every other core in the order they
+were made, and a locked instruction (``_fence``) orders the non-temporal stores a large
+copy may use too, so a reader that saw any byte of a rewrite also sees the odd seq.
 Elsewhere the owner would need fences that Python cannot issue, and :func:`supported`
 is False (the owner then makes fresh memory each time, as before).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import threading
 from typing import Dict, Iterator, Optional
 
 import torch
@@ -33,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 __all__ = ["HEADER", "supported", "make", "forget", "rewrite", "sequence", "note", "sent_sequence", "unchanged"]
 
 HEADER = 64  # bytes ahead of the data: a multiple of every dtype's size, and a cache line
+_FENCE = threading.Lock()
 _ATTR = "_machinlike_seq"
 # This process's recycled storages by data address, weakly: an owner that never said
 # forget() must not leave its address to a later storage.
@@ -73,10 +76,20 @@ def rewrite(storage: torch.UntypedStorage) -> Iterator[None]:
     """Around a rewrite of ``storage``'s data by its owner (the caller holds it alone)."""
     header = _header(storage)
     header.add_(1)  # odd: readers of the old data see a change from here on
+    _fence()
     try:
         yield
     finally:
+        _fence()
         header.add_(1)
+
+
+def _fence() -> None:
+    # A locked instruction (an uncontended mutex's) orders every store around it, the
+    # non-temporal stores a large memcpy may use included: x86 keeps those in order
+    # with locked instructions only.
+    with _FENCE:
+        pass
 
 
 def sequence(storage: torch.UntypedStorage) -> Optional[int]:

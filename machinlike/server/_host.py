@@ -199,11 +199,11 @@ class MemberLog:
         if event.kind == "lost":
             self.counts["losses"] += 1
             log.info("%s on %r: member %r (incarnation %d) was lost", self._what, self._me, event.member,
-                 event.incarnation)
+                     event.incarnation)
         elif event.kind == "join" and event.incarnation > 1:
             self.counts["rejoins"] += 1
             log.info("%s on %r: member %r rejoined (incarnation %d)", self._what, self._me, event.member,
-                 event.incarnation)
+                     event.incarnation)
 
     def stats(self) -> Optional[Dict[str, int]]:
         """``{"losses": n, "rejoins": m}``; None outside an elastic world."""

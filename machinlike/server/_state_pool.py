@@ -7,16 +7,18 @@ whose newest two versions it keeps, nor a reply being sent, nor a checkpoint bei
 written) is rewritten instead::
 
     push ─► adopt(key, state) ─► per large tensor, the slot (key, name, bytes):
-              a storage of the slot that only the slot holds, least recently written first
-                  └─► rewrite it under its seqlock ─► the state's tensor views it
-              none free and fewer than KEEP ─► make one (shared, seqlock header)
-              none free and KEEP of them held ─► fresh memory, not kept (as before)
+              fewer than KEEP storages ─► make one (shared, seqlock header)
+              else a storage of the slot that only the slot holds, least recently written
+                  first ─► rewrite it under its seqlock ─► the state's tensor views it
+              KEEP of them, all held ─► fresh memory, not kept (as before)
     pull on this host ─► the reply names the storage and its sequence; the puller's
               load_state_dict copies it, then checks that the sequence did not move
               (PushPullModelServer retries a pull whose state was rewritten meanwhile)
 
-A reader is only ever overtaken when several newer versions were made while it read: a
-slot's storages are reused in turn, and the chain holds the newest two.
+A reader is only ever overtaken when KEEP - 2 newer versions were made while it read: a
+slot's storages are reused in turn, and the chain holds the newest two. Other readers of
+the hosted chain (its ordered server's ``pull``) get the same memory unchecked: the chain's
+values are the model server's, read through its ``pull``.
 """
 
 from __future__ import annotations
@@ -108,15 +110,17 @@ class StatePool:
             if len(self._slots) >= _SLOTS_MAX:
                 return None, False
             storages = self._slots[slot] = []
+        # KEEP of them first, then in turn: a state's memory is rewritten only after KEEP - 2
+        # newer states were made (the chain holds two), which is a late reader's time.
+        if len(storages) < KEEP and shm_space.has_room(slot[2] + _shm.recycled.HEADER):
+            storage = _shm.recycled.make(slot[2])
+            storages.append(storage)
+            return storage, True
         for i, storage in enumerate(storages):
             if _use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint
                 storages.append(storages.pop(i))
                 return storage, False
-        if len(storages) >= KEEP or not shm_space.has_room(slot[2] + _shm.recycled.HEADER):
-            return None, False
-        storage = _shm.recycled.make(slot[2])
-        storages.append(storage)
-        return storage, True
+        return None, False
 
     @staticmethod
     def _view(storage: torch.UntypedStorage, offset: int, like: torch.Tensor) -> torch.Tensor:

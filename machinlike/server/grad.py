@@ -218,11 +218,11 @@ class PushPullGradServerImpl:
         if event.kind == "lost":
             self._events["losses"] += 1
             log.info("gradient server %r on %r: member %r (incarnation %d) was lost", self.server_name,
-                 self.member, event.member, event.incarnation)
+                     self.member, event.member, event.incarnation)
         elif event.kind == "join" and event.incarnation > 1:
             self._events["rejoins"] += 1
             log.info("gradient server %r on %r: member %r rejoined (incarnation %d)", self.server_name,
-                 self.member, event.member, event.incarnation)
+                     self.member, event.member, event.incarnation)
 
     def __repr__(self) -> str:
         roles = [r for r, x in (("primary", self.primary), ("secondary", self.secondary)) if x is not None]

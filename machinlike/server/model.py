@@ -185,6 +185,7 @@ class PushPullModelServer:
 
     def _pull(self, model: torch.nn.Module, budget: CallBudget) -> bool:
         target = unwrap(model)
+        torn = 0
         while True:
             got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
             if got is None:
@@ -202,6 +203,10 @@ class PushPullModelServer:
             # were made meanwhile, see _state_pool): the model holds a mix, so it has no
             # version until a whole newest state is loaded (within the same budget).
             set_version(model, None)
+            if not torn:
+                budget.then("the host rewrote the model's memory while this puller read it, newer versions "
+                            "coming faster than it reads; the model holds a mix of versions and no version")
+            torn += 1
 
 
 class PushPullModelServerImpl:

@@ -332,10 +332,6 @@ class _Job:
         self.stacks = StackFiles()  # where a rank writes its stacks when the run times out
 
     def start(self, rank: int) -> None:
-        with deferred():  # (an interrupted start left a half-sent rank behind: see deferred)
-            self._start(rank)
-
-    def _start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
         # Not daemonic, so that a rank may start pools and processes of its own; it
         # still cannot outlive this call (killed in launch's finally) or its parent
@@ -344,10 +340,11 @@ class _Job:
             target=_rank_main, name=f"rank {rank} ({self.names[rank]!r})", daemon=False,
             args=(rank, len(self.names), self.names[rank], self.port, self.payload, self.world_kwargs, writer,
                   self.stop_timeout, self.elastic, self.stacks.path(rank)))
-        process.start()
+        with deferred():  # (an interrupted start left a half-sent rank behind: see deferred)
+            process.start()
+            self.processes[rank] = process
         writer.close()
         self.started[rank] = time.monotonic()
-        self.processes[rank] = process
         self.readers.append(reader)
         self.reader_of[rank] = reader
 

@@ -43,23 +43,39 @@ def deferred() -> Iterator[None]:
     by the cleanup). The signals' handlers are swapped for one that notes them, and a
     noted signal is raised again once the old handlers are back. (Not a blocked mask: a
     process-directed signal then reaches another thread, whose Python handler still
-    interrupts the main thread.) Main thread only; an ignored signal stays ignored.
+    interrupts the main thread.) A second signal meanwhile is delivered at once. Main thread
+only; an ignored signal, or one whose handler is not Python's, is left alone.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     noted: List[int] = []
     kept: Dict[signal.Signals, Any] = {}
+
+    def note(signum: int, _frame: Any) -> None:
+        if noted:  # a second one: no more waiting (a start that hangs stays interruptible)
+            noted.clear()
+            _restore(kept)
+            signal.raise_signal(signum)
+            return
+        noted.append(signum)
+
     for sig in _DEFERRED:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            kept[sig] = signal.signal(sig, lambda signum, _frame: noted.append(signum))
+        handler = signal.getsignal(sig)
+        if handler is not signal.SIG_IGN and handler is not None:  # (None: not Python's: left alone)
+            kept[sig] = signal.signal(sig, note)
     try:
         yield
     finally:
-        for sig, handler in kept.items():
-            signal.signal(sig, handler)
-        for signum in dict.fromkeys(noted):  # (once each: a second Ctrl-C adds nothing here)
+        _restore(kept)
+        # SIGTERM first: its handler gives the ranks their grace (a Ctrl-C with it adds nothing)
+        for signum in sorted(set(noted), key=lambda n: n != signal.SIGTERM):
             signal.raise_signal(signum)
+
+
+def _restore(kept: Dict[signal.Signals, Any]) -> None:
+    for sig, handler in kept.items():
+        signal.signal(sig, handler)
 
 
 class _Terminated(BaseException):

@@ -166,6 +166,11 @@ class WorldStatus:
 
 def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, Keys]]:
     """(kind, keys) of the newest world on the store, None when there is none."""
+    rounds = store.get(Keys.round_counter())  # a torchrun job's static worlds (see _world.rounds)
+    for round_ in range(int(rounds) if rounds else 0, 0, -1):
+        latest = store.get(Keys.static_counter(f"r{round_}", 0))
+        if latest is not None:  # (the newest round whose rank 0 came that far)
+            return "static", Keys.static_world(f"r{round_}", int(latest))
     found: Optional[Tuple[str, Keys]] = None
     for restart in range(_MAX_RESTARTS):
         elastic = Keys.elastic_world(str(restart))
