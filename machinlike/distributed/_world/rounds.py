@@ -12,8 +12,9 @@ process: it draws the round and grants it to each rank's newest ticket::
     rank r > 0   t = add(ticket/r, 1) ─► set(want/r, t) ─► wait(grant/r/t) ─► round
                  ─► set(ack/<round>/r)
     rank 0       round = add(round, 1); until every ack/<round>/r exists:
+                     wait until every want/r exists (an earlier round's counts), a slice
                      grant each want/r not granted yet:  set(grant/r/<want>, round)
-                     wait for the acks a short slice (longer each time)
+                     wait for the acks, a slice (each slice longer, up to 0.2 s)
                  then delete the grants and acks
 
 A want left by a worker of an earlier round is granted too: nobody waits on its key, and
@@ -33,7 +34,7 @@ from .._store import Keys, multi_get
 
 __all__ = ["agree_round"]
 
-_SLICE_FIRST, _SLICE_MAX = 0.005, 0.2  # s: rank 0's waits for acks between its looks at the wants
+_SLICE_FIRST, _SLICE_MAX = 0.005, 0.2  # s: rank 0's waits between its looks at the wants
 
 
 def agree_round(store: dist.Store, rank: int, size: int, deadline: float, address: str) -> str:
