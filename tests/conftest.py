@@ -67,6 +67,7 @@ def no_leaked_workers():
 SERIAL = {
     "test_bounded_stop.py": "stops within a few seconds while a service blocks",
     "test_liveness_scale.py": "store requests per member, detection and starvation within bounds",
+    "test_liveness_wake.py": "a heartbeat thread never starved past a 0.625 s silence bound (liveness=1)",
     "test_ray.py": "every Ray actor started (a new interpreter) within a 10 s launch timeout",
     "test_samehost.py": "shared-memory segments recycled as fast as the receiver frees them",
     "test_scale.py": "16 member processes name their dead within 2.5 s p50, 4 s p99",
