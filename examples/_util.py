@@ -62,24 +62,12 @@ class _Parser(argparse.ArgumentParser):
         if parsed.chaos is not None and parsed.engine == "ray":
             self.error("--chaos needs --engine local: the launcher that kills and restarts ranks is the local "
                        "engine's (Ray actors are not restarted)")
-        launcher = _cluster_launcher()
+        launcher = machinlike.distributed.external_launcher()  # (as launch() tells)
         if parsed.chaos is not None and launcher is not None:
             self.error(f"--chaos needs the local engine's launcher, which kills and restarts ranks, but {launcher} "
                        f"started this process: run it as `python {os.path.basename(sys.argv[0])} --chaos ...` "
                        f"without {launcher}")
         return parsed
-
-
-def _cluster_launcher() -> Optional[str]:
-    """``"torchrun"`` or ``"srun"`` when one started this process as one rank (as
-    ``machinlike.launch`` tells), else None."""
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return "torchrun"
-    step = os.environ.get("SLURM_STEP_ID") or os.environ.get("SLURM_STEPID")
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or "1"
-    if step and tasks.isdigit() and int(tasks) > 1:
-        return "srun"
-    return None
 
 
 def parser(description: str, *, workers: int, budget: float, out: str) -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from ._calls import PairedRef, ResultRef, RpcFuture, share
 from ._groups import CollectiveGroup, RpcGroup
 from ._world import World, debug_with_process, get_cur_name, get_cur_rank, get_world, is_world_initialized
 from ._launch import LaunchResult, Restart, launch, launch_ray
+from ._store import external_launcher
 
 __all__ = [
     "World",
@@ -21,6 +22,7 @@ __all__ = [
     "LaunchResult",
     "Restart",
     "launch_ray",
+    "external_launcher",
     "get_world",
     "is_world_initialized",
     "get_cur_rank",
