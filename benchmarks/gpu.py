@@ -13,8 +13,9 @@ CUDA IPC where they have one:
 2. The model server on the same GPU: a 512 MB push (target <= 10 ms), then pulls of one
    version into 8 processes at once (target <= 30 ms from the first start to the last end).
 3. Churn: pushes of a 64 MB model while pullers are SIGKILLed one by one (mid-transfer):
-   the server's ``torch.cuda.memory_reserved()`` before and after (target: flat, its
-   snapshots plus 10%), the survivor's slowest pull (nothing waits out a timeout).
+   the server's ``torch.cuda.memory_reserved()`` once every puller pulls, before the first
+   SIGKILL, and at the end (target: flat, plus 10% at most; the pushes are paced over the
+   kills), the survivor's slowest pull (nothing waits out a timeout).
 4. The pool, ``share_method="cuda"``, 512 MB there and back, against copy mode.
 
 On one GPU, the processes of a host take turns on it (time slicing): each direction of an
@@ -49,6 +50,7 @@ SMALL_MB = 1
 MODEL_MB = 512
 PULLERS = 8
 CHURN_MB = 64
+_FIRST_KILL_S = 1.0  # churn: seconds before the first puller is SIGKILLed (the baseline is taken before)
 
 
 def say(text: str) -> None:
@@ -289,11 +291,19 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     if name == "pusher":
         first = None
         samples = []  # (push, reserved MiB, export slabs MiB): growth per death would show as a climb
+        # Paced over the victims' whole kill window: pushes that all ran before the last
+        # victim died would end the server under live pullers, and no SIGKILL would land.
+        window = _FIRST_KILL_S + victims * 0.25 + 0.6
+        began = time.monotonic()
         for i in range(pushes):
+            late = began + window * i / pushes - time.monotonic()
+            if late > 0:
+                time.sleep(late)
+            # The baseline: every puller pulling (their slabs made), none killed yet.
+            if first is None and time.monotonic() - began >= _FIRST_KILL_S - 0.2:
+                first = group.registered_sync("reserved")
             model.weight.data.fill_(i)
             assert server.push(model)
-            if i == min(pushes - 1, 100):  # every puller busy (the first victim dies after 0.5 s)
-                first = group.registered_sync("reserved")
             if i % max(1, pushes // 4) == 0:
                 reserved, slabs = group.registered_sync("reserved")
                 samples.append((i, reserved >> 20, slabs >> 20))
@@ -314,7 +324,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     else:
         index = int(name[len("victim"):])
         # one by one, while pulls are in flight: a thread kills the process mid-transfer
-        delay = 0.5 + index * 0.25 + random.random() * 0.1
+        delay = _FIRST_KILL_S + index * 0.25 + random.random() * 0.1
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         while True:
             server.pull(model)
@@ -374,6 +384,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and a shorter churn (a smoke run)")
     parser.add_argument("--only-echo", action="store_true",
                         help="only the echoes and the push, beside raw torch RPC and torch.multiprocessing")
+    parser.add_argument("--only-churn", action="store_true", help="only the churn (pullers SIGKILLed)")
     parser.add_argument("--lane", choices=("on", "off"), default="on",
                         help="calls between the members through the same-host lane (default) or torch RPC only")
     args = parser.parse_args()
@@ -389,33 +400,34 @@ def main() -> int:
     rows: List[Tuple[str, str, str, str, str]] = []
     moved = 2 * ECHO_MB  # there and back
 
-    raw = _section("raw torch RPC with a map", lambda: raw_rpc(repeats)) or {}
-    say(f"  64 MB echo {_rate(moved, raw.get('echo'))}, 1 MB echo {_ms(raw.get('small'))}, "
-        f"empty call {_ms(raw.get('call'))}")
-    mp = _section("torch.multiprocessing CUDA IPC", lambda: mp_echo(repeats)) or {}
-    say(f"  64 MB echo {_rate(moved, mp.get('echo'))}, 1 MB echo {_ms(mp.get('small'))}")
-    lane = args.lane == "on"
-    ours = _section("machinlike echoes and push", lambda: launch(_echo_body, 2, args=(repeats,), timeout=300,
-                                                                 rpc_timeout=120, same_host_lane=lane)[0]) or {}
-    say(f"  stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
-    if "echo" in ours:
-        ratio = f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)" if "echo" in raw else "(no raw figure)"
-        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", _rate(moved, ours["echo"]),
-                     _rate(moved, raw.get("echo")), _rate(moved, mp.get("echo")), ratio))
-        rows.append((f"{SMALL_MB} MB CUDA echo round trip", _ms(ours["small"]), _ms(raw.get("small")),
-                     _ms(mp.get("small")), "<= 0.3 ms"))
-    else:
-        rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", "fails", _rate(moved, raw.get("echo")),
-                     _rate(moved, mp.get("echo")), str(ours.get("echo_error", "see above"))))
-    if "call" in ours:
-        ratio = f"{ours['call'] / raw['call']:.2f}x raw" if "call" in raw else ""
-        rows.append(("call with no tensor", _ms(ours["call"]), _ms(raw.get("call")), "-",
-                     ratio + " (the CPU box's figure: benchmarks/rpc.py --quick)"))
-    if "push" in ours:
-        rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
-        say("  " + rows[-1][0] + ": " + rows[-1][1])
+    if not args.only_churn:
+        raw = _section("raw torch RPC with a map", lambda: raw_rpc(repeats)) or {}
+        say(f"  64 MB echo {_rate(moved, raw.get('echo'))}, 1 MB echo {_ms(raw.get('small'))}, "
+            f"empty call {_ms(raw.get('call'))}")
+        mp = _section("torch.multiprocessing CUDA IPC", lambda: mp_echo(repeats)) or {}
+        say(f"  64 MB echo {_rate(moved, mp.get('echo'))}, 1 MB echo {_ms(mp.get('small'))}")
+        lane = args.lane == "on"
+        ours = _section("machinlike echoes and push", lambda: launch(_echo_body, 2, args=(repeats,), timeout=300,
+                                                                     rpc_timeout=120, same_host_lane=lane)[0]) or {}
+        say(f"  stats: caller {ours.get('stats_caller')}, callee {ours.get('stats_callee')}")
+        if "echo" in ours:
+            ratio = f"{raw['echo'] / ours['echo']:.2f}x raw (>= 3)" if "echo" in raw else "(no raw figure)"
+            rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", _rate(moved, ours["echo"]),
+                         _rate(moved, raw.get("echo")), _rate(moved, mp.get("echo")), ratio))
+            rows.append((f"{SMALL_MB} MB CUDA echo round trip", _ms(ours["small"]), _ms(raw.get("small")),
+                         _ms(mp.get("small")), "<= 0.3 ms"))
+        else:
+            rows.append((f"{ECHO_MB} MB CUDA echo, registered_sync", "fails", _rate(moved, raw.get("echo")),
+                         _rate(moved, mp.get("echo")), str(ours.get("echo_error", "see above"))))
+        if "call" in ours:
+            ratio = f"{ours['call'] / raw['call']:.2f}x raw" if "call" in raw else ""
+            rows.append(("call with no tensor", _ms(ours["call"]), _ms(raw.get("call")), "-",
+                         ratio + " (the CPU box's figure: benchmarks/rpc.py --quick)"))
+        if "push" in ours:
+            rows.append((f"model push, {MODEL_MB} MB, same GPU", _ms(ours["push"]), "-", "-", "<= 10 ms"))
+            say("  " + rows[-1][0] + ": " + rows[-1][1])
 
-    if not args.only_echo:
+    if not args.only_echo and not args.only_churn:
         spans = _section(f"pulls into {PULLERS}", lambda: launch(_pulls_body, 2 + PULLERS, args=(max(2, repeats // 3),),
                                                                  timeout=300, rpc_timeout=120,
                                                                  same_host_lane=lane)[2:])
@@ -425,6 +437,12 @@ def main() -> int:
                          _ms(statistics.median(rounds)), "-", "-", "<= 30 ms"))
             say("  " + rows[-1][0] + ": " + rows[-1][1])
 
+        pool = _section("pool", lambda: pool_round_trips(repeats))
+        if pool:
+            rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
+                         _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
+
+    if not args.only_echo:
         done = _section("churn", lambda: churn(pushes, victims))
         if done:
             pusher, survivor = done["pusher"], done["survivor"]
@@ -432,7 +450,8 @@ def main() -> int:
                 (first, _), (last, slabs) = pusher["first"], pusher["last"]
                 rows.append((f"{pushes} pushes of {CHURN_MB} MB, {done['restarts']} of {victims} pullers SIGKILLed",
                              f"reserved {first / 2**20:.0f} -> {last / 2**20:.0f} MiB", "-", "-",
-                             f"flat: {last / first:.2f}x (<= 1.10), of which export slabs {slabs / 2**20:.0f} MiB; "
+                             f"flat: {last / first:.2f}x (<= 1.10; from every puller pulling, before the first "
+                             f"SIGKILL, to the end), of which export slabs {slabs / 2**20:.0f} MiB; "
                              f"survivor's slowest pull {survivor['slowest_pull'] * 1e3:.1f} ms; {done['seconds']:.0f} s"))
             else:
                 rows.append((f"{pushes} pushes of {CHURN_MB} MB with pullers SIGKILLed", "fails", "-", "-",
@@ -444,11 +463,6 @@ def main() -> int:
             if isinstance(pusher, dict) and isinstance(survivor, dict):
                 say(f"  server's area: {pusher.get('area')}; survivor's flushes before a pull: {survivor.get('flush')}")
                 say(f"  server's export area: {pusher.get('area')}")
-
-        pool = _section("pool", lambda: pool_round_trips(repeats))
-        if pool:
-            rows.append((f"pool apply, {MODEL_MB} MB CUDA tensor there and back", _rate(2 * MODEL_MB, pool["share"]), "-",
-                         _rate(2 * MODEL_MB, pool["copy"]), "share_method='cuda'; right: copy mode"))
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

@@ -2,8 +2,9 @@
 # Every GPU check of the project in one command, for a machine with one CUDA GPU (about
 # six minutes on an H100): `pytest -m gpu`, `benchmarks/gpu.py`, the Atari example's
 # frame rate with central inference on the GPU (when ale-py is installed), where the
-# echo's time goes (`benchmarks/gpu_breakdown.py`), and the echoes again under NVIDIA's
-# MPS daemon (when nvidia-cuda-mps-control is there).
+# echo's time goes (`benchmarks/gpu_breakdown.py`, `gpu_timeline.py`), the floor of a round
+# trip with no framework (`gpu_floor.py`), and the echoes again under NVIDIA's MPS daemon
+# (when nvidia-cuda-mps-control is there).
 #
 # Run from the repository root:  [PYTHON=python] [BUDGET=seconds] bash benchmarks/gpu_all.sh [OUTDIR]
 # Each step's output goes to OUTDIR (default: $OUT/gpu_all where the device tool sets $OUT,
@@ -61,12 +62,16 @@ if "$py" -c "import ale_py" 2>/dev/null; then
     --num-workers 14 --time-budget 50
 fi
 step breakdown 40 "$py" benchmarks/gpu_breakdown.py --repeats 100
+step timeline 30 "$py" benchmarks/gpu_timeline.py --repeats 300
+step floor 30 "$py" benchmarks/gpu_floor.py
 if command -v nvidia-cuda-mps-control >/dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/machinlike-mps}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/machinlike-mps-log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
   if nvidia-cuda-mps-control -d; then
     step gpu_mps 40 "$py" benchmarks/gpu.py --only-echo
+    step timeline_mps 30 "$py" benchmarks/gpu_timeline.py --repeats 300
+    step floor_mps 30 "$py" benchmarks/gpu_floor.py
     echo quit | nvidia-cuda-mps-control
   fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
