@@ -135,3 +135,62 @@ def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
     assert [re.sub(r"rank \d", "rank R", line) for line in lines] == [
         "node 0 count 0 rank R: seen ['0', '1'] all_reduce 2 status static ['0', '1']",
         "node 1 count 1 rank R: seen ['0', '1'] all_reduce 2 status static ['0', '1']"], report
+
+
+ELASTIC_NODES = textwrap.dedent(
+    """
+    import os, sys, time
+
+    from machinlike.distributed import World
+
+    marker = sys.argv[1]
+    node = os.environ["GROUP_RANK"]
+    world = World(f"w{node}", rank=0 if node == "0" else None, elastic=True, dist_timeout=25)
+    world.wait_for_members(["w0", "w1"], timeout=25)
+    group = world.create_rpc_group("g", ["w0", "w1"])
+    group.register(f"node{node}", lambda: node)
+    group.barrier()
+    if not os.path.exists(marker + node):
+        open(marker + node, "w").close()
+        if node == "1":
+            os._exit(3)
+        time.sleep(120)
+    seen = [group.registered_sync(f"node{n}") for n in "01"]
+    from machinlike.distributed._membership import ReadOnlyStore, read_status
+    status = read_status(ReadOnlyStore(world._store_info.store))  # what the status view finds there
+    os.write(1, f"node {node} count {os.environ['TORCHELASTIC_RESTART_COUNT']}: seen {seen} "
+                f"members {sorted(world.get_members())} status {status.kind} {sorted(status.alive())}\\n".encode())
+    group.barrier()
+    world.stop()
+    """
+)
+
+
+def test_an_elastic_world_of_two_nodes_meets_again_after_a_worker_of_one_died(tmp_path):
+    # The same restart as above, in an elastic World: its namespace came from the restart
+    # count too, so node 1's new worker (count 1) waited 25 s for w0, whose new worker
+    # (count 0) had joined the old namespace, where the dead round's records were.
+    script = tmp_path / "elastic_nodes.py"
+    script.write_text(ELASTIC_NODES)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk3-{os.getpid()}",
+               "--rdzv-conf", "last_call_timeout=1", str(script), str(tmp_path / "died")]
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for _ in range(2)]
+    try:
+        outs = [node.communicate(timeout=150) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    report = "\n".join(out + err[-4000:] for out, err in outs)
+    assert [node.returncode for node in nodes] == [0, 0], report
+    lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
+    assert lines == ["node 0 count 0: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']",
+                     "node 1 count 1: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']"], report

@@ -166,8 +166,11 @@ class WorldStatus:
 
 def _find_namespace(store: ReadOnlyStore) -> Optional[Tuple[str, Keys]]:
     """(kind, keys) of the newest world on the store, None when there is none."""
-    rounds = store.get(Keys.round_counter())  # a torchrun job's static worlds (see _world.rounds)
+    rounds = store.get(Keys.round_counter())  # a torchrun job's worlds (see _world.rounds)
     for round_ in range(int(rounds) if rounds else 0, 0, -1):
+        elastic = Keys.elastic_world(f"r{round_}")
+        if store.has(elastic.log_count()):
+            return "elastic", elastic
         latest = store.get(Keys.static_counter(f"r{round_}", 0))
         if latest is not None:  # (the newest round whose rank 0 came that far)
             return "static", Keys.static_world(f"r{round_}", int(latest))

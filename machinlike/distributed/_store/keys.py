@@ -80,9 +80,10 @@ class Keys:
     def static_counter(restart: str, rank: int) -> str:
         """Counter of the static Worlds rank ``rank`` built on a store (one namespace each).
 
-        ``restart`` is torchrun's restart count: a store may outlive a world (torchrun's
-        agent store outlives restarted workers) and stale keys must not leak into the
-        next one; the k-th World of every rank meets the k-th World of the others.
+        ``restart`` is a torchrun round's root (``_world.rounds``), else "0": a store may
+        outlive a world (torchrun's agent store outlives restarted workers) and stale keys
+        must not leak into the next one; the k-th World of every rank meets the k-th World
+        of the others.
         """
         return f"{_root(restart)}incarnation/{rank}"
 

@@ -372,7 +372,10 @@ def start_elastic(session: Session) -> None:
     s = session.settings
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Under torchrun, the round its workers agree on (see rounds), as a static World's:
+    # every worker of the job's round takes part, by torchrun's RANK and WORLD_SIZE.
+    restart = agree_round(info.store, *_rendezvous.resolve_rank_and_size(None, None), deadline,
+                          f"{info.host}:{info.port}") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
     members = _membership(session, info, Keys.elastic_world(restart))
     _count_members(session, members, _budget(session, info))
     members.enter(None if s.rank < 0 else s.rank, deadline)
