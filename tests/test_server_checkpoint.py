@@ -213,17 +213,19 @@ def _closing_body(world, directory, pushes):
         server.push(client)
     server.flush(timeout=30)
     server.pull(client)
+    primary = impl.stats()["primary"]
     impl.close()
-    return start.tolist(), client.w.detach().tolist()
+    return start.tolist(), client.w.detach().tolist(), primary["resumed_version"], primary["steps"]
 
 
 def test_a_closing_primary_checkpoints_the_versions_made_since_its_last_checkpoint(tmp_path):
     # checkpoint_every=100 and 5 pushes: only the first checkpoint (version 0) was due; a
     # whole job restarted from the directory lost every version after it.
-    (start, end), = launch(_closing_body, 1, args=(str(tmp_path), 5), timeout=60)
-    assert start == [0.0, 0.0] and end == [-5.0, -10.0]
-    (resumed, _), = launch(_closing_body, 1, args=(str(tmp_path), 0), timeout=60)
+    (start, end, resumed_version, steps), = launch(_closing_body, 1, args=(str(tmp_path), 5), timeout=60)
+    assert start == [0.0, 0.0] and end == [-5.0, -10.0] and resumed_version is None and steps == 5
+    (resumed, _, resumed_version, steps), = launch(_closing_body, 1, args=(str(tmp_path), 0), timeout=60)
     assert resumed == end
+    assert resumed_version is not None and resumed_version > 5 and steps == 0  # (its stats count from the resume)
 
 
 def _helper_body(world, directory):

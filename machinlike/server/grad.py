@@ -354,7 +354,9 @@ class PushPullGradServerImpl:
         ``batches``, ``dropped``, ``queued``, ``state``, ``version``, ``lag_mean`` and
         ``lag_max`` (versions published between the one a gradient was computed on and
         the step applying it), ``since_version`` (seconds since the last published
-        version), ``ordered`` (the hosted ordered server's counters).
+        version), ``resumed_version`` (the version a primary resumed from its checkpoint
+        published first; None: it started afresh; its ``steps`` and ``applied`` count from
+        there), ``ordered`` (the hosted ordered server's counters).
 
         In an elastic world also: ``secondary["lost_forwarding"]`` (pushes it could not
         forward because the primary was gone); ``primary["clients"]`` (members whose

@@ -74,6 +74,7 @@ class ManagedModel:
         self.optimizer: Any = None
         self.lr_scheduler: Any = None
         self.version = -1  # nothing published yet
+        self.resumed_version: Optional[int] = None  # the version a resume published its checkpoint as
         self._lag = {"sum": 0, "count": 0, "max": 0}
         self._published_at = time.monotonic()
 
@@ -118,7 +119,7 @@ class ManagedModel:
             stored = self._o_server.push(self._model_name, snapshot, resume, None if got is None else got[1])
         if not stored:
             raise RuntimeError(f"the ordered server refused resumed version {resume} of {self._model_name!r}")
-        self.version = resume
+        self.version = self.resumed_version = resume
         self._published_at = time.monotonic()
         log.warning("gradient server %r: primary resumed from %r (checkpoint version %d) as version %d",
                     self._server_name, self._checkpoint.path, state["version"], resume)
@@ -201,8 +202,10 @@ class ManagedModel:
             self._checkpoint.made()
 
     def stats(self) -> Dict[str, Any]:
-        """``version``, ``lag_mean``, ``lag_max`` and ``since_version`` (seconds)."""
+        """``version``, ``lag_mean``, ``lag_max``, ``since_version`` (seconds) and
+        ``resumed_version`` (None: this primary did not resume from a checkpoint)."""
         lag = self._lag
         return {"version": self.version, "lag_mean": lag["sum"] / lag["count"] if lag["count"] else 0.0,
-                "lag_max": lag["max"], "since_version": time.monotonic() - self._published_at}
+                "lag_max": lag["max"], "since_version": time.monotonic() - self._published_at,
+                "resumed_version": self.resumed_version}
 
