@@ -78,11 +78,11 @@ def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: f
     head = (f"machinlike {status.kind} world at {address}  {stamp}\n"
             f"members {len(alive)} alive of {len(status.members)}; deaths {status.deaths}, rejoins "
             f"{status.rejoins}, leaves {status.leaves}; events {status.events}; keys under {status.namespace}\n")
-    columns = ("MEMBER", "STATE", "INC", "RESTARTS", "RANK", "PID", "LAST BEAT")
+    columns = ("MEMBER", "STATE", "INC", "RESTARTS", "RANK", "PID", "HOST", "LAST BEAT")
     rows: List[Tuple[str, ...]] = [columns]
     for m in status.members:
         rows.append((m.name, m.state, str(m.incarnation), str(m.restarts), str(m.rank),
-                     str(m.pid) if m.pid is not None else "-", clock.describe(m, now)))
+                     str(m.pid) if m.pid is not None else "-", m.hostname or "-", clock.describe(m, now)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     fixed = sum(widths) + 2 * len(columns)
     rest = max(20, width - fixed)
@@ -106,7 +106,8 @@ def as_json(address: str, status: Optional[WorldStatus], clock: BeatClock, now: 
             "kind": status.kind, "namespace": status.namespace, "alive": len(status.alive()),
             "deaths": status.deaths, "rejoins": status.rejoins, "leaves": status.leaves, "events": status.events,
             "members": [{"name": m.name, "state": m.state, "incarnation": m.incarnation, "restarts": m.restarts,
-                         "rank": m.rank, "pid": m.pid, "host_id": m.host or None, "last_beat": clock.describe(m, now),
+                         "rank": m.rank, "pid": m.pid, "host": m.hostname or None, "host_id": m.host or None,
+                         "last_beat": clock.describe(m, now),
                          "services": m.services, "paired": m.values} for m in status.members]}
     return json.dumps(record)
 

@@ -101,12 +101,14 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
         assert host.num_keys() == keys_before, "the status view created keys"
         assert {n: rows[n][1] for n in procs} == {n: "alive" for n in procs}, text
         assert rows["actor"][5] == str(procs["actor"].pid) and "obs:svc/actor" in text
-        assert rows["learner"][6].startswith("<"), text  # its heartbeat moved between the two reads
+        assert rows["actor"][6] == socket.gethostname(), text  # (the operator's question: which machine?)
+        assert rows["learner"][7].startswith("<"), text  # its heartbeat moved between the two reads
         out = io.StringIO()
         assert status_main(["status", address, "--once", "--json"], out=out) == 0
         record = json.loads(out.getvalue())  # one line, by name: for scripts and logs
         members = {m["name"]: m for m in record["world"]["members"]}
         assert record["world"]["alive"] == 2 and members["actor"]["pid"] == procs["actor"].pid, record
+        assert members["actor"]["host"] == socket.gethostname(), record
         assert members["actor"]["state"] == "alive" and "obs:svc/actor" in members["actor"]["services"], record
 
         procs["actor"].send_signal(signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Is a peer process still alive? Cheaply, without a network round trip where possible.
 
-Each rank publishes an identity at start-up: the machine's boot id, its PID and network
-namespaces and its pid. A peer with the same boot id and namespaces is checked through
+Each rank publishes an identity at start-up: the machine's host name (for people: the
+status view shows it) and boot id, its PID and network namespaces and its pid. A peer with the same boot id and namespaces is checked through
 ``/proc`` (a zombie counts as dead); any other peer is another host as far as liveness is
 concerned (a network namespace can lose its network while its process lives on), and
 only its heartbeats tell.
@@ -10,6 +10,8 @@ only its heartbeats tell.
 from __future__ import annotations
 
 import os
+import re
+import socket
 from typing import Optional
 
 __all__ = ["process_identity", "alive_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
@@ -65,13 +67,15 @@ def _namespace() -> str:
             spaces.append(str(os.stat(f"/proc/self/ns/{kind}").st_ino))
         except OSError:
             spaces.append("?")
-    space = f"{boot}/{spaces[0]}:{spaces[1]}"
+    # (a host name holds none of "@|/" in practice; a record or this format would break on them)
+    name = re.sub(r"[@|/\s]", "_", socket.gethostname()) or "?"
+    space = f"{name}@{boot}/{spaces[0]}:{spaces[1]}"
     _cached = space
     return space
 
 
 def process_identity() -> str:
-    """``<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
+    """``<host name>@<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
     return f"{_namespace()}/{os.getpid()}"
 
 

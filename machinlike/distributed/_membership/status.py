@@ -114,7 +114,7 @@ class MemberStatus:
         started: Incarnations started under this name (elastic worlds; 1 in static ones).
         rank: Its rank (-1 when unknown).
         pid: Its process id, None when unknown.
-        host: Its process's host identity (boot id and namespaces), "" when unknown.
+        host: Its process's host identity (host name, boot id and namespaces), "" when unknown.
         beats: Its heartbeat counter, None when it never beat (no liveness monitor).
         services: Service keys it holds, as ``"<group>:<key>"``.
         values: Paired values it holds (servers are paired under their name), as
@@ -131,6 +131,11 @@ class MemberStatus:
     beats: Optional[int]
     services: List[str] = field(default_factory=list)
     values: List[str] = field(default_factory=list)
+
+    @property
+    def hostname(self) -> str:
+        """Its host's name, "" when unknown."""
+        return self.host.partition("@")[0] if "@" in self.host else ""
 
     @property
     def restarts(self) -> int:
