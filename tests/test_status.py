@@ -93,7 +93,8 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
     try:
         for name in ("learner", "actor"):
             procs[name] = subprocess.Popen([sys.executable, "-c", MEMBER, name, address], env=env, cwd=ROOT,
-                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                           stderr=subprocess.PIPE if name == "learner" else None)
         for name, proc in procs.items():
             assert proc.stdout.readline().strip() == "ready", name
         keys_before = _quiet_key_count(host)
@@ -127,6 +128,9 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
                                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False))
         status = read_status(ReadOnlyStore(recording))
         assert status.alive() == ["learner"] and recording.calls <= {"check", "get"}, recording.calls
+        _, err = procs["learner"].communicate(timeout=30)  # (closes its stdin: it stops)
+        # The death line says which machine (under torchrun or srun: which node).
+        assert f"member 'actor' (incarnation 1, rank 1, host {socket.gethostname()}) is lost" in err, err[-3000:]
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -421,8 +421,9 @@ class Monitor:
                         "member began", rec.member, rec.incarnation)
             deadline = time.monotonic() + 10 * self._tick()
         else:
-            log.warning("machinlike: member %r (incarnation %d, rank %d) is lost", rec.member, rec.incarnation,
-                        rec.rank)
+            host = rec.identity.partition("@")[0] if "@" in rec.identity else "?"
+            log.warning("machinlike: member %r (incarnation %d, rank %d, host %s) is lost", rec.member,
+                        rec.incarnation, rec.rank, host)
         released, workers = self._release(rec)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
         if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:
