@@ -106,12 +106,12 @@ TWO_NODES = textwrap.dedent(
 )
 
 
-def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
-    # torchrun counts a restart for a failure on the failed node only: the two nodes' workers
-    # came back with restart counts 1 and 0, and once waited for each other in two
-    # namespaces until the start-up timeout. Their Worlds now agree on the round.
+def _two_nodes(tmp_path, text, max_restarts):
+    """Two torchrun agents on this host as two "nodes" of one job (c10d rendezvous), each
+    running ``text`` with a marker path: each node's ``(stdout, stderr)`` and a report.
+    Asserts both agents exited 0."""
     script = tmp_path / "nodes.py"
-    script.write_text(TWO_NODES)
+    script.write_text(text)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -119,8 +119,8 @@ def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk2-{os.getpid()}",
+               "--max-restarts", str(max_restarts), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk2-{os.getpid()}-{port}",
                "--rdzv-conf", "last_call_timeout=1", str(script), str(tmp_path / "died")]
     nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
              for _ in range(2)]
@@ -131,6 +131,14 @@ def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
             node.kill()
     report = "\n".join(out + err[-4000:] for out, err in outs)
     assert [node.returncode for node in nodes] == [0, 0], report
+    return outs, report
+
+
+def test_two_nodes_meet_again_after_a_worker_of_one_died(tmp_path):
+    # torchrun counts a restart for a failure on the failed node only: the two nodes' workers
+    # came back with restart counts 1 and 0, and once waited for each other in two
+    # namespaces until the start-up timeout. Their Worlds now agree on the round.
+    outs, report = _two_nodes(tmp_path, TWO_NODES, max_restarts=2)
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
     assert [re.sub(r"rank \d", "rank R", line) for line in lines] == [
         "node 0 count 0 rank R: seen ['0', '1'] all_reduce 2 status static ['0', '1']",
@@ -170,27 +178,7 @@ def test_an_elastic_world_of_two_nodes_meets_again_after_a_worker_of_one_died(tm
     # The same restart as above, in an elastic World: its namespace came from the restart
     # count too, so node 1's new worker (count 1) waited 25 s for w0, whose new worker
     # (count 0) had joined the old namespace, where the dead round's records were.
-    script = tmp_path / "elastic_nodes.py"
-    script.write_text(ELASTIC_NODES)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--max-restarts", "1", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk3-{os.getpid()}",
-               "--rdzv-conf", "last_call_timeout=1", str(script), str(tmp_path / "died")]
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-             for _ in range(2)]
-    try:
-        outs = [node.communicate(timeout=150) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    report = "\n".join(out + err[-4000:] for out, err in outs)
-    assert [node.returncode for node in nodes] == [0, 0], report
+    outs, report = _two_nodes(tmp_path, ELASTIC_NODES, max_restarts=1)
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
     assert lines == ["node 0 count 0: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']",
                      "node 1 count 1: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']"], report
