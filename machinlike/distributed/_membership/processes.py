@@ -1,10 +1,10 @@
 """Is a peer process still alive? Cheaply, without a network round trip where possible.
 
 Each rank publishes an identity at start-up: the machine's host name (for people: the
-status view shows it) and boot id, its PID and network namespaces and its pid. A peer with the same boot id and namespaces is checked through
-``/proc`` (a zombie counts as dead); any other peer is another host as far as liveness is
-concerned (a network namespace can lose its network while its process lives on), and
-only its heartbeats tell.
+status view shows it) and boot id, its PID and network namespaces and its pid. A peer
+with the same host, boot id and namespaces is checked through ``/proc`` (a zombie counts
+as dead); any other peer is another host as far as liveness is concerned (a network
+namespace can lose its network while its process lives on), and only its heartbeats tell.
 """
 
 from __future__ import annotations
