@@ -15,6 +15,13 @@ step before it over ``--repeats`` echoes::
 
 The stamps cost about a microsecond each. Without CUDA, ``--device cuda`` says "no GPU"
 and exits 0; ``--device cpu`` runs the same steps with CPU tensors (shared memory).
+
+``--variant`` (repeatable) changes one thing in both processes, to see which step it moves
+(experiments for this benchmark's one caller and one callee, not settings):
+  inline-worker   the callee runs each call in its connection's reader thread (no hand-off)
+  inline-release  a receiver waits for its copies out and frees the lease itself (no
+                  releaser thread woken per message; the wait is on the message's path)
+  no-settle       the caller's stream is not ordered after the copies (``cuda_settle``)
 """
 
 from __future__ import annotations
@@ -56,6 +63,27 @@ def echo(x: Any) -> Any:
     return x
 
 
+VARIANTS = ("inline-worker", "inline-release", "no-settle")
+
+
+def _vary(variants: List[str]) -> None:
+    """Apply ``--variant`` changes in this process (see the module doc)."""
+    from machinlike.distributed._calls import cuda_ipc, cuda_ipc_area
+    from machinlike.distributed._groups import caller
+    from machinlike.distributed._transport import lane_server
+
+    if "inline-worker" in variants:
+        lane_server._Workers.submit = lambda self, job: job()  # type: ignore[method-assign]
+    if "inline-release" in variants:
+        def put(done: Any, row: Any, lease: int, owner: int) -> None:
+            done.synchronize()
+            if int(row[0]) == lease:
+                row[0] = cuda_ipc_area.FREE
+        cuda_ipc._releaser.put = put  # type: ignore[method-assign]
+    if "no-settle" in variants:
+        caller.settled = lambda value: value
+
+
 def _patch() -> None:
     from machinlike.distributed._calls import samehost, serve
     from machinlike.distributed._transport import lane, lane_server
@@ -66,7 +94,7 @@ def _patch() -> None:
     lane.load_body = _around("unpickle reply", lane.load_body)
     lane_server.read_frame = _around("read request", lane_server.read_frame)
     lane_server.load_body = _around("unpickle request", lane_server.load_body)
-    lane_server.send_frame = _around("send reply", lane_server.send_frame, "machinlike-lane-worker")
+    lane_server.send_frame = _around("send reply", lane_server.send_frame, "machinlike-lane-")
     lane_server.reply_bytes = _around("pickle reply", lane_server.reply_bytes)
     samehost.outgoing = _around("encode request", samehost.outgoing)
     serve._reply = _around("encode reply", serve._reply)
@@ -99,10 +127,11 @@ def _take() -> List[Tuple[int, str]]:
     return out
 
 
-def _body(world: Any, repeats: int, megabytes: float, device: str) -> Any:
+def _body(world: Any, repeats: int, megabytes: float, device: str, variants: List[str]) -> Any:
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.cuda.init()
+    _vary(variants)
     _patch()
     group = world.create_rpc_group("timeline", world.get_members())
     if world.rank == 1:
@@ -147,6 +176,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--megabytes", type=float, default=1.0)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--variant", choices=VARIANTS, action="append", default=[],
+                        help="change one thing in both processes (repeatable; see the module doc)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no GPU: benchmarks/gpu_timeline.py has nothing to measure here (--device cpu runs it on the CPU)")
@@ -154,12 +185,16 @@ def main() -> int:
     from machinlike import launch
 
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU"
-    print(f"device: {name}, torch {torch.__version__}, {args.megabytes:g} MB echo", flush=True)
-    walls, mine, theirs = launch(_body, 2, args=(args.repeats, args.megabytes, args.device), timeout=240,
-                                 rpc_timeout=60)[0]
+    print(f"device: {name}, torch {torch.__version__}, {args.megabytes:g} MB echo"
+          + (f", variants {', '.join(args.variant)}" if args.variant else ""), flush=True)
+    walls, mine, theirs = launch(_body, 2, args=(args.repeats, args.megabytes, args.device, args.variant),
+                                 timeout=240, rpc_timeout=60)[0]
     echoes = _echoes(mine + theirs)
     print(f"echo round trip: median {statistics.median(walls) * 1e6:.0f} us over {len(walls)} "
           f"({len(echoes)} with every step stamped)")
+    if not echoes:
+        print("  no echo had every step stamped: nothing to break down")
+        return 1
     previous = None
     total = 0.0
     for step, what in _STEPS:

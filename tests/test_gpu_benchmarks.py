@@ -1,6 +1,7 @@
 """The GPU benchmarks on a machine without one: each says "no GPU" and exits 0 (a lent GPU
 comes for minutes: a script that fails to import there wastes them), and the timeline's
-stamps cover every step of an echo (its ``--device cpu`` run: the same lane, CPU tensors).
+stamps cover every step of an echo (its ``--device cpu`` run: the same lane, CPU tensors),
+with its experiments' changes applied too.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def test_each_gpu_benchmark_says_no_gpu_and_exits_zero():
     assert out.count("no GPU") == len(SCRIPTS), out[-3000:]
 
 
-def test_the_timeline_stamps_every_step_of_an_echo():
-    rc, out = _run([os.path.join("benchmarks", "gpu_timeline.py"), "--device", "cpu", "--repeats", "30"], 150)
+@pytest.mark.parametrize("variants", [[], ["inline-worker", "inline-release", "no-settle"]])
+def test_the_timeline_stamps_every_step_of_an_echo(variants):
+    rc, out = _run([os.path.join("benchmarks", "gpu_timeline.py"), "--device", "cpu", "--repeats", "30",
+                    *(arg for v in variants for arg in ("--variant", v))], 150)
     assert rc == 0, out[-3000:]
+    assert ("variants " + ", ".join(variants) in out) == bool(variants), out[-3000:]
     found = re.search(r"over 30 \((\d+) with every step stamped\)", out)
     assert found is not None and int(found.group(1)) >= 20, out[-3000:]
     assert "caller: wake the calling thread, return" in out and "sum of the medians" in out
