@@ -182,3 +182,49 @@ def test_an_elastic_world_of_two_nodes_meets_again_after_a_worker_of_one_died(tm
     lines = sorted(line for out, _ in outs for line in out.splitlines() if line.startswith("node "))
     assert lines == ["node 0 count 0: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']",
                      "node 1 count 1: seen ['0', '1'] members ['w0', 'w1'] status elastic ['w0', 'w1']"], report
+
+
+ACTOR = textwrap.dedent(
+    """
+    import sys
+
+    from machinlike.distributed import World
+
+    with World("actor", elastic=True, init_method=sys.argv[1], dist_timeout=20) as world:
+        world.wait_for_members(["learner"], timeout=20)
+        group = world.create_rpc_group("g", ["learner", "actor"])
+        group.barrier()
+        print("actor got", group.registered_sync("hello", ("actor",)), flush=True)
+    """
+)
+
+
+def test_torchrun_workers_join_an_elastic_world_on_a_store_of_its_own(tmp_path):
+    # A learner started on its own hosts the World; actors started by torchrun join it by
+    # init_method. Their World is not the torchrun job's (its store is the learner's), so
+    # it keeps one namespace: agreeing on a torchrun round there put the actors in one of
+    # their own, where no learner ever came.
+    from machinlike.distributed import World
+
+    script = tmp_path / "actor.py"
+    script.write_text(ACTOR)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
+    with World("learner", rank=0, elastic=True, init_method=address, dist_timeout=30) as world:
+        actor = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "1", str(script), address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, env=env, cwd=ROOT)
+        try:
+            group = world.create_rpc_group("g", ["learner", "actor"])  # (waits for the actor to join)
+            group.register("hello", lambda who: f"hello {who}")
+            group.barrier()
+            out, err = actor.communicate(timeout=120)
+        finally:
+            actor.kill()
+        assert actor.returncode == 0, out + err[-4000:]
+        assert "actor got hello actor" in out, out + err[-4000:]

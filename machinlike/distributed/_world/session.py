@@ -372,10 +372,13 @@ def start_elastic(session: Session) -> None:
     s = session.settings
     deadline = time.monotonic() + s.dist_timeout
     info = _open(session)
-    # Under torchrun, the round its workers agree on (see rounds), as a static World's:
-    # every worker of the job's round takes part, by torchrun's RANK and WORLD_SIZE.
+    # On a torchrun job's own store, the round its workers agree on (see rounds), as a
+    # static World's: every worker of the round takes part, by torchrun's RANK and
+    # WORLD_SIZE. A World on a store of its own (init_method, store) keeps one namespace:
+    # it outlives torchrun's restarts, and the restarted workers rejoin it.
+    job_store = os.environ.get("TORCHELASTIC_RUN_ID") and s.init_method is None and s.store is None
     restart = agree_round(info.store, *_rendezvous.resolve_rank_and_size(None, None), deadline,
-                          f"{info.host}:{info.port}") if os.environ.get("TORCHELASTIC_RUN_ID") else "0"
+                          f"{info.host}:{info.port}") if job_store else "0"
     members = _membership(session, info, Keys.elastic_world(restart))
     _count_members(session, members, _budget(session, info))
     members.enter(None if s.rank < 0 else s.rank, deadline)
