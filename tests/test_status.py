@@ -87,15 +87,17 @@ def world_store():
     yield f"tcp://127.0.0.1:{port}", host
 
 
-def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store):
+def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store, tmp_path):
     address, host = world_store
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = {}
+    # The learner's log into a file: a pipe nobody reads until the end could fill and stop it.
+    learner_log = open(tmp_path / "learner.log", "w")
     try:
         for name in ("learner", "actor"):
             procs[name] = subprocess.Popen([sys.executable, "-c", MEMBER, name, address], env=env, cwd=ROOT,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                           stderr=subprocess.PIPE if name == "learner" else None)
+                                           stderr=learner_log if name == "learner" else None)
         for name, proc in procs.items():
             assert proc.stdout.readline().strip() == "ready", name
         keys_before = _quiet_key_count(host)
@@ -129,12 +131,14 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
                                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False))
         status = read_status(ReadOnlyStore(recording))
         assert status.alive() == ["learner"] and recording.calls <= {"check", "get"}, recording.calls
-        _, err = procs["learner"].communicate(timeout=30)  # (closes its stdin: it stops)
+        procs["learner"].communicate(timeout=30)  # (closes its stdin: it stops)
+        err = (tmp_path / "learner.log").read_text()
         # The death line says which machine (under torchrun or srun: which node).
         # (the ranks of an elastic world go by who joined first)
         assert re.search(rf"member 'actor' \(incarnation 1, rank \d, host {re.escape(socket.gethostname())}\) is lost",
                          err), err[-3000:]
     finally:
+        learner_log.close()
         for proc in procs.values():
             if proc.poll() is None:
                 proc.stdin.close()
