@@ -57,7 +57,7 @@ from .endpoint import Endpoint
 from .event_log import EventLog
 from .pidwatch import PidWatch
 from .._store import Keys, MemberRecord
-from .processes import DEFAULT_LIVENESS, alive_here, tick_of
+from .processes import DEFAULT_LIVENESS, alive_here, host_name, tick_of
 from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
@@ -421,9 +421,8 @@ class Monitor:
                         "member began", rec.member, rec.incarnation)
             deadline = time.monotonic() + 10 * self._tick()
         else:
-            host = rec.identity.partition("@")[0] if "@" in rec.identity else "?"
             log.warning("machinlike: member %r (incarnation %d, rank %d, host %s) is lost", rec.member,
-                        rec.incarnation, rec.rank, host)
+                        rec.incarnation, rec.rank, host_name(rec.identity) or "?")
         released, workers = self._release(rec)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
         if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:

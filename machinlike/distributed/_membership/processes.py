@@ -14,7 +14,7 @@ import re
 import socket
 from typing import Optional
 
-__all__ = ["process_identity", "alive_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
+__all__ = ["process_identity", "host_name", "alive_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
 
 #: The World's default ``liveness`` (seconds): a silent member on another host is declared
 #: lost after 3/4 of it. Shorter bounds declare busy members lost: a process that imports
@@ -77,6 +77,11 @@ def _namespace() -> str:
 def process_identity() -> str:
     """``<host name>@<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
     return f"{_namespace()}/{os.getpid()}"
+
+
+def host_name(identity: str) -> str:
+    """The host name an identity starts with; "" for one without (none recorded)."""
+    return identity.partition("@")[0] if "@" in identity else ""
 
 
 def is_here(identity: str) -> bool:

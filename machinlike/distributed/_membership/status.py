@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
+from .processes import host_name
 from .._store import Keys, MemberRecord, new_client, OwnedKey
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
@@ -135,7 +136,7 @@ class MemberStatus:
     @property
     def hostname(self) -> str:
         """Its host's name, "" when unknown."""
-        return self.host.partition("@")[0] if "@" in self.host else ""
+        return host_name(self.host)
 
     @property
     def restarts(self) -> int:
