@@ -11,7 +11,7 @@ step before it over ``--repeats`` echoes::
     caller main      call ─► walk + copy into slab ─► pickle ─► sent
     callee serve         ─► frame read ─► (hand-off) worker: unpickle = copy out
     callee worker        ─► echo ─► reply: walk + copy into slab ─► pickle ─► sent
-    caller reader        ─► frame read ─► unpickle = copy out ─► (wake) caller main: returned
+    caller main          ─► frame read ─► unpickle = copy out ─► returned
 
 The stamps cost about a microsecond each. Without CUDA, ``--device cuda`` says "no GPU"
 and exits 0; ``--device cpu`` runs the same steps with CPU tensors (shared memory).
@@ -86,12 +86,14 @@ def _vary(variants: List[str]) -> None:
 
 def _patch() -> None:
     from machinlike.distributed._calls import samehost, serve
-    from machinlike.distributed._transport import lane, lane_server
+    from machinlike.distributed._transport import lane, lane_conn, lane_server
 
     lane.request_bytes = _around("pickle request", lane.request_bytes)
-    lane.send_frame = _around("send request", lane.send_frame, "MainThread")
-    lane.read_frame = _around("read reply", lane.read_frame, "machinlike-lane-")
-    lane.load_body = _around("unpickle reply", lane.load_body)
+    lane_conn.send_frame = _around("send request", lane_conn.send_frame, "MainThread")
+    # (a sync call reads its own answer: the caller's thread, since session 45)
+    reader = lane_conn.FrameReader
+    reader.read = _around("read reply", reader.read, "MainThread")  # type: ignore[method-assign]
+    lane_conn.load_body = _around("unpickle reply", lane_conn.load_body)
     lane_server.read_frame = _around("read request", lane_server.read_frame)
     lane_server.load_body = _around("unpickle request", lane_server.load_body)
     lane_server.send_frame = _around("send reply", lane_server.send_frame, "machinlike-lane-")
@@ -115,9 +117,9 @@ _STEPS = [
     ("encode reply:end", "callee: walk, copy into slab, record"),
     ("pickle reply:end", "callee: pickle the reply"),
     ("send reply:start", "callee: to the socket"),
-    ("read reply:end", "caller reader thread: frame sent and read (the wire and its wake-up)"),
+    ("read reply:end", "caller: frame sent and read (the wire and its wake-up)"),
     ("unpickle reply:end", "caller: unpickle = open, wait ready, copy out"),
-    ("returned", "caller: wake the calling thread, return"),
+    ("returned", "caller: order its stream, return"),
 ]
 
 

@@ -49,4 +49,4 @@ def test_the_timeline_stamps_every_step_of_an_echo(variants):
     assert ("variants " + ", ".join(variants) in out) == bool(variants), out[-3000:]
     found = re.search(r"over 30 \((\d+) with every step stamped\)", out)
     assert found is not None and int(found.group(1)) >= 20, out[-3000:]
-    assert "caller: wake the calling thread, return" in out and "sum of the medians" in out
+    assert "caller: order its stream, return" in out and "sum of the medians" in out

@@ -16,6 +16,7 @@ import torch
 from machinlike.distributed import World
 from machinlike.distributed._calls.send import translate_error
 from machinlike.distributed._transport import lane as _lane
+from machinlike.distributed._transport import lane_conn
 from machinlike.distributed._transport.lane_wire import NotForLane, load_body, request_bytes
 from machinlike.exception import PeerLostError
 from machinlike.testing import run_world
@@ -137,7 +138,7 @@ def _conn_to(peer_closes_reading: bool):
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     if peer_closes_reading:
         theirs.shutdown(socket.SHUT_RD)  # our sends break (EPIPE); our reader sees no eof
-    return _lane._Conn(4242, mine, lambda conn: None), theirs
+    return lane_conn.Conn(4242, mine, lambda conn: None), theirs
 
 
 def test_a_frame_cut_inside_its_buffers_reads_as_eof():
@@ -177,7 +178,7 @@ def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
     # read as a lost peer, not as a timeout (CI once saw a 60 s "did not answer" here).
     conn, theirs = _conn_to(peer_closes_reading=True)
     with pytest.raises(RuntimeError) as broke:
-        conn.send(b"x" * 100, _lane._Pending(None, time.monotonic() + 5))
+        conn.send(b"x" * 100, lane_conn.Pending(None, time.monotonic() + 5))
     assert isinstance(translate_error(broke.value, "h", "the call", 5), PeerLostError), broke.value
     deadline = time.monotonic() + 5
     while conn._sock.fileno() != -1 and time.monotonic() < deadline:
@@ -187,7 +188,7 @@ def test_a_send_that_breaks_names_a_lost_peer_and_one_out_of_time_a_timeout():
     # A callee that reads nothing: the frame cannot leave by its deadline.
     conn, theirs = _conn_to(peer_closes_reading=False)
     with pytest.raises(RuntimeError) as late:
-        conn.send(b"x" * (8 << 20), _lane._Pending(None, time.monotonic() + 0.2))
+        conn.send(b"x" * (8 << 20), lane_conn.Pending(None, time.monotonic() + 0.2))
     assert isinstance(translate_error(late.value, "h", "the call", 0.2), TimeoutError), late.value
     conn.close("test over")
     theirs.close()
@@ -201,7 +202,7 @@ def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_
     far = time.monotonic() + 600
 
     def add(cid, answered_first=False):
-        pending = _lane._Pending(_lane.LaneFuture(), far)
+        pending = lane_conn.Pending(_lane.LaneFuture(), far)
         if answered_first:
             pending.fut.set_result(cid)
         expiry.add(conn, cid, pending)
@@ -216,7 +217,7 @@ def test_the_expiry_heap_sheds_answered_calls_and_survives_an_answer_during_its_
         for cid in range(4097, 6000):
             add(cid)
         assert len(expiry._heap) <= 4097  # shed, not one entry per call ever made
-        live = _lane._Pending(_lane.LaneFuture(), time.monotonic() + 0.2)
+        live = lane_conn.Pending(_lane.LaneFuture(), time.monotonic() + 0.2)
         expiry.add(conn, conn.send(b"call", live), live)  # (a real send: the peer never answers)
         with pytest.raises(RuntimeError, match="timed out"):
             live.fut.wait()  # still expired at its deadline
@@ -234,7 +235,7 @@ def test_an_answered_calls_expiry_entry_lets_its_future_go():
 
     fut = _lane.LaneFuture()
     gone = weakref.ref(fut)
-    pending = _lane._Pending(fut, time.monotonic() + 600)
+    pending = lane_conn.Pending(fut, time.monotonic() + 600)
     heap = [pending]  # (what the expiry keeps)
     pending.complete("answer", None)
     assert fut.wait() == "answer" and pending.fut is None

@@ -2,7 +2,7 @@
 
 What a process receives on a GPU (the copies out of a slab of CUDA IPC, a staged tensor's
 copy to its GPU) is queued on the stream current in the thread that unpickles the
-message: the lane's reader or one of torch's RPC threads, on the default stream, as every
+message: a lane caller, the lane's watcher or one of torch's RPC threads, on the default stream, as every
 thread starts. A caller working under ``torch.cuda.stream(s)`` reads the result on ``s``,
 which does not wait for the default stream (torch makes its streams non-blocking), so it
 could read a tensor whose copy has not run yet::

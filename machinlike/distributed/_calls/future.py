@@ -24,7 +24,7 @@ with what ``wait()`` is to give, once, by whoever carried the call::
 Why settled at completion, not in ``wait()``: torch's ``then`` and ``wait_all`` read the
 future in C++, past any Python ``wait``; the value they read must be the final one. Why
 the lane completes it directly: a second future and a torch done-callback per call cost
-several microseconds of the lane's reader thread per answer.
+several microseconds of the lane's watcher thread per answer.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ _helpers_lock = threading.Lock()
 def _off_the_lane(callback: Callable[[Any], None]) -> Callable[[Any], None]:
     """``callback``, run on a helper thread when the lane's completer would run it.
 
-    Why: the lane's reader thread completes its futures, and their callbacks run inside. A
+    Why: the lane's watcher thread completes its futures, and their callbacks run inside. A
     callback there that called the same peer (``fut.then(lambda f: group.registered_sync(...))``)
     would wait for an answer only that thread reads: it would hang until its timeout.
     """

@@ -10,12 +10,13 @@ nothing, and a small call takes fewer hops than either TensorPipe transport.
 
     caller (this process)                             callee (a process of this host)
     call(pid, fn, args, timeout)
-      _Conn to pid, made once: connect ──────────────► Server: accept (same uid only), HELLO
+      Conn to pid, made once: connect ──────────────► Server: accept (same uid only), HELLO
       frame REQ(id, pickle((fn, args)))  ────────────► its reader thread per connection
                                                         hands the frame to _Workers:
-      _Conn's reader thread: id ─► _Pending             fn(*args); an async_execution fn
-        wakes the caller, or completes the               answers when its future completes
-        torch Future of an async call   ◄───────────── frame OK(id, pickle(value)) | ERR(id, text)
+      a sync call reads its own answer                 fn(*args); an async_execution fn
+        (no thread wakes it); the Conn's                 answers when its future completes
+        watcher completes an async call's ◄─────────── frame OK(id, pickle(value)) | ERR(id, text)
+        torch Future (lane_conn)
       _Expiry thread: an async call's deadline
 
 What the lane does not carry raises :class:`NotForLane` before anything is sent, and the
@@ -42,12 +43,10 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .lane_conn import Conn, LaneTimeout, Pending
 from .lane_future import LaneFuture, completing
 from .lane_server import Server
-from .lane_wire import (
-    HELLO, IDLE_WAKE_S, OK, REQ, TENSOR_LIMIT, Body, NotForLane, address, drop_late, load_body, read_frame,
-    request_bytes, send_frame,
-)
+from .lane_wire import HELLO, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes
 
 __all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing"]
 
@@ -56,171 +55,17 @@ _CONNECT_S = 2.0  # seconds at most to connect and read a peer's hello (less whe
 _MAX_CONNS = 256  # outgoing connections kept; calls to further peers go through torch RPC
 
 
-class _Pending:
-    """One sent call: a waiting caller's event, or an async call's torch Future."""
-
-    __slots__ = ("event", "fut", "value", "error", "deadline")
-
-    def __init__(self, fut: Optional[LaneFuture], deadline: float) -> None:
-        self.event = None if fut is not None else threading.Event()
-        self.fut = fut
-        self.value: Any = None
-        self.error: Optional[BaseException] = None
-        self.deadline = deadline
-
-    def complete(self, value: Any, error: Optional[BaseException]) -> None:
-        fut = self.fut
-        if fut is not None:
-            # Answered: the expiry heap keeps this entry until its deadline, not the future
-            # (nor what it holds: an RpcFuture's retry holds the call's arguments).
-            self.fut = None
-            fut.complete(value, error)
-            return
-        self.value, self.error = value, error
-        self.event.set()  # type: ignore[union-attr]  # (a sync call's)
-
-
-class _Conn:
-    """One connection to a peer's lane: sends calls, and its reader thread answers them."""
-
-    def __init__(self, pid: int, sock: socket.socket, gone: Callable[["_Conn"], None]) -> None:
-        self.pid = pid
-        self._sock = sock  # one descriptor: its reader polls, each send waits on its call's deadline
-        sock.settimeout(IDLE_WAKE_S)
-        self._gone = gone
-        self._lock = threading.Lock()  # the pending calls and the state
-        self._send_lock = threading.Lock()  # one frame at a time
-        self._pending: Dict[int, _Pending] = {}
-        self._next = 0
-        self.closed: Optional[str] = None
-        self.late = 0  # answers that came after their call had timed out
-        threading.Thread(target=self._read, name=f"machinlike-lane-{pid}", daemon=True).start()
-
-    def send(self, payload: Body, pending: _Pending) -> int:
-        """Send one call; its id. Raises NotForLane when the connection is closed (nothing sent)."""
-        with self._lock:
-            if self.closed is not None:
-                raise NotForLane(f"the lane to process {self.pid} closed")
-            self._next += 1
-            cid = self._next
-            self._pending[cid] = pending  # before sending: the answer may come at once
-        left = pending.deadline - time.monotonic()
-        if not self._send_lock.acquire(timeout=max(0.0, left)):
-            self.drop(cid)
-            raise RuntimeError(f"the call to process {self.pid} timed out waiting to be sent")
-        try:
-            send_frame(self._sock, REQ, cid, payload, pending.deadline)
-        except OSError as err:
-            # Part of a frame may be out: the stream is no longer framed, so the
-            # connection goes, and with it every call pending on it.
-            with self._lock:
-                self._pending.pop(cid, None)
-                failed = self._close_locked(f"send failed: {err}")
-            self._fail(failed)
-            # The two causes must read apart: translate_error names a timeout by its words,
-            # and a peer that died (EPIPE, ECONNRESET) by "eof" (a PeerLostError).
-            if isinstance(err, socket.timeout):
-                raise RuntimeError(f"the call to process {self.pid} timed out while being sent") from err
-            raise RuntimeError(f"the lane to process {self.pid} closed while sending a call: eof ({err})") from err
-        finally:
-            self._send_lock.release()
-        return cid
-
-    def drop(self, cid: int) -> None:
-        """Forget call ``cid`` (it timed out); an answer that comes later is counted as late."""
-        with self._lock:
-            self._pending.pop(cid, None)
-
-    def _read(self) -> None:
-        why = "eof"
-        try:
-            while True:
-                frame = read_frame(self._sock)
-                if frame is None:
-                    break
-                kind, cid, body = frame
-                with self._lock:
-                    pending = self._pending.pop(cid, None)
-                    if pending is None:
-                        self.late += 1
-                if pending is None:
-                    if kind == OK:
-                        drop_late(body)
-                    continue
-                if kind == OK:
-                    try:
-                        value, error = load_body(body), None
-                    except Exception as err:
-                        value, error = None, RuntimeError(f"the reply from process {self.pid} could not be "
-                                                          f"unpickled: {type(err).__name__}: {err}")
-                else:
-                    value, error = None, RuntimeError(f"process {self.pid} failed the call: {body.data.decode()}")
-                pending.complete(value, error)
-                # Not kept while the next frame is awaited: the caller may have dropped the
-                # value already, and its tensors may hold a sender's lent segment.
-                frame = body = value = pending = None  # type: ignore[assignment]
-        except OSError as err:
-            why = f"eof ({err})"
-        with self._lock:
-            failed = self._close_locked(why)
-        self._fail(failed)
-        # This thread is the descriptor's last user: no send starts once the connection is
-        # closed, and one under way fails at once on the shut-down socket. Closing waits for
-        # it (the send lock), so a descriptor is never closed under a write.
-        with self._send_lock:
-            self._sock.close()
-
-    def _close_locked(self, why: str) -> List[_Pending]:
-        """Mark the connection closed and take its pending calls (under the lock); the
-        caller fails them once it let go of the lock (see ``_fail``)."""
-        if self.closed is None:
-            self.closed = why
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        failed, self._pending = self._pending, {}
-        self._gone(self)
-        return list(failed.values())
-
-    def _fail(self, failed: List[_Pending]) -> None:
-        # Outside the lock: an async call's future runs its callbacks here, and one may
-        # call through this connection again.
-        for pending in failed:
-            pending.complete(None, RuntimeError(f"the lane to process {self.pid} closed under the call: "
-                                                f"{self.closed} (the process died or its World stopped)"))
-
-    def close(self, why: str) -> None:
-        with self._lock:
-            failed = self._close_locked(why)
-        self._fail(failed)
-        self._sock.close()
-
-    def expire(self, cid: int, pending: _Pending) -> None:
-        with self._lock:
-            if self._pending.get(cid) is not pending:
-                return
-            del self._pending[cid]
-        pending.complete(None, RuntimeError(f"the call to process {self.pid} timed out"))
-
-    def forget(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-
 class _Expiry:
     """Fails async calls at their deadlines: one thread, asleep while nothing is pending."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: List[Tuple[float, int, int, _Conn, _Pending]] = []
+        self._heap: List[Tuple[float, int, int, Conn, Pending]] = []
         self._seq = 0
         self._stopped = False
         self._thread: Optional[threading.Thread] = None
 
-    def add(self, conn: _Conn, cid: int, pending: _Pending) -> None:
+    def add(self, conn: Conn, cid: int, pending: Pending) -> None:
         if pending.fut is None or pending.fut.done():
             return  # answered while it was being sent: nothing to expire
         with self._cond:
@@ -274,14 +119,14 @@ class Lane:
     def __init__(self, threads: int) -> None:
         self._server = Server(threads)
         self._lock = threading.Lock()
-        self._conns: Dict[int, _Conn] = {}
+        self._conns: Dict[int, Conn] = {}
         self._absent: Dict[int, float] = {}  # pid -> when a connect was refused (retried after a while)
         self._expiry = _Expiry()
         self.calls = 0
         self.not_carried = 0
 
     # ------------------------------------------------------------------ connections
-    def _conn(self, pid: int, deadline: float) -> _Conn:
+    def _conn(self, pid: int, deadline: float) -> Conn:
         conn = self._conns.get(pid)
         if conn is not None:
             return conn
@@ -298,7 +143,7 @@ class Lane:
             self._conns[pid] = conn
             return conn
 
-    def _connect(self, pid: int, within: float) -> _Conn:
+    def _connect(self, pid: int, within: float) -> Conn:
         where = address(pid)
         if where is None:
             raise NotForLane(f"process {pid} is not running here")
@@ -316,9 +161,9 @@ class Lane:
             self._absent[pid] = time.monotonic()
             raise NotForLane(f"process {pid} has no lane ({err})") from err
         self._absent.pop(pid, None)
-        return _Conn(pid, sock, self._gone)
+        return Conn(pid, sock, self._gone)
 
-    def _gone(self, conn: _Conn) -> None:
+    def _gone(self, conn: Conn) -> None:
         # (called under conn's lock; takes no lock itself: one dict operation, atomic)
         if self._conns.get(conn.pid) is conn:
             self._conns.pop(conn.pid, None)
@@ -335,16 +180,13 @@ class Lane:
         payload = request_bytes(fn, args)
         deadline = time.monotonic() + timeout
         conn = self._conn(pid, deadline)
-        pending = _Pending(None, deadline)
+        pending = Pending(None, deadline)
         cid = conn.send(payload, pending)
         self.calls += 1
-        if not pending.event.wait(max(0.0, pending.deadline - time.monotonic())):  # type: ignore[union-attr]
-            conn.drop(cid)
-            if not pending.event.is_set():  # type: ignore[union-attr]
-                raise RuntimeError(f"the call to process {pid} timed out after {timeout:g} s")
-        if pending.error is not None:
-            raise pending.error
-        return pending.value
+        try:
+            return conn.wait(cid, pending)
+        except LaneTimeout:
+            raise RuntimeError(f"the call to process {pid} timed out after {timeout:g} s") from None
 
     def call_async(self, pid: int, fn: Callable[..., Any], args: Tuple[Any, ...],
                    timeout: float, into: Optional[LaneFuture] = None) -> LaneFuture:
@@ -362,7 +204,7 @@ class Lane:
         deadline = time.monotonic() + timeout
         conn = self._conn(pid, deadline)
         fut = LaneFuture() if into is None else into
-        pending = _Pending(fut, deadline)
+        pending = Pending(fut, deadline)
         cid = conn.send(payload, pending)
         self.calls += 1
         self._expiry.add(conn, cid, pending)

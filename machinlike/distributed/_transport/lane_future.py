@@ -2,7 +2,7 @@
 
 Why: a wait in torch's C++ ``Future.wait`` holds the thread until the call ends, up to its
 whole timeout, whatever signal comes, so a Ctrl-C did nothing for that long. The lane
-completes its own futures (``lane._Pending.complete``), so it can open a sentinel there::
+completes its own futures (``lane_conn.Pending.complete``), so it can open a sentinel there::
 
     made:       a Lock, acquired            (held: not arrived)
     completed:  set_result / set_exception, then arrived(): the Lock released
@@ -13,7 +13,7 @@ A Lock is the cheapest such sentinel: an Event costs 1.6 us to make, and a done-
 the Future added 40 us to a small call (see ``_calls.future``).
 
 A future's done-callbacks run inside its completion, on the completer's thread: for a lane
-future, the lane's reader (or expiry) thread. :func:`completing` says so to a callback,
+future, the connection's watcher (or the expiry) thread. :func:`completing` says so to a callback,
 which must then not block there: a call it made to the same peer would wait for an
 answer that this very thread is to read.
 """
