@@ -65,7 +65,7 @@ step breakdown 40 "$py" benchmarks/gpu_breakdown.py --repeats 100
 step timeline 30 "$py" benchmarks/gpu_timeline.py --repeats 300
 step floor 30 "$py" benchmarks/gpu_floor.py
 # Which hand-off costs what here (experiments, see gpu_timeline.py's doc).
-for variant in inline-worker inline-release no-settle; do
+for variant in inline-release no-settle; do
   step "timeline_$variant" 25 "$py" benchmarks/gpu_timeline.py --repeats 300 --variant "$variant"
 done
 if command -v nvidia-cuda-mps-control >/dev/null; then

@@ -9,8 +9,8 @@ process and thread that runs it, and the table gives, per step, the median time 
 step before it over ``--repeats`` echoes::
 
     caller main      call ─► walk + copy into slab ─► pickle ─► sent
-    callee serve         ─► frame read ─► (hand-off) worker: unpickle = copy out
-    callee worker        ─► echo ─► reply: walk + copy into slab ─► pickle ─► sent
+    callee reader        ─► frame read ─► (runs it: nobody woken) unpickle = copy out
+                         ─► echo ─► reply: walk + copy into slab ─► pickle ─► sent
     caller main          ─► frame read ─► unpickle = copy out ─► returned
 
 The stamps cost about a microsecond each. Without CUDA, ``--device cuda`` says "no GPU"
@@ -18,7 +18,6 @@ and exits 0; ``--device cpu`` runs the same steps with CPU tensors (shared memor
 
 ``--variant`` (repeatable) changes one thing in both processes, to see which step it moves
 (experiments for this benchmark's one caller and one callee, not settings):
-  inline-worker   the callee runs each call in its connection's reader thread (no hand-off)
   inline-release  a receiver waits for its copies out and frees the lease itself (no
                   releaser thread woken per message; the wait is on the message's path)
   no-settle       the caller's stream is not ordered after the copies (``cuda_settle``)
@@ -63,17 +62,14 @@ def echo(x: Any) -> Any:
     return x
 
 
-VARIANTS = ("inline-worker", "inline-release", "no-settle")
+VARIANTS = ("inline-release", "no-settle")
 
 
 def _vary(variants: List[str]) -> None:
     """Apply ``--variant`` changes in this process (see the module doc)."""
     from machinlike.distributed._calls import cuda_ipc, cuda_ipc_area
     from machinlike.distributed._groups import caller
-    from machinlike.distributed._transport import lane_server
 
-    if "inline-worker" in variants:
-        lane_server._Workers.submit = lambda self, job: job()  # type: ignore[method-assign]
     if "inline-release" in variants:
         def put(done: Any, row: Any, lease: int, owner: int) -> None:
             done.synchronize()
@@ -94,7 +90,7 @@ def _patch() -> None:
     reader = lane_conn.FrameReader
     reader.read = _around("read reply", reader.read, "MainThread")  # type: ignore[method-assign]
     lane_conn.load_body = _around("unpickle reply", lane_conn.load_body)
-    lane_server.read_frame = _around("read request", lane_server.read_frame)
+    reader.read = _around("read request", reader.read, "machinlike-lane-serve")  # type: ignore[method-assign]
     lane_server.load_body = _around("unpickle request", lane_server.load_body)
     lane_server.send_frame = _around("send reply", lane_server.send_frame, "machinlike-lane-")
     lane_server.reply_bytes = _around("pickle reply", lane_server.reply_bytes)
@@ -110,7 +106,7 @@ _STEPS = [
     ("pickle request:end", "caller: pickle the request"),
     ("send request:start", "caller: to the socket"),
     ("read request:end", "callee serve thread: frame sent and read (the wire and its wake-up)"),
-    ("unpickle request:start", "callee: hand-off to a worker thread"),
+    ("unpickle request:start", "callee: to the call (run by the thread that read it)"),
     ("unpickle request:end", "callee: unpickle = open, wait ready, copy out"),
     ("echo", "callee: into the service"),
     ("encode reply:start", "callee: out of the service"),

@@ -36,11 +36,15 @@ def _frame_bytes(cid, value):
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     a.settimeout(5)
     with a, b:
-        send_frame(a, OK, cid, reply_bytes(value), time.monotonic() + 5)
-        a.shutdown(socket.SHUT_WR)
+        def send():
+            send_frame(a, OK, cid, reply_bytes(value), time.monotonic() + 5)
+            a.shutdown(socket.SHUT_WR)
+        sender = threading.Thread(target=send)  # (a frame larger than the socket's buffer)
+        sender.start()
         out = bytearray()
         while chunk := b.recv(1 << 20):
             out += chunk
+        sender.join()
     return bytes(out)
 
 
@@ -193,3 +197,56 @@ def test_an_async_answer_a_caller_handed_over_is_settled_though_the_watcher_woke
         while not fut.done() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert fut.done() and fut.wait() == round_, f"round {round_}: the async answer was never settled"
+
+
+def test_many_small_frames_come_in_one_read_and_a_large_buffer_straight_into_its_own():
+    big = torch.arange(OUT_OF_BAND // 4 * 4, dtype=torch.float32)  # 256 KB: read into itself
+    burst = b"".join(_frame_bytes(cid, cid * 10) for cid in range(1, 41)) + _frame_bytes(41, big)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        b.settimeout(0.0)
+        reader = FrameReader(b)
+        assert reader.take() is None and not reader.ahead  # (nothing read yet: no system call)
+        a.sendall(burst[:5000])
+        first = reader.read(1.0)
+        assert first[:2] == (OK, 1) and load_body(first[2]) == 10
+        assert reader.ahead  # the rest of the 5,000 bytes came with it
+        taken = []
+        while (frame := reader.take()) is not None:  # whole ones only, no system call
+            taken.append(load_body(frame[2]))
+        assert taken == [cid * 10 for cid in range(2, len(taken) + 2)] and 10 < len(taken) < 40
+        sender = threading.Thread(target=a.sendall, args=(burst[5000:],))  # (more than the socket holds)
+        sender.start()
+        rest = [reader.read(2.0) for _ in range(40 - len(taken))]
+        sender.join()
+        assert [load_body(f[2]) for f in rest[:-1]] == [cid * 10 for cid in range(len(taken) + 2, 41)]
+        assert rest[-1][1] == 41 and torch.equal(load_body(rest[-1][2]), big)
+        assert not reader.ahead
+
+
+def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_to_wake_the_watcher(pair):
+    conn, theirs = pair
+    # The watcher wakes for answers once async answers came while no caller read.
+    warm = LaneFuture()
+    warm_id = conn.send(b"a", Pending(warm, time.monotonic() + 5))
+    _requests(theirs, 1)
+    _answer(theirs, warm_id, 0)
+    assert warm.wait() == 0
+    deadline = time.monotonic() + 5
+    while not conn._answers and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for round_ in range(20):
+        fut = LaneFuture()
+        async_id = conn.send(b"a", Pending(fut, time.monotonic() + 5))
+        sync = Pending(None, time.monotonic() + 5)
+        sync_id = conn.send(b"s", sync)
+        _requests(theirs, 2)
+        # The caller holds the read role when both answers come in one write: its one read
+        # takes them both, and the socket is empty when it lets go.
+        both = _frame_bytes(sync_id, "s") + _frame_bytes(async_id, round_)
+        threading.Timer(0.02, theirs.sendall, (both,)).start()
+        assert conn.wait(sync_id, sync) == "s"
+        deadline = time.monotonic() + 2
+        while not fut.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert fut.done() and fut.wait() == round_, f"round {round_}: the async answer stayed read ahead"

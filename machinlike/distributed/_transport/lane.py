@@ -11,8 +11,8 @@ nothing, and a small call takes fewer hops than either TensorPipe transport.
     caller (this process)                             callee (a process of this host)
     call(pid, fn, args, timeout)
       Conn to pid, made once: connect ──────────────► Server: accept (same uid only), HELLO
-      frame REQ(id, pickle((fn, args)))  ────────────► its reader thread per connection
-                                                        hands the frame to _Workers:
+      frame REQ(id, pickle((fn, args)))  ────────────► the connection's reader runs it
+                                                        itself (no thread woken; lane_crew):
       a sync call reads its own answer                 fn(*args); an async_execution fn
         (no thread wakes it); the Conn's                 answers when its future completes
         watcher completes an async call's ◄─────────── frame OK(id, pickle(value)) | ERR(id, text)

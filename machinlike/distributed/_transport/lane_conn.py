@@ -170,6 +170,7 @@ class Conn:
                     break
             try:
                 self._read_for(pending)
+                self._deliver_ahead(watcher=False)
             finally:
                 with self._lock:
                     self._reading = False
@@ -197,6 +198,15 @@ class Conn:
             if frame is None:
                 return
             self._deliver(frame, watcher=False)
+
+    def _deliver_ahead(self, watcher: bool) -> None:
+        """Before the read role is let go: deliver every whole frame read ahead (nobody
+        polls for bytes that already left the socket)."""
+        while self.closed is None:
+            frame = self._frames.take()
+            if frame is None:
+                return
+            self._deliver(frame, watcher)
 
     def _deliver(self, frame: Tuple[int, int, Body], watcher: bool) -> None:
         kind, cid, body = frame
@@ -345,6 +355,7 @@ class Conn:
                     self._deliver(frame, watcher=True)
                 first = False
                 frame = None
+            self._deliver_ahead(watcher=True)
         except (EOFError, OSError) as err:
             self._end("eof" if isinstance(err, EOFError) else f"eof ({err})")
         finally:
