@@ -461,8 +461,8 @@ def main() -> int:
                 say("  server's reserved / export slabs (MiB) by push: " +
                     ", ".join(f"{i}: {r} / {sl}" for i, r, sl in pusher["samples"]))
             if isinstance(pusher, dict) and isinstance(survivor, dict):
-                say(f"  server's area: {pusher.get('area')}; survivor's flushes before a pull: {survivor.get('flush')}")
-                say(f"  server's export area: {pusher.get('area')}")
+                say(f"  server's export area (area_pinned, area_shared: versions read in place): {pusher.get('area')}; "
+                    f"survivor's flushes before a pull: {survivor.get('flush')}")
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

@@ -106,7 +106,7 @@ def _patch() -> None:
     """Timers around each stage of this process, once (module attributes: a pickled
     reference to ``_receive_group`` finds the wrapper, which keeps the function's name),
     and each line of the copy functions timed."""
-    from machinlike.distributed._calls import cuda_ipc, cuda_ipc_area, cuda_stage, samehost, serve
+    from machinlike.distributed._calls import cuda_ipc, cuda_ipc_area, cuda_ipc_open, cuda_stage, samehost, serve
     from machinlike.distributed._transport import lane, lane_server
 
     global _PATCHED
@@ -121,8 +121,8 @@ def _patch() -> None:
     cuda_stage._encode = _timed("either: cuda_stage._encode (walk, copies into slabs)", cuda_stage._encode)
     cuda_ipc.Batch._fill = _timed("either: Batch._fill (lease, copy into slab)", cuda_ipc.Batch._fill)
     cuda_ipc._receive_group = _timed("either: _receive_group (open, wait ready, copy out)", cuda_ipc._receive_group)
-    cuda_ipc_area.OpenCache.open = _timed("either: OpenCache.open", cuda_ipc_area.OpenCache.open)
-    cuda_ipc_area.OpenCache.control = _timed("either: OpenCache.control", cuda_ipc_area.OpenCache.control)
+    cuda_ipc_open.OpenCache.open = _timed("either: OpenCache.open", cuda_ipc_open.OpenCache.open)
+    cuda_ipc_open.OpenCache.control = _timed("either: OpenCache.control", cuda_ipc_open.OpenCache.control)
     cuda_ipc_area.ExportArea.lease = _timed("either: ExportArea.lease", cuda_ipc_area.ExportArea.lease)
     serve._reply = _timed("callee: samehost.reply", serve._reply)
     lane.request_bytes = _timed("caller: lane request_bytes", lane.request_bytes)
@@ -173,15 +173,15 @@ def _export_alone(repeats: int) -> Tuple[float, List[str]]:
     and release the lease; median seconds, and its lines."""
     import os
 
-    from machinlike.distributed._calls import cuda_ipc
+    from machinlike.distributed._calls import cuda_ipc, cuda_ipc_peers
 
     cuda_ipc.configure(256 << 20)
     x = torch.ones(1 << 18, device="cuda")
     target = (cuda_ipc.local_key(), os.getpid())
-    area = cuda_ipc._export_area()
+    area = cuda_ipc.export_area()
 
     def once() -> None:
-        for lease in cuda_ipc.export([x], target)[1]:
+        for lease in cuda_ipc_peers.export([x], target)[1]:
             area.release(lease)
 
     median = _median_seconds(once, repeats)

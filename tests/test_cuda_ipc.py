@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc, cuda_ipc_area as _cuda_ipc_area
-from machinlike.distributed._calls import cuda_ipc_peers as _cuda_ipc_peers
+from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open, cuda_ipc_peers as _cuda_ipc_peers
 from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as _samehost
 from machinlike.distributed._calls.strides import kept_strides
 from machinlike.distributed._world.settings import settings as resolve_settings
@@ -292,7 +292,7 @@ def test_close_retires_every_slab(area):
 
 # ---------------------------------------------------------------- receiver's cache
 def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
-    cache = _cuda_ipc_area.OpenCache(4 << 20)
+    cache = _cuda_ipc_open.OpenCache(4 << 20)
     words = cache.control(os.getpid(), area.fd, area.inode)  # the control page, mapped through /proc
     lease = area.lease(0, 10, os.getpid())
     slab = lease.slab
@@ -318,7 +318,7 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
 
 def test_gone_openings_are_dropped_before_a_new_one_opens(area):
     # A retired slab's handle is closed first: new memory may come behind the same bytes.
-    cache = _cuda_ipc_area.OpenCache(1 << 30)
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
     words = cache.control(os.getpid(), area.fd, area.inode)
     slab = area.lease(0, 10, os.getpid()).slab
     order = []
@@ -330,7 +330,7 @@ def test_gone_openings_are_dropped_before_a_new_one_opens(area):
 
 
 def test_a_control_page_of_a_gone_sender_is_named():
-    cache = _cuda_ipc_area.OpenCache(1 << 20)
+    cache = _cuda_ipc_open.OpenCache(1 << 20)
     with pytest.raises(RuntimeError, match="cannot reach the CUDA export area of process"):
         cache.control(_dead_pid(), 3, 1)
     with pytest.raises(RuntimeError, match="was closed"):
@@ -353,10 +353,13 @@ def test_a_group_without_room_is_staged_and_counted(monkeypatch, ipc_on):
     class Full:
         fd, inode = 0, 0
 
+        def in_place(self, *a):
+            return None
+
         def lease(self, *a):
             return None
 
-    monkeypatch.setattr(_cuda_ipc, "_export_area", lambda: Full())
+    monkeypatch.setattr(_cuda_ipc, "export_area", lambda: Full())
     before = _cuda_ipc.stats().get("staged_no_room", 0)
     batch = _cuda_ipc.Batch((5, 123))
     refs = [batch.add(_fake_cuda(10)), batch.add(_fake_cuda(20)), batch.add(_fake_cuda(5, index=1))]
@@ -375,10 +378,13 @@ def test_a_group_without_room_is_staged_and_counted(monkeypatch, ipc_on):
 
 def test_an_export_that_raises_is_staged_and_counted_by_type(monkeypatch, ipc_on):
     class Broken:
+        def in_place(self, *a):
+            return None
+
         def lease(self, *a):
             raise RuntimeError("cudaIpcGetMemHandle failed")
 
-    monkeypatch.setattr(_cuda_ipc, "_export_area", lambda: Broken())
+    monkeypatch.setattr(_cuda_ipc, "export_area", lambda: Broken())
     batch = _cuda_ipc.Batch((5, 123))
     refs = [batch.add(_fake_cuda(10))]
     batch.commit(refs, lambda tensor, pending: "staged", [])
@@ -517,7 +523,7 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     assert back["again"] is back["a"]
     assert len(over_cpu) == 1
     assert _cuda_ipc.released(10)
-    pickle.loads(pickle.dumps(_cuda_ipc.export([torch.ones(3)], (5, os.getpid()))[0]))
+    pickle.loads(pickle.dumps(_cuda_ipc_peers.export([torch.ones(3)], (5, os.getpid()))[0]))
     assert len(over_cpu) == 1  # the opening was cached: the same slab, lent again, is not reopened
     counts = _cuda_ipc.stats()
     assert counts["sent_tensors"] >= 10 and counts["received_tensors"] >= 10 and counts["opened_opened"] == 1
@@ -536,7 +542,7 @@ def test_kept_strides_are_a_dense_tensors_own_and_none_otherwise():
 
 def test_a_known_layout_reuses_its_views_on_both_sides_across_inference_mode(over_cpu):
     def send(tensors):
-        got = pickle.loads(pickle.dumps(_cuda_ipc.export(tensors, (5, os.getpid()))[0]))
+        got = pickle.loads(pickle.dumps(_cuda_ipc_peers.export(tensors, (5, os.getpid()))[0]))
         assert _cuda_ipc.released(10)  # (the slab is FREE again: the next message takes it)
         return got
 
@@ -906,3 +912,117 @@ def test_a_result_is_ordered_on_the_callers_own_stream_and_costs_nothing_elsewhe
     monkeypatch.setattr(torch.Tensor, "to", lambda self, device: self)
     staging._land(torch.ones(2), 1, False, False)
     assert cuda_settle.devices() == {1}
+
+
+# ------------------------------------------------------------------ pinned states
+@pytest.fixture
+def pinned(over_cpu, monkeypatch):
+    """``over_cpu`` with each opening its own storage over the slab's memory, as another
+    process's would be (the sender's use count of a slab's storage is its own)."""
+    import ctypes
+
+    def open_shared(index, handle, capacity, offset):
+        memory = (ctypes.c_uint8 * capacity).from_address(_HANDLES[handle].data_ptr())
+        return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage()
+
+    monkeypatch.setattr(_cuda_ipc.ops, "open_shared", open_shared)
+    from machinlike.distributed._calls.cuda_ipc_pin import PinnedStates
+
+    return PinnedStates
+
+
+def _pull(tensors):
+    """One message of ``tensors`` (a pull's reply), pickled."""
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(t) for t in tensors]
+    assert batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    return pickle.dumps(refs)
+
+
+def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it(pinned):
+    pool = pinned(keep=2)
+    first = pool.adopt("m", [torch.arange(6.0), torch.ones(2, 3)])
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    assert slab.ready.recorded == 1 and area.stats["pinned"] == 1 and area.lent() == 0
+    assert all(v.untyped_storage().data_ptr() == slab.storage.data_ptr() for v in first)
+    _CpuSlab.done.hold()  # the receivers' copies out are still running
+    try:
+        pulls = [_pull(first) for _ in range(3)]
+        assert slab.ready.recorded == 1 and len(area._slabs) == 1  # no copy, no slab of their own
+        assert area.lent() == 3 and area.stats["shared"] == 3 and area.readers(slab) == 3
+        for got in map(pickle.loads, pulls):
+            assert torch.equal(got[0], torch.arange(6.0)) and torch.equal(got[1], torch.ones(2, 3))
+            assert got[0].untyped_storage().data_ptr() != slab.storage.data_ptr()  # the receiver's own
+        del first, pulls, got  # the chain dropped the version; its readers still copy out
+        second = pool.adopt("m", [torch.zeros(6), torch.zeros(2, 3)])
+        assert second[0].untyped_storage().data_ptr() != slab.storage.data_ptr()  # not rewritten under them
+        assert pool.adopt("m", [torch.zeros(6), torch.zeros(2, 3)]) is None  # both held: left as it is
+    finally:
+        _CpuSlab.done.let_go()
+    assert _cuda_ipc.released(10) and area.lent() == 0
+    third = pool.adopt("m", [torch.full((6,), 3.0), torch.zeros(2, 3)])
+    assert third[0].untyped_storage().data_ptr() == slab.storage.data_ptr()  # read by nobody: rewritten
+    assert slab.ready.recorded == 2 and area.stats["slabs_made"] == 2 and pool.held() == 2
+    assert torch.equal(pickle.loads(_pull(third))[0], torch.full((6,), 3.0))
+    pool.close()
+
+
+def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinned):
+    pool = pinned()
+    state = pool.adopt("m", [torch.arange(6.0).reshape(2, 3)])
+    area = _cuda_ipc._area
+    me = os.getpid()
+    assert area.in_place([state[0].t()], me) is None  # a layout a reader would not rebuild
+    assert area.in_place([state[0], torch.ones(3)], me) is None  # one tensor of the message elsewhere
+    assert area.in_place([torch.ones(3)], me) is None
+    taken = [area.in_place(state, me) for _ in range(_cuda_ipc_area.ROWS - _cuda_ipc_area.SLOTS)]
+    assert all(taken) and area.in_place(state, me) is None and area.stats["no_reader_row"] == 1
+    got = pickle.loads(_pull(state))  # (no reader row: copied into a slab of its own)
+    assert torch.equal(got[0], torch.arange(6.0).reshape(2, 3)) and len(area._slabs) == 2
+    pool.close()
+
+
+def test_a_dead_readers_row_is_taken_back(pinned):
+    pool = pinned(keep=1)
+    state = pool.adopt("m", [torch.ones(4)])
+    area = _cuda_ipc._area
+    lease = area.share(area._slabs[0], _dead_pid())  # a puller SIGKILLed before copying out
+    assert area.words[lease.row, 0] == lease.ident and area.stats["reclaimed"] == 0
+    del state
+    assert pool.adopt("m", [torch.zeros(4)]) is not None  # its row taken back: the slab is rewritten
+    assert area.lent() == 0 and area.stats["reclaimed"] == 1 and area.stats["slabs_made"] == 1
+    pool.close()
+
+
+def test_an_unpinned_slab_is_retired_once_read_and_never_lent(pinned):
+    pool = pinned()
+    state = pool.adopt("m", [torch.ones(4)])
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    lease = area.share(slab, os.getpid())  # a live reader
+    pool.close()
+    assert slab in area._slabs and area.share(slab, os.getpid()) is None  # read still; no new readers
+    assert area.lease(None, 16, os.getpid()).slab is not slab  # never lent to a message
+    area.words[lease.row, 0] = _cuda_ipc_area.FREE  # the reader copied out
+    assert area.readers(slab) == 0 and slab not in area._slabs
+    assert area.words[slab.slot, 2] == _cuda_ipc_area.RETIRED
+    assert torch.equal(state[0], torch.ones(4))  # the state keeps its memory
+
+
+def test_a_model_servers_pool_pins_its_large_cuda_tensors(pinned, monkeypatch):
+    from machinlike.server import _state_pool
+
+    # (CPU tensors stand in for CUDA ones: float64 plays "on cuda:0")
+    monkeypatch.setattr(_state_pool, "_gpu_index", lambda t: 0 if t.dtype == torch.float64 else None)
+    pool = _state_pool.StatePool()
+    big = torch.arange(float(_state_pool.SHARE_FROM // 8), dtype=torch.float64)
+    state = pool("m", {"w": big, "b": torch.ones(3, dtype=torch.float64), "n": 7, "c": torch.ones(3)})
+    slab = _cuda_ipc._area._slabs[0]
+    assert pool.pinned() == 1 and state["n"] == 7 and torch.equal(state["w"], big)
+    assert state["w"].untyped_storage().data_ptr() == state["b"].untyped_storage().data_ptr() == slab.storage.data_ptr()
+    assert torch.equal(pickle.loads(_pull([state["w"], state["b"]]))[0], big)
+    small = pool("s", {"w": torch.ones(3, dtype=torch.float64)})  # under SHARE_FROM: left as it is
+    assert pool.pinned() == 1 and small["w"].untyped_storage().data_ptr() != slab.storage.data_ptr()
+    pool.close()
+    assert pool.pinned() == 0

@@ -2,7 +2,8 @@
 
 Real processes over real torch RPC, all on cuda:0: every kind of tensor through a call and
 back, the sender reusing its tensor after the call, a received tensor sent on, 8
-processes in a ring, the servers (model push and pull, inference), and pullers SIGKILLed
+processes in a ring, the servers (model push and pull, inference; pulls reading a
+model server's versions in place), and pullers SIGKILLed
 mid-transfer while the sender's GPU memory stays flat and nobody waits out a timeout.
 Each test also asserts that nothing was staged through the CPU (``_cuda_ipc.stats``).
 """
@@ -173,6 +174,58 @@ def test_model_and_inference_servers_stay_on_the_gpu(world):
         assert not _staged(_cuda_ipc.stats()) and not _staged(group.registered_sync("stats"))
     group.barrier()
     for impl in impls:
+        impl.close()
+    group.barrier()
+    group.destroy()
+
+
+# ------------------------------------------------------------------ pulls read in place
+_VERSIONS = 30
+
+
+def _server_area():
+    torch.cuda.synchronize()
+    stats = _cuda_ipc.stats()
+    return {k: stats.get(k, 0) for k in ("area_pinned", "area_shared", "area_slabs_made", "area_lent",
+                                          "area_held_bytes")}
+
+
+@world_test(6, timeout=300)
+def test_pulls_of_a_cuda_model_read_the_servers_versions_in_place(world):
+    from machinlike.distributed._calls.cuda_ipc_pin import KEEP
+    from machinlike.server import PushPullModelServerImpl
+
+    _cuda_here()
+    me = world.name
+    group = world.create_rpc_group("pinned", [str(i) for i in range(6)])
+    impl = None
+    if me == "0":
+        impl = PushPullModelServerImpl("model", group)
+        group.register("area", _server_area)
+    group.barrier()
+    server = group.get_paired("model").to_here()
+    if me == "1":
+        learner = _Net()
+        for version in range(1, _VERSIONS + 1):
+            learner.weight.data.fill_(float(version))
+            assert server.push(learner)
+    elif me != "0":  # four pullers, while the versions come
+        reader = _Net()
+        deadline = time.monotonic() + 120
+        while getattr(reader, "pp_version", None) != _VERSIONS and time.monotonic() < deadline:
+            if server.pull(reader):  # each version whole: never a mix of two
+                low, high = float(reader.weight.min()), float(reader.weight.max())
+                assert low == high == float(reader.pp_version), (low, high, reader.pp_version)
+        assert reader.pp_version == _VERSIONS
+        assert _cuda_ipc.released(10) and not _staged(_cuda_ipc.stats())
+    group.barrier()
+    if me == "2":
+        area = group.registered_sync("area")
+        # The server's versions live in KEEP pinned slabs at most, read in place by the pulls
+        # (the newest at least by each puller); no reader row outlives its copies out.
+        assert 1 <= area["area_pinned"] <= KEEP and area["area_shared"] >= 4 and area["area_lent"] == 0, area
+    group.barrier()
+    if impl is not None:
         impl.close()
     group.barrier()
     group.destroy()

@@ -19,17 +19,22 @@ A reader is only ever overtaken when KEEP - 2 newer versions were made while it 
 slot's storages are reused in turn, and the chain holds the newest two. Other readers of
 the hosted chain (its ordered server's ``pull``) get the same memory unchecked: the chain's
 values are the model server's, read through its ``pull``.
+
+A state's CUDA tensors (of ``SHARE_FROM`` bytes or more on a device) are copied into a
+pinned slab of the CUDA IPC path instead (``distributed._calls.cuda_ipc_pin``): same-host
+pulls read them in place, and the host's GPU memory is those slabs, however many pull.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Hashable, List, Mapping, Tuple
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
 
 import torch
 
 from .. import _shm
 from .._reductions import shm_space
+from ..distributed._calls import PinnedStates
 
 __all__ = ["StatePool", "SHARE_FROM", "unchanged"]
 
@@ -45,6 +50,14 @@ def unchanged(state: Mapping[str, Any]) -> bool:
     return all(_shm.recycled.unchanged(value) for value in state.values() if isinstance(value, torch.Tensor))
 
 
+def _gpu_index(tensor: torch.Tensor) -> Optional[int]:
+    """The CUDA device index of a tensor a pinned slab may hold; None: any other."""
+    if not tensor.is_cuda or tensor.layout != torch.strided or type(tensor) is not torch.Tensor \
+            or tensor.requires_grad or tensor.is_quantized or tensor.is_nested or tensor.is_conj() or tensor.is_neg():
+        return None
+    return tensor.device.index
+
+
 def _use_count(storage: torch.UntypedStorage) -> int:
     return torch._C._storage_Use_Count(storage._cdata)  # (torch internal)
 
@@ -58,6 +71,7 @@ class StatePool:
         self._lock = threading.Lock()
         self._slots: Dict[Slot, List[torch.UntypedStorage]] = {}  # least recently written first
         self._recycle = _shm.recycled.supported()
+        self._cuda = PinnedStates()
 
     def close(self) -> None:
         """Stop reusing memory; tensors that view it keep it alive as long as they live."""
@@ -66,6 +80,7 @@ class StatePool:
         for storages in slots.values():
             for storage in storages:
                 _shm.recycled.forget(storage)
+        self._cuda.close()
 
     def __call__(self, key: Hashable, value: Any) -> Any:
         """A pushed state dict, its large CPU tensors copied into memory shared by reference.
@@ -76,13 +91,25 @@ class StatePool:
         if not isinstance(value, dict):
             return value
         adopted = {}
+        on_gpus: Dict[int, List[str]] = {}
         for name, tensor in value.items():
+            index = _gpu_index(tensor) if isinstance(tensor, torch.Tensor) else None
+            if index is not None:
+                on_gpus.setdefault(index, []).append(name)
             # (eligible first: a sparse tensor has no nbytes)
-            if isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= SHARE_FROM \
+            elif isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= SHARE_FROM \
                     and not tensor.requires_grad:
                 tensor = self._copy(key, name, tensor)
             adopted[name] = tensor
+        for names in on_gpus.values():
+            if sum(adopted[name].nbytes for name in names) >= SHARE_FROM:
+                views = self._cuda.adopt(key, [adopted[name] for name in names])
+                adopted.update(zip(names, views or ()))
         return adopted
+
+    def pinned(self) -> int:
+        """Pinned CUDA slabs held (see the module doc)."""
+        return self._cuda.held()
 
     def _copy(self, key: Hashable, name: str, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.nbytes

@@ -19,8 +19,9 @@ from .refs import PairedRef, ResultRef
 from .samehost import share
 from .context import CallContext
 from .cuda_settle import settled
+from .cuda_ipc_pin import PinnedStates
 
 __all__ = [
-    "as_async_execution", "CallContext", "is_async", "is_coroutine_function", "is_missing", "LocalTables", "PairedRef", "prepare_call",
+    "as_async_execution", "CallContext", "is_async", "is_coroutine_function", "is_missing", "LocalTables", "PairedRef", "PinnedStates", "prepare_call",
     "ResultRef", "RpcFuture", "send_async", "send_call", "settled", "share", "sync_call", "unwrap",
 ]

@@ -60,15 +60,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .staging import stage_tensor
-from .cuda_ipc_area import FREE, ExportArea, Lease, Opened, OpenCache
+from .cuda_ipc_area import FREE, ExportArea, Lease
+from .cuda_ipc_open import Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
-           "reply_target", "Batch", "eligible", "export", "unsent_release", "forget_dead", "TERMS_MASK"]
+           "reply_target", "Batch", "eligible", "unsent_release", "forget_dead", "TERMS_MASK", "export_area"]
 
 TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
 _PID_SHIFT = 48
@@ -144,7 +144,8 @@ def before_call(pid: int) -> None:
     _releaser.flush(pid)
 
 
-def _export_area() -> ExportArea:
+def export_area() -> ExportArea:
+    """This process's export area (made at its first use)."""
     global _area, _exit_hook
     with _lock:
         if _area is None:
@@ -316,8 +317,11 @@ class Batch:
             layout.append(offset)
             offset += -(-tensor.nbytes // _ALIGN) * _ALIGN
         try:
-            area = _export_area()
-            lease = area.lease(group.index, max(offset, 1), self.target[1])
+            area = export_area()
+            # A state kept in a pinned slab (a model server's version) is read in place.
+            found = area.in_place(group.tensors, self.target[1])
+            lease: Optional[Lease] = found[0] if found else area.lease(group.index, max(offset, 1), self.target[1])
+            layout = found[1] if found else layout
         except Exception as exc:  # allocation or export refused: this message stages
             _count("staged_export_failed")
             _count(f"staged_export_failed:{type(exc).__name__}")
@@ -326,16 +330,17 @@ class Batch:
             _count("staged_no_room", len(group.tensors))
             return None
         slab = lease.slab
+        copy = found is None
         try:
             items = []
             for start, tensor in zip(layout, group.tensors):
                 shape, strides = tuple(tensor.shape), kept_strides(tensor)
-                if tensor.nbytes:  # (in the tensor's own layout: a plain copy of its bytes)
+                if tensor.nbytes and copy:  # (in the tensor's own layout: a plain copy of its bytes)
                     ops.view(slab.views, slab.storage, group.index, start, tensor.dtype, shape, strides).copy_(
                         tensor.detach() if tensor.requires_grad else tensor)
                 items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter,
                               strides))
-            if slab.ready is not None:
+            if slab.ready is not None and copy:
                 ops.mark_ready(slab)
         except Exception as exc:
             area.release(lease)
@@ -346,7 +351,7 @@ class Batch:
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
                                           group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
-                                          tuple(items)))
+                                          tuple(items)) + (() if copy else (lease.row,)))
         return lease
 
 
@@ -354,28 +359,18 @@ def unsent_release(lease: Lease) -> Callable[[], None]:
     """What ends ``lease`` if its message is never pickled whole (``_shm.guard`` calls it
     then, from a garbage collection): it comes FREE again instead of staying lent to a
     receiver that will never take it (until that receiver died or this World stopped)."""
-    return functools.partial(_export_area().release_unsent, lease)
-
-
-def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Lease]]:
-    """``tensors`` (CUDA) as picklable references through IPC, committed (the receiver
-    waits for the copies); and their leases. Used by the probe; calls go through ``_cuda_stage.encode``."""
-    batch = Batch(target)
-    refs = [batch.add(tensor) for tensor in tensors]
-    pending: List[torch.device] = []
-    leases = batch.commit(refs, stage_tensor, pending)
-    for device in pending:
-        ops.synchronize(device)
-    return refs, leases
+    return functools.partial(export_area().release_unsent, lease)
 
 
 # --------------------------------------------------------------------- receiver
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
-                   ready: bytes, offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...]) -> List[torch.Tensor]:
+                   ready: bytes, offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...],
+                   lease_row: int = -1) -> List[torch.Tensor]:
     """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``;
     they are ready on this thread's current stream of ``cuda:index`` and, once the result
-    reaches the caller, on the caller's (``cuda_settle``); the lease ends once the copies
-    completed, in the releaser's thread."""
+    reaches the caller, on the caller's (``cuda_settle``); the lease (in the slab's own row,
+    or in reader row ``lease_row`` of a pinned slab) ends once the copies completed, in the
+    releaser's thread."""
     if not ops.cuda_ready():  # the sender checked; never initialise CUDA for it
         raise RuntimeError(
             f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
@@ -383,8 +378,8 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         )
     cache = _open_cache()
     words = cache.control(pid, fd, inode)
-    row = words[slot]
-    if int(row[2]) != slab_id or int(row[0]) != lease:
+    row, slab_row = words[slot if lease_row < 0 else lease_row], words[slot]
+    if int(slab_row[2]) != slab_id or int(row[0]) != lease:
         raise RuntimeError(
             f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
             f"(slab {slot}: the lease ended or the sender's World stopped)"
@@ -393,7 +388,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     copying = False
     try:
         opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
-        if ready and await_ready(opened.ready, pid, row, slab_id, _READY_WAIT_S):
+        if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S):
             _count("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []

@@ -1,40 +1,43 @@
-"""The two caches of the CUDA IPC path: the sender's export slabs and the receiver's openings.
+"""The sender's cache of the CUDA IPC path: this process's export slabs, lent to messages.
 
-Sender (``ExportArea``, one per process): long-lived ``uint8`` CUDA buffers ("slabs"),
-exported once each through torch's ``_share_cuda_``, lent to one message at a time. A
-lease's state lives in a small ``memfd`` control page that receivers map too::
+``ExportArea`` (one per process): long-lived ``uint8`` CUDA buffers ("slabs"), exported
+once each through torch's ``_share_cuda_``. A slab is lent either to one message at a
+time, or, pinned to hold an immutable state (a model server's version, ``pin``), to every
+message that sends that state at once, each through a reader row. Leases live in a small
+``memfd`` control page that receivers map too::
 
-    control page (memfd, 128 slots x 4 int64)     slab (cuda:i, capacity bytes)
-    slot s: [state, taker pid, slab id, 0]        exported once: (handle, offset in its
-      state = FREE (0) or the lease id             allocator segment); never freed while
-      slab id = RETIRED (-1) once dropped           the area lives, so torch's limbo never
-                                                    holds it (see ``_retire``)
+    control page (memfd, ROWS x 4 int64)          slab (cuda:i, capacity bytes)
+    slab row s < SLOTS: [state, taker pid,         exported once: (handle, offset in its
+      slab id, 0]                                   allocator segment); never freed while
+      state = FREE (0), a lease id, or PINNED       the area lives, so torch's limbo never
+      slab id = RETIRED (-1) once dropped           holds it (see ``_retire``)
+    reader row r >= SLOTS: [state, taker pid,
+      slab row, slab id]  (a pinned slab's readers)
+
     lease(device, nbytes, taker):
       a FREE slab that fits ─► state = lease id, taker = the receiver's pid
       none: reclaim slabs whose taker died; wait (10 ms at most) for one lent to the
       same taker to come FREE; then allocate (bounded by ``limit``), then evict FREE
       slabs; still none ─► None (the caller stages through the CPU)
+    share(pinned slab, taker): a FREE reader row ─► [lease id, taker, slab row, slab id]
     the copies into the slab are queued ─► its IPC event ``ready`` is recorded (no wait)
-    the receiver's copies out are done ─► state = FREE (written by the receiver's releaser
-      thread, ``cuda_ipc_release``)
+    the receiver's copies out are done ─► the lease's row: state = FREE (written by the
+      receiver's releaser thread, ``cuda_ipc_release``)
 
 Why a control page and not a reply from the receiver: a request's slabs could be freed
 when the reply arrives, but a reply's slabs have no later message to free them; the CPU
 path (``machinlike._shm``) solves the same with a state word in each segment's header,
 written by the receiver. This is that word, for memory the receiver cannot write to
-cheaply from the CPU.
+cheaply from the CPU. Why pinned slabs: a model server's pulls would each copy the same
+version into a slab of their own, one slab per pull in flight (session 44 on an H200: 23
+slabs of 64 MB for 20 pullers); read in place, the server's memory is its versions.
 
-Receiver (``OpenCache``): opening a handle costs milliseconds, so an opened slab is kept,
-keyed by ``(owner pid, handle, offset)``, bounded by ``limit`` bytes of slab capacity
-(least recently used goes first). Before each new opening it forgets slabs whose owner
-died or retired them (so that a retired slab's handle is closed before new memory behind
-the same handle bytes is opened), and so does a member's departure. An opening holds no reference count of torch's (``_NO_COUNTER``): the
-owner decides when a slab is gone (it retires it), and a receiver that is SIGKILLed
-leaves no count behind that would pin the owner's memory forever.
+The receiver's half (openings of peers' slabs, cached): ``cuda_ipc_open``.
 
 Limits: a lease whose message is lost while its receiver lives (the caller timed out
 before the callee read it) stays lent until the receiver dies or the area closes; the
-area counts it in ``stats`` as ``lent``.
+area counts it in ``stats`` as ``lent``. Reader rows are ``ROWS - SLOTS``; a state sent
+while all are taken is copied into a slab of its own, as any other.
 """
 
 from __future__ import annotations
@@ -44,26 +47,25 @@ import mmap
 import os
 import threading
 import time
-from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from ..._shm._peer_fd import open_peer_fd
 from ..._shm._segments import pid_alive
 
-__all__ = ["FREE", "RETIRED", "SLOTS", "Slab", "Lease", "ExportArea", "Opened", "OpenCache", "slab_capacity"]
+__all__ = ["FREE", "RETIRED", "PINNED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease", "ExportArea",
+           "slab_capacity"]
 
 FREE = 0
 RETIRED = -1
-SLOTS = 128
-_WORDS = 4
-_PAGE = SLOTS * _WORDS * 8
+PINNED = -2  # a slab row's state while it holds a state read in place (``ExportArea.pin``)
+SLOTS = 128  # slab rows
+ROWS = 1024  # slab rows, then reader rows
+WORDS = 4
+PAGE_BYTES = ROWS * WORDS * 8
 _REUSE_WAIT_S = 0.010  # a sender waits this long at most for its taker's last slab (see ``lease``)
-_GRAIN = 2 << 20  # slabs hold whole powers of two from 2 MiB: they recycle well
-_NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
-_NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; torch's own event is unused: the slab has its own
+_GRAIN = 2 << 20  # lent slabs hold whole powers of two from 2 MiB (they recycle well); pinned ones 2 MiB steps
 
 
 def slab_capacity(nbytes: int) -> int:
@@ -109,13 +111,15 @@ class Slab:
 
 
 class Lease:
-    """A slab lent to one message."""
+    """A slab lent to one message, through ``row`` of the control page: the slab's own row
+    (lent alone), or a reader row (a pinned slab, read in place)."""
 
-    __slots__ = ("slab", "ident")
+    __slots__ = ("slab", "ident", "row")
 
-    def __init__(self, slab: Slab, ident: int) -> None:
+    def __init__(self, slab: Slab, ident: int, row: int = -1) -> None:
         self.slab = slab
         self.ident = ident
+        self.row = slab.slot if row < 0 else row
 
 
 class ExportArea:
@@ -129,17 +133,21 @@ class ExportArea:
         self.limit = limit
         self._lock = threading.Lock()
         self._fd = os.memfd_create("machinlike-cuda-ipc", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, _PAGE)
-        self._map = mmap.mmap(self._fd, _PAGE, flags=mmap.MAP_SHARED)
-        self.words = np.frombuffer(self._map, dtype=np.int64).reshape(SLOTS, _WORDS)
+        os.ftruncate(self._fd, PAGE_BYTES)
+        self._map = mmap.mmap(self._fd, PAGE_BYTES, flags=mmap.MAP_SHARED)
+        self.words = np.frombuffer(self._map, dtype=np.int64).reshape(ROWS, WORDS)
+        self._readers = self.words[SLOTS:]  # (a view: reader rows)
         self.inode = os.fstat(self._fd).st_ino
         self._slabs: List[Slab] = []
+        self._pinned: Dict[int, Slab] = {}  # by the storage's address: slabs holding states read in place
+        self._draining: List[Slab] = []  # unpinned while read: retired once their readers are done
         self._held = 0
         self._ids = itertools.count(1)
         self.reuse_wait = _REUSE_WAIT_S
         # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
-                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0}
+                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
+                                      "pinned": 0, "shared": 0, "no_reader_row": 0}
 
     @property
     def fd(self) -> int:
@@ -149,11 +157,11 @@ class ExportArea:
         return self._held
 
     def lent(self) -> int:
-        """Slabs lent now (a lease whose receiver neither freed it nor died: those of
-        dead receivers are taken back first)."""
+        """Leases held now: slabs lent, and reader rows of pinned slabs (a lease whose
+        receiver neither freed it nor died: those of dead receivers are taken back first)."""
         with self._lock:
             self._reclaim()
-            return sum(1 for slab in self._slabs if self.words[slab.slot, 0] != FREE)
+            return sum(1 for slab in self._slabs if self.words[slab.slot, 0] > FREE) + self._reading()
 
     def lease(self, index: int, nbytes: int, taker: int) -> Optional[Lease]:
         """A slab of ``cuda:index`` for ``nbytes``, lent to process ``taker``; None: no room.
@@ -192,29 +200,107 @@ class ExportArea:
             time.sleep(0 if spins < 32 else 50e-6)  # (outside the lock; the GIL goes to other threads)
 
     def _lent_to(self, taker: int, index: int, nbytes: int) -> bool:
-        return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] != FREE
+        return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] > FREE
                    and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
     def release(self, lease: Lease) -> None:
         """End ``lease`` from this side (its message never left, or was refused)."""
         with self._lock:
-            if self.words[lease.slab.slot, 0] == lease.ident:
-                self.words[lease.slab.slot, 0] = FREE
+            if self.words[lease.row, 0] == lease.ident:
+                self.words[lease.row, 0] = FREE
 
     def release_unsent(self, lease: Lease) -> None:
         """:meth:`release` for a message that was never pickled whole, from a garbage
         collection (``_shm.guard``): takes no lock, as the collection may have interrupted
         this very area under it. Nothing else writes a lent slab its receiver never took
         (``lease`` only picks FREE ones; a closed area's slabs are retired)."""
-        row = self.words[lease.slab.slot]
+        row = self.words[lease.row]
         if row[0] == lease.ident:
             row[0] = FREE
             self.stats["unsent_released"] += 1
 
+    # ------------------------------------------------------------ pinned slabs
+    def pin(self, index: int, nbytes: int) -> Optional[Slab]:
+        """A slab of ``cuda:index`` of at least ``nbytes``, pinned to hold a state that is
+        read in place (``share``) until ``unpin``; None: no room within ``limit``. The
+        caller writes it, then records its ``ready`` (or synchronises where it has none).
+
+        Raises:
+            RuntimeError: (from torch) the slab could not be allocated or exported.
+        """
+        with self._lock:
+            self._reclaim()
+            slab = self._new_slab(index, -(-max(nbytes, 1) // _GRAIN) * _GRAIN)
+            if slab is None:
+                self.stats["no_room"] += 1
+                return None
+            self.words[slab.slot, 1] = os.getpid()
+            self.words[slab.slot, 0] = PINNED
+            self._pinned[slab.storage.data_ptr()] = slab
+            self.stats["pinned"] += 1
+            return slab
+
+    def share(self, slab: Slab, taker: int) -> Optional[Lease]:
+        """A lease of pinned ``slab`` for process ``taker``, through a reader row; None: the
+        slab is no longer pinned, or every reader row is taken (counted: ``no_reader_row``)."""
+        with self._lock:
+            if self._pinned.get(slab.storage.data_ptr()) is not slab:
+                return None
+            free = np.flatnonzero(self._readers[:, 0] == FREE)
+            if not len(free):
+                self._reclaim()
+                free = np.flatnonzero(self._readers[:, 0] == FREE)
+                if not len(free):
+                    self.stats["no_reader_row"] += 1
+                    return None
+            r = int(free[0])
+            ident = next(self._ids)
+            row = self._readers[r]
+            row[1], row[2], row[3] = taker, slab.slot, slab.ident
+            row[0] = ident  # last: the receiver checks the state, then reads
+            self.stats["shared"] += 1
+            return Lease(slab, ident, SLOTS + r)
+
+    def in_place(self, tensors: List[torch.Tensor], taker: int) -> Optional[Tuple[Lease, List[int]]]:
+        """A lease for process ``taker`` of the pinned slab all of ``tensors`` lie in
+        (contiguous), and each one's byte offset there; None: they do not, or no reader
+        row is free (the caller copies them into a slab of their own)."""
+        if not self._pinned:
+            return None
+        slab = self._pinned.get(tensors[0].untyped_storage().data_ptr())
+        if slab is None or any(t.untyped_storage().data_ptr() != slab.storage.data_ptr() or not t.is_contiguous()
+                               for t in tensors):
+            return None
+        lease = self.share(slab, taker)
+        return None if lease is None else (lease, [int(t.storage_offset()) * t.element_size() for t in tensors])
+
+    def readers(self, slab: Slab) -> int:
+        """Live readers of ``slab`` now (those of dead receivers are taken back first)."""
+        with self._lock:
+            self._reclaim()
+            return self._read(slab)
+
+    def unpin(self, slab: Slab) -> None:
+        """End ``pin``: the slab is retired once its readers are done (never lent again:
+        tensors may still view it)."""
+        with self._lock:
+            if self._pinned.pop(slab.storage.data_ptr(), None) is not slab:
+                return
+            self._draining.append(slab)
+            self._reclaim()
+
+    def _read(self, slab: Slab) -> int:
+        rows = self._readers
+        return int(np.count_nonzero((rows[:, 0] != FREE) & (rows[:, 2] == slab.slot) & (rows[:, 3] == slab.ident)))
+
+    def _reading(self) -> int:
+        return int(np.count_nonzero(self._readers[:, 0] != FREE))
+
     def _lent_to_the_living(self) -> bool:
         with self._lock:
             rows = [self.words[slab.slot] for slab in self._slabs]
-        return any(row[0] != FREE and pid_alive(int(row[1])) for row in rows)
+            rows += [self._readers[r] for r in np.flatnonzero(self._readers[:, 0] != FREE)]
+        return any(row[0] > FREE and pid_alive(int(row[1])) for row in rows)
 
     def _free_slab(self, index: int, nbytes: int) -> Optional[Slab]:
         best: Optional[Slab] = None
@@ -228,9 +314,18 @@ class ExportArea:
         found = False
         for slab in self._slabs:
             row = self.words[slab.slot]
-            if row[0] != FREE and not pid_alive(int(row[1])):
+            if row[0] > FREE and not pid_alive(int(row[1])):
                 row[0] = FREE  # its receiver died: nobody reads it any more
                 self.stats["reclaimed"] += 1
+                found = True
+        for r in np.flatnonzero(self._readers[:, 0] != FREE):
+            row = self._readers[r]
+            if row[0] != FREE and not pid_alive(int(row[1])):
+                row[0] = FREE
+                self.stats["reclaimed"] += 1
+        for slab in list(self._draining):
+            if not self._read(slab):
+                self._retire(slab)  # unpinned, read by nobody now (its states keep their memory)
                 found = True
         return found
 
@@ -262,11 +357,15 @@ class ExportArea:
     def _retire(self, slab: Slab) -> None:
         self.words[slab.slot, 2] = RETIRED  # receivers drop their opening at their next trim
         self._slabs.remove(slab)
+        if self._pinned:
+            self._pinned = {address: kept for address, kept in self._pinned.items() if kept is not slab}
+        if slab in self._draining:
+            self._draining.remove(slab)
         self._held -= slab.capacity
         self.stats["slabs_retired"] += 1
         # torch counted the one export as one reader (counter 1) and parks freed memory
         # with a count above 0 in its limbo. No receiver counts (they open with
-        # _NO_COUNTER), so this one release lets the memory go back to the allocator now.
+        # NO_COUNTER), so this one release lets the memory go back to the allocator now.
         try:
             torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)
         except Exception:  # best effort, as torch's own consumers do
@@ -291,126 +390,3 @@ class ExportArea:
             except OSError:
                 pass
             self._fd = -1
-
-
-# ------------------------------------------------------------------------ receiver
-Key = Tuple[int, bytes, int]
-
-
-class Opened:
-    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``);
-    ``ready``: the slab's event, opened at the first message that names it; ``done``: this
-    process's event recorded after each message's copies out (both None until then)."""
-
-    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "done")
-
-    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
-        self.storage = storage
-        self.capacity = capacity
-        self.words = words
-        self.slot = slot
-        self.ident = ident
-        self.views: Dict[Any, torch.Tensor] = {}
-        self.ready: Any = None
-        self.done: Any = None
-
-    def retired(self) -> bool:
-        return int(self.words[self.slot, 2]) != self.ident
-
-
-Opener = Callable[[], Any]
-
-
-class OpenCache:
-    """Peers' slabs opened here, and their control pages (see the module docstring).
-
-    Args:
-        limit: Bytes of opened slab capacity kept between transfers.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._opened: "OrderedDict[Key, Opened]" = OrderedDict()
-        self._controls: Dict[Tuple[int, int], Tuple[mmap.mmap, np.ndarray]] = {}
-        self._held = 0
-        self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
-
-    def held_bytes(self) -> int:
-        return self._held
-
-    def __len__(self) -> int:
-        return len(self._opened)
-
-    def control(self, pid: int, fd: int, inode: int) -> np.ndarray:
-        """The control page of process ``pid`` (mapped once).
-
-        Raises:
-            RuntimeError: the sender is gone or closed its area (named).
-        """
-        key = (pid, inode)
-        with self._lock:
-            found = self._controls.get(key)
-            if found is not None:
-                return found[1]
-        handle = open_peer_fd(pid, fd, inode, "the CUDA export area")
-        try:
-            mapped = mmap.mmap(handle, _PAGE, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(handle)
-        words = np.frombuffer(mapped, dtype=np.int64).reshape(SLOTS, _WORDS)
-        with self._lock:
-            self._controls.setdefault(key, (mapped, words))
-            return self._controls[key][1]
-
-    def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Opened:
-        """The opened slab ``key`` (``opener()`` opens its storage when not cached)."""
-        with self._lock:
-            found = self._opened.get(key)
-            if found is not None and found.ident == ident and not found.retired():
-                self._opened.move_to_end(key)
-                return found
-            # First: a retired slab's handle must be closed before a slab that took its
-            # place is opened (torch finds an open handle by its bytes, and the memory
-            # behind equal bytes may be new).
-            self._drop_gone()
-        opened = Opened(opener(), capacity, words, slot, ident)
-        with self._lock:
-            old = self._opened.pop(key, None)
-            if old is not None:
-                self._held -= old.capacity
-            self._opened[key] = opened
-            self._held += capacity
-            self.stats["opened"] += 1
-            while self._held > self.limit and len(self._opened) > 1:
-                self._drop(next(iter(self._opened)))
-                self.stats["evicted"] += 1
-        return opened
-
-    def _drop_gone(self) -> None:
-        for key, opened in list(self._opened.items()):
-            if opened.retired() or not pid_alive(key[0]):
-                self._drop(key)
-                self.stats["dropped_dead_or_retired"] += 1
-        live = {opened_key[0] for opened_key in self._opened}
-        for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
-            del self._controls[control]
-
-    def _drop(self, key: Key) -> None:
-        opened = self._opened.pop(key)
-        self._held -= opened.capacity
-        # Dropping the last storage of a handle closes it (torch's IPC handle cache).
-
-    def forget_dead(self) -> int:
-        """Drop what dead or retired owners left here; returns how many openings went."""
-        with self._lock:
-            before = len(self._opened)
-            self._drop_gone()
-            return before - len(self._opened)
-
-    def forget_all(self) -> None:
-        """Drop every opening and control page (World stop)."""
-        with self._lock:
-            self._opened.clear()
-            self._controls.clear()
-            self._held = 0

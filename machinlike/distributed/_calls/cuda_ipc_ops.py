@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .cuda_ipc_area import _NO_COUNTER, _NO_EVENT, Opened, Slab
+from .cuda_ipc_area import Slab
+from .cuda_ipc_open import NO_COUNTER, NO_EVENT, Opened
 from .cuda_ipc_release import Done
 
 __all__ = ["device", "synchronize", "mark_ready", "open_event", "copies_done", "cuda_ready", "current_index",
@@ -56,8 +57,8 @@ def current_index() -> int:
 
 def open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
     # torch internal: opens (or finds open) the allocation behind ``handle``; no
-    # reference count (_NO_COUNTER) and none of torch's events (the slab has its own: Slab.ready)
-    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, _NO_COUNTER, 0, _NO_EVENT, False)
+    # reference count (NO_COUNTER) and none of torch's events (the slab has its own: Slab.ready)
+    return torch.UntypedStorage._new_shared_cuda(index, handle, capacity, offset, NO_COUNTER, 0, NO_EVENT, False)
 
 
 VIEWS_KEPT = 32  # layouts kept per slab; more start the slab's set afresh

@@ -31,12 +31,25 @@ import torch
 from torch.distributed import rpc
 
 from . import cuda_ipc as _ipc
+from .staging import stage_tensor
 
-__all__ = ["peer_target"]
+__all__ = ["peer_target", "export"]
 
 _RETRY_S = 2.0  # a peer without CUDA (yet) is asked again after this many seconds
 _PROBE_TIMEOUT_S = 5.0
 _UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is asked again after this
+
+
+def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Any]]:
+    """``tensors`` (CUDA) as picklable references through IPC, committed (the receiver
+    waits for the copies); and their leases. Used by the probe (calls go through ``_cuda_stage.encode``)."""
+    batch = _ipc.Batch(target)
+    refs = [batch.add(tensor) for tensor in tensors]
+    pending: List[torch.device] = []
+    leases = batch.commit(refs, stage_tensor, pending)
+    for device in pending:
+        _ipc.ops.synchronize(device)
+    return refs, leases
 
 
 def _describe() -> int:
@@ -53,7 +66,7 @@ def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
     expected = torch.arange(16, device=probe.device)
     if probe.device != _ipc.ops.device(probe.device.index) or not bool((probe == expected).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
-    refs, leases = _ipc.export([probe], (_ipc.local_key(), caller))
+    refs, leases = export([probe], (_ipc.local_key(), caller))
     return refs, bool(leases)
 
 
@@ -92,7 +105,7 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _ipc._count("staged_peer_other_gpus")
         return None
     device = _ipc.ops.device(_ipc.ops.current_index())
-    refs, leases = _ipc.export([torch.arange(16, device=device)], (mine, pid))
+    refs, leases = export([torch.arange(16, device=device)], (mine, pid))
     if not leases:  # this side could not export it (it was staged, counted): ask again later
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._count("staged_probe_not_exported")

@@ -1,0 +1,152 @@
+"""The receiver's cache of the CUDA IPC path: peers' slabs opened here, and their control pages.
+
+Opening a handle costs milliseconds, so an opened slab is kept, keyed by ``(owner pid,
+handle, offset)``, bounded by ``limit`` bytes of slab capacity (least recently used goes
+first). Before each new opening it forgets slabs whose owner died or retired them (so that
+a retired slab's handle is closed before new memory behind the same handle bytes is
+opened), and so does a member's departure. An opening holds no reference count of
+torch's (``NO_COUNTER``): the owner decides when a slab is gone (it retires it), and a
+receiver that is SIGKILLed leaves no count behind that would pin the owner's memory
+forever. The sender's half, and what the control page holds: ``cuda_ipc_area``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Tuple
+
+import numpy as np
+import torch
+
+from ..._shm._peer_fd import open_peer_fd
+from ..._shm._segments import pid_alive
+from .cuda_ipc_area import PAGE_BYTES, ROWS, WORDS
+
+__all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT"]
+
+NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
+NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; torch's own event is unused: the slab has its own
+
+Key = Tuple[int, bytes, int]
+
+
+class Opened:
+    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``);
+    ``ready``: the slab's event, opened at the first message that names it; ``done``: this
+    process's event recorded after each message's copies out (both None until then)."""
+
+    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "done")
+
+    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
+        self.storage = storage
+        self.capacity = capacity
+        self.words = words
+        self.slot = slot
+        self.ident = ident
+        self.views: Dict[Any, torch.Tensor] = {}
+        self.ready: Any = None
+        self.done: Any = None
+
+    def retired(self) -> bool:
+        return int(self.words[self.slot, 2]) != self.ident
+
+
+Opener = Callable[[], Any]
+
+
+class OpenCache:
+    """Peers' slabs opened here, and their control pages (see the module docstring).
+
+    Args:
+        limit: Bytes of opened slab capacity kept between transfers.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._opened: "OrderedDict[Key, Opened]" = OrderedDict()
+        self._controls: Dict[Tuple[int, int], Tuple[mmap.mmap, np.ndarray]] = {}
+        self._held = 0
+        self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
+
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._opened)
+
+    def control(self, pid: int, fd: int, inode: int) -> np.ndarray:
+        """The control page of process ``pid`` (mapped once).
+
+        Raises:
+            RuntimeError: the sender is gone or closed its area (named).
+        """
+        key = (pid, inode)
+        with self._lock:
+            found = self._controls.get(key)
+            if found is not None:
+                return found[1]
+        handle = open_peer_fd(pid, fd, inode, "the CUDA export area")
+        try:
+            mapped = mmap.mmap(handle, PAGE_BYTES, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(handle)
+        words = np.frombuffer(mapped, dtype=np.int64).reshape(ROWS, WORDS)
+        with self._lock:
+            self._controls.setdefault(key, (mapped, words))
+            return self._controls[key][1]
+
+    def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Opened:
+        """The opened slab ``key`` (``opener()`` opens its storage when not cached)."""
+        with self._lock:
+            found = self._opened.get(key)
+            if found is not None and found.ident == ident and not found.retired():
+                self._opened.move_to_end(key)
+                return found
+            # First: a retired slab's handle must be closed before a slab that took its
+            # place is opened (torch finds an open handle by its bytes, and the memory
+            # behind equal bytes may be new).
+            self._drop_gone()
+        opened = Opened(opener(), capacity, words, slot, ident)
+        with self._lock:
+            old = self._opened.pop(key, None)
+            if old is not None:
+                self._held -= old.capacity
+            self._opened[key] = opened
+            self._held += capacity
+            self.stats["opened"] += 1
+            while self._held > self.limit and len(self._opened) > 1:
+                self._drop(next(iter(self._opened)))
+                self.stats["evicted"] += 1
+        return opened
+
+    def _drop_gone(self) -> None:
+        for key, opened in list(self._opened.items()):
+            if opened.retired() or not pid_alive(key[0]):
+                self._drop(key)
+                self.stats["dropped_dead_or_retired"] += 1
+        live = {opened_key[0] for opened_key in self._opened}
+        for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
+            del self._controls[control]
+
+    def _drop(self, key: Key) -> None:
+        opened = self._opened.pop(key)
+        self._held -= opened.capacity
+        # Dropping the last storage of a handle closes it (torch's IPC handle cache).
+
+    def forget_dead(self) -> int:
+        """Drop what dead or retired owners left here; returns how many openings went."""
+        with self._lock:
+            before = len(self._opened)
+            self._drop_gone()
+            return before - len(self._opened)
+
+    def forget_all(self) -> None:
+        """Drop every opening and control page (World stop)."""
+        with self._lock:
+            self._opened.clear()
+            self._controls.clear()
+            self._held = 0

@@ -1,0 +1,128 @@
+"""States kept in pinned slabs of this process's export area, read in place by every
+same-host receiver (a model server's versions on its GPU).
+
+Why: each pull of a CUDA model from a server on the same host used to copy the version
+into a slab of its own, so the server's GPU memory grew with the pulls in flight (an
+H200, session 44: 23 slabs of 64 MB for 20 pullers) and every pull cost the server a
+copy. Here a pushed state is copied once into a pinned slab; each pull lends that slab
+through a reader row (``ExportArea.share``) and the puller copies out of it::
+
+    adopt(key, tensors on cuda:i)  ─► ring (key, i, bytes): fewer than KEEP slabs ─► pin one
+                                        else one nobody holds (no state, reply or
+                                        reader row of a live receiver) ─► rewrite it
+                                        all held ─► None: the state stays as it is
+      copy each tensor in, record the slab's event ─► the state's tensors view the slab
+    a reply carrying them ─► one reader row per receiver, no copy (``cuda_ipc.Batch``)
+    the receiver's copies out done ─► its row FREE; a SIGKILLed receiver's row is
+      taken back by its pid, as a lease of any slab
+
+A slab is rewritten only when its storage is referenced by the slab alone (the chain
+dropped the version, no reply holds it) and no live receiver reads it, so a reader never
+sees a torn state. Memory: at most KEEP slabs a ring, whatever the number of pullers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, Hashable, List, Optional, Tuple
+
+import torch
+
+from . import cuda_ipc as _ipc
+from . import cuda_ipc_ops as ops
+from .cuda_ipc_area import ExportArea, Slab
+
+__all__ = ["PinnedStates", "KEEP"]
+
+KEEP = 4  # slabs a ring: the chain's two newest versions, one being written, one a late reader may still read
+_ALIGN = 512
+_RINGS_MAX = 1024
+
+Ring = Tuple[Hashable, int, int]
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    return torch._C._storage_Use_Count(storage._cdata)  # (torch internal)
+
+
+class _Pinned:
+    __slots__ = ("area", "slab", "base")
+
+    def __init__(self, area: ExportArea, slab: Slab) -> None:
+        self.area = area
+        self.slab = slab
+        self.base = _use_count(slab.storage)  # held by the slab alone
+
+    def free(self) -> bool:
+        return _use_count(self.slab.storage) <= self.base and self.area.readers(self.slab) == 0
+
+
+class PinnedStates:
+    """Rings of pinned slabs holding states (see the module doc); ``close()`` with the
+    state's owner. Nothing is pinned while the CUDA IPC path is off in this process."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._rings: Dict[Ring, List[_Pinned]] = {}  # least recently written first
+
+    def adopt(self, key: Hashable, tensors: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """``tensors`` (CUDA, one device) copied into a pinned slab, as tensors viewing it
+        (contiguous, same dtypes, shapes and ``requires_grad`` False); None: not pinned
+        (the path is off, no room within ``cuda_ipc_cache_bytes``, or every slab of the
+        ring is held): keep the tensors as they are.
+
+        Raises:
+            RuntimeError: (from torch) the copies failed.
+        """
+        if not _ipc.enabled() or not tensors:
+            return None
+        index = tensors[0].device.index
+        starts, total = [], 0
+        for tensor in tensors:
+            starts.append(total)
+            total += -(-tensor.nbytes // _ALIGN) * _ALIGN
+        with self._lock:  # (a slab is chosen and held by its views before another push looks)
+            slab = self._take((key, index, total), index, total)
+            if slab is None:
+                return None
+            views = [torch.empty(0, dtype=t.dtype, device=t.device).set_(  # type: ignore[call-overload]
+                slab.storage, start // t.element_size(), t.shape) for start, t in zip(starts, tensors)]
+        for view, tensor in zip(views, tensors):
+            view.copy_(tensor.detach())
+        if slab.ready is not None:
+            ops.mark_ready(slab)  # receivers read once the copies ran (cuda_ipc_release.await_ready)
+        else:
+            ops.synchronize(ops.device(index))
+        return views
+
+    def _take(self, ring: Ring, index: int, nbytes: int) -> Optional[Slab]:
+        area = _ipc.export_area()
+        pinned = [p for p in self._rings.get(ring, []) if p.area is area]  # (a World restarted: a new area)
+        if ring not in self._rings and len(self._rings) >= _RINGS_MAX:
+            return None
+        self._rings[ring] = pinned
+        if len(pinned) < self.keep:
+            slab = area.pin(index, nbytes)
+            if slab is not None:
+                pinned.append(_Pinned(area, slab))
+                return slab
+        for i, entry in enumerate(pinned):
+            if entry.free():
+                pinned.append(pinned.pop(i))
+                return entry.slab
+        return None
+
+    def held(self) -> int:
+        """Slabs pinned now, all rings together."""
+        with self._lock:
+            return sum(len(pinned) for pinned in self._rings.values())
+
+    def close(self) -> None:
+        """Unpin every slab: each is lent as any other once its last reader is done; the
+        states viewing them keep their memory as long as they live."""
+        with self._lock:
+            rings, self._rings = self._rings, {}
+        for pinned in rings.values():
+            for entry in pinned:
+                entry.area.unpin(entry.slab)
