@@ -1026,3 +1026,17 @@ def test_a_model_servers_pool_pins_its_large_cuda_tensors(pinned, monkeypatch):
     assert pool.pinned() == 1 and small["w"].untyped_storage().data_ptr() != slab.storage.data_ptr()
     pool.close()
     assert pool.pinned() == 0
+
+
+def test_pinned_slabs_take_half_the_area_at_most_and_a_failed_pin_leaves_the_state_as_it_is(pinned, monkeypatch):
+    pool = pinned()
+    area = _cuda_ipc.export_area()  # (64 MiB: ipc_on)
+    assert area.pin(None, 20 << 20) is not None
+    assert area.pin(None, 14 << 20) is None and area.stats["no_room"] == 1  # 34 MiB > 32: messages keep room
+    assert area.lease(None, 30 << 20, os.getpid()) is not None  # (32 MiB: a message's slab still fits)
+
+    def refused(*a):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(_cuda_ipc_area.ExportArea, "pin", refused)
+    assert pool.adopt("m", [torch.ones(4)]) is None and pool.held() == 0

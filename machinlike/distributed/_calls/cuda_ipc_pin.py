@@ -18,7 +18,8 @@ through a reader row (``ExportArea.share``) and the puller copies out of it::
 
 A slab is rewritten only when its storage is referenced by the slab alone (the chain
 dropped the version, no reply holds it) and no live receiver reads it, so a reader never
-sees a torn state. Memory: at most KEEP slabs a ring, whatever the number of pullers.
+sees a torn state. Memory: at most KEEP slabs a ring, whatever the number of pullers, and
+half of ``cuda_ipc_cache_bytes`` in all (the rest stays for messages' own slabs).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ class PinnedStates:
     def adopt(self, key: Hashable, tensors: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """``tensors`` (CUDA, one device) copied into a pinned slab, as tensors viewing it
         (contiguous, same dtypes, shapes and ``requires_grad`` False); None: not pinned
-        (the path is off, no room within ``cuda_ipc_cache_bytes``, or every slab of the
-        ring is held): keep the tensors as they are.
+        (the path is off, no room in half of ``cuda_ipc_cache_bytes``, the slab could not
+        be made, or every slab of the ring is held): keep the tensors as they are.
 
         Raises:
             RuntimeError: (from torch) the copies failed.
@@ -103,7 +104,10 @@ class PinnedStates:
             return None
         self._rings[ring] = pinned
         if len(pinned) < self.keep:
-            slab = area.pin(index, nbytes)
+            try:
+                slab = area.pin(index, nbytes)
+            except Exception:  # (out of GPU memory, an export refused: pulls copy it, as before)
+                slab = None
             if slab is not None:
                 pinned.append(_Pinned(area, slab))
                 return slab
