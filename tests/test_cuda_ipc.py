@@ -940,7 +940,7 @@ def _pull(tensors):
 
 
 def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it(pinned):
-    pool = pinned(keep=2)
+    pool = pinned(most=2)
     first = pool.adopt("m", [torch.arange(6.0), torch.ones(2, 3)])
     area = _cuda_ipc._area
     slab = area._slabs[0]
@@ -957,7 +957,7 @@ def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it
         del first, pulls, got  # the chain dropped the version; its readers still copy out
         second = pool.adopt("m", [torch.zeros(6), torch.zeros(2, 3)])
         assert second[0].untyped_storage().data_ptr() != slab.storage.data_ptr()  # not rewritten under them
-        assert pool.adopt("m", [torch.zeros(6), torch.zeros(2, 3)]) is None  # both held: left as it is
+        assert pool.adopt("m", [torch.zeros(6), torch.zeros(2, 3)]) is None  # both held, no third: left as it is
     finally:
         _CpuSlab.done.let_go()
     assert _cuda_ipc.released(10) and area.lent() == 0
@@ -984,7 +984,7 @@ def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinne
 
 
 def test_a_dead_readers_row_is_taken_back(pinned):
-    pool = pinned(keep=1)
+    pool = pinned(most=1)
     state = pool.adopt("m", [torch.ones(4)])
     area = _cuda_ipc._area
     lease = area.share(area._slabs[0], _dead_pid())  # a puller SIGKILLed before copying out

@@ -192,7 +192,6 @@ def _server_area():
 
 @world_test(6, timeout=300)
 def test_pulls_of_a_cuda_model_read_the_servers_versions_in_place(world):
-    from machinlike.distributed._calls.cuda_ipc_pin import KEEP
     from machinlike.server import PushPullModelServerImpl
 
     _cuda_here()
@@ -221,9 +220,10 @@ def test_pulls_of_a_cuda_model_read_the_servers_versions_in_place(world):
     group.barrier()
     if me == "2":
         area = group.registered_sync("area")
-        # The server's versions live in KEEP pinned slabs at most, read in place by the pulls
-        # (the newest at least by each puller); no reader row outlives its copies out.
-        assert 1 <= area["area_pinned"] <= KEEP and area["area_shared"] >= 4 and area["area_lent"] == 0, area
+        # The server's versions live in a few pinned slabs (as many as versions are held at
+        # once: not one a pull), read in place by the pulls (the newest by each puller at
+        # least); no reader row outlives its copies out.
+        assert 1 <= area["area_pinned"] <= 8 and area["area_shared"] >= 4 and area["area_lent"] == 0, area
     group.barrier()
     if impl is not None:
         impl.close()

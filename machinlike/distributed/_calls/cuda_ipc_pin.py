@@ -7,10 +7,10 @@ H200, session 44: 23 slabs of 64 MB for 20 pullers) and every pull cost the serv
 copy. Here a pushed state is copied once into a pinned slab; each pull lends that slab
 through a reader row (``ExportArea.share``) and the puller copies out of it::
 
-    adopt(key, tensors on cuda:i)  ─► ring (key, i, bytes): fewer than KEEP slabs ─► pin one
-                                        else one nobody holds (no state, reply or
-                                        reader row of a live receiver) ─► rewrite it
-                                        all held ─► None: the state stays as it is
+    adopt(key, tensors on cuda:i)  ─► ring (key, i, bytes): a slab nobody holds (no
+                                        state, reply or reader row of a live receiver)
+                                        ─► rewrite it; none: fewer than MOST ─► pin one
+                                        else ─► None: the state stays as it is
       copy each tensor in, record the slab's event ─► the state's tensors view the slab
     a reply carrying them ─► one reader row per receiver, no copy (``cuda_ipc.Batch``)
     the receiver's copies out done ─► its row FREE; a SIGKILLed receiver's row is
@@ -18,7 +18,9 @@ through a reader row (``ExportArea.share``) and the puller copies out of it::
 
 A slab is rewritten only when its storage is referenced by the slab alone (the chain
 dropped the version, no reply holds it) and no live receiver reads it, so a reader never
-sees a torn state. Memory: at most KEEP slabs a ring, whatever the number of pullers, and
+sees a torn state. Memory: a ring grows only while each of its slabs is held, so it holds
+about as many slabs as versions are kept and read at once (the chain's two, and those
+slow readers still copy out of), whatever the number of pullers; at most MOST a ring, and
 half of ``cuda_ipc_cache_bytes`` in all (the rest stays for messages' own slabs).
 """
 
@@ -33,9 +35,9 @@ from . import cuda_ipc as _ipc
 from . import cuda_ipc_ops as ops
 from .cuda_ipc_area import ExportArea, Slab
 
-__all__ = ["PinnedStates", "KEEP"]
+__all__ = ["PinnedStates", "MOST"]
 
-KEEP = 4  # slabs a ring: the chain's two newest versions, one being written, one a late reader may still read
+MOST = 16  # slabs a ring at most: past it a version stays unpinned, and its pulls copy it
 _ALIGN = 512
 _RINGS_MAX = 1024
 
@@ -62,16 +64,17 @@ class PinnedStates:
     """Rings of pinned slabs holding states (see the module doc); ``close()`` with the
     state's owner. Nothing is pinned while the CUDA IPC path is off in this process."""
 
-    def __init__(self, keep: int = KEEP) -> None:
-        self.keep = keep
+    def __init__(self, most: int = MOST) -> None:
+        self.most = most
         self._lock = threading.Lock()
         self._rings: Dict[Ring, List[_Pinned]] = {}  # least recently written first
 
     def adopt(self, key: Hashable, tensors: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """``tensors`` (CUDA, one device) copied into a pinned slab, as tensors viewing it
         (contiguous, same dtypes, shapes and ``requires_grad`` False); None: not pinned
-        (the path is off, no room in half of ``cuda_ipc_cache_bytes``, the slab could not
-        be made, or every slab of the ring is held): keep the tensors as they are.
+        (the path is off, every slab of the ring is held and it has ``most`` or no room is
+        left in half of ``cuda_ipc_cache_bytes``, or the slab could not be made): keep the
+        tensors as they are.
 
         Raises:
             RuntimeError: (from torch) the copies failed.
@@ -103,19 +106,19 @@ class PinnedStates:
         if ring not in self._rings and len(self._rings) >= _RINGS_MAX:
             return None
         self._rings[ring] = pinned
-        if len(pinned) < self.keep:
-            try:
-                slab = area.pin(index, nbytes)
-            except Exception:  # (out of GPU memory, an export refused: pulls copy it, as before)
-                slab = None
-            if slab is not None:
-                pinned.append(_Pinned(area, slab))
-                return slab
         for i, entry in enumerate(pinned):
             if entry.free():
                 pinned.append(pinned.pop(i))
                 return entry.slab
-        return None
+        if len(pinned) >= self.most:
+            return None
+        try:
+            slab = area.pin(index, nbytes)
+        except Exception:  # (out of GPU memory, an export refused: pulls copy it, as before)
+            return None
+        if slab is not None:
+            pinned.append(_Pinned(area, slab))
+        return slab
 
     def held(self) -> int:
         """Slabs pinned now, all rings together."""
