@@ -1040,3 +1040,20 @@ def test_pinned_slabs_take_half_the_area_at_most_and_a_failed_pin_leaves_the_sta
 
     monkeypatch.setattr(_cuda_ipc_area.ExportArea, "pin", refused)
     assert pool.adopt("m", [torch.ones(4)]) is None and pool.held() == 0
+
+
+def test_a_ring_gives_back_what_a_burst_of_slow_readers_left(pinned):
+    pool = pinned(most=8)
+    _CpuSlab.done.hold()  # slow readers: each version is still read when the next comes
+    try:
+        for n in range(6):
+            pickle.loads(_pull(pool.adopt("m", [torch.full((4,), float(n))])))
+        area = _cuda_ipc._area
+        assert pool.held() == 6 and area.stats["slabs_retired"] == 0
+    finally:
+        _CpuSlab.done.let_go()
+    assert _cuda_ipc.released(10)
+    state = pool.adopt("m", [torch.ones(4)])  # one rewritten, two kept free, three given back
+    assert pool.held() == 3 and area.stats["slabs_retired"] == 3 and area.stats["slabs_made"] == 6
+    assert torch.equal(pickle.loads(_pull(state))[0], torch.ones(4))
+    pool.close()

@@ -220,10 +220,11 @@ def test_pulls_of_a_cuda_model_read_the_servers_versions_in_place(world):
     group.barrier()
     if me == "2":
         area = group.registered_sync("area")
-        # The server's versions live in a few pinned slabs (as many as versions are held at
-        # once: not one a pull), read in place by the pulls (the newest by each puller at
-        # least); no reader row outlives its copies out.
-        assert 1 <= area["area_pinned"] <= 8 and area["area_shared"] >= 4 and area["area_lent"] == 0, area
+        # The server's versions live in a few pinned slabs, rewritten in turn (as many as
+        # versions are held at once: not one a version, nor one a pull), read in place by
+        # the pulls (the newest by each puller at least); no reader row outlives its copies.
+        assert 1 <= area["area_pinned"] <= _VERSIONS // 3 and area["area_shared"] >= 4, area
+        assert area["area_lent"] == 0, area
     group.barrier()
     if impl is not None:
         impl.close()

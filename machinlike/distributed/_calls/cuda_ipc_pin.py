@@ -9,7 +9,8 @@ through a reader row (``ExportArea.share``) and the puller copies out of it::
 
     adopt(key, tensors on cuda:i)  ─► ring (key, i, bytes): a slab nobody holds (no
                                         state, reply or reader row of a live receiver)
-                                        ─► rewrite it; none: fewer than MOST ─► pin one
+                                        ─► rewrite it (and unpin free ones past _SPARE);
+                                        none: fewer than MOST ─► pin one
                                         else ─► None: the state stays as it is
       copy each tensor in, record the slab's event ─► the state's tensors view the slab
     a reply carrying them ─► one reader row per receiver, no copy (``cuda_ipc.Batch``)
@@ -18,9 +19,10 @@ through a reader row (``ExportArea.share``) and the puller copies out of it::
 
 A slab is rewritten only when its storage is referenced by the slab alone (the chain
 dropped the version, no reply holds it) and no live receiver reads it, so a reader never
-sees a torn state. Memory: a ring grows only while each of its slabs is held, so it holds
-about as many slabs as versions are kept and read at once (the chain's two, and those
-slow readers still copy out of), whatever the number of pullers; at most MOST a ring, and
+sees a torn state. Memory: a ring grows only while each of its slabs is held, and gives
+back free slabs past ``_SPARE``, so it holds about as many slabs as versions are kept and
+read at once (the chain's two, and those slow readers still copy out of), whatever the
+number of pullers; at most MOST a ring, and
 half of ``cuda_ipc_cache_bytes`` in all (the rest stays for messages' own slabs).
 """
 
@@ -38,6 +40,7 @@ from .cuda_ipc_area import ExportArea, Slab
 __all__ = ["PinnedStates", "MOST"]
 
 MOST = 16  # slabs a ring at most: past it a version stays unpinned, and its pulls copy it
+_SPARE = 2  # free slabs a ring keeps besides the one it writes (more go back to the allocator)
 _ALIGN = 512
 _RINGS_MAX = 1024
 
@@ -106,10 +109,15 @@ class PinnedStates:
         if ring not in self._rings and len(self._rings) >= _RINGS_MAX:
             return None
         self._rings[ring] = pinned
-        for i, entry in enumerate(pinned):
-            if entry.free():
-                pinned.append(pinned.pop(i))
-                return entry.slab
+        free = [entry for entry in pinned if entry.free()]
+        if free:
+            chosen = free[0]  # (the least recently written)
+            pinned.remove(chosen)
+            pinned.append(chosen)
+            for entry in free[1 + _SPARE:]:  # what a burst of slow readers left: back to the allocator
+                pinned.remove(entry)
+                area.unpin(entry.slab)
+            return chosen.slab
         if len(pinned) >= self.most:
             return None
         try:
