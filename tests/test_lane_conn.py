@@ -250,3 +250,24 @@ def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_
         while not fut.done() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert fut.done() and fut.wait() == round_, f"round {round_}: the async answer stayed read ahead"
+
+
+def test_the_watcher_stops_waking_for_answers_once_none_is_due_to_it(pair):
+    conn, theirs = pair
+    warm = LaneFuture()  # async answers came: the watcher wakes for answers
+    warm_id = conn.send(b"a", Pending(warm, time.monotonic() + 5))
+    _requests(theirs, 1)
+    _answer(theirs, warm_id, 0)
+    assert warm.wait() == 0
+    deadline = time.monotonic() + 5
+    while not conn._answers and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn._answers
+    sync = Pending(None, time.monotonic() + 5)
+    sync_id = conn.send(b"s", sync)
+    _requests(theirs, 1)
+    _answer(theirs, sync_id, "s")  # before its caller waits: the watcher wakes and reads it
+    while not sync.done and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert conn.wait(sync_id, sync) == "s"
+    assert not conn._answers  # no answer is due to it: the next sync answers do not wake it

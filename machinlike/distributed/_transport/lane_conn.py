@@ -316,8 +316,9 @@ class Conn:
                     with self._lock:
                         take = not self._reading
                         self._reading = True
-                        # A caller reads its own answers: sleep through them from now on.
-                        self._answers = take
+                        # A caller reads its own answers: sleep through them from now on; and
+                        # so when none is due to this thread (a sync call's, its caller late).
+                        self._answers = take and self._due > 0
                         # (frames a caller handed over before it let go: settled before any
                         # read, which may wait for the next frame)
                         handed, self._handed = (self._handed, []) if take else ([], self._handed)
