@@ -1034,6 +1034,9 @@ def test_pinned_slabs_take_half_the_area_at_most_and_a_failed_pin_leaves_the_sta
     assert area.pin(None, 20 << 20) is not None
     assert area.pin(None, 14 << 20) is None and area.stats["no_room"] == 1  # 34 MiB > 32: messages keep room
     assert area.lease(None, 30 << 20, os.getpid()) is not None  # (32 MiB: a message's slab still fits)
+    area.limit = 1 << 40  # and half the slab rows at most, whatever their size
+    assert all(area.pin(None, 1) for _ in range(_cuda_ipc_area.SLOTS // 2 - 1))
+    assert area.pin(None, 1) is None and area.lease(None, 1, os.getpid()) is not None
 
     def refused(*a):
         raise RuntimeError("CUDA out of memory")

@@ -223,7 +223,7 @@ class ExportArea:
     def pin(self, index: int, nbytes: int) -> Optional[Slab]:
         """A slab of ``cuda:index`` of at least ``nbytes``, pinned to hold a state that is
         read in place (``share``) until ``unpin``; None: no room (pinned slabs hold half
-        of ``limit`` at most). The
+        of ``limit`` and half of the slab rows at most). The
         caller writes it, then records its ``ready`` (or synchronises where it has none).
 
         Raises:
@@ -232,10 +232,11 @@ class ExportArea:
         capacity = -(-max(nbytes, 1) // _GRAIN) * _GRAIN
         with self._lock:
             self._reclaim()
-            # Pinned slabs are never evicted: they may take half the area, so that messages
-            # always find room for slabs of their own.
+            # Pinned slabs are never evicted: they may take half the area (its bytes and its
+            # slab rows), so that messages always find room for slabs of their own.
             pinned = sum(slab.capacity for slab in self._pinned.values()) + sum(s.capacity for s in self._draining)
-            slab = self._new_slab(index, capacity) if pinned + capacity <= self.limit // 2 else None
+            room = pinned + capacity <= self.limit // 2 and len(self._pinned) + len(self._draining) < SLOTS // 2
+            slab = self._new_slab(index, capacity) if room else None
             if slab is None:
                 self.stats["no_room"] += 1
                 return None
