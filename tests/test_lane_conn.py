@@ -224,9 +224,8 @@ def test_many_small_frames_come_in_one_read_and_a_large_buffer_straight_into_its
         assert not reader.ahead
 
 
-def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_to_wake_the_watcher(pair):
-    conn, theirs = pair
-    # The watcher wakes for answers once async answers came while no caller read.
+def _awake_for_answers(conn, theirs):
+    """An async call answered while no caller read: the watcher now wakes for answers."""
     warm = LaneFuture()
     warm_id = conn.send(b"a", Pending(warm, time.monotonic() + 5))
     _requests(theirs, 1)
@@ -235,6 +234,12 @@ def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_
     deadline = time.monotonic() + 5
     while not conn._answers and time.monotonic() < deadline:
         time.sleep(0.001)
+    assert conn._answers
+
+
+def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_to_wake_the_watcher(pair):
+    conn, theirs = pair
+    _awake_for_answers(conn, theirs)
     for round_ in range(20):
         fut = LaneFuture()
         async_id = conn.send(b"a", Pending(fut, time.monotonic() + 5))
@@ -254,15 +259,8 @@ def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_
 
 def test_the_watcher_stops_waking_for_answers_once_none_is_due_to_it(pair):
     conn, theirs = pair
-    warm = LaneFuture()  # async answers came: the watcher wakes for answers
-    warm_id = conn.send(b"a", Pending(warm, time.monotonic() + 5))
-    _requests(theirs, 1)
-    _answer(theirs, warm_id, 0)
-    assert warm.wait() == 0
+    _awake_for_answers(conn, theirs)
     deadline = time.monotonic() + 5
-    while not conn._answers and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert conn._answers
     sync = Pending(None, time.monotonic() + 5)
     sync_id = conn.send(b"s", sync)
     _requests(theirs, 1)
