@@ -28,6 +28,7 @@ from typing import Any, Deque, Dict, Optional, Tuple
 import numpy as np
 import torch
 
+from . import _recycled
 from ._peer_fd import open_peer_fd
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
@@ -175,7 +176,7 @@ def _reap() -> None:
                 return
             item = _graves.popleft()
         if isinstance(item, torch.UntypedStorage) and item.is_shared() \
-                and torch._C._storage_Use_Count(item._cdata) == 1:
+                and _recycled.use_count(item) == 1:
             # Nothing else uses it: drop its page tables first through ctypes (which lets
             # the GIL go), leaving torch's unmap little to do. The pages belong to the
             # shared file, so no other process loses data.

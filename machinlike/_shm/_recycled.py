@@ -32,7 +32,8 @@ from typing import Dict, Iterator, Optional
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["HEADER", "supported", "make", "forget", "rewrite", "sequence", "note", "sent_sequence", "unchanged"]
+__all__ = ["HEADER", "supported", "make", "forget", "rewrite", "sequence", "note", "sent_sequence", "unchanged",
+           "use_count"]
 
 HEADER = 64  # bytes ahead of the data: a multiple of every dtype's size, and a cache line
 _FENCE = threading.Lock()
@@ -109,6 +110,12 @@ def note(tensor: torch.Tensor, seq: int) -> torch.Tensor:
 def sent_sequence(tensor: torch.Tensor) -> Optional[int]:
     """The sequence a received tensor was sent at; None when it was not a recycled one."""
     return getattr(tensor, _ATTR, None)
+
+
+def use_count(storage: torch.UntypedStorage) -> int:
+    """References to ``storage``'s memory (tensors and storage objects): 1 when only the
+    caller's object holds it (torch internal)."""
+    return torch._C._storage_Use_Count(storage._cdata)
 
 
 def unchanged(tensor: torch.Tensor) -> bool:

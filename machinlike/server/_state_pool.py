@@ -58,10 +58,6 @@ def _gpu_index(tensor: torch.Tensor) -> Optional[int]:
     return tensor.device.index
 
 
-def _use_count(storage: torch.UntypedStorage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)  # (torch internal)
-
-
 class StatePool:
     """The ``adopt`` hook of a hosted model chain (see the module doc); ``close()`` it with
     its host. Without recycling on this machine (``_shm.recycled.supported``), each push
@@ -144,7 +140,7 @@ class StatePool:
             storages.append(storage)
             return storage, True
         for i, storage in enumerate(storages):
-            if _use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint
+            if _shm.recycled.use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint
                 storages.append(storages.pop(i))
                 return storage, False
         return None, False

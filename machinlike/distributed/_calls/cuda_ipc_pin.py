@@ -33,6 +33,7 @@ from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from ..._shm._recycled import use_count
 from . import cuda_ipc as _ipc
 from . import cuda_ipc_ops as ops
 from .cuda_ipc_area import ExportArea, Slab
@@ -47,20 +48,16 @@ _RINGS_MAX = 1024
 Ring = Tuple[Hashable, int, int]
 
 
-def _use_count(storage: torch.UntypedStorage) -> int:
-    return torch._C._storage_Use_Count(storage._cdata)  # (torch internal)
-
-
 class _Pinned:
     __slots__ = ("area", "slab", "base")
 
     def __init__(self, area: ExportArea, slab: Slab) -> None:
         self.area = area
         self.slab = slab
-        self.base = _use_count(slab.storage)  # held by the slab alone
+        self.base = use_count(slab.storage)  # held by the slab alone
 
     def free(self) -> bool:
-        return _use_count(self.slab.storage) <= self.base and self.area.readers(self.slab) == 0
+        return use_count(self.slab.storage) <= self.base and self.area.readers(self.slab) == 0
 
 
 class PinnedStates:
@@ -134,8 +131,8 @@ class PinnedStates:
             return sum(len(pinned) for pinned in self._rings.values())
 
     def close(self) -> None:
-        """Unpin every slab: each is lent as any other once its last reader is done; the
-        states viewing them keep their memory as long as they live."""
+        """Unpin every slab: each is retired once its last reader is done (never lent
+        again); the states viewing them keep their memory as long as they live."""
         with self._lock:
             rings, self._rings = self._rings, {}
         for pinned in rings.values():
