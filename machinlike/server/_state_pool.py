@@ -79,7 +79,8 @@ class StatePool:
         self._cuda.close()
 
     def __call__(self, key: Hashable, value: Any) -> Any:
-        """A pushed state dict, its large CPU tensors copied into memory shared by reference.
+        """A pushed state dict, its large CPU tensors copied into memory shared by reference
+        and its CUDA ones (1 MiB or more on a device) into a pinned slab.
 
         A pushed state is never edited afterwards by anyone but this pool (once no one holds
         it), and a pull never hands the received tensors to the user.
