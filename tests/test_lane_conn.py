@@ -178,6 +178,17 @@ def test_an_idle_connection_notices_its_peer_hang_up(pair):
         conn.send(b"x", Pending(None, time.monotonic() + 5))
 
 
+def _async_then_sync(conn, theirs):
+    """An async call, then a sync one, both read by the peer: (future, its id, the sync
+    call's Pending, its id)."""
+    fut = LaneFuture()
+    async_id = conn.send(b"a", Pending(fut, time.monotonic() + 5))
+    sync = Pending(None, time.monotonic() + 5)
+    sync_id = conn.send(b"s", sync)
+    _requests(theirs, 2)
+    return fut, async_id, sync, sync_id
+
+
 def test_an_async_answer_a_caller_handed_over_is_settled_though_the_watcher_woke_for_it(pair):
     # The watcher, awake for answers (async ones came last), and a sync caller both wake
     # for the same bytes; the caller reads them (an async answer, handed over, then its
@@ -185,11 +196,7 @@ def test_an_async_answer_a_caller_handed_over_is_settled_though_the_watcher_woke
     # settling what it was handed: the IMPALA example's actors waited for their answers.
     conn, theirs = pair
     for round_ in range(200):
-        fut = LaneFuture()
-        async_id = conn.send(b"a", Pending(fut, time.monotonic() + 5))
-        sync = Pending(None, time.monotonic() + 5)
-        sync_id = conn.send(b"s", sync)
-        _requests(theirs, 2)
+        fut, async_id, sync, sync_id = _async_then_sync(conn, theirs)
         both = _frame_bytes(async_id, round_) + _frame_bytes(sync_id, -round_)
         threading.Timer(0.001, theirs.sendall, (both,)).start()
         assert conn.wait(sync_id, sync) == -round_
@@ -241,11 +248,7 @@ def test_answers_a_caller_read_ahead_reach_their_futures_though_no_byte_is_left_
     conn, theirs = pair
     _awake_for_answers(conn, theirs)
     for round_ in range(20):
-        fut = LaneFuture()
-        async_id = conn.send(b"a", Pending(fut, time.monotonic() + 5))
-        sync = Pending(None, time.monotonic() + 5)
-        sync_id = conn.send(b"s", sync)
-        _requests(theirs, 2)
+        fut, async_id, sync, sync_id = _async_then_sync(conn, theirs)
         # The caller holds the read role when both answers come in one write: its one read
         # takes them both, and the socket is empty when it lets go.
         both = _frame_bytes(sync_id, "s") + _frame_bytes(async_id, round_)
