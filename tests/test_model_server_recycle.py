@@ -1,7 +1,8 @@
-"""A model server's host reuses the shared memory of superseded states (server/_state_pool)
-under a seqlock (_shm/_recycled): what nothing holds is rewritten, what a reply, the chain or
-anyone here holds is not, and a same-host puller whose state was rewritten while it read
-it loads the newest state again instead of keeping a mix under an old version."""
+"""A model server's host, and a gradient server's primary, reuse the shared memory of
+superseded states (server/_state_pool) under a seqlock (_shm/_recycled): what nothing holds
+is rewritten, what a reply, the chain or anyone here holds is not, and a same-host puller
+whose state was rewritten while it read it loads the newest state again instead of keeping
+a mix under an old version."""
 
 from __future__ import annotations
 
@@ -179,3 +180,56 @@ def test_an_actor_pulling_while_a_learner_pushes_only_ever_loads_whole_versions(
     _, pushes, (pulls, torn) = run_world(_race_body, 3, args=(1.0,), timeout=90)
     assert pushes > 20 and pulls > 5
     assert torn == [], (pushes, pulls, torn[:3], len(torn))
+
+
+def _grad_race_body(world, seconds):
+    import time
+
+    from machinlike.server import PushPullGradServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    impl = None
+    if world.rank == 0:  # batches of one push, summed: SGD(lr=1) on a gradient of -1 adds 1 a version
+        impl = PushPullGradServerImpl("grad", g, primary_reducer="0", secondary_reducers=["0"], reduce_method="sum",
+                                      reduce_batch_size=1, max_queue_size=1024)
+        managed = _model(0.0)
+        impl.manage_model(managed, torch.optim.SGD(managed.parameters(), lr=1.0))
+        impl.start()
+    g.barrier()
+    out = None
+    if world.rank > 0:
+        server = g.get_paired("grad").to_here()
+        model = _model(0.0)
+        end = time.monotonic() + seconds
+        if world.rank == 1:  # the trainer
+            for p in model.parameters():
+                p.grad = torch.full_like(p, -1.0)
+            pushes = 0
+            while time.monotonic() < end:
+                pushes += server.push(model, pull=False)
+            out = (pushes, server.flush())
+        else:  # an actor: every state it loads is one version, whole
+            torn, pulls = [], 0
+            while time.monotonic() < end:
+                if server.pull(model):
+                    pulls += 1
+                    if _values(model) != {float(model.pp_version)}:
+                        torn.append((model.pp_version, sorted(_values(model))))
+            out = (pulls, torn)
+    g.barrier()
+    if impl is not None:
+        newest = impl.o_server_impl._data["model"][-1][1]  # (the hosted chain: version, state)
+        out = (max(len(storages) for storages in impl._pool._slots.values()),
+               _shm.recycled.sequence(newest["0.weight"].untyped_storage()))
+        impl.close()
+    g.barrier()
+    return out
+
+
+@needs_recycling
+def test_a_grad_servers_versions_reuse_memory_and_its_pullers_load_them_whole():
+    (kept, sequence), (pushes, version), (pulls, torn) = run_world(_grad_race_body, 3, args=(1.0,), timeout=90)
+    assert pushes > 20 and pulls > 5 and version == pushes  # a step a push, none lost
+    assert torn == [], (pushes, pulls, torn[:3], len(torn))
+    # Published into the pool's memory (a seqlock header: rewritten in turn), KEEP storages at most.
+    assert kept <= KEEP and sequence is not None and sequence % 2 == 0

@@ -23,20 +23,25 @@ values are the model server's, read through its ``pull``.
 A state's CUDA tensors (of ``SHARE_FROM`` bytes or more on a device) are copied into a
 pinned slab of the CUDA IPC path instead (``distributed._calls.cuda_ipc_pin``): same-host
 pulls read them in place, and the host's GPU memory is those slabs, however many pull.
+
+A gradient server's primary publishes each step's parameters through :meth:`StatePool.snapshot`
+(a CPU copy of live tensors, on any device, into the same kind of slots), so that its pulls
+too read the host's memory in place; :func:`load_whole` is the pullers' side of both servers.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Hashable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Tuple
 
 import torch
 
 from .. import _shm
 from .._reductions import shm_space
 from ..distributed._calls import PinnedStates
+from ._budget import CallBudget
 
-__all__ = ["StatePool", "SHARE_FROM", "unchanged"]
+__all__ = ["StatePool", "SHARE_FROM", "load_whole", "unchanged"]
 
 SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
 KEEP = 4  # storages per slot: the chain's two, one being written, one a late reader may still read
@@ -48,6 +53,46 @@ Slot = Tuple[Hashable, str, int]
 def unchanged(state: Mapping[str, Any]) -> bool:
     """Whether every tensor of a pulled ``state`` still holds what was sent (see the module doc)."""
     return all(_shm.recycled.unchanged(value) for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def load_whole(pull: Callable[[], Optional[Tuple[Dict[str, Any], Any]]], load: Callable[[Dict[str, Any]], None],
+               mark: Callable[[Any], None], budget: CallBudget) -> bool:
+    """Pull and load states until one was loaded whole (a puller of a hosted chain).
+
+    Args:
+        pull: The newest state and its version; None when the puller has that version.
+        load: Loads a pulled state into the puller's model (raising before it loads
+            anything when the state does not fit).
+        mark: Sets the model's version; None: it holds a mix of versions.
+        budget: The pull's budget (its message says what happened when it runs out).
+
+    Returns:
+        True if a state was loaded, False if the puller had the newest version.
+    """
+    torn = 0
+    while True:
+        got = pull()
+        if got is None:
+            return False
+        state, version = got
+        load(state)
+        if unchanged(state):
+            mark(version)
+            return True
+        # The host rewrote the memory of this state while it was read (newer versions were
+        # made meanwhile): the model holds a mix, so it has no version until a whole newest
+        # state is loaded (within the same budget).
+        mark(None)
+        if not torn:
+            budget.then("the host rewrote the model's memory while this puller read it, newer versions "
+                        "coming faster than it reads; the model holds a mix of versions and no version")
+        torn += 1
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether a live tensor may be copied into a slot (any device): strided, plain values."""
+    return tensor.layout == torch.strided and not (tensor.is_quantized or tensor.is_nested or tensor.is_conj()
+                                                   or tensor.is_neg())
 
 
 def _gpu_index(tensor: torch.Tensor) -> Optional[int]:
@@ -96,7 +141,9 @@ class StatePool:
             # (eligible first: a sparse tensor has no nbytes)
             elif isinstance(tensor, torch.Tensor) and _shm.shm_eligible(tensor) and tensor.nbytes >= SHARE_FROM \
                     and not tensor.requires_grad:
-                tensor = self._copy(key, name, tensor)
+                copied = self._copy(key, name, tensor)
+                if copied is not None:  # (else pulls copy it out of the pushed state)
+                    tensor = copied
             adopted[name] = tensor
         for names in on_gpus.values():
             if sum(adopted[name].nbytes for name in names) >= SHARE_FROM:
@@ -104,20 +151,35 @@ class StatePool:
                 adopted.update(zip(names, views or ()))
         return adopted
 
+    def snapshot(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """A CPU copy of live ``tensors`` (a managed model's parameters, on any device) for
+        the chain under ``key``: each dense one of ``SHARE_FROM`` bytes or more copied into a
+        slot's memory (reused as a pushed state's), the rest into fresh memory.
+
+        The copy is the caller's to store; nothing here keeps ``tensors``.
+        """
+        out = {}
+        for name, tensor in tensors.items():
+            tensor = tensor.detach()
+            copied = self._copy(key, name, tensor) if _dense(tensor) and tensor.nbytes >= SHARE_FROM else None
+            out[name] = copied if copied is not None else tensor.to("cpu", copy=True)
+        return out
+
     def pinned(self) -> int:
         """Pinned CUDA slabs held (see the module doc)."""
         return self._cuda.held()
 
-    def _copy(self, key: Hashable, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _copy(self, key: Hashable, name: str, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """``tensor`` copied into shared memory (a slot's, else fresh); None: no room."""
         nbytes = tensor.nbytes
         with self._lock:  # (a storage is chosen and held by its view before another push looks)
             storage, fresh = self._take((key, name, nbytes))
             if storage is not None:
                 view = self._view(storage, _shm.recycled.HEADER, tensor)
         if storage is None:
-            if not shm_space.has_room(nbytes):  # (pulls then copy it out of the pushed state)
+            if not shm_space.has_room(nbytes):
                 shm_space.warn_by_value(nbytes, "a pushed model's tensor")
-                return tensor
+                return None
             view = self._view(torch.UntypedStorage._new_shared(nbytes), 0, tensor)
             view.copy_(tensor)
             return _shm.share(view)

@@ -77,6 +77,7 @@ from ._grad import Hosting, check_not_hosted
 from ._errors import MissingGradientError, ServerStoppedError
 from ._grad import PrimaryReducer, SecondaryReducer
 from ._spec import check_module, unwrap
+from ._state_pool import StatePool
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullGradServer", "PushPullGradServerImpl", "ServerStoppedError", "MissingGradientError",
@@ -167,6 +168,7 @@ class PushPullGradServerImpl:
 
         self._closed = False
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
+        self._pool: Optional[StatePool] = None  # the hosted chain's memory (see _grad.primary)
         args = (server_name, self.member, settings.batch, settings.max_queue, self.reduce_device)
         self.secondary: Optional[SecondaryReducer] = None
         self.primary: Optional[PrimaryReducer] = None
@@ -188,8 +190,9 @@ class PushPullGradServerImpl:
                 # The hosted ordered server first: the managed model publishes into it.
                 if settings.o_server is None:
                     self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1)
+                    self._pool = StatePool()
                 managed = self._managed = ManagedModel(server_name, self.model_name, self.reduce_method, o_server,
-                                                       self.o_server_impl, checkpoint, self._ledger)
+                                                       self.o_server_impl, checkpoint, self._ledger, self._pool)
                 self.primary = PrimaryReducer(*args, apply=managed.apply, version=lambda: managed.version,
                                               receive=None if self._ledger is None else self._ledger.receive)
             if self.member in self.secondary_reducers:
@@ -233,6 +236,8 @@ class PushPullGradServerImpl:
             self._services.withdraw()
         if self.o_server_impl is not None:
             self.o_server_impl.close()
+        if self._pool is not None:
+            self._pool.close()
 
     # ------------------------------------------------------------ the primary
     def manage_model(self, model: torch.nn.Module, optimizer: Any, lr_scheduler: Any = None) -> None:

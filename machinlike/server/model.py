@@ -36,7 +36,7 @@ from ..distributed import RpcGroup
 from ._budget import CallBudget
 from ._common import check_group, check_name, check_timeout, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
-from ._state_pool import StatePool, unchanged
+from ._state_pool import StatePool, load_whole
 from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
@@ -185,28 +185,17 @@ class PushPullModelServer:
 
     def _pull(self, model: torch.nn.Module, budget: CallBudget) -> bool:
         target = unwrap(model)
-        torn = 0
-        while True:
-            got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
-            if got is None:
-                return False
-            state, version = got
+
+        def load(state: Dict[str, Any]) -> None:
             diff = loadable(spec_of(state), spec_of(target.state_dict()), "the server's model", "this model")
             if diff is not None:
                 raise ValueError(f"cannot pull model {self.model_name!r} into a model of another architecture "
                                  f"(nothing was loaded): {diff}")
             target.load_state_dict(state)
-            if unchanged(state):
-                set_version(model, version)
-                return True
-            # The host rewrote the memory of this state while it was read (newer versions
-            # were made meanwhile, see _state_pool): the model holds a mix, so it has no
-            # version until a whole newest state is loaded (within the same budget).
-            set_version(model, None)
-            if not torn:
-                budget.then("the host rewrote the model's memory while this puller read it, newer versions "
-                            "coming faster than it reads; the model holds a mix of versions and no version")
-            torn += 1
+
+        return load_whole(lambda: self.o_server._bounded(budget.left()).pull_if_changed(self.model_name,
+                                                                                       get_version(model)),
+                          load, lambda version: set_version(model, version), budget)
 
 
 class PushPullModelServerImpl:

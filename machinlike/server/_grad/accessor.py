@@ -19,6 +19,7 @@ from .items import wait_future
 from .reducer import SecondaryReducer
 from .._spec import Spec, check_module, loadable, mismatch, spec_of, uncastable, unwrap
 from ..model import get_version, set_version
+from .._state_pool import load_whole
 from ..ordered import OrderedServerBase, OrderedServerSimple
 
 __all__ = ["PushPullGradServer"]
@@ -326,21 +327,20 @@ class PushPullGradServer:
             return self._pull(params, model, budget)
 
     def _pull(self, params: Dict[str, torch.nn.Parameter], model: torch.nn.Module, budget: CallBudget) -> bool:
-        got = self.o_server._bounded(budget.left()).pull_if_changed(self.model_name, get_version(model))
-        if got is None:
-            return False
-        state, version = got
-        diff = loadable(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
-                        "this model")
-        if diff is not None:
-            raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
-        with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(state[name])
-        set_version(model, version)
-        if self._spec is None:
-            self._spec = spec_of(state)  # the server's own dtypes: what pushes are checked against
-        return True
+        def load(state: Dict[str, torch.Tensor]) -> None:
+            diff = loadable(spec_of(state), spec_of(params), f"the model of gradient server {self.server_name!r}",
+                            "this model")
+            if diff is not None:
+                raise ValueError(f"cannot pull from gradient server {self.server_name!r} into this model: {diff}")
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(state[name])
+            if self._spec is None:
+                self._spec = spec_of(state)  # the server's own dtypes: what pushes are checked against
+
+        return load_whole(lambda: self.o_server._bounded(budget.left()).pull_if_changed(self.model_name,
+                                                                                       get_version(model)),
+                          load, lambda version: set_version(model, version), budget)
 
     def flush(self, timeout: Optional[float] = None) -> int:
         """Apply everything pushed so far, partial batches included, and return the version.

@@ -14,6 +14,11 @@ published, and the lag counters. Only the primary's reducer thread changes them 
     publish(v)           lease v (checkpoint) ─► snapshot to CPU ─► the ordered server:
                          the hosted one stores it directly, another one gets a push
 
+A hosted chain's snapshots go through its ``StatePool``: each large parameter is copied
+into shared memory the pool reuses once no version, reply or puller holds it, so a step
+makes no fresh memory and the same-host pulls read the version in place (their
+``load_whole`` loads again a version rewritten under them).
+
 Why apart from ``grad``: the server's entrance wires roles, services and life cycle; the
 maths of a step and the version chain are one concept with its own state, and the
 checkpoint's ordering rules (see ``_grad.checkpoint``) live next to the only code that
@@ -29,6 +34,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .._churn import Ledger
+from .._state_pool import StatePool
 from .checkpoint import PrimaryCheckpoint
 from .items import Item, takes_sparse
 from .._spec import Spec, spec_of
@@ -49,6 +55,8 @@ class ManagedModel:
         o_server: The ordered server to publish to (an accessor).
         hosted: The ordered server this primary hosts (``o_server``'s implementation,
             stored into directly); None when ``o_server`` is another one.
+        pool: The memory of the hosted chain's versions (its owner closes it); None: each
+            version is fresh memory (always so without ``hosted``).
         checkpoint: The primary's checkpoint; None: no checkpoints.
         ledger: The push accounting of an elastic world; None: not counted.
 
@@ -60,12 +68,13 @@ class ManagedModel:
 
     def __init__(self, server_name: str, model_name: str, reduce_method: str, o_server: OrderedServerBase,
                  hosted: Optional[OrderedServerSimpleImpl], checkpoint: Optional[PrimaryCheckpoint],
-                 ledger: Optional[Ledger]) -> None:
+                 ledger: Optional[Ledger], pool: Optional[StatePool] = None) -> None:
         self._server_name = server_name
         self._model_name = model_name
         self._reduce_method = reduce_method
         self._o_server = o_server
         self._hosted = hosted
+        self._pool = pool if hosted is not None else None  # (a pushed version is another host's copy)
         self._checkpoint = checkpoint
         self._ledger = ledger
         self.model: Optional[torch.nn.Module] = None
@@ -111,7 +120,7 @@ class ManagedModel:
         state, resume = loaded
         if self._ledger is not None:
             self._ledger.restore(state["applied"])
-        snapshot = self._snapshot()
+        snapshot = self._version_state()
         if self._hosted is not None:
             stored = self._hosted.store(self._model_name, snapshot, resume, None)
         else:
@@ -131,14 +140,21 @@ class ManagedModel:
                 "version": self.version, "applied": self._ledger.state() if self._ledger is not None else {}}
 
     def _snapshot(self) -> Dict[str, torch.Tensor]:
+        """The parameters' values in fresh CPU memory (a checkpoint's)."""
         return {name: p.detach().to("cpu", copy=True) for name, p in self._params.items()}
+
+    def _version_state(self) -> Dict[str, torch.Tensor]:
+        """The parameters' values as a version to publish (see the module doc)."""
+        if self._pool is None:
+            return self._snapshot()
+        return self._pool.snapshot(self._model_name, self._params)
 
     # ------------------------------------------------------------- publishing
     def _publish_first(self) -> None:
         if self._checkpoint is not None:  # on disk before anything is visible (see _grad_checkpoint)
             self._checkpoint.first()
             self._checkpoint.cover(0)
-        snapshot = self._snapshot()
+        snapshot = self._version_state()
         if self._hosted is not None:
             stored = self._hosted.store(self._model_name, snapshot, 0, None)
         else:
@@ -158,7 +174,7 @@ class ManagedModel:
     def _publish(self, version: int) -> None:
         if self._checkpoint is not None:
             self._checkpoint.cover(version)  # leased before visible: a resume goes above it
-        snapshot = self._snapshot()
+        snapshot = self._version_state()
         if self._hosted is not None:
             stored = self._hosted.store(self._model_name, snapshot, version, self.version)
         else:
