@@ -3,7 +3,7 @@
 Real processes over real torch RPC, all on cuda:0: every kind of tensor through a call and
 back, the sender reusing its tensor after the call, a received tensor sent on, 8
 processes in a ring, the servers (model push and pull, inference; pulls reading a
-model server's versions in place), and pullers SIGKILLed
+model server's versions in place), and pullers (of a service and of a model server) SIGKILLed
 mid-transfer while the sender's GPU memory stays flat and nobody waits out a timeout.
 Each test also asserts that nothing was staged through the CPU (``_cuda_ipc.stats``).
 """
@@ -311,4 +311,79 @@ def test_pullers_sigkilled_mid_transfer_hang_nobody_and_leak_no_gpu_memory():
     assert held_end <= held_mark + (_SLAB_MB << 20), out
     assert held_end <= (2 * (_VICTIMS + 1) + 1) * (_SLAB_MB << 20), out
     assert reserved_end <= reserved_mark * 1.1 + (_SLAB_MB << 20), out
+    assert not _staged(out["stats"]), out
+
+
+# ------------------------------------------------- pullers of a model server SIGKILLed
+_PUSHES = 150
+
+
+class _BigNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(_SLAB_MB << 18, device="cuda"))  # 32 MB
+
+
+def _model_killed_body(world):
+    from machinlike.server import PushPullModelServerImpl
+
+    _cuda_here()
+    name = world.name
+    if name.startswith("victim") and world.incarnation > 1:
+        return None
+    group = world.create_rpc_group("pulls", ["server", "learner", "survivor"] + [f"victim{i}" for i in range(_VICTIMS)])
+    finished = threading.Event()
+    impl = None
+    if name == "server":
+        impl = PushPullModelServerImpl("model", group)
+        group.register("area", lambda: {**_server_area(), "held": impl._pool.pinned()})
+        group.register("finished", finished.set)
+    group.barrier(timeout=120)
+    if name == "server":
+        assert finished.wait(240)
+        impl.close()
+        return None
+    server = group.get_paired("model").to_here()
+    model = _BigNet()
+    if name == "learner":  # versions paced over the victims' whole kill window
+        for version in range(1, _PUSHES + 1):
+            model.weight.data.fill_(float(version))
+            assert server.push(model)
+            time.sleep(0.02)
+        return None
+    if name.startswith("victim"):
+        delay = 1.0 + int(name[len("victim"):]) * 0.3
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()  # mid-pull, one by one
+        while True:
+            server.pull(model, timeout=30)
+    # the survivor: every version it loads is whole, and no pull waits out a timeout
+    slowest = 0.0
+    deadline = time.monotonic() + 120
+    while getattr(model, "pp_version", None) != _PUSHES and time.monotonic() < deadline:
+        start = time.perf_counter()
+        if server.pull(model, timeout=30):
+            low, high = float(model.weight.min()), float(model.weight.max())
+            assert low == high == float(model.pp_version), (low, high, model.pp_version)
+        slowest = max(slowest, time.perf_counter() - start)
+    world.membership.wait_until(lambda live: all((world.get_incarnation(f"victim{v}") or 0) >= 2 or
+                                                 world.membership.gone(f"victim{v}")
+                                                 for v in range(_VICTIMS)), 60)
+    assert _cuda_ipc.released(10)
+    area = group.registered_sync("area")
+    group.registered_sync("finished")
+    return {"version": model.pp_version, "slowest": slowest, "area": area, "stats": _cuda_ipc.stats()}
+
+
+def test_model_server_pullers_sigkilled_mid_pull_leave_no_reader_row_behind():
+    names = ["server", "learner", "survivor"] + [f"victim{i}" for i in range(_VICTIMS)]
+    result = launch(_model_killed_body, len(names), names=names, max_restarts=_VICTIMS,
+                    essential=["server", "learner", "survivor"], timeout=300, rpc_timeout=30)
+    assert len(result.restarts) == _VICTIMS and all("SIGKILL" in r.cause for r in result.restarts), result.restarts
+    out = result[2]
+    assert out["version"] == _PUSHES and out["slowest"] < 5.0, out  # nothing waited out a timeout
+    area = out["area"]
+    # The dead pullers' reader rows were taken back by their pids; the versions stayed in a
+    # few pinned slabs (the ring's bound; not one a version), read in place.
+    assert area["area_lent"] == 0 and 1 <= area["held"] <= 16 and area["area_pinned"] < _PUSHES // 2, area
+    assert area["area_shared"] > 0, area
     assert not _staged(out["stats"]), out
