@@ -168,6 +168,7 @@ class _FakeSlab:
         self.handle, self.offset, self.counter = b"h%d" % ident, 0, (b"/none", 0)
         self.views = {}
         self.ready, self.ready_handle = None, b""
+        self.unsent = False
 
 
 @pytest.fixture
@@ -447,6 +448,9 @@ class _Event:
         self._complete.set()
 
 
+_AFTER_WRITES: list = []  # slabs whose next writer waited for the copies of an unsent message
+
+
 class _CpuSlab(_FakeSlab):
     events = True  # a test sets False: a slab without an IPC event (the sender synchronises)
 
@@ -466,6 +470,7 @@ def over_cpu(monkeypatch, ipc_on):
     monkeypatch.setattr(_cuda_ipc.ops, "synchronize", lambda device: None)
     monkeypatch.setattr(_cuda_ipc.ops, "cuda_ready", lambda: True)
     monkeypatch.setattr(_cuda_ipc.ops, "mark_ready", lambda slab: slab.ready.record())
+    monkeypatch.setattr(_cuda_ipc.ops, "after_writes", _AFTER_WRITES.append)
     monkeypatch.setattr(_cuda_ipc.ops, "open_event", lambda index, handle: _HANDLES[handle])
     done = _Event()  # every receiver's copies out: complete unless a test holds it
     monkeypatch.setattr(_cuda_ipc.ops, "copies_done", lambda opened, index: done)
@@ -585,8 +590,12 @@ def test_a_message_never_pickled_whole_hands_its_slab_back(over_cpu):
     del parts, refs
     gc.collect()
     assert area.lent() == 0 and area.stats["unsent_released"] == 1
+    _AFTER_WRITES.clear()
     refs, ends = committed()  # pickled whole: the receiver ends the lease, not the guard
     slab = area._slabs[0]
+    # The unsent message's copies may still be queued (on another thread's stream): the
+    # next writer of its slab ordered its own after them, once.
+    assert _AFTER_WRITES == [slab] and not slab.unsent
     data = pickle.dumps(guard(((refs, 1),), [], ends))
     gc.collect()
     assert area.lent() == 1 and area.stats["unsent_released"] == 1
@@ -1008,6 +1017,17 @@ def test_an_unpinned_slab_is_retired_once_read_and_never_lent(pinned):
     assert area.readers(slab) == 0 and slab not in area._slabs
     assert area.words[slab.slot, 2] == _cuda_ipc_area.RETIRED
     assert torch.equal(state[0], torch.ones(4))  # the state keeps its memory
+
+
+def test_a_pool_closed_after_its_area_closes_quietly(pinned):
+    pool = pinned()
+    state = pool.adopt("m", [torch.ones(4)])
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    _cuda_ipc.close()  # the World stopped first: every slab retired, pinned ones included
+    assert slab.storage is None and area.share(slab, os.getpid()) is None
+    pool.close()  # (raised AttributeError on the retired slab)
+    assert pool.held() == 0 and torch.equal(state[0], torch.ones(4))  # the state keeps its memory
 
 
 def test_a_model_servers_pool_pins_its_large_cuda_tensors(pinned, monkeypatch):

@@ -387,3 +387,18 @@ def test_model_server_pullers_sigkilled_mid_pull_leave_no_reader_row_behind():
     assert area["area_lent"] == 0 and 1 <= area["held"] <= 16 and area["area_pinned"] < _PUSHES // 2, area
     assert area["area_shared"] > 0, area
     assert not _staged(out["stats"]), out
+
+
+def test_each_message_read_from_one_opening_gets_an_event_of_its_own():
+    # A pinned slab is read by several messages at once (threads, streams): each lease must
+    # end after its own copies, not after whichever message recorded a shared event last.
+    from machinlike.distributed._calls import cuda_ipc_ops as ops
+
+    _cuda_here()
+    side = torch.cuda.Stream()
+    first = ops.copies_done(None, 0)
+    with torch.cuda.stream(side):
+        second = ops.copies_done(None, 0)
+    assert first is not second
+    first.synchronize()
+    second.synchronize()

@@ -50,6 +50,7 @@ in a different order (``CUDA_VISIBLE_DEVICES``), stage. Between hosts nothing ch
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import operator
@@ -332,6 +333,9 @@ class Batch:
         slab = lease.slab
         copy = found is None
         try:
+            if copy and slab.unsent:  # copies of a message that never left may still be queued
+                slab.unsent = False
+                ops.after_writes(slab)
             items = []
             for start, tensor in zip(layout, group.tensors):
                 shape, strides = tuple(tensor.shape), kept_strides(tensor)
@@ -343,6 +347,9 @@ class Batch:
             if slab.ready is not None and copy:
                 ops.mark_ready(slab)
         except Exception as exc:
+            if copy:  # some copies may be queued on this thread's stream: they end first
+                with contextlib.suppress(Exception):
+                    ops.synchronize(ops.device(group.index))
             area.release(lease)
             _count("staged_export_failed")
             _count(f"staged_export_failed:{type(exc).__name__}")

@@ -84,7 +84,7 @@ class Slab:
     driver has no IPC events: the sender synchronises before sending instead)."""
 
     __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views",
-                 "ready", "ready_handle")
+                 "ready", "ready_handle", "unsent")
 
     def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
         self.slot = slot
@@ -101,6 +101,7 @@ class Slab:
         self.views: Dict[Any, torch.Tensor] = {}
         self.ready: Optional[torch.cuda.Event] = None
         self.ready_handle = b""
+        self.unsent = False  # ended by this side after copies into it: the next writer waits for them
         try:
             with torch.cuda.device(index):  # (an event not yet recorded takes the current device)
                 event = torch.cuda.Event(interprocess=True)
@@ -216,6 +217,8 @@ class ExportArea:
         (``lease`` only picks FREE ones; a closed area's slabs are retired)."""
         row = self.words[lease.row]
         if row[0] == lease.ident:
+            if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
+                lease.slab.unsent = True  # (before FREE: whoever leases it next sees it)
             row[0] = FREE
             self.stats["unsent_released"] += 1
 
@@ -250,7 +253,7 @@ class ExportArea:
         """A lease of pinned ``slab`` for process ``taker``, through a reader row; None: the
         slab is no longer pinned, or every reader row is taken (counted: ``no_reader_row``)."""
         with self._lock:
-            if self._pinned.get(slab.storage.data_ptr()) is not slab:
+            if slab.storage is None or self._pinned.get(slab.storage.data_ptr()) is not slab:  # (None: retired)
                 return None
             free = np.flatnonzero(self._readers[:, 0] == FREE)
             if not len(free):
@@ -290,7 +293,7 @@ class ExportArea:
         """End ``pin``: the slab is retired once its readers are done (never lent again:
         tensors may still view it)."""
         with self._lock:
-            if self._pinned.pop(slab.storage.data_ptr(), None) is not slab:
+            if slab.storage is None or self._pinned.pop(slab.storage.data_ptr(), None) is not slab:  # (retired)
                 return
             self._draining.append(slab)
             self._reclaim()

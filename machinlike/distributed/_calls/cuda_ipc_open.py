@@ -38,7 +38,7 @@ class Opened:
     ``ready``: the slab's event, opened at the first message that names it; ``done``: this
     process's event recorded after each message's copies out (both None until then)."""
 
-    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "done")
+    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready")
 
     def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
         self.storage = storage
@@ -48,7 +48,6 @@ class Opened:
         self.ident = ident
         self.views: Dict[Any, torch.Tensor] = {}
         self.ready: Any = None
-        self.done: Any = None
 
     def retired(self) -> bool:
         return int(self.words[self.slot, 2]) != self.ident

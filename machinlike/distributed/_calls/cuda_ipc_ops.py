@@ -16,8 +16,8 @@ from .cuda_ipc_area import Slab
 from .cuda_ipc_open import NO_COUNTER, NO_EVENT, Opened
 from .cuda_ipc_release import Done
 
-__all__ = ["device", "synchronize", "mark_ready", "open_event", "copies_done", "cuda_ready", "current_index",
-           "open_shared", "view", "VIEWS_KEPT"]
+__all__ = ["device", "synchronize", "mark_ready", "after_writes", "open_event", "copies_done", "cuda_ready",
+           "current_index", "open_shared", "view", "VIEWS_KEPT"]
 
 
 def device(index: int) -> torch.device:
@@ -34,17 +34,49 @@ def mark_ready(slab: Slab) -> None:
     slab.ready.record(torch.cuda.current_stream(device(slab.index)))
 
 
+def after_writes(slab: Slab) -> None:
+    """(Sender) order this thread's stream after the last copies into the slab (those of a
+    message that never left, maybe queued on another thread's stream)."""
+    if slab.ready is None:  # (no IPC event: the whole device)
+        torch.cuda.synchronize(device(slab.index))
+    else:
+        torch.cuda.current_stream(device(slab.index)).wait_event(slab.ready)
+
+
+class _OnDevice:
+    """An event whose waits run with its device current: a CUDA call from a thread that never
+    chose a device would otherwise make a context on cuda:0 (half a GiB of GPU memory)."""
+
+    __slots__ = ("event", "index")
+
+    def __init__(self, event: Any, index: int) -> None:
+        self.event = event
+        self.index = index
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.index):
+            return bool(self.event.query())
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.index):
+            self.event.synchronize()
+
+
 def open_event(index: int, handle: bytes) -> Any:
     """(Receiver) a sender's slab event, opened here (once per opening)."""
-    return torch.cuda.Event.from_ipc_handle(device(index), handle)
+    event = torch.cuda.Event.from_ipc_handle(device(index), handle)
+    return event if index == 0 else _OnDevice(event, index)  # (a thread's device is cuda:0 until it sets one)
 
 
 def copies_done(opened: Opened, index: int) -> Done:
-    """(Receiver) this opening's event, recorded after the copies out queued on ``cuda:index``."""
-    if opened.done is None:
-        opened.done = torch.cuda.Event(blocking=True)  # (its waiter, the releaser, sleeps: no core spun)
-    opened.done.record(torch.cuda.current_stream(device(index)))
-    return opened.done
+    """(Receiver) an event recorded after this message's copies out, queued on ``cuda:index``.
+
+    One a message, not one an opening: a pinned slab is read by several messages at once,
+    from several threads and streams, and each lease may end only after its own copies.
+    """
+    done = torch.cuda.Event(blocking=True)  # (its waiter, the releaser, sleeps: no core spun)
+    done.record(torch.cuda.current_stream(device(index)))
+    return done if index == 0 else _OnDevice(done, index)
 
 
 def cuda_ready() -> bool:
@@ -52,7 +84,14 @@ def cuda_ready() -> bool:
 
 
 def current_index() -> int:
-    return torch.cuda.current_device()
+    """A device this process works on, for the probe: the thread's current device when this
+    process made a context there, else the first device that has one (a thread other than
+    the one that chose the device starts on cuda:0)."""
+    current = torch.cuda.current_device()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # torch internal
+    if has_context is None or has_context(current):
+        return current
+    return next((i for i in range(torch.cuda.device_count()) if has_context(i)), current)
 
 
 def open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
