@@ -69,7 +69,7 @@ def load_whole(pull: Callable[[], Optional[Tuple[Dict[str, Any], Any]]], load: C
     Returns:
         True if a state was loaded, False if the puller had the newest version.
     """
-    torn = 0
+    torn = False
     while True:
         got = pull()
         if got is None:
@@ -86,7 +86,7 @@ def load_whole(pull: Callable[[], Optional[Tuple[Dict[str, Any], Any]]], load: C
         if not torn:
             budget.then("the host rewrote the model's memory while this puller read it, newer versions "
                         "coming faster than it reads; the model holds a mix of versions and no version")
-        torn += 1
+        torn = True
 
 
 def _dense(tensor: torch.Tensor) -> bool:

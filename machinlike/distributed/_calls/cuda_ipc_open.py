@@ -35,8 +35,8 @@ Key = Tuple[int, bytes, int]
 
 class Opened:
     """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``);
-    ``ready``: the slab's event, opened at the first message that names it; ``done``: this
-    process's event recorded after each message's copies out (both None until then)."""
+    ``ready``: the slab's event, opened at the first message that names it (None until then;
+    each message's copies out get an event of their own: ``cuda_ipc_ops.copies_done``)."""
 
     __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready")
 
