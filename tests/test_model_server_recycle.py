@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from machinlike import _shm
+from machinlike.server import _state_pool
 from machinlike.server._state_pool import KEEP, StatePool, unchanged
 from machinlike.testing import run_world
 
@@ -40,6 +41,30 @@ def test_the_memory_of_a_state_nobody_holds_is_reused_and_a_held_one_never():
         assert _shm.recycled.sequence(again["w"].untyped_storage()) == 4  # written twice
     finally:
         pool.close()
+
+
+@needs_recycling
+def test_a_pool_keeps_at_most_its_share_of_open_files(monkeypatch):
+    # Each kept storage holds an open file: a model of many large tensors must not take the
+    # process's allowance (torch's agent aborts the process without descriptors).
+    monkeypatch.setattr(_state_pool.resource, "getrlimit", lambda which: (1024, 1024))
+    assert _state_pool.kept_most() == 128
+    unlimited = _state_pool.resource.RLIM_INFINITY
+    monkeypatch.setattr(_state_pool.resource, "getrlimit", lambda which: (unlimited, unlimited))
+    assert _state_pool.kept_most() == _state_pool._KEPT_MOST
+    pool = StatePool(most=KEEP + 1)
+    try:
+        states = [pool("m", {"w": torch.full((MB // 2,), float(i)), "v": torch.full((MB // 2,), -float(i))})
+                  for i in range(3)]
+        assert pool._kept == KEEP + 1 == sum(len(kept) for kept in pool._slots.values())
+        last = states[2]["v"]  # past the bound: fresh shared memory, not kept
+        assert _shm.recycled.sequence(last.untyped_storage()) is None and float(last[0]) == -2.0
+        published = pool.snapshot("g", {"p": torch.ones(MB // 2)})  # a grad server's version: private memory
+        assert not published["p"].untyped_storage().is_shared() and float(published["p"].sum()) == MB // 2
+        assert pool._kept == KEEP + 1
+    finally:
+        pool.close()
+    assert pool._kept == 0
 
 
 def test_without_recycling_each_state_gets_fresh_memory(monkeypatch):

@@ -15,6 +15,9 @@ written) is rewritten instead::
               load_state_dict copies it, then checks that the sequence did not move
               (PushPullModelServer retries a pull whose state was rewritten meanwhile)
 
+Each kept storage holds an open file: a pool keeps at most an eighth of the process's
+allowance (``ulimit -n``), and a slot it has no room for gets fresh memory each time.
+
 A reader is only ever overtaken when KEEP - 2 newer versions were made while it read: a
 slot's storages are reused in turn, and the chain holds the newest two. Other readers of
 the hosted chain (its ordered server's ``pull``) get the same memory unchecked: the chain's
@@ -31,6 +34,7 @@ too read the host's memory in place; :func:`load_whole` is the pullers' side of 
 
 from __future__ import annotations
 
+import resource
 import threading
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Tuple
 
@@ -41,11 +45,19 @@ from .._reductions import shm_space
 from ..distributed._calls import PinnedStates
 from ._budget import CallBudget
 
-__all__ = ["StatePool", "SHARE_FROM", "load_whole", "unchanged"]
+__all__ = ["StatePool", "SHARE_FROM", "kept_most", "load_whole", "unchanged"]
 
 SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
 KEEP = 4  # storages per slot: the chain's two, one being written, one a late reader may still read
 _SLOTS_MAX = 1024  # slots are per key and tensor name: a model has a fixed set of them
+_KEPT_MOST = 4096  # storages a pool keeps at most where open files are unlimited
+
+
+def kept_most() -> int:
+    """Storages a pool keeps at most: each holds an open file, and the process shares its
+    allowance (``ulimit -n``) with torch's agent, the store and its peers: an eighth of it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return _KEPT_MOST if soft == resource.RLIM_INFINITY else max(KEEP, min(_KEPT_MOST, soft // 8))
 
 Slot = Tuple[Hashable, str, int]
 
@@ -106,10 +118,18 @@ def _gpu_index(tensor: torch.Tensor) -> Optional[int]:
 class StatePool:
     """The ``adopt`` hook of a hosted model chain (see the module doc); ``close()`` it with
     its host. Without recycling on this machine (``_shm.recycled.supported``), each push
-    gets fresh memory."""
+    gets fresh memory.
 
-    def __init__(self) -> None:
+    Args:
+        most: Storages kept at most, all slots together (each holds an open file); past
+            it a slot without storages gets fresh memory each time. None: :func:`kept_most`
+            (read when the pool is made: the World raised the soft limit by then).
+    """
+
+    def __init__(self, most: Optional[int] = None) -> None:
         self._lock = threading.Lock()
+        self._most = kept_most() if most is None else most
+        self._kept = 0  # storages in all slots
         self._slots: Dict[Slot, List[torch.UntypedStorage]] = {}  # least recently written first
         self._recycle = _shm.recycled.supported()
         self._cuda = PinnedStates()
@@ -117,7 +137,7 @@ class StatePool:
     def close(self) -> None:
         """Stop reusing memory; tensors that view it keep it alive as long as they live."""
         with self._lock:
-            slots, self._slots, self._recycle = self._slots, {}, False
+            slots, self._slots, self._recycle, self._kept = self._slots, {}, False, 0
         for storages in slots.values():
             for storage in storages:
                 _shm.recycled.forget(storage)
@@ -154,14 +174,16 @@ class StatePool:
     def snapshot(self, key: Hashable, tensors: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """A CPU copy of live ``tensors`` (a managed model's parameters, on any device) for
         the chain under ``key``: each dense one of ``SHARE_FROM`` bytes or more copied into a
-        slot's memory (reused as a pushed state's), the rest into fresh memory.
+        slot's memory (reused as a pushed state's), the rest into fresh private memory (as
+        without a pool: pulls copy it into their replies).
 
         The copy is the caller's to store; nothing here keeps ``tensors``.
         """
         out = {}
         for name, tensor in tensors.items():
             tensor = tensor.detach()
-            copied = self._copy(key, name, tensor) if _dense(tensor) and tensor.nbytes >= SHARE_FROM else None
+            copied = self._copy(key, name, tensor, fresh=False) if _dense(tensor) and tensor.nbytes >= SHARE_FROM \
+                else None
             out[name] = copied if copied is not None else tensor.to("cpu", copy=True)
         return out
 
@@ -169,14 +191,17 @@ class StatePool:
         """Pinned CUDA slabs held (see the module doc)."""
         return self._cuda.held()
 
-    def _copy(self, key: Hashable, name: str, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """``tensor`` copied into shared memory (a slot's, else fresh); None: no room."""
+    def _copy(self, key: Hashable, name: str, tensor: torch.Tensor, fresh: bool = True) -> Optional[torch.Tensor]:
+        """``tensor`` copied into shared memory (a slot's, else fresh unless not ``fresh``);
+        None: not copied (no room, or no slot's memory and not ``fresh``)."""
         nbytes = tensor.nbytes
         with self._lock:  # (a storage is chosen and held by its view before another push looks)
-            storage, fresh = self._take((key, name, nbytes))
+            storage, made = self._take((key, name, nbytes))
             if storage is not None:
                 view = self._view(storage, _shm.recycled.HEADER, tensor)
         if storage is None:
+            if not fresh:
+                return None
             if not shm_space.has_room(nbytes):
                 shm_space.warn_by_value(nbytes, "a pushed model's tensor")
                 return None
@@ -185,7 +210,7 @@ class StatePool:
             return _shm.share(view)
         with _shm.recycled.rewrite(storage):
             view.copy_(tensor)
-        return _shm.share(view) if fresh else view
+        return _shm.share(view) if made else view
 
     def _take(self, slot: Slot) -> Tuple[Any, bool]:
         """A storage of ``slot`` to write (and whether it is new), or None: make fresh memory."""
@@ -198,9 +223,13 @@ class StatePool:
             storages = self._slots[slot] = []
         # KEEP of them first, then in turn: a state's memory is rewritten only after KEEP - 2
         # newer states were made (the chain holds two), which is a late reader's time.
-        if len(storages) < KEEP and shm_space.has_room(slot[2] + _shm.recycled.HEADER):
-            storage = _shm.recycled.make(slot[2])
+        if len(storages) < KEEP and self._kept < self._most and shm_space.has_room(slot[2] + _shm.recycled.HEADER):
+            try:
+                storage = _shm.recycled.make(slot[2])
+            except RuntimeError:  # (out of open files or shared memory now: not kept)
+                return None, False
             storages.append(storage)
+            self._kept += 1
             return storage, True
         for i, storage in enumerate(storages):
             if _shm.recycled.use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint
