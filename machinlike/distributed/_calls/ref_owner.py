@@ -16,7 +16,7 @@ Why module-level functions: torch pickles an RPC's function by reference.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch.distributed import rpc
@@ -176,3 +176,11 @@ def _release(rid: str, token: str) -> None:
     tables = _serve._tables
     if tables is not None:
         tables.results.release(rid, token)
+
+
+def _release_all(pairs: List[Tuple[str, str]]) -> None:
+    """Releases of several holds ``(rid, token)`` in one call (``ref_release``)."""
+    tables = _serve._tables
+    if tables is not None:
+        for rid, token in pairs:
+            tables.results.release(rid, token)

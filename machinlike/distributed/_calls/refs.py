@@ -12,7 +12,8 @@ RPC worker::
                                                                   → ResultRef(owner, rid)
     ref.to_here()   ── _ref_value(target) ─────────► a copy of the value
     ref.rpc_sync().m(x) ── _ref_call(target, m) ───► value.m(x)
-    (ref collected)  ── _release(rid, token) ──────► the hold goes; the last frees it
+    (ref collected)  ── _release_all([(rid, token)]) ► the hold goes; the last frees it
+                        (queued, sent in batches by one thread: ``ref_release``)
     pickle(ref)      ── _hold(rid, token') ────────► a hold for the copy on its way
     (copy unpickled) ── _move(rid, token', me) ────► that hold is the receiver's
 
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import time
 import uuid
 import weakref
@@ -42,12 +42,12 @@ from torch.distributed import rpc
 
 from . import context as _context, ref_owner as _ref_owner, samehost as _samehost
 from .future import RpcFuture
+from .ref_release import release_later
 from .send import send_async, send_call, sync_call
 from .serve import unwrap
 from .cuda_settle import settled
 from .context import CallContext
 from .ref_owner import Target
-from .results import Holder
 
 __all__ = ["PairedRef", "ResultRef", "new_result"]
 
@@ -231,7 +231,7 @@ class ResultRef(_Ref):
         self._done = created is None
         # Released when the handle is collected (``weakref.finalize``, not ``__del__``: a
         # finalizer holds no reference to the handle and can be told to skip interpreter exit).
-        fin = weakref.finalize(self, _release_later, (owner, incarnation), rid, token, created)
+        fin = weakref.finalize(self, release_later, (owner, incarnation), rid, token, created)
         fin.atexit = False
         self._release = fin
 
@@ -315,29 +315,3 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
 
 _serial = itertools.count()
 _now = time.monotonic
-
-
-def _release_later(keeper: Holder, rid: str, token: str, created: Optional[RpcFuture]) -> None:
-    """Tell the keeper (member, incarnation) that hold ``token`` on result ``rid`` is gone
-    (best effort: a keeper that cannot be told frees it when this member is gone)."""
-    if sys.is_finalizing():
-        return
-    if created is not None:
-        if not created.done():
-            created.add_done_callback(lambda _: _release_later(keeper, rid, token, created))
-            return
-        try:
-            keeper = created.wait()  # the creation's answer names the keeper
-        except Exception:  # it failed: nothing is kept
-            return
-    owner, incarnation = keeper
-    context = _context.current()
-    if context is None:
-        return
-    try:
-        roster = context.roster
-        if roster.incarnation_of(owner) != incarnation:
-            return  # that incarnation is gone, and its results with it
-        rpc.rpc_async(roster.worker_of(owner), _ref_owner._release, args=(rid, token))
-    except Exception:  # no agent (the World stops), or the owner is gone: nothing to free
-        pass
