@@ -394,11 +394,14 @@ def test_each_message_read_from_one_opening_gets_an_event_of_its_own():
     # end after its own copies, not after whichever message recorded a shared event last.
     from machinlike.distributed._calls import cuda_ipc_ops as ops
 
+    import types
+
     _cuda_here()
+    opened = types.SimpleNamespace(done=None)  # (an opening: it kept one event for all, before)
     side = torch.cuda.Stream()
-    first = ops.copies_done(None, 0)
+    first = ops.copies_done(opened, 0)
     with torch.cuda.stream(side):
-        second = ops.copies_done(None, 0)
+        second = ops.copies_done(opened, 0)
     assert first is not second
     first.synchronize()
     second.synchronize()

@@ -65,6 +65,31 @@ def test_a_pool_keeps_at_most_its_share_of_open_files(monkeypatch):
     finally:
         pool.close()
     assert pool._kept == 0
+    # And at most its share of /dev/shm's bytes: here room for three 2 MB storages.
+    pool = StatePool(most_bytes=3 * (MB * 2 + _shm.recycled.HEADER))
+    try:
+        states = [pool("m", {"w": torch.full((MB // 2,), float(i))}) for i in range(4)]
+        assert pool._kept == 3 and _shm.recycled.sequence(states[3]["w"].untyped_storage()) is None
+    finally:
+        pool.close()
+
+
+@needs_recycling
+def test_a_pool_works_under_torchs_file_system_sharing_strategy():
+    # Its memory is made by descriptor whatever the strategy (a by-name one cannot be sent by reference).
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    pool = StatePool()
+    try:
+        published = pool.snapshot("g", {"p": torch.ones(MB // 2)})
+        pushed = pool("m", {"w": torch.full((MB // 2,), 2.0)})
+        assert _shm.recycled.sequence(published["p"].untyped_storage()) == 2 and float(published["p"][0]) == 1.0
+        assert _shm.is_shared_by_reference(pushed["w"]) and float(pushed["w"][-1]) == 2.0
+    finally:
+        pool.close()
+        tmp.set_sharing_strategy(before)
 
 
 def test_without_recycling_each_state_gets_fresh_memory(monkeypatch):
@@ -155,6 +180,39 @@ def _overtaken_body(world):
         out = max(len(storages) for storages in impl._pool._slots.values())
     g.barrier()
     return out
+
+
+def _plain_pull_body(world):
+    from machinlike.server import OrderedServerSimple, PushPullModelServerImpl
+
+    g = world.create_rpc_group("g", world.get_members())
+    impl = PushPullModelServerImpl("server", g) if world.rank == 0 else None
+    g.barrier()
+    out = None
+    if world.rank == 1:
+        server = g.get_paired("server").to_here()
+        pusher = torch.nn.Module()
+        pusher.net = _model(3.0)
+        assert server.push(pusher)
+        chain = OrderedServerSimple("server/ordered", g)
+        state, version = chain.pull("model")
+        state["net.0.weight"].fill_(-1.0)  # the caller's copy: nothing reaches the server
+        again, _ = chain.pull_if_changed("model", None)
+        reader = torch.nn.Module()
+        reader.net = _model(0.0)
+        assert server.pull(reader)
+        out = (float(again["net.0.weight"].min()), _values(reader.net), version == reader.pp_version)
+    g.barrier()
+    if impl is not None:
+        impl.close()
+    g.barrier()
+    return out
+
+
+@needs_recycling
+def test_a_plain_pull_of_a_model_servers_chain_is_the_callers_copy():
+    _, (seen, loaded, same) = run_world(_plain_pull_body, 2, timeout=90)
+    assert seen == 3.0 and loaded == {3.0} and same
 
 
 @needs_recycling

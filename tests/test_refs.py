@@ -120,14 +120,12 @@ def test_handles_dropped_at_once_are_released_in_batches_off_the_collector(world
         before = ref_release.stats()
         refs = [g.remote("1", _ones, args=(2,)) for _ in range(200)]
         assert [r.to_here().tolist() for r in refs[:3]] == [[1.0, 1.0]] * 3 and g.rpc_sync("1", _kept) == 200
-        lock = threading.Lock()
-        with lock:  # (a collector may run under any lock of the dropping thread: it only queues)
-            refs.clear()
-            gc.collect()
+        refs.clear()
+        gc.collect()  # (each finalizer only queues its release)
         assert _until(lambda: g.rpc_sync("1", _kept) == 0), "dropped handles did not free their results"
         after = ref_release.stats()
         sent, calls = after["sent"] - before["sent"], after["calls"] - before["calls"]
-        assert sent == 200 and 1 <= calls <= sent and after["not_sent"] == before["not_sent"], (before, after)
+        assert sent == 200 and 1 <= calls < sent and after["not_sent"] == before["not_sent"], (before, after)
     g.barrier()
     g.destroy()
 

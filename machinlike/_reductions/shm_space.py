@@ -21,7 +21,7 @@ import os
 import warnings
 from typing import Optional, Tuple
 
-__all__ = ["is_full", "has_room", "require_room", "full_error", "warn_by_value"]
+__all__ = ["is_full", "has_room", "require_room", "size", "full_error", "warn_by_value"]
 
 _SHM = "/dev/shm"
 _warned = False
@@ -46,6 +46,11 @@ def has_room(nbytes: int) -> bool:
     the answer, or, before torch 2.11, its SIGBUS."""
     free, total = _space()
     return not total or free >= nbytes
+
+
+def size() -> int:
+    """Bytes /dev/shm holds in all, free or not; 0 when it cannot be read."""
+    return _space()[1]
 
 
 def require_room(nbytes: int, what: str) -> None:

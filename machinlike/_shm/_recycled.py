@@ -53,7 +53,8 @@ def make(nbytes: int) -> torch.UntypedStorage:
 
     The owner must :func:`forget` it before it drops the storage.
     """
-    storage = torch.UntypedStorage._new_shared(HEADER + nbytes)  # by descriptor: /proc-reachable
+    # By descriptor whatever torch's sharing strategy: /proc-reachable (torch internal)
+    storage = torch.UntypedStorage._new_using_fd_cpu(HEADER + nbytes)
     _header(storage).zero_()
     _marked[storage.data_ptr()] = StorageWeakRef(storage)
     if len(_marked) > 256:  # forget the storages that died

@@ -15,8 +15,9 @@ written) is rewritten instead::
               load_state_dict copies it, then checks that the sequence did not move
               (PushPullModelServer retries a pull whose state was rewritten meanwhile)
 
-Each kept storage holds an open file: a pool keeps at most an eighth of the process's
-allowance (``ulimit -n``), and a slot it has no room for gets fresh memory each time.
+Each kept storage holds an open file and stays in /dev/shm while the pool lives: a pool
+keeps at most an eighth of the process's allowance of open files (``ulimit -n``) and a
+quarter of /dev/shm, and a slot it has no room for gets fresh memory each time.
 
 A reader is only ever overtaken when KEEP - 2 newer versions were made while it read: a
 slot's storages are reused in turn, and the chain holds the newest two. Other readers of
@@ -124,12 +125,16 @@ class StatePool:
         most: Storages kept at most, all slots together (each holds an open file); past
             it a slot without storages gets fresh memory each time. None: :func:`kept_most`
             (read when the pool is made: the World raised the soft limit by then).
+        most_bytes: Bytes of them at most; None: a quarter of /dev/shm (unbounded where
+            its size cannot be read).
     """
 
-    def __init__(self, most: Optional[int] = None) -> None:
+    def __init__(self, most: Optional[int] = None, most_bytes: Optional[int] = None) -> None:
         self._lock = threading.Lock()
         self._most = kept_most() if most is None else most
+        self._most_bytes = (shm_space.size() // 4 or None) if most_bytes is None else most_bytes
         self._kept = 0  # storages in all slots
+        self._kept_bytes = 0
         self._slots: Dict[Slot, List[torch.UntypedStorage]] = {}  # least recently written first
         self._recycle = _shm.recycled.supported()
         self._cuda = PinnedStates()
@@ -137,7 +142,7 @@ class StatePool:
     def close(self) -> None:
         """Stop reusing memory; tensors that view it keep it alive as long as they live."""
         with self._lock:
-            slots, self._slots, self._recycle, self._kept = self._slots, {}, False, 0
+            slots, self._slots, self._recycle, self._kept, self._kept_bytes = self._slots, {}, False, 0, 0
         for storages in slots.values():
             for storage in storages:
                 _shm.recycled.forget(storage)
@@ -205,7 +210,7 @@ class StatePool:
             if not shm_space.has_room(nbytes):
                 shm_space.warn_by_value(nbytes, "a pushed model's tensor")
                 return None
-            view = self._view(torch.UntypedStorage._new_shared(nbytes), 0, tensor)
+            view = self._view(torch.UntypedStorage._new_using_fd_cpu(nbytes), 0, tensor)  # (by descriptor: see make)
             view.copy_(tensor)
             return _shm.share(view)
         with _shm.recycled.rewrite(storage):
@@ -223,13 +228,17 @@ class StatePool:
             storages = self._slots[slot] = []
         # KEEP of them first, then in turn: a state's memory is rewritten only after KEEP - 2
         # newer states were made (the chain holds two), which is a late reader's time.
-        if len(storages) < KEEP and self._kept < self._most and shm_space.has_room(slot[2] + _shm.recycled.HEADER):
+        nbytes = slot[2] + _shm.recycled.HEADER
+        within = self._kept < self._most and (self._most_bytes is None
+                                               or self._kept_bytes + nbytes <= self._most_bytes)
+        if len(storages) < KEEP and within and shm_space.has_room(nbytes):
             try:
                 storage = _shm.recycled.make(slot[2])
             except RuntimeError:  # (out of open files or shared memory now: not kept)
                 return None, False
             storages.append(storage)
             self._kept += 1
+            self._kept_bytes += nbytes
             return storage, True
         for i, storage in enumerate(storages):
             if _shm.recycled.use_count(storage) == 1:  # only this list holds it: no state, reply or checkpoint

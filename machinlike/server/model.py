@@ -177,7 +177,11 @@ class PushPullModelServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ValueError: the server's state dict does not fit ``model`` (names or shapes, or
                 a cast that would lose meaning, such as complex to real; nothing is loaded).
-            TimeoutError: not done within ``timeout``.
+            TimeoutError: not done within ``timeout``. On this host a pull reads the
+                server's memory in place and loads again a version rewritten while it
+                read; should newer versions keep coming faster than it reads until the
+                time runs out, ``model`` holds a mix of versions and no version
+                (``model.pp_version`` None: the next pull loads the newest whole).
         """
         check_module(model)
         with self._budget(timeout, "pull of") as budget:
@@ -193,7 +197,7 @@ class PushPullModelServer:
                                  f"(nothing was loaded): {diff}")
             target.load_state_dict(state)
 
-        return load_whole(lambda: self.o_server._bounded(budget.left()).pull_if_changed(self.model_name,
+        return load_whole(lambda: self.o_server._bounded(budget.left())._pull_in_place(self.model_name,
                                                                                        get_version(model)),
                           load, lambda version: set_version(model, version), budget)
 

@@ -14,6 +14,9 @@ Data flow::
 Every call is one RPC round trip to the host (the group caches who hosts the services).
 Values travel through torch RPC, tensors in its tensor table, and come back as copies:
 nothing a client does to a pulled value reaches the server, even on the host itself.
+(The model and gradient servers' own pullers alone read the memory of their hosted chain
+in place, on the same host: ``_pull_in_place``, see ``_state_pool``; a plain ``pull`` of
+such a chain copies the tensors of memory the host rewrites.)
 
 Churn. The host writes its member name in the world's store; a call that finds the
 services gone while that member is lost (or back but not serving yet) raises
@@ -33,6 +36,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple
 
+import torch
+
+from .. import _shm
 from ..distributed import RpcGroup
 from ..exception import PeerLostError
 from ._common import check_count, check_group, check_name, check_timeout, current_world
@@ -116,11 +122,31 @@ class OrderedServerBase(abc.ABC):
             return None
         return got
 
+    def _pull_in_place(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
+        """:meth:`pull_if_changed` for a model or gradient server's own pullers, which copy
+        what they receive at once and check it was not rewritten meanwhile (``_state_pool``):
+        a host may send them its memory by reference. This default: ``pull_if_changed``."""
+        return self.pull_if_changed(key, have_version)
+
     def _bounded(self, seconds: float) -> "OrderedServerBase":
         """This server with its calls bounded by ``seconds`` each, where it can be (the
         model and gradient servers' steps of one call share a deadline); a server of the
         user's own bounds its calls itself: this one."""
         return self
+
+
+def _private(value: Any) -> Any:
+    """A pulled ``value`` with the tensors of memory its host rewrites (a model or gradient
+    server's reused storages, ``_shm.recycled``) copied: outside its own pullers, a value
+    pulled is the caller's, and nothing done to it reaches the server. (Copied outside the
+    server's lock: the value's reference keeps its memory from being rewritten.)"""
+    if not isinstance(value, dict):
+        return value
+    rewritten = [name for name, item in value.items()
+                 if isinstance(item, torch.Tensor) and _shm.recycled.sequence(item.untyped_storage()) is not None]
+    if not rewritten:
+        return value
+    return {**value, **{name: value[name].clone() for name in rewritten}}
 
 
 class OrderedServerSimple(OrderedServerBase):
@@ -168,16 +194,19 @@ class OrderedServerSimple(OrderedServerBase):
         """See :meth:`OrderedServerBase.pull_if_changed`; ``timeout``: seconds (None: the accessor's)."""
         return self._call("_pull_if_changed", (_check_key(key), have_version), timeout)
 
+    def _pull_in_place(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
+        return self._call("_pull_if_changed", (_check_key(key), have_version), None, in_place=True)
+
     def _bounded(self, seconds: float) -> "OrderedServerSimple":
         bounded = copy.copy(self)  # (a subclass's overrides kept)
         bounded.timeout = seconds
         return bounded
 
-    def _call(self, service: str, args: Tuple[Any, ...], timeout: Any) -> Any:
+    def _call(self, service: str, args: Tuple[Any, ...], timeout: Any, in_place: bool = False) -> Any:
         wait = self.timeout if timeout is None else check_timeout(timeout)
+        tail = (self.group.get_cur_name(), True) if in_place else (self.group.get_cur_name(),)
         try:
-            return self.group.registered_sync(f"{self.server_name}/{service}", args + (self.group.get_cur_name(),),
-                                              timeout=wait)
+            return self.group.registered_sync(f"{self.server_name}/{service}", args + tail, timeout=wait)
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
             host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
@@ -423,21 +452,19 @@ class OrderedServerSimpleImpl:
 
     def _pull_service(self, key: Hashable, version: Any, client: str = "") -> Optional[Tuple[Any, Any]]:
         self._note(client)
+        found = None
         with self._lock:
             self._counts["pulls"] += 1
             entries = self._data.get(key)
-            if not entries:
-                return None
-            if version is None:
-                found_version, value = entries[-1]
-                return value, found_version
-            for found_version, value in reversed(entries):
-                if found_version == version:
-                    return value, found_version
-            return None
+            if entries and version is None:
+                found = entries[-1]
+            elif entries:
+                found = next((entry for entry in reversed(entries) if entry[0] == version), None)
+        return None if found is None else (_private(found[1]), found[0])
 
-    def _pull_if_changed_service(self, key: Hashable, have_version: Any,
-                                 client: str = "") -> Optional[Tuple[Any, Any]]:
+    def _pull_if_changed_service(self, key: Hashable, have_version: Any, client: str = "",
+                                 in_place: bool = False) -> Optional[Tuple[Any, Any]]:
+        """``in_place``: a model or gradient server's puller (see ``_pull_in_place``)."""
         self._note(client)
         with self._lock:
             self._counts["pulls"] += 1
@@ -448,4 +475,4 @@ class OrderedServerSimpleImpl:
             if version == have_version:
                 self._counts["pulls_unchanged"] += 1
                 return None
-            return value, version
+        return (value if in_place else _private(value)), version

@@ -9,7 +9,8 @@ whatever lock that thread held. Now the finalizer only queues the release
 queued, groups it by keeper and sends each keeper one call, the way every call goes (the
 lane to a member on this host)::
 
-    handle collected ─► put(keeper, rid, token, creation) ─► the releaser (one thread, lazily)
+    handle made ─► started() (the releaser: one thread, started outside any collection)
+    handle collected ─► put(keeper, rid, token, creation) ─► the releaser
                                                               get: everything queued, at once
                                                               creation not answered yet: queued
                                                                 again once it is (its callback)
@@ -35,7 +36,7 @@ from .future import RpcFuture
 from .results import Holder
 from .send import send_async
 
-__all__ = ["release_later", "stats"]
+__all__ = ["release_later", "started", "stats"]
 
 _Release = Tuple[Holder, str, str, Optional[RpcFuture]]
 
@@ -51,11 +52,8 @@ def release_later(keeper: Holder, rid: str, token: str, created: Optional[RpcFut
     """(A handle's finalizer) tell the keeper (member, incarnation) that hold ``token`` on
     result ``rid`` is gone; ``created``: the creation, whose answer names the keeper (None:
     ``keeper`` is it). Queues only: safe in a garbage collection."""
-    if sys.is_finalizing():
-        return
-    _queue.put((keeper, rid, token, created))
-    if not _started:
-        _start()
+    if not sys.is_finalizing():
+        _queue.put((keeper, rid, token, created))  # (nothing else: no lock a collection could hold)
 
 
 def stats() -> Dict[str, int]:
@@ -63,8 +61,12 @@ def stats() -> Dict[str, int]:
     return dict(_counts)
 
 
-def _start() -> None:
+def started() -> None:
+    """Start the releaser unless it runs (a handle's constructor calls this: never a
+    finalizer, which could run inside this very start, under its locks)."""
     global _started
+    if _started:
+        return
     with _start_lock:
         if not _started:
             threading.Thread(target=_run, name="machinlike-releases", daemon=True).start()

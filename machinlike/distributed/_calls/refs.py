@@ -42,7 +42,7 @@ from torch.distributed import rpc
 
 from . import context as _context, ref_owner as _ref_owner, samehost as _samehost
 from .future import RpcFuture
-from .ref_release import release_later
+from .ref_release import release_later, started
 from .send import send_async, send_call, sync_call
 from .serve import unwrap
 from .cuda_settle import settled
@@ -231,6 +231,7 @@ class ResultRef(_Ref):
         self._done = created is None
         # Released when the handle is collected (``weakref.finalize``, not ``__del__``: a
         # finalizer holds no reference to the handle and can be told to skip interpreter exit).
+        started()  # (its releases go out through that thread)
         fin = weakref.finalize(self, release_later, (owner, incarnation), rid, token, created)
         fin.atexit = False
         self._release = fin

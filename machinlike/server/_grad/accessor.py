@@ -320,7 +320,11 @@ class PushPullGradServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ValueError: the published parameters' names or shapes do not fit ``model``,
                 or a cast would lose meaning (complex to real; nothing is loaded).
-            TimeoutError: not done within ``timeout``.
+            TimeoutError: not done within ``timeout``. On this host a pull reads the
+                server's memory in place and loads again a version rewritten while it
+                read; should newer versions keep coming faster than it reads until the
+                time runs out, ``model`` holds a mix of versions and no version
+                (``model.pp_version`` None: the next pull loads the newest whole).
         """
         params = dict(unwrap(check_module(model)).named_parameters())
         with self._budget(timeout, "pull from") as budget:
@@ -338,7 +342,7 @@ class PushPullGradServer:
             if self._spec is None:
                 self._spec = spec_of(state)  # the server's own dtypes: what pushes are checked against
 
-        return load_whole(lambda: self.o_server._bounded(budget.left()).pull_if_changed(self.model_name,
+        return load_whole(lambda: self.o_server._bounded(budget.left())._pull_in_place(self.model_name,
                                                                                        get_version(model)),
                           load, lambda version: set_version(model, version), budget)
 
