@@ -154,17 +154,29 @@ class _Overtaken(torch.nn.Module):
         return super().load_state_dict(state, *args, **kwargs)
 
 
-def _overtaken_body(world):
+def _hosted(world):
+    """The world's group, and the model server rank 0 hosts (None elsewhere), met at a barrier."""
     from machinlike.server import PushPullModelServerImpl
 
     g = world.create_rpc_group("g", world.get_members())
     impl = PushPullModelServerImpl("server", g) if world.rank == 0 else None
     g.barrier()
+    return g, impl
+
+
+def _holder(value: float) -> torch.nn.Module:
+    """A module whose ``net`` is ``_model(value)`` (its version, a plain attribute, beside it)."""
+    holder = torch.nn.Module()
+    holder.net = _model(value)
+    return holder
+
+
+def _overtaken_body(world):
+    g, impl = _hosted(world)
     out = None
     if world.rank == 1:
         server = g.get_paired("server").to_here()
-        pusher = torch.nn.Module()
-        pusher.net = _model(0.0)
+        pusher = _holder(0.0)
         for _ in range(3):
             with torch.no_grad():
                 for p in pusher.parameters():
@@ -183,23 +195,18 @@ def _overtaken_body(world):
 
 
 def _plain_pull_body(world):
-    from machinlike.server import OrderedServerSimple, PushPullModelServerImpl
+    from machinlike.server import OrderedServerSimple
 
-    g = world.create_rpc_group("g", world.get_members())
-    impl = PushPullModelServerImpl("server", g) if world.rank == 0 else None
-    g.barrier()
+    g, impl = _hosted(world)
     out = None
     if world.rank == 1:
         server = g.get_paired("server").to_here()
-        pusher = torch.nn.Module()
-        pusher.net = _model(3.0)
-        assert server.push(pusher)
+        assert server.push(_holder(3.0))
         chain = OrderedServerSimple("server/ordered", g)
         state, version = chain.pull("model")
         state["net.0.weight"].fill_(-1.0)  # the caller's copy: nothing reaches the server
         again, _ = chain.pull_if_changed("model", None)
-        reader = torch.nn.Module()
-        reader.net = _model(0.0)
+        reader = _holder(0.0)
         assert server.pull(reader)
         out = (float(again["net.0.weight"].min()), _values(reader.net), version == reader.pp_version)
     g.barrier()
@@ -227,17 +234,11 @@ def test_a_pull_overtaken_by_rewrites_loads_the_newest_state_whole():
 def _race_body(world, seconds):
     import time
 
-    from machinlike.server import PushPullModelServerImpl
-
-    g = world.create_rpc_group("g", world.get_members())
-    if world.rank == 0:
-        PushPullModelServerImpl("server", g)
-    g.barrier()
+    g, _ = _hosted(world)
     out = None
     if world.rank > 0:
         server = g.get_paired("server").to_here()
-        model = torch.nn.Module()
-        model.net = _model(0.0)
+        model = _holder(0.0)
         end = time.monotonic() + seconds
         if world.rank == 1:  # the learner: version v holds the value v everywhere
             pushes = 0
