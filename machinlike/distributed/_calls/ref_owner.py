@@ -8,7 +8,7 @@ process's ``LocalTables`` (``_calls``): a paired value by its service id, a resu
     _ref_value / _ref_call          a copy of the value / value.method(...), errors carried
     _keep_run / _keep_call /        run it, keep the outcome as result ``rid`` held by the
       _keep_service                 caller's token; answer who keeps it (or the error)
-    _hold / _move / _release_all    a copy's hold taken, moved to its receiver, dropped
+    _hold / _move / _release        a copy's hold taken, moved to its receiver, dropped
 
 Why module-level functions: torch pickles an RPC's function by reference.
 """
@@ -170,6 +170,12 @@ def _move(rid: str, token: str, holder: Holder) -> None:
     tables = _serve._tables
     if tables is not None:
         tables.results.move(rid, token, tuple(holder))  # type: ignore[arg-type]
+
+
+def _release(rid: str, token: str) -> None:
+    tables = _serve._tables
+    if tables is not None:
+        tables.results.release(rid, token)
 
 
 def _release_all(pairs: List[Tuple[str, str]]) -> None:
