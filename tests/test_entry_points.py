@@ -23,7 +23,7 @@ ENTRY_POINTS = {
     "machinlike.distributed._calls.serve": ["_call_service", "_call_async_service", "_run", "_run_async"],
     "machinlike.distributed._calls.ref_owner": ["_ref_value", "_ref_call", "_keep_run", "_keep_call",
                                                 "_keep_service", "_is_paired", "_run_service", "_hold", "_move",
-                                                "_release"],
+                                                "_release", "_release_all"],
     "machinlike.distributed._calls.refs": ["_arrived"],
     "machinlike.distributed._groups.rpc_group": ["_rebuild_group"],
 }
