@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -241,6 +243,8 @@ def _helper_body(world, directory):
         client.w.grad = torch.tensor([1.0, float(i + 1)])
         server.push(client)
         server.flush(timeout=30)
+    written = [os.path.basename(path) for path in servers.checkpoint(timeout=30)]
+    assert written == ["grad_server_0.ckpt", "grad_server_1.ckpt"], written
     servers.close()
     return seen
 
@@ -253,3 +257,64 @@ def test_the_gradient_helper_checkpoints_each_of_its_servers(tmp_path):
     assert first == [[0.0, 0.0], [0.0, 0.0]] and again == [[-1.0, -1.0], [-1.0, -2.0]]
     assert sorted(os.listdir(tmp_path)) == ["grad_server_0.ckpt", "grad_server_0.lease", "grad_server_1.ckpt",
                                             "grad_server_1.lease"]
+
+
+class _SlowSGD(torch.optim.SGD):
+    """SGD whose step says it began, then takes 1 s: a step a checkpoint must not cut."""
+
+    def __init__(self, params, began):
+        super().__init__(params, lr=1.0)
+        self.began = began
+
+    def step(self, closure=None):
+        self.began.set()
+        time.sleep(1.0)
+        return super().step(closure)
+
+
+def _now_body(world, directory):
+    group = world.create_rpc_group("g")
+    out = {}
+    plain = PushPullGradServerImpl("plain", group, primary_reducer=world.name, secondary_reducers=[world.name])
+    with pytest.raises(RuntimeError, match="keeps no checkpoint: create it with checkpoint_dir="):
+        plain.checkpoint()
+    plain.close()
+    impl = PushPullGradServerImpl("grad", group, primary_reducer=world.name, secondary_reducers=[world.name],
+                                  reduce_batch_size=1, max_queue_size=8, checkpoint_dir=directory,
+                                  checkpoint_every=100)
+    with pytest.raises(RuntimeError, match="no model yet"):
+        impl.checkpoint()
+    model, began = Two(), threading.Event()
+    impl.manage_model(model, _SlowSGD(model.parameters(), began))
+    impl.start()
+    server = group.get_paired("grad", timeout=30).to_here()
+    client = Two()
+    server.pull(client)
+    client.w.grad = torch.tensor([1.0, 2.0])
+    server.push(client)
+    assert began.wait(10)
+    with pytest.raises(TimeoutError, match="did not end within 0.2 s, so no checkpoint was written"):
+        impl.checkpoint(timeout=0.2)  # (mid-step: the model and the optimizer are being changed)
+    path = impl.checkpoint(timeout=10)  # waits for the step, then writes version 1
+    saved = Checkpointer(directory, "grad-server", "grad").load()
+    out["grad"] = (path == impl.checkpoint_path, saved["version"], saved["params"]["w"].tolist())
+    # An ordered server's history, written before the periodic cadence (100) asked for it.
+    kv = OrderedServerSimpleImpl("kv", group, checkpoint_dir=directory, checkpoint_every=100)
+    kv.store("k", "a", 1, None)  # (a new key is written at once)
+    kv.store("k", "b", 2, 1)
+    before = Checkpointer(directory, "ordered-server", "kv").load()["data"]["k"]
+    kv.checkpoint()
+    out["ordered"] = (before, Checkpointer(directory, "ordered-server", "kv").load()["data"]["k"])
+    kv.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        kv.checkpoint()
+    impl.close()
+    return out
+
+
+def test_checkpoint_now_writes_the_newest_version_between_two_steps(tmp_path):
+    # The recipe of a job told to stop (SIGTERM): write the servers' checkpoints now,
+    # not at their next cadence; a step in progress is waited for, never cut.
+    out, = launch(_now_body, 1, args=(str(tmp_path),), timeout=60)
+    assert out["grad"] == (True, 1, [-1.0, -2.0])
+    assert out["ordered"] == ([(1, "a")], [(1, "a"), (2, "b")])

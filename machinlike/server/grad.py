@@ -272,6 +272,38 @@ class PushPullGradServerImpl:
             raise ValueError("the managed model has no parameters")
         managed.manage(model, params, optimizer, lr_scheduler)
 
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        """The primary's checkpoint file, on the primary with ``checkpoint_dir``; else None."""
+        return None if self._managed is None else self._managed.checkpoint_path
+
+    def checkpoint(self, timeout: Optional[float] = None) -> str:
+        """Write the primary's checkpoint now, e.g. when the job is told to stop (SIGTERM).
+
+        Holds the newest version's parameters, optimizer, lr-scheduler and accounting;
+        the primary's next step waits while it is written. Nothing is rewritten when the
+        file holds that version already.
+
+        Args:
+            timeout: Seconds to wait for the step in progress; None: the world's rpc_timeout.
+
+        Returns:
+            The checkpoint file's path.
+
+        Raises:
+            RuntimeError: not the primary reducer, no ``checkpoint_dir``, no model managed
+                yet, or closed.
+            TimeoutError: the step in progress did not end within ``timeout``.
+            OSError: the file could not be written.
+        """
+        wait = check_timeout(timeout) or self._rpc_timeout
+        if self._managed is None:
+            raise RuntimeError(f"checkpoint() must be called on the primary reducer {self.primary_reducer!r}, "
+                               f"not on member {self.member!r}")
+        if self._closed:
+            raise RuntimeError(f"gradient server {self.server_name!r} is closed (it wrote its last checkpoint then)")
+        return self._managed.checkpoint_now(wait)
+
     # ------------------------------------------------------------ life cycle
     def _reducers(self) -> List[Any]:
         # Secondaries first: stopping them before the primary lets a forward in flight

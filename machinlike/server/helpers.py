@@ -61,6 +61,31 @@ class ServerHandles(tuple):
         """``stats()`` of each gradient server hosted here (empty dicts for model servers)."""
         return [impl.stats() if hasattr(impl, "stats") else {} for impl in self.impls]
 
+    def checkpoint(self, timeout: Optional[float] = None) -> List[str]:
+        """Write the checkpoint of each server hosted here that keeps one (``checkpoint_dir``),
+        e.g. when the job is told to stop; every member may call it (the others have none).
+
+        Args:
+            timeout: Seconds for all of them; None: the world's ``rpc_timeout``.
+
+        Returns:
+            The paths written (empty on a member that hosts no checkpointed server).
+
+        Raises:
+            TimeoutError, OSError: as :meth:`PushPullGradServerImpl.checkpoint`.
+        """
+        wait = check_timeout(timeout) or current_world().rpc_timeout
+        deadline = time.monotonic() + wait
+        paths = []
+        for impl in self.impls:
+            if impl.checkpoint_path is None:
+                continue
+            if isinstance(impl, PushPullGradServerImpl):
+                paths.append(impl.checkpoint(max(0.001, deadline - time.monotonic())))
+            else:
+                paths.append(impl.checkpoint())
+        return paths
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Stop this member's servers, wait for every member, withdraw them, leave the group.
 

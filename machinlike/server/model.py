@@ -293,6 +293,27 @@ class PushPullModelServerImpl:
                 out[name] = ordered[name]
         return out
 
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        """The hosted chain's checkpoint file; None without ``checkpoint_dir``."""
+        return None if self.o_server_impl is None else self.o_server_impl.checkpoint_path
+
+    def checkpoint(self) -> str:
+        """Write the hosted chain's checkpoint now (see :meth:`OrderedServerSimpleImpl.checkpoint`).
+
+        Returns:
+            The checkpoint file's path.
+
+        Raises:
+            RuntimeError: no ``checkpoint_dir`` (or the chain is kept in an external
+                ordered server: checkpoint its host), or closed.
+            OSError: the file could not be written.
+        """
+        if self.o_server_impl is None:
+            raise RuntimeError(f"model server {self.server_name!r} keeps its chain in {self.o_server!r}: call "
+                               f"checkpoint() on that ordered server's host")
+        return self.o_server_impl.checkpoint()
+
     def close(self) -> None:
         """Withdraw the accessor (and the hosted ordered server); the name can be reused."""
         if self._closed:

@@ -417,6 +417,32 @@ class OrderedServerSimpleImpl:
             out["members"] = members
         return out
 
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        """The checkpoint file; None without ``checkpoint_dir``."""
+        return None if self._checkpoint is None else self._checkpoint.path
+
+    def checkpoint(self) -> str:
+        """Write the checkpoint of every key's history now, e.g. when the job is told to
+        stop (SIGTERM); nothing is rewritten when the file holds the newest version already.
+
+        Returns:
+            The checkpoint file's path.
+
+        Raises:
+            RuntimeError: no ``checkpoint_dir``, or closed.
+            OSError: the file could not be written.
+        """
+        if self._checkpoint is None:
+            raise RuntimeError(f"ordered server {self.server_name!r} keeps no checkpoint: create it with "
+                               f"checkpoint_dir=<a directory> to write one")
+        if self._closed:
+            raise RuntimeError(f"ordered server {self.server_name!r} is closed (it wrote its last checkpoint then)")
+        with self._lock:
+            seq, snapshot = self._seq, self._snapshot()
+        self._checkpoint.save(seq, snapshot)  # (an older snapshot never overwrites a newer one)
+        return self._checkpoint.path
+
     def close(self) -> None:
         """Withdraw the services and the paired accessor (the name can then be reused).
 

@@ -28,6 +28,7 @@ publishes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Dict, Optional
 
@@ -86,6 +87,9 @@ class ManagedModel:
         self.resumed_version: Optional[int] = None  # the version a resume published its checkpoint as
         self._lag = {"sum": 0, "count": 0, "max": 0}
         self._published_at = time.monotonic()
+        # Held through a step: a checkpoint asked for from another thread (checkpoint_now)
+        # reads the model, optimizer and accounting between two steps, never inside one.
+        self._stepping = threading.Lock()
 
     def manage(self, model: torch.nn.Module, params: Dict[str, torch.nn.Parameter], optimizer: Any,
                lr_scheduler: Any) -> None:
@@ -109,6 +113,39 @@ class ManagedModel:
         """
         if self._checkpoint is not None and self.model is not None:
             self._checkpoint.last()
+
+    @property
+    def checkpoint_path(self) -> Optional[str]:
+        """The primary's checkpoint file; None without ``checkpoint_dir``."""
+        return None if self._checkpoint is None else self._checkpoint.path
+
+    def checkpoint_now(self, timeout: float) -> str:
+        """From any thread: write a checkpoint of the newest version between two steps.
+
+        Args:
+            timeout: Seconds to wait for the step in progress to end (> 0).
+
+        Returns:
+            The checkpoint file's path.
+
+        Raises:
+            RuntimeError: no checkpoint_dir, or no model managed yet.
+            TimeoutError: the step in progress did not end within ``timeout``.
+            OSError: the checkpoint could not be written.
+        """
+        if self._checkpoint is None:
+            raise RuntimeError(f"gradient server {self._server_name!r} keeps no checkpoint: create it with "
+                               f"checkpoint_dir=<a directory> (grad_server_helper too) to write one")
+        if self.model is None:
+            raise RuntimeError(f"gradient server {self._server_name!r} has no model yet: call manage_model() first")
+        if not self._stepping.acquire(timeout=timeout):
+            raise TimeoutError(f"gradient server {self._server_name!r}: the primary's step did not end within "
+                               f"{timeout:g} s, so no checkpoint was written; pass a longer timeout")
+        try:  # (the primary waits at its next step while the file is written)
+            self._checkpoint.last()
+        finally:
+            self._stepping.release()
+        return self._checkpoint.path
 
     def _resume(self) -> bool:
         """Load the checkpoint, if any, and publish it under a never-used version."""
@@ -191,6 +228,10 @@ class ManagedModel:
 
         Runs on the primary's reducer thread only.
         """
+        with self._stepping:
+            self._step(item)
+
+    def _step(self, item: Item) -> None:
         with torch.no_grad():
             for name, param in self._params.items():
                 grad = item.grads.get(name)
