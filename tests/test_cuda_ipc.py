@@ -690,6 +690,30 @@ def test_a_receiver_waiting_for_a_retired_slab_is_told_by_name(over_cpu):
         slab.ready.let_go()
 
 
+def test_a_lease_a_receiver_ended_before_the_copies_in_ran_makes_the_next_writer_wait(monkeypatch, over_cpu):
+    # A receiver that gave up waiting for the sender's copies frees the lease: those copies
+    # may still be queued (on another thread's stream), so the slab's next writer orders
+    # its own after them, once.
+    monkeypatch.setattr(_cuda_ipc, "_READY_WAIT_S", 0.05)
+    data = _one_message(torch.ones(3))
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    slab.ready.hold()
+    try:
+        with pytest.raises(TimeoutError, match="did not complete within"):
+            pickle.loads(data)
+    finally:
+        slab.ready.let_go()
+    assert area.lent() == 0 and area.words[slab.slot, 3] == _cuda_ipc_area.UNSETTLED
+    _AFTER_WRITES.clear()
+    data = _one_message(torch.full((3,), 2.0))
+    assert _AFTER_WRITES == [slab] and area.words[slab.slot, 3] == 0
+    assert torch.equal(pickle.loads(data)[0], torch.full((3,), 2.0)) and _cuda_ipc.released(10)
+    pickle.loads(_one_message(torch.ones(3)))
+    assert _AFTER_WRITES == [slab]  # (a lease its receiver ended after the copies: no wait)
+    _cuda_ipc.released(10)
+
+
 def test_a_slab_without_an_ipc_event_synchronises_the_sender(monkeypatch, over_cpu):
     monkeypatch.setattr(_CpuSlab, "events", False)
     batch = _cuda_ipc.Batch((5, os.getpid()))
@@ -815,6 +839,7 @@ def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over
     assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
     assert _cuda_ipc.stats()["staged_probe_failed"] == before + 1
     assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back
+    assert _cuda_ipc._area._slabs[0].unsent  # (the probe's copies may be queued: its next writer waits)
 
 
 @pytest.mark.parametrize("side", ["caller", "callee"])

@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .cuda_ipc_area import FREE, ExportArea, Lease
+from .cuda_ipc_area import FREE, UNSETTLED, ExportArea, Lease
 from .cuda_ipc_open import Opened, OpenCache
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
@@ -333,8 +333,7 @@ class Batch:
         slab = lease.slab
         copy = found is None
         try:
-            if copy and slab.unsent:  # copies of a message that never left may still be queued
-                slab.unsent = False
+            if copy and area.unsettled(slab):  # copies of a message whose lease ended early may be queued
                 ops.after_writes(slab)
             items = []
             for start, tensor in zip(layout, group.tensors):
@@ -399,8 +398,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             _count("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []
-        total = 0
-        copying = True
+        total, copying = 0, True
         for start, shape, dtype, requires_grad, parameter, strides in items:
             view = ops.view(opened.views, opened.storage, index, start, dtype, shape, strides)
             # clone: this process's own memory, one call (allocation and copy), in the
@@ -423,6 +421,8 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 except Exception:
                     pass
             if int(row[0]) == lease:
+                if lease_row < 0:  # the sender's copies in were not seen to run: its next writer waits
+                    slab_row[3] = UNSETTLED
                 row[0] = FREE  # the sender may lend the slab again
     _count2("received_tensors", len(out), "received_bytes", total)
     return out

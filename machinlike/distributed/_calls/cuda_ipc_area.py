@@ -8,7 +8,7 @@ message that sends that state at once, each through a reader row. Leases live in
 
     control page (memfd, ROWS x 4 int64)          slab (cuda:i, capacity bytes)
     slab row s < SLOTS: [state, taker pid,         exported once: (handle, offset in its
-      slab id, 0]                                   allocator segment); never freed while
+      slab id, UNSETTLED?]                          allocator segment); never freed while
       state = FREE (0), a lease id, or PINNED       the area lives, so torch's limbo never
       slab id = RETIRED (-1) once dropped           holds it (see ``_retire``)
     reader row r >= SLOTS: [state, taker pid,
@@ -23,6 +23,10 @@ message that sends that state at once, each through a reader row. Leases live in
     the copies into the slab are queued ─► its IPC event ``ready`` is recorded (no wait)
     the receiver's copies out are done ─► the lease's row: state = FREE (written by the
       receiver's releaser thread, ``cuda_ipc_release``)
+    a lease ended before the copies into its slab were seen to run (a receiver that could
+      not open or wait for them; this side's ``release``) ─► the slab's next writer orders
+      its copies after them first (``UNSETTLED`` in its row, or ``Slab.unsent``): they may
+      still be queued, on another thread's stream
 
 Why a control page and not a reply from the receiver: a request's slabs could be freed
 when the reply arrives, but a reply's slabs have no later message to free them; the CPU
@@ -54,12 +58,13 @@ import torch
 
 from ..._shm._segments import pid_alive
 
-__all__ = ["FREE", "RETIRED", "PINNED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease", "ExportArea",
+__all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease", "ExportArea",
            "slab_capacity"]
 
 FREE = 0
 RETIRED = -1
 PINNED = -2  # a slab row's state while it holds a state read in place (``ExportArea.pin``)
+UNSETTLED = 1  # a slab row's last word: a receiver freed its lease before the copies in were seen to run
 SLOTS = 128  # slab rows
 ROWS = 1024  # slab rows, then reader rows
 WORDS = 4
@@ -205,10 +210,23 @@ class ExportArea:
                    and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
     def release(self, lease: Lease) -> None:
-        """End ``lease`` from this side (its message never left, or was refused)."""
+        """End ``lease`` from this side (its message never left, or was refused: its copies
+        may still be queued, so the slab's next writer waits for them)."""
         with self._lock:
             if self.words[lease.row, 0] == lease.ident:
+                if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
+                    lease.slab.unsent = True
                 self.words[lease.row, 0] = FREE
+
+    def unsettled(self, slab: Slab) -> bool:
+        """Whether ``slab``, just leased, may still have copies queued into it by an earlier
+        message whose lease ended early (see the module docstring); clears the mark."""
+        row = self.words[slab.slot]
+        if not (slab.unsent or row[3]):
+            return False
+        slab.unsent = False
+        row[3] = 0
+        return True
 
     def release_unsent(self, lease: Lease) -> None:
         """:meth:`release` for a message that was never pickled whole, from a garbage
