@@ -31,6 +31,7 @@ mini-batch order; the asynchronous interleaving still varies from run to run).
 from __future__ import annotations
 
 import argparse
+import signal
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -173,8 +174,14 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
         return {"stats": stats, "train_loss": train_loss, "train_acc": train_acc, "test_loss": test_loss,
                 "test_acc": test_acc, "seconds": seconds, "epochs": epochs, "target_at": last.get("target_at")}
 
+    told_to_stop = _stop_on_sigterm(args)
     measure()
     while not finished.all_done.wait(args.eval_every):
+        if told_to_stop.is_set():  # a scheduler's stop, preemption, or torchrun restarting the workers
+            paths = servers.checkpoint(timeout=30)
+            print(f"[{time.monotonic() - started:6.1f} s] SIGTERM: checkpoint written ({', '.join(paths)}); "
+                  f"a run with the same --checkpoint-dir resumes from it", flush=True)
+            raise SystemExit(128 + signal.SIGTERM)
         if args.chaos is not None and last.get("epochs", 0.0) >= args.epochs:
             break  # with chaos, the run ends once --epochs epochs of pushes are applied
         if time.monotonic() > deadline:
@@ -198,6 +205,15 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     return final
 
 
+def _stop_on_sigterm(args: argparse.Namespace) -> threading.Event:
+    """With --checkpoint-dir: an event SIGTERM sets, so that the server writes its
+    checkpoint before it goes (without, SIGTERM ends the process at once, as by default)."""
+    told = threading.Event()
+    if args.checkpoint_dir is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: told.set())
+    return told
+
+
 class _Hosted:
     """The server's handles in an elastic run, shaped as ``serve()`` expects them."""
 
@@ -212,6 +228,9 @@ class _Hosted:
 
     def watch(self) -> None:
         self.impl.watch()
+
+    def checkpoint(self, timeout: float) -> List[str]:
+        return [self.impl.checkpoint(timeout)] if self.impl.checkpoint_path is not None else []
 
 
 def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[str, Any]]:
@@ -334,7 +353,8 @@ def main() -> None:
                         "and its gradient dropped (default 32)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="the server's checkpoints: a run (or a torchrun restart) with the same directory resumes "
-                        "the model and optimizer where the last one stopped (default: none)")
+                        "the model and optimizer where the last one stopped; SIGTERM to the server writes one "
+                        "first (default: none)")
     p.add_argument("--eval-every", type=_util.positive_float, default=0.5,
                    help="seconds between evaluations (default 0.5)")
     p.add_argument("--print-every", type=_util.positive_float, default=2.0,

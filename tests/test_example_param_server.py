@@ -122,3 +122,36 @@ def test_under_srun_a_dead_trainer_ends_every_task_at_once(tmp_path):
     assert "RuntimeError: trainers ['2'] died before they finished" in server and "--kill-on-bad-exit" in server, \
         server[-3000:]
     assert codes[0] != 0 and took < 30, (codes, took, server[-2000:])
+
+
+def test_sigterm_to_the_job_writes_the_servers_checkpoint_first(tmp_path):
+    # A scheduler's stop (or torchrun restarting its workers) sends SIGTERM: with
+    # --checkpoint-dir the server writes the newest version before it goes, so the next
+    # run resumes there rather than at the last periodic checkpoint (every 100 versions).
+    import signal
+    import subprocess
+    import time
+
+    import torch
+
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    log = tmp_path / "run.log"
+    command = [sys.executable, os.path.join(ROOT, "examples", "param_server.py"), "--num-workers", "2",
+               "--epochs", "1000", "--time-budget", "100", "--no-metrics", "--print-every", "0.5",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "ps.csv")]
+    job = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while not re.search(r"version +[1-9]\d{2,}", log.read_text()) and time.monotonic() < deadline:
+            assert job.poll() is None, log.read_text()
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)  # the launcher passes it on to its ranks
+        job.wait(timeout=60)
+    finally:
+        job.kill()
+    text = log.read_text()
+    assert "SIGTERM: checkpoint written" in text, text[-3000:]
+    saved = torch.load(tmp_path / "ckpt" / "digits_0.ckpt", weights_only=False)
+    printed = max(int(v) for v in re.findall(r"version +(\d+)", text))
+    assert saved["state"]["version"] >= printed >= 100, (saved["state"]["version"], printed)
