@@ -2,6 +2,8 @@
 
     store (read only) ──read_status──► WorldStatus ──► BeatClock (when each heartbeat last moved)
                                                    └─► render ──► the terminal (cleared each refresh)
+                                                       (members, then SERVERS: each alive member's
+                                                       servers' numbers as it last published them)
 
 The view reads the store through ``distributed._membership.status`` only; it keeps no state but the
 :class:`BeatClock`, which turns heartbeat counters into "last beat N s ago" by watching
@@ -20,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 from .distributed._membership import (
     MemberStatus, ReadOnlyStore, WorldStatus, connect_read_only, read_status,
 )
+from .distributed._membership import ServerNote
 
 __all__ = ["BeatClock", "render", "as_json", "main"]
 
@@ -95,6 +98,7 @@ def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: f
             m = status.members[i - 1]
             parts = m.services + [f"{v} (paired)" for v in m.values]
             lines.append(f"{left}  {_cell(parts, rest)}")
+    lines += _servers_section(status)
     return head + "\n".join(line[:width] for line in lines) + "\n"
 
 
@@ -109,7 +113,52 @@ def as_json(address: str, status: Optional[WorldStatus], clock: BeatClock, now: 
                          "rank": m.rank, "pid": m.pid, "host": m.hostname or None, "host_id": m.host or None,
                          "last_beat": clock.describe(m, now),
                          "services": m.services, "paired": m.values} for m in status.members]}
+        for entry, member in zip(record["world"]["members"], status.members):
+            entry.update(_servers_json(member))
     return json.dumps(record)
+
+
+_SERVER_COLUMNS = ("SERVER", "KIND", "MEMBER", "ROLE", "VERSION", "ACCEPTED", "APPLIED", "REFUSED", "DROPPED",
+                   "QUEUED", "LAG", "SINCE VER", "AGE")
+_SERVERS_TITLE = "SERVERS (as each member last published them, AGE ago; LAG: versions behind, mean/max)"
+
+
+def _age(seconds: float) -> str:
+    return f"{max(0.0, seconds):.1f}s"
+
+
+def _server_row(member: MemberStatus, n: ServerNote, wall: float) -> Tuple[str, ...]:
+    def num(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    refused = num(n.refused)
+    if n.refused and n.accepted is not None:  # (the share an operator asks first: how many bounced?)
+        refused += f" ({100 * n.refused / (n.refused + n.accepted):.0f}%)"
+    lag = "-" if n.lag_mean is None else f"{n.lag_mean:.2f}/{num(n.lag_max)}"
+    age = 0.0 if member.servers_time is None else max(0.0, wall - member.servers_time)
+    since = "-" if n.since is None else _age(n.since + age)  # (as of now: it was n.since when published)
+    return (f"{n.group}:{n.name}", n.kind, member.name, n.role, num(n.version), num(n.accepted), num(n.applied),
+            refused, num(n.dropped), num(n.queued), lag, since, "-" if member.servers_time is None else _age(age))
+
+
+def _servers_section(status: WorldStatus) -> List[str]:
+    """The SERVERS lines: one per (server, member, role), the numbers as the member last
+    published them (``-``: not this server's); none when no alive member published any."""
+    wall = time.time()
+    rows = sorted(_server_row(m, n, wall) for m in status.members for n in m.servers)
+    if not rows:
+        return []
+    rows.insert(0, _SERVER_COLUMNS)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_SERVER_COLUMNS))]
+    return ["", _SERVERS_TITLE] + [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def _servers_json(member: MemberStatus) -> Dict[str, Any]:
+    """A member's servers for ``--json``: each note's fields by name, and when they were published."""
+    published = member.servers_time
+    return {"servers": [n.as_dict() for n in member.servers], "servers_published": published,
+            "servers_age": None if published is None else round(max(0.0, time.time() - published), 3)}
 
 
 def _parser() -> argparse.ArgumentParser:

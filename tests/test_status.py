@@ -12,25 +12,46 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from machinlike._status_view import _SERVERS_TITLE, BeatClock, as_json, render
 from machinlike._status_view import main as status_main
-from machinlike.distributed._membership.status import ReadOnlyStore, read_status
+from machinlike.distributed._membership.server_notes import INTERVAL_ENV, ServerNotesPublisher, stats_interval
+from machinlike.distributed._membership.status import MemberStatus, ReadOnlyStore, WorldStatus, read_status
+from machinlike.distributed._store import Keys, ServerNote, ServerNotes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MEMBER = """
-import sys
+import sys, threading, torch
 from machinlike.distributed import World
+from machinlike.server import OrderedServerSimpleImpl, PushPullGradServerImpl
 world = World(sys.argv[1], elastic=True, init_method=sys.argv[2], liveness=1.0, dist_timeout=60)
 group = world.create_rpc_group("obs")
 group.register("svc/" + world.name, lambda: 1)
+keys, reg = world.membership.keys, world.membership.registry
+if world.name == "learner":  # the gradient server's primary and only secondary
+    impl = PushPullGradServerImpl("grad", group, primary_reducer="learner", secondary_reducers=["learner"],
+                                  reduce_batch_size=1, max_queue_size=4)
+    model = torch.nn.Linear(2, 1)
+    impl.manage_model(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    impl.start()
+    reg.set(keys.scratch("grad-ready"), "1")
+else:  # hosts an ordered server, and pushes 3 gradients to the learner's server
+    notes = OrderedServerSimpleImpl("notes", group)
+    reg.wait_all(keys.scratch(""), ["grad-ready"], 30, "the learner's gradient server")
+    server, client = group.get_paired("grad", timeout=30).to_here(), torch.nn.Linear(2, 1)
+    for _ in range(3):
+        client.weight.grad, client.bias.grad = torch.ones(1, 2), torch.ones(1)
+        server.push(client)
 print("ready", flush=True)
 sys.stdin.read()  # until the test closes our stdin
 world.stop()
+print("notes threads", [t.name for t in threading.enumerate() if t.name == "machinlike-server-notes"], flush=True)
 """
 
 
@@ -47,7 +68,16 @@ class _Recording:
 
 
 def _rows(text):
-    return {line.split()[0]: line.split() for line in text.splitlines()[3:] if line.strip()}
+    """The member table's rows by member (the SERVERS section, after a blank line, left out)."""
+    lines = text.splitlines()[3:]
+    return {line.split()[0]: line.split() for line in lines[:lines.index("") if "" in lines else None]}
+
+
+def _servers(text):
+    """The SERVERS section's rows, by (server, member, role)."""
+    lines = text.splitlines()
+    cells = [line.split() for line in lines[lines.index(_SERVERS_TITLE) + 2:]]
+    return {(c[0], c[2], c[3]): c for c in cells if c}
 
 
 def _status_here(address):
@@ -87,9 +117,11 @@ def world_store():
     yield f"tcp://127.0.0.1:{port}", host
 
 
-def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store, tmp_path):
+def test_status_lists_members_and_servers_before_and_after_a_kill_and_only_reads(world_store, tmp_path):
     address, host = world_store
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # (the servers' numbers every 0.5 s, not 5: the view below sees the pushes' without waiting)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MACHINLIKE_SERVER_STATS_INTERVAL="0.5")
     procs = {}
     # The learner's log into a file: a pipe nobody reads until the end could fill and stop it.
     learner_log = open(tmp_path / "learner.log", "w")
@@ -114,6 +146,18 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
         assert record["world"]["alive"] == 2 and members["actor"]["pid"] == procs["actor"].pid, record
         assert members["actor"]["host"] == socket.gethostname(), record
         assert members["actor"]["state"] == "alive" and "obs:svc/actor" in members["actor"]["services"], record
+        # The servers' numbers, as each member published them: the actor's 3 pushes, each a step.
+        servers = {(n["name"], m["name"], n["role"]): n for m in record["world"]["members"] for n in m["servers"]}
+        primary, secondary = servers[("grad", "learner", "primary")], servers[("grad", "learner", "secondary")]
+        assert primary["kind"] == "grad" and primary["group"] == "obs", record
+        assert primary["version"] == 3 and primary["applied"] == 3 and primary["lag_max"] >= 0, record
+        assert secondary["accepted"] == 3 and secondary["refused"] == 0 and secondary["queued"] == 0, record
+        assert servers[("notes", "actor", "host")]["kind"] == "ordered", record  # (the grad's own is not listed)
+        assert len(servers) == 3 and 0 <= members["learner"]["servers_age"] < 5, record
+        table = _servers(text)
+        assert table[("obs:grad", "learner", "primary")][4:7] == ["3", "3", "3"], text  # version, accepted, applied
+        assert table[("obs:grad", "learner", "secondary")][5:8] == ["3", "-", "0"], text  # accepted, -, refused
+        assert ("obs:notes", "actor", "host") in table, text
 
         procs["actor"].send_signal(signal.SIGKILL)
         procs["actor"].wait(10)
@@ -126,12 +170,15 @@ def test_status_lists_members_before_and_after_a_kill_and_only_reads(world_store
         rows, text = _status_here(address)
         assert rows["actor"][1] == "lost" and rows["learner"][1] == "alive", text
         assert "1 alive of 2; deaths 1" in text and "obs:svc/actor" not in text and "obs:svc/learner" in text
+        assert {member for _, member, _ in _servers(text)} == {"learner"}, text  # (the lost one's numbers: gone)
 
         recording = _Recording(dist.TCPStore("127.0.0.1", int(address.rsplit(":", 1)[1]), is_master=False,
                                              timeout=datetime.timedelta(seconds=10), wait_for_workers=False))
         status = read_status(ReadOnlyStore(recording))
         assert status.alive() == ["learner"] and recording.calls <= {"check", "get"}, recording.calls
-        procs["learner"].communicate(timeout=30)  # (closes its stdin: it stops)
+        out, _ = procs["learner"].communicate(timeout=30)  # (closes its stdin: it stops)
+        # A clean stop ends the publisher's thread and deletes the member's key.
+        assert "notes threads []" in out and not host.check([Keys(status.namespace).server_notes("learner")]), out
         err = (tmp_path / "learner.log").read_text()
         # The death line says which machine (under torchrun or srun: which node).
         # (the ranks of an elastic world go by who joined first)
@@ -197,3 +244,115 @@ def test_the_live_view_ends_with_one_line_when_the_store_goes():
         if host.poll() is None:
             host.kill()
         host.wait(10)
+
+
+
+def _status_with_servers(published, servers=True):
+    """A world of two: a learner whose gradient server refused 22% of the pushes, and a lost actor."""
+    notes = [ServerNote("grad", "grad", "g", "primary", version=41, accepted=780, applied=780, dropped=0, queued=1,
+                        lag_mean=0.25, lag_max=2, since=0.5),
+             ServerNote("grad", "grad", "g", "secondary", accepted=780, refused=220, dropped=0, queued=3)]
+    learner = MemberStatus("learner", "alive", 1, 1, 0, 11, "", 5, values=["g:grad"], servers=notes if servers else [],
+                           servers_time=published)
+    actor = MemberStatus("actor", "lost", 1, 1, 1, 12, "", 3)
+    return WorldStatus("elastic", "mlk/0/e/", [learner, actor], deaths=1, rejoins=0, leaves=0, events=3)
+
+
+def test_the_servers_section_and_json_show_each_servers_numbers_and_their_age():
+    status = _status_with_servers(time.time() - 3.0)
+    text = render("tcp://h:1", status, BeatClock(), time.monotonic(), 200)
+    table = _servers(text)
+    assert set(table) == {("g:grad", "learner", "primary"), ("g:grad", "learner", "secondary")}, text
+    primary, secondary = table[("g:grad", "learner", "primary")], table[("g:grad", "learner", "secondary")]
+    assert primary[4:8] == ["41", "780", "780", "-"] and primary[10] == "0.25/2", text
+    assert secondary[5:9] == ["780", "-", "220", "(22%)"], text  # the share refused: the operator's first question
+    # Since its newest version (0.5 s when published, 3 s ago), and the numbers' age.
+    since, age = (float(cell.removesuffix("s")) for cell in primary[11:13])
+    assert 3.0 <= age < 5.0 and abs(since - age - 0.5) < 0.15, text
+    assert _rows(text)["actor"][1] == "lost", text  # (the member table above it, as before)
+    quiet = render("tcp://h:1", _status_with_servers(None, servers=False), BeatClock(), time.monotonic(), 200)
+    assert "\nSERVERS (" not in quiet and "" not in quiet.splitlines()  # none published: no section
+
+    record = json.loads(as_json("tcp://h:1", status, BeatClock(), time.monotonic()))
+    learner, actor = record["world"]["members"]
+    assert learner["servers"][1] == {"kind": "grad", "name": "grad", "group": "g", "role": "secondary",
+                                     "accepted": 780, "refused": 220, "dropped": 0, "queued": 3}, learner
+    assert 3.0 <= learner["servers_age"] < 4.0 and learner["servers_published"] == status.members[0].servers_time
+    assert actor["servers"] == [] and actor["servers_age"] is None
+
+
+def test_server_notes_round_trip_and_a_bad_interval_is_named(monkeypatch):
+    notes = ServerNotes(2, 1718000000.1234, tuple(_status_with_servers(0.0).members[0].servers))
+    text = notes.encode()
+    assert len(text) < 400 and '"refused":220' in text and "null" not in text  # compact: what applies only
+    assert ServerNotes.decode(text) == notes._replace(time=1718000000.123)
+    assert ServerNotes.decode("") is None and ServerNotes.decode('{"inc": 1}') is None
+    monkeypatch.delenv(INTERVAL_ENV, raising=False)
+    assert stats_interval() == 5.0
+    monkeypatch.setenv(INTERVAL_ENV, "0")
+    assert stats_interval() == 0.0  # (off)
+    for bad in ("0.01", "-1", "nan", "soon"):
+        monkeypatch.setenv(INTERVAL_ENV, bad)
+        with pytest.raises(ValueError, match=f"{INTERVAL_ENV}='{bad}' must be a number of seconds of at least 0.1"):
+            stats_interval()
+
+
+class _Server:
+    """A server's side of the publisher: its notes, counted as they are asked for."""
+
+    def __init__(self, name):
+        self.name, self.asked = name, 0
+
+    def notes(self):
+        self.asked += 1
+        return [ServerNote("ordered", self.name, "g", "host", accepted=self.asked)]
+
+
+def _notes_threads():
+    return [t for t in threading.enumerate() if t.name == "machinlike-server-notes"]
+
+
+def test_the_publisher_keeps_one_key_per_member_and_ends_with_its_last_server_or_its_close(world_store):
+    _, host = world_store
+    keys = Keys("mlk/0/e/")
+    key = keys.server_notes("learner")
+    # (60 s: every wait below that ends sooner is a wake-up, not the interval)
+    publisher = ServerNotesPublisher(host, keys, "learner", lambda: 2, 60.0)
+    assert _notes_threads() == []  # nothing before a server
+    a, b = _Server("a"), _Server("b")
+    withdraw_a = publisher.add(a.notes)
+    withdraw_b = publisher.add(b.notes)
+    deadline = time.monotonic() + 10
+    while not host.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the first write comes at once)
+    notes = ServerNotes.decode(host.get(key).decode())
+    assert notes.incarnation == 2 and {n.name for n in notes.servers} <= {"a", "b"} and len(_notes_threads()) == 1
+    withdraw_a()
+    withdraw_a()  # (twice: nothing)
+    time.sleep(0.2)
+    assert host.check([key]) and a.asked <= 1  # b still serves; no write before the interval
+    started = time.monotonic()
+    withdraw_b()  # the last one: the key goes and the thread ends, at once
+    for thread in _notes_threads():
+        thread.join(5)
+    assert not host.check([key]) and _notes_threads() == [] and time.monotonic() - started < 5
+
+    # A server dropped without close(): held weakly, its notes go with it (at the next look).
+    quick, c = ServerNotesPublisher(host, keys, "actor", lambda: 1, 0.2), _Server("c")
+    quick.add(c.notes)
+    while not host.check([keys.server_notes("actor")]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    del c
+    for thread in _notes_threads():
+        thread.join(5)
+    assert not host.check([keys.server_notes("actor")]) and _notes_threads() == []
+
+    d = _Server("d")
+    publisher.add(d.notes)
+    while not host.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    publisher.close(5.0)  # the World's stop: no interval waited out
+    assert time.monotonic() - started < 2 and not host.check([key]) and _notes_threads() == []
+    publisher.add(d.notes)  # (after close: nothing)
+    assert _notes_threads() == []

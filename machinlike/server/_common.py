@@ -1,5 +1,6 @@
 """Argument checks shared by the servers' public entrances (in the package's wording,
-``machinlike._checks``), and the World's default timeout.
+``machinlike._checks``), the World's default timeout, and where a server hands its
+numbers to the status view (:func:`publish_notes`).
 
 Each public constructor and helper checks its arguments once, here, and hands the
 checked, typed values inward; the server's inner parts (reducers, checkpoints, the
@@ -8,13 +9,14 @@ objects a host builds for itself) trust them.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from .. import _checks
 from ..distributed import RpcGroup, World, get_world
+from ..distributed._store import ServerNote
 
 __all__ = ["check_name", "check_group", "check_timeout", "check_count", "check_members", "rpc_timeout",
-           "current_world"]
+           "current_world", "publish_notes", "ServerNote"]
 
 
 def check_name(value: Any, param: str) -> str:
@@ -75,3 +77,20 @@ def rpc_timeout() -> float:
         RuntimeError: this process has no World (a server's group lives in one).
     """
     return current_world().rpc_timeout
+
+
+def publish_notes(notes: Callable[[], Sequence[ServerNote]]) -> Callable[[], None]:
+    """Have this member's World write ``notes()`` into its store every few seconds, for
+    ``python -m machinlike status`` (see ``distributed._membership.server_notes``).
+
+    Args:
+        notes: A server's bound method (held weakly) returning its numbers; called on the
+            publisher's thread, so it must be cheap and send nothing.
+
+    Returns:
+        ``withdraw()``, for the server's ``close()`` (safe to call twice).
+    """
+    world = get_world()
+    if world is None:
+        return lambda: None
+    return world.membership.server_notes.add(notes)

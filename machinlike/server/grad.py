@@ -65,7 +65,7 @@ import torch
 from ..distributed import MemberEvent, RpcGroup, get_world
 from ._checkpoint import CheckpointError
 from ._churn import Admission, Ledger
-from ._common import check_group, check_timeout, rpc_timeout
+from ._common import ServerNote, check_group, check_timeout, publish_notes, rpc_timeout
 from ._grad import PushPullGradServer
 from ._grad import PrimaryCheckpoint
 from ._grad import Forwarder
@@ -213,6 +213,7 @@ class PushPullGradServerImpl:
         self.o_server = o_server
         if world is not None and self._elastic:
             world.on_member_change(self._on_member)
+        self._unnote = publish_notes(self._notes)  # (withdrawn at close)
 
     def _on_member(self, event: MemberEvent) -> None:
         # On the liveness thread: count and log only.
@@ -375,8 +376,28 @@ class PushPullGradServerImpl:
         world = get_world()
         if self._elastic and world is not None:
             world.remove_member_callback(self._on_member)
+        self._unnote()
         self._withdraw()
         self._hosting.withdraw()
+
+    def _notes(self) -> List[ServerNote]:
+        """This member's numbers for the status view: the reducers' own counters (unlike
+        :meth:`stats`, no store request)."""
+        group, out = self.group.get_group_name(), []
+        if self.primary is not None:
+            p = self.primary.stats()
+            m = self._managed.stats() if self._managed is not None else {}
+            version = m.get("version")
+            out.append(ServerNote("grad", self.server_name, group, "primary",
+                                  version=version if version is not None and version >= 0 else None,
+                                  accepted=p["received"], applied=p["applied"], dropped=p["dropped"],
+                                  queued=p["queued"], lag_mean=m.get("lag_mean"), lag_max=m.get("lag_max"),
+                                  since=m.get("since_version")))
+        if self.secondary is not None:
+            s = self.secondary.stats()
+            out.append(ServerNote("grad", self.server_name, group, "secondary", accepted=s["accepted"],
+                                  refused=s["rejected"], dropped=s["dropped"], queued=s["queued"]))
+        return out
 
     def threads(self) -> List[str]:
         """Names of this member's live reducer threads."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed import rpc
@@ -41,7 +41,7 @@ from .. import _checks, _shm
 from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, process_identity
 from ..exception import PeerLostError
-from ._common import check_group, check_name
+from ._common import ServerNote, check_group, check_name, publish_notes
 from ._errors import ServerStoppedError
 from ._inference import Inputs, check_inputs, tensors_of
 from ._inference import Batcher, Request
@@ -290,6 +290,7 @@ class InferenceServerImpl:
             raise
         self._puller = None if model_server is None else \
             Puller(server_name, model_server, self._slot, pull_every)
+        self._unnote = publish_notes(self._notes)  # (withdrawn at close)
 
     def __repr__(self) -> str:
         return f"<InferenceServerImpl {self.server_name!r} max_batch={self._batcher.max_batch}>"
@@ -377,6 +378,14 @@ class InferenceServerImpl:
             out["stale_pulls"] = self._puller.stale
         return out
 
+    def _notes(self) -> List[ServerNote]:
+        """Its numbers for the status view: requests taken, refused (over ``max_pending``),
+        rows dropped (callers gone), requests waiting."""
+        counts = self._batcher.stats()
+        return [ServerNote("inference", self.server_name, self.group.get_group_name(), "host",
+                           version=self._slot.version, accepted=counts["requests"], refused=counts["rejected"],
+                           dropped=counts["dropped"], queued=counts["pending"])]
+
     def close(self, timeout: Optional[float] = None) -> None:
         """Withdraw the service and the accessor; waiting requests fail with
         :class:`ServerStoppedError`. Safe to call twice.
@@ -391,6 +400,7 @@ class InferenceServerImpl:
         if self._closed:
             return
         self._closed = True
+        self._unnote()
         wait = _checks.seconds_or_none("timeout", timeout, self._world.rpc_timeout)
         self.group.deregister(self._key)
         self.group.unpair(self.server_name)

@@ -28,13 +28,13 @@ newer, lost version pulls the resumed state on its next pull or rejected push.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..distributed import RpcGroup
 from ._budget import CallBudget
-from ._common import check_group, check_name, check_timeout, rpc_timeout
+from ._common import ServerNote, check_group, check_name, check_timeout, publish_notes, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
 from ._state_pool import StatePool, load_whole
 from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
@@ -270,6 +270,7 @@ class PushPullModelServerImpl:
             self._pool.close()
             raise
         self._closed = False
+        self._unnote = publish_notes(self._notes)  # (withdrawn at close)
 
     def __repr__(self) -> str:
         return f"<PushPullModelServerImpl {self.server_name!r} model {self.model_name!r}>"
@@ -314,11 +315,22 @@ class PushPullModelServerImpl:
                                f"checkpoint() on that ordered server's host")
         return self.o_server_impl.checkpoint()
 
+    def _notes(self) -> List[ServerNote]:
+        """Its numbers for the status view (none but its name when its chain is elsewhere)."""
+        note = ServerNote("model", self.server_name, self.group.get_group_name(), "host")
+        if self.o_server_impl is None:
+            return [note]
+        ordered, version = self.o_server_impl.stats(), self.o_server_impl.newest_version(self.model_name)
+        return [note._replace(version=version if isinstance(version, int) else None,
+                              accepted=ordered["pushes_accepted"], refused=ordered["pushes_rejected"],
+                              since=ordered["since_version"])]
+
     def close(self) -> None:
         """Withdraw the accessor (and the hosted ordered server); the name can be reused."""
         if self._closed:
             return
         self._closed = True
+        self._unnote()
         self.group.unpair(self.server_name)
         if self.o_server_impl is not None:
             self.o_server_impl.close()

@@ -41,7 +41,7 @@ import torch
 from .. import _shm
 from ..distributed import RpcGroup
 from ..exception import PeerLostError
-from ._common import check_count, check_group, check_name, check_timeout, current_world
+from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
@@ -55,6 +55,10 @@ def _check_key(key: Any) -> Hashable:
     except TypeError:
         raise TypeError(f"key must be hashable (e.g. a str), not {type(key).__name__}") from None
     return key
+
+
+def _nothing() -> None:
+    pass
 
 
 def _host_key(group: RpcGroup, server_name: str) -> str:
@@ -263,6 +267,8 @@ class OrderedServerSimpleImpl:
         checkpoint = host_checkpoint(checkpoint_dir, "ordered-server", server_name, checkpoint_every,
                                      checkpoint_interval)
         self._open(server_name, group, depth, adopt, checkpoint)
+        # Its own numbers in the status view; a host's (model, gradient server) are its host's.
+        self._unnote = publish_notes(self._notes)
 
     @classmethod
     def _checked(cls, server_name: str, group: RpcGroup, version_depth: int,
@@ -314,6 +320,7 @@ class OrderedServerSimpleImpl:
                 group.deregister(key)
             raise
         self._members = MemberLog(f"ordered server {server_name!r}")
+        self._unnote = _nothing  # (a host's own: see __init__)
 
     def __repr__(self) -> str:
         return f"<OrderedServerSimpleImpl {self.server_name!r} version_depth={self.version_depth}>"
@@ -443,6 +450,14 @@ class OrderedServerSimpleImpl:
         self._checkpoint.save(seq, snapshot)  # (an older snapshot never overwrites a newer one)
         return self._checkpoint.path
 
+    def _notes(self) -> List[ServerNote]:
+        """Its numbers for the status view (see ``_common.publish_notes``)."""
+        with self._lock:
+            counts, made = dict(self._counts), self._made_at
+        return [ServerNote("ordered", self.server_name, self.group.get_group_name(), "host",
+                           accepted=counts["pushes_accepted"], refused=counts["pushes_rejected"],
+                           since=time.monotonic() - made)]
+
     def close(self) -> None:
         """Withdraw the services and the paired accessor (the name can then be reused).
 
@@ -452,6 +467,7 @@ class OrderedServerSimpleImpl:
         if self._closed:
             return
         self._closed = True
+        self._unnote()
         self._members.close()
         for key in self._keys:
             self.group.deregister(key)

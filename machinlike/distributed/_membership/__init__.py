@@ -1,9 +1,10 @@
 """Who is in the world: one writer (the Roster), one order (the EventLog).
 
 ``Membership`` is the composition root over Registry, Roster, Waits, Endpoint, Claims,
-EventLog, Departures and Monitor; beside it live member events, process identity and
-/proc checks (processes) and the read-only status view (status). Imports only the store
-and transport layers.
+EventLog, Departures, Monitor and ServerNotesPublisher (server_notes: this member's
+servers' numbers); beside it live member events, process identity and /proc checks
+(processes), and the read-only status view (status). Imports only the store and
+transport layers.
 
 This face names what the floors above may use. They reach one of its modules by name only
 where the module itself is the seam: callee entry points sent by reference, a process slot
@@ -17,11 +18,11 @@ from .claims import Claims
 from .endpoint import Endpoint
 from .membership import MemberEvent, Membership
 from .status import (
-    connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, WorldStatus,
+    connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, ServerNote, WorldStatus,
 )
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Endpoint", "event_counts", "is_here",
     "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
-    "ReadOnlyStore", "Roster", "Waits", "WorldStatus",
+    "ReadOnlyStore", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]

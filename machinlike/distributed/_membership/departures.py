@@ -19,9 +19,9 @@ any view remembers (``_membership.roster.GONE_KEPT``, 16,384) or the log's snaps
     record(member, inc, keys)   n = add(m/dep/n) - 1; append to block n // BLOCK;
                                 the one that takes a block's last slot reaps block j - LAG
     reap(j)                     for each line whose member is still gone (claim empty,
-                                counter unchanged): delete its claim, then its heartbeat
-                                and silence note, its marks, the released keys still
-                                empty, its counter;
+                                counter unchanged): delete its claim, then its heartbeat,
+                                silence note and servers' notes, its marks, the released
+                                keys still empty, its counter;
                                 then the block itself
 
 What it costs: the store keeps at most ``(LAG + 1) x BLOCK`` departures' records; one
@@ -135,7 +135,7 @@ class Departures:
                      for key in (self._keys.lost(member, inc), self._keys.lost_posted(member, inc),
                                  self._keys.gone(member, inc))]
             reg.delete([self._keys.heartbeat(member), self._keys.silence(member), self._keys.probe_request(member),
-                        *marks])
+                        self._keys.server_notes(member), *marks])
             reg.delete([key for key in released if not reg.get_or_empty(key)])
             reg.delete([counter])  # last: while it stands, a returning member counts on from it
             reaped += 1

@@ -18,9 +18,11 @@ reaches the subscribers.
                 │             delivers it at once                              (_membership.bell)
                 ├─ (StoreWatch: one per store in the process) a store that
                 │             stops answering is lost like a dead one          (_membership.store_watch)
-                └─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
-                   └─ PidWatch  its sleep, cut short by a watched process's
-                                exit on this host                              (_membership.pidwatch)
+                ├─ Monitor    the liveness thread; declares and frees the lost (_membership.monitor)
+                │  └─ PidWatch  its sleep, cut short by a watched process's
+                │               exit on this host                              (_membership.pidwatch)
+                └─ ServerNotesPublisher  this member's servers' numbers, for the
+                              status view; a thread only while a server lives  (_membership.server_notes)
 
     EventLog.catch_up ─► _deliver(run) ─► Roster.apply ─► Waits.on_gone ─► Roster.publish
                                        (a stretch of joins: Roster.apply_joins, one lock)
@@ -62,6 +64,7 @@ from .._transport import PipeLedger, recycle_after
 from .._store import STORE_OF_RANK0, Registry
 from ..._deadline import deadline_left
 from .roster import Roster
+from .server_notes import ServerNotesPublisher, stats_interval
 from .store_watch import watch_store
 from .waits import Waits
 from .watch import watch_from_env
@@ -92,6 +95,7 @@ class Membership:
 
     def __init__(self, store: dist.Store, keys: Keys, store_owner: str, name: str,
                  liveness: Optional[float], elastic: bool) -> None:
+        notes_interval = stats_interval()  # (first: a bad setting is told before anything opens)
         self.name = name
         self.elastic = elastic
         self.liveness = liveness
@@ -120,6 +124,9 @@ class Membership:
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                self.departures, liveness, elastic, self._closing, watch, pids)
         self._store = store
+        #: Where this member's servers hand their numbers for the status view (``add``).
+        self.server_notes = ServerNotesPublisher(store, keys, name, lambda: self.endpoint.incarnation,
+                                                 notes_interval)
         # Leaves this process's watch of the store (see start_liveness).
         self._unwatch_store: Callable[[], None] = lambda: None
 
@@ -246,6 +253,7 @@ class Membership:
     def leave(self, deadline: float) -> None:
         """Leave the world on purpose: free this member's keys, tell the others."""
         self._closing.set()
+        self.server_notes.close(min(deadline_left(deadline), 1.0))
         self.monitor.join(max(0.0, min(deadline_left(deadline), 5.0)))
         self._unwatch_store()
         if self.roster.cut_off is not None:
@@ -261,6 +269,7 @@ class Membership:
         """Stop the monitor and leave the bell (local teardown: posts nothing; the last
         member of this process to leave the bell rings it once, so that its thread ends)."""
         self._closing.set()
+        self.server_notes.close(1.0)
         self.monitor.join(5.0)
         self._unwatch_store()
         self.bell.stop(2.0)

@@ -16,6 +16,8 @@ offers ``check`` and ``get`` and nothing else.
     <ns>m/hb/<name>                               heartbeat counter (moving = alive)
     <ns>m/own/<worker>                            registry keys it claimed: services (.../s/<key>)
                                                   and paired values, the servers (.../v/<key>)
+    <ns>m/srv/<name>                              its servers' numbers (alive members, this
+                                                  incarnation's only; see server_notes)
 
 Why the store: it is the one place every member writes to and that outlives any of them
 (hosted by rank 0, the launcher or torchrun's agent), and reading it costs the world no
@@ -33,10 +35,10 @@ import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
 from .processes import host_name
-from .._store import Keys, MemberRecord, new_client, OwnedKey
+from .._store import Keys, MemberRecord, new_client, OwnedKey, ServerNote, ServerNotes
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
-           "event_counts"]
+           "event_counts", "ServerNote"]
 
 _MAX_RESTARTS = 10_000  # torchrun restart counts probed before giving up
 
@@ -120,6 +122,9 @@ class MemberStatus:
         services: Service keys it holds, as ``"<group>:<key>"``.
         values: Paired values it holds (servers are paired under their name), as
             ``"<group>:<key>"``.
+        servers: Its servers' numbers, one note per server and role, as it last
+            published them (alive members only).
+        servers_time: When it published them (``time.time()`` on its host); None: never.
     """
 
     name: str
@@ -132,6 +137,8 @@ class MemberStatus:
     beats: Optional[int]
     services: List[str] = field(default_factory=list)
     values: List[str] = field(default_factory=list)
+    servers: List[ServerNote] = field(default_factory=list)
+    servers_time: Optional[float] = None
 
     @property
     def hostname(self) -> str:
@@ -219,6 +226,17 @@ def _holdings(store: ReadOnlyStore, keys: Keys, worker: str) -> Tuple[List[str],
     return services, values
 
 
+def _add_server_notes(store: ReadOnlyStore, keys: Keys, members: List[MemberStatus]) -> None:
+    """Each alive member's servers' numbers, when its current incarnation published them
+    (an earlier incarnation's are stale: its servers died with it)."""
+    for member in members:
+        if member.state != "alive":
+            continue
+        notes = ServerNotes.decode(store.get(keys.server_notes(member.name)) or "")
+        if notes is not None and notes.incarnation == member.incarnation:
+            member.servers, member.servers_time = list(notes.servers), notes.time
+
+
 def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
     """What the store says about its newest world; None when it holds no machinlike world."""
     located = _find_namespace(store)
@@ -260,6 +278,7 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             started=int(started_text) if started_text else 1, rank=rec.rank,
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
+    _add_server_notes(store, keys, members)
     counts = history.counts
     return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
                        leaves=counts.leaves, events=counts.events)

@@ -8,6 +8,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/live/<name>                MemberRecord of its live incarnation, "" when none
     <ns>m/hb/<name>                  heartbeat counter
     <ns>m/hush/<name>                how long a watcher saw it stand still (_membership.silences)
+    <ns>m/srv/<name>                 ServerNotes: its servers' numbers, JSON (_membership.server_notes)
     <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
     <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
     <ns>m/id                         this log's token: set once, by its first reader
@@ -42,11 +43,13 @@ No state beyond the namespace string; no I/O.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
-from typing import AbstractSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, AbstractSet, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 __all__ = [
-    "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord",
+    "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord", "ServerNote", "ServerNotes",
     "LOST_MARK", "WOKEN_MARK", "OPEN_EPOCH", "rebind_holder",
 ]
 
@@ -163,6 +166,11 @@ class Keys:
     def silence(self, member: str) -> str:
         """The note of how long ``member``'s heartbeat stood still (``_membership.silences``)."""
         return f"{self.ns}m/hush/{member}"
+
+    def server_notes(self, member: str) -> str:
+        """``member``'s :class:`ServerNotes`: one key per member, overwritten every interval
+        (``_membership.server_notes``)."""
+        return f"{self.ns}m/srv/{member}"
 
     def probe_request(self, member: str) -> str:
         """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
@@ -417,3 +425,81 @@ class GroupRecord:
     def listing(members: Sequence[str]) -> str:
         """The member list each member writes at creation (they must agree)."""
         return ",".join(members)
+
+
+class ServerNote(NamedTuple):
+    """One server's numbers on one member, as a summary of its ``stats()``.
+
+    A number that does not apply to the server or its role is None (left out of the
+    encoding).
+
+    Attributes:
+        kind: ``"grad"``, ``"model"``, ``"ordered"`` or ``"inference"``.
+        name: The server's name.
+        group: Its RpcGroup's name.
+        role: The part this member plays: ``"primary"`` or ``"secondary"`` (gradient
+            servers), ``"host"`` (the others).
+        version: The newest version it published, made or runs.
+        accepted: Pushes (requests) it took.
+        applied: Pushes in the optimizer steps it made (gradient primary).
+        refused: Pushes (requests) it turned away: queue full (gradient secondary, over
+            ``max_pending`` for inference), a stale version (ordered, model).
+        dropped: What it held and let go (at stop; of callers gone).
+        queued: What it holds now.
+        lag_mean, lag_max: Versions between the one a gradient was computed on and the
+            step applying it.
+        since: Seconds since its last version, when published.
+    """
+
+    kind: str
+    name: str
+    group: str
+    role: str
+    version: Optional[int] = None
+    accepted: Optional[int] = None
+    applied: Optional[int] = None
+    refused: Optional[int] = None
+    dropped: Optional[int] = None
+    queued: Optional[int] = None
+    lag_mean: Optional[float] = None
+    lag_max: Optional[float] = None
+    since: Optional[float] = None
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Its fields by name, those that do not apply left out."""
+        return {k: v for k, v in self._asdict().items() if v is not None}
+
+
+class ServerNotes(NamedTuple):
+    """What ``m/srv/<name>`` holds: the servers of one incarnation of a member, and when
+    it wrote them. On the store: compact JSON (``{"inc": 1, "t": 1718000000.1, "s": [{...}]}``,
+    each server's fields by name, floats to 3 places).
+
+    Attributes:
+        incarnation: The incarnation that wrote it (an older one's numbers are stale).
+        time: When, as ``time.time()`` on the writer's host.
+        servers: One note per server and role.
+    """
+
+    incarnation: int
+    time: float
+    servers: Tuple[ServerNote, ...]
+
+    def encode(self) -> str:
+        def rounded(note: ServerNote) -> Dict[str, Any]:
+            return {k: round(v, 3) if isinstance(v, float) else v for k, v in note.as_dict().items()}
+        return json.dumps({"inc": self.incarnation, "t": round(self.time, 3),
+                           "s": [rounded(n) for n in self.servers]}, separators=(",", ":"))
+
+    @staticmethod
+    def decode(text: str) -> Optional["ServerNotes"]:
+        """The notes in ``text``; None when it is no such record (a newer writer's fields
+        beyond these are ignored)."""
+        try:
+            record = json.loads(text)
+            notes = tuple(ServerNote(**{k: v for k, v in entry.items() if k in ServerNote._fields})
+                          for entry in record["s"])
+            when = float(record["t"])
+            return ServerNotes(int(record["inc"]), when if math.isfinite(when) else 0.0, notes)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
