@@ -16,6 +16,7 @@ offers ``check`` and ``get`` and nothing else.
     <ns>m/hb/<name>                               heartbeat counter (moving = alive)
     <ns>m/own/<worker>                            registry keys it claimed: services (.../s/<key>)
                                                   and paired values, the servers (.../v/<key>)
+    <ns>m/exit/<name>                             how a member not alive ended (its incarnation's)
 
 Why the store: it is the one place every member writes to and that outlives any of them
 (hosted by rank 0, the launcher or torchrun's agent), and reading it costs the world no
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
 from .processes import host_name
-from .._store import Keys, MemberRecord, new_client, OwnedKey
+from .._store import ExitRecord, Keys, MemberRecord, new_client, OwnedKey
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
            "event_counts"]
@@ -120,6 +121,10 @@ class MemberStatus:
         services: Service keys it holds, as ``"<group>:<key>"``.
         values: Paired values it holds (servers are paired under their name), as
             ``"<group>:<key>"``.
+        exit: How its incarnation ended (``"raised ValueError: bad thing"``, ``"killed by
+            signal SIGKILL (9)"``, ``"process gone"``, ...); None while it is alive, or
+            when nothing was recorded (see ``_membership.exit_causes``).
+        exit_by: Who recorded ``exit``: ``"member"``, ``"launcher"`` or ``"watcher"``; None with it.
     """
 
     name: str
@@ -132,6 +137,8 @@ class MemberStatus:
     beats: Optional[int]
     services: List[str] = field(default_factory=list)
     values: List[str] = field(default_factory=list)
+    exit: Optional[str] = None
+    exit_by: Optional[str] = None
 
     @property
     def hostname(self) -> str:
@@ -260,6 +267,21 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             started=int(started_text) if started_text else 1, rank=rec.rank,
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
+    _read_exits(store, keys, members)
     counts = history.counts
     return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
                        leaves=counts.leaves, events=counts.events)
+
+
+def _read_exits(store: ReadOnlyStore, keys: Keys, members: List[MemberStatus]) -> None:
+    """Set ``exit`` of each member not alive from its ``m/exit/<name>`` record, when that
+    is about the incarnation shown (and its process, where both pids are known)."""
+    for m in members:
+        if m.state == "alive":
+            continue
+        record = ExitRecord.decode(store.get(keys.exit_cause(m.name)) or "")
+        if record is None or record.incarnation != m.incarnation:
+            continue  # (none, or an older incarnation's: the view shows the newest)
+        if record.pid and m.pid is not None and record.pid != m.pid:
+            continue  # (a launcher's guess of the incarnation, for a process that died before it claimed one)
+        m.exit, m.exit_by = record.cause, record.by
