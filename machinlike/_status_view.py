@@ -24,7 +24,10 @@ from .distributed._membership import (
 )
 from .distributed._membership import ServerNote
 
-__all__ = ["BeatClock", "render", "as_json", "main"]
+__all__ = ["BeatClock", "render", "as_json", "main", "exit_cell", "EXIT_WIDTH"]
+
+#: Characters of the EXIT column (``--json`` has the whole cause).
+EXIT_WIDTH = 48
 
 
 class BeatClock:
@@ -72,6 +75,12 @@ def _cell(items: Sequence[str], width: int) -> str:
     return text if len(text) <= width else text[:max(0, width - 3)] + "..."
 
 
+def exit_cell(member: MemberStatus) -> str:
+    """The EXIT column: how a member not alive ended (at most ``EXIT_WIDTH`` characters), "-"
+    while it is alive or when nothing says."""
+    return _cell([member.exit] if member.exit and member.state != "alive" else [], EXIT_WIDTH)
+
+
 def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: float, width: int) -> str:
     """The screen for one read (plain text, ``width`` columns at most)."""
     stamp = time.strftime("%H:%M:%S")
@@ -81,11 +90,12 @@ def render(address: str, status: Optional[WorldStatus], clock: BeatClock, now: f
     head = (f"machinlike {status.kind} world at {address}  {stamp}\n"
             f"members {len(alive)} alive of {len(status.members)}; deaths {status.deaths}, rejoins "
             f"{status.rejoins}, leaves {status.leaves}; events {status.events}; keys under {status.namespace}\n")
-    columns = ("MEMBER", "STATE", "INC", "RESTARTS", "RANK", "PID", "HOST", "LAST BEAT")
+    columns = ("MEMBER", "STATE", "INC", "RESTARTS", "RANK", "PID", "HOST", "LAST BEAT", "EXIT")
     rows: List[Tuple[str, ...]] = [columns]
     for m in status.members:
         rows.append((m.name, m.state, str(m.incarnation), str(m.restarts), str(m.rank),
-                     str(m.pid) if m.pid is not None else "-", m.hostname or "-", clock.describe(m, now)))
+                     str(m.pid) if m.pid is not None else "-", m.hostname or "-", clock.describe(m, now),
+                     exit_cell(m)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     fixed = sum(widths) + 2 * len(columns)
     rest = max(20, width - fixed)
@@ -112,7 +122,8 @@ def as_json(address: str, status: Optional[WorldStatus], clock: BeatClock, now: 
             "members": [{"name": m.name, "state": m.state, "incarnation": m.incarnation, "restarts": m.restarts,
                          "rank": m.rank, "pid": m.pid, "host": m.hostname or None, "host_id": m.host or None,
                          "last_beat": clock.describe(m, now),
-                         "services": m.services, "paired": m.values} for m in status.members]}
+                         "services": m.services, "paired": m.values, "exit": m.exit, "exit_by": m.exit_by}
+                        for m in status.members]}
         for entry, member in zip(record["world"]["members"], status.members):
             entry.update(_servers_json(member))
     return json.dumps(record)

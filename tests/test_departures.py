@@ -25,12 +25,13 @@ def _world():
 
 def _leave_records(reg: Registry, keys: Keys, member: str, incarnation: int) -> list:
     """The keys a member that joined and was lost leaves: counter, emptied claim, heartbeat,
-    silence note and servers' notes, its marks, and an emptied service key it had claimed."""
+    silence note, servers' notes and exit cause, its marks, and an emptied service key it had claimed."""
     service = f"{keys.ns}rg/g/o/s/echo/{member}"
     reg.add(keys.incarnations(member), incarnation - int(reg.get_or_empty(keys.incarnations(member)) or 0))
     reg.set(keys.live(member), "")
     reg.add(keys.heartbeat(member), 5)
     reg.set(keys.silence(member), f"{incarnation} 5 1.500")  # a watcher saw it silent
+    reg.set(keys.exit_cause(member), f"{incarnation}|0|watcher|heartbeat silent for 7.6 s")  # and said so
     reg.add(keys.lost(member, incarnation), 1)
     reg.add(keys.lost_posted(member, incarnation), 1)
     reg.set(keys.gone(member, incarnation), "1")
@@ -54,7 +55,8 @@ def test_records_of_members_gone_long_enough_are_deleted_and_the_key_count_level
     assert counts[-1] < 9 * BLOCK * (LAG + 2), counts
     # The first members are gone from the store; the last LAG blocks' are kept.
     for key in (keys.incarnations("actor-0"), keys.heartbeat("actor-0"), keys.silence("actor-0"),
-                keys.server_notes("actor-0"), keys.live("actor-0"), keys.lost("actor-0", 1), keys.gone("actor-0", 1)):
+                keys.server_notes("actor-0"), keys.exit_cause("actor-0"), keys.live("actor-0"), keys.lost("actor-0", 1),
+                keys.gone("actor-0", 1)):
         assert not store.check([key]), key
     assert not store.check([f"{keys.ns}rg/g/o/s/echo/actor-0"])
     assert store.check([keys.incarnations(f"actor-{10 * BLOCK - 1}")])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import random
+import re
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from machinlike.distributed._membership import endpoint as _endpoint
-from machinlike.distributed._store import Keys
+from machinlike.distributed._store import ExitRecord, Keys
 from machinlike.distributed._membership import process_identity
 from machinlike.distributed._membership import Membership
 from machinlike.distributed._membership.processes import tick_of
@@ -244,6 +245,14 @@ def test_a_silent_and_a_killed_member_are_named_to_all_within_their_bounds(world
     local = max(w.named_by_all("here1", 3 * LIVENESS)) - killed
     false = {whom for (_, whom) in w.lost} - {"m0030", "here1"}
     assert not false, f"live members declared lost: {false}"
+    # Its declarer recorded how it knew (for the status view): silence there, the process here.
+    survivor = next(iter(w.members.values()))
+    causes = {name: ExitRecord.decode(survivor.registry.get_or_empty(survivor.keys.exit_cause(name)))
+              for name in ("m0030", "here1")}
+    assert causes["here1"] is not None and causes["here1"][::2] == (1, "watcher") and \
+        causes["here1"].cause == "process gone", causes
+    assert causes["m0030"] is not None and causes["m0030"][::2] == (1, "watcher") and \
+        re.fullmatch(r"heartbeat silent for \d+\.\d s", causes["m0030"].cause), causes
     # Bounds with room for a loaded CI machine: the benchmark measures the p99.
     assert remote < LIVENESS + 0.5, remote
     # Same host: the pidfd wakes the watcher at once, and its ring wakes every other

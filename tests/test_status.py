@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -18,11 +19,16 @@ import time
 import pytest
 import torch.distributed as dist
 
-from machinlike._status_view import _SERVERS_TITLE, BeatClock, as_json, render
-from machinlike._status_view import main as status_main
+from machinlike import launch
+from machinlike._status_view import _SERVERS_TITLE, EXIT_WIDTH, BeatClock, as_json, main as status_main, render
+from machinlike.distributed._launch.exits import RankExits
+from machinlike.distributed._membership import record_exit
 from machinlike.distributed._membership.server_notes import INTERVAL_ENV, ServerNotesPublisher, stats_interval
-from machinlike.distributed._membership.status import MemberStatus, ReadOnlyStore, WorldStatus, read_status
-from machinlike.distributed._store import Keys, ServerNote, ServerNotes
+from machinlike.distributed._membership.status import (
+    MemberStatus, ReadOnlyStore, WorldStatus, _read_exits, connect_read_only, read_status,
+)
+from machinlike.distributed._store import MAX_EXIT_CAUSE, ExitRecord, Keys, MemberRecord, ServerNote, ServerNotes
+from machinlike.exception import ProcessExitedError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,6 +175,8 @@ def test_status_lists_members_and_servers_before_and_after_a_kill_and_only_reads
             time.sleep(0.2)
         rows, text = _status_here(address)
         assert rows["actor"][1] == "lost" and rows["learner"][1] == "alive", text
+        # (no launcher here: what its declarer saw; a live member's EXIT is "-")
+        assert rows["actor"][8:10] == ["process", "gone"] and rows["learner"][9] == "-", text
         assert "1 alive of 2; deaths 1" in text and "obs:svc/actor" not in text and "obs:svc/learner" in text
         assert {member for _, member, _ in _servers(text)} == {"learner"}, text  # (the lost one's numbers: gone)
 
@@ -182,8 +190,8 @@ def test_status_lists_members_and_servers_before_and_after_a_kill_and_only_reads
         err = (tmp_path / "learner.log").read_text()
         # The death line says which machine (under torchrun or srun: which node).
         # (the ranks of an elastic world go by who joined first)
-        assert re.search(rf"member 'actor' \(incarnation 1, rank \d, host {re.escape(socket.gethostname())}\) is lost",
-                         err), err[-3000:]
+        assert re.search(rf"member 'actor' \(incarnation 1, rank \d, host {re.escape(socket.gethostname())}\) is lost: "
+                         r"process gone", err), err[-3000:]
     finally:
         learner_log.close()
         for proc in procs.values():
@@ -356,3 +364,187 @@ def test_the_publisher_keeps_one_key_per_member_and_ends_with_its_last_server_or
     assert time.monotonic() - started < 2 and not host.check([key]) and _notes_threads() == []
     publisher.add(d.notes)  # (after close: nothing)
     assert _notes_threads() == []
+
+
+# ------------------------------------------------------------------ exit causes
+_MONITOR_LOG = "machinlike.distributed._membership.monitor"
+
+
+def _ends_badly(world, logs):
+    """Rank 0 watches; once it is ready, rank 1 raises and rank 2 is SIGKILLed, in each of
+    their incarnations; rank 0 returns the status view of the end (``--once --json``).
+    Each process's monitor lines go to a file of its own in ``logs`` (whoever watches a
+    member declares it)."""
+    m = world.membership
+    armed = m.keys.scratch("exit/armed")
+    lines = logging.FileHandler(os.path.join(logs, f"{world.name}.{world.incarnation}.log"))
+    logging.getLogger(_MONITOR_LOG).addHandler(lines)
+    if world.rank != 0:
+        m.registry.wait_all(m.keys.scratch("exit/"), ["armed"], 30, "rank 0")
+        if world.rank == 1:
+            if world.incarnation == 2:
+                with world:  # (its record comes from World.__exit__ then, not from launch's rank body)
+                    raise ValueError("bad thing")
+            raise ValueError("bad thing")
+        os.kill(os.getpid(), signal.SIGKILL)
+    last = 2 if world.elastic else 1  # (elastic: each is restarted once, and ends so again)
+    ended = {}
+    done = threading.Event()
+
+    def seen(event):
+        if event.kind != "join" and event.incarnation == last:
+            ended[event.member] = event.kind
+            if len(ended) == 2:
+                done.set()
+
+    world.on_member_change(seen)
+    m.registry.set(armed, "1")
+    assert done.wait(30), ended
+    store = connect_read_only(world.store_address, 10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the launcher writes as it hears of rank 2's end, as the monitor does
+        status = read_status(store)
+        by = {mem.name: mem.exit_by for mem in status.members}
+        if by.get("1") == "member" and by.get("2") == "launcher":
+            break
+        time.sleep(0.05)
+    out = io.StringIO()
+    assert status_main(["status", world.store_address, "--once", "--json", "--beat-window", "0.1"], out=out) == 0
+    return out.getvalue(), ended
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
+def test_the_view_and_the_loss_line_say_how_each_member_ended(elastic, tmp_path):
+    options = dict(max_restarts=1, essential=[0]) if elastic else dict(collective=False)
+    results = launch(_ends_badly, 3, args=(str(tmp_path),), return_exceptions=True, timeout=90, stop_timeout=1.0,
+                     liveness=1.0, **options)
+    assert isinstance(results[1], ValueError) and isinstance(results[2], ProcessExitedError), results
+    assert not isinstance(results[0], BaseException), results[0]
+    view, ended = results[0]
+    lines = [line for log in tmp_path.glob("*.log") for line in log.read_text().splitlines()]
+    members = {m["name"]: m for m in json.loads(view)["world"]["members"]}
+    last = 2 if elastic else 1
+    # The member's own account of its exception; the launcher's of the signal (what the
+    # watcher saw, "process gone", gives way to both).
+    assert (members["1"]["exit"], members["1"]["exit_by"]) == ("raised ValueError: bad thing", "member"), view
+    assert (members["2"]["exit"], members["2"]["exit_by"]) == ("killed by signal SIGKILL (9)", "launcher"), view
+    assert [members[n]["incarnation"] for n in "12"] == [last, last], view
+    assert members["0"]["exit"] is None and members["0"]["state"] == "alive", view
+    assert members["2"]["state"] == "lost" and ended == {"1": "leave" if elastic else "lost", "2": "lost"}, view
+    # The survivors' line names the cause known when it is written: rank 1's own was
+    # recorded before its process ended (a static rank is declared lost; an elastic one leaves).
+    if not elastic:
+        assert any(re.search(r"member '1' \(incarnation 1, rank 1, host [^)]*\) is lost: raised ValueError: bad thing",
+                             line) for line in lines), lines
+    assert any(re.search(r"member '2' \(incarnation %d, rank 2, host [^)]*\) is lost: "
+                         r"(killed by signal SIGKILL \(9\)|process gone)" % last, line) for line in lines), lines
+
+
+def test_an_exit_record_is_one_bounded_line_that_says_which_incarnation():
+    cause = "raised RuntimeError: " + "x|y\n" * 100
+    record = ExitRecord(3, 4242, "member", cause)
+    text = record.encode()
+    assert "\n" not in text and len(text) <= len("3|4242|member|") + MAX_EXIT_CAUSE and text.endswith("...")
+    back = ExitRecord.decode(text)
+    assert back[:3] == (3, 4242, "member") and back.cause.startswith("raised RuntimeError: x|y x|y")
+    for other in ("", "lost", "1|2|nobody|x", "a|2|member|x", "1|member|x"):
+        assert ExitRecord.decode(other) is None, other
+    # A better source of the same incarnation, or any newer incarnation, replaces a record.
+    watcher, launcher, member = (ExitRecord(2, 9, by, "") for by in ("watcher", "launcher", "member"))
+    assert member.outranks(launcher) and launcher.outranks(watcher) and not watcher.outranks(member)
+    assert not member.outranks(member) and watcher._replace(incarnation=3).outranks(member)
+    assert not member._replace(incarnation=1).outranks(watcher)
+
+
+@pytest.fixture
+def plain_store():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False,
+                          master_listen_fd=sock.detach())
+    yield store, port
+
+
+def _compare_set(store):
+    return lambda key, old, new: store.compare_set(key, old, new).decode()
+
+
+def test_the_most_precise_account_stays_whoever_writes_first(plain_store):
+    store, _ = plain_store
+    keys = Keys.elastic_world("0")
+    cas = _compare_set(store)
+    watcher = ExitRecord(1, 7, "watcher", "process gone")
+    launcher = ExitRecord(1, 7, "launcher", "killed by signal SIGKILL (9)")
+    assert record_exit(cas, keys, "a", watcher) == watcher
+    assert record_exit(cas, keys, "a", launcher) == launcher  # better: replaces
+    assert record_exit(cas, keys, "a", watcher) == launcher  # worse, later: kept out
+    later = ExitRecord(2, 8, "watcher", "heartbeat silent for 7.6 s")
+    assert record_exit(cas, keys, "a", later) == later  # the next incarnation's overwrites
+    assert record_exit(cas, keys, "a", launcher) == later  # and an older one's never comes back
+    store.set(keys.exit_cause("b"), "left by something else")
+    assert record_exit(cas, keys, "b", watcher) == watcher  # text of another form is replaced
+    assert ExitRecord.decode(store.get(keys.exit_cause("a")).decode()) == later
+
+
+def _member(name, state, incarnation, pid, exit=None, by=None):
+    return MemberStatus(name=name, state=state, incarnation=incarnation, started=incarnation, rank=0, pid=pid,
+                        host="", beats=None, exit=exit, exit_by=by)
+
+
+def test_the_exit_column_and_json_say_how_the_ones_not_alive_ended():
+    long = "raised ValueError: " + "very " * 30 + "bad"
+    status = WorldStatus(kind="elastic", namespace="mlk/0/e/", deaths=2, rejoins=0, leaves=1, events=6, members=[
+        _member("learner", "alive", 1, 10), _member("w1", "lost", 2, 11, "killed by signal SIGKILL (9)", "launcher"),
+        _member("w2", "left", 1, 12, long, "member"), _member("w3", "lost", 1, 13)])
+    clock = BeatClock()
+    text = render("127.0.0.1:1", status, clock, 0.0, 240)
+    header, *rows = text.splitlines()[2:]
+    at = header.index("EXIT")
+    assert header.index("LAST BEAT") < at < header.index("SERVICES")
+    cells = {row.split()[0]: row[at:].split("  ")[0] for row in rows}
+    assert cells == {"learner": "-", "w1": "killed by signal SIGKILL (9)", "w2": long[:EXIT_WIDTH - 3] + "...",
+                     "w3": "-"}, text
+    members = {m["name"]: m for m in json.loads(as_json("127.0.0.1:1", status, clock, 0.0))["world"]["members"]}
+    assert [(members[n]["exit"], members[n]["exit_by"]) for n in ("learner", "w1", "w2", "w3")] == [
+        (None, None), ("killed by signal SIGKILL (9)", "launcher"), (long, "member"), (None, None)]
+
+
+def test_the_launcher_names_the_incarnation_its_rank_was(plain_store):
+    store, _ = plain_store
+    keys = Keys.elastic_world("0")
+    exits = RankExits(store, ["a", "b"], elastic=True)
+    # Its claim still names its pid: that claim's incarnation.
+    store.set(keys.incarnations("a"), "3")
+    store.set(keys.live("a"), MemberRecord("a", 2, "w", 0, "host@boot/ns/4242").encode())
+    exits.chaos(4242)
+    exits.record(0, 4242, ProcessExitedError("rank 0 ('a')", 4242, -signal.SIGKILL))
+    assert store.get(keys.exit_cause("a")).decode() == "2|4242|launcher|killed by signal SIGKILL (9) (chaos)"
+    # Its claim is cleared already (its watcher declared it): the newest incarnation counted.
+    store.set(keys.live("a"), "")
+    exits.record(0, 4343, ValueError("bad thing"))  # (a reported exception, not an exit of its own)
+    assert store.get(keys.exit_cause("a")).decode() == "3|4343|launcher|raised ValueError: bad thing"
+    exits.record(1, 77, ProcessExitedError("rank 1 ('b')", 77, 3))  # never counted in: nothing to say
+    assert not store.check([keys.exit_cause("b")])
+    static = RankExits(store, ["s0"], elastic=False)
+    static.record(0, 55, ProcessExitedError("rank 0 ('s0')", 55, 3))  # its World never got a namespace
+    store.set(Keys.static_counter("0", 0), "1")
+    static.record(0, 55, ProcessExitedError("rank 0 ('s0')", 55, 3))
+    assert store.get(Keys.static_world("0", 1).exit_cause("s0")).decode() == "1|55|launcher|exited with code 3"
+    assert not store.check([Keys.static_world("0", 0).exit_cause("s0")])
+
+
+def test_the_view_shows_a_cause_only_for_the_incarnation_and_process_it_is_about(plain_store):
+    store, _ = plain_store
+    keys = Keys.elastic_world("0")
+    members = [_member("a", "lost", 2, 11), _member("b", "lost", 2, 12), _member("c", "left", 1, None),
+               _member("d", "alive", 1, 14)]
+    for name, record in (("a", "1|11|member|raised ValueError: the first one"),  # an older incarnation's
+                         ("b", "2|99|launcher|killed by signal SIGKILL (9)"),  # another process's
+                         ("c", "1|13|member|raised KeyError: 'k'"),  # (no pid shown: the incarnation decides)
+                         ("d", "1|14|launcher|exited with code 1")):  # alive: nothing to say
+        store.set(keys.exit_cause(name), record)
+    _read_exits(ReadOnlyStore(store), keys, members)
+    assert [(m.exit, m.exit_by) for m in members] == [(None, None), (None, None), ("raised KeyError: 'k'", "member"),
+                                                     (None, None)]

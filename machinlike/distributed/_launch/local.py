@@ -11,6 +11,7 @@ started again in place (same name, next incarnation) while the others go on; a r
          ◄───────────────────────────────── send (ok, result | exception)   then world.stop()
     first failure: kill the other ranks, re-raise it (remote traceback as __cause__)
     a rank that dies without a result: ProcessExitedError naming its exit code / signal
+    each failure: how it ended into the world's store, m/exit/<name> (exits.RankExits)
     timeout: each running rank's stacks, one at a time under its name (stacks), kill, raise TimeoutError
 
 Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.wait``.
@@ -27,6 +28,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Union
 
+import torch.distributed as dist
+
 from ... import _checks, _descriptors, _mainguard
 from ..._lifeline import watch_parent
 from ..._procs import end_processes
@@ -34,8 +37,9 @@ from ..._warm import resolve_context
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
 from .._store import external_launcher, host_store
+from .exits import RankExits, exited
 from .rank_fn import check_rank_fn, run_rank_fn
-from .stacks import StackFiles, arm
+from .stacks import StackFiles, arm, timed_out
 from .termination import Termination, deferred
 
 __all__ = ["launch", "LaunchResult", "Restart"]
@@ -72,11 +76,6 @@ class LaunchResult(list):
         self.restarts: List[Restart] = list(restarts)
 
 
-_NO_REPORT = "it ended without reporting a result"
-# What a rank's SIGABRT most often is: C++ code of torch's that threw where nothing
-# catches (TensorPipe's event loop out of descriptors, for one), its message printed first.
-_ABORTED = (" (a C++ abort: its message, such as TensorPipe's 'too many open files', is on the rank's standard "
-            "error just before)")
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 
@@ -113,6 +112,8 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
         if os.getpid() != me:
             raise  # (a child fn forked, ending: the report and the World are its parent's)
         message = (False, ExceptionWithTraceback(exc, where=f"rank {rank} ({name!r})"))
+        if world is not None:  # (before the report: a parent that ends the run kills this rank)
+            world._note_exit(exc)
     if os.getpid() != me:
         return  # (a child fn forked returned: the same)
     try:
@@ -152,6 +153,9 @@ def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict
     world = World(name, **world_kwargs)
     try:
         return run_rank_fn(fn, world, args, kwargs)
+    except BaseException as exc:
+        world._note_exit(exc)  # (for the status view and the others' logs)
+        raise
     finally:
         world.stop(stop_timeout)
 
@@ -266,7 +270,7 @@ def launch(
     store = host_store("127.0.0.1", world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
-    job = _Job(context, names, store.port, payload, world_kwargs, stop_timeout, elastic)
+    job = _Job(context, names, store, payload, world_kwargs, stop_timeout, elastic)
     with Termination() as termination:  # SIGTERM here: the ranks get stop_timeout to finish
         try:
             for rank in range(world_size):
@@ -316,11 +320,11 @@ def _read(conn: Connection) -> Optional[tuple]:
 class _Job:
     """The ranks' processes and result pipes; starts (and restarts) rank ``r`` in place."""
 
-    def __init__(self, context: Any, names: List[str], port: int, payload: bytes, world_kwargs: Dict[str, Any],
-                 stop_timeout: float, elastic: bool) -> None:
+    def __init__(self, context: Any, names: List[str], store: dist.TCPStore, payload: bytes,
+                 world_kwargs: Dict[str, Any], stop_timeout: float, elastic: bool) -> None:
         self.context = context
         self.names = names
-        self.port = port
+        self.port = store.port
         self.payload = payload
         self.world_kwargs = world_kwargs
         self.stop_timeout = stop_timeout
@@ -330,6 +334,7 @@ class _Job:
         self.reader_of: List[Any] = [None] * len(names)
         self.started: List[float] = [0.0] * len(names)
         self.stacks = StackFiles()  # where a rank writes its stacks when the run times out
+        self.exits = RankExits(store, names, elastic)  # how each failed rank ended, into the world's store
 
     def start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
@@ -376,7 +381,7 @@ class _Job:
                 self._chaos_kill(rng, vital, results, used, max_restarts, chaos)
                 continue
             if not ready:
-                _timed_out(self.processes, results, timeout, self.stacks)
+                timed_out(self.processes, results, timeout, self.stacks)
             for handle in ready:
                 if handle not in waiting:
                     continue  # dropped with its rank's restart in this same round
@@ -390,14 +395,12 @@ class _Job:
                     if waiting.pop(reader, None) is not None and reader.poll():
                         report = _read(reader)
                     if report is None:
-                        p = self.processes[rank]
-                        p.join()
-                        detail = _mainguard.explain(p.exitcode) or _NO_REPORT + (
-                            _ABORTED if p.exitcode == -signal.SIGABRT else "")
-                        report = (False, ProcessExitedError(p.name, p.pid, p.exitcode, detail))
+                        report = (False, exited(self.processes[rank]))
                 if report is None:
                     continue  # the pipe closed first; the exit sentinel decides
                 ok, value = report
+                if not ok:
+                    self.exits.record(rank, self.processes[rank].pid, value)
                 # (a rank stopped by the main-module guard would stop again when restarted)
                 stopped = isinstance(value, ProcessExitedError) and value.exitcode == _mainguard.EXIT_CODE
                 if not ok and rank not in vital and used[rank] < max_restarts and not stopped:
@@ -428,20 +431,8 @@ class _Job:
         if victims:
             rank = rng.choice(victims)
             log.warning("launch: chaos kills rank %d (%r)", rank, self.names[rank])
+            self.exits.chaos(self.processes[rank].pid)
             try:
                 os.kill(self.processes[rank].pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass  # it ended on its own meanwhile; its sentinel reports it
-
-
-def _timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float], stacks: StackFiles) -> None:
-    alive = [r for r, p in enumerate(processes) if p is not None and p.is_alive()]
-    doing = ["returned its result, and waits in World.stop" if r in results else "still running the function"
-             for r in alive]
-    stacks.dump(alive, [processes[r] for r in alive], doing)
-    late = [processes[r].name for r in alive if r not in results]
-    stopping = [processes[r].name for r in alive if r in results]
-    also = f"; {', '.join(stopping)} returned and waited in World.stop" if stopping else ""
-    raise TimeoutError(f"launch: {', '.join(late) or 'no rank'} did not finish within {timeout:g} s "
-                       f"({len(results)} of {len(processes)} ranks reported{also}); the stacks of every rank "
-                       f"still running are on stderr above, each under its name")

@@ -88,6 +88,8 @@ class _RankActor:
             message = (True, run_rank_fn(fn, self._world, args, kwargs))
         except BaseException as exc:  # reported to the driver, which decides what to raise
             message = (False, ExceptionWithTraceback(exc, where=where))
+            if self._world is not None:  # (its cause, for the status view and the others' logs)
+                self._world._note_exit(exc)
         try:
             return dumps(message)
         except Exception as exc:

@@ -27,9 +27,9 @@ import signal
 import sys
 import tempfile
 import time
-from typing import IO, Any, List, Optional, Sequence
+from typing import IO, Any, Dict, List, Optional, Sequence
 
-__all__ = ["StackFiles", "arm"]
+__all__ = ["StackFiles", "arm", "timed_out"]
 
 _SETTLE_S = 0.05  # a dump is complete once its file has not grown for this long
 _WAIT_S = 2.0  # at most this long per rank (a rank that is gone writes nothing)
@@ -118,6 +118,25 @@ class StackFiles:
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
+
+
+def timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[float], stacks: StackFiles) -> None:
+    """``launch``'s run passed ``timeout``: dump the stacks of every rank still running
+    (``results``: the ranks that reported), then raise.
+
+    Raises:
+        TimeoutError: always, naming the ranks that did not finish.
+    """
+    alive = [r for r, p in enumerate(processes) if p is not None and p.is_alive()]
+    doing = ["returned its result, and waits in World.stop" if r in results else "still running the function"
+             for r in alive]
+    stacks.dump(alive, [processes[r] for r in alive], doing)
+    late = [processes[r].name for r in alive if r not in results]
+    stopping = [processes[r].name for r in alive if r in results]
+    also = f"; {', '.join(stopping)} returned and waited in World.stop" if stopping else ""
+    raise TimeoutError(f"launch: {', '.join(late) or 'no rank'} did not finish within {timeout:g} s "
+                       f"({len(results)} of {len(processes)} ranks reported{also}); the stacks of every rank "
+                       f"still running are on stderr above, each under its name")
 
 
 def _size(path: str) -> int:

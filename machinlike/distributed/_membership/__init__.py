@@ -3,8 +3,8 @@
 ``Membership`` is the composition root over Registry, Roster, Waits, Endpoint, Claims,
 EventLog, Departures, Monitor and ServerNotesPublisher (server_notes: this member's
 servers' numbers); beside it live member events, process identity and /proc checks
-(processes), and the read-only status view (status). Imports only the store and
-transport layers.
+(processes), how a member ended (exit_causes) and the read-only status view (status).
+Imports only the store and transport layers.
 
 This face names what the floors above may use. They reach one of its modules by name only
 where the module itself is the seam: callee entry points sent by reference, a process slot
@@ -17,12 +17,13 @@ from .waits import Waits
 from .claims import Claims
 from .endpoint import Endpoint
 from .membership import MemberEvent, Membership
+from .exit_causes import describe_exception, record_exit, record_own_exit
 from .status import (
     connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, ServerNote, WorldStatus,
 )
 
 __all__ = [
-    "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Endpoint", "event_counts", "is_here",
-    "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
-    "ReadOnlyStore", "Roster", "ServerNote", "Waits", "WorldStatus",
+    "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "describe_exception", "Endpoint",
+    "event_counts", "is_here", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
+    "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]

@@ -1,8 +1,8 @@
 """Departures: the store records of members long gone, deleted so that no key is kept per name.
 
 Why: a member leaves keys behind that are per *name*, not per worker: its incarnation
-counter, its emptied claim, its heartbeat, the election and clean-up marks of its last
-incarnations, and the keys it had claimed (emptied). A job whose actors come back under
+counter, its emptied claim, its heartbeat, its exit cause, the election and clean-up marks
+of its last incarnations, and the keys it had claimed (emptied). A job whose actors come back under
 new names (a fresh name per preemption, per Ray actor, per SLURM job step) left about
 seven keys per death for good: 1,500 deaths a day is 10,000 keys a day.
 
@@ -20,8 +20,8 @@ any view remembers (``_membership.roster.GONE_KEPT``, 16,384) or the log's snaps
                                 the one that takes a block's last slot reaps block j - LAG
     reap(j)                     for each line whose member is still gone (claim empty,
                                 counter unchanged): delete its claim, then its heartbeat,
-                                silence note and servers' notes, its marks, the released
-                                keys still empty, its counter;
+                                silence note, exit cause and servers' notes, its marks, the
+                                released keys still empty, its counter;
                                 then the block itself
 
 What it costs: the store keeps at most ``(LAG + 1) x BLOCK`` departures' records; one
@@ -135,7 +135,7 @@ class Departures:
                      for key in (self._keys.lost(member, inc), self._keys.lost_posted(member, inc),
                                  self._keys.gone(member, inc))]
             reg.delete([self._keys.heartbeat(member), self._keys.silence(member), self._keys.probe_request(member),
-                        self._keys.server_notes(member), *marks])
+                        self._keys.server_notes(member), self._keys.exit_cause(member), *marks])
             reg.delete([key for key in released if not reg.get_or_empty(key)])
             reg.delete([counter])  # last: while it stands, a returning member counts on from it
             reaped += 1

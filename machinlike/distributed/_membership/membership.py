@@ -202,7 +202,7 @@ class Membership:
             if self.monitor.record_alive(old, wait=min(deadline_left(deadline), self.monitor.lease())):
                 raise ValueError(f"a member named {self.name!r} is alive in this world (incarnation "
                                  f"{old.incarnation}, rank {old.rank}); pick another name or stop it first")
-            self.monitor.declare(old, deadline)
+            self.monitor.declare(old, deadline, why="found dead by its next incarnation")
             # The claim this process read belongs to a process that is not alive and is
             # declared lost now: clear exactly that text, in case the declarer's view of it
             # was stale, so that the next claim wins instead of finding it again.

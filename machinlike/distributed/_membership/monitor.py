@@ -23,6 +23,8 @@ checks this member's RPC listener, and declares the suspects lost.
         the silence an earlier watcher noted), and
         still stalled when read once more
     declare (one winner):                             m/lost/<name>/<inc>  elects the declarer
+      record how it knew, unless told better; log     m/exit/<name>  (exit_causes)
+        "is lost: <the cause recorded>"
       free its keys (Claims.free), clear m/live,      m/own/<worker>
       set m/gone, post "lost",                        m/gone/<name>/<inc>, m/lostpost/...
       record the departure (Departures), then prune   m/dep/...
@@ -55,10 +57,10 @@ from .claims import Claims
 from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
+from .exit_causes import detected
 from .pidwatch import PidWatch
-from .._store import Keys, MemberRecord
+from .._store import Keys, MemberRecord, Registry
 from .processes import DEFAULT_LIVENESS, alive_here, host_name, tick_of
-from .._store import Registry
 from ..._deadline import deadline_left
 from .roster import Roster
 from .silences import Silences
@@ -269,8 +271,8 @@ class Monitor:
                 if reaped:
                     log.info("machinlike: member %r shut down retired RPC agents %s", self._endpoint.name, reaped)
                     self._endpoint.forget_retired(reaped)
-                for rec in self._suspects(watched, counts):
-                    self.declare(rec, time.monotonic() + 10 * tick, wait=False)
+                for rec, why in self._suspects(watched, counts):
+                    self.declare(rec, time.monotonic() + 10 * tick, wait=False, why=why)
             except PeerLostError as err:
                 self._roster.mark_cut_off(err)
                 log.error("machinlike: %s; every call of this member now fails", err)
@@ -298,9 +300,9 @@ class Monitor:
         """Count one heartbeat now (before "join" is posted: watchers read the key at once)."""
         self._registry.add(self._keys.heartbeat(self._endpoint.name), 1)
 
-    def _suspects(self, watched: List[MemberRecord], counts: List[str]) -> List[MemberRecord]:
-        """The watched members to declare lost: a process gone here (``/proc``), or a
-        heartbeat this thread saw stalled for the watch's whole silence bound.
+    def _suspects(self, watched: List[MemberRecord], counts: List[str]) -> List[Tuple[MemberRecord, str]]:
+        """The watched members to declare lost, each with how it was found: a process gone
+        here (``/proc``), or a heartbeat this thread saw stalled for the watch's whole silence bound.
 
         A stall counts only from looks of a thread that was not starved: after a look
         that came late (this process was starved or stopped) every timer starts again, so
@@ -327,7 +329,7 @@ class Monitor:
                 continue  # gone (or replaced) in the events this tick read
             local = alive_here(rec.identity)
             if local is False:
-                out.append(rec)
+                out.append((rec, "process gone"))
                 continue
             if local or starved:
                 silences.restart(rec, count, now)
@@ -345,7 +347,7 @@ class Monitor:
                     silent -= 1
                     silences.restart(rec, again, time.monotonic())
                 else:
-                    out.append(rec)
+                    out.append((rec, f"heartbeat silent for {still:.1f} s"))
         self._silent = silent
         return out
 
@@ -394,12 +396,14 @@ class Monitor:
                 return True
         return False
 
-    def declare(self, rec: MemberRecord, deadline: float, wait: bool = True) -> None:
+    def declare(self, rec: MemberRecord, deadline: float, wait: bool = True, why: str = "") -> None:
         """Make ``rec`` lost everywhere: one member (the first to ask) cleans up after it.
 
         Args:
             wait: When another member declares it, wait (until ``deadline``) for its keys
                 to be free; the monitor does not (the event will come).
+            why: How it was found dead, recorded as its exit cause unless its launcher or
+                itself told more (see exit_causes), and said in the "is lost" line.
         """
         reg = self._registry
         if reg.add(self._keys.lost(rec.member, rec.incarnation), 1) != 1:
@@ -421,8 +425,9 @@ class Monitor:
                         "member began", rec.member, rec.incarnation)
             deadline = time.monotonic() + 10 * self._tick()
         else:
-            log.warning("machinlike: member %r (incarnation %d, rank %d, host %s) is lost", rec.member,
-                        rec.incarnation, rec.rank, host_name(rec.identity) or "?")
+            known = detected(reg, self._keys, rec, why)  # (the cause recorded, or how this member knew)
+            log.warning("machinlike: member %r (incarnation %d, rank %d, host %s) is lost%s", rec.member,
+                        rec.incarnation, rec.rank, host_name(rec.identity) or "?", known)
         released, workers = self._release(rec)  # idempotent: releases compare the holder
         # One "lost" event per incarnation, whoever finished the clean-up.
         if reg.add(self._keys.lost_posted(rec.member, rec.incarnation), 1) == 1:

@@ -18,6 +18,7 @@ offers ``check`` and ``get`` and nothing else.
                                                   and paired values, the servers (.../v/<key>)
     <ns>m/srv/<name>                              its servers' numbers (alive members, this
                                                   incarnation's only; see server_notes)
+    <ns>m/exit/<name>                             how a member not alive ended (its incarnation's)
 
 Why the store: it is the one place every member writes to and that outlives any of them
 (hosted by rank 0, the launcher or torchrun's agent), and reading it costs the world no
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
 from .processes import host_name
-from .._store import Keys, MemberRecord, new_client, OwnedKey, ServerNote, ServerNotes
+from .._store import ExitRecord, Keys, MemberRecord, new_client, OwnedKey, ServerNote, ServerNotes
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
            "event_counts", "ServerNote"]
@@ -125,6 +126,10 @@ class MemberStatus:
         servers: Its servers' numbers, one note per server and role, as it last
             published them (alive members only).
         servers_time: When it published them (``time.time()`` on its host); None: never.
+        exit: How its incarnation ended (``"raised ValueError: bad thing"``, ``"killed by
+            signal SIGKILL (9)"``, ``"process gone"``, ...); None while it is alive, or
+            when nothing was recorded (see ``_membership.exit_causes``).
+        exit_by: Who recorded ``exit``: ``"member"``, ``"launcher"`` or ``"watcher"``; None with it.
     """
 
     name: str
@@ -139,6 +144,8 @@ class MemberStatus:
     values: List[str] = field(default_factory=list)
     servers: List[ServerNote] = field(default_factory=list)
     servers_time: Optional[float] = None
+    exit: Optional[str] = None
+    exit_by: Optional[str] = None
 
     @property
     def hostname(self) -> str:
@@ -279,6 +286,21 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
             pid=int(pid) if pid.isdigit() else None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
     _add_server_notes(store, keys, members)
+    _read_exits(store, keys, members)
     counts = history.counts
     return WorldStatus(kind=kind, namespace=keys.ns, members=members, deaths=counts.deaths, rejoins=counts.rejoins,
                        leaves=counts.leaves, events=counts.events)
+
+
+def _read_exits(store: ReadOnlyStore, keys: Keys, members: List[MemberStatus]) -> None:
+    """Set ``exit`` of each member not alive from its ``m/exit/<name>`` record, when that
+    is about the incarnation shown (and its process, where both pids are known)."""
+    for m in members:
+        if m.state == "alive":
+            continue
+        record = ExitRecord.decode(store.get(keys.exit_cause(m.name)) or "")
+        if record is None or record.incarnation != m.incarnation:
+            continue  # (none, or an older incarnation's: the view shows the newest)
+        if record.pid and m.pid is not None and record.pid != m.pid:
+            continue  # (a launcher's guess of the incarnation, for a process that died before it claimed one)
+        m.exit, m.exit_by = record.cause, record.by

@@ -9,6 +9,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/hb/<name>                  heartbeat counter
     <ns>m/hush/<name>                how long a watcher saw it stand still (_membership.silences)
     <ns>m/srv/<name>                 ServerNotes: its servers' numbers, JSON (_membership.server_notes)
+    <ns>m/exit/<name>                ExitRecord: how its newest ended incarnation ended
     <ns>m/e/<seq>, <ns>m/evn         event log: one LogEntry per position; positions claimed
     <ns>m/snap/<k>, <ns>m/logk       members at the start of range k; newest range snapshotted
     <ns>m/id                         this log's token: set once, by its first reader
@@ -50,7 +51,7 @@ from typing import Any, AbstractSet, Dict, List, NamedTuple, Optional, Sequence,
 
 __all__ = [
     "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord", "ServerNote", "ServerNotes",
-    "LOST_MARK", "WOKEN_MARK", "OPEN_EPOCH", "rebind_holder",
+    "ExitRecord", "LOST_MARK", "WOKEN_MARK", "OPEN_EPOCH", "rebind_holder", "MAX_EXIT_CAUSE",
 ]
 
 #: Written into a waited-for key of a member that is gone, to wake its waiters.
@@ -171,6 +172,11 @@ class Keys:
         """``member``'s :class:`ServerNotes`: one key per member, overwritten every interval
         (``_membership.server_notes``)."""
         return f"{self.ns}m/srv/{member}"
+
+    def exit_cause(self, member: str) -> str:
+        """The :class:`ExitRecord` of ``member``'s newest incarnation known to have ended
+        (``_membership.exit_causes``): one key per name, each incarnation's overwriting."""
+        return f"{self.ns}m/exit/{member}"
 
     def probe_request(self, member: str) -> str:
         """Counter: callers whose call to ``member`` timed out ask it to probe its own agent."""
@@ -348,6 +354,55 @@ class LogEntry(NamedTuple):
         """The entry of one line (its newline, if any, ignored)."""
         kind, member, inc, worker, rank, identity = line.rstrip("\n").split("|", 5)
         return LogEntry(kind, MemberRecord(member, int(inc), worker, int(rank), identity))
+
+
+#: Characters an :class:`ExitRecord`'s cause keeps (a longer one is cut, ending "...").
+MAX_EXIT_CAUSE = 200
+# Who said how an incarnation ended, from the least to the most precise: the member that
+# declared it lost (how it knew), its parent (the exit status), the member itself (the
+# exception it ended with). A record of the same incarnation gives way only to a better one.
+_EXIT_RANK = {"watcher": 1, "launcher": 2, "member": 3}
+
+
+class ExitRecord(NamedTuple):
+    """How one incarnation of a member ended: ``"<incarnation>|<pid>|<by>|<cause>"``.
+
+    Attributes:
+        incarnation: The incarnation it is about.
+        pid: Its process id; 0 when unknown.
+        by: Who said it: ``"member"`` (its own report of the exception it ended with),
+            ``"launcher"`` (its parent, which saw its exit status) or ``"watcher"`` (the
+            member that declared it lost, saying how it knew).
+        cause: E.g. ``"raised ValueError: bad thing"``, ``"killed by signal SIGKILL (9)"``,
+            ``"heartbeat silent for 7.6 s"``; encoded on one line, at most
+            :data:`MAX_EXIT_CAUSE` characters.
+    """
+
+    incarnation: int
+    pid: int
+    by: str
+    cause: str
+
+    def encode(self) -> str:
+        cause = " ".join(self.cause.split())  # (one line: a traceback's message can span many)
+        if len(cause) > MAX_EXIT_CAUSE:
+            cause = cause[:MAX_EXIT_CAUSE - 3] + "..."
+        return f"{self.incarnation}|{self.pid}|{self.by}|{cause}"
+
+    @staticmethod
+    def decode(text: str) -> Optional["ExitRecord"]:
+        """The record ``text`` holds; None for text of another form (written by no version of this)."""
+        parts = text.split("|", 3)
+        if len(parts) != 4 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in _EXIT_RANK:
+            return None
+        return ExitRecord(int(parts[0]), int(parts[1]), parts[2], parts[3])
+
+    def outranks(self, other: "ExitRecord") -> bool:
+        """Whether this record replaces ``other``: it is about a newer incarnation, or about
+        the same one from a better-placed source (see ``by``)."""
+        if self.incarnation != other.incarnation:
+            return self.incarnation > other.incarnation
+        return _EXIT_RANK[self.by] > _EXIT_RANK[other.by]
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from ... import _checks, _descriptors, _mainguard
 from .._store import forked as _forked, rendezvous as _rendezvous
 from .._groups import CollectiveGroup, CreationOrder
 from .._membership import DEFAULT_LIVENESS
-from .._membership import MemberEvent, Membership
+from .._membership import MemberEvent, Membership, record_own_exit
 from .._groups import GroupDirectory
 from .._groups import create_group, find_group, open_group
 from .._groups import RpcGroup
@@ -525,7 +525,18 @@ class World:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if exc_info[1] is not None:
+            self._note_exit(exc_info[1])
         self.stop()
+
+    def _note_exit(self, exc: BaseException) -> None:
+        """This member ends with ``exc`` (its block or its launcher's rank function raised):
+        record it as its exit cause, for ``python -m machinlike status`` and its peers' logs
+        (best effort, a short wait: see ``_membership.exit_causes``)."""
+        members = self._session.membership
+        if members is not None and not self._stopped and os.getpid() == self._pid:
+            with contextlib.suppress(RuntimeError):  # (not entered: no incarnation to speak of)
+                record_own_exit(members.registry, members.keys, members.endpoint.me, exc)
 
 
 #: The running World of this process, None when there is none (World is its only writer).
