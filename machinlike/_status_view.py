@@ -147,7 +147,7 @@ def _server_row(member: MemberStatus, n: ServerNote, wall: float) -> Tuple[str, 
         refused += f" ({100 * n.refused / (n.refused + n.accepted):.0f}%)"
     lag = "-" if n.lag_mean is None else f"{n.lag_mean:.2f}/{num(n.lag_max)}"
     age = 0.0 if member.servers_time is None else max(0.0, wall - member.servers_time)
-    since = "-" if n.since is None else _age(n.since + age)  # (as of now: it was n.since when published)
+    since = "-" if n.since is None else _age(n.since)  # (when published, as every number here)
     return (f"{n.group}:{n.name}", n.kind, member.name, n.role, num(n.version), num(n.accepted), num(n.applied),
             refused, num(n.dropped), num(n.queued), lag, since, "-" if member.servers_time is None else _age(age))
 
