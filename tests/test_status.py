@@ -94,7 +94,15 @@ def _status_here(address):
     ``test_status_of_an_address_where_nothing_listens_says_so``.
     """
     out = io.StringIO()
-    assert status_main(["status", address, "--once"], out=out) == 0
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "250"  # (the view cuts its lines at the terminal's width: the checks read whole ones)
+    try:
+        assert status_main(["status", address, "--once"], out=out) == 0
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
     return _rows(out.getvalue()), out.getvalue()
 
 
