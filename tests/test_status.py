@@ -464,23 +464,12 @@ def test_an_exit_record_is_one_bounded_line_that_says_which_incarnation():
     assert not member._replace(incarnation=1).outranks(watcher)
 
 
-@pytest.fixture
-def plain_store():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False,
-                          master_listen_fd=sock.detach())
-    yield store, port
-
-
 def _compare_set(store):
     return lambda key, old, new: store.compare_set(key, old, new).decode()
 
 
-def test_the_most_precise_account_stays_whoever_writes_first(plain_store):
-    store, _ = plain_store
+def test_the_most_precise_account_stays_whoever_writes_first(world_store):
+    _, store = world_store
     keys = Keys.elastic_world("0")
     cas = _compare_set(store)
     watcher = ExitRecord(1, 7, "watcher", "process gone")
@@ -519,8 +508,8 @@ def test_the_exit_column_and_json_say_how_the_ones_not_alive_ended():
         (None, None), ("killed by signal SIGKILL (9)", "launcher"), (long, "member"), (None, None)]
 
 
-def test_the_launcher_names_the_incarnation_its_rank_was(plain_store):
-    store, _ = plain_store
+def test_the_launcher_names_the_incarnation_its_rank_was(world_store):
+    _, store = world_store
     keys = Keys.elastic_world("0")
     exits = RankExits(store, ["a", "b"], elastic=True)
     # Its claim still names its pid: that claim's incarnation.
@@ -543,8 +532,8 @@ def test_the_launcher_names_the_incarnation_its_rank_was(plain_store):
     assert not store.check([Keys.static_world("0", 0).exit_cause("s0")])
 
 
-def test_the_view_shows_a_cause_only_for_the_incarnation_and_process_it_is_about(plain_store):
-    store, _ = plain_store
+def test_the_view_shows_a_cause_only_for_the_incarnation_and_process_it_is_about(world_store):
+    _, store = world_store
     keys = Keys.elastic_world("0")
     members = [_member("a", "lost", 2, 11), _member("b", "lost", 2, 12), _member("c", "left", 1, None),
                _member("d", "alive", 1, 14)]
