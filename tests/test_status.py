@@ -545,3 +545,49 @@ def test_the_view_shows_a_cause_only_for_the_incarnation_and_process_it_is_about
     _read_exits(ReadOnlyStore(store), keys, members)
     assert [(m.exit, m.exit_by) for m in members] == [(None, None), (None, None), ("raised KeyError: 'k'", "member"),
                                                      (None, None)]
+
+
+_STORE_HOST = """
+import datetime, socket, sys
+import torch.distributed as dist
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(16)
+port = sock.getsockname()[1]
+store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False,
+                      master_listen_fd=sock.detach())
+print(port, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_publisher_whose_store_was_sigkilled_says_so_once_and_still_ends_at_once(caplog):
+    # The store's host died (SIGKILL): the servers never hear of it from the publisher,
+    # its warning comes once, and the World's stop does not wait out a store timeout.
+    from machinlike.distributed._store import new_client
+
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        port = int(host.stdout.readline())
+        client = new_client("127.0.0.1", port, datetime.timedelta(seconds=10))
+        keys = Keys("mlk/0/e/")
+        publisher = ServerNotesPublisher(client, keys, "learner", lambda: 1, 0.1)
+        server = _Server("a")
+        publisher.add(server.notes)
+        deadline = time.monotonic() + 10
+        while not client.check([keys.server_notes("learner")]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        host.kill()
+        host.wait(10)
+        asked = server.asked
+        with caplog.at_level("WARNING", logger="machinlike.distributed._membership.server_notes"):
+            while server.asked < asked + 5 and time.monotonic() < deadline:
+                time.sleep(0.05)  # (it goes on asking its servers, and tries every interval)
+        said = [r.getMessage() for r in caplog.records if "could not publish its servers' numbers" in r.getMessage()]
+        assert server.asked >= asked + 5 and len(said) == 1, (server.asked, said)
+        started = time.monotonic()
+        publisher.close(5.0)
+        assert time.monotonic() - started < 1.0 and _notes_threads() == []
+    finally:
+        host.kill()
