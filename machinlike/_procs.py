@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from multiprocessing import connection as _mp_connection
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Sequence
 
 __all__ = ["end_processes", "REAP_WAIT"]
 
@@ -25,11 +25,13 @@ __all__ = ["end_processes", "REAP_WAIT"]
 REAP_WAIT = 10.0
 
 
-def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAIT, close: bool = False) -> None:
-    """End ``processes``: SIGTERM, up to ``grace`` seconds, SIGKILL, then reap them.
+def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAIT, close: bool = False,
+                  linger: float = 0.0) -> None:
+    """End ``processes``: up to ``linger`` seconds for them to end by themselves, SIGTERM,
+    up to ``grace`` seconds, SIGKILL, then reap them.
 
-    One deadline covers the whole list: ``grace`` bounds the wait for all of them
-    together, not for each in turn.
+    One deadline covers the whole list: ``linger`` and ``grace`` each bound the wait for
+    all of them together, not for each in turn.
 
     Args:
         processes: ``multiprocessing`` process objects (started or already ended).
@@ -37,23 +39,16 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
         reap: Seconds to wait, all processes together, for the SIGKILLed ones to end;
             one still running after that (uninterruptible sleep) is left as it is.
         close: Also ``close()`` each reaped process object (frees its descriptors).
+        linger: Seconds they may take to end on their own first (0: none).
     """
-    alive = [p for p in processes if _running(p)]
+    alive = _wait_for([p for p in processes if _running(p)], linger)
     if grace > 0:
         for p in alive:
             try:
                 p.terminate()
             except (OSError, ValueError):  # ended meanwhile, or already closed
                 pass
-        deadline = time.monotonic() + grace
-        pending: Dict[Any, Any] = {p.sentinel: p for p in alive}
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for sentinel in _mp_connection.wait(list(pending), remaining):
-                pending.pop(sentinel, None)
-        alive = list(pending.values())
+        alive = _wait_for(alive, grace)
     for p in alive:
         try:
             p.kill()
@@ -69,6 +64,19 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
                 p.close()
         except ValueError:  # still running after SIGKILL, or closed already: leave it
             pass
+
+
+def _wait_for(processes: List[Any], seconds: float) -> List[Any]:
+    """Those of ``processes`` still running after ``seconds`` at most (their sentinels)."""
+    deadline = time.monotonic() + seconds
+    pending: Dict[Any, Any] = {p.sentinel: p for p in processes}
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for sentinel in _mp_connection.wait(list(pending), remaining):
+            pending.pop(sentinel, None)
+    return list(pending.values())
 
 
 def _running(process: Any) -> bool:

@@ -199,3 +199,28 @@ def test_a_second_ctrl_c_during_a_deferred_start_is_not_held_back():
             signal.raise_signal(signal.SIGINT)
             steps.append("not reached")
     assert steps == ["noted"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _returns_with_a_sigterm_handler(world, directory):
+    from multiprocessing import util
+
+    if world.rank == 0:  # the recipe of a rank that saves on SIGTERM (clusters.rst)
+        signal.signal(signal.SIGTERM, lambda *_: None)
+    # (run as the process ends by itself, after its World.stop: not on a signal's default, nor SIGKILL)
+    util.Finalize(None, open, args=(os.path.join(directory, f"ended-{world.rank}"), "w"), exitpriority=0)
+    return world.rank
+
+
+def test_after_a_clean_run_the_ranks_end_by_themselves_handler_or_not(tmp_path):
+    # The launcher SIGTERMed every rank the moment the last result came in: their World.stop
+    # was cut short, and a rank whose function handled SIGTERM held launch() up for its
+    # 2 s grace before a SIGKILL.
+    from machinlike import launch
+
+    (tmp_path / "warm").mkdir()
+    launch(_returns_with_a_sigterm_handler, 1, args=(str(tmp_path / "warm"),), timeout=60)  # (the forkserver's start)
+    started = time.monotonic()
+    assert launch(_returns_with_a_sigterm_handler, 3, args=(str(tmp_path),), timeout=60) == [0, 1, 2]
+    took = time.monotonic() - started
+    assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ended")) == ["ended-0", "ended-1", "ended-2"]
+    assert took < 1.5, took

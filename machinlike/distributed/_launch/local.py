@@ -78,6 +78,7 @@ class LaunchResult(list):
 
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
+_LINGER_S = 5.0  # seconds ranks that all returned may take to end by themselves (their World.stop)
 
 
 def _ignore_interrupt(signum: int, frame: Any) -> None:
@@ -190,8 +191,9 @@ def launch(
             that dies still ends the run at once).
         names: Member names per rank. None: ``"0"``, ``"1"``, ...
         ctx: Multiprocessing context; None: the warm forkserver (torch preloaded).
-        stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end;
-            also the grace the ranks get when this process is sent SIGTERM (a scheduler's
+        stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end
+            (once every rank returned, each ends by itself, within 5 s at most: a thread
+            its function left running does not hold ``launch`` up longer); also the grace the ranks get when this process is sent SIGTERM (a scheduler's
             stop or preemption): while ``launch`` runs, SIGTERM is passed on to the ranks
             (a rank's own handler may save a checkpoint and return), those still running
             after ``stop_timeout`` are killed, and then this process ends by the signal,
@@ -271,14 +273,21 @@ def launch(
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
     job = _Job(context, names, store, payload, world_kwargs, stop_timeout, elastic)
+    linger = 0.0  # (a failure, a timeout, a signal: the ranks are ended at once)
     with Termination() as termination:  # SIGTERM here: the ranks get stop_timeout to finish
         try:
             for rank in range(world_size):
                 job.start(rank)
-            return job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
+            results = job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
+            if not any(isinstance(result, BaseException) for result in results):
+                # Every rank returned and is in its World.stop: it ends by itself (a SIGTERM now
+                # would cut the stop short, and one a rank's function handles would cost the
+                # grace). Bounded apart: a thread the function left running keeps a rank alive.
+                linger = min(stop_timeout, _LINGER_S)
+            return results
         finally:
             grace = stop_timeout if termination.requested else 2.0
-            end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0)
+            end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0, linger=linger)
             for reader in job.readers:
                 reader.close()
             job.stacks.close()
