@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from machinlike.exception import PeerLostError
-from machinlike.server import PushPullGradServer, PushPullGradServerImpl
+from machinlike.server import PushPullGradServer, PushPullGradServerImpl, ServerStoppedError
 
 SLOTS = 16000
 TIMEOUT = 30.0
@@ -233,3 +233,54 @@ def renewed_secondary_body(world: Any) -> Any:
     registry.set(_key(world, "pushed"), "1")
     _wait_key(world, "end")
     return acked
+
+
+def stopped_primary_body(world: Any) -> Any:
+    """``p`` stops its server (its member closing it, as at the end of a run) while ``s1``
+    still takes pushes: ``s1``'s secondary counts what it can no longer forward and goes
+    on (the primary may come back). Returns s1's secondary stats, whether its reducer
+    failed, and the warnings it logged."""
+    import logging
+
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    world.wait_for_members(["p", "s1"], TIMEOUT)
+    if world.name == "p":
+        impl, _ = _started_primary(world, group)
+        _wait_key(world, "pushed")
+        impl.stop()
+        registry.set(_key(world, "stopped"), "1")
+        _wait_key(world, "done")
+        impl.close()
+        return None
+    _wait_key(world, "ready")
+    warnings: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("machinlike.server").addHandler(handler)
+    impl = _started_secondary(world, group)
+    accessor = PushPullGradServer("grad", group, secondary_reducers=["s1"], timeout=TIMEOUT)
+    model = Slots()
+    model.w.grad = torch.ones(SLOTS)
+    for _ in range(4):
+        assert accessor.push(model, pull=False)
+    accessor.flush(timeout=TIMEOUT)
+    registry.set(_key(world, "pushed"), "1")
+    _wait_key(world, "stopped")
+    for _ in range(8):  # two batches, each forward refused: the primary is stopped
+        assert accessor.push(model, pull=False)
+    try:  # (the secondary's part, then the primary's: which refuses, and the caller is told)
+        accessor.flush(timeout=TIMEOUT)
+        refused = None
+    except ServerStoppedError as err:
+        refused = str(err)
+    stats = impl.stats()["secondary"]
+    failed = None
+    try:
+        impl.watch()
+    except Exception as err:  # noqa: BLE001 (what the test reports)
+        failed = repr(err)
+    registry.set(_key(world, "done"), "1")
+    impl.close()
+    return {"stats": stats, "failed": failed, "refused": refused,
+            "warnings": [w for w in warnings if "could not forward" in w]}

@@ -11,7 +11,7 @@ import pytest
 
 from machinlike import launch
 
-from churn_targets import churn_body, dead_before_flush_body, renewed_secondary_body
+from churn_targets import churn_body, dead_before_flush_body, renewed_secondary_body, stopped_primary_body
 
 
 def _read_log(path):
@@ -84,6 +84,18 @@ def test_a_secondary_that_renews_its_agent_keeps_forwarding():
     assert results[1] is True and results[2] == 6
     assert out["applied"] == list(range(6)), str(out["stats"]["primary"])
     assert not out["stats"]["primary"]["dropped_by_client"], out["stats"]
+
+
+@pytest.mark.timeout(60)
+def test_a_secondary_whose_primary_stopped_counts_what_it_cannot_forward_and_goes_on():
+    # The end of an elastic run: the primary's member closes the server while trainers
+    # still push. Their secondary's thread failed (an ERROR with a traceback, the
+    # trainers' pushes refused); now it counts the lost forwards, says so once, goes on.
+    out = launch(stopped_primary_body, 2, names=["p", "s1"], max_restarts=1, essential=["p", "s1"], timeout=45)[1]
+    assert out["failed"] is None and out["stats"]["state"] == "running", out
+    assert "the primary reducer on member 'p' is stopped" in out["refused"], out  # (a flush is told)
+    assert out["stats"]["forwarded"] == 12 and out["stats"]["lost_forwarding"] == 8, out  # (sent, then lost)
+    assert len(out["warnings"]) == 1 and "is stopped" in out["warnings"][0], out
 
 
 def test_source_tags_name_an_incarnation_and_old_tags_still_parse():

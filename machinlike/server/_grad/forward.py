@@ -9,10 +9,12 @@ so it needs no lock (``stats`` reads two ints)::
                    elsewhere: registered_async("<server>/_reduce") on the group
                  ─► in flight; the thread reduces the next batch while it travels
     drain()      wait for the forward in flight (a flush completes only after it)
-    lost         the primary's service gone (KeyError) or the primary lost: a
-                 PeerLostError naming the primary; static world: raised (the reducer
+    lost         the primary's service gone (KeyError), the primary stopped
+                 (ServerStoppedError: its member closes the server) or the primary lost:
+                 a PeerLostError naming the primary; static world: raised (the reducer
                  thread fails with it); elastic world: the pushes are counted as
-                 lost_forwarding and logged, for the primary may come back
+                 lost_forwarding and logged (once, until a forward lands again), for the
+                 primary may come back
 
 Why apart from ``_grad.reducer``: where a partial sum goes and what its loss means is the
 server's wiring, not the queue-and-thread state machine; the reducer only sends.
@@ -27,6 +29,7 @@ import torch
 
 from ...distributed import RpcFuture, RpcGroup
 from ...exception import PeerLostError
+from .._errors import ServerStoppedError
 from .items import Item, wait_future
 
 __all__ = ["Forwarder"]
@@ -89,6 +92,7 @@ class Forwarder:
         self._in_flight: Optional[Tuple[Union[_LocalForward, _RemoteForward], int]] = None
         self.forwarded = 0
         self.lost = 0
+        self._losing = False  # a loss was logged and no forward landed since
 
     def send(self, item: Item) -> None:
         """Wait for the forward in flight, then start forwarding ``item`` (on the reducer's device).
@@ -99,7 +103,7 @@ class Forwarder:
         self.drain()
         try:
             self._in_flight = (self._start(item), item.count)
-        except (ConnectionError, KeyError) as err:  # no primary to send to
+        except (ConnectionError, KeyError, ServerStoppedError) as err:  # no primary to send to
             self._lose(item.count, err)
             return
         self.forwarded += item.count
@@ -110,8 +114,10 @@ class Forwarder:
         if in_flight is not None:
             try:
                 in_flight[0].wait()
-            except (ConnectionError, KeyError) as err:
+            except (ConnectionError, KeyError, ServerStoppedError) as err:
                 self._lose(in_flight[1], err)
+            else:
+                self._losing = False
 
     def _start(self, item: Item) -> Union[_LocalForward, _RemoteForward]:
         if self._local is not None:  # primary and secondary share this process
@@ -140,5 +146,8 @@ class Forwarder:
         if not self._elastic:
             raise err
         self.lost += count
-        log.warning("gradient server %r: secondary reducer %r dropped %d pushes it could not forward: %s",
-                    self._server_name, self._member, count, err)
+        # (once a streak: a primary that stopped or died meets every forward until it is back)
+        log.log(logging.DEBUG if self._losing else logging.WARNING,
+                "gradient server %r: secondary reducer %r dropped %d pushes it could not forward (said once until "
+                "a forward lands again; lost_forwarding counts them): %s", self._server_name, self._member, count, err)
+        self._losing = True
