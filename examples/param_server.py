@@ -48,6 +48,7 @@ from machinlike.server import grad_server_helper
 
 GROUP = "ps"
 SERVER = "digits"  # grad_server_helper names the server "digits_0"
+ELASTIC_SERVER = f"{SERVER}_0"  # the same name with --chaos: both runs share a --checkpoint-dir
 
 
 def make_model(hidden: int = 128) -> torch.nn.Module:
@@ -182,8 +183,11 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
             print(f"[{time.monotonic() - started:6.1f} s] SIGTERM: checkpoint written ({', '.join(paths)}); "
                   f"a run with the same --checkpoint-dir resumes from it", flush=True)
             raise SystemExit(128 + signal.SIGTERM)
-        if args.chaos is not None and last.get("epochs", 0.0) >= args.epochs:
-            break  # with chaos, the run ends once --epochs epochs of pushes are applied
+        if args.chaos is not None and (last.get("epochs", 0.0) >= args.epochs
+                                       or time.monotonic() - started >= args.time_budget):
+            # With chaos the run ends once --epochs epochs of pushes are applied, or at the
+            # budget: a restarted trainer's own clock starts again, so the server keeps it.
+            break
         if time.monotonic() > deadline:
             missing = sorted(finished.expected - set(finished.reports))
             raise TimeoutError(f"trainers {missing} did not finish within the time budget plus 60 s")
@@ -258,13 +262,13 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
         finished = Finished(trainers)
         group.register("done", finished.report)
         torch.manual_seed(args.seed)
-        impl = PushPullGradServerImpl(SERVER, group, **options)
+        impl = PushPullGradServerImpl(ELASTIC_SERVER, group, **options)
         model = make_model(args.hidden).to(args.device)
         impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=args.lr))
         impl.start()
         print(f"digits: {len(data['y_train'])} training and {len(data['y_test'])} test images; "
               f"{len(trainers)} trainers, server on rank 0 ({args.device}), chaos every {args.chaos:g} s", flush=True)
-        accessor = group.get_paired(SERVER).to_here()
+        accessor = group.get_paired(ELASTIC_SERVER).to_here()
         gate.open()  # the server and the "done" service exist: trainers may start
         result = serve(world, _Hosted(impl, accessor), args, data, finished, started)
         gate.close()
@@ -275,13 +279,13 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
     if world.membership.gone(server_member):
         return None  # restarted after the server finished
     impl = _util.after_host(world, gate, server_member, "trainer", "server",
-                            lambda: PushPullGradServerImpl(SERVER, group, **options))
+                            lambda: PushPullGradServerImpl(ELASTIC_SERVER, group, **options))
     if impl is None:
         return None
     impl.start()
     info: Dict[str, Any] = {"incarnation": world.incarnation}
     try:
-        info.update(train(world, group.get_paired(SERVER, timeout=60.0).to_here(), args, data, trainers, group))
+        info.update(train(world, group.get_paired(ELASTIC_SERVER, timeout=60.0).to_here(), args, data, trainers, group))
         info["secondary"] = impl.stats()["secondary"]
         info["cpu"] = time.process_time()
         group.registered_sync("done", (world.name, info))

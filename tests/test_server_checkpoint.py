@@ -318,3 +318,15 @@ def test_checkpoint_now_writes_the_newest_version_between_two_steps(tmp_path):
     out, = launch(_now_body, 1, args=(str(tmp_path),), timeout=60)
     assert out["grad"] == (True, 1, [-1.0, -2.0])
     assert out["ordered"] == ([(1, "a")], [(1, "a"), (2, "b")])
+
+
+def test_a_directory_with_other_servers_checkpoints_but_not_this_ones_is_named(tmp_path, caplog):
+    # A renamed server or a mistyped directory started afresh in silence: a run that looked resumed.
+    with caplog.at_level("INFO", logger="machinlike.server._host"):
+        assert HostCheckpoint(tmp_path / "new", "grad-server", "g", 1, None).load() is None  # a first run
+        assert [r.levelname for r in caplog.records] == ["INFO"]
+        Checkpointer(tmp_path, "grad-server", "digits").save({"version": 3})
+        assert HostCheckpoint(tmp_path, "grad-server", "digits_0", 1, None).load() is None
+    warned = caplog.records[-1]
+    assert warned.levelname == "WARNING" and "no checkpoint 'digits_0.ckpt'" in warned.getMessage()
+    assert "which holds digits.ckpt; starting afresh" in warned.getMessage()

@@ -29,6 +29,7 @@ writes a checkpoint before the push is acknowledged.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -118,6 +119,7 @@ class HostCheckpoint:
         """
         state = self.file.load()
         if state is None:
+            self._starting_afresh()
             return None
         lease = self._lease_file.load()
         if lease is None:
@@ -130,6 +132,21 @@ class HostCheckpoint:
                                   f"{lease['lease']} in {self._lease_file.path!r}: the files do not belong together")
         self.lease = lease["lease"]
         return state, self.lease
+
+    def _starting_afresh(self) -> None:
+        # A directory holding other servers' checkpoints but not this one's is most often a
+        # renamed server or a mistyped path: a run that looks resumed and is not.
+        directory = self.file.directory
+        try:
+            others = sorted(f for f in os.listdir(directory) if f.endswith(".ckpt"))
+        except OSError:  # (not made yet: a first run)
+            others = []
+        if others:
+            log.warning("%s %r: no checkpoint %r in %r, which holds %s; starting afresh (pass the same "
+                        "server name as the run that wrote them to resume it)", self.file.kind, self.file.name,
+                        os.path.basename(self.file.path), directory, ", ".join(others[:5]))
+        else:
+            log.info("%s %r: no checkpoint in %r yet; starting afresh", self.file.kind, self.file.name, directory)
 
     def restore(self, state: Dict[str, Any], lease: int, depth: int,
                 adopt: Optional[Callable[[Hashable, Any], Any]]) -> Tuple[Dict[Hashable, Deque], int]:
