@@ -12,9 +12,9 @@ process: it draws the round and grants it to each rank's newest ticket::
     rank r > 0   t = add(ticket/r, 1) ─► set(want/r, t) ─► wait(grant/r/t) ─► round
                  ─► set(ack/<round>/r)
     rank 0       round = add(round, 1); until every ack/<round>/r exists:
-                     wait until every want/r exists (an earlier round's counts), a slice
-                     grant each want/r not granted yet:  set(grant/r/<want>, round)
-                     wait for the acks, a slice (each slice longer, up to 0.2 s)
+                     every want/r there (an earlier round's counts)? grant each want/r
+                       not granted yet: set(grant/r/<want>, round); every ack there? done
+                     else sleep (each pause longer, up to 0.2 s) and look again
                  then delete the grants and acks
 
 A want left by a worker of an earlier round is granted too: nobody waits on its key, and
@@ -75,20 +75,21 @@ def _lead(store: dist.Store, size: int, deadline: float, address: str) -> int:
     acks = [Keys.round_ack(round_, r) for r in others]
     granted: Dict[int, Set[str]] = {r: set() for r in others}
     pause = _SLICE_FIRST
+    # Looks with check(), not timed waits: torch logs two C++ warnings for every wait that
+    # times out (a node 60 s late printed about 600 lines); a look costs one round trip.
     while others:
-        try:  # (a rank's want, even an earlier round's, then one read of them all a look)
-            store.wait(wants, _slice(pause, deadline))
+        if store.check(wants):  # (a rank's want, even an earlier round's, then one read of them all)
             _grant(store, others, wants, granted, round_)
-            store.wait(acks, _slice(pause, deadline))
-            break
-        except dist.DistStoreError:
-            if time.monotonic() >= deadline:
-                missing = [str(r) for r, key in zip(others, acks) if not store.check([key])]
-                raise TimeoutError(
-                    f"World start-up: ranks {', '.join(repr(m) for m in missing)} of this torchrun job did not "
-                    f"start this round's world within its timeout (store {address}): their node may be down or slow "
-                    f"to restart; pass a larger dist_timeout if nodes restart slowly") from None
-            pause = min(pause * 2, _SLICE_MAX)
+            if store.check(acks):
+                break
+        if time.monotonic() >= deadline:
+            missing = [str(r) for r, key in zip(others, acks) if not store.check([key])]
+            raise TimeoutError(
+                f"World start-up: ranks {', '.join(repr(m) for m in missing)} of this torchrun job did not "
+                f"start this round's world within its timeout (store {address}): their node may be down or slow "
+                f"to restart; pass a larger dist_timeout if nodes restart slowly")
+        time.sleep(min(pause, max(deadline - time.monotonic(), 0.0)))
+        pause = min(pause * 2, _SLICE_MAX)
     for r, tickets in granted.items():  # (the round is taken: its keys are spent)
         for ticket in tickets:
             store.delete_key(Keys.round_grant(r, ticket))
@@ -104,10 +105,6 @@ def _grant(store: dist.Store, ranks: List[int], wants: List[str], granted: Dict[
         if text not in granted[r]:
             store.set(Keys.round_grant(r, text), str(round_))
             granted[r].add(text)
-
-
-def _slice(pause: float, deadline: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=min(pause, max(deadline - time.monotonic(), 0.001)))
 
 
 def _left(deadline: float) -> datetime.timedelta:
