@@ -330,3 +330,26 @@ def test_a_directory_with_other_servers_checkpoints_but_not_this_ones_is_named(t
     warned = caplog.records[-1]
     assert warned.levelname == "WARNING" and "no checkpoint 'digits_0.ckpt'" in warned.getMessage()
     assert "which holds digits.ckpt; starting afresh" in warned.getMessage()
+
+
+def _model_helper_body(world, directory, value):
+    from machinlike.server import model_server_helper
+
+    servers = model_server_helper(model_num=1, checkpoint_dir=directory)
+    (server,) = servers
+    resumed = Two()
+    server.pull(resumed)  # what the last run left (nothing on the first)
+    if value is not None:
+        pushed = Two()
+        with torch.no_grad():
+            pushed.w.fill_(value)
+        assert server.push(pushed)
+    paths = [os.path.basename(path) for path in servers.checkpoint()]
+    servers.close()
+    return resumed.w.detach().tolist(), paths
+
+
+def test_the_model_helper_checkpoints_its_servers_and_a_later_run_resumes_them(tmp_path):
+    assert launch(_model_helper_body, 1, args=(str(tmp_path), 3.0), timeout=60)[0] == (
+        [0.0, 0.0], ["model_server_0.ckpt"])
+    assert launch(_model_helper_body, 1, args=(str(tmp_path), None), timeout=60)[0][0] == [3.0, 3.0]

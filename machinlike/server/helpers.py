@@ -20,6 +20,7 @@ import torch
 from ..distributed import RpcGroup, get_world
 from ._common import check_count, check_group, check_name, check_timeout, current_world
 from ._grad import grad_settings
+from ._host import host_checkpoint
 from .grad import PushPullGradServerImpl
 from .model import PushPullModelServerImpl
 
@@ -170,7 +171,9 @@ def _per_model(value: Any, count: int, param: str, default: Callable[[], Any], s
 
 def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = None,
                         members: Union[str, Sequence[str]] = "all", *, server_name: str = "model_server",
-                        group_name: Optional[str] = None, timeout: Optional[float] = None) -> ServerHandles:
+                        group_name: Optional[str] = None, timeout: Optional[float] = None,
+                        checkpoint_dir: Any = None, checkpoint_every: int = 100,
+                        checkpoint_interval: Optional[float] = None) -> ServerHandles:
     """Create ``model_num`` model servers hosted by the group's first member.
 
     Every member calls it and gets the accessors; servers are named
@@ -185,6 +188,10 @@ def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = 
         server_name: Prefix of the servers' names (and the created group's name).
         group_name: machin's keyword: the name of the group to create (as a str ``group``).
         timeout: Seconds for group creation and the barriers; None: the world's dist_timeout.
+        checkpoint_dir, checkpoint_every, checkpoint_interval: As for
+            :class:`PushPullModelServerImpl`: the host checkpoints each server's chain (one
+            file per server, ``<server_name>_<i>``), resumes from it, and
+            ``ServerHandles.checkpoint()`` writes them now.
 
     Returns:
         :class:`ServerHandles`: a tuple of :class:`PushPullModelServer` accessors.
@@ -197,10 +204,14 @@ def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = 
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
     check_name(server_name, "server_name")
+    names = [f"{server_name}_{i}" for i in range(model_num)]
+    # (checked on every member, before any group exists: a mistake is named everywhere)
+    checkpoints = [host_checkpoint(checkpoint_dir, "model-server", n, checkpoint_every, checkpoint_interval)
+                   for n in names]
     group, owned = _resolve_group(group, group_name, members, server_name, timeout)
     host = group.get_group_members()[0]
-    names = [f"{server_name}_{i}" for i in range(model_num)]
-    impls = [PushPullModelServerImpl._checked(n, group) for n in names] if group.get_cur_name() == host else []
+    impls = ([PushPullModelServerImpl._checked(n, group, checkpoint=c) for n, c in zip(names, checkpoints)]
+             if group.get_cur_name() == host else [])
     group.barrier(timeout=timeout)
     accessors = [group.get_paired(n).to_here() for n in names]
     return ServerHandles(accessors, group, impls, owned)

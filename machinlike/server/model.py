@@ -244,10 +244,12 @@ class PushPullModelServerImpl:
         self._open(server_name, group, model_name, o_server, checkpoint)
 
     @classmethod
-    def _checked(cls, server_name: str, group: RpcGroup, model_name: str = "model") -> "PushPullModelServerImpl":
-        """Built from values a helper checked already (the chain hosted here, no checkpoint)."""
+    def _checked(cls, server_name: str, group: RpcGroup, model_name: str = "model",
+                 checkpoint: Optional[HostCheckpoint] = None) -> "PushPullModelServerImpl":
+        """Built from values a helper checked already (the chain hosted here; ``checkpoint``
+        made by ``host_checkpoint`` for this server's name, None: none)."""
         self = cls.__new__(cls)
-        self._open(server_name, group, model_name, None, None)
+        self._open(server_name, group, model_name, None, checkpoint)
         return self
 
     def _open(self, server_name: str, group: RpcGroup, model_name: str, o_server: Optional[OrderedServerBase],

@@ -330,8 +330,9 @@ class OrderedServerSimpleImpl:
         self._data, resumed = checkpoint.restore(state, lease, self.version_depth, self._adopt)
         self.resumed_version = resumed
         checkpoint.save(0, self._snapshot())
-        log.warning("ordered server %r resumed %d keys from %r, newest versions republished as %d",
-                    self.server_name, len(self._data), checkpoint.path, resumed)
+        # (named as checkpointed: a model server's chain is its own ordered server's)
+        log.warning("%s %r resumed %d key(s) from %r, newest versions republished as %d", checkpoint.file.kind,
+                    checkpoint.file.name, len(self._data), checkpoint.path, resumed)
 
     def _snapshot(self) -> Dict[str, Any]:
         # Under the lock (or before serving). Shallow: a stored value is never edited.
