@@ -415,8 +415,14 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
             if chaos is not None:  # the parser refuses it (see _Parser)
                 raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos needs --engine local")
-            return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
-                                         address=args.ray_address, resources={"num_cpus": args.ray_cpus})
+            try:
+                return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
+                                             address=args.ray_address, resources={"num_cpus": args.ray_cpus})
+            except ValueError as err:  # (the cluster is too small for the ranks: say which flag asks less)
+                if "need more than the Ray cluster has" not in str(err):
+                    raise
+                raise SystemExit(f"{os.path.basename(sys.argv[0])}: {err} (each rank asks for --ray-cpus "
+                                 f"{args.ray_cpus:g}; --ray-cpus {args.ray_cpus / 2:g} asks half)") from None
         if chaos is not None:
             # Enough restarts for every kill the budget allows (one rank may draw them all).
             restarts = int((args.time_budget + timeout_margin) / chaos) + 2

@@ -357,8 +357,8 @@ def main() -> None:
                         "and its gradient dropped (default 32)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="the server's checkpoints: a run (or a torchrun restart) with the same directory resumes "
-                        "the model and optimizer where the last one stopped; SIGTERM to the server writes one "
-                        "first (default: none)")
+                        "the model and optimizer where the last one stopped (--epochs then counts this run's "
+                        "pushes only); SIGTERM to the server writes one first (default: none)")
     p.add_argument("--eval-every", type=_util.positive_float, default=0.5,
                    help="seconds between evaluations (default 0.5)")
     p.add_argument("--print-every", type=_util.positive_float, default=2.0,

@@ -336,6 +336,9 @@ def test_torchrun_builds_world_without_arguments(tmp_path):
     assert lines == [f"rank {r} of 3: services 3 all_reduce 3" for r in range(3)], done.stdout
     launched = sorted(line for line in done.stdout.splitlines() if line.startswith("launched "))
     assert launched == [f"launched rank {r} of 3" for r in range(3)], done.stdout
+    # Asked for 99 ranks, it got torchrun's 3: said once, by rank 0.
+    assert done.stderr.count("launch(world_size=99) runs in place under torchrun, whose 3 processes are the ranks") \
+        == 1, done.stderr
     refused = sorted(line for line in done.stdout.splitlines() if line.startswith("refused "))
     assert refused == sorted(["refused ['chaos', 'max_restarts']: True", "refused ['max_restarts']: True"] * 3), \
         done.stdout

@@ -58,8 +58,8 @@ import torch
 
 from ..._shm._segments import pid_alive
 
-__all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease", "ExportArea",
-           "slab_capacity"]
+__all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease",
+           "ExportArea", "slab_capacity"]
 
 FREE = 0
 RETIRED = -1

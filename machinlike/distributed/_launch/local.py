@@ -145,11 +145,15 @@ def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None
 
 
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
-              names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any]) -> Any:
-    from .._store import resolve_rank_and_size
+              names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any],
+              asked: int) -> Any:
+    from .._store import external_launcher, resolve_rank_and_size
     from .._world import World
 
-    rank = resolve_rank_and_size(None, None)[0]  # torchrun's RANK or srun's SLURM_PROCID
+    rank, size = resolve_rank_and_size(None, None)  # torchrun's RANK or srun's SLURM_PROCID
+    if rank == 0 and size != asked:  # (said once, by rank 0: a job that asked for one size and got another)
+        log.warning("launch(world_size=%d) runs in place under %s, whose %d processes are the ranks: the world "
+                    "has %d", asked, external_launcher() or "torchrun", size, size)
     name = str(names[rank]) if names is not None else None
     world = World(name, **world_kwargs)
     try:
@@ -193,8 +197,9 @@ def launch(
         ctx: Multiprocessing context; None: the warm forkserver (torch preloaded).
         stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end
             (once every rank returned, each ends by itself, within 5 s at most: a thread
-            its function left running does not hold ``launch`` up longer); also the grace the ranks get when this process is sent SIGTERM (a scheduler's
-            stop or preemption): while ``launch`` runs, SIGTERM is passed on to the ranks
+            its function left running does not hold ``launch`` up longer); also the grace
+            the ranks get when this process is sent SIGTERM (a scheduler's stop or
+            preemption): while ``launch`` runs, SIGTERM is passed on to the ranks
             (a rank's own handler may save a checkpoint and return), those still running
             after ``stop_timeout`` are killed, and then this process ends by the signal,
             as it would have at once (a second SIGTERM: at once). Only where SIGTERM has
@@ -216,8 +221,10 @@ def launch(
             0 (the default): the first failure ends the run. Above 0 the ranks form an
             elastic World (no default process group, so no collectives): a restarted rank
             rejoins under its name as the next incarnation (``world.incarnation``) while
-            the others go on. Each restart is logged with its cause and listed in the
-            result's ``restarts``.
+            the others go on. There ``world.get_members()`` is who has joined so far:
+            ``world.wait_for_members([...])`` first, or create open groups (no
+            members list), where a static program passes ``get_members()``. Each restart
+            is logged with its cause and listed in the result's ``restarts``.
         essential: Ranks (by rank or name) whose failure still ends the run, restarts or
             not (e.g. the learner).
         chaos: Fault injection: every ``chaos`` seconds, SIGKILL one running rank that is
@@ -248,7 +255,7 @@ def launch(
         raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
     if torchrun if torchrun is not None else external_launcher() is not None:
         _refuse_restarts_in_place(max_restarts, chaos)
-        return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs)])
+        return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs, world_size)])
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
@@ -258,8 +265,7 @@ def launch(
         if max_restarts < 1 or len(vital) == world_size:
             raise ValueError(f"chaos={chaos!r} kills ranks that must come back: pass max_restarts >= 1 and "
                              f"leave at least one rank out of essential")
-    elastic = max_restarts > 0
-    if elastic:
+    if elastic := max_restarts > 0:
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     _mainguard.check_main_file("launch(...)", context.get_start_method())
@@ -279,11 +285,10 @@ def launch(
             for rank in range(world_size):
                 job.start(rank)
             results = job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
-            if not any(isinstance(result, BaseException) for result in results):
-                # Every rank returned and is in its World.stop: it ends by itself (a SIGTERM now
-                # would cut the stop short, and one a rank's function handles would cost the
-                # grace). Bounded apart: a thread the function left running keeps a rank alive.
-                linger = min(stop_timeout, _LINGER_S)
+            # Every rank returned and is in its World.stop: it ends by itself (a SIGTERM now
+            # would cut the stop short, and one a rank's function handles would cost the
+            # grace). Bounded apart: a thread the function left running keeps a rank alive.
+            linger = 0.0 if any(isinstance(r, BaseException) for r in results) else min(stop_timeout, _LINGER_S)
             return results
         finally:
             grace = stop_timeout if termination.requested else 2.0
