@@ -2,8 +2,10 @@
 
 ::
 
-    end_processes(processes, grace)
+    end_processes(processes, grace, linger, done)
       already ended? ─> reap
+      linger: wait for them to end on their own, up to `linger` s; one whose `done`
+              handle is ready (its work is over: a pipe it closed) gets EXIT_S more
       else SIGTERM ──(wait on the sentinels, up to `grace` s)──> SIGKILL what is left
       └──> reap everything (up to `reap` s more: a SIGKILLed process ends at once,
            unless it sleeps uninterruptibly in the kernel, which no signal shortens)
@@ -17,16 +19,19 @@ from __future__ import annotations
 
 import time
 from multiprocessing import connection as _mp_connection
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["end_processes", "REAP_WAIT"]
+__all__ = ["end_processes", "REAP_WAIT", "EXIT_S"]
 
 #: Seconds to wait for SIGKILLed processes to be reaped.
 REAP_WAIT = 10.0
+#: Seconds a lingering process whose work is done may take to end (its interpreter's
+#: exit: finalizers, buffers; not a thread it left running, which SIGTERM then ends).
+EXIT_S = 1.0
 
 
 def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAIT, close: bool = False,
-                  linger: float = 0.0) -> None:
+                  linger: float = 0.0, done: Optional[Dict[Any, Any]] = None) -> None:
     """End ``processes``: up to ``linger`` seconds for them to end by themselves, SIGTERM,
     up to ``grace`` seconds, SIGKILL, then reap them.
 
@@ -40,8 +45,12 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
             one still running after that (uninterruptible sleep) is left as it is.
         close: Also ``close()`` each reaped process object (frees its descriptors).
         linger: Seconds they may take to end on their own first (0: none).
+        done: With ``linger``: a handle by process (anything ``connection.wait`` takes)
+            that is ready once its work is over; it then has ``EXIT_S`` s left to end.
     """
-    alive = _wait_for([p for p in processes if _running(p)], linger)
+    alive = [p for p in processes if _running(p)]
+    if linger > 0:
+        alive = _linger(alive, linger, done or {})
     if grace > 0:
         for p in alive:
             try:
@@ -64,6 +73,28 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
                 p.close()
         except ValueError:  # still running after SIGKILL, or closed already: leave it
             pass
+
+
+def _linger(processes: List[Any], seconds: float, done: Dict[Any, Any]) -> List[Any]:
+    """Those of ``processes`` still running once each ended, or ``seconds`` passed, or
+    ``EXIT_S`` passed since its ``done`` handle was ready."""
+    now = time.monotonic()
+    until = {p: now + seconds for p in processes}  # when each stops being waited for
+    marks = {done[p]: p for p in processes if p in done}
+    sentinels = {p.sentinel: p for p in processes}
+    while sentinels:
+        now = time.monotonic()
+        waited = [h for h, p in sentinels.items() if until[p] > now]
+        if not waited:
+            break
+        ready = _mp_connection.wait(waited + list(marks), min(until[sentinels[h]] for h in waited) - now)
+        for handle in ready:
+            if handle in marks:  # its work is over: only its exit is waited for now
+                process = marks.pop(handle)
+                until[process] = min(until[process], time.monotonic() + EXIT_S)
+            else:
+                sentinels.pop(handle, None)
+    return list(sentinels.values())
 
 
 def _wait_for(processes: List[Any], seconds: float) -> List[Any]:

@@ -150,7 +150,16 @@ def test_a_launcher_with_its_own_sigterm_handler_keeps_it(tmp_path):
     assert not [pid for pid in _rank_pids(tmp_path) if _alive(pid)]
 
 
-def test_a_ctrl_c_during_a_ranks_start_waits_for_the_start_to_end():
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test: a process started in the background of a
+    non-interactive shell (``cmd &``) inherits SIGINT ignored, and Python then leaves it so."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_during_a_ranks_start_waits_for_the_start_to_end(python_sigint):
     # Interrupted while it wrote a rank's start-up data, the launcher left the forkserver's
     # child printing an UnpicklingError traceback under the example's "interrupted" line.
     import os
@@ -185,7 +194,7 @@ def test_a_ctrl_c_during_a_ranks_start_waits_for_the_start_to_end():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_a_second_ctrl_c_during_a_deferred_start_is_not_held_back():
+def test_a_second_ctrl_c_during_a_deferred_start_is_not_held_back(python_sigint):
     # (a start that hangs, the warm forkserver's first import of torch, stays interruptible)
     import signal
 

@@ -78,7 +78,6 @@ class LaunchResult(list):
 
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
 _RESERVED = {"rank", "world_size", "store", "init_method", "name"}
-_LINGER_S = 5.0  # seconds ranks that all returned may take to end by themselves (their World.stop)
 
 
 def _ignore_interrupt(signum: int, frame: Any) -> None:
@@ -123,10 +122,11 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
         data = dumps((False, ExceptionWithTraceback(
             TypeError(f"rank {rank} returned a result that cannot be pickled: {exc}"),
             where=f"rank {rank} ({name!r})")))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (a handler of the function's was for its run)
     conn.send_bytes(data)
-    conn.close()
     if world is not None:
         world.stop(stop_timeout)
+    conn.close()  # (after the stop: the launcher waits for it, then for this process's exit)
 
 
 def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None:
@@ -196,8 +196,9 @@ def launch(
         names: Member names per rank. None: ``"0"``, ``"1"``, ...
         ctx: Multiprocessing context; None: the warm forkserver (torch preloaded).
         stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end
-            (once every rank returned, each ends by itself, within 5 s at most: a thread
-            its function left running does not hold ``launch`` up longer); also the grace
+            (once every rank returned, each stops and ends by itself, for 2 s at most: a
+            stop still serving calls, or a thread its function left running, is then
+            ended as before); also the grace
             the ranks get when this process is sent SIGTERM (a scheduler's stop or
             preemption): while ``launch`` runs, SIGTERM is passed on to the ranks
             (a rank's own handler may save a checkpoint and return), those still running
@@ -286,13 +287,15 @@ def launch(
                 job.start(rank)
             results = job.collect(timeout, return_exceptions, max_restarts, vital, chaos, chaos_seed)
             # Every rank returned and is in its World.stop: it ends by itself (a SIGTERM now
-            # would cut the stop short, and one a rank's function handles would cost the
-            # grace). Bounded apart: a thread the function left running keeps a rank alive.
-            linger = 0.0 if any(isinstance(r, BaseException) for r in results) else min(stop_timeout, _LINGER_S)
+            # would cut the stop short). Its result pipe closes once the stop is over, then
+            # its exit gets EXIT_S; a stop still waiting for calls served after 2 s,
+            # or a thread its function left running, is SIGTERM's.
+            linger = 0.0 if any(isinstance(r, BaseException) for r in results) else min(stop_timeout, 2.0)
             return results
         finally:
             grace = stop_timeout if termination.requested else 2.0
-            end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0, linger=linger)
+            end_processes([p for p in job.processes if p is not None], grace=grace, reap=5.0, linger=linger,
+                          done={p: job.reader_of[r] for r, p in enumerate(job.processes) if p is not None})
             for reader in job.readers:
                 reader.close()
             job.stacks.close()
