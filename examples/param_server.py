@@ -180,8 +180,9 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
     while not finished.all_done.wait(args.eval_every):
         if told_to_stop.is_set():  # a scheduler's stop, preemption, or torchrun restarting the workers
             paths = servers.checkpoint(timeout=30)
-            print(f"[{time.monotonic() - started:6.1f} s] SIGTERM: checkpoint written ({', '.join(paths)}); "
-                  f"a run with the same --checkpoint-dir resumes from it", flush=True)
+            print(f"[{time.monotonic() - started:6.1f} s] told to stop (SIGTERM; a Ctrl-C reaches the ranks as "
+                  f"SIGTERM): checkpoint written ({', '.join(paths)}); a run with the same --checkpoint-dir resumes "
+                  f"from it", flush=True)
             raise SystemExit(128 + signal.SIGTERM)
         if args.chaos is not None and (last.get("epochs", 0.0) >= args.epochs
                                        or time.monotonic() - started >= args.time_budget):

@@ -224,6 +224,13 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
     # The usage error in this process: the exit status reaching the shell is proven above.
     assert status_main(["status", "nowhere", "--once"]) == 2
     assert "address must be 'host:port'" in capsys.readouterr().err
+    # A port where something else listens (another program): the fix is the address, not a World's.
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(4)
+        assert status_main(["status", f"127.0.0.1:{other.getsockname()[1]}", "--once", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "did not answer as a world's store within 0.5 s: check the address" in err and "MASTER_PORT" not in err
 
 
 HOST = """

@@ -102,7 +102,10 @@ def connect_read_only(address: str, timeout: float) -> ReadOnlyStore:
     try:
         store = new_client(host.strip("[]"), int(port), datetime.timedelta(seconds=timeout))
     except (RuntimeError, dist.DistError, TimeoutError) as err:
-        raise ConnectionError(f"no world's store answers at {host}:{port} within {timeout:g} s ({err})") from err
+        # (not the error's own advice, which is a World's: the reader's fix is the address)
+        raise ConnectionError(f"something listens at {host}:{port} but did not answer as a world's store within "
+                              f"{timeout:g} s: check the address (World.store_address; the examples print it at "
+                              f"start)") from err
     return ReadOnlyStore(store, (host.strip("[]"), int(port)))
 
 
