@@ -30,7 +30,7 @@ from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
 from typing import Any, Dict, List, Optional, Union
 
-__all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE"]
+__all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE", "server_died"]
 
 #: Whether this platform can run a forkserver (it needs fd passing over Unix sockets).
 WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and os.name == "posix"
@@ -138,6 +138,25 @@ def _get_server(profile: str) -> _WarmForkServer:
             server = _servers[profile] = _WarmForkServer()
             server.set_forkserver_preload(list(_PRELOADS[profile]))
         return server
+
+
+def server_died(profile: str) -> Optional[int]:
+    """The pid of this process's warm server of ``profile`` once it has died; None while it
+    serves (or was never started here, or is a parent's).
+
+    Why: its children's sentinels are its pipes, so its death reads as every child ending
+    with status 255, although they may run on; whoever names a child's end asks first.
+    """
+    with _server_lock:
+        server = _servers.get(profile)
+    pid = None if server is None or server.borrowed else server._forkserver_pid
+    if pid is None:
+        return None
+    try:  # (WNOWAIT: not reaped, so that ensure_running still sees it gone and starts another)
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: gone
+        return pid
+    return pid if ended is not None else None
 
 
 def _borrow_parent_server() -> None:

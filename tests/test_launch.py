@@ -217,3 +217,18 @@ def test_the_stack_folders_are_removed_also_those_of_a_killed_launcher(tmp_path)
     finally:
         os.close(held)
         shutil.rmtree(alive, ignore_errors=True)
+
+
+def _kills_the_forkserver(world):
+    if world.rank == 1:
+        os.kill(os.getppid(), signal.SIGKILL)  # (a rank's parent is the warm forkserver: the OOM killer's pick)
+    time.sleep(30)
+
+
+def test_a_dead_forkserver_is_named_rather_than_a_rank_that_may_still_run():
+    # Every rank's sentinel is a pipe of the forkserver: its death read as "rank 3 exited
+    # with code 255", blaming a rank that was still running.
+    with pytest.raises(ProcessExitedError, match=r"exited with code 255: the forkserver that started the ranks "
+                                                 r"\(pid \d+\) died, so this rank's own end is unknown"):
+        launch(_kills_the_forkserver, 2, timeout=60)
+    assert launch(lambda world: world.rank, 2, timeout=60) == [0, 1]  # (a new server starts for the next run)

@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Set
 
 import torch.distributed as dist
 
-from ... import _mainguard
+from ... import _mainguard, _warm
 from ...exception import ProcessExitedError, describe_exitcode
 from .._membership import describe_exception, record_exit
 from .._store import ExitRecord, Keys, MemberRecord
@@ -43,6 +43,11 @@ _RESTART = "0"  # the namespace root of a store launch() hosts (no torchrun roun
 def exited(process: Any) -> ProcessExitedError:
     """The error of a rank's ``process`` that ended without a report (it is joined first)."""
     process.join()
+    server = _warm.server_died("train") if process.exitcode == 255 else None
+    if server is not None:  # (255: the pipe of the forkserver that started it closed, not its own end)
+        return ProcessExitedError(process.name, process.pid, process.exitcode, (
+            f"the forkserver that started the ranks (pid {server}) died, so this rank's own end is unknown; look "
+            f"for the OOM killer (dmesg) or a kill of that pid. The run ends"))
     detail = _mainguard.explain(process.exitcode) or _NO_REPORT + (
         _ABORTED if process.exitcode == -signal.SIGABRT else "")
     return ProcessExitedError(process.name, process.pid, process.exitcode, detail)
