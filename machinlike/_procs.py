@@ -5,7 +5,8 @@
     end_processes(processes, grace, linger, done)
       already ended? ─> reap
       linger: wait for them to end on their own, up to `linger` s; one whose `done`
-              handle is ready (its work is over: a pipe it closed) gets EXIT_S more
+              handle is ready (its work is over: a pipe it closed) has EXIT_S s from
+              then, within the same `linger`
       else SIGTERM ──(wait on the sentinels, up to `grace` s)──> SIGKILL what is left
       └──> reap everything (up to `reap` s more: a SIGKILLed process ends at once,
            unless it sleeps uninterruptibly in the kernel, which no signal shortens)
@@ -46,7 +47,8 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
         close: Also ``close()`` each reaped process object (frees its descriptors).
         linger: Seconds they may take to end on their own first (0: none).
         done: With ``linger``: a handle by process (anything ``connection.wait`` takes)
-            that is ready once its work is over; it then has ``EXIT_S`` s left to end.
+            that is ready once its work is over; it then has ``EXIT_S`` s to end (within
+            ``linger``).
     """
     alive = [p for p in processes if _running(p)]
     if linger > 0:

@@ -30,7 +30,7 @@ from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
 from typing import Any, Dict, List, Optional, Union
 
-__all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE", "server_died"]
+__all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE", "server_died", "server_of_died"]
 
 #: Whether this platform can run a forkserver (it needs fd passing over Unix sockets).
 WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and os.name == "posix"
@@ -157,6 +157,14 @@ def server_died(profile: str) -> Optional[int]:
     except ChildProcessError:  # reaped already: gone
         return pid
     return pid if ended is not None else None
+
+
+def server_of_died(process: _process.BaseProcess) -> Optional[int]:
+    """:func:`server_died` for the warm server that started ``process``; None when it
+    serves, or when a warm server did not start ``process`` (another context's)."""
+    popen = getattr(process, "_popen", None)  # (multiprocessing's, private: its class says who started it)
+    profile = getattr(popen, "_profile", None) if WARM_AVAILABLE and isinstance(popen, _WarmPopen) else None
+    return None if profile is None else server_died(profile)
 
 
 def _borrow_parent_server() -> None:

@@ -228,6 +228,8 @@ def test_a_lease_of_a_dead_receiver_is_reclaimed(area):
     again = area.lease(0, 4 << 20, os.getpid())  # taken back before any new slab is made
     assert again.slab is first.slab and area.held_bytes() == 4 << 20
     assert area.stats["reclaimed"] == 1 and area.stats["slabs_made"] == 1
+    # It may have died before this side's copies into the slab ran: its next writer waits for them.
+    assert again.slab.unsent and area.unsettled(again.slab) and not area.unsettled(again.slab)
 
 
 def test_no_room_is_none_and_counted_and_free_slabs_are_evicted(area):

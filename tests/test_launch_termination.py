@@ -232,4 +232,4 @@ def test_after_a_clean_run_the_ranks_end_by_themselves_handler_or_not(tmp_path):
     assert launch(_returns_with_a_sigterm_handler, 3, args=(str(tmp_path),), timeout=60) == [0, 1, 2]
     took = time.monotonic() - started
     assert sorted(p for p in os.listdir(tmp_path) if p.startswith("ended")) == ["ended-0", "ended-1", "ended-2"]
-    assert took < 1.5, took
+    assert took < 1.9, took  # (before: the handler's rank held it up for the 2 s grace)

@@ -283,7 +283,8 @@ class PushPullGradServerImpl:
 
         Holds the newest version's parameters, optimizer, lr-scheduler and accounting;
         the primary's next step waits while it is written. Nothing is rewritten when the
-        file holds that version already.
+        file holds that version already. Call it from the program's loop (a SIGTERM handler
+        sets an event), as ``examples/param_server.py`` does.
 
         Args:
             timeout: Seconds to wait for the step in progress; None: the world's rpc_timeout.

@@ -433,6 +433,8 @@ class OrderedServerSimpleImpl:
     def checkpoint(self) -> str:
         """Write the checkpoint of every key's history now, e.g. when the job is told to
         stop (SIGTERM); nothing is rewritten when the file holds the newest version already.
+        Call it from the program's loop (a SIGTERM handler sets an event): from a handler
+        it could wait for a lock its own thread holds.
 
         Returns:
             The checkpoint file's path.

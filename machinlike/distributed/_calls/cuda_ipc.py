@@ -421,7 +421,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 except Exception:
                     pass
             if int(row[0]) == lease:
-                if lease_row < 0:  # the sender's copies in were not seen to run: its next writer waits
+                if lease_row < 0 and not copying:  # the sender's copies in were not seen to run: its next writer waits
                     slab_row[3] = UNSETTLED
                 row[0] = FREE  # the sender may lend the slab again
     _count2("received_tensors", len(out), "received_bytes", total)

@@ -342,6 +342,7 @@ class ExportArea:
         for slab in self._slabs:
             row = self.words[slab.slot]
             if row[0] > FREE and not pid_alive(int(row[1])):
+                slab.unsent = True  # (it may have died before this side's copies in ran: the next writer waits)
                 row[0] = FREE  # its receiver died: nobody reads it any more
                 self.stats["reclaimed"] += 1
                 found = True

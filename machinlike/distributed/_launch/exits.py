@@ -43,7 +43,7 @@ _RESTART = "0"  # the namespace root of a store launch() hosts (no torchrun roun
 def exited(process: Any) -> ProcessExitedError:
     """The error of a rank's ``process`` that ended without a report (it is joined first)."""
     process.join()
-    server = _warm.server_died("train") if process.exitcode == 255 else None
+    server = _warm.server_of_died(process) if process.exitcode == 255 else None
     if server is not None:  # (255: the pipe of the forkserver that started it closed, not its own end)
         return ProcessExitedError(process.name, process.pid, process.exitcode, (
             f"the forkserver that started the ranks (pid {server}) died, so this rank's own end is unknown; look "
@@ -110,6 +110,11 @@ class RankExits:
                     ExitRecord(incarnation, pid, "launcher", cause))
 
 
+_PROBE = "\x00probe"
+
+
 def _value(store: dist.Store, key: str) -> str:
-    """``key``'s value, "" when absent (checked first: a ``get`` would wait for it)."""
-    return store.get(key).decode() if store.check([key]) else ""
+    """``key``'s value, "" when absent, in one compare-and-set that sets nothing (a check
+    then a get waited the store's whole timeout for a key deleted between the two)."""
+    held = store.compare_set(key, _PROBE, _PROBE).decode()
+    return "" if held == _PROBE else held

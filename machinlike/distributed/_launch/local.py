@@ -147,7 +147,7 @@ def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
               names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any],
               asked: int) -> Any:
-    from .._store import external_launcher, resolve_rank_and_size
+    from .._store import resolve_rank_and_size
     from .._world import World
 
     rank, size = resolve_rank_and_size(None, None)  # torchrun's RANK or srun's SLURM_PROCID

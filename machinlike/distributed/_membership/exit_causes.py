@@ -107,7 +107,11 @@ def record_own_exit(registry: Registry, keys: Keys, me: MemberRecord, exc: BaseE
 
     def write() -> None:
         try:
-            if record_exit(registry.compare_set, keys, me.member, record) is not None:
+            # (a connection of its own: left behind in a silent store's request, this thread
+            # must not hold up the World's stop on the main one)
+            store = registry.short_connection(timeout)
+            if record_exit(lambda k, old, new: store.compare_set(k, old, new).decode(), keys, me.member,
+                           record) is not None:
                 done.set()
         except Exception as err:  # the store is gone or closed: nothing to tell it
             log.debug("machinlike: member %r could not record its exit cause: %s", me.member, err)

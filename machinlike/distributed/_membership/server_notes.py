@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
@@ -103,7 +103,7 @@ class ServerNotesPublisher:
         self._tokens = itertools.count()
         # Set to wake the thread before its interval is up: a source withdrawn, or closing.
         self._wake = threading.Event()
-        self._told = False  # whether a failure was logged (once; only the thread)
+        self._told: Set[str] = set()  # the failures logged (once each: "store", a server's own; only the thread)
 
     def add(self, summarize: Summary) -> Callable[[], None]:
         """Publish ``summarize()``'s notes from now on (a bound method is held weakly).
@@ -208,7 +208,8 @@ class ServerNotesPublisher:
         try:
             return summarize()
         except Exception as err:  # one server's failure leaves out its notes only
-            self._tell(f"a server's stats failed ({type(err).__name__}: {err})")
+            owner = getattr(summarize, "__self__", summarize)
+            self._tell(f"the stats of {owner!r} failed ({type(err).__name__}: {err})", repr(owner))
             return ()
 
     def _write(self, conn: Optional[dist.Store], text: Optional[str]) -> Optional[dist.Store]:
@@ -239,10 +240,10 @@ class ServerNotesPublisher:
         own = own_client(self._store, datetime.timedelta(seconds=STORE_TIMEOUT_S))
         return own if own is not None else self._store
 
-    def _tell(self, what: str) -> None:
-        if self._told:
+    def _tell(self, what: str, about: str = "store") -> None:
+        if about in self._told or len(self._told) > 64:  # (a store's failure, each server's: said once)
             log.debug("machinlike: member %r: servers' numbers not published: %s", self._name, what)
             return
-        self._told = True
+        self._told.add(about)
         log.warning("machinlike: member %r could not publish its servers' numbers for `python -m machinlike "
                     "status`: %s (said once; it tries again every %g s)", self._name, what, self.interval)

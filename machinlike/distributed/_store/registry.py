@@ -85,6 +85,11 @@ class Registry:
         own = own_client(self._store, timeout) if isinstance(timeout, datetime.timedelta) else None
         return own or self._store
 
+    def short_connection(self, seconds: float) -> dist.Store:
+        """A new connection whose requests end after ``seconds`` (the main one where the
+        store cannot make one): a write that must not hold up the main connection."""
+        return own_client(self._store, datetime.timedelta(seconds=seconds)) or self._store
+
     def warm(self) -> None:
         """Open the look-up thread's store connection now (see ``BoundedLookups.warm``);
         :meth:`close` ends it."""

@@ -525,9 +525,11 @@ class World:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        if exc_info[1] is not None:
-            self._note_exit(exc_info[1])
-        self.stop()
+        try:
+            if exc_info[1] is not None:
+                self._note_exit(exc_info[1])
+        finally:  # (a second Ctrl-C during the note still stops the World)
+            self.stop()
 
     def _note_exit(self, exc: BaseException) -> None:
         """This member ends with ``exc`` (its block or its launcher's rank function raised):

@@ -90,18 +90,20 @@ class ManagedModel:
         # Held through a step: a checkpoint asked for from another thread (checkpoint_now)
         # reads the model, optimizer and accounting between two steps, never inside one.
         self._stepping = threading.Lock()
+        self._managed = False  # manage() is over: its model resumed or published
 
     def manage(self, model: torch.nn.Module, params: Dict[str, torch.nn.Parameter], optimizer: Any,
                lr_scheduler: Any) -> None:
         """Take the model (checked by the caller; ``params`` its named parameters, not
         empty) and publish it: resumed from the checkpoint, or as version 0."""
-        self.model, self._params, self.spec = model, params, spec_of(params)
-        self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
-        if self._checkpoint is not None:
-            self._checkpoint.manage(self._checkpoint_state)
-        if self._resume():
-            return
-        self._publish_first()
+        with self._stepping:  # (a checkpoint asked for meanwhile waits for the resume, or version 0)
+            self.model, self._params, self.spec = model, params, spec_of(params)
+            self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
+            if self._checkpoint is not None:
+                self._checkpoint.manage(self._checkpoint_state)
+            if not self._resume():
+                self._publish_first()
+            self._managed = True
 
     # ------------------------------------------------------------ checkpoints
     def last_checkpoint(self) -> None:
@@ -130,8 +132,11 @@ class ManagedModel:
 
         Raises:
             RuntimeError: no checkpoint_dir, or no model managed yet.
-            TimeoutError: the step in progress did not end within ``timeout``.
+            TimeoutError: the step in progress (or manage_model) did not end within ``timeout``.
             OSError: the checkpoint could not be written.
+
+        Not from a signal handler of a thread inside ``manage_model``: set an event there and
+        call this from a loop.
         """
         if self._checkpoint is None:
             raise RuntimeError(f"gradient server {self._server_name!r} keeps no checkpoint: create it with "
@@ -142,6 +147,9 @@ class ManagedModel:
             raise TimeoutError(f"gradient server {self._server_name!r}: the primary's step did not end within "
                                f"{timeout:g} s, so no checkpoint was written; pass a longer timeout")
         try:  # (the primary waits at its next step while the file is written)
+            if not self._managed:  # (manage() failed: what is managed is not what the file holds)
+                raise RuntimeError(f"gradient server {self._server_name!r}: manage_model() did not finish; no "
+                                   f"checkpoint was written")
             self._checkpoint.last()
         finally:
             self._stepping.release()
