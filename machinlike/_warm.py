@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import select
 import socket
 import sys
 import threading
@@ -140,6 +141,9 @@ def _get_server(profile: str) -> _WarmForkServer:
         return server
 
 
+_DEATH_WAIT_S = 1.0  # seconds server_died waits for a server whose pipes closed to be seen ended
+
+
 def server_died(profile: str) -> Optional[int]:
     """The pid of this process's warm server of ``profile`` once it has died; None while it
     serves (or was never started here, or is a parent's).
@@ -152,6 +156,17 @@ def server_died(profile: str) -> Optional[int]:
     pid = None if server is None or server.borrowed else server._forkserver_pid
     if pid is None:
         return None
+    try:
+        # A dying process closes its pipes before it can be waited for: its children's
+        # sentinels may say so first, so wait that long (a pidfd is readable once it ended).
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # reaped already, or no pidfds here: look once
+        fd = None
+    if fd is not None:
+        try:
+            select.select([fd], [], [], _DEATH_WAIT_S)
+        finally:
+            os.close(fd)
     try:  # (WNOWAIT: not reaped, so that ensure_running still sees it gone and starts another)
         ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     except ChildProcessError:  # reaped already: gone
