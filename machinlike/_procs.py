@@ -59,7 +59,7 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
                 p.terminate()
             except (OSError, ValueError):  # ended meanwhile, or already closed
                 pass
-        alive = _wait_for(alive, grace)
+        alive = _linger(alive, grace, {})
     for p in alive:
         try:
             p.kill()
@@ -79,7 +79,7 @@ def end_processes(processes: Sequence[Any], grace: float, reap: float = REAP_WAI
 
 def _linger(processes: List[Any], seconds: float, done: Dict[Any, Any]) -> List[Any]:
     """Those of ``processes`` still running once each ended, or ``seconds`` passed, or
-    ``EXIT_S`` passed since its ``done`` handle was ready."""
+    ``EXIT_S`` passed since its ``done`` handle was ready (none given: the sentinels alone)."""
     now = time.monotonic()
     until = {p: now + seconds for p in processes}  # when each stops being waited for
     marks = {done[p]: p for p in processes if p in done}
@@ -97,19 +97,6 @@ def _linger(processes: List[Any], seconds: float, done: Dict[Any, Any]) -> List[
             else:
                 sentinels.pop(handle, None)
     return list(sentinels.values())
-
-
-def _wait_for(processes: List[Any], seconds: float) -> List[Any]:
-    """Those of ``processes`` still running after ``seconds`` at most (their sentinels)."""
-    deadline = time.monotonic() + seconds
-    pending: Dict[Any, Any] = {p.sentinel: p for p in processes}
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        for sentinel in _mp_connection.wait(list(pending), remaining):
-            pending.pop(sentinel, None)
-    return list(pending.values())
 
 
 def _running(process: Any) -> bool:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ... import _mainguard, _warm
 from ...exception import ProcessExitedError, describe_exitcode
 from .._membership import describe_exception, record_exit
-from .._store import ExitRecord, Keys, MemberRecord
+from .._store import ExitRecord, Keys, MemberRecord, value_or_empty
 
 __all__ = ["RankExits", "exited"]
 
@@ -92,9 +92,9 @@ class RankExits:
         store, name = self._store, self._names[rank]
         if self._elastic:
             keys = Keys.elastic_world(_RESTART)
-            claim = _value(store, keys.live(name))
+            claim = value_or_empty(store, keys.live(name))
             held = MemberRecord.decode(name, claim) if claim else None
-            counted = _value(store, keys.incarnations(name))
+            counted = value_or_empty(store, keys.incarnations(name))
             if held is not None and held.identity.rpartition("/")[2] == str(pid):
                 incarnation = held.incarnation
             elif counted:
@@ -102,19 +102,9 @@ class RankExits:
             else:
                 return  # it died before it counted itself in
         else:
-            world = _value(store, Keys.static_counter(_RESTART, rank))
+            world = value_or_empty(store, Keys.static_counter(_RESTART, rank))
             if not world:
                 return  # its World never got as far as a namespace
             keys, incarnation = Keys.static_world(_RESTART, int(world)), 1
         record_exit(lambda key, old, new: store.compare_set(key, old, new).decode(), keys, name,
                     ExitRecord(incarnation, pid, "launcher", cause))
-
-
-_PROBE = "\x00probe"
-
-
-def _value(store: dist.Store, key: str) -> str:
-    """``key``'s value, "" when absent, in one compare-and-set that sets nothing (a check
-    then a get waited the store's whole timeout for a key deleted between the two)."""
-    held = store.compare_set(key, _PROBE, _PROBE).decode()
-    return "" if held == _PROBE else held

@@ -18,7 +18,7 @@ from .keys import (
     ServerNote, ServerNotes, ServiceOwner, WOKEN_MARK, MAX_EXIT_CAUSE,
 )
 from .registry import STORE_OF_RANK0, Registry
-from .client import multi_get, new_client, own_client, server_of, store_address
+from .client import multi_get, new_client, own_client, server_of, store_address, value_or_empty
 from .connections import IP, connections_to, shut_down
 from . import forked
 
@@ -26,6 +26,6 @@ __all__ = [
     "connect_store", "connections_to", "ExitRecord", "external_launcher", "forked", "GroupRecord", "host_store",
     "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client", "OPEN_EPOCH",
     "own_client", "OwnedKey", "rebind_holder", "Registry", "resolve_rank_and_size", "server_of", "ServerNote",
-    "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0",
+    "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0", "value_or_empty",
     "WOKEN_MARK",
 ]

@@ -28,12 +28,24 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["own_client", "new_client", "multi_get", "server_of", "store_address", "SilentStoreError", "SLOW_CONNECT_S"]
+__all__ = ["own_client", "new_client", "multi_get", "value_or_empty", "PROBE", "server_of", "store_address",
+           "SilentStoreError", "SLOW_CONNECT_S"]
 
 log = logging.getLogger(__name__)
 
 SLOW_CONNECT_S = 2.0  # seconds; a store connection that takes longer is logged, once per process
 _slow_told = threading.Event()
+
+
+#: A value no key holds: a compare-and-set expecting it sets nothing and reads the key.
+PROBE = "\x00probe"
+
+
+def value_or_empty(store: dist.Store, key: str) -> str:
+    """``key``'s value, "" when absent, in one compare-and-set that sets nothing (a check
+    then a get waited the store's whole timeout for a key deleted between the two)."""
+    held = store.compare_set(key, PROBE, PROBE).decode()
+    return "" if held == PROBE else held
 
 
 def multi_get(store: dist.Store, keys: Sequence[str]) -> List[bytes]:

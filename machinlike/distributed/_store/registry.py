@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ...exception import PeerLostError
 from . import forked
-from .client import multi_get, own_client
+from .client import PROBE as _PROBE, multi_get, own_client, value_or_empty
 from .main_waits import MainWaits
 from .lookups import BoundedLookups
 
@@ -35,8 +35,6 @@ __all__ = ["Registry", "STORE_OF_RANK0"]
 #: How errors name the store's host before its name is known: a static world's rank 0
 #: (``Membership.enter_static`` names it once the members' names are exchanged).
 STORE_OF_RANK0 = "rank 0"
-
-_PROBE = "\x00probe"
 
 
 class Registry:
@@ -205,11 +203,8 @@ class Registry:
     def get_or_empty(self, key: str) -> str:
         """The value of ``key``, "" when absent (never waits)."""
         store = self._main()
-        try:
-            # One compare-and-set that sets nothing: a check then a get waited the store's
-            # whole timeout for a key deleted between the two (a retired worker's entry).
-            held = store.compare_set(key, _PROBE, _PROBE).decode()
-            return "" if held == _PROBE else held
+        try:  # (a retired worker's entry may be deleted while it is read: see value_or_empty)
+            return value_or_empty(store, key)
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost_main(err) from err
 
