@@ -381,6 +381,51 @@ def test_the_publisher_keeps_one_key_per_member_and_ends_with_its_last_server_or
     assert _notes_threads() == []
 
 
+def _wait_key(store, key, held, deadline):
+    while store.check([key]) != held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.check([key]) == held
+
+
+def test_a_member_declared_lost_never_writes_over_its_successor_nor_brings_back_its_reaped_key(world_store):
+    # A member paused past the loss bound resumes: its publisher's next write finds the key
+    # reaped (or its successor's), writes nothing, and ends, keeping no one's numbers hidden.
+    _, host = world_store
+    keys = Keys("mlk/0/e/")
+    key = keys.server_notes("learner")
+    deadline = time.monotonic() + 20
+    # An earlier incarnation's leftover is replaced by the next incarnation's first write.
+    host.set(key, ServerNotes(1, 0.0, ()).encode())
+    old_server, new_server = _Server("old"), _Server("new")
+    old = ServerNotesPublisher(host, keys, "learner", lambda: 2, 0.1)
+    old.add(old_server.notes)
+    while ServerNotes.decode(host.get(key).decode()).incarnation != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ServerNotes.decode(host.get(key).decode()).incarnation == 2
+    # Declared lost: the others reap its key; its next write does not bring the key back.
+    host.delete_key(key)
+    asked = old_server.asked
+    while _notes_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert old.superseded and _notes_threads() == [] and old_server.asked > asked and not host.check([key])
+    # Its successor publishes; a stale publisher of incarnation 2 that resumes now leaves it alone.
+    new = ServerNotesPublisher(host, keys, "learner", lambda: 3, 0.1)
+    withdraw = new.add(new_server.notes)
+    assert _wait_key(host, key, True, deadline)
+    stale = ServerNotesPublisher(host, keys, "learner", lambda: 2, 0.1)
+    stale._mine = ServerNotes(2, 1.0, ()).encode()  # (what it wrote before its pause)
+    stale_server = _Server("stale")
+    stale.add(stale_server.notes)
+    while not stale.superseded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    notes = ServerNotes.decode(host.get(key).decode())
+    assert stale.superseded and notes.incarnation == 3 and [n.name for n in notes.servers] == ["new"]
+    withdraw()  # the successor's own end deletes its key
+    assert _wait_key(host, key, False, deadline)
+    new.close(5.0)
+    stale.close(5.0)
+
+
 # ------------------------------------------------------------------ exit causes
 _MONITOR_LOG = "machinlike.distributed._membership.monitor"
 

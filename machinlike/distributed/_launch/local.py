@@ -111,9 +111,9 @@ def _rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
     except BaseException as exc:  # reported to the parent, which decides what to raise
         if os.getpid() != me:
             raise  # (a child fn forked, ending: the report and the World are its parent's)
+        # (fn's exception was recorded as the exit cause in run_rank_fn, before this report:
+        # a parent that ends the run kills this rank)
         message = (False, ExceptionWithTraceback(exc, where=f"rank {rank} ({name!r})"))
-        if world is not None:  # (before the report: a parent that ends the run kills this rank)
-            world._note_exit(exc)
     if os.getpid() != me:
         return  # (a child fn forked returned: the same)
     try:
@@ -157,10 +157,7 @@ def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict
     name = str(names[rank]) if names is not None else None
     world = World(name, **world_kwargs)
     try:
-        return run_rank_fn(fn, world, args, kwargs)
-    except BaseException as exc:
-        world._note_exit(exc)  # (for the status view and the others' logs)
-        raise
+        return run_rank_fn(fn, world, args, kwargs)  # (records what fn raised as the exit cause)
     finally:
         world.stop(stop_timeout)
 

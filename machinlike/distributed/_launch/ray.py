@@ -87,9 +87,7 @@ class _RankActor:
             self._world = self._join(rank, world_size, name, host, port, world_kwargs)
             message = (True, run_rank_fn(fn, self._world, args, kwargs))
         except BaseException as exc:  # reported to the driver, which decides what to raise
-            message = (False, ExceptionWithTraceback(exc, where=where))
-            if self._world is not None:  # (its cause, for the status view and the others' logs)
-                self._world._note_exit(exc)
+            message = (False, ExceptionWithTraceback(exc, where=where))  # (run_rank_fn recorded fn's as the exit cause)
         try:
             return dumps(message)
         except Exception as exc:

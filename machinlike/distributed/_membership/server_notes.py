@@ -9,6 +9,11 @@ every few seconds for ``python -m machinlike status``.
       no source left / closing ────► delete m/srv/<name>; the thread ends
     Membership.leave / close ──► close(): wakes the thread at once (an Event, not a sleep)
 
+    each write: compare-and-set against what this thread wrote last
+      the key is gone (reaped: this member was declared lost) ─┐
+      a later incarnation of this name holds it ───────────────┴► superseded: never writes again
+      an earlier incarnation's leftover ──► replaced
+
 Why one key per member, overwritten: the store is one thread serving the whole world;
 a thousand members each writing every 5 s is 200 small writes a second, a tenth of what
 their heartbeats cost, and the keys never grow past one per member name (a lost member's
@@ -20,7 +25,11 @@ without ``close()`` leaves the notes instead of being kept alive by them.
 A world without servers pays nothing: no thread, no connection, no key. A failed write
 (the store gone or silent) is logged once and never reaches a server; the next interval
 tries again on a fresh connection, once a plain connection to the store succeeds (torch's
-client would print its C++ warnings for every refused attempt).
+client would print its C++ warnings for every refused attempt). Why compare-and-set: a
+member paused past the loss bound (SIGSTOP, a swapping host) is declared lost and may be
+restarted under its name; when the old process resumes, its thread must neither bring back
+the key the others reaped nor overwrite its successor's numbers, which the status view would
+then hide as another incarnation's. Its delete at the end removes only what it wrote.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
-from .._store import Keys, ServerNote, ServerNotes, own_client, store_address
+from .._store import Keys, ServerNote, ServerNotes, own_client, store_address, value_or_empty
 from ..._deadline import deadline_left
 from . import exits
 
@@ -104,6 +113,10 @@ class ServerNotesPublisher:
         # Set to wake the thread before its interval is up: a source withdrawn, or closing.
         self._wake = threading.Event()
         self._told: Set[str] = set()  # the failures logged (once each: "store", a server's own; only the thread)
+        self._mine: Optional[str] = None  # the text the key holds from this member's last write (only the thread)
+        #: Whether another incarnation of this name took the key over (or the others reaped it
+        #: after declaring this one lost): nothing is written from then on.
+        self.superseded = False
 
     def add(self, summarize: Summary) -> Callable[[], None]:
         """Publish ``summarize()``'s notes from now on (a bound method is held weakly).
@@ -201,6 +214,10 @@ class ServerNotesPublisher:
                 notes = [note for summarize in summaries for note in self._notes_of(summarize)]
                 conn = self._write(conn, ServerNotes(self._incarnation(), time.time(), tuple(notes)).encode())
                 written = written or conn is not None
+                if self.superseded:
+                    self.ask_to_end()
+                    written = False  # (the key is not this member's to delete)
+                    continue
             summaries = None  # (held over the wait, they would keep a dropped server alive for good)
             self._wake.wait(deadline_left(last + self.interval))
 
@@ -213,21 +230,43 @@ class ServerNotesPublisher:
             return ()
 
     def _write(self, conn: Optional[dist.Store], text: Optional[str]) -> Optional[dist.Store]:
-        """Set the key to ``text`` (None: delete it); the connection to use next time (None
-        after a failure: a fresh one then)."""
+        """Set the key to ``text`` (None: delete it, if it still holds this member's last
+        write); the connection to use next time (None after a failure: a fresh one then)."""
         try:
             if conn is None:
                 conn = self._connect()
                 if conn is None:
                     return None
             if text is None:
-                conn.delete_key(self._key)
+                if self._mine is not None and value_or_empty(conn, self._key) == self._mine:
+                    conn.delete_key(self._key)  # (between the two, only a stale successor could write)
+                self._mine = None
             else:
-                conn.set(self._key, text)
+                self._set(conn, text)
             return conn
         except Exception as err:  # the store is gone or silent: never the servers' problem
             self._tell(f"the store did not take them ({type(err).__name__}: {str(err).strip()[:200]})")
             return None
+
+    def _set(self, conn: dist.Store, text: str) -> None:
+        """Compare-and-set the key to ``text``: over this member's last write, an absent key
+        (the first write) or an earlier incarnation's; anything else supersedes this member."""
+        expected = self._mine or ""
+        for _ in range(3):
+            now = conn.compare_set(self._key, expected, text).decode()
+            if now == text:
+                self._mine = text
+                return
+            # torch's store answers a compare with a missing key by echoing the expected text
+            held = None if now == expected else ServerNotes.decode(now)
+            if (held is None and now == expected) or (held is not None and held.incarnation > self._incarnation()):
+                self.superseded, self._mine = True, None
+                log.info("machinlike: member %r stops publishing its servers' numbers: %s", self._name,
+                         "the others reaped its key (it was declared lost)" if held is None else
+                         f"incarnation {held.incarnation} of its name publishes them now")
+                return
+            expected = now  # an earlier incarnation's leftover (or unreadable text): replace exactly that
+        raise RuntimeError(f"the key {self._key!r} kept changing under compare-and-set")
 
     def _connect(self) -> Optional[dist.Store]:
         address = store_address(self._store)

@@ -527,14 +527,19 @@ class World:
     def __exit__(self, *exc_info: Any) -> None:
         try:
             if exc_info[1] is not None:
-                self._note_exit(exc_info[1])
+                self.note_exit(exc_info[1])
         finally:  # (a second Ctrl-C during the note still stops the World)
             self.stop()
 
-    def _note_exit(self, exc: BaseException) -> None:
-        """This member ends with ``exc`` (its block or its launcher's rank function raised):
-        record it as its exit cause, for ``python -m machinlike status`` and its peers' logs
-        (best effort, a short wait: see ``_membership.exit_causes``)."""
+    def note_exit(self, exc: BaseException) -> None:
+        """Record ``exc`` as the reason this member ends, for ``python -m machinlike status``
+        (its EXIT column) and the others' "is lost" lines; call it before :meth:`stop`.
+
+        The launchers and ``with World(...)`` call it when the rank function or the block
+        raises; a program that manages its World by hand can call it itself. Best effort:
+        it waits at most a second for the store, and does nothing in a stopped World, one
+        not yet entered, or a process forked from this World's.
+        """
         members = self._session.membership
         if members is not None and not self._stopped and os.getpid() == self._pid:
             with contextlib.suppress(RuntimeError):  # (not entered: no incarnation to speak of)
