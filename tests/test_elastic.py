@@ -247,6 +247,8 @@ def test_joining_a_world_that_is_gone_fails_within_its_timeout():
         (dict(name="x", elastic=True, liveness=float("inf")), ValueError, "liveness=inf must be a positive"),
         (dict(name="a b", elastic=True), ValueError, "'a b' is not a valid member name"),
         (dict(name="x", rank=0, world_size=1, init_method=5), TypeError, "init_method must be a str"),
+        (dict(name="x", elastic=True, init_method="127.0.0.1:29500"), ValueError,
+         "needs its scheme: init_method='tcp://127.0.0.1:29500'"),
         (dict(name="x", rank=0, world_size=1, backend="tcp"), ValueError, "backend='tcp' is not"),
         (dict(name="x", rank=0, world_size=1, dist_timeout=float("inf")), ValueError, "dist_timeout=inf"),
     ],
@@ -295,6 +297,24 @@ def test_launch_chaos_kills_and_restarts_non_essential_ranks():
     assert all(r.name != "boss" and "SIGKILL" in r.cause for r in results.restarts), results.restarts
     with pytest.raises(ValueError, match="chaos=1 kills ranks that must come back"):
         launch(_whoami, 2, chaos=1)
+
+
+def _fails_after_the_boss(world):
+    if world.name == "boss":
+        return "done"
+    world.wait_for_members(["boss"], timeout=60, gone=True)
+    raise RuntimeError(f"{world.name} (incarnation {world.incarnation}) fails once the boss is gone")
+
+
+def test_launch_restarts_nothing_once_every_essential_rank_finished(caplog):
+    # A restarted worker would only join a world without its learner (and wait for it):
+    # its failure becomes its result, the run ends with the boss's.
+    with caplog.at_level("WARNING", logger="machinlike.distributed._launch.local"):
+        results = launch(_fails_after_the_boss, 2, names=["boss", "w"], max_restarts=3, essential=["boss"],
+                         timeout=60)
+    assert results[0] == "done" and results.restarts == []
+    assert isinstance(results[1], RuntimeError) and "incarnation 1" in str(results[1])
+    assert any("failed after every essential rank finished; not restarted" in r.getMessage() for r in caplog.records)
 
 
 def _store_host(out_queue) -> None:

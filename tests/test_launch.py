@@ -232,3 +232,39 @@ def test_a_dead_forkserver_is_named_rather_than_a_rank_that_may_still_run():
                                                  r"\(pid \d+\) died, so this rank's own end is unknown"):
         launch(_kills_the_forkserver, 2, timeout=60)
     assert launch(lambda world: world.rank, 2, timeout=60) == [0, 1]  # (a new server starts for the next run)
+
+
+def _threads(world):
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_ranks_share_the_cores_unless_omp_num_threads_is_set(monkeypatch):
+    # torch's default (a thread per core in every rank) made N ranks on C cores run N*C
+    # threads: a trial's learner made a twentieth of its updates.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    each = max(1, cores // 3)
+    assert launch(_threads, 3) == [(each, str(each))] * 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch(_threads, 2) == [(3, "3")] * 2
+
+
+def _no_world():
+    return 1
+
+
+def _takes_a(world, a):
+    return a
+
+
+@pytest.mark.parametrize("fn, args, kwargs, match", [
+    (_no_world, (), {}, r"_no_world\(\) cannot be called as fn\(world, \*args, \*\*kwargs\).*with its World first"),
+    (_takes_a, (), {}, "missing a required argument: 'a'"),
+    (_takes_a, (1,), {"liveness_s": 3}, r"unexpected keyword argument 'liveness_s'.*did you mean liveness=\?"),
+    (_takes_a, (1,), {"name": "x"}, r"launch\(\) sets \['name'\] itself"),
+])
+def test_launch_refuses_what_no_rank_could_run_before_starting_any(fn, args, kwargs, match):
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=match):
+        launch(fn, 2, args=args, **kwargs)
+    assert time.monotonic() - started < 1.0  # (no rank was started)

@@ -87,7 +87,8 @@ class Job:
     """The ranks' processes and result pipes; starts (and restarts) rank ``r`` in place."""
 
     def __init__(self, context: Any, names: List[str], store: dist.TCPStore, payload: bytes,
-                 world_kwargs: Dict[str, Any], stop_timeout: float, elastic: bool) -> None:
+                 world_kwargs: Dict[str, Any], stop_timeout: float, elastic: bool,
+                 threads: Optional[int] = None) -> None:
         self.context = context
         self.names = names
         self.port = store.port
@@ -95,6 +96,7 @@ class Job:
         self.world_kwargs = world_kwargs
         self.stop_timeout = stop_timeout
         self.elastic = elastic
+        self.threads = threads  # torch threads per rank; None: as inherited
         self.processes: List[Any] = [None] * len(names)
         self.readers: List[Connection] = []
         self.reader_of: List[Any] = [None] * len(names)
@@ -110,7 +112,7 @@ class Job:
         process = self.context.Process(
             target=rank_main, name=f"rank {rank} ({self.names[rank]!r})", daemon=False,
             args=(rank, len(self.names), self.names[rank], self.port, self.payload, self.world_kwargs, writer,
-                  self.stop_timeout, self.elastic, self.stacks.path(rank)))
+                  self.stop_timeout, self.elastic, self.stacks.path(rank), self.threads))
         with deferred():  # (an interrupted start left a half-sent rank behind: see deferred)
             process.start()
             self.processes[rank] = process
@@ -128,6 +130,7 @@ class Job:
         restarts: List[Restart] = []
         used = [0] * len(self.names)
         waiting: Dict[Any, tuple] = {}
+        ended = False  # every essential rank has reported
 
         def watch(rank: int) -> None:
             waiting[self.reader_of[rank]] = ("report", rank)
@@ -169,7 +172,14 @@ class Job:
                     self.exits.record(rank, self.processes[rank].pid, value)
                 # (a rank stopped by the main-module guard would stop again when restarted)
                 stopped = isinstance(value, ProcessExitedError) and value.exitcode == _mainguard.EXIT_CODE
-                if not ok and rank not in vital and used[rank] < max_restarts and not stopped:
+                restartable = not ok and rank not in vital and used[rank] < max_restarts and not stopped
+                if restartable and ended:
+                    # Its restart would join a world whose essential ranks are gone (and wait
+                    # for them): the failure is kept as its result instead of ending the run.
+                    log.warning("launch: rank %d (%r) failed after every essential rank finished; not restarted: "
+                                "%s: %s", rank, self.names[rank], type(value).__name__, value)
+                    restartable, ok = False, True
+                if restartable:
                     used[rank] += 1
                     cause = f"{type(value).__name__}: {value}"
                     log.warning("launch: restarting rank %d (%r), restart %d of %d, after %s", rank,
@@ -189,6 +199,10 @@ class Job:
                 results[rank] = value
                 # A rank that reported is done: its exit is expected, not a failure.
                 waiting.pop(self.processes[rank].sentinel, None)
+                if vital and not ended and vital <= results.keys():
+                    ended, next_kill = True, None  # the run's point is over: no more chaos, no restarts
+                    if chaos is not None or max_restarts:
+                        log.info("launch: every essential rank finished: no more chaos kills or restarts")
         return LaunchResult((results[rank] for rank in range(len(self.names))), restarts)
 
     def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],

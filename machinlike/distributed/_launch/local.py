@@ -20,6 +20,7 @@ Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from ... import _checks, _descriptors, _mainguard
@@ -28,7 +29,7 @@ from ..._warm import resolve_context
 from ...pickle import dumps
 from .._store import external_launcher, host_store
 from .job import Job, LaunchResult, Restart
-from .rank_fn import check_rank_fn, run_rank_fn
+from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, run_rank_fn
 from .termination import Termination
 
 __all__ = ["launch", "LaunchResult", "Restart"]
@@ -51,6 +52,21 @@ def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None
                 "srun restarts nothing; --kill-on-bad-exit ends the step when a task fails")
         raise ValueError(f"max_restarts={max_restarts!r} needs launch() to start the ranks itself, but {launcher} "
                          f"started this one ({hint}): pass max_restarts=0 here, or run without {launcher}")
+
+
+def threads_per_rank(world_size: int) -> Optional[int]:
+    """Torch threads for each of ``world_size`` ranks on this machine: the cores this
+    process may run on, shared (at least 1 each); None when ``OMP_NUM_THREADS`` is set
+    (the ranks then keep it).
+
+    Why: torch starts as many threads as there are cores in every process, so N ranks on
+    C cores run N*C threads that wait on each other: a learner beside 6 actors on 2 cores
+    made 3-10 updates/s with 2 threads a rank, 110-120 with one (torchrun sets 1 too).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // world_size)
 
 
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
@@ -90,6 +106,10 @@ def launch(
     **world_kwargs: Any,
 ) -> LaunchResult:
     """Run ``fn(world, *args, **kwargs)`` in ``world_size`` local processes, a World in each.
+
+    Each rank runs torch with ``max(1, cores // world_size)`` threads (``OMP_NUM_THREADS``,
+    where set, wins): torch's default of a thread per core in every rank oversubscribes
+    the machine.
 
     Args:
         fn: The function; lambdas and local functions work (sent by value, see
@@ -133,7 +153,9 @@ def launch(
             members list), where a static program passes ``get_members()``. Each restart
             is logged with its cause and listed in the result's ``restarts``.
         essential: Ranks (by rank or name) whose failure still ends the run, restarts or
-            not (e.g. the learner).
+            not (e.g. the learner). Once every one of them has returned, chaos stops and
+            no rank is restarted: a rank that fails then gets its exception as its result
+            (logged) where it would have been restarted.
         chaos: Fault injection: every ``chaos`` seconds, SIGKILL one running rank that is
             not essential, chosen at random (``chaos_seed``); it is restarted like any other
             failure, within ``max_restarts``. None: off.
@@ -157,11 +179,10 @@ def launch(
     if timeout is not None:
         _checks.seconds("timeout", timeout)
     _checks.positive_int("max_restarts", max_restarts, minimum=0)
-    reserved = _RESERVED & set(world_kwargs)
-    if reserved:
-        raise TypeError(f"launch() sets {sorted(reserved)} itself; do not pass them")
+    check_world_kwargs("launch()", world_kwargs, _RESERVED)
     if torchrun if torchrun is not None else external_launcher() is not None:
         _refuse_restarts_in_place(max_restarts, chaos)
+        check_rank_call(fn, args, kwargs)
         return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs, world_size)])
     names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
     if len(names) != world_size:
@@ -174,6 +195,7 @@ def launch(
                              f"leave at least one rank out of essential")
     if elastic := max_restarts > 0:
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
+    check_rank_call(fn, args, kwargs)  # (last: what the other checks say comes first)
     context = resolve_context(ctx, profile="train")  # ranks build optimizers: dynamo preloaded
     _mainguard.check_main_file("launch(...)", context.get_start_method())
     payload = dumps((fn, tuple(args), dict(kwargs or {})))
@@ -184,8 +206,12 @@ def launch(
                         role="it hosts their store").check(world_size)
     store = host_store("127.0.0.1", world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
-             "python -m machinlike status 127.0.0.1:%d", store.port, store.port)
-    job = Job(context, names, store, payload, world_kwargs, stop_timeout, elastic)
+             "python -m machinlike status tcp://127.0.0.1:%d", store.port, store.port)
+    threads = threads_per_rank(world_size)
+    if threads is not None:
+        log.info("machinlike.launch: each of the %d ranks runs torch with %d thread(s), this machine's cores "
+                 "shared among them (OMP_NUM_THREADS sets another count)", world_size, threads)
+    job = Job(context, names, store, payload, world_kwargs, stop_timeout, elastic, threads)
     linger = 0.0  # (a failure, a timeout, a signal: the ranks are ended at once)
     with Termination() as termination:  # SIGTERM here: the ranks get stop_timeout to finish
         try:

@@ -9,15 +9,16 @@ write their rank function as ``async def main(world)``; each rank runs it with
 from __future__ import annotations
 
 import asyncio
+import difflib
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Set
 
 from ... import _checks
 
 if TYPE_CHECKING:
     from .._world import World
 
-__all__ = ["check_rank_fn", "run_rank_fn"]
+__all__ = ["check_rank_call", "check_rank_fn", "check_world_kwargs", "run_rank_fn"]
 
 
 def check_rank_fn(fn: Any) -> None:
@@ -26,6 +27,39 @@ def check_rank_fn(fn: Any) -> None:
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
     if not inspect.iscoroutinefunction(fn):
         _checks.not_async("fn", fn, "in each rank")
+
+
+def check_rank_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> None:
+    """Raise TypeError when ``fn``'s signature cannot take ``(world, *args, **kwargs)``
+    (said here, not by every rank once started); a ``fn`` without one passes."""
+    args, kwargs = _checks.call_args(args, kwargs)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object without one: the ranks will tell
+        return
+    try:
+        signature.bind(None, *args, **kwargs)
+    except TypeError as err:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"fn={name}{signature} cannot be called as fn(world, *args, **kwargs) with "
+                        f"{len(args)} argument(s) in args and kwargs {sorted(kwargs)}: {err}; each rank calls it "
+                        f"with its World first (def {getattr(fn, '__name__', 'fn')}(world, ...))") from None
+
+
+def check_world_kwargs(who: str, world_kwargs: Dict[str, Any], reserved: Set[str]) -> None:
+    """Raise TypeError naming what in ``world_kwargs`` (the rest of ``who``'s keywords,
+    passed to each rank's World) is no keyword of :class:`World` or one ``who`` sets itself
+    (``reserved``), with the closest keyword World has (said here, not by every rank)."""
+    from .._world import World
+
+    taken = sorted(reserved & set(world_kwargs))
+    if taken:
+        raise TypeError(f"{who} sets {taken} itself; do not pass them")
+    known = set(inspect.signature(World.__init__).parameters) - {"self"} - reserved
+    for key in sorted(set(world_kwargs) - known):
+        close = difflib.get_close_matches(key, known, 1)
+        raise TypeError(f"{who} got an unexpected keyword argument {key!r}, neither its own nor World's"
+                        + (f": did you mean {close[0]}=?" if close else f" (World takes {sorted(known)})"))
 
 
 def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:

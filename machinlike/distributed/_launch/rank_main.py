@@ -15,6 +15,8 @@ import signal
 from multiprocessing.connection import Connection
 from typing import Any, Dict, Optional
 
+import torch
+
 from ..._lifeline import watch_parent
 from ...exception import ExceptionWithTraceback
 from ...pickle import dumps, loads
@@ -30,11 +32,16 @@ def _ignore_interrupt(signum: int, frame: Any) -> None:
 
 def rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
               world_kwargs: Dict[str, Any], conn: Connection, stop_timeout: float, elastic: bool,
-              stacks: Optional[str]) -> None:
+              stacks: Optional[str], threads: Optional[int] = None) -> None:
     """Rank ``rank``'s whole life: ``payload`` (the pickled ``(fn, args, kwargs)``) run in a
     World on the store at 127.0.0.1:``port``; the outcome sent on ``conn``; stacks written
-    to the file ``stacks`` when the launcher asks (SIGUSR2, see ``stacks``)."""
+    to the file ``stacks`` when the launcher asks (SIGUSR2, see ``stacks``). ``threads``:
+    torch's intra-op threads here (and ``OMP_NUM_THREADS`` for the rank's own children);
+    None: as inherited."""
     watch_parent()
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (forked, not spawned: not the launcher's handler)
     # Ctrl-C is the launcher's to handle (a terminal sends it to every process of the
     # group): it ends every rank (SIGTERM). A rank of its own raised KeyboardInterrupt in

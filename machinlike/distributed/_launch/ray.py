@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ... import _checks
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
-from .rank_fn import check_rank_fn, run_rank_fn
+from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, run_rank_fn
 
 __all__ = ["launch_ray"]
 
@@ -264,9 +264,7 @@ def launch_ray(
         _checks.seconds_or_none(param, value)
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be a non-negative int")
-    reserved = _RESERVED & set(world_kwargs)
-    if reserved:
-        raise TypeError(f"launch_ray() sets {sorted(reserved)} itself; do not pass them")
+    check_world_kwargs("launch_ray()", world_kwargs, _RESERVED)
     if max_restarts > 0:  # a restarted actor must be able to rejoin a running world
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
         world_kwargs["elastic"] = True
@@ -274,6 +272,7 @@ def launch_ray(
     if len(names) != world_size:
         raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
     bundles = _bundles(resources, world_size)
+    check_rank_call(fn, args, kwargs)
     try:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group

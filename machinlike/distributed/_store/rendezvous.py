@@ -294,6 +294,13 @@ def _slurm_master(host: Optional[str], port: Optional[int]) -> Tuple[Optional[st
     return host, port
 
 
+def _is_host_port(text: str) -> bool:
+    try:
+        return urlparse(f"tcp://{text}").port is not None
+    except ValueError:  # a port that is not a number
+        return False
+
+
 def _master_from(init_method: Optional[str]) -> Tuple[str, int, bool]:
     """(host, port, all ranks are clients) from ``init_method`` and the environment."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
@@ -306,6 +313,8 @@ def _master_from(init_method: Optional[str]) -> Tuple[str, int, bool]:
             host, port = _slurm_master(host, port)
         return host or DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT if port is None else port, agent_store
     url = urlparse(init_method)
+    if "://" not in init_method and _is_host_port(init_method):  # (the form the status view takes)
+        raise ValueError(f"init_method={init_method!r} needs its scheme: init_method='tcp://{init_method}'")
     if url.scheme != "tcp" or not url.hostname or url.port is None:
         raise ValueError(
             f"init_method={init_method!r} is not supported; use 'tcp://host:port', 'env://' or "
