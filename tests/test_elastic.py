@@ -71,8 +71,11 @@ def _join_leave_body(world):
     reply.put("bye")
     world.wait_for_members(["late"], timeout=20, gone=True)
     # A wait that times out says what it waited for and who is live.
-    with pytest.raises(TimeoutError, match=r"waited 0.2 s for \['late'\] to be live, not yet \(live: \['host'\]\)"):
-        world.wait_for_members(["late"], timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"waited 0.2 s for \['later'\] to be live, not yet \(live: \['host'\]\)"):
+        world.wait_for_members(["later"], timeout=0.2)
+    # One that left cleanly fails at once, saying so (it waited its whole timeout, "not yet").
+    with pytest.raises(PeerLostError, match=r"'late'.*wait_for_members: it left the world [\d.]+ s ago, cleanly"):
+        world.wait_for_members(["late", "host"], timeout=60)
     with pytest.raises(TimeoutError, match=r"waited 0.2 s for 2 live members, 1 are"):
         world.wait_for_members(2, timeout=0.2)
     with pytest.raises(KeyError, match="not found on Group.*its owner, member 'late', left the world"):
