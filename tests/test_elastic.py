@@ -18,6 +18,7 @@ from machinlike import launch
 from machinlike.distributed import MemberEvent, World
 from machinlike.exception import PeerLostError
 from machinlike.process import Process
+from machinlike.server import OrderedServerSimpleImpl
 
 
 def _die() -> None:
@@ -35,6 +36,7 @@ def _late_joiner(address: str, out_queue, in_queue) -> None:
     with World("late", elastic=True, init_method=address, dist_timeout=20) as world:
         group = world.create_rpc_group("open")  # an open group: joins at once
         group.register("late-svc", _whoami)
+        kv = OrderedServerSimpleImpl("late-kv", group)  # noqa: F841 (serves while this World runs)
         try:  # the host made "mix" with itself alone: the lists differ, and this member is told so
             world.create_rpc_group("mix", ["host", "late"], timeout=0.5)
             said = "made"
@@ -76,6 +78,7 @@ def _join_leave_body(world):
     joined_after = time.monotonic() - start
     assert group.registered_sync("late-svc", timeout=10) == "late#1"
     assert group.rpc_sync("late", _whoami, timeout=10) == "late#1"
+    kv = group.get_paired("late-kv", timeout=10).to_here()
     # It leaves with stop(): its service disappears; callers get KeyError, not a transport error.
     reply.put("bye")
     world.wait_for_members(["late"], timeout=20, gone=True)
@@ -96,6 +99,10 @@ def _join_leave_body(world):
         group.registered_sync("late-svc", timeout=10)
     with pytest.raises(PeerLostError, match="'late'.*left"):
         group.rpc_sync("late", _whoami, timeout=10)
+    # Its ordered server says it left (cleanly), not that it was lost.
+    with pytest.raises(PeerLostError, match=r"'late'.*host of ordered server 'late-kv': it left the world [\d.]+ s "
+                                             r"ago, cleanly .*; calls fail until a member hosts it again"):
+        kv.pull("k", timeout=10)
     child.join(20)
     assert child.exitcode == 0
     with seen:
