@@ -66,7 +66,7 @@ def churn_body(world: Any, run_seconds: float, log_dir: str) -> Dict[str, Any]:
         return world.incarnation  # restarted after the run ended: the primary is gone
     try:  # "ready" may come before this view has seen p join
         world.wait_for_members(["p"], TIMEOUT)
-    except TimeoutError:
+    except (TimeoutError, PeerLostError):  # (PeerLostError at once: p left cleanly)
         if registry.get_or_empty(_key(world, "end")):
             return world.incarnation  # restarted after the run ended: the primary is gone
         raise

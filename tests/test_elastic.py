@@ -18,6 +18,7 @@ from machinlike import launch
 from machinlike.distributed import MemberEvent, World
 from machinlike.exception import PeerLostError
 from machinlike.process import Process
+from machinlike.server import OrderedServerSimpleImpl
 
 
 def _die() -> None:
@@ -35,7 +36,13 @@ def _late_joiner(address: str, out_queue, in_queue) -> None:
     with World("late", elastic=True, init_method=address, dist_timeout=20) as world:
         group = world.create_rpc_group("open")  # an open group: joins at once
         group.register("late-svc", _whoami)
-        out_queue.put(sorted(world.get_members()))
+        kv = OrderedServerSimpleImpl("late-kv", group)  # noqa: F841 (serves while this World runs)
+        try:  # the host made "mix" with itself alone: the lists differ, and this member is told so
+            world.create_rpc_group("mix", ["host", "late"], timeout=0.5)
+            said = "made"
+        except ValueError as err:
+            said = str(err)
+        out_queue.put((sorted(world.get_members()), said))
         in_queue.get(timeout=30)  # stay until the host has called us, then leave on purpose
 
 
@@ -57,28 +64,45 @@ def _join_leave_body(world):
     # A process started by hand, long after the world was built, joins by address.
     start = time.monotonic()
     child = Process(target=_late_joiner, args=(world.store_address, queue, reply))
+    world.create_rpc_group("mix", ["host"])
     # Waiting for a departure waits for one that has not joined yet (it used to return at once).
     with pytest.raises(TimeoutError, match=r"\['late'\] to be gone, still live or not joined yet"):
         world.wait_for_members(["late"], timeout=0.2, gone=True)
     child.start()
-    members = queue.get(timeout=30)
+    members, said = queue.get(timeout=30)
     assert members == ["host", "late"], members
+    assert said.startswith("members of RpcGroup 'mix' disagree: this member passed members=['host', 'late'], but "
+                           "['host'] made it with members=['host']; every member must pass the same list; in an "
+                           "elastic world get_members() is who"), said
     world.wait_for_members(["late"], timeout=1)  # seen within 1 s of its World returning
     joined_after = time.monotonic() - start
     assert group.registered_sync("late-svc", timeout=10) == "late#1"
     assert group.rpc_sync("late", _whoami, timeout=10) == "late#1"
+    kv = group.get_paired("late-kv", timeout=10).to_here()
     # It leaves with stop(): its service disappears; callers get KeyError, not a transport error.
     reply.put("bye")
     world.wait_for_members(["late"], timeout=20, gone=True)
     # A wait that times out says what it waited for and who is live.
-    with pytest.raises(TimeoutError, match=r"waited 0.2 s for \['late'\] to be live, not yet \(live: \['host'\]\)"):
-        world.wait_for_members(["late"], timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"waited 0.2 s for \['later'\] to be live, not yet \(live: \['host'\]\)"):
+        world.wait_for_members(["later"], timeout=0.2)
+    # One that left cleanly fails at once, saying so (it waited its whole timeout, "not yet").
+    with pytest.raises(PeerLostError, match=r"'late'.*wait_for_members: it left the world [\d.]+ s ago, cleanly"):
+        world.wait_for_members(["late", "host"], timeout=60)
+    # Grouping with it fails at once too, and says what a clean leave meant there.
+    with pytest.raises(PeerLostError, match=r"'late'.*creating RpcGroup 'pair': it left the world [\d.]+ s ago, "
+                                             r"cleanly .*, without creating the group with these members; in an "
+                                             r"elastic world get_members\(\) is who"):
+        world.create_rpc_group("pair", ["host", "late"], timeout=60)
     with pytest.raises(TimeoutError, match=r"waited 0.2 s for 2 live members, 1 are"):
         world.wait_for_members(2, timeout=0.2)
     with pytest.raises(KeyError, match="not found on Group.*its owner, member 'late', left the world"):
         group.registered_sync("late-svc", timeout=10)
     with pytest.raises(PeerLostError, match="'late'.*left"):
         group.rpc_sync("late", _whoami, timeout=10)
+    # Its ordered server says it left (cleanly), not that it was lost.
+    with pytest.raises(PeerLostError, match=r"'late'.*host of ordered server 'late-kv': it left the world [\d.]+ s "
+                                             r"ago, cleanly .*; calls fail until a member hosts it again"):
+        kv.pull("k", timeout=10)
     child.join(20)
     assert child.exitcode == 0
     with seen:

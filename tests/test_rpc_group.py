@@ -79,6 +79,10 @@ def test_register_call_and_errors(world):
         with pytest.raises(KeyError, match=r"Service \[nope\] not found on Group \[svc\]: no live member has "
                                            r"registered it.*group.barrier\(\).*group.is_registered\('nope'\)"):
             g.registered_sync("nope")
+        # A typo is told the close match and the group's keys (all six fit in the ten shown).
+        with pytest.raises(KeyError, match=r"is_registered\('scael1'\)\. Did you mean 'scale1'\? The group's "
+                                           r"services: \['scale0', 'scale1', 'scale2', 'who0', 'who1', 'who2'\]"):
+            g.registered_sync("scael1")
         with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):
             g.registered_async("nope")
         with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):
@@ -106,7 +110,9 @@ def test_register_call_and_errors(world):
     g.deregister(f"scale{me}")
     g.barrier()
     assert not g.is_registered("scale0") and g.is_registered("who0")
-    with pytest.raises(KeyError, match=r"Service \[scale1\] not found on Group \[svc\]"):
+    # Called before, withdrawn since: the caller is told its owner deregistered it, not "not yet".
+    with pytest.raises(KeyError, match=r"Service \[scale1\] not found on Group \[svc\]: its owner, member '1', "
+                                       r"deregistered it, and no live member has registered it since"):
         g.registered_sync("scale1")
     g.barrier()
     g.destroy()

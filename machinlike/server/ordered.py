@@ -220,9 +220,13 @@ class OrderedServerSimple(OrderedServerBase):
                                f"[{self.group.get_group_name()}]: no member hosts ordered server {name!r}; "
                                f"create OrderedServerSimpleImpl({name!r}, group) on the member that is to host "
                                f"it first, and meet at group.barrier() before the first call") from err
-            back = current_world().get_incarnation(host)
-            why = ("it was lost; calls fail until it is restarted and serves again" if back is None else
-                   f"it came back (incarnation {back}) and does not serve yet")
+            world = current_world()
+            back = world.get_incarnation(host)
+            how = None if back is not None else world.membership.departure(host)
+            # (a host that returned or stopped left on purpose: no launcher restarts it)
+            why = (f"it came back (incarnation {back}) and does not serve yet" if back is not None else
+                   f"it {how[0] if how else 'was lost'}; calls fail until "
+                   f"{'a member hosts it again' if how and how[1] else 'it is restarted and serves again'}")
             raise PeerLostError(host, f"host of ordered server {self.server_name!r}: {why}") from err
 
 

@@ -24,6 +24,7 @@ a message that is formatted only if the call fails.
 
 from __future__ import annotations
 
+import difflib
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
 
@@ -47,6 +48,10 @@ CallArgs = Tuple[Tuple[Any, ...], Dict[str, Any]]
 # The cached owner first, then one fresh look-up.
 _CACHED_THEN_FRESH = (False, True)
 _FRESH = (True,)
+# A missing key's KeyError lists at most _SHOWN of the group's keys, read from the claim
+# lists of at most _READ_MOST live members (a look at the store, on the error path only).
+_SHOWN = 10
+_READ_MOST = 64
 
 
 def _named(result: RpcFuture, member: str) -> RpcFuture:
@@ -107,7 +112,7 @@ class Caller:
                               stated)
             if not is_missing(value):
                 return settled(unwrap(value))
-        raise KeyError(_not_found("Service", key, self._group, "register"))
+        raise self._nobody("s", key)
 
     def service_async(self, key: str, call_args: CallArgs, wait: float) -> RpcFuture:
         """Service ``key``'s pending result (see ``RpcGroup.registered_async``).
@@ -172,18 +177,35 @@ class Caller:
         monitor withdrew the dead member's keys), else KeyError.
         """
         what, verb = ("Service", "register") if kind == "s" else ("Value with key", "pair")
-        lost = self._owners.lost_owner(kind, key)
-        why = None if lost is None else self._roster.gone(lost)
-        if lost is not None and why == "lost":
+        last = self._owners.last_owner(kind, key)
+        if last is None:
+            return KeyError(_not_found(what, key, self._group, verb) + self._held_words(kind, key))
+        lost, worker = last
+        why = self._roster.gone(lost)
+        if why == "lost":
             noun = "service" if kind == "s" else "value"
             return PeerLostError(lost, f"{noun} {key!r} of group {self._group!r}: its owner was lost, and no live "
                                        f"member has {verb}ed it since; {verb} it again on a live member (a "
                                        f"restarted one does so itself) and retry")
-        if lost is not None:
-            since = "left the world" if why == "left" else "was lost and is back as a new process"
-            return KeyError(f"{what} [{key}] not found on Group [{self._group}]: its owner, member {lost!r}, "
-                            f"{since}, and no live member has {verb}ed it since")
-        return KeyError(_not_found(what, key, self._group, verb))
+        since = ("left the world" if why == "left" else "was lost and is back as a new process"
+                 if self._roster.worker_gone(worker) else f"{'de' if kind == 's' else 'un'}{verb}ed it")
+        return KeyError(f"{what} [{key}] not found on Group [{self._group}]: its owner, member {lost!r}, "
+                        f"{since}, and no live member has {verb}ed it since")
+
+    def _held_words(self, kind: str, key: str) -> str:
+        """What the group holds instead of ``key``, for its KeyError: the close match and
+        the keys (at most ``_SHOWN``); "" when the store cannot tell."""
+        try:
+            held, more = self._owners.held(kind, _READ_MOST)
+        except (PeerLostError, TimeoutError):
+            return ""
+        noun = "services" if kind == "s" else "values"
+        close = difflib.get_close_matches(key, held, n=1)
+        words = f". Did you mean {close[0]!r}?" if close else "."
+        words += f" The group's {noun}: {held[:_SHOWN]}"
+        if len(held) > _SHOWN:
+            words += f" and {len(held) - _SHOWN} more"
+        return words + (f" (of the first {_READ_MOST} live members)" if more else "")
 
     # ---------------------------------------------------------------- plain calls
     def run_sync(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> Any:

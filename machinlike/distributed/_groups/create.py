@@ -78,23 +78,24 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
         d.unreserve(name, tag, epoch)
         # A member that passed another list waits under another epoch (its digest differs).
         # (The proposal stays: a member timing out a moment later reads it too.)
-        other = {m: d.registry.get_or_empty(keys.group_proposal(name, m)) for m in members if m != d.name}
-        theirs = {m: held.split(",") for m, held in other.items() if held and held != listing}
-        if theirs:
-            raise ValueError(f"members of RpcGroup {name!r} disagree: this member passed members={list(members)}, "
-                             f"but {theirs} (by member); every member must pass the same list") from err
+        _refuse_other_lists(d, name, members, err)
         raise
+    except PeerLostError as err:
+        _refuse_other_lists(d, name, members, err)
+        d.registry.delete([proposal])
+        raise _departed(d, name, err.member) from err
     except BaseException:
         d.registry.delete([proposal])
         raise
-    d.registry.delete([proposal])
     held_lists = d.registry.values(prefix, members)
     if WOKEN_MARK in held_lists:
         # Woken because a member that had joined is gone since (one that had not is
         # marked lost: the wait raised): the others' places were filled to end the wait.
         gone = d.roster.not_current(members, incarnations)
-        raise PeerLostError(gone[0] if gone else members[held_lists.index(WOKEN_MARK)],
-                            f"creating RpcGroup {name!r}: {gone} left or died while being waited for")
+        _refuse_other_lists(d, name, members, None)
+        d.registry.delete([proposal])
+        raise _departed(d, name, gone[0] if gone else members[held_lists.index(WOKEN_MARK)])
+    d.registry.delete([proposal])
     odd = [m for m, v in zip(members, held_lists) if v != listing]
     if odd:
         raise ValueError(f"members of RpcGroup {name!r} disagree: {odd} passed other member lists")
@@ -130,6 +131,44 @@ def _tag(members: Sequence[str], incarnations: Optional[Dict[str, int]]) -> str:
     if incarnations is not None:
         text += "|" + ",".join(str(incarnations.get(m, 0)) for m in members)
     return hashlib.blake2b(text.encode(), digest_size=4).hexdigest()
+
+
+#: What a member list that differs between members means in an elastic world.
+_ELASTIC_LISTS = ("; in an elastic world get_members() is who this member has seen join so far, so members that "
+                  "pass it pass different lists: wait for the members first (world.wait_for_members([...])) and "
+                  "pass that list, or create an open group (create_rpc_group(name), no members)")
+
+
+def _refuse_other_lists(d: GroupDirectory, name: str, members: Sequence[str], cause: Optional[BaseException]) -> None:
+    """Raise ValueError (from ``cause``) if a member of ``members`` is creating group
+    ``name`` with another list (its proposal), or the group it made holds another list.
+
+    Why on failures only: each creator waits under an epoch of its own list's digest, so
+    a disagreement shows as a wait that fails (a timeout, or a member gone meanwhile).
+    """
+    listing = GroupRecord.listing(members)
+    theirs = {m: held.split(",") for m in members if m != d.name
+              for held in [d.registry.get_or_empty(d.keys.group_proposal(name, m))] if held and held != listing}
+    what = f"{theirs} (by member)" if theirs else ""
+    made = d.registry.get_or_empty(d.keys.group(name))
+    record = GroupRecord.decode(made) if made else None
+    if not what and record is not None and record.members is not None and list(record.members) != list(members) \
+            and set(record.members) & (set(members) - {d.name}):
+        what = f"{list(record.members)} made it with members={list(record.members)}"
+    if what:
+        raise ValueError(f"members of RpcGroup {name!r} disagree: this member passed members={list(members)}, "
+                         f"but {what}; every member must pass the same list{_ELASTIC_LISTS if d.elastic else ''}"
+                         ) from cause
+
+
+def _departed(d: GroupDirectory, name: str, member: str) -> PeerLostError:
+    """The error for ``member``, gone while this member waited for it to create group ``name``."""
+    how = d.departure(member)
+    if how is None:
+        return PeerLostError(member, f"creating RpcGroup {name!r}: it left or died while being waited for")
+    hint = (", without creating the group with these members" +
+            (_ELASTIC_LISTS if d.elastic else "")) if how[1] else ""
+    return PeerLostError(member, f"creating RpcGroup {name!r}: it {how[0]}{hint}")
 
 
 def _refuse_taken(d: GroupDirectory, name: str, members: Sequence[str], held: str) -> None:
@@ -183,9 +222,8 @@ def _wait_for_members(d: GroupDirectory, name: str, members: Sequence[str], dead
             stored = MemberRecord.decode(member, held).incarnation if held else None
             why = d.roster.gone(member)
             if why and stored is None:
-                verb = "left" if why == "left" else "was lost from"
-                raise PeerLostError(member, f"creating RpcGroup {name!r}: it {verb} the world; wait for its "
-                                            f"return (World.wait_for_members) before grouping with it")
+                _refuse_other_lists(d, name, members, None)
+                raise _departed(d, name, member)
             seen = d.roster.incarnation_of(member)
             if stored is not None and (seen is None or stored > seen):
                 behind[member] = stored

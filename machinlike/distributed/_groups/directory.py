@@ -74,6 +74,8 @@ class GroupDirectory:
         self.waits: Waits = membership.waits
         self.claims: Claims = membership.claims
         self.endpoint: Endpoint = membership.endpoint
+        #: How a gone member went, for messages (``Membership.departure``).
+        self.departure = membership.departure
         self.tables = tables
         self._lock = threading.Lock()
         self._groups: Dict[str, GroupHandle] = {}

@@ -8,7 +8,8 @@ so that a cached call is a single RPC round trip like a raw ``rpc_sync``::
                                 otherwise (or refresh=True) ──► Claims.owner(Keys.service|value)
                                                                  └─► cache it (or forget it)
     hold_* / drop_*             this member's own register / pair / withdraw (no look-up)
-    lost_owner(kind, key)       the gone member a look-up last found held the key
+    last_owner(kind, key)       who held the key when a look-up (or this member's own
+                                withdrawal) last found it free: (member, its RPC worker)
 
 Why a part of its own: the callers (``caller``) read it on every call and correct
 it when an owner answers "missing"; the tables (``tables``) write this member's
@@ -21,11 +22,12 @@ most one more look-up.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 from .._membership import Claims
 from .._store import Keys, ServiceOwner
 from .._membership import Roster
+from ...exception import PeerLostError
 
 __all__ = ["OwnerCache"]
 
@@ -60,9 +62,10 @@ class OwnerCache:
         self._roster = roster
         self._services: Dict[str, ServiceOwner] = {}
         self._values: Dict[str, str] = {}
-        # The member a look-up last found gone with the key, by (kind, key): a caller
-        # that called the key's owner before it died is told that, not "nobody has it".
-        self._lost: Dict[Tuple[str, str], str] = {}
+        # (member, worker) that held the key when a look-up last found it free, by (kind,
+        # key): a caller that called the key's owner before it died, left or withdrew it
+        # is told that, not "nobody has it (yet)".
+        self._last: Dict[Tuple[str, str], Tuple[str, str]] = {}
 
     # ---------------------------------------------------------------- store keys
     def service_key(self, key: str) -> str:
@@ -99,10 +102,24 @@ class OwnerCache:
         """
         return self._look_up("v", self._values, self.value_key(key), key, _same, _same, refresh, timeout)
 
-    def lost_owner(self, kind: str, key: str) -> Optional[str]:
-        """The member that held service (``kind`` "s") or value ("v") ``key`` when this
-        process last found it, if that member is gone and nobody holds ``key`` since."""
-        return self._lost.get((kind, key))
+    def last_owner(self, kind: str, key: str) -> Optional[Tuple[str, str]]:
+        """``(member, worker)`` that held service (``kind`` "s") or value ("v") ``key``
+        when this process last found it, if nobody holds ``key`` since (as far as it knows)."""
+        return self._last.get((kind, key))
+
+    def held(self, kind: str, most: int) -> Tuple[List[str], bool]:
+        """The service (``kind`` "s") or value ("v") keys of this group that live members
+        hold, read from the lists of at most ``most`` of them (store reads: for error
+        messages only), and whether some members were left unread."""
+        prefix = self.service_key("") if kind == "s" else self.value_key("")
+        live = self._roster.members()
+        workers = []
+        for member in live[:most]:
+            try:
+                workers.append(self._roster.worker_of(member))
+            except PeerLostError:  # (gone since: it holds nothing)
+                pass
+        return [key[len(prefix):] for key in self._claims.held_under(prefix, workers)], len(live) > most
 
     def _look_up(self, kind: str, cache: Dict[str, _Owner], store_key: str, key: str,
                  decode: Callable[[str], _Owner], worker_of: Callable[[_Owner], str], refresh: bool,
@@ -114,27 +131,31 @@ class OwnerCache:
         held = self._claims.owner(store_key, timeout)
         if held is None:
             last = cache.pop(key, None)
-            if last is not None and self._roster.worker_gone(worker_of(last)):
-                self._lost[(kind, key)] = self._roster.member_of(worker_of(last))
+            if last is not None:
+                self._last[(kind, key)] = (self._roster.member_of(worker_of(last)), worker_of(last))
                 # (bounded like the cache: by the keys this process called)
             return None
-        self._lost.pop((kind, key), None)
+        self._last.pop((kind, key), None)
         owner = cache[key] = decode(held)
         return owner
 
     # ------------------------------------------------------ this member's own keys
     def hold_service(self, key: str, owner: ServiceOwner) -> None:
         """This member just claimed service ``key`` as ``owner``."""
-        self._lost.pop(("s", key), None)
+        self._last.pop(("s", key), None)
         self._services[key] = owner
 
     def drop_service(self, key: str) -> None:
-        self._services.pop(key, None)
+        owner = self._services.pop(key, None)
+        if owner is not None:
+            self._last[("s", key)] = (self._roster.member_of(owner.worker), owner.worker)
 
     def hold_value(self, key: str, worker: str) -> None:
         """This member (RPC worker ``worker``) just paired value ``key``."""
-        self._lost.pop(("v", key), None)
+        self._last.pop(("v", key), None)
         self._values[key] = worker
 
     def drop_value(self, key: str) -> None:
-        self._values.pop(key, None)
+        worker = self._values.pop(key, None)
+        if worker is not None:
+            self._last[("v", key)] = (self._roster.member_of(worker), worker)

@@ -24,7 +24,7 @@ would otherwise grow its list by a line per claim it ever made.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .endpoint import Endpoint
 from .._store import Keys, MemberRecord, OwnedKey, rebind_holder
@@ -99,6 +99,14 @@ class Claims:
             timeout: Seconds the caller has left (see ``Registry.owner``); None: no bound.
         """
         return self._registry.owner(key, timeout)
+
+    def held_under(self, prefix: str, workers: Sequence[str]) -> List[str]:
+        """The keys starting with ``prefix`` that ``workers`` noted as claimed and that are
+        held now, sorted. Two or three store round trips: for error messages only."""
+        listed = self._registry.values_or_empty(self._keys.owned(""), list(workers))
+        found = sorted({owned.key for text in listed for owned in OwnedKey.decode_all(text)
+                        if owned.key.startswith(prefix)})
+        return [key for key, held in zip(found, self._registry.values_or_empty("", found)) if held]
 
     def _current(self, holder: str) -> str:
         return rebind_holder(holder, self._old_workers.keys(), self._endpoint.worker)

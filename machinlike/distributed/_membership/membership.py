@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -56,7 +56,7 @@ from .departures import Departures
 from .endpoint import Endpoint
 from .event_log import EventLog
 from .log_state import Numbered
-from .._store import Keys, LogEntry, MemberRecord, server_of
+from .._store import ExitRecord, Keys, LogEntry, MemberRecord, server_of
 from .processes import alive_here, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
@@ -99,6 +99,9 @@ class Membership:
         self.name = name
         self.elastic = elastic
         self.liveness = liveness
+        # When this member had read the log of the world it joined (departures this view
+        # saw until then happened before it came, at a time it does not know)
+        self._caught_up_at = time.monotonic()
         self.keys = keys
         self.registry = Registry(store, store_owner)
         #: Called after a member (not a move) left, before the event is published: the
@@ -232,6 +235,7 @@ class Membership:
             self.monitor.beat()  # its watchers read the heartbeat key as soon as they see the join
         self.events.post("join", self.endpoint.me)
         self.start_liveness()
+        self._caught_up_at = time.monotonic()
 
     def start_liveness(self) -> None:
         """Catch up with the log, start the liveness thread and the bell's (none without
@@ -291,6 +295,72 @@ class Membership:
     def gone(self, member: str) -> Optional[str]:
         """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
         return self.roster.gone(member)
+
+    def departure(self, member: str) -> Optional[Tuple[str, bool]]:
+        """How ``member``'s latest incarnation went, for a message ("left the world 2.5 s
+        ago, cleanly (...)", "was lost 0.3 s ago: killed by signal SIGKILL (9)"), and whether
+        it left cleanly (raised nothing: no launcher restarts it); None while it is live or
+        when this view never saw it. One store read (its exit cause): error paths only."""
+        gone = self.roster.departed(member)
+        if gone is None:
+            return None
+        kind, incarnation, when = gone
+        try:
+            record = ExitRecord.decode(self.registry.get_or_empty(self.keys.exit_cause(member)))
+        except PeerLostError:  # (the store is gone: say what this view knows)
+            record = None
+        cause = record.cause if record is not None and record.incarnation == incarnation else ""
+        ago = ("before this member joined" if when <= self._caught_up_at
+               else f"{time.monotonic() - when:.1f} s ago")
+        if kind == "lost":
+            return f"was lost {ago}{': ' + cause if cause else ''}", False
+        if cause:
+            return f"left the world {ago}, after it {cause}", False
+        return f"left the world {ago}, cleanly (it returned or stopped)", True
+
+    def wait_live(self, names: Set[str], timeout: float) -> List[str]:
+        """Block until every one of ``names`` is live; the live members then, sorted
+        (``World.wait_for_members``).
+
+        One that left cleanly fails the wait at once: it comes back only if started again
+        by hand. One that was lost, or left after raising, is waited for (a launcher with
+        ``max_restarts`` restarts it under its name); a timeout then says how it went.
+
+        Raises:
+            PeerLostError: one of ``names`` left cleanly (named, with when).
+            TimeoutError: not all live within ``timeout`` (each missing one said).
+        """
+        deadline = time.monotonic() + timeout
+        judged: Dict[str, Tuple[str, int, float]] = {}  # departures already looked at
+        departed = self.roster.departed
+
+        def reached(live: List[str]) -> bool:
+            return names <= set(live) or any(departed(n) not in (None, judged.get(n)) for n in names)
+
+        while True:
+            try:
+                live = self.roster.wait_until(reached, deadline_left(deadline))
+            except TimeoutError:
+                live = self.roster.members()
+                missing = sorted(names - set(live))
+                if not missing:
+                    return live
+                said = [f"{n!r} {how[0]}" for n in missing for how in [self.departure(n)] if how is not None]
+                raise TimeoutError(f"wait_for_members: waited {timeout:g} s for {missing} to be live, not yet"
+                                   f"{': ' + '; '.join(said) + ', and not back' if said else ''} (live: {live})"
+                                   ) from None
+            if names <= set(live):
+                return live
+            for name in sorted(names):
+                gone = departed(name)
+                if gone is None or judged.get(name) == gone:
+                    continue
+                judged[name] = gone
+                how = self.departure(name)
+                if how is not None and how[1]:
+                    raise PeerLostError(name, f"wait_for_members: it {how[0]}; a member that left is live again "
+                                              f"only if started again under its name (launch() restarts a rank "
+                                              f"that raised or died, not one that returned)")
 
     def subscribe(self, callback: Callable[[MemberEvent], None]) -> None:
         """Call ``callback(event)`` on every join, leave and loss from now on."""

@@ -73,7 +73,9 @@ class Roster:
         # never changes member): a loss finds its member's workers without a pass over
         # every worker (N per loss per member before: O(N²) a loss for the world).
         self._workers_of: Dict[str, List[str]] = {}
-        self._gone: Dict[str, str] = {}  # member -> "lost" | "left" (latest incarnation), oldest first
+        # member -> (kind "lost" | "left", incarnation, when this view saw it go: monotonic) of
+        # its latest incarnation, oldest first
+        self._gone: Dict[str, Tuple[str, int, float]] = {}
         # Gone RPC workers, oldest first (a dict as an ordered set): written under the lock,
         # read without it (one look-up is atomic). The oldest are forgotten past
         # GONE_KEPT, with their index entries: a world that runs for days must not pay
@@ -126,7 +128,7 @@ class Roster:
                     del self._live[rec.member]
                     del self._ring[bisect.bisect_left(self._ring, ring_key(rec.member))]
                     self._gone.pop(rec.member, None)  # (re-inserted: newest last)
-                    self._gone[rec.member] = "left" if kind == "leave" else "lost"
+                    self._gone[rec.member] = ("left" if kind == "leave" else "lost", rec.incarnation, time.monotonic())
                     while len(self._gone) > GONE_KEPT:
                         del self._gone[next(iter(self._gone))]
                 self._worker_gone(rec.worker)
@@ -295,6 +297,13 @@ class Roster:
     def gone(self, member: str) -> Optional[str]:
         """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
         with self._lock:
+            gone = self._gone.get(member)
+            return None if member in self._live or gone is None else gone[0]
+
+    def departed(self, member: str) -> Optional[Tuple[str, int, float]]:
+        """``(kind, incarnation, when)`` of ``member``'s latest incarnation if it is gone
+        (``when``: ``time.monotonic()`` as this view saw it go), else None."""
+        with self._lock:
             return None if member in self._live else self._gone.get(member)
 
     def worker_of(self, member: str) -> str:
@@ -305,7 +314,7 @@ class Roster:
         """
         with self._lock:
             rec = self._live.get(member)
-            gone = self._gone.get(member)
+            gone = self._gone.get(member, ("",))[0]
         if self._cut_off is not None:
             raise self._cut_off
         if rec is None:

@@ -292,11 +292,18 @@ class World:
                 leave together (``World.stop`` waits for every rank): waiting for one that
                 began its stop lasts until this rank stops too, or it is lost (logged once).
 
+        A named member that left the world cleanly (its function returned, or it stopped
+        its World) fails the wait at once: in an elastic world it is live again only if
+        started again under its name. One that was lost, or left after raising, is waited
+        for: ``launch(..., max_restarts=...)`` restarts it under its name.
+
         Returns:
             The live members at that moment, sorted.
 
         Raises:
-            TimeoutError: not reached within ``timeout`` (names what was missing).
+            TimeoutError: not reached within ``timeout`` (names what was missing, and how
+                each missing member that had joined went).
+            PeerLostError: a named member left cleanly (named, with when).
         """
         wait = _checks.seconds_or_none("timeout", timeout, self.dist_timeout)
         if isinstance(members, int) and not isinstance(members, bool):
@@ -306,8 +313,7 @@ class World:
         names = set(_checks.sequence_of_str("members", members))
         if gone:
             return self._wait_gone(names, wait)
-        return self._wait_members(lambda live: names <= set(live), wait,
-                                  lambda live: f"{sorted(names - set(live))} to be live, not yet")
+        return self.membership.wait_live(names, wait)
 
     def _wait_gone(self, names: Set[str], wait: float) -> List[str]:
         m = self.membership
