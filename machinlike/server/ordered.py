@@ -224,7 +224,8 @@ class OrderedServerSimple(OrderedServerBase):
             back = world.get_incarnation(host)
             how = None if back is not None else world.membership.departure(host)
             # (a host that returned or stopped left on purpose: no launcher restarts it)
-            why = (f"it came back (incarnation {back}) and does not serve yet" if back is not None else
+            why = ((f"it came back (incarnation {back}) and does not serve yet" if back > 1 else
+                    "it is live but no longer serves it (it closed the server)") if back is not None else
                    f"it {how[0] if how else 'was lost'}; calls fail until "
                    f"{'a member hosts it again' if how and how[1] else 'it is restarted and serves again'}")
             raise PeerLostError(host, f"host of ordered server {self.server_name!r}: {why}") from err
