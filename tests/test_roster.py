@@ -165,3 +165,15 @@ def test_a_run_of_joiners_named_in_sequence_is_scattered_over_the_liveness_ring(
     assert max(changes.values()) <= 6, sorted(changes.values())[-5:]  # (4: the hash is fixed)
     roster.apply("lost", roster.successors("m00000", 1)[0])
     assert all(len(roster.successors(name, 3)) == 3 for name in roster.members())
+
+
+def test_an_agent_made_due_by_a_leave_recycles_after_the_grace_by_a_loss_at_once():
+    pipes = PipeLedger(8)
+    for worker in ("a_1", "b_2", "c_3"):
+        pipes.called(worker)
+    pipes.gone("a_1", left=True)  # (the first agent: due at its first gone worker)
+    assert not pipes.due() and pipes.dead() == 1
+    pipes.gone("b_2")  # lost (or moved): no grace
+    assert pipes.due()
+    pipes.reset()
+    assert not pipes.due()

@@ -127,3 +127,20 @@ def test_a_step_after_one_that_took_effect_says_so_when_it_runs_out():
             budget.then("the gradients were queued")
             raise TimeoutError("the pull's call did not answer")  # as a step that ran out raises
     assert str(caught.value.__cause__) == "the pull's call did not answer"
+
+
+def test_a_spent_budget_raises_a_plain_timeout_error_told_once():
+    # The user's traceback names builtins.TimeoutError, not a private subclass (trial 7).
+    from machinlike.server._budget import CallBudget
+
+    with pytest.raises(TimeoutError) as caught:
+        with CallBudget(0.05, "pull of model 'm'"):
+            with CallBudget(0.05, "pull of model 'm'") as inner:
+                inner._deadline -= 1  # as when the time ran out before the next step
+                inner.left()
+    assert type(caught.value) is TimeoutError and caught.value.__cause__ is None
+    assert str(caught.value).startswith("pull of model 'm': not done within 0.05 s")
+    with pytest.raises(TimeoutError) as wrapped:
+        with CallBudget(0.05, "push of model 'm'"):
+            raise TimeoutError("the step did not answer")
+    assert type(wrapped.value) is TimeoutError and str(wrapped.value.__cause__) == "the step did not answer"

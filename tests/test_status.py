@@ -218,9 +218,14 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{port}", "--once",
-                           "--timeout", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "machinlike", "status", f"127.0.0.1:{port}",
+                           "--once", "--timeout", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "no world's store answers at 127.0.0.1:" in proc.stderr
+    # The tool's process imports the store reader, not the whole package (about a second less).
+    imported = set(re.findall(r"\| +(machinlike[\w.]*)$", proc.stderr, re.M))
+    assert "machinlike.distributed._membership.status" in imported, sorted(imported)
+    assert not imported & {"machinlike.server", "machinlike.pool", "machinlike.distributed._world",
+                           "machinlike.distributed._membership.membership"}, sorted(imported)
     # The usage error in this process: the exit status reaching the shell is proven above.
     assert status_main(["status", "nowhere", "--once"]) == 2
     assert "address must be 'host:port'" in capsys.readouterr().err
@@ -231,6 +236,31 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
         assert status_main(["status", f"127.0.0.1:{other.getsockname()[1]}", "--once", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert "did not answer as a world's store within 0.5 s: check the address" in err and "MASTER_PORT" not in err
+
+
+def test_the_tool_says_at_once_on_a_terminal_which_store_it_reads_and_knows_its_own_command_line():
+    from machinlike.__main__ import announce
+    from machinlike._lean import status_tool
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for argv, said in [(["status", "tcp://h:1", "--once"], True), (["status", "--json", "h:1"], True),
+                       (["status", "--help"], False), (["status"], False)]:
+        err = Terminal()
+        announce(argv, err)
+        assert ("reading the world's store at " in err.getvalue()) is said, (argv, err.getvalue())
+    piped = io.StringIO()  # a script's stderr: nothing new
+    announce(["status", "h:1", "--json"], piped)
+    assert piped.getvalue() == ""
+    python = sys.executable
+    assert status_tool(["-m"], [python, "-X", "importtime", "-m", "machinlike", "status", "h:1"])
+    assert status_tool(["-m"], [python, "-mmachinlike", "status", "h:1"])
+    assert not status_tool(["-m"], [python, "-m", "machinlike.status_other", "status"])
+    assert not status_tool(["-m"], [python, "-m", "pytest", "status"])
+    assert not status_tool(["/x/machinlike/__main__.py", "status"], [python, "-m", "machinlike", "status"])
+    assert not status_tool(["-c"], [python, "-c", "import machinlike", "-m", "machinlike", "status"])
 
 
 HOST = """

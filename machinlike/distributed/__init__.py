@@ -2,12 +2,15 @@
 
 # Layers, bottom up (docs/architecture.rst): _store and _transport, _membership, _calls,
 # _groups, _world, _launch; each imports only those below it, through its face.
-from ._membership import MemberEvent, Membership
-from ._calls import PairedRef, ResultRef, RpcFuture, share
-from ._groups import CollectiveGroup, RpcGroup
-from ._world import World, debug_with_process, get_cur_name, get_cur_rank, get_world, is_world_initialized
-from ._launch import LaunchResult, Restart, launch, launch_ray
-from ._store import external_launcher
+from .. import _lean
+
+if not _lean.STATUS_TOOL:  # (the status tool reads the store only: see machinlike._lean)
+    from ._membership import MemberEvent, Membership
+    from ._calls import PairedRef, ResultRef, RpcFuture, share
+    from ._groups import CollectiveGroup, RpcGroup
+    from ._world import World, debug_with_process, get_cur_name, get_cur_rank, get_world, is_world_initialized
+    from ._launch import LaunchResult, Restart, launch, launch_ray
+    from ._store import external_launcher
 
 __all__ = [
     "World",

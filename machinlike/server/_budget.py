@@ -10,6 +10,11 @@ claimed, the push, the pull after a rejection)::
 
 Why: each step used to get the whole timeout of its own, so a call could take several
 times what its caller asked for; retries included, the call now ends within ``T``.
+
+``T`` bounds the waits on the servers: no step starts once it ran out, and each waits at
+most what is left. Local work after the last wait (loading a pulled state into the
+caller's model) is not cut short: a call whose data arrived in time returns its result,
+although loading a large model may take it a little past ``T``.
 """
 
 from __future__ import annotations
@@ -21,8 +26,15 @@ from typing import Optional, Type
 __all__ = ["CallBudget"]
 
 
-class _Spent(TimeoutError):
-    """A call's budget ran out (told once, by the outermost budget)."""
+_TOLD = "_machinlike_budget_told"
+
+
+def _spent(message: str) -> TimeoutError:
+    """A plain TimeoutError (the type users see and catch), marked as told so that the budget
+    it crosses, or one around it, does not wrap it again."""
+    err = TimeoutError(message)
+    setattr(err, _TOLD, True)
+    return err
 
 
 class CallBudget:
@@ -51,7 +63,7 @@ class CallBudget:
         """
         left = self._deadline - time.monotonic()
         if left <= 0:
-            raise _Spent(f"{self.what}: not done within {self.seconds:g} s (its timeout, for the whole call); "
+            raise _spent(f"{self.what}: not done within {self.seconds:g} s (its timeout, for the whole call); "
                          f"pass a larger timeout= if the server is just slow")
         return left
 
@@ -60,6 +72,6 @@ class CallBudget:
 
     def __exit__(self, kind: Optional[Type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
-        if isinstance(exc, TimeoutError) and not isinstance(exc, _Spent):
-            raise _Spent(f"{self.what}: not done within {self.seconds:g} s (its timeout, for the whole call): "
+        if isinstance(exc, TimeoutError) and not getattr(exc, _TOLD, False):
+            raise _spent(f"{self.what}: not done within {self.seconds:g} s (its timeout, for the whole call): "
                          f"{exc}") from exc

@@ -121,8 +121,9 @@ class PushPullModelServer:
                 this host), else on the CPU.
             pull_on_fail: When another version got there first, load the newest one into
                 ``model`` (see :meth:`pull`).
-            timeout: Seconds for the whole push (the pull after a rejection included);
-                None: the ordered server accessor's timeout (the World's ``rpc_timeout``).
+            timeout: Seconds for the whole push's waits on the server (the pull after a
+                rejection included; loading what arrived in time is not cut short); None:
+                the ordered server accessor's timeout (the World's ``rpc_timeout``).
 
         Returns:
             True if the push made the next version (``model.pp_version`` is incremented),
@@ -166,8 +167,9 @@ class PushPullModelServer:
 
         Args:
             model: A model of the server's architecture (compiled or wrapped: as :meth:`push`).
-            timeout: Seconds for the pull; None: the ordered server accessor's timeout
-                (the World's ``rpc_timeout``).
+            timeout: Seconds for the pull's waits on the server; None: the ordered server
+                accessor's timeout (the World's ``rpc_timeout``). A state that arrived in
+                time is loaded into ``model`` even when loading takes the call past it.
 
         Returns:
             True if a newer state was loaded (``model.pp_version`` updated), False if the

@@ -11,16 +11,19 @@ where the module itself is the seam: callee entry points sent by reference, a pr
 the Session binds, or a family of functions used as a namespace (rendezvous, netif).
 """
 
-from .processes import alive_here, DEFAULT_LIVENESS, is_here, process_identity
-from .roster import Roster
-from .waits import Waits
-from .claims import Claims
-from .endpoint import Endpoint
-from .membership import MemberEvent, Membership
-from .exit_causes import describe_exception, record_exit, record_own_exit
+from ... import _lean
 from .status import (
     connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, ServerNote, WorldStatus,
 )
+
+if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see machinlike._lean)
+    from .processes import alive_here, DEFAULT_LIVENESS, is_here, process_identity
+    from .roster import Roster
+    from .waits import Waits
+    from .claims import Claims
+    from .endpoint import Endpoint
+    from .membership import MemberEvent, Membership
+    from .exit_causes import describe_exception, record_exit, record_own_exit
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "describe_exception", "Endpoint",

@@ -379,7 +379,9 @@ class Monitor:
         me = self._endpoint.me
         self._events.post("move", me)
         self._roster.apply("move", me)  # this process routes to the new agent at once (the log follows)
-        log.warning("machinlike: member %r now answers as RPC worker %r", me.member, me.worker)
+        # (a recycling is routine: its reason was logged at INFO; a renewal's at WARNING)
+        log.log(logging.INFO if recycle else logging.WARNING, "machinlike: member %r now answers as RPC worker %r",
+                me.member, me.worker)
 
     # ---------------------------------------------------------------- the lost
     def record_alive(self, rec: MemberRecord, wait: float) -> bool:

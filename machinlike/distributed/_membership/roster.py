@@ -131,7 +131,7 @@ class Roster:
                     self._gone[rec.member] = ("left" if kind == "leave" else "lost", rec.incarnation, time.monotonic())
                     while len(self._gone) > GONE_KEPT:
                         del self._gone[next(iter(self._gone))]
-                self._worker_gone(rec.worker)
+                self._worker_gone(rec.worker, left=kind == "leave")
                 # Its worker, and any it had before a renewal (calls on those may be under way).
                 return [w for w in self._workers_of.get(rec.member, ()) if w in self._gone_workers]
             finally:
@@ -211,11 +211,12 @@ class Roster:
         # New calls go to the new worker; calls under way on the old one still complete.
         self._worker_gone(current.worker)
 
-    def _worker_gone(self, worker: str) -> None:
-        """Mark RPC worker ``worker`` gone (under the lock); forget the oldest past GONE_KEPT."""
+    def _worker_gone(self, worker: str, left: bool = False) -> None:
+        """Mark RPC worker ``worker`` gone (under the lock; ``left``: its member left the
+        world); forget the oldest past GONE_KEPT."""
         self._gone_workers[worker] = None
         self._here.pop(worker, None)
-        self.pipes.gone(worker)
+        self.pipes.gone(worker, left)
         while len(self._gone_workers) > GONE_KEPT:
             oldest = next(iter(self._gone_workers))
             del self._gone_workers[oldest]

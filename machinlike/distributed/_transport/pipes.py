@@ -21,15 +21,25 @@ and the retired agent is shut down once no call can still be under way on it::
 Only workers this agent called count: a peer that died without being called left no pipe
 here, and counting it would recycle for nothing (and every recycling leaves a gone worker
 in the peers that called the old agent).
+
+An agent made due by a worker that *left* recycles only ``LEAVE_GRACE`` seconds later
+(one made due by a lost or moved worker: at once). Why: members leave cleanly mostly at
+the end of a run, one after the other; every member that had called the first leaver
+recycled while it was leaving itself (a join calling every peer, then its old agent shut
+down under them), and each of those moves made the next member due: every elastic run
+ended in a burst of TensorPipe warnings and "now answers as RPC worker" lines (trial 7).
+A member that goes on running recycles a few seconds later, at the cost of its dead pipes
+for that long.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Set
+import time
+from typing import Optional, Set
 
-__all__ = ["PipeLedger", "RECYCLE_ENV", "DEFAULT_RECYCLE_AFTER", "recycle_after"]
+__all__ = ["PipeLedger", "RECYCLE_ENV", "DEFAULT_RECYCLE_AFTER", "LEAVE_GRACE", "recycle_after"]
 
 
 # Gone workers this member's agent called before it recycles the agent (see PipeLedger): on
@@ -38,6 +48,11 @@ __all__ = ["PipeLedger", "RECYCLE_ENV", "DEFAULT_RECYCLE_AFTER", "recycle_after"
 # (one join) stays rare; docs/tutorials/elastic.rst, "What a dead peer costs".
 RECYCLE_ENV = "MACHINLIKE_RECYCLE_AFTER"
 DEFAULT_RECYCLE_AFTER = 8
+
+# Seconds an agent made due by a worker that left waits before it recycles (see the
+# module doc): longer than members of an ending run take to leave after each other on a
+# loaded 2-core box (about 1 to 2 s in trial 7's runs).
+LEAVE_GRACE = 5.0
 
 
 def recycle_after() -> int:
@@ -72,6 +87,7 @@ class PipeLedger:
         # Live workers called by this agent; read without the lock on the hot path.
         self._called: Set[str] = set()
         self._dead = 0
+        self._due_at: Optional[float] = None  # time.monotonic() from which it is due
 
     def called(self, worker: str) -> None:
         """Note a call to ``worker`` (every call; costs one set look-up once it is known)."""
@@ -80,16 +96,23 @@ class PipeLedger:
         with self._lock:
             self._called.add(worker)
 
-    def gone(self, worker: str) -> None:
-        """Note that ``worker`` is gone for good (its member was lost or left, or it moved)."""
+    def gone(self, worker: str, left: bool = False) -> None:
+        """Note that ``worker`` is gone for good: its member was lost, or it moved, or
+        (``left``) its member left the world (see the module doc)."""
         with self._lock:
-            if worker in self._called:
-                self._called.discard(worker)  # counted once; a set only of live pipes
-                self._dead += 1
+            if worker not in self._called:
+                return
+            self._called.discard(worker)  # counted once; a set only of live pipes
+            self._dead += 1
+            if self.limit > 0 and self._dead >= (1 if self._first else self.limit):
+                at = time.monotonic() + (LEAVE_GRACE if left else 0.0)
+                self._due_at = at if self._due_at is None else min(self._due_at, at)
 
     def due(self) -> bool:
-        """Whether enough called workers are gone to recycle the agent."""
-        return self.limit > 0 and self._dead >= (1 if self._first else self.limit)
+        """Whether enough called workers are gone to recycle the agent (the grace after a
+        leave over)."""
+        due_at = self._due_at
+        return due_at is not None and time.monotonic() >= due_at
 
     def dead(self) -> int:
         """Gone workers this agent holds a pipe to."""
@@ -100,4 +123,5 @@ class PipeLedger:
         with self._lock:
             self._called.clear()
             self._dead = 0
+            self._due_at = None
             self._first = False

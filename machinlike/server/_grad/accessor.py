@@ -194,8 +194,9 @@ class PushPullGradServer:
                 it as torch's optimizers skip it locally (AdamW's weight decay leaves a
                 frozen encoder as it is).
             pull: Pull and clear the gradients after pushing (machin's behaviour).
-            timeout: Seconds for the whole push (the wait for room, a push to another
-                secondary after one that left, the pull included); None: the accessor's.
+            timeout: Seconds for the whole push's waits (for room, a push to another
+                secondary after one that left, the pull; loading what arrived in time is
+                not cut short); None: the accessor's.
 
         Returns:
             ``pull=True``: what :meth:`pull` returned (True if newer parameters were
@@ -310,7 +311,9 @@ class PushPullGradServer:
 
         Args:
             model: A model of the managed architecture.
-            timeout: Seconds for the pull; None: the accessor's timeout.
+            timeout: Seconds for the pull's waits on the server; None: the accessor's
+                timeout. Parameters that arrived in time are loaded into ``model`` even
+                when loading takes the call past it.
 
         Returns:
             True if newer parameters were loaded (``model.pp_version`` updated), False if
