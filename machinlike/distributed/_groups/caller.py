@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 
 from .._calls import context as _context, ref_owner as _ref_owner, refs as _refs, samehost as _samehost
@@ -52,6 +52,7 @@ _FRESH = (True,)
 # lists of at most _READ_MOST live members (a look at the store, on the error path only).
 _SHOWN = 10
 _READ_MOST = 64
+_HELD_FRESH = 1.0  # seconds a read of the group's keys serves the next KeyErrors
 
 
 def _named(result: RpcFuture, member: str) -> RpcFuture:
@@ -84,6 +85,9 @@ class Caller:
         self._roster = roster
         self._waits = waits
         self._owners = owners
+        # (kind -> (time.monotonic(), keys held, some unread)): a loop that polls for a key
+        # to appear meets a KeyError per try, and each would read every member's claim list
+        self._held_seen: Dict[str, Tuple[float, List[str], bool]] = {}
 
     # ------------------------------------------------------------------- services
     def _service_target(self, key: str, refresh: bool, deadline: float) -> Tuple[str, Callable[..., Any]]:
@@ -195,10 +199,15 @@ class Caller:
     def _held_words(self, kind: str, key: str) -> str:
         """What the group holds instead of ``key``, for its KeyError: the close match and
         the keys (at most ``_SHOWN``); "" when the store cannot tell."""
-        try:
-            held, more = self._owners.held(kind, _READ_MOST)
-        except (PeerLostError, TimeoutError):
-            return ""
+        seen = self._held_seen.get(kind)
+        if seen is not None and time.monotonic() - seen[0] < _HELD_FRESH:
+            _, held, more = seen
+        else:
+            try:
+                held, more = self._owners.held(kind, _READ_MOST)
+            except (PeerLostError, TimeoutError):
+                return ""
+            self._held_seen[kind] = (time.monotonic(), held, more)
         noun = "services" if kind == "s" else "values"
         close = difflib.get_close_matches(key, held, n=1)
         words = f". Did you mean {close[0]!r}?" if close else "."
