@@ -37,7 +37,7 @@ __all__ = ["launch", "LaunchResult", "Restart"]
 log = logging.getLogger(__name__)
 
 _LAUNCHER_BASE = 20  # launch()'s process before any rank (it imports torch, starts no agent)
-_RESERVED = {"rank", "world_size", "store", "init_method", "name"}
+
 
 def _refuse_restarts_in_place(max_restarts: int, chaos: Optional[float]) -> None:
     # Under torchrun or srun the launcher started this process: there is nothing here to
@@ -179,7 +179,7 @@ def launch(
     if timeout is not None:
         _checks.seconds("timeout", timeout)
     _checks.positive_int("max_restarts", max_restarts, minimum=0)
-    check_world_kwargs("launch()", world_kwargs, _RESERVED)
+    check_world_kwargs("launch()", world_kwargs)
     if torchrun if torchrun is not None else external_launcher() is not None:
         _refuse_restarts_in_place(max_restarts, chaos)
         check_rank_call(fn, args, kwargs)

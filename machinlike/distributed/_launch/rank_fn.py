@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import difflib
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
 
 from ... import _checks
 
 if TYPE_CHECKING:
     from .._world import World
 
-__all__ = ["check_rank_call", "check_rank_fn", "check_world_kwargs", "run_rank_fn"]
+__all__ = ["RESERVED", "check_rank_call", "check_rank_fn", "check_world_kwargs", "run_rank_fn"]
 
 
 def check_rank_fn(fn: Any) -> None:
@@ -46,19 +46,24 @@ def check_rank_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optiona
                         f"with its World first (def {getattr(fn, '__name__', 'fn')}(world, ...))") from None
 
 
-def check_world_kwargs(who: str, world_kwargs: Dict[str, Any], reserved: Set[str]) -> None:
+#: World keywords a launcher sets itself for each rank.
+RESERVED = frozenset({"rank", "world_size", "store", "init_method", "name"})
+
+
+def check_world_kwargs(who: str, world_kwargs: Dict[str, Any]) -> None:
     """Raise TypeError naming what in ``world_kwargs`` (the rest of ``who``'s keywords,
     passed to each rank's World) is no keyword of :class:`World` or one ``who`` sets itself
-    (``reserved``), with the closest keyword World has (said here, not by every rank)."""
+    (``RESERVED``), with the closest keyword World has (said here, not by every rank)."""
     from .._world import World
 
-    taken = sorted(reserved & set(world_kwargs))
+    taken = sorted(RESERVED & set(world_kwargs))
     if taken:
         raise TypeError(f"{who} sets {taken} itself; do not pass them")
-    known = set(inspect.signature(World.__init__).parameters) - {"self"} - reserved
-    for key in sorted(set(world_kwargs) - known):
-        close = difflib.get_close_matches(key, known, 1)
-        raise TypeError(f"{who} got an unexpected keyword argument {key!r}, neither its own nor World's"
+    known = set(inspect.signature(World.__init__).parameters) - {"self"} - RESERVED
+    unknown = sorted(set(world_kwargs) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, 1)
+        raise TypeError(f"{who} got an unexpected keyword argument {unknown[0]!r}, neither its own nor World's"
                         + (f": did you mean {close[0]}=?" if close else f" (World takes {sorted(known)})"))
 
 

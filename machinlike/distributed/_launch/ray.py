@@ -42,7 +42,6 @@ from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, run_ran
 
 __all__ = ["launch_ray"]
 
-_RESERVED = {"rank", "world_size", "store", "init_method", "name"}
 # launch_ray's resource keys that are Ray's own (actor options); the rest are custom resources.
 _BUILTIN = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
 Resources = Mapping[str, float]
@@ -264,7 +263,7 @@ def launch_ray(
         _checks.seconds_or_none(param, value)
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts={max_restarts!r} must be a non-negative int")
-    check_world_kwargs("launch_ray()", world_kwargs, _RESERVED)
+    check_world_kwargs("launch_ray()", world_kwargs)
     if max_restarts > 0:  # a restarted actor must be able to rejoin a running world
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
         world_kwargs["elastic"] = True

@@ -258,8 +258,9 @@ class ServerNotesPublisher:
                 self._mine = text
                 return
             # torch's store answers a compare with a missing key by echoing the expected text
-            held = None if now == expected else ServerNotes.decode(now)
-            if (held is None and now == expected) or (held is not None and held.incarnation > self._incarnation()):
+            reaped = now == expected
+            held = None if reaped else ServerNotes.decode(now)
+            if reaped or (held is not None and held.incarnation > self._incarnation()):
                 self.superseded, self._mine = True, None
                 log.info("machinlike: member %r stops publishing its servers' numbers: %s", self._name,
                          "the others reaped its key (it was declared lost)" if held is None else
