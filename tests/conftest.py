@@ -2,9 +2,10 @@
 the Sphinx build) started beside the suite (see ``_background``); the ``serial`` mark.
 
 The README's test command runs the suite in two parts: every test not marked ``serial``
-two at a time (``-n 2``, pytest-xdist), then the ``serial`` ones alone. Why: a serial run
+three at a time (``-n 3``, pytest-xdist), then the ``serial`` ones alone. Why: a serial run
 left this 2-core box idle 43% of its 12 minutes (processes starting, peers waiting out
-timeouts); the two parts take 374 s and 199 s in CI, against 733 s in one. ``serial`` marks
+timeouts). On a slow box (session 51) the first part took 600 s two at a time, 402-451 s
+three at a time (the box 5% idle), 450 s four at a time (and more tests raced). ``serial`` marks
 the files whose tests hold a measured bound only with the machine to themselves (see
 ``SERIAL``), and the tests that collect the background checks (``CHECKS``); ``python -m
 pytest`` alone still runs everything, one test at a time.

@@ -149,8 +149,9 @@ def _visible_body(world):
     kv.push(f"x{world.incarnation}", world.incarnation, 0, None)
     if world.incarnation == 1:
         os.kill(os.getpid(), signal.SIGKILL)
+    kept = kv.pull("x1")  # before "done": once it reads that, the host may close the server
     registry.set(_key(world, "done"), "1")
-    return kv.pull("x1")
+    return kept
 
 
 @pytest.mark.timeout(60)
