@@ -18,10 +18,12 @@ import io
 import multiprocessing
 import os
 import select
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
-from multiprocessing import connection as _connection
 from multiprocessing import context as _context
 from multiprocessing import forkserver as _forkserver
 from multiprocessing import process as _process
@@ -29,7 +31,7 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import resource_tracker as _resource_tracker
 from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 __all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE", "server_died", "server_of_died"]
 
@@ -50,6 +52,18 @@ _PRELOADS: Dict[str, list] = {
 }
 
 
+#: The server's SIGTERM ends its loop like its last client's exit does, so that it removes
+#: its socket folder (a scheduler signals the whole job, the server too). Installed only
+#: over the default disposition; its children put the default back (child_setup).
+_SERVER_END = (
+    "def _server_end(signum, frame):\n"
+    "    raise SystemExit(0)\n"
+    "_server_end.machinlike_warm_server = True\n"
+    "if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:\n"
+    "    signal.signal(signal.SIGTERM, _server_end)\n"
+)
+
+
 class _WarmForkServer(_forkserver.ForkServer):
     """The standard forkserver, started with the parent's ``sys.path`` before preloading.
 
@@ -68,6 +82,9 @@ class _WarmForkServer(_forkserver.ForkServer):
     _forkserver_alive_fd: Optional[int]
     _forkserver_pid: Optional[int]
     _preload_modules: List[str]
+    #: Removes the running server's socket folder (at this process's exit, or when the
+    #: server died and another takes its place); None before the first start.
+    _folder_gone: Optional[Callable[[], Any]] = None
 
     def ensure_running(self) -> None:
         with self._lock:
@@ -82,11 +99,19 @@ class _WarmForkServer(_forkserver.ForkServer):
                 self._forkserver_address = None
                 self._forkserver_alive_fd = None
                 self._forkserver_pid = None
-            address = _connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]  # stdlib private
+            if self._folder_gone is not None:
+                self._folder_gone()  # the dead server's (it could not remove it itself)
+            # Its socket goes in a folder of its own that the server removes when it ends
+            # (see _SERVER_END), not in multiprocessing's temporary folder: that one is
+            # removed by an exit handler of this process, which a launcher ended by a
+            # signal or os._exit never runs (a suite run left about ten of them in /tmp).
+            folder = tempfile.mkdtemp(prefix="machinlike-warm-")
+            self._folder_gone = _util.Finalize(None, shutil.rmtree, (folder, True),
+                                               exitpriority=-100)
+            address = os.path.join(folder, "server")
             with socket.socket(socket.AF_UNIX) as listener:
                 listener.bind(address)
-                if not _util.is_abstract_socket_namespace(address):
-                    os.chmod(address, 0o600)
+                os.chmod(address, 0o600)
                 listener.listen()
                 # Every client keeps the write end; EOF on the read end stops the server.
                 alive_r, alive_w = os.pipe()
@@ -108,10 +133,12 @@ class _WarmForkServer(_forkserver.ForkServer):
                         f"    except ImportError:\n"
                         f"        pass\n"
                         f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                        f"{_SERVER_END}"
                         f"from multiprocessing.forkserver import main\n"
                         f"try:\n"
                         f"    main({listener.fileno()}, {alive_r}, {self._preload_modules!r})\n"
                         f"except SystemExit:\n"
+                        f"    import shutil; shutil.rmtree({folder!r}, ignore_errors=True)\n"
                         f"    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
                     )
                     exe = _spawn.get_executable()
@@ -278,6 +305,8 @@ def child_setup(process_obj: _process.BaseProcess) -> None:
     deriving from its Process class (:class:`machinlike.process.Process`); a no-op in a
     child started any other way.
     """
+    if getattr(signal.getsignal(signal.SIGTERM), "machinlike_warm_server", False):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the server's own, see _SERVER_END)
     _fresh_seeds()
     environ = getattr(process_obj, "_environ", None)
     if environ is not None:

@@ -138,3 +138,73 @@ def test_a_ctrl_c_while_the_server_preloads_is_left_to_the_parent():
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0 and "child 0" in proc.stdout, proc.stdout + proc.stderr
     assert "KeyboardInterrupt" not in proc.stderr, proc.stderr
+
+
+HOLDER = """
+import sys, time
+import machinlike
+from machinlike.process import Process
+
+def hold():
+    time.sleep(2)  # (a child outlives a parent killed; the server ends after both)
+
+if __name__ == "__main__":
+    child = Process(target=hold)
+    child.start()
+    print("started", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_parent_ended_by_a_signal_leaves_nothing_in_the_temporary_folder(tmp_path, request):
+    # The warm server's socket used to sit in multiprocessing's folder (/tmp/pymp-*), which
+    # only a clean exit of the parent removes: a launcher SIGKILLed, or a job whose every
+    # process got SIGTERM from its scheduler, left one behind each time.
+    import signal
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    import pathlib
+    import shutil
+    import tempfile
+
+    for how in ("SIGKILL the parent", "SIGTERM the group"):
+        tmp = pathlib.Path(tempfile.mkdtemp(prefix="mlk-tmp-"))  # (short: a socket's path has 107 bytes at most)
+        request.addfinalizer(lambda tmp=tmp: shutil.rmtree(tmp, ignore_errors=True))
+        env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": root}
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            assert proc.stdout.readline().strip() == "started"
+            assert any(tmp.iterdir()), "the server's socket is not in TMPDIR"
+            if how == "SIGKILL the parent":
+                proc.kill()
+            else:
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+            deadline = time.monotonic() + 30  # the child ends, then the server (its last client)
+            while any(tmp.iterdir()) and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling the folder that processes we do not own clean up
+            assert not any(tmp.iterdir()), (how, list(tmp.iterdir()))
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.stdout.close()
+
+
+def _sigterm_is_default(out) -> None:
+    import signal
+    out.put(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+
+def test_children_get_the_default_sigterm_not_the_servers():
+    # The server ends its loop on SIGTERM (to remove its socket folder); a child forked
+    # from it must die by the signal as a spawned one does.
+    out = machinlike.SimpleQueue()
+    child = Process(target=_sigterm_is_default, args=(out,))
+    child.start()
+    assert out.get(timeout=60) is True
+    child.join(30)
