@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import torch
 
 import machinlike.server as server
 
@@ -42,3 +43,9 @@ def test_accessors_refuse_bad_arguments_without_a_world():
     with pytest.raises(TypeError, match=r"callables that build a model each, not function \(one server per "
                                         r"creator: pass \[model_creator\]\)"):
         server.grad_server_helper(lambda: None)  # one creator, not in a list
+    made = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"optimizer must be an optimizer class \(such as torch.optim.Adam\), not "
+                                        r"Adam: .* pass its other arguments as optimizer_kwargs"):
+        server.grad_server_helper([lambda: made], optimizer=torch.optim.Adam(made.parameters()))  # (trial 8)
+    with pytest.raises(TypeError, match="lr_scheduler must be a scheduler class"):
+        server.grad_server_helper([lambda: made], lr_scheduler="step")

@@ -623,6 +623,11 @@ def test_frozen_parameters_stay_frozen_and_compiled_clients_push_plain_names(wor
     assert torch.equal(fresh[0].weight, encoder)  # the frozen encoder did not move
     assert not torch.equal(fresh[2].weight, _frozen_encoder()[2].weight)  # the head learned
     servers.close()
+    # (trial 8: a push after close() said an internal service was missing, with the advice
+    # to register it)
+    for call in (lambda: server.push(model, pull=False), lambda: server.pull(fresh), server.flush):
+        with pytest.raises(ServerStoppedError, match="gradient server 'grad_server_0' was closed on this member"):
+            call()
 
 
 @pytest.mark.gpu

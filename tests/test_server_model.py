@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from machinlike.server import PushPullModelServer, PushPullModelServerImpl, model_server_helper
+from machinlike.server import PushPullModelServer, PushPullModelServerImpl, ServerStoppedError, model_server_helper
 from machinlike.testing import run_world, world_test
 
 
@@ -157,6 +157,8 @@ def test_model_server_helper(world):
     assert not first.pull(Model())  # the other server holds nothing yet
     servers.close()
     servers.close()  # idempotent
+    with pytest.raises(ServerStoppedError, match="model 'model' of 'model_server_1/ordered' was closed on this member"):
+        second.pull(fresh)
     with pytest.raises(RuntimeError, match="has been destroyed"):
         servers.group.barrier()  # the helper created the group, close() removed it
     # machin's call: the second argument (or group_name=) names the group to create;
@@ -203,3 +205,24 @@ def test_compiled_and_wrapped_models_share_a_server_with_plain_ones_and_pulls_ca
             server.push(complex_model)  # a push does not cast: the server keeps one dtype per entry
     group.barrier()
     group.destroy()
+
+
+def _helper_in_an_elastic_world(world):
+    import logging
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("machinlike.server").addHandler(handler)
+    servers = model_server_helper(1, timeout=20)
+    servers.close()
+    return said
+
+
+def test_a_helper_over_all_members_of_an_elastic_world_says_it_is_who_joined_so_far():
+    # (trial 8: a static program given max_restarts built a one-member server on rank 0 in
+    # silence; its other ranks failed a minute later)
+    from machinlike import launch
+
+    said = launch(_helper_in_an_elastic_world, 1, max_restarts=1, timeout=60)[0]
+    assert any("members='all' in an elastic world is who has joined so far (['0'])" in s for s in said), said

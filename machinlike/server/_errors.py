@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["MissingGradientError", "ServerStoppedError"]
+__all__ = ["MissingGradientError", "ServerStoppedError", "closed_here"]
 
 
 class ServerStoppedError(RuntimeError):
@@ -16,3 +16,9 @@ class MissingGradientError(ValueError, RuntimeError):
     A ``ValueError`` (the push's input is wrong) and a ``RuntimeError``, the type machin
     raised for it, so that machin code's ``except RuntimeError`` still catches it.
     """
+
+
+def closed_here(what: str) -> str:
+    """The message of a call through an accessor whose helper's ``close()`` ran on this member."""
+    return (f"{what} was closed on this member (ServerHandles.close()): its accessors take no more calls "
+            f"here; push, pull and flush before close(), or make the servers again with the helper")

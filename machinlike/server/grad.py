@@ -407,8 +407,10 @@ class PushPullGradServerImpl:
     def stats(self) -> Dict[str, Any]:
         """Counters of this member's reducers.
 
-        ``secondary``: ``accepted``, ``rejected`` (queue full), ``forwarded``, ``batches``,
-        ``dropped`` (at stop), ``queued``, ``state``. ``primary``: ``received``, ``parked``
+        ``secondary``: ``accepted``, ``rejected`` (queue full), ``forwarded`` (sent on to
+        the primary), ``lost_forwarding`` (pushes it took that never reached the primary:
+        it was gone, stopped or lost; sent first or not), ``batches``, ``dropped`` (at
+        stop), ``queued``, ``state``. ``primary``: ``received``, ``parked``
         (forwards that waited for room), ``steps``, ``applied`` (pushes in those steps),
         ``batches``, ``dropped``, ``queued``, ``state``, ``version``, ``lag_mean`` and
         ``lag_max`` (versions published between the one a gradient was computed on and
@@ -417,8 +419,7 @@ class PushPullGradServerImpl:
         published first; None: it started afresh; its ``steps`` and ``applied`` count from
         there), ``ordered`` (the hosted ordered server's counters).
 
-        In an elastic world also: ``secondary["lost_forwarding"]`` (pushes it could not
-        forward because the primary was gone); ``primary["clients"]`` (members whose
+        In an elastic world also: ``primary["clients"]`` (members whose
         pushes it received), ``primary["dropped_by_client"]`` and
         ``primary["dropped_dead_reducer"]`` (pushes acknowledged by a secondary reducer
         that died, or accepted for a primary incarnation that died, and never applied:

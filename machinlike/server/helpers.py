@@ -12,6 +12,7 @@ put it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -25,6 +26,8 @@ from .grad import PushPullGradServerImpl
 from .model import PushPullModelServerImpl
 
 __all__ = ["ServerHandles", "grad_server_helper", "model_server_helper"]
+
+log = logging.getLogger(__name__)
 
 
 class ServerHandles(tuple):
@@ -119,6 +122,8 @@ class ServerHandles(tuple):
             # host that closes first would otherwise leave the others' pulls failing)
             self.group.barrier(timeout=left(), skip_gone=True)
         self._closed = True
+        for accessor in self:  # (a later call says it was closed, not that a service is missing)
+            accessor._closed_here = True
         for impl in self.impls:
             impl.close()
         if self._owns_group:
@@ -153,6 +158,13 @@ def _resolve_group(group: Union[None, RpcGroup, str], group_name: Optional[str],
         if members != "all":
             raise ValueError(f"members={members!r} must be 'all' or a list of member names")
         members = world.get_members()
+        if world.elastic:
+            # A silent one-member server on the first rank up, and the others failing a
+            # minute later, was what a static program saw once it added max_restarts.
+            log.warning("%s: members='all' in an elastic world is who has joined so far (%s), which differs "
+                        "between members that start at their own pace: wait for them first and pass the list "
+                        "(world.wait_for_members(names); members=names), or build the server on its host and "
+                        "look its accessor up with group.get_paired(name) (examples/impala.py)", name, members)
     return world.create_rpc_group(name, list(members), timeout=timeout), True
 
 
@@ -274,6 +286,15 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
         fix = " (one server per creator: pass [model_creator])" if callable(model_creators) else ""
         raise TypeError(f"model_creators must be a non-empty list of callables that build a model each, not "
                         f"{type(model_creators).__name__}{fix}")
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise TypeError(f"optimizer must be an optimizer class (such as torch.optim.Adam), not "
+                        f"{type(optimizer).__name__}: the helper builds it on the primary over the model it "
+                        f"creates; pass its other arguments as optimizer_kwargs={{...}}")
+    if lr_scheduler is not None and (isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler)
+                                     or not callable(lr_scheduler)):
+        raise TypeError(f"lr_scheduler must be a scheduler class (such as torch.optim.lr_scheduler.StepLR), not "
+                        f"{type(lr_scheduler).__name__}; pass its arguments as lr_scheduler_args / "
+                        f"lr_scheduler_kwargs")
     count = len(model_creators)
     rates = _per_model(learning_rate, count, "learning_rate", lambda: 1e-3, (int, float))
     opt_kwargs = _per_model(optimizer_kwargs, count, "optimizer_kwargs", dict, (dict,))

@@ -34,6 +34,7 @@ import torch
 
 from ..distributed import RpcGroup
 from ._budget import CallBudget
+from ._errors import ServerStoppedError, closed_here
 from ._common import ServerNote, check_group, check_name, check_timeout, publish_notes, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
 from ._state_pool import StatePool, load_whole
@@ -88,12 +89,19 @@ class PushPullModelServer:
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_spec"] = None  # a cache of this process only
+        state.pop("_closed_here", None)  # (closed by this process's handles: not where it goes)
         return state
 
     def __repr__(self) -> str:
         return f"<PushPullModelServer {self.model_name!r} on {self.o_server!r}>"
 
+    #: Set by :meth:`ServerHandles.close` on this member: every later call is refused.
+    _closed_here = False
+
     def _budget(self, timeout: Any, what: str) -> CallBudget:
+        if self._closed_here:
+            where = getattr(self.o_server, "server_name", None)  # (a user's OrderedServerBase may have none)
+            raise ServerStoppedError(closed_here(f"model {self.model_name!r}" + (f" of {where!r}" if where else "")))
         seconds = check_timeout(timeout) or self.o_server.timeout or rpc_timeout()
         return CallBudget(seconds, f"{what} model {self.model_name!r}")
 
@@ -131,6 +139,7 @@ class PushPullModelServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
+            ServerStoppedError: the helper's ``close()`` ran on this member.
             ValueError: the server holds a model of another architecture (names, shapes or
                 dtypes differ; the message lists them).
             TimeoutError: not done within ``timeout``.
@@ -177,6 +186,7 @@ class PushPullModelServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
+            ServerStoppedError: the helper's ``close()`` ran on this member.
             ValueError: the server's state dict does not fit ``model`` (names or shapes, or
                 a cast that would lose meaning, such as complex to real; nothing is loaded).
             TimeoutError: not done within ``timeout``. On this host a pull reads the

@@ -12,7 +12,7 @@ import torch
 from ...distributed import RpcGroup, get_world
 from ...exception import PeerLostError
 from .._budget import CallBudget
-from .._errors import MissingGradientError
+from .._errors import MissingGradientError, ServerStoppedError, closed_here
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from .hosted import hosted_secondary
 from .items import wait_future
@@ -90,6 +90,7 @@ class PushPullGradServer:
         state = dict(self.__dict__)
         for key in ("_spec", "_lost", "_turn", "_hosts"):
             state.pop(key)
+        state.pop("_closed_here", None)  # (closed by this process's handles: not where it goes)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -151,7 +152,12 @@ class PushPullGradServer:
             self._spec = self.group.registered_sync(f"{self.server_name}/_spec", timeout=budget.left())
         return self._spec
 
+    #: Set by :meth:`ServerHandles.close` on this member: every later call is refused.
+    _closed_here = False
+
     def _budget(self, timeout: Any, what: str) -> CallBudget:
+        if self._closed_here:
+            raise ServerStoppedError(closed_here(f"gradient server {self.server_name!r}"))
         return CallBudget(check_timeout(timeout) or self.timeout or rpc_timeout(),
                           f"{what} gradient server {self.server_name!r}")
 
@@ -211,7 +217,8 @@ class PushPullGradServer:
                 dtype without losing meaning (complex to real, floating to integer), or
                 gradients are None without ``none_as_zero`` (:class:`MissingGradientError`,
                 also a ``RuntimeError`` as in machin).
-            ServerStoppedError: the chosen reducer is stopped or failed.
+            ServerStoppedError: the chosen reducer is stopped or failed, or the helper's
+                ``close()`` ran on this member.
             PeerLostError: the chosen secondary was lost during the push (later pushes
                 avoid it; the push may have been accepted, and is then either applied or
                 reported in the primary's ``dropped_by_client``), no secondary is
@@ -321,6 +328,7 @@ class PushPullGradServer:
 
         Raises:
             TypeError: ``model`` is not an ``nn.Module``.
+            ServerStoppedError: the helper's ``close()`` ran on this member.
             ValueError: the published parameters' names or shapes do not fit ``model``,
                 or a cast would lose meaning (complex to real; nothing is loaded).
             TimeoutError: not done within ``timeout``. On this host a pull reads the
@@ -366,9 +374,12 @@ class PushPullGradServer:
             The newest published version once everything queued before the call is applied.
 
         Raises:
-            ServerStoppedError: a reducer is stopped or failed.
+            ServerStoppedError: a reducer is stopped or failed, or the helper's ``close()``
+                ran on this member.
             TimeoutError: not done within ``timeout``.
         """
+        if self._closed_here:
+            raise ServerStoppedError(closed_here(f"gradient server {self.server_name!r}"))
         wait = check_timeout(timeout) or self.timeout or rpc_timeout()
         deadline = time.monotonic() + wait
         # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).

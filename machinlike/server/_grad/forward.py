@@ -11,10 +11,10 @@ so it needs no lock (``stats`` reads two ints)::
     drain()      wait for the forward in flight (a flush completes only after it)
     lost         the primary's service gone (KeyError), the primary stopped
                  (ServerStoppedError: its member closes the server) or the primary lost:
-                 a PeerLostError naming the primary; static world: raised (the reducer
-                 thread fails with it); elastic world: the pushes are counted as
-                 lost_forwarding and logged (once, until a forward lands again), for the
-                 primary may come back
+                 a PeerLostError naming the primary; the pushes are counted as
+                 lost_forwarding (with the one not yet sent); static world: raised (the
+                 reducer thread fails with it); elastic world: logged (once, until a
+                 forward lands again), for the primary may come back
 
 Why apart from ``_grad.reducer``: where a partial sum goes and what its loss means is the
 server's wiring, not the queue-and-thread state machine; the reducer only sends.
@@ -77,7 +77,8 @@ class Forwarder:
 
     Attributes:
         forwarded: Pushes sent on (in partial sums).
-        lost: Pushes dropped because the primary was gone (elastic worlds only).
+        lost: Pushes dropped because the primary was gone, whether sent first or not (in
+            a static world the reducer then fails: these are the pushes it had taken).
     """
 
     def __init__(self, group: RpcGroup, server_name: str, member: str, primary: str,
@@ -100,7 +101,11 @@ class Forwarder:
         Raises:
             PeerLostError: (static world) the primary is gone.
         """
-        self.drain()
+        try:
+            self.drain()
+        except BaseException:
+            self.lost += item.count  # (static world: the reducer fails; this one is never sent)
+            raise
         try:
             self._in_flight = (self._start(item), item.count)
         except (ConnectionError, KeyError, ServerStoppedError) as err:  # no primary to send to
@@ -143,9 +148,9 @@ class Forwarder:
         # Static worlds: the primary's loss ends this reducer (its thread fails). Elastic
         # ones: the pushes are dropped (the primary's ledger reports them) and the
         # reducer goes on, for the primary may come back.
+        self.lost += count
         if not self._elastic:
             raise err
-        self.lost += count
         # (once a streak: a primary that stopped or died meets every forward until it is back)
         log.log(logging.DEBUG if self._losing else logging.WARNING,
                 "gradient server %r: secondary reducer %r dropped %d pushes it could not forward (said once until "
