@@ -311,3 +311,26 @@ def test_a_pool_starts_safely_from_a_parent_running_torch_threads():
     assert float(product[0, 0]) == 300.0
     with Pool(2) as pool:
         assert pool.map(targets.torch_work, [200, 200], chunksize=1) == [200.0 ** 3] * 2
+
+
+ENDED_BY_A_SIGNAL = """
+import os, signal
+from machinlike.pool import Pool
+if __name__ == "__main__":
+    with Pool(2) as pool:
+        print(pool.map(abs, [-1, -2, 3]), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_closed_pool_holds_no_semaphore_when_its_parent_is_then_ended_by_a_signal(tmp_path):
+    # (trial 8: a launcher SIGTERMed after a with-Pool block printed the resource
+    # tracker's "There appear to be 2 leaked semaphore objects": each worker's ledger lock,
+    # held by the closed pool's handles until the process exited)
+    script = tmp_path / "ended.py"
+    script.write_text(ENDED_BY_A_SIGNAL)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == -15 and "[1, 2, 3]" in done.stdout, (done.returncode, done.stdout, done.stderr)
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -248,3 +248,4 @@ class WorkerHandle:
     def close_channels(self) -> None:
         self.task_conn.close()
         self.result_conn.close()
+        self.ledger.release()  # (no take-back once its channels are closed)

@@ -19,6 +19,7 @@ start argument (the array and the lock are inherited, not copied).
 
 from __future__ import annotations
 
+import threading
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -61,6 +62,16 @@ class Ledger:
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return (Ledger, (self._lock, self._shared))
+
+    def release(self) -> None:
+        """(pool side, its channels closed: nothing is taken back) Let go of the shared lock;
+        reads go on.
+
+        Why: the lock is a named semaphore that lives until its last holder lets go, and a
+        closed pool's handles outlive its workers: a parent ended by a signal afterwards
+        left it to the resource tracker ("leaked semaphore objects" at its exit).
+        """
+        self._lock = threading.Lock()  # (nobody else writes now)
 
     # ------------------------------------------------------------------ worker side
 
