@@ -268,3 +268,26 @@ def test_launch_refuses_what_no_rank_could_run_before_starting_any(fn, args, kwa
     with pytest.raises(TypeError, match=match):
         launch(fn, 2, args=args, **kwargs)
     assert time.monotonic() - started < 1.0  # (no rank was started)
+
+
+def test_a_ranks_dump_shows_the_main_thread_first_and_the_librarys_threads_in_a_line_each():
+    # (trial 8: about 110 lines of machinlike's own threads per rank, the user's frame
+    # somewhere among them)
+    import os
+    import threading as _threading
+
+    from machinlike.distributed._launch.stacks import condense
+
+    lib = os.path.dirname(os.path.abspath(__import__("machinlike").__file__))
+    boot = f'  File "{_threading.__file__}", line 1002 in _bootstrap'
+    dump = "\n\n".join([
+        f'Thread 0x01 (most recent call first):\n  File "{lib}/distributed/_membership/bell.py", line 361 in _serve\n'
+        f'  File "{lib}/distributed/_membership/bell.py", line 330 in _run\n{boot}',
+        f'Thread 0x02 (most recent call first):\n  File "/home/me/train.py", line 40 in loader\n{boot}',
+        'Current thread 0x03 (most recent call first):\n  File "/home/me/train.py", line 12 in rank_body\n'
+        '  File "<string>", line 16 in <module>',
+    ])
+    out = condense(dump)
+    assert out.index("Current thread 0x03") < out.index("Thread 0x02 (most") < out.index("1 thread of machinlike")
+    assert "Thread 0x01: _serve (bell.py:361), its loop _run (bell.py)" in out
+    assert "train.py\", line 40 in loader" in out and "line 330 in _run" not in out

@@ -22,14 +22,16 @@ from __future__ import annotations
 import faulthandler
 import fcntl
 import os
+import re
 import shutil
 import signal
 import sys
+import sysconfig
 import tempfile
 import time
-from typing import IO, Any, Dict, List, Optional, Sequence
+from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["StackFiles", "arm", "timed_out"]
+__all__ = ["StackFiles", "arm", "condense", "timed_out"]
 
 _SETTLE_S = 0.05  # a dump is complete once its file has not grown for this long
 _WAIT_S = 2.0  # at most this long per rank (a rank that is gone writes nothing)
@@ -84,7 +86,7 @@ class StackFiles:
             out.write(f"\n===== launch: {process.name}, pid {process.pid}: {what}; its threads: =====\n")
             out.flush()
             text = self._collect(rank, process.pid)
-            out.write(text if text else "(no stacks: it ended before it could write them)\n")
+            out.write(condense(text) if text else "(no stacks: it ended before it could write them)\n")
             out.flush()
 
     def _collect(self, rank: int, pid: int) -> str:
@@ -137,6 +139,52 @@ def timed_out(processes: List[Any], results: Dict[int, Any], timeout: Optional[f
     raise TimeoutError(f"launch: {', '.join(late) or 'no rank'} did not finish within {timeout:g} s "
                        f"({len(results)} of {len(processes)} ranks reported{also}); the stacks of every rank "
                        f"still running are on stderr above, each under its name")
+
+
+def _library_dirs() -> Tuple[str, ...]:
+    """Folders whose frames are nobody's own code here: machinlike's, torch's, the stdlib's."""
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # machinlike/
+    dirs = [package, sysconfig.get_paths()["stdlib"]]
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    if isinstance(torch_file, str):
+        dirs.append(os.path.dirname(torch_file))
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>.*)$')
+
+
+def condense(text: str) -> str:
+    """A rank's faulthandler dump, shortest first where it matters: the main thread, then
+    every thread that runs code of the user's, whole; then one line per thread of
+    machinlike's or torch's own (a rank has a dozen, each waiting in its loop).
+
+    Why: a timeout's dump was about 110 lines per rank, the user's frame somewhere in it.
+    """
+    blocks = [b for b in text.strip("\n").split("\n\n") if b.strip()]
+    library = _library_dirs()
+    kept: List[Tuple[int, str]] = []
+    brief: List[str] = []
+    for block in blocks:
+        lines = block.splitlines()
+        frames = [m for m in (_FRAME.match(line) for line in lines[1:]) if m is not None]
+        main = not frames or not (frames[-1]["file"].endswith("threading.py") and frames[-1]["func"] == "_bootstrap")
+        if main or not frames or not all(f["file"].startswith(library) for f in frames):
+            kept.append((0 if main else 1, block))
+            continue
+        top = frames[0]
+        where = [f for f in frames if not f["file"].endswith("threading.py")]
+        start = where[-1] if where else frames[-1]
+        head = lines[0].split(" (most recent call first)")[0]
+        brief.append(f"{head}: {top['func']} ({os.path.basename(top['file'])}:{top['line']}), "
+                     f"its loop {start['func']} ({os.path.basename(start['file'])})")
+    kept.sort(key=lambda item: item[0])  # (stable: the main thread first, the others as dumped)
+    out = "\n\n".join(block for _, block in kept)
+    if brief:
+        threads = f"{len(brief)} thread{'s' if len(brief) != 1 else ''}"
+        out += (f"\n\n{threads} of machinlike and torch, one line each (`kill -USR1 <pid>` on "
+                f"a live rank prints every thread whole on its stderr):\n  " + "\n  ".join(brief))
+    return out + "\n"
 
 
 def _size(path: str) -> int:
