@@ -54,6 +54,7 @@ def arm(path: Optional[str]) -> None:
 
 
 _PREFIX = "machinlike-stacks-"
+_MAKING = "machinlike-making-"
 _LOCK = "launcher.lock"
 
 
@@ -67,10 +68,11 @@ class StackFiles:
         _remove_orphans()
         # Made under another name and renamed once locked: a folder of the prefix without
         # its lock held is an orphan to any other launcher.
-        making = tempfile.mkdtemp(prefix="machinlike-making-")
+        making = tempfile.mkdtemp(prefix=_MAKING)
         self._lock: Optional[int] = os.open(os.path.join(making, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
-        self._folder: Optional[str] = os.path.join(os.path.dirname(making), _PREFIX + os.path.basename(making))
+        self._folder: Optional[str] = os.path.join(os.path.dirname(making),
+                                                   _PREFIX + os.path.basename(making)[len(_MAKING):])
         os.rename(making, self._folder)
 
     def path(self, rank: int) -> Optional[str]:
