@@ -171,7 +171,7 @@ def condense(text: str) -> str:
         lines = block.splitlines()
         frames = [m for m in (_FRAME.match(line) for line in lines[1:]) if m is not None]
         main = not frames or not (frames[-1]["file"].endswith("threading.py") and frames[-1]["func"] == "_bootstrap")
-        if main or not frames or not all(f["file"].startswith(library) for f in frames):
+        if main or not all(f["file"].startswith(library) for f in frames):
             kept.append((0 if main else 1, block))
             continue
         top = frames[0]

@@ -155,9 +155,12 @@ class PushPullGradServer:
     #: Set by :meth:`ServerHandles.close` on this member: every later call is refused.
     _closed_here = False
 
-    def _budget(self, timeout: Any, what: str) -> CallBudget:
+    def _refuse_if_closed(self) -> None:
         if self._closed_here:
             raise ServerStoppedError(closed_here(f"gradient server {self.server_name!r}"))
+
+    def _budget(self, timeout: Any, what: str) -> CallBudget:
+        self._refuse_if_closed()
         return CallBudget(check_timeout(timeout) or self.timeout or rpc_timeout(),
                           f"{what} gradient server {self.server_name!r}")
 
@@ -378,8 +381,7 @@ class PushPullGradServer:
                 ran on this member.
             TimeoutError: not done within ``timeout``.
         """
-        if self._closed_here:
-            raise ServerStoppedError(closed_here(f"gradient server {self.server_name!r}"))
+        self._refuse_if_closed()
         wait = check_timeout(timeout) or self.timeout or rpc_timeout()
         deadline = time.monotonic() + wait
         # Ask every secondary at once, then collect; a lost one is skipped (and avoided later).
