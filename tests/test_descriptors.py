@@ -175,8 +175,10 @@ def _comm(task: str) -> str:
     try:
         with open(f"/proc/self/task/{task}/comm") as f:
             return f.read().strip()
-    except FileNotFoundError:
-        return ""  # a short-lived thread (a store connection's) ended meanwhile
+    except (FileNotFoundError, ProcessLookupError):
+        # A short-lived thread (a store connection's) ended meanwhile: before the open
+        # (no such file), or between the open and the read (ESRCH, once in CI at -n 3).
+        return ""
 
 
 def _threads_and_descriptors(world):
