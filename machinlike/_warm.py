@@ -19,7 +19,6 @@ import multiprocessing
 import os
 import select
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -54,13 +53,28 @@ _PRELOADS: Dict[str, list] = {
 
 #: The server's SIGTERM ends its loop like its last client's exit does, so that it removes
 #: its socket folder (a scheduler signals the whole job, the server too). Installed only
-#: over the default disposition; its children put the default back (child_setup).
+#: over the default disposition, unblocked. A child must die of a SIGTERM from its very
+#: fork (its parent may terminate it as it starts): with the handler inherited, a signal
+#: arriving before the interpreter's after-fork code was dropped (that code clears caught
+#: signals), and one arriving later raised in the child the SystemExit meant for the
+#: server. So the fork happens with SIGTERM blocked (the kernel keeps it pending), and the
+#: child puts the default back before it unblocks.
 _SERVER_END = (
+    "_server_pid = os.getpid()\n"
     "def _server_end(signum, frame):\n"
     "    raise SystemExit(0)\n"
-    "_server_end.machinlike_warm_server = True\n"
-    "if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:\n"
+    "def _term_blocked():\n"
+    "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+    "def _term_unblocked():\n"
+    "    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})\n"
+    "def _term_default():\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "    _term_unblocked()\n"
+    "if (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n"
+    "        and signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, ())):\n"
     "    signal.signal(signal.SIGTERM, _server_end)\n"
+    "    os.register_at_fork(before=_term_blocked, after_in_parent=_term_unblocked,\n"
+    "                        after_in_child=_term_default)\n"
 )
 
 
@@ -138,7 +152,8 @@ class _WarmForkServer(_forkserver.ForkServer):
                         f"try:\n"
                         f"    main({listener.fileno()}, {alive_r}, {self._preload_modules!r})\n"
                         f"except SystemExit:\n"
-                        f"    import shutil; shutil.rmtree({folder!r}, ignore_errors=True)\n"
+                        f"    if os.getpid() == _server_pid:  # (not a child that left the loop)\n"
+                        f"        import shutil; shutil.rmtree({folder!r}, ignore_errors=True)\n"
                         f"    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
                     )
                     exe = _spawn.get_executable()
@@ -305,8 +320,6 @@ def child_setup(process_obj: _process.BaseProcess) -> None:
     deriving from its Process class (:class:`machinlike.process.Process`); a no-op in a
     child started any other way.
     """
-    if getattr(signal.getsignal(signal.SIGTERM), "machinlike_warm_server", False):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (the server's own, see _SERVER_END)
     _fresh_seeds()
     environ = getattr(process_obj, "_environ", None)
     if environ is not None:

@@ -208,3 +208,24 @@ def test_children_get_the_default_sigterm_not_the_servers():
     child.start()
     assert out.get(timeout=60) is True
     child.join(30)
+
+
+def test_a_child_terminated_as_it_starts_dies_of_the_signal_and_the_server_serves_on():
+    # The server handles SIGTERM (to remove its socket folder). A child signalled while it
+    # still had that handler either lost the signal (caught before the interpreter's
+    # after-fork code, which clears caught signals: it slept on) or raised the server's
+    # SystemExit inside the server's loop, which removed the folder of a server that lived
+    # on: every later start in that process failed with FileNotFoundError (a CI run).
+    import signal
+    import time
+
+    from machinlike import _warm
+
+    for attempt in range(30):
+        child = Process(target=time.sleep, args=(60,))
+        child.start()
+        child.terminate()
+        child.join(20)
+        assert child.exitcode == -signal.SIGTERM, (attempt, child.exitcode)
+        for server in _warm._servers.values():
+            assert server._forkserver_address is None or os.path.exists(server._forkserver_address), attempt
