@@ -15,6 +15,7 @@ server starts lazily on the first process start, never at import.
 from __future__ import annotations
 
 import io
+import logging
 import multiprocessing
 import os
 import select
@@ -30,9 +31,11 @@ from multiprocessing import reduction as _reduction
 from multiprocessing import resource_tracker as _resource_tracker
 from multiprocessing import spawn as _spawn
 from multiprocessing import util as _util
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 __all__ = ["WarmContext", "warm_context", "resolve_context", "WARM_AVAILABLE", "server_died", "server_of_died"]
+
+log = logging.getLogger(__name__)
 
 #: Whether this platform can run a forkserver (it needs fd passing over Unix sockets).
 WARM_AVAILABLE: bool = bool(getattr(_reduction, "HAVE_SEND_HANDLE", False)) and os.name == "posix"
@@ -100,15 +103,42 @@ class _WarmForkServer(_forkserver.ForkServer):
     #: server died and another takes its place); None before the first start.
     _folder_gone: Optional[Callable[[], Any]] = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        #: Servers whose socket went, with this process's "alive" fd of each (None once
+        #: closed); each is dropped once it has ended and been reaped.
+        self._retired: List[Tuple[int, Optional[int]]] = []
+
+    def _let_retired_go(self) -> None:
+        kept = []
+        for pid, alive_fd in self._retired:
+            if alive_fd is not None and _childless(pid):
+                os.close(alive_fd)  # (the server ends now)
+                alive_fd = None
+            if alive_fd is None and _reaped(pid):
+                continue
+            kept.append((pid, alive_fd))
+        self._retired = kept
+
     def ensure_running(self) -> None:
         with self._lock:
             _resource_tracker.ensure_running()
             if self.borrowed:
                 return
+            self._let_retired_go()
             if self._forkserver_pid is not None:
                 if os.waitpid(self._forkserver_pid, os.WNOHANG)[0] == 0:
-                    return  # still serving
-                if self._forkserver_alive_fd is not None:
+                    if self._forkserver_address is not None and os.path.exists(self._forkserver_address):
+                        return  # still serving
+                    # Its socket was removed under it (a /tmp cleaner, a user's rm): it can
+                    # serve no one again, and one more start must not fail. It still owes
+                    # its live children their exit codes, and it ends (without writing the
+                    # last one) when its last client goes: the last child, unless this
+                    # process keeps its end open until the server has no children left.
+                    log.warning("the socket %s of this process's warm forkserver (pid %d) was removed; starting "
+                                "another server", self._forkserver_address, self._forkserver_pid)
+                    self._retired.append((self._forkserver_pid, self._forkserver_alive_fd))
+                elif self._forkserver_alive_fd is not None:
                     os.close(self._forkserver_alive_fd)
                 self._forkserver_address = None
                 self._forkserver_alive_fd = None
@@ -170,6 +200,23 @@ class _WarmForkServer(_forkserver.ForkServer):
             self._forkserver_pid = pid
 
 
+def _childless(pid: int) -> bool:
+    """Whether process ``pid`` has no child left, reaped or not (False when unknown)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            return not listing.read().split()
+    except OSError:
+        return False
+
+
+def _reaped(pid: int) -> bool:
+    """Reap ``pid`` (a child of this process) if it ended; True when it is gone."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
+
+
 _servers: Dict[str, _WarmForkServer] = {}
 _server_lock = threading.Lock()
 
@@ -196,8 +243,11 @@ def server_died(profile: str) -> Optional[int]:
     with _server_lock:
         server = _servers.get(profile)
     pid = None if server is None or server.borrowed else server._forkserver_pid
-    if pid is None:
-        return None
+    return None if pid is None else _died(pid)
+
+
+def _died(pid: int) -> Optional[int]:
+    """``pid`` (a warm server this process started) once it has died, else None."""
     try:
         # A dying process closes its pipes before it can be waited for: its children's
         # sentinels may say so first, so wait that long (a pidfd is readable once it ended).
@@ -220,8 +270,9 @@ def server_of_died(process: _process.BaseProcess) -> Optional[int]:
     """:func:`server_died` for the warm server that started ``process``; None when it
     serves, or when a warm server did not start ``process`` (another context's)."""
     popen = getattr(process, "_popen", None)  # (multiprocessing's, private: its class says who started it)
-    profile = getattr(popen, "_profile", None) if WARM_AVAILABLE and isinstance(popen, _WarmPopen) else None
-    return None if profile is None else server_died(profile)
+    # (the server that started it: another may serve the profile now, see ensure_running)
+    pid = getattr(popen, "server_pid", None) if WARM_AVAILABLE and isinstance(popen, _WarmPopen) else None
+    return None if pid is None else _died(pid)
 
 
 def _borrow_parent_server() -> None:
@@ -248,6 +299,8 @@ if WARM_AVAILABLE:
         """A forkserver Popen that talks to our private server instead of the global one."""
 
         _profile = "light"
+        #: The server that started this child; None for a parent's (borrowed) one.
+        server_pid: Optional[int] = None
         _fds: List[int]  # the stdlib Popen's private list of fds to pass (typeshed leaves it out)
 
         def _launch(self, process_obj: _process.BaseProcess) -> None:
@@ -263,7 +316,9 @@ if WARM_AVAILABLE:
                 _reduction.dump(process_obj, payload)
             finally:
                 _context.set_spawning_popen(None)
-            self.sentinel, data_w = _get_server(self._profile).connect_to_new_process(self._fds)
+            server = _get_server(self._profile)
+            self.sentinel, data_w = server.connect_to_new_process(self._fds)
+            self.server_pid = None if server.borrowed else server._forkserver_pid
             # The child watches this pipe as its parent sentinel, so one copy of the write
             # end stays open for as long as this Popen lives.
             parent_keep = os.dup(data_w)

@@ -229,3 +229,35 @@ def test_a_child_terminated_as_it_starts_dies_of_the_signal_and_the_server_serve
         assert child.exitcode == -signal.SIGTERM, (attempt, child.exitcode)
         for server in _warm._servers.values():
             assert server._forkserver_address is None or os.path.exists(server._forkserver_address), attempt
+
+
+def test_a_server_whose_socket_was_removed_is_replaced_and_still_reports_its_children(caplog):
+    # A /tmp cleaner (or a user's rm) removing the socket used to fail every later start
+    # in the process with FileNotFoundError; the old server still owes its live children
+    # their exit codes, so it is left to end by itself.
+    import shutil
+    import signal
+    import time
+
+    from machinlike import _warm
+
+    first = Process(target=time.sleep, args=(60,))
+    first.start()
+    server = _warm._servers["light"]
+    old_pid = server._forkserver_pid
+    shutil.rmtree(os.path.dirname(server._forkserver_address))
+    second = Process(target=time.sleep, args=(60,))
+    second.start()  # (raised FileNotFoundError)
+    assert server._forkserver_pid != old_pid and os.path.exists(server._forkserver_address)
+    assert "was removed; starting another server" in caplog.text
+    for child in (first, second):
+        child.terminate()
+        child.join(20)
+        assert child.exitcode == -signal.SIGTERM, child  # (255 had the old server gone first)
+    deadline = time.monotonic() + 30  # the old server ends once its last child did
+    while server._retired and time.monotonic() < deadline:
+        time.sleep(0.05)  # (polled: each start lets it go, then reaps it)
+        child = Process(target=int)
+        child.start()
+        child.join(20)
+    assert not server._retired and not os.path.exists(f"/proc/{old_pid}")
