@@ -363,7 +363,7 @@ def test_unreachable_master_is_named_within_the_timeout(lan):
 
 
 @pytest.mark.netns
-def test_torchrun_across_hosts_runs_an_example(lan):
+def test_torchrun_across_hosts_runs_an_example(lan, tmp_path):
     # The documented multi-node launch, one agent per host, rendezvous through the c10d
     # backend on host 0. The hostname resolves to 127.0.0.1 on every "host" here, so each
     # agent is told its address (--local-addr), and host 0 that it hosts the rendezvous
@@ -372,7 +372,8 @@ def test_torchrun_across_hosts_runs_an_example(lan):
     labels = ["torchrun-node0", "torchrun-node1"]
     procs = []
     for node, label in enumerate(labels):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        argv = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchrun-logs"),
+                "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{lan.addresses[0]}:{port}",
                 "--rdzv-id", lan.tag, "--local-addr", lan.addresses[node]]
         argv += ["--rdzv-conf", "is_host=1"] if node == 0 else []

@@ -55,7 +55,8 @@ def test_restarted_worker_group_rejoins_on_the_agents_store(tmp_path):
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchrun-logs"),  # (not /tmp)
+         "--nnodes", "1:2", "--nproc-per-node", "2",
          "--max-restarts", "2", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk-{os.getpid()}",
          "--rdzv-conf", "last_call_timeout=1", str(script)],
@@ -118,7 +119,8 @@ def _two_nodes(tmp_path, text, max_restarts):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    command = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchrun-logs"),
+               "--nnodes", "2", "--nproc-per-node", "1",
                "--max-restarts", str(max_restarts), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlk2-{os.getpid()}-{port}",
                "--rdzv-conf", "last_call_timeout=1", str(script), str(tmp_path / "died")]
@@ -216,7 +218,8 @@ def test_torchrun_workers_join_an_elastic_world_on_a_store_of_its_own(tmp_path):
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     with World("learner", rank=0, elastic=True, init_method=address, dist_timeout=30) as world:
-        actor = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        actor = subprocess.Popen([sys.executable, "-m", "torch.distributed.run",
+                                  "--log-dir", str(tmp_path / "torchrun-logs"), "--standalone", "--nproc-per-node",
                                   "1", str(script), address], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, env=env, cwd=ROOT)
         try:

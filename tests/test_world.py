@@ -328,7 +328,8 @@ def test_torchrun_builds_world_without_arguments(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "torchrun-logs"),  # (not /tmp)
+         "--standalone", "--nproc-per-node", "3", str(script)],
         capture_output=True, text=True, timeout=150, env=env,
     )
     assert done.returncode == 0, done.stdout + done.stderr
