@@ -173,7 +173,7 @@ def test_tutorial_python_comes_from_executed_programs():
 
 # -------------------------------------------------------------------------- the programs
 @pytest.mark.parametrize("name", IN_PROCESS)
-def test_tutorial_program_runs(name, monkeypatch):
+def test_tutorial_program_runs(name, monkeypatch, tmp_path):
     for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):  # run the plain, local way
         monkeypatch.delenv(var, raising=False)
     monkeypatch.syspath_prepend(str(CODE))  # the ranks inherit sys.path and import it too
@@ -182,7 +182,10 @@ def test_tutorial_program_runs(name, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(CODE), str(ROOT), os.environ.get("PYTHONPATH")])))
     sys.modules.pop(name, None)
     try:
-        importlib.import_module(name).main()
+        program = importlib.import_module(name)
+        if hasattr(program, "LOGDIR"):  # a user keeps it for TensorBoard; the suite leaves nothing in /tmp
+            monkeypatch.setattr(program, "LOGDIR", str(tmp_path / "logs"))
+        program.main()
     finally:
         sys.modules.pop(name, None)
 
