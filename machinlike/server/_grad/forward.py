@@ -79,6 +79,7 @@ class Forwarder:
         forwarded: Pushes sent on (in partial sums).
         lost: Pushes dropped because the primary was gone, whether sent first or not (in
             a static world the reducer then fails: these are the pushes it had taken).
+        failing: Why the last forward was lost, while none has landed since; None otherwise.
     """
 
     def __init__(self, group: RpcGroup, server_name: str, member: str, primary: str,
@@ -94,6 +95,14 @@ class Forwarder:
         self.forwarded = 0
         self.lost = 0
         self._losing = False  # a loss was logged and no forward landed since
+        # Why the last forward was lost, while no forward has landed since (else None):
+        # the reducer's stop names it instead of advising a flush that could not help.
+        self.failing: Optional[str] = None
+
+    @property
+    def primary(self) -> str:
+        """The primary reducer's member name."""
+        return self._primary
 
     def send(self, item: Item) -> None:
         """Wait for the forward in flight, then start forwarding ``item`` (on the reducer's device).
@@ -123,6 +132,7 @@ class Forwarder:
                 self._lose(in_flight[1], err)
             else:
                 self._losing = False
+                self.failing = None
 
     def _start(self, item: Item) -> Union[_LocalForward, _RemoteForward]:
         if self._local is not None:  # primary and secondary share this process
@@ -149,6 +159,7 @@ class Forwarder:
         # ones: the pushes are dropped (the primary's ledger reports them) and the
         # reducer goes on, for the primary may come back.
         self.lost += count
+        self.failing = str(err)
         if not self._elastic:
             raise err
         # (once a streak: a primary that stopped or died meets every forward until it is back)

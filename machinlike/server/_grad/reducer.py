@@ -89,8 +89,8 @@ class _Reducer:
             self._cond.notify_all()
         if dropped:
             log.warning("gradient server %r: the %s reducer on member %r stopped with %d queued gradient "
-                        "pushes not applied (the accessor's flush() before stop() applies them)",
-                        self.server_name, self.role, self.member, dropped)
+                        "pushes not applied (%s)", self.server_name, self.role, self.member, dropped,
+                        self._unapplied_why())
         self._fail_futures(doomed)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -98,6 +98,10 @@ class _Reducer:
             if thread.is_alive():
                 raise TimeoutError(f"reducer thread {thread.name!r} did not stop within {timeout:g} s "
                                    f"(it is finishing a batch; it exits afterwards)")
+
+    def _unapplied_why(self) -> str:
+        """Why pushes still queued at stop() were not applied, or how to apply them next time."""
+        return "the accessor's flush() before stop() applies them"
 
     def watch(self) -> None:
         if self.error is not None:
@@ -356,6 +360,15 @@ class SecondaryReducer(_Reducer):
 
     def _before_settle(self) -> None:
         self._forward.drain()  # a flush of a secondary completes when the primary holds its sums
+
+    def _unapplied_why(self) -> str:
+        # A primary that stopped or was lost (the end of an elastic run: trainers push while
+        # the server's member closes it) could not take them: no flush would have helped.
+        failing = self._forward.failing
+        if failing is not None:
+            return f"its primary reducer could not take them: {failing}"
+        return ("the accessor's flush() before stop() applies them, while the primary reducer "
+                f"on member {self._forward.primary!r} still serves")
 
     def stats(self) -> Dict[str, Any]:
         out = super().stats()
