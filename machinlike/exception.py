@@ -34,6 +34,7 @@ __all__ = [
     "ProcessExitedError",
     "WorkerLostError",
     "PeerLostError",
+    "NoCollectivesError",
     "describe_exitcode",
     "drop_frames",
     "freeze_traceback",
@@ -345,6 +346,16 @@ class ProcessExitedError(RuntimeError):
 
 class WorkerLostError(ProcessExitedError):
     """A pool worker died while it held a task; the task failed with this error."""
+
+
+class NoCollectivesError(RuntimeError):
+    """A collective group was asked of a World without collectives: an elastic one (its
+    members change, a gloo or NCCL group's cannot; ``launch(max_restarts=...)`` makes its
+    ranks one) or one created with ``collective=False``.
+
+    The same code raises it again when restarted, so :func:`~machinlike.launch` does not
+    restart a rank that failed with it: the run ends with it at once.
+    """
 
 
 class PeerLostError(ConnectionError):

@@ -242,10 +242,34 @@ def test_groups_created_in_another_order_are_refused_not_wired_wrong(world):
         t = torch.tensor([10.0 ** r])
         sub.all_reduce(t)
         assert t.item() == 11.0
-    if r == 2:  # rank 2 skips a creation (torch's rule: everyone calls it, members or not)
-        return
-    with pytest.raises(TimeoutError, match=r"creating collective group \[0, 1\].*ranks: '2' did not arrive within 1 s"):
-        world.create_collective_group([0, 1], timeout=1)
+    after = world.create_rpc_group("after", world.get_members())
+    if r < 2:  # rank 2 skips a creation (torch's rule: everyone calls it, members or not)
+        with pytest.raises(TimeoutError,
+                           match=r"creating collective group \[0, 1\].*ranks: '2' did not arrive within 1 s"):
+            world.create_collective_group([0, 1], timeout=1)
+    after.barrier()  # (rank 2 stays until then: a rank that stops is named at once, see below)
+
+
+def _returns_without_a_group_the_others_create(world):
+    import time
+
+    if world.rank == 2:
+        return None  # its World stops: the others are told now, not at their 30 s timeout
+    start = time.monotonic()
+    try:
+        world.create_collective_group([0, 1], timeout=30)
+    except ValueError as err:
+        return str(err), time.monotonic() - start
+    return "made", time.monotonic() - start
+
+
+def test_a_rank_that_stops_without_creating_a_group_is_named_at_once():
+    """A trial's learners (ranks 0, 1) made a gradient group that its actor (rank 2) never
+    made: the actor's return left them waiting 34 s for "'2' left or died", no fix said."""
+    results = run_world(_returns_without_a_group_the_others_create, 3, timeout=60, return_exceptions=True)
+    for said, took in results[:2]:
+        assert "rank 2 ('2') stopped its World without creating it" in said, results
+        assert "call create_collective_group([0, 1]) in rank 2 too" in said and took < 10, results
 
 
 def _dies_before_a_collective_group(world):

@@ -14,6 +14,9 @@ passes under the number of that creation, and reads every other's::
                  process fails at once, named; one that never comes: TimeoutError naming it
                  another list anywhere ──► ValueError naming that rank and both lists
                  count cg/<n>/read: the last reader deletes the creation's keys
+    World.stop   set cg/<n>/<rank> = STOPPED for this process's next creation n, counted as
+                 read: a process waiting there (a rank that returned without creating a
+                 group the others create) fails at once, naming it, not at its timeout
 
 The cost: one store round trip and a wait that the group's own rendezvous would make
 anyway (every process calls it), about a millisecond.
@@ -21,6 +24,7 @@ anyway (every process calls it), about a millisecond.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import List, Sequence
 
@@ -29,6 +33,11 @@ from .._store import LOST_MARK, WOKEN_MARK, Keys, Registry
 from ...exception import PeerLostError
 
 __all__ = ["CreationOrder"]
+
+log = logging.getLogger(__name__)
+
+# What a stopped process states for the creation it never made (no list of ranks reads so).
+_STOPPED = "\x00stopped"
 
 
 class CreationOrder:
@@ -74,6 +83,13 @@ class CreationOrder:
         # Counted once read: the last reader deletes what every process has read.
         if self._registry.add(prefix + "read", 1) == len(ranks_all):
             self._registry.delete([prefix + r for r in ranks_all] + [prefix + "read"])
+        stopped = [r for r, held in enumerate(stated) if held == _STOPPED]
+        if stopped:
+            rank = stopped[0]
+            raise ValueError(f"collective group creation {number + 1} ({ranks}): rank {rank} ({self._names[rank]!r}) "
+                             f"stopped its World without creating it; every process of the world creates each "
+                             f"collective group, members or not, in the same order (torch's rule for new_group): "
+                             f"call create_collective_group({ranks}) in rank {rank} too")
         gone = [r for r, held in enumerate(stated) if held in (LOST_MARK, WOKEN_MARK)]
         if gone:  # (a process that had stated its ranks and died since: the others were woken)
             raise PeerLostError(self._names[gone[0]], f"creating collective group {ranks}: it left or died "
@@ -85,3 +101,20 @@ class CreationOrder:
             raise ValueError(f"collective group creation {number + 1}: rank {rank} created ranks {theirs} where this "
                              f"rank created {ranks}; every process of the world creates its collective groups with "
                              f"the same ranks in the same order, members or not (torch's rule for new_group)")
+
+    def end(self) -> None:
+        """This process stops: it states that it makes no next creation, so that a process
+        waiting for it there fails at once (ValueError naming it), not at its timeout.
+        A store already gone is logged (DEBUG): the stop's own barrier reports it."""
+        with self._lock:
+            number = self._count
+            self._count += 1  # (no creation after this: a later agree would wait for itself)
+        prefix = self._keys.collective_prefix(number)
+        ranks_all = [str(r) for r in range(len(self._names))]
+        try:
+            self._registry.set(prefix + str(self._rank), _STOPPED)
+            # Counted as read (it reads nothing): the last reader still deletes the keys.
+            if self._registry.add(prefix + "read", 1) == len(ranks_all):
+                self._registry.delete([prefix + r for r in ranks_all] + [prefix + "read"])
+        except ConnectionError as err:
+            log.debug("collective group creations: could not mark rank %d's as ended: %s", self._rank, err)

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 import torch.distributed as dist
 
 from ... import _mainguard
-from ...exception import ProcessExitedError
+from ...exception import NoCollectivesError, ProcessExitedError
 from ...pickle import loads
 from .exits import RankExits, exited
 from .rank_main import rank_main
@@ -170,8 +170,10 @@ class Job:
                 ok, value = report
                 if not ok:
                     self.exits.record(rank, self.processes[rank].pid, value)
-                # (a rank stopped by the main-module guard would stop again when restarted)
-                stopped = isinstance(value, ProcessExitedError) and value.exitcode == _mainguard.EXIT_CODE
+                # (a rank stopped by the main-module guard, or refused a collective group by
+                # its elastic World, would fail alike when restarted)
+                stopped = isinstance(value, NoCollectivesError) or (
+                    isinstance(value, ProcessExitedError) and value.exitcode == _mainguard.EXIT_CODE)
                 restartable = not ok and rank not in vital and used[rank] < max_restarts and not stopped
                 if restartable and ended:
                     # Its restart would join a world whose essential ranks are gone (and wait

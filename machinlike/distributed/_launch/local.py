@@ -29,7 +29,7 @@ from ..._warm import resolve_context
 from ...pickle import dumps
 from .._store import external_launcher, host_store
 from .job import Job, LaunchResult, Restart
-from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, run_rank_fn
+from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, rank_names, run_rank_fn
 from .termination import Termination
 
 __all__ = ["launch", "LaunchResult", "Restart"]
@@ -146,7 +146,9 @@ def launch(
             (``ValueError``): the cluster launcher owns the processes.
         max_restarts: How many times each rank may be restarted after it raised or died;
             0 (the default): the first failure ends the run. Above 0 the ranks form an
-            elastic World (no default process group, so no collectives): a restarted rank
+            elastic World (no default process group, so no collectives: a rank that asks
+            for a collective group gets :class:`~machinlike.exception.NoCollectivesError`,
+            which ends the run, for a restart would fail alike): a restarted rank
             rejoins under its name as the next incarnation (``world.incarnation``) while
             the others go on. There ``world.get_members()`` is who has joined so far:
             ``world.wait_for_members([...])`` first, or create open groups (no
@@ -178,15 +180,14 @@ def launch(
     _checks.positive_int("world_size", world_size)
     if timeout is not None:
         _checks.seconds("timeout", timeout)
+    _checks.seconds("stop_timeout", stop_timeout)
     _checks.positive_int("max_restarts", max_restarts, minimum=0)
     check_world_kwargs("launch()", world_kwargs)
     if torchrun if torchrun is not None else external_launcher() is not None:
         _refuse_restarts_in_place(max_restarts, chaos)
         check_rank_call(fn, args, kwargs)
         return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs, world_size)])
-    names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
-    if len(names) != world_size:
-        raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
+    names = rank_names(names, world_size)
     vital = _essential_ranks(essential, names)
     if chaos is not None:
         _checks.seconds("chaos", chaos)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import difflib
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ... import _checks
 
 if TYPE_CHECKING:
     from .._world import World
 
-__all__ = ["RESERVED", "check_rank_call", "check_rank_fn", "check_world_kwargs", "run_rank_fn"]
+__all__ = ["RESERVED", "check_rank_call", "check_rank_fn", "check_world_kwargs", "rank_names", "run_rank_fn"]
 
 
 def check_rank_fn(fn: Any) -> None:
@@ -65,6 +65,36 @@ def check_world_kwargs(who: str, world_kwargs: Dict[str, Any]) -> None:
         close = difflib.get_close_matches(unknown[0], known, 1)
         raise TypeError(f"{who} got an unexpected keyword argument {unknown[0]!r}, neither its own nor World's"
                         + (f": did you mean {close[0]}=?" if close else f" (World takes {sorted(known)})"))
+    # The plain numbers here, not seconds later in every rank (World checks the rest there).
+    for param in ("rpc_timeout", "dist_timeout"):
+        if param in world_kwargs:
+            _checks.seconds(param, world_kwargs[param])
+    if world_kwargs.get("liveness") is not None:
+        _checks.seconds("liveness", world_kwargs["liveness"], or_none=True)
+    if "rpc_threads" in world_kwargs:
+        _checks.positive_int("rpc_threads", world_kwargs["rpc_threads"])
+
+
+def rank_names(names: Optional[Sequence[Any]], world_size: int) -> List[str]:
+    """The member name of each rank: ``names`` as str, or ``"0"``, ``"1"``, ... for None.
+
+    Raises:
+        ValueError: not one name per rank, a name twice, or a name World refuses (named).
+        TypeError: ``names`` is a str (one name, not a list of them).
+    """
+    if names is None:
+        return [str(r) for r in range(world_size)]
+    if isinstance(names, str):
+        raise TypeError(f"names={names!r} must be a sequence of names, one per rank, not one str")
+    out = [str(n) for n in names]
+    if len(out) != world_size:
+        raise ValueError(f"names has {len(out)} entries; world_size is {world_size}")
+    for i, name in enumerate(out):
+        _checks.member_name(name, f"names[{i}]")
+    twice = sorted({n for n in out if out.count(n) > 1})
+    if twice:
+        raise ValueError(f"names={out!r} holds {twice} more than once: each rank needs its own member name")
+    return out
 
 
 def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ... import _checks
 from ...exception import ExceptionWithTraceback, ProcessExitedError
 from ...pickle import dumps, loads
-from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, run_rank_fn
+from .rank_fn import check_rank_call, check_rank_fn, check_world_kwargs, rank_names, run_rank_fn
 
 __all__ = ["launch_ray"]
 
@@ -267,9 +267,7 @@ def launch_ray(
     if max_restarts > 0:  # a restarted actor must be able to rejoin a running world
         world_kwargs = {k: v for k, v in world_kwargs.items() if k not in ("collective", "init_dist")}
         world_kwargs["elastic"] = True
-    names = [str(r) for r in range(world_size)] if names is None else [str(n) for n in names]
-    if len(names) != world_size:
-        raise ValueError(f"names has {len(names)} entries; world_size is {world_size}")
+    names = rank_names(names, world_size)
     bundles = _bundles(resources, world_size)
     check_rank_call(fn, args, kwargs)
     try:

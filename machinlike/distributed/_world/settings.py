@@ -14,11 +14,12 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from ... import _checks
+from ...exception import NoCollectivesError
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._calls import samehost as _samehost
 
-__all__ = ["Settings", "settings", "BACKENDS"]
+__all__ = ["Settings", "settings", "BACKENDS", "no_collectives"]
 
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
@@ -59,6 +60,15 @@ class Settings:
         """TensorPipe's transports: TCP only when the lane carries same-host calls (shm
         polls); None: torch's default list."""
         return ["uv"] if self.same_host_lane else None
+
+
+def no_collectives(s: Settings) -> NoCollectivesError:
+    """Why a World of these settings makes no collective group, and what to do instead."""
+    why = ("is elastic (gloo groups have fixed members; launch(max_restarts=...) makes its ranks an elastic "
+           "World)" if s.elastic else "was created with collective=False (machin's init_dist=False)")
+    fix = ": reduce through an RpcGroup or a PushPullGradServer instead, or launch without restarts" \
+        if s.elastic else ""
+    return NoCollectivesError(f"this World {why}; collective groups need a static World with collective=True{fix}")
 
 
 def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int], *, init_method: Optional[str],

@@ -37,7 +37,7 @@ from .._groups import GroupDirectory
 from .._groups import create_group, find_group, open_group
 from .._groups import RpcGroup
 from .session import Session, start_elastic, start_static
-from .settings import Settings, settings
+from .settings import Settings, no_collectives, settings
 from .stop import leave_elastic, leave_static
 
 __all__ = ["World", "MemberEvent", "get_world", "require_world", "is_world_initialized", "get_cur_rank", "get_cur_name"]
@@ -447,20 +447,22 @@ class World:
                 groups with the same ranks in the same order.
             TimeoutError: a process did not create this group within ``timeout`` (named).
             PeerLostError: a process is gone (named).
-            RuntimeError: the World was created with ``collective=False`` or is elastic
-                (gloo groups are fixed at creation), or is stopped.
+            NoCollectivesError: the World was created with ``collective=False`` or is
+                elastic (gloo groups are fixed at creation); a RuntimeError.
+            RuntimeError: the World is stopped.
         """
         self._require_live()
         if not self._settings.collective:
-            why = "is elastic (gloo groups have fixed members)" if self.elastic else \
-                "was created with collective=False (machin's init_dist=False)"
-            raise RuntimeError(f"this World {why}; collective groups need a static World with collective=True")
+            raise no_collectives(self._settings)
+        return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
+                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
+                                      retire=self._session.retired_groups.keep, agree=self._creations().agree)
+
+    def _creations(self) -> CreationOrder:
         if self._creation_order is None:
             m = self.membership
             self._creation_order = CreationOrder(m.registry, m.keys, m.waits, self.rank, m.roster.names_by_rank())
-        return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
-                                      _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
-                                      retire=self._session.retired_groups.keep, agree=self._creation_order.agree)
+        return self._creation_order
 
     # -------------------------------------------------------------------- shutdown
     def stop(self, timeout: Optional[float] = None) -> None:
@@ -509,6 +511,10 @@ class World:
             if self.elastic:
                 leave_elastic(self._session, deadline)
             else:
+                if self._settings.collective and self._session.membership is not None:
+                    # (a peer waiting to create a collective group this rank never creates
+                    # fails now, naming it, not at its timeout)
+                    self._creations().end()
                 leave_static(self._session, deadline, wait)
         except Exception as err:  # the local teardown below still has to happen
             log.warning("World %r: stop did not complete (%s); tearing down locally", self.name, err)
