@@ -94,9 +94,9 @@ class Forwarder:
         self._in_flight: Optional[Tuple[Union[_LocalForward, _RemoteForward], int]] = None
         self.forwarded = 0
         self.lost = 0
-        self._losing = False  # a loss was logged and no forward landed since
-        # Why the last forward was lost, while no forward has landed since (else None):
-        # the reducer's stop names it instead of advising a flush that could not help.
+        # Why the last forward was lost, while no forward has landed since (else None): a
+        # loss is logged once a streak, and the reducer's stop names it instead of advising
+        # a flush that could not help.
         self.failing: Optional[str] = None
 
     @property
@@ -131,7 +131,6 @@ class Forwarder:
             except (ConnectionError, KeyError, ServerStoppedError) as err:
                 self._lose(in_flight[1], err)
             else:
-                self._losing = False
                 self.failing = None
 
     def _start(self, item: Item) -> Union[_LocalForward, _RemoteForward]:
@@ -159,11 +158,11 @@ class Forwarder:
         # ones: the pushes are dropped (the primary's ledger reports them) and the
         # reducer goes on, for the primary may come back.
         self.lost += count
+        streak = self.failing is not None
         self.failing = str(err)
         if not self._elastic:
             raise err
         # (once a streak: a primary that stopped or died meets every forward until it is back)
-        log.log(logging.DEBUG if self._losing else logging.WARNING,
+        log.log(logging.DEBUG if streak else logging.WARNING,
                 "gradient server %r: secondary reducer %r dropped %d pushes it could not forward (said once until "
                 "a forward lands again; lost_forwarding counts them): %s", self._server_name, self._member, count, err)
-        self._losing = True
