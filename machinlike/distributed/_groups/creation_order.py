@@ -74,15 +74,13 @@ class CreationOrder:
             self._count += 1
         prefix = self._keys.collective_prefix(number)
         listing = ",".join(map(str, ranks))
-        ranks_all = [str(r) for r in range(len(self._names))]
+        ranks_all = self._ranks_all()
         self._registry.set(prefix + str(self._rank), listing)
         self._waits.wait_all(prefix, ranks_all, self._names, timeout,
                              f"creating collective group {ranks} (creation {number + 1} of this process): ranks",
                              timeout)
         stated = self._registry.values(prefix, ranks_all)
-        # Counted once read: the last reader deletes what every process has read.
-        if self._registry.add(prefix + "read", 1) == len(ranks_all):
-            self._registry.delete([prefix + r for r in ranks_all] + [prefix + "read"])
+        self._count_read(prefix)
         stopped = [r for r, held in enumerate(stated) if held == _STOPPED]
         if stopped:
             rank = stopped[0]
@@ -110,11 +108,17 @@ class CreationOrder:
             number = self._count
             self._count += 1  # (no creation after this: a later agree would wait for itself)
         prefix = self._keys.collective_prefix(number)
-        ranks_all = [str(r) for r in range(len(self._names))]
         try:
             self._registry.set(prefix + str(self._rank), _STOPPED)
-            # Counted as read (it reads nothing): the last reader still deletes the keys.
-            if self._registry.add(prefix + "read", 1) == len(ranks_all):
-                self._registry.delete([prefix + r for r in ranks_all] + [prefix + "read"])
+            self._count_read(prefix)  # (it reads nothing, but the last reader must still delete)
         except ConnectionError as err:
             log.debug("collective group creations: could not mark rank %d's as ended: %s", self._rank, err)
+
+    def _ranks_all(self) -> List[str]:
+        return [str(r) for r in range(len(self._names))]
+
+    def _count_read(self, prefix: str) -> None:
+        # Counted once read: the last reader deletes what every process has read.
+        ranks_all = self._ranks_all()
+        if self._registry.add(prefix + "read", 1) == len(ranks_all):
+            self._registry.delete([prefix + r for r in ranks_all] + [prefix + "read"])
