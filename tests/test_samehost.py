@@ -196,6 +196,26 @@ def test_every_path_copy_semantics_sharing_and_cleanup():
     assert _new_in_dev_shm(before, {pid for _, pid in results}) == []
 
 
+def _small_shared_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("add", _add_one)
+    g.barrier()
+    out = None
+    if world.rank == 0:
+        small = share(torch.zeros(4))  # 16 bytes, far below shm_threshold
+        back = g.registered_sync("add", (small,))
+        out = (float(small[0]), back.data_ptr() == small.data_ptr())
+    g.barrier()
+    return out
+
+
+def test_a_shared_tensor_travels_by_reference_whatever_its_size():
+    # share() promises the same memory on both sides; below shm_threshold it was copied
+    # (packed with the message's small items), so the callee's edit was lost.
+    assert run_world(_small_shared_body, 2, timeout=60)[0] == (1.0, True)
+
+
 def _concurrent_body(world):
     g = world.create_rpc_group("g", world.get_members())
     if world.rank == 0:

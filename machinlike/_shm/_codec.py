@@ -252,6 +252,12 @@ def _load_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype
 
 
 # ----------------------------------------------------------------------------- walk
+def _maybe_shared(tensor: torch.Tensor) -> bool:
+    """A quick first test of a small tensor's memory (see ``_origin`` for the whole one)."""
+    address = tensor.untyped_storage().data_ptr()
+    return address in _own_by_address or (_receive.mapped_any() and _receive.foreign_origin(address) is not None)
+
+
 def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = None, large: bool = True) -> Any:
     # requires_grad: TensorPipe records distributed autograd's send/recv functions for it
     # (the layout first: a sparse tensor has no nbytes)
@@ -268,6 +274,12 @@ def _encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = 
     if not large and nbytes >= threshold:
         return tensor
     if nbytes < threshold:
+        # Memory share()d (or so received) travels by reference whatever its size: its
+        # users edit it in place on both sides. (The maps are empty in most processes.)
+        if nbytes and (_own_by_address or _receive.mapped_any()) and _maybe_shared(tensor):
+            reduced = reduce_by_reference(tensor)
+            if reduced is not None:
+                return _Placeholder(reduced)
         if pack is None or not nbytes:
             return tensor
         if pack.wants(nbytes):

@@ -32,8 +32,8 @@ from . import _recycled
 from ._peer_fd import open_peer_fd
 from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
 
-__all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "forget_all", "set_limit", "limit",
-           "bury"]
+__all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "mapped_any", "forget_all", "set_limit",
+           "limit", "bury"]
 
 Key = Tuple[int, int]
 
@@ -85,6 +85,7 @@ _lock = threading.Lock()
 _maps: "OrderedDict[Key, Mapping]" = OrderedDict()
 _by_address: Dict[int, Mapping] = {}
 _held = 0
+_shared = 0  # mappings of shared storages (not lent segments) in _by_address
 _limit = 1 << 30
 
 
@@ -119,7 +120,7 @@ def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
     Raises:
         RuntimeError: the owner is gone or released the memory (named).
     """
-    global _held
+    global _held, _shared
     key = (pid, inode)
     with _lock:
         found = _maps.get(key)
@@ -133,16 +134,18 @@ def attach(pid: int, fd: int, inode: int, size: int, lent: bool) -> Mapping:
             _forget(old)
         _maps[key] = mapping
         _by_address[mapping.address] = mapping
+        _shared += not mapping.lent
         _held += size
         _trim()
     return mapping
 
 
 def _forget(mapping: Mapping) -> None:
-    global _held
+    global _held, _shared
     _held -= mapping.size
     if _by_address.get(mapping.address) is mapping:
         del _by_address[mapping.address]
+        _shared -= not mapping.lent
     bury(mapping.storage if mapping.storage is not None else mapping)
 
 
@@ -207,11 +210,17 @@ def _trim() -> None:
 
 def forget_all() -> None:
     """Drop every cached mapping (tensors still viewing one keep it), at once."""
-    global _held
+    global _held, _shared
     with _lock:
         _maps.clear()
         _by_address.clear()
-        _held = 0
+        _held = _shared = 0
+
+
+def mapped_any() -> bool:
+    """Whether a peer's shared storage is mapped here: what :func:`foreign_origin` can name
+    (a cheap test first; lent segments do not count)."""
+    return _shared > 0
 
 
 def foreign_origin(address: int) -> Optional[Tuple[int, int, int, int]]:
