@@ -9,6 +9,7 @@ Data flow::
        accepted: model.pp_version = v+1
        rejected: pull(model) when pull_on_fail
     pull(model): pull_if_changed(v)          ───────►  None if v is the newest: no transfer
+                 (on the host's machine, v == its version word: no call; _version_words)
        newer: validate, load_state_dict, model.pp_version = newest
 
 The architecture is checked at the client before anything is sent or loaded: the first
@@ -170,7 +171,8 @@ class PushPullModelServer:
     def pull(self, model: torch.nn.Module, *, timeout: Optional[float] = None) -> bool:
         """Load the newest version into ``model`` unless it already has it.
 
-        Nothing is transferred when ``model.pp_version`` is the newest version. Gradients
+        Nothing is transferred when ``model.pp_version`` is the newest version; on the
+        host's machine the host's version word says so without a call. Gradients
         are not cleared. Values are converted to the model's dtypes as ``load_state_dict``
         converts them (a float32 learner's weights into a bfloat16 actor).
 

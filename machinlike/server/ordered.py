@@ -43,6 +43,7 @@ from ..distributed import RpcGroup
 from ..exception import PeerLostError
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
+from ._version_words import HostWords, PullerWords
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
 
@@ -199,18 +200,28 @@ class OrderedServerSimple(OrderedServerBase):
         return self._call("_pull_if_changed", (_check_key(key), have_version), timeout)
 
     def _pull_in_place(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
-        return self._call("_pull_if_changed", (_check_key(key), have_version), None, in_place=True)
+        # On this host, a version word may answer "nothing new" without a call (_version_words).
+        words = PullerWords.of(self)
+        known, ask = words.answer(_check_key(key), have_version)
+        if known:
+            return None
+        got = self._call("_pull_if_changed", (key, have_version), None, in_place=(True, ask))
+        if ask:
+            got, offer = got
+            words.keep(key, offer)
+        return got
 
     def _bounded(self, seconds: float) -> "OrderedServerSimple":
+        PullerWords.of(self)  # (made first: the bounded copies share them)
         bounded = copy.copy(self)  # (a subclass's overrides kept)
         bounded.timeout = seconds
         return bounded
 
-    def _call(self, service: str, args: Tuple[Any, ...], timeout: Any, in_place: bool = False) -> Any:
+    def _call(self, service: str, args: Tuple[Any, ...], timeout: Any, in_place: Tuple[bool, ...] = ()) -> Any:
         wait = self.timeout if timeout is None else check_timeout(timeout)
-        tail = (self.group.get_cur_name(), True) if in_place else (self.group.get_cur_name(),)
         try:
-            return self.group.registered_sync(f"{self.server_name}/{service}", args + tail, timeout=wait)
+            return self.group.registered_sync(f"{self.server_name}/{service}",
+                                              (*args, self.group.get_cur_name(), *in_place), timeout=wait)
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
             host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
@@ -297,6 +308,7 @@ class OrderedServerSimpleImpl:
         self.version_depth = version_depth
         self._checkpoint = checkpoint
         self._lock = threading.Lock()
+        self._words = HostWords()  # (before the services: a pull may ask for a word at once)
         # key -> (version, value), oldest first; maxlen does the eviction.
         self._data: Dict[Hashable, Deque[Tuple[Any, Any]]] = {}
         self._counts = {"pushes_accepted": 0, "pushes_rejected": 0, "pulls": 0, "pulls_unchanged": 0}
@@ -385,6 +397,7 @@ class OrderedServerSimpleImpl:
             if entries is None:
                 entries = self._data[key] = deque(maxlen=self.version_depth + 1)
             entries.append((version, value))
+            self._words.store(key, version)
             self._seq += 1
             if ckpt is not None and new:
                 try:  # a key must outlive a crash once a client may have seen it (see _host)
@@ -411,9 +424,11 @@ class OrderedServerSimpleImpl:
         """Counters since this host started.
 
         ``keys``, ``pushes_accepted``, ``pushes_rejected``, ``pulls`` and
-        ``pulls_unchanged`` (pull_if_changed calls that sent no value); ``clients`` (the
-        members that called it, sorted); ``since_version`` (seconds since the last version
-        was made, or since the host started). With ``checkpoint_dir`` also
+        ``pulls_unchanged`` (pull_if_changed calls that sent no value; a model or gradient
+        server's puller on this machine that holds the newest version makes no call, see
+        ``_version_words``); ``clients`` (the members that called it, sorted);
+        ``since_version`` (seconds since the last version was made, or since the host
+        started). With ``checkpoint_dir`` also
         ``checkpoints`` (written), ``checkpoint_failures`` (writes after a version that
         failed, logged) and ``resumed_version`` (the version the newest values were
         republished under on resume, None if it started afresh). In an elastic world also
@@ -480,6 +495,8 @@ class OrderedServerSimpleImpl:
         for key in self._keys:
             self.group.deregister(key)
         self.group.unpair(self.server_name)
+        with self._lock:  # (not while a pull offers a word)
+            self._words.close()
         current_world().membership.registry.delete([_host_key(self.group, self.server_name)])
         if self._checkpoint is not None:
             with self._lock:
@@ -512,17 +529,22 @@ class OrderedServerSimpleImpl:
                 found = next((entry for entry in reversed(entries) if entry[0] == version), None)
         return None if found is None else (_private(found[1]), found[0])
 
-    def _pull_if_changed_service(self, key: Hashable, have_version: Any, client: str = "",
-                                 in_place: bool = False) -> Optional[Tuple[Any, Any]]:
-        """``in_place``: a model or gradient server's puller (see ``_pull_in_place``)."""
+    def _pull_if_changed_service(self, key: Hashable, have_version: Any, client: str = "", in_place: bool = False,
+                                 word: bool = False) -> Any:
+        """``in_place``: a model or gradient server's puller (see ``_pull_in_place``);
+        ``word``: it asks for the key's version word too (the reply is a pair then)."""
         self._note(client)
+        got = offer = None
         with self._lock:
             self._counts["pulls"] += 1
             entries = self._data.get(key)
-            if not entries:
-                return None
-            version, value = entries[-1]
-            if version == have_version:
+            if word:
+                offer = self._words.offer(key, entries[-1][0] if entries else None, self.group.get_cur_name(),
+                                          current_world().incarnation)
+            if entries and entries[-1][0] == have_version:
                 self._counts["pulls_unchanged"] += 1
-                return None
-        return (value if in_place else _private(value)), version
+            elif entries:
+                got = entries[-1]
+        if got is not None:
+            got = (got[1] if in_place else _private(got[1])), got[0]
+        return (got, offer) if word else got

@@ -317,7 +317,8 @@ class PushPullGradServer:
         Only parameters are loaded (in place, so optimizers keep their references);
         buffers stay the client's. Values are converted to each parameter's dtype (and
         device), as ``load_state_dict`` does; names and shapes must match. Nothing is
-        transferred when ``model.pp_version`` is the newest version.
+        transferred when ``model.pp_version`` is the newest version (on the primary's
+        machine, not even a call is made: its version word says so).
 
         Args:
             model: A model of the managed architecture.
