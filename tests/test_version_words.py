@@ -106,13 +106,11 @@ def _words_body(world):
         g.barrier()  # (1)
         g.barrier()  # (1b)
         assert server.pull(actor) and actor.pp_version == 1
-        start = time.perf_counter()
         unchanged = [server.pull(actor) for _ in range(1000)]
-        seconds = time.perf_counter() - start
         g.barrier()  # (2)
         g.barrier()  # (3)
         newer = server.pull(actor)  # at once: the word moved with the push
-        out = (any(unchanged), seconds, newer, actor.pp_version, float(actor.weight.detach().min()))
+        out = (any(unchanged), newer, actor.pp_version, float(actor.weight.detach().min()))
         g.barrier()  # (4)
     else:  # the host: how many calls reached it
         g.barrier()  # (1)
@@ -129,12 +127,11 @@ def _words_body(world):
 
 @needs_words
 def test_a_same_host_pull_with_nothing_new_makes_no_call_and_a_newer_version_is_seen_at_once():
-    (first, then), _, (any_new, seconds, newer, version, value) = run_world(_words_body, 3, timeout=120)
+    (first, then), _, (any_new, newer, version, value) = run_world(_words_body, 3, timeout=120)
     assert not any_new and newer and version == 2 and value == 2.0
     # The actor's first pull asked for the word (one call); the 1,000 after it made none,
     # and the pull after the push one more (the word said version 2, the actor held 1).
     assert (first, then) == (1, 1)
-    assert seconds < 1.0  # (0.84 ms a call on the 2-core box: 1,000 calls would take about 1 s)
 
 
 def _closed_body(world):

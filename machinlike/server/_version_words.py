@@ -132,8 +132,10 @@ class HostWords:
     words are freed all the same."""
 
     def __init__(self) -> None:
-        self._board: Optional[Board] = None  # (the process's, at the first word: a server never
-        self._release: Optional[weakref.finalize] = None  # pulled in place makes no page)
+        # The process's board and the finalizer that frees these words on it, both from the
+        # first word on: a server nobody pulls in place makes no page.
+        self._board: Optional[Board] = None
+        self._release: Optional[weakref.finalize] = None
         self._index: Dict[Hashable, Tuple[int, int]] = {}  # key -> (slot, tag); bounded by WORDS
         self._taken: List[int] = []  # (the finalizer's own list: freed at close or collection)
         self._closed = False
