@@ -13,7 +13,7 @@ import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
 __all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
-           "sequence_of_str", "optional_str", "nonempty_str", "not_async"]
+           "sequence_of_str", "optional_str", "nonempty_str", "not_async", "local_device"]
 
 
 def seconds(param: str, value: Any, *, allow_zero: bool = False, or_none: bool = False) -> float:
@@ -177,3 +177,30 @@ def not_async(param: str, func: Any, runs: str) -> None:
         raise TypeError(f"{param} {name} is an async function: it would run {runs} without an event loop and "
                         f"return an unawaited coroutine; pass a plain function, such as "
                         f"lambda *args: asyncio.run({name.rsplit('.', 1)[-1]}(*args))")
+
+
+def local_device(param: str, value: Any) -> Any:
+    """``value`` as a ``torch.device`` this process can use: the CPU, or a CUDA device that
+    exists here (``"cuda"`` alone: the current one). Checked where a server is made, so that
+    a wrong device fails there, named, and not on every request after.
+
+    Raises:
+        ValueError: not a device, or a CUDA device this process does not have.
+    """
+    import torch  # (here: the status tool imports this module without torch)
+
+    try:
+        device = torch.device(value)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"{param}={value!r} is not a torch device: {err}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"{param}={value!r}: only 'cpu' and 'cuda[:N]' devices are supported")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ValueError(f"{param}={value!r} but CUDA is not available in this process; use 'cpu'")
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{param}={value!r} but this process sees {count} CUDA device(s) "
+                         f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES may hide the others)")
+    return device

@@ -350,6 +350,24 @@ def test_launch_restarts_nothing_once_every_essential_rank_finished(caplog):
     assert any("failed after every essential rank finished; not restarted" in r.getMessage() for r in caplog.records)
 
 
+def _fails_once(world):
+    if world.name == "boss":  # until the restarted worker finished
+        roster = world.membership.roster
+        roster.wait_until(lambda live: (roster.departed("w") or ("", 0))[1] >= 2, 60)
+    elif world.incarnation == 1:
+        raise ValueError("the first incarnation's own failure")
+    return world.incarnation
+
+
+def test_a_restart_is_logged_with_the_ranks_own_traceback(caplog):
+    # The run goes on after a restart: without its traceback nothing would say where it failed.
+    with caplog.at_level("WARNING", logger="machinlike.distributed._launch.local"):
+        results = launch(_fails_once, 2, names=["boss", "w"], max_restarts=1, essential=["boss"], timeout=60)
+    assert results[1] == 2 and [r.name for r in results.restarts] == ["w"]
+    said = [r.getMessage() for r in caplog.records if "restarting rank 1 ('w')" in r.getMessage()]
+    assert len(said) == 1 and "in _fails_once" in said[0] and "the first incarnation's own failure" in said[0], said
+
+
 def _store_host(out_queue) -> None:
     world = World("h", rank=0, elastic=True, init_method="tcp://127.0.0.1:0", dist_timeout=20)
     world.create_rpc_group("open").register("h-svc", _whoami)

@@ -177,3 +177,18 @@ def test_an_agent_made_due_by_a_leave_recycles_after_the_grace_by_a_loss_at_once
     assert pipes.due()
     pipes.reset()
     assert not pipes.due()
+
+
+def test_a_caller_newer_than_the_view_may_run_and_an_older_or_gone_one_may_not():
+    """Roster.may_run: what the inference server and the results table ask of a caller."""
+    roster = _roster_with(process_identity())
+    assert roster.may_run("host", 1)
+    assert roster.may_run("host", 2)  # restarted; this view still lists incarnation 1
+    roster.apply("lost", MemberRecord("host", 1, "host_0", 0, process_identity()))
+    assert not roster.may_run("host", 1)
+    assert roster.may_run("host", 2)  # the loss seen, the new join not yet
+    roster.apply("join", MemberRecord("host", 2, "host_1", 0, process_identity()))
+    assert roster.may_run("host", 2) and not roster.may_run("host", 1)
+    roster.apply("leave", MemberRecord("host", 2, "host_1", 0, process_identity()))
+    assert not roster.may_run("host", 2) and roster.may_run("host", 3)
+    assert roster.may_run("joiner", 1)  # a first join this view has not seen yet

@@ -266,6 +266,9 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
                 (dict(max_batch=0), ValueError, "max_batch=0 must be a positive int"),
                 (dict(max_wait=-1), ValueError, "max_wait=-1 must be zero"),
                 (dict(pull_every=0), ValueError, "pull_every=0 must be a positive number"),
+                (dict(device="nowhere"), ValueError, "device='nowhere' is not a torch device"),
+                (dict(device=f"cuda:{torch.cuda.device_count()}"), ValueError,  # (cold trial 11: failed per request)
+                 "CUDA is not available in this process|this process sees"),
                 (dict(fn=_tagged, model_server=object()), TypeError, "model_server must be a PushPullModelServer")]:
             kwargs = dict(dict(fn=_Picky()), **bad)
             with pytest.raises(error, match=match):
@@ -332,6 +335,9 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
         assert stats["rows"] == 2 + 2 + 3 + 4 + 5, stats
         alone = at_once.stats()
         assert (alone["errors"], alone["rows"], alone["batches"], alone["isolations"]) == (1, 3, 2, 0), alone
+        # The means are of the calls that answered: a failed call ran no rows (cold trial 11).
+        assert (alone["failed_batches"], alone["mean_batch"], alone["mean_requests"]) == (1, 3.0, 1.0), alone
+        assert stats["mean_batch"] >= 1.0 and stats["failed_batches"] >= 2, stats
         at_once.close()
         impl.close()
         impl.close()
@@ -385,6 +391,57 @@ def test_a_caller_killed_mid_request_stalls_no_one(elastic):
     extra = 5 if elastic else 0  # the restarted caller's request
     assert stats["dropped"] == 3 and stats["rows"] == 2 + 64 + extra, stats
     assert stats["requests"] == 3 + (1 if elastic else 0) and stats["pending"] == 0, stats
+
+
+def test_batches_that_fail_only_joined_run_one_by_one_and_say_so_once(caplog):
+    # Observations sent without their batch dim (cold trial 11): a Linear(2, 2) takes one [2]
+    # request as a sample, two joined ([4]) as nothing. Each caller still gets its answer.
+    from machinlike.server._inference import Batcher, Request
+
+    lin = nn.Linear(2, 2)
+    batcher = Batcher("flat", lambda x: (lin(x), 0), lambda member, incarnation: True, 4, 30.0, 16)
+    try:
+        with caplog.at_level("WARNING", logger="machinlike.server._inference.batcher"):
+            for _ in range(2):  # two rounds of two requests of 2 rows: each round fills one batch
+                futs = [torch.futures.Future() for _ in range(2)]
+                for fut in futs:
+                    batcher.submit(Request(torch.ones(2), 2, fut, "c", 1, TIMEOUT, None))
+                assert all(torch.equal(f.wait()[0], lin(torch.ones(2))) for f in futs)
+        stats = batcher.stats()
+        said = [r.getMessage() for r in caplog.records if "but on none of them alone" in r.getMessage()]
+        assert len(said) == 1 and "x.unsqueeze(0)" in said[0], said
+        assert (stats["isolations"], stats["errors"], stats["failed_batches"], stats["rows"]) == (2, 0, 2, 8), stats
+    finally:
+        batcher.close(10.0)
+
+
+def _restarted_caller_body(world):
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        impl = InferenceServerImpl("inf", group, nn.Linear(4, 2))
+        _set(world, "ready")
+        _wait(world, "done")
+        stats = impl.stats()
+        impl.close()
+        return stats
+    _wait(world, "ready")
+    server = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    # At once: the host's view may still list the last incarnation, or have seen it lost
+    # and not yet this one's join; the request is served all the same (cold trial 11).
+    out = server.infer(torch.ones(1, 4), timeout=TIMEOUT)
+    if world.incarnation < 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    _set(world, "done")
+    return tuple(out.shape)
+
+
+@pytest.mark.timeout(150)
+def test_a_restarted_caller_is_served_from_its_first_request():
+    result = launch(_restarted_caller_body, 2, names=["h", "a"], max_restarts=3, essential=["h"], timeout=120,
+                    stop_timeout=10)
+    stats, shape = result
+    assert shape == (1, 2) and [r.name for r in result.restarts] == ["a"] * 3, (shape, result.restarts)
+    assert stats["requests"] == stats["rows"] == 4 and stats["dropped"] == 0, stats
 
 
 def _suicidal(x):

@@ -114,6 +114,8 @@ def test_architecture_checks_and_errors(world):
         PushPullModelServerImpl("server", group)
         with pytest.raises(TypeError, match="o_server must be an OrderedServerBase"):
             PushPullModelServerImpl("bad", group, o_server="not a server")
+        with pytest.raises(KeyError, match="model server 'server' already exists in group 'g'.*pick another"):
+            PushPullModelServerImpl("server", group)  # (cold trial 11: the message named an inner service)
     group.barrier()
     if world.name == "1":
         server = group.get_paired("server").to_here()

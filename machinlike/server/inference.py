@@ -272,7 +272,7 @@ class InferenceServerImpl:
         world = get_world()
         if world is None:
             raise RuntimeError("InferenceServerImpl needs a World in this process")
-        self._slot = ModelSlot(fn, _check_version(version), None if device is None else torch.device(device))
+        self._slot = ModelSlot(fn, _check_version(version), None if device is None else _checks.local_device("device", device))
         self._batcher = Batcher(server_name, self._slot.run, self._alive, max_batch, max_wait, max_pending)
         self._world = world
         self._key = f"{server_name}/infer"
@@ -296,12 +296,9 @@ class InferenceServerImpl:
         return f"<InferenceServerImpl {self.server_name!r} max_batch={self._batcher.max_batch}>"
 
     def _alive(self, member: str, incarnation: int) -> bool:
-        current = self._world.get_incarnation(member)
-        if current is None:
-            # Not in this view: gone, or joined since its last catch-up (a liveness tick
-            # behind). Only a departure the view has seen makes the caller dead.
-            return self._world.membership.gone(member) is None
-        return current == incarnation
+        # A caller restarted a moment ago is live though this view may still list its old
+        # incarnation, or have seen that one lost and not yet the new join (cold trial 11).
+        return self._world.membership.may_run(member, incarnation)
 
     def _service(self) -> Callable[..., Any]:
         batcher, what = self._batcher, self.server_name
@@ -359,8 +356,9 @@ class InferenceServerImpl:
     def stats(self) -> Dict[str, Any]:
         """What the host did since it started.
 
-        Keys: ``requests`` (accepted), ``batches`` (calls of ``fn``), ``rows`` (answered),
-        ``mean_batch`` (rows per call), ``mean_requests`` (requests per call),
+        Keys: ``requests`` (accepted), ``batches`` (calls of ``fn``), ``failed_batches``
+        (calls of ``fn`` that raised), ``rows`` (answered), ``batched_requests`` (requests
+        answered), ``mean_batch`` / ``mean_requests`` (rows / requests per call that answered),
         ``queue_wait_p50`` / ``queue_wait_p95`` (seconds from a request's arrival to its
         batch's start) and ``fn_time_p50`` / ``fn_time_p95`` (seconds per call), over the
         last 4096 samples (None before any), ``dropped`` (rows of requests whose caller

@@ -274,8 +274,14 @@ class PushPullModelServerImpl:
         self.o_server_impl: Optional[OrderedServerSimpleImpl] = None
         self._pool = StatePool()
         if o_server is None:
-            self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1, self._pool,
-                                                                  checkpoint)
+            try:
+                self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1,
+                                                                      self._pool, checkpoint)
+            except KeyError as err:  # (its services' names are ours: say which server is taken)
+                self._pool.close()
+                raise KeyError(f"model server {server_name!r} already exists in group {group.get_group_name()!r} "
+                               f"({err.args[0] if err.args else err}); close it first, or pick another "
+                               f"server_name") from err
             o_server = OrderedServerSimple._checked(f"{server_name}/ordered", group)
         self.o_server = o_server
         try:

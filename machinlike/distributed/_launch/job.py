@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set
 import torch.distributed as dist
 
 from ... import _mainguard
-from ...exception import NoCollectivesError, ProcessExitedError
+from ...exception import NoCollectivesError, ProcessExitedError, RemoteTraceback
 from ...pickle import loads
 from .exits import RankExits, exited
 from .rank_main import rank_main
@@ -184,8 +184,12 @@ class Job:
                 if restartable:
                     used[rank] += 1
                     cause = f"{type(value).__name__}: {value}"
-                    log.warning("launch: restarting rank %d (%r), restart %d of %d, after %s", rank,
-                                self.names[rank], used[rank], max_restarts, cause)
+                    # With the rank's own traceback: the run may go on, and then nothing else
+                    # would show where it failed (cold trial 11).
+                    where = value.__cause__
+                    log.warning("launch: restarting rank %d (%r), restart %d of %d, after %s%s", rank,
+                                self.names[rank], used[rank], max_restarts, cause,
+                                f"\n{where.tb_text.rstrip()}" if isinstance(where, RemoteTraceback) else "")
                     restarts.append(Restart(rank, self.names[rank], cause, used[rank] + 1))
                     for stale in (self.reader_of[rank], self.processes[rank].sentinel):
                         waiting.pop(stale, None)

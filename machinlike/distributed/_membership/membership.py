@@ -296,6 +296,11 @@ class Membership:
         """``"left"`` or ``"lost"`` when ``member``'s latest incarnation is gone, else None."""
         return self.roster.gone(member)
 
+    def may_run(self, member: str, incarnation: int) -> bool:
+        """Whether incarnation ``incarnation`` of ``member``, named by a call it made, may still
+        run: live here, or newer than this view knows (it joined since the last catch-up)."""
+        return self.roster.may_run(member, incarnation)
+
     def departure(self, member: str) -> Optional[Tuple[str, bool]]:
         """How ``member``'s latest incarnation went, for a message ("left the world 2.5 s
         ago, cleanly (...)", "was lost 0.3 s ago: killed by signal SIGKILL (9)"), and whether

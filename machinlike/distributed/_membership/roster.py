@@ -301,6 +301,22 @@ class Roster:
             gone = self._gone.get(member)
             return None if member in self._live or gone is None else gone[0]
 
+    def may_run(self, member: str, incarnation: int) -> bool:
+        """Whether ``member``'s incarnation ``incarnation`` may still run, as told by a call
+        that names it: it is live here, or newer than any this view has seen go or run.
+
+        Why: a restarted member calls as soon as it joined, while this view may be a
+        liveness tick behind (it still lists the old incarnation, or has seen it lost and
+        not yet the join). Incarnations only grow and only a running process names its own,
+        so a newer one is no stale caller; the view catches up within the tick.
+        """
+        with self._lock:
+            rec = self._live.get(member)
+            if rec is not None:
+                return rec.incarnation <= incarnation
+            gone = self._gone.get(member)
+            return gone is None or gone[1] < incarnation
+
     def departed(self, member: str) -> Optional[Tuple[str, int, float]]:
         """``(kind, incarnation, when)`` of ``member``'s latest incarnation if it is gone
         (``when``: ``time.monotonic()`` as this view saw it go), else None."""

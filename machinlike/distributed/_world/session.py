@@ -194,7 +194,8 @@ def _bind(session: Session, members: Membership) -> None:
 
     tables.resolve_owner = resolve_service_owner
     # Results kept here for handles held elsewhere go with their holders (see _calls.results).
-    tables.results.bind_live(lambda holder: members.roster.incarnation_of(holder[0]) == holder[1])
+    # (a holder that joined since this view's last catch-up is live: see Roster.may_run)
+    tables.results.bind_live(lambda holder: members.roster.may_run(*holder))
 
     def sweep() -> None:
         if len(tables.results):

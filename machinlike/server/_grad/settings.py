@@ -15,6 +15,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from ..._checks import local_device
 from ...distributed import RpcGroup
 from .._common import check_count, check_members, check_name, check_timeout
 from ..ordered import OrderedServerBase
@@ -61,12 +62,7 @@ def grad_settings(server_name: Any, group: RpcGroup, model_name: Any = "model", 
     secondaries = check_members(group, secondary_reducers, "secondary_reducers")
     if reduce_method not in ("sum", "mean"):
         raise ValueError(f"reduce_method={reduce_method!r} must be 'sum' or 'mean'")
-    try:
-        device = torch.device(reduce_device)
-    except (TypeError, RuntimeError) as err:
-        raise ValueError(f"reduce_device={reduce_device!r} is not a torch device: {err}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"reduce_device={reduce_device!r} but CUDA is not available here; use 'cpu'")
+    device = local_device("reduce_device", reduce_device)
     batch = check_count(reduce_batch_size, "reduce_batch_size", 1)
     limit = check_count(max_queue_size, "max_queue_size", 1)
     if limit < batch:

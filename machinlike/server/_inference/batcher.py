@@ -105,8 +105,9 @@ class Batcher:
         self._rows_by_sig: Dict[Hashable, int] = {}
         self._closed = False
         self._busy = False  # a batch is being taken or run (by either thread)
-        self._counts = {"requests": 0, "batches": 0, "rows": 0, "batched_requests": 0, "dropped": 0,
-                        "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
+        self._counts = {"requests": 0, "batches": 0, "failed_batches": 0, "rows": 0, "batched_requests": 0,
+                        "dropped": 0, "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
+        self._said_rowwise = False  # (the warning that batches fail only joined: once)
         self._waits: Deque[float] = deque(maxlen=_WINDOW)
         self._fn_times: Deque[float] = deque(maxlen=_WINDOW)
         self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-{what}", daemon=True)
@@ -187,7 +188,8 @@ class Batcher:
                         rows += req.rows
                     else:
                         self._counts["dropped"] += req.rows
-                        failed.append((req, RuntimeError(f"caller {req.caller!r} is gone")))
+                        failed.append((req, RuntimeError(f"caller {req.caller!r} (incarnation {req.incarnation}) "
+                                                         f"is gone: its request was dropped")))
                 else:
                     kept.append(req)
                     continue
@@ -231,8 +233,17 @@ class Batcher:
             # Who made fn fail? Run each request alone: only the culprit's caller hears of it.
             with self._cond:
                 self._counts["isolations"] += 1
+                errors = self._counts["errors"]
             for req in batch:
                 self._run([req])
+            if self._counts["errors"] == errors and not self._said_rowwise:
+                # No culprit: the batch fails only joined (cold trial 11: a lone observation
+                # sent without its batch dim), so every such batch runs request by request.
+                self._said_rowwise = True
+                log.warning("inference server %r: fn failed on %d requests joined (%s: %s) but on none of them "
+                            "alone: they are run one by one, unbatched; a request's first dim must be its rows "
+                            "(one observation: x.unsqueeze(0)) and fn must treat rows alike", self._what,
+                            len(batch), type(exc).__name__, exc)
             return
         self._count_fn(batch, start, ok=True)
         for req, piece in zip(batch, pieces):
@@ -270,8 +281,10 @@ class Batcher:
                 for req in batch:
                     counts["rows"] += req.rows
                     self._waits.append(start - req.arrived)
-            elif len(batch) == 1:
-                counts["errors"] += 1
+            else:
+                counts["failed_batches"] += 1
+                if len(batch) == 1:
+                    counts["errors"] += 1
             if idle:
                 self._busy = False
                 if self._queue:  # (the batcher thread waits for fn to be free; else it sleeps on)
@@ -304,7 +317,7 @@ class Batcher:
             out: Dict[str, Any] = dict(self._counts)
             waits, times = list(self._waits), list(self._fn_times)
             out["pending"] = len(self._queue)
-        batches = out["batches"] - 0
+        batches = out["batches"] - out["failed_batches"]  # (the means are of the calls that answered)
         out["mean_batch"] = out["rows"] / batches if batches else 0.0
         out["mean_requests"] = out["batched_requests"] / batches if batches else 0.0
         out["queue_wait_p50"], out["queue_wait_p95"] = _percentile(waits, 0.5), _percentile(waits, 0.95)
