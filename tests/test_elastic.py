@@ -477,3 +477,45 @@ def test_async_calls_made_while_the_caller_renews_its_agent_are_all_answered():
                                              essential=["host", "caller"], timeout=150)
     assert failures == [], "\n".join(failures)
     assert renewals >= 3 and answered > 0
+
+
+def _waits_for_the_value(world):
+    """The holder pairs late, then (incarnation 1) dies; the waiter finds each pairing."""
+    group = world.create_rpc_group("open")
+    if world.name == "holder":
+        if world.incarnation == 1:
+            group.wait_paired("waiting", timeout=60)
+            time.sleep(0.3)  # (late on purpose: the waiter is blocked in the store meanwhile)
+        group.pair("box", {"incarnation": world.incarnation})
+        if world.incarnation == 1:
+            world.wait_for_members(["waiter"], timeout=60)
+            group.wait_paired("seen-1", timeout=60)
+            os.kill(os.getpid(), signal.SIGKILL)  # its value is withdrawn with it; the next pairs it again
+        group.wait_paired("seen-2", timeout=60)
+        return world.incarnation
+    group.pair("waiting", True)
+    start = time.monotonic()
+    first = group.wait_paired("box", timeout=60).to_here()
+    took = time.monotonic() - start
+    group.pair("seen-1", True)
+    world.membership.wait_until(lambda live: world.get_incarnation("holder") != 1, 60)  # lost (or back)
+    second = group.wait_paired("box", timeout=60).to_here()
+    group.pair("seen-2", True)
+    with pytest.raises(TimeoutError, match=r"no member of group 'open' paired value 'nobody' within 0.3 s"):
+        group.wait_paired("nobody", timeout=0.3)
+    world.wait_for_members(["holder"], timeout=60, gone=True)
+    return first, second, took
+
+
+def test_wait_paired_finds_a_value_paired_late_and_again_by_a_restarted_holder():
+    results = launch(_waits_for_the_value, 2, names=["waiter", "holder"], max_restarts=1, essential=["waiter"],
+                     timeout=120)
+    first, second, took = results[0]
+    assert first == {"incarnation": 1} and second == {"incarnation": 2}, results
+    assert took >= 0.3 and [r.name for r in results.restarts] == ["holder"], (took, results.restarts)
+    with pytest.raises(KeyError, match=r"or wait for it with group.wait_paired\('missing'\)"):
+        launch(_get_missing, 1)
+
+
+def _get_missing(world):
+    return world.create_rpc_group("g", world.get_members()).get_paired("missing")

@@ -191,7 +191,7 @@ def test_pair_values_and_errors(world):
         with pytest.raises(KeyError, match=r"Value with key \[v0\] not paired to Group \[vals\]"):
             g.unpair("v0")
         with pytest.raises(KeyError, match=r"Value with key \[missing\] not found on Group \[vals\]: no live "
-                                           r"member has paired it.*group.is_paired\('missing'\)"):
+                                           r"member has paired it.*group.wait_paired\('missing'\)"):
             g.get_paired("missing")
     for owner in MEMBERS:
         assert g.is_paired(f"v{owner}")

@@ -62,14 +62,17 @@ class CallContext:
     def worker(self, owner: str, incarnation: int, what: str, deadline: float) -> str:
         """The RPC worker of ``owner``'s incarnation ``incarnation``.
 
-        A member this view has not seen join yet (it paired a value or answered a call
-        just after it joined) is waited for until ``deadline`` (``time.monotonic()``).
+        An incarnation this view has not seen join yet (it paired a value or answered a
+        call just after it joined; a restarted one, while the view still lists or has just
+        seen go the one before) is waited for until ``deadline`` (``time.monotonic()``).
 
         Raises:
             PeerLostError: that incarnation is gone.
         """
-        if self.roster.incarnation_of(owner) is None and self.roster.gone(owner) is None:
-            self.roster.wait_until(lambda live: owner in live, max(0.0, deadline - time.monotonic()))
+        roster = self.roster
+        if (roster.incarnation_of(owner) or 0) < incarnation and roster.may_run(owner, incarnation):
+            roster.wait_until(lambda live: (roster.incarnation_of(owner) or 0) >= incarnation
+                              or not roster.may_run(owner, incarnation), max(0.0, deadline - time.monotonic()))
         worker = self.roster.worker_of(owner)
         now = self.roster.incarnation_of(owner)
         if now is not None and now != incarnation:

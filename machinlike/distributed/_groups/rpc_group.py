@@ -30,6 +30,7 @@ from .._calls import RpcFuture, as_async_execution, is_coroutine_function, prepa
 from . import directory as _directory
 from .directory import GroupDirectory
 from .parts import GroupParts
+from .arrival import wait_paired
 from .group_end import end_incarnation
 from .._calls import PairedRef, ResultRef
 
@@ -307,6 +308,31 @@ class RpcGroup:
         _check_key(key)
         parts = self._usable(need_member=False)
         return parts.caller.paired(key, _seconds("timeout", timeout, parts.directory.rpc_timeout))
+
+    def wait_paired(self, key: str, timeout: Optional[float] = None) -> PairedRef:
+        """:meth:`get_paired`, once some member pairs ``key``: for members that start at
+        their own pace (an elastic world's actors, an open group with no barrier).
+
+        A value never paired is waited for in the store (no polling); one whose holder
+        withdrew it or was lost (in an elastic world: a restarted holder pairs it again) is
+        looked up at each membership change and every 0.1 s.
+
+        Args:
+            key: Name of the value.
+            timeout: Seconds for the whole wait; None: the world's ``dist_timeout``.
+
+        Returns:
+            A :class:`~machinlike.distributed.PairedRef`, as :meth:`get_paired`.
+
+        Raises:
+            TimeoutError: nobody paired ``key`` in time (named).
+            PeerLostError: the world's store is gone; in a static world, the holder is.
+        """
+        _check_key(key)
+        parts = self._usable(need_member=False)
+        d = parts.directory
+        wait = _seconds("timeout", timeout, d.dist_timeout)
+        return wait_paired(parts.caller, parts.owners, d.registry, d.roster, d.elastic, self._name, key, wait)
 
     # ---------------------------------------------------------------- plain calls
     def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,
