@@ -6,8 +6,10 @@ Run:  python benchmarks/inference.py [--quick] [--callers N]
 Part 1 (two ranks pinned to a core each, as benchmarks/rpc.py): a no-op ``infer`` of one
 row against ``registered_sync`` of a service returning its argument, in alternating
 blocks over the same RPC agent; the ratio is the median of neighbouring blocks' ratios
-(target <= 1.1). Then 16 Atari frames (16x4x84x84 bytes) both ways, and ``infer`` with
-the shared-memory path off (``shm_threshold=None``: TensorPipe carries them).
+(target <= 1.1). Then 16 Atari frames (16x4x84x84 bytes) both ways, ``infer`` with
+the shared-memory path off (``shm_threshold=None``: TensorPipe carries them), and a lone
+caller at the default ``max_wait`` against ``max_wait=0`` (target about 1: it need not
+wait for company it never has).
 
 Part 2 (a host and ``--callers`` caller processes on this machine's cores): each caller
 calls a Nature-CNN policy on R rows (R = 1, then 16) in a loop for a few seconds; the
@@ -78,7 +80,8 @@ def _round_trips(world: Any, quick: bool) -> Dict[str, Any]:
     if world.rank == 1:
         group.register("echo", ident)
         servers = [InferenceServerImpl("noop", group, ident, max_wait=0.0),
-                   InferenceServerImpl("noshm", group, ident, max_wait=0.0, shm_threshold=None)]
+                   InferenceServerImpl("noshm", group, ident, max_wait=0.0, shm_threshold=None),
+                   InferenceServerImpl("waits", group, ident)]  # the default max_wait (2 ms)
     group.barrier()
     out: Dict[str, Any] = {}
     if world.rank == 0:
@@ -89,6 +92,11 @@ def _round_trips(world: Any, quick: bool) -> Dict[str, Any]:
             noop.infer(row)
         calls, blocks = (100, 9) if quick else (300, 21)
         out["noop"] = _paired(lambda: group.registered_sync("echo", (row,)), lambda: noop.infer(row), calls, blocks)
+        # A lone caller at the default max_wait: its batches need not wait for company it
+        # never has (the first call waits, then the host knows who comes; _inference.company).
+        waits = group.get_paired("waits").to_here()
+        waits.infer(row)
+        out["lone"] = _paired(lambda: noop.infer(row), lambda: waits.infer(row), calls, blocks)
         frames = torch.randint(0, 255, (16, 4, 84, 84), dtype=torch.uint8)
         for _ in range(20):
             noop.infer(frames)
@@ -154,7 +162,8 @@ def main() -> None:
     print("part 1: round trips, caller and host pinned to a core each")
     for name, what in (("noop", "no-op infer (1x4 floats) vs registered_sync echo"),
                        ("frames", "16 frames (16x4x84x84 uint8) infer vs registered_sync echo"),
-                       ("frames_noshm", "16 frames infer, shared memory vs TensorPipe")):
+                       ("frames_noshm", "16 frames infer, shared memory vs TensorPipe"),
+                       ("lone", "lone caller, default max_wait (2 ms) vs max_wait=0")):
         r = rt[name]
         print(f"  {what:60s} raw {r['raw'] * 1e6:8.1f} us  ours {r['ours'] * 1e6:8.1f} us  ratio {r['ratio']:.2f}")
     seconds = 2.0 if args.quick else 5.0

@@ -415,6 +415,61 @@ def test_batches_that_fail_only_joined_run_one_by_one_and_say_so_once(caplog):
         batcher.close(10.0)
 
 
+def test_company_owes_a_batch_what_each_recent_caller_sent_to_its_last():
+    from machinlike.server._inference.company import ACTIVE, Company
+    from machinlike.server._inference import Request
+
+    def req(caller, sig="a", incarnation=1):
+        r = Request(torch.ones(1, 2), 1, torch.futures.Future(), caller, incarnation, TIMEOUT, None)
+        r.sig = sig
+        return r
+
+    company = Company()
+    company.open("a", [req("x")], 0.0)
+    assert not company.complete()  # nothing known of who comes: the batch waits max_wait
+    company.close()
+    company.batched([req("x"), req("y"), req("y")], 1.0)  # y sent two (two threads, say)
+    company.batched([req("z", sig="b")], 1.0)  # another shape: not owed to batches of "a"
+    company.open("a", [req("y")], 1.5)
+    assert (company.missing, company.complete()) == (2, False)
+    company.arrived(req("w"))  # a caller never seen owes nothing
+    company.arrived(req("x", sig="b"))  # nor does another shape
+    company.arrived(req("x", incarnation=2))  # nor a restarted caller (another process)
+    company.arrived(req("x"))
+    assert (company.missing, company.complete()) == (1, False)
+    company.arrived(req("y"))
+    assert company.complete()
+    company.close()
+    company.open("a", [req("x")], 1.0 + ACTIVE + 0.1)  # everyone aged out: wait as before
+    assert not company.complete()
+
+
+def _lone_caller_body(world):
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        impl = InferenceServerImpl("inf", group, nn.Linear(2, 2), max_wait=0.5)
+    group.barrier()
+    took = None
+    if world.rank == 1:
+        server = group.get_paired("inf").to_here()
+        server.infer(torch.ones(1, 2), timeout=TIMEOUT)  # the first: nobody known, so it waits max_wait
+        start = time.monotonic()
+        for _ in range(10):
+            server.infer(torch.ones(1, 2), timeout=TIMEOUT)
+        took = time.monotonic() - start
+    group.barrier()
+    if world.rank == 0:
+        impl.close()
+    return took
+
+
+def test_a_lone_caller_does_not_wait_out_max_wait_once_it_is_known():
+    from machinlike.testing import run_world
+
+    took = run_world(_lone_caller_body, 2, timeout=90)[1]
+    assert took < 2.5, took  # 10 calls: 5 s if each waited out max_wait=0.5
+
+
 def _restarted_caller_body(world):
     group = world.create_rpc_group("g")
     if world.name == "h":

@@ -231,7 +231,9 @@ class InferenceServerImpl:
             list or dict of tensors, one row per input row. Run under ``torch.no_grad``
             by one thread.
         max_batch: Rows per call of ``fn`` at most; a single larger request runs alone.
-        max_wait: Seconds the oldest waiting request waits for more rows (0: none).
+        max_wait: Seconds the oldest waiting request waits for more rows (0: none); the
+            wait ends sooner once every caller served in the last second has sent as many
+            requests as to its last batch (a lone caller does not wait).
         model_server: A :class:`PushPullModelServer` accessor whose newest weights are
             pulled into ``fn`` (a module) every ``pull_every`` seconds, swapped in between
             batches; None: weights change through :meth:`update` only.

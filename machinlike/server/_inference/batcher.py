@@ -7,7 +7,8 @@ future is completed here later, so no RPC thread waits on a batch)::
     submit(request) ─► queue (FIFO, at most max_pending) ─┐ notify
                                                           ▼
     batcher thread:  the oldest request fixes the signature (trailing shapes, dtypes)
-                     wait until max_batch rows of it wait, or max_wait after its arrival
+                     wait until max_batch rows of it wait, max_wait after its arrival,
+                     or every caller of the last second sent again (see ``company``)
                      take it and the later ones of the same signature up to max_batch
                      rows (others keep their places); skip expired requests and those
                      whose caller is gone
@@ -30,9 +31,9 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
-import torch
-
 from .batch import Inputs, join, on_cuda, signature, split
+from .company import Company
+from .request import Request
 from ...exception import freeze_traceback
 from .._errors import ServerStoppedError
 
@@ -41,34 +42,6 @@ __all__ = ["Request", "Batcher"]
 log = logging.getLogger(__name__)
 
 _WINDOW = 4096  # timing samples kept for the percentiles (the newest)
-
-
-class Request:
-    """One caller's rows, waiting for a batch.
-
-    Args:
-        x: The rows (a tensor or a tuple of tensors).
-        rows: Their count.
-        fut: Completed with ``(output rows, version)`` or fn's exception.
-        caller: The caller's member name, and its incarnation (a restarted caller is
-            another process: the old one's requests are dropped).
-        timeout: Seconds from now after which the caller stops waiting.
-        reply: Turns the result into what travels back (same-host encoding); None: as it is.
-
-    ``sig`` (see ``_inference.batch.signature``) is filled in when the request is queued:
-    one run at once on an idle server's RPC thread never needs it.
-    """
-
-    __slots__ = ("x", "rows", "sig", "fut", "caller", "incarnation", "arrived", "deadline", "reply")
-
-    def __init__(self, x: Optional[Inputs], rows: int, fut: torch.futures.Future, caller: str,
-                 incarnation: int, timeout: float, reply: Optional[Callable[[Any], Any]]) -> None:
-        self.x, self.rows, self.fut = x, rows, fut
-        self.sig: Hashable = None
-        self.caller, self.incarnation = caller, incarnation
-        self.arrived = time.monotonic()
-        self.deadline = self.arrived + timeout
-        self.reply = reply
 
 
 def _percentile(samples: List[float], q: float) -> Optional[float]:
@@ -108,6 +81,7 @@ class Batcher:
         self._counts = {"requests": 0, "batches": 0, "failed_batches": 0, "rows": 0, "batched_requests": 0,
                         "dropped": 0, "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
         self._said_rowwise = False  # (the warning that batches fail only joined: once)
+        self._company = Company()  # who the open batch still waits for (not with max_wait 0)
         self._waits: Deque[float] = deque(maxlen=_WINDOW)
         self._fn_times: Deque[float] = deque(maxlen=_WINDOW)
         self._thread = threading.Thread(target=self._loop, name=f"machinlike-infer-{what}", daemon=True)
@@ -139,6 +113,7 @@ class Batcher:
                 request.sig = signature(request.x)  # type: ignore[arg-type]
                 self._queue.append(request)
                 self._rows_by_sig[request.sig] = self._rows_by_sig.get(request.sig, 0) + request.rows
+                self._company.arrived(request)
                 self._cond.notify()
         if inline:
             self._run_inline(request)
@@ -164,11 +139,16 @@ class Batcher:
                 return None
             first = self._queue[0]  # only this thread removes requests: it stays first
             until = first.arrived + self.max_wait
-            while not self._closed and self._rows_by_sig[first.sig] < self.max_batch:
+            company = self._company
+            if self.max_wait:
+                company.open(first.sig, self._queue, time.monotonic())
+            # (until max_batch rows wait, max_wait passed, or every recent caller sent again)
+            while not self._closed and self._rows_by_sig[first.sig] < self.max_batch and not company.complete():
                 left = until - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            company.close()
             if self._closed:
                 return None
             now = time.monotonic()
@@ -196,6 +176,8 @@ class Batcher:
                 self._remove(req)
             self._queue = kept
             self._busy = True
+            if self.max_wait and batch:
+                company.batched(batch, now)
             return batch, failed
 
     # ---------------------------------------------------------------- the thread
