@@ -283,3 +283,38 @@ def test_a_handle_whose_owner_died_names_it():
     message, after = launch(_gone_owner_body, 1, names=["host"], max_restarts=1, timeout=120)[0]
     assert "'victim'" in message and "lost" in message, message
     assert after < 15, f"the calls through the handle took {after:.1f} s to fail after the kill"
+
+
+class _SlowToMake:
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)  # (a constructor that takes its time: a model loaded, say)
+
+    def hi(self) -> str:
+        return "hi"
+
+
+@world_test(2, timeout=90)
+def test_a_result_being_made_names_its_owner_at_once_and_bounds_each_wait_by_its_own_timeout(world):
+    # Cold trial 12: every method waited for the creation, whatever its own timeout said,
+    # and rpc_async() blocked until then; torch answers owner() at once.
+    group = world.create_rpc_group("g", world.get_members())
+    if world.name == "0":
+        ref = group.remote("1", _SlowToMake, args=(3.0,), timeout=30)
+        start = time.monotonic()
+        assert ref.owner_name() == "1" and not ref.is_owner()
+        fut = ref.rpc_async(timeout=20).hi()  # sent once the result is made
+        assert time.monotonic() - start < 1.0 and not fut.done()
+        with pytest.raises(TimeoutError, match=r"was not made within the call's timeout.*member '1' still runs"):
+            ref.to_here(timeout=0.3)
+        with pytest.raises(TimeoutError, match="was not made within"):
+            ref.rpc_sync(timeout=0.3).hi()
+        assert time.monotonic() - start < 2.5
+        assert fut.wait() == "hi" and ref.rpc_sync().hi() == "hi"
+        for bad, error in ((0, ValueError), (-5, ValueError), ("1", TypeError)):  # torch reads 0 as no limit
+            with pytest.raises(error, match=rf"timeout={bad!r} must be"):
+                ref.rpc_sync(timeout=bad).hi()
+            with pytest.raises(error, match=rf"timeout={bad!r} must be"):
+                ref.to_here(timeout=bad)
+        assert ref.rpc_sync(timeout=-1).hi() == "hi"  # torch's "unset": the default
+    group.barrier()
+    group.destroy()

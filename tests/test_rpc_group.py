@@ -783,6 +783,8 @@ def test_bad_call_arguments_are_named_before_anything_is_sent(world):
         group.barrier(timeout="5")
     with pytest.raises(TypeError, match="to must be a member name"):
         group.rpc_sync(1, _whoami)
+    with pytest.raises(TypeError, match=r"not WorkerInfo .*owner_name\(\) gives its owner's"):  # torch's idiom
+        group.rpc_sync(torch.distributed.rpc.get_worker_info(), _whoami)
     assert group.registered_sync("who", args=[]) == "1"  # a list is fine
     group.barrier()
     group.destroy()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional, Tuple
 
+from ... import _checks
 from ...exception import PeerLostError
 from .._membership import Roster, Waits
 
@@ -55,9 +56,15 @@ class CallContext:
         return self.name, self.incarnation
 
     def seconds(self, timeout: Optional[float]) -> float:
-        """``timeout`` in seconds, the default for None or a negative value (torch's RRef
-        methods take -1 for "the default")."""
-        return self.timeout if timeout is None or timeout < 0 else float(timeout)
+        """``timeout`` in seconds: the default for None or -1 (torch's RRef methods' "unset").
+
+        Raises:
+            TypeError, ValueError: anything else that is not a positive number of seconds
+                (torch reads 0 as "no limit": every wait here has one; cold trial 12).
+        """
+        if timeout is None or (type(timeout) in (int, float) and timeout == -1):
+            return self.timeout
+        return _checks.seconds("timeout", timeout, or_none=True)
 
     def worker(self, owner: str, incarnation: int, what: str, deadline: float) -> str:
         """The RPC worker of ``owner``'s incarnation ``incarnation``.

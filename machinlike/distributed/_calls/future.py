@@ -85,6 +85,25 @@ class RpcFuture(_transport.lane.LaneFuture):
         if fut is not self:
             fut.add_done_callback(self._from_torch)
 
+    def follow(self, fut: "RpcFuture") -> None:
+        """Complete this future as ``fut``, another call's, completes: its value, or its
+        error as it is (translated once already)."""
+        def take(done: torch.futures.Future) -> None:
+            try:
+                value = done.wait()  # (completed: at once)
+            except BaseException as err:
+                self.fail(err)
+            else:
+                _set_result(self, value)
+                self.arrived()
+
+        torch.futures.Future.add_done_callback(fut, take)  # (it never blocks: on the completer's thread)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail this future with ``error`` (a call that could not be started)."""
+        self._fail(error)
+        self.arrived()
+
     def _from_torch(self, fut: torch.futures.Future) -> None:
         try:
             value = fut.wait()  # (completed: at once)

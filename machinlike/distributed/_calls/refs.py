@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 import uuid
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import torch
 from torch.distributed import rpc
 
 from . import context as _context, ref_owner as _ref_owner, samehost as _samehost
@@ -89,6 +91,10 @@ class _Ref:
     def _ready(self, deadline: float) -> None:
         """Wait until the owner holds the target (results: their creation)."""
 
+    def _named(self) -> bool:
+        """Whether ``_owner`` is final before ``_ready`` (a service's result: its creation names it)."""
+        return True
+
     # ---------------------------------------------------------------- RRef's API
     def to_here(self, timeout: Optional[float] = None) -> Any:
         """A copy of the value, fetched from its owner.
@@ -124,8 +130,10 @@ class _Ref:
         return _Proxy(self, "remote", timeout)
 
     def owner_name(self) -> str:
-        """The owner's member name."""
-        self._ready(_now() + _context.require().timeout)
+        """The owner's member name (known at once, as torch's ``owner()``, unless a result's
+        creation is to name it)."""
+        if not self._named():
+            self._ready(_now() + _context.require().timeout)
         return self._owner
 
     def owner(self) -> rpc.WorkerInfo:
@@ -140,9 +148,10 @@ class _Ref:
         return rpc.get_worker_info(route.worker(self._owner, self._inc, self._what(), deadline))
 
     def is_owner(self) -> bool:
-        """Whether this process is the owner."""
+        """Whether this process is the owner (at once when another member is)."""
         route = _context.require()
-        self._ready(_now() + route.timeout)
+        if not self._named() or self._owner == route.me[0]:
+            self._ready(_now() + route.timeout)
         return route.me == (self._owner, self._inc)
 
     def local_value(self) -> Any:
@@ -169,6 +178,8 @@ class _Ref:
         route = _context.require()
         wait = route.seconds(timeout)
         deadline = _now() + wait
+        if how == "async" and not self._made():
+            return self._async_once_made(name, args, kwargs, deadline, wait)
         self._ready(deadline)
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
         what = f"{name}() of {self._what()}"
@@ -184,6 +195,14 @@ class _Ref:
             return RpcFuture(fut, self._owner, what, wait)
         return new_result(route, self._owner, worker, what, max(0.001, deadline - _now()),
                           lambda head: (_ref_owner._keep_call, (head + (self._target, name), args, kwargs)))
+
+    def _made(self) -> bool:
+        """Whether the target exists (a result: its creation has answered)."""
+        return True
+
+    def _async_once_made(self, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], deadline: float,
+                         wait: float) -> RpcFuture:
+        raise AssertionError("only a result is ever not made")  # (see ResultRef)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._what()} on member {self._owner!r} (incarnation {self._inc})>"
@@ -222,13 +241,14 @@ class ResultRef(_Ref):
         what: The call that made it, for messages.
     """
 
-    __slots__ = ("_token", "_created", "_done", "_release", "_made_by")
+    __slots__ = ("_token", "_created", "_done", "_release", "_made_by", "_sent_to_owner")
 
     def __init__(self, owner: str, incarnation: int, rid: str, token: str, created: Optional[RpcFuture],
-                 what: str) -> None:
+                 what: str, sent_to_owner: bool = True) -> None:
         super().__init__(owner, incarnation, ("r", rid))
         self._token, self._created, self._made_by = token, created, what
         self._done = created is None
+        self._sent_to_owner = sent_to_owner  # (False: a service's, whose owner may have moved)
         # Released when the handle is collected (``weakref.finalize``, not ``__del__``: a
         # finalizer holds no reference to the handle and can be told to skip interpreter exit).
         started()  # (its releases go out through that thread)
@@ -239,12 +259,44 @@ class ResultRef(_Ref):
     def _what(self) -> str:
         return f"the result of {self._made_by}"
 
+    def _named(self) -> bool:
+        return self._done or self._sent_to_owner
+
+    def _made(self) -> bool:
+        return self._done or (self._created is not None and self._created.done())
+
+    def _async_once_made(self, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any], deadline: float,
+                         wait: float) -> RpcFuture:
+        """``rpc_async().name(...)`` of a result still being made: sent once it is, so that
+        starting it never blocks (torch's owner queues such calls; here the caller does).
+        Its future fails as the creation did, or at ``deadline`` when it was made too late."""
+        out = RpcFuture(None, self._owner, f"{name}() of {self._what()}", wait)
+
+        def send(_: Any) -> None:
+            try:
+                out.follow(self._method("async", name, args, kwargs, max(0.001, deadline - _now())))
+            except BaseException as exc:  # the creation failed, or the call could not start
+                out.fail(exc)
+
+        assert self._created is not None
+        self._created.add_done_callback(send)  # (RpcFuture's: run off the lane's thread, as send may block)
+        return out
+
     def _ready(self, deadline: float) -> None:
         if self._done:
             return
-        assert self._created is not None
-        # The creation's own timeout bounds this wait; what is left of ``deadline`` bounds the rest.
-        self._owner, self._inc = self._created.wait()
+        created = self._created
+        assert created is not None
+        if not created.done():
+            # Bounded by the caller's deadline, not only by the creation's own timeout (a
+            # to_here(timeout=0.5) of a result still being made waited for it: cold trial 12).
+            made = threading.Event()
+            torch.futures.Future.add_done_callback(created, lambda _: made.set())  # (never blocks)
+            if not made.wait(max(0.0, deadline - _now())):
+                raise TimeoutError(f"{self._what()} was not made within the call's timeout: its creation on "
+                                   f"member {self._owner!r} still runs (bounded by the timeout of the call that "
+                                   f"makes it)")
+        self._owner, self._inc = created.wait()
         self._done = True
 
     def confirmed_by_owner(self) -> bool:
@@ -288,7 +340,8 @@ def _arrived(owner: str, incarnation: int, rid: str, token: str, what: str) -> R
 
 
 def new_result(route: CallContext, owner: str, worker: str, what: str, wait: float,
-               entry: Callable[[Tuple[Any, ...]], Tuple[Any, Tuple[Any, Any, Any]]]) -> ResultRef:
+               entry: Callable[[Tuple[Any, ...]], Tuple[Any, Tuple[Any, Any, Any]]],
+               sent_to_owner: bool = True) -> ResultRef:
     """Ask ``owner`` to make and keep a result; its handle, at once.
 
     Args:
@@ -300,6 +353,8 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
         wait: Seconds for the creation.
         entry: ``head -> (callee entry point, (what, args, kwargs))``, where ``head`` is
             ``(rid, token, holder)`` and the entry's ``what`` starts with it.
+        sent_to_owner: Whether ``owner`` keeps it for sure (False: a service's owner,
+            which may have moved; the creation's answer names the keeper).
 
     Raises:
         PeerLostError, RuntimeError: it could not be sent (the member named).
@@ -311,7 +366,7 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
     _, fut = send_call(route.roster, worker, wait, what,
                        lambda to, left: send_async(route.roster, to, func,
                                                    _samehost.outgoing(to, call), left))  # [shm hook]
-    return ResultRef(owner, inc, rid, _CREATOR, RpcFuture(fut, owner, what, wait), what)
+    return ResultRef(owner, inc, rid, _CREATOR, RpcFuture(fut, owner, what, wait), what, sent_to_owner)
 
 
 _serial = itertools.count()

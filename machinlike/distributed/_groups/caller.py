@@ -153,7 +153,8 @@ class Caller:
         return _refs.new_result(_context.require(), self._roster.member_of(worker), worker,
                                 f"registered_remote of service {key!r} of group {self._group!r}",
                                 max(0.001, deadline - time.monotonic()),
-                                lambda head: (_ref_owner._keep_service, (head + (sid,),) + call_args))
+                                lambda head: (_ref_owner._keep_service, (head + (sid,),) + call_args),
+                                sent_to_owner=False)
 
     # --------------------------------------------------------------------- values
     def paired(self, key: str, wait: float) -> PairedRef:

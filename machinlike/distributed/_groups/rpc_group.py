@@ -25,6 +25,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from torch.distributed import rpc
+
 from ... import _checks
 from .._calls import RpcFuture, as_async_execution, is_coroutine_function, prepare_call
 from . import directory as _directory
@@ -114,7 +116,9 @@ class RpcGroup:
 
     def _check_to(self, to: str) -> None:
         if not isinstance(to, str):
-            raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r})")
+            hint = ("; a handle's owner_name() gives its owner's (torch's owner() names an RPC worker, which is "
+                    "not a member's name in an elastic world)" if isinstance(to, rpc.WorkerInfo) else "")
+            raise TypeError(f"to must be a member name (str), not {type(to).__name__} ({to!r}){hint}")
         if self._members is not None and to not in self._members:
             raise ValueError(f"{to!r} is not a member of RpcGroup {self._name!r} (members: {list(self._members)})")
 
