@@ -139,12 +139,18 @@ def _is_importable(obj: Any) -> bool:
     return found is obj
 
 
-def _of_fileless_main(func: Any) -> bool:
-    """Whether ``func`` was defined in a ``__main__`` that no process can import again (a
-    notebook, ``python -c``, a REPL: it has no file)."""
-    if getattr(func, "__module__", None) != "__main__":
+def _of_unimportable_main(func: Any) -> bool:
+    """Whether ``func`` was defined in a main module that no process can import again: a
+    notebook, ``python -c``, a REPL (``__main__`` has no file), or a namespace rebuilt
+    from a pickle (a launched rank's function and the helpers it calls: their globals
+    are a copy, no module's dict, which dill would send whole, modules and all)."""
+    name = getattr(func, "__module__", None)
+    if name not in _MAIN_MODULES:
         return False
-    return getattr(sys.modules.get("__main__"), "__file__", None) is None
+    module = sys.modules.get(name)
+    if name == "__main__" and getattr(module, "__file__", None) is None:
+        return True
+    return module is not None and getattr(module, "__dict__", None) is not getattr(func, "__globals__", None)
 
 
 class _ByValue:
@@ -270,10 +276,12 @@ class Pickler(pickle.Pickler):
         if cls in _FUNCTION_TYPES:
             if _is_importable(obj):
                 return NotImplemented
-            if not self._recurse and _of_fileless_main(obj):
-                # A notebook's or ``python -c``'s function: no process can import its module,
-                # so the globals it uses (helpers, constants) travel with it, as cloudpickle
-                # does; by reference they were a NameError in the worker.
+            if not self._recurse and _of_unimportable_main(obj):
+                # A notebook's or ``python -c``'s function, or one a launcher rebuilt: no
+                # process can import its module, so the globals it uses (helpers, constants)
+                # travel with it, as cloudpickle does; by reference they were a NameError in
+                # the worker, and a rebuilt namespace sent whole failed on its modules
+                # (cold trial 13: a pool's lambda made in a launched rank's helper).
                 return _byvalue.reduce_by_value(obj, True, self.dispatch_table)
         elif issubclass(cls, type):
             if obj in _SPECIAL_CLASSES or _is_importable(obj):

@@ -12,6 +12,8 @@ import pickle
 import sys
 
 import pytest
+
+import _background
 import toolkit_targets as targets
 import torch
 from fresh_import import import_report
@@ -469,6 +471,41 @@ with Pool(2) as pool:
     print("pool", pool.map(outer, range(3)), pool.map(lambda x: helper(x) - 1, range(3)))
 print("launch", launch(body, 2, timeout=60))
 """
+
+
+_RANK_HELPER = """
+import machinlike
+from machinlike.pool import Pool
+
+OFFSET = 100
+
+
+def collect(n):
+    with Pool(1) as pool:
+        return pool.map(lambda x: x * x + OFFSET, range(n))
+
+
+def rank(world):
+    return collect(3)
+
+
+if __name__ == "__main__":
+    print("ranks", machinlike.launch(rank, 1, timeout=60))
+"""
+
+
+def test_a_launched_ranks_helper_sends_a_lambda_to_a_pool(tmp_path):
+    # Cold trial 13: the rank's function arrives with a copy of the script's namespace; a
+    # lambda made in a helper of it took that whole copy along, with the module machinlike
+    # (by value: not under site-packages here) and failed: "cannot pickle '_Ledger' object".
+    import subprocess
+
+    script = tmp_path / "rollouts.py"
+    script.write_text(_RANK_HELPER)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env=_background.checkout_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "ranks [[100, 101, 104]]" in run.stdout, run.stdout
 
 
 def test_a_notebooks_functions_take_the_globals_they_use_along():

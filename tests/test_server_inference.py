@@ -345,17 +345,21 @@ def test_a_failing_or_misshapen_request_hurts_only_its_caller(world):
     group.destroy()
 
 
+def _serve_until(world, impl, *keys):
+    """The host's part: say "ready", wait for each of ``keys`` in turn, close, return its stats."""
+    _set(world, "ready")
+    for key in keys:
+        _wait(world, key)
+    stats = impl.stats()
+    impl.close()
+    return stats
+
+
 def _killed_caller_body(world, elastic):
     group = world.create_rpc_group("g")
     if world.name == "h":
         impl = InferenceServerImpl("inf", group, nn.Linear(4, 2), max_wait=2.0, max_batch=64)
-        _set(world, "ready")
-        _wait(world, "done")
-        if elastic:
-            _wait(world, "again")
-        stats = impl.stats()
-        impl.close()
-        return stats
+        return _serve_until(world, impl, "done", *(["again"] if elastic else []))
     _wait(world, "ready")
     server = group.get_paired("inf", timeout=TIMEOUT).to_here()
     if world.name == "a":
@@ -473,12 +477,7 @@ def test_a_lone_caller_does_not_wait_out_max_wait_once_it_is_known():
 def _restarted_caller_body(world):
     group = world.create_rpc_group("g")
     if world.name == "h":
-        impl = InferenceServerImpl("inf", group, nn.Linear(4, 2))
-        _set(world, "ready")
-        _wait(world, "done")
-        stats = impl.stats()
-        impl.close()
-        return stats
+        return _serve_until(world, InferenceServerImpl("inf", group, nn.Linear(4, 2)), "done")
     _wait(world, "ready")
     server = group.get_paired("inf", timeout=TIMEOUT).to_here()
     # At once: the host's view may still list the last incarnation, or have seen it lost

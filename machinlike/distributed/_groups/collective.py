@@ -337,7 +337,8 @@ class CollectiveGroup:
 
         Args:
             tensor: Input and output.
-            op: A ``torch.distributed.ReduceOp`` (``SUM``, ``PRODUCT``, ``MIN``, ``MAX``, ...).
+            op: A ``torch.distributed.ReduceOp`` (``SUM``, ``AVG`` where the backend has it,
+                ``PRODUCT``, ``MIN``, ``MAX``, ...).
             async_op: Return a work handle instead of waiting.
         """
         stage = DenseStage()
