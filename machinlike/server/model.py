@@ -301,7 +301,9 @@ class PushPullModelServerImpl:
         """What the host serves: ``version`` (the newest version of the model, None before
         the first push), ``since_version``, ``clients`` and, in an elastic world,
         ``members`` (as for :meth:`OrderedServerSimpleImpl.stats`), and ``ordered``: the
-        hosted ordered server's whole stats.
+        hosted ordered server's whole stats (they count ``"<model_name>/spec"`` too, the
+        architecture the first push fixed: a key and a push more than the model's own,
+        and a pull more per accessor that pushed).
 
         Raises:
             RuntimeError: the chain is kept in an external ordered server (ask its host).
