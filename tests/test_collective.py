@@ -294,6 +294,43 @@ def test_a_process_killed_before_a_collective_group_fails_its_creation_fast_and_
         assert (kind, member) == ("PeerLostError", "2") and took < 10, results
 
 
+def _dies_in_a_collective(world, stay_silent):
+    import signal
+    import time
+
+    group = world.create_collective_group([0, 1, 2], timeout=3 if stay_silent else 30)
+    key = world.membership.keys.scratch("collective-failure/done")
+    if world.rank == 2:
+        if stay_silent:  # alive, but never takes part
+            world.membership.registry.wait_all(key, [""], 60, "rank 0's verdict")
+            return None
+        time.sleep(0.5)  # (the others are in the all_reduce by now, or soon: either way it ends)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(4))
+        out = ("reduced", None, "")
+    except Exception as err:  # (sent back as a value: the run goes on)
+        out = (type(err).__name__, getattr(err, "member", None), str(err))
+    took = time.monotonic() - start
+    if world.rank == 0:
+        world.membership.registry.set(key, "1")
+    return out + (took,)
+
+
+@pytest.mark.parametrize("stay_silent", [False, True], ids=["killed", "silent"])
+def test_a_collective_ended_by_a_dead_or_silent_member_says_so_by_name(stay_silent):
+    """Cold trial 13: gloo's RuntimeError named an address ("Connection closed by peer
+    [127.0.0.1]:35219") or a receive that timed out; every other call names the member."""
+    results = run_world(_dies_in_a_collective, 3, args=(stay_silent,), timeout=90, return_exceptions=True)
+    for kind, member, said, took in results[:2]:
+        if stay_silent:
+            assert kind == "TimeoutError" and "collective all_reduce over ranks [0, 1, 2] did not finish within " \
+                "the group's timeout (3 s)" in said and took < 20, results
+        else:
+            assert (kind, member) == ("PeerLostError", "2") and "was lost (gloo: " in said and took < 15, results
+
+
 @world_test(2, timeout=90)
 def test_ddp_on_a_collective_group(world):
     torch.manual_seed(0)

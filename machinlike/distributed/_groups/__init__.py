@@ -10,12 +10,13 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 """
 
 from .collective import CollectiveGroup, RetiredGroups
+from .collective_failures import FailureNamer
 from .directory import GroupDirectory, GroupHandle
 from .create import create_group, find_group, open_group
 from .creation_order import CreationOrder
 from .rpc_group import RpcGroup
 
 __all__ = [
-    "CollectiveGroup", "create_group", "CreationOrder", "find_group", "GroupDirectory", "GroupHandle", "open_group",
-    "RetiredGroups", "RpcGroup",
+    "CollectiveGroup", "create_group", "CreationOrder", "FailureNamer", "find_group", "GroupDirectory", "GroupHandle",
+    "open_group", "RetiredGroups", "RpcGroup",
 ]

@@ -11,14 +11,16 @@ not contiguous (a transposed or sliced one) is exchanged through a contiguous co
 from __future__ import annotations
 
 import datetime
+import functools
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, List, Optional, Sequence, Set, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from .._store import forked as _forked
+from .collective_failures import FailureNamer
 from .dense import DenseStage
 from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks
 
@@ -30,6 +32,23 @@ def _op(op: Any) -> Any:
     if not isinstance(op, ReduceOp):  # (torch's own message names pybind's overloads, not the fix)
         raise TypeError(f"op must be a torch.distributed.ReduceOp (ReduceOp.SUM, ReduceOp.MAX, ...), not {op!r}")
     return op
+
+
+_Op = TypeVar("_Op", bound=Callable[..., Any])
+
+
+def _named(method: _Op) -> _Op:
+    """``method``, with gloo's errors of a member's death or silence named (FailureNamer)."""
+    @functools.wraps(method)
+    def run(self: "CollectiveGroup", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as err:
+            failure = err if self._namer is None else self._namer(method.__name__, self.ranks, self._timeout, err)
+            if failure is err:
+                raise
+            raise failure from err
+    return run  # type: ignore[return-value]
 
 
 # What CollectiveGroup._native returns when the collective is to run as its substitute.
@@ -158,11 +177,13 @@ class CollectiveGroup:
     """
 
     def __init__(self, group: Any, ranks: Sequence[int], my_rank: int,
-                 retire: Optional[Callable[[Any], None]] = None) -> None:
+                 retire: Optional[Callable[[Any], None]] = None, namer: Optional[FailureNamer] = None,
+                 timeout: float = 0.0) -> None:
         self.group = group
         self.ranks = sorted(ranks)
         self._my_rank = my_rank
         self._retire = retire
+        self._namer, self._timeout = namer, timeout  # (None: gloo's errors as they are)
         self._destroyed = False
         # The collectives that run as their substitute: slower on this backend, or refused by
         # it (None: not known yet, see _native).
@@ -171,7 +192,8 @@ class CollectiveGroup:
     @classmethod
     def create(cls, ranks: Sequence[int], my_rank: int, world_size: int, backend: Optional[str],
                timeout: float, retire: Optional[Callable[[Any], None]] = None,
-               agree: Optional[Callable[[List[int], float], None]] = None) -> "CollectiveGroup":
+               agree: Optional[Callable[[List[int], float], None]] = None,
+               namer: Optional[FailureNamer] = None) -> "CollectiveGroup":
         """Build the group (every process of the world calls it); use
         :meth:`World.create_collective_group`, which checks its arguments and keeps track.
 
@@ -181,6 +203,8 @@ class CollectiveGroup:
             agree: ``agree(ranks, timeout)`` returns once every process stated the same
                 ranks for this creation (``creation_order``), after the arguments are
                 checked and before torch makes the group; None: not checked.
+            namer: Names the member whose death or silence ended a collective; None: gloo's
+                errors as they are.
         """
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             names = not isinstance(ranks, (str, bytes)) and any(isinstance(r, str) for r in ranks)
@@ -200,7 +224,7 @@ class CollectiveGroup:
             agree(ranks, timeout)
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
         member = my_rank in ranks
-        return cls(group if member else None, ranks, my_rank, retire)
+        return cls(group if member else None, ranks, my_rank, retire, namer, timeout)
 
     def __reduce__(self) -> Any:
         raise TypeError("a CollectiveGroup belongs to its process and cannot be pickled")
@@ -259,6 +283,7 @@ class CollectiveGroup:
                                  f"of elements ({like.dtype}, {like.numel()})")
 
     # ------------------------------------------------------------- point to point
+    @_named
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to global rank ``dst`` (blocking).
 
@@ -269,6 +294,7 @@ class CollectiveGroup:
         """
         dist.send(DenseStage.read(tensor), self._peer("dst", dst), group=self._g(), tag=tag)
 
+    @_named
     def recv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> int:
         """Receive into ``tensor`` from ``src`` (blocking).
 
@@ -287,6 +313,7 @@ class CollectiveGroup:
         stage.done(None, False)
         return sender
 
+    @_named
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Any:
         """Send ``tensor`` to global rank ``dst`` asynchronously.
 
@@ -300,6 +327,7 @@ class CollectiveGroup:
         """
         return dist.isend(DenseStage.read(tensor), self._peer("dst", dst), group=self._g(), tag=tag)
 
+    @_named
     def irecv(self, tensor: torch.Tensor, src: Optional[int] = None, tag: int = 0) -> Any:
         """Receive into ``tensor`` asynchronously.
 
@@ -320,6 +348,7 @@ class CollectiveGroup:
                                 src)
 
     # ----------------------------------------------------------------- collectives
+    @_named
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Any:
         """Copy ``tensor`` of rank ``src`` into ``tensor`` of every member (in place).
 
@@ -332,6 +361,7 @@ class CollectiveGroup:
         work = dist.broadcast(stage.write(tensor), self._peer("src", src), group=self._g(), async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` over all members; every member gets the result in place.
 
@@ -345,6 +375,7 @@ class CollectiveGroup:
         work = dist.all_reduce(stage.write(tensor), op=_op(op), group=self._g(), async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def reduce(self, tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any:
         """Reduce ``tensor`` over all members into ``tensor`` of rank ``dst``.
 
@@ -358,6 +389,7 @@ class CollectiveGroup:
         work = dist.reduce(stage.write(tensor), self._peer("dst", dst), op=_op(op), group=self._g(), async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False) -> Any:
         """Every member's ``tensor`` into ``tensor_list`` of every member, in rank order.
 
@@ -372,6 +404,7 @@ class CollectiveGroup:
         work = dist.all_gather(stage.writes(tensor_list), stage.read(tensor), group=group, async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def gather(self, tensor: torch.Tensor, gather_list: Optional[List[torch.Tensor]] = None, dst: int = 0,
                async_op: bool = False) -> Any:
         """Every member's ``tensor`` into ``gather_list`` of rank ``dst``, in rank order.
@@ -391,6 +424,7 @@ class CollectiveGroup:
                            async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def scatter(self, tensor: torch.Tensor, scatter_list: Optional[List[torch.Tensor]] = None, src: int = 0,
                 async_op: bool = False) -> Any:
         """Hand ``scatter_list[i]`` of rank ``src`` to the ``i``-th member (rank order).
@@ -410,6 +444,7 @@ class CollectiveGroup:
                             async_op=async_op)
         return stage.done(work, async_op)
 
+    @_named
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: Any = ReduceOp.SUM,
                        async_op: bool = False) -> Any:
         """Reduce ``input_list[i]`` over all members into ``output`` of the ``i``-th member.
@@ -434,6 +469,7 @@ class CollectiveGroup:
             work = ReduceScatterByAllReduce(out, inputs, op, group, self.ranks.index(self._my_rank))
         return _finish(stage, work, async_op)
 
+    @_named
     def all_to_all(self, output_tensor_list: List[torch.Tensor], input_tensor_list: List[torch.Tensor],
                    async_op: bool = False) -> Any:
         """Send ``input_tensor_list[i]`` to the ``i``-th member and receive the ``j``-th
@@ -464,6 +500,7 @@ class CollectiveGroup:
             work = PairwiseAllToAll(outputs, inputs, group, self.ranks, self._my_rank)
         return _finish(stage, work, async_op)
 
+    @_named
     def barrier(self, async_op: bool = False) -> Any:
         """Wait until every member reached the barrier (at most the group's timeout).
 
@@ -472,6 +509,7 @@ class CollectiveGroup:
         """
         return dist.barrier(group=self._g(), async_op=async_op)
 
+    @_named
     def broadcast_object_list(self, object_list: List[Any], src: int) -> None:
         """Replace the entries of ``object_list`` with those of rank ``src`` (picklable objects).
 
@@ -481,6 +519,7 @@ class CollectiveGroup:
         """
         dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
 
+    @_named
     def all_gather_object(self, object_list: List[Any], obj: Any) -> None:
         """Every member's ``obj`` (picklable) into ``object_list``, in rank order.
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ... import _checks, _descriptors, _mainguard
 from .._store import forked as _forked, rendezvous as _rendezvous
-from .._groups import CollectiveGroup, CreationOrder
+from .._groups import CollectiveGroup, CreationOrder, FailureNamer
 from .._membership import DEFAULT_LIVENESS
 from .._membership import MemberEvent, Membership, record_own_exit
 from .._groups import GroupDirectory
@@ -456,9 +456,11 @@ class World:
         self._require_live()
         if not self._settings.collective:
             raise no_collectives(self._settings)
+        m = self.membership
         return CollectiveGroup.create(ranks, self.rank, self._settings.size, backend,
                                       _checks.seconds_or_none("timeout", timeout, self.dist_timeout),
-                                      retire=self._session.retired_groups.keep, agree=self._creations().agree)
+                                      retire=self._session.retired_groups.keep, agree=self._creations().agree,
+                                      namer=FailureNamer(m.roster, m.roster.names_by_rank()))
 
     def _creations(self) -> CreationOrder:
         if self._creation_order is None:
