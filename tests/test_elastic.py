@@ -519,3 +519,30 @@ def test_wait_paired_finds_a_value_paired_late_and_again_by_a_restarted_holder()
 
 def _get_missing(world):
     return world.create_rpc_group("g", world.get_members()).get_paired("missing")
+
+
+def _waits_for_the_service(world):
+    group = world.create_rpc_group("open")
+    if world.name == "holder":
+        group.wait_paired("waiting", timeout=60)
+        time.sleep(0.3)  # (late on purpose: the waiter is blocked in the store meanwhile)
+        group.register("svc", _whoami)
+        group.wait_paired("done", timeout=60)
+        return None
+    group.pair("waiting", True)
+    start = time.monotonic()
+    group.wait_registered("svc", timeout=60)
+    took = time.monotonic() - start
+    answer = group.registered_sync("svc")
+    with pytest.raises(TimeoutError, match=r"no member of group 'open' registered service 'nobody' within 0.3 s"):
+        group.wait_registered("nobody", timeout=0.3)
+    group.pair("done", True)
+    world.wait_for_members(["holder"], timeout=60, gone=True)
+    return answer, took
+
+
+def test_wait_registered_returns_once_a_late_member_registers_the_service():
+    results = launch(_waits_for_the_service, 2, names=["waiter", "holder"], max_restarts=1, essential=["waiter"],
+                     timeout=120)
+    answer, took = results[0]
+    assert answer == "holder#1" and took >= 0.3, results

@@ -77,10 +77,10 @@ def test_register_call_and_errors(world):
         with pytest.raises(KeyError, match=r"Service \[scale1\] not registered in Group \[svc\]"):
             g.deregister("scale1")
         with pytest.raises(KeyError, match=r"Service \[nope\] not found on Group \[svc\]: no live member has "
-                                           r"registered it.*group.barrier\(\).*group.is_registered\('nope'\)"):
+                                           r"registered it.*group.barrier\(\).*group.wait_registered\('nope'\)"):
             g.registered_sync("nope")
         # A typo is told the close match and the group's keys (all six fit in the ten shown).
-        with pytest.raises(KeyError, match=r"is_registered\('scael1'\)\. Did you mean 'scale1'\? The group's "
+        with pytest.raises(KeyError, match=r"wait_registered\('scael1'\)\. Did you mean 'scale1'\? The group's "
                                            r"services: \['scale0', 'scale1', 'scale2', 'who0', 'who1', 'who2'\]"):
             g.registered_sync("scael1")
         with pytest.raises(KeyError, match=r"not found on Group \[svc\]"):

@@ -1,12 +1,12 @@
-"""wait_paired: a handle to a value once some member pairs it, in a world whose members
-start at their own pace.
+"""wait_paired / wait_registered: a value or a service once some member holds it, in a
+world whose members start at their own pace.
 
 Why: an elastic world's actors start before, with or after their learner, and an open
 group has no barrier; ``get_paired`` raises ``KeyError`` at once for a value not paired
 yet, so users wrote sleep loops over ``is_paired`` (cold trial 11). The store says when a
 key first appears, so the common case waits without a request::
 
-    look the value up (get_paired) ── found ──► its handle
+    look the key up (get_paired; a service's owner) ── found ──► its handle (or return)
         │ nobody holds it
         ├─ its claim key was never made: wait in the store for it (one blocked request;
         │  the first pair makes it), then look again
@@ -15,12 +15,13 @@ key first appears, so the common case waits without a request::
            least every RECHECK seconds (a claim freed and taken again leaves no trace
            that the store could wake a waiter on)
 
-Every step shares the caller's one deadline; past it, ``TimeoutError`` names the value.
+Every step shares the caller's one deadline; past it, ``TimeoutError`` names the key.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable, TypeVar
 
 from ..._deadline import deadline_left
 from ...exception import PeerLostError
@@ -30,7 +31,7 @@ from .._store import Registry
 from .caller import Caller
 from .owners import OwnerCache
 
-__all__ = ["wait_paired", "RECHECK"]
+__all__ = ["wait_paired", "wait_registered", "RECHECK"]
 
 RECHECK = 0.1  # seconds between look-ups of a value that was held before (see the module doc)
 
@@ -47,26 +48,52 @@ def wait_paired(caller: Caller, owners: OwnerCache, registry: Registry, roster: 
         TimeoutError: nobody paired ``key`` within ``wait`` seconds (named).
         PeerLostError: the world's store is gone; in a static world, the holder is.
     """
+    return _wait_held(lambda left: caller.paired(key, left), owners.value_key(key), registry, roster, elastic,
+                      f"value {key!r}", f"paired value {key!r}", f"group.pair({key!r}, ...)", group, wait)
+
+
+def wait_registered(owners: OwnerCache, registry: Registry, roster: Roster, group: str, key: str,
+                    wait: float) -> None:
+    """Return once a member of ``group`` holds service ``key`` (as :func:`wait_paired`).
+
+    Raises:
+        TimeoutError: nobody registered ``key`` within ``wait`` seconds (named).
+        PeerLostError: the world's store is gone.
+    """
+    def look(left: float) -> bool:
+        if owners.service(key, refresh=True, timeout=left) is None:
+            raise KeyError(key)
+        return True
+
+    _wait_held(look, owners.service_key(key), registry, roster, True, f"service {key!r}",
+               f"registered service {key!r}", f"group.register({key!r}, ...)", group, wait)
+
+
+_Held = TypeVar("_Held")
+
+
+def _wait_held(look: Callable[[float], _Held], claim: str, registry: Registry, roster: Roster, elastic: bool,
+               what: str, done: str, call: str, group: str, wait: float) -> _Held:
+    """``look(seconds left)`` until it stops raising KeyError (nobody holds the key whose
+    claim is ``claim``), all within ``wait`` seconds (see the module doc)."""
     deadline = time.monotonic() + wait
-    claim = owners.value_key(key)
     looked = False
     while True:
         left = deadline_left(deadline)
         if looked and left <= 0:
-            raise TimeoutError(f"no member of group {group!r} paired value {key!r} within {wait:g} s; the member "
-                               f"that is to pair it has not started or not reached group.pair({key!r}, ...), or it "
-                               f"failed (its log says why)")
+            raise TimeoutError(f"no member of group {group!r} {done} within {wait:g} s; the member that is to hold it has not started or not reached "
+                               f"{call}, or it failed (its log says why)")
         seen, looked = roster.version, True
         try:
-            return caller.paired(key, max(0.001, left))
+            return look(max(0.001, left))
         except KeyError:
             pass
-        except PeerLostError:  # its holder was lost (a restarted one pairs it again), or the store was:
+        except PeerLostError:  # its holder was lost (a restarted one takes it again), or the store was:
             if not elastic:  # (the store ops below raise then)
                 raise
         if registry.absent("", [claim]):
             try:
-                registry.wait_all("", [claim], deadline_left(deadline), f"value {key!r} of group {group!r}")
+                registry.wait_all("", [claim], deadline_left(deadline), f"{what} of group {group!r}")
             except TimeoutError:
                 pass  # (named at the top)
         else:

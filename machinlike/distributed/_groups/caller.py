@@ -63,11 +63,10 @@ def _named(result: RpcFuture, member: str) -> RpcFuture:
 
 def _not_found(what: str, key: str, group: str, verb: str) -> str:
     """machin's words (callers match them), then why and the fix."""
-    wait = (f"wait for it with group.wait_paired({key!r})" if verb == "pair"
-            else f"wait until group.is_registered({key!r})")
+    wait = f"group.wait_paired({key!r})" if verb == "pair" else f"group.wait_registered({key!r})"
     return (f"{what} [{key}] not found on Group [{group}]: no live member has {verb}ed it (yet: members start "
             f"at their own pace); {verb} it on its member, then meet at group.barrier() before the first "
-            f"call, or {wait}")
+            f"call (a group with a member list), or wait for it with {wait}")
 
 
 class Caller:

@@ -32,7 +32,7 @@ from .._calls import RpcFuture, as_async_execution, is_coroutine_function, prepa
 from . import directory as _directory
 from .directory import GroupDirectory
 from .parts import GroupParts
-from .arrival import wait_paired
+from .arrival import wait_paired, wait_registered
 from .group_end import end_incarnation
 from .._calls import PairedRef, ResultRef
 
@@ -169,6 +169,24 @@ class RpcGroup:
         """
         _check_key(key)
         return self._usable(need_member=False).owners.service(key, refresh=True) is not None
+
+    def wait_registered(self, key: str, timeout: Optional[float] = None) -> None:
+        """Return once some member registers service ``key``: for members that start at
+        their own pace (see :meth:`wait_paired`, which waits the same way).
+
+        Args:
+            key: Name of the service.
+            timeout: Seconds for the whole wait; None: the world's ``dist_timeout``.
+
+        Raises:
+            TimeoutError: nobody registered ``key`` in time (named).
+            PeerLostError: the world's store is gone.
+        """
+        _check_key(key)
+        parts = self._usable(need_member=False)
+        d = parts.directory
+        wait_registered(parts.owners, d.registry, d.roster, self._name, key,
+                        _seconds("timeout", timeout, d.dist_timeout))
 
     def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
                         timeout: Optional[float] = None) -> Any:
