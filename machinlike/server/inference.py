@@ -274,7 +274,8 @@ class InferenceServerImpl:
         world = get_world()
         if world is None:
             raise RuntimeError("InferenceServerImpl needs a World in this process")
-        self._slot = ModelSlot(fn, _check_version(version), None if device is None else _checks.local_device("device", device))
+        where = None if device is None else _checks.local_device("device", device)
+        self._slot = ModelSlot(fn, _check_version(version), where)
         self._batcher = Batcher(server_name, self._slot.run, self._alive, max_batch, max_wait, max_pending)
         self._world = world
         self._key = f"{server_name}/infer"

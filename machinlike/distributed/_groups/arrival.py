@@ -49,7 +49,7 @@ def wait_paired(caller: Caller, owners: OwnerCache, registry: Registry, roster: 
         PeerLostError: the world's store is gone; in a static world, the holder is.
     """
     return _wait_held(lambda left: caller.paired(key, left), owners.value_key(key), registry, roster, elastic,
-                      f"value {key!r}", f"paired value {key!r}", f"group.pair({key!r}, ...)", group, wait)
+                      "value", key, group, wait)
 
 
 def wait_registered(owners: OwnerCache, registry: Registry, roster: Roster, group: str, key: str,
@@ -65,24 +65,26 @@ def wait_registered(owners: OwnerCache, registry: Registry, roster: Roster, grou
             raise KeyError(key)
         return True
 
-    _wait_held(look, owners.service_key(key), registry, roster, True, f"service {key!r}",
-               f"registered service {key!r}", f"group.register({key!r}, ...)", group, wait)
+    _wait_held(look, owners.service_key(key), registry, roster, True, "service", key, group, wait)
 
 
 _Held = TypeVar("_Held")
+_VERBS = {"value": ("paired", "pair"), "service": ("registered", "register")}
 
 
 def _wait_held(look: Callable[[float], _Held], claim: str, registry: Registry, roster: Roster, elastic: bool,
-               what: str, done: str, call: str, group: str, wait: float) -> _Held:
-    """``look(seconds left)`` until it stops raising KeyError (nobody holds the key whose
-    claim is ``claim``), all within ``wait`` seconds (see the module doc)."""
+               kind: str, key: str, group: str, wait: float) -> _Held:
+    """``look(seconds left)`` until it stops raising KeyError (nobody holds ``kind``
+    ``key``, whose claim is ``claim``), all within ``wait`` seconds (see the module doc)."""
     deadline = time.monotonic() + wait
+    done, verb = _VERBS[kind]
     looked = False
     while True:
         left = deadline_left(deadline)
         if looked and left <= 0:
-            raise TimeoutError(f"no member of group {group!r} {done} within {wait:g} s; the member that is to hold it has not started or not reached "
-                               f"{call}, or it failed (its log says why)")
+            raise TimeoutError(f"no member of group {group!r} {done} {kind} {key!r} within {wait:g} s; the member "
+                               f"that is to hold it has not started or not reached group.{verb}({key!r}, ...), or "
+                               f"it failed (its log says why)")
         seen, looked = roster.version, True
         try:
             return look(max(0.001, left))
@@ -93,7 +95,7 @@ def _wait_held(look: Callable[[float], _Held], claim: str, registry: Registry, r
                 raise
         if registry.absent("", [claim]):
             try:
-                registry.wait_all("", [claim], deadline_left(deadline), f"{what} of group {group!r}")
+                registry.wait_all("", [claim], deadline_left(deadline), f"{kind} {key!r} of group {group!r}")
             except TimeoutError:
                 pass  # (named at the top)
         else:
