@@ -30,7 +30,8 @@ def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
     with pytest.raises(CheckpointError, match="belongs to kind 'grad-server', not 'model-server'"):
         Checkpointer(tmp_path, "model-server", "g").load()
-    data = open(ckpt.path, "rb").read()
+    with open(ckpt.path, "rb") as f:
+        data = f.read()
     with open(ckpt.path, "wb") as f:
         f.write(data[: len(data) // 2])  # what a crash mid-write without the rename would leave
     with pytest.raises(CheckpointError, match=f"{ckpt.path!r} is corrupt or truncated"):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._store import forked as _forked
-from .collective_failures import FailureNamer
+from .collective_failures import FailureNamer, NamedWork
 from .dense import DenseStage
 from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks
 
@@ -41,13 +41,18 @@ def _named(method: _Op) -> _Op:
     """``method``, with gloo's errors of a member's death or silence named (FailureNamer)."""
     @functools.wraps(method)
     def run(self: "CollectiveGroup", *args: Any, **kwargs: Any) -> Any:
+        namer = self._namer
         try:
-            return method(self, *args, **kwargs)
+            result = method(self, *args, **kwargs)
         except RuntimeError as err:
-            failure = err if self._namer is None else self._namer(method.__name__, self.ranks, self._timeout, err)
+            failure = err if namer is None else namer(method.__name__, self.ranks, self._timeout, err)
             if failure is err:
                 raise
             raise failure from err
+        if namer is None or not (hasattr(result, "wait") and hasattr(result, "is_completed")):
+            return result  # (None, a sender's rank)
+        op, ranks = method.__name__, self.ranks
+        return NamedWork(result, lambda bound, whose, err: namer(op, ranks, bound, err, whose), self._timeout)
     return run  # type: ignore[return-value]
 
 

@@ -13,18 +13,20 @@ names the member, where every other call of the World raises ``PeerLostError`` o
         anything else, or no member seen gone ──► gloo's error as it was
 
 The World's loss detection sees a death on this host within a tick (at most 0.25 s), so a
-short wait finds it; gloo's error stays the cause. A work handle of ``async_op=True``
-raises gloo's error from its ``wait()`` as torch's does.
+short wait finds it; gloo's error stays the cause. A work handle (``async_op=True``,
+``isend``, ``irecv``) is handed back as a :class:`NamedWork`, whose ``wait()`` names the
+failure the same way.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence
 
 from ...exception import PeerLostError
 from .._membership import Roster
 
-__all__ = ["FailureNamer", "LOSS_WAIT"]
+__all__ = ["FailureNamer", "NamedWork", "LOSS_WAIT"]
 
 LOSS_WAIT = 2.0  # seconds a failed collective waits for this view to see a member gone
 
@@ -43,13 +45,15 @@ class FailureNamer:
         self._roster = roster
         self._names = list(names)
 
-    def __call__(self, op: str, ranks: Sequence[int], timeout: float, err: BaseException) -> BaseException:
-        """What ``op`` over ``ranks`` raises for ``err`` (``err`` itself when not a member's doing)."""
+    def __call__(self, op: str, ranks: Sequence[int], timeout: float, err: BaseException,
+                 whose: str = "the group's") -> BaseException:
+        """What ``op`` over ``ranks`` raises for ``err`` (``err`` itself when not a member's doing);
+        ``timeout`` (seconds) is ``whose`` timeout ended a silent wait."""
         text = str(err)
         said = text.strip().splitlines()[0][:240] if text.strip() else type(err).__name__
         low = text.lower()
         if "timed out" in low:
-            return TimeoutError(f"collective {op} over ranks {list(ranks)} did not finish within the group's "
+            return TimeoutError(f"collective {op} over ranks {list(ranks)} did not finish within {whose} "
                                 f"timeout ({timeout:g} s): a member did not take part (gloo: {said})")
         if not any(mark in low for mark in _CLOSED):
             return err
@@ -70,3 +74,37 @@ class FailureNamer:
         except TimeoutError:
             return None
         return gone_now()
+
+
+class NamedWork:
+    """A collective's work handle whose ``wait()`` raises what the op, run blocking, would.
+
+    Anything else (``is_completed``, ``get_future``, ...) is the handle's own.
+
+    Args:
+        work: torch's handle, or one of this package's (each has ``wait`` and ``is_completed``).
+        name: ``FailureNamer`` bound to the op: ``name(timeout, whose, err)`` is what to raise.
+        timeout: The group's timeout, seconds (what a ``wait()`` without one is bound by).
+    """
+
+    def __init__(self, work: Any, name: Callable[[float, str, BaseException], BaseException], timeout: float) -> None:
+        self._work = work
+        self._name = name
+        self._timeout = timeout
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        """As the handle's ``wait()``; a member's death or silence raised by name."""
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as err:
+            given = kwargs.get("timeout", args[0] if args else None)
+            if isinstance(given, timedelta):
+                failure = self._name(given.total_seconds(), "the wait's", err)
+            else:
+                failure = self._name(self._timeout, "the group's", err)
+            if failure is err:
+                raise
+            raise failure from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
