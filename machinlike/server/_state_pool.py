@@ -48,7 +48,9 @@ from ._budget import CallBudget
 
 __all__ = ["StatePool", "SHARE_FROM", "kept_most", "load_whole", "unchanged"]
 
-SHARE_FROM = 1 << 20  # as World(shm_threshold=...) by default
+# Not World's shm_threshold: each storage a pool keeps holds an open file (see kept_most),
+# and a model's many small tensors would each hold one.
+SHARE_FROM = 1 << 20
 KEEP = 4  # storages per slot: the chain's two, one being written, one a late reader may still read
 _SLOTS_MAX = 1024  # slots are per key and tensor name: a model has a fixed set of them
 _KEPT_MOST = 4096  # storages a pool keeps at most where open files are unlimited

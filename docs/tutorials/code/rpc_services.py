@@ -204,7 +204,7 @@ def large_tensors(world: machinlike.World) -> bool:
         group.register("scale_", scale_)
     group.barrier()
     if world.name == "0":
-        # A copy, through a recycled shared-memory segment (same host, >= 1 MiB):
+        # A copy, through a recycled shared-memory segment (same host, >= 256 KiB):
         # the owner's in-place edit stays on its side.
         batch = torch.ones(1024, 1024)  # 4 MB
         doubled = group.registered_sync("scale_", args=(batch, 2.0))

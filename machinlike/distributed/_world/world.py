@@ -89,7 +89,8 @@ class World:
             used as ``init_method`` only when neither of the two above is given.
         same_host_shm: CPU tensors of RpcGroup calls between members on this host travel
             through shared memory (see the RPC tutorial). False: always through TensorPipe.
-        shm_threshold: Bytes from which a tensor takes shared memory.
+        shm_threshold: Bytes from which a tensor takes shared memory (256 KiB: from about
+            200 KiB on, one copy through a segment beat the socket; ``benchmarks/shm_threshold.py``).
         shm_cache_bytes: Bound, in bytes, of this process's recycled segments and, again,
             of its cached mappings of peers' memory.
         cuda_ipc_cache_bytes: Bound, in bytes, of this process's CUDA export slabs (GPU
@@ -150,7 +151,7 @@ class World:
         dist_init_method: Optional[str] = None,
         rpc_init_method: Optional[str] = None,
         same_host_shm: bool = True,
-        shm_threshold: int = 1 << 20,
+        shm_threshold: int = 256 << 10,
         shm_cache_bytes: int = 1 << 30,
         cuda_ipc_cache_bytes: int = 4 << 30,
         same_host_lane: bool = True,
