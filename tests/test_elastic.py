@@ -527,8 +527,11 @@ def _waits_for_the_service(world):
         group.wait_paired("waiting", timeout=60)
         time.sleep(0.3)  # (late on purpose: the waiter is blocked in the store meanwhile)
         group.register("svc", _whoami)
+        group.pair("gone-with-me", 1)
+        group.pair("withdrawn", 1)
+        group.unpair("withdrawn")
         group.wait_paired("done", timeout=60)
-        return None
+        return None  # (its World stops: the service and the value go with it)
     group.pair("waiting", True)
     start = time.monotonic()
     group.wait_registered("svc", timeout=60)
@@ -538,11 +541,24 @@ def _waits_for_the_service(world):
         group.wait_registered("nobody", timeout=0.3)
     group.pair("done", True)
     world.wait_for_members(["holder"], timeout=60, gone=True)
-    return answer, took
+    # Cold trial 15: a holder that left took its value along; a wait for it waited out its
+    # timeout, told that nobody had paired it. (Not a lost holder: a restart pairs again.)
+    start = time.monotonic()
+    with pytest.raises(PeerLostError, match=r"member 'holder' is unreachable: value 'gone-with-me' of group 'open' "
+                                            r"was paired by this member, which has since left the world"):
+        group.wait_paired("gone-with-me", timeout=30)
+    with pytest.raises(PeerLostError, match=r"member 'holder' is unreachable: service 'svc' of group 'open' was "
+                                            r"registered by this member, which has since left the world"):
+        group.wait_registered("svc", timeout=30)
+    told = time.monotonic() - start
+    with pytest.raises(TimeoutError, match=r"no member of group 'open' holds value 'withdrawn': it was paired and "
+                                           r"withdrawn .*nobody paired it again within 0.3 s"):
+        group.wait_paired("withdrawn", timeout=0.3)
+    return answer, took, told
 
 
 def test_wait_registered_returns_once_a_late_member_registers_the_service():
     results = launch(_waits_for_the_service, 2, names=["waiter", "holder"], max_restarts=1, essential=["waiter"],
                      timeout=120)
-    answer, took = results[0]
-    assert answer == "holder#1" and took >= 0.3, results
+    answer, took, told = results[0]
+    assert answer == "holder#1" and took >= 0.3 and told < 5, results

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Protocol, Tuple
 
 from .._calls import LocalTables
 from .._membership import Claims
+from .._membership import Departures
 from .._membership import Endpoint
 from .._store import Keys
 from .._membership import Membership
@@ -73,6 +74,7 @@ class GroupDirectory:
         self.roster: Roster = membership.roster
         self.waits: Waits = membership.waits
         self.claims: Claims = membership.claims
+        self.departures: Departures = membership.departures
         self.endpoint: Endpoint = membership.endpoint
         #: How a gone member went, for messages (``Membership.departure``).
         self.departure = membership.departure

@@ -180,12 +180,13 @@ class RpcGroup:
 
         Raises:
             TimeoutError: nobody registered ``key`` in time (named).
-            PeerLostError: the world's store is gone.
+            PeerLostError: the world's store is gone; the member that registered ``key``
+                left the world since (named: the service went with it).
         """
         _check_key(key)
         parts = self._usable(need_member=False)
         d = parts.directory
-        wait_registered(parts.owners, d.registry, d.roster, self._name, key,
+        wait_registered(parts.owners, d.registry, d.roster, d.departures, self._name, key,
                         _seconds("timeout", timeout, d.dist_timeout))
 
     def registered_sync(self, key: str, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
@@ -337,7 +338,8 @@ class RpcGroup:
 
         A value never paired is waited for in the store (no polling); one whose holder
         withdrew it or was lost (in an elastic world: a restarted holder pairs it again) is
-        looked up at each membership change and every 0.1 s.
+        looked up at each membership change and every 0.1 s. One whose holder left the
+        world (its World stopped: the value went with it) ends the wait, named.
 
         Args:
             key: Name of the value.
@@ -348,13 +350,15 @@ class RpcGroup:
 
         Raises:
             TimeoutError: nobody paired ``key`` in time (named).
-            PeerLostError: the world's store is gone; in a static world, the holder is.
+            PeerLostError: the world's store is gone; in a static world, the holder is; the
+                member that paired ``key`` left the world since (named).
         """
         _check_key(key)
         parts = self._usable(need_member=False)
         d = parts.directory
         wait = _seconds("timeout", timeout, d.dist_timeout)
-        return wait_paired(parts.caller, parts.owners, d.registry, d.roster, d.elastic, self._name, key, wait)
+        return wait_paired(parts.caller, parts.owners, d.registry, d.roster, d.departures, d.elastic, self._name, key,
+                           wait)
 
     # ---------------------------------------------------------------- plain calls
     def rpc_sync(self, to: str, func: Callable[..., Any], timeout: Optional[float] = None,

@@ -21,12 +21,13 @@ if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see m
     from .roster import Roster
     from .waits import Waits
     from .claims import Claims
+    from .departures import Departures
     from .endpoint import Endpoint
     from .membership import MemberEvent, Membership
     from .exit_causes import describe_exception, record_exit, record_own_exit
 
 __all__ = [
-    "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "describe_exception", "Endpoint",
+    "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Departures", "describe_exception", "Endpoint",
     "event_counts", "is_here", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
     "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]

@@ -59,6 +59,9 @@ class Claims:
         # lines of claims released since; _stale counts those.
         self._listed: Dict[str, str] = {}
         self._stale = 0
+        # Keys released since this member began to leave (None: it is not leaving): its
+        # groups withdraw what they hold first, and these went with it (see free).
+        self._taken: Optional[List[str]] = None
 
     def claim(self, key: str, holder: str) -> Optional[str]:
         """Claim registry ``key`` for ``holder`` (noted, so it is freed if this member dies).
@@ -86,11 +89,19 @@ class Claims:
         with self._lock:
             released = self._registry.release(key, self._current(holder))
             if self._listed.pop(key, None) is not None:
+                if self._taken is not None:
+                    self._taken.append(key)
                 self._stale += 1
                 if self._stale > max(_STALE_MIN, len(self._listed)):
                     self._registry.set(self._keys.owned(self._endpoint.worker), "".join(self._listed.values()))
                     self._stale = 0
             return released
+
+    def leaving(self) -> None:
+        """This member begins to leave the world: the keys it releases from now on went
+        with it (its departure names them, :meth:`free`)."""
+        with self._lock:
+            self._taken = []
 
     def owner(self, key: str, timeout: Optional[float] = None) -> Optional[str]:
         """Who holds ``key`` right now (its holder text), None if nobody.
@@ -151,16 +162,25 @@ class Claims:
 
         Returns:
             The keys released (emptied, not deleted: another member may claim one at once).
+            This member's own (its leave) are exactly those it held when it began to leave
+            (:meth:`leaving`): its list in the store still names keys it released before,
+            and a release of a key already empty cannot be told from one that emptied it
+            (a departure's keys say what its member took along: wait_paired).
         """
         entries = self._keys.worker("")
-        released = []
+        held = None
+        if worker == self._endpoint.worker:
+            with self._lock:
+                held = set(self._listed).union(self._taken or ())
+        released: List[str] = []
         for owned in OwnedKey.decode_all(self._registry.get_or_empty(self._keys.owned(worker))):
             if owned.key.startswith(entries):
                 self._registry.delete([owned.key])  # a worker's entry: never claimed by another
                 # Already off the RPC group's list (pruned when it retired): nobody's
                 # prune would delete its address and id claim any more.
                 self._endpoint.forget_group_keys(owned.key[len(entries):])
-            elif self._registry.release(owned.key, owned.holder):
+            elif (held is None or owned.key in held) and owned.key not in released \
+                    and self._registry.release(owned.key, owned.holder):
                 released.append(owned.key)
         self._registry.delete([self._keys.owned(worker)])
         return released

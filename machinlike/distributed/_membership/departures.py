@@ -41,7 +41,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from .._store import Keys
 from .._store import Registry
@@ -105,6 +105,20 @@ class Departures:
                                       name="machinlike-departures")
             self._reaping = [t for t in self._reaping if t.is_alive()] + [thread]  # bounded: the running ones
             thread.start()
+
+    def last_released(self, key: str) -> Optional[Tuple[str, int]]:
+        """``(member, incarnation)`` of the newest recorded departure that released ``key``,
+        searched in the newest two blocks (two or three store reads: for waits that have
+        found ``key`` free), None when none of those released it."""
+        count = self._registry.get_or_empty(self._keys.departures_count())
+        if not count.isdigit() or int(count) == 0:
+            return None
+        newest = (int(count) - 1) // self._block
+        for j in range(newest, max(-1, newest - 2), -1):
+            for member, incarnation, released in reversed(_lines(self._registry.get_or_empty(self._keys.departures(j)))):
+                if key in released:
+                    return member, incarnation
+        return None
 
     def settle(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds in all for the reaps this process started."""

@@ -72,6 +72,7 @@ def leave_elastic(session: Session, deadline: float) -> None:
     members, info, name = session.membership, session.store, session.settings.name
     if members is None or info is None:
         return
+    members.claims.leaving()  # (what the groups withdraw now goes with this member: its departure says so)
     if session.groups is not None:
         for group in session.groups.local_groups():
             group.destroy()
