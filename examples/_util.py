@@ -11,10 +11,8 @@ import csv
 import faulthandler
 import math
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -238,93 +236,46 @@ def after_host(world: Any, gate: "ReadyGate", host: str, who: str, host_role: st
 
 class ReadyGate:
     """An elastic world's start line: members that join at any time wait, without polling,
-    until a host has set up its services.
+    until a host has set up its services, and do not start once it is finishing.
 
-    The host calls :meth:`open` once its services exist; a member calls :meth:`wait`. Each
-    side first publishes its own half, then tries the other's: the member registers
-    ``<key>/<name>`` and calls the host's ``<key>``; the host registers ``<key>`` and calls
-    ``<key>/<name>`` of every member it sees now or later (a join event). Whoever comes
-    second finds the other's half, so no member waits for a host that is already open.
+    Two values the host pairs: ``<key>/open`` once its services exist (:meth:`open`), and
+    ``<key>/closed`` once it is finishing (:meth:`close`). A member waits for the first
+    with ``group.wait_paired`` (the store wakes it; a host that left the world took its
+    values along, which ends the wait by name) and starts only while the second is not
+    paired.
     """
 
     def __init__(self, world: Any, group: Any, key: str) -> None:
-        self.world, self.group, self.key = world, group, key
-        self._queue: "queue.Queue[Optional[str]]" = queue.Queue()
-        self._thread: Optional[threading.Thread] = None
+        self.world, self.group = world, group
+        self._open, self._closed = f"{key}/open", f"{key}/closed"
 
-    # ----------------------------------------------------------------- the host
     def open(self) -> None:
-        """Host: say ready to every member, present and future (until :meth:`close`)."""
-        self.world.on_member_change(self._on_member)  # before the snapshot: no join slips between
-        self.group.register(self.key, lambda: True)
-        for member in self.world.get_members():
-            self._queue.put(member)
-        self._thread = threading.Thread(target=self._tell, name=f"gate {self.key}", daemon=True)
-        self._thread.start()
+        """Host: its services exist; members, present and future, may start."""
+        self.group.pair(self._open, True)
 
     def close(self) -> None:
-        """Host: stop telling members (joins from now on find the gate closed, see :meth:`wait`)."""
-        self.world.remove_member_callback(self._on_member)
-        self.group.deregister(self.key)
-        self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout=30.0)
+        """Host: it is finishing; members that arrive from now on do not start."""
+        self.group.pair(self._closed, True)
 
-    def _on_member(self, event: Any) -> None:
-        if event.kind == "join":  # on the liveness thread: hand the call to ours
-            self._queue.put(event.member)
-
-    def _tell(self) -> None:
-        from machinlike.exception import PeerLostError
-
-        while True:
-            member = self._queue.get()
-            if member is None:
-                return
-            if member == self.world.name:
-                continue
-            try:
-                self.group.registered_sync(f"{self.key}/{member}", timeout=10.0)
-            except (KeyError, PeerLostError, TimeoutError):
-                pass  # not waiting yet (it finds our half), or gone (a rejoin is a new join event)
-
-    # --------------------------------------------------------------- a member
     def wait(self, host: str, timeout: float) -> bool:
         """Member: block until ``host`` opened the gate.
 
         Returns:
-            True once open; False when ``host`` left or was lost first (it finished).
+            True once open; False when ``host`` closed it, or left the world first (it
+            finished).
 
         Raises:
             TimeoutError: neither within ``timeout`` seconds.
         """
         from machinlike.exception import PeerLostError
 
-        told = threading.Event()
-
-        def host_gone(event: Any) -> None:
-            if event.member == host and event.kind in ("lost", "leave"):
-                told.set()
-
-        mine = f"{self.key}/{self.world.name}"
-        self.world.on_member_change(host_gone)
-        self.group.register(mine, told.set)
         try:
-            try:
-                self.group.registered_sync(self.key, timeout=timeout)
-                return True
-            except KeyError:
-                pass  # not open yet: the host calls our half once it is
-            except PeerLostError:
-                return False
-            if self.world.get_incarnation(host) is None:
-                return False
-            if not told.wait(timeout):
-                raise TimeoutError(f"{host!r} did not open {self.key!r} within {timeout:g} s")
-            return self.world.get_incarnation(host) is not None
-        finally:
-            self.world.remove_member_callback(host_gone)
-            self.group.deregister(mine)
+            self.group.wait_paired(self._open, timeout=timeout)
+        except PeerLostError as err:
+            if err.member != host:
+                raise
+            return False  # it paired the value and left: finished
+        return not self.group.is_paired(self._closed)
 
 
 class Curve:
