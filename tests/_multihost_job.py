@@ -202,16 +202,35 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     return out
 
 
+def _answer_late(done: str, timeout: float) -> str:
+    """A service that answers once the sleeper reported (its caller is cut off by then)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "late"
+
+
+def _pending_call(group: RpcGroup, done: str, timeout: float, into: Dict[str, Any]) -> None:
+    try:
+        into["outcome"] = f"answered: {group.registered_sync('late/host', (done, timeout), timeout=timeout)}"
+    except Exception as err:
+        into["outcome"] = f"{type(err).__name__}: {err}"
+    into["at"] = time.monotonic()
+
+
 def stall_role(role: str, timeout: float) -> Dict[str, Any]:
     """Stall scenario: "host" hosts the store; "sleeper" joins and is then SIGSTOPped by the
     test for longer than the lease, so the host declares it lost though it lives. Resumed,
-    the sleeper must learn that it was declared lost from its own calls."""
+    the sleeper must learn that it was declared lost from its own calls, and a call it had
+    pending on the host (answered only after the sleeper reported) must end with it."""
     address = f"tcp://{os.environ['MLK_MASTER']}:{os.environ['MLK_PORT']}"
     done = os.environ["MLK_DONE_FILE"]
     world = World(role, rank=0 if role == "host" else None, elastic=True, init_method=address,
                   dist_timeout=timeout, rpc_timeout=timeout, liveness=1.0)
     group = world.create_rpc_group("open")
     group.register(f"where/{role}", where)
+    if role == "host":
+        group.register("late/host", _answer_late)
     out: Dict[str, Any] = {"role": role}
     if role == "host":
         world.wait_for_members(["sleeper"], timeout=timeout)
@@ -230,6 +249,11 @@ def stall_role(role: str, timeout: float) -> Dict[str, Any]:
             raise TimeoutError(f"the host did not register 'where/host' within {timeout:g} s")
         time.sleep(0.05)
     group.registered_sync("where/host", timeout=timeout)
+    while not group.is_registered("late/host"):  # (registered just after where/host)
+        time.sleep(0.05)
+    pending: Dict[str, Any] = {}
+    caller = threading.Thread(target=_pending_call, args=(group, done, timeout, pending), daemon=True)
+    caller.start()
     print("READY", flush=True)
     deadline = time.monotonic() + timeout
     try:
@@ -239,6 +263,10 @@ def stall_role(role: str, timeout: float) -> Dict[str, Any]:
         out["outcome"] = "no error"
     except Exception as err:
         out["outcome"] = f"{type(err).__name__}: {err}"
+    told = time.monotonic()
+    caller.join(timeout)
+    out["pending_call"] = pending.get("outcome")
+    out["pending_ended_after"] = pending.get("at", float("inf")) - told  # (before the sleeper reports)
     with open(done, "w") as stream:
         stream.write("done\n")
     world.stop(timeout)

@@ -116,6 +116,7 @@ class Membership:
         pipes = PipeLedger(recycle_after() if elastic else 0)
         self.roster = Roster(pipes)
         self.waits = Waits(self.registry, self.roster)
+        self.roster.when_cut_off(self.waits.on_cut_off)
         self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
         # Rung after each departure this member posts; its thread reads the log at each ring.

@@ -92,6 +92,7 @@ class Roster:
         self._static_order: List[str] = []
         # Set once, for good: the store was lost, or the others declared this member lost.
         self._cut_off: Optional[PeerLostError] = None
+        self._on_cut_off: List[Callable[[], None]] = []  # (Waits ends the pending calls)
         #: Bumped on every change of the live table (read without the lock: a watcher
         #: recomputes what it derived from the table when this moved; see watch).
         self.version = 0
@@ -235,10 +236,17 @@ class Roster:
 
     def mark_cut_off(self, err: PeerLostError) -> None:
         """This member is cut off from the world (its store is gone, or the others declared it
-        lost): every later look-up of a member, and every call, raises ``err``."""
+        lost): every later look-up of a member, and every call, raises ``err``; the
+        ``when_cut_off`` callbacks end what is pending."""
         self._cut_off = err
         with self._lock:
             self._changed.notify_all()
+        for callback in self._on_cut_off:
+            callback()
+
+    def when_cut_off(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (it must not raise) each time this member is marked cut off."""
+        self._on_cut_off.append(callback)
 
     @property
     def cut_off(self) -> Optional[PeerLostError]:

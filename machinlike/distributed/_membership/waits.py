@@ -8,7 +8,8 @@ pending calls per RPC worker, under its own lock. The roster is read, never writ
       lost                             into that member's key and WOKEN_MARK into the other
                                        absent ones: the store wait ends, LOST_MARK names who
     wait_call(fut, worker)             an Event set by the future, or by on_gone when the
-                                       worker goes (the future is then still pending)
+                                       worker goes (the future is then still pending), or
+                                       by on_cut_off when this member is cut off
 
 Why keys are written to end a wait: a store wait blocks in torch's C++ client until every
 key exists (or its timeout), and writing them is the only way to end it early.
@@ -103,8 +104,14 @@ class Waits:
             if self._roster.resolve(worker) is None:
                 raise PeerLostError(self._roster.member_of(worker), f"{what}: it left or was lost")
             fut.add_done_callback(lambda _: done.set())
+            if self._roster.cut_off is not None:
+                done.set()  # (cut off before this call was noted: on_cut_off missed it)
             done.wait()  # bounded: torch completes the future at the call's own timeout
             if not fut.done():
+                cut = self._roster.cut_off
+                if cut is not None:  # (this member, not the worker: its answer can no longer come)
+                    raise PeerLostError(cut.member, f"{what} ended unanswered: this member was cut off from "
+                                                    f"the world ({cut.detail})")
                 raise PeerLostError(self._roster.member_of(worker), f"{what}: it was lost while the call was pending")
             return fut.wait()
         finally:
@@ -125,6 +132,18 @@ class Waits:
                     if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
         for prefix, name, names in wake:
             self._wake(prefix, [name], names)
+
+    def on_cut_off(self) -> None:
+        """This member is cut off (Roster.mark_cut_off): end every pending call at once.
+
+        Why: a member cut off by a partition, or declared lost after a stall, never gets
+        the answers of its pending calls; without this they waited out their timeout.
+        (Store waits end by themselves: the store is gone, or they fail as it answers.)
+        """
+        with self._lock:
+            pending = [done for waiting in self._pending.values() for done in waiting]
+        for done in pending:
+            done.set()  # wait_call sees the future still pending and the roster cut off
 
     def _wake(self, prefix: str, lost: Sequence[str], names: Sequence[str]) -> None:
         """Mark ``lost`` keys of a wait as gone and fill its other absent keys, so it ends."""
