@@ -162,6 +162,7 @@ class Membership:
         if newest >= 0:
             self.endpoint.note_seq(newest)
         fresh = self.roster.apply_joins([entry.record for _, entry in joins])
+        self._name_store_host(entry.record for _, entry in joins)
         publish = self.roster.publish
         for (seq, entry), told in zip(joins, fresh):
             if told:
@@ -179,6 +180,8 @@ class Membership:
         workers = self.roster.apply(entry.kind, rec)
         if workers is None:
             return
+        if entry.kind == "join":
+            self._name_store_host((rec,))
         if entry.kind != "join":
             # The gone worker stays in this process's RPC agent: see _transport's "why".
             self.waits.on_gone(rec, workers)
@@ -186,6 +189,20 @@ class Membership:
             if entry.kind != "move" and hook is not None:
                 hook()  # the results only it held go with it
         self.roster.publish(MemberEvent(entry.kind, rec.member, rec.incarnation, rec.rank, seq))
+
+    def _name_store_host(self, joined: Iterable[MemberRecord]) -> None:
+        """Errors about the store name the member that hosts it, once its join is read.
+
+        Why: an elastic world's store is served by the member that joined with rank 0
+        (torchrun's agent excepted: the store is then named for it from the start), and
+        "member 'rank 0' is unreachable" sent users looking for a member of that name.
+        """
+        if self.registry.store_owner != STORE_OF_RANK0:
+            return
+        for rec in joined:
+            if rec.rank == 0:
+                self.registry.name_store_owner(rec.member)
+                return
 
     # ------------------------------------------------------------------ entry
     def enter(self, rank: Optional[int], deadline: float) -> None:
