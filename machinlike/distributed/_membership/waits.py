@@ -112,7 +112,10 @@ class Waits:
                 if cut is not None:  # (this member, not the worker: its answer can no longer come)
                     raise PeerLostError(cut.member, f"{what} ended unanswered: this member was cut off from "
                                                     f"the world ({cut.detail})")
-                raise PeerLostError(self._roster.member_of(worker), f"{what}: it was lost while the call was pending")
+                member = self._roster.member_of(worker)
+                gone = self._roster.departed(member)
+                how = "left the world" if gone is not None and gone[0] == "left" else "was lost"
+                raise PeerLostError(member, f"{what}: it {how} while the call was pending")
             return fut.wait()
         finally:
             with self._lock:
