@@ -183,6 +183,7 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
 
     caller = threading.Thread(target=call_victim)
     caller.start()
+    in_flight = group.registered_async("block", timeout=timeout)  # and one the caller holds
     with open(os.environ["MLK_TO_TEST"], "w") as fifo:  # "unplug the victim's host now"
         fifo.write("unplug\n")
     assert _fifo_line(os.environ["MLK_FROM_TEST"], timeout) == "unplugged"
@@ -193,6 +194,12 @@ def elastic_role(role: str, timeout: float) -> Dict[str, Any]:
     caller.join(timeout)
     out["pending_call"] = pending.get("outcome")
     out["pending_failed_after"] = pending.get("at", float("inf")) - unplugged
+    try:
+        in_flight.wait()
+        out["pending_async"] = "answered"
+    except Exception as err:
+        out["pending_async"] = f"{type(err).__name__}: {err}"
+    out["pending_async_after"] = time.monotonic() - unplugged
     try:
         group.rpc_sync("victim", where, timeout=timeout)
     except ConnectionError as err:

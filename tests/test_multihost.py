@@ -285,6 +285,8 @@ def test_elastic_members_join_leave_and_are_lost_across_hosts(lan):
     # A call that was in flight fails as soon as the loss is known, not at its 30 s timeout.
     assert host["pending_call"].startswith("PeerLostError"), host
     assert host["pending_failed_after"] < 3.5, host
+    assert host["pending_async"].startswith("PeerLostError") and "was lost while" in host["pending_async"], host
+    assert host["pending_async_after"] < 3.5, host  # (it waited its 30 s before, a TimeoutError)
     events = [e for e in host["events"] if e[1] != "host"]
     assert sorted(events[:2]) == [["join", "remote"], ["join", "victim"]], events
     assert events[2:] == [["leave", "remote"], ["lost", "victim"]], events

@@ -11,7 +11,7 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 """
 
 from .coroutines import as_async_execution, is_coroutine_function
-from .future import RpcFuture
+from .future import RpcFuture, carry
 from .send import send_async, send_call, sync_call
 from .serve import is_missing, LocalTables, unwrap
 from .shipping import is_async, prepare_call
@@ -23,5 +23,5 @@ from .cuda_ipc_pin import PinnedStates
 
 __all__ = [
     "as_async_execution", "CallContext", "is_async", "is_coroutine_function", "is_missing", "LocalTables", "PairedRef", "PinnedStates", "prepare_call",
-    "ResultRef", "RpcFuture", "send_async", "send_call", "settled", "share", "sync_call", "unwrap",
+    "ResultRef", "RpcFuture", "carry", "send_async", "send_call", "settled", "share", "sync_call", "unwrap",
 ]

@@ -35,19 +35,22 @@ import os
 import queue
 import threading
 import traceback
-from typing import Any, Callable, Generator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Tuple
 
 import torch
 
 from ..._awaiting import loop_waker
 from .. import _transport
-from ...exception import drop_frames
+from ...exception import PeerLostError, drop_frames
 from .coroutines import blocking_error, on_loop_thread
 from .cuda_settle import settle
 from .send import translate_error
 from .serve import ENVELOPES, is_failure, is_missing, unwrap
 
-__all__ = ["RpcFuture"]
+if TYPE_CHECKING:
+    from .._membership import Roster, Waits
+
+__all__ = ["RpcFuture", "carry"]
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +66,7 @@ class RpcFuture(_transport.lane.LaneFuture):
     :class:`~machinlike.exception.PeerLostError`.
     """
 
-    __slots__ = ("member", "_what", "_timeout", "_retry", "_unread", "_read")
+    __slots__ = ("member", "_what", "_timeout", "_retry", "_unread", "_read", "_once")
 
     def __init__(self, fut: Optional[torch.futures.Future], member: str, what: str, timeout: float,
                  retry: Optional[Callable[[], Any]] = None) -> None:
@@ -76,6 +79,8 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._retry = retry
         self._unread: Optional[BaseException] = None  # its failure, said at collection unless _read
         self._read = False  # someone waited, read its value or registered a callback
+        # Taken by the first of two completers (see carry): None while the transport is the only one.
+        self._once: Optional[threading.Lock] = None
         if fut is not None:
             self.take_from(fut)
 
@@ -104,7 +109,21 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._fail(error)
         self.arrived()
 
+    def end_unanswered(self, error: PeerLostError) -> None:
+        """Fail this pending call now: its answer can never come (its member is gone, or
+        this member was cut off: see carry); an answer that comes later is dropped. The
+        callbacks run on a helper thread: the caller is the liveness thread."""
+        if self._claim():
+            self.complete(None, error)
+
+    def _claim(self) -> bool:
+        """Whether this completion is the first (always, with one completer)."""
+        once = self._once
+        return once is None or once.acquire(blocking=False)
+
     def _from_torch(self, fut: torch.futures.Future) -> None:
+        if not self._claim():
+            return  # ended unanswered already
         try:
             value = fut.wait()  # (completed: at once)
         except BaseException as err:  # (torch's are RuntimeErrors; any other must settle too)
@@ -250,6 +269,22 @@ class RpcFuture(_transport.lane.LaneFuture):
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RpcFuture {self._what} on {self.member!r} {state}>"
+
+
+def carry(result: RpcFuture, fut: torch.futures.Future, worker: str, roster: "Roster", waits: "Waits") -> RpcFuture:
+    """``result``, completed from ``fut``: the transport's future of an async call to ``worker``.
+
+    A call torch carries to another host ends as soon as that worker's member is gone, or
+    this member is cut off from the world (``Waits.watch``), not at its timeout: a host
+    that vanished sends no reset, and a member cut off never gets its answers. A call the
+    lane carries, or one to a process here, fails by itself when its peer dies (its
+    sockets close).
+    """
+    if fut is not result and not roster.on_this_host(worker):
+        result._once = threading.Lock()  # (before either completer can run)
+        waits.watch(fut, worker, result._what, result.end_unanswered)
+    result.take_from(fut)
+    return result
 
 
 def _awaiting(fut: torch.futures.Future) -> Generator[Any, None, Any]:

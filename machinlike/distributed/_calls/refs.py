@@ -43,7 +43,7 @@ import torch
 from torch.distributed import rpc
 
 from . import context as _context, ref_owner as _ref_owner, samehost as _samehost
-from .future import RpcFuture
+from .future import RpcFuture, carry
 from .ref_release import release_later, started
 from .send import send_async, send_call, sync_call
 from .serve import unwrap
@@ -188,11 +188,11 @@ class _Ref:
             return settled(unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_call, call,
                                             max(0.001, deadline - _now()), what, wait)))
         if how == "async":
-            _, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
-                               lambda to, left: send_async(
-                                   route.roster, to, _ref_owner._ref_call,
-                                   _samehost.outgoing(to, ((self._target, name), args, kwargs)), left))
-            return RpcFuture(fut, self._owner, what, wait)
+            sent_to, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
+                                     lambda to, left: send_async(
+                                         route.roster, to, _ref_owner._ref_call,
+                                         _samehost.outgoing(to, ((self._target, name), args, kwargs)), left))
+            return carry(RpcFuture(None, self._owner, what, wait), fut, sent_to, route.roster, route.waits)
         return new_result(route, self._owner, worker, what, max(0.001, deadline - _now()),
                           lambda head: (_ref_owner._keep_call, (head + (self._target, name), args, kwargs)))
 
@@ -363,10 +363,11 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
     rid = f"{os.getpid():x}.{next(_serial):x}.{uuid.uuid4().hex[:12]}"
     inc = route.roster.incarnation_of(owner) or 0
     func, call = entry((rid, _CREATOR, route.me))
-    _, fut = send_call(route.roster, worker, wait, what,
-                       lambda to, left: send_async(route.roster, to, func,
-                                                   _samehost.outgoing(to, call), left))  # [shm hook]
-    return ResultRef(owner, inc, rid, _CREATOR, RpcFuture(fut, owner, what, wait), what, sent_to_owner)
+    sent_to, fut = send_call(route.roster, worker, wait, what,
+                             lambda to, left: send_async(route.roster, to, func,
+                                                         _samehost.outgoing(to, call), left))  # [shm hook]
+    made = carry(RpcFuture(None, owner, what, wait), fut, sent_to, route.roster, route.waits)
+    return ResultRef(owner, inc, rid, _CREATOR, made, what, sent_to_owner)
 
 
 _serial = itertools.count()

@@ -55,6 +55,8 @@ _PICKLING_ERRORS = (TypeError, AttributeError, pickle.PicklingError)
 def translate_error(err: BaseException, member: str, what: str, timeout: float) -> BaseException:
     """Turn torch's text-only RPC errors into a TimeoutError / PeerLostError naming ``member``
     (a TypeError for a call this process could not pickle, or a result the callee could not)."""
+    if isinstance(err, PeerLostError):
+        return err  # named already (Waits ended the call: see RpcFuture.end_unanswered)
     text = str(err).lower()
     if isinstance(err, _PICKLING_ERRORS):  # raised here, while pickling the call (_until_sent)
         return TypeError(f"{what} on member {member!r} was not sent: an argument (or the function) "

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .._calls import context as _context, ref_owner as _ref_owner, refs as _refs, samehost as _samehost
 from .._calls import serve as _serve
-from .._calls import RpcFuture, is_async, is_missing, send_async, send_call, sync_call, unwrap
+from .._calls import RpcFuture, carry, is_async, is_missing, send_async, send_call, sync_call, unwrap
 from .owners import OwnerCache
 from .._calls import PairedRef, ResultRef, settled
 
@@ -132,12 +132,11 @@ class Caller:
         # one with what is left of this call's timeout, not a fresh one.
         what = f"service {key!r} of group {self._group!r}"
         result = RpcFuture(None, "", what, wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
-        _, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
-                           lambda to, left: send_async(self._roster, to, entry,
-                                                       _samehost.outgoing(to, call),  # [shm hook]
-                                                       left, _named(result, self._roster.member_of(to))))
-        result.take_from(fut)
-        return result
+        sent_to, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
+                                 lambda to, left: send_async(self._roster, to, entry,
+                                                             _samehost.outgoing(to, call),  # [shm hook]
+                                                             left, _named(result, self._roster.member_of(to))))
+        return carry(result, fut, sent_to, self._roster, self._waits)
 
     def service_remote(self, key: str, call_args: CallArgs, wait: float) -> ResultRef:
         """A handle to service ``key``'s result, kept by its owner (see ``RpcGroup.registered_remote``).
@@ -235,12 +234,11 @@ class Caller:
         entry = _serve._run_async if is_async(func) else _serve._run
         what = f"rpc_async of {func!r}"
         result = RpcFuture(None, to, what, wait)
-        _, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
-                           lambda worker, left: send_async(self._roster, worker, entry,
-                                                           _samehost.outgoing(worker, call),  # [shm hook]
-                                                           left, result))
-        result.take_from(fut)
-        return result
+        sent_to, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
+                                 lambda worker, left: send_async(self._roster, worker, entry,
+                                                                 _samehost.outgoing(worker, call),  # [shm hook]
+                                                                 left, result))
+        return carry(result, fut, sent_to, self._roster, self._waits)
 
     def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:
         """A handle to ``func``'s result, kept by member ``to`` (see ``RpcGroup.remote``).

@@ -10,6 +10,8 @@ pending calls per RPC worker, under its own lock. The roster is read, never writ
     wait_call(fut, worker)             an Event set by the future, or by on_gone when the
                                        worker goes (the future is then still pending), or
                                        by on_cut_off when this member is cut off
+    watch(fut, worker, end)            an async call: end(PeerLostError) then, unless the
+                                       future completed first
 
 Why keys are written to end a wait: a store wait blocks in torch's C++ client until every
 key exists (or its timeout), and writing them is the only way to end it early.
@@ -22,7 +24,7 @@ the departure (both may: waking twice is harmless).
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -50,7 +52,9 @@ class Waits:
         self._lock = threading.Lock()
         self._waits: Dict[int, _Wait] = {}
         self._wait_ids = 0
-        self._pending: Dict[str, Set[threading.Event]] = {}  # worker -> waits of calls to it
+        # worker -> what ends each call pending on it (a sync call's Event.set, an async
+        # call's RpcFuture.end_unanswered): called once its member is gone or this one cut off
+        self._pending: Dict[str, Set[Callable[[], None]]] = {}
 
     def wait_all(self, prefix: str, names: Sequence[str], members: Sequence[str], timeout: float, what: str,
                  stated: Optional[float] = None, incarnations: Optional[Dict[str, int]] = None,
@@ -96,8 +100,9 @@ class Waits:
             RuntimeError: what ``fut`` raised (torch's text errors, timeouts included).
         """
         done = threading.Event()
+        end = done.set
         with self._lock:
-            self._pending.setdefault(worker, set()).add(done)
+            self._pending.setdefault(worker, set()).add(end)
         try:
             # (A worker retired by a renewal since the call was sent is not lost: the old
             # agent serves the calls it took until it is reaped.)
@@ -108,31 +113,59 @@ class Waits:
                 done.set()  # (cut off before this call was noted: on_cut_off missed it)
             done.wait()  # bounded: torch completes the future at the call's own timeout
             if not fut.done():
-                cut = self._roster.cut_off
-                if cut is not None:  # (this member, not the worker: its answer can no longer come)
-                    raise PeerLostError(cut.member, f"{what} ended unanswered: this member was cut off from "
-                                                    f"the world ({cut.detail})")
-                member = self._roster.member_of(worker)
-                gone = self._roster.departed(member)
-                how = "left the world" if gone is not None and gone[0] == "left" else "was lost"
-                raise PeerLostError(member, f"{what}: it {how} while the call was pending")
+                raise self._unanswered(worker, what)
             return fut.wait()
         finally:
-            with self._lock:
-                waiting = self._pending.get(worker)
-                if waiting is not None:
-                    waiting.discard(done)
-                    if not waiting:
-                        del self._pending[worker]
+            self._forget(worker, end)
+
+    def watch(self, fut: "torch.futures.Future", worker: str, what: str,
+              end: Callable[[PeerLostError], None]) -> None:
+        """Have ``end(error)`` called at once when ``worker``'s member is gone, or this member
+        is cut off, while ``fut`` (an asynchronous call to it) is pending; never after.
+
+        ``end`` runs on the thread that saw it go (the liveness thread): it must not block.
+        """
+        def ender() -> None:
+            end(self._unanswered(worker, what))
+
+        with self._lock:
+            self._pending.setdefault(worker, set()).add(ender)
+        fut.add_done_callback(lambda _: self._forget(worker, ender))  # (at once when done)
+        if self._roster.cut_off is not None or self._roster.resolve(worker) is None:
+            self._forget(worker, ender)  # (gone before this call was noted: on_gone missed it)
+            if not fut.done():
+                ender()
+
+    def _unanswered(self, worker: str, what: str) -> PeerLostError:
+        """Why a call pending on ``worker`` can never be answered: this member was cut off,
+        or the worker's member left or was lost."""
+        cut = self._roster.cut_off
+        if cut is not None:  # (names this member, not the worker: its answer can no longer come)
+            return PeerLostError(cut.member, f"{what} ended unanswered: this member was cut off from "
+                                             f"the world ({cut.detail})")
+        member = self._roster.member_of(worker)
+        gone = self._roster.departed(member)
+        how = "left the world" if gone is not None and gone[0] == "left" else "was lost"
+        return PeerLostError(member, f"{what}: it {how} while the call was pending")
+
+    def _forget(self, worker: str, end: Callable[[], None]) -> None:
+        with self._lock:
+            waiting = self._pending.get(worker)
+            if waiting is not None:
+                waiting.discard(end)
+                if not waiting:
+                    del self._pending[worker]
 
     def on_gone(self, rec: MemberRecord, workers: List[str]) -> None:
         """``rec``'s incarnation left or was lost: end the calls to ``workers`` and its waits."""
+        ends: List[Callable[[], None]] = []
         with self._lock:
             for worker in workers:
-                for done in self._pending.pop(worker, ()):
-                    done.set()  # wait_call sees the future still pending: lost
+                ends.extend(self._pending.pop(worker, ()))
             wake = [(p, m[rec.member], [] if skip else list(m.values())) for p, m, incs, skip in self._waits.values()
                     if rec.member in m and (incs is None or incs.get(rec.member) == rec.incarnation)]
+        for end in ends:
+            end()  # wait_call sees its future still pending (lost); an async call fails
         for prefix, name, names in wake:
             self._wake(prefix, [name], names)
 
@@ -144,9 +177,10 @@ class Waits:
         (Store waits end by themselves: the store is gone, or they fail as it answers.)
         """
         with self._lock:
-            pending = [done for waiting in self._pending.values() for done in waiting]
-        for done in pending:
-            done.set()  # wait_call sees the future still pending and the roster cut off
+            ends = [end for waiting in self._pending.values() for end in waiting]
+            self._pending.clear()
+        for end in ends:
+            end()  # wait_call sees the future still pending and the roster cut off
 
     def _wake(self, prefix: str, lost: Sequence[str], names: Sequence[str]) -> None:
         """Mark ``lost`` keys of a wait as gone and fill its other absent keys, so it ends."""
