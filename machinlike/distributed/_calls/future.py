@@ -66,7 +66,7 @@ class RpcFuture(_transport.lane.LaneFuture):
     :class:`~machinlike.exception.PeerLostError`.
     """
 
-    __slots__ = ("member", "_what", "_timeout", "_retry", "_unread", "_read", "_once")
+    __slots__ = ("member", "_what", "_timeout", "_retry", "_unread", "_read", "_once", "_unwatch")
 
     def __init__(self, fut: Optional[torch.futures.Future], member: str, what: str, timeout: float,
                  retry: Optional[Callable[[], Any]] = None) -> None:
@@ -81,6 +81,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._read = False  # someone waited, read its value or registered a callback
         # Taken by the first of two completers (see carry): None while the transport is the only one.
         self._once: Optional[threading.Lock] = None
+        self._unwatch: Optional[Callable[[], None]] = None  # (Waits keeps it while pending: see carry)
         if fut is not None:
             self.take_from(fut)
 
@@ -114,6 +115,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         this member was cut off: see carry); an answer that comes later is dropped. The
         callbacks run on a helper thread: the caller is the liveness thread."""
         if self._claim():
+            self._stop_watch()
             self.complete(None, error)
 
     def _claim(self) -> bool:
@@ -121,9 +123,16 @@ class RpcFuture(_transport.lane.LaneFuture):
         once = self._once
         return once is None or once.acquire(blocking=False)
 
+    def _stop_watch(self) -> None:
+        unwatch, self._unwatch = self._unwatch, None
+        if unwatch is not None:
+            unwatch()
+
     def _from_torch(self, fut: torch.futures.Future) -> None:
         if not self._claim():
             return  # ended unanswered already
+        if self._unwatch is not None:
+            self._stop_watch()
         try:
             value = fut.wait()  # (completed: at once)
         except BaseException as err:  # (torch's are RuntimeErrors; any other must settle too)
@@ -280,10 +289,16 @@ def carry(result: RpcFuture, fut: torch.futures.Future, worker: str, roster: "Ro
     lane carries, or one to a process here, fails by itself when its peer dies (its
     sockets close).
     """
-    if fut is not result and not roster.on_this_host(worker):
-        result._once = threading.Lock()  # (before either completer can run)
-        waits.watch(fut, worker, result._what, result.end_unanswered)
+    if fut is result or roster.on_this_host(worker):
+        result.take_from(fut)
+        return result
+    # (one done-callback: the completion itself tells Waits to forget the call)
+    result._once = threading.Lock()  # (before either completer can run)
+    result._unwatch = waits.watch(worker, result._what, result.end_unanswered)
     result.take_from(fut)
+    gone = waits.gone(worker, result._what)  # (went before the call was noted: never told)
+    if gone is not None:
+        result.end_unanswered(gone)  # (nothing, when its answer came first)
     return result
 
 

@@ -10,8 +10,8 @@ pending calls per RPC worker, under its own lock. The roster is read, never writ
     wait_call(fut, worker)             an Event set by the future, or by on_gone when the
                                        worker goes (the future is then still pending), or
                                        by on_cut_off when this member is cut off
-    watch(fut, worker, end)            an async call: end(PeerLostError) then, unless the
-                                       future completed first
+    watch(worker, end)                 an async call: end(PeerLostError) then, unless it
+                                       completed first (its forget was called)
 
 Why keys are written to end a wait: a store wait blocks in torch's C++ client until every
 key exists (or its timeout), and writing them is the only way to end it early.
@@ -118,23 +118,24 @@ class Waits:
         finally:
             self._forget(worker, end)
 
-    def watch(self, fut: "torch.futures.Future", worker: str, what: str,
-              end: Callable[[PeerLostError], None]) -> None:
-        """Have ``end(error)`` called at once when ``worker``'s member is gone, or this member
-        is cut off, while ``fut`` (an asynchronous call to it) is pending; never after.
-
-        ``end`` runs on the thread that saw it go (the liveness thread): it must not block.
-        """
+    def watch(self, worker: str, what: str, end: Callable[[PeerLostError], None]) -> Callable[[], None]:
+        """Have ``end(error)`` called once ``worker``'s member is gone, or this member is
+        cut off, while an asynchronous call to it is pending; returns what to call when the
+        call completes (then nothing is kept). ``end`` runs on the thread that saw it go
+        (the liveness thread), and must not block; the caller checks ``gone`` once after
+        noting the call (a departure before it was noted is not seen here)."""
         def ender() -> None:
             end(self._unanswered(worker, what))
 
         with self._lock:
             self._pending.setdefault(worker, set()).add(ender)
-        fut.add_done_callback(lambda _: self._forget(worker, ender))  # (at once when done)
+        return lambda: self._forget(worker, ender)
+
+    def gone(self, worker: str, what: str) -> Optional[PeerLostError]:
+        """The error for a call to ``worker`` that cannot be answered now; None: it may be."""
         if self._roster.cut_off is not None or self._roster.resolve(worker) is None:
-            self._forget(worker, ender)  # (gone before this call was noted: on_gone missed it)
-            if not fut.done():
-                ender()
+            return self._unanswered(worker, what)
+        return None
 
     def _unanswered(self, worker: str, what: str) -> PeerLostError:
         """Why a call pending on ``worker`` can never be answered: this member was cut off,
