@@ -193,16 +193,24 @@ class Membership:
     def _name_store_host(self, joined: Iterable[MemberRecord]) -> None:
         """Errors about the store name the member that hosts it, once its join is read.
 
-        Why: an elastic world's store is served by the member that joined with rank 0
-        (torchrun's agent excepted: the store is then named for it from the start), and
-        "member 'rank 0' is unreachable" sent users looking for a member of that name.
+        Why: an elastic world's store is served by the member started with ``rank=0``,
+        and "member 'rank 0' is unreachable" sent users looking for a member of that
+        name. The rank alone does not tell: a member given no rank takes its worker's
+        sequence number, 0 for the first on a store nobody of the world hosts (a
+        launcher's, a hand-started one). So a rank-0 join costs one read of the name
+        the host posted before its join (``note_store_host``).
         """
         if self.registry.store_owner != STORE_OF_RANK0:
             return
         for rec in joined:
-            if rec.rank == 0:
+            if rec.rank == 0 and self.registry.get_or_empty(self.keys.store_host()) == rec.member:
                 self.registry.name_store_owner(rec.member)
                 return
+
+    def note_store_host(self) -> None:
+        """This member's process hosts the store: say so before its join is posted."""
+        self.registry.set(self.keys.store_host(), self.name)
+        self.registry.name_store_owner(self.name)
 
     # ------------------------------------------------------------------ entry
     def enter(self, rank: Optional[int], deadline: float) -> None:

@@ -20,6 +20,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/lostpost/<name>/<inc>      counter: one "lost" event per incarnation
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
     <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _membership.departures)
+    <ns>m/host                       name of the member whose process hosts the store (rank=0)
     <ns>w/{proc,name,size,ready,stop,left}/<rank>   static world start-up and stop  World
     <ns>rg/<group>/current           GroupRecord                                 RpcGroup
     <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
@@ -218,6 +219,11 @@ class Keys:
 
     def worker_ids(self) -> str:
         return f"{self.ns}m/tid"
+
+    def store_host(self) -> str:
+        """The name of the member whose process hosts the store, set before its join is
+        posted (absent when no member does: a launcher's or a hand-started store)."""
+        return f"{self.ns}m/host"
 
     def departures_count(self) -> str:
         return f"{self.ns}m/dep/n"

@@ -390,5 +390,7 @@ def start_elastic(session: Session) -> None:
     session._undo.callback(members.endpoint.let_go)  # (after the agent's shutdown, below)
     session.rpc = Once(functools.partial(_shutdown_rpc, session))
     session._undo.callback(session.rpc, False, 1.0)
+    if info.hosted_here:
+        members.note_store_host()
     members.announce()
     session._undo.callback(members.close)
