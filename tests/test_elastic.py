@@ -258,6 +258,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_a_member_given_no_rank_never_takes_rank_0():
+    """Rank 0 belongs to the member started with ``rank=0`` (it hosts the store). A member
+    given no rank took its worker's sequence number, 0 for whoever reached the counter
+    first: an actor started beside its learner could become a second "rank 0". Here the
+    store is served by this test, so the member is the first on it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    with World("actor", elastic=True, init_method=f"tcp://127.0.0.1:{server.port}", dist_timeout=20) as world:
+        assert world.rank > 0
+
+
 def test_joining_a_world_that_is_gone_fails_within_its_timeout():
     port = _free_port()  # nothing listens there
     start = time.monotonic()

@@ -126,11 +126,19 @@ class Endpoint:
         """Count a new incarnation with a fresh worker; the record to claim (elastic worlds).
 
         Args:
-            rank: This member's rank; None: its worker's sequence number (unique in the world).
+            rank: This member's rank; None: its worker's sequence number (unique in the
+                world, never 0).
         """
         self.incarnation = int(self._registry.add(self._keys.incarnations(self.name), 1))
         self._new_worker()
         self.rank = self._seq if rank is None else rank
+        if rank is None and self._seq == 0:
+            # Rank 0 is the store host's, given as rank=0; a member started at the same
+            # moment could reach the counter first and take it too, and the usual
+            # "if world.rank == 0" would make it a second learner. Its rank is then the
+            # next sequence number, which no worker takes; its worker keeps id 0 (torch's
+            # distributed autograd keeps a process's first id: a static rank 0 after it).
+            self.rank = self._registry.add(self._keys.worker_ids(), 1) - 1
         return MemberRecord(self.name, self.incarnation, self.worker, self.rank, process_identity())
 
     def claimed(self, rec: MemberRecord) -> None:

@@ -54,8 +54,8 @@ class World:
         name: Member name, unique among live members (1-100 letters, digits, ``_:-``).
             None: ``str(rank)``.
         rank: This process's rank. None: the ``RANK`` environment variable (torchrun);
-            in an elastic world, None picks a fresh unique rank, and ``rank=0`` makes this
-            process host the store.
+            in an elastic world, None picks a fresh unique rank (never 0), and ``rank=0``
+            makes this process host the store.
         world_size: Number of processes of a static world. None: ``WORLD_SIZE``. Must be
             None in an elastic world.
         init_method: ``"tcp://host:port"`` (rank 0 hosts the store there), ``"env://"``, or
