@@ -7,9 +7,11 @@
 # (when nvidia-cuda-mps-control is there).
 #
 # Run from the repository root:  [PYTHON=python] [BUDGET=seconds] bash benchmarks/gpu_all.sh [OUTDIR]
-# Each step's output goes to OUTDIR (default: $OUT/gpu_all where the device tool sets $OUT,
-# whose files alone come back, else runs/gpu_all) and to the terminal; a step that fails
-# or runs past its limit is reported and the next one still runs.
+# Every step's output goes to one file, OUTDIR/all.txt (default OUTDIR: $OUT/gpu_all where
+# the device tool sets $OUT, whose files alone come back, and only a few of them, else
+# runs/gpu_all), and to the terminal, line by line (a call cut at its limit keeps what its
+# running step printed so far); a step that fails or runs past its limit is reported and
+# the next one still runs.
 #
 # Why one script: a lent GPU comes for minutes, so every check runs in one call, in the
 # order of what matters most, each step under its own time limit, and all of them within
@@ -21,27 +23,28 @@ out=${out:-runs/gpu_all}
 budget=${BUDGET:-520}
 started=$SECONDS
 mkdir -p "$out"
+log=$out/all.txt
 export PYTHONUNBUFFERED=1
 # The scripts import machinlike from this checkout (pytest finds it from the root anyway;
 # a script run by path does not).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 # TensorPipe's warnings of peers that went away (the churn's SIGKILLs) drown the figures.
-quiet() { grep -v "tensorpipe_agent\|socket.cpp\|UserWarning\|^  assert\|^Consider"; }
+quiet() { grep --line-buffered -v "tensorpipe_agent\|socket.cpp\|UserWarning\|^  assert\|^Consider"; }
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
   local left=$((budget - (SECONDS - started)))
   if [ "$left" -lt 20 ]; then
-    echo "== $name: skipped (${left} s of the ${budget} s budget left)"
+    echo "== $name: skipped (${left} s of the ${budget} s budget left)" | tee -a "$log"
     return
   fi
   [ "$limit" -le "$left" ] || limit=$left
-  echo "== $name (at most ${limit} s)"
-  timeout "$limit" "$@" 2>&1 | quiet | tee "$out/$name.txt"
+  echo "== $name (at most ${limit} s)" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | quiet | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || echo "== $name: exit status $rc"
+  [ "$rc" = 0 ] || echo "== $name: exit status $rc" | tee -a "$log"
 }
 
 if ! "$py" -c "import torch" 2>/dev/null; then
@@ -52,7 +55,7 @@ if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "no GPU: benchmarks/gpu_all.sh has nothing to run here"
   exit 0
 fi
-nvidia-smi -L 2>/dev/null
+nvidia-smi -L 2>/dev/null | tee -a "$log"
 # In the order of what matters most: the tests, the figures the issue names, the
 # example's frame rate, then where the time goes and the echoes under MPS.
 step pytest_gpu 170 "$py" -m pytest -m gpu -q -p no:benchmark --durations=20 tests/
@@ -80,4 +83,4 @@ if command -v nvidia-cuda-mps-control >/dev/null; then
   fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
-echo "== done in $((SECONDS - started)) s: $out"
+echo "== done in $((SECONDS - started)) s: $log" | tee -a "$log"

@@ -169,6 +169,10 @@ class _FakeSlab:
         self.views = {}
         self.ready, self.ready_handle = None, b""
         self.unsent = False
+        self.writes_settled = 0
+
+    def settle_writes(self):
+        self.writes_settled += 1
 
 
 @pytest.fixture
@@ -230,6 +234,18 @@ def test_a_lease_of_a_dead_receiver_is_reclaimed(area):
     assert area.stats["reclaimed"] == 1 and area.stats["slabs_made"] == 1
     # It may have died before this side's copies into the slab ran: its next writer waits for them.
     assert again.slab.unsent and area.unsettled(again.slab) and not area.unsettled(again.slab)
+
+
+def test_a_slab_retired_while_an_early_ended_message_may_write_it_waits_for_those_copies(area):
+    """A message that ended on this side (refused, never sent, its receiver dead) may still
+    have copies queued into its slab; retiring that slab (evicted for room, or at close)
+    gave its memory back to the allocator under them. A settled slab retires at once."""
+    live = os.getpid()
+    ended, quiet = area.lease(0, 8 << 20, live), area.lease(0, 8 << 20, live)
+    area.release(ended)  # its copies may be queued
+    area.words[quiet.slab.slot, 0] = _cuda_ipc_area.FREE  # read and freed by its receiver
+    assert area.lease(0, 16 << 20, live) is not None  # room for it: both are evicted
+    assert (ended.slab.writes_settled, quiet.slab.writes_settled) == (1, 0) and area.stats["retire_waits"] == 1
 
 
 def test_no_room_is_none_and_counted_and_free_slabs_are_evicted(area):

@@ -115,6 +115,11 @@ class Slab:
         except Exception:  # no IPC events here (ready stays None): the sender synchronises instead
             pass
 
+    def settle_writes(self) -> None:
+        """Wait until every copy queued into this slab has run (one retired while a
+        message that ended early may still be writing it: rare, so the whole device)."""
+        torch.cuda.synchronize(torch.device("cuda", self.index))
+
 
 class Lease:
     """A slab lent to one message, through ``row`` of the control page: the slab's own row
@@ -152,7 +157,7 @@ class ExportArea:
         self.reuse_wait = _REUSE_WAIT_S
         # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
-                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
+                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0, "retire_waits": 0,
                                       "pinned": 0, "shared": 0, "no_reader_row": 0}
 
     @property
@@ -383,6 +388,12 @@ class ExportArea:
         return slab
 
     def _retire(self, slab: Slab) -> None:
+        if slab.unsent or self.words[slab.slot, 3]:
+            # Copies of a message that ended early may still be queued into it, maybe on
+            # another thread's stream: freed now, its memory could go to a new tensor of
+            # the stream it was made on, and those copies would overwrite that tensor.
+            slab.settle_writes()
+            self.stats["retire_waits"] += 1
         self.words[slab.slot, 2] = RETIRED  # receivers drop their opening at their next trim
         self._slabs.remove(slab)
         if self._pinned:

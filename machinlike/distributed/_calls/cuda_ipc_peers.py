@@ -112,7 +112,12 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         return None
     try:
         back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
-        ok = exported and bool((back[0].cpu() == torch.arange(16)).all())
+        probe = back[0]
+        if probe.is_cuda:  # (raw rpc: nothing ordered this thread's stream after the copy
+            # that took the answer in on the default one: a caller on a side stream of its
+            # own could read it unwritten, and the peer was staged for good)
+            torch.cuda.current_stream(probe.device).wait_stream(torch.cuda.default_stream(probe.device))
+        ok = exported and bool((probe.cpu() == torch.arange(16)).all())
     except Exception:
         ok = False
     if not ok:
