@@ -76,7 +76,23 @@ def copies_done(opened: Opened, index: int) -> Done:
     """
     done = torch.cuda.Event(blocking=True)  # (its waiter, the releaser, sleeps: no core spun)
     done.record(torch.cuda.current_stream(device(index)))
-    return done if index == 0 else _OnDevice(done, index)
+    # The releaser holds the opening until the copies ran: evicted meanwhile by another
+    # thread's opening, its last reference would close the handle under them (torch's
+    # deleter of an opened storage closes it before it waits for any stream).
+    return _Holding(done if index == 0 else _OnDevice(done, index), opened)
+
+
+class _Holding:
+    """A :class:`Done` that keeps what the copies read from alive until it is waited on."""
+
+    __slots__ = ("done", "opened")
+
+    def __init__(self, done: Any, opened: Opened) -> None:
+        self.done = done
+        self.opened = opened
+
+    def synchronize(self) -> None:
+        self.done.synchronize()
 
 
 def cuda_ready() -> bool:
