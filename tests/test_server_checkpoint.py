@@ -41,6 +41,13 @@ def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
         ckpt.load()
     with pytest.raises(TypeError, match="checkpoint_dir must be a path"):
         Checkpointer(5, "grad-server", "g")
+    # A file given as the directory was taken, and the first save failed with a bare
+    # FileExistsError, long after the server was built (cold trial 17).
+    with pytest.raises(ValueError, match=r"checkpoint_dir='.*/g.ckpt' is a file, not a directory: pass a directory"):
+        Checkpointer(ckpt.path, "grad-server", "g")
+    with pytest.raises(ValueError, match=r"checkpoint_dir='.*/g.ckpt/runs/1' lies under '.*/g.ckpt', a file"):
+        Checkpointer(os.path.join(ckpt.path, "runs", "1"), "grad-server", "g")
+    assert Checkpointer(tmp_path / "runs" / "1", "grad-server", "g").load() is None  # missing: made at the first save
 
 
 class Two(nn.Module):
@@ -354,3 +361,36 @@ def test_the_model_helper_checkpoints_its_servers_and_a_later_run_resumes_them(t
     assert launch(_model_helper_body, 1, args=(str(tmp_path), 3.0), timeout=60)[0] == (
         [0.0, 0.0], ["model_server_0.ckpt"])
     assert launch(_model_helper_body, 1, args=(str(tmp_path), None), timeout=60)[0][0] == [3.0, 3.0]
+
+
+def _broken_host_body(world, directory):
+    from machinlike.server import grad_server_helper, model_server_helper
+
+    if world.rank == 0:  # the host: its checkpoint is corrupt
+        with open(os.path.join(directory, "model_server_0.ckpt"), "wb") as f:
+            f.write(b"not a checkpoint")
+        with open(os.path.join(directory, "grad_server_0.ckpt"), "wb") as f:
+            f.write(b"not a checkpoint")
+    group = world.create_rpc_group("g", ["0", "1"])
+    group.barrier(timeout=30)  # (the files are there before either helper starts)
+    said = []
+    for helper in (lambda: model_server_helper(1, group, checkpoint_dir=directory, timeout=30),
+                   lambda: grad_server_helper([Two], group, checkpoint_dir=directory, timeout=30)):
+        start = time.monotonic()
+        try:
+            helper()
+            said.append(("built", 0.0))
+        except Exception as err:  # (the host: CheckpointError; the other: told at the barrier)
+            said.append((f"{type(err).__name__}: {err}", time.monotonic() - start))
+    return said
+
+
+def test_a_helper_whose_host_fails_tells_the_other_members_at_once_and_why(tmp_path):
+    """The other members waited out the helper's timeout at its barrier, told only that
+    the host "did not arrive" (cold trial 17); they are told at once, with the host's error."""
+    host, other = launch(_broken_host_body, 2, args=(str(tmp_path),), timeout=90)
+    for (mine, _), (theirs, waited) in zip(host, other):
+        assert mine.startswith("CheckpointError:"), mine
+        assert theirs.startswith("RuntimeError: barrier of RpcGroup 'g': members: '0' failed instead of arriving: "
+                                 "CheckpointError:"), theirs
+        assert waited < 10, waited

@@ -22,13 +22,39 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["CheckpointError", "Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "check_checkpoint_dir"]
 
 _FORMAT = "machinlike-checkpoint/1"
 
 
 class CheckpointError(ValueError):
     """A checkpoint file is corrupt or does not match the server loading it."""
+
+
+def check_checkpoint_dir(directory: Any) -> str:
+    """``checkpoint_dir`` checked, as a str path: a path that is no file and lies under no
+    file (missing parts are made at the first save).
+
+    Raises:
+        TypeError: not a path.
+        ValueError: it, or the nearest part of it that exists, is a file.
+    """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), not {type(directory).__name__}")
+    directory = os.fspath(directory)
+    if not isinstance(directory, str):
+        raise TypeError(f"checkpoint_dir={directory!r} must be a str path, not bytes")
+    path = os.path.abspath(directory)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return directory
+        path = parent
+    if not os.path.isdir(path):
+        what = "is a file" if path == os.path.abspath(directory) else f"lies under {path!r}, a file"
+        raise ValueError(f"checkpoint_dir={directory!r} {what}, not a directory: pass a directory (made if "
+                         f"missing) for the servers' checkpoint files")
+    return directory
 
 
 class Checkpointer:
@@ -43,12 +69,12 @@ class Checkpointer:
 
     Raises:
         TypeError: ``directory`` is not a path.
+        ValueError: it, or the nearest part of it that exists, is not a directory (a
+            file: the first save would fail, long after the server was built).
     """
 
     def __init__(self, directory: Any, kind: str, name: str, suffix: str = ".ckpt") -> None:
-        if not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(f"checkpoint_dir must be a path (str or os.PathLike), not {type(directory).__name__}")
-        self.directory = os.fspath(directory)
+        self.directory = check_checkpoint_dir(directory)
         self.kind = kind
         self.name = name
         self.path = os.path.join(self.directory, name.replace("/", "_") + suffix)

@@ -212,6 +212,8 @@ def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = 
         ValueError, TypeError: invalid arguments.
         RuntimeError: ``group`` is None and this process has no World.
         TimeoutError: a member did not arrive within ``timeout``.
+        RuntimeError: the host failed to build its servers (naming it, quoting its error;
+            the host itself raises that error).
     """
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
@@ -222,8 +224,16 @@ def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = 
                    for n in names]
     group, owned = _resolve_group(group, group_name, members, server_name, timeout)
     host = group.get_group_members()[0]
-    impls = ([PushPullModelServerImpl._checked(n, group, checkpoint=c) for n, c in zip(names, checkpoints)]
-             if group.get_cur_name() == host else [])
+    impls: List[PushPullModelServerImpl] = []
+    if group.get_cur_name() == host:
+        try:
+            for n, c in zip(names, checkpoints):
+                impls.append(PushPullModelServerImpl._checked(n, group, checkpoint=c))
+        except BaseException as err:  # (the others are told at the barrier, not by its timeout)
+            for impl in impls:
+                impl.close()
+            group.fail_barrier(err)
+            raise
     group.barrier(timeout=timeout)
     accessors = [group.get_paired(n).to_here() for n in names]
     return ServerHandles(accessors, group, impls, owned)
@@ -278,7 +288,8 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
 
     Raises:
         ValueError, TypeError: invalid arguments (e.g. per-model lists of the wrong length).
-        RuntimeError: ``group`` is None and this process has no World.
+        RuntimeError: ``group`` is None and this process has no World; or a member failed
+            to build its share (naming it, quoting its error; that member raises the error).
         TimeoutError: a member did not arrive within ``timeout``.
     """
     if isinstance(model_creators, (str, bytes)) or not isinstance(model_creators, (list, tuple)) \
@@ -317,6 +328,7 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
     primary, secondaries = settings.primary, settings.secondaries
     me = group.get_cur_name()
     impls: List[PushPullGradServerImpl] = []
+    arrived = False
     try:
         if me == primary or me in secondaries:
             for i, name in enumerate(names):
@@ -328,10 +340,13 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
                     sched = None if lr_scheduler is None else lr_scheduler(opt, *sched_args[i], **sched_kwargs[i])
                     impl.manage_model(model, opt, sched)
                 impl.start()
+        arrived = True
         group.barrier(timeout=timeout)
         accessors = [group.get_paired(n).to_here() for n in names]
-    except BaseException:
+    except BaseException as err:
         for impl in impls:
             impl.close()
+        if not arrived:  # (the others are told at the barrier, not by its timeout)
+            group.fail_barrier(err)
         raise
     return ServerHandles(accessors, group, impls, owned)

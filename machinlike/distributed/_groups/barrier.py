@@ -7,6 +7,8 @@ is a key per member under ``<ns>rg/<group>/<epoch>/bar/<round>/`` (spelled by ``
              set  bar/g/<me>
              Waits.wait_all(bar/g/, members)   fails fast, naming a gone member
              delete bar/(g-1)/<me>             safe: whoever passed g had everyone leave g - 1
+    fail()   under the lock: round g = counter++
+             set  bar/g/<me> = FAILED_MARK + why  its waiters raise at once, saying why
 
 Why its own part: the counter must count exactly this member's rounds (two threads calling
 ``barrier()`` are two rounds), and nothing else of the group touches it. An open group
@@ -19,7 +21,7 @@ import threading
 import time
 from typing import Dict, Optional, Tuple
 
-from .._store import Keys
+from .._store import FAILED_MARK, Keys
 from .._store import Registry
 from .._membership import Waits
 from ..._deadline import deadline_left
@@ -91,5 +93,23 @@ class Barrier:
             if generation:
                 self._registry.delete([self._keys.barrier_prefix(self._group, self._epoch, generation - 1)
                                        + self._member])
+        finally:
+            self._lock.release()
+
+    def fail(self, why: str) -> None:
+        """Arrive at this member's next round as failed: the members waiting for it there
+        raise at once, naming it and quoting ``why`` (cut to 2,000 characters). Raises
+        nothing: a round of another thread that holds the lock for 1 s wins, and the store
+        gone means there is nobody left to tell."""
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            generation = self._generation
+            self._generation += 1
+            prefix = self._keys.barrier_prefix(self._group, self._epoch, generation)
+            try:
+                self._registry.set(prefix + self._member, FAILED_MARK + why[:2000])
+            except Exception:  # (the store is gone: so are the waiters' waits)
+                pass
         finally:
             self._lock.release()

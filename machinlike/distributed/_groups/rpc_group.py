@@ -469,6 +469,21 @@ class RpcGroup:
             raise TypeError(f"skip_gone must be True or False, not {skip_gone!r}")
         parts.barrier.wait(_seconds("timeout", timeout, parts.directory.dist_timeout), skip_gone)
 
+    def fail_barrier(self, error: BaseException) -> None:
+        """Tell the members that wait (or will wait) for this member at its next
+        :meth:`barrier` that it will not come, and why: theirs raises RuntimeError at
+        once, naming this member and quoting ``error``, instead of waiting out its
+        timeout. For a member whose set-up failed before a barrier the others meet at
+        (the server helpers call it when a host's server cannot be built). Raises
+        nothing; a no-op for an open group.
+        """
+        try:
+            parts = self._usable(need_member=True)
+        except RuntimeError:  # (no World, destroyed, not a member: nobody waits for it here)
+            return
+        if parts.barrier is not None:
+            parts.barrier.fail(f"{type(error).__name__}: {error}")
+
     # ------------------------------------------------------------------ lifecycle
     def destroy(self) -> None:
         """Withdraw every service and value this member owns and leave the group.

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...exception import PeerLostError
-from .._store import LOST_MARK, WOKEN_MARK, MemberRecord
+from .._store import FAILED_MARK, LOST_MARK, WOKEN_MARK, MemberRecord
 from .._store import Registry
 from .roster import Roster
 
@@ -71,6 +71,8 @@ class Waits:
         Raises:
             PeerLostError: a member it waits for left or was lost (named); not with
                 ``skip_gone``.
+            RuntimeError: a member wrote that it failed instead (``FAILED_MARK``): named,
+                with its reason.
             TimeoutError: as ``Registry.wait_all``.
         """
         mapping = dict(zip(members, names))
@@ -84,10 +86,15 @@ class Waits:
                 # (skip_gone: the live members' keys are left to come: the wait goes on)
                 self._wake(prefix, [mapping[m] for m in already], [] if skip_gone else list(names))
             self._registry.wait_all(prefix, names, timeout, what, stated)
-            marked = [m for m, v in zip(members, self._registry.values(prefix, names)) if v == LOST_MARK]
+            values = self._registry.values(prefix, names)
         finally:
             with self._lock:
                 self._waits.pop(wid, None)
+        failed = [(m, v) for m, v in zip(members, values) if v.startswith(FAILED_MARK)]
+        if failed:
+            member, why = failed[0]
+            raise RuntimeError(f"{what}: {member!r} failed instead of arriving: {why[len(FAILED_MARK):]}")
+        marked = [m for m, v in zip(members, values) if v == LOST_MARK]
         if marked and not skip_gone:
             gone = ", ".join(repr(m) for m in marked)
             raise PeerLostError(marked[0], f"{what}: {gone} left or died while being waited for")

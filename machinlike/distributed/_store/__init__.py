@@ -14,7 +14,7 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 
 from .rendezvous import connect_store, external_launcher, host_store, resolve_rank_and_size
 from .keys import (
-    ExitRecord, GroupRecord, Keys, LogEntry, LOST_MARK, MemberRecord, OPEN_EPOCH, OwnedKey, rebind_holder,
+    ExitRecord, FAILED_MARK, GroupRecord, Keys, LogEntry, LOST_MARK, MemberRecord, OPEN_EPOCH, OwnedKey, rebind_holder,
     ServerNote, ServerNotes, ServiceOwner, WOKEN_MARK, MAX_EXIT_CAUSE,
 )
 from .registry import STORE_OF_RANK0, Registry
@@ -24,7 +24,7 @@ from . import forked
 
 __all__ = [
     "connect_store", "connections_to", "ExitRecord", "external_launcher", "forked", "GroupRecord", "host_store",
-    "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client", "OPEN_EPOCH",
+    "FAILED_MARK", "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client", "OPEN_EPOCH",
     "own_client", "OwnedKey", "rebind_holder", "Registry", "resolve_rank_and_size", "server_of", "ServerNote",
     "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0", "value_or_empty",
     "WOKEN_MARK",

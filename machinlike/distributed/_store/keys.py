@@ -52,7 +52,7 @@ from typing import Any, AbstractSet, Dict, List, NamedTuple, Optional, Sequence,
 
 __all__ = [
     "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord", "ServerNote", "ServerNotes",
-    "ExitRecord", "LOST_MARK", "WOKEN_MARK", "OPEN_EPOCH", "rebind_holder", "MAX_EXIT_CAUSE",
+    "ExitRecord", "LOST_MARK", "WOKEN_MARK", "FAILED_MARK", "OPEN_EPOCH", "rebind_holder", "MAX_EXIT_CAUSE",
 ]
 
 #: Written into a waited-for key of a member that is gone, to wake its waiters.
@@ -60,6 +60,9 @@ LOST_MARK = "\x00lost"
 #: Written into the other keys of such a wait that are still absent: a store wait ends
 #: only when every key it waits for exists. A member arriving later overwrites it.
 WOKEN_MARK = "\x00woken"
+#: Starts the arrival key of a member that will not come because it failed (the rest
+#: says why): ``RpcGroup.fail_barrier``. Its waiters fail at once instead of timing out.
+FAILED_MARK = "\x00failed:"
 #: The epoch of an open group (``members=None``): it is never re-created.
 OPEN_EPOCH = "o"
 

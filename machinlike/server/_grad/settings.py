@@ -17,6 +17,7 @@ import torch
 
 from ..._checks import local_device
 from ...distributed import RpcGroup
+from .._checkpoint import check_checkpoint_dir
 from .._common import check_count, check_members, check_name, check_timeout
 from ..ordered import OrderedServerBase
 
@@ -72,5 +73,7 @@ def grad_settings(server_name: Any, group: RpcGroup, model_name: Any = "model", 
         raise TypeError(f"o_server must be an OrderedServerBase accessor or None, not {type(o_server).__name__}")
     every = check_count(checkpoint_every, "checkpoint_every", 1)  # named even without a directory
     interval = check_timeout(checkpoint_interval, "checkpoint_interval")
+    if checkpoint_dir is not None:
+        checkpoint_dir = check_checkpoint_dir(checkpoint_dir)
     return GradSettings(server_name, group, model_name, primary, secondaries, secondary_reducers is None,
                         reduce_method, device, batch, limit, o_server, checkpoint_dir, every, interval)
