@@ -196,3 +196,31 @@ def test_checkpoint_files_are_checked_and_a_closed_host_resumes(world, tmp_path)
     with pytest.raises(CheckpointError, match="has no lease file"):
         OrderedServerSimpleImpl("kv3", group, checkpoint_dir=tmp_path)
     group.destroy()
+
+
+def _host_leaves_body(world):
+    group = world.create_rpc_group("g", ["0", "1"])
+    if world.name == "0":
+        impl = PushPullModelServerImpl("ms", group)
+        group.barrier(timeout=TIMEOUT)
+        group.barrier(timeout=TIMEOUT)  # (the client pushed)
+        impl.close()  # what a helper's close() does before its member leaves
+        return None
+    group.barrier(timeout=TIMEOUT)
+    server = group.get_paired("ms").to_here()
+    assert server.push(Lin().set(1.0))
+    group.barrier(timeout=TIMEOUT)
+    world.wait_for_members(["0"], timeout=TIMEOUT, gone=True)
+    try:
+        server.push(Lin().set(2.0))
+    except KeyError as err:
+        return str(err)
+    return "pushed"
+
+
+def test_a_model_server_whose_host_closed_it_and_left_says_so_not_how_to_make_one():
+    """The client was told to 'create OrderedServerSimpleImpl(...) on the member that is to
+    host it first' (cold trial 17): the host had made it, closed it and left."""
+    said = launch(_host_leaves_body, 2, max_restarts=1, timeout=60)[1]  # (elastic: a member that returns leaves)
+    assert "its owner, member '0', left the world" in said and "create OrderedServerSimpleImpl" not in said, said
+    assert "no member hosts ordered server 'ms/ordered' now; calls fail until a member hosts it again" in said, said

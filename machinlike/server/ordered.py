@@ -225,8 +225,13 @@ class OrderedServerSimple(OrderedServerBase):
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
             host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
-            if not host:  # none ever did: say what makes one
+            if not host:
                 name = self.server_name
+                said = err.args[0] if err.args and isinstance(err.args[0], str) else ""
+                if "its owner, member" in said:  # one did, and closed it or left: say that, not how to make one
+                    raise KeyError(f"{said}: no member hosts ordered server {name!r} now; calls fail until a "
+                                   f"member hosts it again") from err
+                # none ever did: say what makes one
                 raise KeyError(f"Service [{name}/{service}] not found on Group "  # (machin's words)
                                f"[{self.group.get_group_name()}]: no member hosts ordered server {name!r}; "
                                f"create OrderedServerSimpleImpl({name!r}, group) on the member that is to host "
