@@ -157,8 +157,8 @@ class ExportArea:
         self.reuse_wait = _REUSE_WAIT_S
         # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
-                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0, "retire_waits": 0,
-                                      "pinned": 0, "shared": 0, "no_reader_row": 0}
+                                      "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
+                                      "retire_waits": 0, "pinned": 0, "shared": 0, "no_reader_row": 0}
 
     @property
     def fd(self) -> int:

@@ -23,8 +23,9 @@ from .connections import IP, connections_to, shut_down
 from . import forked
 
 __all__ = [
-    "connect_store", "connections_to", "ExitRecord", "external_launcher", "forked", "GroupRecord", "host_store",
-    "FAILED_MARK", "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client", "OPEN_EPOCH",
+    "connect_store", "connections_to", "ExitRecord", "external_launcher", "FAILED_MARK", "forked", "GroupRecord",
+    "host_store", "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client",
+    "OPEN_EPOCH",
     "own_client", "OwnedKey", "rebind_holder", "Registry", "resolve_rank_and_size", "server_of", "ServerNote",
     "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0", "value_or_empty",
     "WOKEN_MARK",
