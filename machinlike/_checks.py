@@ -12,8 +12,14 @@ import inspect
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
-__all__ = ["seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
+__all__ = ["MAX_SECONDS", "seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
            "sequence_of_str", "optional_str", "nonempty_str", "not_async", "local_device"]
+
+
+#: The longest bound a wait takes, s (11.6 days): poll() counts milliseconds in 31 bits
+#: (24.8 days), and a wait of a week is as good as none for a job, so "forever" written
+#: as 1e9 is refused by name instead of failing as an OverflowError deep in a call.
+MAX_SECONDS = 1_000_000.0
 
 
 def seconds(param: str, value: Any, *, allow_zero: bool = False, or_none: bool = False) -> float:
@@ -23,7 +29,8 @@ def seconds(param: str, value: Any, *, allow_zero: bool = False, or_none: bool =
 
     Raises:
         TypeError: not a number (bool counts as not a number).
-        ValueError: negative, NaN or infinite; zero unless ``allow_zero``.
+        ValueError: negative, NaN, infinite or above :data:`MAX_SECONDS`; zero unless
+            ``allow_zero``.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{param}={value!r} must be a number of seconds, not {type(value).__name__}"
@@ -38,6 +45,9 @@ def seconds(param: str, value: Any, *, allow_zero: bool = False, or_none: bool =
         unbounded = " (0 or a negative value does not mean 'no limit': every wait here is bounded)" \
             if or_none and value <= 0 else ""
         raise ValueError(f"{param}={value!r} must be a positive number of seconds (finite){fix}{unbounded}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{param}={value!r} is longer than the longest bound a wait here takes, "
+                         f"{MAX_SECONDS:,.0f} s (11.6 days): pass at most that")
     return float(value)
 
 

@@ -97,6 +97,10 @@ def test_register_call_and_errors(world):
         assert not g.is_registered("x")
         with pytest.raises(ValueError, match="timeout=-1 must be a positive number"):
             g.registered_sync("scale1", timeout=-1)
+        # "Forever" as 1e9 failed deep in the call, an OverflowError of poll() (cold trial 18).
+        with pytest.raises(ValueError, match=r"timeout=100000000.0 is longer than the longest bound a wait here "
+                                             r"takes, 1,000,000 s \(11.6 days\): pass at most that"):
+            g.registered_sync("scale1", timeout=1e8)
     for owner in MEMBERS:
         assert g.is_registered(f"scale{owner}")
         t = g.registered_sync(f"scale{owner}", args=(torch.ones(3),), kwargs={"factor": int(owner) + 1})

@@ -138,6 +138,14 @@ def test_architecture_checks_and_errors(world):
             again.push(Model().double())
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, not OrderedDict"):
             server.push(model.state_dict())
+        # A version set by hand: push failed inside ("can only concatenate str"), and pull
+        # overwrote it in silence (cold trial 18).
+        model.pp_version = "abc"
+        for call in (server.push, server.pull):
+            with pytest.raises(TypeError, match=r"model.pp_version='abc' must be an int \(the version push and "
+                                                r"pull set\) or None; set it to None to pull the newest"):
+                call(model)
+        model.pp_version = None
         with pytest.raises(TypeError, match="o_server must be an OrderedServerBase accessor"):
             PushPullModelServer("model")
     group.barrier()

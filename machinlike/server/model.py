@@ -48,8 +48,16 @@ VERSION_ATTR = "pp_version"
 
 
 def get_version(model: torch.nn.Module) -> Optional[int]:
-    """The model's version on its server (``model.pp_version``), None if it has none."""
-    return getattr(model, VERSION_ATTR, None)
+    """The model's version on its server (``model.pp_version``), None if it has none.
+
+    Raises:
+        TypeError: it is set to something else than an int or None (named, with the fix).
+    """
+    version = getattr(model, VERSION_ATTR, None)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise TypeError(f"model.pp_version={version!r} must be an int (the version push and pull set) or None; "
+                        f"set it to None to pull the newest version whole")
+    return version
 
 
 def set_version(model: torch.nn.Module, version: Optional[int]) -> None:
