@@ -40,9 +40,9 @@ import torch
 
 from .. import _shm
 from ..distributed import RpcGroup
-from ..exception import PeerLostError
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
+from ._ordered_host import host_key, unserved
 from ._version_words import HostWords, PullerWords
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
@@ -60,11 +60,6 @@ def _check_key(key: Any) -> Hashable:
 
 def _nothing() -> None:
     pass
-
-
-def _host_key(group: RpcGroup, server_name: str) -> str:
-    """Store key holding the member that hosts ``server_name`` (outlives the host's claims)."""
-    return current_world().membership.keys.server("os", group.get_group_name(), server_name) + "host"
 
 
 class OrderedServerBase(abc.ABC):
@@ -224,27 +219,7 @@ class OrderedServerSimple(OrderedServerBase):
                                               (*args, self.group.get_cur_name(), *in_place), timeout=wait)
         except KeyError as err:
             # The services vanish with a lost host's claims: say who is gone, not "not found".
-            host = current_world().membership.registry.get_or_empty(_host_key(self.group, self.server_name))
-            if not host:
-                name = self.server_name
-                said = err.args[0] if err.args and isinstance(err.args[0], str) else ""
-                if "its owner, member" in said:  # one did, and closed it or left: say that, not how to make one
-                    raise KeyError(f"{said}: no member hosts ordered server {name!r} now; calls fail until a "
-                                   f"member hosts it again") from err
-                # none ever did: say what makes one
-                raise KeyError(f"Service [{name}/{service}] not found on Group "  # (machin's words)
-                               f"[{self.group.get_group_name()}]: no member hosts ordered server {name!r}; "
-                               f"create OrderedServerSimpleImpl({name!r}, group) on the member that is to host "
-                               f"it first, and meet at group.barrier() before the first call") from err
-            world = current_world()
-            back = world.get_incarnation(host)
-            how = None if back is not None else world.membership.departure(host)
-            # (a host that returned or stopped left on purpose: no launcher restarts it)
-            why = ((f"it came back (incarnation {back}) and does not serve yet" if back > 1 else
-                    "it is live but no longer serves it (it closed the server)") if back is not None else
-                   f"it {how[0] if how else 'was lost'}; calls fail until "
-                   f"{'a member hosts it again' if how and how[1] else 'it is restarted and serves again'}")
-            raise PeerLostError(host, f"host of ordered server {self.server_name!r}: {why}") from err
+            raise unserved(self.group, self.server_name, service, err) from err
 
 
 class OrderedServerSimpleImpl:
@@ -335,7 +310,7 @@ class OrderedServerSimpleImpl:
                 group.register(key, service)
                 done.append(key)
             # Once the name is ours: a client that finds the services gone can name this member.
-            current_world().membership.registry.set(_host_key(group, server_name), group.get_cur_name())
+            current_world().membership.registry.set(host_key(group, server_name), group.get_cur_name())
             group.pair(server_name, OrderedServerSimple._checked(server_name, group))
         except BaseException:
             for key in done:
@@ -502,7 +477,7 @@ class OrderedServerSimpleImpl:
         self.group.unpair(self.server_name)
         with self._lock:  # (not while a pull offers a word)
             self._words.close()
-        current_world().membership.registry.delete([_host_key(self.group, self.server_name)])
+        current_world().membership.registry.delete([host_key(self.group, self.server_name)])
         if self._checkpoint is not None:
             with self._lock:
                 seq, snapshot = self._seq, self._snapshot()
