@@ -96,7 +96,7 @@ _shared = 0  # mappings of shared storages (not lent segments) in _by_address
 _limit = 1 << 30
 _LOOK_MIN = 16
 _since_look = 0  # new mappings since the last look for released entries (see the doc)
-_look_after = _LOOK_MIN  # ... and how many make the next one: the cache's size at the last
+_look_after = _LOOK_MIN  # ... and how many make the next one (the cache's size at the last look)
 
 
 def set_limit(limit: int) -> None:

@@ -210,10 +210,9 @@ def model_server_helper(model_num: int = 1, group: Union[None, RpcGroup, str] = 
 
     Raises:
         ValueError, TypeError: invalid arguments.
-        RuntimeError: ``group`` is None and this process has no World.
+        RuntimeError: ``group`` is None and this process has no World; or the host failed
+            to build its servers (naming it, quoting its error; the host raises the error).
         TimeoutError: a member did not arrive within ``timeout``.
-        RuntimeError: the host failed to build its servers (naming it, quoting its error;
-            the host itself raises that error).
     """
     check_count(model_num, "model_num", 1)
     timeout = check_timeout(timeout)
