@@ -53,6 +53,7 @@ from _pool_tasks import square, timed_sum  # noqa: E402
 from machinlike.pool import P2PPool, Pool  # noqa: E402
 
 WORKERS = 2
+IMAP_CHUNK = 64  # imap of small tasks, chunked as a user of many small items would
 TENSOR_NUMEL = 64 * 1024 * 1024  # float32: 256 MiB
 HAVE_MULTIPROCESS = importlib.util.find_spec("multiprocess") is not None
 HAVE_LOKY = importlib.util.find_spec("loky") is not None
@@ -79,6 +80,10 @@ class Peer:
     def imap(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
         """One item a task, results in order as they come (lazy input)."""
         return list(self.pool.imap(func, items, chunksize=1))
+
+    def imap_chunked(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
+        """Small tasks 64 to a chunk, results read one by one as they come."""
+        return list(self.pool.imap(func, items, chunksize=IMAP_CHUNK))
 
     def close(self) -> None:
         self.pool.terminate()
@@ -112,6 +117,9 @@ class LokyPeer(Peer):
 
     def imap(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
         return list(self.pool.map(func, items, chunksize=1))  # (an executor's map is its imap)
+
+    def imap_chunked(self, func: Callable[..., Any], items: List[Any]) -> List[Any]:
+        return list(self.pool.map(func, items, chunksize=IMAP_CHUNK))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, kill_workers=True)
@@ -262,6 +270,7 @@ def main() -> None:
                 "apply": median_of(reps, lambda: apply_rate(peer, apply_count)),
                 "map": median_of(reps, lambda: items_rate(peer.map, map_count)),
                 "imap": median_of(reps, lambda: items_rate(peer.imap, apply_count)),
+                "imap64": median_of(reps, lambda: items_rate(peer.imap_chunked, map_count * 5)),
             }
             print(f"  measured {peer.name}", flush=True)
         ours = rates["machinlike Pool"]
@@ -269,11 +278,15 @@ def main() -> None:
         rows = []
         for name, r in rates.items():
             rows.append((name, f"{r['apply']:,.0f}", f"{r['map']:,.0f}", f"{r['imap']:,.0f}",
+                         f"{r['imap64']:,.0f}",
                          ratio(ours["apply"], r["apply"], True), ratio(ours["map"], r["map"], True),
+                         ratio(ours["imap64"], r["imap64"], True),
                          ratio(p2p["apply"], r["apply"], True), ratio(p2p["imap"], r["imap"], True)))
         table(f"Throughput, tasks/s (chunksize 1: {apply_count} apply_async; chunked: map of {map_count}; "
-              f"imap of {apply_count} at chunksize 1); ratio: machinlike / peer",
-              ["chunksize 1", "chunked map", "imap c1", "Pool c1", "Pool map", "P2P c1", "P2P imap"], rows)
+              f"imap of {apply_count} at chunksize 1; imap of {map_count * 5} at chunksize {IMAP_CHUNK}); "
+              "ratio: machinlike / peer",
+              ["chunksize 1", "chunked map", "imap c1", f"imap c{IMAP_CHUNK}", "Pool c1", "Pool map",
+               f"Pool imap{IMAP_CHUNK}", "P2P c1", "P2P imap"], rows, unit_width=12)
     finally:
         for peer in peers:
             peer.close()

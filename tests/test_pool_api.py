@@ -145,8 +145,10 @@ def test_imap_is_lazy_for_every_chunksize():
         for chunksize in (1, 5):
             iterator = pool.imap(targets.square, endless(), chunksize=chunksize)
             assert [iterator.next(WAIT) for _ in range(10)] == [k * k for k in range(10)]
-            # bounded read-ahead: the window of the pool, in chunks
-            assert next(pulled) < 10 + pool._backend.ahead() * chunksize + chunksize + 1
+            # bounded read-ahead: the feed's window (the pool's, in chunks; 256 items at
+            # least, rounded up to whole chunks)
+            assert iterator._feed.ahead == max(pool._backend.ahead(), -(-256 // chunksize)) * chunksize
+            assert next(pulled) < 10 + iterator._feed.ahead + chunksize + 1
             pulled = itertools.count()
             del iterator
             gc.collect()
@@ -170,7 +172,7 @@ def test_imap_of_a_list_hands_many_chunks_at_once_and_keeps_its_window():
         results = pool.imap(targets.square, iterator, chunksize=2)
         assert [results.next(WAIT) for _ in range(5)] == [k * k for k in range(5)]
         time.sleep(0.2)  # (give the feeder time to over-read, if it would: it must not)
-        assert next(iterator) < 5 + pool._backend.ahead() * 2 + 2 + 1
+        assert next(iterator) < 5 + results._feed.ahead + 2 + 1
         del results
     assert type(iter(range(1))) in _feed._NEVER_BLOCKS and type(iter(x for x in ())) not in _feed._NEVER_BLOCKS
 
@@ -340,3 +342,26 @@ def test_results_are_awaitable_while_the_event_loop_runs_on():
 
     with Pool(2) as process_pool, ThreadPool(2) as thread_pool:
         asyncio.run(main(process_pool, thread_pool))
+
+
+def test_threads_sharing_one_imap_get_every_result_once():
+    """Items are handed out without a lock (a chunk at a time is moved under it): threads
+    that share one iterator still see each result exactly once, in order per thread."""
+    with Pool(2) as pool:
+        for cls_name in ("imap", "imap_unordered"):
+            iterator = getattr(pool, cls_name)(targets.square, range(20_000), chunksize=7)
+            seen: list = [[] for _ in range(4)]
+
+            def drain(bucket: list) -> None:
+                for value in iterator:
+                    bucket.append(value)
+
+            threads = [threading.Thread(target=drain, args=(bucket,)) for bucket in seen]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT)
+            assert not any(thread.is_alive() for thread in threads)
+            assert sorted(v for bucket in seen for v in bucket) == [k * k for k in range(20_000)]
+            if cls_name == "imap":
+                assert all(bucket == sorted(bucket) for bucket in seen)

@@ -81,7 +81,8 @@ from ._args import as_args, check_bool, check_callable, check_contexts, check_ma
 from ._core import ProcessCore
 from ._errors import BrokenPoolError, PoolTerminatedError, PoolTimeoutError
 from ._policy import LARGE_TENSOR_BYTES, Codec
-from ._result import ApplyResult, AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult
+from ._imap import IMapIterator, IMapUnorderedIterator
+from ._result import ApplyResult, AsyncResult, MapResult
 from ._thread import ThreadCore
 
 __all__ = [

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, List, Optional
 from ._args import PoolPicklingError, as_args, check_callable
 from ._engine import Engine
 from ._feed import Feeder
-from ._result import AsyncResult, IMapIterator, IMapUnorderedIterator, MapResult, check_timeout
+from ._imap import IMapIterator, IMapUnorderedIterator
+from ._result import AsyncResult, MapResult, check_timeout
 from ._state import PoolState
 
 __all__ = ["PoolBase"]

@@ -1,10 +1,10 @@
 """Lazy input for ``imap`` / ``imap_unordered``: one feeder thread per pool.
 
-    IMapIterator.next() ── consumed ──┐
-                                      ▼
-    "machinlike-poolN-feeder": for each open feed, round robin, while it is fewer than
-    ``ahead`` items past what was consumed: pull one chunk from the input (user code,
-    no lock held) and hand it to the engine.
+    IMapIterator.next() ── a chunk taken ──┐
+                                           ▼
+    "machinlike-poolN-feeder": for each open feed, round robin, once half its window of
+    ``ahead`` items past what was consumed is free: pull chunks from the input (user
+    code, no lock held) and hand them to the engine.
 
 The input is pulled lazily while the pool runs: an endless generator is fine, and an
 iterator the caller abandons (garbage collected) stops its feed and closes the input.
@@ -29,13 +29,16 @@ if TYPE_CHECKING:
 __all__ = ["Feeder"]
 
 _ENDED = (PoolState.TERMINATE, PoolState.BROKEN)
+_MIN_AHEAD = 256  # items: a window of a few single items woke the feeder every few results
 _CHUNKS_AT_ONCE = 64  # chunks pulled and handed to the engine in one round at most
 # Iterators whose next item is in memory already: pulling several chunks never waits.
 _NEVER_BLOCKS = frozenset({type(iter([])), type(iter(())), type(iter(range(0)))})
 
 
 class _Feed:
-    __slots__ = ("feeder", "source", "chunksize", "star", "handle", "ref", "position", "consumed", "ahead", "cancelled")
+    __slots__ = ("feeder", "source", "chunksize", "star", "handle", "ref", "position", "consumed", "ahead", "refill", "cancelled")
+    # position: written by the feeder thread only; consumed: by the iterator, under its
+    # own lock. Each side reads the other's bare (ints: GIL-atomic).
 
     def __init__(self, feeder: "Feeder", source: Iterator[Any], chunksize: int, star: bool, handle: Any, ahead: int) -> None:
         self.feeder = feeder
@@ -45,12 +48,22 @@ class _Feed:
         self.handle = handle
         self.ref: Optional[weakref.ref] = None
         self.position = 0  # items pulled from the input so far
-        self.consumed = 0  # items the iterator has returned
+        self.consumed = 0  # items the iterator has taken (a chunk at a time)
         self.ahead = ahead
+        # Room that wakes the feeder: half the window, so that a round hands over several
+        # chunks, not one per chunk consumed.
+        self.refill = max(chunksize, (ahead // 2) // chunksize * chunksize)
         self.cancelled = False
 
-    def consumed_one(self) -> None:
-        self.feeder._consumed(self)
+    def consumed_chunk(self, count: int) -> None:
+        """``count`` items were taken (called under the iterator's lock: one writer).
+
+        Takes the feeder's lock only when it sleeps and this reopened enough room.
+        """
+        self.consumed += count
+        feeder = self.feeder
+        if feeder._idle and self.position - self.consumed <= self.ahead - self.refill:
+            feeder._wake()
 
 
 class Feeder:
@@ -71,6 +84,10 @@ class Feeder:
         self._thread: Optional[threading.Thread] = None
         self._unbounded = False
         self._stopped = False
+        # True while the thread sleeps for room: set under the lock before its last look,
+        # read bare by consumers after they count. Whichever writes first is seen by the
+        # other, so a consumer that reopens room either is seen or wakes the thread.
+        self._idle = False
 
     def start(self, result: Any, func: Callable[..., Any], source: Iterator[Any], chunksize: int, star: bool) -> None:
         """Open a feed that fills ``result`` (an IMapIterator) from ``source``."""
@@ -80,7 +97,7 @@ class Feeder:
         except Exception as exc:  # e.g. an unpicklable function: raised by next()
             result._abort(exc)
             return
-        feed = _Feed(self, source, chunksize, star, handle, backend.ahead() * chunksize)
+        feed = _Feed(self, source, chunksize, star, handle, max(backend.ahead(), -(-_MIN_AHEAD // chunksize)) * chunksize)
         feed.ref = weakref.ref(result, lambda _ref, feed=feed: self._abandon(feed))  # type: ignore[misc]
         result._feed = feed
         backend.feed_opened()
@@ -119,11 +136,9 @@ class Feeder:
 
     # ------------------------------------------------------------------ the thread
 
-    def _consumed(self, feed: _Feed) -> None:
+    def _wake(self) -> None:
         with self._cv:
-            feed.consumed += 1
-            if feed.position - feed.consumed == feed.ahead - 1:
-                self._cv.notify()  # its window just reopened
+            self._cv.notify()
 
     def _abandon(self, feed: _Feed) -> None:
         feed.cancelled = True
@@ -138,8 +153,12 @@ class Feeder:
                     if not self._feeds:
                         self._thread = None
                         return
-                    self._cv.wait()
-                    feed = self._next_feed()
+                    self._idle = True
+                    feed = self._next_feed()  # a look after saying so (see _idle)
+                    if feed is None:
+                        self._cv.wait()
+                        feed = self._next_feed()
+                self._idle = False
             self._advance(feed)
 
     def _next_feed(self) -> Optional[_Feed]:
@@ -148,7 +167,8 @@ class Feeder:
         for _ in range(len(feeds)):
             feed = feeds[0]
             feeds.rotate(-1)
-            if halted or feed.cancelled or self._unbounded or feed.position - feed.consumed < feed.ahead:
+            # Fed again once a whole chunk fits in its window.
+            if halted or feed.cancelled or self._unbounded or feed.position - feed.consumed <= feed.ahead - feed.refill:
                 return feed
         return None
 

@@ -1,4 +1,5 @@
-"""What pool calls return: :class:`AsyncResult`, :class:`MapResult`, :class:`IMapIterator`.
+"""What ``apply_async`` and ``map_async`` return: :class:`AsyncResult`, :class:`MapResult`
+(``imap``'s iterators: ``_imap.py``).
 
 A pool's engine settles results through three methods, whatever the transport:
 
@@ -19,18 +20,15 @@ A callback that raises does not break the pool: its exception goes to
 from __future__ import annotations
 
 import sys
-import threading
-import time
 import types
 from _thread import allocate_lock
-from collections import deque
 from typing import Any, Callable, Dict, Generator, List, Optional, Protocol
 
 from .. import _checks
 from .._awaiting import loop_waker
 from ._errors import PoolTimeoutError
 
-__all__ = ["AsyncResult", "MapResult", "IMapIterator", "IMapUnorderedIterator", "ApplyResult", "Job"]
+__all__ = ["AsyncResult", "MapResult", "ApplyResult", "Job"]
 
 _PENDING, _SETTLING, _DONE = 0, 1, 2
 
@@ -262,157 +260,3 @@ class MapResult(AsyncResult):
             finished = self._remaining == 0
         if finished:
             self._settle(True, self._items)
-
-
-class IMapIterator:
-    """The iterator :meth:`Pool.imap` returns: results in input order, as they arrive.
-
-    :meth:`next` takes a timeout. The pool pulls items from the input lazily: it stays a
-    bounded number of chunks ahead of what has been consumed here (until the pool is
-    closed), so an endless generator works and an abandoned iterator stops the feeding.
-    An item that failed raises its exception at its position; iteration may go on after
-    it. An error of the input iterable itself is raised at the position where it
-    happened and ends the iteration.
-    """
-
-    def __init__(self, pool: Any) -> None:
-        self._pool = pool
-        self._cond = threading.Condition(threading.Lock())
-        self._length: Optional[int] = None
-        self._abort_error: Optional[BaseException] = None
-        self._feed: Any = None  # set by the pool; told about every consumed item
-        self._init_store()
-
-    def _init_store(self) -> None:
-        self._items: Dict[int, tuple] = {}
-        self._next = 0
-
-    def __iter__(self) -> "IMapIterator":
-        return self
-
-    def __next__(self) -> Any:
-        return self.next()
-
-    def next(self, timeout: Optional[float] = None) -> Any:
-        """The next result.
-
-        Args:
-            timeout: Seconds to wait for it; None waits as long as it takes.
-
-        Raises:
-            StopIteration: every result has been returned.
-            PoolTimeoutError: the next result did not arrive within ``timeout``.
-            Exception: the item's own exception, or the pool's (terminated, broken).
-        """
-        timeout = check_timeout(timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                entry = self._take()
-                if entry is not None:
-                    break
-                if self._length is not None and self._consumed() >= self._length:
-                    self._pool = None  # exhausted: no longer keeps the pool alive
-                    raise StopIteration
-                if self._abort_error is not None:
-                    raise self._abort_error
-                pool = self._pool
-                if pool is not None and pool._delivers_in_this_thread():
-                    raise RuntimeError("iterating over a pool's imap inside one of its callbacks would deadlock")
-                if deadline is None:
-                    self._cond.wait()
-                else:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0 or not self._cond.wait(remaining):
-                        if self._take_peek():
-                            continue
-                        raise PoolTimeoutError(f"the next result did not arrive within {timeout:g} s")
-        feed = self._feed
-        if feed is not None:
-            feed.consumed_one()
-        ok, value = entry
-        if ok:
-            return value
-        raise value
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} consumed={self._consumed()} length={self._length}>"
-
-    def __reduce__(self) -> Any:
-        raise TypeError(f"{type(self).__name__} objects cannot be pickled: they belong to the pool's process")
-
-    # ------------------------------------------------------------------ ordering policy
-
-    def _take(self) -> Optional[tuple]:
-        entry = self._items.pop(self._next, None)
-        if entry is not None:
-            self._next += 1
-        return entry
-
-    def _take_peek(self) -> bool:
-        return self._next in self._items
-
-    def _consumed(self) -> int:
-        return self._next
-
-    def _store(self, position: int, entry: tuple) -> None:
-        self._items[position] = entry
-
-    # ------------------------------------------------------------------ engine side
-
-    def _is_done(self) -> bool:
-        return self._abort_error is not None
-
-    def _done(self, start: int, count: int, value: Any) -> None:
-        with self._cond:
-            for offset, item in enumerate(value):
-                self._store(start + offset, (True, item))
-            self._cond.notify_all()
-
-    def _failed(self, start: int, count: int, exc: BaseException) -> None:
-        with self._cond:
-            for position in range(start, start + count):
-                self._store(position, (False, exc))
-            self._cond.notify_all()
-
-    def _partial(self, start: int, values: List[Any], errors: Dict[int, BaseException]) -> None:
-        with self._cond:
-            for offset, item in enumerate(values):
-                error = errors.get(offset)
-                self._store(start + offset, (True, item) if error is None else (False, error))
-            self._cond.notify_all()
-
-    def _set_length(self, length: int) -> None:
-        with self._cond:
-            self._length = length
-            self._cond.notify_all()
-
-    def _abort(self, exc: BaseException) -> None:
-        with self._cond:
-            if self._abort_error is None:
-                self._abort_error = exc
-            self._cond.notify_all()
-
-
-class IMapUnorderedIterator(IMapIterator):
-    """The iterator :meth:`Pool.imap_unordered` returns: results in completion order."""
-
-    def _init_store(self) -> None:
-        self._ready: deque = deque()
-        self._yielded = 0
-
-    def _take(self) -> Optional[tuple]:
-        if not self._ready:
-            return None
-        self._yielded += 1
-        return self._ready.popleft()
-
-    def _take_peek(self) -> bool:
-        return bool(self._ready)
-
-    def _consumed(self) -> int:
-        return self._yielded
-
-    def _store(self, position: int, entry: tuple) -> None:
-        self._ready.append(entry)
-
