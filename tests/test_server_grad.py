@@ -487,6 +487,15 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
             server.push(model)
         with pytest.raises(RuntimeError, match=r"no gradient"):  # machin's type for it: its except clauses
             server.push(model)
+        poisoned = Small()
+        poisoned.lin.weight.grad, poisoned.lin.bias.grad = torch.ones(2, 3), torch.tensor([1.0, float("nan")])
+        with pytest.raises(ValueError, match=r"the gradients of 'lin.bias' hold NaN or inf values, which would make "
+                                             r"the managed parameters NaN; nothing was sent"):
+            server.push(poisoned)
+        poisoned.lin.bias.grad[1] = 0.0
+        poisoned.lin.weight.grad[1, 2] = float("-inf")
+        with pytest.raises(ValueError, match=r"the gradients of 'lin.weight' hold NaN or inf"):
+            server.push(poisoned, pull=False)  # (none of them counted below: accepted + rejected == 61)
         with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
             server.push({"lin.weight": torch.zeros(2, 3)})
         with pytest.raises(ValueError, match="cannot pull from gradient server 'server' into this model"):

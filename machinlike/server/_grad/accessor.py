@@ -15,7 +15,7 @@ from .._budget import CallBudget
 from .._errors import MissingGradientError, ServerStoppedError, closed_here
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from .hosted import hosted_secondary
-from .items import wait_future
+from .items import non_finite, wait_future
 from .reducer import SecondaryReducer
 from .._spec import Spec, check_module, loadable, mismatch, spec_of, uncastable, unwrap
 from ..model import get_version, set_version
@@ -217,8 +217,9 @@ class PushPullGradServer:
                 layout than COO.
             ValueError: the parameters differ from the managed model's (names or shapes:
                 the message lists them), a gradient cannot be cast to its parameter's
-                dtype without losing meaning (complex to real, floating to integer), or
-                gradients are None without ``none_as_zero`` (:class:`MissingGradientError`,
+                dtype without losing meaning (complex to real, floating to integer), a
+                gradient holds NaN or inf (nothing is sent: one such push would make the
+                managed parameters NaN for good), or gradients are None without ``none_as_zero`` (:class:`MissingGradientError`,
                 also a ``RuntimeError`` as in machin).
             ServerStoppedError: the chosen reducer is stopped or failed, or the helper's
                 ``close()`` ran on this member.
@@ -264,6 +265,14 @@ class PushPullGradServer:
             shown = ", ".join(repr(n) for n in absent[:6]) + (f" and {len(absent) - 6} more" if len(absent) > 6 else "")
             raise MissingGradientError(f"no gradient (.grad is None) for {shown}: run backward() before push(), "
                                        f"or pass none_as_zero=True to count them as zero")
+        poisoned = non_finite(grads)
+        if poisoned:
+            # One push of NaN would make every parameter NaN at the next step, for good.
+            shown = ", ".join(repr(n) for n in poisoned[:6]) + (f" and {len(poisoned) - 6} more" if len(poisoned) > 6 else "")
+            raise ValueError(f"cannot push to gradient server {self.server_name!r}: the gradients of {shown} hold NaN "
+                             f"or inf values, which would make the managed parameters NaN; nothing was sent. Skip "
+                             f"this batch (model.zero_grad()) and look for the loss that overflowed (a log of 0, "
+                             f"a division by 0, a learning rate too high)")
         lossy = uncastable({k: g.dtype for k, g in grads.items()}, {k: d for k, (_, d) in spec.items()})
         if lossy is not None:
             raise ValueError(f"cannot push to gradient server {self.server_name!r}: gradients cannot be cast to the "
