@@ -272,6 +272,63 @@ def test_a_member_given_no_rank_never_takes_rank_0():
         assert world.rank > 0
 
 
+def _member_with_rank(address: str, name: str, rank, out_queue, in_queue) -> None:
+    """Join as ``name`` with ``rank``; say the rank taken (or the error), stay until told."""
+    try:
+        world = World(name, elastic=True, init_method=address, rank=rank, dist_timeout=20)
+    except ValueError as err:
+        out_queue.put((name, "refused", str(err)))
+        return
+    with world:
+        out_queue.put((name, "joined", world.rank))
+        in_queue.get(timeout=60)
+
+
+def test_a_rank_is_held_by_one_live_member_at_a_time():
+    """A rank given twice in an elastic world made two members answer ``world.rank == r``
+    (and seed, shard or elect alike). The second is refused, naming the first; a member
+    given no rank whose sequence number was given by hand takes the next one; the rank of
+    a SIGKILLed member is taken over by the next who asks for it."""
+    import datetime
+
+    import torch.distributed as dist
+    from machinlike import SimpleQueue
+    from machinlike.distributed._store import Keys
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    address = f"tcp://127.0.0.1:{server.port}"
+    out = SimpleQueue()
+    stays = []  # one each: a member killed while reading a shared queue would hold its lock
+
+    def start(name, rank):
+        stays.append(SimpleQueue())
+        procs.append(Process(target=_member_with_rank, args=(address, name, rank, out, stays[-1])))
+        procs[-1].start()
+        return out.get(timeout=60)
+
+    procs: list = []
+    # Member "a" takes worker sequence number n; it is given n + 1, the one the next
+    # member given no rank ("auto") draws.
+    given = server.add(Keys.elastic_world("0").worker_ids(), 0) + 1
+    try:
+        assert start("a", given) == ("a", "joined", given)
+        report = start("auto", None)
+        assert report[:2] == ("auto", "joined") and report[2] not in (0, given), report
+        report = start("b", given)
+        assert report[:2] == ("b", "refused"), report
+        assert f"rank {given} is held by member 'a' (incarnation 1), alive in this world: give each member " \
+               "its own rank, or rank=None" in report[2]
+        os.kill(procs[0].pid, signal.SIGKILL)
+        assert start("c", given) == ("c", "joined", given)
+    finally:
+        for stay in stays:
+            stay.put("go")
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
 def test_joining_a_world_that_is_gone_fails_within_its_timeout():
     port = _free_port()  # nothing listens there
     start = time.monotonic()

@@ -69,6 +69,7 @@ from .store_watch import watch_store
 from .waits import Waits
 from .watch import watch_from_env
 from .pidwatch import PidWatch, WakingEvent
+from .rank_claim import claim_rank
 
 __all__ = ["Membership", "MemberEvent"]
 
@@ -219,7 +220,7 @@ class Membership:
         A record left by a dead incarnation is taken over once that one is declared lost.
 
         Raises:
-            ValueError: a live member already uses the name (named).
+            ValueError: a live member already uses the name, or the given ``rank`` (named).
             TimeoutError: the previous incarnation's clean-up did not finish in time.
         """
         mine = self.endpoint.new_incarnation(rank)
@@ -237,6 +238,13 @@ class Membership:
             # was stale, so that the next claim wins instead of finding it again.
             self.registry.compare_set(self.keys.live(self.name), held, "")
         self.endpoint.claimed(mine)
+        try:
+            claim_rank(mine, rank is not None, self.registry, self.keys, self.claims, self.endpoint, self.monitor,
+                       deadline)
+        except BaseException:
+            # Not entered: the name is free again for whoever (or whenever) is right.
+            self.registry.compare_set(self.keys.live(self.name), self.endpoint.me.encode(), "")
+            raise
         # The loss keys of the incarnation before last: nobody declares that one any more
         # (the last one was declared, or left, before this claim won). Left, every death
         # would leave three keys for good.

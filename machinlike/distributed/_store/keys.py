@@ -21,6 +21,7 @@ store, ``mlk/<restart>/e/`` for an elastic world); everything below is relative 
     <ns>m/gone/<name>/<inc>          "1" once the lost one's keys are free
     <ns>m/dep/n, <ns>m/dep/<j>       departures: counter, blocks (see _membership.departures)
     <ns>m/host                       name of the member whose process hosts the store (rank=0)
+    <ns>m/rank/<r>                   RPC worker of the member holding rank r (elastic; a claim)
     <ns>w/{proc,name,size,ready,stop,left}/<rank>   static world start-up and stop  World
     <ns>rg/<group>/current           GroupRecord                                 RpcGroup
     <ns>rg/<group>/<epoch>/join/<m>  a member's member list, at creation
@@ -222,6 +223,10 @@ class Keys:
 
     def worker_ids(self) -> str:
         return f"{self.ns}m/tid"
+
+    def rank(self, rank: int) -> str:
+        """Claimed by the member of an elastic world that holds ``rank`` (its RPC worker)."""
+        return f"{self.ns}m/rank/{rank}"
 
     def store_host(self) -> str:
         """The name of the member whose process hosts the store, set before its join is

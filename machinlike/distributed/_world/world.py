@@ -54,8 +54,9 @@ class World:
         name: Member name, unique among live members (1-100 letters, digits, ``_:-``).
             None: ``str(rank)``.
         rank: This process's rank. None: the ``RANK`` environment variable (torchrun);
-            in an elastic world, None picks a fresh unique rank (never 0), and ``rank=0``
-            makes this process host the store.
+            in an elastic world, None picks a fresh unique rank (never 0), a rank given
+            is held by one live member at a time, and ``rank=0`` makes this process host
+            the store.
         world_size: Number of processes of a static world. None: ``WORLD_SIZE``. Must be
             None in an elastic world.
         init_method: ``"tcp://host:port"`` (rank 0 hosts the store there), ``"env://"``, or
@@ -120,7 +121,7 @@ class World:
 
     Raises:
         ValueError, TypeError: invalid arguments (the message names the parameter), or
-            (elastic) a live member already has ``name``.
+            (elastic) a live member already has ``name``, or the ``rank`` given.
         RuntimeError: this process already has a World, or (``collective=True``) torch's
             default process group, or (static) this rank is held in a world running on
             that store by another live process of this host (two jobs given one port).
