@@ -12,7 +12,7 @@ import inspect
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
-__all__ = ["MAX_SECONDS", "seconds", "seconds_or_none", "member_name", "service_key", "call_args", "positive_int",
+__all__ = ["MAX_SECONDS", "MAX_NAME_BYTES", "seconds", "seconds_or_none", "member_name", "service_key", "fits_the_store", "call_args", "positive_int",
            "sequence_of_str", "optional_str", "nonempty_str", "not_async", "local_device"]
 
 
@@ -97,31 +97,46 @@ def member_name(value: Any, param: str = "name") -> str:
 
 
 def nonempty_str(param: str, value: Any) -> str:
-    """``value`` as a non-empty str (a name).
+    """``value`` as a non-empty str (a name) of at most :data:`MAX_NAME_BYTES`.
 
     Raises:
         TypeError: not a str.
-        ValueError: empty.
+        ValueError: empty, or too long.
     """
     if not isinstance(value, str):
         raise TypeError(f"{param} must be a str, not {type(value).__name__} ({value!r})")
     if not value:
         raise ValueError(f"{param}='' is empty: give it a name")
+    return fits_the_store(param, value)
+
+
+#: The longest key, group or server name, in UTF-8 bytes. Each goes into store keys
+#: with a prefix, and torch's store drops the connection of a client that sends a key
+#: over 8,192 bytes: the process's World was lost for good over one long name.
+MAX_NAME_BYTES = 2048
+
+
+def fits_the_store(param: str, value: str) -> str:
+    """``value`` unless it is longer than :data:`MAX_NAME_BYTES` (a ValueError)."""
+    if len(value) * 4 > MAX_NAME_BYTES and len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise ValueError(f"{param} is {len(value.encode('utf-8', 'surrogatepass')):,} bytes long ({value[:40]!r}...): "
+                         f"names are kept in the world's store, which refuses long keys; use at most "
+                         f"{MAX_NAME_BYTES:,} bytes (UTF-8)")
     return value
 
 
 def service_key(key: Any) -> str:
-    """A service or value key: a non-empty str.
+    """A service or value key: a non-empty str of at most :data:`MAX_NAME_BYTES`.
 
     Raises:
         TypeError: not a str.
-        ValueError: empty.
+        ValueError: empty, or too long.
     """
     if not isinstance(key, str):
         raise TypeError(f"key must be a str, not {type(key).__name__} ({key!r})")
     if not key:
         raise ValueError("key='' is empty: name the service or value, e.g. key='model'")
-    return key
+    return fits_the_store("key", key)
 
 
 def call_args(args: Any, kwargs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

@@ -95,6 +95,24 @@ def test_register_call_and_errors(world):
                                             r"would give an async generator"):
             g.register("x", _async_generator)
         assert not g.is_registered("x")
+        # torch's store drops a client whose key passes 8,192 bytes: the World was lost
+        # for good over one long name (cold trial 20). Refused here, before anything is sent.
+        long_name = "k" * 3000
+        for call in (lambda: g.register(long_name, _scale), lambda: g.pair(long_name, 1),
+                     lambda: g.is_registered(long_name), lambda: g.registered_sync(long_name),
+                     lambda: g.get_paired(long_name)):
+            with pytest.raises(ValueError, match=r"key is 3,000 bytes long \('kkk.*use at most 2,048 bytes"):
+                call()
+        with pytest.raises(ValueError, match=r"key is 2,050 bytes long"):
+            g.register("\u00fc" * 1025, _scale)  # (bytes, not characters)
+        from machinlike.distributed import get_world
+        with pytest.raises(ValueError, match=r"group name is 3,000 bytes long"):
+            get_world().create_rpc_group(long_name, MEMBERS)
+        with pytest.raises(TypeError, match=r"group name must be a str, not NoneType"):
+            get_world().get_rpc_group(None)
+        g.register("k" * 2048, _scale)  # the longest: kept, and the World goes on
+        assert g.is_registered("k" * 2048)
+        g.deregister("k" * 2048)
         with pytest.raises(ValueError, match="timeout=-1 must be a positive number"):
             g.registered_sync("scale1", timeout=-1)
         # "Forever" as 1e9 failed deep in the call, an OverflowError of poll() (cold trial 18).

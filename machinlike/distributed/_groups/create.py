@@ -29,6 +29,7 @@ from .group_end import end_incarnation
 from .._store import OPEN_EPOCH, WOKEN_MARK, GroupRecord, MemberRecord
 
 from .rpc_group import RpcGroup
+from ... import _checks
 from ...exception import PeerLostError
 from ..._deadline import deadline_left
 
@@ -41,6 +42,7 @@ def check_group_name(name: str) -> None:
         raise TypeError(f"group name must be a str, not {type(name).__name__}")
     if not name or "/" in name or "," in name:
         raise ValueError(f"group name {name!r} must be non-empty and contain no '/' or ','")
+    _checks.fits_the_store("group name", name)
 
 
 def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: float) -> RpcGroup:
@@ -254,6 +256,7 @@ def open_group(d: GroupDirectory, name: str) -> RpcGroup:
 
 def find_group(d: GroupDirectory, name: str) -> Optional[RpcGroup]:
     """This process's group ``name``, else a handle if the world has one, else None."""
+    check_group_name(name)
     group = d.local(name)
     if isinstance(group, RpcGroup):
         return group

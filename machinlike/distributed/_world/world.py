@@ -425,6 +425,9 @@ class World:
 
         Returns:
             The group, or None when no group of that name exists in the world.
+
+        Raises:
+            TypeError, ValueError: ``group_name`` is not a str, or no group name.
         """
         return find_group(self.groups, group_name)
 
