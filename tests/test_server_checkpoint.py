@@ -48,6 +48,18 @@ def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint_dir='.*/g.ckpt/runs/1' lies under '.*/g.ckpt', a file"):
         Checkpointer(os.path.join(ckpt.path, "runs", "1"), "grad-server", "g")
     assert Checkpointer(tmp_path / "runs" / "1", "grad-server", "g").load() is None  # missing: made at the first save
+    # A directory that cannot be made was taken; the host logged, counted nothing, and its
+    # first push of a key failed with a bare FileNotFoundError (cold trial 20). The host
+    # tries it as it is built (load), naming it; other members do not (the path may be
+    # the host machine's alone).
+    from machinlike.server._host import HostCheckpoint
+
+    unmakeable = HostCheckpoint("/proc/machinlike-nope/ckpt", "ordered-server", "kv", 1, None)  # (built: no probe)
+    with pytest.raises(FileNotFoundError, match=r"checkpoint_dir='/proc/machinlike-nope/ckpt' of ordered-server "
+                                                r"'kv' cannot hold its checkpoint \(No such file or directory\): "
+                                                r"pass a directory this process can make and write"):
+        unmakeable.load()
+    assert not os.path.exists("/proc/machinlike-nope")
 
 
 class Two(nn.Module):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 from typing import Any, Dict, Optional
 
 import torch
@@ -78,6 +79,25 @@ class Checkpointer:
         self.kind = kind
         self.name = name
         self.path = os.path.join(self.directory, name.replace("/", "_") + suffix)
+
+    def probe(self) -> None:
+        """Make the directory and write a file in it (the host, as it is built): a
+        directory that cannot hold the checkpoint fails the server's creation, not its
+        first save, a push minutes on. Only the host: the path may exist on its machine
+        alone.
+
+        Raises:
+            OSError: it cannot be made or written in (the error's own type, e.g.
+                ``PermissionError``, naming the directory, the server and the fix).
+        """
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as err:
+            raise type(err)(err.errno, f"checkpoint_dir={self.directory!r} of {self.kind} {self.name!r} cannot hold "
+                                       f"its checkpoint ({err.strerror}): pass a directory this process can make "
+                                       f"and write") from err
 
     def exists(self) -> bool:
         return os.path.exists(self.path)

@@ -116,7 +116,9 @@ class HostCheckpoint:
         Raises:
             CheckpointError: a file is corrupt or another server's, the lease is missing,
                 or the checkpoint holds a version above the lease.
+            OSError: the directory cannot be made or written in (named).
         """
+        self.file.probe()  # (the host builds itself on this: its first save must not fail)
         state = self.file.load()
         if state is None:
             self._starting_afresh()
