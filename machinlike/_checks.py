@@ -12,7 +12,7 @@ import inspect
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
-__all__ = ["MAX_SECONDS", "MAX_NAME_BYTES", "seconds", "seconds_or_none", "member_name", "service_key", "fits_the_store", "call_args", "positive_int",
+__all__ = ["MAX_SECONDS", "MAX_NAME_BYTES", "BACKENDS", "seconds", "seconds_or_none", "member_name", "service_key", "fits_the_store", "call_args", "positive_int",
            "sequence_of_str", "optional_str", "nonempty_str", "not_async", "local_device"]
 
 
@@ -109,6 +109,9 @@ def nonempty_str(param: str, value: Any) -> str:
         raise ValueError(f"{param}='' is empty: give it a name")
     return fits_the_store(param, value)
 
+
+#: torch.distributed's backends, by the names World and its collective groups take.
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 #: The longest key, group or server name, in UTF-8 bytes. Each goes into store keys
 #: with a prefix, and torch's store drops the connection of a client that sends a key

@@ -216,6 +216,12 @@ def test_subgroup_uses_global_ranks_and_refuses_outsiders(world):
             sub.send(torch.ones(1), dst=1)
     with pytest.raises(ValueError, match=r"ranks=\[0, 7\] must be distinct ranks in \[0, 3\)"):
         world.create_collective_group([0, 7])
+    # Checked on every rank before anything is sent: a str went through on the source
+    # and failed on the receivers, after the collective (cold trial 20).
+    with pytest.raises(TypeError, match=r"object_list must be a list \(written in place\), not str"):
+        sub.broadcast_object_list("abc", src=0)
+    with pytest.raises(ValueError, match=r"object_list holds 1 entries; all_gather_object needs one per member \(2\)"):
+        sub.all_gather_object([None], r)
     sub.destroy()
     with pytest.raises(RuntimeError, match="destroyed|not in"):
         sub.barrier()
@@ -591,3 +597,10 @@ def test_member_names_given_as_ranks_are_refused_with_the_fix():
         CollectiveGroup.create(["0", "1"], 0, 2, None, 10.0)
     with pytest.raises(TypeError, match=r"ranks must be a sequence of int ranks, not 'ab'$"):
         CollectiveGroup.create("ab", 0, 2, None, 10.0)
+    # Cold trial 20: an int was "'int' object is not iterable"; an unknown backend torch's
+    # AssertionError (World(backend=...) named it already).
+    with pytest.raises(TypeError, match=r"ranks must be a sequence of int ranks, not int \(0\): pass a list"):
+        CollectiveGroup.create(0, 0, 2, None, 10.0)
+    with pytest.raises(ValueError, match=r"backend='bogus' is not a torch.distributed backend; use one of "
+                                         r"\['gloo', 'nccl', 'mpi', 'ucc'\], or None for the World's"):
+        CollectiveGroup.create([0, 1], 0, 2, "bogus", 10.0)

@@ -19,6 +19,7 @@ from typing import Any, Callable, List, Optional, Sequence, Set, TypeVar
 import torch
 import torch.distributed as dist
 
+from ... import _checks
 from .._store import forked as _forked
 from .collective_failures import FailureNamer, NamedWork
 from .dense import DenseStage
@@ -211,6 +212,9 @@ class CollectiveGroup:
             namer: Names the member whose death or silence ended a collective; None: gloo's
                 errors as they are.
         """
+        if not isinstance(ranks, (list, tuple, range)) and not hasattr(ranks, "__iter__"):
+            raise TypeError(f"ranks must be a sequence of int ranks, not {type(ranks).__name__} ({ranks!r}): "
+                            f"pass a list, e.g. ranks=[0, 1]")
         if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             names = not isinstance(ranks, (str, bytes)) and any(isinstance(r, str) for r in ranks)
             raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}"
@@ -225,6 +229,9 @@ class CollectiveGroup:
                             f"World's, not {type(backend).__name__}"
                             + (f"; machin's second argument was the timeout: pass timeout={backend!r}"
                                if number else ""))
+        if backend is not None and backend.lower() not in _checks.BACKENDS:
+            raise ValueError(f"backend={backend!r} is not a torch.distributed backend; use one of {list(_checks.BACKENDS)}, "
+                             f"or None for the World's")
         if agree is not None:
             agree(ranks, timeout)
         group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
@@ -521,7 +528,11 @@ class CollectiveGroup:
         Args:
             object_list: The same length everywhere; overwritten in place except on ``src``.
             src: Global rank of the source.
+
+        Raises:
+            TypeError: ``object_list`` is not a list (every rank: the receivers write into it).
         """
+        _object_list(object_list, None)
         dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
 
     @_named
@@ -531,7 +542,11 @@ class CollectiveGroup:
         Args:
             object_list: A list of ``size()`` entries, overwritten in place.
             obj: This member's contribution.
+
+        Raises:
+            TypeError, ValueError: ``object_list`` is not a list of ``size()`` entries.
         """
+        _object_list(object_list, self.size())
         dist.all_gather_object(object_list, obj, group=self._g())
 
     # ------------------------------------------------------------------ lifecycle
@@ -550,3 +565,13 @@ class CollectiveGroup:
             if self._retire is not None:  # see RetiredGroups: its last reference goes at stop
                 self._retire(self.group)
         self._destroyed = True
+
+
+def _object_list(value: Any, size: Optional[int]) -> None:
+    """Raise unless ``value`` is a list (of ``size`` entries unless None)."""
+    if not isinstance(value, list):
+        raise TypeError(f"object_list must be a list (written in place), not {type(value).__name__} ({value!r}): "
+                        f"pass e.g. object_list=[None] * n")
+    if size is not None and len(value) != size:
+        raise ValueError(f"object_list holds {len(value)} entries; all_gather_object needs one per member "
+                         f"({size}): pass [None] * group.size()")

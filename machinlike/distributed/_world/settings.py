@@ -21,7 +21,7 @@ from .._calls import samehost as _samehost
 
 __all__ = ["Settings", "settings", "BACKENDS", "no_collectives"]
 
-BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+BACKENDS = _checks.BACKENDS
 
 
 @dataclass(frozen=True)
