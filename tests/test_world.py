@@ -74,6 +74,13 @@ def test_in_process_lifecycle_and_one_world_per_process():
         assert get_world() is None
         with pytest.raises(RuntimeError, match="has been stopped"):
             world.create_rpc_group("late", ["solo"])
+        with pytest.raises(RuntimeError, match="has been stopped"):
+            world.get_rpc_group("g")
+        # A handle kept past stop() was told "a pool worker or a child process has not"
+        # joined the world (cold trial 20).
+        with pytest.raises(RuntimeError, match="World 'solo' of this process has been stopped: RpcGroup 'g' "
+                                               "belonged to it; create a new World"):
+            group.registered_sync("twice", (1,))
 
 
 WORKER_ID_SCRIPT = """

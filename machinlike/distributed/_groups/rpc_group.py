@@ -87,14 +87,26 @@ class RpcGroup:
     def _directory(self) -> GroupDirectory:
         d = self._dir
         if d is None or not d.open:
-            d = _directory.require(f"RpcGroup {self._name!r}")  # its World stopped: the current one's, as before
+            d = self._current()  # its World stopped: the current one's, as before
         return d
+
+    def _current(self) -> GroupDirectory:
+        """This process's World's directory, for a handle without one or whose World stopped.
+
+        Raises:
+            RuntimeError: no World runs here; naming the one this handle belonged to when
+                that one was stopped (it was "a pool worker or a child process has not").
+        """
+        if self._dir is not None and _directory.current() is None:
+            raise RuntimeError(f"World {self._dir.name!r} of this process has been stopped: RpcGroup {self._name!r} "
+                               f"belonged to it; create a new World (and its groups) to call again")
+        return _directory.require(f"RpcGroup {self._name!r}")
 
     def _usable(self, need_member: bool) -> GroupParts:
         """The parts for the directory in use (built when it changed), if this handle may be used."""
         d = self._dir
         if d is None or not d.open:
-            d = _directory.require(f"RpcGroup {self._name!r}")
+            d = self._current()
         parts = self._parts
         if parts is None or parts.directory is not d:
             parts = self._bind(d)

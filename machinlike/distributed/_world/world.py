@@ -428,7 +428,9 @@ class World:
 
         Raises:
             TypeError, ValueError: ``group_name`` is not a str, or no group name.
+            RuntimeError: the World is stopped.
         """
+        self._require_live()
         return find_group(self.groups, group_name)
 
     def create_collective_group(self, ranks: Sequence[int], backend: Optional[str] = None,
