@@ -105,6 +105,24 @@ class Budget:
             members = self._members
         self.check(members)
 
+    def refuse_beyond_hard(self, members: int, param: str) -> None:
+        """Raise before anything starts when ``members`` need more descriptors than the
+        hard limit lets this process open: such a job cannot run (a launch of 10**6 ranks
+        started hundreds, each warning, until killed minutes on; cold trial 20).
+
+        Raises:
+            ValueError: naming ``param``, the need, the limit and the fix.
+        """
+        wanted = need(members, self._per_member, self._base)
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard != resource.RLIM_INFINITY and wanted > hard:
+            raise ValueError(
+                f"{param}={members:,}: {members:,} {self._unit} need about {wanted:,} open files in this process "
+                f"({self._base} to start, about {self._per_member} a {self._unit[:-1]}"
+                f"{': ' + self._role if self._role else ''}), and it may open at most {hard:,} (the hard limit, "
+                f"ulimit -Hn). Fix: fewer {self._unit}, or raise the hard limit before starting (`ulimit -Hn "
+                f"{max(65536, wanted):,}` as root, LimitNOFILE= in a systemd unit, `--ulimit nofile=...` for docker)")
+
     def check(self, members: int) -> bool:
         """Warn (once) if ``members`` members need more descriptors than the soft limit;
         returns whether they do."""

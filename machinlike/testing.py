@@ -44,7 +44,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] =
         fn: Run on every rank with its World first; lambdas and local functions work.
         world_size: Number of ranks.
         args, kwargs: Extra arguments of ``fn``.
-        timeout: Seconds for the whole run, start-up included (> 0). Each rank's
+        timeout: Seconds for the whole run once the ranks are started, their Worlds'
+            start-up included (> 0). Each rank's
             ``World.stop`` waits at most ``min(30, timeout)`` for its peers.
         **world_kwargs: Passed to :func:`machinlike.launch` (``return_exceptions=``,
             ``names=``) and from there to each :class:`~machinlike.distributed.World`.

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -145,16 +146,33 @@ def test_a_store_host_that_may_not_open_enough_says_so_with_the_fix():
     assert "SIGABRT" in err and "LimitNOFILE=" in err
 
 
-def test_a_launch_whose_ranks_need_more_than_the_hard_limit_says_so_first():
-    # 10 ranks need about 140 descriptors in launch()'s own process: said before any starts.
-    text = ("launch(): this process may open 100 files (ulimit -n; hard limit 100) and 10 members need about 140 "
-            "here (20 to start, about 12 a member: it hosts their store)")
+def test_a_launch_whose_ranks_need_more_than_the_hard_limit_is_refused_before_any_starts():
+    # 10 ranks need about 140 descriptors in launch()'s own process, where at most 100 may
+    # be opened: such a job cannot run, so nothing starts (a launch of 10**6 ranks warned,
+    # then started hundreds, each warning, until killed minutes on: cold trial 20).
+    text = ("ValueError: world_size=10: 10 ranks need about 140 open files in this process (20 to start, about 12 a "
+            "rank: it hosts their store), and it may open at most 100 (the hard limit, ulimit -Hn). Fix: fewer ranks")
     err = _said("""
         import machinlike
         if __name__ == "__main__":
             machinlike.launch(lambda world: None, 10, timeout=30)
     """, 100, 100, text, 60)
     assert text in err, err[-3000:]
+
+
+def test_a_pool_too_large_for_the_hard_limit_is_refused_before_any_worker_starts():
+    import resource
+
+    from machinlike.pool import Pool
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"processes=\d[\d,]*: \d[\d,]* workers need about .* open files in this "
+                                         r"process .*Fix: fewer workers, or raise the hard limit"):
+        Pool(hard)  # (it ran for minutes and leaked thousands of semaphores)
+    assert time.monotonic() - start < 5
 
 
 def test_a_pool_of_sixty_workers_starts_under_a_soft_limit_of_200():

@@ -195,9 +195,11 @@ class Pool(PoolBase):
         # Before the first process or pipe (``_descriptors`` says why): a pool of hundreds
         # of workers (environments stepped in parallel) outgrows a soft limit of 1,024.
         _descriptors.raise_limit()
-        _descriptors.Budget(f"{type(self).__name__}(processes={processes})", _descriptors.PER_POOL_WORKER,
-                            base=_POOL_BASE, role="it keeps pipes to each", unit="workers",
-                            outcome="starting a worker fails (OSError: Too many open files)").check(processes)
+        budget = _descriptors.Budget(f"{type(self).__name__}(processes={processes})", _descriptors.PER_POOL_WORKER,
+                                     base=_POOL_BASE, role="it keeps pipes to each", unit="workers",
+                                     outcome="starting a worker fails (OSError: Too many open files)")
+        budget.refuse_beyond_hard(processes, "processes")
+        budget.check(processes)
         context = resolve_context(ctx)
         _mainguard.check_main_file(f"{type(self).__name__}(...)", context.get_start_method())
         codec = Codec(is_copy_tensor, methods, is_recursive)

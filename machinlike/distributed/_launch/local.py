@@ -117,8 +117,10 @@ def launch(
             of its rank (``asyncio.run``).
         world_size: Number of processes (ranks 0..world_size-1).
         args, kwargs: Extra arguments of ``fn`` (copied into each process).
-        timeout: Seconds for the whole run; None waits as long as the ranks run (a rank
-            that dies still ends the run at once).
+        timeout: Seconds for the whole run once the ranks are started (their Worlds'
+            start-up included); None waits as long as the ranks run (a rank that dies
+            still ends the run at once). Not counted: this process's first start of the
+            warm process server (ctx None), a second or three once per process.
         names: Member names per rank. None: ``"0"``, ``"1"``, ...
         ctx: Multiprocessing context; None: the warm forkserver (torch preloaded).
         stop_timeout: Seconds each rank's ``World.stop`` waits for its peers at the end
@@ -203,8 +205,10 @@ def launch(
     # This process hosts the ranks' store and keeps pipes to each: its allowance of open
     # files first (``_descriptors`` says why); the ranks inherit it.
     _descriptors.raise_limit()
-    _descriptors.Budget("launch()", _descriptors.PER_RANK_LAUNCHER, base=_LAUNCHER_BASE,
-                        role="it hosts their store").check(world_size)
+    budget = _descriptors.Budget("launch()", _descriptors.PER_RANK_LAUNCHER, base=_LAUNCHER_BASE,
+                                 role="it hosts their store", unit="ranks")
+    budget.refuse_beyond_hard(world_size, "world_size")
+    budget.check(world_size)
     store = host_store("127.0.0.1", world_size, world_kwargs.get("dist_timeout", 60.0))
     log.info("machinlike.launch: the world's store is at tcp://127.0.0.1:%d; watch it with "
              "python -m machinlike status tcp://127.0.0.1:%d", store.port, store.port)
