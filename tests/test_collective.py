@@ -322,9 +322,17 @@ def _dies_in_a_collective(world, stay_silent):
     except Exception as err:  # (sent back as a value: the run goes on)
         out = (type(err).__name__, getattr(err, "member", None), str(err))
     took = time.monotonic() - start
+    # gloo closed the group's connections: the next op says so at once (it was gloo's bare
+    # "Application timeout caused pair closure", cold trial 20).
+    start = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(1))
+        after = "reduced"
+    except RuntimeError as err:
+        after = str(err)
     if world.rank == 0:
         world.membership.registry.set(key, "1")
-    return out + (took,)
+    return out + (took, after, time.monotonic() - start)
 
 
 @pytest.mark.parametrize("stay_silent", [False, True], ids=["killed", "silent"])
@@ -333,12 +341,41 @@ def test_a_collective_ended_by_a_dead_or_silent_member_says_so_by_name(stay_sile
     [127.0.0.1]:35219") or a receive that timed out; every other call names the member.
     Rank 0 runs the op blocking, rank 1 waits on its ``async_op=True`` handle."""
     results = run_world(_dies_in_a_collective, 3, args=(stay_silent,), timeout=90, return_exceptions=True)
-    for kind, member, said, took in results[:2]:
+    for kind, member, said, took, after, after_took in results[:2]:
+        assert after.startswith(f"CollectiveGroup [0, 1, 2] cannot be used any more: its all_reduce failed ({kind}: ") \
+            and after.endswith("destroy() it and create a new group on every rank (world.create_collective_group)") \
+            and after_took < 1, results
         if stay_silent:
             assert kind == "TimeoutError" and "collective all_reduce over ranks [0, 1, 2] did not finish within " \
                 "the group's timeout (3 s)" in said and took < 20, results
         else:
             assert (kind, member) == ("PeerLostError", "2") and "was lost (gloo: " in said and took < 15, results
+
+
+@world_test(2, timeout=60)
+def test_a_member_whose_collective_timed_out_is_told_apart_from_a_crash(world):
+    """Rank 1 skips an all_reduce that times out on rank 0, then calls the next: gloo
+    told it "a remote worker crashing", though nobody had (cold trial 20). A new group
+    works again."""
+
+    group = world.create_collective_group([0, 1], timeout=2)
+    key = world.membership.keys.scratch("spoiled/timed-out")
+    if world.rank == 0:
+        with pytest.raises(TimeoutError, match="did not finish within the group's timeout"):
+            group.all_reduce(torch.ones(2))
+        world.membership.registry.set(key, "1")
+    else:
+        world.membership.registry.wait_all(key, [""], 30, "rank 0's timeout")
+    with pytest.raises(RuntimeError, match=r"a member closed the group's connections though none is gone \(most "
+                                           r"likely a collective of this group failed or timed out there first\); "
+                                           r"destroy\(\) it and create a new group|cannot be used any more"):
+        group.all_reduce(torch.ones(2))
+    group.destroy()
+    fresh = world.create_collective_group([0, 1], timeout=20)
+    t = torch.ones(2)
+    fresh.all_reduce(t)
+    assert t.tolist() == [2.0, 2.0]
+    fresh.destroy()
 
 
 @world_test(2, timeout=90)
@@ -439,13 +476,13 @@ def test_only_a_missing_collective_selects_its_substitute(world, op):
     native = getattr(dist, op)
 
     def failing(*args, **kwargs):
-        raise RuntimeError("Connection closed by peer [10.0.0.7]:29500")
+        raise RuntimeError("NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details)")
 
     setattr(dist, op, failing)
     try:
         g = world.create_collective_group([0, 1])
         g._substituted = set()  # (gloo's alltoall is never asked: asked here as another backend's would be)
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        with pytest.raises(RuntimeError, match=r"^NCCL error: unhandled system error"):
             if op == "all_to_all":
                 g.all_to_all([torch.zeros(1)] * 2, [torch.zeros(1)] * 2)
             else:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ... import _checks
 from .._store import forked as _forked
-from .collective_failures import FailureNamer, NamedWork
+from .collective_failures import FailureNamer, GroupHealth, NamedWork
 from .dense import DenseStage
 from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks
 
@@ -42,18 +42,20 @@ def _named(method: _Op) -> _Op:
     """``method``, with gloo's errors of a member's death or silence named (FailureNamer)."""
     @functools.wraps(method)
     def run(self: "CollectiveGroup", *args: Any, **kwargs: Any) -> Any:
-        namer = self._namer
+        namer, health, op = self._namer, self._health, method.__name__
+        health.check()
         try:
             result = method(self, *args, **kwargs)
         except RuntimeError as err:
-            failure = err if namer is None else namer(method.__name__, self.ranks, self._timeout, err)
+            failure = health.failed(op, err, err if namer is None else namer(op, self.ranks, self._timeout, err))
             if failure is err:
                 raise
             raise failure from err
         if namer is None or not (hasattr(result, "wait") and hasattr(result, "is_completed")):
             return result  # (None, a sender's rank)
-        op, ranks = method.__name__, self.ranks
-        return NamedWork(result, lambda bound, whose, err: namer(op, ranks, bound, err, whose), self._timeout)
+        ranks = self.ranks
+        return NamedWork(result, lambda bound, whose, err: health.failed(op, err, namer(op, ranks, bound, err, whose)),
+                         self._timeout)
     return run  # type: ignore[return-value]
 
 
@@ -191,6 +193,7 @@ class CollectiveGroup:
         self._retire = retire
         self._namer, self._timeout = namer, timeout  # (None: gloo's errors as they are)
         self._destroyed = False
+        self._health = GroupHealth(self.ranks)
         # The collectives that run as their substitute: slower on this backend, or refused by
         # it (None: not known yet, see _native).
         self._substituted: Optional[Set[str]] = None

@@ -10,7 +10,12 @@ names the member, where every other call of the World raises ``PeerLostError`` o
         "timed out"         ──► TimeoutError: the op, the ranks, the group's timeout
         the peer closed     ──► wait (at most LOSS_WAIT s) for this view to see a member
                                 of the group gone ──► PeerLostError naming it
-        anything else, or no member seen gone ──► gloo's error as it was
+        the peer closed, nobody gone ──► RuntimeError: the group's connections were
+                                         closed (a failure on another member)
+        anything else ──► gloo's error as it was
+    GroupHealth: after a collective that failed so, the group is spoiled (gloo closed its
+        pairs): every later op raises at once, saying so and how to go on (it was gloo's
+        bare "Application timeout caused pair closure", or a "remote worker crashing")
 
 The World's loss detection sees a death on this host within a tick (at most 0.25 s), so a
 short wait finds it; gloo's error stays the cause. A work handle (``async_op=True``,
@@ -26,11 +31,43 @@ from typing import Any, Callable, List, Optional, Sequence
 from ...exception import PeerLostError
 from .._membership import Roster
 
-__all__ = ["FailureNamer", "NamedWork", "LOSS_WAIT"]
+__all__ = ["FailureNamer", "GroupHealth", "NamedWork", "LOSS_WAIT"]
 
 LOSS_WAIT = 2.0  # seconds a failed collective waits for this view to see a member gone
 
 _CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe")
+# What gloo says when a collective failed in a way that closed the group's connections.
+_SPOILS = _CLOSED + ("timed out", "pair closure")
+_FIX = "destroy() it and create a new group on every rank (world.create_collective_group)"
+
+
+class GroupHealth:
+    """Whether a collective group's connections are still up (see the module docstring).
+
+    Args:
+        ranks: The group's ranks, for the messages.
+    """
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self._ranks = list(ranks)
+        self._broken: Optional[str] = None  # why not, once a collective closed them
+
+    def check(self) -> None:
+        """Raise if an earlier collective of the group closed its connections.
+
+        Raises:
+            RuntimeError: naming that collective and the fix.
+        """
+        if self._broken is not None:
+            raise RuntimeError(f"CollectiveGroup {self._ranks} cannot be used any more: {self._broken}, and gloo "
+                               f"closes a group's connections when a collective fails so: {_FIX}")
+
+    def failed(self, op: str, err: BaseException, failure: BaseException) -> BaseException:
+        """Note that ``op`` failed with gloo's ``err`` (raised as ``failure``); returns ``failure``."""
+        if self._broken is None and any(mark in str(err).lower() for mark in _SPOILS):
+            said = str(failure).split(" (gloo:")[0].split("; destroy()")[0]
+            self._broken = f"its {op} failed ({type(failure).__name__}: {said[:240]})"
+        return failure
 
 
 class FailureNamer:
@@ -60,7 +97,9 @@ class FailureNamer:
         members = [self._names[r] for r in ranks if 0 <= r < len(self._names)]
         gone = self._first_gone(members)
         if gone is None:
-            return err
+            return RuntimeError(f"collective {op} over ranks {list(ranks)} failed: a member closed the group's "
+                                f"connections though none is gone (most likely a collective of this group failed "
+                                f"or timed out there first); {_FIX} (gloo: {said})")
         how = self._roster.gone(gone) or "lost"
         return PeerLostError(gone, f"collective {op} over ranks {list(ranks)} failed: the member "
                                    f"{'left the world' if how == 'left' else 'was lost'} (gloo: {said})")
