@@ -12,7 +12,7 @@ import inspect
 import math
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, overload
 
-__all__ = ["MAX_SECONDS", "MAX_NAME_BYTES", "BACKENDS", "seconds", "seconds_or_none", "member_name", "service_key", "fits_the_store", "call_args", "positive_int",
+__all__ = ["MAX_SECONDS", "MAX_NAME_BYTES", "BACKENDS", "seconds", "seconds_or_none", "member_name", "service_key", "fits_the_store", "boolean", "call_args", "positive_int",
            "sequence_of_str", "optional_str", "nonempty_str", "not_async", "local_device"]
 
 
@@ -125,6 +125,17 @@ def fits_the_store(param: str, value: str) -> str:
         raise ValueError(f"{param} is {len(value.encode('utf-8', 'surrogatepass')):,} bytes long ({value[:40]!r}...): "
                          f"names are kept in the world's store, which refuses long keys; use at most "
                          f"{MAX_NAME_BYTES:,} bytes (UTF-8)")
+    return value
+
+
+def boolean(param: str, value: Any) -> bool:
+    """``value`` if it is a bool (a str such as 'no' is true to Python, and was taken so).
+
+    Raises:
+        TypeError: not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{param} must be a bool (True or False), not {type(value).__name__} ({value!r})")
     return value
 
 

@@ -358,6 +358,8 @@ BAD = [
     ({"model_complexity": [1, -2]}, ValueError, r"model_complexity\[1\] must be"),
     ({"model_complexity": 3}, TypeError, "model_complexity must be a list"),
     ({"seed": -1}, ValueError, "seed must be >= 0"),
+    # 'no' is true to Python: the models were moved (cold trial 20)
+    ({"move_models": "no"}, TypeError, r"move_models must be a bool \(True or False\), not str \('no'\)"),
 ]
 
 

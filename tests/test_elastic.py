@@ -341,6 +341,8 @@ def test_joining_a_world_that_is_gone_fails_within_its_timeout():
     "kwargs, error, match",
     [
         (dict(name="x", elastic=True, world_size=3), ValueError, "elastic world has no fixed size"),
+        # ('yes' was taken as True, and the World waited 60 s for a store: cold trial 20)
+        (dict(name="x", elastic="yes"), TypeError, r"elastic must be a bool \(True or False\), not str"),
         (dict(elastic=True), ValueError, "needs a name"),
         (dict(name="x", elastic=True, liveness=0), ValueError, "liveness=0 must be a positive number"),
         (dict(name="x", elastic=True, liveness=float("inf")), ValueError, "liveness=inf must be a positive"),

@@ -275,6 +275,7 @@ def test_launch_refuses_what_no_rank_could_run_before_starting_any(fn, args, kwa
     # the third raised a bare TypeError from a comparison; the last two came after ~4 s)
     ({"stop_timeout": -1}, ValueError, "stop_timeout=-1 must be a positive number of seconds"),
     ({"stop_timeout": "5"}, TypeError, "stop_timeout='5' must be a number of seconds"),
+    ({"return_exceptions": "x"}, TypeError, r"return_exceptions must be a bool \(True or False\), not str"),
     ({"rpc_timeout": -5}, ValueError, "rpc_timeout=-5 must be a positive number of seconds"),
     ({"names": ["a", "a"]}, ValueError, r"holds \['a'\] more than once: each rank needs its own member name"),
     ({"names": ["a", "b c"]}, ValueError, r"names\[1\]='b c' is not a valid member name"),

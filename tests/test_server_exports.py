@@ -49,3 +49,8 @@ def test_accessors_refuse_bad_arguments_without_a_world():
         server.grad_server_helper([lambda: made], optimizer=torch.optim.Adam(made.parameters()))  # (trial 8)
     with pytest.raises(TypeError, match="lr_scheduler must be a scheduler class"):
         server.grad_server_helper([lambda: made], lr_scheduler="step")
+    # Checked on every member before any group (torch's check ran on the primary alone).
+    with pytest.raises(ValueError, match=r"learning_rate=-1.0 must be a finite number >= 0"):
+        server.grad_server_helper([lambda: made], learning_rate=-1.0)
+    with pytest.raises(ValueError, match=r"learning_rate\[1\]=nan must be a finite number >= 0"):
+        server.grad_server_helper([lambda: made, lambda: made], learning_rate=[0.1, float("nan")])

@@ -37,16 +37,27 @@ def test_machin_push_pull_sequence(world):
         assert server.pull(("tuple", "key")) == (10, 7)
         with pytest.raises(TypeError, match="key must be hashable"):
             server.push(["list"], 1, 1, None)
+        # Cold trial 20: a key pushed at version NaN could never be pushed on again.
+        with pytest.raises(ValueError, match=r"version=nan equals nothing, itself included"):
+            server.push("n", 1, float("nan"), None)
+        assert server.pull("n") is None
         # An accessor built for a server nobody hosts says what makes one (machin: a bare KeyError).
         with pytest.raises(KeyError, match=r"Service \[nobody/_pull\] not found on Group \[group\]: no member "
                                            r"hosts ordered server 'nobody'; create OrderedServerSimpleImpl\('nobody', "
                                            r"group\) on the member that is to host it"):
             OrderedServerSimple("nobody", group).pull("a")
+    if world.name == "0":
+        # (it said "Service [server/_push] already registered": a name of its insides)
+        with pytest.raises(KeyError, match=r"ordered server 'server' already exists in group 'group' .*close it "
+                                           r"first, or pick another server_name"):
+            OrderedServerSimpleImpl("server", group)
+        with pytest.raises(ValueError, match=r"server_name='m/ordered' holds a '/'"):
+            OrderedServerSimpleImpl("m/ordered", group)
     group.barrier()
     if world.name == "0":
         stats = impl.stats()
         assert 0 <= stats.pop("since_version") < 60
-        assert stats == {"keys": 2, "pushes_accepted": 4, "pushes_rejected": 1, "pulls": 9, "pulls_unchanged": 1,
+        assert stats == {"keys": 2, "pushes_accepted": 4, "pushes_rejected": 1, "pulls": 10, "pulls_unchanged": 1,
                          "clients": ["1"]}
         impl.close()
         impl.close()  # idempotent

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import _checks
 from ._devices import DeviceLike, DeviceSpec, _distance_matrix, _parse_device, _resolve_devices
 from ._estimator import ModelSizeEstimator
 from ._objective import (
@@ -138,6 +139,7 @@ class ModelAssigner:
         seed: int = 0,
     ) -> None:
         self._models = _check_models(models)
+        _checks.boolean("move_models", move_models)
         if move_models:
             _check_moved_once(self._models)
         n = len(self._models)

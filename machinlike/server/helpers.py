@@ -307,6 +307,11 @@ def grad_server_helper(model_creators: Sequence[Callable[[], torch.nn.Module]],
                         f"lr_scheduler_kwargs")
     count = len(model_creators)
     rates = _per_model(learning_rate, count, "learning_rate", lambda: 1e-3, (int, float))
+    for i, rate in enumerate(rates):
+        # (torch's own check ran on the primary only: the others were told through the barrier)
+        if isinstance(rate, bool) or not (rate >= 0 and rate != float("inf")):
+            where = "learning_rate" if len(rates) == 1 else f"learning_rate[{i}]"
+            raise ValueError(f"{where}={rate!r} must be a finite number >= 0")
     opt_kwargs = _per_model(optimizer_kwargs, count, "optimizer_kwargs", dict, (dict,))
     # A tuple would be ambiguous (arguments, or one entry per model): only lists here.
     sched_args = _per_model(lr_scheduler_args, count, "lr_scheduler_args", tuple, ())

@@ -58,6 +58,15 @@ def _check_key(key: Any) -> Hashable:
     return key
 
 
+def _check_version(version: Any) -> Any:
+    """``version`` unless it is a float NaN: it equals nothing, itself included, so a key
+    pushed with it could never be pushed on again (every ``prev_version`` mismatches)."""
+    if isinstance(version, float) and version != version:
+        raise ValueError("version=nan equals nothing, itself included: a key pushed with it could never be "
+                         "updated again; use an int (or any value equal to itself)")
+    return version
+
+
 def _nothing() -> None:
     pass
 
@@ -183,7 +192,7 @@ class OrderedServerSimple(OrderedServerBase):
     def push(self, key: Hashable, value: Any, version: Any, prev_version: Any, *,
              timeout: Optional[float] = None) -> bool:
         """See :meth:`OrderedServerBase.push`; ``timeout``: seconds (None: the accessor's)."""
-        return self._call("_push", (_check_key(key), value, version, prev_version), timeout)
+        return self._call("_push", (_check_key(key), value, _check_version(version), prev_version), timeout)
 
     def pull(self, key: Hashable, version: Any = None, *, timeout: Optional[float] = None) -> Optional[Tuple[Any, Any]]:
         """See :meth:`OrderedServerBase.pull`; ``timeout``: seconds (None: the accessor's)."""
@@ -256,6 +265,10 @@ class OrderedServerSimpleImpl:
                  adopt: Optional[Callable[[Hashable, Any], Any]] = None, checkpoint_dir: Any = None,
                  checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
         check_name(server_name, "server_name")
+        if "/" in server_name:
+            # A host's own servers are "<name>/ordered": "m/ordered" took model server m's.
+            raise ValueError(f"server_name={server_name!r} holds a '/': those names belong to the servers a model "
+                             f"or gradient server hosts ('<name>/ordered'); pick a name without '/'")
         if adopt is not None and not callable(adopt):
             raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
         check_group(group)
@@ -307,7 +320,15 @@ class OrderedServerSimpleImpl:
         done: List[str] = []
         try:
             for key, service in zip(self._keys, services, strict=True):
-                group.register(key, service)
+                try:
+                    group.register(key, service)
+                except KeyError as err:
+                    if done or "already registered" not in str(err):
+                        raise
+                    # (it said "Service [kv/_push] already registered": a name of its insides)
+                    raise KeyError(f"ordered server {server_name!r} already exists in group "
+                                   f"{group.get_group_name()!r} ({err.args[0] if err.args else err}); close it "
+                                   f"first, or pick another server_name") from err
                 done.append(key)
             # Once the name is ours: a client that finds the services gone can name this member.
             current_world().membership.registry.set(host_key(group, server_name), group.get_cur_name())

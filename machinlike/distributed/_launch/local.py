@@ -183,6 +183,7 @@ def launch(
     if timeout is not None:
         _checks.seconds("timeout", timeout)
     _checks.seconds("stop_timeout", stop_timeout)
+    _checks.boolean("return_exceptions", return_exceptions)
     _checks.positive_int("max_restarts", max_restarts, minimum=0)
     check_world_kwargs("launch()", world_kwargs)
     if torchrun if torchrun is not None else external_launcher() is not None:

@@ -89,7 +89,7 @@ def settings(name: Optional[str], rank: Optional[int], world_size: Optional[int]
     _checks.optional_str("init_method", init_method)
     if not isinstance(backend, str) or backend.lower() not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a torch.distributed backend; use one of {list(BACKENDS)}")
-    elastic = bool(elastic)
+    elastic = _checks.boolean("elastic", elastic)
     if elastic:
         if world_size is not None:
             raise ValueError(f"world_size={world_size!r}: an elastic world has no fixed size; pass "
