@@ -315,12 +315,17 @@ def _master_from(init_method: Optional[str]) -> Tuple[str, int, bool]:
     url = urlparse(init_method)
     if "://" not in init_method and _is_host_port(init_method):  # (the form the status view takes)
         raise ValueError(f"init_method={init_method!r} needs its scheme: init_method='tcp://{init_method}'")
-    if url.scheme != "tcp" or not url.hostname or url.port is None:
+    try:
+        port = url.port
+    except ValueError as err:  # urllib's "Port could not be cast to integer value as 'x'" / "out of range"
+        raise ValueError(f"init_method={init_method!r}: its port is no port number ({err}); use "
+                         f"'tcp://host:PORT' with PORT in 1..65535") from None
+    if url.scheme != "tcp" or not url.hostname or port is None:
         raise ValueError(
             f"init_method={init_method!r} is not supported; use 'tcp://host:port', 'env://' or "
             f"None (MASTER_ADDR/MASTER_PORT, default {DEFAULT_MASTER_ADDR}:{DEFAULT_MASTER_PORT})"
         )
-    return url.hostname, url.port, False
+    return url.hostname, port, False
 
 
 def _listen(host: str, port: int) -> socket.socket:
