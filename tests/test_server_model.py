@@ -138,6 +138,18 @@ def test_architecture_checks_and_errors(world):
             again.push(Model().double())
         with pytest.raises(TypeError, match="model must be a torch.nn.Module, not OrderedDict"):
             server.push(model.state_dict())
+        # A diverged learner's NaN went to every client at its next pull.
+        poisoned = Model()
+        server.pull(poisoned)
+        version = poisoned.pp_version
+        with torch.no_grad():
+            poisoned.fc2.weight.fill_(float("nan"))
+        with pytest.raises(ValueError, match=r"cannot push model 'model': 'fc2.weight' hold NaN or inf values; nothing "
+                                             r"was sent\. The training step that made them diverged"):
+            server.push(poisoned)
+        fresh = Model()
+        assert poisoned.pp_version == version and server.pull(fresh) and fresh.pp_version == version
+        assert all(torch.isfinite(p).all() for p in fresh.parameters())
         # A version set by hand: push failed inside ("can only concatenate str"), and pull
         # overwrote it in silence (cold trial 18).
         model.pp_version = "abc"

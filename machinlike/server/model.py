@@ -36,6 +36,7 @@ import torch
 from ..distributed import RpcGroup
 from ._budget import CallBudget
 from ._errors import ServerStoppedError, closed_here
+from ._finite import non_finite
 from ._common import ServerNote, check_group, check_name, check_timeout, publish_notes, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
 from ._state_pool import StatePool, load_whole
@@ -150,7 +151,8 @@ class PushPullModelServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ServerStoppedError: the helper's ``close()`` ran on this member.
             ValueError: the server holds a model of another architecture (names, shapes or
-                dtypes differ; the message lists them).
+                dtypes differ; the message lists them), or the state holds NaN or inf
+                (named; nothing is sent).
             TimeoutError: not done within ``timeout``.
         """
         state = unwrap(check_module(model)).state_dict()
@@ -162,6 +164,13 @@ class PushPullModelServer:
         diff = mismatch(self._server_spec(mine, budget), mine, "the server's model", "this model")
         if diff is not None:
             raise ValueError(f"cannot push model {self.model_name!r}: the server holds another architecture: {diff}")
+        poisoned = non_finite(state)
+        if poisoned:
+            # Every client would load it at its next pull, and act or learn on NaN for good.
+            shown = ", ".join(repr(n) for n in poisoned[:6]) + (f" and {len(poisoned) - 6} more" if len(poisoned) > 6 else "")
+            raise ValueError(f"cannot push model {self.model_name!r}: {shown} hold NaN or inf values; nothing was "
+                             f"sent. The training step that made them diverged: restore the last good state "
+                             f"(pull() loads the server's) and lower the learning rate or clip gradients")
         version = get_version(model)
         base = 0 if version is None else version
         # A CUDA tensor stays on its GPU: a snapshot (clone) the learner never edits, which

@@ -15,7 +15,8 @@ from .._budget import CallBudget
 from .._errors import MissingGradientError, ServerStoppedError, closed_here
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
 from .hosted import hosted_secondary
-from .items import non_finite, wait_future
+from .items import wait_future
+from .._finite import non_finite
 from .reducer import SecondaryReducer
 from .._spec import Spec, check_module, loadable, mismatch, spec_of, uncastable, unwrap
 from ..model import get_version, set_version

@@ -27,8 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Grads", "Item", "accumulation_dtype", "non_finite", "reduce_items", "takes_sparse", "wait_future",
-           "completed"]
+from .._finite import accumulation_dtype
+
+__all__ = ["Grads", "Item", "accumulation_dtype", "reduce_items", "takes_sparse", "wait_future", "completed"]
 
 Grads = Dict[str, torch.Tensor]
 
@@ -44,37 +45,6 @@ class Item:
     count: int
     versions: List[int]
     origin: Optional[Dict[Tuple[str, str], int]] = None
-
-
-def non_finite(grads: Grads) -> List[str]:
-    """The names of the gradients holding a NaN or an infinity (in the dict's order).
-
-    Why a sum first: one read of each gradient, in its accumulation dtype (a float16 sum
-    of fine gradients may overflow), and one device sync; it costs less than the copy a
-    push makes anyway, where an element-wise test cost 12-30 times that copy (1.6 M
-    float32 parameters, one thread: 0.17 ms, 3.3 ms, the copy 0.28 ms). A sum is finite
-    unless an element is not (or the gradient is so large it overflows float32: as
-    broken). Only then, element-wise, to name them.
-    """
-    found = {name: _values(g) for name, g in grads.items()}
-    found = {name: t for name, t in found.items() if t.is_floating_point() or t.is_complex()}
-    if not found:
-        return []
-    sums = [torch.view_as_real(t).sum() if t.is_complex() else t.sum(dtype=accumulation_dtype(t.dtype))
-            for t in found.values()]
-    device = sums[0].device
-    if bool(torch.isfinite(torch.stack([s.to(device, torch.float64) for s in sums]).sum())):
-        return []
-    return [name for name, t in found.items() if not bool(torch.isfinite(t).all())]
-
-
-def _values(grad: torch.Tensor) -> torch.Tensor:
-    return grad._values() if grad.layout == torch.sparse_coo else grad
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Half-precision gradients are summed in float32; every other dtype in itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def reduce_items(items: Sequence[Item], device: torch.device) -> Item:
