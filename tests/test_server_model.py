@@ -12,6 +12,15 @@ from machinlike.server import PushPullModelServer, PushPullModelServerImpl, Serv
 from machinlike.testing import run_world, world_test
 
 
+class Masked(nn.Module):
+    """A buffer that holds -inf by design (an attention mask): pushed as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("mask", torch.tensor([0.0, float("-inf")]))
+
+
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -112,6 +121,7 @@ def test_architecture_checks_and_errors(world):
     group = world.create_rpc_group("g", ["0", "1"])
     if world.name == "0":
         PushPullModelServerImpl("server", group)
+        PushPullModelServerImpl("masked", group)
         with pytest.raises(TypeError, match="o_server must be an OrderedServerBase"):
             PushPullModelServerImpl("bad", group, o_server="not a server")
         with pytest.raises(KeyError, match="model server 'server' already exists in group 'g'.*pick another"):
@@ -150,6 +160,7 @@ def test_architecture_checks_and_errors(world):
         fresh = Model()
         assert poisoned.pp_version == version and server.pull(fresh) and fresh.pp_version == version
         assert all(torch.isfinite(p).all() for p in fresh.parameters())
+        assert group.get_paired("masked").to_here().push(Masked())  # (parameters are looked at, not buffers)
         # A version set by hand: push failed inside ("can only concatenate str"), and pull
         # overwrote it in silence (cold trial 18).
         model.pp_version = "abc"

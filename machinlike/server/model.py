@@ -151,8 +151,8 @@ class PushPullModelServer:
             TypeError: ``model`` is not an ``nn.Module``.
             ServerStoppedError: the helper's ``close()`` ran on this member.
             ValueError: the server holds a model of another architecture (names, shapes or
-                dtypes differ; the message lists them), or the state holds NaN or inf
-                (named; nothing is sent).
+                dtypes differ; the message lists them), or a parameter holds NaN or inf
+                (named; nothing is sent; buffers are not looked at: a mask may hold -inf).
             TimeoutError: not done within ``timeout``.
         """
         state = unwrap(check_module(model)).state_dict()
@@ -164,7 +164,9 @@ class PushPullModelServer:
         diff = mismatch(self._server_spec(mine, budget), mine, "the server's model", "this model")
         if diff is not None:
             raise ValueError(f"cannot push model {self.model_name!r}: the server holds another architecture: {diff}")
-        poisoned = non_finite(state)
+        # Parameters only: a buffer may hold an infinity by design (an attention mask).
+        names = {name for name, _ in unwrap(model).named_parameters()}
+        poisoned = non_finite({k: v for k, v in state.items() if k in names})
         if poisoned:
             # Every client would load it at its next pull, and act or learn on NaN for good.
             shown = ", ".join(repr(n) for n in poisoned[:6]) + (f" and {len(poisoned) - 6} more" if len(poisoned) > 6 else "")
