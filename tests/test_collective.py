@@ -223,6 +223,7 @@ def test_subgroup_uses_global_ranks_and_refuses_outsiders(world):
     with pytest.raises(ValueError, match=r"object_list holds 1 entries; all_gather_object needs one per member \(2\)"):
         sub.all_gather_object([None], r)
     sub.destroy()
+    assert not sub.is_member()  # (it stayed True after destroy: cold trial 20)
     with pytest.raises(RuntimeError, match="destroyed|not in"):
         sub.barrier()
 

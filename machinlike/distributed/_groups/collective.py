@@ -558,8 +558,8 @@ class CollectiveGroup:
         return len(self.ranks)
 
     def is_member(self) -> bool:
-        """Whether this process is in the group."""
-        return self.group is not None
+        """Whether this process is in the group (False once it destroyed the group)."""
+        return self.group is not None and not self._destroyed
 
     def destroy(self) -> None:
         """Release the process group (members and non-members alike call it)."""
