@@ -204,6 +204,11 @@ def test_model_server_helper(world):
         machins.close()
     with pytest.raises(TypeError, match="pass the new group's name once"):
         model_server_helper(1, "a", group_name="b")
+    # members was ignored when a group was given (cold trial 20): a list that differs is refused
+    own = world.create_rpc_group("own", world.get_members())
+    with pytest.raises(ValueError, match=r"members=\['zz'\] differs from the members of group=.*leave members out"):
+        model_server_helper(1, own, members=["zz"])
+    own.destroy()
 
 
 @world_test(2, timeout=90)

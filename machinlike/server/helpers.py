@@ -150,6 +150,10 @@ def _resolve_group(group: Union[None, RpcGroup, str], group_name: Optional[str],
                              f"server on its host (PushPullModelServerImpl(name, group), PushPullGradServerImpl"
                              f"(name, group, ...)) and look its accessor up elsewhere with "
                              f"group.get_paired(name).to_here(), as examples/impala.py does")
+        if not isinstance(members, str) and sorted(members) != sorted(group.get_group_members()):
+            # (members was ignored: the helper uses the group's)
+            raise ValueError(f"members={list(members)!r} differs from the members of group={group!r} "
+                             f"({group.get_group_members()}): the helper serves the group's; leave members out")
         return group, False
     world = get_world()
     if world is None:
