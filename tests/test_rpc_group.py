@@ -1079,3 +1079,30 @@ def test_async_def_services_wait_without_holding_an_rpc_thread(world):
 @world_test(2, timeout=60, rpc_threads=4, same_host_lane=False)
 def test_async_def_services_through_torch_rpc_alike(world):
     _coroutine_services(world)
+
+
+def _slow_echo(x):
+    time.sleep(1.0)
+    return x
+
+
+@world_test(2, timeout=60)
+def test_a_future_waits_at_most_the_timeout_it_is_given(world):
+    """``RpcFuture.wait(timeout)`` bounds one wait, shorter than the call's own timeout;
+    the call goes on and a later wait gets its value (a wait had no bound of its own)."""
+    g = world.create_rpc_group("slow", ["0", "1"])
+    if world.name == "0":
+        g.register("slow_echo", _slow_echo)
+    g.barrier()
+    if world.name == "1":
+        fut = g.registered_async("slow_echo", args=(7,))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"on member '0' did not finish within the 0.2 s of this wait; the "
+                                               r"call goes on \(wait\(\) again\)"):
+            fut.wait(timeout=0.2)
+        assert time.monotonic() - start < 0.9
+        with pytest.raises(ValueError, match="timeout=-1"):
+            fut.wait(timeout=-1)
+        assert fut.wait(timeout=30) == 7 and fut.wait() == 7
+    g.barrier()
+    g.destroy()

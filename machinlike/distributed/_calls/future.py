@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Tuple
 
 import torch
 
+from ... import _checks
 from ..._awaiting import loop_waker
 from .. import _transport
 from ...exception import PeerLostError, drop_frames
@@ -182,11 +183,16 @@ class RpcFuture(_transport.lane.LaneFuture):
             self.set_result(value)
         self.arrived()
 
-    def wait(self) -> Any:
+    def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until the call finished (at most its RPC timeout) and return its value.
 
+        Args:
+            timeout: Seconds to wait at most, if shorter than what is left of the call's
+                own timeout; None: the call's. Past it the call goes on (wait again).
+
         Raises:
-            TimeoutError: the member (named) did not answer within the call's timeout.
+            TimeoutError: the member (named) did not answer within the call's timeout,
+                or within ``timeout`` (then the call is still pending).
             PeerLostError: the member is gone.
             Exception: what the remote function raised (original type, remote traceback
                 as ``__cause__``).
@@ -194,6 +200,12 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._read = True
         if not self.done() and on_loop_thread():
             raise blocking_error(f"wait() on {self._what} on member {self.member!r}")
+        if timeout is not None:
+            bound = _checks.seconds("timeout", timeout, allow_zero=True)
+            if not self.done() and not self.wait_arrived(bound):
+                raise TimeoutError(f"{self._what} on member {self.member!r} did not finish within the {bound:g} s "
+                                   f"of this wait; the call goes on (wait() again), bounded by its own timeout "
+                                   f"({self._timeout:g} s)")
         try:
             if not self.done() and threading.current_thread() is threading.main_thread():
                 # On the sentinel, not in torch's C++ wait, which holds the thread until the

@@ -74,7 +74,10 @@ class LaneFuture(torch.futures.Future):
         except RuntimeError:  # (said already)
             pass
 
-    def wait_arrived(self) -> None:
-        """Block until :meth:`arrived` was called (interruptible by signals)."""
-        self._open.acquire()
+    def wait_arrived(self, timeout: Optional[float] = None) -> bool:
+        """Block until :meth:`arrived` was called (interruptible by signals), at most
+        ``timeout`` seconds (None: no bound); whether it was."""
+        if not self._open.acquire(True, -1 if timeout is None else timeout):
+            return False
         self._open.release()
+        return True
