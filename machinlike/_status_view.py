@@ -182,9 +182,10 @@ def _parser() -> argparse.ArgumentParser:
                                    "the examples print it at start)")
     s.add_argument("--once", action="store_true", help="print one view and exit (for scripts)")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
-    s.add_argument("--beat-window", type=float, default=0.6,
+    s.add_argument("--beat-window", type=float, default=1.5,
                    help="with --once: seconds between the two reads that tell a beating member from a "
-                        "silent one (default 0.6; a member beats every liveness/8 s, at most 0.25 s)")
+                        "silent one (default 1.5: at the default liveness of 10 s a member beats every other tick of 0.5 s, "
+                        "once a second; a tick is liveness/8 s, at most 0.5 s)")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the store (default 5)")
     s.add_argument("--json", action="store_true",
                    help="one line of JSON per read (with --once, one) instead of the table, for scripts and logs")

@@ -37,8 +37,8 @@ def run_world(fn: Callable[..., Any], world_size: int = 3, args: Sequence[Any] =
               kwargs: Optional[Dict[str, Any]] = None, *, timeout: float = 60.0, **world_kwargs: Any) -> List[Any]:
     """Run ``fn(world, *args, **kwargs)`` on ``world_size`` ranks and return their results.
 
-    A bounded :func:`machinlike.launch`: ``timeout`` (seconds) is mandatory here, so a
-    hanging test fails instead of blocking the suite.
+    A bounded :func:`machinlike.launch`: ``timeout`` (seconds, 60 unless given) cannot be
+    None here, so a hanging test fails instead of blocking the suite.
 
     Args:
         fn: Run on every rank with its World first; lambdas and local functions work.

@@ -77,12 +77,12 @@ class World:
         elastic: Join a world whose members come and go (see the module doc); static when False.
         liveness: Seconds within which a member on another host that died without a
             word is detected (its heartbeats in the store stop for 3/4 of it); a member
-            on this host is seen dead through ``/proc`` within a tick (``liveness / 8``,
-            at most 0.25 s). A live member on another host silent for longer (stopped,
-            starved of CPU, holding the GIL) is declared lost too, and then told so on its
-            every call; one on this host whose process exists is not (a process stopped
-            with SIGSTOP, say: calls to it end at their own timeouts). None turns detection
-            off. Default 10.
+            on this host is seen dead at once through its process descriptor (a
+            pidfd; at the latest within a tick, ``liveness / 8``, at most 0.5 s). A live
+            member on another host silent for longer (stopped, starved of CPU, holding
+            the GIL) is declared lost too, and then told so on its every call; one on
+            this host whose process exists is not (a process stopped with SIGSTOP, say:
+            calls to it end at their own timeouts). None turns detection off. Default 10.
         init_dist: machin's name for ``collective`` (wins over it when given).
         dist_backend: machin's name for ``backend`` (wins over it when given).
         dist_init_method: machin's name for ``init_method``, used when that is None.
