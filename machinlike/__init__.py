@@ -44,6 +44,7 @@ if not _lean.STATUS_TOOL:  # (the status tool's process needs none of these: see
         ProcessExitedError,
         RemoteError,
         RemoteTraceback,
+        SilentStoreError,
         WorkerLostError,
     )
     from .pickle import mark_static_module
@@ -125,6 +126,7 @@ __all__ = [
     "ProcessExitedError",
     "WorkerLostError",
     "PeerLostError",
+    "SilentStoreError",
     # multiprocessing's, re-exported as machin.parallel did
     "get_context",
     "get_start_method",

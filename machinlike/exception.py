@@ -34,6 +34,7 @@ __all__ = [
     "ProcessExitedError",
     "WorkerLostError",
     "PeerLostError",
+    "SilentStoreError",
     "NoCollectivesError",
     "describe_exitcode",
     "drop_frames",
@@ -372,3 +373,9 @@ class PeerLostError(ConnectionError):
 
     def __reduce__(self) -> Any:
         return type(self), (self.member, self.detail)
+
+
+class SilentStoreError(TimeoutError):
+    """A world's store address accepted the connection and never answered: another
+    program holds the port, or the store's process is frozen. Told apart from an
+    unreachable store because the fix differs (a port of one's own, not a wait)."""

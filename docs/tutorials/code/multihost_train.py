@@ -41,7 +41,8 @@ def main() -> None:
         with World(dist_timeout=120) as world:
             print(train(world), flush=True)
     else:
-        # Nothing set: start two ranks on this machine (loopback only).
+        # No RANK: start two ranks on this machine (loopback only); in an srun step of
+        # more than one task, launch() runs train() in place as this task's rank instead.
         for result in machinlike.launch(train, 2, timeout=60):
             print(result)
 # [/main]

@@ -28,6 +28,8 @@ from typing import Callable, Hashable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from ...exception import SilentStoreError
+
 __all__ = ["own_client", "new_client", "multi_get", "value_or_empty", "PROBE", "server_of", "store_address",
            "SilentStoreError", "SLOW_CONNECT_S"]
 
@@ -81,11 +83,6 @@ def new_client(host: str, port: int, timeout: datetime.timedelta, use_libuv: boo
         _slow_told.set()
         log.warning("%s", slow_connection(host, port, took))
     return store
-
-
-class SilentStoreError(TimeoutError):
-    """A store address accepted the connection and never answered (another program's
-    port, or a frozen store): told as it is, not as an unreachable store."""
 
 
 _SILENT_GRACE_S = 1.0  # past the connection's own timeout, before a silent server is given up
