@@ -593,6 +593,32 @@ def test_destroy_frees_names_and_group_can_be_recreated(world):
 
 
 @world_test(2, timeout=90)
+def test_a_member_that_destroyed_its_handle_acts_as_an_outsider_through_get_rpc_group(world):
+    """get_rpc_group after destroy() gave a member's handle back: a service registered
+    through it was left after the member's count-out (cold trial 20)."""
+    g = world.create_rpc_group("left", ["0", "1"])
+    sync = world.create_rpc_group("left_sync", ["0", "1"])
+    if world.name == "1":
+        g.register("svc", _whoami)
+    sync.barrier()
+    if world.name == "0":
+        assert g.is_member()
+        g.destroy()
+        assert not g.is_member()
+        again = world.get_rpc_group("left")  # rank 1 holds the group on
+        assert again is not None and again is not g and not again.is_member() and again.is_member("1")
+        with pytest.raises(RuntimeError, match=r"not made by this process's create_rpc_group \('0' destroyed"):
+            again.register("svc0", _whoami)
+        with pytest.raises(RuntimeError, match="not made by this process's create_rpc_group"):
+            again.pair("v", 1)
+        assert again.registered_sync("svc") == "1"  # calls still go
+        assert pickle.loads(pickle.dumps(g)).is_member() is False  # (an unpickled handle too)
+    sync.barrier()
+    g.destroy()
+    sync.destroy()
+
+
+@world_test(2, timeout=90)
 def test_destroy_racing_registers_leaves_no_service_behind(world):
     """A register in flight when destroy() runs is either withdrawn by it or refused."""
     g = world.create_rpc_group("race", ["0", "1"])

@@ -264,4 +264,4 @@ def find_group(d: GroupDirectory, name: str) -> Optional[RpcGroup]:
     if held is None:
         return None
     record = GroupRecord.decode(held)
-    return RpcGroup(name, record.members, record.epoch, directory=d)
+    return RpcGroup(name, record.members, record.epoch, directory=d, outsider=True)

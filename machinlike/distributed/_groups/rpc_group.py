@@ -62,9 +62,14 @@ class RpcGroup:
 
     def __init__(self, name: str, members: Optional[Sequence[str]], epoch: str,
                  incarnations: Optional[Dict[str, int]] = None, *,
-                 directory: Optional[GroupDirectory] = None) -> None:
+                 directory: Optional[GroupDirectory] = None, outsider: bool = False) -> None:
         # None (an unpickled or hand-made handle): the current World's, at each use.
         self._dir = directory
+        # A handle that create_rpc_group did not make here (get_rpc_group's, an unpickled
+        # one): this process never acts as a member through it, even when listed (it
+        # destroyed its own handle, or has not created the group yet), for what it
+        # registered would outlive the member's count-out and be left in the store.
+        self._outsider = outsider
         self._name = name
         self._incarnations = incarnations
         #: None for an open group: whoever is in the world.
@@ -113,8 +118,15 @@ class RpcGroup:
         if self._destroyed:
             raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
         if need_member and not self._has(d, d.name):
-            raise RuntimeError(f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r}")
+            raise RuntimeError(self._not_member(d))
         return parts
+
+    def _not_member(self, d: GroupDirectory) -> str:
+        if self._outsider and self._has_listed(d.name):
+            return (f"this handle of RpcGroup {self._name!r} was not made by this process's create_rpc_group "
+                    f"({d.name!r} destroyed its own handle, or has not created the group yet): register, pair "
+                    f"and barrier through the handle that create_rpc_group returned here")
+        return f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r}"
 
     def _bind(self, d: GroupDirectory) -> GroupParts:
         with self._lock:  # two threads moving to a new World share one set of parts
@@ -124,7 +136,12 @@ class RpcGroup:
             return parts
 
     def _has(self, d: GroupDirectory, name: str) -> bool:
+        if name == d.name and (self._outsider or self._destroyed):
+            return False  # (this process is out of the group through this handle)
         return name in d.roster.members() if self._members is None else name in self._members
+
+    def _has_listed(self, name: str) -> bool:
+        return self._members is None or name in self._members
 
     def _check_to(self, to: str) -> None:
         if not isinstance(to, str):
@@ -537,7 +554,8 @@ class RpcGroup:
         """Whether ``name`` is a member.
 
         Args:
-            name: A member name; None: this process.
+            name: A member name; None: this process (False through a handle it destroyed,
+                or one that create_rpc_group did not return here).
         """
         d = self._directory()
         return self._has(d, d.name if name is None else name)
@@ -565,4 +583,4 @@ def _rebuild_group(name: str, members: Sequence[str], epoch: str) -> RpcGroup:
         local = directory.local(name)
         if isinstance(local, RpcGroup) and local._epoch == epoch:
             return local
-    return RpcGroup(name, members, epoch)
+    return RpcGroup(name, members, epoch, outsider=True)

@@ -417,8 +417,9 @@ class World:
     def get_rpc_group(self, group_name: str) -> Optional[RpcGroup]:
         """The RpcGroup ``group_name``: this process's own, else a handle if it exists, else None.
 
-        A handle of a group this process is not a member of can call its services and
-        read its values, but cannot register or pair.
+        A handle that is not this process's own (it is not a member, has not created the
+        group yet, or destroyed its handle) can call the group's services and read its
+        values, but cannot register, pair or barrier (RuntimeError, saying which).
 
         Args:
             group_name: Group name.
