@@ -154,7 +154,7 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
         test_loss, test_acc = evaluate(model, data["x_test"], data["y_test"])
         seconds = time.monotonic() - started
         epochs = stats["applied"] * args.batch_size / train_size
-        curve.add(seconds=f"{seconds:.2f}", version=model.pp_version, pushes_applied=stats["applied"],
+        curve.add(seconds=f"{seconds:.2f}", version=model.pp_grad_version, pushes_applied=stats["applied"],
                   epochs=f"{epochs:.2f}", train_loss=f"{train_loss:.4f}", test_loss=f"{test_loss:.4f}",
                   test_accuracy=f"{test_acc:.4f}")
         last["epochs"] = epochs
@@ -168,7 +168,7 @@ def serve(world: machinlike.World, servers: Any, args: argparse.Namespace, data:
         if progress.due() or final:
             rate = (stats["steps"] - last["steps"]) / max(1e-9, seconds - last["t"])
             last.update(steps=stats["steps"], t=seconds)
-            print(f"[{seconds:6.1f} s] version {model.pp_version:5d}  pushes applied {stats['applied']:6d}  "
+            print(f"[{seconds:6.1f} s] version {model.pp_grad_version:5d}  pushes applied {stats['applied']:6d}  "
                   f"epoch {epochs:5.1f}  updates/s {rate:6.1f}  lag mean {stats['lag_mean']:.2f} "
                   f"max {stats['lag_max']}  train loss {train_loss:.3f}  test acc {100 * test_acc:5.1f}%",
                   flush=True)

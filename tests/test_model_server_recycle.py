@@ -297,8 +297,8 @@ def _grad_race_body(world, seconds):
             while time.monotonic() < end:
                 if server.pull(model):
                     pulls += 1
-                    if _values(model) != {float(model.pp_version)}:
-                        torn.append((model.pp_version, sorted(_values(model))))
+                    if _values(model) != {float(model.pp_grad_version)}:
+                        torn.append((model.pp_grad_version, sorted(_values(model))))
             out = (pulls, torn)
     g.barrier()
     if impl is not None:

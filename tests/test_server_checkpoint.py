@@ -99,7 +99,7 @@ def _body(world, directory):
         server.push(model)
     version = server.flush(timeout=30)
     server.pull(model)
-    before = (model.w.detach().clone(), model.pp_version)
+    before = (model.w.detach().clone(), model.pp_grad_version)
     registry.set(_key(world, "die"), "1")
     world.membership.wait_until(lambda live: world.get_incarnation("p") != 1, 30)
     model.w.grad = torch.tensor([1.0, 2.0])
@@ -109,7 +109,7 @@ def _body(world, directory):
     registry.wait_all(_key(world, ""), ["ready2"], 60, "the restarted primary")
     world.membership.wait_until(lambda live: world.get_incarnation("p") == 2, 30)
     assert server.pull(model)  # the same accessor goes on: no restart of the client
-    after = (model.w.detach().clone(), model.pp_version)
+    after = (model.w.detach().clone(), model.pp_grad_version)
     model.w.grad = torch.tensor([1.0, 1.0])
     server.push(model)
     final = server.flush(timeout=30)
@@ -178,14 +178,14 @@ def _published_body(world, directory, every):
         assert server.push(model, pull=False)
     world.membership.wait_until(lambda live: world.get_incarnation("p") != 1, 30)
     assert server.pull(model)
-    seen = (model.w.detach().clone(), model.pp_version)
+    seen = (model.w.detach().clone(), model.pp_grad_version)
     registry.set(_key(world, "restart"), "1")
     registry.wait_all(_key(world, ""), ["ready2"], 60, "the restarted primary")
     changed = server.pull(model)
     registry.set(_key(world, "end"), "1")
     world.wait_for_members(["p"], timeout=30, gone=True)
     ordered.close()
-    return {"seen": seen, "changed": changed, "after": (model.w.detach().clone(), model.pp_version)}
+    return {"seen": seen, "changed": changed, "after": (model.w.detach().clone(), model.pp_grad_version)}
 
 
 # every=1: the checkpoint holds version 2; every=100: only the one written before version 0.
@@ -257,7 +257,7 @@ def _helper_body(world, directory):
                                  checkpoint_dir=directory, checkpoint_every=100)
     seen = []
     for i, server in enumerate(servers):
-        client = Two()  # (one per server: a model's pp_version is one server's)
+        client = Two()  # (one per server: a pull from another server loads whole anyway)
         server.pull(client)
         seen.append(client.w.detach().tolist())
         client.w.grad = torch.tensor([1.0, float(i + 1)])

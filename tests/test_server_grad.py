@@ -84,7 +84,7 @@ def test_machin_numbers(world):
     if world.name != "0":
         for method, expected in EXPECTED.items():
             fresh = Chain()
-            assert servers[method].pull(fresh) and fresh.pp_version == 1
+            assert servers[method].pull(fresh) and fresh.pp_grad_version == 1
             assert fresh.weights() == expected
             assert not servers[method].pull(fresh)  # up to date: nothing transferred
     group.barrier()
@@ -167,14 +167,14 @@ def test_sparse_gradients_are_summed_sparse_and_stepped_by_any_optimizer(world):
         for name, server in servers.items():
             assert server.flush(timeout=30) == 1
             fresh = Lookup()
-            assert server.pull(fresh) and fresh.pp_version == 1
+            assert server.pull(fresh) and fresh.pp_grad_version == 1
             assert torch.allclose(fresh.table.weight, _expected_after_one_step(name)), name
     group.barrier()
     if world.name == "2":  # none_as_zero: a zero gradient SparseAdam can step on (a dense one stopped it)
         model = Lookup()
         assert servers["sparse_adam"].push(model, none_as_zero=True, pull=False)
         assert servers["sparse_adam"].flush(timeout=30) == 2  # (the version it made)
-        assert servers["sparse_adam"].pull(model) and model.pp_version == 2
+        assert servers["sparse_adam"].pull(model) and model.pp_grad_version == 2
     group.barrier()
     if world.name == "0":
         for impl in impls:
@@ -263,7 +263,7 @@ def _exact_body(world):
     group.destroy()
     return {"sum": sum(accepted), "accepted": sum(c[0] for c in counts), "rejected": sum(c[1] for c in counts),
             "weight": final.lin.weight.tolist(), "bias": final.lin.bias.tolist(), "stats": stats,
-            "version": final.pp_version}
+            "version": final.pp_grad_version}
 
 
 def test_exact_sums_under_concurrent_load_and_every_reducer_runs():
@@ -574,7 +574,7 @@ def test_grad_server_helper_runs_every_reducer(world):
     assert len(servers) == 2 and len(servers.impls) == 2  # every member reduces
     mlp_server, tiny_server = servers
     model, tiny = _mlp(), _tiny()
-    assert mlp_server.pull(model) and tiny_server.pull(tiny) and model.pp_version == 0
+    assert mlp_server.pull(model) and tiny_server.pull(tiny) and model.pp_grad_version == 0
     servers.group.barrier()  # nobody pushes (and so makes version 1) before all pulled version 0
     torch.manual_seed(int(world.name) + 1)
     for _ in range(2):
@@ -627,7 +627,7 @@ def test_frozen_parameters_stay_frozen_and_compiled_clients_push_plain_names(wor
                                              r"'2.weight', '2.bias'"):
             server.push(head)
         assert server.flush(timeout=30) >= 1
-        assert server.pull(compiled) and compiled.pp_version >= 1
+        assert server.pull(compiled) and compiled.pp_grad_version >= 1
     servers.group.barrier()
     fresh = _frozen_encoder()
     assert server.pull(fresh)

@@ -102,7 +102,7 @@ def test_default_push_pulls_clears_and_waits_for_room(world):
             model.lin.weight.fill_(7.0)  # the pull must overwrite this with the server's zeros
         _set_grads(model, 1)
         assert server.push(model) is True  # machin: push returns what pull returned
-        assert model.pp_version == 0 and model.lin.weight.abs().sum().item() == 0.0
+        assert model.pp_grad_version == 0 and model.lin.weight.abs().sum().item() == 0.0
         assert all(p.grad is None for p in model.parameters())
         # Jam it: the primary waits in its first step, so the fast path is soon refused...
         # (pushed until every stage is full, not a fixed count: under load a stage may

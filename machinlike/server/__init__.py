@@ -7,7 +7,8 @@ Module layout (machin's ``machin.parallel.server``):
 - :mod:`.model`: :class:`PushPullModelServer` / :class:`PushPullModelServerImpl`: whole
   models on a version chain (``model.pp_version``).
 - :mod:`.grad`: :class:`PushPullGradServer` / :class:`PushPullGradServerImpl`: gradient
-  push, tree reduction, optimizer step on the primary, parameter pull.
+  push, tree reduction, optimizer step on the primary, parameter pull
+  (``model.pp_grad_version``).
 - :mod:`.inference`: :class:`InferenceServer` / :class:`InferenceServerImpl`: batched
   central inference, many members' rows through one ``fn`` per batch.
 - :mod:`.helpers`: :func:`grad_server_helper`, :func:`model_server_helper`.

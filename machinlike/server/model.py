@@ -18,7 +18,8 @@ names, shapes and dtypes of the state dict, stored under the key ``"<model_name>
 
 A model's version is the plain attribute ``model.pp_version`` (machin's name); a model that
 has none is taken to be at version 0 when pushing, and to have no version when pulling
-(so it always receives the newest state).
+(so it always receives the newest state); nor has one whose tensors were written in place
+since its version was set (``_model_version``).
 
 Churn. The host's death reaches clients as :class:`~machinlike.exception.PeerLostError`
 naming it (see :mod:`machinlike.server.ordered`). With ``checkpoint_dir`` the chain is
@@ -40,30 +41,21 @@ from ._finite import non_finite
 from ._common import ServerNote, check_group, check_name, check_timeout, publish_notes, rpc_timeout
 from ._host import HostCheckpoint, host_checkpoint
 from ._state_pool import StatePool, load_whole
+from ._model_version import VERSION_ATTR, get_version, held_version, set_version
 from ._spec import Spec, check_module, loadable, mismatch, spec_of, unwrap
 from .ordered import OrderedServerBase, OrderedServerSimple, OrderedServerSimpleImpl
 
 __all__ = ["PushPullModelServer", "PushPullModelServerImpl"]
 
-VERSION_ATTR = "pp_version"
 
+def _loaded(target: torch.nn.Module) -> List[torch.Tensor]:
+    """The tensors a pull writes into (a version's mark watches them).
 
-def get_version(model: torch.nn.Module) -> Optional[int]:
-    """The model's version on its server (``model.pp_version``), None if it has none.
-
-    Raises:
-        TypeError: it is set to something else than an int or None (named, with the fix).
+    Why not ``parameters()`` and ``buffers()``: their de-duplicating walks cost more than
+    an up-to-date pull on the host's machine (a shared tensor counted twice is harmless).
     """
-    version = getattr(model, VERSION_ATTR, None)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise TypeError(f"model.pp_version={version!r} must be an int (the version push and pull set) or None; "
-                        f"set it to None to pull the newest version whole")
-    return version
-
-
-def set_version(model: torch.nn.Module, version: Optional[int]) -> None:
-    # A plain attribute (not a buffer): it must not enter the state dict.
-    object.__setattr__(model, VERSION_ATTR, version)
+    return [t for module in target.modules() for table in (module._parameters, module._buffers)
+            for t in table.values() if t is not None]
 
 
 class PushPullModelServer:
@@ -181,7 +173,7 @@ class PushPullModelServer:
         payload = {k: ((v.detach().clone() if v.is_cuda else v.detach().cpu()) if isinstance(v, torch.Tensor) else v)
                    for k, v in state.items()}
         if self.o_server._bounded(budget.left()).push(self.model_name, payload, base + 1, base):
-            set_version(model, base + 1)
+            set_version(model, base + 1, VERSION_ATTR, self._chain(), _loaded(unwrap(model)))
             return True
         if pull_on_fail:
             self._pull(model, budget)
@@ -190,8 +182,11 @@ class PushPullModelServer:
     def pull(self, model: torch.nn.Module, *, timeout: Optional[float] = None) -> bool:
         """Load the newest version into ``model`` unless it already has it.
 
-        Nothing is transferred when ``model.pp_version`` is the newest version; on the
-        host's machine the host's version word says so without a call. Gradients
+        Nothing is transferred when ``model.pp_version`` is the newest version, set by this
+        server's push or pull, and no parameter or buffer was written in place since (an
+        optimizer step, a ``fill_``, a train-mode forward's batch-norm statistics; a write
+        through ``.data`` is not seen); on the host's machine the host's version word says
+        so without a call. Gradients
         are not cleared. Values are converted to the model's dtypes as ``load_state_dict``
         converts them (a float32 learner's weights into a bfloat16 actor).
 
@@ -220,8 +215,12 @@ class PushPullModelServer:
         with self._budget(timeout, "pull of") as budget:
             return self._pull(model, budget)
 
+    def _chain(self) -> str:
+        return f"{getattr(self.o_server, 'server_name', '')}/{self.model_name}"
+
     def _pull(self, model: torch.nn.Module, budget: CallBudget) -> bool:
         target = unwrap(model)
+        chain = self._chain()
 
         def load(state: Dict[str, Any]) -> None:
             diff = loadable(spec_of(state), spec_of(target.state_dict()), "the server's model", "this model")
@@ -230,9 +229,12 @@ class PushPullModelServer:
                                  f"(nothing was loaded): {diff}")
             target.load_state_dict(state)
 
-        return load_whole(lambda: self.o_server._bounded(budget.left())._pull_in_place(self.model_name,
-                                                                                       get_version(model)),
-                          load, lambda version: set_version(model, version), budget)
+        def pull() -> Any:
+            held = held_version(model, VERSION_ATTR, chain, _loaded(target))
+            return self.o_server._bounded(budget.left())._pull_in_place(self.model_name, held)
+
+        return load_whole(pull, load, lambda version: set_version(model, version, VERSION_ATTR, chain, _loaded(target)),
+                          budget)
 
 
 class PushPullModelServerImpl:

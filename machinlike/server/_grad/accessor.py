@@ -19,7 +19,7 @@ from .items import wait_future
 from .._finite import non_finite
 from .reducer import SecondaryReducer
 from .._spec import Spec, check_module, loadable, mismatch, spec_of, uncastable, unwrap
-from ..model import get_version, set_version
+from .._model_version import GRAD_VERSION_ATTR, get_version, held_version, set_version
 from .._state_pool import load_whole
 from ..ordered import OrderedServerBase, OrderedServerSimple
 
@@ -181,7 +181,7 @@ class PushPullGradServer:
         :meth:`pull` yourself before computing the next gradients, or they are computed
         on stale parameters.
 
-        ``model.pp_version`` (the version the gradients were computed on, set by
+        ``model.pp_grad_version`` (the version the gradients were computed on, set by
         :meth:`pull`) travels along for the server's staleness statistics.
 
         Gradients of another dtype or device than the managed model's are cast to its
@@ -278,8 +278,8 @@ class PushPullGradServer:
         if lossy is not None:
             raise ValueError(f"cannot push to gradient server {self.server_name!r}: gradients cannot be cast to the "
                              f"managed model's dtypes ({lossy}); compute them in a real floating dtype")
-        version = get_version(model)
-        version = version if isinstance(version, int) and not isinstance(version, bool) else -1
+        version = get_version(model, GRAD_VERSION_ATTR)
+        version = -1 if version is None else version
         me = self.group.get_cur_name()
         local = self._local_secondary()
         if local is not None:
@@ -327,8 +327,10 @@ class PushPullGradServer:
         Only parameters are loaded (in place, so optimizers keep their references);
         buffers stay the client's. Values are converted to each parameter's dtype (and
         device), as ``load_state_dict`` does; names and shapes must match. Nothing is
-        transferred when ``model.pp_version`` is the newest version (on the primary's
-        machine, not even a call is made: its version word says so).
+        transferred when ``model.pp_grad_version`` (this server's; a model server keeps
+        ``pp_version``) is the newest version and no parameter was written in place since
+        it was set (an optimizer step, a ``fill_``; a write through ``.data`` is not seen);
+        on the primary's machine not even a call is made then: its version word says so.
 
         Args:
             model: A model of the managed architecture.
@@ -337,7 +339,7 @@ class PushPullGradServer:
                 when loading takes the call past it.
 
         Returns:
-            True if newer parameters were loaded (``model.pp_version`` updated), False if
+            True if newer parameters were loaded (``model.pp_grad_version`` updated), False if
             the model already had the newest version.
 
         Raises:
@@ -349,7 +351,7 @@ class PushPullGradServer:
                 server's memory in place and loads again a version rewritten while it
                 read; should newer versions keep coming faster than it reads until the
                 time runs out, ``model`` holds a mix of versions and no version
-                (``model.pp_version`` None: the next pull loads the newest whole).
+                (``model.pp_grad_version`` None: the next pull loads the newest whole).
         """
         params = dict(unwrap(check_module(model)).named_parameters())
         with self._budget(timeout, "pull from") as budget:
@@ -367,9 +369,12 @@ class PushPullGradServer:
             if self._spec is None:
                 self._spec = spec_of(state)  # the server's own dtypes: what pushes are checked against
 
-        return load_whole(lambda: self.o_server._bounded(budget.left())._pull_in_place(self.model_name,
-                                                                                       get_version(model)),
-                          load, lambda version: set_version(model, version), budget)
+        def pull() -> Any:
+            held = held_version(model, GRAD_VERSION_ATTR, self.server_name, params.values())
+            return self.o_server._bounded(budget.left())._pull_in_place(self.model_name, held)
+
+        return load_whole(pull, load, lambda version: set_version(model, version, GRAD_VERSION_ATTR, self.server_name,
+                                                                  params.values()), budget)
 
     def flush(self, timeout: Optional[float] = None) -> int:
         """Apply everything pushed so far, partial batches included, and return the version.

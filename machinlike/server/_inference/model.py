@@ -22,7 +22,8 @@ import torch
 
 from .batch import Inputs, to_device
 from .._spec import unwrap
-from ..model import PushPullModelServer, get_version
+from .._model_version import get_version
+from ..model import PushPullModelServer
 
 __all__ = ["ModelSlot", "Puller", "StaleVersionError"]
 
