@@ -137,6 +137,13 @@ class OwnerCache:
             return None
         self._last.pop((kind, key), None)
         owner = cache[key] = decode(held)
+        worker = worker_of(owner)
+        if not self._roster.knows_worker(worker):
+            # Its member's join has not reached this view yet: a failure of the call about
+            # to go there would name the worker ("1_7"), not the member.
+            member = self._claims.member_of_worker(worker, timeout)
+            if member is not None:
+                self._roster.name_worker(worker, member)
         return owner
 
     # ------------------------------------------------------ this member's own keys

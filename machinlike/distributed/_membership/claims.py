@@ -111,6 +111,16 @@ class Claims:
         """
         return self._registry.owner(key, timeout)
 
+    def member_of_worker(self, worker: str, timeout: Optional[float] = None) -> Optional[str]:
+        """The member whose RPC worker ``worker`` is, as its join wrote it; None if the
+        store has no entry (it left, or was cleaned up after its loss).
+
+        Raises:
+            TimeoutError: the store did not answer within ``timeout``.
+            PeerLostError: the store is gone.
+        """
+        return self._registry.owner(self._keys.worker(worker), timeout)
+
     def held_under(self, prefix: str, workers: Sequence[str]) -> List[str]:
         """The keys starting with ``prefix`` that ``workers`` noted as claimed and that are
         held now, sorted. Two or three store round trips: for error messages only."""

@@ -69,6 +69,9 @@ class Roster:
         # successors are found by bisection, not by a pass over every member at each change.
         self._ring: List[str] = []
         self._by_worker: Dict[str, str] = {}  # RPC worker -> member (live and recently gone)
+        # RPC worker -> member, read from the store for workers called before this view
+        # saw their member join (a failure then named the worker); oldest first, bounded.
+        self._named: Dict[str, str] = {}
         # member -> its workers in _by_worker (a worker's name holds its member's, so it
         # never changes member): a loss finds its member's workers without a pass over
         # every worker (N per loss per member before: O(N²) a loss for the world).
@@ -408,8 +411,21 @@ class Roster:
         return None
 
     def member_of(self, worker: str) -> str:
+        """The member whose RPC worker ``worker`` is (``worker`` itself if unknown here)."""
         with self._lock:
-            return self._by_worker.get(worker, worker)
+            member = self._by_worker.get(worker)
+            return member if member is not None else self._named.get(worker, worker)
+
+    def knows_worker(self, worker: str) -> bool:
+        # No lock: one look-up each is atomic.
+        return worker in self._by_worker or worker in self._named
+
+    def name_worker(self, worker: str, member: str) -> None:
+        """``worker`` is ``member``'s (read from the store before this view saw it join)."""
+        with self._lock:
+            self._named[worker] = member
+            while len(self._named) > GONE_KEPT:
+                del self._named[next(iter(self._named))]
 
     def worker_gone(self, worker: str) -> bool:
         # No lock: one set look-up is atomic, the set only grows (under the lock), and
