@@ -397,6 +397,43 @@ def test_a_caller_killed_mid_request_stalls_no_one(elastic):
     assert stats["requests"] == 3 + (1 if elastic else 0) and stats["pending"] == 0, stats
 
 
+def _slow_rows(x):
+    from machinlike.distributed import get_world
+
+    _set(get_world(), "running")
+    # (outlives the caller's death by far: a same-host death is seen within half a second)
+    time.sleep(2.0)
+    return x[:, :2]
+
+
+def _killed_while_fn_runs_body(world, max_wait):
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        impl = InferenceServerImpl("inf", group, _slow_rows, max_wait=max_wait)
+        return _serve_until(world, impl, "done")
+    _wait(world, "ready")
+    server = group.get_paired("inf", timeout=TIMEOUT).to_here()
+    if world.name == "a":
+        threading.Thread(target=server.infer, args=(torch.ones(3, 4),), daemon=True).start()
+        _wait(world, "running")
+        os.kill(os.getpid(), signal.SIGKILL)
+    world.membership.wait_until(lambda live: world.get_incarnation("a") != 1, TIMEOUT)
+    assert server.infer(torch.ones(2, 4), timeout=TIMEOUT).shape == (2, 2)
+    _set(world, "done")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_wait", [0.0, 0.01], ids=["inline", "batched"])
+def test_a_caller_killed_while_fn_runs_its_request_is_dropped_not_also_answered(max_wait):
+    # Cold trial 24: such requests were counted as answered and as dropped, so the books
+    # held more requests than arrived.
+    stats, victim, _ = launch(_killed_while_fn_runs_body, 3, args=(max_wait,), names=["h", "a", "b"], timeout=90,
+                              stop_timeout=10, return_exceptions=True)
+    assert isinstance(victim, Exception) and "SIGKILL" in str(victim), victim
+    assert stats["requests"] == 2 and stats["dropped"] == 3, stats
+    assert stats["batched_requests"] == 1 and stats["rows"] == 2, stats
+
+
 def test_batches_that_fail_only_joined_run_one_by_one_and_say_so_once(caplog):
     # Observations sent without their batch dim (cold trial 11): a Linear(2, 2) takes one [2]
     # request as a sample, two joined ([4]) as nothing. Each caller still gets its answer.

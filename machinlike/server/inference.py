@@ -365,7 +365,7 @@ class InferenceServerImpl:
         ``queue_wait_p50`` / ``queue_wait_p95`` (seconds from a request's arrival to its
         batch's start) and ``fn_time_p50`` / ``fn_time_p95`` (seconds per call), over the
         last 4096 samples (None before any), ``dropped`` (rows of requests whose caller
-        was seen gone before they were answered),
+        was seen gone: skipped, or run while it went, and not counted as answered),
         ``expired`` (requests that outwaited their caller's timeout), ``errors`` (requests
         failed by ``fn``), ``isolations`` (failed batches re-run request by request),
         ``rejected`` (over ``max_pending``), ``pending`` (waiting now), ``version``; with

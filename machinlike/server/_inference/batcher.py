@@ -227,16 +227,19 @@ class Batcher:
                             "(one observation: x.unsqueeze(0)) and fn must treat rows alike", self._what,
                             len(batch), type(exc).__name__, exc)
             return
-        self._count_fn(batch, start, ok=True)
-        for req, piece in zip(batch, pieces):
-            if not self._alive(req.caller, req.incarnation):
+        # A caller gone while fn ran is dropped, not answered: each request counts once.
+        gone = [not self._alive(req.caller, req.incarnation) for req in batch]
+        self._count_fn(batch, start, ok=True, answered=[req for req, g in zip(batch, gone) if not g])
+        for req, piece, g in zip(batch, pieces, gone):
+            if g:
                 with self._cond:
                     self._counts["dropped"] += req.rows
             self._settle(req, value=(piece, version))
 
     def _run_inline(self, req: Request) -> None:
         """``_run`` of one request on its RPC thread, which waits for it right now (so no
-        liveness check); the books and the end of ``_busy`` in one lock round."""
+        liveness check before; one after, for the books); the books and the end of
+        ``_busy`` in one lock round."""
         start = time.monotonic()
         try:
             out, version = self._run_model(req.x)  # type: ignore[arg-type]
@@ -247,20 +250,28 @@ class Batcher:
                 raise
             self._settle(req, exc=exc)
             return
-        self._count_fn([req], start, ok=True, idle=True)
+        gone = not self._alive(req.caller, req.incarnation)  # (it died while fn ran)
+        self._count_fn([req], start, ok=True, idle=True, answered=[] if gone else None)
+        if gone:
+            with self._cond:
+                self._counts["dropped"] += req.rows
         self._settle(req, value=value)
 
-    def _count_fn(self, batch: List[Request], start: float, ok: bool, idle: bool = False) -> None:
+    def _count_fn(self, batch: List[Request], start: float, ok: bool, idle: bool = False,
+                  answered: Optional[List[Request]] = None) -> None:
         """The books of one call of ``fn``; a failed call of one request is its error (a
-        failed batch's culprits are counted when run alone). ``idle``: no batch runs now."""
+        failed batch's culprits are counted when run alone). ``idle``: no batch runs now.
+        ``answered``: the requests of a call that succeeded whose callers are there (None:
+        all of ``batch``)."""
         took = time.monotonic() - start
         counts = self._counts
         with self._lock:
             counts["batches"] += 1
             self._fn_times.append(took)
             if ok:
-                counts["batched_requests"] += len(batch)
-                for req in batch:
+                answered = batch if answered is None else answered
+                counts["batched_requests"] += len(answered)
+                for req in answered:
                     counts["rows"] += req.rows
                     self._waits.append(start - req.arrived)
             else:
