@@ -207,6 +207,30 @@ def test_a_pull_after_the_host_was_sigkilled_names_it_within_the_loss_bound():
     assert named is not None and seconds < 5.0
 
 
+def _pushed_after_kill_body(world):
+    g, impl = _hosted(world)
+    if world.rank == 0:
+        g.pair("pid", os.getpid())
+        g.barrier()
+        time.sleep(60)  # SIGKILLed by rank 1
+        return None
+    g.barrier()
+    server = g.get_paired("server").to_here()
+    model = torch.nn.Linear(4, 2)
+    assert server.push(model) and not server.pull(model)  # (the word answers)
+    os.kill(g.get_paired("pid").to_here(), signal.SIGKILL)
+    with pytest.raises(PeerLostError):
+        server.push(model, timeout=10)  # (its lane closes at once: before the World's verdict)
+    with pytest.raises(PeerLostError, match="'0'"):
+        server.pull(model, timeout=10)  # not "nothing new" from the word (cold trial 24)
+    return True
+
+
+@needs_words
+def test_a_pull_after_a_push_found_the_host_gone_fails_too():
+    assert run_world(_pushed_after_kill_body, 2, timeout=90, return_exceptions=True)[1] is True
+
+
 def _remote_body(world):
     g, impl = _hosted(world)
     out = None

@@ -20,8 +20,9 @@ Anything else makes the call, as before: no word offered (a full board, a host o
 machine, whose page arrives as a copy and is refused), a version that is not an int, a host
 that closed the server (tag 0), left, died or came back (its incarnation in this World's
 roster), a World stopped or replaced here. A dead host is found by the roster's loss
-detection, so a pull between its death and the verdict says "nothing new": true, since
-no newer version can have been made.
+detection, so a pull between its death and the verdict says "nothing new" (true: no
+newer version can have been made) unless a call of the same accessor (a push, say)
+already failed on the host: that drops its views, and the next pull asks, and fails too.
 
 Reads are ordered on x86-64 only (a core's stores reach the others in order, as
 ``_shm._recycled`` relies on): the reader reads the tag, the version, then the tag again,
@@ -227,6 +228,11 @@ class PullerWords:
         if seen is None or not seen.current() or seen.freed():
             return False, True
         return seen.holds(version), False
+
+    def forget(self) -> None:
+        """Drop every view: a call of the accessor failed on its host (lost, say), so the
+        next pulls ask the host, and fail as that call did, before the World's verdict."""
+        self._seen = {}
 
     def keep(self, key: Hashable, offer: Optional[Offer]) -> None:
         """Remember what a reply offered for ``key`` (None: nothing; asked again next time)."""

@@ -40,6 +40,7 @@ import torch
 
 from .. import _shm
 from ..distributed import RpcGroup
+from ..exception import PeerLostError
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 from ._ordered_host import host_key, unserved
@@ -127,9 +128,7 @@ class OrderedServerBase(abc.ABC):
             host, so an up-to-date caller receives no value at all.
         """
         got = self.pull(key)
-        if got is None or got[1] == have_version:
-            return None
-        return got
+        return None if got is None or got[1] == have_version else got
 
     def _pull_in_place(self, key: Hashable, have_version: Any) -> Optional[Tuple[Any, Any]]:
         """:meth:`pull_if_changed` for a model or gradient server's own pullers, which copy
@@ -153,9 +152,7 @@ def _private(value: Any) -> Any:
         return value
     rewritten = [name for name, item in value.items()
                  if isinstance(item, torch.Tensor) and _shm.recycled.sequence(item.untyped_storage()) is not None]
-    if not rewritten:
-        return value
-    return {**value, **{name: value[name].clone() for name in rewritten}}
+    return {**value, **{name: value[name].clone() for name in rewritten}} if rewritten else value
 
 
 class OrderedServerSimple(OrderedServerBase):
@@ -226,9 +223,14 @@ class OrderedServerSimple(OrderedServerBase):
         try:
             return self.group.registered_sync(f"{self.server_name}/{service}",
                                               (*args, self.group.get_cur_name(), *in_place), timeout=wait)
-        except KeyError as err:
-            # The services vanish with a lost host's claims: say who is gone, not "not found".
-            raise unserved(self.group, self.server_name, service, err) from err
+        except (KeyError, PeerLostError) as err:
+            # A call that found the host gone must not be followed by a pull that says
+            # "nothing new" from a version word while the World's verdict is on its way.
+            PullerWords.of(self).forget()
+            if isinstance(err, KeyError):
+                # The services vanish with a lost host's claims: say who is gone, not "not found".
+                raise unserved(self.group, self.server_name, service, err) from err
+            raise
 
 
 class OrderedServerSimpleImpl:
