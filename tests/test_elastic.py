@@ -495,6 +495,91 @@ def test_the_store_host_dying_fails_every_member_fast():
     assert report["stop"] < 5 + 1, report
 
 
+def _sleep_s(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slept"
+
+
+def _member_kwargs(name, address, static):
+    ranks = {"h": 0, "s": 1, "c": 2}
+    if static:
+        return dict(name=name, rank=ranks[name], world_size=3, init_method=address, dist_timeout=20)
+    return dict(name=name, elastic=True, init_method=address, dist_timeout=20)
+
+
+def _static_store_host(address, out_queue) -> None:
+    world = World(**_member_kwargs("h", address, True))
+    world.create_rpc_group("open").register("h-svc", _whoami)
+    out_queue.put("h ready")
+    threading.Event().wait(60)  # until the test SIGKILLs it
+
+
+def _serving_member(address, static, in_queue, out_queue) -> None:
+    world = World(**_member_kwargs("s", address, static))
+    group = world.create_rpc_group("open")
+    group.register("slow", _sleep_s)
+    out_queue.put("s ready")
+    in_queue.get(timeout=60)  # the store's host is dead, and a call of "slow" runs here
+    try:
+        group.registered_sync("h-svc", timeout=10)
+    except Exception:  # noqa: BLE001 - the store is gone: this member is cut off
+        pass
+    start = time.monotonic()
+    world.stop(timeout=15)
+    out_queue.put(("stop", time.monotonic() - start))
+
+
+def _slow_caller(address, static, out_queue) -> None:
+    world = World(**_member_kwargs("c", address, static))
+    group = world.create_rpc_group("open")
+    group.wait_registered("slow", timeout=30)
+    out_queue.put("c calls")
+    start = time.monotonic()
+    try:
+        group.registered_sync("slow", args=(40,), timeout=50)
+    except Exception as err:  # noqa: BLE001 - reported
+        out_queue.put(("call", type(err).__name__, time.monotonic() - start))
+    world.stop(timeout=5)
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "elastic"])
+def test_a_member_serving_a_call_stops_at_once_after_the_store_died(static):
+    # Cold trial 24: its stop waited for the running service for its whole timeout (15 s),
+    # and its caller heard nothing for as long, though the world was over.
+    import machinlike
+
+    to_test, to_server = machinlike.SimpleQueue(), machinlike.SimpleQueue()
+    if static:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+        host = Process(target=_static_store_host, args=(address, to_test))
+    else:
+        host = Process(target=_store_host, args=(to_test,))
+    host.start()
+    if not static:
+        address = to_test.get(timeout=30)
+    server = Process(target=_serving_member, args=(address, static, to_server, to_test))
+    caller = Process(target=_slow_caller, args=(address, static, to_test))
+    server.start()
+    caller.start()
+    try:
+        seen = {to_test.get(timeout=30) for _ in range(3 if static else 2)}
+        assert {"s ready", "c calls"} <= seen, seen
+        time.sleep(0.5)  # (the call reaches "s"; nothing else waits on it)
+        os.kill(host.pid, signal.SIGKILL)
+        host.join(10)
+        to_server.put("go")
+        reports = dict((r[0], r[1:]) for r in (to_test.get(timeout=60), to_test.get(timeout=60)))
+    finally:
+        for p in (host, server, caller):
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    assert reports["stop"][0] < 5, reports
+    assert reports["call"][0] in ("PeerLostError", "ConnectionError") and reports["call"][1] < 10, reports
+
+
 def _renewing_caller_body(world):
     # The caller closes its own RPC listener three times (each time its agent is renewed)
     # while two threads keep sending it asynchronous calls, and calling a service of its

@@ -12,7 +12,8 @@ failed stop never keeps the process from building a new World.
                    waits for the others to leave -> RPC shutdown (local)
 
 RPC's shutdown waits for the calls this member still serves, within what is left of the
-stop's time (at least 1 s); a call that outlasts it does not hold the stop (_transport.agent_stop).
+stop's time (at least 1 s; half a second once the store is gone: the world is over); a
+call that outlasts it does not hold the stop (_transport.agent_stop).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ def leave_static(session: Session, deadline: float, wait: float) -> None:
         everyone = session.rpc is None or members.members() == sorted(order)
     except (TimeoutError, ConnectionError) as err:
         log.warning("World %r stops without its peers: %s", s.name, err)
+    cut_off = members.roster.cut_off is not None
     members.close()
     if session.rpc is not None:
         if everyone:  # (bounds the graceful shutdown's waits in the store)
             (session.rpc_store or info.store).set_timeout(datetime.timedelta(seconds=max(deadline_left(deadline), 0.5)))
-        session.rpc(everyone, max(deadline_left(deadline), 0.5))
+        session.rpc(everyone, _serving_time(deadline, cut_off))
     if session.process_group is not None:
         session.process_group()
     if not everyone:
@@ -82,6 +84,22 @@ def leave_elastic(session: Session, deadline: float) -> None:
             members.wait_others_gone(deadline_left(deadline))
         except TimeoutError as err:
             log.warning("World %r closes the store while members remain: %s", name, err)
+    cut_off = members.roster.cut_off is not None
     members.close()
     if session.rpc is not None:  # calls this member still serves get what is left of the stop's time
-        session.rpc(False, deadline_left(deadline))
+        session.rpc(False, _serving_time(deadline, cut_off, least=0.0))
+
+
+#: Seconds the calls a member still serves get at its stop once its store is gone.
+CUT_OFF_SERVING_S = 0.5
+
+
+def _serving_time(deadline: float, cut_off: bool, least: float = 0.5) -> float:
+    """What the calls this member still serves get of the stop's time.
+
+    Why less once cut off: with its store gone the world is over, and every caller is
+    cut off too (or is within a tick); waiting out a long service held the stop for its
+    whole timeout, and the service's caller heard nothing for as long (cold trial 24).
+    """
+    left = max(deadline_left(deadline), least)
+    return min(left, CUT_OFF_SERVING_S) if cut_off else left

@@ -493,8 +493,9 @@ class World:
         free, and a new World of this process may use it.
 
         Calls this member still serves get what is left of ``timeout`` (at least 1 s) to
-        finish; one that takes longer (a service that blocks) does not hold the stop: its
-        caller gets an error and the RPC agent finishes shutting down in the background.
+        finish, half a second once the world's store is gone (the world is over); one that
+        takes longer (a service that blocks) does not hold the stop: its caller gets an
+        error and the RPC agent finishes shutting down in the background.
 
         Safe to call twice; called on leaving a ``with World(...)`` block. Does nothing
         (a warning) in a child forked from the World's process: the World is its parent's.
