@@ -751,3 +751,35 @@ def _unseen_join_body(world):
 
 def test_a_worker_found_before_its_members_join_was_seen_is_named_by_its_member():
     launch(_unseen_join_body, 2, names=["a", "b"], max_restarts=1, timeout=60)
+
+
+def _frozen_body(world):
+    group = world.create_rpc_group("g", ["a", "v"])
+    if world.name == "v":
+        group.register("slow", _sleep_s)
+        group.pair("pid", os.getpid())
+        group.barrier(timeout=30)
+        threading.Event().wait(60)  # SIGSTOPped, then SIGKILLed, by "a"
+        return None
+    lost = threading.Event()
+    world.on_member_change(lambda e: lost.set() if (e.kind, e.member) == ("lost", "v") else None)
+    group.barrier(timeout=30)
+    pid = group.get_paired("pid").to_here(timeout=10)
+    os.kill(pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        # Its heartbeat's silence bound (liveness 2 s), as a remote member's: not never.
+        with pytest.raises(PeerLostError, match="'v'"):
+            group.registered_sync("slow", args=(0.0,), timeout=30)
+        took = time.monotonic() - start
+        assert lost.wait(5)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    return took
+
+
+def test_a_member_stopped_by_sigstop_on_this_host_is_declared_lost_by_its_silence():
+    # Cold trial 24: "alive in /proc" kept a frozen member for good; every call to it
+    # waited out its whole timeout.
+    results = launch(_frozen_body, 2, names=["a", "v"], liveness=2.0, timeout=90, return_exceptions=True)
+    assert isinstance(results[0], float) and results[0] < 10, results

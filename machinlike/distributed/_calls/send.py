@@ -32,7 +32,7 @@ __all__ = ["translate_error", "sync_call", "send_call", "send_async"]
 
 # ------------------------------------------------------------------- error translation
 _LOST_MARKERS = (
-    "eof", "pipe closed", "connection refused", "econnrefused", "connection reset",
+    "eof", "closed under the call", "pipe closed", "connection refused", "econnrefused", "connection reset",
     "econnreset", "broken pipe", "epipe", "shut down", "shutdown", "no route to host",
     "unknown destination worker", "could not find destination",
     # tensorpipe's CMA channel reading a same-host sender's memory after it died (ESRCH)
@@ -94,8 +94,9 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
     """One blocking call of ``entry`` on RPC worker ``worker``, the way every group call makes it.
 
         worker gone in this view       -> PeerLostError at once
-        worker on this host (/proc)    -> rpc_sync: its death closes the sockets
-        worker elsewhere               -> rpc_async + Waits.wait_call: the liveness
+        worker on this host's lane     -> the lane's call: its death closes the socket,
+                                          its loss (a stopped process) closes the lane
+        otherwise                      -> rpc_async + Waits.wait_call: the liveness
                                           monitor ends the wait
 
     Args:
@@ -118,10 +119,9 @@ def sync_call(roster: "Roster", waits: "Waits", worker: str, entry: Any, args: T
         carried = _by_lane(roster, to, lambda lane, pid: lane.call_sync(pid, entry, args, left))
         if carried is not _NOT_CARRIED:
             return carried
-        if roster.on_this_host(to):
-            # A dead process here closes its sockets: the call fails at once by itself.
-            return rpc.rpc_sync(to, entry, args=args, timeout=left)
-        # Another host may vanish without a word: the liveness monitor ends the wait.
+        # A dead process closes its sockets, but one of another host may vanish without a
+        # word, and one here may be stopped by a signal: the liveness monitor's verdict
+        # ends the wait.
         return waits.wait_call(rpc.rpc_async(to, entry, args=args, timeout=left), to, _text(what))
 
     return _until_sent(roster, worker, timeout, call, lambda err, to: translate_error(

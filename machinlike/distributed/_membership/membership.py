@@ -57,7 +57,7 @@ from .endpoint import Endpoint
 from .event_log import EventLog
 from .log_state import Numbered
 from .._store import ExitRecord, Keys, LogEntry, MemberRecord, server_of
-from .processes import alive_here, tick_of
+from .processes import alive_here, is_here, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
 from .._transport import PipeLedger, recycle_after
@@ -186,6 +186,12 @@ class Membership:
         if entry.kind != "join":
             # The gone worker stays in this process's RPC agent: see _transport's "why".
             self.waits.on_gone(rec, workers)
+            if entry.kind == "lost" and is_here(rec.identity):
+                # A process of this host declared lost but still there (stopped by a
+                # signal) closes no socket: calls pending on its lane end here.
+                lane = _transport.lane.current()
+                if lane is not None:
+                    lane.abandon(int(rec.identity.rpartition("/")[2]), f"member {rec.member!r} was declared lost")
             hook = self.on_departure
             if entry.kind != "move" and hook is not None:
                 hook()  # the results only it held go with it

@@ -60,7 +60,7 @@ from .event_log import EventLog
 from .exit_causes import detected
 from .pidwatch import PidWatch
 from .._store import Keys, MemberRecord, Registry
-from .processes import DEFAULT_LIVENESS, alive_here, host_name, tick_of
+from .processes import DEFAULT_LIVENESS, host_name, running_here, tick_of
 from ..._deadline import deadline_left
 from .roster import Roster
 from .silences import Silences
@@ -327,7 +327,7 @@ class Monitor:
         for rec, count in zip(watched, counts):
             if self._roster.incarnation_of(rec.member) != rec.incarnation:
                 continue  # gone (or replaced) in the events this tick read
-            local = alive_here(rec.identity)
+            local = running_here(rec.identity)  # (None: remote, or stopped: its heartbeat says)
             if local is False:
                 out.append((rec, "process gone"))
                 continue
@@ -386,7 +386,7 @@ class Monitor:
     # ---------------------------------------------------------------- the lost
     def record_alive(self, rec: MemberRecord, wait: float) -> bool:
         """Whether ``rec``'s process lives: ``/proc`` here, else its heartbeat moving within ``wait`` s."""
-        local = alive_here(rec.identity)
+        local = running_here(rec.identity)
         if local is not None:
             return local
         key = self._keys.heartbeat(rec.member)

@@ -14,7 +14,7 @@ import re
 import socket
 from typing import Optional
 
-__all__ = ["process_identity", "host_name", "alive_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
+__all__ = ["process_identity", "host_name", "alive_here", "running_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
 
 #: The World's default ``liveness`` (seconds): a silent member on another host is declared
 #: lost after 3/4 of it. Shorter bounds declare busy members lost: a process that imports
@@ -90,13 +90,33 @@ def is_here(identity: str) -> bool:
     return "?" not in space and space == _namespace()
 
 
-def alive_here(identity: str) -> Optional[bool]:
-    """Whether the process ``identity`` names is alive; None when it is not local."""
+def _state_here(identity: str) -> Optional[str]:
+    """The ``/proc`` state letter of the process ``identity`` names; "" when it is gone,
+    None when it is not local."""
     space, _, pid = identity.rpartition("/")
     if "?" in space or space != _namespace():
         return None
     stat = _read(f"/proc/{pid}/stat")
     if stat == "?":
-        return False
+        return ""
     # The state letter follows the parenthesised command name, which may contain spaces.
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+    state = stat.rpartition(")")[2].split()[0]
+    return "" if state in ("Z", "X") else state
+
+
+def alive_here(identity: str) -> Optional[bool]:
+    """Whether the process ``identity`` names is alive; None when it is not local."""
+    state = _state_here(identity)
+    return None if state is None else state != ""
+
+
+def running_here(identity: str) -> Optional[bool]:
+    """Like :func:`alive_here`, but None for a local process stopped by a signal (SIGSTOP,
+    SIGTSTP: state ``T``), whose liveness is then its heartbeat's, as a remote member's.
+
+    Why: a stopped process serves no call, yet "alive here" kept it from ever being
+    declared lost, and every call to it waited out its timeout (cold trial 24). One
+    stopped by a debugger (``t``) counts as running: it is being looked at.
+    """
+    state = _state_here(identity)
+    return None if state is None or state == "T" else state != ""

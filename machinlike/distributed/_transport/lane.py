@@ -216,6 +216,14 @@ class Lane:
         return {"calls": self.calls, "not_carried": self.not_carried, "connections": len(conns),
                 "late": sum(c.late for c in conns)}
 
+    def abandon(self, pid: int, why: str) -> None:
+        """Close the connection to process ``pid``, failing the calls pending on it ("closed
+        under the call: <why>"): its member was declared lost while its process lives on
+        (stopped by a signal, say), which closes no socket by itself."""
+        conn = self._conns.get(pid)
+        if conn is not None:
+            conn.close(why)
+
     def close(self, drain: float) -> None:
         """Stop serving (running calls get up to ``drain`` seconds) and close every connection."""
         self._server.close(drain)

@@ -80,9 +80,10 @@ class World:
             on this host is seen dead at once through its process descriptor (a
             pidfd; at the latest within a tick, ``liveness / 8``, at most 0.5 s). A live
             member on another host silent for longer (stopped, starved of CPU, holding
-            the GIL) is declared lost too, and then told so on its every call; one on
-            this host whose process exists is not (a process stopped with SIGSTOP, say:
-            calls to it end at their own timeouts). None turns detection off. Default 10.
+            the GIL) is declared lost too, and then told so on its every call; so is
+            one on this host whose process a signal stopped (SIGSTOP, SIGTSTP), while
+            one that runs, however busy, is not (nor one a debugger holds). None turns
+            detection off. Default 10.
         init_dist: machin's name for ``collective`` (wins over it when given).
         dist_backend: machin's name for ``backend`` (wins over it when given).
         dist_init_method: machin's name for ``init_method``, used when that is None.
