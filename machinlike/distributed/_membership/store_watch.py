@@ -182,13 +182,16 @@ class StoreWatch:
             elif since is None or since < began:
                 since = began
             if since is not None and now - since > self._bound:
-                self._declare(peers)
+                # (its last answer came before the probe began: up to a probe period more)
+                last = self._last_answer()
+                self._declare(peers, now - (last if float("-inf") < last < since else since))
                 return
 
-    def _declare(self, peers: Optional[Set[IP]]) -> None:
+    def _declare(self, peers: Optional[Set[IP]], silent: float) -> None:
         host, port = self._address
-        why = (f"the world's store at {host}:{port} did not answer for {self._bound:g} s (its host stopped, "
-               f"hung or was cut off from this one), so this process closed its connections to it")
+        why = (f"the world's store at {host}:{port} did not answer for {silent:.1f} s (the bound is "
+               f"{self._bound:g} s; its host stopped, hung or was cut off from this one), so this process "
+               f"closed its connections to it")
         with self._lock:
             self.silenced = why
             registries = [registry for registry, _, _ in self._members.values()]
