@@ -79,7 +79,10 @@ class EpisodeLog:
         with self._lock:
             self._env_steps += int(steps)
             self._versions[actor] = int(version)
-            for value in returns:
+            # Episodes that end after the stop was decided are not counted: the summary's
+            # mean is then the one that stopped training (cold trial 25: "reached 195"
+            # above a final mean of 192.3).
+            for value in (returns if self._reason is None else ()):
                 self._episodes_all += 1
                 self._returns_all.append(float(value))
                 counted = self._counted is None or actor in self._counted

@@ -33,8 +33,13 @@ __all__ = ["RunMetrics", "fresh_logdir", "logdir_of"]
 
 
 def logdir_of(args: Any) -> str:
-    """``--logdir``, or the folder named after ``--out`` (``runs/impala.csv`` -> ``runs/impala``)."""
-    return args.logdir or os.path.splitext(args.out)[0]
+    """``--logdir``, or the folder named after ``--out`` (``runs/impala.csv`` -> ``runs/impala``;
+    ``runs/impala``, with no extension, -> ``runs/impala.metrics``: the curve's own path
+    cannot be its folder too)."""
+    if args.logdir:
+        return args.logdir
+    stem, ext = os.path.splitext(args.out)
+    return stem if ext else args.out + ".metrics"
 
 
 def fresh_logdir(logdir: str) -> List[str]:

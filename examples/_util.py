@@ -86,10 +86,11 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
                    help="CPUs each rank reserves on Ray (default 1; fractions share a core)")
     p.add_argument("--logdir", default=None,
                    help="folder of the run's metrics (TensorBoard event files, metrics.csv, metrics.png; "
-                        "default: --out without its extension, e.g. runs/<name>); a run first removes those "
+                        "default: --out without its extension, e.g. runs/<name>; <out>.metrics for an --out "
+                        "without one); a run first removes those "
                         "files of an earlier run there: pass another --logdir to keep runs apart")
-    p.add_argument("--metrics-every", type=non_negative_float, default=1.0,
-                   help="seconds between metric points (default 1)")
+    p.add_argument("--metrics-every", type=positive_float, default=1.0,
+                   help="seconds between metric points (> 0; default 1)")
     p.add_argument("--no-metrics", action="store_true", help="write no metrics (the CSV curve stays)")
     p.add_argument("--chaos", type=positive_float, default=None, metavar="SECONDS",
                    help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
@@ -388,12 +389,18 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Ctrl-C inside ends the example with one line instead of a traceback (exit status
-    130): the launcher has stopped every rank by the time the KeyboardInterrupt gets here."""
+    130): the launcher has stopped every rank by the time the KeyboardInterrupt gets here.
+    So does a rank that died without a word (killed, out of memory: exit status 1); one
+    that raised keeps its traceback."""
     try:
         yield
     except KeyboardInterrupt:
         print("\ninterrupted: all worker processes were stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except machinlike.ProcessExitedError as err:
+        print(f"\nstopped: {err}; the other ranks were stopped, and what was written so far is kept "
+              f"(--chaos runs the example through such deaths)", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def announce_watch(world: Any, logdir: str, off: bool, who: str) -> None:

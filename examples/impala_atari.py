@@ -369,8 +369,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="trajectory length T, steps (default: impala 32; appo 128, so that most "
                              "trajectories hold a point of Pong, not only the value's guess of one)")
     parser.add_argument("--batch-size", type=_util.positive_int, default=None,
-                        help="actor messages (E games x T steps each) per update (default: impala 1; appo 2 on "
-                             "the CPU, 4 on a GPU)")
+                        help="actor messages (E games x T steps each) per update (default: impala 1; appo 1 on "
+                             "the CPU, 3 on a GPU)")
     # More, smaller steps per batch (A2C-like) take more steps per frame, as RMSprop's step
     # does not grow with the batch; but a step over 4 games costs ~30% more per sample than
     # one over 16 (the convolutions at a small batch), and on Pong neither learned faster

@@ -29,6 +29,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
     ("a3c.py", ["--print-every", "0"], ["argument --print-every", "'0'"]),
     ("dqn_apex.py", ["--alpha", "-1"], ["argument --alpha", "a number >= 0", "'-1'"]),
     ("impala.py", ["--rpc-timeout", "0"], ["argument --rpc-timeout", "'0'"]),
+    ("a3c.py", ["--metrics-every", "0"], ["argument --metrics-every", "a number > 0", "'0'"]),
     ("impala.py", ["--learners", "2", "--num-workers", "1"], ["--learners 2", "--num-workers is 1"]),
 ])
 def test_a_bad_flag_is_refused_by_name(monkeypatch, capsys, script, argv, words):
@@ -43,3 +44,15 @@ def test_a_bad_flag_is_refused_by_name(monkeypatch, capsys, script, argv, words)
     assert err.startswith("usage: ") and f"{script}: error: " in err, err
     for word in words:
         assert word in err, err
+
+
+def test_an_out_without_extension_gets_a_metrics_folder_of_its_own(monkeypatch):
+    # Cold trial 25: the folder was --out itself, so the curve's CSV could not be opened.
+    import argparse
+
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from _metrics import logdir_of
+
+    assert logdir_of(argparse.Namespace(logdir=None, out="runs/impala.csv")) == "runs/impala"
+    assert logdir_of(argparse.Namespace(logdir=None, out="runs/curve")) == "runs/curve.metrics"
+    assert logdir_of(argparse.Namespace(logdir="elsewhere", out="runs/curve")) == "elsewhere"
