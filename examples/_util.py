@@ -94,7 +94,8 @@ def parser(description: str, *, workers: int, budget: float, out: str) -> argpar
     p.add_argument("--no-metrics", action="store_true", help="write no metrics (the CSV curve stays)")
     p.add_argument("--chaos", type=positive_float, default=None, metavar="SECONDS",
                    help="every SECONDS, SIGKILL a random rank other than the learner/server; the launcher "
-                        "restarts it and training goes on (an elastic world; local engine only)")
+                        "restarts it and training goes on (an elastic world; local engine only; torch's C++ "
+                        "warnings about the broken connections are off: TORCH_CPP_LOG_LEVEL=ERROR unless set)")
     p.add_argument("--device", type=device_arg, default="cpu",
                    help="where the learner (and an inference server) trains and runs: cpu, cuda, cuda:N, or "
                         "auto (cuda:0 when torch sees a CUDA device, else cpu); actors stay on the CPU "
@@ -376,6 +377,10 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
                 raise SystemExit(f"{os.path.basename(sys.argv[0])}: {err} (each rank asks for --ray-cpus "
                                  f"{args.ray_cpus:g}; --ray-cpus {args.ray_cpus / 2:g} asks half)") from None
         if chaos is not None:
+            # Each kill makes torch's RPC agents log the broken connection (two C++ warnings
+            # a kill, which the user cannot act on: the kills are the point); the ranks,
+            # forked from a server started after this, read the level as torch loads.
+            os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             # Enough restarts for every kill the budget allows (one rank may draw them all).
             restarts = int((args.time_budget + timeout_margin) / chaos) + 2
             results = machinlike.launch(worker, world_size, args=(args,), timeout=timeout,
