@@ -391,6 +391,20 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
 
 
+def wall_time(start: float) -> str:
+    """The run's wall time: since this process started, its imports included, as
+    ``/usr/bin/time`` counts it (README's figures); where ``/proc`` cannot say, since
+    ``start`` (a ``time.monotonic()``)."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started = int(stat.read().rpartition(")")[2].split()[19])  # (field 22: clock ticks since boot)
+        with open("/proc/uptime") as uptime:
+            seconds = float(uptime.read().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        seconds = time.monotonic() - start
+    return f"{seconds:.1f} s"
+
+
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """Ctrl-C inside ends the example with one line instead of a traceback (exit status

@@ -542,7 +542,7 @@ def main() -> None:
             "training throughput": result["throughput"],
             "inference": result["inference"],
             "training time (incl. set-up)": f"{result['train_time']:.1f} s",
-            "wall time": f"{time.monotonic() - start:.1f} s",
+            "wall time": _util.wall_time(start),
             "CPU time, all processes" + ("" if len(results) > 1 else " (this rank)"): f"{cpu:.1f} s",
             **({"chaos": f"every {args.chaos:g} s: {result['losses']} actors lost, {result['rejoins']} rejoined"}
                if args.chaos is not None else {}),

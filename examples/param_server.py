@@ -401,7 +401,7 @@ def main() -> None:
         "curve": args.out + (f" and {png}" if png else ""),
         **_util.metrics_summary(args, "param_server: MLP on digits", x="pushes applied"),
         "CPU time": f"{final['cpu'] + time.process_time():.1f} s (this process and the ranks, user+sys)",
-        "wall time": f"{time.monotonic() - start:.1f} s",
+        "wall time": _util.wall_time(start),
     })
 
 
