@@ -368,6 +368,12 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
         if getattr(args, "engine", "local") == "ray":  # the API tours take no --engine
             if chaos is not None:  # the parser refuses it (see _Parser)
                 raise SystemExit(f"{os.path.basename(sys.argv[0])}: --chaos needs --engine local")
+            cores = os.cpu_count() or 1
+            if args.ray_address is None and "RAY_ADDRESS" not in os.environ and world_size * args.ray_cpus > cores:
+                # A new local Ray has this machine's cores: say so before it spends seconds starting.
+                raise SystemExit(f"{os.path.basename(sys.argv[0])}: the {world_size} ranks ask for "
+                                 f"{world_size * args.ray_cpus:g} CPUs (--ray-cpus {args.ray_cpus:g} each) and a "
+                                 f"local Ray has {cores}: --ray-cpus {cores / world_size:g} fits them")
             try:
                 return machinlike.launch_ray(worker, world_size, args=(args,), timeout=timeout,
                                              address=args.ray_address, resources={"num_cpus": args.ray_cpus})

@@ -60,6 +60,12 @@ def make_model(hidden: int = 128) -> torch.nn.Module:
     )
 
 
+def _as_tensors(arrays: Dict[str, np.ndarray]) -> Dict[str, torch.Tensor]:
+    """The split as tensors; an array Ray handed over read-only (from its object store) is
+    copied first, as torch would warn on sharing it."""
+    return {k: torch.from_numpy(v if v.flags.writeable else v.copy()) for k, v in arrays.items()}
+
+
 def load_digits_split(seed: int) -> Dict[str, np.ndarray]:
     """The digits, scaled to [0, 1], split 80/20 (stratified; fixed for a given seed)."""
     from sklearn.datasets import load_digits
@@ -252,7 +258,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
 
     torch.set_num_threads(1)
     started = time.monotonic()
-    data = {k: torch.from_numpy(v) for k, v in args.data.items()}
+    data = _as_tensors(args.data)
     server_member, trainers = "0", [str(r) for r in range(1, args.num_workers + 1)]
     options = dict(primary_reducer=server_member, reduce_method="mean", reduce_batch_size=args.reduce_batch,
                    max_queue_size=args.max_queue, checkpoint_dir=args.checkpoint_dir)
@@ -309,7 +315,7 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
         raise ValueError(f"param_server needs at least 2 processes (a server and a trainer), got "
                          f"{world.world_size}")
     started = time.monotonic()
-    data = {k: torch.from_numpy(v) for k, v in args.data.items()}
+    data = _as_tensors(args.data)
     members = world.get_members()
     server_member, trainers = members[0], members[1:]
     group = world.create_rpc_group(GROUP, members)
