@@ -193,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
-    """Run the command line; the exit status (0 fine, 1 the store is unreachable, 2 usage)."""
+    """Run the command line; the exit status (0 fine, the world it showed ended included;
+    1 the store is unreachable; 2 usage)."""
     args = _parser().parse_args(list(argv))
     for name in ("interval", "beat_window", "timeout"):
         if not getattr(args, name) > 0:
@@ -218,6 +219,7 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
             out.write(text if screen or not live else text + "\n")
         out.flush()
 
+    shown = False  # (a live view drew the world at least once)
     try:
         if args.once:
             clock.observe(_read(store), time.monotonic())
@@ -232,12 +234,15 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
             status = _read(store)
             clock.observe(status, now)
             show(status, now, live=True)
+            shown = True
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
     except ConnectionError as err:
         print(f"machinlike status: {err}", file=sys.stderr)
-        return 1
+        # A live view whose world ended did its job (a script waiting for the run sees 0);
+        # one that never read the store did not.
+        return 0 if shown else 1
 
 
 def _read(store: ReadOnlyStore) -> Optional[WorldStatus]:

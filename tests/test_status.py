@@ -291,7 +291,7 @@ def test_the_live_view_ends_with_one_line_when_the_store_goes():
         # read gets torch's C++ warning, which nothing here can silence once torch is loaded.
         host.kill()
         _, err = view.communicate(timeout=30)
-        assert view.returncode == 1 and "the world's store stopped answering" in err, err
+        assert view.returncode == 0 and "the world's store stopped answering" in err, err  # (it showed the world)
         assert "frame #" not in err, err  # torch's client's C++ frames, printed when its server went
     finally:
         if host.poll() is None:
