@@ -288,6 +288,10 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
           f"the last {args.window} episodes", flush=True)
     _util.announce_watch(world, logdir_of(args), args.no_metrics, "learner")
     (ready or group.barrier)()  # services, the episode log and version 1 exist from here on
+    # (the first progress line follows the first update: actors start their games and play
+    # a whole unroll first, seconds on a CPU; cold trial 25 saw 15 s of silence)
+    print(f"[learner] waiting for the actors' first batch ({args.batch_size} x {args.envs_per_worker} games x "
+          f"{args.unroll} steps); progress every {args.print_every:g} s after it", flush=True)
 
     progress = _util.Progress(args.print_every)
     window = {"time": time.monotonic(), "steps": 0, "updates": 0}
