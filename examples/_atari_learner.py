@@ -281,7 +281,7 @@ def learn(world: machinlike.World, group: machinlike.RpcGroup, args: argparse.Na
     recipe = (f"APPO: {args.epochs}-{args.max_epochs} epochs x {args.minibatches} minibatches, {args.advantages} "
               f"advantages, clip {args.clip:g}, {args.lr_schedule} lr, normalised {norms.describe() if norms else '-'}"
               if algo == "appo" else "IMPALA: V-trace")
-    print(f"[learner] {1 + args.num_workers} processes: 1 learner ({args.learner_threads} torch threads, "
+    print(f"[learner] {1 + args.num_workers} processes: 1 learner ({_util.plural(args.learner_threads, 'torch thread')}, "
           f"{args.device}; {recipe}; {args.optimizer} lr {args.lr:g}), "
           f"{args.num_workers} actors x {args.envs_per_worker} games of {args.game}; inference {args.inference}; "
           f"batch {args.batch_size} x {args.envs_per_worker} x {args.unroll} steps; metric: mean return of "

@@ -397,6 +397,12 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
 
 
+def plural(count: int, noun: str, nouns: Optional[str] = None) -> str:
+    """``"1 worker"``, ``"3 workers"``: a count with its noun (``nouns``: the plural, when
+    not ``noun`` + "s")."""
+    return f"{count} {noun if count == 1 else nouns or noun + 's'}"
+
+
 def wall_time(start: float) -> str:
     """The run's wall time: since this process started, its imports included, as
     ``/usr/bin/time`` counts it (README's figures); where ``/proc`` cannot say, since

@@ -397,7 +397,7 @@ def worker_elastic(world: machinlike.World, args: argparse.Namespace) -> Optiona
             impl.manage_model(model, torch.optim.Adam(model.parameters(), lr=lr))
             impl.start()
             impls.append(impl)
-        print(f"A3C on {ENV_ID}: {args.num_workers} workers x {args.envs_per_worker} environments, "
+        print(f"A3C on {ENV_ID}: {_util.plural(args.num_workers, 'worker')} x {_util.plural(args.envs_per_worker, 'environment')}, "
               f"learner on rank 0 ({args.device}), chaos every {args.chaos:g} s", flush=True)
         hosted = _Hosted(impls, [group.get_paired(n).to_here() for n in names])
         gate.open()  # both servers and the report services exist: workers may start
@@ -457,7 +457,7 @@ def worker(world: machinlike.World, args: argparse.Namespace) -> Optional[Dict[s
         log = EpisodeLog(_util.Curve(args.out, columns), args.target, args.stop_at)
         group.register("report", log.report)
         torch.manual_seed(args.seed)  # the managed networks' initial weights
-        print(f"A3C on {ENV_ID}: {len(workers)} workers x {args.envs_per_worker} environments, "
+        print(f"A3C on {ENV_ID}: {_util.plural(len(workers), 'worker')} x {_util.plural(args.envs_per_worker, 'environment')}, "
               f"learner on rank 0 ({args.device})", flush=True)
     servers = grad_server_helper(
         # Only the primary (the learner) builds these: the managed models live on --device;
@@ -528,7 +528,7 @@ def main() -> None:
                    f"{actor['steps'] / max(1e-9, final['seconds']):.1f} updates/s, version lag mean "
                    f"{actor['lag_mean']:.2f} max {actor['lag_max']}, {final['refused']} pushes refused"),
         **({"chaos": (f"every {args.chaos:g} s: {final['members']['losses']} workers lost, "
-                      f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
+                      f"{final['members']['rejoins']} rejoined, {_util.plural(final['dropped'], 'push', 'pushes')} dropped with them")}
            if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
         **_util.metrics_summary(args, f"a3c: {ENV_ID}"),

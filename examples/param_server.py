@@ -402,7 +402,7 @@ def main() -> None:
         "time to target": (f"{final['target_at']:.1f} s ({100 * args.target:.0f}% test accuracy)"
                            if final.get("target_at") is not None else "not reached"),
         **({"chaos": (f"every {args.chaos:g} s: {final['members']['losses']} trainers lost, "
-                      f"{final['members']['rejoins']} rejoined, {final['dropped']} pushes dropped with them")}
+                      f"{final['members']['rejoins']} rejoined, {_util.plural(final['dropped'], 'push', 'pushes')} dropped with them")}
            if args.chaos is not None else {}),
         "curve": args.out + (f" and {png}" if png else ""),
         **_util.metrics_summary(args, "param_server: MLP on digits", x="pushes applied"),
