@@ -203,6 +203,42 @@ def test_terminate_fails_pending_results_and_leaves_no_worker(tmp_path):
         release.close()
 
 
+_BAD_CALLBACKS = """
+from machinlike.pool import Pool, ThreadPool
+def sq(x):
+    return x * x
+if __name__ == "__main__":
+    for P in (Pool, ThreadPool):
+        with P(2) as pool:
+            for i in range(3):
+                r = pool.apply_async(sq, (i,), callback=lambda v: 1 / 0)
+                assert r.get(10) == i * i and r.ready()
+            assert pool.map_async(sq, [1, 2], callback=lambda v: 1 / 0).get(10) == [1, 4]
+            e = pool.apply_async(int, ("x",), error_callback=lambda e: 1 / 0)
+            try:
+                e.get(10)
+            except ValueError:
+                pass
+            assert pool.map(sq, range(4)) == [0, 1, 4, 9]  # (a thread pool's workers all live)
+        print(P.__name__, "ok", flush=True)
+"""
+
+
+def test_callback_errors_under_pythons_own_unraisablehook_settle_and_are_printed(tmp_path):
+    # Cold trial 26: Python's hook refused the record (TypeError): the result never became
+    # ready (get() without a timeout waited for good) and a ThreadPool's worker thread died.
+    import subprocess
+    import sys
+
+    script = tmp_path / "bad_callbacks.py"
+    script.write_text(_BAD_CALLBACKS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Pool", "ok", "ThreadPool", "ok"], done.stdout
+    assert done.stderr.count("Exception ignored in a pool result callback") == 10, done.stderr
+    assert "ZeroDivisionError" in done.stderr and "UnraisableHookArgs" not in done.stderr
+
+
 def test_callback_errors_are_reported_and_do_not_stop_the_pool(monkeypatch):
     reported = []
     monkeypatch.setattr("sys.unraisablehook", reported.append)

@@ -20,6 +20,7 @@ A callback that raises does not break the pool: its exception goes to
 from __future__ import annotations
 
 import sys
+import traceback
 import types
 from _thread import allocate_lock
 from typing import Any, Callable, Dict, Generator, List, Optional, Protocol
@@ -44,16 +45,28 @@ def check_timeout(timeout: Any) -> Optional[float]:
 
 def report_callback_error(callback: Any, exc: BaseException) -> None:
     """Hand a callback's exception to ``sys.unraisablehook``: it must neither vanish nor
-    stop the thread that delivers results."""
-    sys.unraisablehook(
-        types.SimpleNamespace(
-            exc_type=type(exc),
-            exc_value=exc,
-            exc_traceback=exc.__traceback__,
-            err_msg="Exception ignored in a pool result callback",
-            object=callback,
-        )
-    )
+    stop the thread that delivers results. Never raises.
+
+    Why not always the hook: Python's own (``sys.__unraisablehook__``) takes only its
+    ``UnraisableHookArgs``, which Python code cannot build, and raised TypeError on our
+    record: that escaped into the settlement, so the result never became ready (a
+    ``get()`` without timeout waited for good) and a thread pool's worker died. Python's
+    hook is then done here, in its format; a hook someone installed (pytest's, a
+    logger's) gets the record.
+    """
+    what = "Exception ignored in a pool result callback"
+    try:
+        if sys.unraisablehook is not sys.__unraisablehook__:
+            sys.unraisablehook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                                     exc_traceback=exc.__traceback__, err_msg=what, object=callback))
+            return
+    except BaseException:  # (a hook that fails: printed below, as Python prints it)
+        pass
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        sys.stderr.write(f"{what}: {callback!r}\n{text}")
+    except BaseException:  # (no stderr left: nothing more can be said)
+        pass
 
 
 class Job(Protocol):
