@@ -156,7 +156,10 @@ class SimpleQueue(_PipeQueue):
         """Remove and return the oldest item.
 
         Args:
-            timeout: Seconds to wait for an item; None waits indefinitely.
+            timeout: Seconds to wait for an item to begin arriving; None waits
+                indefinitely. An item whose bytes began to arrive is read to its end
+                (see the module doc: a writer killed or stopped in the middle of a
+                large ``put`` holds this read until it goes on, or for good).
 
         Raises:
             TimeoutError: no item arrived within ``timeout``.
@@ -239,7 +242,10 @@ class SimpleP2PQueue(_PipeQueue):
         """Remove and return the oldest item.
 
         Args:
-            timeout: Seconds to wait for an item; None waits indefinitely.
+            timeout: Seconds to wait for an item to begin arriving; None waits
+                indefinitely. An item whose bytes began to arrive is read to its end
+                (see the module doc: a writer killed or stopped in the middle of a
+                large ``put`` holds this read until it goes on, or for good).
 
         Raises:
             TimeoutError: no item arrived within ``timeout``.
@@ -329,7 +335,10 @@ class MultiP2PQueue:
 
         Args:
             index: Channel number.
-            timeout: Seconds to wait for an item; None waits indefinitely.
+            timeout: Seconds to wait for an item to begin arriving; None waits
+                indefinitely. An item whose bytes began to arrive is read to its end
+                (see the module doc: a writer killed or stopped in the middle of a
+                large ``put`` holds this read until it goes on, or for good).
 
         Raises:
             IndexError: no such channel.
