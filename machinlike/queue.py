@@ -16,11 +16,13 @@ on Linux) returns only once a reader has taken most of it. Two processes that bo
 large items to each other before reading would wait on each other forever: read results
 in another thread than the one that puts work (as ``multiprocessing.Pool`` does).
 
-Timeouts bound the wait for an item to *begin* arriving; an item whose bytes are already
-flowing is read to its end (abandoning it half-read would corrupt the pipe for everyone).
-A process killed in the middle of ``put`` or ``get`` therefore breaks the queue (a torn
-item, or a lock never released), as with any pipe-based queue; pools and launchers watch
-process sentinels for that.
+A ``get`` timeout bounds the whole read: an item whose writer is slow, stopped or was killed
+in the middle of it raises ``TimeoutError`` in time, and what arrived is kept, so the next
+``get`` of this process goes on with the same item (abandoning it half-read would corrupt
+the pipe for everyone; ``_pipe_read``). Meanwhile this process keeps the read lock: other
+consumers wait (their own timeouts bound that). A writer killed in the middle of ``put``
+still leaves its item torn and the write lock taken (later ``put(timeout=)`` calls time
+out), as with any pipe-based queue; pools and launchers watch process sentinels for that.
 
 Items that are put but never read keep their shared tensors' memory alive until the
 process tree exits (torch's shared-memory manager then cleans up).
@@ -30,12 +32,14 @@ from __future__ import annotations
 
 import builtins
 import multiprocessing
+import threading
 import time
 from multiprocessing import connection, context
 from multiprocessing.context import BaseContext
 from typing import Any, Dict, Optional, Tuple, Union
 
 from . import _checks
+from ._pipe_read import PartialItem, read_item
 from ._warm import resolve_context
 from .pickle import dumps, loads
 
@@ -72,10 +76,21 @@ def _discard(data: bytes, copy_tensor: bool) -> None:
         pass
 
 
-def _recv(reader: connection.Connection, timeout: Optional[float], what: str) -> bytes:
-    if timeout is not None and not reader.poll(timeout):
-        raise _timeout_error(what, timeout)
-    return reader.recv_bytes()
+def _read(reader: connection.Connection, item: PartialItem, timeout: Optional[float], what: str,
+          stated: Optional[float] = None) -> bytearray:
+    """The next item's bytes within ``timeout`` (None: no bound); one that began arriving
+    and did not end stays in ``item``, and the next read goes on with it. ``stated``: the
+    caller's timeout, for messages (None: ``timeout``)."""
+    stated = timeout if stated is None else stated
+    started = item.pending
+    data = read_item(reader.fileno(), None if timeout is None else time.monotonic() + timeout, item)
+    if data is not None:
+        return data
+    if not item.pending:
+        raise _timeout_error(what, stated or 0.0)
+    raise TimeoutError(f"{what} timed out after {stated or 0.0:g} s in the middle of an item ({item.describe()} "
+                       f"arrived{' by now' if started else ''}): its writer is slow, stopped or was killed; the "
+                       f"next get() goes on with it")
 
 
 class _PipeQueue:
@@ -95,7 +110,17 @@ class _PipeQueue:
 
     def __getstate__(self) -> Dict[str, Any]:
         context.assert_spawning(self)  # only to a child being started, like multiprocessing's
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        for mine in ("_item", "_reading"):  # (this process's read in progress)
+            state.pop(mine, None)
+        return state
+
+    def _partial(self) -> PartialItem:
+        """This process's item in progress (made on first use: a child starts with none)."""
+        item = self.__dict__.get("_item")
+        if item is None:
+            item = self.__dict__.setdefault("_item", PartialItem())
+        return item
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -156,29 +181,35 @@ class SimpleQueue(_PipeQueue):
         """Remove and return the oldest item.
 
         Args:
-            timeout: Seconds to wait for an item to begin arriving; None waits
-                indefinitely. An item whose bytes began to arrive is read to its end
-                (see the module doc: a writer killed or stopped in the middle of a
-                large ``put`` holds this read until it goes on, or for good).
+            timeout: Seconds to wait for an item, its bytes included; None waits
+                indefinitely. An item cut short by the timeout is kept and the next
+                ``get`` goes on with it (see the module doc).
 
         Raises:
             TimeoutError: no item arrived within ``timeout``.
             EOFError: every writing end of the queue was closed.
         """
         timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
-        if timeout is None:
-            with self._rlock:
-                data = self._reader.recv_bytes()
-        else:
-            deadline = time.monotonic() + timeout
-            if not self._rlock.acquire(True, timeout):
-                raise _timeout_error("SimpleQueue.get()", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        reading = self.__dict__.get("_reading") or self.__dict__.setdefault("_reading", threading.Lock())
+        if not reading.acquire(True, -1 if timeout is None else timeout):
+            raise _timeout_error("SimpleQueue.get()", timeout or 0.0)
+        try:
+            item = self._partial()
+            # An item this process began to read holds the read lock until it is whole.
+            if not item.pending and not self._rlock.acquire(True, None if deadline is None
+                                                            else max(0.0, deadline - time.monotonic())):
+                raise _timeout_error("SimpleQueue.get()", timeout or 0.0)
             try:
-                if not self._reader.poll(max(0.0, deadline - time.monotonic())):
-                    raise _timeout_error("SimpleQueue.get()", timeout)
-                data = self._reader.recv_bytes()
-            finally:
-                self._rlock.release()
+                data = _read(self._reader, item, None if deadline is None else max(0.0, deadline - time.monotonic()),
+                             "SimpleQueue.get()", timeout)
+            except BaseException:
+                if not item.pending:
+                    self._rlock.release()
+                raise
+            self._rlock.release()
+        finally:
+            reading.release()
         return loads(data)
 
 
@@ -242,16 +273,16 @@ class SimpleP2PQueue(_PipeQueue):
         """Remove and return the oldest item.
 
         Args:
-            timeout: Seconds to wait for an item to begin arriving; None waits
-                indefinitely. An item whose bytes began to arrive is read to its end
-                (see the module doc: a writer killed or stopped in the middle of a
-                large ``put`` holds this read until it goes on, or for good).
+            timeout: Seconds to wait for an item, its bytes included; None waits
+                indefinitely. An item cut short by the timeout is kept and the next
+                ``get`` goes on with it (see the module doc).
 
         Raises:
             TimeoutError: no item arrived within ``timeout``.
             EOFError: the writing end was closed.
         """
-        return loads(_recv(self._reader, _checks.seconds_or_none("timeout", timeout, allow_zero=True), "SimpleP2PQueue.get()"))
+        return loads(_read(self._reader, self._partial(), _checks.seconds_or_none("timeout", timeout, allow_zero=True),
+                           "SimpleP2PQueue.get()"))
 
 
 class MultiP2PQueue:
@@ -335,10 +366,9 @@ class MultiP2PQueue:
 
         Args:
             index: Channel number.
-            timeout: Seconds to wait for an item to begin arriving; None waits
-                indefinitely. An item whose bytes began to arrive is read to its end
-                (see the module doc: a writer killed or stopped in the middle of a
-                large ``put`` holds this read until it goes on, or for good).
+            timeout: Seconds to wait for an item, its bytes included; None waits
+                indefinitely. An item cut short by the timeout is kept and the next
+                ``get`` goes on with it (see the module doc).
 
         Raises:
             IndexError: no such channel.
@@ -359,6 +389,7 @@ class MultiP2PQueue:
             TimeoutError: no channel had an item within ``timeout``.
         """
         timeout = _checks.seconds_or_none("timeout", timeout, allow_zero=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
         readers = [q.reader for q in self._queues]
         ready = connection.wait(readers, timeout)
         if not ready:
@@ -369,7 +400,8 @@ class MultiP2PQueue:
             index = (self._next + offset) % count
             if id(readers[index]) in ready_ids:
                 self._next = (index + 1) % count
-                return index, loads(readers[index].recv_bytes())
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                return index, self._queues[index].get(left)  # (its bytes within the same deadline)
         raise AssertionError("unreachable: wait() returned a reader that is not ours")  # pragma: no cover
 
     def close(self) -> None:

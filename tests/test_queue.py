@@ -223,3 +223,33 @@ def test_timeout_error_is_machins_name_and_both_kinds():
             queue.get(timeout=0.05)
     finally:
         queue.close()
+
+
+def _put_bytes(queue, size):
+    queue.put(b"x" * size)
+
+
+@pytest.mark.parametrize("make", [SimpleQueue, SimpleP2PQueue, lambda: MultiP2PQueue(1)[0]],
+                         ids=["simple", "p2p", "multi-channel"])
+def test_a_writer_stopped_or_killed_mid_item_does_not_hold_get_past_its_timeout(make):
+    # Cold trial 26: get(timeout=1) was still blocked after 5 s (poll, then an unbounded
+    # recv_bytes); a stopped writer's item is now kept and finished by the next get.
+    import os
+    import signal
+
+    queue, size = make(), 8 << 20
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        writer = Process(target=_put_bytes, args=(queue, size))
+        writer.start()
+        deadline = time.monotonic() + 30
+        while queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)  # (until its bytes begin to arrive)
+        os.kill(writer.pid, sig)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="in the middle of an item"):
+            queue.get(timeout=0.5)
+        assert time.monotonic() - start < 2.0
+        if sig == signal.SIGSTOP:
+            os.kill(writer.pid, signal.SIGCONT)
+            assert len(queue.get(timeout=30)) == size  # the same item, whole
+        writer.join(30)
