@@ -52,10 +52,12 @@ class PartialItem:
         self.head, self.body, self.filled = bytearray(), None, 0
 
 
-def _readable(poller: "select.poll", deadline: Optional[float]) -> bool:
+def _readable(fd: int, deadline: Optional[float]) -> bool:
     if deadline is None:
         return True  # (a blocking read waits itself)
     left = deadline - time.monotonic()
+    poller = select.poll()  # (not select(): a descriptor past 1023 is fine)
+    poller.register(fd, select.POLLIN)
     return bool(poller.poll(max(0, math.ceil(left * 1000))))
 
 
@@ -66,8 +68,6 @@ def read_item(fd: int, deadline: Optional[float], item: PartialItem) -> Optional
     Raises:
         EOFError: every writing end closed (in the middle of an item too: ``item`` is reset).
     """
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
     while True:
         body = item.body
         if body is None:
@@ -84,7 +84,7 @@ def read_item(fd: int, deadline: Optional[float], item: PartialItem) -> Optional
             return body
         else:
             need = len(body) - item.filled
-        if not _readable(poller, deadline):
+        if not _readable(fd, deadline):
             return None
         if body is None:
             chunk = os.read(fd, need)
