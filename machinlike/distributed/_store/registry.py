@@ -209,11 +209,14 @@ class Registry:
             raise self._lost_main(err) from err
 
     def values_or_empty(self, prefix: str, names: Sequence[str]) -> List[str]:
-        """Values of ``prefix + name`` for each name, "" for absent ones, in one round trip."""
-        keys = [prefix + n for n in names]
+        """Values of ``prefix + name`` for each name, "" for absent ones; never waits.
+
+        Why one probe per key: a check, then a multi_get, waited the store's whole timeout
+        (60 s) for a key deleted between the two (a departed worker's claims list, a reaped
+        heartbeat), which a CI run hit."""
+        store = self._waiter()
         try:
-            return [v.decode() for v in multi_get(self._waiter(), keys)] if self._waiter().check(keys) \
-                else [self.get_or_empty(k) for k in keys]
+            return [value_or_empty(store, prefix + n) for n in names]
         except (dist.DistNetworkError, ConnectionError) as err:
             raise self._lost(err) from err
 
