@@ -6,6 +6,7 @@ import faulthandler
 import os
 import re
 import signal
+import sys
 import threading
 import time
 
@@ -82,6 +83,22 @@ def test_rank_death_is_named(how, text):
     with pytest.raises(ProcessExitedError, match=rf"rank 2 \('2'\) \(pid \d+\) {text}") as info:
         launch(_exit_on_rank_2, 3, args=(how,), timeout=100)
     assert info.value.exitcode == {"os._exit": 3, "SIGKILL": -signal.SIGKILL, "abort": -signal.SIGABRT}[how]
+
+
+def _sys_exit_on_rank_1(world, code):
+    if world.rank == 1:
+        sys.exit(code)
+    return world.rank
+
+
+def test_sys_exit_in_a_rank_is_its_outcome_never_the_launchers_exit():
+    # It was re-raised in the launcher as SystemExit: the launching script ended in
+    # silence with the rank's code (0: a failed job that read as success; cold trial 28).
+    assert launch(_sys_exit_on_rank_1, 2, args=(0,), timeout=60) == [0, None]
+    with pytest.raises(ProcessExitedError, match=r"rank 1 \('1'\) \(pid \d+\) exited with code 3: fn called "
+                                                 r"sys.exit\(3\)$") as info:
+        launch(_sys_exit_on_rank_1, 2, args=(3,), timeout=60)
+    assert info.value.exitcode == 3 and "_sys_exit_on_rank_1" in str(info.value.__cause__)
 
 
 def _hang_but_rank_0(world):

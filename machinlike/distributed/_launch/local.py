@@ -169,12 +169,14 @@ def launch(
     Returns:
         ``fn``'s return value of each rank, in rank order (a :class:`LaunchResult`, whose
         ``restarts`` lists the restarts); under torchrun or srun, this rank's value only.
+        A rank whose ``fn`` called ``sys.exit(0)`` returned None.
 
     Raises:
         ValueError, TypeError: bad arguments (named).
         Exception: the first failure of any rank that may not be restarted, with that
             rank's traceback as cause; the other ranks are killed.
-        ProcessExitedError: such a rank died without reporting (names exit code / signal).
+        ProcessExitedError: such a rank died without reporting (names exit code / signal),
+            or its ``fn`` called ``sys.exit(n)``, n != 0 (never a SystemExit here).
         TimeoutError: the run exceeded ``timeout`` (stacks of the ranks go to stderr).
     """
     _mainguard.check("launch(...)")

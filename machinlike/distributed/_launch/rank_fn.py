@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import difflib
 import inspect
+import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 from ... import _checks
+from ...exception import ProcessExitedError
 
 if TYPE_CHECKING:
     from .._world import World
@@ -97,18 +99,36 @@ def rank_names(names: Optional[Sequence[Any]], world_size: int) -> List[str]:
     return out
 
 
-def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:
+def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
+                reported_as: Optional[str] = None) -> Any:
     """``fn``'s result in this rank; a coroutine it returns runs to its end first.
+
+    Args:
+        reported_as: The rank's process name where its outcome goes to a launcher as a
+            report (``launch``'s own ranks, Ray's): then ``sys.exit(0)`` (or None) in ``fn``
+            is a result of None and ``sys.exit(n)`` a ProcessExitedError, never a
+            SystemExit the launcher would re-raise (which ended the launching script in
+            silence, with the rank's exit code; cold trial 28). None (torchrun, srun: the
+            rank is the process) lets SystemExit end the process with its code.
 
     Raises:
         BaseException: what ``fn`` raised, once it is recorded as the member's exit cause
             (:meth:`World.note_exit`: before the launcher hears of it, which may end the rank).
     """
+    me = os.getpid()
     try:
-        result = fn(world, *args, **(kwargs or {}))
-        if inspect.iscoroutine(result):
-            return asyncio.run(result)
-        return result
+        try:
+            result = fn(world, *args, **(kwargs or {}))
+            if inspect.iscoroutine(result):
+                return asyncio.run(result)
+            return result
+        except SystemExit as exc:
+            if reported_as is None or os.getpid() != me:  # (or in a child fn forked: its own exit)
+                raise
+            if exc.code in (None, 0):
+                return None  # (what a script that exits 0 means: done)
+            code = exc.code if isinstance(exc.code, int) else 1
+            raise ProcessExitedError(reported_as, os.getpid(), code, f"fn called sys.exit({exc.code!r})") from exc
     except BaseException as exc:
         world.note_exit(exc)  # (a no-op in a child that fn forked: that World is its parent's)
         raise

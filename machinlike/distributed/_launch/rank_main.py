@@ -61,7 +61,7 @@ def rank_main(rank: int, world_size: int, name: str, port: int, payload: bytes,
             world = World(name, rank, store=store, elastic=True, **world_kwargs)
         else:
             world = World(name, rank, world_size, store=store, **world_kwargs)
-        message = (True, run_rank_fn(fn, world, args, kwargs))
+        message = (True, run_rank_fn(fn, world, args, kwargs, reported_as=f"rank {rank} ({name!r})"))
     except BaseException as exc:  # reported to the parent, which decides what to raise
         if os.getpid() != me:
             raise  # (a child fn forked, ending: the report and the World are its parent's)

@@ -84,7 +84,7 @@ class _RankActor:
         try:
             fn, args, kwargs = payload
             self._world = self._join(rank, world_size, name, host, port, world_kwargs)
-            message = (True, run_rank_fn(fn, self._world, args, kwargs))
+            message = (True, run_rank_fn(fn, self._world, args, kwargs, reported_as=where))
         except BaseException as exc:  # reported to the driver, which decides what to raise
             message = (False, ExceptionWithTraceback(exc, where=where))  # (run_rank_fn recorded fn's as the exit cause)
         try:
