@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -179,10 +181,11 @@ def test_point_to_point_and_any_source_receive(world):
             senders.add(sender)
         assert senders == {1, 2}
         t = torch.zeros(1)
-        first = g.irecv(t, tag=2).wait()  # any source, asynchronous
+        # (wait(timeout=) as torch's handles take it: these refused it with TypeError)
+        first = g.irecv(t, tag=2).wait(timeout=timedelta(seconds=30))  # any source, asynchronous
         assert first in (1, 2) and t.item() == float(first)
         t = torch.zeros(1)
-        assert g.irecv(t, src=3 - first, tag=2).wait() == 3 - first
+        assert g.irecv(t, src=3 - first, tag=2).wait(timedelta(seconds=30)) == 3 - first
         g.send(torch.tensor([7.0]), dst=1)
     else:
         g.send(torch.tensor([r * 11.0]), dst=0, tag=1)
@@ -379,6 +382,22 @@ def test_a_member_whose_collective_timed_out_is_told_apart_from_a_crash(world):
     fresh.destroy()
 
 
+@world_test(2, timeout=60)
+def test_a_wait_with_a_timeout_of_its_own_is_bound_by_it_and_says_so(world):
+    group = world.create_collective_group([0, 1], timeout=30)
+    key = world.membership.keys.scratch("own-timeout/done")
+    if world.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"collective irecv over ranks \[0, 1\] did not finish within the "
+                                               r"wait's timeout \(1 s\)"):
+            group.irecv(torch.zeros(1), src=1, tag=9).wait(timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 10  # not the group's 30 s
+        world.membership.registry.set(key, "1")
+    else:
+        world.membership.registry.wait_all(key, [""], 30, "rank 0's timed-out receive")
+    group.destroy()
+
+
 @world_test(2, timeout=90)
 def test_ddp_on_a_collective_group(world):
     torch.manual_seed(0)
@@ -432,7 +451,7 @@ def test_all_to_all_native_and_pairwise_fallback(world, path):
         outs = [torch.zeros(2, dtype=torch.complex64) for _ in range(n)]
         work = g.all_to_all(outs, [torch.tensor([complex(r, i)] * 2, dtype=torch.complex64) for i in range(n)],
                             async_op=True)
-        work.wait()
+        assert work.wait(timeout=timedelta(seconds=30))  # (the pairwise handle refused timeout=)
         assert [o.tolist() for o in outs] == [[complex(s, r)] * 2 for s in range(n)]
 
         if path != "native":
@@ -527,7 +546,7 @@ def test_reduce_scatter_native_and_all_reduce_fallback(world, path):
         grid = torch.zeros(2, 2, dtype=torch.complex64)
         source = torch.tensor([[complex(r, i) for i in range(n)]] * 2, dtype=torch.complex64).t()
         work = g.reduce_scatter(grid[:, 1], [source[i] for i in range(n)], async_op=True)
-        work.wait()
+        work.wait(timedelta(seconds=30))
         assert grid[:, 1].tolist() == [complex(0 + 1 + 2, r * n)] * 2 and grid[:, 0].tolist() == [0j, 0j]
 
         if path == "fallback" or "reducescatter" in g._substituted:

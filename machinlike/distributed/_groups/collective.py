@@ -23,7 +23,7 @@ from ... import _checks
 from .._store import forked as _forked
 from .collective_failures import FailureNamer, GroupHealth, NamedWork
 from .dense import DenseStage
-from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks
+from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks, wait_works
 
 __all__ = ["CollectiveGroup", "RetiredGroups"]
 
@@ -85,8 +85,8 @@ class _AnySourceRecv:
         self._work = work
         self._group = group
 
-    def wait(self) -> int:
-        self._work.wait()
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> int:
+        wait_works([self._work], timeout)
         return dist.get_global_rank(self._group, self._work._source_rank())
 
     def is_completed(self) -> bool:
@@ -98,8 +98,8 @@ class _KnownSourceRecv:
         self._work = work
         self._src = src
 
-    def wait(self) -> int:
-        self._work.wait()
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> int:
+        wait_works([self._work], timeout)
         return self._src
 
     def is_completed(self) -> bool:
