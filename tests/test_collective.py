@@ -356,6 +356,34 @@ def test_a_collective_ended_by_a_dead_or_silent_member_says_so_by_name(stay_sile
             assert (kind, member) == ("PeerLostError", "2") and "was lost (gloo: " in said and took < 15, results
 
 
+def _receives_from_any_source_while_the_senders_die(world, size):
+    import signal
+
+    group = world.create_collective_group(list(range(size)), timeout=8)
+    group.barrier()
+    if world.rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        group.recv(torch.zeros(1))  # any source: every possible sender is dying
+        return ("received", None, "", time.monotonic() - start)
+    except Exception as err:
+        return (type(err).__name__, getattr(err, "member", None), str(err), time.monotonic() - start)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_receive_from_any_source_names_a_dead_sender(size):
+    """Cold trial 27: with its only possible sender dead, a receive from any source waited
+    out the group's timeout (gloo's any-source receive outlives a closed connection) and
+    said "a member did not take part". With one other member it is a receive from that
+    member (fails within a second); with more, the timeout names the one that died."""
+    kind, member, said, took = run_world(_receives_from_any_source_while_the_senders_die, size, args=(size,),
+                                         timeout=60, return_exceptions=True)[0]
+    assert kind == "PeerLostError" and member in {str(r) for r in range(1, size)}, (kind, said)
+    assert f"collective recv over ranks {list(range(size))}" in said and "was lost" in said, said
+    assert took < (6 if size == 2 else 20), took  # (two members: not the group's 8 s)
+
+
 @world_test(2, timeout=60)
 def test_a_member_whose_collective_timed_out_is_told_apart_from_a_crash(world):
     """Rank 1 skips an all_reduce that times out on rank 0, then calls the next: gloo

@@ -90,6 +90,13 @@ class FailureNamer:
         said = text.strip().splitlines()[0][:240] if text.strip() else type(err).__name__
         low = text.lower()
         if "timed out" in low:
+            # (a receive from any source outlives a sender's death: the member is named if gone)
+            lost = next((m for r in ranks if 0 <= r < len(self._names)
+                         for m in [self._names[r]] if self._roster.gone(m) is not None), None)
+            if lost is not None:
+                how = "left the world" if self._roster.gone(lost) == "left" else "was lost"
+                return PeerLostError(lost, f"collective {op} over ranks {list(ranks)} did not finish within {whose} "
+                                           f"timeout ({timeout:g} s): the member {how} (gloo: {said})")
             return TimeoutError(f"collective {op} over ranks {list(ranks)} did not finish within {whose} "
                                 f"timeout ({timeout:g} s): a member did not take part (gloo: {said})")
         if not any(mark in low for mark in _CLOSED):
