@@ -207,6 +207,10 @@ def test_unsplittable_models_are_a_clear_error():
         ModelAssigner([Blob(3)] * 3, {}, gpus(9, 9), model_size_multiplier=1,
                       move_models=False)
     assert issubclass(InfeasiblePlacementError, RuntimeError)  # what machin raised
+    # Small models: what is short reads in significant digits, not "0.00 MB" (cold trial 27).
+    with pytest.raises(InfeasiblePlacementError, match=r"need 0.003 MB .* allow 0.002 MB in total: 0.000998 MB short"):
+        ModelAssigner([Blob(0.001)] * 3, {}, gpus(0.002), model_size_multiplier=1, max_mem_ratio=1.0,
+                      move_models=False)
 
 
 # -- determinism and RNG hygiene -----------------------------------------------------------

@@ -36,6 +36,12 @@ from ._validate import (
 __all__ = ["ModelAssigner", "InfeasiblePlacementError"]
 
 
+def _mb(value: float) -> str:
+    """``value`` MB for a message: two decimals, or three significant digits below 1 MB
+    (small models read "0.00 MB over")."""
+    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
 class InfeasiblePlacementError(RuntimeError):
     """The models do not fit in the memory the devices allow (a RuntimeError, as machin
     raised). The message says which limit is exceeded and by how many MB."""
@@ -79,8 +85,11 @@ class ModelAssigner:
        Should every result still overflow, an exact depth-first fit search (largest
        model first) finds a fitting placement to refine, or proves that none exists.
 
-    So ``.assignment`` fits whenever a fitting placement exists (the fit search gives up
-    only after 200,000 nodes, saying so). Runs are deterministic for a given ``seed``
+    So ``.assignment`` fits whenever a fitting placement exists and the fit search finds
+    it within its budget of 200,000 nodes (milliseconds to a second); tightly packed
+    instances of a few dozen models can exhaust it (bin packing is NP-hard), and the
+    error then says so (a little more room, through ``max_mem_ratio`` or a device, lets
+    the search succeed). Runs are deterministic for a given ``seed``
     and leave the global RNGs of torch and NumPy untouched.
 
     Args:
@@ -356,15 +365,15 @@ class ModelAssigner:
         )
         if need > allowed + pb.tolerance:
             raise InfeasiblePlacementError(
-                f"the models need {need:.2f} MB but the devices allow {allowed:.2f} MB in "
-                f"total: {need - allowed:.2f} MB short {fix}"
+                f"the models need {_mb(need)} MB but the devices allow {_mb(allowed)} MB in "
+                f"total: {_mb(need - allowed)} MB short {fix}"
             )
         big, room = int(np.argmax(pb.sizes)), int(np.argmax(pb.capacity))
         if pb.sizes[big] > pb.capacity[room] + pb.tolerance:
             raise InfeasiblePlacementError(
-                f"model {big} needs {pb.sizes[big]:.2f} MB but the largest allowance is "
-                f"{pb.capacity[room]:.2f} MB on {self._specs[room].device}: "
-                f"{pb.sizes[big] - pb.capacity[room]:.2f} MB short {fix}"
+                f"model {big} needs {_mb(pb.sizes[big])} MB but the largest allowance is "
+                f"{_mb(pb.capacity[room])} MB on {self._specs[room].device}: "
+                f"{_mb(pb.sizes[big] - pb.capacity[room])} MB short {fix}"
             )
 
     def _no_fit_message(self, e: _NoFit) -> str:
@@ -377,10 +386,10 @@ class ModelAssigner:
             "the models cannot be split across the devices without overflowing one"
         )
         return (
-            f"{why}: they need {pb.sizes.sum():.2f} MB of {pb.capacity.sum():.2f} MB "
-            f"allowed in total, and the best placement found puts {used[worst]:.2f} MB on "
-            f"{self._specs[worst].device}, which allows {pb.capacity[worst]:.2f} MB "
-            f"({used[worst] - pb.capacity[worst]:.2f} MB over); lower "
+            f"{why}: they need {_mb(pb.sizes.sum())} MB of {_mb(pb.capacity.sum())} MB "
+            f"allowed in total, and the best placement found puts {_mb(used[worst])} MB on "
+            f"{self._specs[worst].device}, which allows {_mb(pb.capacity[worst])} MB "
+            f"({_mb(used[worst] - pb.capacity[worst])} MB over); lower "
             "model_size_multiplier, raise max_mem_ratio or add devices"
         )
 
