@@ -16,7 +16,7 @@ import pytest
 
 from machinlike import launch
 from machinlike.distributed import MemberEvent, World
-from machinlike.exception import PeerLostError
+from machinlike.exception import PeerLostError, ProcessExitedError
 from machinlike.process import Process
 from machinlike.server import OrderedServerSimpleImpl
 
@@ -443,6 +443,43 @@ def test_a_restart_is_logged_with_the_ranks_own_traceback(caplog):
     assert results[1] == 2 and [r.name for r in results.restarts] == ["w"]
     said = [r.getMessage() for r in caplog.records if "restarting rank 1 ('w')" in r.getMessage()]
     assert len(said) == 1 and "in _fails_once" in said[0] and "the first incarnation's own failure" in said[0], said
+
+
+def _stops_itself_once(world):
+    if world.rank == 0:  # until the other rank's last incarnation is gone (finished or killed)
+        roster = world.membership.roster
+        last = 2 if world.elastic else 1
+        roster.wait_until(lambda live: (roster.departed("w") or ("", 0))[1] >= last, 60)
+        return "done"
+    if world.incarnation == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # (stopped: no handler, no heartbeat, no exit)
+    return world.incarnation
+
+
+@pytest.mark.parametrize("elastic", [True, False], ids=["restarted", "static"])
+def test_a_rank_declared_lost_while_its_process_lives_on_is_killed_by_launch(elastic, caplog):
+    """Cold trial 28: a stopped rank was declared lost by the world, but launch waited for its
+    report or exit, which never came: no restart, and the run hung (timeout=None). Now launch
+    kills it a grace after the verdict; its death is then restarted, or is its result."""
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="machinlike.distributed._launch.local"):
+        if elastic:
+            results = launch(_stops_itself_once, 2, names=["boss", "w"], max_restarts=1, essential=["boss"],
+                             liveness=2.0, timeout=60)
+        else:
+            results = launch(_stops_itself_once, 2, names=["boss", "w"], liveness=2.0, timeout=60,
+                             return_exceptions=True)
+    fenced = "while the process lived on, so launch killed it"
+    if elastic:
+        assert results == ["done", 2] and [r.name for r in results.restarts] == ["w"], results
+        assert "killed by signal SIGKILL (9): the world declared it lost" in results.restarts[0].cause
+        assert fenced in results.restarts[0].cause
+    else:
+        assert results[0] == "done" and isinstance(results[1], ProcessExitedError), results
+        assert results[1].exitcode == -signal.SIGKILL and fenced in str(results[1])
+    assert any("was declared lost by the world" in r.getMessage() and "still runs" in r.getMessage()
+               for r in caplog.records)
+    assert time.monotonic() - start < 40
 
 
 def _store_host(out_queue) -> None:

@@ -2,11 +2,14 @@
 restarts and chaos.
 
     start(r) ──► a process running rank_main(r), a pipe back
-    collect: wait on every pipe and exit sentinel (no polling, no sleeps)
+    collect: wait on every pipe and exit sentinel (no sleeps; the wait ends each second
+             for the fence)
       report ok             ─► results[r]
       failure, restarts left ─► logged, recorded (exits), started again in place as r
       failure otherwise     ─► raised (or kept, with return_exceptions)
       every chaos seconds   ─► SIGKILL one non-essential rank that has run a whole period
+      every second          ─► LossFence: a rank the world declared lost that still runs,
+                               SIGKILLed after a grace (fence); its exit then goes as above
     timeout ─► each rank's stacks (stacks), TimeoutError
 
 Why apart from ``local``: ``launch`` checks and prepares, this owns the processes' state.
@@ -29,6 +32,7 @@ from ... import _mainguard
 from ...exception import NoCollectivesError, ProcessExitedError, RemoteTraceback
 from ...pickle import loads
 from .exits import RankExits, exited
+from .fence import FENCED, LossFence
 from .rank_main import rank_main
 from .stacks import StackFiles, timed_out
 from .termination import deferred
@@ -103,6 +107,7 @@ class Job:
         self.started: List[float] = [0.0] * len(names)
         self.stacks = StackFiles()  # where a rank writes its stacks when the run times out
         self.exits = RankExits(store, names, elastic)  # how each failed rank ended, into the world's store
+        self.fence = LossFence(store, names, elastic)  # kills a rank declared lost that lives on
 
     def start(self, rank: int) -> None:
         reader, writer = self.context.Pipe(duplex=False)
@@ -143,13 +148,17 @@ class Job:
             if next_kill is not None:
                 to_kill = max(0.0, next_kill - time.monotonic())
                 left = to_kill if left is None else min(left, to_kill)
+            # (cut to the fence's tick: a rank declared lost while its process lives on
+            # never reports nor exits by itself)
+            left = LossFence.TICK if left is None else min(left, LossFence.TICK)
             ready = wait(list(waiting), timeout=left)
+            self.fence.check(self.processes, results.keys())
             if next_kill is not None and time.monotonic() >= next_kill:
                 assert chaos is not None  # an invariant: next_kill is set only with chaos
                 next_kill = time.monotonic() + chaos
                 self._chaos_kill(rng, vital, results, used, max_restarts, chaos)
                 continue
-            if not ready:
+            if not ready and deadline is not None and time.monotonic() >= deadline:
                 timed_out(self.processes, results, timeout, self.stacks)
             for handle in ready:
                 if handle not in waiting:
@@ -164,7 +173,7 @@ class Job:
                     if waiting.pop(reader, None) is not None and reader.poll():
                         report = _read(reader)
                     if report is None:
-                        report = (False, exited(self.processes[rank]))
+                        report = (False, self._exited(rank))
                 if report is None:
                     continue  # the pipe closed first; the exit sentinel decides
                 ok, value = report
@@ -210,6 +219,13 @@ class Job:
                     if chaos is not None or max_restarts:
                         log.info("launch: every essential rank finished: no more chaos kills or restarts")
         return LaunchResult((results[rank] for rank in range(len(self.names))), restarts)
+
+    def _exited(self, rank: int) -> ProcessExitedError:
+        """The error of rank ``rank``'s process, which ended without a report."""
+        error = exited(self.processes[rank])
+        if self.fence.fenced.pop(error.pid or 0, None) is not None:
+            error = ProcessExitedError(error.name, error.pid, error.exitcode, FENCED)
+        return error
 
     def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],
                     max_restarts: int, chaos: float) -> None:

@@ -39,6 +39,22 @@ _WAIT_S = 2.0  # at most this long per rank (a rank that is gone writes nothing)
 _armed: List[IO[str]] = []  # the rank's open stack file (kept: faulthandler writes to its descriptor)
 
 
+def _why_none(pid: int) -> str:
+    """Why process ``pid`` wrote no stacks: gone, or alive in a state no signal handler runs in."""
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            state = stream.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "it ended before it could write them"
+    if state in ("T", "t"):
+        return "its process is stopped (SIGSTOP or a debugger): it runs no handler until continued"
+    if state == "Z":
+        return "it ended before it could write them"
+    if state == "D":
+        return "its process waits in the kernel, uninterruptibly (disk, NFS): the handler never ran"
+    return "it wrote nothing in time (stuck in native code that holds the GIL, or not yet armed)"
+
+
 def arm(path: Optional[str]) -> None:
     """(In a rank) write every thread's stack to stderr on SIGUSR1 (``kill -USR1 PID`` by
     hand), and into ``path`` on SIGUSR2 (the launcher's timeout; None: not armed)."""
@@ -88,7 +104,7 @@ class StackFiles:
             out.write(f"\n===== launch: {process.name}, pid {process.pid}: {what}; its threads: =====\n")
             out.flush()
             text = self._collect(rank, process.pid)
-            out.write(condense(text) if text else "(no stacks: it ended before it could write them)\n")
+            out.write(condense(text) if text else f"(no stacks: {_why_none(process.pid)})\n")
             out.flush()
 
     def _collect(self, rank: int, pid: int) -> str:

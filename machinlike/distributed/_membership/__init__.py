@@ -12,6 +12,7 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 """
 
 from ... import _lean
+from .log_tail import LogTail
 from .status import (
     connect_read_only, event_counts, MemberStatus, read_status, ReadOnlyStore, ServerNote, WorldStatus,
 )
@@ -28,6 +29,6 @@ if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see m
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Departures", "describe_exception", "Endpoint",
-    "event_counts", "is_here", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
+    "event_counts", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
     "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]
