@@ -97,6 +97,25 @@ def test_close_then_join_finishes_the_work(name):
     pool.terminate()  # idempotent after close
 
 
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_waiting_for_a_result_inside_a_callback_raises_instead_of_deadlocking(name):
+    # ThreadPool's callbacks take turns under one lock: one that waited for another
+    # result deadlocked the whole pool, every later task included (cold trial 27).
+    with FACTORIES[name]() as pool:
+        seen = []
+
+        def callback(_):
+            try:
+                seen.append(pool.apply(abs, (-1,)))
+            except RuntimeError as err:
+                seen.append(str(err))
+
+        func = (lambda context, x: abs(x)) if name.startswith("Ctx") else abs
+        assert pool.apply_async(func, (-5,), callback=callback).get(WAIT) == 5
+        assert len(seen) == 1 and "inside one of the pool's callbacks would deadlock" in seen[0], seen
+        assert pool.apply_async(func, (-2,)).get(WAIT) == 2  # the pool goes on
+
+
 def test_results_time_out_and_report_their_state(tmp_path):
     release = targets.ReleaseFifo(tmp_path / "go")
     with Pool(1) as pool:

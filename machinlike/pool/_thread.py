@@ -106,6 +106,7 @@ class ThreadCore:
         self._flags = PoolFlags()
         self._lock = self._flags.lock  # guards the flags, _jobs, _threads, _stops_sent
         self._callback_lock = threading.Lock()
+        self._delivering = threading.local()  # .now: this thread runs callbacks (holds _callback_lock)
         self._jobs: Dict[int, List[Any]] = {}  # id(job) -> [job, tasks not yet settled]
         self._stops_sent = False
         self._threads: List[threading.Thread] = []
@@ -130,7 +131,11 @@ class ThreadCore:
         self._flags.check_running()
 
     def delivers_in_this_thread(self) -> bool:
-        return False  # any worker thread may deliver; waiting in one is the user's call
+        # Inside a callback: the callbacks take turns (one lock, as multiprocessing's one
+        # result thread runs them), so a result another thread settles would wait for this
+        # callback to end, which waits for it: a deadlock of the whole pool (cold trial 27).
+        # A task's own function waiting for another task is the user's call.
+        return getattr(self._delivering, "now", False)
 
     def function(self, func: Callable[..., Any]) -> Callable[..., Any]:
         return func
@@ -276,12 +281,16 @@ class ThreadCore:
                 outcome = ("done", values) if errors is None else ("partial", values, errors)
         del call, func
         with self._callback_lock:
-            if outcome[0] == "done":
-                job._done(start, count, outcome[1])
-            elif outcome[0] == "failed":
-                job._failed(start, count, outcome[1])
-            else:
-                job._partial(start, outcome[1], outcome[2])
+            self._delivering.now = True
+            try:
+                if outcome[0] == "done":
+                    job._done(start, count, outcome[1])
+                elif outcome[0] == "failed":
+                    job._failed(start, count, outcome[1])
+                else:
+                    job._partial(start, outcome[1], outcome[2])
+            finally:
+                self._delivering.now = False
         with self._lock:
             entry = self._jobs.get(id(job))
             if entry is not None:
