@@ -131,6 +131,52 @@ def test_a_killed_host_is_named_and_resumes_above_every_version(tmp_path):
     assert ms["ordered"]["resumed_version"] == LEASE_BLOCK + 1 and 0 <= ms["since_version"] < TIMEOUT
 
 
+def _fresh_host_body(world):
+    """A model server host without a checkpoint, SIGKILLed and restarted empty."""
+    registry = world.membership.registry
+    group = world.create_rpc_group("g")
+    if world.name == "h":
+        if world.incarnation > 1:
+            _wait(world, "restart")
+        ms = PushPullModelServerImpl("ms", group)
+        registry.set(_key(world, "pid"), str(os.getpid()))
+        registry.set(_key(world, f"ready{world.incarnation}"), "1")
+        _wait(world, "end")
+        return ms.stats()["version"]
+    _wait(world, "ready1")
+    ms = group.get_paired("ms", timeout=TIMEOUT).to_here()
+    old = Lin()
+    for v in range(1, 4):
+        assert ms.push(old.set(float(v)))
+    stale = Lin().set(3.0)
+    object.__setattr__(stale, "pp_version", 3)  # (another holder of the old chain's version 3)
+    _kill_and_wait(int(registry.get_or_empty(_key(world, "pid"))))
+    world.membership.wait_until(lambda live: world.get_incarnation("h") != 1, TIMEOUT)
+    registry.set(_key(world, "restart"), "1")
+    _wait(world, "ready2")
+    new = Lin()
+    out = {"pushes": [(ms.push(new.set(100.0 + v)), new.pp_version) for v in range(1, 4)]}
+    out["pull"] = ms.pull(old), old.pp_version, old.w[0].item()
+    out["stale_push"] = ms.push(stale.set(3.5)), stale.pp_version, stale.w[0].item()
+    registry.set(_key(world, "end"), "1")
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_a_host_restarted_without_a_checkpoint_never_reuses_a_version():
+    """Cold trial 28: the new chain began at version 1 again, so a client holding version 3
+    of the old one pulled "nothing new" from the new version 3 (stale weights), and its push
+    on top of it was accepted over another client's work. The versions are leased in the
+    world's store: the restarted host's chain starts above every version shown before."""
+    result = launch(_fresh_host_body, 2, names=["c", "h"], max_restarts=1, essential=["c"], timeout=75)
+    out = result[0]
+    fresh = LEASE_BLOCK + 1  # the first host leased past version 0 (its spec key); the new chain starts above
+    assert out["pushes"] == [(True, fresh), (True, fresh + 1), (True, fresh + 2)], out
+    assert out["pull"] == (True, fresh + 2, 103.0), out  # loaded: the old chain's 3 is not the new one's
+    assert out["stale_push"] == (False, fresh + 2, 103.0), out  # rejected, and pulled the newest
+    assert result[1] == fresh + 2
+
+
 def _visible_body(world):
     registry = world.membership.registry
     group = world.create_rpc_group("g")

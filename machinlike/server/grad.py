@@ -189,7 +189,8 @@ class PushPullGradServerImpl:
             if self.member == self.primary_reducer:
                 # The hosted ordered server first: the managed model publishes into it.
                 if settings.o_server is None:
-                    self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1)
+                    self.o_server_impl = OrderedServerSimpleImpl._checked(f"{server_name}/ordered", group, 1,
+                                                                          lease_in_store=checkpoint is None)
                     self._pool = StatePool()
                 managed = self._managed = ManagedModel(server_name, self.model_name, self.reduce_method, o_server,
                                                        self.o_server_impl, checkpoint, self._ledger, self._pool)

@@ -172,8 +172,10 @@ class PushPullModelServer:
         # (distributed._calls.cuda_stage) to any other; the server keeps what it received.
         payload = {k: ((v.detach().clone() if v.is_cuda else v.detach().cpu()) if isinstance(v, torch.Tensor) else v)
                    for k, v in state.items()}
-        if self.o_server._bounded(budget.left()).push(self.model_name, payload, base + 1, base):
-            set_version(model, base + 1, VERSION_ATTR, self._chain(), _loaded(unwrap(model)))
+        stored, version = self.o_server._bounded(budget.left())._push_as(self.model_name, payload, base + 1, base)
+        if stored:
+            # (base + 1, or above every version of an earlier host: _store_lease)
+            set_version(model, version, VERSION_ATTR, self._chain(), _loaded(unwrap(model)))
             return True
         if pull_on_fail:
             self._pull(model, budget)

@@ -23,7 +23,8 @@ services gone while that member is lost (or back but not serving yet) raises
 :class:`~machinlike.exception.PeerLostError` naming it, and the same accessor reaches
 the host again once it serves. With ``checkpoint_dir`` a restarted host resumes every
 key's history and continues above every version its predecessor made visible (a version
-lease, see ``_host``).
+lease, see ``_host``); a model or gradient server's host without one, in an elastic world,
+leases its versions in the world's store instead (``_store_lease``).
 """
 
 from __future__ import annotations
@@ -36,36 +37,20 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple
 
-import torch
-
-from .. import _shm
 from ..distributed import RpcGroup
 from ..exception import PeerLostError
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 from ._ordered_host import host_key, unserved
+from ._ordered_values import check_key as _check_key
+from ._ordered_values import check_version as _check_version
+from ._ordered_values import private as _private
+from ._store_lease import StoreLease
 from ._version_words import HostWords, PullerWords
 
 __all__ = ["OrderedServerBase", "OrderedServerSimple", "OrderedServerSimpleImpl"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_key(key: Any) -> Hashable:
-    try:
-        hash(key)
-    except TypeError:
-        raise TypeError(f"key must be hashable (e.g. a str), not {type(key).__name__}") from None
-    return key
-
-
-def _check_version(version: Any) -> Any:
-    """``version`` unless it is a float NaN: it equals nothing, itself included, so a key
-    pushed with it could never be pushed on again (every ``prev_version`` mismatches)."""
-    if isinstance(version, float) and version != version:
-        raise ValueError("version=nan equals nothing, itself included: a key pushed with it could never be "
-                         "updated again; use an int (or any value equal to itself)")
-    return version
 
 
 def _nothing() -> None:
@@ -136,23 +121,17 @@ class OrderedServerBase(abc.ABC):
         a host may send them its memory by reference. This default: ``pull_if_changed``."""
         return self.pull_if_changed(key, have_version)
 
+    def _push_as(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> Tuple[bool, Any]:
+        """:meth:`push`, and the version the value was stored as (a host may store a new
+        key's first version above its predecessors', see ``_store_lease``). This default:
+        ``version``."""
+        return self.push(key, value, version, prev_version), version
+
     def _bounded(self, seconds: float) -> "OrderedServerBase":
         """This server with its calls bounded by ``seconds`` each, where it can be (the
         model and gradient servers' steps of one call share a deadline); a server of the
         user's own bounds its calls itself: this one."""
         return self
-
-
-def _private(value: Any) -> Any:
-    """A pulled ``value`` with the tensors of memory its host rewrites (a model or gradient
-    server's reused storages, ``_shm.recycled``) copied: outside its own pullers, a value
-    pulled is the caller's, and nothing done to it reaches the server. (Copied outside the
-    server's lock: the value's reference keeps its memory from being rewritten.)"""
-    if not isinstance(value, dict):
-        return value
-    rewritten = [name for name, item in value.items()
-                 if isinstance(item, torch.Tensor) and _shm.recycled.sequence(item.untyped_storage()) is not None]
-    return {**value, **{name: value[name].clone() for name in rewritten}} if rewritten else value
 
 
 class OrderedServerSimple(OrderedServerBase):
@@ -190,6 +169,11 @@ class OrderedServerSimple(OrderedServerBase):
              timeout: Optional[float] = None) -> bool:
         """See :meth:`OrderedServerBase.push`; ``timeout``: seconds (None: the accessor's)."""
         return self._call("_push", (_check_key(key), value, _check_version(version), prev_version), timeout)
+
+    def _push_as(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> Tuple[bool, Any]:
+        got: Tuple[bool, Any] = self._call("_push", (_check_key(key), value, _check_version(version), prev_version),
+                                           None, in_place=(True,))
+        return got
 
     def pull(self, key: Hashable, version: Any = None, *, timeout: Optional[float] = None) -> Optional[Tuple[Any, Any]]:
         """See :meth:`OrderedServerBase.pull`; ``timeout``: seconds (None: the accessor's)."""
@@ -284,15 +268,23 @@ class OrderedServerSimpleImpl:
     @classmethod
     def _checked(cls, server_name: str, group: RpcGroup, version_depth: int,
                  adopt: Optional[Callable[[Hashable, Any], Any]] = None,
-                 checkpoint: Optional[HostCheckpoint] = None) -> "OrderedServerSimpleImpl":
+                 checkpoint: Optional[HostCheckpoint] = None, lease_in_store: bool = True
+                 ) -> "OrderedServerSimpleImpl":
         """Built from values a host (a model or gradient server) checked already.
 
         Args:
             checkpoint: Where the history is kept, under the building server's name and
                 kind; None: no checkpoints.
+            lease_in_store: Without ``checkpoint``, in an elastic world: lease the
+                versions in the world's store (``_store_lease``: a restarted host starts
+                its int chains above every version its predecessors made visible). False
+                where the building server leases its versions itself (the gradient
+                server's checkpoint).
         """
         self = cls.__new__(cls)
         self._open(server_name, group, version_depth, adopt, checkpoint)
+        if checkpoint is None and lease_in_store and current_world().elastic:
+            self._lease = StoreLease(host_key(group, server_name) + "/lease")
         return self
 
     def _open(self, server_name: str, group: RpcGroup, version_depth: int,
@@ -302,6 +294,7 @@ class OrderedServerSimpleImpl:
         self.group = group
         self.version_depth = version_depth
         self._checkpoint = checkpoint
+        self._lease: Optional[StoreLease] = None  # (a host's chain without a checkpoint: see _checked)
         self._lock = threading.Lock()
         self._words = HostWords()  # (before the services: a pull may ask for a word at once)
         # key -> (version, value), oldest first; maxlen does the eviction.
@@ -385,6 +378,11 @@ class OrderedServerSimpleImpl:
             OSError: with a checkpoint, the lease or the new key's checkpoint could not
                 be written (nothing was stored).
         """
+        return self._store_as(key, value, version, prev_version)[0]
+
+    def _store_as(self, key: Hashable, value: Any, version: Any, prev_version: Any) -> Tuple[bool, Any]:
+        """:meth:`store`, and the version ``value`` was stored as: ``version``, but for a
+        new key's first version on a host restarted without a checkpoint (``_store_lease``)."""
         ckpt = self._checkpoint
         if ckpt is not None:
             check_version(version, self.server_name)
@@ -393,9 +391,11 @@ class OrderedServerSimpleImpl:
             entries = self._data.get(key)
             if entries is not None and entries[-1][0] != prev_version:
                 self._counts["pushes_rejected"] += 1
-                return False
+                return False, version
             if ckpt is not None:
                 ckpt.cover(version)
+            elif self._lease is not None:
+                version = self._lease.renumber(version, entries is None)
             new = entries is None
             if entries is None:
                 entries = self._data[key] = deque(maxlen=self.version_depth + 1)
@@ -415,7 +415,7 @@ class OrderedServerSimpleImpl:
             self._made_at = time.monotonic()
         if ckpt is not None and snapshot is not None:  # outside the lock: pulls go on while a model is written
             self._save(ckpt, *snapshot)
-        return True
+        return True, version
 
     def newest_version(self, key: Hashable) -> Any:
         """The newest version of ``key`` held here; None when the key is unknown."""
@@ -509,11 +509,14 @@ class OrderedServerSimpleImpl:
     # ------------------------------------------------------------------- services
     # The value arrived through RPC, so it is already this process's own copy; what goes
     # back is serialised by RPC, so the caller gets a copy too. ``client``: the caller's name.
-    def _push_service(self, key: Hashable, value: Any, version: Any, prev_version: Any, client: str = "") -> bool:
+    def _push_service(self, key: Hashable, value: Any, version: Any, prev_version: Any, client: str = "",
+                      numbered: bool = False) -> Any:
+        """``numbered``: a model server's pusher, told the version stored (see ``_store_as``)."""
         self._note(client)
         if self._adopt is not None:
             value = self._adopt(key, value)  # outside the lock: it may copy a whole model
-        return self.store(key, value, version, prev_version)
+        stored = self._store_as(key, value, version, prev_version)
+        return stored if numbered else stored[0]
 
     def _note(self, client: str) -> None:
         if client and client not in self._clients:

@@ -205,7 +205,9 @@ class ManagedModel:
         else:
             stored = self._o_server.push(self._model_name, snapshot, 0, None)
         if stored:
-            self.version = 0
+            # (a host restarted without a checkpoint stores it above its predecessors'
+            # versions: _store_lease)
+            self.version = self._hosted.newest_version(self._model_name) if self._hosted is not None else 0
             self._published_at = time.monotonic()
             return
         # A custom ordered server that already holds a chain under this key: continue it.
