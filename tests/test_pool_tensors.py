@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from machinlike import _shm
-from machinlike.pool import LARGE_TENSOR_BYTES, CtxPool, Pool, ThreadPool
+from machinlike.pool import LARGE_TENSOR_BYTES, CtxPool, P2PPool, Pool, ThreadPool
 
 WAIT = 60.0
 SMALL = 16
@@ -127,6 +127,16 @@ def test_a_worker_retiring_after_its_task_lets_the_pool_load_its_large_results_f
         out = pool.map(_large_result, range(6), chunksize=1)
     assert [(float(t[0]), int(a[0])) for t, a in out] == [(float(i), i) for i in range(6)]
     assert all(t.shape == (LARGE,) and a.shape == (LARGE,) for t, a in out)
+
+
+@pytest.mark.parametrize("cls", [Pool, P2PPool])
+def test_a_worker_retiring_after_its_task_lets_the_pool_load_its_shared_results_first(cls):
+    """Share mode: a result's tensors travel as the worker's descriptors, which closed when
+    it retired after its task before the pool had loaded them, and every result of a
+    maxtasksperchild=1 map was lost (cold trial 27). The worker waits for the pool's word."""
+    with cls(2, maxtasksperchild=1, is_copy_tensor=False, share_method="cpu") as pool:
+        out = pool.starmap(targets.make_tensor, [(1000, float(i)) for i in range(8)], chunksize=1)
+    assert [float(t[0]) for t in out] == [float(i) for i in range(8)]
 
 
 def _reader_of(array):

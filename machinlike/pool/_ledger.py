@@ -5,6 +5,7 @@ A small block of shared memory (a ``RawArray``) and the lock that orders its wri
     slot 0             sequence number of the last task frame taken (claimed or skipped)
     slot 1             phase of that task: loading / running / pickling its result
     slot 2 + s % RING  == s when the pool took task s back (work stealing)
+    last slot          sequence number of the last outcome the pool loaded (delivered)
 
 The worker *claims* a task frame under the lock: it notes the frame's sequence number in
 slot 0 unless the pool has marked it as taken back, in which case it skips it. The pool
@@ -13,6 +14,11 @@ exactly once, and when the worker dies the pool knows which of its tasks it had 
 (those fail with WorkerLostError) and which it had not (those go to other workers). The
 phase is written by the worker alone, read by the pool after the worker died.
 
+A retiring worker waits (bounded) until the pool loaded its last outcome: a result that
+holds tensors by reference (``share_method="cpu"``) names descriptors of the worker's,
+which close when it exits; with ``maxtasksperchild=1`` every result was lost so (cold
+trial 27).
+
 The pool builds a ledger with :meth:`Ledger.create`; it travels to the worker process as a
 start argument (the array and the lock are inherited, not copied).
 """
@@ -20,6 +26,7 @@ start argument (the array and the lock are inherited, not copied).
 from __future__ import annotations
 
 import threading
+import time
 from multiprocessing.context import BaseContext
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
@@ -37,6 +44,7 @@ PHASES: Dict[int, str] = {
 RING = 256
 
 _STARTED, _PHASE, _RING_START = 0, 1, 2
+_DELIVERED = _RING_START + RING
 
 
 class Ledger:
@@ -56,7 +64,7 @@ class Ledger:
     @classmethod
     def create(cls, ctx: BaseContext) -> "Ledger":
         """A fresh ledger: nothing taken, the worker idle."""
-        shared = ctx.RawArray("q", [-1] * (_RING_START + RING))
+        shared = ctx.RawArray("q", [-1] * (_DELIVERED + 1))
         shared[_PHASE] = IDLE
         return cls(ctx.Lock(), shared)
 
@@ -87,7 +95,25 @@ class Ledger:
         """Note what the worker is doing now (one of the phase constants)."""
         self._shared[_PHASE] = phase
 
+    def await_delivered(self, seq: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the pool loaded outcome ``seq`` (or a later
+        one); True when it did. For a worker about to exit (see the module doc)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while self._shared[_DELIVERED] < seq:
+            if time.monotonic() >= deadline:
+                return False
+            # (a word in shared memory has no wake-up to wait on: poll, backing off)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return True
+
     # ------------------------------------------------------------------ pool side
+
+    def delivered(self, seq: int) -> None:
+        """Outcome ``seq`` was loaded here (the pool alone writes this slot, in order)."""
+        if seq > self._shared[_DELIVERED]:
+            self._shared[_DELIVERED] = seq
 
     def started(self) -> int:
         """Sequence number of the last task frame the worker took (-1: none yet)."""

@@ -279,3 +279,5 @@ class Manager:
             if add_note is not None:
                 add_note(f"while loading the outcome of a task from {w.name} (pid {w.pid}) in the pool's process")
             job._failed(start, count, exc)
+        finally:
+            w.ledger.delivered(task.seq)  # a retiring worker may exit now (see _ledger)

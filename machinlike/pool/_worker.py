@@ -15,6 +15,7 @@ import functools
 import itertools
 import os
 import signal
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _lifeline, _shm
@@ -96,6 +97,7 @@ class _Worker:
         self._context = context
         self._has_context = has_context
         self._functions: Dict[int, list] = {}
+        self.last_run = -1  # sequence number of the last task run (its outcome was written)
 
     def serve(self) -> None:
         claim = self._ledger.claim
@@ -108,6 +110,7 @@ class _Worker:
             kind, flag, seq, extra, payload = frame
             if kind == TASK_CALL or kind == TASK_MAP:
                 if claim(seq):
+                    self.last_run = seq
                     self._run(kind, flag, seq, extra, payload)
             elif kind == INSTALL:
                 functions[extra] = [payload, None]
@@ -255,9 +258,12 @@ def main(
         write_frame(result_fd, READY, 0, 0, 0)
         worker.serve()
         # Told to stop (maxtasksperchild, or a closed pool done) right after its last
-        # results: the pool may not have opened their segments yet, and they close with
-        # this process (the pool then failed to load them).
-        _shm.await_taken(_TAKEN_WAIT)
+        # results: the pool may not have loaded them yet, and what they hold by reference
+        # (shared tensors' descriptors, lent segments) closes with this process (the pool
+        # then failed to load them).
+        deadline = time.monotonic() + _TAKEN_WAIT
+        ledger.await_delivered(worker.last_run, _TAKEN_WAIT)
+        _shm.await_taken(max(0.0, deadline - time.monotonic()))
     except _Exit as done:
         raise SystemExit(done.code) from None
     except BrokenPipeError:
