@@ -482,6 +482,28 @@ def test_a_rank_declared_lost_while_its_process_lives_on_is_killed_by_launch(ela
     assert time.monotonic() - start < 40
 
 
+def _crash_loop(world, restarts, launcher_pid):
+    if world.name == "w":
+        raise RuntimeError(f"incarnation {world.incarnation} fails at once")
+    roster = world.membership.roster
+    launcher = f"/proc/{launcher_pid}/fd"  # (not the parent: ranks start from a forkserver)
+    counts = []
+    for incarnation in (3, restarts + 1):  # (the launcher's descriptors, early and late in the loop)
+        roster.wait_until(lambda live: (roster.departed("w") or ("", 0))[1] >= incarnation, 60)
+        counts.append(len(os.listdir(launcher)))
+    return counts
+
+
+def test_a_crash_looping_rank_leaves_no_descriptors_behind_in_the_launcher():
+    # One result pipe per restart was kept open (cold trial 28): a crash loop or chaos
+    # filled the table of the launcher, which hosts the store too.
+    restarts = 20
+    results = launch(_crash_loop, 2, args=(restarts, os.getpid()), names=["boss", "w"], max_restarts=restarts, essential=["boss"],
+                     timeout=90, return_exceptions=True)
+    early, late = results[0]
+    assert late - early < 8, (early, late)  # (18 restarts apart: it grew by about one each before)
+
+
 def _store_host(out_queue) -> None:
     world = World("h", rank=0, elastic=True, init_method="tcp://127.0.0.1:0", dist_timeout=20)
     world.create_rpc_group("open").register("h-svc", _whoami)

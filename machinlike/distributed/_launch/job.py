@@ -206,6 +206,7 @@ class Job:
                     if old.is_alive():
                         old.kill()
                     old.join(5.0)
+                    self._let_go(rank)
                     self.start(rank)
                     watch(rank)
                     continue
@@ -219,6 +220,18 @@ class Job:
                     if chaos is not None or max_restarts:
                         log.info("launch: every essential rank finished: no more chaos kills or restarts")
         return LaunchResult((results[rank] for rank in range(len(self.names))), restarts)
+
+    def _let_go(self, rank: int) -> None:
+        """Close the descriptors of rank ``rank``'s ended process (its result pipe, its
+        sentinel) before its restart: they were kept, one pipe per restart, and a crash
+        loop or chaos filled the launcher's table (cold trial 28)."""
+        reader = self.reader_of[rank]
+        self.readers.remove(reader)
+        reader.close()
+        try:
+            self.processes[rank].close()
+        except ValueError:  # (still running after its kill and 5 s: its sentinel stays open)
+            pass
 
     def _exited(self, rank: int) -> ProcessExitedError:
         """The error of rank ``rank``'s process, which ended without a report."""
