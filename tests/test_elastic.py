@@ -504,6 +504,31 @@ def test_a_crash_looping_rank_leaves_no_descriptors_behind_in_the_launcher():
     assert late - early < 8, (early, late)  # (18 restarts apart: it grew by about one each before)
 
 
+def _pairs_once_restarted(world):
+    group = world.create_rpc_group("g")
+    if world.name == "p":
+        if world.incarnation == 1:
+            world.wait_for_members(["s"], timeout=30)
+            raise RuntimeError("p fails once")
+        group.register("svc/p", _whoami)
+        group.pair("back", True)
+        world.wait_for_members(["s"], timeout=30, gone=True)
+        return "p"
+    group.wait_paired("back", timeout=60)
+    # At once, before this view's next tick would have delivered p's join.
+    return (group.get_group_members(), world.get_incarnation("p"), group.rpc_sync("p", _whoami, timeout=10))
+
+
+def test_a_restarted_member_whose_value_was_found_is_a_member_at_once():
+    """Cold trial 28: a restarted member's value and services are in the store before this
+    view's next tick delivers its join: wait_paired returned, yet the member was missing
+    from the group, and a call to it raised PeerLostError 'it was lost'."""
+    results = launch(_pairs_once_restarted, 2, names=["p", "s"], max_restarts=1, essential=["s"], timeout=60)
+    members, incarnation, answer = results[1]
+    assert "p" in members and incarnation == 2, results[1]
+    assert answer == "p#2", results[1]
+
+
 def _store_host(out_queue) -> None:
     world = World("h", rank=0, elastic=True, init_method="tcp://127.0.0.1:0", dist_timeout=20)
     world.create_rpc_group("open").register("h-svc", _whoami)

@@ -60,8 +60,16 @@ def wait_paired(caller: Caller, owners: OwnerCache, registry: Registry, roster: 
         PeerLostError: the world's store is gone; in a static world, the holder is; the
             member that paired ``key`` left the world since (named).
     """
-    return _wait_held(lambda left: caller.paired(key, left), owners.value_key(key), registry, roster, departures,
-                      elastic, "value", key, group, wait)
+    def look(left: float) -> PairedRef:
+        found = caller.paired(key, left)
+        if roster.incarnation_of(found.owner_name()) is None:
+            # Its holder's join is in the log but not yet in this view (a restarted member
+            # pairs at once; this view reads the log at its next tick): read it now, so the
+            # holder is a member here when this returns (cold trial 28).
+            roster.catch_up()
+        return found
+
+    return _wait_held(look, owners.value_key(key), registry, roster, departures, elastic, "value", key, group, wait)
 
 
 def wait_registered(owners: OwnerCache, registry: Registry, roster: Roster, departures: Departures, group: str,

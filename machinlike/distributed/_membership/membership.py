@@ -123,6 +123,7 @@ class Membership:
         # Rung after each departure this member posts; its thread reads the log at each ring.
         self.bell = Bell(self.registry, keys, store, name)
         self.events = EventLog(self.registry, keys, self._deliver, bell=self.bell, server=server_of(store))
+        self.roster.refresh_with(self.catch_up)
         self.departures = Departures(self.registry, keys)
         # Whom the liveness thread checks: k successors in a ring by default (see watch).
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
@@ -453,8 +454,19 @@ class Membership:
 
     # ----------------------------------------- what the servers and tools ask
     def worker_of(self, member: str) -> str:
-        """The RPC worker name of live ``member`` (PeerLostError when it is gone)."""
+        """The RPC worker name of live ``member`` (PeerLostError when it is gone; see
+        :meth:`Roster.worker_of`)."""
         return self.roster.worker_of(member)
+
+    def catch_up(self) -> bool:
+        """Read the world's log now (this view is otherwise up to a liveness tick behind);
+        False when the store could not be read (the view stays as it was)."""
+        try:
+            self.events.catch_up()
+        except Exception as err:  # (the store is going, or this member stopped)
+            log.debug("machinlike: could not read the world's log now: %s", err)
+            return False
+        return True
 
     def worker_gone(self, worker: str) -> bool:
         """Whether RPC worker ``worker`` left, was lost or was replaced (this view)."""

@@ -96,6 +96,8 @@ class Roster:
         # Set once, for good: the store was lost, or the others declared this member lost.
         self._cut_off: Optional[PeerLostError] = None
         self._on_cut_off: List[Callable[[], None]] = []  # (Waits ends the pending calls)
+        # Reads the world's log now (Membership.catch_up; see worker_of); False: not read.
+        self._refresh: Callable[[], bool] = lambda: False
         #: Bumped on every change of the live table (read without the lock: a watcher
         #: recomputes what it derived from the table when this moved; see watch).
         self.version = 0
@@ -334,8 +336,22 @@ class Roster:
         with self._lock:
             return None if member in self._live else self._gone.get(member)
 
+    def refresh_with(self, read_log: Callable[[], bool]) -> None:
+        """``read_log()`` reads the world's log now (delivering it here), False if it could not."""
+        self._refresh = read_log
+
+    def catch_up(self) -> bool:
+        """Read the world's log now (this view is otherwise up to a liveness tick behind);
+        False when it could not be read."""
+        return self._refresh()
+
     def worker_of(self, member: str) -> str:
         """The RPC worker name of live ``member``.
+
+        A member this view has as gone or unknown is looked up again after reading the log
+        now: a restarted member's paired values and services are in the store before this
+        view's next tick delivers its join, and a caller that found them was told it "was
+        lost" (cold trial 28).
 
         Raises:
             PeerLostError: the member is gone (left or lost) or the store is.
@@ -343,6 +359,10 @@ class Roster:
         with self._lock:
             rec = self._live.get(member)
             gone = self._gone.get(member, ("",))[0]
+        if rec is None and self._cut_off is None and self._refresh():
+            with self._lock:
+                rec = self._live.get(member)
+                gone = self._gone.get(member, ("",))[0]
         if self._cut_off is not None:
             raise self._cut_off
         if rec is None:

@@ -138,9 +138,16 @@ class PushPullGradServer:
             # A secondary seen without its service a moment ago may be back: ask again now.
             self._hosts = {m: seen for m, seen in self._hosts.items() if seen[0]}
             live = [m for m in self._candidates() if m not in exclude]
+        world = get_world()
+        if not live and world is not None and world.elastic and world.membership.catch_up():
+            # (a restarted secondary's service is there before this view's tick delivers its join)
+            live = [m for m in self._candidates() if m not in exclude]
         if not live:
             known = {m for m, (hosts, _) in self._hosts.items() if hosts}
-            gone = sorted(set(self._lost) | set(exclude) | known) or ["(none)"]
+            gone = sorted(set(self._lost) | set(exclude) | known | set(self.secondary_reducers or ()))
+            if not gone:
+                raise KeyError(f"no member of group {self.group.get_group_name()!r} serves gradient server "
+                               f"{self.server_name!r} now: none has created it yet, or every one that did closed it")
             raise PeerLostError(gone[0], f"no secondary reducer of gradient server {self.server_name!r} is "
                                          f"reachable now (unreachable: {gone})")
         if self._turn is None:  # clients start at different secondaries
@@ -230,6 +237,8 @@ class PushPullGradServer:
                 reachable, or (elastic world) the primary reducer is gone (named). A
                 secondary known gone before the push, or without the service any more, is
                 skipped without an error: nothing was queued there.
+            KeyError: no member serves the gradient server (none has created it, or
+                every one that did closed it).
             TimeoutError: it did not answer (or, with ``pull=True``, had no room) in time;
                 when the gradients were queued and only the pull after them ran out, the
                 message says so (push again and they count twice: pull instead).
