@@ -404,7 +404,8 @@ def test_launch_chaos_kills_and_restarts_non_essential_ranks():
                      chaos=0.4, chaos_seed=3, timeout=90)
     assert set(results[0]) <= {"w1", "w2"}
     assert len(results.restarts) >= 2
-    assert all(r.name != "boss" and "SIGKILL" in r.cause for r in results.restarts), results.restarts
+    assert all(r.name != "boss" and "SIGKILL" in r.cause and "launch(chaos=...) killed it" in r.cause
+               for r in results.restarts), results.restarts  # (told apart from a real SIGKILL, an OOM kill's)
     with pytest.raises(ValueError, match="chaos=1 kills ranks that must come back"):
         launch(_whoami, 2, chaos=1)
 
@@ -425,6 +426,21 @@ def test_launch_restarts_nothing_once_every_essential_rank_finished(caplog):
     assert results[0] == "done" and results.restarts == []
     assert isinstance(results[1], RuntimeError) and "incarnation 1" in str(results[1])
     assert any("failed after every essential rank finished; not restarted" in r.getMessage() for r in caplog.records)
+
+
+def _always_fails_but_the_boss(world):
+    if world.name == "boss":  # (until the run ends: the third failure ends it)
+        threading.Event().wait(60)
+        return "done"
+    raise RuntimeError(f"incarnation {world.incarnation} fails")
+
+
+def test_a_rank_whose_restarts_are_used_up_ends_the_run_saying_so():
+    with pytest.raises(RuntimeError, match="incarnation 3 fails") as info:
+        launch(_always_fails_but_the_boss, 2, names=["boss", "w"], max_restarts=2, essential=["boss"], timeout=60)
+    notes = getattr(info.value, "__notes__", [])
+    assert any("rank 1 ('w') failed for the 3rd time: its max_restarts=2 restarts were used up (2 restarts in this "
+               "run)" in note for note in notes), notes
 
 
 def _fails_once(world):

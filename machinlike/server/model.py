@@ -322,7 +322,8 @@ class PushPullModelServerImpl:
 
     def stats(self) -> Dict[str, Any]:
         """What the host serves: ``version`` (the newest version of the model, None before
-        the first push), ``since_version``, ``clients`` and, in an elastic world,
+        the first push), ``since_version``, ``clients``, with ``checkpoint_dir`` also
+        ``checkpoints``, ``checkpoint_failures`` and ``resumed_version``, in an elastic world
         ``members`` (as for :meth:`OrderedServerSimpleImpl.stats`), and ``ordered``: the
         hosted ordered server's whole stats (they count ``"<model_name>/spec"`` too, the
         architecture the first push fixed: a key and a push more than the model's own,
@@ -336,7 +337,7 @@ class PushPullModelServerImpl:
                                f"stats() on that ordered server's host")
         ordered = self.o_server_impl.stats()
         out = {"version": self.o_server_impl.newest_version(self.model_name), "ordered": ordered}
-        for name in ("since_version", "clients", "members"):
+        for name in ("since_version", "clients", "members", "checkpoints", "checkpoint_failures", "resumed_version"):
             if name in ordered:
                 out[name] = ordered[name]
         return out

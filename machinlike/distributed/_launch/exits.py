@@ -73,6 +73,10 @@ class RankExits:
         """``pid`` is being killed by ``launch(chaos=...)`` (its record says so)."""
         self._chaos.add(pid)
 
+    def by_chaos(self, pid: Optional[int]) -> bool:
+        """Whether ``pid`` was killed by ``launch(chaos=...)`` (and not recorded yet)."""
+        return pid in self._chaos
+
     def record(self, rank: int, pid: Optional[int], failure: BaseException) -> None:
         """Record how ``rank`` (process ``pid``) ended: ``failure`` is the exception it
         reported, or the :func:`exited` error naming ``pid`` (best effort: a rank whose World

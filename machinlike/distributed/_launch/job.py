@@ -80,6 +80,10 @@ def _chaos_victims(processes: List[Any], started: List[float], vital: Set[int], 
             and now - started[r] >= chaos]
 
 
+def _nth(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
 def _read(conn: Connection) -> Optional[tuple]:
     try:
         return loads(conn.recv_bytes())
@@ -211,6 +215,11 @@ class Job:
                     watch(rank)
                     continue
                 if not ok and not return_exceptions:
+                    if max_restarts and not restartable and not stopped and rank not in vital:
+                        # (the restarts' history would be lost with the run: say it here; cold trial 28)
+                        value.add_note(f"launch: rank {rank} ({self.names[rank]!r}) failed for the {used[rank] + 1}"
+                                       f"{_nth(used[rank] + 1)} time: its max_restarts={max_restarts} restarts were "
+                                       f"used up ({len(restarts)} restarts in this run)")
                     raise value
                 results[rank] = value
                 # A rank that reported is done: its exit is expected, not a failure.
@@ -238,6 +247,8 @@ class Job:
         error = exited(self.processes[rank])
         if self.fence.fenced.pop(error.pid or 0, None) is not None:
             error = ProcessExitedError(error.name, error.pid, error.exitcode, FENCED)
+        elif self.exits.by_chaos(error.pid):  # (a Restart's cause tells an injected kill from a real one)
+            error = ProcessExitedError(error.name, error.pid, error.exitcode, "launch(chaos=...) killed it")
         return error
 
     def _chaos_kill(self, rng: random.Random, vital: Set[int], results: Dict[int, Any], used: List[int],
