@@ -545,6 +545,25 @@ def test_a_restarted_member_whose_value_was_found_is_a_member_at_once():
     assert answer == "p#2", results[1]
 
 
+def _join_elastic(address) -> None:
+    World("late", elastic=True, init_method=address, dist_timeout=15).stop()
+
+
+def _starts_an_elastic_joiner(world):
+    child = Process(target=_join_elastic, args=(world.store_address,))
+    child.start()
+    child.join(60)
+    return child.exception
+
+
+def test_an_elastic_world_refuses_a_static_worlds_store():
+    """Cold trial 28: an elastic World given a static world's store address "joined" at
+    once into a world of its own, alone; nothing it paired reached the job."""
+    error = launch(_starts_an_elastic_joiner, 1, names=["learner"], timeout=60)[0]
+    assert isinstance(error, ValueError) and "is a static world's" in str(error), error
+    assert "launch(..., max_restarts=...)" in str(error)
+
+
 def _store_host(out_queue) -> None:
     world = World("h", rank=0, elastic=True, init_method="tcp://127.0.0.1:0", dist_timeout=20)
     world.create_rpc_group("open").register("h-svc", _whoami)

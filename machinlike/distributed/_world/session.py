@@ -56,7 +56,7 @@ from .. import _transport
 from .._transport import netif as _netif
 from .._store import rendezvous as _rendezvous
 from .._groups import RetiredGroups
-from .._store import Keys, ServiceOwner, own_client
+from .._store import Keys, ServiceOwner, own_client, value_or_empty
 from .._membership import process_identity
 from .._groups import directory as _directory
 from .._groups import GroupDirectory
@@ -368,6 +368,17 @@ def _static_channels(members: Membership, names: List[str]) -> Optional[List[str
     return list(_transport.ELASTIC_CHANNELS) if all(here(name) for name in names) else None
 
 
+def _refuse_a_static_store(store: dist.Store, restart: str, where: str) -> None:
+    """Raise ValueError when ``store`` holds a static world and no elastic one: an elastic
+    World joined it into a world of its own, alone, seen by nobody (cold trial 28)."""
+    if value_or_empty(store, Keys.static_counter(restart, 0)) and not value_or_empty(
+            store, Keys.elastic_world(restart).log_count()):
+        raise ValueError(f"the store at {where} is a static world's (fixed ranks: World(name, rank, world_size), "
+                         f"or launch without max_restarts), which an elastic World cannot join: start that job "
+                         f"elastic (launch(..., max_restarts=...), or World(..., elastic=True) in every member), or "
+                         f"give this World a store of its own")
+
+
 def start_elastic(session: Session) -> None:
     """Join (or, with ``rank=0``, found) an elastic world (the steps in the module doc)."""
     s = session.settings
@@ -380,6 +391,7 @@ def start_elastic(session: Session) -> None:
     job_store = os.environ.get("TORCHELASTIC_RUN_ID") and s.init_method is None and s.store is None
     restart = agree_round(info.store, *_rendezvous.resolve_rank_and_size(None, None), deadline,
                           f"{info.host}:{info.port}") if job_store else "0"
+    _refuse_a_static_store(info.store, restart, f"{info.host}:{info.port}")
     members = _membership(session, info, Keys.elastic_world(restart))
     _count_members(session, members, _budget(session, info))
     members.enter(None if s.rank < 0 else s.rank, deadline)
