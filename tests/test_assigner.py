@@ -327,6 +327,7 @@ def test_optimize_placement_rejects_wrong_shapes():
 # -- validation -----------------------------------------------------------------------------
 
 _SHARED = nn.Linear(2, 2)  # one module listed twice
+_ENCODER = nn.Linear(2, 2)  # a submodule of two models (cold trial 27: moving both split one)
 
 BAD = [
     ({"models": []}, ValueError, "models is empty"),
@@ -335,6 +336,8 @@ BAD = [
     ({"model_connection": {(0, 5): 1}}, ValueError, r"\(0, 5\) names a model outside 0..1"),
     ({"models": [_SHARED, _SHARED], "move_models": True}, ValueError,
      r"models\[1\] is the same module as models\[0\], and move_models=True would move it twice"),
+    ({"models": [nn.Sequential(_ENCODER, nn.Linear(2, 1)), nn.Sequential(_ENCODER)], "move_models": True}, ValueError,
+     r"models\[1\] shares '0.weight' with models\[0\] \('0.weight'\): a shared tensor is on one device"),
     ({"model_connection": {(1, 1): 1}}, ValueError, "connects model 1 to itself"),
     ({"model_connection": {(0, 1): -1}}, ValueError, r"model_connection\[\(0, 1\)\] must be"),
     ({"model_connection": {0: 1}}, TypeError, "keys must be \\(source, target\\) pairs"),

@@ -114,7 +114,10 @@ class ModelAssigner:
         update_rate: Adam learning rate (> 0).
         gpu_gpu_distance: Transfer cost between two GPUs (>= 0).
         cpu_gpu_distance: Transfer cost between the CPU and a GPU (>= 0).
-        move_models: Move every model to its device with ``model.to(device)``.
+        move_models: Move every model to its device with ``model.to(device)``. Models
+            that share a module (a shared encoder, tied weights) are refused then: a
+            shared tensor is on one device (pass them as one model). Each model's size
+            counts what it shares.
         model_complexity: Compute cost of each model (>= 0, any unit); None: its size.
         seed: Seed of the private generators of the search.
 

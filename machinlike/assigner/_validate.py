@@ -55,6 +55,18 @@ def _check_moved_once(models: Sequence[torch.nn.Module]) -> None:
             raise ValueError(f"models[{i}] is the same module as models[{first}], and move_models=True would move "
                              f"it twice (it ends up on one device only); pass each model once, or plan with "
                              f"move_models=False")
+    # A tensor shared between two models (a shared encoder, tied weights) is on one device
+    # too: moving the second model took it from the first, which was then split across
+    # devices while ``assignment`` said otherwise (cold trial 27).
+    owner: dict[int, tuple[int, str]] = {}
+    for i, model in enumerate(models):
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            first_owner = owner.setdefault(id(tensor), (i, name))
+            if first_owner[0] != i:
+                raise ValueError(f"models[{i}] shares {name!r} with models[{first_owner[0]}] ({first_owner[1]!r}): a "
+                                 f"shared tensor is on one device, so move_models=True would split one of them across "
+                                 f"devices; pass the models that share modules as one model (an nn.ModuleDict), or "
+                                 f"plan with move_models=False and place them yourself")
 
 
 def _connection_matrix(model_connection: Any, n: int) -> np.ndarray:
