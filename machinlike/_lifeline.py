@@ -59,21 +59,39 @@ def watch_parent(exitcode: int = PARENT_DIED_EXITCODE) -> Optional[threading.Thr
         if _watcher is not None and _watcher_pid == os.getpid() and _watcher.is_alive():
             return _watcher
         watcher = threading.Thread(
-            target=_watch, args=(sentinel, parent.pid, exitcode), name=THREAD_NAME, daemon=True
+            target=_watch, args=(sentinel, parent.pid, os.getppid(), exitcode), name=THREAD_NAME, daemon=True
         )
         watcher.start()
         _watcher, _watcher_pid = watcher, os.getpid()
         return watcher
 
 
-def _watch(sentinel: int, parent_pid: Optional[int], exitcode: int) -> None:
+def _watch(sentinel: int, parent_pid: Optional[int], started_by: int, exitcode: int) -> None:
+    """``started_by``: the pid of the process that forked this one (a warm forkserver's,
+    where one started it: its death ends its children too, the parent living on)."""
     try:
         multiprocessing.connection.wait([sentinel])
     except (OSError, ValueError):  # the sentinel was closed here: nothing left to watch
         return
+    if started_by != parent_pid and parent_pid is not None and _alive(parent_pid):
+        # (it said "parent process <pid> is gone" of a parent that was alive; cold trial 27)
+        said = (f"machinlike: the process server that started process {os.getpid()} (pid {started_by}) died, "
+                f"which ends its children; their parent, process {parent_pid}, goes on; process {os.getpid()} exits\n")
+    else:
+        said = f"machinlike: parent process {parent_pid} is gone; process {os.getpid()} exits\n"
     try:
-        sys.stderr.write(f"machinlike: parent process {parent_pid} is gone; process {os.getpid()} exits\n")
+        sys.stderr.write(said)
         sys.stderr.flush()
     except Exception:  # stderr may be closed; exiting matters more than saying so
         pass
     os._exit(exitcode)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's: it exists)
+        return True
+    return True

@@ -163,6 +163,24 @@ def test_a_dead_worker_gives_back_the_tasks_it_had_not_started(tmp_path):
         announce.close()
 
 
+def test_a_dead_forkserver_is_named_by_the_tasks_it_ended_and_the_pool_goes_on(tmp_path, capfd):
+    # Its death ends the workers it forked: they said "parent process <the pool's owner>
+    # is gone", of an owner alive and well, and the task failed with a bare exit code 255
+    # (cold trial 27).
+    announce = targets.AnnounceFifo(tmp_path / "pid")
+    with Pool(1) as pool:
+        running = pool.apply_async(targets.crash, ("sigkill", announce.path))  # (announces, then blocks)
+        worker = announce.read_pid(WAIT)
+        with open(f"/proc/{worker}/stat") as stream:
+            server = int(stream.read().rsplit(")", 1)[1].split()[1])
+        os.kill(server, signal.SIGKILL)
+        with pytest.raises(WorkerLostError, match=rf"the warm forkserver that started it \(pid {server}\) died"):
+            running.get(WAIT)
+        assert pool.map(targets.square, range(4)) == [0, 1, 4, 9]  # (a new server starts the replacement)
+    announce.close()
+    assert f"the process server that started process {worker} (pid {server}) died" in capfd.readouterr().err
+
+
 def test_failing_initializer_breaks_the_pool():
     pool = Pool(2, initializer=targets.failing_initializer)
     try:

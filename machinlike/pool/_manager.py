@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from typing import Any, List, Optional, Tuple
 
+from .. import _warm
 from .._procs import end_processes
 from ..exception import RemoteTraceback, WorkerLostError
 from ._dispatch import Dispatcher
@@ -215,9 +216,14 @@ class Manager:
         self._watch.forget(w)
         terminating = flags.state is PoolState.TERMINATE
         exitcode = None if terminating else w.process.exitcode
+        # (255: what the forkserver's pipe says when the server that forked it died; asked
+        # before bury() closes the process object)
+        server = _warm.server_of_died(w.process) if exitcode == 255 else None
         life = w.life
         lost, requeue = w.bury(reap=not terminating)  # terminate() owns the processes then
         phase = PHASES.get(w.phase(), "")
+        if server is not None:
+            phase += f"; the warm forkserver that started it (pid {server}) died, which ended it"
         for task in lost:
             dispatch.settled(task)
             out.append((task, _LOST, WorkerLostError(w.name, w.pid, exitcode, phase), w))
