@@ -189,6 +189,14 @@ def test_fit_search_finds_tight_packings_and_proves_impossible_ones():
     assert _find_fitting(pb) == (None, False)
 
 
+def test_numpy_indices_and_a_module_list_are_taken_as_python_ones():
+    # Cold trial 27: numpy integers as connection keys and an nn.ModuleList of models
+    # were refused as not ints / not a list.
+    models = nn.ModuleList([Blob(1), Blob(1)])
+    plan = ModelAssigner(models, {(np.int64(0), np.int64(1)): 1.0}, gpus(100, 100), move_models=False)
+    assert len(plan.assignment) == 2
+
+
 def test_total_shortfall_is_a_clear_error():
     with pytest.raises(InfeasiblePlacementError, match=r"need 300.00 MB .* allow 250.00 MB "
                                                        r"in total: 50.00 MB short"):

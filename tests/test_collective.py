@@ -686,6 +686,10 @@ def test_member_names_given_as_ranks_are_refused_with_the_fix():
     # AssertionError (World(backend=...) named it already).
     with pytest.raises(TypeError, match=r"ranks must be a sequence of int ranks, not int \(0\): pass a list"):
         CollectiveGroup.create(0, 0, 2, None, 10.0)
+    # numpy's integers are ranks too (cold trial 27: list(np.arange(2)) was refused as not ints)
+    import numpy as np
+    with pytest.raises(ValueError, match=r"ranks=\[0, 1, 2\] must be distinct ranks in \[0, 2\)"):
+        CollectiveGroup.create(list(np.arange(3)), 0, 2, None, 10.0)
     with pytest.raises(ValueError, match=r"backend='bogus' is not a torch.distributed backend; use one of "
                                          r"\['gloo', 'nccl', 'mpi', 'ucc'\], or None for the World's"):
         CollectiveGroup.create([0, 1], 0, 2, "bogus", 10.0)

@@ -34,6 +34,8 @@ def _check_int(value: object, name: str, minimum: int) -> int:
 
 
 def _check_models(models: object) -> list[torch.nn.Module]:
+    if isinstance(models, torch.nn.ModuleList):  # (a list of models that is a module too)
+        models = list(models)
     if isinstance(models, torch.nn.Module) or not isinstance(models, Sequence):
         raise TypeError(f"models must be a list of nn.Module, got {type(models).__name__}")
     if not models:
@@ -76,13 +78,13 @@ def _connection_matrix(model_connection: Any, n: int) -> np.ndarray:
         for key, weight in model_connection.items():
             if (
                 not isinstance(key, tuple) or len(key) != 2
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in key)
+                or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in key)
             ):
                 raise TypeError(
                     "model_connection keys must be (source, target) pairs of model "
                     f"indices, got {key!r}"
                 )
-            src, dst = key
+            src, dst = int(key[0]), int(key[1])  # (numpy's integers too)
             if not (0 <= src < n and 0 <= dst < n):
                 raise ValueError(
                     f"model_connection key {key!r} names a model outside 0..{n - 1} "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import numbers
 import threading
 import time
 from typing import Any, Callable, List, Optional, Sequence, Set, TypeVar
@@ -218,12 +219,14 @@ class CollectiveGroup:
         if not isinstance(ranks, (list, tuple, range)) and not hasattr(ranks, "__iter__"):
             raise TypeError(f"ranks must be a sequence of int ranks, not {type(ranks).__name__} ({ranks!r}): "
                             f"pass a list, e.g. ranks=[0, 1]")
-        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        # (numbers.Integral: numpy's integers too, as list(np.arange(n)) gives them)
+        if isinstance(ranks, (str, bytes)) or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool)
+                                                      for r in ranks):
             names = not isinstance(ranks, (str, bytes)) and any(isinstance(r, str) for r in ranks)
             raise TypeError(f"ranks must be a sequence of int ranks, not {ranks!r}"
                             + ("; member names (get_members()) are not ranks: pass list(range(world.world_size)) "
                                "for the whole world" if names else ""))
-        ranks = sorted(ranks)
+        ranks = sorted(int(r) for r in ranks)
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world_size for r in ranks):
             raise ValueError(f"ranks={ranks} must be distinct ranks in [0, {world_size})")
         if backend is not None and not isinstance(backend, str):
