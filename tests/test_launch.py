@@ -87,6 +87,8 @@ def test_rank_death_is_named(how, text):
 
 def _sys_exit_on_rank_1(world, code):
     if world.rank == 1:
+        if code is None:
+            raise KeyboardInterrupt("raised by a library in the rank")
         sys.exit(code)
     return world.rank
 
@@ -99,6 +101,9 @@ def test_sys_exit_in_a_rank_is_its_outcome_never_the_launchers_exit():
                                                  r"sys.exit\(3\)$") as info:
         launch(_sys_exit_on_rank_1, 2, args=(3,), timeout=60)
     assert info.value.exitcode == 3 and "_sys_exit_on_rank_1" in str(info.value.__cause__)
+    # A KeyboardInterrupt of the rank's code read as the launcher's own Ctrl-C, past `except Exception`.
+    with pytest.raises(RuntimeError, match=r"rank 1 \('1'\): fn raised KeyboardInterrupt \(its own code did"):
+        launch(_sys_exit_on_rank_1, 2, args=(None,), timeout=60)
 
 
 def _hang_but_rank_0(world):

@@ -106,10 +106,11 @@ def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwa
     Args:
         reported_as: The rank's process name where its outcome goes to a launcher as a
             report (``launch``'s own ranks, Ray's): then ``sys.exit(0)`` (or None) in ``fn``
-            is a result of None and ``sys.exit(n)`` a ProcessExitedError, never a
-            SystemExit the launcher would re-raise (which ended the launching script in
-            silence, with the rank's exit code; cold trial 28). None (torchrun, srun: the
-            rank is the process) lets SystemExit end the process with its code.
+            is a result of None, ``sys.exit(n)`` a ProcessExitedError and a
+            KeyboardInterrupt a RuntimeError, never what the launcher would re-raise as its
+            own (a SystemExit ended the launching script in silence, with the rank's exit
+            code; cold trial 28). None (torchrun, srun: the rank is the process) lets them
+            end the process as they would.
 
     Raises:
         BaseException: what ``fn`` raised, once it is recorded as the member's exit cause
@@ -129,6 +130,13 @@ def run_rank_fn(fn: Callable[..., Any], world: "World", args: Sequence[Any], kwa
                 return None  # (what a script that exits 0 means: done)
             code = exc.code if isinstance(exc.code, int) else 1
             raise ProcessExitedError(reported_as, os.getpid(), code, f"fn called sys.exit({exc.code!r})") from exc
+        except KeyboardInterrupt as exc:
+            if reported_as is None or os.getpid() != me:
+                raise
+            # (re-raised in the launcher it read as the user's Ctrl-C there, past every
+            # ``except Exception``; a rank ignores the terminal's Ctrl-C, so fn's code raised it)
+            raise RuntimeError(f"{reported_as}: fn raised KeyboardInterrupt (its own code did: a rank ignores the "
+                               f"terminal's Ctrl-C, which ends the launcher)") from exc
     except BaseException as exc:
         world.note_exit(exc)  # (a no-op in a child that fn forked: that World is its parent's)
         raise
