@@ -468,6 +468,8 @@ def _stops_itself_once(world):
         roster.wait_until(lambda live: (roster.departed("w") or ("", 0))[1] >= last, 60)
         return "done"
     if world.incarnation == 1:
+        # (once rank 0 is in: a member joining while one is stopped waits for its verdict)
+        world.wait_for_members(["boss"], timeout=30)
         os.kill(os.getpid(), signal.SIGSTOP)  # (stopped: no handler, no heartbeat, no exit)
     return world.incarnation
 
@@ -562,6 +564,35 @@ def test_an_elastic_world_refuses_a_static_worlds_store():
     error = launch(_starts_an_elastic_joiner, 1, names=["learner"], timeout=60)[0]
     assert isinstance(error, ValueError) and "is a static world's" in str(error), error
     assert "launch(..., max_restarts=...)" in str(error)
+
+
+def _calls_the_lost_from_a_callback(world):
+    group = world.create_rpc_group("g")
+    if world.name == "b":
+        if world.incarnation == 1:
+            world.wait_for_members(["a"], timeout=30)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return None
+    said = []
+    done = threading.Event()
+
+    def on_change(event: MemberEvent) -> None:
+        if event.kind == "lost" and event.member == "b":
+            try:  # (on the liveness thread, inside the log's delivery: a look-up must not wait on it)
+                group.rpc_sync("b", _whoami, timeout=5)
+            except PeerLostError as err:
+                said.append(str(err))
+            done.set()
+
+    world.on_member_change(on_change)
+    assert done.wait(30), "the callback's call never returned: the liveness thread is stuck"
+    return said
+
+
+def test_a_callback_that_calls_a_member_just_lost_is_told_at_once():
+    said = launch(_calls_the_lost_from_a_callback, 2, names=["a", "b"], max_restarts=1, essential=["a"],
+                  timeout=60)[0]
+    assert len(said) == 1 and "it was lost" in said[0], said
 
 
 def _store_host(out_queue) -> None:

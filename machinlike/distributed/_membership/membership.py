@@ -460,9 +460,14 @@ class Membership:
 
     def catch_up(self) -> bool:
         """Read the world's log now (this view is otherwise up to a liveness tick behind);
-        False when the store could not be read (the view stays as it was)."""
+        False when the store could not be read (the view stays as it was).
+
+        Never waits for another thread's catch-up (``wait=False``): this one may be it,
+        delivering an event to a callback that calls a member (the log's lock is not
+        reentrant), and what that thread reads reaches this view anyway.
+        """
         try:
-            self.events.catch_up()
+            self.events.catch_up(wait=False)
         except Exception as err:  # (the store is going, or this member stopped)
             log.debug("machinlike: could not read the world's log now: %s", err)
             return False
