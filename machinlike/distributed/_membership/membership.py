@@ -463,8 +463,8 @@ class Membership:
         False when the store could not be read (the view stays as it was).
 
         Never waits for another thread's catch-up (``wait=False``): this one may be it,
-        delivering an event to a callback that calls a member (the log's lock is not
-        reentrant), and what that thread reads reaches this view anyway.
+        delivering an event to a callback (the log's lock is not reentrant), and what that
+        thread reads reaches this view anyway.
         """
         try:
             self.events.catch_up(wait=False)

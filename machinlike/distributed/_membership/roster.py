@@ -96,7 +96,7 @@ class Roster:
         # Set once, for good: the store was lost, or the others declared this member lost.
         self._cut_off: Optional[PeerLostError] = None
         self._on_cut_off: List[Callable[[], None]] = []  # (Waits ends the pending calls)
-        # Reads the world's log now (Membership.catch_up; see worker_of); False: not read.
+        # Reads the world's log now (Membership.catch_up; see catch_up); False: not read.
         self._refresh: Callable[[], bool] = lambda: False
         #: Bumped on every change of the live table (read without the lock: a watcher
         #: recomputes what it derived from the table when this moved; see watch).
@@ -342,16 +342,13 @@ class Roster:
 
     def catch_up(self) -> bool:
         """Read the world's log now (this view is otherwise up to a liveness tick behind);
-        False when it could not be read."""
-        return self._refresh()
+        False when it could not be read. For a caller that just read the store and found
+        a member this view does not have yet (``wait_paired``); not on every failed
+        look-up: a store that died unseen could hold it for the store's timeout."""
+        return self._refresh() if self._cut_off is None else False
 
     def worker_of(self, member: str) -> str:
         """The RPC worker name of live ``member``.
-
-        A member this view has as gone or unknown is looked up again after reading the log
-        now: a restarted member's paired values and services are in the store before this
-        view's next tick delivers its join, and a caller that found them was told it "was
-        lost" (cold trial 28).
 
         Raises:
             PeerLostError: the member is gone (left or lost) or the store is.
@@ -359,10 +356,6 @@ class Roster:
         with self._lock:
             rec = self._live.get(member)
             gone = self._gone.get(member, ("",))[0]
-        if rec is None and self._cut_off is None and self._refresh():
-            with self._lock:
-                rec = self._live.get(member)
-                gone = self._gone.get(member, ("",))[0]
         if self._cut_off is not None:
             raise self._cut_off
         if rec is None:

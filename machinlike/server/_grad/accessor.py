@@ -138,10 +138,6 @@ class PushPullGradServer:
             # A secondary seen without its service a moment ago may be back: ask again now.
             self._hosts = {m: seen for m, seen in self._hosts.items() if seen[0]}
             live = [m for m in self._candidates() if m not in exclude]
-        world = get_world()
-        if not live and world is not None and world.elastic and world.membership.catch_up():
-            # (a restarted secondary's service is there before this view's tick delivers its join)
-            live = [m for m in self._candidates() if m not in exclude]
         if not live:
             known = {m for m, (hosts, _) in self._hosts.items() if hosts}
             gone = sorted(set(self._lost) | set(exclude) | known | set(self.secondary_reducers or ()))
