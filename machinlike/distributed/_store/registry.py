@@ -103,6 +103,12 @@ class Registry:
         # cycles are collected)
         self._local = threading.local()
 
+    @property
+    def unreachable(self) -> bool:
+        """Whether a request on the main connection failed for the network, or the store
+        was declared silent: from then on every request fails at once."""
+        return self._broken is not None
+
     def mark_silent(self, why: str) -> None:
         """Say ``why`` in every error from now on: the store did not answer, and this
         process is about to cut its connections to it (``_membership.store_watch``); the
