@@ -11,8 +11,8 @@ the new chain's version 3 and kept stale weights, and its push on top of it was 
 over another client's work (cold trial 28). The store outlives a host (``launch`` or the
 store's own host keeps it), so the lease there bounds every version a predecessor made
 visible, as the checkpoint's lease file does on disk (``_host``). A pusher whose first
-version was renumbered holds another number than the host: its next pull loads the
-chain whole, its next push is rejected and pulls (a version never names two contents).
+version was renumbered is told the number (``OrderedServerSimple._push_as``), so a version
+never names two contents.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from ...exception import ProcessExitedError, describe_exitcode
 from .._membership import describe_exception, record_exit
 from .._store import ExitRecord, Keys, MemberRecord, value_or_empty
 
-__all__ = ["RankExits", "exited"]
+__all__ = ["RESTART_ROOT", "RankExits", "exited"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ _NO_REPORT = "it ended without reporting a result"
 # catches (TensorPipe's event loop out of descriptors, for one), its message printed first.
 _ABORTED = (" (a C++ abort: its message, such as TensorPipe's 'too many open files', is on the rank's standard "
             "error just before)")
-_RESTART = "0"  # the namespace root of a store launch() hosts (no torchrun rounds there)
+RESTART_ROOT = "0"  # the namespace root of a store launch() hosts (no torchrun rounds there)
 
 
 def exited(process: Any) -> ProcessExitedError:
@@ -95,7 +95,7 @@ class RankExits:
     def _write(self, rank: int, pid: int, cause: str) -> None:
         store, name = self._store, self._names[rank]
         if self._elastic:
-            keys = Keys.elastic_world(_RESTART)
+            keys = Keys.elastic_world(RESTART_ROOT)
             claim = value_or_empty(store, keys.live(name))
             held = MemberRecord.decode(name, claim) if claim else None
             counted = value_or_empty(store, keys.incarnations(name))
@@ -106,9 +106,9 @@ class RankExits:
             else:
                 return  # it died before it counted itself in
         else:
-            world = value_or_empty(store, Keys.static_counter(_RESTART, rank))
+            world = value_or_empty(store, Keys.static_counter(RESTART_ROOT, rank))
             if not world:
                 return  # its World never got as far as a namespace
-            keys, incarnation = Keys.static_world(_RESTART, int(world)), 1
+            keys, incarnation = Keys.static_world(RESTART_ROOT, int(world)), 1
         record_exit(lambda key, old, new: store.compare_set(key, old, new).decode(), keys, name,
                     ExitRecord(incarnation, pid, "launcher", cause))

@@ -29,12 +29,11 @@ import torch.distributed as dist
 
 from .._membership import LogTail
 from .._store import Keys, LogEntry, value_or_empty
+from .exits import RESTART_ROOT
 
 __all__ = ["LossFence", "FENCED"]
 
 log = logging.getLogger("machinlike.distributed._launch.local")  # (the launcher's lines keep their logger)
-
-_RESTART = "0"  # the namespace root of a store launch() hosts (as exits._RESTART)
 
 #: What a fenced rank's ProcessExitedError says after its exit status.
 FENCED = ("the world declared it lost (its heartbeat went silent: the process was stopped, stuck or starved) "
@@ -64,20 +63,19 @@ class LossFence:
         self._doomed: Dict[int, Tuple[int, float]] = {}  # rank -> (pid declared lost, when seen)
         self.fenced: Dict[int, int] = {}  # pid -> rank, of the processes this killed
 
-    def check(self, processes: List[Any], reported: Collection[int] = ()) -> List[int]:
+    def check(self, processes: List[Any], reported: Collection[int] = ()) -> None:
         """Read the log's new entries (at most once a ``TICK``); kill each rank whose
         process was declared lost ``grace`` seconds ago and still runs, unless it is in
-        ``reported`` (its result is in: it is stopping). Returns the ranks killed now (best
-        effort: a store error is logged at debug level and read again at the next tick)."""
+        ``reported`` (its result is in: it is stopping). Best effort: a store error is
+        logged at debug level and read again at the next tick."""
         now = time.monotonic()
         if now - self._read_at < self.TICK / 2:
-            return []
+            return
         self._read_at = now
         try:
             self._read(processes)
         except Exception as err:  # the store is going (the run ends) or slow: the next tick reads again
             log.debug("launch: could not read the world's losses: %s", err)
-        killed = []
         for rank, (pid, seen) in list(self._doomed.items()):
             process = processes[rank]
             if process is None or process.pid != pid or not process.is_alive() or rank in reported:
@@ -91,18 +89,16 @@ class LossFence:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
-                    continue
-                killed.append(rank)
-        return killed
+                    pass  # (it ended meanwhile: its sentinel tells)
 
     def _read(self, processes: List[Any]) -> None:
         if self._tail is None:
-            keys = Keys.elastic_world(_RESTART) if self._elastic else None
+            keys = Keys.elastic_world(RESTART_ROOT) if self._elastic else None
             if keys is None:  # static: the namespace of the World rank 0 built
-                world = value_or_empty(self._store, Keys.static_counter(_RESTART, 0))
+                world = value_or_empty(self._store, Keys.static_counter(RESTART_ROOT, 0))
                 if not world:
                     return
-                keys = Keys.static_world(_RESTART, int(world))
+                keys = Keys.static_world(RESTART_ROOT, int(world))
             self._tail = LogTail(lambda key: value_or_empty(self._store, key), keys)
         for entry in self._tail.new():
             if entry.kind == "lost":

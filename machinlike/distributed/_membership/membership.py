@@ -454,8 +454,7 @@ class Membership:
 
     # ----------------------------------------- what the servers and tools ask
     def worker_of(self, member: str) -> str:
-        """The RPC worker name of live ``member`` (PeerLostError when it is gone; see
-        :meth:`Roster.worker_of`)."""
+        """The RPC worker name of live ``member`` (PeerLostError when it is gone)."""
         return self.roster.worker_of(member)
 
     def catch_up(self) -> bool:
