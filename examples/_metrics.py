@@ -95,6 +95,7 @@ class RunMetrics:
         self._episodes = 0
         self._last_due = -float("inf")
         self._last: Optional[Dict[str, float]] = None  # time, env steps, updates at the last log
+        self._has_rates = False  # whether any point had rates yet
 
     def episodes(self, returns: Sequence[float], lengths: Sequence[int] = ()) -> None:
         """Finished episodes' returns and (when known) lengths."""
@@ -134,10 +135,13 @@ class RunMetrics:
                 out["episode/length_mean100"] = sum(self._lengths) / len(self._lengths)
         # A rate over a span much shorter than ``every`` (the last point, logged just after a
         # due one) would be noise, a dip to 0 at the end of every curve: such a point has no
-        # rates, and the next rate starts where the last one ended.
-        rated = self._last is None or now - self._last["t"] >= max(self.every / 2, 1e-6)
+        # rates, and the next rate starts where the last one ended. A run whose only due point
+        # was its first (one shorter than ``every``, or slow to its first update) still gets
+        # one rate, over whatever span it had: a short span's rate beats none.
+        span = now - self._last["t"] if self._last is not None else 0.0
+        rated = self._last is None or span >= max(self.every / 2, 1e-6) or (not self._has_rates and span > 0)
         if self._last is not None and rated:
-            span = now - self._last["t"]
+            self._has_rates = True
             out["env/steps_per_s"] = (env_steps - self._last["steps"]) / span
             if self.frames_per_step:
                 out["env/frames_per_s"] = out["env/steps_per_s"] * self.frames_per_step

@@ -37,6 +37,7 @@ __all__ = [
     "SilentStoreError",
     "NoCollectivesError",
     "describe_exitcode",
+    "raised_remotely",
     "drop_frames",
     "freeze_traceback",
 ]
@@ -114,6 +115,17 @@ def _remote_error(type_name: str, message: str, base: str) -> RemoteError:
                 pass
         _REMOTE_KINDS[base] = kind
     return kind(type_name, message)
+
+
+def raised_remotely(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised in another process and carried here (its ``__cause__``
+    is a :class:`RemoteTraceback`).
+
+    A server's accessor tells so a ``KeyError`` of the host's own code (``fn`` of an
+    inference server, an ``adopt`` hook) from the group's ``KeyError`` that no member
+    serves the call, which it turns into "the host is gone" or "closed".
+    """
+    return isinstance(exc.__cause__, RemoteTraceback)
 
 
 def _qualified_name(cls: type) -> str:

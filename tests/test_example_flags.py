@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 
 import pytest
 
@@ -56,3 +57,25 @@ def test_an_out_without_extension_gets_a_metrics_folder_of_its_own(monkeypatch):
     assert logdir_of(argparse.Namespace(logdir=None, out="runs/impala.csv")) == "runs/impala"
     assert logdir_of(argparse.Namespace(logdir=None, out="runs/curve")) == "runs/curve.metrics"
     assert logdir_of(argparse.Namespace(logdir="elsewhere", out="runs/curve")) == "elsewhere"
+
+
+def test_a_run_whose_only_due_point_was_its_first_still_gets_one_rate(monkeypatch, tmp_path):
+    # The DDP smoke run under load (this session's durations run): its first update came so
+    # late that the last point followed the first within every / 2, and the curves had no
+    # rate at all. Such a point now gets one; later short spans still get none.
+    from example_chaos import read_scalars
+
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from _metrics import RunMetrics
+
+    metrics = RunMetrics(str(tmp_path), every=60.0)
+    metrics.log(0, 0)
+    time.sleep(0.01)
+    metrics.log(100, 2)  # the last point, well within every / 2 of the first
+    time.sleep(0.01)
+    metrics.log(200, 4)  # a rate was logged: a short span has none again
+    metrics.close()
+    scalars = read_scalars(str(tmp_path))
+    assert [step for step, _ in scalars["env/steps_per_s"]] == [100]
+    assert [step for step, _ in scalars["learner/updates_per_s"]] == [100]
+    assert [step for step, _ in scalars["env/steps"]] == [0, 100, 200]

@@ -21,6 +21,31 @@ from machinlike.server._grad.checkpoint import PrimaryCheckpoint
 from machinlike.server._host import HostCheckpoint
 
 
+def test_a_due_checkpoint_is_claimed_while_it_is_written(tmp_path, monkeypatch):
+    # Cold trial 29: every push accepted while a checkpoint was being written found one due
+    # too (the count moved on only once the write ended): 4 pushers of 1 MB values wrote
+    # about 3x as many checkpoints as checkpoint_every asks, each rewriting every history.
+    host = HostCheckpoint(tmp_path, "ordered-server", "kv", 20, None)
+    assert host.due(20) and not host.due(21) and not host.due(39)  # 20 is being written
+    host.save(20, {"data": {}})
+    assert not host.due(39) and host.due(40)
+    failing = host.file.save
+
+    def full_disk(state):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host.file, "save", full_disk)
+    with pytest.raises(OSError):
+        host.save(40, {"data": {}})
+    assert host.due(41)  # the failed one is not claimed any more: the next version tries again
+    monkeypatch.setattr(host.file, "save", failing)
+    host.save(41, {"data": {}})
+    assert host.written == 2 and not host.due(60) and host.due(61)
+    timed = HostCheckpoint(tmp_path, "ordered-server", "kv2", 1000, 3600.0)
+    timed._when -= 3601  # an hour since the last: due once, not again while it is written
+    assert timed.due(1) and not timed.due(2)
+
+
 def test_checkpoints_round_trip_and_refuse_what_does_not_fit(tmp_path):
     ckpt = Checkpointer(tmp_path, "grad-server", "g")
     assert ckpt.load() is None

@@ -532,10 +532,15 @@ def test_bad_input_overflow_stop_and_thread_errors(world):
         with pytest.raises(ServerStoppedError, match=r"the primary reducer on member '0' failed with "
                                                      r"Boom\('the optimizer blew up'\)"):
             failing.flush(timeout=30)
+        # The secondary beside the failed primary fails too, at its next forward.
+        with pytest.raises(ServerStoppedError, match="the primary reducer on member '0' failed"):
+            failing.push(model, pull=False)
+            failing.flush(timeout=30)
     group.barrier()
     if world.name == "0":
+        assert isinstance(failing.secondary.error, ServerStoppedError)  # (cold trial 29: watch() raised this)
         with pytest.raises(Boom, match="the optimizer blew up"):
-            failing.watch()  # the thread's own exception, with its traceback
+            failing.watch()  # the thread's own exception, with its traceback (the primary's first)
         failing.stop(timeout=10)  # joins the threads: the failed one has ended, the other stops
         assert failing.threads() == []
         with pytest.raises(Boom):

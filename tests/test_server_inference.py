@@ -237,6 +237,7 @@ def test_failed_requests_leave_nothing_behind_on_the_host_and_keep_its_traceback
     group = world.create_rpc_group("g", world.get_members())
     if world.rank == 0:
         impl = InferenceServerImpl("picky", group, _Picky())
+        keyed = InferenceServerImpl("keyed", group, lambda obs: obs["obs"] * 2)
         group.register("alive", _futures_alive)
     group.barrier()
     if world.rank == 1:
@@ -248,9 +249,16 @@ def test_failed_requests_leave_nothing_behind_on_the_host_and_keep_its_traceback
         remote = str(failed.value.__cause__)
         assert "on member '0'" in remote and "in forward" in remote and "raise ValueError" in remote, remote
         assert group.registered_sync("alive") - before <= 2  # (the last one may still be on its way out)
+        # Cold trial 29: fn's own KeyError was told as "the server was closed".
+        by_key = group.get_paired("keyed").to_here()
+        with pytest.raises(KeyError, match="'obs'") as failed:
+            by_key.infer({"image": torch.ones(2, 3)}, timeout=TIMEOUT)
+        assert "on member '0'" in str(failed.value.__cause__)
+        assert by_key.infer({"obs": torch.ones(2, 3)}, timeout=TIMEOUT).tolist() == [[2.0] * 3] * 2
     group.barrier()
     if world.rank == 0:
         impl.close()
+        keyed.close()
     group.barrier()
     group.destroy()
 
@@ -749,3 +757,19 @@ def test_requests_that_arrive_while_fn_runs_inline_make_one_batch(world):
         assert stats["requests"] == 6 and stats["batches"] == 2, stats
         impl.close()
     group.barrier()
+
+
+def test_outputs_come_back_in_the_container_fn_returned():
+    # Cold trial 29: a list came back as a tuple, where infer() says "as fn returns".
+    import collections
+
+    from machinlike.server._inference.batch import split
+
+    rows = torch.arange(6.0).reshape(3, 2)
+    for counts in ([3], [1, 2]):
+        pieces = split([rows, rows * 2], counts, "fn")
+        assert all(type(p) is list and len(p) == 2 for p in pieces), pieces
+        assert all(type(p) is tuple for p in split((rows, rows), counts, "fn"))
+        Out = collections.namedtuple("Out", "logits value")
+        named = split(Out(rows, rows[:, 0]), counts, "fn")
+        assert all(type(p) is Out for p in named) and named[-1].value.tolist() == [0.0, 2.0, 4.0][-counts[-1]:]

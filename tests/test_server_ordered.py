@@ -16,6 +16,10 @@ def test_machin_push_pull_sequence(world):
     group = world.create_rpc_group("group", ["0", "1"])
     if world.name == "0":
         impl = OrderedServerSimpleImpl("server", group)  # version_depth=1
+        adopting = OrderedServerSimpleImpl("adopting", group, adopt=lambda key, value: {"w": value["w"]},
+                                           server_runner="0")  # (machin's keyword, naming this member)
+        with pytest.raises(ValueError, match=r"server_runner='1', but this is member '0'.*construct it on '1'"):
+            OrderedServerSimpleImpl("elsewhere", group, server_runner="1")
     group.barrier()
     if world.name == "1":
         server = group.get_paired("server").to_here()
@@ -37,6 +41,19 @@ def test_machin_push_pull_sequence(world):
         assert server.pull(("tuple", "key")) == (10, 7)
         with pytest.raises(TypeError, match="key must be hashable"):
             server.push(["list"], 1, 1, None)
+        # Cold trial 29: keys no pull could reach (each push's copy was a new key on the host).
+        with pytest.raises(TypeError, match=r"holds a tensor, which hashes by identity.*tensor.item\(\)"):
+            server.push(torch.tensor(1), 1, 1, None)
+        with pytest.raises(TypeError, match="holds a tensor"):
+            server.pull(("step", torch.tensor(1)))
+        with pytest.raises(ValueError, match="key=nan holds nan, which equals nothing"):
+            server.push(float("nan"), 1, 1, None)
+        # The host's own KeyError (its adopt hook) is its own, not "the host is gone".
+        adopting = group.get_paired("adopting").to_here()
+        with pytest.raises(KeyError, match="'w'") as failed:
+            adopting.push("k", {"x": 1}, 1, None)
+        assert "on member '0'" in str(failed.value.__cause__)
+        assert adopting.push("k", {"w": 2}, 1, None) and adopting.pull("k") == ({"w": 2}, 1)
         # Cold trial 20: a key pushed at version NaN could never be pushed on again.
         with pytest.raises(ValueError, match=r"version=nan equals nothing, itself included"):
             server.push("n", 1, float("nan"), None)
@@ -61,6 +78,7 @@ def test_machin_push_pull_sequence(world):
                          "clients": ["1"]}
         impl.close()
         impl.close()  # idempotent
+        adopting.close()
         assert not group.is_paired("server") and not group.is_registered("server/_push")
     group.barrier()
     group.destroy()

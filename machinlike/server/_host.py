@@ -29,6 +29,7 @@ writes a checkpoint before the push is acknowledged.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -101,6 +102,10 @@ class HostCheckpoint:
         self._io = threading.Lock()  # one writer at a time; an older snapshot never overwrites a newer
         self._saved = 0  # sequence number (versions made) of the newest snapshot written
         self._when = time.monotonic()
+        # The newest snapshot taken for writing (due() said so) and when: a write outlasts the
+        # pushes that come meanwhile, and each would have found a checkpoint due and written
+        # the whole history again (cold trial 29: 3x as many as checkpoint_every asks).
+        self._claimed, self._claimed_when = 0, -math.inf
 
     @property
     def path(self) -> str:
@@ -180,17 +185,27 @@ class HostCheckpoint:
             self.lease = lease
 
     def due(self, seq: int) -> bool:
-        """Whether a checkpoint is due after ``seq`` versions made."""
-        if seq - self._saved >= self.every:
-            return True
-        return self.interval is not None and time.monotonic() - self._when >= self.interval
+        """Whether a checkpoint is due after ``seq`` versions made; True claims it: the
+        caller writes it (:meth:`save`), and later calls count from ``seq`` (the caller
+        serialises calls)."""
+        now = time.monotonic()
+        if seq - max(self._saved, self._claimed) < self.every and (
+                self.interval is None or now - max(self._when, self._claimed_when) < self.interval):
+            return False
+        self._claimed, self._claimed_when = seq, now
+        return True
 
     def save(self, seq: int, state: Dict[str, Any]) -> None:
         """Write the snapshot of ``seq`` versions made, unless a newer one was written."""
         with self._io:
             if seq < self._saved or (seq == self._saved and self.written):
                 return
-            self.file.save(state)
+            try:
+                self.file.save(state)
+            except BaseException:
+                # (unclaimed: the next version made tries again, not the one every versions on)
+                self._claimed, self._claimed_when = self._saved, -math.inf
+                raise
             self._saved, self._when = seq, time.monotonic()
             self.written += 1
 

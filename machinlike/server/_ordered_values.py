@@ -17,11 +17,31 @@ __all__ = ["check_key", "check_version", "private"]
 
 
 def check_key(key: Any) -> Hashable:
+    """``key`` if the host can find it again: hashable, and equal to its copy.
+
+    Raises:
+        TypeError: not hashable, or a tensor (hashed by identity: each push's copy on the
+            host is a new key that no pull reaches, cold trial 29), also inside a tuple.
+        ValueError: a float NaN (it equals nothing, its copy included).
+    """
     try:
         hash(key)
     except TypeError:
         raise TypeError(f"key must be hashable (e.g. a str), not {type(key).__name__}") from None
+    _same_on_the_host(key, key)
     return key
+
+
+def _same_on_the_host(part: Any, key: Any) -> None:
+    if isinstance(part, torch.Tensor):
+        raise TypeError(f"key={key!r} holds a tensor, which hashes by identity: the copy the host gets is a new "
+                        f"key on every call and no pull would find it; use a number (tensor.item()) or a str")
+    if isinstance(part, (float, complex)) and part != part:
+        raise ValueError(f"key={key!r} holds nan, which equals nothing, its copy on the host included: no pull "
+                         f"would find it; use a str or a number")
+    if isinstance(part, (tuple, frozenset)):
+        for item in part:
+            _same_on_the_host(item, key)
 
 
 def check_version(version: Any) -> Any:

@@ -354,8 +354,10 @@ class PushPullGradServerImpl:
                 log.error("gradient server %r could not write its last checkpoint: %s", self.server_name, err)
 
     def watch(self) -> None:
-        """Re-raise the exception that ended a reducer thread of this member, if any."""
-        for reducer in self._reducers():
+        """Re-raise the exception that ended a reducer thread of this member, if any: the
+        primary's first, for a secondary beside it fails after it, saying only that it did
+        (cold trial 29: the optimizer's own exception never came out)."""
+        for reducer in reversed(self._reducers()):
             reducer.watch()
 
     def close(self, timeout: Optional[float] = None) -> None:

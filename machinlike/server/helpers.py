@@ -62,7 +62,8 @@ class ServerHandles(tuple):
                 impl.watch()
 
     def stats(self) -> List[Dict[str, Any]]:
-        """``stats()`` of each gradient server hosted here (empty dicts for model servers)."""
+        """``stats()`` of each server hosted here (model and gradient servers alike; an
+        empty dict for one that has none)."""
         return [impl.stats() if hasattr(impl, "stats") else {} for impl in self.impls]
 
     def checkpoint(self, timeout: Optional[float] = None) -> List[str]:

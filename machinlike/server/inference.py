@@ -40,7 +40,7 @@ from torch.distributed import rpc
 from .. import _checks, _shm
 from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, process_identity
-from ..exception import PeerLostError
+from ..exception import PeerLostError, raised_remotely
 from ._common import ServerNote, check_group, check_name, publish_notes
 from ._errors import ServerStoppedError
 from ._inference import Inputs, check_inputs, tensors_of
@@ -151,6 +151,8 @@ class InferenceServer:
         try:
             out, version = reply()
         except (PeerLostError, KeyError) as err:
+            if raised_remotely(err):  # fn's own KeyError (cold trial 29: it was told "closed")
+                raise
             gone = self._host_gone(world, err)
             if gone is err:
                 raise

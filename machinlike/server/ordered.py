@@ -38,7 +38,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Set, Tuple
 
 from ..distributed import RpcGroup
-from ..exception import PeerLostError
+from ..exception import PeerLostError, raised_remotely
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
 from ._ordered_host import host_key, unserved
@@ -208,6 +208,8 @@ class OrderedServerSimple(OrderedServerBase):
             return self.group.registered_sync(f"{self.server_name}/{service}",
                                               (*args, self.group.get_cur_name(), *in_place), timeout=wait)
         except (KeyError, PeerLostError) as err:
+            if raised_remotely(err):  # the host's own KeyError (its adopt hook): not a lost host
+                raise
             # A call that found the host gone must not be followed by a pull that says
             # "nothing new" from a version word while the World's verdict is on its way.
             PullerWords.of(self).forget()
@@ -240,16 +242,19 @@ class OrderedServerSimpleImpl:
             made (accepted pushes); creating a key always writes one.
         checkpoint_interval: With ``checkpoint_dir``: also write one when a version is
             made this many seconds or more after the last; None: by versions only.
+        server_runner: machin's name of the member that serves the server: this process
+            serves it, so a name given must be its own. None: this member.
 
     Raises:
         KeyError: ``server_name`` is already used in ``group``.
-        TypeError, ValueError: invalid arguments.
+        TypeError, ValueError: invalid arguments (``server_runner`` naming another member).
         CheckpointError: the checkpoint is corrupt or another server's (named).
     """
 
     def __init__(self, server_name: str, group: RpcGroup, version_depth: int = 1,
                  adopt: Optional[Callable[[Hashable, Any], Any]] = None, checkpoint_dir: Any = None,
-                 checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None) -> None:
+                 checkpoint_every: int = 100, checkpoint_interval: Optional[float] = None,
+                 server_runner: Optional[str] = None) -> None:
         check_name(server_name, "server_name")
         if "/" in server_name:
             # A host's own servers are "<name>/ordered": "m/ordered" took model server m's.
@@ -258,6 +263,10 @@ class OrderedServerSimpleImpl:
         if adopt is not None and not callable(adopt):
             raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
         check_group(group)
+        if server_runner is not None and server_runner != group.get_cur_name():
+            raise ValueError(f"server_runner={server_runner!r}, but this is member {group.get_cur_name()!r}: the "
+                             f"member that constructs OrderedServerSimpleImpl serves it (as in machin); construct "
+                             f"it on {server_runner!r} instead, or leave server_runner out")
         depth = check_count(version_depth, "version_depth", 0)
         checkpoint = host_checkpoint(checkpoint_dir, "ordered-server", server_name, checkpoint_every,
                                      checkpoint_interval)

@@ -10,7 +10,7 @@ from typing import AbstractSet, Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...distributed import RpcGroup, get_world
-from ...exception import PeerLostError
+from ...exception import PeerLostError, raised_remotely
 from .._budget import CallBudget
 from .._errors import MissingGradientError, ServerStoppedError, closed_here
 from .._common import check_group, check_members, check_name, check_timeout, rpc_timeout
@@ -422,6 +422,8 @@ class PushPullGradServer:
                     raise
                 skipped.append(self._skip(member, err))
             except KeyError as err:
+                if raised_remotely(err):  # the secondary's own code failed: it is not unreachable
+                    raise
                 skipped.append(self._skip(member, err))
         self._await_settled([(m, w) for m, w in skipped if w is not None], deadline)
         left = max(0.001, deadline - time.monotonic())

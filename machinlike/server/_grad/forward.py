@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 
 from ...distributed import RpcFuture, RpcGroup
-from ...exception import PeerLostError
+from ...exception import PeerLostError, raised_remotely
 from .._errors import ServerStoppedError
 from .items import Item, wait_future
 
@@ -60,6 +60,8 @@ class _RemoteForward:
         try:
             return self._fut.wait()
         except (PeerLostError, KeyError) as err:
+            if raised_remotely(err):  # the primary's own KeyError: not its loss
+                raise
             raise self._lost(err) from err
 
 
@@ -129,6 +131,9 @@ class Forwarder:
             try:
                 in_flight[0].wait()
             except (ConnectionError, KeyError, ServerStoppedError) as err:
+                if isinstance(err, KeyError) and raised_remotely(err):  # (a failure of the primary's code)
+                    self.lost += in_flight[1]
+                    raise
                 self._lose(in_flight[1], err)
             else:
                 self.failing = None

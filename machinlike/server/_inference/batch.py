@@ -137,8 +137,10 @@ def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] 
             row = [t.cpu() for t in row]
         if isinstance(out, dict):
             pieces.append(dict(zip(out.keys(), row)))
-        elif isinstance(out, (tuple, list)):
-            pieces.append(tuple(row))
+        elif isinstance(out, list):  # (as fn returned it: cold trial 29 got a tuple)
+            pieces.append(row)
+        elif isinstance(out, tuple):
+            pieces.append(type(out)._make(row) if hasattr(out, "_make") else tuple(row))  # (a namedtuple stays one)
         else:
             pieces.append(row[0])
     return pieces
