@@ -197,8 +197,10 @@ def main(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     1 the store is unreachable; 2 usage)."""
     args = _parser().parse_args(list(argv))
     for name in ("interval", "beat_window", "timeout"):
-        if not getattr(args, name) > 0:
-            print(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}", file=sys.stderr)
+        # (inf passed "> 0", then ended in an OverflowError traceback: cold trial 30)
+        if not 0 < getattr(args, name) < 86400:
+            print(f"--{name.replace('_', '-')} must be > 0 seconds and under a day, got {getattr(args, name)}",
+                  file=sys.stderr)
             return 2
     try:
         store = connect_read_only(args.address, args.timeout)

@@ -46,6 +46,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
 from . import _checks, _lifeline, _mainguard, _reductions, _warm
+from ._report_fit import fit_report
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
 from .pickle import dumps, loads
@@ -163,7 +164,9 @@ class Process(BaseProcess):
 
     The target, its arguments and the cleaner travel through :mod:`machinlike.pickle`
     (tensors shared, not copied, as with the standard process), so lambdas, closures and
-    local functions work as targets under any start method.
+    local functions work as targets under any start method. Under ``ctx="fork"`` nothing
+    is pickled: the child has a copy-on-write copy of the arguments, and a tensor is shared
+    only when it is in shared memory already (``tensor.share_memory_()``).
 
     Args:
         group: Must be None (reserved, as in ``multiprocessing``).
@@ -328,6 +331,8 @@ class Process(BaseProcess):
             data = dumps(record, copy_tensor=True)
         except Exception as exc:  # should not happen: ExceptionWithTraceback stands in
             data = dumps((_EXCEPTION, ExceptionWithTraceback(RemoteError(type(exc).__name__, str(exc)))))
+        # (a report larger than the pipe held the child until the parent read it: see _report_fit)
+        data = fit_report(writer.fileno(), data, record, lambda smaller: dumps(smaller, copy_tensor=True))
         try:
             writer.send_bytes(data)
         except OSError:  # the parent is gone or closed its end: nobody to tell

@@ -23,6 +23,9 @@ the pipe for everyone; ``_pipe_read``). Meanwhile this process keeps the read lo
 consumers wait (their own timeouts bound that). A writer killed in the middle of ``put``
 still leaves its item torn and the write lock taken (later ``put(timeout=)`` calls time
 out), as with any pipe-based queue; pools and launchers watch process sentinels for that.
+So does a consumer killed in the middle of ``get``: the read lock stays taken, and a later
+``get`` says so when an item is waiting (a consumer that may be killed reads its own
+:class:`SimpleP2PQueue`).
 
 Items that are put but never read keep their shared tensors' memory alive until the
 process tree exits (torch's shared-memory manager then cleans up).
@@ -199,7 +202,7 @@ class SimpleQueue(_PipeQueue):
             # An item this process began to read holds the read lock until it is whole.
             if not item.pending and not self._rlock.acquire(True, None if deadline is None
                                                             else max(0.0, deadline - time.monotonic())):
-                raise _timeout_error("SimpleQueue.get()", timeout or 0.0)
+                raise self._lock_held(timeout or 0.0)
             try:
                 data = _read(self._reader, item, None if deadline is None else max(0.0, deadline - time.monotonic()),
                              "SimpleQueue.get()", timeout)
@@ -212,6 +215,21 @@ class SimpleQueue(_PipeQueue):
             reading.release()
         return loads(data)
 
+
+    def _lock_held(self, timeout: float) -> TimeoutError:
+        """The timeout of a ``get`` that never had the read lock: "no item" only when none
+        is waiting (cold trial 30: a consumer SIGKILLed in ``get`` kept the lock for good,
+        and every later ``get`` said it waited for an item while one was there)."""
+        try:
+            waiting = self._reader.poll(0)
+        except (OSError, EOFError):
+            waiting = False
+        if not waiting:
+            return _timeout_error("SimpleQueue.get()", timeout)
+        return TimeoutError(f"SimpleQueue.get() timed out after waiting {timeout:g} s for the read lock while an "
+                            f"item is waiting: another consumer holds the lock (it reads a large item from a slow "
+                            f"writer, or it died while reading, which leaves the queue unreadable for good: make a "
+                            f"new queue)")
 
     def quick_put(self, obj: Any) -> None:
         """machin's lock-free ``put`` for a single producer thread: :meth:`put` here (its

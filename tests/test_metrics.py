@@ -107,6 +107,11 @@ def test_bad_input_is_refused_at_the_call(tmp_path):
             metrics.scalars({"a/b": "high"}, 0)
         with pytest.raises(TypeError, match="step must be an int"):
             metrics.scalar("a/b", 1.0, 1.5)
+        # Cold trial 30: accepted, then failed in the writer thread with the rest of its batch.
+        with pytest.raises(ValueError, match="step=18446744073709551616 does not fit in 64 bits"):
+            metrics.scalars({"a/b": 1.0}, 2 ** 64)
+        with pytest.raises(ValueError, match="value of 'a/b' is too large for a float"):
+            metrics.scalar("a/b", 10 ** 400, 0)
         with pytest.raises(TypeError, match="cannot be pickled"):
             pickle.dumps(metrics)
     with pytest.raises(RuntimeError, match="is closed"):
@@ -127,3 +132,61 @@ def test_flatten_stats_and_rss():
     stats = {"primary": {"applied": 3, "state": "running", "lag": {"mean": 0.5}}, "ok": True, "names": ["a"]}
     assert flatten_stats(stats, "grad") == {"grad/primary/applied": 3.0, "grad/primary/lag/mean": 0.5, "grad/ok": 1.0}
     assert rss_bytes() > 10 * 2**20 and rss_bytes(2**22 + 12345) is None
+
+
+KEPT = []
+
+
+def _log_and_keep(logdir, points):
+    # A writer kept to the end of the process (a module global, an actor's attribute) and
+    # never closed: the child ends by os._exit, past atexit.
+    KEPT.append(Metrics(logdir, sinks=["csv"]))
+    for step in range(points):
+        KEPT[-1].scalar("loss/train", 1.0 / (step + 1), step)
+
+
+def _rank_logs(world, logdir):
+    _log_and_keep(f"{logdir}/rank{world.rank}", 30)
+    return world.rank
+
+
+def _rows(path):
+    with open(path, newline="") as stream:
+        return list(csv.DictReader(stream))
+
+
+@pytest.mark.parametrize("ctx", ["fork", "forkserver", "launch"])
+def test_a_writer_kept_to_the_end_of_a_child_writes_its_points(tmp_path, ctx):
+    # Cold trial 30: every point was lost (an empty metrics.csv), exit code 0, no word.
+    from machinlike import launch
+    from machinlike.process import Process
+
+    if ctx == "launch":
+        assert launch(_rank_logs, 2, args=(str(tmp_path),), timeout=60) == [0, 1]
+        assert [len(_rows(tmp_path / f"rank{r}" / "metrics.csv")) for r in range(2)] == [30, 30]
+        return
+    child = Process(target=_log_and_keep, args=(str(tmp_path), 100), ctx=ctx)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert [float(r["step"]) for r in _rows(tmp_path / "metrics.csv")] == list(range(100))
+
+
+def test_a_forked_copy_of_a_writer_refuses_points_instead_of_dropping_them(tmp_path):
+    import os
+
+    metrics = Metrics(tmp_path, sinks=["csv"])
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when both calls refused
+        code = 1
+        try:
+            metrics.scalar("a/b", 1.0, 0)
+        except RuntimeError as err:
+            code = 0 if "forked copy" in str(err) and "make a Metrics in this process" in str(err) else 2
+        metrics.close()  # (a forked copy's close leaves the parent's thread and files alone)
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    metrics.scalar("a/b", 2.0, 1)  # the parent's writer is untouched
+    metrics.close()
+    assert [r["value"] for r in _rows(tmp_path / "metrics.csv")] == ["2.0"]

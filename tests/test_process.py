@@ -101,6 +101,26 @@ def test_a_report_larger_than_the_pipe_buffer_does_not_deadlock_join():
     assert own_type(p.exception) is ValueError and len(str(p.exception)) == 300_000
 
 
+@pytest.mark.parametrize("size", [300_000, 3_000_000])
+def test_a_child_with_a_large_report_ends_before_anyone_reads_it(size):
+    # Cold trial 30: the child blocked writing a report larger than the pipe's buffer until
+    # join() or exception read it, so is_alive() stayed True and its sentinel never fired.
+    from multiprocessing import connection
+
+    p = Process(target=targets.raise_value_error, args=("x" * size,))
+    p.start()
+    assert connection.wait([p.sentinel], WAIT), "the child did not end while nobody read its report"
+    p.join(WAIT)
+    assert own_type(p.exception).__name__ in ("ValueError", "RemoteError") and isinstance(p.exception, ValueError)
+    said = str(p.exception)
+    if size < 1 << 20:  # the pipe was enlarged for it: all of it came
+        assert len(said) == size
+    else:  # a stand-in: the type's name, the message's start, what was left out
+        assert said.startswith("ValueError: xxx") and len(said) < 6000, said[-300:]
+        assert "did not fit its pipe" in said and "without its attributes" in said
+        assert "raise_value_error" in str(p.exception.__cause__)
+
+
 def test_exception_and_watch_before_start():
     p = Process(target=targets.noop)
     assert p.exception is None

@@ -111,11 +111,32 @@ def test_get_timeout_when_another_consumer_holds_the_read_lock():
     queue._rlock.acquire()
     try:
         begin = time.monotonic()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(TimeoutError, match="waiting 0.2 s for an item$"):
             queue.get(timeout=0.2)
         assert time.monotonic() - begin < 2.0
     finally:
         queue._rlock.release()
+
+
+def test_a_consumer_killed_in_get_is_told_apart_from_an_empty_queue():
+    # Cold trial 30: every later get() said it waited "for an item" while one was waiting.
+    import os
+    import signal
+
+    queue = SimpleQueue()
+    consumer = Process(target=targets.wait_for_release, args=(queue,))  # (waits in get())
+    consumer.start()
+    deadline = time.monotonic() + 30
+    while queue._rlock.acquire(False):  # until the consumer waits in get(), holding the lock
+        queue._rlock.release()
+        assert time.monotonic() < deadline and consumer.is_alive(), "the consumer never reached get()"
+        time.sleep(0.01)
+    os.kill(consumer.pid, signal.SIGKILL)
+    consumer.join(30)
+    queue.put("waiting")
+    with pytest.raises(TimeoutError, match="for the read lock while an item is waiting: another consumer holds "
+                                           "the lock .* died while reading.* make a new queue"):
+        queue.get(timeout=0.2)
 
 
 def test_multi_p2p_get_any_reports_the_channel():

@@ -229,6 +229,10 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
     # The usage error in this process: the exit status reaching the shell is proven above.
     assert status_main(["status", "nowhere", "--once"]) == 2
     assert "address must be 'host:port'" in capsys.readouterr().err
+    # Cold trial 30: inf passed "> 0" and ended in an OverflowError's traceback.
+    for flag in ("--timeout", "--interval", "--beat-window"):
+        assert status_main(["status", "127.0.0.1:1", "--once", flag, "inf"]) == 2
+        assert f"{flag} must be > 0 seconds and under a day, got inf" in capsys.readouterr().err
     # A port where something else listens (another program): the fix is the address, not a World's.
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))

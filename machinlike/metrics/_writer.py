@@ -13,8 +13,10 @@ appends a list. Why bounded: a sink slower than the loop must not grow memory wi
 bound; what does not fit is dropped and counted (``dropped``), never waited for.
 
 The thread holds the queue and the sinks, not the :class:`Metrics` object, so a writer
-that is dropped without ``close`` is still collected; a ``weakref.finalize`` then stops
-its thread (and at interpreter exit, flushes what was queued).
+that is dropped without ``close`` is still collected; a finalizer then stops its thread,
+and at the end of the process writes what was queued. It is multiprocessing's, not
+``weakref.finalize``: a child of a Process or a launch() rank ends by ``os._exit``, past
+``atexit``, and a writer kept there to the end lost every point (cold trial 30).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import queue
 import threading
 import time
-import weakref
+from multiprocessing import util as _mp_util
 from numbers import Real
 from typing import Any, List, Mapping, Optional, Sequence, Union
 
@@ -35,6 +37,11 @@ __all__ = ["Metrics"]
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# Before a pool's (15): points logged from its tasks' results are written first.
+_EXIT_PRIORITY = 20
+# TensorBoard keeps a step as an int64: a larger one failed in the writer thread, and the
+# rest of its batch (points logged after it) with it.
+_STEPS = (-(2 ** 63), 2 ** 63 - 1)
 SinkSpec = Union[str, Sink]
 
 
@@ -143,6 +150,24 @@ def _finish(pending: _Pending, thread: threading.Thread, timeout: float) -> None
     thread.join(timeout)
 
 
+def _check_step(step: Any, where: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int, not {step!r}{where}")
+    if not _STEPS[0] <= step <= _STEPS[1]:
+        raise ValueError(f"step={step} does not fit in 64 bits, which TensorBoard keeps it in{where}: count in "
+                         f"smaller units (e.g. thousands of steps)")
+
+
+def _number(tag: str, value: Any) -> float:
+    """``value`` as a float, checked (the writer thread must never meet a bad one)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"the value of {tag!r} must be a real number, not {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"the value of {tag!r} is too large for a float: {str(value)[:40]}...") from None
+
+
 class Metrics:
     """Scalars of a run, written to TensorBoard, CSV and (on request) W&B from a background thread.
 
@@ -194,7 +219,10 @@ class Metrics:
                                                            self._errors),
                                         name=f"machinlike-metrics {self.logdir}", daemon=True)
         self._thread.start()
-        self._finalizer: weakref.finalize = weakref.finalize(self, _finish, self._pending, self._thread, 5.0)
+        # (run when the object is collected, and at the end of the process: main or child)
+        self._finalizer: _mp_util.Finalize = _mp_util.Finalize(self, _finish, args=(self._pending, self._thread, 5.0),
+                                            exitpriority=_EXIT_PRIORITY)
+        self._pid: int = os.getpid()
 
     # --------------------------------------------------------------------- logging
     def scalar(self, tag: str, value: float, step: int, wall_time: Optional[float] = None) -> None:
@@ -209,25 +237,24 @@ class Metrics:
         Raises:
             TypeError: ``tag`` is not a non-empty string, ``value`` not a real number or
                 ``step`` not an int.
-            RuntimeError: after :meth:`close`.
+            ValueError: ``step`` outside 64 bits, ``value`` too large for a float.
+            RuntimeError: after :meth:`close`; in a forked copy of the object (make one
+                per process).
         """
         if not isinstance(tag, str) or not tag:
             raise TypeError(f"tag must be a non-empty string such as 'loss/policy', not {tag!r}")
-        if isinstance(value, bool) or not isinstance(value, Real):
-            raise TypeError(f"the value of {tag!r} must be a real number, not {value!r}")
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, not {step!r} (for {tag!r})")
-        self._put([(tag, float(value), step, time.time() if wall_time is None else float(wall_time))])
+        _check_step(step, f" (for {tag!r})")
+        self._put([(tag, _number(tag, value), step, time.time() if wall_time is None else float(wall_time))])
 
     def scalars(self, values: Mapping[str, float], step: int, wall_time: Optional[float] = None) -> None:
         """Queue several points of the same step (see :meth:`scalar`); None values are skipped.
 
         Raises:
-            TypeError: as :meth:`scalar`, for the first bad entry (nothing of the call is queued).
-            RuntimeError: after :meth:`close`.
+            TypeError, ValueError: as :meth:`scalar`, for the first bad entry (nothing of the
+                call is queued).
+            RuntimeError: as :meth:`scalar`.
         """
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be an int, not {step!r}")
+        _check_step(step, "")
         wall = time.time() if wall_time is None else float(wall_time)
         points: List[Point] = []
         for tag, value in values.items():
@@ -235,16 +262,23 @@ class Metrics:
                 continue
             if not isinstance(tag, str) or not tag:
                 raise TypeError(f"tags must be non-empty strings such as 'loss/policy', not {tag!r}")
-            if isinstance(value, bool) or not isinstance(value, Real):
-                raise TypeError(f"the value of {tag!r} must be a real number, not {value!r}")
-            points.append((tag, float(value), step, wall))
+            points.append((tag, _number(tag, value), step, wall))
         if points:
             self._put(points)
 
     def _put(self, points: List[Point]) -> None:
         if self._closed:
             raise RuntimeError(f"Metrics({self.logdir!r}) is closed")
+        self._refuse_a_forked_copy()
         self._pending.put(points)
+
+    def _refuse_a_forked_copy(self) -> None:
+        # A forked child inherits the object, not its writer thread: its points were queued
+        # where nothing would ever write them (cold trial 30).
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"Metrics({self.logdir!r}) was made in process {self._pid} and this is a forked "
+                               f"copy of it, without its writer thread: make a Metrics in this process (a logdir "
+                               f"of its own, e.g. per rank)")
 
     # ------------------------------------------------------------------ state
     @property
@@ -280,6 +314,7 @@ class Metrics:
         """
         if self._closed:
             raise RuntimeError(f"Metrics({self.logdir!r}) is closed")
+        self._refuse_a_forked_copy()
         done = threading.Event()
         self._pending.queue.put(done)  # markers are not points: never dropped
         return done.wait(timeout)
@@ -295,7 +330,9 @@ class Metrics:
             if self._closed:
                 return
             self._closed = True
-        self._finalizer.detach()
+        self._finalizer.cancel()
+        if os.getpid() != self._pid:
+            return  # a forked copy: the thread and the sinks are its parent's
         _finish(self._pending, self._thread, timeout)
         if self._thread.is_alive():
             log.warning("machinlike.metrics: the writer of %r did not finish within %g s", self.logdir, timeout)

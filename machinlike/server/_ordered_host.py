@@ -4,21 +4,60 @@ The host's name is kept in the world's store under the server's own key, beside 
 services' claims, and outlives them: when the services vanish (the host closed the server,
 left, or was lost and its claims were withdrawn), a caller's "service not found" becomes
 an answer that names the host and says what became of it, or, where no member ever hosted
-the server, says how to make one.
+the server, says how to make one. And machin's ``server_runner``, the member that hosts it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional
 
 from ..distributed import RpcGroup
 from ..exception import PeerLostError
 from ._common import current_world
 
-__all__ = ["host_key", "unserved"]
+__all__ = ["check_runner", "host_key", "register_all", "unserved"]
 
 
 def host_key(group: RpcGroup, server_name: str) -> str:
     """Store key holding the member that hosts ``server_name`` (outlives the host's claims)."""
     return current_world().membership.keys.server("os", group.get_group_name(), server_name) + "host"
+
+
+def check_runner(server_runner: Optional[str], group: RpcGroup) -> None:
+    """machin's ``server_runner``: None, or this member (the one that hosts the server).
+
+    Raises:
+        ValueError: it names another member.
+    """
+    if server_runner is not None and server_runner != group.get_cur_name():
+        raise ValueError(f"server_runner={server_runner!r}, but this is member {group.get_cur_name()!r}: the "
+                         f"member that constructs OrderedServerSimpleImpl serves it (as in machin); construct "
+                         f"it on {server_runner!r} instead, or leave server_runner out")
+
+
+def register_all(group: RpcGroup, server_name: str, services: Dict[str, Callable[..., Any]]) -> None:
+    """Register every service (key -> function) of ordered server ``server_name``, or none.
+
+    Raises:
+        KeyError: the server's name is taken in ``group`` (named, with the fix).
+    """
+    done: List[str] = []
+    try:
+        for key, service in services.items():
+            try:
+                group.register(key, service)
+            except KeyError as err:
+                if done or "already registered" not in str(err):
+                    raise
+                # (it said "Service [kv/_push] already registered": a name of its insides)
+                raise KeyError(f"ordered server {server_name!r} already exists in group "
+                               f"{group.get_group_name()!r} ({err.args[0] if err.args else err}); close it "
+                               f"first, or pick another server_name") from err
+            done.append(key)
+    except BaseException:
+        for key in done:
+            group.deregister(key)
+        raise
 
 
 def unserved(group: RpcGroup, name: str, service: str, err: KeyError) -> Exception:

@@ -41,7 +41,7 @@ from ..distributed import RpcGroup
 from ..exception import PeerLostError, raised_remotely
 from ._common import ServerNote, check_count, check_group, check_name, check_timeout, current_world, publish_notes
 from ._host import HostCheckpoint, MemberLog, check_version, host_checkpoint
-from ._ordered_host import host_key, unserved
+from ._ordered_host import check_runner, host_key, register_all, unserved
 from ._ordered_values import check_key as _check_key
 from ._ordered_values import check_version as _check_version
 from ._ordered_values import private as _private
@@ -263,10 +263,7 @@ class OrderedServerSimpleImpl:
         if adopt is not None and not callable(adopt):
             raise TypeError(f"adopt must be callable or None, not {type(adopt).__name__}")
         check_group(group)
-        if server_runner is not None and server_runner != group.get_cur_name():
-            raise ValueError(f"server_runner={server_runner!r}, but this is member {group.get_cur_name()!r}: the "
-                             f"member that constructs OrderedServerSimpleImpl serves it (as in machin); construct "
-                             f"it on {server_runner!r} instead, or leave server_runner out")
+        check_runner(server_runner, group)
         depth = check_count(version_depth, "version_depth", 0)
         checkpoint = host_checkpoint(checkpoint_dir, "ordered-server", server_name, checkpoint_every,
                                      checkpoint_interval)
@@ -321,24 +318,13 @@ class OrderedServerSimpleImpl:
         self._keys = [f"{server_name}/_push", f"{server_name}/_pull", f"{server_name}/_pull_if_changed"]
         self._closed = False
         services: List[Callable[..., Any]] = [self._push_service, self._pull_service, self._pull_if_changed_service]
-        done: List[str] = []
+        register_all(group, server_name, dict(zip(self._keys, services, strict=True)))
         try:
-            for key, service in zip(self._keys, services, strict=True):
-                try:
-                    group.register(key, service)
-                except KeyError as err:
-                    if done or "already registered" not in str(err):
-                        raise
-                    # (it said "Service [kv/_push] already registered": a name of its insides)
-                    raise KeyError(f"ordered server {server_name!r} already exists in group "
-                                   f"{group.get_group_name()!r} ({err.args[0] if err.args else err}); close it "
-                                   f"first, or pick another server_name") from err
-                done.append(key)
             # Once the name is ours: a client that finds the services gone can name this member.
             current_world().membership.registry.set(host_key(group, server_name), group.get_cur_name())
             group.pair(server_name, OrderedServerSimple._checked(server_name, group))
         except BaseException:
-            for key in done:
+            for key in self._keys:
                 group.deregister(key)
             raise
         self._members = MemberLog(f"ordered server {server_name!r}")
