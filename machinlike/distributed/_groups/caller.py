@@ -53,6 +53,7 @@ _FRESH = (True,)
 _SHOWN = 10
 _READ_MOST = 64
 _HELD_FRESH = 1.0  # seconds a read of the group's keys serves the next KeyErrors
+_LOST_LATELY = 300.0  # seconds a member's loss is named in the KeyError of a key nobody holds
 
 
 def _named(result: RpcFuture, member: str) -> RpcFuture:
@@ -184,7 +185,8 @@ class Caller:
         what, verb = ("Service", "register") if kind == "s" else ("Value with key", "pair")
         last = self._owners.last_owner(kind, key)
         if last is None:
-            return KeyError(_not_found(what, key, self._group, verb) + self._held_words(kind, key))
+            return KeyError(_not_found(what, key, self._group, verb) + self._lost_words(verb)
+                            + self._held_words(kind, key))
         lost, worker = last
         why = self._roster.gone(lost)
         if why == "lost":
@@ -196,6 +198,16 @@ class Caller:
                  if self._roster.worker_gone(worker) else f"{'de' if kind == 's' else 'un'}{verb}ed it")
         return KeyError(f"{what} [{key}] not found on Group [{self._group}]: its owner, member {lost!r}, "
                         f"{since}, and no live member has {verb}ed it since")
+
+    def _lost_words(self, verb: str) -> str:
+        """The members lost lately, for a KeyError: a key this process never saw held may
+        have gone with one of them (cold trial 29: an inference host's death read as
+        "not paired yet"); "" when none was."""
+        lost = self._roster.lost_lately(_LOST_LATELY)
+        if not lost:
+            return ""
+        names = ", ".join(f"{m!r} ({ago:.0f} s ago)" for m, ago in lost)
+        return f". Lost lately: member {names}; what a lost member {verb}ed went with it"
 
     def _held_words(self, kind: str, key: str) -> str:
         """What the group holds instead of ``key``, for its KeyError: the close match and

@@ -336,6 +336,14 @@ class Roster:
         with self._lock:
             return None if member in self._live else self._gone.get(member)
 
+    def lost_lately(self, within: float, most: int = 3) -> List[Tuple[str, float]]:
+        """``(member, seconds since)`` of the members this view saw lost within the last
+        ``within`` s and not back, newest first, at most ``most``."""
+        now = time.monotonic()
+        with self._lock:
+            return [(m, now - g[2]) for m, g in reversed(self._gone.items())
+                    if g[0] == "lost" and m not in self._live and now - g[2] <= within][:most]
+
     def refresh_with(self, read_log: Callable[[], bool]) -> None:
         """``read_log()`` reads the world's log now (delivering it here), False if it could not."""
         self._refresh = read_log
