@@ -106,20 +106,21 @@ class ProcessException(Exception):
     """
 
 
-# original exception type -> its subclass that is also a ProcessException; weak on the
-# original, so a class defined at run time can still be collected.
-_tagged_types: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+# mix-in -> original exception type -> its subclass that is also the mix-in (ProcessException,
+# thread.ThreadException); weak on the original, so a class defined at run time can still
+# be collected.
+_tagged_types: "Dict[type, weakref.WeakKeyDictionary[type, type]]" = {}
 _tagged_lock = threading.Lock()
 
 
-def _rebuild_tagged(plain: BaseException) -> BaseException:
-    return tag_process_exception(plain)
+def _rebuild_tagged(plain: BaseException, mixin: type = ProcessException) -> BaseException:
+    return tag_exception(plain, mixin)
 
 
 def _reduce_tagged(self: BaseException) -> Any:
     # Pickle as the plain original (found by reference), tagged again when loaded.
-    plain = _copy_exception(self, type(self).__mro__[1])
-    return _rebuild_tagged, (plain,)
+    original, mixin = type(self).__bases__
+    return _rebuild_tagged, (_copy_exception(self, original), mixin)
 
 
 def _copy_exception(exc: BaseException, cls: type) -> BaseException:
@@ -132,16 +133,17 @@ def _copy_exception(exc: BaseException, cls: type) -> BaseException:
     return new
 
 
-def _tagged_type(cls: type) -> type:
+def _tagged_type(cls: type, mixin: type) -> type:
     with _tagged_lock:
-        tagged = _tagged_types.get(cls)
+        kinds = _tagged_types.setdefault(mixin, weakref.WeakKeyDictionary())
+        tagged = kinds.get(cls)
         if tagged is None:
             # Same name and module, so tracebacks and messages read as the child's type.
-            tagged = type(cls.__name__, (cls, ProcessException), {
+            tagged = type(cls.__name__, (cls, mixin), {
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "__reduce__": _reduce_tagged, "__doc__": cls.__doc__,
             })
-            _tagged_types[cls] = tagged
+            kinds[cls] = tagged
         return tagged
 
 
@@ -151,10 +153,17 @@ def tag_process_exception(exc: BaseException) -> BaseException:
     Returns ``exc`` itself when it already is a ``ProcessException`` or its type cannot
     be subclassed.
     """
-    if isinstance(exc, ProcessException):
+    return tag_exception(exc, ProcessException)
+
+
+def tag_exception(exc: BaseException, mixin: type) -> BaseException:
+    """``exc`` as an instance of a subclass of its type and ``mixin`` (its attributes,
+    cause and traceback kept); ``exc`` itself when it already is one or its type cannot
+    be subclassed."""
+    if isinstance(exc, mixin):
         return exc
     try:
-        return _copy_exception(exc, _tagged_type(type(exc)))
+        return _copy_exception(exc, _tagged_type(type(exc), mixin))
     except Exception:  # an unsubclassable type or an unusual constructor: keep it as it is
         return exc
 

@@ -7,20 +7,35 @@ import threading
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
 from ._checks import not_async
-from .process import call_with_cleaner
+from .process import call_with_cleaner, tag_exception
 
-__all__ = ["Thread"]
+__all__ = ["Thread", "ThreadException"]
 
 _counter = itertools.count(1)
+
+
+class ThreadException(Exception):
+    """Mixed into every failure :attr:`Thread.exception` reports (machin's name).
+
+    machin wrapped a thread's error in a ``ThreadException`` holding its text. Here the
+    reported exception keeps its own type, attributes and traceback, and its class also
+    derives from ``ThreadException`` (as a process's does from
+    :class:`~machinlike.process.ProcessException`), so ``except ThreadException`` (machin
+    code) and ``except KeyError`` both catch it. A target that called ``sys.exit(n)``,
+    n != 0, is reported as a plain ``ThreadException`` saying so (its ``SystemExit`` as
+    ``__cause__``): re-raised by ``watch()``, a ``SystemExit`` would end the program
+    without a word.
+    """
 
 
 class Thread(threading.Thread):
     """Like ``threading.Thread``, plus ``exception``, ``watch()`` and ``cleaner``.
 
-    Nothing is pickled: the thread shares the caller's objects. The exception is the very
-    object the target raised, with its own traceback (the thread's frames), so there is
-    no remote traceback to chain. A target that raises does not go to
-    ``threading.excepthook``: the exception waits in :attr:`exception`.
+    Nothing is pickled: the thread shares the caller's objects. The exception is what the
+    target raised, with its attributes and its own traceback (the thread's frames), its
+    class also a :class:`ThreadException`; there is no remote traceback to chain. A
+    target that raises does not go to ``threading.excepthook``: the exception waits in
+    :attr:`exception`.
 
     Args:
         group: Must be None (reserved, as in ``threading``).
@@ -80,16 +95,19 @@ class Thread(threading.Thread):
             call_with_cleaner(target, args, kwargs, cleaner)
         except SystemExit as exc:
             if exc.code not in (None, 0):
-                self._exception = exc
+                stopped = ThreadException(f"thread {self.name!r}: its target called sys.exit({exc.code!r})")
+                stopped.__cause__ = exc
+                self._exception = stopped
         except BaseException as exc:
-            self._exception = exc
+            self._exception = tag_exception(exc, ThreadException)
 
     @property
     def exception(self) -> Optional[BaseException]:
-        """The target's (or cleaner's) exception once the thread has ended, else None.
+        """The target's (or cleaner's) exception once the thread has ended, else None: of
+        its own type and :class:`ThreadException`.
 
-        ``sys.exit(0)`` counts as success; another ``sys.exit`` code is kept as the
-        ``SystemExit`` it raised.
+        ``sys.exit(0)`` counts as success; another ``sys.exit`` code is a
+        ``ThreadException`` saying so.
         """
         if self.is_alive():
             return None

@@ -19,14 +19,14 @@ from machinlike._lifeline import PARENT_DIED_EXITCODE, THREAD_NAME
 from machinlike.exception import ProcessExitedError, RemoteTraceback
 from machinlike.process import Process, ProcessException
 from machinlike.queue import SimpleQueue
-from machinlike.thread import Thread
+from machinlike.thread import Thread, ThreadException
 
 WAIT = 30.0
 
 
-def own_type(error):
-    """The child's exception type behind the ProcessException subclass that reports it."""
-    assert isinstance(error, ProcessException), f"{error!r} is not catchable as ProcessException"
+def own_type(error, mixin=ProcessException):
+    """The child's exception type behind the ``mixin`` subclass that reports it."""
+    assert isinstance(error, mixin), f"{error!r} is not catchable as {mixin.__name__}"
     return type(error).__mro__[1]
 
 
@@ -283,11 +283,14 @@ def test_thread_exception_keeps_type_and_its_own_traceback():
     t.join(WAIT)
     assert cleaned == [True]
     error = t.exception
-    assert type(error) is KeyError
+    assert own_type(error, ThreadException) is KeyError and error.args == ("missing",)
     frames = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
     assert "fail" in frames
     with pytest.raises(KeyError):
         t.watch()
+    with pytest.raises(ThreadException):  # machin's name catches it too
+        t.watch()
+    assert own_type(pickle.loads(pickle.dumps(error)), ThreadException) is KeyError  # (tagged again when loaded)
 
 
 def test_thread_success_exit_and_cleaner_failure():
@@ -298,12 +301,14 @@ def test_thread_success_exit_and_cleaner_failure():
     t = Thread(target=sys.exit, args=(4,))
     t.start()
     t.join(WAIT)
-    assert type(t.exception) is SystemExit and t.exception.code == 4
+    # (cold trial 30: watch() re-raised the SystemExit, which ended the program silently)
+    assert type(t.exception) is ThreadException and "its target called sys.exit(4)" in str(t.exception)
+    assert type(t.exception.__cause__) is SystemExit and t.exception.__cause__.code == 4
     done = threading.Event()
     t = Thread(target=done.set, cleaner=targets.raise_value_error)
     t.start()
     t.join(WAIT)
-    assert done.is_set() and type(t.exception) is ValueError
+    assert done.is_set() and own_type(t.exception, ThreadException) is ValueError
 
 
 def test_thread_target_and_cleaner_both_fail():
@@ -314,7 +319,7 @@ def test_thread_target_and_cleaner_both_fail():
     t.start()
     t.join(WAIT)
     error = t.exception
-    assert type(error) is ValueError
+    assert own_type(error, ThreadException) is ValueError
     if sys.version_info >= (3, 11):
         assert any("cleaner raised as well: TypeError" in note for note in error.__notes__)
 
@@ -333,7 +338,7 @@ def test_public_names():
     import machinlike.process as process
     import machinlike.thread as thread
 
-    assert process.__all__ == ["Process", "ProcessException"] and thread.__all__ == ["Thread"]
+    assert process.__all__ == ["Process", "ProcessException"] and thread.__all__ == ["Thread", "ThreadException"]
     assert callable(lifeline.watch_parent) and lifeline.THREAD_NAME.startswith("machinlike")
 
 
