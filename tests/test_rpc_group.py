@@ -292,8 +292,11 @@ def test_rpc_calls_lambdas_closures_and_membership(world):
     assert g.rpc_async(other, _async_service, args=(5,)).wait() == 5  # (an async def function: on a loop there)
     assert g.size() == 2 and g.is_member() and g.is_member("0") and not g.is_member("2")
     assert g.get_group_name() == "calls" and g.get_cur_name() == world.name
+    # machin's attributes (cold trial 31: machin's own OrderedServerSimple reads group_name)
+    assert (g.group_name, g.group_members, g.destroyed) == ("calls", g.get_group_members(), False)
     g.barrier()
     g.destroy()
+    assert g.destroyed
     everyone.barrier()
     everyone.destroy()
 

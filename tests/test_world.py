@@ -83,6 +83,34 @@ def test_in_process_lifecycle_and_one_world_per_process():
             group.registered_sync("twice", (1,))
 
 
+def _two_worlds_in_a_row(rank: int, port: int) -> None:
+    for _ in range(2):
+        with World(str(rank), rank, 2, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=20) as world:
+            group = world.create_rpc_group("g", ["0", "1"])
+            assert group.rpc_sync(str(1 - rank), get_cur_name) == str(1 - rank)
+
+
+def test_every_rank_of_a_static_world_builds_a_new_world_right_after_stop():
+    # Cold trial 31: rank 1 left its stop() before rank 0 closed the store, joined the old
+    # store with its new World and lost it a moment later; rank 0's new World then waited
+    # out its dist_timeout for it.
+    import socket
+
+    from machinlike.process import Process
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ranks = [Process(target=_two_worlds_in_a_row, args=(rank, port)) for rank in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(90)
+    for p in ranks:
+        assert p.exitcode == 0, p.exception
+        p.watch()
+
+
 WORKER_ID_SCRIPT = """
 import datetime, socket, time
 import torch.distributed as dist

@@ -576,6 +576,22 @@ class RpcGroup:
         """This process's member name."""
         return self._directory().name
 
+    # machin's attributes (its own OrderedServerSimple reads group.group_name): read only
+    @property
+    def group_name(self) -> str:
+        """machin's attribute: :meth:`get_group_name`."""
+        return self._name
+
+    @property
+    def group_members(self) -> List[str]:
+        """machin's attribute: :meth:`get_group_members`."""
+        return self.get_group_members()
+
+    @property
+    def destroyed(self) -> bool:
+        """machin's attribute: whether :meth:`destroy` was called on this handle."""
+        return self._destroyed
+
 
 def _rebuild_group(name: str, members: Sequence[str], epoch: str) -> RpcGroup:
     directory = _directory.current()

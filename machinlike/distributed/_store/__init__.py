@@ -3,7 +3,8 @@
 Owns opening or reaching the store (rendezvous: explicit addresses, torchrun and SLURM
 environments), the spelling of every key and its typed value (keys), one-round-trip tables
 over the store (registry), a connection of a thread's own (client), this process's
-connections to it, to cut when it falls silent (connections), and look-ups bounded by a
+connections to it, to cut when it falls silent (connections), a store its host is closing
+told apart from the next world's (closing), and look-ups bounded by a
 deadline on their own thread (lookups), and whether this process is a child forked from
 a World's (forked). It imports no other layer.
 
@@ -20,11 +21,12 @@ from .keys import (
 from .registry import STORE_OF_RANK0, Registry
 from .client import multi_get, new_client, own_client, server_of, store_address, value_or_empty
 from .connections import IP, connections_to, shut_down
+from .closing import mark_closing
 from . import forked
 
 __all__ = [
     "connect_store", "connections_to", "ExitRecord", "external_launcher", "FAILED_MARK", "forked", "GroupRecord",
-    "host_store", "IP", "Keys", "LogEntry", "LOST_MARK", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client",
+    "host_store", "IP", "Keys", "LogEntry", "LOST_MARK", "mark_closing", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client",
     "OPEN_EPOCH",
     "own_client", "OwnedKey", "rebind_holder", "Registry", "resolve_rank_and_size", "server_of", "ServerNote",
     "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0", "value_or_empty",

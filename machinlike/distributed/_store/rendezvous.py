@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
 from .client import SilentStoreError, new_client, own_client
+from .closing import connect_open
 from .registry import STORE_OF_RANK0
 
 __all__ = ["StoreInfo", "open_store", "resolve_rank_and_size", "rpc_init_method", "forget_rpc_store",
@@ -364,8 +365,9 @@ def open_store(rank: int, world_size: Optional[int], init_method: Optional[str],
         server = _serve(_listen(host, port), host, world_size, delta)
         port = server.port
         return StoreInfo(own_client(server, delta) or server, host, port, True, STORE_OF_RANK0, server)
-    return StoreInfo(connect_store(host, port, timeout), host, port, False,
-                     "the torchrun agent" if all_clients else STORE_OF_RANK0)
+    if all_clients:  # (torchrun's agent keeps its store: no rank closes it)
+        return StoreInfo(connect_store(host, port, timeout), host, port, False, "the torchrun agent")
+    return StoreInfo(connect_open(connect_store, host, port, timeout), host, port, False, STORE_OF_RANK0)
 
 
 def host_store(host: str, world_size: int, timeout: float) -> dist.TCPStore:

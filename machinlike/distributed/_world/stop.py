@@ -22,6 +22,7 @@ import datetime
 import logging
 
 from ..._deadline import deadline_left
+from .._store import mark_closing
 from .session import Session
 
 __all__ = ["leave_static", "leave_elastic"]
@@ -39,6 +40,8 @@ def leave_static(session: Session, deadline: float, wait: float) -> None:
     members, info, s = session.membership, session.store, session.settings
     if members is None or info is None:  # start-up failed before the store: nothing to leave
         return
+    if info.hosted_here:  # (before any rank may leave: see _store.closing)
+        mark_closing(info.store)
     everyone = False
     names = [str(r) for r in range(s.size)]
     order = members.roster.names_by_rank()
@@ -77,6 +80,8 @@ def leave_elastic(session: Session, deadline: float) -> None:
     members, info, name = session.membership, session.store, session.settings.name
     if members is None or info is None:
         return
+    if info.hosted_here:  # (a member that joins from now on waits for the next store: see _store.closing)
+        mark_closing(info.store)
     members.claims.leaving()  # (what the groups withdraw now goes with this member: its departure says so)
     if session.groups is not None:
         for group in session.groups.local_groups():

@@ -1,0 +1,70 @@
+"""A store whose host is closing it, told apart from the next world's store on the same port.
+
+::
+
+    rank 0 (hosts the store)                 rank r (a client), back from its own stop()
+    stop(): mark_closing ──► CLOSING key      new World on the same address:
+            the others leave                    connect ─► is_closing? ─► drop it, wait, connect
+            the store closes                               again (until the store that answers
+    new World: a fresh store, no CLOSING                   is a fresh one, within dist_timeout)
+
+Why: a static stop releases the other ranks before the host closes its store (the host
+waits for them to leave first: they still talk to it inside their own stop). A rank that
+then made a new World on the same address joined the old store, registered there, and lost
+it a moment later, when the host's stop ended; the host's new World waited its whole
+dist_timeout for that rank (cold trial 31: a second World after stop() in a 2-rank job).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+__all__ = ["CLOSING", "mark_closing", "is_closing", "connect_open"]
+
+#: Set in a store by the process that hosts it, once its world stops (outside any world's
+#: namespace: a store serves one world at a time, and a closing one serves no new world).
+CLOSING = "machinlike/store-closing"
+
+
+def mark_closing(store: dist.Store) -> None:
+    """Say in ``store`` that its host is closing it (best effort: a store that cannot be
+    reached serves no new world anyway)."""
+    try:
+        store.set(CLOSING, "1")
+    except (RuntimeError, ConnectionError, TimeoutError):
+        pass
+
+
+def is_closing(store: dist.Store) -> bool:
+    """Whether ``store``'s host has marked it closing; False when that cannot be read."""
+    try:
+        return bool(store.check([CLOSING]))
+    except (RuntimeError, ConnectionError, TimeoutError):
+        return False
+
+
+def connect_open(connect: Callable[[str, int, float], dist.Store], host: str, port: int, timeout: float) -> dist.Store:
+    """A client of the store at ``host:port`` that is not closing: one whose host is
+    stopping its world is let go, and ``connect(host, port, seconds)`` tried again, all
+    within ``timeout`` seconds.
+
+    Raises:
+        TimeoutError: nothing answered, or only a closing store, within ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    wait = timeout  # (the first try's error quotes the caller's timeout as it was given)
+    while True:
+        store = connect(host, port, wait)
+        if not is_closing(store):
+            return store
+        del store  # (its connection closes with it)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the store at {host}:{port} belongs to a world whose rank 0 is stopping, and no new "
+                               f"one answered there within {timeout:g} s: start rank 0 of the new world, or give it "
+                               f"time to stop its last one (dist_timeout)")
+        time.sleep(min(0.05, left))  # (the old store closes within the host's stop)
+        wait = max(0.01, deadline - time.monotonic())
