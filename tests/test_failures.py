@@ -182,9 +182,10 @@ def _stop_waits_for_absent_peer_body(world):
     if world.rank == 1:
         world.stop(timeout=1.5)  # rank 0 is busy for 3 s and misses it
         return time.monotonic() - start
-    # Rank 1 never comes: it is stopping (a timeout), or its process has ended by then
-    # (the liveness monitor fails the barrier at once).
-    with pytest.raises((TimeoutError, PeerLostError), match="'1' (did not arrive|left or died)"):
+    # Rank 1 never comes: it is stopping (the liveness thread sees its stop key, see
+    # _membership.stops), or its process has ended by then (it is lost): either fails the
+    # barrier at once.
+    with pytest.raises(PeerLostError, match="'1' (stopped its World|left or died)"):
         group.barrier(timeout=3)
     start = time.monotonic()
     world.stop(timeout=1.5)
@@ -242,3 +243,32 @@ def _awaited_death_body(world):
 def test_a_member_killed_while_awaited_fails_the_await_and_the_coroutine_relay_naming_it():
     results = run_world(_awaited_death_body, 3, timeout=90, return_exceptions=True, rpc_timeout=20)
     assert results[:2] == ["survived", "survived"], results
+
+
+def _one_raises_while_the_other_waits(world, where):
+    if where == "create" and world.rank == 1:
+        raise RuntimeError("rank 1 fails")
+    g = world.create_rpc_group("g", world.get_members())
+    g.barrier()
+    if world.rank == 1:
+        raise RuntimeError("rank 1 fails")
+    g.barrier()
+
+
+@pytest.mark.parametrize("where", ["barrier", "create"])
+def test_a_member_that_stops_its_static_world_is_named_at_once_where_others_wait_for_it(where):
+    # Cold trial 32: a rank whose function raised waits in World.stop for the others, and
+    # never arrives where they wait for it: they waited out dist_timeout (a 2 s failure took
+    # 83 s under torchrun's restarts), then said it "did not arrive".
+    from machinlike import launch
+
+    start = time.monotonic()
+    results = launch(_one_raises_while_the_other_waits, 2, args=(where,), return_exceptions=True, timeout=60,
+                     dist_timeout=40, liveness=2.0)
+    assert time.monotonic() - start < 20  # (was dist_timeout, 40 s, and more)
+    waiter, raiser = results
+    what = "barrier of RpcGroup 'g'" if where == "barrier" else "creating RpcGroup 'g'"
+    assert isinstance(waiter, PeerLostError) and waiter.member == "1", repr(waiter)
+    assert f"{what}: members: '1' stopped its World (raised RuntimeError: rank 1 fails) and will not arrive" \
+        in str(waiter), str(waiter)
+    assert isinstance(raiser, RuntimeError) and str(raiser) == "rank 1 fails"

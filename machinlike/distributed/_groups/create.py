@@ -85,7 +85,7 @@ def create_group(d: GroupDirectory, name: str, members: Sequence[str], wait: flo
     except PeerLostError as err:
         _refuse_other_lists(d, name, members, err)
         d.registry.delete([proposal])
-        raise _departed(d, name, err.member) from err
+        raise _departed(d, name, err.member, err.detail) from err
     except BaseException:
         d.registry.delete([proposal])
         raise
@@ -163,11 +163,13 @@ def _refuse_other_lists(d: GroupDirectory, name: str, members: Sequence[str], ca
                          ) from cause
 
 
-def _departed(d: GroupDirectory, name: str, member: str) -> PeerLostError:
-    """The error for ``member``, gone while this member waited for it to create group ``name``."""
+def _departed(d: GroupDirectory, name: str, member: str, detail: str = "") -> PeerLostError:
+    """The error for ``member``, gone while this member waited for it to create group ``name``
+    (``detail``: the wait's own words, kept when the log has no departure: a static member
+    that stops its World, see ``_membership.stops``)."""
     how = d.departure(member)
     if how is None:
-        return PeerLostError(member, f"creating RpcGroup {name!r}: it left or died while being waited for")
+        return PeerLostError(member, detail or f"creating RpcGroup {name!r}: it left or died while being waited for")
     hint = (", without creating the group with these members" +
             (_ELASTIC_LISTS if d.elastic else "")) if how[1] else ""
     return PeerLostError(member, f"creating RpcGroup {name!r}: it {how[0]}{hint}")

@@ -65,6 +65,7 @@ from .._store import STORE_OF_RANK0, Registry
 from ..._deadline import deadline_left
 from .roster import Roster
 from .server_notes import ServerNotesPublisher, stats_interval
+from .stops import Stops
 from .store_watch import watch_store
 from .waits import Waits
 from .watch import watch_from_env
@@ -116,7 +117,7 @@ class Membership:
         # Shared by the roster (tells it who went) and the endpoint (recycles the agent).
         pipes = PipeLedger(recycle_after() if elastic else 0)
         self.roster = Roster(pipes)
-        self.waits = Waits(self.registry, self.roster)
+        self.waits = Waits(self.registry, self.roster, None if elastic else Stops(self.registry, keys, self.roster))
         self.roster.when_cut_off(self.waits.on_cut_off)
         self.endpoint = Endpoint(self.registry, keys, store, name, self._closing, liveness, pipes)
         self.claims = Claims(self.registry, keys, self.endpoint)
@@ -129,6 +130,7 @@ class Membership:
         watch = watch_from_env(self.registry, keys, self.roster, self.events, store, liveness)
         self.monitor = Monitor(self.registry, keys, self.roster, self.events, self.claims, self.endpoint,
                                self.departures, liveness, elastic, self._closing, watch, pids)
+        self.monitor.ticked = self.waits.check_stops
         self._store = store
         #: Where this member's servers hand their numbers for the status view (``add``).
         self.server_notes = ServerNotesPublisher(store, keys, name, lambda: self.endpoint.incarnation,

@@ -47,7 +47,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from ...exception import PeerLostError
 from .. import _transport
@@ -90,6 +90,9 @@ class Monitor:
         pids: The thread's sleep, cut short when a watched process of this host exits
             (``closing`` must wake it: a WakingEvent); None: it sleeps on ``closing``.
     """
+
+    #: Called each tick once the log is read (a static world's Waits.check_stops).
+    ticked: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(self, registry: Registry, keys: Keys, roster: Roster, events: EventLog, claims: Claims,
                  endpoint: Endpoint, departures: Departures, liveness: Optional[float], elastic: bool,
@@ -254,6 +257,7 @@ class Monitor:
                     pid_watched = watched
                 if self._declared_lost():
                     return
+                self.ticked()
                 if self._renewing is not None and self._renewing.is_alive():
                     pass  # one renewal at a time; this thread goes on watching the others
                 elif self._endpoint.listener_closed():
@@ -289,9 +293,8 @@ class Monitor:
         err = PeerLostError(self._endpoint.name, (
             f"this member was declared lost by the others: its heartbeat stopped for more than "
             f"{self.watch.silence(self._liveness):.3g} s (its process was stopped, starved of CPU or held the GIL "
-            f"that long), so "
-            f"its keys were freed and its peers went on without it; give World(liveness=...) a bound longer "
-            f"than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
+            f"that long), so its keys were freed and its peers went on without it; give World(liveness=...) a "
+            f"bound longer than such pauses (now {self._liveness or DEFAULT_LIVENESS:g} s), or leave and join again"))
         self._roster.mark_cut_off(err)
         log.error("machinlike: %s", err)
         return True

@@ -29,9 +29,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...exception import PeerLostError
-from .._store import FAILED_MARK, LOST_MARK, WOKEN_MARK, MemberRecord
+from .._store import FAILED_MARK, LOST_MARK, STOPPED_MARK, WOKEN_MARK, MemberRecord
 from .._store import Registry
 from .roster import Roster
+from .stops import Stops
 
 __all__ = ["Waits"]
 
@@ -44,11 +45,15 @@ class Waits:
     Args:
         registry: The world's store tables (the waits and their wake-up marks).
         roster: Who is live (read only).
+        stops: A static world's members that began to stop (see ``stops``); None: an
+            elastic world's (their leave is in the log).
     """
 
-    def __init__(self, registry: Registry, roster: Roster) -> None:
+    def __init__(self, registry: Registry, roster: Roster, stops: Optional[Stops] = None) -> None:
         self._registry = registry
         self._roster = roster
+        self._stops = stops  # (a static world's: members that stop never arrive)
+        self._stops_seen: Dict[int, str] = {}  # wait -> the count of stopping members it was checked at
         self._lock = threading.Lock()
         self._waits: Dict[int, _Wait] = {}
         self._wait_ids = 0
@@ -90,10 +95,16 @@ class Waits:
         finally:
             with self._lock:
                 self._waits.pop(wid, None)
+                self._stops_seen.pop(wid, None)
         failed = [(m, v) for m, v in zip(members, values) if v.startswith(FAILED_MARK)]
         if failed:
             member, why = failed[0]
             raise RuntimeError(f"{what}: {member!r} failed instead of arriving: {why[len(FAILED_MARK):]}")
+        stopped = [(m, v[len(STOPPED_MARK):]) for m, v in zip(members, values) if v.startswith(STOPPED_MARK)]
+        if stopped and not skip_gone:
+            who = ", ".join(repr(m) for m, _ in stopped)
+            raise PeerLostError(stopped[0][0], f"{what}: {who} stopped its World ({stopped[0][1]}) and will "
+                                               f"not arrive")
         marked = [m for m, v in zip(members, values) if v == LOST_MARK]
         if marked and not skip_gone:
             gone = ", ".join(repr(m) for m in marked)
@@ -176,6 +187,29 @@ class Waits:
             end()  # wait_call sees its future still pending (lost); an async call fails
         for prefix, name, names in wake:
             self._wake(prefix, [name], names)
+
+    def check_stops(self) -> None:
+        """Static worlds, each liveness tick: end the pending waits for members that began
+        to stop their World (see ``stops``). One request while nobody stops."""
+        if self._stops is None:
+            return
+        with self._lock:
+            pending = [(wid, p, m, skip) for wid, (p, m, _, skip) in self._waits.items()]
+        if not pending:
+            return
+        count = self._stops.count()
+        for wid, prefix, mapping, skip_gone in pending:
+            with self._lock:
+                if count in ("", "0", self._stops_seen.get(wid)) or wid not in self._waits:
+                    continue
+                self._stops_seen[wid] = count
+            if not self._stops.concerns(prefix):
+                continue
+            stopping = self._stops.among(prefix, mapping)
+            for member, why in stopping.items():
+                self._registry.compare_set(prefix + mapping[member], "", STOPPED_MARK + why)
+            if stopping and not skip_gone:  # (the others' keys too: the wait ends now)
+                self._wake(prefix, [], [n for m, n in mapping.items() if m not in stopping])
 
     def on_cut_off(self) -> None:
         """This member is cut off (Roster.mark_cut_off): end every pending call at once.

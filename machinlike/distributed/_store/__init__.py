@@ -16,7 +16,7 @@ the Session binds, or a family of functions used as a namespace (rendezvous, net
 from .rendezvous import connect_store, external_launcher, host_store, resolve_rank_and_size
 from .keys import (
     ExitRecord, FAILED_MARK, GroupRecord, Keys, LogEntry, LOST_MARK, MemberRecord, OPEN_EPOCH, OwnedKey, rebind_holder,
-    ServerNote, ServerNotes, ServiceOwner, WOKEN_MARK, MAX_EXIT_CAUSE,
+    ServerNote, ServerNotes, ServiceOwner, STOPPED_MARK, WOKEN_MARK, MAX_EXIT_CAUSE,
 )
 from .registry import STORE_OF_RANK0, Registry
 from .client import multi_get, new_client, own_client, server_of, store_address, value_or_empty
@@ -29,6 +29,6 @@ __all__ = [
     "host_store", "IP", "Keys", "LogEntry", "LOST_MARK", "mark_closing", "MAX_EXIT_CAUSE", "MemberRecord", "multi_get", "new_client",
     "OPEN_EPOCH",
     "own_client", "OwnedKey", "rebind_holder", "Registry", "resolve_rank_and_size", "server_of", "ServerNote",
-    "ServerNotes", "ServiceOwner", "shut_down", "store_address", "STORE_OF_RANK0", "value_or_empty",
+    "ServerNotes", "ServiceOwner", "shut_down", "STOPPED_MARK", "store_address", "STORE_OF_RANK0", "value_or_empty",
     "WOKEN_MARK",
 ]

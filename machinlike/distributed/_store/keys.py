@@ -53,7 +53,7 @@ from typing import Any, AbstractSet, Dict, List, NamedTuple, Optional, Sequence,
 
 __all__ = [
     "Keys", "MemberRecord", "LogEntry", "OwnedKey", "ServiceOwner", "GroupRecord", "ServerNote", "ServerNotes",
-    "ExitRecord", "LOST_MARK", "WOKEN_MARK", "FAILED_MARK", "OPEN_EPOCH", "rebind_holder", "MAX_EXIT_CAUSE",
+    "ExitRecord", "LOST_MARK", "WOKEN_MARK", "FAILED_MARK", "STOPPED_MARK", "OPEN_EPOCH", "rebind_holder", "MAX_EXIT_CAUSE",
 ]
 
 #: Written into a waited-for key of a member that is gone, to wake its waiters.
@@ -64,6 +64,9 @@ WOKEN_MARK = "\x00woken"
 #: Starts the arrival key of a member that will not come because it failed (the rest
 #: says why): ``RpcGroup.fail_barrier``. Its waiters fail at once instead of timing out.
 FAILED_MARK = "\x00failed:"
+#: Written by a waiter's liveness thread into the key a member of a static world that began
+#: to stop would have written (then what it recorded as its cause): ``_membership.stops``.
+STOPPED_MARK = "\x00stopped:"
 #: The epoch of an open group (``members=None``): it is never re-created.
 OPEN_EPOCH = "o"
 
@@ -269,6 +272,10 @@ class Keys:
 
     def stop_prefix(self) -> str:
         return f"{self.ns}w/stop/"
+
+    def stop_count(self) -> str:
+        """How many ranks of a static world began to stop (what waits look at: ``Stops``)."""
+        return f"{self.ns}w/stopping"
 
     def left_prefix(self) -> str:
         return f"{self.ns}w/left/"

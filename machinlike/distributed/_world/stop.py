@@ -46,6 +46,7 @@ def leave_static(session: Session, deadline: float, wait: float) -> None:
     names = [str(r) for r in range(s.size)]
     order = members.roster.names_by_rank()
     try:
+        members.registry.add(members.keys.stop_count(), 1)  # (the others' waits end: _membership.stops)
         members.registry.set(members.keys.stop_prefix() + str(s.rank), "1")
         members.waits.wait_all(members.keys.stop_prefix(), names, order, deadline_left(deadline),
                                "World.stop: ranks", wait)
