@@ -166,13 +166,19 @@ def test_unreachable_cluster_is_named_at_once():
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{closed.getsockname()[1]}"
-        probe = (f"import machinlike\ntry:\n    machinlike.launch_ray(lambda w: 0, 2, address={address!r})\n"
-                 f"except ConnectionError as e:\n    print('ERR', e)\n")
+        # (then the same address from RAY_ADDRESS, as `ray job submit` exports it: cold trial 32
+        # found ray.init retrying it for minutes)
+        probe = (f"import os, machinlike\ntry:\n    machinlike.launch_ray(lambda w: 0, 2, address={address!r})\n"
+                 f"except ConnectionError as e:\n    print('ERR', e)\n"
+                 f"os.environ['RAY_ADDRESS'] = {address!r}\n"
+                 f"try:\n    machinlike.launch_ray(lambda w: 0, 2, start_timeout=10)\n"
+                 f"except ConnectionError as e:\n    print('ENV', e)\n")
         start = time.monotonic()
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert f"ERR no Ray cluster answers at address={address!r}" in done.stdout, done.stdout + done.stderr
     assert "ray start --head" in done.stdout
+    assert f"ENV no Ray cluster answers at RAY_ADDRESS={address!r} (address=None)" in done.stdout, done.stdout
     assert time.monotonic() - start < 30
 
 

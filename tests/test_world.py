@@ -353,8 +353,55 @@ TORCHRUN_SCRIPT = textwrap.dedent(
             machinlike.launch(job, 99, args=(100,), **bad)
         except ValueError as err:
             os.write(1, f"refused {sorted(bad)}: {'but torchrun started this one' in str(err)}\\n".encode())
+    # Cold trial 32: names of another length failed in rank 1 alone (an IndexError; rank 0
+    # waited 60 s for it), and return_exceptions was dropped.
+    try:
+        machinlike.launch(job, 3, args=(100,), names=["learner"])
+    except ValueError as err:
+        os.write(1, f"names refused: {'names has 1 entries; world_size is 3' in str(err)}\\n".encode())
+
+    def fails_on_1(world):
+        if world.rank == 1:
+            raise KeyError("one")
+        return world.rank
+
+    (kept,) = machinlike.launch(fails_on_1, 3, return_exceptions=True, timeout=60)
+    os.write(1, f"kept {world.rank if isinstance(kept, int) else type(kept).__name__}\\n".encode())
     """
 )
+
+
+IN_PLACE_TIMEOUT = """
+import time
+import machinlike
+
+def sleeps(world):
+    print("rank", world.rank, "sleeps", flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    machinlike.launch(sleeps, 1, torchrun=True, timeout=3)
+    print("launch returned", flush=True)
+"""
+
+
+def test_a_launch_run_in_place_ends_at_its_timeout_with_the_stacks(tmp_path):
+    # Cold trial 32: under torchrun or srun, launch(timeout=) was dropped, and a rank that
+    # hung ran for good. In place it ends the process after dumping its stacks.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "in_place.py"
+    script.write_text(IN_PLACE_TIMEOUT)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, env=env)
+    assert done.returncode == 1 and time.monotonic() - start < 60, (done.returncode, done.stderr[-2000:])
+    assert "rank 0 sleeps" in done.stdout and "launch returned" not in done.stdout
+    assert "Timeout (0:00:03)!" in done.stderr and "in sleeps" in done.stderr, done.stderr[-2000:]
 
 
 def test_torchrun_builds_world_without_arguments(tmp_path):
@@ -378,3 +425,6 @@ def test_torchrun_builds_world_without_arguments(tmp_path):
     refused = sorted(line for line in done.stdout.splitlines() if line.startswith("refused "))
     assert refused == sorted(["refused ['chaos', 'max_restarts']: True", "refused ['max_restarts']: True"] * 3), \
         done.stdout
+    assert done.stdout.count("names refused: True") == 3, done.stdout
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("kept ")) == \
+        ["kept 0", "kept 2", "kept KeyError"], done.stdout

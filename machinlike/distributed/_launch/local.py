@@ -19,6 +19,7 @@ Nothing here sleeps or polls: the parent blocks in ``multiprocessing.connection.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
@@ -71,7 +72,12 @@ def threads_per_rank(world_size: int) -> Optional[int]:
 
 def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]],
               names: Optional[Sequence[str]], stop_timeout: float, world_kwargs: Dict[str, Any],
-              asked: int) -> Any:
+              asked: int, timeout: Optional[float], return_exceptions: bool) -> Any:
+    """This rank's part of a launch run in place (under torchrun or srun): its value, or
+    with ``return_exceptions`` what ``fn`` raised. ``timeout`` ends the process after
+    dumping its stacks (exit code 1, faulthandler's C watchdog: it fires whatever the main
+    thread is blocked in), which ends the job as the launcher's timeout would; cold trial
+    32 found both ignored here, a run past its timeout going on for good."""
     from .._store import resolve_rank_and_size
     from .._world import World
 
@@ -79,12 +85,23 @@ def _run_here(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict
     if rank == 0 and size != asked:  # (said once, by rank 0: a job that asked for one size and got another)
         log.warning("launch(world_size=%d) runs in place under %s, whose %d processes are the ranks: the world "
                     "has %d", asked, external_launcher() or "torchrun", size, size)
-    name = str(names[rank]) if names is not None else None
-    world = World(name, **world_kwargs)
+    # (checked against the launcher's size: a list for another size failed in rank 1 alone)
+    name = rank_names(names, size)[rank] if names is not None else None
+    if timeout is not None:
+        faulthandler.dump_traceback_later(timeout, exit=True)
     try:
-        return run_rank_fn(fn, world, args, kwargs)  # (records what fn raised as the exit cause)
+        world = World(name, **world_kwargs)
+        try:
+            return run_rank_fn(fn, world, args, kwargs)  # (records what fn raised as the exit cause)
+        except Exception as exc:
+            if not return_exceptions:
+                raise
+            return exc
+        finally:
+            world.stop(stop_timeout)
     finally:
-        world.stop(stop_timeout)
+        if timeout is not None:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def launch(
@@ -145,7 +162,9 @@ def launch(
             processes; ``world_size`` is then the launcher's. None: detect it
             (``TORCHELASTIC_RUN_ID``, or an srun step of several tasks). This is what lets
             one script run all these ways; ``max_restarts`` and ``chaos`` are then refused
-            (``ValueError``): the cluster launcher owns the processes.
+            (``ValueError``): the cluster launcher owns the processes. ``timeout`` then
+            ends this rank's process after dumping its stacks to stderr (exit code 1), and
+            ``names`` must have the launcher's world size.
         max_restarts: How many times each rank may be restarted after it raised or died;
             0 (the default): the first failure ends the run. Above 0 the ranks form an
             elastic World (no default process group, so no collectives: a rank that asks
@@ -191,7 +210,8 @@ def launch(
     if torchrun if torchrun is not None else external_launcher() is not None:
         _refuse_restarts_in_place(max_restarts, chaos)
         check_rank_call(fn, args, kwargs)
-        return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs, world_size)])
+        return LaunchResult([_run_here(fn, args, kwargs, names, stop_timeout, world_kwargs, world_size, timeout,
+                                       return_exceptions)])
     names = rank_names(names, world_size)
     vital = _essential_ranks(essential, names)
     if chaos is not None:

@@ -160,18 +160,22 @@ def _connect(ray: Any, address: Optional[str], timeout: float) -> bool:
             raise ValueError(f"address={address!r}, but this process is already connected to Ray: pass "
                              f"address=None to use that connection, or ray.shutdown() first")
         return False
-    if address not in (None, "auto", "local"):
-        if address.startswith("ray://"):
-            raise ValueError(f"address={address!r}: Ray Client drivers are not supported (the ranks must reach "
+    # (address None takes RAY_ADDRESS, as ray.init does: `ray job submit` and cluster set-ups
+    # export it, and a dead one held ray.init for minutes past start_timeout: cold trial 32)
+    probed = address if address is not None else (os.environ.get("RAY_ADDRESS") or None)
+    if probed not in (None, "auto", "local"):
+        said = f"address={address!r}" if address is not None else f"RAY_ADDRESS={probed!r} (address=None)"
+        if probed.startswith("ray://"):
+            raise ValueError(f"{said}: Ray Client drivers are not supported (the ranks must reach "
                              f"the driver's store); run the driver on a cluster node, e.g. with `ray job submit`")
-        host, _, port = address.rpartition(":")
+        host, _, port = probed.rpartition(":")
         if not host or not port.isdecimal():
-            raise ValueError(f"address={address!r} must be 'host:port' of the Ray head (its GCS), 'auto' or None")
+            raise ValueError(f"{said} must be 'host:port' of the Ray head (its GCS), 'auto' or None")
         # ray.init retries an address nobody answers at for minutes; a refused or silent port is named now.
         try:
             socket.create_connection((host, int(port)), timeout=timeout).close()
         except OSError as err:
-            raise ConnectionError(f"no Ray cluster answers at address={address!r} ({err}); start one with "
+            raise ConnectionError(f"no Ray cluster answers at {said} ({err}); start one with "
                                   f"`ray start --head` or give the head's address") from None
     ray.init(address=address, include_dashboard=False, log_to_driver=True)
     return True
@@ -237,7 +241,8 @@ def launch_ray(
         return_exceptions: A failed rank's slot holds its exception instead of ending the run.
         max_restarts: Times Ray may restart each rank's actor; the ranks then form an
             elastic World (no collectives) and a restarted rank rejoins it under its name
-            as the next incarnation. 0: a dead actor ends the run.
+            as the next incarnation. 0: a dead actor ends the run. Only a dead actor is
+            restarted: a rank whose ``fn`` raises ends the run (``launch`` restarts it).
         master_addr: The address the driver's store listens on, reachable from every
             node. None: 127.0.0.1 when the cluster is this machine alone, else the
             driver's Ray node address.
@@ -249,7 +254,7 @@ def launch_ray(
     Raises:
         ModuleNotFoundError: Ray is not installed (``pip install 'machinlike[ray]'``).
         ValueError, TypeError: bad arguments, or resources no node / the cluster has.
-        ConnectionError: nothing answers at ``address``.
+        ConnectionError: nothing answers at ``address`` (or ``RAY_ADDRESS``).
         TimeoutError: the resources were not reserved within ``start_timeout``, or the
             run exceeded ``timeout`` (stacks of the unfinished ranks go to stderr).
         Exception: the first failure of any rank, with its traceback as cause; the other
