@@ -193,8 +193,8 @@ class Waits:
         to stop their World (see ``stops``). One request while nobody stops."""
         if self._stops is None:
             return
-        with self._lock:
-            pending = [(wid, p, m, skip) for wid, (p, m, _, skip) in self._waits.items()]
+        with self._lock:  # (the stop's own waits are not read for: there everyone stops)
+            pending = [(wid, p, m, skip) for wid, (p, m, _, skip) in self._waits.items() if self._stops.concerns(p)]
         if not pending:
             return
         count = self._stops.count()
@@ -203,8 +203,6 @@ class Waits:
                 if count in ("", "0", self._stops_seen.get(wid)) or wid not in self._waits:
                     continue
                 self._stops_seen[wid] = count
-            if not self._stops.concerns(prefix):
-                continue
             stopping = self._stops.among(prefix, mapping)
             for member, why in stopping.items():
                 self._registry.compare_set(prefix + mapping[member], "", STOPPED_MARK + why)
