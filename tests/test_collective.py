@@ -201,6 +201,7 @@ def test_point_to_point_and_any_source_receive(world):
 def test_subgroup_uses_global_ranks_and_refuses_outsiders(world):
     sub = world.create_collective_group([0, 2])  # every process enters, as torch requires
     r = world.rank
+    assert sub.current_rank == {0: 0, 1: None, 2: 1}[r]  # machin's relative rank
     if r == 1:
         assert not sub.is_member() and sub.group is None
         with pytest.raises(RuntimeError, match=r"rank 1\) is not in CollectiveGroup \[0, 2\]"):

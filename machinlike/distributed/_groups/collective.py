@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ... import _checks
 from .._store import forked as _forked
+from . import collective_args as _args
 from .collective_failures import FailureNamer, GroupHealth, NamedWork
 from .dense import DenseStage
 from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks, wait_works
@@ -29,12 +30,6 @@ from .substitutes import PairwiseAllToAll, ReduceScatterByAllReduce, lacks, wait
 __all__ = ["CollectiveGroup", "RetiredGroups"]
 
 ReduceOp = dist.ReduceOp
-
-def _op(op: Any) -> Any:
-    if not isinstance(op, ReduceOp):  # (torch's own message names pybind's overloads, not the fix)
-        raise TypeError(f"op must be a torch.distributed.ReduceOp (ReduceOp.SUM, ReduceOp.MAX, ...), not {op!r}")
-    return op
-
 
 _Op = TypeVar("_Op", bound=Callable[..., Any])
 
@@ -183,6 +178,8 @@ class CollectiveGroup:
         group: The torch process group (e.g. for ``DistributedDataParallel(process_group=...)``);
             None in a process outside the group.
         ranks: The member ranks (global), sorted.
+        current_rank: This process's index in ``ranks`` (machin's relative rank); None
+            outside the group.
     """
 
     def __init__(self, group: Any, ranks: Sequence[int], my_rank: int,
@@ -399,7 +396,7 @@ class CollectiveGroup:
             async_op: Return a work handle instead of waiting.
         """
         stage = DenseStage()
-        work = dist.all_reduce(stage.write(tensor), op=_op(op), group=self._g(), async_op=async_op)
+        work = dist.all_reduce(stage.write(tensor), op=_args.reduce_op(op), group=self._g(), async_op=async_op)
         return stage.done(work, async_op)
 
     @_named
@@ -413,7 +410,7 @@ class CollectiveGroup:
             async_op: Return a work handle instead of waiting.
         """
         stage = DenseStage()
-        work = dist.reduce(stage.write(tensor), self._peer("dst", dst), op=_op(op), group=self._g(), async_op=async_op)
+        work = dist.reduce(stage.write(tensor), self._peer("dst", dst), op=_args.reduce_op(op), group=self._g(), async_op=async_op)
         return stage.done(work, async_op)
 
     @_named
@@ -487,7 +484,7 @@ class CollectiveGroup:
         """
         group = self._g()
         self._pieces("input_list", input_list, output, "output")
-        op = _op(op)
+        op = _args.reduce_op(op)
         stage = DenseStage()
         out, inputs = stage.write(output, reads=False), [stage.read(t) for t in input_list]
         work = self._native("reducescatter", lambda: dist.reduce_scatter(out, inputs, op=op, group=group,
@@ -547,7 +544,7 @@ class CollectiveGroup:
         Raises:
             TypeError: ``object_list`` is not a list (every rank: the receivers write into it).
         """
-        _object_list(object_list, None)
+        _args.object_list(object_list, None)
         dist.broadcast_object_list(object_list, self._peer("src", src), group=self._g())
 
     @_named
@@ -561,13 +558,19 @@ class CollectiveGroup:
         Raises:
             TypeError, ValueError: ``object_list`` is not a list of ``size()`` entries.
         """
-        _object_list(object_list, self.size())
+        _args.object_list(object_list, self.size())
         dist.all_gather_object(object_list, obj, group=self._g())
 
     # ------------------------------------------------------------------ lifecycle
     def size(self) -> int:
         """Number of ranks in the group."""
         return len(self.ranks)
+
+    @property
+    def current_rank(self) -> Optional[int]:
+        """This process's place in the group (machin's relative rank: its index in the sorted
+        ``ranks``); None in a process outside the group. Collectives take global ranks."""
+        return self.ranks.index(self._my_rank) if self._my_rank in self.ranks else None
 
     def is_member(self) -> bool:
         """Whether this process is in the group (False once it destroyed the group)."""
@@ -581,12 +584,3 @@ class CollectiveGroup:
                 self._retire(self.group)
         self._destroyed = True
 
-
-def _object_list(value: Any, size: Optional[int]) -> None:
-    """Raise unless ``value`` is a list (of ``size`` entries unless None)."""
-    if not isinstance(value, list):
-        raise TypeError(f"object_list must be a list (written in place), not {type(value).__name__} ({value!r}): "
-                        f"pass e.g. object_list=[None] * n")
-    if size is not None and len(value) != size:
-        raise ValueError(f"object_list holds {len(value)} entries; all_gather_object needs one per member "
-                         f"({size}): pass [None] * group.size()")
