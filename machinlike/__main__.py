@@ -49,6 +49,10 @@ def _end(code: int) -> None:
 
 if __name__ == "__main__":
     announce(sys.argv[1:], sys.stderr)
+    # torch reads this as it loads (next line): its store client logged a page of C++ frames
+    # for each retry against a port that answers but is no store, above the tool's one line
+    # (cold trial 30). The tool's errors say what went wrong; a user's own setting wins.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     from ._status_view import main
 
     _end(main(sys.argv[1:]))

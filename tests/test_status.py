@@ -242,6 +242,39 @@ def test_status_of_an_address_where_nothing_listens_says_so(capsys):
     assert "did not answer as a world's store within 0.5 s: check the address" in err and "MASTER_PORT" not in err
 
 
+def test_status_of_a_port_that_answers_but_is_no_store_prints_one_line_not_torchs_frames():
+    # Something else answers there (a web server): torch's client logged a page of C++
+    # frames for each of its retries before the tool's one line (cold trial 30).
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen(8)
+        other.settimeout(0.2)
+        done = threading.Event()
+
+        def answer() -> None:
+            while not done.is_set():
+                try:
+                    conn, _ = other.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n" * 4)
+
+        server = threading.Thread(target=answer, daemon=True)
+        server.start()
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("TORCH_CPP_LOG_LEVEL", None)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "machinlike", "status", f"127.0.0.1:{other.getsockname()[1]}",
+                                   "--once", "--timeout", "1.5"], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=60)
+        finally:
+            done.set()
+            server.join(5)
+    assert proc.returncode == 1 and "did not answer as a world's store" in proc.stderr, proc.stderr
+    assert "frame #" not in proc.stderr and "TCPStore.cpp" not in proc.stderr, proc.stderr
+
+
 def test_the_tool_says_at_once_on_a_terminal_which_store_it_reads_and_knows_its_own_command_line():
     from machinlike.__main__ import announce
     from machinlike._lean import status_tool
