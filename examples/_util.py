@@ -393,6 +393,14 @@ def run(worker: Callable[..., Any], world_size: int, args: argparse.Namespace,
                                         max_restarts=restarts, essential=[0], chaos=chaos, chaos_seed=args.seed)
             print(f"chaos: {len(results.restarts)} ranks killed and restarted "
                   f"({', '.join(r.name for r in results.restarts) or 'none'})", flush=True)
+            # A rank killed after rank 0 (essential) returned is not restarted: launch gives
+            # its exception as its result. Its report died with it: None, as for a rank
+            # that reported nothing (the summaries skip those).
+            for rank, result in enumerate(results):
+                if isinstance(result, BaseException):
+                    print(f"chaos: rank {rank} was lost after rank 0 finished, without its report "
+                          f"({type(result).__name__}: {result})", flush=True)
+                    results[rank] = None
             return results
         return machinlike.launch(worker, world_size, args=(args,), timeout=timeout)
 

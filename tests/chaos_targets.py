@@ -139,3 +139,13 @@ def chaos_body(world, iterations: int, seed: int) -> Dict[str, object]:
     return {"completed": completed, "failed_fast": len(failed_fast), "skipped": skipped, "unexpected": unexpected,
             "renewals": renewals,
             "slowest_failure": max(failed_fast, default=0.0), "stop": time.monotonic() - began}
+
+
+def dies_after_rank_0(world, args) -> object:
+    """Rank 0 returns at once; every other rank SIGKILLs itself once rank 0 has left the
+    world (a rank lost after the essential one finished: launch keeps its exception)."""
+    if world.rank == 0:
+        return {"name": "0"}
+    world.membership.wait_until(lambda live: "0" not in live, SLOW)
+    _die()
+    return None  # (never reached)

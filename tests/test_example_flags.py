@@ -4,6 +4,7 @@ status 2 and argparse's message naming the flag and the value (examples/_util.py
 
 from __future__ import annotations
 
+import argparse
 import os
 import runpy
 import sys
@@ -79,3 +80,17 @@ def test_a_run_whose_only_due_point_was_its_first_still_gets_one_rate(monkeypatc
     assert [step for step, _ in scalars["env/steps_per_s"]] == [100]
     assert [step for step, _ in scalars["learner/updates_per_s"]] == [100]
     assert [step for step, _ in scalars["env/steps"]] == [0, 100, 200]
+
+
+def test_a_chaos_run_whose_rank_dies_after_rank_0_returned_gives_none_for_it(monkeypatch, capfd):
+    # CI: impala.py --chaos summed the ranks' reports and met the exception launch keeps as
+    # the result of an actor killed after the learner returned (TypeError: not subscriptable).
+    monkeypatch.syspath_prepend(EXAMPLES)
+    import _util
+    from chaos_targets import dies_after_rank_0
+
+    args = argparse.Namespace(time_budget=5.0, chaos=600.0, seed=0)
+    results = _util.run(dies_after_rank_0, 2, args, timeout_margin=60.0, chaos_ok=True)
+    assert list(results) == [{"name": "0"}, None]
+    out = capfd.readouterr().out
+    assert "chaos: rank 1 was lost after rank 0 finished, without its report (ProcessExitedError" in out, out
