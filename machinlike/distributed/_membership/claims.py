@@ -6,6 +6,8 @@ line in ``m/own/<worker>``; whoever declares the worker lost releases every key 
 there (:meth:`free`), so a survivor can take them over.
 
     claim(key, holder)    compare_set(key, "", holder); won -> append OwnedKey to m/own/<worker>
+    take_over(key, stale, holder)  compare_set(key, stale, holder): a key its own gone
+                          incarnation still holds; won -> noted as a claim
     release(key, holder)  compare_set(key, holder, ""); once the released lines of m/own/<worker>
                           outnumber the held ones (and 16), it is written anew from the held
     renewed(renew)        under the lock: the endpoint renews its worker, then every key
@@ -77,12 +79,30 @@ class Claims:
             holder = self._current(holder)
             held = self._registry.claim(key, holder)
             if held is None:
-                line = OwnedKey(key, holder).encode()
-                self._registry.append(self._keys.owned(self._endpoint.worker), line)
-                if self._listed.pop(key, None) is not None:
-                    self._stale += 1
-                self._listed[key] = line
+                self._note(key, holder)
         return held
+
+    def take_over(self, key: str, stale: str, holder: str) -> bool:
+        """Claim ``key`` from ``stale``, a holder this member's earlier incarnation left
+        (which is gone: this one won the name), for ``holder``; noted like :meth:`claim`.
+
+        Returns:
+            False when ``stale`` no longer holds it (its declarer freed it meanwhile).
+        """
+        with self._lock:
+            holder = self._current(holder)
+            if self._registry.compare_set(key, stale, holder) != holder:
+                return False
+            self._note(key, holder)
+            return True
+
+    def _note(self, key: str, holder: str) -> None:
+        # (under the lock)
+        line = OwnedKey(key, holder).encode()
+        self._registry.append(self._keys.owned(self._endpoint.worker), line)
+        if self._listed.pop(key, None) is not None:
+            self._stale += 1
+        self._listed[key] = line
 
     def release(self, key: str, holder: str) -> bool:
         """Free ``key`` if ``holder`` holds it; False when it does not."""

@@ -36,7 +36,7 @@ import datetime
 import logging
 import threading
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -205,16 +205,18 @@ class Endpoint:
         # (the id space is at least 16: fewer than 4 ids handed out need no environment read)
         return self._seq >= 0 and handed >= 4 and handed >= _transport.id_space() // 4
 
-    def _rename(self) -> None:
-        """A fresh worker, and this member's claim rewritten to name it."""
+    def renamed(self) -> MemberRecord:
+        """A fresh worker, and this member's claim rewritten to name it; returns the
+        record before (what ``Claims.renewed`` moves the keys from)."""
         old = self.me
         self._new_worker()
         self._me = old.with_worker(self.worker)
         self._registry.compare_set(self._keys.live(self.name), old.encode(), self._me.encode())
+        return old
 
     # --------------------------------------------------------------------- RPC
     def join(self, threads: int, timeout: float, deadline: float, default_timeout: float,
-             transports: Optional[List[str]] = None) -> None:
+             transports: Optional[List[str]] = None, rename: Optional[Callable[[], None]] = None) -> None:
         """Join the world's dynamic RPC group (elastic worlds), pruning the dead first.
 
         A member that dies while this one joins makes torch's join fail (it calls every
@@ -227,6 +229,11 @@ class Endpoint:
             deadline: ``time.monotonic()`` deadline of the whole join.
             default_timeout: The agent's default RPC timeout afterwards, in seconds.
             transports: TensorPipe's transports (kept for renewals); None: its default list.
+            rename: Gives this member its fresh worker name before a retry; None:
+                :meth:`renamed` alone. A member that claimed keys under its worker before
+                joining (its rank) passes one that moves them too (``Claims.renewed``):
+                left under the failed worker, freeing its current one at its death missed
+                them, and its next incarnation waited out its whole timeout for the rank.
 
         Raises:
             RuntimeError, TimeoutError: the last attempt's error, when the deadline passed.
@@ -252,7 +259,10 @@ class Endpoint:
                 # A pause, not a synchronisation: what failed (a silent peer renewing its
                 # agent, one dying) takes a monitor tick to change.
                 self._closing.wait(tick_of(self._liveness))
-            self._rename()
+            if rename is None:
+                self.renamed()
+            else:
+                rename()
 
     @property
     def rpc_timeout(self) -> float:
@@ -294,7 +304,7 @@ class Endpoint:
                         "connecting, or something probed its port); restarting its RPC agent",
                         self.name, old.worker)
         self._listener = None
-        self._rename()  # the join retires the current agent once the new one listens
+        self.renamed()  # the join retires the current agent once the new one listens
         try:
             with _transport.renewing():
                 self.join(threads, timeout, time.monotonic() + max(10.0, 3 * timeout), default_timeout, transports)

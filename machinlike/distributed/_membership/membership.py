@@ -262,6 +262,17 @@ class Membership:
             self.registry.delete([self.keys.lost(self.name, older), self.keys.lost_posted(self.name, older),
                                   self.keys.gone(self.name, older)])
 
+    def join_rpc(self, threads: int, timeout: float, deadline: float, default_timeout: float,
+                 transports: Optional[List[str]] = None) -> None:
+        """Join the dynamic RPC group after :meth:`enter` (``Endpoint.join``'s arguments).
+
+        A retried attempt's fresh worker takes over what :meth:`enter` claimed under the
+        first one (the rank), as an agent renewal's does.
+        """
+        claims, endpoint = self.claims, self.endpoint
+        endpoint.join(threads, timeout, deadline, default_timeout, transports,
+                      rename=lambda: claims.renewed(endpoint.renamed))
+
     def enter_static(self, rank: int, names: Sequence[str], identities: Sequence[str]) -> None:
         """Record the members of a static world (rank ``i`` is ``names[i]``)."""
         records = [MemberRecord(member, 1, member, r, identity)

@@ -4,6 +4,7 @@
                  held by a live member ─► given rank: ValueError naming it
                                           no rank:    the next sequence number, claimed
                  held by a dead one     ─► declared lost (its keys freed), claimed again
+                 held by a gone worker (no entry, or its own last incarnation's) ─► taken over
 
 Why: a rank given twice (two actors started with ``rank=3``, a learner's ``rank=1``
 repeated by a script) made two members answer ``world.rank == 3``; code that seeds,
@@ -47,6 +48,16 @@ def claim_rank(mine: MemberRecord, given: bool, registry: Registry, keys: Keys, 
         if holder is None:
             return mine
         owner = registry.get_or_empty(keys.worker(holder))
+        if not owner or (owner == mine.member and holder != mine.worker):
+            # A gone worker: its entry was deleted with its member's loss, or it is one
+            # of this member's own earlier incarnation (this one won the name only after
+            # that one was declared lost). One killed between its claim and the claim's
+            # note held the rank for good (nobody frees a key not noted): taken over. Its
+            # declarer's release, if still to come, then finds another holder and does
+            # nothing. (A live member's claims always name a worker with an entry.)
+            if claims.take_over(keys.rank(mine.rank), holder, mine.worker):
+                return mine
+            continue
         held = registry.get_or_empty(keys.live(owner)) if owner else ""
         rec = MemberRecord.decode(owner, held) if held else None
         if rec is not None and rec.member != mine.member:

@@ -398,7 +398,7 @@ def start_elastic(session: Session) -> None:
     session.rank, session.incarnation = members.endpoint.rank, members.endpoint.incarnation
     _bind(session, members)
     with session.network_hint():
-        members.endpoint.join(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout, s.rpc_transports)
+        members.join_rpc(s.rpc_threads, min(s.rpc_timeout, 10.0), deadline, s.rpc_timeout, s.rpc_transports)
     session._undo.callback(members.endpoint.let_go)  # (after the agent's shutdown, below)
     session.rpc = Once(functools.partial(_shutdown_rpc, session))
     session._undo.callback(session.rpc, False, 1.0)
