@@ -78,9 +78,16 @@ def _dev_shm():
 
 
 def _new_in_dev_shm(before, pids):
-    # torch names a segment torch_<pid>_...: only those of the world's ranks count (other
-    # tests, run alongside under xdist, and this pytest process's pools make and drop theirs).
-    return sorted(n for n in _dev_shm() - before if not n.startswith("torch_") or int(n.split("_")[1]) in pids)
+    # torch names a segment torch_<pid>_..., machinlike a claim machinlike_claim_<pid>_...:
+    # only those of the world's ranks count (other tests, run alongside under xdist or in
+    # another pytest session, and this pytest process's pools make and drop theirs),
+    # and multiprocessing's semaphores (sem.mp-...) are its resource tracker's to remove.
+    def counts(name):
+        for prefix in ("torch_", "machinlike_claim_"):
+            if name.startswith(prefix):
+                return int(name[len(prefix):].split("_")[0]) in pids
+        return not name.startswith("sem.mp-")
+    return sorted(n for n in _dev_shm() - before if counts(n))
 
 
 def _paths_body(world):
