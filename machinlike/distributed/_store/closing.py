@@ -13,6 +13,11 @@ waits for them to leave first: they still talk to it inside their own stop). A r
 then made a new World on the same address joined the old store, registered there, and lost
 it a moment later, when the host's stop ended; the host's new World waited its whole
 dist_timeout for that rank (cold trial 31: a second World after stop() in a 2-rank job).
+
+A store that stops answering right after the connect (its host closed it between the
+connect and the look) is no open store either: it is let go and tried again the same way
+(CI of stop 90: the look's read was reset by the closing host, was taken for "not closing",
+and the new World's first write then broke on the dead connection).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import time
 from typing import Callable
 
 import torch.distributed as dist
+
+from ...exception import SilentStoreError
 
 __all__ = ["CLOSING", "mark_closing", "is_closing", "connect_open"]
 
@@ -40,31 +47,55 @@ def mark_closing(store: dist.Store) -> None:
 
 def is_closing(store: dist.Store) -> bool:
     """Whether ``store``'s host has marked it closing; False when that cannot be read."""
+    return _look(store) != OPEN
+
+
+#: What a look at a freshly connected store finds (see _look).
+OPEN, CLOSING_NOW, GONE = "open", "closing", "gone"
+
+
+def _look(store: dist.Store) -> str:
+    """OPEN, CLOSING_NOW (its host marked it), or GONE (the read failed: the store closed
+    or stopped answering under the connection)."""
     try:
-        return bool(store.check([CLOSING]))
+        return CLOSING_NOW if store.check([CLOSING]) else OPEN
     except (RuntimeError, ConnectionError, TimeoutError):
-        return False
+        return GONE
 
 
 def connect_open(connect: Callable[[str, int, float], dist.Store], host: str, port: int, timeout: float) -> dist.Store:
     """A client of the store at ``host:port`` that is not closing: one whose host is
-    stopping its world is let go, and ``connect(host, port, seconds)`` tried again, all
-    within ``timeout`` seconds.
+    stopping its world, or that closes under the new connection, is let go, and
+    ``connect(host, port, seconds)`` tried again, all within ``timeout`` seconds.
 
     Raises:
-        TimeoutError: nothing answered, or only a closing store, within ``timeout``.
+        TimeoutError: nothing answered, or only a closing store, within ``timeout``; the
+            first connect's own error (``connect`` waits for a store that is not up yet)
+            as it was raised.
     """
     deadline = time.monotonic() + timeout
     wait = timeout  # (the first try's error quotes the caller's timeout as it was given)
+    seen = ""  # what the last look found, once a store was let go
     while True:
-        store = connect(host, port, wait)
-        if not is_closing(store):
-            return store
-        del store  # (its connection closes with it)
+        try:
+            store = connect(host, port, wait)
+        except SilentStoreError:
+            raise  # (what answers there is no store: waiting does not change that)
+        except TimeoutError:
+            # A connect that fails after a store was let go may have met that store's last
+            # moment (its handshake reset): the next store comes up within the deadline.
+            if not seen or deadline - time.monotonic() <= 0:
+                raise
+        else:
+            seen = _look(store)
+            if seen == OPEN:
+                return store
+            del store  # (its connection closes with it)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"the store at {host}:{port} belongs to a world whose rank 0 is stopping, and no new "
-                               f"one answered there within {timeout:g} s: start rank 0 of the new world, or give it "
-                               f"time to stop its last one (dist_timeout)")
+            raise TimeoutError(f"the store at {host}:{port} belongs to a world whose rank 0 is stopping "
+                               f"(the last look found it {seen}), and no new one answered there within "
+                               f"{timeout:g} s: start rank 0 of the new world, or give it time to stop its last "
+                               f"one (dist_timeout)")
         time.sleep(min(0.05, left))  # (the old store closes within the host's stop)
         wait = max(0.01, deadline - time.monotonic())
