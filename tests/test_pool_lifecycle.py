@@ -288,6 +288,52 @@ def test_no_worker_idles_while_another_has_a_backlog(cls, tmp_path):
         release.close()
 
 
+def _settled(read, deadline_s: float = WAIT):
+    """``read()`` once it has stopped changing for 0.3 s (the manager thread pumps the
+    backlog on its own: what it holds is read when it is done)."""
+    end = time.monotonic() + deadline_s
+    last, since = read(), time.monotonic()
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.3:
+            return now
+    raise AssertionError(f"still changing after {deadline_s} s: {last}")
+
+
+def test_a_pool_sends_single_calls_two_at_a_time_and_a_maps_chunks_thirty_two(tmp_path):
+    """Pool's window is 2 for single calls (they start in submission order) and 32 for a
+    map's chunks (at 2, imap at chunksize 64 ran at 0.42 of the standard spawn pool);
+    a map submitted behind waiting calls waits behind them."""
+    started = targets.AnnounceFifo(tmp_path / "started")
+    release = targets.ReleaseFifo(tmp_path / "go")
+    pool = Pool(1)
+    try:
+        engine = pool._backend
+        worker, dispatch = engine._workers[0], engine._dispatch
+        held = lambda: (len(worker.inflight), len(dispatch.backlog))  # noqa: E731
+        long = pool.apply_async(targets.announce_then_wait, (started.path, release.path))
+        started.read_pid(WAIT)
+        calls = [pool.apply_async(targets.pid_of) for _ in range(4)]
+        chunks = pool.map_async(targets.square, range(50), chunksize=1)
+        assert _settled(held) == (2, 3 + 50)  # the long call and the next; the rest wait in order
+        release.release()
+        assert long.get(WAIT) and len({c.get(WAIT) for c in calls}) == 1
+        assert chunks.get(WAIT) == [k * k for k in range(50)]
+        long = pool.apply_async(targets.announce_then_wait, (started.path, release.path))
+        started.read_pid(WAIT)
+        chunks = pool.map_async(targets.square, range(50), chunksize=1)
+        assert _settled(held) == (32, 50 - 31)  # the long call and 31 chunks
+        release.release()
+        assert chunks.get(WAIT) == [k * k for k in range(50)] and long.get(WAIT)
+    finally:
+        pool.terminate()
+        started.close()
+        release.close()
+
+
 @pytest.mark.parametrize("cls", [Pool, P2PPool])
 def test_a_task_larger_than_the_pipe_runs_and_is_not_passed_between_idle_workers(cls):
     """A task whose frame takes many writes (8 MB through a 64 KB pipe) is unstarted until

@@ -26,7 +26,8 @@ shared task queue a dead worker takes an unknown task with it (the standard pool
 hangs; loky marks the whole executor broken), and a worker killed while holding the
 queue's lock blocks every other one.
 
-Scheduling: a worker's channel holds at most ``window`` unfinished tasks; the rest wait
+Scheduling: a single call goes only to a worker's channel holding fewer than ``window``
+unfinished tasks, a map's chunk to one holding fewer than ``map_window``; the rest wait
 in the backlog and go, oldest first, to the least-loaded worker with room. When the
 backlog is empty and a worker is idle, it takes back the newest unstarted half of the
 tasks of the worker with the most (see ``_ledger``: claims and take-backs are atomic under
@@ -94,6 +95,7 @@ class ProcessCore:
         codec: The tensor policy.
         ctx: Multiprocessing context that starts the workers.
         window: Unfinished tasks a worker's channel may hold.
+        map_window: The same for a map's chunks; None: ``window`` (``Dispatcher`` says why).
         label: Pool kind for names, e.g. ``"pool"``.
 
     Raises:
@@ -106,10 +108,12 @@ class ProcessCore:
         self, *, processes: int, initializer: Optional[Callable[..., Any]], initargs: tuple,
         contexts: Sequence[Any], has_context: bool, maxtasks: Optional[int], daemon: bool,
         codec: Codec, ctx: BaseContext, window: int, label: str,
+        map_window: Optional[int] = None,
     ) -> None:
         self.processes = processes
         self.name = f"machinlike-{label}{next(_counter)}"
         self._window = window
+        self._map_window = max(window, map_window or window)
         self._codec = codec
         self._function_ids = itertools.count(1)
         # The parts, each owning its state; the flags' lock guards all the engine's.
@@ -119,7 +123,7 @@ class ProcessCore:
             name=self.name, processes=processes, initializer=initializer, initargs=initargs, contexts=contexts,
             has_context=has_context, daemon=daemon, codec=codec, ctx=ctx,
         )
-        self._dispatch = Dispatcher(window, maxtasks, codec, self._supervisor)
+        self._dispatch = Dispatcher(window, maxtasks, codec, self._supervisor, map_window)
         self._watch = Watch(self._wakeup.fd)
         self._manager = Manager(self.name, self._flags, self._dispatch, self._supervisor, self._watch,
                                 self._wakeup, codec)
@@ -153,7 +157,7 @@ class ProcessCore:
 
     def ahead(self) -> int:
         """How many chunks an imap may keep in flight beyond what was consumed."""
-        return self.processes * (self._window + 1)
+        return self.processes * (self._map_window + 1)
 
     def check_running(self) -> None:
         """Raise unless new work is accepted.
