@@ -314,6 +314,7 @@ def test_a_pool_sends_single_calls_two_at_a_time_and_a_maps_chunks_thirty_two(tm
         engine = pool._backend
         worker, dispatch = engine._workers[0], engine._dispatch
         held = lambda: (len(worker.inflight), len(dispatch.backlog))  # noqa: E731
+        assert engine.ahead() == 33  # (an imap's read-ahead, in chunks, as imap's docstring says)
         long = pool.apply_async(targets.announce_then_wait, (started.path, release.path))
         started.read_pid(WAIT)
         calls = [pool.apply_async(targets.pid_of) for _ in range(4)]

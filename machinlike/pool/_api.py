@@ -239,6 +239,9 @@ class PoolBase:
         The pool reads ``iterable`` in a background thread, keeping a bounded number of
         chunks ahead of what has been consumed (for any ``chunksize``), so it may be
         endless; dropping the iterator stops the reading and closes a generator input.
+        The bound, in items: ``chunksize`` times the larger of ``processes * 33`` for a
+        process pool (``processes * 2`` for a thread pool) and ``256 / chunksize``
+        rounded up. Items that are large each: pick ``chunksize`` with that in mind.
 
         Args:
             func: Applied to each item. Pickled once for the whole call.
