@@ -994,7 +994,7 @@ def _frozen_body(world):
         with pytest.raises(PeerLostError, match="'v'"):
             group.registered_sync("slow", args=(0.0,), timeout=30)
         took = time.monotonic() - start
-        assert lost.wait(5)
+        assert lost.wait(5), f"the call failed after {took:.2f} s, but 'v' was not reported lost within 5 s more"
     finally:
         os.kill(pid, signal.SIGKILL)
     return took
