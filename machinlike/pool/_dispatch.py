@@ -142,8 +142,8 @@ class Dispatcher:
         window, widest, maxtasks = self.window, self.map_window, self._maxtasks
         candidates = [w for w in self.workers if w.takes_tasks()]
         loads = [len(w.inflight) for w in candidates]
-        if not candidates or min(loads) >= widest:
-            return  # every channel is full: the common case while a backlog waits
+        if not candidates or min(loads) >= (window if backlog[0].function is None else widest):
+            return  # every channel is full for the oldest task: the common case while a backlog waits
         # only a worker below its window can have room: skip the ledger read for the others
         capacities = [w.capacity(widest, maxtasks) if load < widest else 0 for w, load in zip(candidates, loads)]
         touched = set()
