@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from machinlike._shm._walk import walk
+from machinlike._shm._walk import untouched, walk
 
 _MARK = 1000.0  # a walked tensor arrives with this added: the walk's reach is seen too
 
@@ -92,7 +92,7 @@ def _message(rng: random.Random, depth: int, made: List[Any]) -> Any:
             value = float(rng.randint(0, 9))
             made.append(torch.full((2,), value) if rng.random() < 0.7 else np.full(2, value))
             return made[-1]
-        return rng.choice([1, 2.5, "s", None, True])
+        return rng.choice([1, 2.5, "s", None, True, len, _message])  # (functions: left whole, as atoms)
     a, b = _message(rng, depth - 1, made), _message(rng, depth - 1, made)
     kind = rng.randrange(15)
     out: Any
@@ -177,3 +177,16 @@ def test_walked_messages_arrive_as_pickle_gives_them(seed):
         walked += out is not message
         assert _shape(pickle.loads(pickle.dumps(out)), {}, _MARK) == expected, message
     assert walked > 100  # (the messages did hold tensors to replace)
+
+
+def test_a_pool_calls_tuple_is_left_whole_unless_a_tensor_sits_one_level_down():
+    """A pool call's ``(function, args, kwargs)`` of numbers is passed over without a walk
+    (the walk was half of its encoding); the same shapes with a tensor inside are walked."""
+    t = torch.zeros(2)
+    for whole in [(len, (1, "s"), None), (len, [2.5], {"k": 1}), (_message, (), {}), [len, int, 3], {"f": len}]:
+        assert untouched(whole) and walk(whole, _Placeholder) is whole
+    for holding in [(len, (t,), None), (len, (1,), {"k": t}), [len, [t]], {"f": len, "t": t}, (len, ((t,),), None)]:
+        assert not untouched(holding)
+        out = walk(holding, _Placeholder)
+        assert out is not holding and _shape(pickle.loads(pickle.dumps(out)), {}, _MARK) == \
+            _shape(pickle.loads(pickle.dumps(holding)), {}, 0.0)

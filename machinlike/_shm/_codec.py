@@ -42,7 +42,7 @@ from . import _receive, _recycled
 from ._pack import PACK_MIN, Pack, finish as _finish
 from ._segments import Segment, cache
 from ._unsent import guard
-from ._walk import walk
+from ._walk import untouched, walk
 
 __all__ = ["pack_items", "encode", "encode_parts", "encode_tensor", "encode_array", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference", "is_shared_by_reference"]
@@ -344,6 +344,8 @@ def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:
     pack, whose ``leased`` says a segment was lent (loading the payload frees it; a
     payload never made must ``release`` it)."""
     pack = Pack(threshold)
+    if untouched(obj):  # nothing to pack (a pool call of numbers): no pause of the collector, no commit
+        return obj, pack
     with paused_gc():
         out = walk(obj, lambda tensor: _encode_tensor(tensor, threshold, pack, large=False), None,
                    lambda array: encode_array(array, threshold, pack, large=False))
