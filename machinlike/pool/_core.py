@@ -112,8 +112,6 @@ class ProcessCore:
     ) -> None:
         self.processes = processes
         self.name = f"machinlike-{label}{next(_counter)}"
-        self._window = window
-        self._map_window = max(window, map_window or window)
         self._codec = codec
         self._function_ids = itertools.count(1)
         # The parts, each owning its state; the flags' lock guards all the engine's.
@@ -157,7 +155,7 @@ class ProcessCore:
 
     def ahead(self) -> int:
         """How many chunks an imap may keep in flight beyond what was consumed."""
-        return self.processes * (self._map_window + 1)
+        return self.processes * (self._dispatch.map_window + 1)
 
     def check_running(self) -> None:
         """Raise unless new work is accepted.

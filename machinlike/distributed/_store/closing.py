@@ -4,7 +4,7 @@
 
     rank 0 (hosts the store)                 rank r (a client), back from its own stop()
     stop(): mark_closing ──► CLOSING key      new World on the same address:
-            the others leave                    connect ─► is_closing? ─► drop it, wait, connect
+            the others leave                    connect ─► closing or gone? ─► drop it, wait, connect
             the store closes                               again (until the store that answers
     new World: a fresh store, no CLOSING                   is a fresh one, within dist_timeout)
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...exception import SilentStoreError
 
-__all__ = ["CLOSING", "mark_closing", "is_closing", "connect_open"]
+__all__ = ["CLOSING", "mark_closing", "connect_open"]
 
 #: Set in a store by the process that hosts it, once its world stops (outside any world's
 #: namespace: a store serves one world at a time, and a closing one serves no new world).
@@ -43,11 +43,6 @@ def mark_closing(store: dist.Store) -> None:
         store.set(CLOSING, "1")
     except (RuntimeError, ConnectionError, TimeoutError):
         pass
-
-
-def is_closing(store: dist.Store) -> bool:
-    """Whether ``store``'s host has marked it closing; False when that cannot be read."""
-    return _look(store) != OPEN
 
 
 #: What a look at a freshly connected store finds (see _look).
