@@ -254,8 +254,12 @@ def _wedged_body(world):
     if world.name == "victim":
         first = world.membership.worker
         assert _wedge_shm_reactors() >= 1
+        group.barrier(timeout=30)  # (through the store) wedged before the peer's first call
         group.barrier(timeout=60)  # the peer got an answer from the new agent
         return first, world.membership.worker, world.membership.renewals
+    # The peer calls only once the victim is wedged: a first call that raced ahead of the
+    # wedge was answered by the old agent, and no renewal followed (CI of stop 91).
+    group.barrier(timeout=30)
     start = time.monotonic()
     answered, failures = None, 0
     while answered is None and time.monotonic() - start < 45:
