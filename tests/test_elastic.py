@@ -619,6 +619,44 @@ def test_a_restarted_member_whose_value_was_found_is_a_member_at_once():
     assert answer == "p#2", results[1]
 
 
+def _pairs_once_restarted_unseen(world):
+    group = world.create_rpc_group("g")
+    if world.name == "p":
+        if world.incarnation == 1:
+            group.wait_paired("frozen", timeout=30)  # fails once the view of s stopped reading the log
+            raise RuntimeError("p fails once")
+        group.pair("back", True)
+        world.wait_for_members(["s"], timeout=30, gone=True)
+        return "p"
+    world.wait_for_members(["p"], timeout=30)
+    # This view stops reading the log at its ticks and at the bell's rings: it keeps p's
+    # first incarnation (as a view whose threads were starved of CPU did).
+    watch, listener = world.membership.monitor.watch, world.membership.bell._listener
+    read, rung, kept = watch.tick, listener.catch_up, []
+
+    def stale(*args):
+        if not kept:
+            kept.append(read(*args))
+        return kept[0]
+
+    watch.tick, listener.catch_up = stale, lambda *args: None
+    try:
+        group.pair("frozen", True)
+        group.wait_paired("back", timeout=60)
+        return world.get_incarnation("p"), group.rpc_sync("p", _whoami, timeout=10)
+    finally:
+        watch.tick, listener.catch_up = read, rung
+
+
+def test_a_restarted_member_found_while_this_view_holds_its_previous_incarnation_is_called_at_once():
+    """CI of stop 91: wait_paired found the value held by p's second incarnation while this
+    view still held its first (the view's tick lagged under load), so it did not read the
+    log, and the call that followed went to the dead first worker (EPIPE)."""
+    incarnation, answer = launch(_pairs_once_restarted_unseen, 2, names=["p", "s"], max_restarts=1,
+                                 essential=["s"], timeout=60, liveness=30)[1]
+    assert (incarnation, answer) == (2, "p#2")
+
+
 def _join_elastic(address) -> None:
     World("late", elastic=True, init_method=address, dist_timeout=15).stop()
 

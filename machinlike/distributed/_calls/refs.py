@@ -136,6 +136,13 @@ class _Ref:
             self._ready(_now() + _context.require().timeout)
         return self._owner
 
+    def owner_incarnation(self) -> int:
+        """The owner's incarnation (as :meth:`owner_name`, known at once unless a result's
+        creation is to name it)."""
+        if not self._named():
+            self._ready(_now() + _context.require().timeout)
+        return self._inc
+
     def owner(self) -> rpc.WorkerInfo:
         """The owner's current RPC worker (torch's ``WorkerInfo``).
 

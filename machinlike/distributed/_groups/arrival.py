@@ -62,10 +62,13 @@ def wait_paired(caller: Caller, owners: OwnerCache, registry: Registry, roster: 
     """
     def look(left: float) -> PairedRef:
         found = caller.paired(key, left)
-        if roster.incarnation_of(found.owner_name()) is None:
+        known = roster.incarnation_of(found.owner_name())
+        if known is None or known < found.owner_incarnation():
             # Its holder's join is in the log but not yet in this view (a restarted member
             # pairs at once; this view reads the log at its next tick): read it now, so the
-            # holder is a member here when this returns (cold trial 28).
+            # holder is a member here when this returns (cold trial 28). A view that still
+            # holds the holder's previous incarnation would send the next call to its dead
+            # worker (the CI of stop 91: EPIPE on the old pipe).
             roster.catch_up()
         return found
 
