@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -761,6 +763,69 @@ def test_the_releaser_frees_after_a_failed_wait_and_restarts_after_close():
     releaser.put(_Event(), rows[1], 8, 1234)  # a lease that ended otherwise is left alone
     assert releaser.drain(10) and rows[1, 0] == 9 and releaser.stats["released"] == 1
     assert releaser.close(10) and releaser.pending() == 0
+
+
+def test_the_releaser_holds_nothing_it_waited_on_while_it_waits_for_the_next_lease():
+    """What it waited on holds the opening the copies read from: kept until the next lease
+    came, a slab evicted or retired meanwhile stayed mapped here (and its handle open)."""
+    from machinlike.distributed._calls.cuda_ipc_release import Releaser
+
+    releaser = Releaser()
+    rows = torch.zeros(1, 4, dtype=torch.int64).numpy()
+    rows[0, 0] = 7
+    done = _Event()
+    held = weakref.ref(done)
+    releaser.put(done, rows[0], 7, 1234)
+    del done
+    assert releaser.drain(10) and rows[0, 0] == 0
+    assert held() is None  # (the thread now waits for the next lease, holding nothing)
+    assert releaser.close(10)
+
+
+def test_a_commit_whose_later_device_fails_to_stage_ends_the_leases_it_took(monkeypatch, over_cpu):
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.full((4,), 3.0))]  # (a CPU tensor: "device" None, over_cpu's slabs)
+    other = batch.groups[1] = _cuda_ipc._Group(1)  # a second device, with no room
+    other.tensors.append(torch.ones(2))
+    refs.append(_cuda_ipc._Ref(other, 0))
+    fill = _cuda_ipc.Batch._fill
+    monkeypatch.setattr(_cuda_ipc.Batch, "_fill", lambda self, group: None if group.index == 1 else fill(self, group))
+
+    def stage(tensor, pending):
+        raise RuntimeError("CUDA error: out of memory (pinned staging buffer)")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batch.commit(refs, stage, [])
+    assert _cuda_ipc._area.lent() == 0  # before: the first device's slab stayed lent until World stop
+
+
+def test_a_forked_child_keeps_its_parents_openings_alive_and_starts_afresh(over_cpu):
+    """Dropped in the child, the parent's opened slabs would run torch's deleter, whose CUDA
+    calls fail in a forked child inside a destructor that may not throw: the child aborted."""
+    from machinlike.distributed._calls import cuda_settle
+
+    data = _one_message(torch.ones(3))
+    assert torch.equal(pickle.loads(data)[0], torch.ones(3)) and _cuda_ipc.released(10)
+    cache, area = _cuda_ipc._opened, _cuda_ipc._area
+    assert cache is not None and len(cache) == 1
+    cuda_settle.noted(0)
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads: the child only reports)
+        pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running anything of the test's
+        try:
+            kept = _cuda_ipc._inherited[-1]
+            ok = (kept[0] is area and kept[1] is cache and len(cache) == 1 and _cuda_ipc._opened is None
+                  and _cuda_ipc._area is None and not cuda_settle.devices())
+            os.write(write, b"ok" if ok else repr((kept, _cuda_ipc._opened, cuda_settle.devices())).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        said = pipe.read()
+    assert os.waitpid(pid, 0)[1] == 0 and said == b"ok", said
+    assert _cuda_ipc._opened is cache and len(cache) == 1 and 0 in cuda_settle.devices()  # the parent's, as they were
 
 
 def test_a_flush_waits_for_one_owners_leases_only_and_for_no_longer_than_its_bound():

@@ -10,10 +10,12 @@ Each test also asserts that nothing was staged through the CPU (``_cuda_ipc.stat
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -114,6 +116,44 @@ def test_tensors_cross_by_ipc_are_owned_and_can_be_sent_on(world):
 
 
 # ------------------------------------------------------------------ 8 processes on one GPU
+def _fork_status() -> int:
+    """Fork as a DataLoader's workers do, the child collecting garbage and leaving; its status."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (fork beside threads: the child only exits)
+        pid = os.fork()
+    if pid == 0:
+        gc.collect()
+        os._exit(0)
+    return os.waitpid(pid, 0)[1]
+
+
+@world_test(2, timeout=180)
+def test_a_side_stream_result_is_kept_until_read_and_a_receiver_forks_cleanly(world):
+    _cuda_here()
+    me = world.name
+    group = world.create_rpc_group("ipc", ["0", "1"])
+    group.register(f"echo/{me}", _echo)
+    group.barrier()
+    if me == "1":
+        x = torch.ones(1 << 20, device="cuda")
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            back = group.registered_sync("echo/0", (x,))
+            ptr = back.data_ptr()
+            torch.cuda._sleep(200_000_000)  # the side stream is busy for a while, then reads it
+            total = back.sum()
+            del back  # freed while the read is still queued on the side stream
+        fresh = torch.empty_like(x)  # on the default stream: the freed memory must not be given here yet
+        assert fresh.data_ptr() != ptr
+        side.synchronize()
+        assert float(total) == float(1 << 20)
+        # A fork after receiving through IPC (before: the child's fork handler dropped the
+        # parent's openings, and torch's deleter aborted it).
+        assert _fork_status() == 0
+        assert _cuda_ipc.stats().get("opened_opened", 0) >= 1 and not _staged(_cuda_ipc.stats())
+    group.barrier()
+
+
 @world_test(8, timeout=300)
 def test_eight_processes_on_one_gpu_in_a_ring(world):
     _cuda_here()

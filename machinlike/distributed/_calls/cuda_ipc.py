@@ -67,6 +67,7 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
+from ..._tally import Tally
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
            "reply_target", "Batch", "eligible", "unsent_release", "forget_dead", "TERMS_MASK", "export_area"]
@@ -89,20 +90,9 @@ _exit_hook = False
 _opened: Optional[OpenCache] = None
 _releaser = Releaser()
 _key: Optional[int] = None
-_counts: Dict[str, int] = {}
+_counts = Tally()
 # By RPC worker name: (its key, or 0 for "stage", retry time or None for "final").
 _peers: "OrderedDict[str, Tuple[int, Optional[float]]]" = OrderedDict()
-
-
-def _count(what: str, n: int = 1) -> None:
-    with _lock:
-        _counts[what] = _counts.get(what, 0) + n
-
-
-def _count2(what: str, n: int, other: str, m: int) -> None:
-    with _lock:  # (two counters under one acquisition: every message counts two)
-        _counts[what] = _counts.get(what, 0) + n
-        _counts[other] = _counts.get(other, 0) + m
 
 
 def configure(limit: int) -> None:
@@ -180,8 +170,7 @@ def forget_dead() -> int:
 def stats() -> Dict[str, int]:
     """Counters of this process: tensors and bytes sent and received through IPC, and
     each reason a CUDA tensor was staged through the CPU instead (``staged_*``)."""
-    with _lock:
-        out = dict(_counts)
+    out = _counts.snapshot()
     if _area is not None:
         out.update({f"area_{k}": v for k, v in _area.stats.items()})
         out["area_held_bytes"] = _area.held_bytes()
@@ -297,18 +286,22 @@ class Batch:
         pending)``, counted). ``pending`` gets each device to synchronise before sending
         (staged copies; a slab's copies only where it has no IPC event)."""
         leases: List[Lease] = []
-        for group in self.groups.values():
-            lease = self._fill(group)
-            if lease is None:
-                for ref in refs:
-                    if ref.group is group:
-                        ref.staged = stage(group.tensors[ref.i], pending)
-                continue
-            leases.append(lease)
-            if lease.slab.ready is None:  # no IPC event: the copies complete before sending
-                device = ops.device(group.index)
-                if device not in pending:
-                    pending.append(device)
+        try:
+            for group in self.groups.values():
+                lease = self._fill(group)
+                if lease is None:
+                    for ref in refs:
+                        if ref.group is group:
+                            ref.staged = stage(group.tensors[ref.i], pending)
+                    continue
+                leases.append(lease)
+                if lease.slab.ready is None:  # no IPC event: the copies complete before sending
+                    device = ops.device(group.index)
+                    if device not in pending:
+                        pending.append(device)
+        except BaseException:  # a later device's staging failed: this message never leaves,
+            export_area().release(*leases)  # and the slabs it leased would stay lent until World stop
+            raise
         return leases
 
     def _fill(self, group: _Group) -> Optional[Lease]:
@@ -324,11 +317,10 @@ class Batch:
             lease: Optional[Lease] = found[0] if found else area.lease(group.index, max(offset, 1), self.target[1])
             layout = found[1] if found else layout
         except Exception as exc:  # allocation or export refused: this message stages
-            _count("staged_export_failed")
-            _count(f"staged_export_failed:{type(exc).__name__}")
+            _counts.add("staged_export_failed", 1, f"staged_export_failed:{type(exc).__name__}")
             return None
         if lease is None:
-            _count("staged_no_room", len(group.tensors))
+            _counts.add("staged_no_room", len(group.tensors))
             return None
         slab = lease.slab
         copy = found is None
@@ -350,10 +342,9 @@ class Batch:
                 with contextlib.suppress(Exception):
                     ops.synchronize(ops.device(group.index))
             area.release(lease)
-            _count("staged_export_failed")
-            _count(f"staged_export_failed:{type(exc).__name__}")
+            _counts.add("staged_export_failed", 1, f"staged_export_failed:{type(exc).__name__}")
             return None
-        _count2("sent_tensors", len(group.tensors), "sent_bytes", offset)
+        _counts.add("sent_tensors", len(group.tensors), "sent_bytes", offset)
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
                                           group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
@@ -395,7 +386,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     try:
         opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
         if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S):
-            _count("ready_waits")
+            _counts.add("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []
         total, copying = 0, True
@@ -424,7 +415,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                 if lease_row < 0 and not copying:  # the sender's copies in were not seen to run: its next writer waits
                     slab_row[3] = UNSETTLED
                 row[0] = FREE  # the sender may lend the slab again
-    _count2("received_tensors", len(out), "received_bytes", total)
+    _counts.add("received_tensors", len(out), "received_bytes", total)
     return out
 
 
@@ -437,12 +428,12 @@ def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, in
     """
     try:
         opened = cache.open((pid, handle, offset), capacity, words, slot, slab_id,
-                            lambda: ops.open_shared(index, handle, capacity, offset))
+                            lambda: ops.open_shared(index, handle, capacity, offset), index)
         if ready and opened.ready is None:
             opened.ready = ops.open_event(index, ready)
         return opened
     except Exception as exc:  # the probe opened this sender's memory once; now it cannot
-        _count("open_failed")
+        _counts.add("open_failed")
         raise RuntimeError(
             f"cannot open the CUDA memory process {pid} exported for this call (cuda:{index}, "
             f"{capacity} bytes): {type(exc).__name__}: {exc}. World(cuda_ipc_cache_bytes=0) stages "
@@ -450,14 +441,25 @@ def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, in
         ) from exc
 
 
+# What a forked child inherited of its parent's CUDA IPC state, kept alive and never used.
+_inherited: List[Any] = []
+
+
 def _after_fork_in_child() -> None:
-    global _lock, _area, _opened, _key, _releaser
+    """The parent's slabs and openings are not this process's, and CUDA is unusable in a
+    forked child: start afresh. Why the old objects are kept (``_inherited``) rather than
+    dropped: the last reference to an opened slab runs torch's deleter, which synchronises a
+    stream and closes the IPC handle through CUDA calls that fail in a forked child, inside
+    a destructor that may not throw (``std::terminate``: a DataLoader worker forked by a
+    learner that had received CUDA tensors would abort at once)."""
+    global _lock, _area, _opened, _key, _releaser, _counts
+    _inherited.append((_area, _opened, _releaser))
     _lock = threading.Lock()
     _releaser = Releaser()  # (the parent's thread is not running here)
-    _area = None  # the parent's slabs and openings are not this process's (and CUDA is unusable here)
+    _area = None
     _opened = None
     _key = None
-    _counts.clear()
+    _counts = Tally()
     _peers.clear()
 
 

@@ -214,14 +214,15 @@ class ExportArea:
         return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] > FREE
                    and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
-    def release(self, lease: Lease) -> None:
-        """End ``lease`` from this side (its message never left, or was refused: its copies
-        may still be queued, so the slab's next writer waits for them)."""
+    def release(self, *leases: Lease) -> None:
+        """End ``leases`` from this side (their message never left, or was refused: its
+        copies may still be queued, so each slab's next writer waits for them)."""
         with self._lock:
-            if self.words[lease.row, 0] == lease.ident:
-                if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
-                    lease.slab.unsent = True
-                self.words[lease.row, 0] = FREE
+            for lease in leases:
+                if self.words[lease.row, 0] == lease.ident:
+                    if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
+                        lease.slab.unsent = True
+                    self.words[lease.row, 0] = FREE
 
     def unsettled(self, slab: Slab) -> bool:
         """Whether ``slab``, just leased, may still have copies queued into it by an earlier

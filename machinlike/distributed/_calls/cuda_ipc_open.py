@@ -34,13 +34,14 @@ Key = Tuple[int, bytes, int]
 
 
 class Opened:
-    """A peer's slab opened here; ``views``: tensors over it by layout (as ``Slab.views``);
-    ``ready``: the slab's event, opened at the first message that names it (None until then;
-    each message's copies out get an event of their own: ``cuda_ipc_ops.copies_done``)."""
+    """A peer's slab opened here, on ``cuda:index``; ``views``: tensors over it by layout (as
+    ``Slab.views``); ``ready``: the slab's event, opened at the first message that names it
+    (None until then; each message's copies out get an event of their own:
+    ``cuda_ipc_ops.copies_done``)."""
 
-    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready")
+    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "index")
 
-    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int) -> None:
+    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int, index: int = 0) -> None:
         self.storage = storage
         self.capacity = capacity
         self.words = words
@@ -48,9 +49,26 @@ class Opened:
         self.ident = ident
         self.views: Dict[Any, torch.Tensor] = {}
         self.ready: Any = None
+        self.index = index
 
     def retired(self) -> bool:
         return int(self.words[self.slot, 2]) != self.ident
+
+    def __del__(self) -> None:
+        # Where the last reference goes (the cache's eviction, a receiving thread, the
+        # releaser), the storage goes with this slab's device current: torch's deleter of
+        # an opened storage synchronises its device's current stream without choosing the
+        # device, so from a thread working on another GPU (or on none yet: cuda:0) it
+        # would wait on the wrong one, and could make a context on cuda:0 (half a GiB).
+        if not getattr(self.storage, "is_cuda", False):  # (the CPU tests' storages; or gone)
+            return
+        storage, views = self.storage, self.views
+        self.storage = self.views = None  # type: ignore[assignment]
+        try:
+            with torch.cuda.device(self.index):
+                del views, storage
+        except Exception:  # (interpreter shutdown: torch.cuda half torn down; freed as before)
+            pass
 
 
 Opener = Callable[[], Any]
@@ -98,8 +116,9 @@ class OpenCache:
             self._controls.setdefault(key, (mapped, words))
             return self._controls[key][1]
 
-    def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener) -> Opened:
-        """The opened slab ``key`` (``opener()`` opens its storage when not cached)."""
+    def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener,
+             index: int = 0) -> Opened:
+        """The opened slab ``key`` on ``cuda:index`` (``opener()`` opens its storage when not cached)."""
         with self._lock:
             found = self._opened.get(key)
             if found is not None and found.ident == ident and not found.retired():
@@ -109,7 +128,7 @@ class OpenCache:
             # place is opened (torch finds an open handle by its bytes, and the memory
             # behind equal bytes may be new).
             self._drop_gone()
-        opened = Opened(opener(), capacity, words, slot, ident)
+        opened = Opened(opener(), capacity, words, slot, ident, index)
         with self._lock:
             old = self._opened.pop(key, None)
             if old is not None:

@@ -47,8 +47,12 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
     refs = [batch.add(tensor) for tensor in tensors]
     pending: List[torch.device] = []
     leases = batch.commit(refs, stage_tensor, pending)
-    for device in pending:
-        _ipc.ops.synchronize(device)
+    try:
+        for device in pending:
+            _ipc.ops.synchronize(device)
+    except BaseException:  # the probe's reply never leaves: its lease ends here
+        _ipc.export_area().release(*leases)
+        raise
     return refs, leases
 
 
@@ -90,25 +94,25 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         theirs = rpc.rpc_sync(member, _describe, timeout=_PROBE_TIMEOUT_S)
     except Exception:  # not answered (busy, or going): this call stages, a later one asks again
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
-        _ipc._count("staged_probe_unanswered")
+        _ipc._counts.add("staged_probe_unanswered")
         return None
     if theirs < 0:
         _note_peer(member, 0, None)
-        _ipc._count("staged_peer_ipc_off")
+        _ipc._counts.add("staged_peer_ipc_off")
         return None
     if theirs == 0:
         _note_peer(member, 0, time.monotonic() + _RETRY_S)  # no CUDA there yet
-        _ipc._count("staged_peer_without_cuda")
+        _ipc._counts.add("staged_peer_without_cuda")
         return None
     if theirs != mine:
         _note_peer(member, 0, None)
-        _ipc._count("staged_peer_other_gpus")
+        _ipc._counts.add("staged_peer_other_gpus")
         return None
     device = _ipc.ops.device(_ipc.ops.current_index())
     refs, leases = export([torch.arange(16, device=device)], (mine, pid))
     if not leases:  # this side could not export it (it was staged, counted): ask again later
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
-        _ipc._count("staged_probe_not_exported")
+        _ipc._counts.add("staged_probe_not_exported")
         return None
     try:
         back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
@@ -126,7 +130,7 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
             if area is not None:
                 area.release(lease)
         _note_peer(member, 0, None)
-        _ipc._count("staged_probe_failed")
+        _ipc._counts.add("staged_probe_failed")
         return None
     _note_peer(member, mine, None)
     return mine, pid

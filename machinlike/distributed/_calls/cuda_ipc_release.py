@@ -194,6 +194,9 @@ class Releaser:
                 failed = True  # the copies are over either way (the stream stopped)
             else:
                 failed = False
+            # Not held while this thread waits for the next lease: it may hold the opening
+            # the copies read from, and a slab evicted or retired meanwhile must close now.
+            done = None  # type: ignore[assignment]
             if int(row[0]) == lease:
                 row[0] = FREE
             with self._cond:

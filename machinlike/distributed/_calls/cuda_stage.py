@@ -100,8 +100,13 @@ def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]
     leases: List[Callable[[], None]] = []
     if batch is not None:  # one slab per device; a device without one stages (counted)
         leases = [_cuda_ipc.unsent_release(lease) for lease in batch.commit(refs, stage_tensor, pending)]
-    for device in pending:  # the copies were queued on each device's current stream
-        torch.cuda.current_stream(device).synchronize()
+    try:
+        for device in pending:  # the copies were queued on each device's current stream
+            torch.cuda.current_stream(device).synchronize()
+    except BaseException:  # (a CUDA error) the message never leaves: its leases end here
+        for end in leases:
+            end()
+        raise
     return out, ([] if pack is None else pack.lent), leases
 
 

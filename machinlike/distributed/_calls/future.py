@@ -214,7 +214,7 @@ class RpcFuture(_transport.lane.LaneFuture):
                 self.wait_arrived()
             # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
             result = _value(self) if self.done() else _wait(self)
-            settle()  # (CUDA tensors in it: ready on this thread's stream too)
+            settle(result)  # (CUDA tensors in it: ready on this thread's stream too)
             return result
         except BaseException:
             del self  # this frame joins the error's traceback, which torch keeps (see exception.freeze_traceback)
@@ -259,7 +259,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         self._read = True
         try:
             result = _value(self)
-            settle()
+            settle(result)
             return result
         except BaseException:
             del self  # (as in wait)
