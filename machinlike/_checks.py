@@ -220,7 +220,7 @@ def not_async(param: str, func: Any, runs: str) -> None:
 
 def local_device(param: str, value: Any) -> Any:
     """``value`` as a ``torch.device`` this process can use: the CPU, or a CUDA device that
-    exists here (``"cuda"`` alone: the current one). Checked where a server is made, so that
+    exists here (``"cuda"`` alone: the current one, by index). Checked where a server is made, so that
     a wrong device fails there, named, and not on every request after.
 
     Raises:
@@ -242,4 +242,7 @@ def local_device(param: str, value: Any) -> Any:
     if device.index is not None and device.index >= count:
         raise ValueError(f"{param}={value!r} but this process sees {count} CUDA device(s) "
                          f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES may hide the others)")
-    return device
+    # "cuda" alone is the current device of the thread that asks, and a server's threads
+    # (its batcher, its reducer, torch's RPC threads) start on cuda:0 whatever this one
+    # chose (torch.cuda.set_device): name the device now, in the thread that made the server.
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

@@ -72,9 +72,10 @@ def check_inputs(x: Any, param: str = "x") -> Tuple[Inputs, int]:
 
 def signature(x: Inputs) -> Hashable:
     """What must agree for two requests to share a batch (everything but the row count)."""
+    # (the device with its index: callers on cuda:0 and cuda:1 cannot share a torch.cat)
     if isinstance(x, torch.Tensor):
-        return (tuple(x.shape[1:]), x.dtype, x.device.type)
-    parts = tuple((tuple(t.shape[1:]), t.dtype, t.device.type) for t in tensors_of(x))
+        return (tuple(x.shape[1:]), x.dtype, x.device)
+    parts = tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in tensors_of(x))
     return (tuple(x), parts) if isinstance(x, dict) else parts
 
 
