@@ -2,7 +2,8 @@
 
 Why an object: a module's counters, their lock and the "two counters under one
 acquisition" of a hot path (a message counts its tensors and its bytes) live together, and
-a forked child starts a new one instead of inheriting a lock some parent thread held.
+a module whose forked child must start afresh replaces one object (``cuda_ipc``'s fork
+handler) instead of a dict and the lock that guards it.
 """
 
 from __future__ import annotations
