@@ -111,6 +111,27 @@ def _check_of(item: pytest.Item) -> str | None:
     return CHECKS.get(f"{item.path.name}::{item.name}")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under exactly ``-m serial`` or ``-m "not serial"`` (the README's two parts), do not
+    import the test files whose every test that part would deselect.
+
+    Why: each part imports (and pytest rewrites the asserts of) every test file, in each of
+    its processes: about 8 s of CPU per process, most of it for files whose tests were all
+    deselected (the serial part is timed alone, on the critical path). None means "pytest
+    decides", as always.
+    """
+    name = collection_path.name
+    if not (name.startswith("test_") and name.endswith(".py")):
+        return None
+    wanted = config.getoption("markexpr", "")
+    if wanted == "serial":
+        holds_serial = name in SERIAL or any(check.startswith(f"{name}::") for check in CHECKS)
+        return None if holds_serial else True
+    if wanted == "not serial" and name in SERIAL:  # (every test of a SERIAL file is serial)
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL or _check_of(item):

@@ -174,9 +174,12 @@ def _progress_frames(line):
     return int(match.group(1).replace(",", "")) if match else None
 
 
-@pytest.mark.parametrize("algo, budget", [("impala", 20), ("appo", 16)])
+@pytest.mark.parametrize("algo, budget", [("impala", 12), ("appo", 10)])
 def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
-    # Small batches so that a loaded CI machine still makes several updates in the budget;
+    # Small batches so that a loaded CI machine still makes several updates in the budget
+    # (12 s and 10 s: the actor killed at 6 s is back within a second, and both runs passed
+    # three times beside two busy loops on this 2-core box; 20 s and 16 s cost the suite
+    # about 14 s of its CPU-bound first part);
     # Breakout, whose random-play games end within ~200 agent steps (Pong's take ~900), so
     # that episodes finish and their figures reach the metrics.
     lines = trains_through_chaos(
