@@ -231,6 +231,7 @@ def test_devices_do_not_share_slabs(area):
 def test_a_lease_of_a_dead_receiver_is_reclaimed(area):
     dead = _dead_pid()
     first = area.lease(0, 4 << 20, dead)
+    area.filled(first)  # (its sender queued its copies: the message left)
     again = area.lease(0, 4 << 20, os.getpid())  # taken back before any new slab is made
     assert again.slab is first.slab and area.held_bytes() == 4 << 20
     assert area.stats["reclaimed"] == 1 and area.stats["slabs_made"] == 1
@@ -621,6 +622,79 @@ def test_a_message_never_pickled_whole_hands_its_slab_back(over_cpu):
     assert area.lent() == 1 and area.stats["unsent_released"] == 1
     assert torch.equal(pickle.loads(data)[0][0][0], torch.ones(3)) and _cuda_ipc.released(10)
     assert area.lent() == 0 and area._slabs == [slab]
+
+
+def test_a_slab_being_written_is_not_reclaimed_when_its_taker_dies(monkeypatch, over_cpu):
+    """A taker that died while its sender was still writing the slab: another thread's
+    lease reclaimed it, a third message was written into it while the first one's copies
+    were still being queued, and that message's live receiver read them."""
+    dead = _dead_pid()
+    area = _cuda_ipc.export_area()
+    view = _cuda_ipc.ops.view
+    during = []
+
+    def copying(*args):  # the first message is being written: other threads lease meanwhile
+        if not during:
+            lent = area.lent()  # (reclaims what dead takers held)
+            other = area.lease(None, 16, os.getpid())
+            during.append((lent, other))
+        return view(*args)
+
+    monkeypatch.setattr(_cuda_ipc.ops, "view", copying)
+    batch = _cuda_ipc.Batch((5, dead))
+    refs = [batch.add(torch.ones(3))]
+    (lease,) = batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    (lent, other), = during
+    assert lent == 1 and other.slab is not lease.slab and area.stats["reclaimed"] == 0
+    other.area.release(other)
+    assert area.lent() == 0 and area.stats["reclaimed"] == 1  # written: its dead taker's lease comes back
+    assert area.lease(None, 16, os.getpid()).slab in (lease.slab, other.slab)
+
+
+def test_a_send_after_the_worlds_stop_stages_and_makes_no_new_area(over_cpu):
+    """A send still in flight when the World stopped made a new export area, whose slabs
+    nothing retired until the process exited."""
+    _cuda_ipc.export_area()
+    _cuda_ipc.close()
+    staged = []
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+    assert batch.commit(refs, lambda t, p: staged.append(t) or "staged", []) == []
+    assert len(staged) == 1 and _cuda_ipc._area is None
+    assert _cuda_ipc.stats()["staged_export_failed:RuntimeError"] >= 1
+    _cuda_ipc.configure(64 << 20)  # the next World's
+    assert _cuda_ipc.export_area() is _cuda_ipc._area is not None
+
+
+def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: None)
+    monkeypatch.setattr(_cuda_ipc_peers, "_PROBE_TIMEOUT_S", 0.05)
+    outcome = {"probe": "late"}
+    asked = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        asked.append(fn.__name__)
+        if fn.__name__ == "_describe":
+            return 77
+        if outcome["probe"] == "late":
+            time.sleep(timeout)
+            raise RuntimeError("RPC ran for more than set timeout (50 ms) and will now be marked with an error")
+        raise RuntimeError("the CUDA IPC probe arrived as tensor([0, 0])")  # (the peer's own check)
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    before = _cuda_ipc.stats()
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    assert asked == ["_describe", "_probe"]
+    assert _cuda_ipc.stats()["staged_probe_unanswered"] == before.get("staged_probe_unanswered", 0) + 1
+    assert _cuda_ipc._area.lent() == 0  # the probe's lease ended
+    assert _cuda_ipc._peers["peer"][1] is not None  # asked again later
+    outcome["probe"] = "wrong"
+    monkeypatch.setattr(_cuda_ipc_peers.time, "monotonic", lambda: 1e12)
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    assert asked[2:] == ["_describe", "_probe"]
+    assert _cuda_ipc.stats()["staged_probe_failed"] == before.get("staged_probe_failed", 0) + 1
+    assert _cuda_ipc._peers["peer"] == (0, None)  # a probe that arrived wrong: staged for good
 
 
 def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):

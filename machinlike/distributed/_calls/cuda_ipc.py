@@ -111,9 +111,11 @@ def enabled() -> bool:
 
 
 def close() -> None:
-    """Retire this process's slabs and drop its openings and peer verdicts (World stop)."""
-    global _area
+    """Retire this process's slabs and drop its openings and peer verdicts (World stop);
+    the path stays off until the next ``configure``."""
+    global _area, _limit
     with _lock:
+        _limit = 0  # (a send still in flight stages: no new area is made after this one)
         area, _area = _area, None
         _peers.clear()
     _releaser.close(_CLOSE_DRAIN_S)  # (leases this process still reads end before its openings go)
@@ -136,10 +138,17 @@ def before_call(pid: int) -> None:
 
 
 def export_area() -> ExportArea:
-    """This process's export area (made at its first use)."""
+    """This process's export area (made at its first use).
+
+    Raises:
+        RuntimeError: the path is off (``configure(0)``, or closed by a World's stop).
+    """
     global _area, _exit_hook
     with _lock:
         if _area is None:
+            if _limit <= 0:
+                raise RuntimeError("the CUDA IPC path is off in this process (its World stopped, or "
+                                   "cuda_ipc_cache_bytes=0)")
             _area = ExportArea(_limit)
             if not _exit_hook:  # once, lazily: a process that exits without stopping its World
                 _exit_hook = True  # retires its slabs itself (torch would report them as leaked)
@@ -300,7 +309,8 @@ class Batch:
                     if device not in pending:
                         pending.append(device)
         except BaseException:  # a later device's staging failed: this message never leaves,
-            export_area().release(*leases)  # and the slabs it leased would stay lent until World stop
+            for lease in leases:  # and the slabs it leased would stay lent until World stop
+                lease.area.release(lease)
             raise
         return leases
 
@@ -322,8 +332,19 @@ class Batch:
         if lease is None:
             _counts.add("staged_no_room", len(group.tensors))
             return None
-        slab = lease.slab
         copy = found is None
+        try:
+            return self._write(group, area, lease, layout, offset, copy)
+        finally:
+            if copy:
+                area.filled(lease)
+
+    @staticmethod
+    def _write(group: _Group, area: ExportArea, lease: Lease, layout: List[int], offset: int,
+               copy: bool) -> Optional[Lease]:
+        """``_fill``'s copies into ``lease``'s slab (``copy``; a pinned one is read in
+        place), then the group's reduction; None: they failed (the lease ended, counted)."""
+        slab = lease.slab
         try:
             if copy and area.unsettled(slab):  # copies of a message whose lease ended early may be queued
                 ops.after_writes(slab)
@@ -356,7 +377,7 @@ def unsent_release(lease: Lease) -> Callable[[], None]:
     """What ends ``lease`` if its message is never pickled whole (``_shm.guard`` calls it
     then, from a garbage collection): it comes FREE again instead of staying lent to a
     receiver that will never take it (until that receiver died or this World stopped)."""
-    return functools.partial(export_area().release_unsent, lease)
+    return functools.partial(lease.area.release_unsent, lease)
 
 
 # --------------------------------------------------------------------- receiver

@@ -51,7 +51,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -122,12 +122,15 @@ class Slab:
 
 
 class Lease:
-    """A slab lent to one message, through ``row`` of the control page: the slab's own row
-    (lent alone), or a reader row (a pinned slab, read in place)."""
+    """A slab of ``area`` lent to one message, through ``row`` of the control page: the
+    slab's own row (lent alone), or a reader row (a pinned slab, read in place). It ends
+    in the area that lent it (lease ids are that area's: a World restarted in this process
+    has another)."""
 
-    __slots__ = ("slab", "ident", "row")
+    __slots__ = ("area", "slab", "ident", "row")
 
-    def __init__(self, slab: Slab, ident: int, row: int = -1) -> None:
+    def __init__(self, area: "ExportArea", slab: Slab, ident: int, row: int = -1) -> None:
+        self.area = area
         self.slab = slab
         self.ident = ident
         self.row = slab.slot if row < 0 else row
@@ -152,6 +155,11 @@ class ExportArea:
         self._slabs: List[Slab] = []
         self._pinned: Dict[int, Slab] = {}  # by the storage's address: slabs holding states read in place
         self._draining: List[Slab] = []  # unpinned while read: retired once their readers are done
+        # Slots of slabs leased and still being written by their sender (``lease`` to
+        # ``filled``): never reclaimed meanwhile, even if their taker died. Reclaimed, a
+        # slab could be leased again and written by a second message while the first one's
+        # copies were still being queued into it, under the second one's live receiver.
+        self._filling: Set[int] = set()
         self._held = 0
         self._ids = itertools.count(1)
         self.reuse_wait = _REUSE_WAIT_S
@@ -203,7 +211,8 @@ class ExportArea:
                     row = self.words[slab.slot]
                     row[1] = taker
                     row[0] = ident  # last: the receiver checks the state, then reads
-                    return Lease(slab, ident)
+                    self._filling.add(slab.slot)  # (until ``filled``: not reclaimed under its writer)
+                    return Lease(self, slab, ident)
             if not spins:
                 deadline = time.monotonic() + self.reuse_wait
                 self.stats["reuse_waits"] += 1
@@ -214,11 +223,19 @@ class ExportArea:
         return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] > FREE
                    and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
+    def filled(self, lease: Lease) -> None:
+        """The sender is done writing ``lease``'s slab (its copies queued, or given up): a
+        lease of a dead taker may be reclaimed again."""
+        with self._lock:
+            self._filling.discard(lease.slab.slot)
+
     def release(self, *leases: Lease) -> None:
         """End ``leases`` from this side (their message never left, or was refused: its
         copies may still be queued, so each slab's next writer waits for them)."""
         with self._lock:
             for lease in leases:
+                if lease.row < SLOTS:
+                    self._filling.discard(lease.slab.slot)
                 if self.words[lease.row, 0] == lease.ident:
                     if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
                         lease.slab.unsent = True
@@ -292,7 +309,7 @@ class ExportArea:
             row[1], row[2], row[3] = taker, slab.slot, slab.ident
             row[0] = ident  # last: the receiver checks the state, then reads
             self.stats["shared"] += 1
-            return Lease(slab, ident, SLOTS + r)
+            return Lease(self, slab, ident, SLOTS + r)
 
     def in_place(self, tensors: List[torch.Tensor], taker: int) -> Optional[Tuple[Lease, List[int]]]:
         """A lease for process ``taker`` of the pinned slab all of ``tensors`` lie in
@@ -347,7 +364,7 @@ class ExportArea:
         found = False
         for slab in self._slabs:
             row = self.words[slab.slot]
-            if row[0] > FREE and not pid_alive(int(row[1])):
+            if row[0] > FREE and slab.slot not in self._filling and not pid_alive(int(row[1])):
                 slab.unsent = True  # (it may have died before this side's copies in ran: the next writer waits)
                 row[0] = FREE  # its receiver died: nobody reads it any more
                 self.stats["reclaimed"] += 1

@@ -60,15 +60,31 @@ class Opened:
         # an opened storage synchronises its device's current stream without choosing the
         # device, so from a thread working on another GPU (or on none yet: cuda:0) it
         # would wait on the wrong one, and could make a context on cuda:0 (half a GiB).
+        # And that current stream is an idle one of our own: the deleter waits with the GIL
+        # held (and, from the cache, under its lock), and on the default stream it would
+        # wait out whatever this process queued there (a learner's step: every thread
+        # stalled). Nothing of ours needs the wait: every copy out of an opening ended
+        # before its last reference went (the releaser holds it until then).
         if not getattr(self.storage, "is_cuda", False):  # (the CPU tests' storages; or gone)
             return
         storage, views = self.storage, self.views
         self.storage = self.views = None  # type: ignore[assignment]
         try:
-            with torch.cuda.device(self.index):
+            with torch.cuda.device(self.index), torch.cuda.stream(_idle_stream(self.index)):
                 del views, storage
         except Exception:  # (interpreter shutdown: torch.cuda half torn down; freed as before)
             pass
+
+
+_idle: Dict[int, Any] = {}  # by device index: a stream nothing is ever queued on
+
+
+def _idle_stream(index: int) -> Any:
+    """A stream of ``cuda:index`` that holds no work (made once; a race makes two, harmlessly)."""
+    stream = _idle.get(index)
+    if stream is None:
+        stream = _idle[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 Opener = Callable[[], Any]

@@ -10,6 +10,8 @@ have the same key) and sends a 16-element probe there and back through IPC (``_p
                     ── 0 (no CUDA there yet) ───► stage; ask again after _RETRY_S
                     ── another key ─────────────► stage for good (other GPUs)
                     ── our key ── probe there and back ── equal ──► IPC for good
+                                  │                   ├─ no answer in time ──► stage; ask
+                                  │                   │                  again after _UNANSWERED_RETRY_S
                                   │                   └─ not, or staged
                                   │                      on the way back ──► stage for good
                                   └─ not exported here (staged) ──► stage; ask again after
@@ -51,7 +53,8 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
         for device in pending:
             _ipc.ops.synchronize(device)
     except BaseException:  # the probe's reply never leaves: its lease ends here
-        _ipc.export_area().release(*leases)
+        for lease in leases:
+            lease.area.release(lease)
         raise
     return refs, leases
 
@@ -114,6 +117,8 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._counts.add("staged_probe_not_exported")
         return None
+    started = time.monotonic()
+    late = False
     try:
         back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
         probe = back[0]
@@ -124,11 +129,16 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         ok = exported and bool((probe.cpu() == torch.arange(16)).all())
     except Exception:
         ok = False
+        # Out of time proves nothing about IPC (a peer busy starting up, a loaded host):
+        # asked again later, as an unanswered question is. Any other failure is the probe's.
+        late = time.monotonic() - started >= _PROBE_TIMEOUT_S
     if not ok:
-        area = _ipc._area
-        for lease in leases:  # the call is over: nobody reads it any more
-            if area is not None:
-                area.release(lease)
+        for lease in leases:  # the call is over: nobody reads it any more (a late reader
+            lease.area.release(lease)  # finds the lease ended: the lease ids are checked)
+        if late:
+            _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+            _ipc._counts.add("staged_probe_unanswered")
+            return None
         _note_peer(member, 0, None)
         _ipc._counts.add("staged_probe_failed")
         return None
