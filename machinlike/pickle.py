@@ -335,6 +335,23 @@ class Pickler(pickle.Pickler):
         return pickle.dumps(_ByValue(data), protocol=_PROTOCOL)
 
 
+class _CpuPickler(Pickler):
+    """The copy policy, every tensor and storage rebuilt on the CPU (see ``dumps_to_cpu``)."""
+
+    _copy_table = _reductions.cpu_copy_reducers()
+
+
+def dumps_to_cpu(obj: Any) -> bytes:
+    """(Internal) ``dumps(obj)`` (tensors copied), each tensor and storage arriving on the
+    CPU: a worker's or a child's error report, whose reader may have no GPU and must not
+    make a CUDA context to read it (``_reductions.cpu_copy_reducers`` says why).
+
+    Raises:
+        As :func:`dumps`.
+    """
+    return _CpuPickler(_NoSink(), False, True)._to_bytes(obj)  # type: ignore[arg-type]
+
+
 _cache = threading.local()
 
 

@@ -49,7 +49,7 @@ from . import _checks, _lifeline, _mainguard, _reductions, _warm
 from ._report_fit import fit_report
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
-from .pickle import dumps, loads
+from .pickle import dumps, dumps_to_cpu, loads
 
 __all__ = ["Process", "ProcessException"]
 
@@ -337,11 +337,11 @@ class Process(BaseProcess):
         if writer is None:
             return
         try:
-            data = dumps(record, copy_tensor=True)
+            data = dumps_to_cpu(record)  # (a CUDA tensor in it arrives as a CPU copy: the parent may have no GPU)
         except Exception as exc:  # should not happen: ExceptionWithTraceback stands in
             data = dumps((_EXCEPTION, ExceptionWithTraceback(RemoteError(type(exc).__name__, str(exc)))))
         # (a report larger than the pipe held the child until the parent read it: see _report_fit)
-        data = fit_report(writer.fileno(), data, record, lambda smaller: dumps(smaller, copy_tensor=True))
+        data = fit_report(writer.fileno(), data, record, dumps_to_cpu)
         try:
             writer.send_bytes(data)
         except OSError:  # the parent is gone or closed its end: nobody to tell

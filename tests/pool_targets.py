@@ -372,3 +372,29 @@ def lent_segments(_=None) -> int:
 def layout_of(tensor: torch.Tensor):
     """What a worker got: strides, storage bytes, sum; and the tensor itself back."""
     return tuple(tensor.stride()), tensor.untyped_storage().nbytes(), float(tensor.sum()), tensor
+
+
+def _claims_cuda(reduce):
+    """``reduce`` (a tensor copy reducer), its tensors reduced as a CUDA tensor's are: to be
+    rebuilt on cuda:0 (what a worker on a GPU sends; this box has none)."""
+    from machinlike._reductions import copy as copy_reductions
+
+    def claimed(tensor):
+        rebuild, args = reduce(tensor)
+        if rebuild is copy_reductions._rebuild_tensor_copy:
+            args = args[:5] + ("cuda:0",) + args[6:]
+        return rebuild, args
+
+    return claimed
+
+
+def raise_holding_a_cuda_tensor(_=None):
+    """Raise an exception holding a tensor that this process pickles as a CUDA tensor: both
+    the copy table and the reducer the report's CPU table defers to claim cuda:0."""
+    from machinlike._reductions import copy as copy_reductions
+    from machinlike.pickle import Pickler
+
+    original = copy_reductions._reduce_tensor_copy
+    Pickler._copy_table[torch.Tensor] = _claims_cuda(original)
+    copy_reductions._reduce_tensor_copy = _claims_cuda(original)
+    raise ValueError("a bad batch", torch.arange(3.0))

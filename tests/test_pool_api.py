@@ -272,6 +272,11 @@ def test_argument_validation():
         (lambda: Pool(1, share_method=3), TypeError, "share_method must be"),
         (lambda: Pool(1, is_copy_tensor="yes"), TypeError, "is_copy_tensor must be a bool"),
         (lambda: Pool(1, ctx="nope"), ValueError, "not a start method"),
+        # a worker forked once this process shared a CUDA tensor could not use CUDA
+        (lambda: Pool(1, is_copy_tensor=False, share_method="cuda", ctx="fork"), ValueError,
+         r"share_method='cuda' with ctx='fork'.* Use ctx=None \(the warm forkserver\), 'forkserver' or 'spawn'"),
+        (lambda: CtxPool(1, worker_contexts=[1], is_copy_tensor=False, share_method=("cpu", "cuda"), ctx="fork"), ValueError,
+         "cannot use CUDA"),
         (lambda: CtxPool(2, worker_contexts=[1]), ValueError, "1 context.* but processes=2"),
         (lambda: CtxPool(None), TypeError, "processes must be an int"),
         (lambda: CtxThreadPool(2, worker_contexts=[1, 2, 3]), ValueError, "3 context"),

@@ -233,3 +233,18 @@ def test_expanded_tensors_cross_as_their_distinct_elements(policy):
             assert strides == sent.stride() and nbytes == sent.untyped_storage().nbytes()
             assert total == pytest.approx(float(sent.sum()))
             assert back.stride() == sent.stride() and torch.equal(back, sent)
+
+
+@pytest.mark.parametrize("method", ["apply", "map"])
+def test_a_workers_exception_holding_a_cuda_tensor_arrives_with_a_cpu_copy(method):
+    """A worker on a GPU raised an exception holding a CUDA tensor: the parent rebuilt it on
+    the GPU (a CUDA context in a process that may have no GPU, and no more forked workers
+    that use CUDA); without CUDA, loading failed and the user's exception was lost."""
+    with Pool(1) as pool:
+        with pytest.raises(ValueError, match="a bad batch") as caught:
+            if method == "apply":
+                pool.apply(targets.raise_holding_a_cuda_tensor)
+            else:
+                pool.map(targets.raise_holding_a_cuda_tensor, [1], chunksize=1)
+    message, tensor = caught.value.args
+    assert tensor.device.type == "cpu" and torch.equal(tensor, torch.arange(3.0))

@@ -363,6 +363,16 @@ def test_failure_is_catchable_as_process_exception_and_keeps_its_type():
     assert exited.exitcode == 5 and pickle.loads(pickle.dumps(exited)).exitcode == 5
 
 
+def test_a_childs_exception_holding_a_cuda_tensor_arrives_with_a_cpu_copy():
+    """As a pool worker's: read in the parent, the report must not make a CUDA context
+    (with no GPU there, the child's exception was lost to a loading error)."""
+    import pool_targets
+
+    error = run(pool_targets.raise_holding_a_cuda_tensor).exception
+    assert isinstance(error, ValueError) and error.args[0] == "a bad batch"
+    assert error.args[1].device.type == "cpu" and torch.equal(error.args[1], torch.arange(3.0))
+
+
 def test_unsubclassable_exception_type_is_reported_unchanged():
     from machinlike.process import tag_process_exception
 

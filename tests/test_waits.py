@@ -112,3 +112,20 @@ def test_an_async_call_pending_on_a_member_that_goes_fails_at_once_and_its_late_
     while not seen and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen and seen[0].startswith("machinlike-callback"), seen  # (not the liveness thread)
+
+
+def test_a_then_future_settles_its_value_in_the_thread_that_reads_it(monkeypatch, callback_helper):
+    """``InferenceServer.infer_async`` hands the caller ``then``'s future: its value was
+    settled only in the thread that completed the call, so a caller reading it under a
+    stream of its own was not ordered after the copies that brought it."""
+    from machinlike.distributed._calls import RpcFuture, future as _future
+
+    settled = []
+    monkeypatch.setattr(_future, "settle", lambda value=None: settled.append((threading.current_thread().name, value)))
+    source: torch.futures.Future = torch.futures.Future()
+    derived = RpcFuture(source, "server", "infer_async", 30).then(lambda fut: fut.wait() + 1)
+    completer = threading.Thread(target=source.set_result, args=(1,), name="completer")
+    completer.start()
+    completer.join(10)
+    assert derived.wait() == 2 and derived.value() == 2
+    assert settled.count((threading.current_thread().name, 2)) == 2, settled

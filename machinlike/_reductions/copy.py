@@ -12,7 +12,7 @@ import torch
 
 from .table import DispatchTable, policy_table
 
-__all__ = ["copy_reducers", "dense_order", "undo_order", "expanded", "expand_back"]
+__all__ = ["copy_reducers", "cpu_copy_reducers", "dense_order", "undo_order", "expanded", "expand_back"]
 
 
 def _is_plain_strided(tensor: torch.Tensor) -> bool:
@@ -149,3 +149,26 @@ def _rebuild_storage_copy(data: bytearray, device: str) -> torch.UntypedStorage:
 def copy_reducers() -> DispatchTable:
     """The copy policy's table: tensor and storage data by value."""
     return policy_table(_reduce_tensor_copy, _reduce_storage_copy)
+
+
+def _reduce_tensor_to_cpu(tensor: torch.Tensor) -> Tuple[Any, ...]:
+    if tensor.device.type != "cpu" and not _is_plain_strided(tensor):
+        tensor = tensor.detach().cpu()  # (exotic: torch's own reduction, of a CPU copy)
+    reduced = _reduce_tensor_copy(tensor)
+    if reduced[0] is _rebuild_tensor_copy:  # (an expanded tensor's compact part comes back here)
+        args = reduced[1]
+        reduced = (_rebuild_tensor_copy, args[:5] + ("cpu",) + args[6:])
+    return reduced
+
+
+def _reduce_storage_to_cpu(storage: torch.UntypedStorage) -> Tuple[Any, ...]:
+    rebuild, (data, _) = _reduce_storage_copy(storage)
+    return rebuild, (data, "cpu")
+
+
+def cpu_copy_reducers() -> DispatchTable:
+    """The copy policy's table with every tensor and storage rebuilt on the CPU: for a
+    report (a worker's exception) whose reader may have no GPU, and must not initialise
+    CUDA to read it (a CUDA context costs hundreds of MB, and a process that made one can
+    no longer fork workers that use CUDA)."""
+    return policy_table(_reduce_tensor_to_cpu, _reduce_storage_to_cpu)

@@ -152,7 +152,8 @@ class Pool(PoolBase):
         share_method: With ``is_copy_tensor=False``: ``"cpu"`` (shared memory) or
             ``"cuda"`` (CUDA IPC), or both as a tuple; ignored when copying.
         ctx: Multiprocessing context (keyword only): None for the warm forkserver
-            (spawn where unavailable), a start method name, or a context object.
+            (spawn where unavailable), a start method name, or a context object; not
+            ``"fork"`` with ``share_method="cuda"``.
 
     Raises:
         TypeError, ValueError: a bad argument (the message names it).
@@ -204,6 +205,14 @@ class Pool(PoolBase):
         budget.refuse_beyond_hard(processes, "processes")
         budget.check(processes)
         context = resolve_context(ctx)
+        if not is_copy_tensor and "cuda" in methods and context.get_start_method() == "fork":
+            # Sharing a CUDA tensor initialises CUDA here, and a process forked after that
+            # cannot use CUDA: a replacement worker (after a crash or maxtasksperchild) fails.
+            raise ValueError(
+                f"share_method={share_method!r} with ctx={ctx!r}: a worker forked after this process "
+                f"shared a CUDA tensor (which initialises CUDA here) cannot use CUDA. Use ctx=None (the "
+                f"warm forkserver), 'forkserver' or 'spawn'"
+            )
         _mainguard.check_main_file(f"{type(self).__name__}(...)", context.get_start_method())
         codec = Codec(is_copy_tensor, methods, is_recursive)
         core = ProcessCore(

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _lifeline, _shm
 from ..exception import ExceptionWithTraceback
-from ..pickle import dumps as _plain_dumps
+from ..pickle import dumps as _plain_dumps, dumps_to_cpu as _report_dumps
 from ._ledger import IDLE, LOADING, PHASES, PICKLING, RUNNING, Ledger
 from ._policy import Codec
 from ._wire import (
@@ -201,7 +201,8 @@ class _Worker:
             pickled.append(None)
             carried[offset] = ExceptionWithTraceback(error, where=self._where)  # type: ignore[arg-type]  # set above
         del values, errors
-        write_frame(self._out, PARTIAL, 0, seq, 0, _plain_dumps((pickled, carried)))
+        # (Error reports are read on the CPU: CUDA tensors they hold arrive as CPU copies.)
+        write_frame(self._out, PARTIAL, 0, seq, 0, _report_dumps((pickled, carried)))
 
     def _fail(self, seq: int, exc: BaseException, note: Optional[str]) -> None:
         if isinstance(exc, SystemExit):
@@ -224,10 +225,12 @@ def _note(exc: BaseException, note: str) -> None:
 
 
 def _dump_error(exc: BaseException, where: str) -> bytes:
+    """``exc``'s report; a CUDA tensor it holds arrives as a CPU copy (the parent may have
+    no GPU, and reading it there would make a CUDA context)."""
     try:
-        return _plain_dumps(ExceptionWithTraceback(exc, where=where))
+        return _report_dumps(ExceptionWithTraceback(exc, where=where))
     except Exception as failure:  # ExceptionWithTraceback substitutes what it can't pickle
-        return _plain_dumps(ExceptionWithTraceback(RuntimeError(f"{type(exc).__name__}: {exc} ({failure})"), where))
+        return _report_dumps(ExceptionWithTraceback(RuntimeError(f"{type(exc).__name__}: {exc} ({failure})"), where))
 
 
 def main(

@@ -325,18 +325,25 @@ def _awaiting(fut: torch.futures.Future) -> Generator[Any, None, Any]:
 class _Derived(torch.futures.Future):
     """The future ``then`` returns: torch's, but its ``wait`` and ``value`` leave no frame
     holding it in the traceback of the error they raise (torch's ``wait`` is a Python frame
-    over the C++ one, and the error lives on in the future: see :func:`~machinlike.exception.freeze_traceback`)."""
+    over the C++ one, and the error lives on in the future: see :func:`~machinlike.exception.freeze_traceback`);
+    and they settle the value in the caller's thread, as ``RpcFuture``'s do (the callback
+    that made it ran in another thread, whose settling orders that thread's stream, not
+    the caller's: an ``infer_async`` result read under ``torch.cuda.stream(s)``)."""
 
     def wait(self) -> Any:
         try:
-            return _wait(self)
+            result = _wait(self)
+            settle(result)
+            return result
         except BaseException:
             del self
             raise
 
     def value(self) -> Any:
         try:
-            return _value(self)
+            result = _value(self)
+            settle(result)
+            return result
         except BaseException:
             del self
             raise
