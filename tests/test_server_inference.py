@@ -773,3 +773,21 @@ def test_outputs_come_back_in_the_container_fn_returned():
         Out = collections.namedtuple("Out", "logits value")
         named = split(Out(rows, rows[:, 0]), counts, "fn")
         assert all(type(p) is Out for p in named) and named[-1].value.tolist() == [0.0, 2.0, 4.0][-counts[-1]:]
+
+
+def test_each_requests_outputs_go_back_to_the_device_its_inputs_came_on():
+    """Requests from two GPUs shared a batch run on the server's device, and each got its
+    output on that device: a caller on cuda:1 could not mix it with its own tensors (here the
+    meta device stands in for a second GPU: the CPU build has no CUDA)."""
+    from machinlike.server._inference.batch import cuda_device, split
+
+    rows = torch.arange(6.0).reshape(3, 2)
+    meta = torch.device("meta")
+    cpu, other = split({"pi": rows, "v": rows[:, 0]}, [1, 2], "fn", [None, meta])
+    assert cpu["pi"].device.type == "cpu" and torch.equal(cpu["pi"], rows[:1])
+    assert other["pi"].device == meta and other["v"].device == meta and other["pi"].shape == (2, 2)
+    (alone,) = split(rows, [3], "fn", [meta])
+    assert alone.device == meta
+    assert split(rows, [3], "fn", [None])[0].device.type == "cpu"
+    assert cuda_device(rows) is None and cuda_device({"a": rows}) is None and cuda_device(None) is None
+

@@ -113,7 +113,9 @@ class InferenceServer:
 
         Returns:
             ``fn``'s output rows for ``x`` (a tensor, tuple or dict of tensors, as ``fn``
-            returns), on the CPU; with ``with_version``, ``(output, version)``.
+            returns), on the CPU, or on the GPU ``x`` came on when it holds CUDA tensors
+            (from a caller on this host: device to device through CUDA IPC); with
+            ``with_version``, ``(output, version)``.
 
         Raises:
             TypeError, ValueError: ``x`` is not rows of tensors, or a bad ``timeout``
@@ -241,7 +243,9 @@ class InferenceServerImpl:
             batches; None: weights change through :meth:`update` only.
         pull_every: Seconds between pulls from ``model_server``.
         version: The version of ``fn``'s weights now.
-        device: Where batches go before ``fn`` (outputs come back to the CPU); None: the CPU.
+        device: Where batches go before ``fn``; None: where they came (the CPU, or the
+            callers' GPU). Outputs go back to each request's own device (the CPU, or the
+            GPU its inputs came on).
         max_pending: Requests waiting at most; beyond, requests fail with RuntimeError.
         shm_threshold: Bytes from which a tensor of a caller on this host travels
             through shared memory (below, through TensorPipe); None: leave it to the

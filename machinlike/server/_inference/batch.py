@@ -15,10 +15,12 @@ from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union, 
 
 import torch
 
-__all__ = ["Inputs", "tensors_of", "check_inputs", "signature", "join", "split", "on_cuda", "nbytes", "to_device"]
+__all__ = ["Inputs", "tensors_of", "check_inputs", "signature", "join", "split", "cuda_device", "nbytes", "to_device"]
 
 Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...], Dict[str, torch.Tensor]]
 
+
+_CPU = torch.device("cpu")
 
 def tensors_of(x: Inputs) -> Tuple[torch.Tensor, ...]:
     """The tensors of a request's input, in order."""
@@ -108,11 +110,13 @@ def _rows(value: Any, total: int, what: str) -> List[torch.Tensor]:
     return tensors
 
 
-def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] = ()) -> List[Any]:
+def split(out: Any, counts: Sequence[int], what: str, devices: Sequence[Optional[torch.device]] = ()) -> List[Any]:
     """``out`` cut into one piece per request (``counts`` rows each), as CPU tensors, or
-    left on ``out``'s device for each request whose ``on_device`` is True (its inputs
-    came as CUDA tensors: the reply moves them device to device through CUDA IPC on this
-    host, see ``distributed._calls.cuda_ipc``).
+    on ``devices[i]`` for each request whose inputs came on that GPU (the reply moves them
+    device to device through CUDA IPC on this host, see ``distributed._calls.cuda_ipc``);
+    a device None, or absent: the CPU. Why the request's device and not the server's: a
+    caller on cuda:1 served on cuda:0 mixes the output with its own tensors, and would
+    need a context on cuda:0 (half a GiB) just to receive it.
 
     Pieces are copies when ``out`` is cut, so none of them drags the whole batch's
     storage along when it is sent.
@@ -123,9 +127,9 @@ def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] 
     """
     total = sum(counts)
     if len(counts) == 1 and type(out) is torch.Tensor and out.dim() and out.shape[0] == total \
-            and out.device.type == "cpu":
+            and out.device.type == "cpu" and (not devices or devices[0] is None):
         return [out.detach() if out.requires_grad else out]  # one request, one tensor: the common call
-    keep = any(on_device)
+    keep = any(device is not None for device in devices)
     tensors = [t.detach() if keep else t.detach().cpu() for t in _rows(out, total, what)]
     if len(counts) == 1:
         columns = [[t] for t in tensors]
@@ -134,8 +138,9 @@ def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] 
     pieces: List[Any] = []
     for i in range(len(counts)):
         row = [column[i] for column in columns]
-        if keep and not on_device[i]:
-            row = [t.cpu() for t in row]
+        if keep:
+            device = devices[i] if devices[i] is not None else _CPU
+            row = [t if t.device == device else t.to(device) for t in row]
         if isinstance(out, dict):
             pieces.append(dict(zip(out.keys(), row)))
         elif isinstance(out, list):  # (as fn returned it: cold trial 29 got a tuple)
@@ -147,11 +152,14 @@ def split(out: Any, counts: Sequence[int], what: str, on_device: Sequence[bool] 
     return pieces
 
 
-def on_cuda(x: Optional[Inputs]) -> bool:
-    """Whether a request's inputs came as CUDA tensors (its outputs then stay on the GPU)."""
+def cuda_device(x: Optional[Inputs]) -> Optional[torch.device]:
+    """The GPU a request's inputs came on (its first CUDA tensor's; its outputs go back
+    there); None: they came on the CPU."""
     if x is None:
-        return False
-    return x.is_cuda if isinstance(x, torch.Tensor) else any(t.is_cuda for t in tensors_of(x))
+        return None
+    if isinstance(x, torch.Tensor):
+        return x.device if x.is_cuda else None
+    return next((t.device for t in tensors_of(x) if t.is_cuda), None)
 
 
 def nbytes(x: Inputs) -> int:

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Hashable, List, Optional, Tuple
 
-from .batch import Inputs, join, on_cuda, signature, split
+from .batch import Inputs, cuda_device, join, signature, split
 from .company import Company
 from .request import Request
 from ...exception import freeze_traceback
@@ -206,7 +206,7 @@ class Batcher:
         start = time.monotonic()
         try:
             out, version = self._run_model(join([req.x for req in batch]))  # type: ignore[misc]
-            pieces = split(out, [req.rows for req in batch], self._fn_what, [on_cuda(req.x) for req in batch])
+            pieces = split(out, [req.rows for req in batch], self._fn_what, [cuda_device(req.x) for req in batch])
         except Exception as exc:
             self._count_fn(batch, start, ok=False)
             if len(batch) == 1:
@@ -243,7 +243,7 @@ class Batcher:
         start = time.monotonic()
         try:
             out, version = self._run_model(req.x)  # type: ignore[arg-type]
-            value = (split(out, (req.rows,), self._fn_what, (on_cuda(req.x),))[0], version)
+            value = (split(out, (req.rows,), self._fn_what, (cuda_device(req.x),))[0], version)
         except BaseException as exc:
             self._count_fn([req], start, ok=False, idle=True)
             if not isinstance(exc, Exception):

@@ -14,6 +14,7 @@ the running batch.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import threading
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -54,6 +55,14 @@ class ModelSlot:
     def run(self, batch: Inputs) -> Tuple[Any, int]:
         if self.device is not None:
             batch = to_device(batch, self.device)
+            if self.device.type == "cuda":
+                # The server's GPU current while fn runs: the batcher and RPC threads start
+                # on cuda:0, and fn's own torch.zeros(..., device="cuda") would land there.
+                with torch.cuda.device(self.device):
+                    return self._run(batch)
+        return self._run(batch)
+
+    def _run(self, batch: Inputs) -> Tuple[Any, int]:
         # Grad mode is per thread: set here, fewer Python frames than torch.no_grad's
         # context (a no-op call costs ~80 us on the host, every frame shows).
         with self._lock:
@@ -81,7 +90,15 @@ class ModelSlot:
                 raise StaleVersionError(f"version {version} is older than version {self.version}, which the "
                                         f"server runs now (nothing was loaded): pass a version of at least "
                                         f"{self.version}")
+            # On a GPU the copies run on the loading thread's stream (a caller of update()
+            # under a stream of its own), not the batcher's: a batch still queued would read
+            # weights half written, and the next one could too. Swaps are rare: wait for both.
+            devices = {t.device for t in itertools.chain(module.parameters(), module.buffers()) if t.is_cuda}
+            for device in devices:
+                torch.cuda.synchronize(device)
             module.load_state_dict(state)
+            for device in devices:
+                torch.cuda.synchronize(device)
             self.version = version
 
 
