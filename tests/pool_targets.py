@@ -398,3 +398,8 @@ def raise_holding_a_cuda_tensor(_=None):
     Pickler._copy_table[torch.Tensor] = _claims_cuda(original)
     copy_reductions._reduce_tensor_copy = _claims_cuda(original)
     raise ValueError("a bad batch", torch.arange(3.0))
+
+
+def raise_with_a_real_cuda_tensor(_=None):
+    """Raise an exception holding a CUDA tensor made in this worker."""
+    raise ValueError("a bad batch", torch.arange(3.0, device="cuda"))

@@ -211,6 +211,10 @@ def test_model_and_inference_servers_stay_on_the_gpu(world):
         assert out.device.type == "cuda" and torch.equal(out, x * 2)
         cpu_out = group.get_paired("infer").to_here().infer(x.cpu())
         assert cpu_out.device.type == "cpu" and torch.equal(cpu_out, x.cpu() * 2)  # CPU in, CPU out
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # then()'s future settles in the reading thread: ordered on side
+            late = group.get_paired("infer").to_here().infer_async(x).wait()
+            assert late.device == x.device and torch.equal(late, x * 2)
         assert not _staged(_cuda_ipc.stats()) and not _staged(group.registered_sync("stats"))
     group.barrier()
     for impl in impls:

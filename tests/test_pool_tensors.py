@@ -248,3 +248,16 @@ def test_a_workers_exception_holding_a_cuda_tensor_arrives_with_a_cpu_copy(metho
                 pool.map(targets.raise_holding_a_cuda_tensor, [1], chunksize=1)
     message, tensor = caught.value.args
     assert tensor.device.type == "cpu" and torch.equal(tensor, torch.arange(3.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", [{}, {"is_copy_tensor": False, "share_method": "cuda"}], ids=["copy", "share"])
+def test_a_workers_exception_holding_a_real_cuda_tensor_arrives_with_a_cpu_copy(policy):
+    with Pool(1, **policy) as pool:
+        with pytest.raises(ValueError, match="a bad batch") as caught:
+            pool.apply(targets.raise_with_a_real_cuda_tensor)
+        assert pool.apply(targets.square, (3,)) == 9  # the worker lives on
+    tensor = caught.value.args[1]
+    assert tensor.device.type == "cpu" and torch.equal(tensor, torch.arange(3.0))
+
