@@ -53,7 +53,6 @@ import atexit
 import contextlib
 import functools
 import hashlib
-import operator
 import os
 import threading
 from collections import OrderedDict
@@ -63,6 +62,7 @@ import torch
 
 from .cuda_ipc_area import FREE, UNSETTLED, ExportArea, Lease
 from .cuda_ipc_open import Opened, OpenCache
+from .cuda_ipc_refs import Group as _Group, Ref as _Ref
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
@@ -240,39 +240,6 @@ def eligible(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and not tensor.is_quantized and not tensor.is_nested
 
 
-class _Group:
-    """One device's tensors of one message; pickles as the receiver's copy-out call."""
-
-    __slots__ = ("index", "tensors", "reduced")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.tensors: List[torch.Tensor] = []
-        self.reduced: Optional[Tuple[Any, ...]] = None
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        if self.reduced is None:
-            raise RuntimeError("a CUDA IPC group was pickled before it was committed")
-        return self.reduced
-
-
-class _Ref:
-    """One tensor of a message: the ``i``-th of its group's copies, or a staged tensor."""
-
-    __slots__ = ("group", "i", "staged")
-
-    def __init__(self, group: _Group, i: int) -> None:
-        self.group = group
-        self.i = i
-        self.staged: Any = None
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        if self.staged is not None:
-            return self.staged.__reduce__()
-        # The group pickles once (pickle's memo): the receiver copies all of it in one call.
-        return operator.getitem, (self.group, self.i)
-
-
 class Batch:
     """The CUDA tensors of one message bound for ``target`` (``(key, pid)``)."""
 
@@ -332,19 +299,8 @@ class Batch:
         if lease is None:
             _counts.add("staged_no_room", len(group.tensors))
             return None
-        copy = found is None
-        try:
-            return self._write(group, area, lease, layout, offset, copy)
-        finally:
-            if copy:
-                area.filled(lease)
-
-    @staticmethod
-    def _write(group: _Group, area: ExportArea, lease: Lease, layout: List[int], offset: int,
-               copy: bool) -> Optional[Lease]:
-        """``_fill``'s copies into ``lease``'s slab (``copy``; a pinned one is read in
-        place), then the group's reduction; None: they failed (the lease ended, counted)."""
         slab = lease.slab
+        copy = found is None
         try:
             if copy and area.unsettled(slab):  # copies of a message whose lease ended early may be queued
                 ops.after_writes(slab)
@@ -365,6 +321,9 @@ class Batch:
             area.release(lease)
             _counts.add("staged_export_failed", 1, f"staged_export_failed:{type(exc).__name__}")
             return None
+        finally:
+            if copy:  # (written, or given up: a dead taker's lease may be reclaimed from now on)
+                area.filled(lease)
         _counts.add("sent_tensors", len(group.tensors), "sent_bytes", offset)
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
