@@ -217,6 +217,10 @@ class _Reducer:
 
     def _main(self) -> None:
         try:
+            if self.device.type == "cuda":
+                # A new thread starts on cuda:0: the reduction, the optimizer's step and the
+                # user's hooks run with reduce_device current (its device index, per thread).
+                torch.cuda.set_device(self.device)
             while True:
                 items = self._take()
                 if items is None:
