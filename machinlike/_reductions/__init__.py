@@ -12,6 +12,6 @@ from .table import DispatchTable
 from .undo import undo_mark, undo_release, undo_rollback
 
 __all__ = [
-    "DispatchTable", "manager_primer", "share_reducers", "reduce_tensor_share", "copy_reducers", "cpu_copy_reducers", "undo_mark",
-    "undo_rollback", "undo_release", "reduce_array_named", "expanded", "expand_back",
+    "DispatchTable", "manager_primer", "share_reducers", "reduce_tensor_share", "copy_reducers", "cpu_copy_reducers",
+    "undo_mark", "undo_rollback", "undo_release", "reduce_array_named", "expanded", "expand_back",
 ]

@@ -234,8 +234,6 @@ class ExportArea:
         copies may still be queued, so each slab's next writer waits for them)."""
         with self._lock:
             for lease in leases:
-                if lease.row < SLOTS:
-                    self._filling.discard(lease.slab.slot)
                 if self.words[lease.row, 0] == lease.ident:
                     if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
                         lease.slab.unsent = True

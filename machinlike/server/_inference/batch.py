@@ -22,6 +22,7 @@ Inputs = Union[torch.Tensor, Tuple[torch.Tensor, ...], Dict[str, torch.Tensor]]
 
 _CPU = torch.device("cpu")
 
+
 def tensors_of(x: Inputs) -> Tuple[torch.Tensor, ...]:
     """The tensors of a request's input, in order."""
     if isinstance(x, torch.Tensor):
