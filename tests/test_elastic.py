@@ -13,6 +13,7 @@ import time
 import traceback
 
 import pytest
+from proc_util import wait_stopped
 
 from machinlike import launch
 from machinlike.distributed import MemberEvent, World
@@ -1026,6 +1027,7 @@ def _frozen_body(world):
     group.barrier(timeout=30)
     pid = group.get_paired("pid").to_here(timeout=10)
     os.kill(pid, signal.SIGSTOP)
+    wait_stopped(pid)  # (kill only queues it: a thread of v's that is running answered the call, CI of stop 97)
     start = time.monotonic()
     try:
         # Its heartbeat's silence bound (liveness 2 s), as a remote member's: not never.
