@@ -190,6 +190,10 @@ def make_tensor(numel: int, value: float) -> torch.Tensor:
     return torch.full((numel,), value)
 
 
+def make_cuda_tensor(numel: int, value: float) -> torch.Tensor:
+    return torch.full((numel,), value, device="cuda")
+
+
 # ----------------------------------------------------------------------- contexts, init
 
 _state = {}

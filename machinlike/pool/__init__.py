@@ -31,7 +31,9 @@ Process pools
   - ``is_copy_tensor=False, share_method="cpu"``: CPU tensors are passed by reference
     through shared memory (moved there on their first trip; no copy afterwards). The
     same tensor can be sent any number of times; each worker maps it once.
-  - ``share_method="cuda"``: CUDA tensors through CUDA IPC handles.
+  - ``share_method="cuda"``: CUDA tensors through CUDA IPC handles; a result arrives as a
+    device copy the caller owns, and the GPU memory of arguments nobody loaded or a dead
+    worker held is given back (``_cuda_shares``).
 
 * Crashes: a worker that dies (``sys.exit``, ``os._exit``, a segfault, SIGKILL from
   outside...) fails only the task it had started, with

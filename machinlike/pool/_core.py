@@ -70,7 +70,8 @@ from ._policy import Codec
 from ._result import Job
 from ._state import PoolFlags, PoolState
 from ._supervisor import Supervisor
-from ._task import Function, Task, fail_tasks
+from ._cuda_shares import pickled_counters, release_unheld
+from ._task import Function, Task, fail_tasks, release_cuda
 from ._wakeup import Wakeup
 from ._watch import Watch
 from ._wire import TASK_CALL, TASK_MAP
@@ -175,8 +176,14 @@ class ProcessCore:
         Raises:
             pickle.PicklingError, TypeError: it cannot be pickled.
         """
-        data, kept = self._codec.dumps_tracked(func, multi_load=True)
-        return Function(next(self._function_ids), data, kept)
+        codec = self._codec
+        data, kept = codec.dumps_tracked(func, multi_load=True)
+        kept, counters = pickled_counters(kept)
+        if not counters:
+            return Function(next(self._function_ids), data, kept)
+        # CUDA tensors: one pickle per worker (see _cuda_shares); this one is never sent
+        release_unheld(counters)
+        return Function(next(self._function_ids), b"", kept, lambda: codec.dumps_tracked(func, multi_load=True))
 
     def call(self, job: Job, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
         """Queue ``func(*args, **kwds)``; an encoding error fails ``job`` at once."""
@@ -185,7 +192,8 @@ class ProcessCore:
         except Exception as exc:
             job._failed(0, 1, exc)
             return
-        self._enqueue([Task(job, 0, 1, TASK_CALL, 0, None, payload, bool(kept))], None, False)
+        kept, counters = pickled_counters(kept)
+        self._enqueue([Task(job, 0, 1, TASK_CALL, 0, None, payload, bool(kept), counters)], None, False)
 
     def map(self, job: Optional[Job], function: Function, star: bool, chunks: Iterable[Tuple[int, list]], final: bool) -> None:
         """Queue chunks ``(start, items)`` of ``job``; ``final``: no more will come."""
@@ -201,7 +209,8 @@ class ProcessCore:
             except Exception as exc:
                 job._failed(start, len(items), exc)
                 continue
-            tasks.append(Task(job, start, len(items), TASK_MAP, flag, function, payload, bool(kept)))
+            kept, counters = pickled_counters(kept)
+            tasks.append(Task(job, start, len(items), TASK_MAP, flag, function, payload, bool(kept), counters))
         self._enqueue(tasks, function, final)
 
     def feed_opened(self) -> None:
@@ -234,8 +243,12 @@ class ProcessCore:
         if wake:
             self._wakeup.wake()
         if first:
-            fail_tasks(tasks, PoolTerminatedError("the pool was terminated before this task finished"), self._codec)
+            fail_tasks(tasks, PoolTerminatedError("the pool was terminated before this task finished"), self._codec,
+                       cuda=False)
             end_processes([w.process for w in workers], TERM_GRACE, close=True)
+            release_cuda(tasks)  # (every worker has ended: what none of them gave back)
+            for w in workers:
+                w.release_cuda()
         thread = self._manager.thread
         if thread is not None and thread.ident != threading.get_ident():
             thread.join(_JOIN_WAIT)

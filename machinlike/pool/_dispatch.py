@@ -160,7 +160,14 @@ class Dispatcher:
                 discard([task], self._codec)
                 continue
             w = candidates[i]
-            self._assign(w, task)
+            try:
+                self._assign(w, task)
+            except BaseException:
+                # (a map's function holding CUDA tensors is pickled again per worker, and
+                # that failed: nothing was sent; whoever pumps next meets it, at the latest
+                # the manager thread, which breaks the pool with it)
+                backlog.appendleft(task)
+                raise
             loads[i] += 1
             capacities[i] -= 1
             self._rotation = (i + 1) % len(candidates)

@@ -29,12 +29,16 @@ import os
 from collections import deque
 from typing import Any, Deque, List, Optional, Tuple
 
+from ._cuda_shares import CudaCounter, read_counter, release_unheld
 from ._ledger import RING, Ledger
 from ._schedule import capacity, steal_count
 from ._task import Function, Task
 from ._wire import DROP, INSTALL, STOP, FrameReader, OutBuffer
 
 __all__ = ["Life", "WorkerHandle"]
+
+# CUDA references a worker holds are read again (those given back forgotten) from this many.
+_PRUNE_FIRST = 64
 
 
 class Life(enum.Enum):
@@ -62,7 +66,7 @@ class WorkerHandle:
     __slots__ = (
         "slot", "name", "process", "pid", "sentinel", "task_conn", "result_conn", "task_fd", "result_fd",
         "reader", "out", "ledger", "inflight", "next_seq", "assigned", "life", "started_up", "successor_of",
-        "want_write",
+        "want_write", "cuda_held", "_prune_at",
     )
 
     def __init__(self, slot: int, name: str, process: Any, task_conn: Any, result_conn: Any, ledger: Ledger) -> None:
@@ -85,6 +89,9 @@ class WorkerHandle:
         # task before that one has exited: a pool never runs more than `processes`.
         self.successor_of: Optional["WorkerHandle"] = None
         self.want_write = False  # frames are buffered that the pipe did not take
+        # CUDA references of what reached it, until it gives them back (see _cuda_shares)
+        self.cuda_held: List[CudaCounter] = []
+        self._prune_at = _PRUNE_FIRST
         os.set_blocking(self.task_fd, False)
         os.set_blocking(self.result_fd, False)
 
@@ -153,13 +160,33 @@ class WorkerHandle:
         if function is not None:
             extra = function.id
             if self not in function.holders:
+                data, counters = function.install_payload()
                 function.holders.add(self)
-                self.out.push(INSTALL, 0, 0, extra, function.data)
+                self.cuda_held.extend(counters)
+                self.out.push(INSTALL, 0, 0, extra, data)
         task.seq = self.next_seq
         self.next_seq += 1
         self.inflight.append(task)
         self.assigned += 1
         self.out.push(task.kind, task.star, task.seq, extra, task.payload)
+
+    def hold_cuda(self, task: Task) -> None:
+        """``task`` reached it (its outcome is in): its CUDA references are the worker's to
+        give back, until it ends. Those it gave back already are forgotten, now and then."""
+        if not task.cuda:
+            return
+        held = self.cuda_held
+        held.extend(task.cuda)
+        task.cuda = ()
+        if len(held) >= self._prune_at:
+            held[:] = [c for c in held if read_counter(c)]
+            self._prune_at = max(_PRUNE_FIRST, 2 * len(held))
+
+    def release_cuda(self) -> None:
+        """(it has ended) Give back the CUDA references it was handed and did not."""
+        held, self.cuda_held = self.cuda_held, []
+        if held:
+            release_unheld(held)
 
     def drop(self, function: Function) -> None:
         """Queue the frame that uninstalls ``function`` (not flushed)."""

@@ -36,7 +36,7 @@ from ._ledger import PHASES
 from ._policy import Codec
 from ._state import PoolFlags, PoolState
 from ._supervisor import Supervisor
-from ._task import Task, fail_tasks
+from ._task import Task, fail_tasks, release_cuda
 from ._wakeup import Wakeup
 from ._watch import RESULT, SENTINEL, TASK, WAKE, Watch
 from ._wire import DONE, EXITING, FAILED, INIT_FAILED, PARTIAL, READY
@@ -98,9 +98,11 @@ class Manager:
                 return
             tasks = self._dispatch.take_all()
             workers = self._dispatch.release_workers()
-        fail_tasks(tasks, error, self._codec)
+        fail_tasks(tasks, error, self._codec, cuda=False)
         end_processes([w.process for w in workers], TERM_GRACE, close=True)
+        release_cuda(tasks)  # (every worker has ended: what none of them gave back)
         for w in workers:
+            w.release_cuda()
             w.close_channels()
 
     # ------------------------------------------------------------------ the loop
@@ -204,6 +206,7 @@ class Manager:
             return
         if kind == EXITING:
             w.mark_exiting()
+        w.hold_cuda(task)  # it loaded the task: its CUDA references are the worker's to give back
         self._dispatch.settled(task)
         out.append((task, kind, payload, w))
 
@@ -224,6 +227,8 @@ class Manager:
         phase = PHASES.get(w.phase(), "")
         if server is not None:
             phase += f"; the warm forkserver that started it (pid {server}) died, which ended it"
+        release_cuda(lost)  # (it has ended: what it held and never gave back)
+        w.release_cuda()
         for task in lost:
             dispatch.settled(task)
             out.append((task, _LOST, WorkerLostError(w.name, w.pid, exitcode, phase), w))
@@ -263,7 +268,7 @@ class Manager:
         """Decode a task's outcome and settle its job (callbacks run here)."""
         job, start, count = task.job, task.start, task.count
         task.payload = b""
-        loads = self._codec.loads
+        loads = self._codec.loads_result
         try:
             if kind == DONE:
                 job._done(start, count, loads(payload))

@@ -14,7 +14,9 @@ with a dispatch table per policy::
                                  mapped once per receiver
     share_method="cuda"          as in copy                         CUDA IPC handle (a tensor
                                                                     received through IPC and
-                                                                    sent on: a device copy)
+                                                                    sent on: a device copy;
+                                                                    a result: copied on
+                                                                    arrival, _cuda_shares)
 
 A numpy array of at least 1 MiB (without Python objects in it) travels as a copy through
 a lent segment under every policy, or through fresh named shared memory when several
@@ -37,7 +39,9 @@ page fault on the way). A storage already shared by name keeps torch's path.
 :meth:`Codec.dumps_tracked` also returns the storages the payload refers to by name, so
 that a payload loaded by several workers (a map's function) can keep them alive in the
 pool until every worker has loaded it: a named segment is unlinked as soon as nobody
-holds it, and torch counts one pickling as one load.
+holds it, and torch counts one pickling as one load. It returns the CUDA IPC references
+a payload hands out too (``_cuda_shares.CudaCounter``): the pool gives back those that
+nobody loaded or whose receiver died.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ import torch
 from torch.multiprocessing import reductions as _torch_red
 
 from .. import _reductions, _shm
+from .._reductions.undo import note_undo
 from ..pickle import Pickler
+from . import _cuda_shares
 
 __all__ = ["Codec", "LARGE_TENSOR_BYTES"]
 
@@ -61,7 +67,7 @@ LARGE_TENSOR_BYTES = 1 << 20
 _tracking = threading.local()
 
 
-def _track(storage: Union[torch.UntypedStorage, torch.Tensor, np.ndarray]) -> None:
+def _track(storage: Union[torch.UntypedStorage, torch.Tensor, np.ndarray, _cuda_shares.CudaCounter]) -> None:
     kept = getattr(_tracking, "kept", None)
     if kept is not None:
         kept.append(storage)
@@ -165,7 +171,12 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
         if kind == "cuda" and share_cuda:
             # A tensor the worker was given and returns goes back as a device copy
             # (CUDA cannot re-export imported memory; see reduce_tensor_share).
-            return _reductions.reduce_tensor_share(tensor)
+            reduced = _reductions.reduce_tensor_share(tensor)
+            counter = _cuda_shares.counter_of(reduced)
+            if counter is not None:  # who gives it back if nobody loads it: see _cuda_shares
+                _track(counter)
+                note_undo(lambda: _cuda_shares.release_unheld([counter]))
+            return reduced
         return copy_tensor(tensor)
 
     table = _reductions.copy_reducers()
@@ -287,6 +298,20 @@ class Codec:
             _tracking.kept, _tracking.multi_load = outer
 
     loads = staticmethod(pickle.loads)
+
+    def loads_here(self, data: bytes) -> Any:
+        """Load a payload in the process that made it (to release what it holds in shared
+        memory): CUDA tensors come back as None (see ``_cuda_shares.loads_without_cuda``)."""
+        if "cuda" in self.share:
+            return _cuda_shares.loads_without_cuda(data)
+        return pickle.loads(data)
+
+    def loads_result(self, data: bytes) -> Any:
+        """Load a worker's outcome: CUDA tensors shared by the worker arrive as device
+        copies the caller owns (the worker's memory goes with it; see ``_cuda_shares``)."""
+        if "cuda" in self.share:
+            return _cuda_shares.loads_owned(data)
+        return pickle.loads(data)
 
     def _key(self) -> Tuple[Any, ...]:
         return (id(self._table), self.recurse)

@@ -14,14 +14,15 @@ These records carry no lock: the engine changes them with its lock held.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, List, Optional, Protocol, Set
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Protocol, Set, Tuple
 
+from ._cuda_shares import CudaCounter, pickled_counters, release_unheld
 from ._policy import Codec
 
 if TYPE_CHECKING:
     from ._result import Job
 
-__all__ = ["Function", "FunctionHolder", "Task", "discard", "fail_tasks"]
+__all__ = ["Function", "FunctionHolder", "Task", "abort_jobs", "discard", "fail_tasks", "release_cuda"]
 
 
 class FunctionHolder(Protocol):
@@ -36,14 +37,27 @@ class FunctionHolder(Protocol):
 
 
 class Function:
-    """A map's function, pickled once, installed on the workers that run its chunks."""
+    """A map's function, pickled once, installed on the workers that run its chunks.
 
-    __slots__ = ("id", "data", "kept", "outstanding", "final", "holders")
+    Args:
+        function_id: Its id in the workers' frames.
+        data: Its pickle, which every install sends; unused with ``encode``.
+        kept: Shared storages ``data`` names: alive until every load.
+        encode: Pickles it again for each install (None: ``data`` for all): for a function
+            holding CUDA tensors, whose references stand for one receiver each (see
+            ``_cuda_shares``). Returns the pickle and what it tracked.
+    """
 
-    def __init__(self, function_id: int, data: bytes, kept: List[Any]) -> None:
+    __slots__ = ("id", "data", "kept", "encode", "outstanding", "final", "holders")
+
+    def __init__(
+        self, function_id: int, data: bytes, kept: List[Any],
+        encode: Optional[Callable[[], Tuple[bytes, List[Any]]]] = None,
+    ) -> None:
         self.id = function_id
         self.data = data
-        self.kept = kept  # shared storages named by `data`: alive until every load
+        self.kept = kept
+        self.encode = encode
         self.outstanding = 0
         self.final = False
         self.holders: Set[FunctionHolder] = set()
@@ -52,6 +66,19 @@ class Function:
         """Final, and no chunk of it is queued or running."""
         return self.final and not self.outstanding
 
+    def install_payload(self) -> Tuple[bytes, Tuple[CudaCounter, ...]]:
+        """The pickle one install sends, and the CUDA references it hands that worker.
+
+        Raises:
+            pickle.PicklingError, TypeError: pickling it again failed (it did once).
+        """
+        if self.encode is None:
+            return self.data, ()
+        data, kept = self.encode()
+        kept, counters = pickled_counters(kept)
+        self.kept.extend(kept)
+        return data, counters
+
 
 class Task:
     """One call or one map chunk of ``job``: positions ``start .. start+count-1``.
@@ -59,11 +86,11 @@ class Task:
     ``seq`` is its number in the channel of the worker that holds it (-1: in the backlog).
     """
 
-    __slots__ = ("job", "start", "count", "kind", "star", "function", "payload", "shares", "seq")
+    __slots__ = ("job", "start", "count", "kind", "star", "function", "payload", "shares", "cuda", "seq")
 
     def __init__(
         self, job: "Job", start: int, count: int, kind: int, star: int,
-        function: Optional[Function], payload: bytes, shares: bool,
+        function: Optional[Function], payload: bytes, shares: bool, cuda: Tuple[CudaCounter, ...] = (),
     ) -> None:
         self.job = job
         self.start = start
@@ -73,25 +100,54 @@ class Task:
         self.function = function
         self.payload = payload
         self.shares = shares  # the payload names shared storages (released by loading it)
+        self.cuda = cuda  # CUDA IPC references it hands its receiver (see _cuda_shares)
         self.seq = -1
 
 
-def discard(tasks: Iterable[Task], codec: Codec) -> None:
-    """Release what undelivered payloads hold in shared memory (loading drops it)."""
+def discard(tasks: Iterable[Task], codec: Codec, cuda: bool = True) -> None:
+    """Release what undelivered payloads hold in shared memory (loading drops it).
+
+    Args:
+        tasks: The tasks.
+        codec: Their pool's codec.
+        cuda: Also give back their CUDA references still counted: only when no live
+            worker can hold them (else :func:`release_cuda` once the workers ended).
+    """
+    tasks = list(tasks)
     for task in tasks:
         if task.shares:
             try:
-                codec.loads(task.payload)
+                codec.loads_here(task.payload)
             except Exception:  # best effort: the payload's owner is gone anyway
                 pass
         task.payload = b""
+    if cuda:
+        release_cuda(tasks)
 
 
-def fail_tasks(tasks: List[Task], error: BaseException, codec: Codec) -> None:
-    """End the jobs of ``tasks`` for good with ``error``, releasing their payloads."""
+def release_cuda(tasks: Iterable[Task]) -> None:
+    """Give back the CUDA references of ``tasks`` that no receiver did (every worker that
+    may have loaded them has ended)."""
+    counters: List[CudaCounter] = []
+    for task in tasks:
+        if task.cuda:
+            counters.extend(task.cuda)
+            task.cuda = ()
+    if counters:
+        release_unheld(counters)
+
+
+def abort_jobs(tasks: Iterable[Task], error: BaseException) -> None:
+    """End the jobs of ``tasks`` for good with ``error``."""
     jobs = {}
     for task in tasks:
         jobs[id(task.job)] = task.job
-    discard(tasks, codec)
     for job in jobs.values():
         job._abort(error)
+
+
+def fail_tasks(tasks: List[Task], error: BaseException, codec: Codec, cuda: bool = True) -> None:
+    """End the jobs of ``tasks`` for good with ``error``, releasing their payloads
+    (``cuda``: as for :func:`discard`)."""
+    discard(tasks, codec, cuda)
+    abort_jobs(tasks, error)
