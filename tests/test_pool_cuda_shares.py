@@ -12,6 +12,8 @@ import gc
 import os
 import pickle
 import signal
+import threading
+import time
 
 import pool_targets as targets
 import pytest
@@ -30,9 +32,9 @@ WAIT = 60.0
 def counters():
     """A real file of torch's reference counted shared memory (the allocator CUDA IPC
     counters live in) and an int64 view of its data: (handle, view)."""
-    storage = torch.UntypedStorage(8 * 16)
+    storage = torch.UntypedStorage(8 * 4096)
     _manager, handle, _size = storage._share_filename_cpu_()
-    view = torch.empty(0, dtype=torch.int64).set_(storage, 0, (16,))  # type: ignore[call-overload]
+    view = torch.empty(0, dtype=torch.int64).set_(storage, 0, (4096,))  # type: ignore[call-overload]
     view.zero_()
     yield handle, view
     del view, storage
@@ -48,8 +50,8 @@ def fresh_state(monkeypatch):
 
 def test_the_reader_finds_each_counter_after_torchs_header(counters):
     handle, view = counters
-    view.copy_(torch.arange(16) * 3 + 1)
-    assert [_cuda_shares.read_counter(CudaCounter(handle, i)) for i in range(16)] == [3 * i + 1 for i in range(16)]
+    view[:64] = torch.arange(64) * 3 + 1
+    assert [_cuda_shares.read_counter(CudaCounter(handle, i)) for i in range(64)] == [3 * i + 1 for i in range(64)]
     view[5] = -1  # a receiver that took one off too many: read as the signed int64 torch writes
     assert _cuda_shares.read_counter(CudaCounter(handle, 5)) == -1
     assert _cuda_shares.read_counter(CudaCounter(b"/torch_no_such_file_0", 0)) is None
@@ -127,9 +129,9 @@ def test_the_sender_loads_its_own_payload_with_cuda_tensors_as_none():
 class _Shared:
     """Pickles as torch's CUDA tensor reduction naming a storage ``handle``."""
 
-    def __init__(self, cls, size, stride, offset, handle, requires_grad=False):
+    def __init__(self, cls, size, stride, offset, handle, requires_grad=False, counter=0):
         self.args = (cls, torch.Size(size), stride, offset, torch.UntypedStorage, torch.float32, 0,
-                     handle, 32, 0, requires_grad, b"counter", 0, b"event", True)
+                     handle, 32, 0, requires_grad, b"counter", counter, b"event", True)
 
     def __reduce__(self):
         return torch_red.rebuild_cuda_tensor, self.args
@@ -148,12 +150,17 @@ def test_a_result_loads_as_a_copy_that_keeps_its_views_and_parameters(monkeypatc
 
     data = pickle.dumps([
         _Shared(torch.Tensor, [8], (1,), 0, b"a"),
-        _Shared(torch.Tensor, [2, 2], (1, 2), 3, b"a"),
+        _Shared(torch.Tensor, [2, 2], (1, 2), 3, b"a", counter=1),
         _Shared(torch.nn.Parameter, [4], (1,), 0, b"b", requires_grad=True),
     ])  # (naming torch's rebuild: pickled before it is stood in for)
     monkeypatch.setattr(torch_red, "rebuild_cuda_tensor", rebuild)
+    released = []
+    monkeypatch.setattr(_cuda_shares, "_torch_release", released.append)
     whole, view, param = _cuda_shares.loads_owned(data)
     assert opened == [b"a", b"b"]  # each sender storage opened once
+    # the view's reduction, a second count on storage "a", is given back at once (the
+    # opening's free gives back the first)
+    assert released == [CudaCounter(b"counter", 1)]
     assert whole.tolist() == list(range(8)) and view.tolist() == [[3.0, 5.0], [4.0, 6.0]]
     assert isinstance(param, torch.nn.Parameter) and param.requires_grad and param.tolist() == [7.0] * 4
     assert whole.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()  # views stay views
@@ -170,16 +177,19 @@ class _Handout:
 
     def __init__(self, handle, view, monkeypatch) -> None:
         self.handle, self.view, self.next = handle, view, 0
-        self.multi_load = []
+        self.labels = {}
         original = Codec.dumps_tracked
+        lock = threading.Lock()
 
         def dumps_tracked(codec, obj, multi_load=False):
             data, kept = original(codec, obj, multi_load)
-            counter = CudaCounter(handle, self.next)
-            view[self.next] = 1
-            self.next += 1
-            if multi_load:
-                self.multi_load.append(counter.offset)
+            with lock:  # (callers' threads and the manager's pickle at once)
+                counter = CudaCounter(handle, self.next)
+                view[self.next] = 1
+                # what a pool pickles: a worker's start-up, a map's function, a call or a chunk
+                self.labels[self.next] = "init" if isinstance(obj, tuple) and len(obj) == 4 else \
+                    "function" if multi_load else "task"
+                self.next += 1
             return data, kept + [counter]
 
         def torch_release(counter):
@@ -189,43 +199,109 @@ class _Handout:
         monkeypatch.setattr(_cuda_shares, "_torch_release", torch_release)
 
     def counted(self):
-        """Offsets still counted (handed out, not given back)."""
-        return [i for i in range(self.next) if int(self.view[i]) != 0]
+        """Labels of the references still counted (handed out, not given back)."""
+        return sorted(self.labels[i] for i in range(self.next) if int(self.view[i]) != 0)
+
+    def handed(self, label):
+        return sum(1 for value in self.labels.values() if value == label)
 
 
-def test_the_pool_gives_back_what_a_killed_worker_held_what_nobody_ran_and_a_maps_installs(
-    counters, fresh_state, monkeypatch, tmp_path,
-):
+def test_the_pool_gives_back_what_dead_workers_held_and_what_nobody_ran(counters, fresh_state, monkeypatch, tmp_path):
     """Real workers, a real SIGKILL; the references stand in for CUDA ones (see _Handout)."""
     handout = _Handout(*counters, monkeypatch)
     started = targets.AnnounceFifo(tmp_path / "started")
     release = targets.ReleaseFifo(tmp_path / "go")
-    pool = Pool(1, is_copy_tensor=False, share_method="cuda")
+    pool = Pool(2, is_copy_tensor=False, share_method="cuda")
     try:
-        assert pool.apply(targets.square, (3,)) == 9  # reference 0: the worker holds it while it lives
-        assert handout.counted() == [0]
-        doomed = pool.apply_async(targets.crash, ("sigkill", started.path))  # 1
+        assert pool.apply(targets.square, (3,)) == 9
+        assert handout.counted() == ["init", "init", "task"]  # the workers hold them while they live
+        doomed = pool.apply_async(targets.crash, ("sigkill", started.path))
         os.kill(started.read_pid(WAIT), signal.SIGKILL)
         with pytest.raises(WorkerLostError):
             doomed.get(WAIT)
-        assert handout.counted() == []  # what it ran and what it was running: both back
-        # A map's function is pickled once per worker it is installed on (2, 3: the first
-        # pickle, never sent, is given back at once; then one per install).
-        assert pool.map(targets.square, range(4), chunksize=2) == [0, 1, 4, 9]
-        assert handout.multi_load and handout.multi_load[0] not in handout.counted()
-        held = handout.counted()
+        # the dead worker's start-up and task (and the first task, if it ran there) are
+        # back; its replacement's start-up is handed out
+        deadline = time.monotonic() + WAIT
+        while handout.handed("init") < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the manager starts it on its own; nothing to wait on here)
+        assert pool.map(targets.pid_of, range(2), chunksize=1)
+        assert handout.counted().count("init") == 2
+        # A map's function: one pickle per worker it is installed on (torch counts one
+        # receiver per pickle), the first one included
+        before = handout.handed("function")
+        assert pool.map(targets.square, range(8), chunksize=1) == [i * i for i in range(8)]
+        assert 1 <= handout.handed("function") - before <= 2
         blocker = pool.apply_async(targets.announce_then_wait, (started.path, release.path))
         started.read_pid(WAIT)
-        queued = [pool.apply_async(targets.square, (i,)) for i in range(3)]  # nobody runs these
-        assert set(handout.counted()) >= set(held)
+        queued = [pool.apply_async(targets.square, (i,)) for i in range(6)]  # not all run before terminate
     finally:
         pool.terminate()
         started.close()
         release.close()
-    assert handout.counted() == [] and handout.next >= 10
+    assert handout.counted() == [] and handout.next >= 14
     assert not blocker.ready() or not blocker.successful()
-    assert all(not r.successful() for r in queued)
+    assert all(r.ready() for r in queued)  # (each ended: run, or failed by terminate())
     assert _cuda_shares.stats()["released"] == handout.next
+
+
+def test_a_function_that_cannot_be_pickled_again_fails_its_map_alone(counters, fresh_state, monkeypatch):
+    """A map's function holding CUDA tensors is pickled again for each worker it is
+    installed on: when that fails, the chunk sent there fails its map with the error, and
+    the pool goes on serving (it broke the pool, or left an unrelated caller holding it)."""
+    handout = _Handout(*counters, monkeypatch)
+    with_counters = Codec.dumps_tracked
+    pickles = []
+
+    def dumps_tracked(codec, obj, multi_load=False):
+        if multi_load and obj is targets.square:
+            pickles.append(obj)
+            if len(pickles) > 1:
+                raise pickle.PicklingError("the closure changed under the map")
+        return with_counters(codec, obj, multi_load)
+
+    monkeypatch.setattr(Codec, "dumps_tracked", dumps_tracked)
+    with Pool(2, is_copy_tensor=False, share_method="cuda") as pool:
+        deadline = time.monotonic() + WAIT
+        while len(set(pool.map(targets.pid_of, range(4), chunksize=1))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # both workers up: the map below is installed on both
+        with pytest.raises(pickle.PicklingError, match="changed under the map"):
+            pool.map(targets.square, range(16), chunksize=1)
+        assert pool.apply(targets.square, (4,)) == 16
+    assert handout.counted() == []
+
+
+class _Holder:
+    def __init__(self, dead=False):
+        self.dead = dead
+
+    def is_dead(self):
+        return self.dead
+
+
+def test_a_dropped_function_gives_back_the_installs_no_task_ran_on(counters, fresh_state, monkeypatch):
+    """A worker loads a map's function only for a task of it (a DROP discards the bytes
+    unread): an install whose tasks were all taken by other workers is given back at the
+    drop; a dead holder's went at its death; one never installed anywhere too."""
+    from machinlike.pool._task import Function
+
+    handle, view = counters
+    view[:4] = 1
+    given = []
+    monkeypatch.setattr(_cuda_shares, "_torch_release", lambda c: given.append(c.offset))
+    made = iter([(b"second", [CudaCounter(handle, 1)]), (b"third", [CudaCounter(handle, 2)])])
+    codec = Codec(False, frozenset({"cuda"}), False)
+    function = Function(1, pickle.dumps("first"), [], lambda: next(made), (CudaCounter(handle, 0),))
+    ran, idle, dead = _Holder(), _Holder(), _Holder()
+    assert function.install_payload(ran) == (pickle.dumps("first"), (CudaCounter(handle, 0),))
+    assert function.install_payload(idle) == (b"second", (CudaCounter(handle, 1),))
+    function.install_payload(dead)
+    function.ran_on(ran)
+    dead.dead = True
+    function.release_unloaded(codec)
+    assert given == [1]
+    never = Function(2, pickle.dumps("only"), [], lambda: next(made), (CudaCounter(handle, 3),))
+    never.release_unloaded(codec)
+    assert given == [1, 3]
 
 
 # ------------------------------------------------------------------- on a GPU

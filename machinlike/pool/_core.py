@@ -70,8 +70,8 @@ from ._policy import Codec
 from ._result import Job
 from ._state import PoolFlags, PoolState
 from ._supervisor import Supervisor
-from ._cuda_shares import pickled_counters, release_unheld
-from ._task import Function, Task, fail_tasks, release_cuda
+from ._cuda_shares import pickled_counters
+from ._task import Function, Task, fail_tasks, fail_unsent, release_cuda
 from ._wakeup import Wakeup
 from ._watch import Watch
 from ._wire import TASK_CALL, TASK_MAP
@@ -181,9 +181,10 @@ class ProcessCore:
         kept, counters = pickled_counters(kept)
         if not counters:
             return Function(next(self._function_ids), data, kept)
-        # CUDA tensors: one pickle per worker (see _cuda_shares); this one is never sent
-        release_unheld(counters)
-        return Function(next(self._function_ids), b"", kept, lambda: codec.dumps_tracked(func, multi_load=True))
+        # CUDA tensors: one pickle per worker it is installed on (see _cuda_shares); this
+        # one for the first
+        return Function(next(self._function_ids), data, kept, lambda: codec.dumps_tracked(func, multi_load=True),
+                        counters)
 
     def call(self, job: Job, func: Callable[..., Any], args: tuple, kwds: Optional[dict]) -> None:
         """Queue ``func(*args, **kwds)``; an encoding error fails ``job`` at once."""
@@ -292,10 +293,13 @@ class ProcessCore:
                 refused = None
                 self._dispatch.submit(tasks, function, final)
             wake = self._wake_needed()
+            unsent = self._dispatch.take_unsent()
         if wake:
             self._wakeup.wake()
         if refused is not None:
             fail_tasks(tasks, refused, self._codec)
+        if unsent:
+            fail_unsent(unsent, self._codec)
 
     def _wake_needed(self, force: bool = False) -> bool:
         """Whether this caller must wake the sleeping manager (engine lock held)."""

@@ -66,6 +66,7 @@ _SHM_DIR = "/dev/shm"
 # A counter above this is not a count of receivers: the layout is not the one assumed.
 _SANE = 1 << 20
 _REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
+_REBUILD_NAME = _REBUILD[1].encode()
 
 
 class CudaCounter(NamedTuple):
@@ -231,24 +232,36 @@ def loads_owned(data: bytes) -> Any:
     """Load a result, each CUDA tensor copied device to device out of the sender's memory.
 
     Tensors that shared a storage in the sender share one copy of it here (views stay
-    views). The opened memory is let go before this returns (its free waits for the copy,
-    then gives the sender's reference back).
+    views). The opened memory is let go before this returns, even when loading fails (its
+    free waits for the copies, then gives the sender's reference back).
     """
+    if _REBUILD_NAME not in data:  # (no CUDA tensor in it: pickle's own speed)
+        return pickle.loads(data)
     copies: Dict[Tuple[bytes, int], torch.UntypedStorage] = {}
-    return _Unpickler(data, lambda *args: _owned(copies, args)).load()
+    opened: List[torch.Tensor] = []
+    try:
+        return _Unpickler(data, lambda *args: _owned(copies, opened, args)).load()
+    finally:
+        opened.clear()  # (the first free waits for every copy queued: one wait, not one each)
 
 
-def _owned(copies: Dict[Tuple[bytes, int], torch.UntypedStorage], args: Tuple[Any, ...]) -> torch.Tensor:
+def _owned(
+    copies: Dict[Tuple[bytes, int], torch.UntypedStorage], opened: List[torch.Tensor], args: Tuple[Any, ...],
+) -> torch.Tensor:
     tensor_cls, size, stride, offset, _storage_cls, dtype, device, handle, nbytes, offset_bytes, requires_grad = args[:11]
     if handle is None or not nbytes:
         return _torch_red.rebuild_cuda_tensor(*args)
     key = (handle, offset_bytes)
     storage = copies.get(key)
     if storage is None:
-        opened = _torch_red.rebuild_cuda_tensor(*args)
-        with torch.cuda.device(opened.device) if opened.is_cuda else contextlib.nullcontext():
-            storage = copies[key] = opened.untyped_storage().clone()
-        del opened  # (its free syncs this stream, then takes the sender's reference off)
+        source = _torch_red.rebuild_cuda_tensor(*args)
+        opened.append(source)
+        with torch.cuda.device(source.device) if source.is_cuda else contextlib.nullcontext():
+            storage = copies[key] = source.untyped_storage().clone()
+    elif isinstance(args[11], bytes) and args[11]:
+        # One more reduction of a storage already copied: the sender counted it as one
+        # more receiver (torch's own rebuild gives these back on its cache hit too).
+        _torch_release(CudaCounter(args[11], int(args[12])))
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, offset, size, stride)
     if tensor_cls is torch.nn.Parameter:

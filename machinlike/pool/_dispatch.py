@@ -21,7 +21,7 @@ Not thread-safe: every method is called with the engine lock (``PoolFlags.lock``
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, List, Optional
+from typing import TYPE_CHECKING, Deque, List, Optional, Tuple
 
 from ._handle import WorkerHandle
 from ._policy import Codec
@@ -62,6 +62,7 @@ class Dispatcher:
         self.backlog: Deque[Task] = deque()
         self.workers: List[WorkerHandle] = []  # live ones, in start order
         self._rotation = 0  # where the next pick starts scanning: equal loads take turns
+        self.unsent: List[Tuple[Task, BaseException]] = []  # see take_unsent
 
     # ------------------------------------------------------------------ workers
 
@@ -102,6 +103,12 @@ class Dispatcher:
         if function is not None:
             self.maybe_drop(function)
 
+    def take_unsent(self) -> List[Tuple[Task, BaseException]]:
+        """Tasks whose sending failed since the last call, with why (deliver them with
+        ``_task.fail_unsent`` once the lock is let go)."""
+        unsent, self.unsent = self.unsent, []
+        return unsent
+
     def requeue(self, tasks: List[Task]) -> None:
         """Put tasks no worker started back at the front, in their order."""
         self.backlog.extendleft(reversed(tasks))
@@ -129,6 +136,7 @@ class Dispatcher:
             if not w.is_dead():
                 w.drop(function)
                 w.flush()
+        function.release_unloaded(self._codec)
         function.holders.clear()
         function.kept = []
 
@@ -162,12 +170,13 @@ class Dispatcher:
             w = candidates[i]
             try:
                 self._assign(w, task)
-            except BaseException:
-                # (a map's function holding CUDA tensors is pickled again per worker, and
-                # that failed: nothing was sent; whoever pumps next meets it, at the latest
-                # the manager thread, which breaks the pool with it)
-                backlog.appendleft(task)
-                raise
+            except Exception as exc:
+                # A map's function holding CUDA tensors is pickled again per worker, and
+                # that failed (it did not the first time): nothing was sent. Its task fails
+                # with the error, outside the lock (take_unsent), and nothing else does.
+                self.settled(task)
+                self.unsent.append((task, exc))
+                continue
             loads[i] += 1
             capacities[i] -= 1
             self._rotation = (i + 1) % len(candidates)

@@ -160,7 +160,7 @@ class WorkerHandle:
         if function is not None:
             extra = function.id
             if self not in function.holders:
-                data, counters = function.install_payload()
+                data, counters = function.install_payload(self)
                 function.holders.add(self)
                 self.cuda_held.extend(counters)
                 self.out.push(INSTALL, 0, 0, extra, data)

@@ -36,7 +36,7 @@ from ._ledger import PHASES
 from ._policy import Codec
 from ._state import PoolFlags, PoolState
 from ._supervisor import Supervisor
-from ._task import Task, fail_tasks, release_cuda
+from ._task import Task, fail_tasks, fail_unsent, release_cuda
 from ._wakeup import Wakeup
 from ._watch import RESULT, SENTINEL, TASK, WAKE, Watch
 from ._wire import DONE, EXITING, FAILED, INIT_FAILED, PARTIAL, READY
@@ -184,8 +184,11 @@ class Manager:
             dispatch.steal()
             dispatch.stop_when_done(flags)  # (before the callbacks below: workers end meanwhile)
             fatal = supervisor.error()
+            unsent = dispatch.take_unsent()
         for item in out:
             self._deliver(*item)
+        if unsent:
+            fail_unsent(unsent, self._codec)
         if fatal is not None:
             self.break_pool(fatal)
         # (queued replacements start in _loop, next, before it sleeps)
@@ -207,6 +210,8 @@ class Manager:
         if kind == EXITING:
             w.mark_exiting()
         w.hold_cuda(task)  # it loaded the task: its CUDA references are the worker's to give back
+        if task.function is not None:
+            task.function.ran_on(w)
         self._dispatch.settled(task)
         out.append((task, kind, payload, w))
 
@@ -258,8 +263,12 @@ class Manager:
                     if flags.state is PoolState.CLOSE and not dispatch.holds_work(flags) and w.retire():
                         w.flush()
                     dispatch.pump()
+                unsent = dispatch.take_unsent()
+            if unsent:
+                fail_unsent(unsent, self._codec)
             if late:
                 end_processes([w.process], 0.0, close=True)
+                w.release_cuda()  # (its initializer's arguments)
                 w.close_channels()
 
     # ------------------------------------------------------------------ outcomes (no lock)

@@ -27,6 +27,7 @@ from ..exception import WorkerLostError
 from ..pickle import dumps as _plain_dumps
 from . import _worker
 from ._handle import Life, WorkerHandle
+from ._cuda_shares import counters_in, release_unheld
 from ._ledger import Ledger
 from ._policy import Codec
 
@@ -82,7 +83,8 @@ class Supervisor:
         """
         ctx = self._ctx
         codec = self._codec
-        init = codec.dumps((self._initializer, self._initargs, self._contexts[slot], self._has_context))
+        init, kept = codec.dumps_tracked((self._initializer, self._initargs, self._contexts[slot], self._has_context))
+        counters = counters_in(kept)  # CUDA tensors among them: the worker's to give back
         primer = None if self._primer is None else _plain_dumps(self._primer, copy_tensor=False)
         task_r, task_w = ctx.Pipe(duplex=False)
         result_r, result_w = ctx.Pipe(duplex=False)
@@ -95,10 +97,15 @@ class Supervisor:
         )
         try:
             process.start()
+        except BaseException:
+            release_unheld(counters)  # (nobody loaded them)
+            raise
         finally:
             task_r.close()
             result_w.close()
-        return WorkerHandle(slot, f"pool worker {slot}", process, task_w, result_r, ledger)
+        handle = WorkerHandle(slot, f"pool worker {slot}", process, task_w, result_r, ledger)
+        handle.cuda_held.extend(counters)
+        return handle
 
     # ------------------------------------------------------------------ replacements
 

@@ -14,7 +14,7 @@ These records carry no lock: the engine changes them with its lock held.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Optional, Protocol, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Protocol, Set, Tuple
 
 from ._cuda_shares import CudaCounter, pickled_counters, release_unheld
 from ._policy import Codec
@@ -22,7 +22,7 @@ from ._policy import Codec
 if TYPE_CHECKING:
     from ._result import Job
 
-__all__ = ["Function", "FunctionHolder", "Task", "abort_jobs", "discard", "fail_tasks", "release_cuda"]
+__all__ = ["Function", "FunctionHolder", "Task", "abort_jobs", "discard", "fail_tasks", "fail_unsent", "release_cuda"]
 
 
 class FunctionHolder(Protocol):
@@ -48,16 +48,20 @@ class Function:
             ``_cuda_shares``). Returns the pickle and what it tracked.
     """
 
-    __slots__ = ("id", "data", "kept", "encode", "outstanding", "final", "holders")
+    __slots__ = ("id", "data", "kept", "encode", "first", "installs", "outstanding", "final", "holders")
 
     def __init__(
         self, function_id: int, data: bytes, kept: List[Any],
-        encode: Optional[Callable[[], Tuple[bytes, List[Any]]]] = None,
+        encode: Optional[Callable[[], Tuple[bytes, List[Any]]]] = None, counters: Tuple[CudaCounter, ...] = (),
     ) -> None:
         self.id = function_id
         self.data = data
         self.kept = kept
         self.encode = encode
+        # With encode: the first pickle (``data``, ``counters``) goes to the first install;
+        # each install's record says whether a task of it ran there (so it was loaded).
+        self.first: Optional[Tuple[bytes, Tuple[CudaCounter, ...]]] = (data, counters) if encode else None
+        self.installs: Dict[FunctionHolder, _Install] = {}
         self.outstanding = 0
         self.final = False
         self.holders: Set[FunctionHolder] = set()
@@ -66,18 +70,59 @@ class Function:
         """Final, and no chunk of it is queued or running."""
         return self.final and not self.outstanding
 
-    def install_payload(self) -> Tuple[bytes, Tuple[CudaCounter, ...]]:
-        """The pickle one install sends, and the CUDA references it hands that worker.
+    def install_payload(self, holder: FunctionHolder) -> Tuple[bytes, Tuple[CudaCounter, ...]]:
+        """The pickle an install on ``holder`` sends, and the CUDA references it hands it.
 
         Raises:
-            pickle.PicklingError, TypeError: pickling it again failed (it did once).
+            pickle.PicklingError, TypeError, OSError: pickling it again failed.
         """
         if self.encode is None:
             return self.data, ()
-        data, kept = self.encode()
-        kept, counters = pickled_counters(kept)
-        self.kept.extend(kept)
+        if self.first is not None:
+            (data, counters), self.first = self.first, None
+        else:
+            data, kept = self.encode()
+            kept, counters = pickled_counters(kept)
+            self.kept.extend(kept)
+        self.installs[holder] = _Install(data, counters)
         return data, counters
+
+    def ran_on(self, holder: FunctionHolder) -> None:
+        """A task of it ran on ``holder`` (which therefore may have loaded it)."""
+        if self.encode is not None:
+            install = self.installs.get(holder)
+            if install is not None:
+                install.loaded = True
+
+    def release_unloaded(self, codec: Codec) -> None:
+        """(it is dropped) Give back what installs no task ever ran on hold, on live
+        workers (a dead one's were given back at its death): a worker loads a function
+        only for a task of it, and a DROP discards the bytes unread."""
+        if self.encode is None:
+            return
+        unloaded = [install for holder, install in self.installs.items()
+                    if not install.loaded and not holder.is_dead()]
+        if self.first is not None:  # never installed anywhere
+            unloaded.append(_Install(*self.first))
+            self.first = None
+        self.installs = {}
+        for install in unloaded:
+            try:
+                codec.loads_here(install.data)  # (gives back its CPU shares)
+            except Exception:  # best effort, as for a discarded task
+                pass
+            release_unheld(install.counters)
+
+
+class _Install:
+    """One install of a function pickled per worker: its pickle and references."""
+
+    __slots__ = ("data", "counters", "loaded")
+
+    def __init__(self, data: bytes, counters: Tuple[CudaCounter, ...]) -> None:
+        self.data = data
+        self.counters = counters
+        self.loaded = False
 
 
 class Task:
@@ -135,6 +180,13 @@ def release_cuda(tasks: Iterable[Task]) -> None:
             task.cuda = ()
     if counters:
         release_unheld(counters)
+
+
+def fail_unsent(unsent: List[Tuple[Task, BaseException]], codec: Codec) -> None:
+    """Fail each task whose sending failed with its error (no lock held: callbacks run)."""
+    for task, error in unsent:
+        discard([task], codec)
+        task.job._failed(task.start, task.count, error)
 
 
 def abort_jobs(tasks: Iterable[Task], error: BaseException) -> None:
