@@ -46,6 +46,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union, cast
 
 from . import _checks, _lifeline, _mainguard, _reductions, _warm
+from ._reductions import cuda_counters
 from ._report_fit import fit_report
 from ._warm import resolve_context
 from .exception import ExceptionWithTraceback, ProcessExitedError, RemoteError, RemoteTraceback
@@ -237,6 +238,7 @@ class Process(BaseProcess):
         self._own_keys = frozenset(self.__dict__) | {"_own_keys"}
 
     def _init_parent_side(self) -> None:
+        self._cuda_given: List[cuda_counters.CudaCounter] = []
         self._report_lock = threading.Lock()
         self._record: Optional[tuple] = None
         self._settled = False
@@ -262,6 +264,8 @@ class Process(BaseProcess):
             self._cleaner = None  # like the target: the child has its own now
         except BaseException:
             self._report_reader.close()
+            if self._popen is None:
+                self._give_back_cuda()  # (no child took them)
             raise
         finally:
             # The child holds its own copy; without ours, a child that dies mid-report
@@ -285,7 +289,10 @@ class Process(BaseProcess):
         # sparing it the start of its own when it shares a tensor.
         primer = _reductions.manager_primer()
         user = (self._target, self._args, self._kwargs, self._cleaner, extra, primer)
-        state["_call_payload"] = dumps(user, copy_tensor=False)
+        state.pop("_cuda_given", None)
+        with cuda_counters.collecting() as given:
+            state["_call_payload"] = dumps(user, copy_tensor=False)
+        self._cuda_given = given  # CUDA tensors' references: given back once the child ended
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -360,6 +367,8 @@ class Process(BaseProcess):
         """
         with self._report_lock:
             if self._settled:
+                if self._cuda_given and self._popen is not None and self._popen.poll() is not None:
+                    self._give_back_cuda()  # (settled by its report before it ended)
                 return self._outcome
             if self._popen is None:
                 return None
@@ -367,6 +376,8 @@ class Process(BaseProcess):
             exitcode = self._popen.poll()
             if self._record is None and exitcode is not None:
                 self._read_record()  # the child wrote (if at all) before it ended
+            if exitcode is not None:
+                self._give_back_cuda()
             if self._record is None and exitcode is None:
                 return None  # running, nothing reported yet
             # a report decides on its own; without one, the exit code does
@@ -413,6 +424,7 @@ class Process(BaseProcess):
                     self._read_record()
             if sentinel in ready:
                 super().join()  # it has ended: this only collects the exit status
+                self._give_back_cuda()
                 return
             if not ready:
                 return
@@ -426,6 +438,14 @@ class Process(BaseProcess):
         super().close()
         if self._report_reader is not None:
             self._report_reader.close()
+
+    def _give_back_cuda(self) -> None:
+        """(the child has ended) Give back the references of CUDA tensors it was sent that
+        it did not free (it was killed, or exited past its deleters): torch keeps their
+        memory here until then, for good (see ``_reductions.cuda_counters``)."""
+        given, self._cuda_given = self._cuda_given, []
+        if given:
+            cuda_counters.release_unheld(given)
 
     def _read_record(self) -> None:
         reader = self._report_reader

@@ -82,6 +82,11 @@ def crash(kind: str, fifo: str = "") -> None:
     raise AssertionError(f"unknown crash kind {kind!r}")
 
 
+def announce_then_block(fifo: str, _held=None) -> None:
+    """Say 'started' through ``fifo``, then block until killed (holding ``_held``)."""
+    crash("sigkill", fifo)
+
+
 def crash_then_return(kind: str, fifo: str) -> int:
     crash(kind, fifo)
     return 0

@@ -48,7 +48,7 @@ import torch
 import multiprocessing.reduction
 from torch.multiprocessing import reductions as _torch_red
 
-from . import shm_space
+from . import cuda_counters, shm_space
 from .arrays import LARGE_ARRAY_BYTES, reduce_array_named
 from .claims import first_load as _first_load, make_claim as _make_claim, take_claim as _take_claim
 from .table import DispatchTable, policy_table
@@ -240,16 +240,19 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
     The check happens before torch does anything, so nothing is left to undo.
     """
     try:
-        return _torch_red.reduce_tensor(tensor)
+        reduced = _torch_red.reduce_tensor(tensor)
     except RuntimeError as err:
         if tensor.device.type != "cuda" or "received from another process" not in str(err):
             raise
-    copy = tensor.detach().clone()
-    if isinstance(tensor, torch.nn.Parameter):
-        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-    else:
-        copy.requires_grad_(tensor.requires_grad)
-    return _torch_red.reduce_tensor(copy)
+        copy = tensor.detach().clone()
+        if isinstance(tensor, torch.nn.Parameter):
+            copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+        else:
+            copy.requires_grad_(tensor.requires_grad)
+        reduced = _torch_red.reduce_tensor(copy)
+    if tensor.is_cuda:
+        cuda_counters.note(reduced)  # (a collecting caller gives it back if nobody will)
+    return reduced
 
 
 def _reduce_array_share(array: np.ndarray) -> Any:

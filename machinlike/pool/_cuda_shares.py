@@ -1,204 +1,46 @@
 """The CUDA IPC references a process pool hands out (``share_method="cuda"``), and who gives
-each one back.
+each one back (torch's counters: ``machinlike._reductions.cuda_counters``).
 
-torch's CUDA IPC keeps a shared tensor's memory in the sending process until a reference
-counter in shared memory drops to zero (torch's note "CUDA IPC Refcounting implementation
-explained")::
+::
 
-    pool (sender)                                     worker (receiver)
-    reduce: new counter = 1 ──── payload names it ──> load: opens the memory
-    memory held while the counter is above 0          its tensor freed: counter -= 1
-                    <──── torch.cuda.ipc_collect() frees what reads 0
-
-Only a receiver's free gives the reference back, so memory leaks in the sender for good
-when nobody ever loads the payload (a task discarded by ``terminate()`` or a failed map)
-and when its receiver dies holding it (SIGKILL, or an exit that skipped its deleters).
-The pool knows when neither can happen any more, and gives back what is still counted::
-
-    never delivered (backlog, refused)   ─┐
-    delivered to a worker that has ended ─┴─> counter still above 0? -1, then ipc_collect
-
-Reading the counter first keeps that exact: a receiver that did free it already is not
-counted twice (a count below zero would keep the memory for good). The pool reads only
-after every process that could still free it has ended, so nothing races the read.
+    a task nobody loaded (backlog, terminate(), a failed map) ─> given back at its discard,
+                                                                  or once every worker ended
+    what reached a worker (its tasks, its start-up, installs)  ─> given back when it ends
+    an install no task of its function ran on                  ─> given back at the drop
 
 Why per install for a map's function: torch's counter stands for one receiver, but the
 function's payload is loaded by every worker it runs on, and each of their frees would
 take one off (the first one already freed the memory under the others). So a function
-holding CUDA tensors is pickled again for each worker (one counter each).
+holding CUDA tensors is pickled again for each worker it is installed on (the first
+pickle goes to the first).
 
 Why results are copied on arrival: a worker's result names the worker's memory, which
 goes when the worker exits (``maxtasksperchild``, a kill), under a caller still holding
 it. The pool copies it device to device when it loads the result, so the caller owns what
 it got (as from any other same-host CUDA transfer here), and the worker's memory is given
 back at once.
-
-The counter's layout (an ``int64`` array after the 64-byte header of torch's reference
-counted shared memory) is torch's, not a promise: the first counter this process reads
-must say 1 (what a fresh share sets), or the pool never releases one (``disabled()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import logging
-import os
 import pickle
-import struct
-import threading
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch.multiprocessing import reductions as _torch_red
 
+from .._reductions import cuda_counters
+from .._reductions.cuda_counters import CudaCounter, counter_of, counters_in, read_counter, release_unheld
+
 __all__ = [
-    "CudaCounter", "counter_of", "counters_in", "read_counter", "release_unheld", "disabled",
-    "stats", "loads_owned", "loads_without_cuda", "pickled_counters",
+    "CudaCounter", "counter_of", "counters_in", "read_counter", "release_unheld", "loads_owned",
+    "loads_without_cuda", "pickled_counters",
 ]
 
-log = logging.getLogger(__name__)
-
-# torch's RefcountedMapAllocator keeps a header (the mappers' count) this long before the
-# data, and CUDA IPC counters are the data's int64s.
-_HEADER = 64
-_SHM_DIR = "/dev/shm"
-# A counter above this is not a count of receivers: the layout is not the one assumed.
-_SANE = 1 << 20
 _REBUILD = ("torch.multiprocessing.reductions", "rebuild_cuda_tensor")
 _REBUILD_NAME = _REBUILD[1].encode()
-
-
-class CudaCounter(NamedTuple):
-    """One CUDA IPC reference of a payload: torch's counter file and slot."""
-
-    handle: bytes
-    offset: int
-
-
-def counter_of(reduced: Tuple[Any, ...]) -> Optional[CudaCounter]:
-    """The counter a CUDA tensor's reduction (``(rebuild_cuda_tensor, args)``) names; None
-    for an empty tensor (nothing shared) or another reduction."""
-    func, args = reduced[0], reduced[1]
-    if func is not _torch_red.rebuild_cuda_tensor or args[7] is None or not args[8]:
-        return None
-    handle, offset = args[11], args[12]
-    if not isinstance(handle, bytes) or not handle:
-        return None
-    counter = CudaCounter(handle, int(offset))
-    _verify_layout(counter)
-    return counter
-
-
-def counters_in(kept: Iterable[Any]) -> Tuple[CudaCounter, ...]:
-    """The CUDA counters among what a pickling tracked."""
-    return tuple(k for k in kept if isinstance(k, CudaCounter))
-
-
-def read_counter(counter: CudaCounter) -> Optional[int]:
-    """The counter's value; None when its file is gone (its sender let go of it)."""
-    name = counter.handle.decode("ascii", "replace").lstrip("/")
-    try:
-        fd = os.open(os.path.join(_SHM_DIR, name), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        raw = os.pread(fd, 8, _HEADER + 8 * counter.offset)
-    finally:
-        os.close(fd)
-    if len(raw) != 8:
-        return None
-    return struct.unpack("=q", raw)[0]
-
-
-class _State:
-    """What this process learned and did: the layout check and the counts."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.checked = False
-        self.disabled = False
-        self.counts: Dict[str, int] = {"released": 0, "already_freed": 0, "unreadable": 0}
-
-
-_state = _State()
-
-
-def _verify_layout(counter: CudaCounter) -> None:
-    if _state.checked:
-        return
-    value = read_counter(counter)  # a fresh share: torch set it to 1
-    with _state.lock:
-        if _state.checked:
-            return
-        _state.checked = True
-        if value != 1:
-            _state.disabled = True
-            log.warning(
-                "CUDA IPC reference counters are not laid out as this machinlike expects (a fresh "
-                "share reads %r, not 1): the pool cannot give back the GPU memory of tasks nobody "
-                "loaded or of workers that died; upgrade machinlike for this torch %s",
-                value, torch.__version__,
-            )
-
-
-def disabled() -> bool:
-    """Whether the layout check failed (nothing is released then)."""
-    return _state.disabled
-
-
-def stats() -> Dict[str, int]:
-    """Counts of this process: ``released`` (references given back for a receiver that
-    never will), ``already_freed`` (its receiver had), ``unreadable`` (skipped: the
-    counter read out of range or the layout check failed)."""
-    with _state.lock:
-        return dict(_state.counts)
-
-
-def _torch_release(counter: CudaCounter) -> None:  # (looked up per call: tests stand in for it)
-    # Torch internal (CUDA builds); what a receiver's free calls.
-    torch.UntypedStorage._release_ipc_counter_cuda(counter.handle, counter.offset)
-
-
-def release_unheld(
-    counters: Iterable[CudaCounter], release: Optional[Callable[[CudaCounter], None]] = None,
-) -> int:
-    """Give back each reference still counted. Call it only once no process that loaded
-    the payloads can free them any more (never delivered, or their receiver has ended).
-
-    Args:
-        counters: The references.
-        release: What takes one off (None: torch's).
-
-    Returns:
-        How many were given back; then torch frees what nobody holds any more.
-    """
-    torch_release = release is None
-    take_off = _torch_release if release is None else release
-    released = 0
-    for counter in counters:
-        value = None if _state.disabled else read_counter(counter)
-        if value is None or value == 0:
-            _count("already_freed" if value == 0 else "unreadable")
-            continue
-        if not 0 < value < _SANE:
-            _count("unreadable")
-            continue
-        try:
-            take_off(counter)  # (one payload, one receiver: it reads 1)
-        except RuntimeError:
-            _count("unreadable")
-            continue
-        released += 1
-        _count("released")
-    if released and torch_release and torch.cuda.is_initialized():
-        torch.cuda.ipc_collect()  # free what reads 0 now, not at the next share
-    return released
-
-
-def _count(what: str) -> None:
-    with _state.lock:
-        _state.counts[what] += 1
 
 
 class _Unpickler(pickle.Unpickler):
@@ -261,7 +103,7 @@ def _owned(
     elif isinstance(args[11], bytes) and args[11]:
         # One more reduction of a storage already copied: the sender counted it as one
         # more receiver (torch's own rebuild gives these back on its cache hit too).
-        _torch_release(CudaCounter(args[11], int(args[12])))
+        cuda_counters._torch_release(CudaCounter(args[11], int(args[12])))
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, offset, size, stride)
     if tensor_cls is torch.nn.Parameter:

@@ -1,4 +1,5 @@
-"""The pool gives back the CUDA IPC references nobody else will (machinlike.pool._cuda_shares).
+"""The pool and ``Process`` give back the CUDA IPC references nobody else will
+(machinlike._reductions.cuda_counters, machinlike.pool._cuda_shares).
 
 On this machine (no GPU) the parts that do not need CUDA: the counter's layout in torch's
 reference counted shared memory (read here from a real CPU share of the same allocator),
@@ -21,6 +22,8 @@ import torch
 from torch.multiprocessing import reductions as torch_red
 
 from machinlike.pool import Pool, WorkerLostError
+from machinlike.process import Process
+from machinlike._reductions import cuda_counters
 from machinlike.pool import _cuda_shares
 from machinlike.pool._cuda_shares import CudaCounter
 from machinlike.pool._policy import Codec
@@ -43,8 +46,8 @@ def counters():
 @pytest.fixture
 def fresh_state(monkeypatch):
     """This process's layout check and counts, as at start."""
-    state = _cuda_shares._State()
-    monkeypatch.setattr(_cuda_shares, "_state", state)
+    state = cuda_counters._State()
+    monkeypatch.setattr(cuda_counters, "_state", state)
     return state
 
 
@@ -68,11 +71,11 @@ def test_only_references_still_counted_are_given_back(counters, fresh_state):
         view[counter.offset] -= 1
 
     refs = [CudaCounter(handle, i) for i in range(5)] + [CudaCounter(b"/torch_gone_0", 0)]
-    assert _cuda_shares.release_unheld(refs, release) == 2
+    assert cuda_counters.release_unheld(refs, release) == 2
     assert released == [0, 2] and view[:5].tolist() == [0, 0, 0, 1 << 40, -1]
-    assert _cuda_shares.stats() == {"released": 2, "already_freed": 1, "unreadable": 3}
+    assert cuda_counters.stats() == {"released": 2, "already_freed": 1, "unreadable": 3}
     # again: nothing is counted any more, nothing is taken off twice
-    assert _cuda_shares.release_unheld(refs, release) == 0 and released == [0, 2]
+    assert cuda_counters.release_unheld(refs, release) == 0 and released == [0, 2]
 
 
 def _cuda_reduction(handle, offset, nbytes=64):
@@ -95,20 +98,20 @@ class _FakeCudaTensor:
 def test_a_cuda_reduction_names_its_counter_and_the_first_one_checks_the_layout(counters, fresh_state):
     handle, view = counters
     view[3] = 1  # what a fresh share reads
-    assert _cuda_shares.counter_of(_cuda_reduction(handle, 3)) == CudaCounter(handle, 3)
-    assert fresh_state.checked and not _cuda_shares.disabled()
-    assert _cuda_shares.counter_of(_cuda_reduction(handle, 4, nbytes=0)) is None  # an empty tensor shares nothing
-    assert _cuda_shares.counter_of((torch_red.rebuild_tensor, ())) is None
+    assert cuda_counters.counter_of(_cuda_reduction(handle, 3)) == CudaCounter(handle, 3)
+    assert fresh_state.checked and not cuda_counters.disabled()
+    assert cuda_counters.counter_of(_cuda_reduction(handle, 4, nbytes=0)) is None  # an empty tensor shares nothing
+    assert cuda_counters.counter_of((torch_red.rebuild_tensor, ())) is None
 
 
 def test_a_layout_that_does_not_read_1_for_a_fresh_share_turns_releasing_off(counters, fresh_state, caplog):
     handle, view = counters
     view[2] = 7
-    _cuda_shares.counter_of(_cuda_reduction(handle, 2))
-    assert _cuda_shares.disabled() and "not laid out" in caplog.text
+    cuda_counters.counter_of(_cuda_reduction(handle, 2))
+    assert cuda_counters.disabled() and "not laid out" in caplog.text
     view[2] = 1
-    assert _cuda_shares.release_unheld([CudaCounter(handle, 2)], lambda c: None) == 0
-    assert view[2] == 1 and _cuda_shares.stats()["unreadable"] == 1
+    assert cuda_counters.release_unheld([CudaCounter(handle, 2)], lambda c: None) == 0
+    assert view[2] == 1 and cuda_counters.stats()["unreadable"] == 1
 
 
 def test_the_sender_loads_its_own_payload_with_cuda_tensors_as_none():
@@ -155,7 +158,7 @@ def test_a_result_loads_as_a_copy_that_keeps_its_views_and_parameters(monkeypatc
     ])  # (naming torch's rebuild: pickled before it is stood in for)
     monkeypatch.setattr(torch_red, "rebuild_cuda_tensor", rebuild)
     released = []
-    monkeypatch.setattr(_cuda_shares, "_torch_release", released.append)
+    monkeypatch.setattr(cuda_counters, "_torch_release", released.append)
     whole, view, param = _cuda_shares.loads_owned(data)
     assert opened == [b"a", b"b"]  # each sender storage opened once
     # the view's reduction, a second count on storage "a", is given back at once (the
@@ -196,7 +199,7 @@ class _Handout:
             view[counter.offset] -= 1
 
         monkeypatch.setattr(Codec, "dumps_tracked", dumps_tracked)
-        monkeypatch.setattr(_cuda_shares, "_torch_release", torch_release)
+        monkeypatch.setattr(cuda_counters, "_torch_release", torch_release)
 
     def counted(self):
         """Labels of the references still counted (handed out, not given back)."""
@@ -241,7 +244,7 @@ def test_the_pool_gives_back_what_dead_workers_held_and_what_nobody_ran(counters
     assert handout.counted() == [] and handout.next >= 14
     assert not blocker.ready() or not blocker.successful()
     assert all(r.ready() for r in queued)  # (each ended: run, or failed by terminate())
-    assert _cuda_shares.stats()["released"] == handout.next
+    assert cuda_counters.stats()["released"] == handout.next
 
 
 def test_a_function_that_cannot_be_pickled_again_fails_its_map_alone(counters, fresh_state, monkeypatch):
@@ -270,6 +273,60 @@ def test_a_function_that_cannot_be_pickled_again_fails_its_map_alone(counters, f
     assert handout.counted() == []
 
 
+class _HandsOutACounter:
+    """Pickles as 0, handing out ``counter`` as a CUDA tensor's reduction would."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __reduce__(self):
+        cuda_counters.record(self.counter)
+        return int, (0,)
+
+
+@pytest.mark.parametrize("end", ["returns", "SIGKILL"])
+def test_a_process_gives_back_what_its_child_was_sent_once_the_child_ended(counters, fresh_state, monkeypatch, end, tmp_path):
+    """A real child, a real SIGKILL; the reference stands in for a CUDA tensor's (the child
+    never gives one back here, so all that reads 0 is what the parent gave back)."""
+    handle, view = counters
+    view[0] = 1
+    monkeypatch.setattr(cuda_counters, "_torch_release", lambda c: view.__setitem__(c.offset, view[c.offset] - 1))
+    held = _HandsOutACounter(CudaCounter(handle, 0))
+    if end == "returns":
+        process = Process(target=targets.take_anything, args=(held,))
+        process.start()
+        process.join(WAIT)
+    else:
+        started = targets.AnnounceFifo(tmp_path / "started")
+        process = Process(target=targets.announce_then_block, args=(started.path, held))
+        process.start()
+        os.kill(started.read_pid(WAIT), signal.SIGKILL)
+        started.close()
+        process.join(WAIT)
+        assert isinstance(process.exception, Exception)
+    assert not process.is_alive() and int(view[0]) == 0
+    process.close()
+    assert cuda_counters.stats()["released"] == 1
+
+
+def test_a_running_child_keeps_what_it_was_sent(counters, fresh_state, monkeypatch, tmp_path):
+    handle, view = counters
+    view[0] = 1
+    monkeypatch.setattr(cuda_counters, "_torch_release", lambda c: view.__setitem__(c.offset, view[c.offset] - 1))
+    started = targets.AnnounceFifo(tmp_path / "started")
+    process = Process(target=targets.announce_then_block, args=(started.path, _HandsOutACounter(CudaCounter(handle, 0))))
+    process.start()
+    pid = started.read_pid(WAIT)
+    try:
+        process.join(0.05)
+        assert process.exception is None and int(view[0]) == 1  # alive: it may still free it itself
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        started.close()
+        process.join(WAIT)
+    assert int(view[0]) == 0
+
+
 class _Holder:
     def __init__(self, dead=False):
         self.dead = dead
@@ -287,7 +344,7 @@ def test_a_dropped_function_gives_back_the_installs_no_task_ran_on(counters, fre
     handle, view = counters
     view[:4] = 1
     given = []
-    monkeypatch.setattr(_cuda_shares, "_torch_release", lambda c: given.append(c.offset))
+    monkeypatch.setattr(cuda_counters, "_torch_release", lambda c: given.append(c.offset))
     made = iter([(b"second", [CudaCounter(handle, 1)]), (b"third", [CudaCounter(handle, 2)])])
     codec = Codec(False, frozenset({"cuda"}), False)
     function = Function(1, pickle.dumps("first"), [], lambda: next(made), (CudaCounter(handle, 0),))
