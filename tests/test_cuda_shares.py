@@ -437,3 +437,20 @@ def test_a_map_function_holding_a_cuda_tensor_gives_each_worker_its_own_referenc
             assert pool.map(_sum_plus(big), range(8), chunksize=1) == [4 * MB + i for i in range(8)]
         del big
     assert _settle_memory() == baseline
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_killed_child_gives_back_the_gpu_memory_it_was_sent(tmp_path):
+    baseline = _settle_memory()
+    started = targets.AnnounceFifo(tmp_path / "started")
+    t = torch.full((16 * MB,), 5.0, device="cuda")
+    process = Process(target=targets.announce_then_block, args=(started.path, t))
+    process.start()
+    try:
+        os.kill(started.read_pid(WAIT), signal.SIGKILL)  # (it announces once it loaded t)
+        process.join(WAIT)
+    finally:
+        started.close()
+    del t
+    assert _settle_memory() == baseline
