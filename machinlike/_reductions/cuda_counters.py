@@ -44,7 +44,7 @@ from torch.multiprocessing import reductions as _torch_red
 
 __all__ = [
     "CudaCounter", "counter_of", "counters_in", "read_counter", "release_unheld", "disabled", "stats",
-    "collecting", "note", "record",
+    "collecting", "note", "record", "give_back",
 ]
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,12 @@ def stats() -> Dict[str, int]:
 def _torch_release(counter: CudaCounter) -> None:  # (looked up per call: tests stand in for it)
     # Torch internal (CUDA builds); what a receiver's free calls.
     torch.UntypedStorage._release_ipc_counter_cuda(counter.handle, counter.offset)
+
+
+def give_back(counter: CudaCounter) -> None:
+    """Take one reference off ``counter`` now, as a receiver's free does (for a receiver
+    that knows it holds one it will not free: a second reduction of a storage it has)."""
+    _torch_release(counter)
 
 
 def release_unheld(

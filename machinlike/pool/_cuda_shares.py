@@ -103,7 +103,7 @@ def _owned(
     elif isinstance(args[11], bytes) and args[11]:
         # One more reduction of a storage already copied: the sender counted it as one
         # more receiver (torch's own rebuild gives these back on its cache hit too).
-        cuda_counters._torch_release(CudaCounter(args[11], int(args[12])))
+        cuda_counters.give_back(CudaCounter(args[11], int(args[12])))
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, offset, size, stride)
     if tensor_cls is torch.nn.Parameter:
