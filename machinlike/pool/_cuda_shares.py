@@ -74,38 +74,56 @@ def loads_owned(data: bytes) -> Any:
     """Load a result, each CUDA tensor copied device to device out of the sender's memory.
 
     Tensors that shared a storage in the sender share one copy of it here (views stay
-    views). The opened memory is let go before this returns, even when loading fails (its
-    free waits for the copies, then gives the sender's reference back).
+    views). Each opened memory is let go once its copy is done (its free waits for the
+    copy, then gives the sender's reference back).
+
+    Why a stream of its own: torch's free of an opened memory waits for the *current*
+    stream. On the default stream a result would wait for everything this process had
+    queued there (a learner's step). The copy is marked as used by the default stream,
+    where a caller's work goes unless it says otherwise, so that the allocator does not
+    give its memory to the next copy while the caller's kernels may still read it.
     """
     if _REBUILD_NAME not in data:  # (no CUDA tensor in it: pickle's own speed)
         return pickle.loads(data)
     copies: Dict[Tuple[bytes, int], torch.UntypedStorage] = {}
-    opened: List[torch.Tensor] = []
-    try:
-        return _Unpickler(data, lambda *args: _owned(copies, opened, args)).load()
-    finally:
-        opened.clear()  # (the first free waits for every copy queued: one wait, not one each)
+    return _Unpickler(data, lambda *args: _owned(copies, args)).load()
 
 
-def _owned(
-    copies: Dict[Tuple[bytes, int], torch.UntypedStorage], opened: List[torch.Tensor], args: Tuple[Any, ...],
-) -> torch.Tensor:
+_copy_streams: Dict[int, Any] = {}  # device index -> this process's copy stream (one a device)
+
+
+def _copy_context(device: int) -> Any:
+    """``device`` and its copy stream made current (nothing without CUDA: a test's stand-in)."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device=device))
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.cuda.stream(stream))
+    return stack
+
+
+def _owned(copies: Dict[Tuple[bytes, int], torch.UntypedStorage], args: Tuple[Any, ...]) -> torch.Tensor:
     tensor_cls, size, stride, offset, _storage_cls, dtype, device, handle, nbytes, offset_bytes, requires_grad = args[:11]
     if handle is None or not nbytes:
         return _torch_red.rebuild_cuda_tensor(*args)
     key = (handle, offset_bytes)
     storage = copies.get(key)
     if storage is None:
-        source = _torch_red.rebuild_cuda_tensor(*args)
-        opened.append(source)
-        with torch.cuda.device(source.device) if source.is_cuda else contextlib.nullcontext():
+        with _copy_context(device):
+            source = _torch_red.rebuild_cuda_tensor(*args)  # (waits for the sender's writes on this stream)
             storage = copies[key] = source.untyped_storage().clone()
+            del source  # its free: this stream synchronised (the copy alone), the reference given back
     elif isinstance(args[11], bytes) and args[11]:
         # One more reduction of a storage already copied: the sender counted it as one
         # more receiver (torch's own rebuild gives these back on its cache hit too).
         cuda_counters.give_back(CudaCounter(args[11], int(args[12])))
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
     tensor = torch._utils._rebuild_tensor(typed, offset, size, stride)
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.default_stream(tensor.device))
     if tensor_cls is torch.nn.Parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     tensor.requires_grad = requires_grad
