@@ -104,6 +104,24 @@ def test_a_cuda_reduction_names_its_counter_and_the_first_one_checks_the_layout(
     assert cuda_counters.counter_of((torch_red.rebuild_tensor, ())) is None
 
 
+def test_a_sparse_tensors_parts_name_their_counters(counters, fresh_state):
+    """torch reduces a sparse (or nested) CUDA tensor's parts inside its own reducer: their
+    reductions sit among the outer one's arguments, each as ``rebuild_cuda_tensor, args``."""
+    handle, view = counters
+    view[:2] = 1
+    indices, values = _cuda_reduction(handle, 0), _cuda_reduction(handle, 1)
+    sparse = (torch_red.rebuild_sparse_coo_tensor, (*indices, *values, torch.Size([4, 4]), True))
+    assert cuda_counters.counters_of(sparse) == [CudaCounter(handle, 0), CudaCounter(handle, 1)]
+    assert cuda_counters.counters_of(indices) == [CudaCounter(handle, 0)]
+    assert cuda_counters.counters_of((torch_red.rebuild_tensor, (torch.Tensor, 1, 2))) == []
+    with cuda_counters.collecting() as got:
+        cuda_counters.note(sparse)
+        with cuda_counters.collecting() as inner:
+            cuda_counters.note(values)
+    assert got == [CudaCounter(handle, 0), CudaCounter(handle, 1)] and inner == [CudaCounter(handle, 1)]
+    cuda_counters.note(values)  # (nobody collecting: nothing recorded, nothing raised)
+
+
 def test_a_layout_that_does_not_read_1_for_a_fresh_share_turns_releasing_off(counters, fresh_state, caplog):
     handle, view = counters
     view[2] = 7

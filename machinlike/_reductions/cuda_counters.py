@@ -43,7 +43,7 @@ import torch
 from torch.multiprocessing import reductions as _torch_red
 
 __all__ = [
-    "CudaCounter", "counter_of", "counters_in", "read_counter", "release_unheld", "disabled", "stats",
+    "CudaCounter", "counter_of", "counters_of", "counters_in", "read_counter", "release_unheld", "disabled", "stats",
     "collecting", "note", "record", "give_back",
 ]
 
@@ -76,6 +76,23 @@ def counter_of(reduced: Tuple[Any, ...]) -> Optional[CudaCounter]:
     counter = CudaCounter(handle, int(offset))
     _verify_layout(counter)
     return counter
+
+
+def counters_of(reduced: Tuple[Any, ...]) -> List[CudaCounter]:
+    """The counters a tensor's reduction names: its own (a dense CUDA tensor), or its
+    parts' (torch reduces a sparse or nested tensor's parts inside its own reducer and
+    lists each as ``rebuild_cuda_tensor, args`` among its arguments)."""
+    counter = counter_of(reduced)
+    if counter is not None:
+        return [counter]
+    args = reduced[1] if len(reduced) > 1 and isinstance(reduced[1], tuple) else ()
+    found = []
+    for func, part in zip(args, args[1:]):
+        if func is _torch_red.rebuild_cuda_tensor and isinstance(part, tuple):
+            counter = counter_of((func, part))
+            if counter is not None:
+                found.append(counter)
+    return found
 
 
 def counters_in(kept: Iterable[Any]) -> Tuple[CudaCounter, ...]:
@@ -219,9 +236,7 @@ def collecting() -> Iterator[List[CudaCounter]]:
 def note(reduced: Tuple[Any, ...]) -> None:
     """(a reducer) Record the counter a CUDA tensor's reduction names, if collecting."""
     if _collector.counters is not None:
-        counter = counter_of(reduced)
-        if counter is not None:
-            _collector.counters.append(counter)
+        _collector.counters.extend(counters_of(reduced))
 
 
 def record(counter: CudaCounter) -> None:

@@ -250,7 +250,7 @@ def reduce_tensor_share(tensor: torch.Tensor) -> Tuple[Any, ...]:
         else:
             copy.requires_grad_(tensor.requires_grad)
         reduced = _torch_red.reduce_tensor(copy)
-    if tensor.is_cuda:
+    if tensor.is_cuda:  # (a sparse or nested CUDA tensor's parts too)
         cuda_counters.note(reduced)  # (a collecting caller gives it back if nobody will)
     return reduced
 

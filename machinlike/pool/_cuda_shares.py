@@ -32,10 +32,10 @@ import torch
 from torch.multiprocessing import reductions as _torch_red
 
 from .._reductions import cuda_counters
-from .._reductions.cuda_counters import CudaCounter, counter_of, counters_in, read_counter, release_unheld
+from .._reductions.cuda_counters import CudaCounter, counter_of, counters_in, counters_of, read_counter, release_unheld
 
 __all__ = [
-    "CudaCounter", "counter_of", "counters_in", "read_counter", "release_unheld", "loads_owned",
+    "CudaCounter", "counter_of", "counters_of", "counters_in", "read_counter", "release_unheld", "loads_owned",
     "loads_without_cuda", "pickled_counters",
 ]
 

@@ -172,10 +172,11 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
             # A tensor the worker was given and returns goes back as a device copy
             # (CUDA cannot re-export imported memory; see reduce_tensor_share).
             reduced = _reductions.reduce_tensor_share(tensor)
-            counter = _cuda_shares.counter_of(reduced)
-            if counter is not None:  # who gives it back if nobody loads it: see _cuda_shares
-                _track(counter)
-                note_undo(lambda: _cuda_shares.release_unheld([counter]))
+            counters = _cuda_shares.counters_of(reduced)  # (a sparse or nested one's parts too)
+            if counters:  # who gives them back if nobody loads them: see _cuda_shares
+                for counter in counters:
+                    _track(counter)
+                note_undo(lambda: _cuda_shares.release_unheld(counters))
             return reduced
         return copy_tensor(tensor)
 
