@@ -12,6 +12,7 @@ import ctypes
 import os
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -80,6 +81,19 @@ def crash(kind: str, fifo: str = "") -> None:
         threading.Event().wait(BLOCK_SECONDS)  # until the test kills this process
         os._exit(99)
     raise AssertionError(f"unknown crash kind {kind!r}")
+
+
+def free_counter(handle: bytes, offset: int) -> int:
+    """Take one off slot ``offset`` of a torch reference counted shared-memory file, as a
+    CUDA IPC receiver's free does (a stand-in on a box without a GPU); returns ``offset``."""
+    fd = os.open("/dev/shm/" + handle.decode().lstrip("/"), os.O_RDWR)
+    try:
+        where = 64 + 8 * offset  # (after torch's 64-byte header)
+        value = struct.unpack("=q", os.pread(fd, 8, where))[0]
+        os.pwrite(fd, struct.pack("=q", value - 1), where)
+    finally:
+        os.close(fd)
+    return offset
 
 
 def announce_then_block(fifo: str, _held=None) -> None:

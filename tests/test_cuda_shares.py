@@ -291,6 +291,43 @@ def test_a_function_that_cannot_be_pickled_again_fails_its_map_alone(counters, f
     assert handout.counted() == []
 
 
+class _FreesOnLoad:
+    """Loads in a worker by taking one off its counter (what a CUDA receiver's free does),
+    as the integer ``offset``."""
+
+    def __init__(self, handle, offset):
+        self.handle, self.offset = handle, offset
+
+    def __reduce__(self):
+        return targets.free_counter, (self.handle, self.offset)
+
+
+def test_what_a_worker_holds_stays_bounded_while_it_frees_what_it_got(counters, fresh_state, monkeypatch):
+    """A long run of tasks whose references the workers give back themselves (as their
+    frees do): the pool's books of what each worker holds stay bounded, and the pool
+    gives back none of them a second time."""
+    handle, view = counters
+    n = 600
+    view[:n] = 1
+    original = Codec.dumps_tracked
+
+    def dumps_tracked(codec, obj, multi_load=False):
+        data, kept = original(codec, obj, multi_load)
+        if isinstance(obj, tuple) and len(obj) == 3 and obj[1] and isinstance(obj[1][0], _FreesOnLoad):
+            kept = kept + [CudaCounter(handle, obj[1][0].offset)]
+        return data, kept
+
+    monkeypatch.setattr(Codec, "dumps_tracked", dumps_tracked)
+    monkeypatch.setattr(cuda_counters, "_torch_release", lambda c: view.__setitem__(c.offset, view[c.offset] - 1))
+    with Pool(2, is_copy_tensor=False, share_method="cuda") as pool:
+        results = [pool.apply_async(targets.identity, (_FreesOnLoad(handle, i),)) for i in range(n)]
+        assert [r.get(WAIT) for r in results] == list(range(n))
+        held = [len(w.cuda_held) for w in pool._backend._dispatch.workers]
+        assert held and max(held) < 64 + 8, held  # (pruned from 64 on: what reads 0 is forgotten)
+    assert view[:n].tolist() == [0] * n
+    assert cuda_counters.stats()["released"] == 0
+
+
 class _HandsOutACounter:
     """Pickles as 0, handing out ``counter`` as a CUDA tensor's reduction would."""
 
