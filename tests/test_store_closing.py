@@ -74,6 +74,22 @@ def test_a_first_connect_that_fails_is_raised_at_once():
     assert time.monotonic() - start < 1.0
 
 
+def test_a_connect_that_runs_out_of_time_after_a_closing_store_names_the_closing_store():
+    """The last connect gets only what is left of the deadline (CI saw 0.01 s, under load):
+    its failure must not hide that the one store that answered was closing."""
+    old = _host()
+    mark_closing(old)
+
+    def out_of_time() -> dist.Store:
+        time.sleep(0.4)  # (past the 0.3 s deadline: what a connect given the rest would do)
+        raise TimeoutError("could not reach the world's store (the master) at 127.0.0.1:7 within 0.01 s")
+
+    steps = [lambda: connect_store("127.0.0.1", old.port, 5.0), out_of_time]
+    with pytest.raises(TimeoutError, match=r"rank 0 is stopping \(the last look found it closing\)") as caught:
+        connect_open(_connects(steps), "127.0.0.1", 7, 0.3)
+    assert "within 0.01 s" in str(caught.value.__cause__)
+
+
 def test_only_closing_stores_until_the_deadline_is_a_timeout_that_says_so():
     old = _host()
     mark_closing(old)

@@ -23,7 +23,7 @@ and the new World's first write then broke on the dead connection).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -71,17 +71,22 @@ def connect_open(connect: Callable[[str, int, float], dist.Store], host: str, po
     deadline = time.monotonic() + timeout
     wait = timeout  # (the first try's error quotes the caller's timeout as it was given)
     seen = ""  # what the last look found, once a store was let go
+    failed: Optional[TimeoutError] = None  # the last connect's error, after a store was let go
     while True:
         try:
             store = connect(host, port, wait)
         except SilentStoreError:
             raise  # (what answers there is no store: waiting does not change that)
-        except TimeoutError:
+        except TimeoutError as exc:
             # A connect that fails after a store was let go may have met that store's last
             # moment (its handshake reset): the next store comes up within the deadline.
-            if not seen or deadline - time.monotonic() <= 0:
+            # Out of time, it is the closing store that the caller is told of (the last
+            # connect had only what was left of the deadline: CI saw one given 0.01 s).
+            if not seen:
                 raise
+            failed = exc
         else:
+            failed = None
             seen = _look(store)
             if seen == OPEN:
                 return store
@@ -91,6 +96,6 @@ def connect_open(connect: Callable[[str, int, float], dist.Store], host: str, po
             raise TimeoutError(f"the store at {host}:{port} belongs to a world whose rank 0 is stopping "
                                f"(the last look found it {seen}), and no new one answered there within "
                                f"{timeout:g} s: start rank 0 of the new world, or give it time to stop its last "
-                               f"one (dist_timeout)")
+                               f"one (dist_timeout)") from failed
         time.sleep(min(0.05, left))  # (the old store closes within the host's stop)
         wait = max(0.01, deadline - time.monotonic())
