@@ -251,6 +251,28 @@ def test_a_slab_retired_while_an_early_ended_message_may_write_it_waits_for_thos
     assert (ended.slab.writes_settled, quiet.slab.writes_settled) == (1, 0) and area.stats["retire_waits"] == 1
 
 
+def test_settling_a_slab_waits_for_its_own_event_not_the_whole_device(monkeypatch):
+    """The slab's ``ready`` follows its last message's copies (the next writer waits on it
+    too): settling it under the area's lock waits for those alone, not for whatever else
+    the device has queued (a learner's step). Without IPC events: the device."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+
+    class _Event:
+        waited = 0
+
+        def synchronize(self):
+            self.waited += 1
+
+    slab = _cuda_ipc_area.Slab.__new__(_cuda_ipc_area.Slab)  # (no CUDA here: the fields it reads)
+    slab.index, slab.ready = 1, _Event()
+    slab.settle_writes()
+    assert slab.ready.waited == 1 and synced == []
+    slab.ready = None
+    slab.settle_writes()
+    assert synced == [torch.device("cuda", 1)]
+
+
 def test_no_room_is_none_and_counted_and_free_slabs_are_evicted(area):
     live = os.getpid()
     small = [area.lease(0, 2 << 20, live) for _ in range(4)]  # 8 MiB lent

@@ -122,14 +122,25 @@ def test_a_sparse_tensors_parts_name_their_counters(counters, fresh_state):
     cuda_counters.note(values)  # (nobody collecting: nothing recorded, nothing raised)
 
 
-def test_a_layout_that_does_not_read_1_for_a_fresh_share_turns_releasing_off(counters, fresh_state, caplog):
+def test_a_layout_that_does_not_read_1_for_a_fresh_share_turns_off_the_releases_that_need_a_read(
+        counters, fresh_state, caplog):
     handle, view = counters
     view[2] = 7
     cuda_counters.counter_of(_cuda_reduction(handle, 2))
     assert cuda_counters.disabled() and "not laid out" in caplog.text
-    view[2] = 1
-    assert cuda_counters.release_unheld([CudaCounter(handle, 2)], lambda c: None) == 0
-    assert view[2] == 1 and cuda_counters.stats()["unreadable"] == 1
+    view[2:4] = 1
+    taken = []
+    # delivered (a receiver may have freed it): unreadable, so kept
+    assert cuda_counters.release_unheld([CudaCounter(handle, 2)], taken.append) == 0
+    assert taken == [] and cuda_counters.stats()["unreadable"] == 1
+    # never delivered: it still holds its one reference, given back without a read
+    view[3] = 7  # (what is read does not matter any more)
+    assert cuda_counters.release_unheld([CudaCounter(handle, 3)], taken.append, delivered=False) == 1
+    assert taken == [CudaCounter(handle, 3)] and cuda_counters.stats()["released"] == 1
+    # with a readable layout, one never delivered is still read first (nothing twice)
+    fresh_state.disabled = False
+    view[3] = 0
+    assert cuda_counters.release_unheld([CudaCounter(handle, 3)], taken.append, delivered=False) == 0
 
 
 def test_the_sender_loads_its_own_payload_with_cuda_tensors_as_none():

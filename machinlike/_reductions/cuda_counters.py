@@ -27,7 +27,7 @@ notes each); the process pool tracks its own through its codec.
 The counter's layout (an ``int64`` array after the 64-byte header of torch's reference
 counted shared memory, ``map_alloc_alignment``) is torch's, not a promise: the first
 counter this process reads must say 1 (what a fresh share sets), or nothing is ever
-released (``disabled()``).
+released but those never delivered, which need no read (``disabled()``).
 """
 
 from __future__ import annotations
@@ -141,21 +141,22 @@ def _verify_layout(counter: CudaCounter) -> None:
             _state.disabled = True
             log.warning(
                 "CUDA IPC reference counters are not laid out as this machinlike expects (a fresh "
-                "share reads %r, not 1): the pool cannot give back the GPU memory of tasks nobody "
-                "loaded or of workers that died; upgrade machinlike for this torch %s",
+                "share reads %r, not 1): the pool and Process cannot give back the GPU memory that "
+                "workers or children held when they died; upgrade machinlike for this torch %s",
                 value, torch.__version__,
             )
 
 
 def disabled() -> bool:
-    """Whether the layout check failed (nothing is released then)."""
+    """Whether the layout check failed (then only references never delivered are given
+    back: the others would need a read)."""
     return _state.disabled
 
 
 def stats() -> Dict[str, int]:
     """Counts of this process: ``released`` (references given back for a receiver that
     never will), ``already_freed`` (its receiver had), ``unreadable`` (skipped: the
-    counter read out of range or the layout check failed)."""
+    counter read out of range, or the layout check failed and it may have been delivered)."""
     with _state.lock:
         return dict(_state.counts)
 
@@ -173,6 +174,7 @@ def give_back(counter: CudaCounter) -> None:
 
 def release_unheld(
     counters: Iterable[CudaCounter], release: Optional[Callable[[CudaCounter], None]] = None,
+    *, delivered: bool = True,
 ) -> int:
     """Give back each reference still counted. Call it only once no process that loaded
     the payloads can free them any more (never delivered, or their receiver has ended).
@@ -180,6 +182,9 @@ def release_unheld(
     Args:
         counters: The references.
         release: What takes one off (None: torch's).
+        delivered: Whether a receiver may have had them. False (never sent, or sent and
+            dropped unread): each still holds exactly its one reference, so it is given
+            back even where the layout check failed and the counters cannot be read.
 
     Returns:
         How many were given back; then torch frees what nobody holds any more.
@@ -188,7 +193,10 @@ def release_unheld(
     take_off = _torch_release if release is None else release
     released = 0
     for counter in counters:
-        value = None if _state.disabled else read_counter(counter)
+        if _state.disabled:
+            value = None if delivered else 1  # (unread: nobody else could have taken it off)
+        else:
+            value = read_counter(counter)
         if value is None or value == 0:
             _count("already_freed" if value == 0 else "unreadable")
             continue

@@ -176,7 +176,7 @@ def _make_table(share_cpu: bool, share_cuda: bool) -> _reductions.DispatchTable:
             if counters:  # who gives them back if nobody loads them: see _cuda_shares
                 for counter in counters:
                     _track(counter)
-                note_undo(lambda: _cuda_shares.release_unheld(counters))
+                note_undo(lambda: _cuda_shares.release_unheld(counters, delivered=False))
             return reduced
         return copy_tensor(tensor)
 

@@ -98,7 +98,7 @@ class Supervisor:
         try:
             process.start()
         except BaseException:
-            release_unheld(counters)  # (nobody loaded them)
+            release_unheld(counters, delivered=False)  # (nobody loaded them)
             raise
         finally:
             task_r.close()

@@ -111,7 +111,7 @@ class Function:
                 codec.loads_here(install.data)  # (gives back its CPU shares)
             except Exception:  # best effort, as for a discarded task
                 pass
-            release_unheld(install.counters)
+            release_unheld(install.counters, delivered=False)  # (sent, then dropped unread)
 
 
 class _Install:
@@ -167,19 +167,19 @@ def discard(tasks: Iterable[Task], codec: Codec, cuda: bool = True) -> None:
                 pass
         task.payload = b""
     if cuda:
-        release_cuda(tasks)
+        release_cuda(tasks, delivered=False)
 
 
-def release_cuda(tasks: Iterable[Task]) -> None:
+def release_cuda(tasks: Iterable[Task], delivered: bool = True) -> None:
     """Give back the CUDA references of ``tasks`` that no receiver did (every worker that
-    may have loaded them has ended)."""
+    may have loaded them has ended; ``delivered``: as for ``release_unheld``)."""
     counters: List[CudaCounter] = []
     for task in tasks:
         if task.cuda:
             counters.extend(task.cuda)
             task.cuda = ()
     if counters:
-        release_unheld(counters)
+        release_unheld(counters, delivered=delivered)
 
 
 def fail_unsent(unsent: List[Tuple[Task, BaseException]], codec: Codec) -> None:

@@ -117,8 +117,17 @@ class Slab:
 
     def settle_writes(self) -> None:
         """Wait until every copy queued into this slab has run (one retired while a
-        message that ended early may still be writing it: rare, so the whole device)."""
-        torch.cuda.synchronize(torch.device("cuda", self.index))
+        message that ended early may still be writing it).
+
+        Its ``ready`` follows the last message's copies (recorded after them; where they
+        failed, the device was synchronised there: ``cuda_ipc``), as the next writer's
+        ``after_writes`` relies on too. So this waits for those copies alone, not for
+        the whole device (a learner's queued step), under the area's lock. Without IPC
+        events, the whole device."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        else:
+            torch.cuda.synchronize(torch.device("cuda", self.index))
 
 
 class Lease:
