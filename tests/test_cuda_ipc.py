@@ -255,13 +255,26 @@ def test_settling_a_slab_waits_for_its_own_event_not_the_whole_device(monkeypatc
     """The slab's ``ready`` follows its last message's copies (the next writer waits on it
     too): settling it under the area's lock waits for those alone, not for whatever else
     the device has queued (a learner's step). Without IPC events: the device."""
-    synced = []
+    synced, current = [], []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+
+    class _Device:  # (its device current while it waits: no stray context on cuda:0)
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            current.append(self.index)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", _Device)
 
     class _Event:
         waited = 0
 
         def synchronize(self):
+            assert current == [1]
             self.waited += 1
 
     slab = _cuda_ipc_area.Slab.__new__(_cuda_ipc_area.Slab)  # (no CUDA here: the fields it reads)
@@ -671,6 +684,24 @@ def test_a_slab_being_written_is_not_reclaimed_when_its_taker_dies(monkeypatch, 
     other.area.release(other)
     assert area.lent() == 0 and area.stats["reclaimed"] == 1  # written: its dead taker's lease comes back
     assert area.lease(None, 16, os.getpid()).slab in (lease.slab, other.slab)
+
+
+def test_ctrl_c_while_a_slab_is_written_ends_its_lease_and_is_raised(monkeypatch, over_cpu):
+    """A KeyboardInterrupt during the copies into a slab (not an Exception: the failure
+    path missed it) left the lease lent to a live receiver until the World stopped, with
+    copies queued after the slab's last ``ready``."""
+    batch = _cuda_ipc.Batch((5, os.getpid()))
+    refs = [batch.add(torch.ones(3))]
+
+    def interrupted(views, storage, index, start, dtype, shape, strides):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_cuda_ipc.ops, "view", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+    area = _cuda_ipc._area
+    assert area.lent() == 0 and area._slabs[0].unsent  # its next writer waits for what was queued
+    assert area._filling == set()
 
 
 def test_a_send_after_the_worlds_stop_stages_and_makes_no_new_area(over_cpu):

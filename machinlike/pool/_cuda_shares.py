@@ -74,11 +74,11 @@ def loads_owned(data: bytes) -> Any:
     """Load a result, each CUDA tensor copied device to device out of the sender's memory.
 
     Tensors that shared a storage in the sender share one copy of it here (views stay
-    views). Each opened memory is let go once its copy is done (its free waits for the
-    copy, then gives the sender's reference back).
+    views). Each opened memory is let go once its copy has run (waited for here), which
+    gives the sender's reference back.
 
-    Why a stream of its own: torch's free of an opened memory waits for the *current*
-    stream. On the default stream a result would wait for everything this process had
+    Why a stream of its own: that wait, and torch's free of an opened memory, are for the
+    *current* stream. On the default stream a result would wait for everything this process had
     queued there (a learner's step). The copy is marked as used by the default stream,
     where a caller's work goes unless it says otherwise, so that the allocator does not
     give its memory to the next copy while the caller's kernels may still read it.
@@ -105,6 +105,11 @@ def _copy_context(device: int) -> Any:
     return stack
 
 
+def _copy_done(device: int) -> None:
+    if torch.cuda.is_available():  # (nothing without CUDA: a test's stand-in)
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _owned(copies: Dict[Tuple[bytes, int], torch.UntypedStorage], args: Tuple[Any, ...]) -> torch.Tensor:
     tensor_cls, size, stride, offset, _storage_cls, dtype, device, handle, nbytes, offset_bytes, requires_grad = args[:11]
     if handle is None or not nbytes:
@@ -115,7 +120,12 @@ def _owned(copies: Dict[Tuple[bytes, int], torch.UntypedStorage], args: Tuple[An
         with _copy_context(device):
             source = _torch_red.rebuild_cuda_tensor(*args)  # (waits for the sender's writes on this stream)
             storage = copies[key] = source.untyped_storage().clone()
-            del source  # its free: this stream synchronised (the copy alone), the reference given back
+            # The copy ends before the opened memory goes: torch's free closes the handle
+            # first and synchronises after, and frees nothing at all where this process
+            # had that memory open already (torch's own cache), where the caller would
+            # otherwise read a copy still running on this stream.
+            _copy_done(device)
+            del source  # its free: the reference given back
     elif isinstance(args[11], bytes) and args[11]:
         # One more reduction of a storage already copied: the sender counted it as one
         # more receiver (torch's own rebuild gives these back on its cache hit too).

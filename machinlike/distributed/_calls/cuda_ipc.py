@@ -314,11 +314,13 @@ class Batch:
                               strides))
             if slab.ready is not None and copy:
                 ops.mark_ready(slab)
-        except Exception as exc:
+        except BaseException as exc:
             if copy:  # some copies may be queued on this thread's stream: they end first
                 with contextlib.suppress(Exception):
                     ops.synchronize(ops.device(group.index))
-            area.release(lease)
+            area.release(lease)  # (not yet in ``commit``'s leases: it would stay lent to a live receiver)
+            if not isinstance(exc, Exception):  # Ctrl-C and the like: the message never leaves
+                raise
             _counts.add("staged_export_failed", 1, f"staged_export_failed:{type(exc).__name__}")
             return None
         finally:

@@ -125,7 +125,8 @@ class Slab:
         the whole device (a learner's queued step), under the area's lock. Without IPC
         events, the whole device."""
         if self.ready is not None:
-            self.ready.synchronize()
+            with torch.cuda.device(self.index):  # (a thread on no device yet would make a context on cuda:0)
+                self.ready.synchronize()
         else:
             torch.cuda.synchronize(torch.device("cuda", self.index))
 
