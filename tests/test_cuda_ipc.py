@@ -394,6 +394,53 @@ def test_a_control_page_of_a_gone_sender_is_named():
         cache.control(os.getpid(), 0, -5)  # descriptor 0 names other memory
 
 
+def test_a_senders_life_is_read_from_a_pidfd_closed_with_its_control_page(area):
+    cache = _cuda_ipc_open.OpenCache(1 << 20)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    sender = subprocess.Popen(["sleep", "60"], pass_fds=[area.fd])  # holds the page at the same number
+    try:
+        cache.control(sender.pid, area.fd, area.inode)
+        assert cache.alive(sender.pid) and sender.pid in cache._pidfds
+        sender.kill()
+        deadline = time.monotonic() + 10
+        while cache.alive(sender.pid):  # (a zombie still: its parent has not reaped it yet)
+            assert time.monotonic() < deadline, "the pidfd never told of the SIGKILL"
+            time.sleep(0.01)
+    finally:
+        sender.kill()
+        sender.wait(10)
+    assert cache.forget_dead() == 0 and cache._pidfds == {}  # closed with the page
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    me = os.getpid()
+    cache.control(me, area.fd, area.inode)
+    assert cache.alive(me) and me in cache._pidfds
+    cache.forget_all()
+    assert cache._pidfds == {} and len(os.listdir("/proc/self/fd")) == fds_before
+    assert cache.alive(me) and not cache.alive(_dead_pid())  # (no pidfd: asked of /proc)
+
+
+def test_an_opening_let_go_in_a_forked_child_is_never_freed(monkeypatch):
+    # torch's deleter of an opened CUDA storage makes CUDA calls, which fail in a forked
+    # child, inside a destructor that may not throw: the child would abort at its exit.
+    class Storage:
+        is_cuda = True
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    storage = Storage()
+    gone = weakref.ref(storage)
+    opened = _cuda_ipc_open.Opened(storage, 2 << 20, torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
+    del storage, opened
+    gc.collect()
+    assert gone() is not None  # kept for good: no deleter ran
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: False)
+    storage = Storage()
+    gone = weakref.ref(storage)
+    del storage
+    _cuda_ipc_open.Opened(gone(), 2 << 20, torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
+    gc.collect()
+    assert gone() is None  # in a process of its own, freed as usual
+
+
 def test_a_receiver_without_cuda_refuses_and_does_not_initialise_it():
     reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, b"e" * 64, 0, 2 << 20, ((0, (2,), torch.float32, False, False),))
     with pytest.raises(RuntimeError, match="has not initialised CUDA"):
@@ -1117,6 +1164,17 @@ def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
         sender.kill()
         sender.wait(10)
     assert await_ready(_Event(), os.getpid(), row, 5, 1.0) is False  # done at once: no wait
+    # "Done" from a sender that is gone is not believed: CUDA leaves the event of a process
+    # SIGKILLed with its copies queued undefined, and the slab may never have been written.
+    with pytest.raises(RuntimeError, match=f"process {sender.pid}, which sent CUDA tensors .* died"):
+        await_ready(_Event(), sender.pid, row, 5, 30.0)
+    asked = []
+    with pytest.raises(RuntimeError, match="died or stopped its World"):
+        await_ready(_Event(), os.getpid(), row, 5, 30.0, lambda pid: asked.append(pid) or False)
+    assert asked == [os.getpid()]  # the receiver's own answer (its cache's pidfd), not /proc's
+    row[2] = 6  # the sender retired the slab
+    with pytest.raises(RuntimeError, match="died or stopped its World"):
+        await_ready(_Event(), os.getpid(), row, 5, 30.0)
 
 
 # ------------------------------------------------------------------ the caller's stream
@@ -1205,11 +1263,29 @@ def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it
     finally:
         _CpuSlab.done.let_go()
     assert _cuda_ipc.released(10) and area.lent() == 0
+    _AFTER_WRITES.clear()
     third = pool.adopt("m", [torch.full((6,), 3.0), torch.zeros(2, 3)])
     assert third[0].untyped_storage().data_ptr() == slab.storage.data_ptr()  # read by nobody: rewritten
+    assert _AFTER_WRITES == [slab]  # after the first version's copies in (maybe on another stream)
     assert slab.ready.recorded == 2 and area.stats["slabs_made"] == 2 and pool.held() == 2
     assert torch.equal(pickle.loads(_pull(third))[0], torch.full((6,), 3.0))
     pool.close()
+
+
+def test_a_pinned_slab_goes_back_only_after_its_last_copies_in(pinned):
+    # Memory back with the allocator goes to the next tensor of the stream it was made on;
+    # copies into it still queued on another thread's stream would overwrite that tensor.
+    from machinlike.distributed._calls import cuda_ipc_pin
+
+    pool = pinned(most=8)
+    held = [pool.adopt("m", [torch.ones(4)]) for _ in range(2 + cuda_ipc_pin._SPARE)]
+    slabs = list(_cuda_ipc._area._slabs)
+    assert len(slabs) == 4 and all(slab.writes_settled == 0 for slab in slabs)
+    del held  # all four free: the next push rewrites one, keeps _SPARE and gives the last back
+    assert pool.adopt("m", [torch.zeros(4)]) is not None and pool.held() == 1 + cuda_ipc_pin._SPARE
+    assert [slab.writes_settled for slab in slabs] == [0, 0, 0, 1]
+    pool.close()
+    assert [slab.writes_settled for slab in slabs] == [1, 1, 1, 1]
 
 
 def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinned):

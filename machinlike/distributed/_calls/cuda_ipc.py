@@ -367,7 +367,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     copying = False
     try:
         opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
-        if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S):
+        if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S, cache.alive):
             _counts.add("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []

@@ -92,6 +92,10 @@ class PinnedStates:
                 return None
             views = [torch.empty(0, dtype=t.dtype, device=t.device).set_(  # type: ignore[call-overload]
                 slab.storage, start // t.element_size(), t.shape) for start, t in zip(starts, tensors)]
+        if slab.ready is not None:
+            # A rewritten slab's last copies in may still be queued on another thread's
+            # stream (its event follows them): these must come after, not race them.
+            ops.after_writes(slab)
         for view, tensor in zip(views, tensors):
             view.copy_(tensor.detach())
         if slab.ready is not None:
@@ -113,7 +117,7 @@ class PinnedStates:
             pinned.append(chosen)
             for entry in free[1 + _SPARE:]:  # what a burst of slow readers left: back to the allocator
                 pinned.remove(entry)
-                area.unpin(entry.slab)
+                _unpin(entry)
             return chosen.slab
         if len(pinned) >= self.most:
             return None
@@ -137,4 +141,13 @@ class PinnedStates:
             rings, self._rings = self._rings, {}
         for pinned in rings.values():
             for entry in pinned:
-                entry.area.unpin(entry.slab)
+                _unpin(entry)
+
+
+def _unpin(entry: _Pinned) -> None:
+    """Unpin ``entry``'s slab once its last copies in ran: they may be queued on another
+    thread's stream, and memory back with the allocator goes to that of the stream it was
+    made on, whose next tensor those copies would overwrite."""
+    if entry.slab.storage is not None:  # (retired already: settled then)
+        entry.slab.settle_writes()
+    entry.area.unpin(entry.slab)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, Optional, Protocol, Tuple
+from typing import Callable, Deque, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 
@@ -73,16 +73,23 @@ class Ready(Protocol):
     def query(self) -> bool: ...
 
 
-def await_ready(event: Ready, pid: int, row: np.ndarray, slab_id: int, limit: float) -> bool:
+def await_ready(event: Ready, pid: int, row: np.ndarray, slab_id: int, limit: float,
+                alive: Callable[[int], bool] = pid_alive) -> bool:
     """Return once process ``pid``'s copies into its slab completed (``event``, polled from
     the CPU: a wait queued on this process's stream could never end if the sender died);
-    whether it had to wait. ``row``: the slab's control row, ``slab_id`` its id there.
+    whether it had to wait. ``row``: the slab's control row, ``slab_id`` its id there;
+    ``alive(pid)``: whether the sender still runs (asked once a message even when its
+    copies are done: ``OpenCache.alive`` answers from a pidfd in about a microsecond).
 
     Raises:
         RuntimeError: the sender died or retired the slab first (named).
         TimeoutError: its copies did not complete within ``limit`` seconds.
     """
     if _ran(event, pid):  # the usual case: the copies ran while the message travelled
+        # "Done" is believed only from a sender still there: the event of a process that
+        # was SIGKILLed with its copies still queued may read as complete (CUDA leaves an
+        # IPC event of a dead process undefined), and the slab would be read unwritten.
+        _sender_there(pid, row, slab_id, alive)
         return False
     start = checked = time.monotonic()
     spins = 0
@@ -92,13 +99,18 @@ def await_ready(event: Ready, pid: int, row: np.ndarray, slab_id: int, limit: fl
         now = time.monotonic()
         if now - checked >= 0.01:
             checked = now
-            if int(row[2]) != slab_id or not pid_alive(pid):
-                raise RuntimeError(f"process {pid}, which sent CUDA tensors through CUDA IPC, died or stopped "
-                                   f"its World before its copies were done; nothing was received")
+            _sender_there(pid, row, slab_id, alive)
             if now - start > limit:
                 raise TimeoutError(f"the CUDA copies of process {pid} (alive) did not complete within "
                                    f"{limit:.0f} s; its GPU is stuck or far behind")
+    _sender_there(pid, row, slab_id, alive)
     return True
+
+
+def _sender_there(pid: int, row: np.ndarray, slab_id: int, alive: Callable[[int], bool]) -> None:
+    if int(row[2]) != slab_id or not alive(pid):
+        raise RuntimeError(f"process {pid}, which sent CUDA tensors through CUDA IPC, died or stopped "
+                           f"its World before its copies were done; nothing was received")
 
 
 def _ran(event: Ready, pid: int) -> bool:
