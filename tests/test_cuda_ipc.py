@@ -373,6 +373,32 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
     assert cache.forget_dead() == 1 and len(cache) == 0  # a dead owner's slab goes (departure, next opening)
 
 
+def test_openings_are_let_go_out_of_the_caches_lock(area):
+    # Closing a handle waits for its device (milliseconds), and every receiving thread takes
+    # the cache's lock: an eviction, a dead owner's trim or a World stop must not hold it.
+    cache = _cuda_ipc_open.OpenCache(2 << 20)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    locked = []
+
+    class Storage:
+        def __del__(self):
+            locked.append(cache._lock.locked())
+
+    me = os.getpid()
+    cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, Storage)
+    cache.open((me, b"b", 0), 2 << 20, words, slab.slot, slab.ident, Storage)  # over 2 MiB: "a" evicted
+    assert locked == [False] and cache.stats["evicted"] == 1
+    cache.limit = 1 << 30  # (no more evictions)
+    cache.open((_dead_pid(), b"c", 0), 1, words, slab.slot, slab.ident, Storage)
+    assert cache.forget_dead() == 1 and locked == [False] * 2  # a dead owner's
+    area.close()
+    cache.open((me, b"d", 0), 1, words, slab.slot, -7, Storage)  # "b" retired: dropped first
+    assert locked == [False] * 3
+    cache.forget_all()
+    assert locked == [False] * 4 and len(cache) == 0
+
+
 def test_gone_openings_are_dropped_before_a_new_one_opens(area):
     # A retired slab's handle is closed first: new memory may come behind the same bytes.
     cache = _cuda_ipc_open.OpenCache(1 << 30)

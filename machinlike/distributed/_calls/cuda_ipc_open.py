@@ -23,7 +23,7 @@ import os
 import select
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -182,52 +182,61 @@ class OpenCache:
             # First: a retired slab's handle must be closed before a slab that took its
             # place is opened (torch finds an open handle by its bytes, and the memory
             # behind equal bytes may be new).
-            self._drop_gone()
+            gone = self._drop_gone()
+        gone.clear()  # (closed here, out of the lock: see ``_drop``)
         opened = Opened(opener(), capacity, words, slot, ident, index)
         with self._lock:
             old = self._opened.pop(key, None)
             if old is not None:
                 self._held -= old.capacity
+                gone.append(old)
             self._opened[key] = opened
             self._held += capacity
             self.stats["opened"] += 1
             while self._held > self.limit and len(self._opened) > 1:
-                self._drop(next(iter(self._opened)))
+                gone.append(self._drop(next(iter(self._opened))))
                 self.stats["evicted"] += 1
+        gone.clear()
         return opened
 
-    def _drop_gone(self) -> None:
+    def _drop_gone(self) -> List[Opened]:
+        gone = []
         for key, opened in list(self._opened.items()):
             if opened.retired() or not pid_alive(key[0]):
-                self._drop(key)
+                gone.append(self._drop(key))
                 self.stats["dropped_dead_or_retired"] += 1
         live = {opened_key[0] for opened_key in self._opened}
         for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
             del self._controls[control]
         mapped = {k[0] for k in self._controls}
         self._close_pidfds({pid for pid in list(self._pidfds) if pid not in mapped})
+        return gone
 
     def _close_pidfds(self, pids: "set[int]") -> None:
         with self._pid_lock:
             for pid in pids:
                 os.close(self._pidfds.pop(pid))
 
-    def _drop(self, key: Key) -> None:
+    def _drop(self, key: Key) -> Opened:
+        """Forget opening ``key``; the caller lets it go once out of ``_lock``: dropping the
+        last storage of a handle closes it (torch's IPC handle cache), which waits for its
+        device and may take milliseconds, and every receiving thread takes this lock."""
         opened = self._opened.pop(key)
         self._held -= opened.capacity
-        # Dropping the last storage of a handle closes it (torch's IPC handle cache).
+        return opened
 
     def forget_dead(self) -> int:
         """Drop what dead or retired owners left here; returns how many openings went."""
         with self._lock:
-            before = len(self._opened)
-            self._drop_gone()
-            return before - len(self._opened)
+            gone = self._drop_gone()
+        return len(gone)
 
     def forget_all(self) -> None:
         """Drop every opening and control page (World stop)."""
         with self._lock:
+            gone = list(self._opened.values())
             self._opened.clear()
             self._controls.clear()
             self._close_pidfds(set(self._pidfds))
             self._held = 0
+        gone.clear()  # (out of the lock: see ``_drop``)
