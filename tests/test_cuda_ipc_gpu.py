@@ -444,9 +444,15 @@ def test_each_message_read_from_one_opening_gets_an_event_of_its_own():
     _cuda_here()
     opened = types.SimpleNamespace(done=None)  # (an opening: it kept one event for all, before)
     side = torch.cuda.Stream()
-    first = ops.copies_done(opened, 0)
+    torch.cuda.synchronize()
+    first = ops.copies_done(opened, 0)  # a message whose copies (none here) ran on the idle default stream
     with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)  # another message's copies, still running on its stream
         second = ops.copies_done(opened, 0)
     assert first is not second
+    started = time.monotonic()
     first.synchronize()
+    assert time.monotonic() - started < 0.2  # its own event: not held up by the other's copies
+    assert not second.done.query()  # and the other's lease does not end before its copies ran
     second.synchronize()
+    assert second.done.query()
