@@ -426,10 +426,10 @@ def test_a_senders_life_is_read_from_a_pidfd_closed_with_its_control_page(area):
     sender = subprocess.Popen(["sleep", "60"], pass_fds=[area.fd])  # holds the page at the same number
     try:
         cache.control(sender.pid, area.fd, area.inode)
-        assert cache.alive(sender.pid) and sender.pid in cache._pidfds
+        assert cache.alive(sender.pid, area.inode) and (sender.pid, area.inode) in cache._pidfds
         sender.kill()
         deadline = time.monotonic() + 10
-        while cache.alive(sender.pid):  # (a zombie still: its parent has not reaped it yet)
+        while cache.alive(sender.pid, area.inode):  # (a zombie still: its parent has not reaped it yet)
             assert time.monotonic() < deadline, "the pidfd never told of the SIGKILL"
             time.sleep(0.01)
     finally:
@@ -439,10 +439,126 @@ def test_a_senders_life_is_read_from_a_pidfd_closed_with_its_control_page(area):
     assert len(os.listdir("/proc/self/fd")) == fds_before
     me = os.getpid()
     cache.control(me, area.fd, area.inode)
-    assert cache.alive(me) and me in cache._pidfds
+    assert cache.alive(me, area.inode) and (me, area.inode) in cache._pidfds
     cache.forget_all()
     assert cache._pidfds == {} and len(os.listdir("/proc/self/fd")) == fds_before
-    assert cache.alive(me) and not cache.alive(_dead_pid())  # (no pidfd: asked of /proc)
+    assert cache.alive(me, area.inode) and not cache.alive(_dead_pid(), 1)  # (no pidfd: asked of /proc)
+
+
+def test_a_pid_reused_by_a_new_sender_is_not_read_as_the_dead_ones(area):
+    # Pidfds are kept by (pid, area inode): a dead sender's pidfd under a pid that now runs
+    # another process says "dead" for that area only, and its page and pidfd go at the trim.
+    cache = _cuda_ipc_open.OpenCache(1 << 20)
+    me = os.getpid()
+    cache.control(me, area.fd, area.inode)
+    dead = subprocess.Popen(["sleep", "60"])
+    dead.kill()
+    time.sleep(0.2)
+    os.close(cache._pidfds[(me, area.inode)])
+    cache._pidfds[(me, area.inode)] = os.pidfd_open(dead.pid)  # (a zombie: the pidfd is readable)
+    try:
+        assert not cache.alive(me, area.inode)  # the old sender of that area: gone
+        assert cache.alive(me, area.inode + 1)  # another area of the same pid: asked afresh
+        cache.forget_dead()
+        assert cache._controls == {} and cache._pidfds == {}  # dropped though the pid runs
+    finally:
+        dead.wait(10)
+
+
+def test_a_senders_pidfd_numbered_past_1023_is_still_read(area):
+    # select() refuses descriptors from 1024 up; a large process (TensorPipe, many peers) has them.
+    cache = _cuda_ipc_open.OpenCache(1 << 20)
+    me = os.getpid()
+    cache.control(me, area.fd, area.inode)
+    high = 1500
+    try:
+        os.dup2(cache._pidfds[(me, area.inode)], high)
+    except OSError:
+        pytest.skip("this process may not hold descriptor 1500 (ulimit -n)")
+    os.close(cache._pidfds[(me, area.inode)])
+    cache._pidfds[(me, area.inode)] = high
+    assert cache.alive(me, area.inode)
+    cache.forget_all()
+    assert cache._pidfds == {}
+
+
+def test_a_retired_opening_is_closed_before_its_successor_opens_even_when_it_was_found(area):
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+
+    class Storage:
+        pass
+
+    first = [Storage()]
+    old = weakref.ref(first[0])
+    key = (os.getpid(), b"a", 0)
+    cache.open(key, 2 << 20, words, slab.slot, slab.ident, first.pop)  # (the cache holds it alone)
+    area.close()  # retired: new memory may come behind the same handle bytes
+    seen = []
+    cache.open(key, 2 << 20, words, slab.slot, -7, lambda: seen.append(old()) or Storage())
+    assert seen == [None]  # the old storage was gone when the new one opened
+
+
+def test_a_thread_opens_only_after_the_closes_other_threads_began(area):
+    # Closes run out of the cache's lock: a slab retired and dropped by thread B must be
+    # closed before thread A opens the slab that may have taken its place.
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    order = []
+    release = threading.Event()
+
+    class Slow:
+        def __del__(self):
+            release.wait(10)  # (a handle's close waiting for its device)
+            order.append("closed a")
+
+    me = os.getpid()
+    cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, Slow)
+    area.close()
+    trimmer = threading.Thread(target=cache.forget_dead)
+    trimmer.start()
+    deadline = time.monotonic() + 10
+    while cache._closing == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    threading.Timer(0.3, release.set).start()
+    cache.open((me, b"b", 0), 2 << 20, words, slab.slot, -7, lambda: order.append("open b"))
+    trimmer.join(10)
+    assert order == ["closed a", "open b"]
+
+
+def test_an_opening_waits_for_other_threads_closes_a_bounded_time(area, monkeypatch):
+    monkeypatch.setattr(_cuda_ipc_open, "CLOSE_WAIT_S", 0.3)
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    release = threading.Event()
+
+    class Stuck:
+        def __del__(self):
+            release.wait(10)  # (a close whose device never gets there)
+
+    me = os.getpid()
+    cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, Stuck)
+    area.close()
+    trimmer = threading.Thread(target=cache.forget_dead)
+    trimmer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while cache._closing == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"was not closed within .* process {me}'s slab was not opened"):
+            cache.open((me, b"b", 0), 2 << 20, words, slab.slot, -7, lambda: pytest.fail("opened"))
+        assert time.monotonic() - started < 5
+    finally:
+        release.set()
+        trimmer.join(10)
+    assert cache._closing == 0
+    assert cache.open((me, b"b", 0), 2 << 20, words, slab.slot, -7, object) is not None
 
 
 def test_an_opening_let_go_in_a_forked_child_is_never_freed(monkeypatch):
@@ -615,7 +731,9 @@ def over_cpu(monkeypatch, ipc_on):
     _HANDLES.clear()
 
 
-def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
+def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu, monkeypatch):
+    copied = []  # (the allocator is told the copies' stream reads them: record_stream)
+    monkeypatch.setattr(_cuda_ipc.ops, "copied_here", lambda tensors, index: copied.append(list(tensors)))
     x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     sent = {"a": x, "t": x.t(), "h": x.half()[1:3], "b": x > 5, "i": torch.tensor(7), "e": torch.zeros(0, 4),
             "p": torch.nn.Parameter(torch.ones(3)), "g": torch.ones(2, requires_grad=True),
@@ -633,6 +751,7 @@ def test_a_message_crosses_through_one_slab_and_ends_its_lease(over_cpu):
     assert area.lent() == 1 and area._slabs[0].ready.recorded == 1
     data = pickle.dumps(refs)
     assert data.count(b"_receive_group") == 1
+    assert len(copied) == 1 and {id(t) for t in copied[0]} == {id(t) for t in sent.values()}
     x.fill_(-1)  # the sender reuses its tensor once the call returned (the copy is in the slab)
     back = pickle.loads(data)
     assert _cuda_ipc.released(10)
@@ -1267,9 +1386,12 @@ def _pull(tensors):
     return pickle.dumps(refs)
 
 
-def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it(pinned):
+def test_a_pinned_state_is_read_in_place_and_rewritten_only_once_nobody_holds_it(pinned, monkeypatch):
+    copied = []
+    monkeypatch.setattr(_cuda_ipc.ops, "copied_here", lambda tensors, index: copied.append(len(tensors)))
     pool = pinned(most=2)
     first = pool.adopt("m", [torch.arange(6.0), torch.ones(2, 3)])
+    assert copied == [2]  # the allocator is told the copies' stream reads the pushed tensors
     area = _cuda_ipc._area
     slab = area._slabs[0]
     assert slab.ready.recorded == 1 and area.stats["pinned"] == 1 and area.lent() == 0

@@ -312,6 +312,8 @@ class Batch:
                         tensor.detach() if tensor.requires_grad else tensor)
                 items.append((start, shape, tensor.dtype, tensor.requires_grad, type(tensor) is torch.nn.Parameter,
                               strides))
+            if copy:
+                ops.copied_here(group.tensors, group.index)  # (the message lets them go below)
             if slab.ready is not None and copy:
                 ops.mark_ready(slab)
         except BaseException as exc:
@@ -365,9 +367,12 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         )
     handed = False
     copying = False
+    opened: Optional[Opened] = None
+    view: Optional[torch.Tensor] = None
     try:
         opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
-        if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S, cache.alive):
+        if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S,
+                                 lambda sender: cache.alive(sender, inode)):
             _counts.add("ready_waits")
         # (No device guard: each op below runs on its tensors' device by itself.)
         out: List[torch.Tensor] = []
@@ -393,6 +398,10 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                     ops.synchronize(ops.device(index))
                 except Exception:
                     pass
+            # The raised error's traceback keeps this frame: its references to the opening
+            # would keep the handle open after the lease ends (the sender may retire the
+            # slab then, and new memory come behind the same handle bytes).
+            opened = view = None
             if int(row[0]) == lease:
                 if lease_row < 0 and not copying:  # the sender's copies in were not seen to run: its next writer waits
                     slab_row[3] = UNSETTLED

@@ -32,12 +32,16 @@ from ..._shm._peer_fd import open_peer_fd
 from ..._shm._segments import pid_alive
 from .cuda_ipc_area import PAGE_BYTES, ROWS, WORDS
 
-__all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT"]
+__all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT", "CLOSE_WAIT_S"]
 
 NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
 NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; torch's own event is unused: the slab has its own
 
 Key = Tuple[int, bytes, int]
+
+# Seconds a thread about to open a peer's slab waits at most for the handles other threads
+# are closing (a close waits for its device: milliseconds, unless the device is stuck).
+CLOSE_WAIT_S = 30.0
 
 
 class Opened:
@@ -113,6 +117,14 @@ Opener = Callable[[], Any]
 class OpenCache:
     """Peers' slabs opened here, and their control pages (see the module docstring).
 
+    Openings are let go out of ``_lock`` (closing a handle waits for its device, for
+    milliseconds, while every receiving thread takes that lock), so a thread about to open
+    a slab first waits until the closes other threads began have run: the slab may have
+    taken a closing one's place behind the same handle bytes::
+
+        thread B: pop a gone opening (closing += 1) ─► unlock ─► close it ─► closing -= 1
+        thread A: pop its own gone ones ─► unlock ─► close them ─► wait closing == 0 ─► open
+
     Args:
         limit: Bytes of opened slab capacity kept between transfers.
     """
@@ -120,11 +132,14 @@ class OpenCache:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.Lock()
+        self._closed = threading.Condition(self._lock)  # notified when ``_closing`` falls
+        self._closing = 0  # openings popped and not yet let go (by any thread)
         self._opened: "OrderedDict[Key, Opened]" = OrderedDict()
         self._controls: Dict[Tuple[int, int], Tuple[mmap.mmap, np.ndarray]] = {}
-        self._pidfds: Dict[int, int] = {}  # sender pid -> pidfd (one per pid of _controls)
-        # (A lock of their own: ``alive`` is asked at every message, and a drop under
-        # ``_lock`` may wait on a handle's close.) Order: ``_lock``, then this.
+        # A pidfd per control page, by the same (pid, inode) key: a pid reused by a new
+        # sender has a new area, so it never inherits a dead one's pidfd.
+        self._pidfds: Dict[Tuple[int, int], int] = {}
+        # (A lock of their own: ``alive`` is asked at every message.) Order: ``_lock``, then this.
         self._pid_lock = threading.Lock()
         self._held = 0
         self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
@@ -155,25 +170,30 @@ class OpenCache:
         with self._lock:
             self._controls.setdefault(key, (mapped, words))
             with self._pid_lock:
-                if pid not in self._pidfds:
+                if key not in self._pidfds:
                     try:
-                        self._pidfds[pid] = os.pidfd_open(pid)
+                        self._pidfds[key] = os.pidfd_open(pid)
                     except (AttributeError, OSError):  # (gone already, or Linux before 5.3: /proc asked)
                         pass
             return self._controls[key][1]
 
-    def alive(self, pid: int) -> bool:
-        """Whether sender ``pid`` still runs (not a zombie either): from its pidfd, which
-        turns readable when it exits; /proc where there is none."""
+    def alive(self, pid: int, inode: int) -> bool:
+        """Whether the sender of area ``inode``, process ``pid``, still runs (not a zombie
+        either): from its pidfd, which turns readable when it exits; /proc where there is none."""
         with self._pid_lock:  # (held: _drop_gone may close the pidfd meanwhile)
-            fd = self._pidfds.get(pid)
+            fd = self._pidfds.get((pid, inode))
             if fd is not None:
-                return not select.select([fd], [], [], 0)[0]
+                return not _readable(fd)
         return pid_alive(pid)
 
     def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener,
              index: int = 0) -> Opened:
-        """The opened slab ``key`` on ``cuda:index`` (``opener()`` opens its storage when not cached)."""
+        """The opened slab ``key`` on ``cuda:index`` (``opener()`` opens its storage when not cached).
+
+        Raises:
+            RuntimeError: handles other threads were closing were not closed within
+                ``CLOSE_WAIT_S`` (the device is stuck); nothing was opened.
+        """
         with self._lock:
             found = self._opened.get(key)
             if found is not None and found.ident == ident and not found.retired():
@@ -181,14 +201,23 @@ class OpenCache:
                 return found
             # First: a retired slab's handle must be closed before a slab that took its
             # place is opened (torch finds an open handle by its bytes, and the memory
-            # behind equal bytes may be new).
+            # behind equal bytes may be new). ``found`` too: a reference of this frame
+            # would keep it open through ``opener()``.
+            found = None
             gone = self._drop_gone()
-        gone.clear()  # (closed here, out of the lock: see ``_drop``)
+        self._let_go(gone)
+        with self._lock:
+            if not self._closed.wait_for(lambda: self._closing == 0, CLOSE_WAIT_S):
+                raise RuntimeError(
+                    f"the CUDA memory of peers this process let go was not closed within {CLOSE_WAIT_S:.0f} s "
+                    f"(its device is stuck or far behind); process {key[0]}'s slab was not opened"
+                )
         opened = Opened(opener(), capacity, words, slot, ident, index)
         with self._lock:
             old = self._opened.pop(key, None)
             if old is not None:
                 self._held -= old.capacity
+                self._closing += 1
                 gone.append(old)
             self._opened[key] = opened
             self._held += capacity
@@ -196,7 +225,7 @@ class OpenCache:
             while self._held > self.limit and len(self._opened) > 1:
                 gone.append(self._drop(next(iter(self._opened))))
                 self.stats["evicted"] += 1
-        gone.clear()
+        self._let_go(gone)
         return opened
 
     def _drop_gone(self) -> List[Opened]:
@@ -206,37 +235,62 @@ class OpenCache:
                 gone.append(self._drop(key))
                 self.stats["dropped_dead_or_retired"] += 1
         live = {opened_key[0] for opened_key in self._opened}
-        for control in [k for k in self._controls if k[0] not in live and not pid_alive(k[0])]:
+        with self._pid_lock:
+            exited = {k for k, fd in self._pidfds.items() if _readable(fd)}  # (its pid may run another process)
+        for control in [k for k in self._controls
+                        if k in exited or (k[0] not in live and not pid_alive(k[0]))]:
             del self._controls[control]
-        mapped = {k[0] for k in self._controls}
-        self._close_pidfds({pid for pid in list(self._pidfds) if pid not in mapped})
+        self._close_pidfds([k for k in self._pidfds if k not in self._controls])
         return gone
 
-    def _close_pidfds(self, pids: "set[int]") -> None:
+    def _close_pidfds(self, keys: List[Tuple[int, int]]) -> None:
         with self._pid_lock:
-            for pid in pids:
-                os.close(self._pidfds.pop(pid))
+            for key in keys:
+                os.close(self._pidfds.pop(key))
 
     def _drop(self, key: Key) -> Opened:
-        """Forget opening ``key``; the caller lets it go once out of ``_lock``: dropping the
-        last storage of a handle closes it (torch's IPC handle cache), which waits for its
-        device and may take milliseconds, and every receiving thread takes this lock."""
+        """Forget opening ``key`` (under ``_lock``); the caller lets it go with ``_let_go``
+        once out of the lock: dropping the last storage of a handle closes it (torch's IPC
+        handle cache), which waits for its device and may take milliseconds."""
         opened = self._opened.pop(key)
         self._held -= opened.capacity
+        self._closing += 1
         return opened
+
+    def _let_go(self, gone: List[Opened]) -> None:
+        """Drop ``gone`` (popped by ``_drop`` or counted in ``_closing``), out of ``_lock``."""
+        if not gone:
+            return
+        count = len(gone)
+        try:
+            gone.clear()
+        finally:
+            with self._lock:
+                self._closing -= count
+                self._closed.notify_all()
 
     def forget_dead(self) -> int:
         """Drop what dead or retired owners left here; returns how many openings went."""
         with self._lock:
             gone = self._drop_gone()
-        return len(gone)
+        count = len(gone)
+        self._let_go(gone)
+        return count
 
     def forget_all(self) -> None:
         """Drop every opening and control page (World stop)."""
         with self._lock:
             gone = list(self._opened.values())
+            self._closing += len(gone)
             self._opened.clear()
             self._controls.clear()
-            self._close_pidfds(set(self._pidfds))
+            self._close_pidfds(list(self._pidfds))
             self._held = 0
-        gone.clear()  # (out of the lock: see ``_drop``)
+        self._let_go(gone)
+
+
+def _readable(fd: int) -> bool:
+    # poll, not select: select refuses descriptors from 1024 up (a large process has them)
+    watch = select.poll()
+    watch.register(fd, select.POLLIN)
+    return bool(watch.poll(0))

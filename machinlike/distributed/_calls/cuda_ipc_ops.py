@@ -8,7 +8,7 @@ at call time (``ops.device(...)``) for that reason.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,7 +16,7 @@ from .cuda_ipc_area import Slab
 from .cuda_ipc_open import NO_COUNTER, NO_EVENT, Opened
 from .cuda_ipc_release import Done
 
-__all__ = ["device", "synchronize", "mark_ready", "after_writes", "open_event", "copies_done", "cuda_ready",
+__all__ = ["device", "synchronize", "mark_ready", "copied_here", "after_writes", "open_event", "copies_done", "cuda_ready",
            "current_index", "open_shared", "view", "VIEWS_KEPT"]
 
 
@@ -32,6 +32,20 @@ def mark_ready(slab: Slab) -> None:
     """(Sender) record the slab's event after the copies queued into it."""
     assert slab.ready is not None
     slab.ready.record(torch.cuda.current_stream(device(slab.index)))
+
+
+def copied_here(tensors: List[torch.Tensor], index: int) -> None:
+    """(Sender) tell torch's allocator that ``tensors`` are read by copies queued on this
+    thread's current stream of ``cuda:index`` (``record_stream``), as torch's RPC does for
+    what it sends: a tensor made on another stream and freed by the caller once the call
+    returned would otherwise go to that stream's next tensor before the copies ran, and the
+    receiver get that one's bytes. (Nothing for a tensor made on this stream, or not by
+    the allocator: torch skips those.)"""
+    cuda = [tensor for tensor in tensors if tensor.is_cuda]
+    if cuda:
+        stream = torch.cuda.current_stream(device(index))
+        for tensor in cuda:
+            tensor.record_stream(stream)
 
 
 def after_writes(slab: Slab) -> None:

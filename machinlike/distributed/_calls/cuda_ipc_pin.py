@@ -98,6 +98,7 @@ class PinnedStates:
             ops.after_writes(slab)
         for view, tensor in zip(views, tensors):
             view.copy_(tensor.detach())
+        ops.copied_here(tensors, index)  # (the caller may let them go at once)
         if slab.ready is not None:
             ops.mark_ready(slab)  # receivers read once the copies ran (cuda_ipc_release.await_ready)
         else:
