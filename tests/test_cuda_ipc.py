@@ -25,6 +25,7 @@ import torch
 
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc, cuda_ipc_area as _cuda_ipc_area
 from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open, cuda_ipc_peers as _cuda_ipc_peers
+from machinlike.distributed._calls import cuda_ipc_slab as _cuda_ipc_slab
 from machinlike.distributed._calls import cuda_stage as _cuda_stage, samehost as _samehost
 from machinlike.distributed._calls.strides import kept_strides
 from machinlike.distributed._world.settings import settings as resolve_settings
@@ -44,6 +45,7 @@ def ipc_on():
     _cuda_ipc.configure(64 << 20)
     yield
     _cuda_ipc.close()
+    _cuda_ipc._outliving.sweep(force=True)  # (leases a test left lent to this live process)
     _cuda_ipc.configure(0)
 
 
@@ -186,10 +188,10 @@ def area(monkeypatch):
 
 
 def test_slab_capacity_is_a_power_of_two_from_2_mib():
-    assert _cuda_ipc_area.slab_capacity(1) == 2 << 20
-    assert _cuda_ipc_area.slab_capacity(2 << 20) == 2 << 20
-    assert _cuda_ipc_area.slab_capacity((2 << 20) + 1) == 4 << 20
-    assert _cuda_ipc_area.slab_capacity(64_000_000) == 64 << 20
+    assert _cuda_ipc_slab.slab_capacity(1) == 2 << 20
+    assert _cuda_ipc_slab.slab_capacity(2 << 20) == 2 << 20
+    assert _cuda_ipc_slab.slab_capacity((2 << 20) + 1) == 4 << 20
+    assert _cuda_ipc_slab.slab_capacity(64_000_000) == 64 << 20
 
 
 def test_a_freed_lease_is_lent_again_and_a_busy_one_is_not(area):
@@ -277,7 +279,7 @@ def test_settling_a_slab_waits_for_its_own_event_not_the_whole_device(monkeypatc
             assert current == [1]
             self.waited += 1
 
-    slab = _cuda_ipc_area.Slab.__new__(_cuda_ipc_area.Slab)  # (no CUDA here: the fields it reads)
+    slab = _cuda_ipc_slab.Slab.__new__(_cuda_ipc_slab.Slab)  # (no CUDA here: the fields it reads)
     slab.index, slab.ready = 1, _Event()
     slab.settle_writes()
     assert slab.ready.waited == 1 and synced == []
@@ -307,6 +309,8 @@ def test_closing_waits_briefly_for_live_receivers_to_end_their_leases(area):
     # slab's memory must not go back to the allocator (nor its event die) under the copies.
     lent = area.lease(0, 10, os.getpid())  # (a live receiver: this process)
     dead = area.lease(0, 10, _dead_pid())  # a dead one's is not waited for
+    area.filled(lent)
+    area.filled(dead)  # (their sender's copies are queued: the messages left)
     retired_at = []
     real_retire = area._retire
     area._retire = lambda slab: (retired_at.append(time.monotonic()), real_retire(slab))
@@ -329,8 +333,95 @@ def test_closing_does_not_wait_past_its_bound_for_a_lease_never_taken(monkeypatc
     made = _cuda_ipc_area.ExportArea(16 << 20)
     made.lease(0, 10, os.getpid())  # its message was lost: nobody will end it
     started = time.monotonic()
-    made.close(0.2)
-    assert 0.2 <= time.monotonic() - started < 2.0 and made._slabs == []  # then retired all the same
+    assert made.close(0.2) is True  # (its slab outlives the area: see the next test)
+    assert 0.2 <= time.monotonic() - started < 2.0 and made.fd == -1
+    made.sweep(force=True)
+
+
+def test_a_slab_lent_to_a_live_receiver_outlives_the_closed_area_until_it_is_freed(area, monkeypatch):
+    """Closing retired every slab after its bounded wait, also one still lent to a live
+    receiver (copying out of it slowly, or its message lost) and released torch's counter
+    on it: the memory went back to the allocator, and the receiver's copies could read the
+    next tensor made there. It is kept now (memory, event, counter) until its row comes
+    FREE or its receiver dies; the rest retires at once."""
+    released = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        lambda *counter: released.append(counter), raising=False)
+    live, dead, idle = area.lease(0, 10, os.getpid()), area.lease(0, 10, _dead_pid()), area.lease(0, 10, 1)
+    for lease in (live, dead, idle):
+        area.filled(lease)
+    area.words[idle.slab.slot, 0] = _cuda_ipc_area.FREE  # read and freed by its receiver
+    kept_event = live.slab.ready = object()
+    assert area.close(0.05) is True
+    assert area._slabs == [live.slab] and live.slab.storage is not None and live.slab.ready is kept_event
+    assert dead.slab.storage is None and idle.slab.storage is None and len(released) == 2
+    assert area.stats["outlived"] == 1
+    assert area.sweep() is True and len(released) == 2  # still lent: still kept
+    area.words[live.slab.slot, 0] = _cuda_ipc_area.FREE  # the receiver's copies out ended
+    assert area.sweep() is False and live.slab.storage is None and len(released) == 3
+    assert area.words[live.slab.slot, 2] == _cuda_ipc_area.RETIRED
+
+
+def test_a_closed_area_lends_makes_and_shares_nothing(over_cpu):
+    area = _cuda_ipc.export_area()
+    pinned = area.pin(0, 10)
+    area.close()
+    with pytest.raises(RuntimeError, match="export area is closed"):
+        area.lease(0, 10, os.getpid())
+    with pytest.raises(RuntimeError, match="export area is closed"):
+        area.pin(0, 10)
+    assert area.share(pinned, os.getpid()) is None and area._slabs == []
+
+
+def test_a_slab_written_while_its_area_closes_is_waited_for_then_ended(area):
+    """Closing retired a slab its sender was still writing (its copies queued into memory
+    given back); the message then went out naming a closed control page, its lease lent
+    to a live receiver that could never end it."""
+    lease = area.lease(0, 10, os.getpid())
+    retired = []
+    real_retire = area._retire
+    area._retire = lambda slab: (retired.append(area._filling.copy()), real_retire(slab))
+    threading.Timer(0.1, lambda: area.filled(lease)).start()  # the writer ends within the wait
+    started = time.monotonic()
+    assert area.close(5.0) is False and 0.05 <= time.monotonic() - started < 2.0
+    assert retired == [{}] and area._slabs == []  # retired once written, not under its writer
+    # Written in a closing area, its message names a page about to close: ended here, and
+    # its copies settled before the slab went.
+    assert area.stats["ended_at_close"] == 1 and lease.slab.writes_settled == 1
+
+
+def test_a_slab_still_written_after_the_wait_is_ended_by_its_writer_and_swept(area):
+    lease = area.lease(0, 10, os.getpid())
+    assert area.close(0.05) is True and area._slabs == [lease.slab] and lease.slab.storage is not None
+    area.filled(lease)  # the writer is done: its message names a closed page, nobody could end it
+    assert area.words[lease.slab.slot, 0] == _cuda_ipc_area.FREE and area.stats["ended_at_close"] == 1
+    assert area.sweep() is False and lease.slab.writes_settled == 1  # its copies ran before it went
+
+
+def test_a_late_filled_of_an_ended_lease_keeps_its_successors_mark(area):
+    """The writer's error path ended its lease before marking it filled: a lease of the
+    same slab taken by another thread in between lost its mark, and could be reclaimed
+    under its writer when its taker died."""
+    first = area.lease(0, 10, os.getpid())
+    area.release(first)
+    second = area.lease(0, 10, os.getpid())
+    assert second.slab is first.slab
+    area.filled(first)
+    assert area._filling == {second.slab.slot: second.ident}
+    area.filled(second)
+    assert area._filling == {}
+
+
+def test_closing_counts_a_settle_that_fails_and_goes_on(area):
+    ended = area.lease(0, 10, os.getpid())
+    area.filled(ended)
+    area.release(ended)  # its copies may be queued: retiring it settles them
+
+    def failing():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    ended.slab.settle_writes = failing
+    assert area.close() is False and area.stats["settle_failed"] == 1 and area._slabs == []
 
 
 def test_release_only_ends_its_own_lease(area):
@@ -341,8 +432,16 @@ def test_release_only_ends_its_own_lease(area):
     assert area.words[second.slab.slot, 0] == second.ident
 
 
-def test_close_retires_every_slab(area):
+def _retired(area):
+    """The owner's World stopped and then its process exited: every slab retires."""
+    area.close()
+    area.sweep(force=True)
+
+
+def test_close_retires_every_slab_nobody_holds(area):
     lease = area.lease(0, 10, os.getpid())
+    area.filled(lease)
+    area.release(lease)
     area.close()
     assert area.words[lease.slab.slot, 2] == _cuda_ipc_area.RETIRED and area.held_bytes() == 0
 
@@ -366,7 +465,7 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
     cache.open((me, b"b", 0), 2 << 20, words, slab.slot, slab.ident, opener)
     cache.open((me, b"c", 0), 2 << 20, words, slab.slot, slab.ident, opener)  # over 4 MiB: "a" goes
     assert len(cache) == 2 and cache.held_bytes() == 4 << 20 and cache.stats["evicted"] == 1
-    area.close()  # the owner retires the slab: the receiver drops it at its next trim
+    _retired(area)  # the owner retires the slab: the receiver drops it at its next trim
     assert cache.forget_dead() == 2 and len(cache) == 0 and cache.held_bytes() == 0
     dead = _dead_pid()
     cache.open((dead, b"d", 0), 2 << 20, words, 0, int(words[0, 2]), opener)
@@ -392,7 +491,7 @@ def test_openings_are_let_go_out_of_the_caches_lock(area):
     cache.limit = 1 << 30  # (no more evictions)
     cache.open((_dead_pid(), b"c", 0), 1, words, slab.slot, slab.ident, Storage)
     assert cache.forget_dead() == 1 and locked == [False] * 2  # a dead owner's
-    area.close()
+    _retired(area)
     cache.open((me, b"d", 0), 1, words, slab.slot, -7, Storage)  # "b" retired: dropped first
     assert locked == [False] * 3
     cache.forget_all()
@@ -406,7 +505,7 @@ def test_gone_openings_are_dropped_before_a_new_one_opens(area):
     slab = area.lease(0, 10, os.getpid()).slab
     order = []
     cache.open((os.getpid(), b"a", 0), 2 << 20, words, slab.slot, slab.ident, lambda: order.append("open a"))
-    area.close()
+    _retired(area)
     cache.open((os.getpid(), b"b", 0), 2 << 20, words, slab.slot, -7,
                   lambda: order.append(f"open b with {len(cache)} opened"))
     assert order == ["open a", "open b with 0 opened"]
@@ -494,7 +593,7 @@ def test_a_retired_opening_is_closed_before_its_successor_opens_even_when_it_was
     old = weakref.ref(first[0])
     key = (os.getpid(), b"a", 0)
     cache.open(key, 2 << 20, words, slab.slot, slab.ident, first.pop)  # (the cache holds it alone)
-    area.close()  # retired: new memory may come behind the same handle bytes
+    _retired(area)  # retired: new memory may come behind the same handle bytes
     seen = []
     cache.open(key, 2 << 20, words, slab.slot, -7, lambda: seen.append(old()) or Storage())
     assert seen == [None]  # the old storage was gone when the new one opened
@@ -516,7 +615,7 @@ def test_a_thread_opens_only_after_the_closes_other_threads_began(area):
 
     me = os.getpid()
     cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, Slow)
-    area.close()
+    _retired(area)
     trimmer = threading.Thread(target=cache.forget_dead)
     trimmer.start()
     deadline = time.monotonic() + 10
@@ -542,7 +641,7 @@ def test_an_opening_waits_for_other_threads_closes_a_bounded_time(area, monkeypa
 
     me = os.getpid()
     cache.open((me, b"a", 0), 2 << 20, words, slab.slot, slab.ident, Stuck)
-    area.close()
+    _retired(area)
     trimmer = threading.Thread(target=cache.forget_dead)
     trimmer.start()
     try:
@@ -893,7 +992,7 @@ def test_ctrl_c_while_a_slab_is_written_ends_its_lease_and_is_raised(monkeypatch
         batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
     area = _cuda_ipc._area
     assert area.lent() == 0 and area._slabs[0].unsent  # its next writer waits for what was queued
-    assert area._filling == set()
+    assert area._filling == {}
 
 
 def test_a_send_after_the_worlds_stop_stages_and_makes_no_new_area(over_cpu):
@@ -932,14 +1031,18 @@ def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatc
     assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
     assert asked == ["_describe", "_probe"]
     assert _cuda_ipc.stats()["staged_probe_unanswered"] == before.get("staged_probe_unanswered", 0) + 1
-    assert _cuda_ipc._area.lent() == 0  # the probe's lease ended
+    # Out of time, the peer may be copying out of it now: it stays lent (the peer ends it).
+    assert _cuda_ipc._area.lent() == 1
     assert _cuda_ipc._peers["peer"][1] is not None  # asked again later
     outcome["probe"] = "wrong"
-    monkeypatch.setattr(_cuda_ipc_peers.time, "monotonic", lambda: 1e12)
-    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    _cuda_ipc._area.reuse_wait = 0  # (the clock stops below: no wait for the lent slab to come back)
+    with monkeypatch.context() as frozen:  # (the clock runs again for the World's stop below)
+        frozen.setattr(_cuda_ipc_peers.time, "monotonic", lambda: 1e12)
+        assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
     assert asked[2:] == ["_describe", "_probe"]
     assert _cuda_ipc.stats()["staged_probe_failed"] == before.get("staged_probe_failed", 0) + 1
     assert _cuda_ipc._peers["peer"] == (0, None)  # a probe that arrived wrong: staged for good
+    assert _cuda_ipc._area.lent() == 1  # (and its lease ended: the peer is done with it)
 
 
 def test_a_message_read_after_its_lease_ended_is_refused_by_name(over_cpu):
@@ -973,9 +1076,13 @@ def test_a_retired_slab_is_named_to_a_receiver_that_mapped_the_page(over_cpu):
     refs = [batch.add(torch.ones(3))]
     batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
     data = pickle.dumps(refs)
-    _cuda_ipc._area.close()  # the sender's World stopped (the receiver, here the same process, keeps its page)
+    later = _one_message(torch.full((3,), 2.0))
+    area = _cuda_ipc._area
+    area.close()  # the sender's World stopped: what a live receiver was lent outlives it
+    assert torch.equal(pickle.loads(data)[0], torch.ones(3)) and _cuda_ipc.released(10)
+    area.sweep(force=True)  # then its process exited (the receiver, here the same process, keeps its page)
     with pytest.raises(RuntimeError, match="released before this receiver loaded them"):
-        pickle.loads(data)
+        pickle.loads(later)
 
 
 def _one_message(tensor):
@@ -1539,3 +1646,42 @@ def test_a_ring_gives_back_what_a_burst_of_slow_readers_left(pinned):
     assert pool.held() == 3 and area.stats["slabs_retired"] == 3 and area.stats["slabs_made"] == 6
     assert torch.equal(pickle.loads(_pull(state))[0], torch.ones(4))
     pool.close()
+
+
+def test_a_push_racing_the_worlds_stop_keeps_its_state_instead_of_raising(pinned, monkeypatch):
+    """``adopt`` checked that the path was on, then the World stopped: the area it asked
+    for raised out of a model server's push, and a ring's slab retired under the push was
+    read as free (its storage gone)."""
+    pool = pinned()
+    assert pool.adopt("m", [torch.ones(4)]) is not None
+    slab = _cuda_ipc._area._slabs[0]
+    _cuda_ipc.close()
+    _cuda_ipc.configure(64 << 20)  # (the path reads as on: the stop raced the check)
+    assert slab.storage is None
+    monkeypatch.setattr(_cuda_ipc, "export_area", lambda: (_ for _ in ()).throw(RuntimeError("the path is off")))
+    assert pool.adopt("m", [torch.ones(4)]) is None
+    monkeypatch.undo()
+    from machinlike.distributed._calls.cuda_ipc_pin import _Pinned
+
+    entry = _Pinned.__new__(_Pinned)
+    entry.slab = slab
+    assert entry.free() is False  # retired: never written again
+
+
+def test_a_worlds_stop_keeps_a_slab_its_live_receiver_holds_and_the_next_area_sweeps_it(over_cpu, monkeypatch):
+    monkeypatch.setattr(_cuda_ipc, "_CLOSE_LENT_S", 0.05)
+    data = _one_message(torch.ones(3))
+    area = _cuda_ipc._area
+    (slab,) = area._slabs
+    _cuda_ipc.close()  # its receiver (alive: this process) has not read it yet
+    assert _cuda_ipc._outliving.areas() == [area] and slab.storage is not None
+    _cuda_ipc.configure(64 << 20)
+    assert _cuda_ipc.stats()["outliving_bytes"] == slab.capacity
+    _cuda_ipc.export_area()  # still lent: still kept
+    assert _cuda_ipc._outliving.areas() == [area]
+    with pytest.raises(RuntimeError, match="before this receiver loaded its tensors"):
+        pickle.loads(data)  # (it never mapped the page: it cannot end the lease either)
+    area.words[slab.slot, 0] = _cuda_ipc_area.FREE  # (as a receiver that had mapped the page ends it)
+    _cuda_ipc.close()
+    assert _cuda_ipc._outliving.areas() == [] and slab.storage is None
+    assert _cuda_ipc.stats()["outliving_bytes"] == 0

@@ -62,6 +62,7 @@ import torch
 
 from .cuda_ipc_area import FREE, UNSETTLED, ExportArea, Lease
 from .cuda_ipc_open import Opened, OpenCache
+from .cuda_ipc_outliving import Outliving
 from .cuda_ipc_refs import Group as _Group, Ref as _Ref
 from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
@@ -86,6 +87,7 @@ _CLOSE_LENT_S = 0.5
 _lock = threading.Lock()
 _limit = 0
 _area: Optional[ExportArea] = None
+_outliving = Outliving()  # closed areas whose slabs are still lent to live receivers
 _exit_hook = False
 _opened: Optional[OpenCache] = None
 _releaser = Releaser()
@@ -103,6 +105,7 @@ def configure(limit: int) -> None:
         _area.limit = limit
     if _opened is not None:
         _opened.limit = limit
+    _outliving.sweep()  # (a World starts here again: what its predecessor still lent may have come back)
 
 
 def enabled() -> bool:
@@ -111,16 +114,18 @@ def enabled() -> bool:
 
 
 def close() -> None:
-    """Retire this process's slabs and drop its openings and peer verdicts (World stop);
-    the path stays off until the next ``configure``."""
+    """Retire this process's slabs (one still lent to a live receiver once it comes back:
+    ``cuda_ipc_outliving``) and drop its openings and peer verdicts (World stop); the path
+    stays off until the next ``configure``."""
     global _area, _limit
     with _lock:
         _limit = 0  # (a send still in flight stages: no new area is made after this one)
         area, _area = _area, None
         _peers.clear()
     _releaser.close(_CLOSE_DRAIN_S)  # (leases this process still reads end before its openings go)
-    if area is not None:
-        area.close(_CLOSE_LENT_S)
+    if area is not None and area.close(_CLOSE_LENT_S):
+        _outliving.keep(area)
+    _outliving.sweep()
     if _opened is not None:
         _opened.forget_all()
 
@@ -159,6 +164,7 @@ def export_area() -> ExportArea:
 def _close_at_exit() -> None:
     try:
         close()
+        _outliving.sweep(force=True)  # (the process ends: its memory goes with it, lent or not)
     except Exception:  # interpreter exit: CUDA may already be torn down
         pass
 
@@ -184,6 +190,7 @@ def stats() -> Dict[str, int]:
         out.update({f"area_{k}": v for k, v in _area.stats.items()})
         out["area_held_bytes"] = _area.held_bytes()
         out["area_lent"] = _area.lent()
+    out["outliving_bytes"] = _outliving.held_bytes()  # (closed areas' slabs still lent)
     out.update(_releaser.stats)
     out["release_pending"] = _releaser.pending()
     if _opened is not None:
@@ -443,8 +450,9 @@ def _after_fork_in_child() -> None:
     stream and closes the IPC handle through CUDA calls that fail in a forked child, inside
     a destructor that may not throw (``std::terminate``: a DataLoader worker forked by a
     learner that had received CUDA tensors would abort at once)."""
-    global _lock, _area, _opened, _key, _releaser, _counts
-    _inherited.append((_area, _opened, _releaser))
+    global _lock, _area, _opened, _key, _releaser, _counts, _outliving
+    _inherited.append((_area, _opened, _releaser, _outliving))
+    _outliving = Outliving()
     _lock = threading.Lock()
     _releaser = Releaser()  # (the parent's thread is not running here)
     _area = None

@@ -27,6 +27,9 @@ message that sends that state at once, each through a reader row. Leases live in
       not open or wait for them; this side's ``release``) ─► the slab's next writer orders
       its copies after them first (``UNSETTLED`` in its row, or ``Slab.unsent``): they may
       still be queued, on another thread's stream
+    close(wait) ─► nothing more lent; slabs lent to live receivers (or being written)
+      after ``wait`` outlive the area; the rest retire ─► ``sweep`` retires the outlived
+      once FREE or their receiver died
 
 Why a control page and not a reply from the receiver: a request's slabs could be freed
 when the reply arrives, but a reply's slabs have no later message to free them; the CPU
@@ -39,8 +42,9 @@ slabs of 64 MB for 20 pullers); read in place, the server's memory is its versio
 The receiver's half (openings of peers' slabs, cached): ``cuda_ipc_open``.
 
 Limits: a lease whose message is lost while its receiver lives (the caller timed out
-before the callee read it) stays lent until the receiver dies or the area closes; the
-area counts it in ``stats`` as ``lent``. Reader rows are ``ROWS - SLOTS``; a state sent
+before the callee read it) stays lent until the receiver dies, even past the area's
+``close`` (its slab outlives the area until ``sweep`` finds it ended); the area counts it
+in ``stats`` as ``lent``, then ``outlived``. Reader rows are ``ROWS - SLOTS``; a state sent
 while all are taken is copied into a slab of its own, as any other.
 """
 
@@ -51,15 +55,16 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from ..._shm._segments import pid_alive
+from .cuda_ipc_slab import GRAIN, Slab, slab_capacity
 
-__all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Slab", "Lease",
-           "ExportArea", "slab_capacity"]
+__all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Lease",
+           "ExportArea"]
 
 FREE = 0
 RETIRED = -1
@@ -70,65 +75,6 @@ ROWS = 1024  # slab rows, then reader rows
 WORDS = 4
 PAGE_BYTES = ROWS * WORDS * 8
 _REUSE_WAIT_S = 0.010  # a sender waits this long at most for its taker's last slab (see ``lease``)
-_GRAIN = 2 << 20  # lent slabs hold whole powers of two from 2 MiB (they recycle well); pinned ones 2 MiB steps
-
-
-def slab_capacity(nbytes: int) -> int:
-    """The capacity, in bytes, of a slab for ``nbytes``: a power of two, at least 2 MiB."""
-    capacity = _GRAIN
-    while capacity < nbytes:
-        capacity <<= 1
-    return capacity
-
-
-class Slab:
-    """One exported CUDA buffer of the area; ``views``: tensors over it by layout, made
-    once (``cuda_ipc_ops.view``: a message's Python work is a few torch calls, not a dozen);
-    ``ready``: an interprocess event recorded after each message's copies into it (its
-    handle ``ready_handle`` goes with the message; None and b"" where this torch or
-    driver has no IPC events: the sender synchronises before sending instead)."""
-
-    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views",
-                 "ready", "ready_handle", "unsent")
-
-    def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
-        self.slot = slot
-        self.ident = ident
-        self.index = index
-        self.capacity = capacity
-        self.storage = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", index)).untyped_storage()
-        # Torch internal, absent from its stubs. Called once per slab: each call wraps the
-        # storage's memory in one more reference-counted context.
-        shared = self.storage._share_cuda_()
-        self.handle: bytes = shared[1]
-        self.offset: int = shared[3]
-        self.counter: Tuple[bytes, int] = (shared[4], shared[5])
-        self.views: Dict[Any, torch.Tensor] = {}
-        self.ready: Optional[torch.cuda.Event] = None
-        self.ready_handle = b""
-        self.unsent = False  # ended by this side after copies into it: the next writer waits for them
-        try:
-            with torch.cuda.device(index):  # (an event not yet recorded takes the current device)
-                event = torch.cuda.Event(interprocess=True)
-                self.ready_handle = event.ipc_handle()
-            self.ready = event
-        except Exception:  # no IPC events here (ready stays None): the sender synchronises instead
-            pass
-
-    def settle_writes(self) -> None:
-        """Wait until every copy queued into this slab has run (one retired while a
-        message that ended early may still be writing it).
-
-        Its ``ready`` follows the last message's copies (recorded after them; where they
-        failed, the device was synchronised there: ``cuda_ipc``), as the next writer's
-        ``after_writes`` relies on too. So this waits for those copies alone, not for
-        the whole device (a learner's queued step), under the area's lock. Without IPC
-        events, the whole device."""
-        if self.ready is not None:
-            with torch.cuda.device(self.index):  # (a thread on no device yet would make a context on cuda:0)
-                self.ready.synchronize()
-        else:
-            torch.cuda.synchronize(torch.device("cuda", self.index))
 
 
 class Lease:
@@ -169,14 +115,18 @@ class ExportArea:
         # ``filled``): never reclaimed meanwhile, even if their taker died. Reclaimed, a
         # slab could be leased again and written by a second message while the first one's
         # copies were still being queued into it, under the second one's live receiver.
-        self._filling: Set[int] = set()
+        # By slot: the lease id writing it (a late ``filled`` of an earlier lease of the
+        # same slot, ended and lent again meanwhile, must not clear its successor's mark).
+        self._filling: Dict[int, int] = {}
+        self._closed = False  # (``close`` began: nothing more is lent, made or pinned)
         self._held = 0
         self._ids = itertools.count(1)
         self.reuse_wait = _REUSE_WAIT_S
         # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
                                       "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
-                                      "retire_waits": 0, "pinned": 0, "shared": 0, "no_reader_row": 0}
+                                      "retire_waits": 0, "pinned": 0, "shared": 0, "no_reader_row": 0,
+                                      "settle_failed": 0, "outlived": 0, "ended_at_close": 0}
 
     @property
     def fd(self) -> int:
@@ -201,13 +151,15 @@ class ExportArea:
         new slab: a new slab costs the receiver milliseconds to open, and memory.
 
         Raises:
-            RuntimeError: (from torch) the slab could not be allocated or exported.
+            RuntimeError: the area is closed (its World stopped), or (from torch) the slab
+                could not be allocated or exported.
         """
         capacity = slab_capacity(nbytes)
         deadline = 0.0
         spins = 0
         while True:
             with self._lock:
+                self._refuse_closed()
                 slab = self._free_slab(index, nbytes)
                 if slab is None and not spins and self._reclaim():
                     slab = self._free_slab(index, nbytes)
@@ -221,7 +173,7 @@ class ExportArea:
                     row = self.words[slab.slot]
                     row[1] = taker
                     row[0] = ident  # last: the receiver checks the state, then reads
-                    self._filling.add(slab.slot)  # (until ``filled``: not reclaimed under its writer)
+                    self._filling[slab.slot] = ident  # (until ``filled``: not reclaimed under its writer)
                     return Lease(self, slab, ident)
             if not spins:
                 deadline = time.monotonic() + self.reuse_wait
@@ -233,11 +185,23 @@ class ExportArea:
         return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] > FREE
                    and self.words[slab.slot, 1] == taker for slab in self._slabs)
 
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("this process's CUDA IPC export area is closed (its World stopped): "
+                               "nothing more is lent from it")
+
     def filled(self, lease: Lease) -> None:
         """The sender is done writing ``lease``'s slab (its copies queued, or given up): a
-        lease of a dead taker may be reclaimed again."""
+        lease of a dead taker may be reclaimed again. In an area closed meanwhile, the
+        lease ends here (its message names a control page that is closed: a receiver
+        that never mapped it could not end it) and the slab retires at the next ``sweep``."""
         with self._lock:
-            self._filling.discard(lease.slab.slot)
+            if self._filling.get(lease.slab.slot) == lease.ident:
+                del self._filling[lease.slab.slot]
+            if self._closed and self.words[lease.row, 0] == lease.ident:
+                lease.slab.unsent = True  # (its copies may be queued: retiring it waits for them)
+                self.words[lease.row, 0] = FREE
+                self.stats["ended_at_close"] += 1
 
     def release(self, *leases: Lease) -> None:
         """End ``leases`` from this side (their message never left, or was refused: its
@@ -263,7 +227,7 @@ class ExportArea:
         """:meth:`release` for a message that was never pickled whole, from a garbage
         collection (``_shm.guard``): takes no lock, as the collection may have interrupted
         this very area under it. Nothing else writes a lent slab its receiver never took
-        (``lease`` only picks FREE ones; a closed area's slabs are retired)."""
+        (``lease`` only picks FREE ones; a closed area lends nothing)."""
         row = self.words[lease.row]
         if row[0] == lease.ident:
             if lease.row < SLOTS:  # (a reader row of a pinned slab: nothing was written into it)
@@ -279,10 +243,12 @@ class ExportArea:
         caller writes it, then records its ``ready`` (or synchronises where it has none).
 
         Raises:
-            RuntimeError: (from torch) the slab could not be allocated or exported.
+            RuntimeError: the area is closed (its World stopped), or (from torch) the slab
+                could not be allocated or exported.
         """
-        capacity = -(-max(nbytes, 1) // _GRAIN) * _GRAIN
+        capacity = -(-max(nbytes, 1) // GRAIN) * GRAIN
         with self._lock:
+            self._refuse_closed()
             self._reclaim()
             # Pinned slabs are never evicted: they may take half the area (its bytes and its
             # slab rows), so that messages always find room for slabs of their own.
@@ -300,9 +266,10 @@ class ExportArea:
 
     def share(self, slab: Slab, taker: int) -> Optional[Lease]:
         """A lease of pinned ``slab`` for process ``taker``, through a reader row; None: the
-        slab is no longer pinned, or every reader row is taken (counted: ``no_reader_row``)."""
+        slab is no longer pinned (or the area is closed), or every reader row is taken
+        (counted: ``no_reader_row``)."""
         with self._lock:
-            if slab.storage is None or self._pinned.get(slab.storage.data_ptr()) is not slab:  # (None: retired)
+            if self._closed or slab.storage is None or self._pinned.get(slab.storage.data_ptr()) is not slab:  # (None: retired)
                 return None
             free = np.flatnonzero(self._readers[:, 0] == FREE)
             if not len(free):
@@ -418,7 +385,10 @@ class ExportArea:
             # Copies of a message that ended early may still be queued into it, maybe on
             # another thread's stream: freed now, its memory could go to a new tensor of
             # the stream it was made on, and those copies would overwrite that tensor.
-            slab.settle_writes()
+            try:
+                slab.settle_writes()
+            except Exception:  # (a CUDA error is the process's, and shows there: retiring goes on)
+                self.stats["settle_failed"] += 1
             self.stats["retire_waits"] += 1
         self.words[slab.slot, 2] = RETIRED  # receivers drop their opening at their next trim
         self._slabs.remove(slab)
@@ -439,19 +409,40 @@ class ExportArea:
         slab.views = {}  # (they hold the storage too)
         slab.ready = None  # receivers check the slab's id before they ask its event
 
-    def close(self, wait: float = 0.0) -> None:
-        """Retire every slab (receivers drop their openings) and close the control page;
-        first wait, ``wait`` seconds at most, for slabs lent to live receivers to come FREE
-        (one may still be copying out of it: its memory must not go back to the allocator
-        nor its event be destroyed under those copies). Raises nothing."""
+    def close(self, wait: float = 0.0) -> bool:
+        """Stop lending, close the control page and retire every slab nobody holds; first
+        wait, ``wait`` seconds at most, for slabs lent to live receivers to come FREE and
+        for those being written to be filled.
+
+        A slab still lent to a live receiver after the wait (it may be copying out of it,
+        or its message was lost) outlives the area: its memory going back to the allocator,
+        or its event being destroyed, under those copies would hand the receiver another
+        tensor's bytes. It retires at a later ``sweep``, once its row came FREE or its
+        receiver died. Returns whether any slab outlives. Raises nothing."""
+        with self._lock:
+            self._closed = True
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and self._lent_to_the_living():
+        while time.monotonic() < deadline and (self._filling or self._lent_to_the_living()):
             time.sleep(0.001)  # (only at a World's stop: receivers write the page, no wake-up)
         with self._lock:
-            for slab in list(self._slabs):
-                self._retire(slab)
             try:
                 os.close(self._fd)
             except OSError:
                 pass
             self._fd = -1
+        outlive = self.sweep()
+        if outlive:
+            with self._lock:
+                self.stats["outlived"] = len(self._slabs)
+        return outlive
+
+    def sweep(self, force: bool = False) -> bool:
+        """(A closed area) retire the slabs no live receiver, reader or writer holds any
+        more; ``force``: every one (the interpreter's exit). Returns whether any remain."""
+        with self._lock:
+            self._reclaim()
+            for slab in list(self._slabs):
+                row = self.words[slab.slot]
+                if force or not (slab.slot in self._filling or row[0] > FREE or self._read(slab)):
+                    self._retire(slab)
+            return bool(self._slabs)

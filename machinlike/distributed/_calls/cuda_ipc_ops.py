@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .cuda_ipc_area import Slab
+from .cuda_ipc_slab import Slab
 from .cuda_ipc_open import NO_COUNTER, NO_EVENT, Opened
 from .cuda_ipc_release import Done
 

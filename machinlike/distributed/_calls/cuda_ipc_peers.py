@@ -133,8 +133,12 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         # asked again later, as an unanswered question is. Any other failure is the probe's.
         late = time.monotonic() - started >= _PROBE_TIMEOUT_S
     if not ok:
-        for lease in leases:  # the call is over: nobody reads it any more (a late reader
-            lease.area.release(lease)  # finds the lease ended: the lease ids are checked)
+        if not late:  # the call is over: nobody reads it any more
+            for lease in leases:
+                lease.area.release(lease)
+        # Out of time, the peer may be copying out of it right now: ended here, the slab
+        # could be written by the next message under those copies. It stays lent, ended
+        # by the peer once read, or taken back at its death.
         if late:
             _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
             _ipc._counts.add("staged_probe_unanswered")

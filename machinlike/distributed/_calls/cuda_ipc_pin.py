@@ -36,7 +36,8 @@ import torch
 from ..._shm._recycled import use_count
 from . import cuda_ipc as _ipc
 from . import cuda_ipc_ops as ops
-from .cuda_ipc_area import ExportArea, Slab
+from .cuda_ipc_area import ExportArea
+from .cuda_ipc_slab import Slab
 
 __all__ = ["PinnedStates", "MOST"]
 
@@ -57,6 +58,8 @@ class _Pinned:
         self.base = use_count(slab.storage)  # held by the slab alone
 
     def free(self) -> bool:
+        if self.slab.storage is None:  # retired (its area closed under this push): never written again
+            return False
         return use_count(self.slab.storage) <= self.base and self.area.readers(self.slab) == 0
 
 
@@ -106,7 +109,10 @@ class PinnedStates:
         return views
 
     def _take(self, ring: Ring, index: int, nbytes: int) -> Optional[Slab]:
-        area = _ipc.export_area()
+        try:
+            area = _ipc.export_area()
+        except RuntimeError:  # the path went off since ``adopt`` looked (a World stopping)
+            return None
         pinned = [p for p in self._rings.get(ring, []) if p.area is area]  # (a World restarted: a new area)
         if ring not in self._rings and len(self._rings) >= _RINGS_MAX:
             return None
@@ -124,7 +130,7 @@ class PinnedStates:
             return None
         try:
             slab = area.pin(index, nbytes)
-        except Exception:  # (out of GPU memory, an export refused: pulls copy it, as before)
+        except Exception:  # (out of GPU memory, an export refused, the area closed: pulls copy it)
             return None
         if slab is not None:
             pinned.append(_Pinned(area, slab))

@@ -1,0 +1,76 @@
+"""One export slab of the CUDA IPC path: a long-lived ``uint8`` CUDA buffer exported once
+through torch's ``_share_cuda_``, with the IPC event that follows each message's copies
+into it (``cuda_ipc_area`` lends slabs; ``cuda_ipc_ops`` copies into and out of them).
+
+Why a slab is made once and kept: an export wraps the memory in one more counted
+context, and opening its handle costs a receiver milliseconds; kept, a slab is opened once
+by each receiver and lent again and again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["GRAIN", "Slab", "slab_capacity"]
+
+GRAIN = 2 << 20  # lent slabs hold whole powers of two from 2 MiB (they recycle well); pinned ones 2 MiB steps
+
+
+def slab_capacity(nbytes: int) -> int:
+    """The capacity, in bytes, of a slab for ``nbytes``: a power of two, at least 2 MiB."""
+    capacity = GRAIN
+    while capacity < nbytes:
+        capacity <<= 1
+    return capacity
+
+
+class Slab:
+    """One exported CUDA buffer of the area; ``views``: tensors over it by layout, made
+    once (``cuda_ipc_ops.view``: a message's Python work is a few torch calls, not a dozen);
+    ``ready``: an interprocess event recorded after each message's copies into it (its
+    handle ``ready_handle`` goes with the message; None and b"" where this torch or
+    driver has no IPC events: the sender synchronises before sending instead)."""
+
+    __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views",
+                 "ready", "ready_handle", "unsent")
+
+    def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
+        self.slot = slot
+        self.ident = ident
+        self.index = index
+        self.capacity = capacity
+        self.storage = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", index)).untyped_storage()
+        # Torch internal, absent from its stubs. Called once per slab: each call wraps the
+        # storage's memory in one more reference-counted context.
+        shared = self.storage._share_cuda_()
+        self.handle: bytes = shared[1]
+        self.offset: int = shared[3]
+        self.counter: Tuple[bytes, int] = (shared[4], shared[5])
+        self.views: Dict[Any, torch.Tensor] = {}
+        self.ready: Optional[torch.cuda.Event] = None
+        self.ready_handle = b""
+        self.unsent = False  # ended by this side after copies into it: the next writer waits for them
+        try:
+            with torch.cuda.device(index):  # (an event not yet recorded takes the current device)
+                event = torch.cuda.Event(interprocess=True)
+                self.ready_handle = event.ipc_handle()
+            self.ready = event
+        except Exception:  # no IPC events here (ready stays None): the sender synchronises instead
+            pass
+
+    def settle_writes(self) -> None:
+        """Wait until every copy queued into this slab has run (one retired while a
+        message that ended early may still be writing it).
+
+        Its ``ready`` follows the last message's copies (recorded after them; where they
+        failed, the device was synchronised there: ``cuda_ipc``), as the next writer's
+        ``after_writes`` relies on too. So this waits for those copies alone, not for
+        the whole device (a learner's queued step), under the area's lock. Without IPC
+        events, the whole device."""
+        if self.ready is not None:
+            with torch.cuda.device(self.index):  # (a thread on no device yet would make a context on cuda:0)
+                self.ready.synchronize()
+        else:
+            torch.cuda.synchronize(torch.device("cuda", self.index))
