@@ -123,9 +123,7 @@ def close() -> None:
         area, _area = _area, None
         _peers.clear()
     _releaser.close(_CLOSE_DRAIN_S)  # (leases this process still reads end before its openings go)
-    if area is not None and area.close(_CLOSE_LENT_S):
-        _outliving.keep(area)
-    _outliving.sweep()
+    _outliving.close(area, _CLOSE_LENT_S, _counts)
     if _opened is not None:
         _opened.forget_all()
 
@@ -154,7 +152,7 @@ def export_area() -> ExportArea:
             if _limit <= 0:
                 raise RuntimeError("the CUDA IPC path is off in this process (its World stopped, or "
                                    "cuda_ipc_cache_bytes=0)")
-            _area = ExportArea(_limit)
+            _area = ExportArea(_limit, lambda: _outliving.held_bytes())  # (read at each use: forks swap it)
             if not _exit_hook:  # once, lazily: a process that exits without stopping its World
                 _exit_hook = True  # retires its slabs itself (torch would report them as leaked)
                 atexit.register(_close_at_exit)

@@ -29,7 +29,7 @@ message that sends that state at once, each through a reader row. Leases live in
       still be queued, on another thread's stream
     close(wait) ─► nothing more lent; slabs lent to live receivers (or being written)
       after ``wait`` outlive the area; the rest retire ─► ``sweep`` retires the outlived
-      once FREE or their receiver died
+      once FREE or their receiver died, then closes the page
 
 Why a control page and not a reply from the receiver: a request's slabs could be freed
 when the reply arrives, but a reply's slabs have no later message to free them; the CPU
@@ -55,7 +55,7 @@ import mmap
 import os
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -97,10 +97,13 @@ class ExportArea:
 
     Args:
         limit: Bytes of slab capacity held at most, all devices together; 0: none.
+        outside: Bytes held within ``limit`` by others (closed areas' slabs still lent,
+            ``cuda_ipc_outliving``); None: none.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, outside: Optional[Callable[[], int]] = None) -> None:
         self.limit = limit
+        self._outside = outside or (lambda: 0)
         self._lock = threading.Lock()
         self._fd = os.memfd_create("machinlike-cuda-ipc", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, PAGE_BYTES)
@@ -189,6 +192,12 @@ class ExportArea:
         if self._closed:
             raise RuntimeError("this process's CUDA IPC export area is closed (its World stopped): "
                                "nothing more is lent from it")
+
+    def holds(self, lease: Lease) -> bool:
+        """Whether ``lease`` is still lent (its receiver neither ended it nor died)."""
+        with self._lock:
+            self._reclaim()
+            return lease.slab.storage is not None and self.words[lease.row, 0] == lease.ident
 
     def filled(self, lease: Lease) -> None:
         """The sender is done writing ``lease``'s slab (its copies queued, or given up): a
@@ -358,7 +367,7 @@ class ExportArea:
     def _new_slab(self, index: int, capacity: int) -> Optional[Slab]:
         if capacity > self.limit:
             return None
-        while self._held + capacity > self.limit:
+        while self._held + self._outside() + capacity > self.limit:
             free = [slab for slab in self._slabs if self.words[slab.slot, 0] == FREE]
             if not free:
                 return None
@@ -410,26 +419,22 @@ class ExportArea:
         slab.ready = None  # receivers check the slab's id before they ask its event
 
     def close(self, wait: float = 0.0) -> bool:
-        """Stop lending, close the control page and retire every slab nobody holds; first
-        wait, ``wait`` seconds at most, for slabs lent to live receivers to come FREE and
-        for those being written to be filled.
+        """Stop lending and retire every slab nobody holds; first wait, ``wait`` seconds at
+        most, for slabs lent to live receivers to come FREE and for those being written to
+        be filled.
 
         A slab still lent to a live receiver after the wait (it may be copying out of it,
         or its message was lost) outlives the area: its memory going back to the allocator,
         or its event being destroyed, under those copies would hand the receiver another
         tensor's bytes. It retires at a later ``sweep``, once its row came FREE or its
-        receiver died. Returns whether any slab outlives. Raises nothing."""
+        receiver died; the control page stays open until then (a receiver that had not
+        mapped it yet still reads its message, and ends the lease). Returns whether any
+        slab outlives. Raises nothing."""
         with self._lock:
             self._closed = True
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and (self._filling or self._lent_to_the_living()):
             time.sleep(0.001)  # (only at a World's stop: receivers write the page, no wake-up)
-        with self._lock:
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = -1
         outlive = self.sweep()
         if outlive:
             with self._lock:
@@ -438,11 +443,17 @@ class ExportArea:
 
     def sweep(self, force: bool = False) -> bool:
         """(A closed area) retire the slabs no live receiver, reader or writer holds any
-        more; ``force``: every one (the interpreter's exit). Returns whether any remain."""
+        more (``force``: every one, the interpreter's exit), and close the control page
+        once none is left. Returns whether any remain."""
         with self._lock:
             self._reclaim()
             for slab in list(self._slabs):
                 row = self.words[slab.slot]
                 if force or not (slab.slot in self._filling or row[0] > FREE or self._read(slab)):
                     self._retire(slab)
-            return bool(self._slabs)
+            if self._slabs:
+                return True
+            if self._fd >= 0:  # (open until now: a receiver still lent a slab may map the page first)
+                os.close(self._fd)
+                self._fd = -1
+            return False

@@ -30,8 +30,9 @@ def synchronize(device: torch.device) -> None:
 
 def mark_ready(slab: Slab) -> None:
     """(Sender) record the slab's event after the copies queued into it."""
-    assert slab.ready is not None
-    slab.ready.record(torch.cuda.current_stream(device(slab.index)))
+    ready = slab.ready  # (read once: a World's stop may retire the slab meanwhile, and None it)
+    if ready is not None:
+        ready.record(torch.cuda.current_stream(device(slab.index)))
 
 
 def copied_here(tensors: List[torch.Tensor], index: int) -> None:
@@ -51,10 +52,11 @@ def copied_here(tensors: List[torch.Tensor], index: int) -> None:
 def after_writes(slab: Slab) -> None:
     """(Sender) order this thread's stream after the last copies into the slab (those of a
     message that never left, maybe queued on another thread's stream)."""
-    if slab.ready is None:  # (no IPC event: the whole device)
+    ready = slab.ready  # (read once, as in ``mark_ready``)
+    if ready is None:  # (no IPC event, or retired: the whole device)
         torch.cuda.synchronize(device(slab.index))
     else:
-        torch.cuda.current_stream(device(slab.index)).wait_event(slab.ready)
+        torch.cuda.current_stream(device(slab.index)).wait_event(ready)
 
 
 class _OnDevice:

@@ -5,7 +5,7 @@ Why: ``ExportArea.close`` keeps a slab that a live receiver may still be copying
 something must retire it once that receiver ends its lease or dies. This list does, swept
 at each World's stop and each new area, and forced at the interpreter's exit::
 
-    World stop: area.close(wait) ─► some slab outlives ─► keep(area)
+    World stop: close(area, wait) ─► area.close(wait) ─► some slab outlives ─► kept
     a later stop, or a new area: sweep() ─► each kept area retires what came back;
       one with nothing left is dropped
     exit: sweep(force=True) ─► every slab retires (the process's memory goes anyway)
@@ -16,8 +16,9 @@ Bounded: an area is kept only while one of its slabs is lent to a live process.
 from __future__ import annotations
 
 import threading
-from typing import List
+from typing import List, Optional
 
+from ..._tally import Tally
 from .cuda_ipc_area import ExportArea
 
 __all__ = ["Outliving"]
@@ -30,9 +31,17 @@ class Outliving:
         self._lock = threading.Lock()
         self._areas: List[ExportArea] = []
 
-    def keep(self, area: ExportArea) -> None:
-        with self._lock:
-            self._areas.append(area)
+    def close(self, area: Optional[ExportArea], wait: float, counts: Tally) -> None:
+        """Close ``area`` (None: none was made), waiting ``wait`` seconds at most for what
+        it lent (``ExportArea.close``), keep it if a slab outlives it, carry its closing
+        counters into ``counts`` (``closed_area_*``), and sweep the areas kept before."""
+        if area is not None:
+            if area.close(wait):
+                with self._lock:
+                    self._areas.append(area)
+            for name in ("outlived", "ended_at_close", "settle_failed"):
+                counts.add(f"closed_area_{name}", area.stats[name])
+        self.sweep()
 
     def areas(self) -> List[ExportArea]:
         with self._lock:

@@ -12,6 +12,7 @@ have the same key) and sends a 16-element probe there and back through IPC (``_p
                     ── our key ── probe there and back ── equal ──► IPC for good
                                   │                   ├─ no answer in time ──► stage; ask
                                   │                   │                  again after _UNANSWERED_RETRY_S
+                                  │                   │                  (not while its probe is unread)
                                   │                   └─ not, or staged
                                   │                      on the way back ──► stage for good
                                   └─ not exported here (staged) ──► stage; ask again after
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed import rpc
 
 from . import cuda_ipc as _ipc
+from .cuda_ipc_area import Lease
 from .staging import stage_tensor
 
 __all__ = ["peer_target", "export"]
@@ -40,6 +42,10 @@ __all__ = ["peer_target", "export"]
 _RETRY_S = 2.0  # a peer without CUDA (yet) is asked again after this many seconds
 _PROBE_TIMEOUT_S = 5.0
 _UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is asked again after this
+# By (member, pid): the lease of a probe that ran out of time, still lent (the peer may be
+# copying out of it). A peer that never reads it is not probed again meanwhile: each probe
+# would leave one more slab lent, until every slot of the area was.
+_late: Dict[Tuple[str, int], Lease] = {}
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Any]]:
@@ -111,6 +117,12 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, None)
         _ipc._counts.add("staged_peer_other_gpus")
         return None
+    held = _late.pop((member, pid), None)
+    if held is not None and held.area.holds(held):  # its last probe is still unread
+        _late[(member, pid)] = held
+        _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+        _ipc._counts.add("staged_probe_unread")
+        return None
     device = _ipc.ops.device(_ipc.ops.current_index())
     refs, leases = export([torch.arange(16, device=device)], (mine, pid))
     if not leases:  # this side could not export it (it was staged, counted): ask again later
@@ -140,6 +152,9 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         # could be written by the next message under those copies. It stays lent, ended
         # by the peer once read, or taken back at its death.
         if late:
+            _late[(member, pid)] = leases[0]
+            while len(_late) > _ipc._PEERS_KEPT:  # (bounded as the verdicts are)
+                _late.pop(next(iter(_late)))
             _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
             _ipc._counts.add("staged_probe_unanswered")
             return None

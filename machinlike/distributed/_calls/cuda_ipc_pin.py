@@ -58,9 +58,10 @@ class _Pinned:
         self.base = use_count(slab.storage)  # held by the slab alone
 
     def free(self) -> bool:
-        if self.slab.storage is None:  # retired (its area closed under this push): never written again
+        storage = self.slab.storage  # (read once: a World's stop may retire the slab meanwhile)
+        if storage is None:  # retired: never written again
             return False
-        return use_count(self.slab.storage) <= self.base and self.area.readers(self.slab) == 0
+        return use_count(storage) <= self.base and self.area.readers(self.slab) == 0
 
 
 class PinnedStates:
@@ -91,18 +92,20 @@ class PinnedStates:
             total += -(-tensor.nbytes // _ALIGN) * _ALIGN
         with self._lock:  # (a slab is chosen and held by its views before another push looks)
             slab = self._take((key, index, total), index, total)
-            if slab is None:
+            storage = None if slab is None else slab.storage  # (a World's stop may retire it meanwhile)
+            if slab is None or storage is None:
                 return None
             views = [torch.empty(0, dtype=t.dtype, device=t.device).set_(  # type: ignore[call-overload]
-                slab.storage, start // t.element_size(), t.shape) for start, t in zip(starts, tensors)]
-        if slab.ready is not None:
+                storage, start // t.element_size(), t.shape) for start, t in zip(starts, tensors)]
+            events = slab.ready is not None
+        if events:  # (``ops`` reads the event once: retired meanwhile, it waits on the device)
             # A rewritten slab's last copies in may still be queued on another thread's
             # stream (its event follows them): these must come after, not race them.
             ops.after_writes(slab)
         for view, tensor in zip(views, tensors):
             view.copy_(tensor.detach())
         ops.copied_here(tensors, index)  # (the caller may let them go at once)
-        if slab.ready is not None:
+        if events:
             ops.mark_ready(slab)  # receivers read once the copies ran (cuda_ipc_release.await_ready)
         else:
             ops.synchronize(ops.device(index))
