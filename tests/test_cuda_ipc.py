@@ -1014,7 +1014,16 @@ def test_a_send_after_the_worlds_stop_stages_and_makes_no_new_area(over_cpu):
     assert _cuda_ipc.export_area() is _cuda_ipc._area is not None
 
 
-def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatch, over_cpu):
+@pytest.fixture
+def live_peer():
+    """A live process's pid (a peer whose leases are not taken back as a dead one's)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield child.pid
+    child.kill()
+    child.wait(timeout=30)
+
+
+def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatch, over_cpu, live_peer):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
     monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: None)
     monkeypatch.setattr(_cuda_ipc_peers, "_PROBE_TIMEOUT_S", 0.05)
@@ -1032,7 +1041,7 @@ def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatc
 
     monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
     before = _cuda_ipc.stats()
-    peer = os.getppid()  # (a live process: its lease is not taken back)
+    peer = live_peer
     assert _cuda_ipc_peers.peer_target("peer", peer) is None
     assert asked == ["_describe", "_probe"]
     assert _cuda_ipc.stats()["staged_probe_unanswered"] == before.get("staged_probe_unanswered", 0) + 1
@@ -1727,3 +1736,80 @@ def test_a_pinned_slab_retired_under_a_push_leaves_the_state_as_it_is(pinned, mo
 
     monkeypatch.setattr(cuda_ipc_pin.PinnedStates, "_take", stopped_meanwhile)
     assert pool.adopt("m", [torch.zeros(4)]) is None  # not pinned: the state stays as it is
+
+
+def test_a_late_probe_of_a_stopped_world_does_not_hold_the_next_ones_probe_back(monkeypatch, over_cpu, live_peer):
+    """Its message went with the World that sent it: a peer that lives on was staged in
+    every later World as long as it lived (the old lease stays lent to it)."""
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc, "_CLOSE_LENT_S", 0.01)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: None)
+    monkeypatch.setattr(_cuda_ipc_peers, "_PROBE_TIMEOUT_S", 0.05)
+    asked = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        asked.append(fn.__name__)
+        if fn.__name__ == "_describe":
+            return 77
+        time.sleep(timeout)
+        raise RuntimeError("RPC ran for more than set timeout")
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    assert _cuda_ipc_peers.peer_target("peer", live_peer) is None and asked == ["_describe", "_probe"]
+    _cuda_ipc.close()
+    _cuda_ipc.configure(64 << 20)  # the next World
+    assert _cuda_ipc_peers.peer_target("peer", live_peer) is None
+    assert asked[2:] == ["_describe", "_probe"]  # probed again
+
+
+def test_a_callee_ends_its_last_unread_answer_when_the_same_caller_probes_again(monkeypatch, over_cpu, live_peer):
+    """A caller whose probes always ran out of time read none of the answers (torch drops
+    a reply past its call's timeout): each stayed lent to it, one slab every retry, until
+    every slot of the callee's area was taken."""
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    try:
+        probe = [torch.arange(16)]
+        _cuda_ipc_peers._probe(probe, live_peer)
+        area = _cuda_ipc._area
+        assert area.lent() == 1
+        _cuda_ipc_peers._probe(probe, live_peer)  # its next probe: the last answer was given up
+        assert area.lent() == 1 and area.stats["slabs_made"] == 1
+        _cuda_ipc_peers._probe(probe, os.getpid())  # another caller's answer is its own
+        assert area.lent() == 2
+    finally:
+        _cuda_ipc_peers._answers.clear()
+
+
+def test_a_member_is_probed_by_one_thread_at_a_time(monkeypatch, over_cpu):
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: None)
+    during = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        if fn.__name__ == "_describe":
+            return 77
+        during.append(_cuda_ipc_peers.peer_target("peer", os.getppid() or 1))  # another thread's call meanwhile
+        raise RuntimeError("the CUDA IPC probe arrived as tensor([0, 0])")
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    before = _cuda_ipc.stats().get("staged_probe_in_flight", 0)
+    assert _cuda_ipc_peers.peer_target("peer", os.getppid() or 1) is None
+    assert during == [None] and _cuda_ipc.stats()["staged_probe_in_flight"] == before + 1
+    assert _cuda_ipc_peers._probing == set()
+
+
+def test_what_a_stopped_world_still_lends_leaves_room_once_it_comes_back(over_cpu, monkeypatch):
+    """Bytes a closed area holds count against the next area's bound, until they come
+    back: then at once, not at the next World's stop (the receiver may end its lease long
+    after the sweeps of the stop and of the next start)."""
+    monkeypatch.setattr(_cuda_ipc, "_CLOSE_LENT_S", 0.01)
+    _one_message(torch.ones(10 << 20))  # a 64 MiB slab: the whole bound, lent to a live receiver
+    old = _cuda_ipc._area
+    (slab,) = old._slabs
+    _cuda_ipc.close()
+    _cuda_ipc.configure(64 << 20)  # the next World
+    area = _cuda_ipc.export_area()
+    assert area.lease(0, 1, os.getpid()) is None and area.stats["no_room"] == 1
+    old.words[slab.slot, 0] = _cuda_ipc_area.FREE  # its receiver read it at last
+    assert area.lease(0, 1, os.getpid()) is not None and slab.storage is None
+    assert _cuda_ipc._outliving.areas() == []

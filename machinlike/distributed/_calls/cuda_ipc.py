@@ -152,7 +152,7 @@ def export_area() -> ExportArea:
             if _limit <= 0:
                 raise RuntimeError("the CUDA IPC path is off in this process (its World stopped, or "
                                    "cuda_ipc_cache_bytes=0)")
-            _area = ExportArea(_limit, lambda: _outliving.held_bytes())  # (read at each use: forks swap it)
+            _area = ExportArea(_limit, lambda: _outliving.outside())  # (read at each use: forks swap it)
             if not _exit_hook:  # once, lazily: a process that exits without stopping its World
                 _exit_hook = True  # retires its slabs itself (torch would report them as leaked)
                 atexit.register(_close_at_exit)

@@ -202,8 +202,9 @@ class ExportArea:
     def filled(self, lease: Lease) -> None:
         """The sender is done writing ``lease``'s slab (its copies queued, or given up): a
         lease of a dead taker may be reclaimed again. In an area closed meanwhile, the
-        lease ends here (its message names a control page that is closed: a receiver
-        that never mapped it could not end it) and the slab retires at the next ``sweep``."""
+        lease ends here (its message leaves a World that is stopping: most likely nobody
+        reads it, and a lease nobody ends would hold the slab until its receiver died; one
+        that does read it is told the lease ended) and the slab retires at the next ``sweep``."""
         with self._lock:
             if self._filling.get(lease.slab.slot) == lease.ident:
                 del self._filling[lease.slab.slot]
@@ -367,7 +368,8 @@ class ExportArea:
     def _new_slab(self, index: int, capacity: int) -> Optional[Slab]:
         if capacity > self.limit:
             return None
-        while self._held + self._outside() + capacity > self.limit:
+        outside = self._outside()
+        while self._held + outside + capacity > self.limit:
             free = [slab for slab in self._slabs if self.words[slab.slot, 0] == FREE]
             if not free:
                 return None

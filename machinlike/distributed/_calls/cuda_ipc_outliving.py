@@ -51,6 +51,15 @@ class Outliving:
         """Bytes of slab capacity the kept areas still hold."""
         return sum(area.held_bytes() for area in self.areas())
 
+    def outside(self) -> int:
+        """``held_bytes`` once what came back is retired: what a new area must leave them
+        of its bound (``ExportArea(outside=...)``; a receiver may end its lease long after
+        the sweeps of a World's stop and the next one's start)."""
+        if not self._areas:
+            return 0
+        self.sweep()
+        return self.held_bytes()
+
     def sweep(self, force: bool = False) -> None:
         """Retire what each kept area's receivers gave back (``force``: everything), and
         drop the areas left empty. Raises nothing."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed import rpc
@@ -46,6 +46,12 @@ _UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is a
 # copying out of it). A peer that never reads it is not probed again meanwhile: each probe
 # would leave one more slab lent, until every slot of the area was.
 _late: Dict[Tuple[str, int], Lease] = {}
+# (Callee) by caller pid: the lease of the last probe answered. A caller probes a member
+# once at a time (``_probing``), after its last probe's call ended; an answer it has not
+# read by then never will be (torch drops a reply past its call's timeout), and would stay
+# lent to it: one slab a probe of a peer always late.
+_answers: Dict[int, Lease] = {}
+_probing: Set[str] = set()  # (caller) members probed now, by any thread
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Any]]:
@@ -79,7 +85,14 @@ def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
     expected = torch.arange(16, device=probe.device)
     if probe.device != _ipc.ops.device(probe.device.index) or not bool((probe == expected).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
+    last = _answers.pop(caller, None)
+    if last is not None:  # (ended by the caller already, where it read it: the ids are checked)
+        last.area.release(last)
     refs, leases = export([probe], (_ipc.local_key(), caller))
+    if leases:
+        _answers[caller] = leases[0]
+        while len(_answers) > _ipc._PEERS_KEPT:
+            _answers.pop(next(iter(_answers)))
     return refs, bool(leases)
 
 
@@ -118,11 +131,27 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _ipc._counts.add("staged_peer_other_gpus")
         return None
     held = _late.pop((member, pid), None)
-    if held is not None and held.area.holds(held):  # its last probe is still unread
+    # (its last probe still unread; one lent by a stopped World's area was lost with it)
+    if held is not None and held.area is _ipc._area and held.area.holds(held):
         _late[(member, pid)] = held
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._counts.add("staged_probe_unread")
         return None
+    with _ipc._lock:
+        busy = member in _probing
+        _probing.add(member)
+    if busy:  # another thread probes it now: this call stages, and asks again once that one ended
+        _ipc._counts.add("staged_probe_in_flight")
+        return None
+    try:
+        return _prove(member, pid, mine)
+    finally:
+        with _ipc._lock:
+            _probing.discard(member)
+
+
+def _prove(member: str, pid: int, mine: int) -> Optional[Tuple[int, int]]:
+    """The probe there and back (see ``peer_target``); the verdict is kept."""
     device = _ipc.ops.device(_ipc.ops.current_index())
     refs, leases = export([torch.arange(16, device=device)], (mine, pid))
     if not leases:  # this side could not export it (it was staged, counted): ask again later
@@ -171,3 +200,16 @@ def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
         _ipc._peers.move_to_end(member)
         while len(_ipc._peers) > _ipc._PEERS_KEPT:
             _ipc._peers.popitem(last=False)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child is not the caller nor the callee of its parent's probes; what they
+    lent is kept, never used (``cuda_ipc._after_fork_in_child`` says why)."""
+    if _late or _answers:
+        _ipc._inherited.append((dict(_late), dict(_answers)))
+    _late.clear()
+    _answers.clear()
+    _probing.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
