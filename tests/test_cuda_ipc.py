@@ -1258,6 +1258,7 @@ def test_a_forked_child_keeps_its_parents_openings_alive_and_starts_afresh(over_
     cache, area = _cuda_ipc._opened, _cuda_ipc._area
     assert cache is not None and len(cache) == 1
     cuda_settle.noted(0)
+    outliving = _cuda_ipc._outliving  # (the child's own: its sweeps would retire rows of the parent's page)
     read, write = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads: the child only reports)
@@ -1266,7 +1267,8 @@ def test_a_forked_child_keeps_its_parents_openings_alive_and_starts_afresh(over_
         try:
             kept = _cuda_ipc._inherited[-1]
             ok = (kept[0] is area and kept[1] is cache and len(cache) == 1 and _cuda_ipc._opened is None
-                  and _cuda_ipc._area is None and not cuda_settle.devices())
+                  and _cuda_ipc._area is None and not cuda_settle.devices()
+                  and kept[3] is outliving and _cuda_ipc._outliving is not outliving)
             os.write(write, b"ok" if ok else repr((kept, _cuda_ipc._opened, cuda_settle.devices())).encode())
         finally:
             os._exit(0)
