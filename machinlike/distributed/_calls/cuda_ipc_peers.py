@@ -85,14 +85,13 @@ def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
     expected = torch.arange(16, device=probe.device)
     if probe.device != _ipc.ops.device(probe.device.index) or not bool((probe == expected).all()):
         raise RuntimeError(f"the CUDA IPC probe arrived as {probe!r}")
-    last = _answers.pop(caller, None)
+    with _ipc._lock:
+        last = _answers.pop(caller, None)
     if last is not None:  # (ended by the caller already, where it read it: the ids are checked)
         last.area.release(last)
     refs, leases = export([probe], (_ipc.local_key(), caller))
     if leases:
-        _answers[caller] = leases[0]
-        while len(_answers) > _ipc._PEERS_KEPT:
-            _answers.pop(next(iter(_answers)))
+        _keep(_answers, caller, leases[0])
     return refs, bool(leases)
 
 
@@ -130,10 +129,11 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, None)
         _ipc._counts.add("staged_peer_other_gpus")
         return None
-    held = _late.pop((member, pid), None)
+    with _ipc._lock:
+        held = _late.pop((member, pid), None)
     # (its last probe still unread; one lent by a stopped World's area was lost with it)
     if held is not None and held.area is _ipc._area and held.area.holds(held):
-        _late[(member, pid)] = held
+        _keep(_late, (member, pid), held)
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._counts.add("staged_probe_unread")
         return None
@@ -181,9 +181,7 @@ def _prove(member: str, pid: int, mine: int) -> Optional[Tuple[int, int]]:
         # could be written by the next message under those copies. It stays lent, ended
         # by the peer once read, or taken back at its death.
         if late:
-            _late[(member, pid)] = leases[0]
-            while len(_late) > _ipc._PEERS_KEPT:  # (bounded as the verdicts are)
-                _late.pop(next(iter(_late)))
+            _keep(_late, (member, pid), leases[0])
             _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
             _ipc._counts.add("staged_probe_unanswered")
             return None
@@ -200,6 +198,16 @@ def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
         _ipc._peers.move_to_end(member)
         while len(_ipc._peers) > _ipc._PEERS_KEPT:
             _ipc._peers.popitem(last=False)
+
+
+def _keep(kept: Dict[Any, Lease], key: Any, lease: Lease) -> None:
+    """Keep ``lease`` in ``kept`` by ``key``, the oldest going past ``_PEERS_KEPT`` (bounded
+    as the verdicts are; under ``cuda_ipc._lock``, as every change of ``kept`` is: RPC
+    threads probe and answer at once)."""
+    with _ipc._lock:
+        kept[key] = lease
+        while len(kept) > _ipc._PEERS_KEPT:
+            kept.pop(next(iter(kept)))
 
 
 def _after_fork_in_child() -> None:
