@@ -125,6 +125,25 @@ def _dump(world: Any, name: str, victims: List[str], where: str) -> None:
         faulthandler.dump_traceback(f, all_threads=True)
 
 
+def _take(out: Any, procs: Dict[str, Any], left: Any, waiting_for: str) -> Any:
+    """The next report of ``out``; a member that ended first is named at once (``RuntimeError``)
+    instead of being waited for until the run's limit (CI once waited 147 s for one)."""
+    while True:
+        try:
+            return out.get(timeout=min(1.0, left()))
+        except queue.Empty:
+            if left() <= 0.1:
+                raise
+        _ended(procs, waiting_for)
+
+
+def _ended(procs: Dict[str, Any], waiting_for: str) -> None:
+    ended = {name: p.exitcode for name, p in procs.items() if p.exitcode is not None}
+    if ended:
+        raise RuntimeError(f"members ended (exit codes {ended}) while the driver waited for {waiting_for}; "
+                           f"their stderr says why")
+
+
 def _pct(values: List[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
@@ -152,26 +171,26 @@ def run(members: int, kills: int, liveness: float, timeout: float, start: str = 
     address = f"tcp://127.0.0.1:{store.port}"
     out = ctx.Queue()
     names = [f"m{i:03d}" for i in range(members)]
-    procs = []
+    procs: Dict[str, Any] = {}
     started = time.time()
     for name in names:
         p = ctx.Process(target=_member, args=(address, name, names, liveness, out, left()),
                         daemon=True)
         p.start()
-        procs.append(p)
+        procs[name] = p
     pids: Dict[str, int] = {}
     result: Dict[str, Any] = dict(members=members, liveness=liveness)
     try:
         joined: Dict[str, float] = {}
         while len(joined) < members:
-            _, name, at, pid = out.get(timeout=left())
+            _, name, at, pid = _take(out, procs, left, "every member to join")
             joined[name], pids[name] = at, pid
         result["join_s"] = max(joined.values()) - started
         _say(f"{members} members joined and saw all in {result['join_s']:.1f} s")
         store.set("x/call", "1")
         latencies: List[float] = []
         for _ in range(members):
-            kind, name, values, _ = out.get(timeout=left())
+            kind, name, values, _ = _take(out, procs, left, "every member's calls")
             latencies += values
         result["call_p50_ms"] = 1e3 * _pct(latencies, 0.5)
         result["call_p99_ms"] = 1e3 * _pct(latencies, 0.99)
@@ -187,12 +206,16 @@ def run(members: int, kills: int, liveness: float, timeout: float, start: str = 
         false_losses: set = set()
         cut_off: Dict[str, str] = {}
         reports = [f"x/lost/{name}" for name in names if name not in victims]
-        try:
-            store.wait(reports, datetime.timedelta(seconds=left()))
-        except dist.DistStoreError:
-            silent = [k.rsplit("/", 1)[1] for k in reports if not store.check([k])]
-            result["error"] = f"over the {timeout:g} s limit: no report from {silent}"
-            return result
+        while True:
+            try:
+                store.wait(reports, datetime.timedelta(seconds=min(1.0, left())))
+                break
+            except dist.DistStoreError:
+                silent = [k.rsplit("/", 1)[1] for k in reports if not store.check([k])]
+                if left() <= 0.1:
+                    result["error"] = f"over the {timeout:g} s limit: no report from {silent}"
+                    return result
+                _ended({n: procs[n] for n in silent}, "the survivors' reports")
         for key in reports:
             name = key.rsplit("/", 1)[1]
             lost, cut = json.loads(store.get(key).decode())
@@ -212,9 +235,12 @@ def run(members: int, kills: int, liveness: float, timeout: float, start: str = 
     except queue.Empty:
         result["error"] = f"over the {timeout:g} s limit"
         return result
+    except RuntimeError as err:  # (a member ended early: _ended)
+        result["error"] = str(err)
+        return result
     finally:
         store.set("x/stop", "1")
-        for p in procs:
+        for p in procs.values():
             p.join(max(0.1, min(5.0, deadline + 15 - time.monotonic())))
             if p.is_alive():
                 p.kill()

@@ -323,6 +323,8 @@ def test_a_member_declared_lost_while_it_lives_is_told_on_its_calls(lan):
     assert sleeper["ok"], lan.logs(roles)
     assert sleeper["outcome"].startswith("PeerLostError"), sleeper
     assert "declared lost by the others" in sleeper["outcome"] and "liveness" in sleeper["outcome"], sleeper
+    # Its register in the open group names why it is no member any more.
+    assert sleeper["register"].startswith("PeerLostError") and "declared lost" in sleeper["register"], sleeper
     # A call it had pending on the host (whose answer would come only after the sleeper's
     # report, and can never reach a member cut off) ended with it, not at its timeout.
     assert sleeper["pending_call"].startswith("PeerLostError"), sleeper

@@ -118,6 +118,11 @@ class RpcGroup:
         if self._destroyed:
             raise RuntimeError(f"RpcGroup {self._name!r} has been destroyed")
         if need_member and not self._has(d, d.name):
+            cut = d.roster.cut_off
+            if cut is not None and self._members is None:
+                # (an open group lists the live: the others declared this member lost, and
+                # "not a member" would hide why; CI once)
+                raise cut
             raise RuntimeError(self._not_member(d))
         return parts
 
@@ -126,6 +131,10 @@ class RpcGroup:
             return (f"this handle of RpcGroup {self._name!r} was not made by this process's create_rpc_group "
                     f"({d.name!r} destroyed its own handle, or has not created the group yet): register, pair "
                     f"and barrier through the handle that create_rpc_group returned here")
+        if self._members is None and d.roster.gone(d.name) == "lost":
+            return (f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r} any more: the others "
+                    f"declared it lost (its heartbeat stopped for longer than the world's "
+                    f"liveness bound); give World(liveness=...) a longer bound, or leave and join again")
         return f"this process ({d.name!r}) is not a member of RpcGroup {self._name!r}"
 
     def _bind(self, d: GroupDirectory) -> GroupParts:
