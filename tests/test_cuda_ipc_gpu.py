@@ -137,14 +137,21 @@ def test_a_side_stream_result_is_kept_until_read_and_a_receiver_forks_cleanly(wo
     if me == "1":
         x = torch.ones(1 << 20, device="cuda")
         side = torch.cuda.Stream()
+        # No cached block but the result's own could serve the default stream's next
+        # allocation: without the result's record_stream, ``fresh`` below would take it
+        # (before, a cached block could serve it, and the test pass without the mark).
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         with torch.cuda.stream(side):
             back = group.registered_sync("echo/0", (x,))
             ptr = back.data_ptr()
             torch.cuda._sleep(200_000_000)  # the side stream is busy for a while, then reads it
             total = back.sum()
             del back  # freed while the read is still queued on the side stream
-        fresh = torch.empty_like(x)  # on the default stream: the freed memory must not be given here yet
-        assert fresh.data_ptr() != ptr
+        # On the default stream, written at once: given the freed memory, these zeros
+        # would land under the side stream's queued read.
+        fresh = [torch.zeros_like(x) for _ in range(4)]
+        assert all(f.data_ptr() != ptr for f in fresh)
         side.synchronize()
         assert float(total) == float(1 << 20)
         # A fork after receiving through IPC (before: the child's fork handler dropped the
@@ -304,37 +311,56 @@ def _killed_body(world):
     if name.startswith("victim") and world.incarnation > 1:
         return None
     group = world.create_rpc_group("churn", ["server", "survivor"] + [f"victim{i}" for i in range(_VICTIMS)])
-    finished = threading.Event()
+    finished, armed = threading.Event(), threading.Event()
     if name == "server":
-        group.register("give", _give)
+        served: dict = {}
+
+        def give(n, who):
+            served[who] = served.get(who, 0) + 1
+            return _give(n)
+
+        group.register("give", give)
+        group.register("served", lambda: dict(served))
         group.register("memory", _reserved_and_lent)
+        group.register("arm", armed.set)
+        group.register("armed", armed.is_set)
         group.register("finished", finished.set)
     group.barrier(timeout=120)
     if name == "server":
         assert finished.wait(240)
         return None
     if name.startswith("victim"):
-        delay = 1.0 + int(name[len("victim"):]) * 0.3
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()  # mid-transfer, one by one
+        # The deaths begin only once the survivor took its mark (every puller busy, none
+        # dead): timed from each process's own start, a slow start could put the first
+        # death before the mark, or the mark before a puller's first slab.
+        timer = None
         while True:
-            group.registered_sync("give", (1,), timeout=30)
+            group.registered_sync("give", (1, name), timeout=30)
+            if timer is None and group.registered_sync("armed", timeout=30):
+                delay = 0.2 + int(name[len("victim"):]) * 0.3
+                timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))  # mid-transfer, one by one
+                timer.start()
     # the survivor
-    slowest, mark = 0.0, None
-    begin = time.monotonic()
-    deadline = begin + 1.0 + _VICTIMS * 0.3 + 2.0  # past the last death
+    slowest, mark, armed_at = 0.0, None, None
+    limit = time.monotonic() + 120
     i = 0
-    while time.monotonic() < deadline:
+    while armed_at is None or time.monotonic() < armed_at + 0.2 + _VICTIMS * 0.3 + 2.0:  # past the last death
+        assert time.monotonic() < limit, f"no mark within 120 s: {group.registered_sync('served')}"
         start = time.perf_counter()
-        got = group.registered_sync("give", (i,), timeout=30)
+        got = group.registered_sync("give", (i, name), timeout=30)
         slowest = max(slowest, time.perf_counter() - start)
         assert got.device.type == "cuda" and float(got[0]) == float(got[-1]) == i
-        if mark is None and time.monotonic() - begin > 0.8:  # every puller busy, none dead yet
-            mark = group.registered_sync("memory")
+        if mark is None and i % 8 == 7:
+            served = group.registered_sync("served")
+            if len(served) == _VICTIMS + 1 and min(served.values()) >= 3:  # every puller busy, none dead yet
+                mark = group.registered_sync("memory")
+                group.registered_sync("arm")
+                armed_at = time.monotonic()
         i += 1
     world.membership.wait_until(lambda live: all((world.get_incarnation(f"victim{v}") or 0) >= 2 or
                                                  world.membership.gone(f"victim{v}")
                                                  for v in range(_VICTIMS)), 60)
-    group.registered_sync("give", (0,), timeout=30)  # one more lease: the dead victims' are taken back
+    group.registered_sync("give", (0, name), timeout=30)  # one more lease: the dead victims' are taken back
     assert _cuda_ipc.released(10)  # (the survivor's copies out of that one are done: its lease is FREE)
     end = group.registered_sync("memory")
     group.registered_sync("finished")
