@@ -4,7 +4,8 @@ Real processes over real torch RPC, all on cuda:0: every kind of tensor through 
 back, the sender reusing its tensor after the call, a received tensor sent on, 8
 processes in a ring, the servers (model push and pull, inference; pulls reading a
 model server's versions in place), and pullers (of a service and of a model server) SIGKILLed
-mid-transfer while the sender's GPU memory stays flat and nobody waits out a timeout.
+mid-transfer while the sender's GPU memory stays flat and nobody waits out a timeout, and
+a slab lent at a World's stop that outlives it under its late reader.
 Each test also asserts that nothing was staged through the CPU (``_cuda_ipc.stats``).
 """
 
@@ -482,3 +483,60 @@ def test_each_message_read_from_one_opening_gets_an_event_of_its_own():
     assert not second.done.query()  # and the other's lease does not end before its copies ran
     second.synchronize()
     assert second.done.query()
+
+
+# ------------------------------------------------- a World's stop while a receiver reads
+def _read_later(conn) -> None:
+    """(Spawned child) a receiver that reads a message only after its sender's World stopped."""
+    import pickle
+
+    _cuda_here()
+    _cuda_ipc.configure(64 << 20)
+    conn.send((os.getpid(), _cuda_ipc.local_key()))
+    data = conn.recv()
+    (got,) = pickle.loads(data)
+    total = float(got.sum())
+    conn.send((total, _cuda_ipc.released(10)))
+
+
+def test_a_slab_lent_at_the_worlds_stop_outlives_it_and_is_not_reused_under_its_reader():
+    """The sender's World stops (``cuda_ipc.close``) before its receiver read the message:
+    the slab must outlive the area (``outliving_bytes``), not go back to torch's allocator,
+    where the next tensors made here (here full of 7s) would take its memory and the
+    receiver copy those out; the next World's start sweeps it once it came back."""
+    import multiprocessing
+    import pickle
+
+    _cuda_here()
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    reader = ctx.Process(target=_read_later, args=(there,), daemon=True)
+    reader.start()
+    try:
+        assert here.poll(120), "the reader did not start"
+        pid, key = here.recv()
+        _cuda_ipc.configure(64 << 20)
+        x = torch.ones(4 << 20, device="cuda")  # 16 MB
+        batch = _cuda_ipc.Batch((key, pid))
+        refs = [batch.add(x)]
+        assert batch.commit(refs, lambda t, p: pytest.fail("staged"), [])
+        data = pickle.dumps(refs)
+        torch.cuda.synchronize()
+        _cuda_ipc.close()  # the World stops: its receiver (alive) has not read the message yet
+        assert _cuda_ipc.stats()["outliving_bytes"] >= 16 << 20
+        junk = [torch.full((4 << 20,), 7.0, device="cuda") for _ in range(8)]  # what a freed slab would serve
+        torch.cuda.synchronize()
+        here.send(data)
+        assert here.poll(60), "the reader did not answer"
+        total, released = here.recv()
+        assert total == float(4 << 20) and released, (total, released)
+        del junk
+        _cuda_ipc.configure(64 << 20)  # the next World starts: what came back is retired
+        assert _cuda_ipc.stats()["outliving_bytes"] == 0
+    finally:
+        _cuda_ipc.close()
+        _cuda_ipc._outliving.sweep(force=True)
+        _cuda_ipc.configure(0)
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
