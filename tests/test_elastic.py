@@ -1045,3 +1045,37 @@ def test_a_member_stopped_by_sigstop_on_this_host_is_declared_lost_by_its_silenc
     # waited out its whole timeout.
     results = launch(_frozen_body, 2, names=["a", "v"], liveness=2.0, timeout=90, return_exceptions=True)
     assert isinstance(results[0], float) and results[0] < 10, results
+
+
+def _joins_behind_a_post_under_way(address: str, out) -> None:
+    with World("behind", elastic=True, init_method=address, dist_timeout=20) as world:
+        listed = sorted(world.get_members())
+        group = world.create_rpc_group("open")
+        try:
+            group.register("svc", _whoami)
+            said = "registered"
+        except RuntimeError as err:
+            said = str(err)
+        out.put((listed, said))
+
+
+def test_a_member_whose_join_lies_behind_a_post_under_way_sees_itself_before_its_world_returns():
+    """The first catch-up stops below a position still being written (many members joining
+    at once), and the World returned before it saw its own join: its first register in an
+    open group said "not a member of RpcGroup" (CI once: 16 members on 2 cores)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    import machinlike
+    from machinlike.distributed._store.keys import Keys
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    store.add(Keys.elastic_world("0").log_count(), 1)  # position 0: claimed by a poster, not written yet
+    out = machinlike.SimpleQueue()
+    child = Process(target=_joins_behind_a_post_under_way, args=(f"tcp://127.0.0.1:{store.port}", out))
+    child.start()
+    try:
+        assert out.get(timeout=60) == (["behind"], "registered")
+    finally:
+        child.join(30)

@@ -23,12 +23,13 @@ if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see m
     from .waits import Waits
     from .claims import Claims
     from .departures import Departures
+    from .event_log import HOLE_WAIT
     from .endpoint import Endpoint
     from .membership import MemberEvent, Membership
     from .exit_causes import describe_exception, record_exit, record_own_exit
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Departures", "describe_exception", "Endpoint",
-    "event_counts", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
+    "event_counts", "HOLE_WAIT", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
     "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]
