@@ -9,6 +9,7 @@ gone actor's value must fail naming that actor, never answer with a newer actor'
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 
@@ -37,6 +38,9 @@ def _tag(x: int):
 
 
 def _actor(address: str, i: int, out, go) -> None:
+    # An actor that hangs shows where, before its host gives up on it (60 s): a grandchild
+    # of the test, its stacks reach no other dump.
+    faulthandler.dump_traceback_later(45, exit=False)
     with World(f"a{i}", elastic=True, init_method=address, dist_timeout=30, rpc_timeout=20,
                liveness=LIVENESS) as world:
         g = world.create_rpc_group("open")
@@ -46,18 +50,22 @@ def _actor(address: str, i: int, out, go) -> None:
         assert g.registered_sync("host_svc", args=(i,)) == ("host", i)
         assert g.remote("host", _tag, args=(i,)).to_here() == ("host", i)
         # An elastic rank is the worker's sequence number; the id is torch's.
-        out.put((i, os.getpid(), world.rank, rpc.get_worker_info().id))
+        out.put((i, os.getpid(), world.rank, rpc.get_worker_info().id), timeout=30)
         go.get(timeout=60)
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _host_body(world):
     g = world.create_rpc_group("open")
     g.pair("hostval", "host-value")
     g.register("host_svc", _tag)
-    out = machinlike.SimpleQueue()
     held = None
     for i in range(CYCLES):
         go = machinlike.SimpleQueue()  # its own: a reader SIGKILLed in get() may take a shared queue's lock along
+        # Its own too: a writer is SIGKILLed once its item was read, which may come before
+        # its put let the write lock go (a shared one hung the next actor's put: CI-sized
+        # run once, under load).
+        out = machinlike.SimpleQueue()
         child = Process(target=_actor, args=(world.store_address, i, out, go))
         child.start()
         got, pid, seq, tid = out.get(timeout=60)
