@@ -30,6 +30,6 @@ if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see m
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Departures", "describe_exception", "Endpoint",
-    "event_counts", "HOLE_WAIT", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity", "read_status",
-    "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
+    "event_counts", "HOLE_WAIT", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity",
+    "read_status", "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]
