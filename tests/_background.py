@@ -12,21 +12,37 @@ time other tests leave::
     pytest_sessionfinish     ── stop_all() ──► kill what still runs, remove the files
 
 A check that was not started (its test selected some other way) runs in the test itself.
+
+Under pytest-xdist the workers collect, not the controller, and each would start its own
+copy; so there the controller starts the checks as soon as it is configured
+(:func:`start_shared`), into a folder named by ``MACHINLIKE_TEST_CHECKS`` that the workers
+it then starts inherit, and the worker that runs a check's test reads its outcome there
+(a check's ``returncode`` file appears once it has ended)::
+
+    controller: pytest_configure ── start_shared(folder) ──► nice 19 "sh -c 'check; echo $? > returncode'"
+    worker:     test_types       ── outcome("mypy", timeout) ─► waits for folder/mypy/returncode
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
-__all__ = ["ROOT", "Outcome", "mypy_argv", "sphinx_argv", "checkout_env", "start", "folder_of", "outcome", "stop_all"]
+__all__ = ["ROOT", "SHARED_ENV", "Outcome", "mypy_argv", "sphinx_argv", "checkout_env", "start", "start_shared", "folder_of",
+           "outcome", "stop_all"]
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: The environment variable naming the folder of the checks a controller started for its
+#: xdist workers (unset: none).
+SHARED_ENV = "MACHINLIKE_TEST_CHECKS"
 
 
 class Outcome(NamedTuple):
@@ -38,9 +54,11 @@ class Outcome(NamedTuple):
 class _Job(NamedTuple):
     proc: subprocess.Popen
     folder: Path
+    group: bool = False  # leads a process group of its own (start_shared)
 
 
 _jobs: Dict[str, _Job] = {}
+_shared: List[Path] = []  # folders of start_shared, removed by stop_all
 
 
 def checkout_env() -> Dict[str, str]:
@@ -70,8 +88,52 @@ def start(name: str, argv: List[str], folder: Optional[Path] = None) -> None:
     _jobs[name] = _Job(proc, folder)
 
 
+def start_shared(checks: Dict[str, Callable[[Path], List[str]]]) -> Path:
+    """Start each of ``checks`` (name: its argv, given its folder) in the background, for
+    the xdist workers this process starts next: each in a folder of its own under the
+    returned one, which ``SHARED_ENV`` names from now on, with a ``returncode`` file
+    written once it ended. Each leads a process group, so that :func:`stop_all` ends the
+    check with its shell."""
+    root = Path(tempfile.mkdtemp(prefix="mlk-checks-"))
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    for name, argv_in in checks.items():
+        folder = root / name
+        folder.mkdir()
+        argv = argv_in(folder)
+        # The rename makes the file appear whole: a reader never sees it empty.
+        script = '"$@" >"$0/stdout" 2>"$0/stderr"; echo $? >"$0/returncode.part" && mv "$0/returncode.part" "$0/returncode"'
+        proc = subprocess.Popen(nice + ["sh", "-c", script, str(folder), *argv], cwd=ROOT, env=checkout_env(),
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        _jobs[name] = _Job(proc, folder, group=True)
+    os.environ[SHARED_ENV] = str(root)
+    _shared.append(root)
+    return root
+
+
+def _shared_folder(name: str) -> Optional[Path]:
+    """The folder of check ``name`` started by this worker's controller, None without one."""
+    root = os.environ.get(SHARED_ENV)
+    if not root or name in _jobs:
+        return None
+    folder = Path(root) / name
+    return folder if folder.is_dir() else None
+
+
+def _shared_outcome(folder: Path, timeout: float) -> Outcome:
+    deadline = time.monotonic() + timeout
+    code = folder / "returncode"
+    while not code.exists():
+        if time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(folder.name, timeout)
+        time.sleep(0.2)  # another process's check: no handle to wait on, only its file
+    return Outcome(int(code.read_text()), (folder / "stdout").read_text(), (folder / "stderr").read_text())
+
+
 def folder_of(name: str) -> Optional[Path]:
     """The folder of started check ``name``, None when it was not started."""
+    shared = _shared_folder(name)
+    if shared is not None:
+        return shared
     job = _jobs.get(name)
     return None if job is None else job.folder
 
@@ -82,6 +144,9 @@ def outcome(name: str, timeout: float) -> Optional[Outcome]:
     Raises:
         subprocess.TimeoutExpired: it did not finish within ``timeout``.
     """
+    shared = _shared_folder(name)
+    if shared is not None:
+        return _shared_outcome(shared, timeout)
     job = _jobs.get(name)
     if job is None:
         return None
@@ -93,7 +158,13 @@ def stop_all() -> None:
     """Kill the checks still running and remove their files."""
     for job in _jobs.values():
         if job.proc.poll() is None:
-            job.proc.kill()
+            if job.group:
+                os.killpg(job.proc.pid, signal.SIGKILL)  # the shell and its check
+            else:
+                job.proc.kill()
         job.proc.wait(10)
         shutil.rmtree(job.folder, ignore_errors=True)
     _jobs.clear()
+    for root in _shared:
+        shutil.rmtree(root, ignore_errors=True)
+    _shared.clear()

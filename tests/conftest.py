@@ -2,13 +2,17 @@
 the Sphinx build) started beside the suite (see ``_background``); the ``serial`` mark.
 
 The README's test command runs the suite in two parts: every test not marked ``serial``
-three at a time (``-n 3``, pytest-xdist), then the ``serial`` ones alone. Why: a serial run
-left this 2-core box idle 43% of its 12 minutes (processes starting, peers waiting out
-timeouts). On a slow box (session 51) the first part took 600 s two at a time, 402-451 s
-three at a time (the box 5% idle), 450 s four at a time (and more tests raced). ``serial`` marks
-the files whose tests hold a measured bound only with the machine to themselves (see
-``SERIAL``), and the tests that collect the background checks (``CHECKS``); ``python -m
-pytest`` alone still runs everything, one test at a time.
+three at a time (``-n 3``, pytest-xdist), then the ``serial`` ones two files at a time
+(``-n 2 --dist loadfile``: their tests mostly wait on liveness bounds and peers, 50 s of
+CPU in 200 s alone; two at a time took 126 s with the box still a third idle, and each
+file's tests still run one after another). Why two parts: a serial run left this 2-core
+box idle 43% of its 12 minutes (processes starting, peers waiting out timeouts). On a slow
+box (session 51) the first part took 600 s two at a time, 402-451 s three at a time (the
+box 5% idle), 450 s four at a time (and more tests raced); in session 103, 471 s
+three at a time, 492 s four at a time, with no CPU left idle. ``serial`` marks the files
+whose tests hold a measured bound only on a quiet machine (see ``SERIAL``), and the tests
+that collect the background checks (``CHECKS``); ``python -m pytest`` alone still runs
+everything, one test at a time.
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ def no_leaked_workers():
     assert not ours, f"leaked machinlike threads: {[t.name for t in ours]}"
 
 
-#: Test files run alone (``-m serial``), and the bound each holds only on a quiet machine.
+#: Test files run apart from the busy part (``-m serial``), and the bound each holds only on
+#: a quiet machine.
 SERIAL = {
     "test_bounded_stop.py": "stops within a few seconds while a service blocks",
     "test_liveness_scale.py": "store requests per member, detection and starvation within bounds",
@@ -137,6 +142,33 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in SERIAL or _check_of(item):
             item.add_marker(pytest.mark.serial)
     items.sort(key=lambda item: _check_of(item) is not None)  # (stable: the checks last)
+
+
+def _checks_selected_by_args(config) -> bool:
+    """Whether this run's paths and ``-m`` select the tests that collect the checks."""
+    if config.getoption("markexpr", "") not in ("", "serial"):
+        return False
+    root = Path(__file__).resolve().parent
+    wanted = {root / check.split("::")[0] for check in CHECKS}
+    given = [Path(str(arg).split("::")[0]).resolve() for arg in config.args] or [Path.cwd()]
+    return all(any(path == arg or arg in path.parents for arg in given) for path in wanted)
+
+
+@pytest.hookimpl(tryfirst=True)  # (before xdist's own, which starts the workers)
+def pytest_sessionstart(session):
+    """An xdist controller starts the checks before its workers start, for them to share
+    (``_background.start_shared``): it collects no test, and each worker would run its own."""
+    config = session.config
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        return
+    if not _checks_selected_by_args(config):
+        return
+    checks = {}
+    if importlib.util.find_spec("mypy") is not None:
+        checks["mypy"] = lambda folder: _background.mypy_argv()
+    if importlib.util.find_spec("sphinx") is not None:
+        checks["sphinx"] = lambda folder: _background.sphinx_argv(folder / "html")
+    _background.start_shared(checks)
 
 
 def pytest_collection_finish(session):
