@@ -14,12 +14,12 @@ time other tests leave::
 A check that was not started (its test selected some other way) runs in the test itself.
 
 Under pytest-xdist the workers collect, not the controller, and each would start its own
-copy; so there the controller starts the checks as soon as it is configured
+copy; so there the controller starts the checks as its session starts
 (:func:`start_shared`), into a folder named by ``MACHINLIKE_TEST_CHECKS`` that the workers
 it then starts inherit, and the worker that runs a check's test reads its outcome there
 (a check's ``returncode`` file appears once it has ended)::
 
-    controller: pytest_configure ── start_shared(folder) ──► nice 19 "sh -c 'check; echo $? > returncode'"
+    controller: pytest_sessionstart ── start_shared(folder) ──► nice 19 "sh -c 'check; echo $? > returncode'"
     worker:     test_types       ── outcome("mypy", timeout) ─► waits for folder/mypy/returncode
 """
 
@@ -100,8 +100,10 @@ def start_shared(checks: Dict[str, Callable[[Path], List[str]]]) -> Path:
         folder = root / name
         folder.mkdir()
         argv = argv_in(folder)
-        # The rename makes the file appear whole: a reader never sees it empty.
-        script = '"$@" >"$0/stdout" 2>"$0/stderr"; echo $? >"$0/returncode.part" && mv "$0/returncode.part" "$0/returncode"'
+        # The shell's pid first (a reader tells a dead shell from a slow check); the rename
+        # makes the returncode appear whole: a reader never sees it empty.
+        script = ('echo $$ >"$0/pid.part" && mv "$0/pid.part" "$0/pid"; "$@" >"$0/stdout" 2>"$0/stderr"; '
+                  'echo $? >"$0/returncode.part" && mv "$0/returncode.part" "$0/returncode"')
         proc = subprocess.Popen(nice + ["sh", "-c", script, str(folder), *argv], cwd=ROOT, env=checkout_env(),
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         _jobs[name] = _Job(proc, folder, group=True)
@@ -119,13 +121,31 @@ def _shared_folder(name: str) -> Optional[Path]:
     return folder if folder.is_dir() else None
 
 
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` ended: gone, or a zombie its parent (the controller) has not
+    reaped yet."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 def _shared_outcome(folder: Path, timeout: float) -> Outcome:
+    """Raises:
+        subprocess.TimeoutExpired: no outcome within ``timeout`` seconds.
+        RuntimeError: the check's shell ended without writing one (killed).
+    """
     deadline = time.monotonic() + timeout
     code = folder / "returncode"
     while not code.exists():
+        pid = folder / "pid"
+        if pid.exists() and _ended(int(pid.read_text())) and not code.exists():
+            raise RuntimeError(f"the shell of check {folder.name!r} (pid {pid.read_text().strip()}) ended without "
+                               f"an outcome: killed? Its output: {folder}")
         if time.monotonic() >= deadline:
             raise subprocess.TimeoutExpired(folder.name, timeout)
-        time.sleep(0.2)  # another process's check: no handle to wait on, only its file
+        time.sleep(0.2)  # another process's check: no handle to wait on, only its files
     return Outcome(int(code.read_text()), (folder / "stdout").read_text(), (folder / "stderr").read_text())
 
 

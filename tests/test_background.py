@@ -25,7 +25,13 @@ root = _background.start_shared({
     "quick": lambda folder: [py, "-c", "import sys; print('to stdout'); print('to stderr', file=sys.stderr); sys.exit(3)"],
     "slow": lambda folder: [py, "-c", "import time; time.sleep(120)"],
     "writes": lambda folder: [py, "-c", f"open({str(folder / 'made')!r}, 'w').write('x')"],
+    "dies": lambda folder: [py, "-c", "import time; time.sleep(120)"],
 })
+dies = _background._jobs["dies"]
+deadline = time.monotonic() + 30
+while not (dies.folder / "pid").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)  # polling for the shell's first line, not synchronising
+dies.proc.kill()  # the shell alone (as the OOM killer might): its check runs on
 assert os.environ[_background.SHARED_ENV] == str(root)
 worker = r'''
 import subprocess, _background
@@ -38,6 +44,10 @@ try:
 except subprocess.TimeoutExpired as err:
     print("slow timed out", err.timeout)
 print("absent", _background.outcome("absent", 1), _background.folder_of("absent"))
+try:
+    _background.outcome("dies", 30)
+except RuntimeError as err:
+    print("dies:", "ended without an outcome" in str(err))
 '''
 done = subprocess.run([py, "-c", worker], capture_output=True, text=True, timeout=60)
 print(done.stdout, end="")
@@ -64,6 +74,7 @@ def test_workers_read_the_controllers_checks_and_its_stop_ends_them():
         "writes 0 x",
         "slow timed out 0.5",
         "absent None None",
+        "dies: True",
         "folder left False shell ended True",
         "check ended True 1",
     ], done.stdout
