@@ -37,7 +37,8 @@ import torch
 
 from . import _recycled
 from ._peer_fd import open_peer_fd
-from ._segments import FREE, HEADER, RETIRED, cache, pid_alive
+from ._identity import own_identity, pid_alive
+from ._segments import FREE, HEADER, RETIRED, cache
 
 __all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "mapped_any", "forget_all", "set_limit",
            "limit", "bury"]
@@ -269,7 +270,7 @@ def lent_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> np.
     else:
         mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).lent_map()
     header = np.frombuffer(mapped, dtype=np.int64, count=2)
-    header[1] = os.getpid()
+    header[1] = own_identity()  # (pid and start time: a pid reused after this process died is not it)
     data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)
     weakref.finalize(data, _free, header)
     return data

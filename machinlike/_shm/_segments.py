@@ -10,7 +10,7 @@ made once, kept mapped, and lent out again and again::
     lease(nbytes): a FREE segment (or a new one) ─┐
       header.state = lease id, header.taker = 0   │  descriptor: (pid, fd, inode, ...)
       copy the tensor into it                     └─► open /proc/<pid>/fd/<fd>, map it once
-                                                      (cached), header.taker = its pid,
+                                                      (cached), header.taker = its identity,
                                                       a tensor over the mapping
     next lease sees state == FREE  ◄───────────────── that tensor dies: header.state = FREE
 
@@ -42,11 +42,13 @@ from typing import Dict, List, Optional, Set
 import numpy as np
 import torch
 
-__all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable", "pid_alive"]
+from ._identity import pid_alive, pid_of
+
+__all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes before a segment's data: the state word, then the taker's pid (page aligned).
+#: Bytes before a segment's data: the state word, then the taker's identity (``_identity``; page aligned).
 HEADER = 4096
 FREE = 0
 RETIRED = -1
@@ -66,16 +68,6 @@ def reachable(pid: int) -> bool:
             known = False
         _reachable[pid] = known
     return known
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` (of this PID namespace) runs and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stream:
-            stat = stream.read()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 class Segment:
@@ -232,7 +224,7 @@ class SegmentCache:
         if state == FREE:
             return True
         taker = int(seg.header[1])
-        if not taker or taker == os.getpid():
+        if not taker or pid_of(taker) == os.getpid():
             return False
         known = None if alive is None else alive.get(taker)
         if known is None:

@@ -68,6 +68,7 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
+from ..._shm._identity import own_identity
 from ..._tally import Tally
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
@@ -370,6 +371,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
             f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
             f"(slab {slot}: the lease ended or the sender's World stopped)"
         )
+    row[1] = own_identity()  # (the sender wrote a bare pid: a pid reused once this process died is not it)
     handed = False
     copying = False
     opened: Optional[Opened] = None

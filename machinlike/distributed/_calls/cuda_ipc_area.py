@@ -15,7 +15,9 @@ message that sends that state at once, each through a reader row. Leases live in
       slab row, slab id]  (a pinned slab's readers)
 
     lease(device, nbytes, taker):
-      a FREE slab that fits ─► state = lease id, taker = the receiver's pid
+      a FREE slab that fits ─► state = lease id, taker = the receiver's pid (which the
+        receiver rewrites as its identity, pid and start time, when it loads the message:
+        ``_shm._identity``; a pid reused after it died is not it)
       none: reclaim slabs whose taker died; wait (10 ms at most) for one lent to the
       same taker to come FREE; then allocate (bounded by ``limit``), then evict FREE
       slabs; still none ─► None (the caller stages through the CPU)
@@ -60,7 +62,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..._shm._segments import pid_alive
+from ..._shm._identity import pid_alive, pid_of
 from .cuda_ipc_slab import GRAIN, Slab, slab_capacity
 
 __all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Lease",
@@ -186,7 +188,7 @@ class ExportArea:
 
     def _lent_to(self, taker: int, index: int, nbytes: int) -> bool:
         return any(slab.index == index and slab.capacity >= nbytes and self.words[slab.slot, 0] > FREE
-                   and self.words[slab.slot, 1] == taker for slab in self._slabs)
+                   and pid_of(int(self.words[slab.slot, 1])) == taker for slab in self._slabs)
 
     def _refuse_closed(self) -> None:
         if self._closed:

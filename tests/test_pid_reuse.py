@@ -1,0 +1,135 @@
+"""A lease's taker is named by its pid and start time (``_shm._identity``): once the taker
+was SIGKILLed and the kernel gave its pid to a new process, the lease is still taken back.
+
+The reuse is real: the test writes ``/proc/sys/kernel/ns_last_pid`` (root only; it skips
+elsewhere, saying why) so that the next process started gets the dead taker's pid. With
+bare pids (before), the newcomer kept the dead taker's shared-memory segment and CUDA slab
+lent for as long as it lived.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from machinlike._shm import _identity, _segments
+from machinlike.distributed._calls import cuda_ipc_area as _cuda_ipc_area
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _start_with_pid(word: int) -> subprocess.Popen:
+    """A process that holds the pid of identity ``word`` (a dead, reaped process's), started
+    through ``ns_last_pid``; skips where that file cannot be written."""
+    pid = _identity.pid_of(word)
+    for _ in range(200):  # (another process of the host may take the pid first: again)
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as stream:
+                stream.write(str(pid - 1))
+        except OSError as exc:
+            pytest.skip(f"cannot set the next pid ({exc}): needs root in the initial user namespace")
+        newcomer = subprocess.Popen(["sleep", "60"])
+        # Start times count clock ticks (10 ms): a newcomer started within the dead one's
+        # tick would be it (the pid space cycled in 10 ms: only here). Again, a tick later.
+        if newcomer.pid == pid and _identity.identity(pid) != word:
+            return newcomer
+        newcomer.kill()
+        newcomer.wait(timeout=10)
+    pytest.skip(f"pid {pid} went to other processes 200 times: this host forks too fast for the test")
+
+
+def _killed(child: subprocess.Popen) -> int:
+    """SIGKILL ``child`` and reap it; its identity (read while it lived)."""
+    word = _identity.identity(child.pid)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    return word
+
+
+def test_an_identity_names_its_process_and_no_other_with_its_pid():
+    own = _identity.own_identity()
+    assert _identity.pid_of(own) == os.getpid() and own >> _identity.PID_BITS > 0 and own > 0
+    assert _identity.pid_alive(own) and _identity.pid_alive(os.getpid())  # (a bare pid: as before)
+    assert not _identity.pid_alive(own + (1 << _identity.PID_BITS))  # same pid, started another time
+    child = subprocess.Popen(["sleep", "60"])
+    word = _identity.identity(child.pid)
+    assert _identity.pid_alive(word)
+    _killed(child)
+    assert not _identity.pid_alive(word) and not _identity.pid_alive(child.pid)
+
+
+def test_a_forked_child_names_itself():
+    read, write = os.pipe()
+    _identity.own_identity()
+    pid = os.fork()
+    if not pid:  # (the child: writes its identity, then leaves without any cleanup of the parent's)
+        os.write(write, str(_identity.own_identity()).encode())
+        os._exit(0)
+    os.close(write)
+    told = int(os.read(read, 64))
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert _identity.pid_of(told) == pid and told != _identity.own_identity()
+
+
+def test_a_segment_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed():
+    cache = _segments.SegmentCache(8 << 20)
+    try:
+        seg = cache.lease(1 << 20)
+        # A real receiver maps the segment (writing its identity as the taker), then is SIGKILLed.
+        receiver = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from machinlike._shm._receive import lent_view
+            held = lent_view({os.getpid()}, {seg.fd}, {seg.inode}, {seg.capacity}, 16)
+            print("taken", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+        with receiver.stdout:  # (closed here: a pipe left to the garbage collector closes in a later test)
+            assert receiver.stdout.readline().strip() == "taken"
+        assert _identity.pid_of(int(seg.header[1])) == receiver.pid and cache.lent() == 1
+        newcomer = _start_with_pid(_killed(receiver))
+        try:
+            assert cache.lent() == 0 and cache.stats["reclaimed"] == 1  # (bare pids: 1 and 0)
+            assert cache.lease(1 << 20) is seg and cache.stats["created"] == 1
+        finally:
+            _killed(newcomer)
+    finally:
+        cache.close()
+
+
+class _FakeSlab:
+    """A slab without CUDA: what the area's bookkeeping reads."""
+
+    def __init__(self, slot, ident, index, capacity):
+        self.slot, self.ident, self.index, self.capacity = slot, ident, index, capacity
+        self.storage, self.counter, self.views, self.ready, self.unsent = object(), (b"/none", 0), {}, None, False
+
+    def settle_writes(self):
+        pass
+
+
+def test_a_cuda_slab_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed(monkeypatch):
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _FakeSlab)
+    monkeypatch.setattr(_cuda_ipc_area.torch.UntypedStorage, "_release_ipc_counter_cuda", lambda *a: None,
+                        raising=False)
+    area = _cuda_ipc_area.ExportArea(16 << 20)
+    try:
+        taker = subprocess.Popen(["sleep", "60"])
+        lease = area.lease(0, 1 << 20, taker.pid)
+        area.filled(lease)
+        # What the receiver writes once it loads the message (``cuda_ipc._receive_group``,
+        # which needs a GPU): its identity over the bare pid the sender wrote.
+        area.words[lease.row, 1] = _identity.identity(taker.pid)
+        assert area.lent() == 1 and area._lent_to(taker.pid, 0, 1 << 20)  # (found by its pid still)
+        newcomer = _start_with_pid(_killed(taker))
+        try:
+            assert area.lent() == 0 and area.stats["reclaimed"] == 1  # (bare pids: 1 and 0)
+        finally:
+            _killed(newcomer)
+    finally:
+        area.close()
