@@ -1,4 +1,4 @@
-"""A lease's taker is named by its pid and start time (``_shm._identity``): once the taker
+"""A lease's taker is named by its pid and start time (``machinlike._pids``): once the taker
 was SIGKILLed and the kernel gave its pid to a new process, the lease is still taken back.
 
 The reuse is real: the test writes ``/proc/sys/kernel/ns_last_pid`` (root only; it skips
@@ -17,7 +17,8 @@ import textwrap
 
 import pytest
 
-from machinlike._shm import _identity, _segments
+from machinlike import _pids
+from machinlike._shm import _segments
 from machinlike.distributed._calls import cuda_ipc_area as _cuda_ipc_area
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 def _start_with_pid(word: int) -> subprocess.Popen:
     """A process that holds the pid of identity ``word`` (a dead, reaped process's), started
     through ``ns_last_pid``; skips where that file cannot be written."""
-    pid = _identity.pid_of(word)
+    pid = _pids.pid_of(word)
     for _ in range(200):  # (another process of the host may take the pid first: again)
         try:
             with open("/proc/sys/kernel/ns_last_pid", "w") as stream:
@@ -36,7 +37,7 @@ def _start_with_pid(word: int) -> subprocess.Popen:
         newcomer = subprocess.Popen(["sleep", "60"])
         # Start times count clock ticks (10 ms): a newcomer started within the dead one's
         # tick would be it (the pid space cycled in 10 ms: only here). Again, a tick later.
-        if newcomer.pid == pid and _identity.identity(pid) != word:
+        if newcomer.pid == pid and _pids.identity(pid) != word:
             return newcomer
         newcomer.kill()
         newcomer.wait(timeout=10)
@@ -45,36 +46,36 @@ def _start_with_pid(word: int) -> subprocess.Popen:
 
 def _killed(child: subprocess.Popen) -> int:
     """SIGKILL ``child`` and reap it; its identity (read while it lived)."""
-    word = _identity.identity(child.pid)
+    word = _pids.identity(child.pid)
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=30)
     return word
 
 
 def test_an_identity_names_its_process_and_no_other_with_its_pid():
-    own = _identity.own_identity()
-    assert _identity.pid_of(own) == os.getpid() and own >> _identity.PID_BITS > 0 and own > 0
-    assert _identity.pid_alive(own) and _identity.pid_alive(os.getpid())  # (a bare pid: as before)
-    assert not _identity.pid_alive(own + (1 << _identity.PID_BITS))  # same pid, started another time
+    own = _pids.own_identity()
+    assert _pids.pid_of(own) == os.getpid() and own >> _pids.PID_BITS > 0 and own > 0
+    assert _pids.pid_alive(own) and _pids.pid_alive(os.getpid())  # (a bare pid: as before)
+    assert not _pids.pid_alive(own + (1 << _pids.PID_BITS))  # same pid, started another time
     child = subprocess.Popen(["sleep", "60"])
-    word = _identity.identity(child.pid)
-    assert _identity.pid_alive(word)
+    word = _pids.identity(child.pid)
+    assert _pids.pid_alive(word)
     _killed(child)
-    assert not _identity.pid_alive(word) and not _identity.pid_alive(child.pid)
+    assert not _pids.pid_alive(word) and not _pids.pid_alive(child.pid)
 
 
 def test_a_forked_child_names_itself():
     read, write = os.pipe()
-    _identity.own_identity()
+    _pids.own_identity()
     pid = os.fork()
     if not pid:  # (the child: writes its identity, then leaves without any cleanup of the parent's)
-        os.write(write, str(_identity.own_identity()).encode())
+        os.write(write, str(_pids.own_identity()).encode())
         os._exit(0)
     os.close(write)
     told = int(os.read(read, 64))
     os.waitpid(pid, 0)
     os.close(read)
-    assert _identity.pid_of(told) == pid and told != _identity.own_identity()
+    assert _pids.pid_of(told) == pid and told != _pids.own_identity()
 
 
 def test_a_segment_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed():
@@ -91,7 +92,7 @@ def test_a_segment_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed():
         """)], stdout=subprocess.PIPE, text=True)
         with receiver.stdout:  # (closed here: a pipe left to the garbage collector closes in a later test)
             assert receiver.stdout.readline().strip() == "taken"
-        assert _identity.pid_of(int(seg.header[1])) == receiver.pid and cache.lent() == 1
+        assert _pids.pid_of(int(seg.header[1])) == receiver.pid and cache.lent() == 1
         newcomer = _start_with_pid(_killed(receiver))
         try:
             assert cache.lent() == 0 and cache.stats["reclaimed"] == 1  # (bare pids: 1 and 0)
@@ -124,7 +125,7 @@ def test_a_cuda_slab_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed(m
         area.filled(lease)
         # What the receiver writes once it loads the message (``cuda_ipc._receive_group``,
         # which needs a GPU): its identity over the bare pid the sender wrote.
-        area.words[lease.row, 1] = _identity.identity(taker.pid)
+        area.words[lease.row, 1] = _pids.identity(taker.pid)
         assert area.lent() == 1 and area._lent_to(taker.pid, 0, 1 << 20)  # (found by its pid still)
         newcomer = _start_with_pid(_killed(taker))
         try:
@@ -133,3 +134,30 @@ def test_a_cuda_slab_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed(m
             _killed(newcomer)
     finally:
         area.close()
+
+
+def test_a_members_identity_names_its_process_and_not_the_one_its_pid_went_to():
+    """A member's published identity (``process_identity``) holds its start time: a member
+    SIGKILLed while nobody watched it (a world that crashed whole, and the start-up of the
+    next one reading its seats) is not alive in the process that took its pid."""
+    from machinlike.distributed._membership import processes
+
+    own = processes.process_identity()
+    assert processes.pid_in(own) == os.getpid() and own.endswith(f"/{os.getpid()}+{_pids.start_of(os.getpid())}")
+    assert processes.alive_here(own) and processes.running_here(own)
+    member = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import time
+        from machinlike.distributed._membership.processes import process_identity
+        print(process_identity(), flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    with member.stdout:
+        published = member.stdout.readline().strip()
+    assert processes.pid_in(published) == member.pid and processes.alive_here(published)
+    bare = published.partition("+")[0]  # (what identities held before: still read, by pid alone)
+    newcomer = _start_with_pid(_killed(member))
+    try:
+        assert processes.alive_here(published) is False and processes.running_here(published) is False
+        assert processes.alive_here(bare) is True  # (the newcomer's: what a bare pid said of the dead member)
+    finally:
+        _killed(newcomer)

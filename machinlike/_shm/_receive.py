@@ -37,7 +37,7 @@ import torch
 
 from . import _recycled
 from ._peer_fd import open_peer_fd
-from ._identity import own_identity, pid_alive
+from .._pids import own_identity, pid_alive
 from ._segments import FREE, HEADER, RETIRED, cache
 
 __all__ = ["Mapping", "attach", "lent_view", "lent_array", "foreign_origin", "mapped_any", "forget_all", "set_limit",

@@ -42,13 +42,13 @@ from typing import Dict, List, Optional, Set
 import numpy as np
 import torch
 
-from ._identity import pid_alive, pid_of
+from .._pids import pid_alive, pid_of
 
 __all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes before a segment's data: the state word, then the taker's identity (``_identity``; page aligned).
+#: Bytes before a segment's data: the state word, then the taker's identity (``machinlike._pids``; page aligned).
 HEADER = 4096
 FREE = 0
 RETIRED = -1

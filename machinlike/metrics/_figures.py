@@ -13,7 +13,7 @@ import threading
 from numbers import Real
 from typing import Any, Dict, List, Mapping, Optional
 
-from ..distributed._membership import event_counts
+from ..distributed._membership import event_counts, pid_in
 from ..exception import PeerLostError
 
 __all__ = ["WorldFigures", "flatten_stats", "rss_bytes"]
@@ -113,7 +113,7 @@ class WorldFigures:
             identity = members.roster.identity_of(worker)
             if identity is None or not members.roster.on_this_host(worker):
                 continue  # another host's process: its /proc is not ours to read
-            rss = rss_bytes(int(identity.rpartition("/")[2]))
+            rss = rss_bytes(pid_in(identity))
             if rss is not None:
                 out[f"rss_mb/{member}"] = rss / 2**20
         return out

@@ -39,7 +39,7 @@ from torch.distributed import rpc
 
 from .. import _checks, _shm
 from ..distributed import RpcGroup, get_world
-from ..distributed._membership import is_here, process_identity
+from ..distributed._membership import is_here, pid_in, process_identity
 from ..exception import PeerLostError, raised_remotely
 from ._common import ServerNote, check_group, check_name, publish_notes
 from ._errors import ServerStoppedError
@@ -91,9 +91,9 @@ class InferenceServer:
 
     def _same_host(self) -> bool:
         if self._local is None:
-            pid = self.host_process.rpartition("/")[2]
-            self._local = bool(self.shm_threshold is not None and pid.isdigit() and is_here(self.host_process)
-                               and _shm.reachable(int(pid)))
+            pid = pid_in(self.host_process)
+            self._local = bool(self.shm_threshold is not None and pid and is_here(self.host_process)
+                               and _shm.reachable(pid))
         return self._local
 
     def infer(self, x: Inputs, timeout: Optional[float] = None, with_version: bool = False) -> Any:

@@ -68,7 +68,7 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
-from ..._shm._identity import own_identity
+from ..._pids import own_identity
 from ..._tally import Tally
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",

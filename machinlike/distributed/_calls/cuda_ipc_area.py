@@ -17,7 +17,7 @@ message that sends that state at once, each through a reader row. Leases live in
     lease(device, nbytes, taker):
       a FREE slab that fits ─► state = lease id, taker = the receiver's pid (which the
         receiver rewrites as its identity, pid and start time, when it loads the message:
-        ``_shm._identity``; a pid reused after it died is not it)
+        ``machinlike._pids``; a pid reused after it died is not it)
       none: reclaim slabs whose taker died; wait (10 ms at most) for one lent to the
       same taker to come FREE; then allocate (bounded by ``limit``), then evict FREE
       slabs; still none ─► None (the caller stages through the CPU)
@@ -62,7 +62,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from ..._shm._identity import pid_alive, pid_of
+from ..._pids import pid_alive, pid_of
 from .cuda_ipc_slab import GRAIN, Slab, slab_capacity
 
 __all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Lease",

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..._shm._peer_fd import open_peer_fd
-from ..._shm._identity import pid_alive
+from ..._pids import pid_alive
 from .cuda_ipc_area import PAGE_BYTES, ROWS, WORDS
 
 __all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT", "CLOSE_WAIT_S"]

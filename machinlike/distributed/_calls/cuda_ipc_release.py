@@ -51,7 +51,7 @@ from typing import Callable, Deque, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 
-from ..._shm._identity import pid_alive
+from ..._pids import pid_alive
 from .cuda_ipc_area import FREE
 
 __all__ = ["Done", "Ready", "Releaser", "await_ready", "FLUSH_S"]

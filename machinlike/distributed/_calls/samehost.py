@@ -29,7 +29,7 @@ import torch
 from ... import _shm
 from ..._shm import _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
-from .._membership import process_identity
+from .._membership import pid_in, process_identity
 
 __all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share"]
 
@@ -88,8 +88,8 @@ class SameHost:
             return False  # not known yet: asked again next time
         verdict = self._verdicts.get(identity)
         if verdict is None:
-            space, _, pid = identity.rpartition("/")
-            verdict = space == self._space and "?" not in space and _shm.reachable(int(pid))
+            space, pid = identity.rpartition("/")[0], pid_in(identity)
+            verdict = space == self._space and "?" not in space and pid > 0 and _shm.reachable(pid)
             self._verdicts[identity] = verdict
         self._by_worker[member] = verdict
         return verdict
@@ -102,7 +102,7 @@ class SameHost:
         identity = self._identity_of(member)
         if identity is None:
             return None
-        return _cuda_ipc_peers.peer_target(member, int(identity.rpartition("/")[2]))
+        return _cuda_ipc_peers.peer_target(member, pid_in(identity))
 
     def close(self) -> None:
         """Release this process's segments and cached mappings (World stop)."""

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ... import _mainguard, _warm
 from ...exception import ProcessExitedError, describe_exitcode
-from .._membership import describe_exception, record_exit
+from .._membership import describe_exception, pid_in, record_exit
 from .._store import ExitRecord, Keys, MemberRecord, value_or_empty
 
 __all__ = ["RESTART_ROOT", "RankExits", "exited"]
@@ -99,7 +99,7 @@ class RankExits:
             claim = value_or_empty(store, keys.live(name))
             held = MemberRecord.decode(name, claim) if claim else None
             counted = value_or_empty(store, keys.incarnations(name))
-            if held is not None and held.identity.rpartition("/")[2] == str(pid):
+            if held is not None and pid_in(held.identity) == pid:
                 incarnation = held.incarnation
             elif counted:
                 incarnation = int(counted)  # (its claim is cleared already: the newest one counted is it)

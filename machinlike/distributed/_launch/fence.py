@@ -27,7 +27,7 @@ from typing import Any, Collection, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .._membership import LogTail
+from .._membership import LogTail, pid_in
 from .._store import Keys, LogEntry, value_or_empty
 from .exits import RESTART_ROOT
 
@@ -109,7 +109,6 @@ class LossFence:
         rank = rec.rank
         if not (0 <= rank < len(self._names)) or self._names[rank] != rec.member:
             return
-        pid = rec.identity.rpartition("/")[2]
         process = processes[rank]
-        if process is not None and str(process.pid) == pid and process.is_alive():
+        if process is not None and process.pid == pid_in(rec.identity) and process.is_alive():
             self._doomed.setdefault(rank, (process.pid, time.monotonic()))

@@ -18,7 +18,7 @@ from .status import (
 )
 
 if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see machinlike._lean)
-    from .processes import alive_here, DEFAULT_LIVENESS, is_here, process_identity
+    from .processes import alive_here, DEFAULT_LIVENESS, is_here, pid_in, process_identity
     from .roster import Roster
     from .waits import Waits
     from .claims import Claims
@@ -30,6 +30,6 @@ if not _lean.STATUS_TOOL:  # (the status tool needs the reader above only: see m
 
 __all__ = [
     "alive_here", "Claims", "connect_read_only", "DEFAULT_LIVENESS", "Departures", "describe_exception", "Endpoint",
-    "event_counts", "HOLE_WAIT", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "process_identity",
+    "event_counts", "HOLE_WAIT", "is_here", "LogTail", "MemberEvent", "Membership", "MemberStatus", "pid_in", "process_identity",
     "read_status", "ReadOnlyStore", "record_exit", "record_own_exit", "Roster", "ServerNote", "Waits", "WorldStatus",
 ]

@@ -27,6 +27,7 @@ import threading
 from typing import Callable, Optional
 
 from .._store import ExitRecord, Keys, MemberRecord, Registry
+from .processes import pid_in
 
 __all__ = ["OWN_EXIT_WAIT", "describe_exception", "detected", "record_exit", "record_own_exit"]
 
@@ -85,9 +86,8 @@ def detected(registry: Registry, keys: Keys, rec: MemberRecord, why: str) -> str
     Raises:
         PeerLostError: the store is lost.
     """
-    pid = rec.identity.rpartition("/")[2]
     held = record_exit(registry.compare_set, keys, rec.member,
-                       ExitRecord(rec.incarnation, int(pid) if pid.isdigit() else 0, "watcher", why or "lost"))
+                       ExitRecord(rec.incarnation, pid_in(rec.identity), "watcher", why or "lost"))
     return f": {held.cause}" if held is not None and held.incarnation == rec.incarnation else ""
 
 

@@ -57,7 +57,7 @@ from .endpoint import Endpoint
 from .event_log import EventLog
 from .log_state import Numbered
 from .._store import ExitRecord, Keys, LogEntry, MemberRecord, server_of
-from .processes import alive_here, is_here, tick_of
+from .processes import alive_here, is_here, pid_in, tick_of
 from .member_event import MemberEvent
 from .monitor import Monitor
 from .._transport import PipeLedger, recycle_after
@@ -194,7 +194,7 @@ class Membership:
                 # signal) closes no socket: calls pending on its lane end here.
                 lane = _transport.lane.current()
                 if lane is not None:
-                    lane.abandon(int(rec.identity.rpartition("/")[2]), f"member {rec.member!r} was declared lost")
+                    lane.abandon(pid_in(rec.identity), f"member {rec.member!r} was declared lost")
             hook = self.on_departure
             if entry.kind != "move" and hook is not None:
                 hook()  # the results only it held go with it

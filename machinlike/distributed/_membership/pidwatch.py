@@ -25,7 +25,7 @@ import threading
 from typing import Dict, Iterable, Optional, Set
 
 from .._store import MemberRecord
-from .processes import is_here
+from .processes import is_here, pid_in
 
 __all__ = ["PidWatch", "WakingEvent"]
 
@@ -56,7 +56,7 @@ class PidWatch:
         self._fired &= wanted
         for identity in wanted - self._fired - self._fds.keys():
             try:
-                fd = os.pidfd_open(int(identity.rpartition("/")[2]))
+                fd = os.pidfd_open(pid_in(identity))  # (a later process with its pid: the tick's /proc check tells)
             except (OSError, ValueError):
                 continue  # gone already (the tick's /proc check sees it) or not allowed
             self._ensure_poll().register(fd, select.POLLIN)

@@ -1,7 +1,9 @@
 """Is a peer process still alive? Cheaply, without a network round trip where possible.
 
 Each rank publishes an identity at start-up: the machine's host name (for people: the
-status view shows it) and boot id, its PID and network namespaces and its pid. A peer
+status view shows it) and boot id, its PID and network namespaces, its pid and its start
+time (so that a pid the kernel gave to a new process once the rank died is not the rank:
+``machinlike._pids``). A peer
 with the same host, boot id and namespaces is checked through ``/proc`` (a zombie counts
 as dead); any other peer is another host as far as liveness is concerned (a network
 namespace can lose its network while its process lives on), and only its heartbeats tell.
@@ -14,7 +16,9 @@ import re
 import socket
 from typing import Optional
 
-__all__ = ["process_identity", "host_name", "alive_here", "running_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
+from ..._pids import PID_BITS, own_identity, state_of
+
+__all__ = ["process_identity", "pid_in", "host_name", "alive_here", "running_here", "is_here", "DEFAULT_LIVENESS", "MAX_TICK", "tick_of"]
 
 #: The World's default ``liveness`` (seconds): a silent member on another host is declared
 #: lost after 3/4 of it. Shorter bounds declare busy members lost: a process that imports
@@ -75,8 +79,17 @@ def _namespace() -> str:
 
 
 def process_identity() -> str:
-    """``<host name>@<boot id>/<pid namespace>:<net namespace>/<pid>`` of this process."""
-    return f"{_namespace()}/{os.getpid()}"
+    """``<host name>@<boot id>/<pid namespace>:<net namespace>/<pid>+<start>`` of this
+    process (``<start>``: its start time, in clock ticks since boot; with ``+``, absent
+    where ``/proc`` does not tell it)."""
+    start = own_identity() >> PID_BITS
+    return f"{_namespace()}/{os.getpid()}" + (f"+{start}" if start else "")
+
+
+def pid_in(identity: str) -> int:
+    """The pid ``identity`` names; 0 when it holds none."""
+    pid = identity.rpartition("/")[2].partition("+")[0]
+    return int(pid) if pid.isdigit() else 0
 
 
 def host_name(identity: str) -> str:
@@ -93,15 +106,13 @@ def is_here(identity: str) -> bool:
 def _state_here(identity: str) -> Optional[str]:
     """The ``/proc`` state letter of the process ``identity`` names; "" when it is gone,
     None when it is not local."""
-    space, _, pid = identity.rpartition("/")
+    space, _, tail = identity.rpartition("/")
     if "?" in space or space != _namespace():
         return None
-    stat = _read(f"/proc/{pid}/stat")
-    if stat == "?":
+    pid, _, start = tail.partition("+")
+    if not pid.isdigit() or (start and not start.isdigit()):
         return ""
-    # The state letter follows the parenthesised command name, which may contain spaces.
-    state = stat.rpartition(")")[2].split()[0]
-    return "" if state in ("Z", "X") else state
+    return state_of(int(pid), int(start or 0))  # ("": gone, a zombie, or its pid went to a later process)
 
 
 def alive_here(identity: str) -> Optional[bool]:

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ...exception import PeerLostError
 from .._store import MemberRecord
-from .processes import alive_here, is_here
+from .processes import alive_here, is_here, pid_in
 from .member_event import MemberEvent
 from .._transport import PipeLedger
 
@@ -392,7 +392,7 @@ class Roster:
             if identity is None:
                 return 0
             # fixed for a worker's life
-            here = self._here[worker] = int(identity.rpartition("/")[2]) if is_here(identity) else 0
+            here = self._here[worker] = pid_in(identity) if is_here(identity) else 0
         return here
 
     def moved_from(self, worker: str, timeout: float) -> Optional[str]:

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .event_log import EventCounts, read_history
-from .processes import host_name
+from .processes import host_name, pid_in
 from .._store import ExitRecord, Keys, MemberRecord, new_client, OwnedKey, ServerNote, ServerNotes
 
 __all__ = ["ReadOnlyStore", "MemberStatus", "WorldStatus", "EventCounts", "read_status", "connect_read_only",
@@ -281,12 +281,12 @@ def read_status(store: ReadOnlyStore) -> Optional[WorldStatus]:
         else:
             event_kind, rec = last_event.get(name, ("", MemberRecord(name, 1, name, index, "")))
             state = {"lost": "lost", "leave": "left"}.get(event_kind, "gone")
-        space, _, pid = rec.identity.rpartition("/")
+        space, pid = rec.identity.rpartition("/")[0], pid_in(rec.identity)
         services, values = _holdings(store, keys, rec.worker) if state == "alive" else ([], [])
         members.append(MemberStatus(
             name=name, state=state, incarnation=rec.incarnation,
             started=int(started_text) if started_text else 1, rank=rec.rank,
-            pid=int(pid) if pid.isdigit() else None, host=space,
+            pid=pid or None, host=space,
             beats=int(beats_text) if beats_text else None, services=services, values=values))
     _add_server_notes(store, keys, members)
     _read_exits(store, keys, members)

@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
-from .._membership import alive_here, process_identity
+from .._membership import alive_here, pid_in, process_identity
 from .._store import rendezvous as _rendezvous
 from .._store import Keys, Registry
 
@@ -110,7 +110,7 @@ def seat_held(info: _rendezvous.StoreInfo, restart: str, rank: int, mine: int) -
         return None
     return RuntimeError(
         f"World start-up: rank {rank} of the static world at {info.host}:{info.port} is held by process "
-        f"{holder.rpartition('/')[2]} of this host, in a world that is running: a static world cannot admit a "
+        f"{pid_in(holder)} of this host, in a world that is running: a static world cannot admit a "
         f"new process. To join that world, start it and this process as World(name, elastic=True, "
         f"init_method=...); if this process belongs to another job that was given the same port (MASTER_PORT, "
         f"or init_method's), give each job a port of its own")
