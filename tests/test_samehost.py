@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import subprocess
 import threading
 import time
 
@@ -731,3 +732,29 @@ def test_small_items_are_bundled_from_eight_on_and_aliasing_survives():
     back = pickle.loads(pickle.dumps(out))
     assert all(torch.equal(a, b) for a, b in zip(back[0], many)) and back[1] is back[0][0]
     assert len({t.untyped_storage().data_ptr() for t in back[0]}) == SMALL_MIN  # each its own memory
+
+
+def test_same_host_verdicts_stay_bounded_through_endless_churn():
+    """Each member ever called left a verdict by worker and one by process identity: an
+    elastic world whose actors come and go for days grew both without end."""
+    from machinlike.distributed._calls import samehost as _samehost
+    from machinlike.distributed._membership import process_identity
+
+    space = process_identity().rpartition("/")[0]
+    host = _samehost.SameHost(False, 1 << 20, 1 << 30, lambda worker: f"{space}/{os.getpid()}+{worker[1:]}")
+    try:
+        for i in range(3 * _samehost.VERDICTS_KEPT):
+            assert host.local(f"w{i}")  # (this process: same host, reachable)
+        assert len(host._by_worker) <= _samehost.VERDICTS_KEPT and len(host._verdicts) <= _samehost.VERDICTS_KEPT
+        assert host.local("w7") and host.local(f"w{3 * _samehost.VERDICTS_KEPT - 1}")  # (asked again, same answer)
+    finally:
+        host.close()
+
+
+def test_a_pid_with_no_process_is_not_kept_unreachable():
+    from machinlike._shm import _segments
+
+    child = subprocess.Popen(["true"])
+    child.wait(timeout=30)
+    assert not _segments.reachable(child.pid) and child.pid not in _segments._reachable
+    assert _segments.reachable(os.getpid()) and _segments._reachable[os.getpid()]

@@ -55,6 +55,7 @@ RETIRED = -1
 _GRAIN = 1 << 20  # capacities are rounded up to whole MiB so that segments recycle well
 
 _reachable: Dict[int, bool] = {}
+_REACHABLE_KEPT = 4096  # (pids come and go without end in a long job: emptied past it, asked again)
 
 
 def reachable(pid: int) -> bool:
@@ -64,8 +65,12 @@ def reachable(pid: int) -> bool:
         try:
             os.readlink(f"/proc/{pid}/exe")  # needs the same ptrace-read access as fd/N
             known = True
+        except FileNotFoundError:
+            return False  # (no such process now: not kept, the pid may come back as a peer)
         except OSError:
             known = False
+        if len(_reachable) >= _REACHABLE_KEPT:
+            _reachable.clear()
         _reachable[pid] = known
     return known
 

@@ -31,7 +31,13 @@ from ..._shm import _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import pid_in, process_identity
 
-__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share"]
+__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share", "VERDICTS_KEPT"]
+
+#: Verdicts kept at most, by worker and by process identity each: an elastic world's churn
+#: brings new worker names and processes without end. Past it a map is emptied and its
+#: verdicts asked again (a dict lookup and one ``/proc`` readlink each), so a call's own
+#: lookup stays one dict read.
+VERDICTS_KEPT = 4096
 
 
 def check_settings(enabled: Any, threshold: Any, cache_bytes: Any) -> None:
@@ -90,7 +96,11 @@ class SameHost:
         if verdict is None:
             space, pid = identity.rpartition("/")[0], pid_in(identity)
             verdict = space == self._space and "?" not in space and pid > 0 and _shm.reachable(pid)
+            if len(self._verdicts) >= VERDICTS_KEPT:
+                self._verdicts.clear()
             self._verdicts[identity] = verdict
+        if len(self._by_worker) >= VERDICTS_KEPT:
+            self._by_worker.clear()
         self._by_worker[member] = verdict
         return verdict
 
