@@ -1,10 +1,12 @@
-"""A lease's taker is named by its pid and start time (``machinlike._pids``): once the taker
-was SIGKILLed and the kernel gave its pid to a new process, the lease is still taken back.
+"""A process is named by its pid and start time (``machinlike._pids``), or watched through
+what it holds (a pidfd, a descriptor), not by its bare pid alone: once it was SIGKILLed
+and the kernel gave its pid to a new process, what it held comes back and it is not alive.
 
-The reuse is real: the test writes ``/proc/sys/kernel/ns_last_pid`` (root only; it skips
-elsewhere, saying why) so that the next process started gets the dead taker's pid. With
-bare pids (before), the newcomer kept the dead taker's shared-memory segment and CUDA slab
-lent for as long as it lived.
+Shown for a shared-memory segment and a CUDA slab lent to a killed taker, a receiver's
+mapping and opening of a killed owner's memory, and a member's published identity. The
+reuse is real: the test writes ``/proc/sys/kernel/ns_last_pid`` (root only; it skips
+elsewhere, saying why) so that the next process started gets the dead one's pid. With bare
+pids (before), each of them stayed lent, mapped, open or alive for the newcomer's life.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pytest
 
 from machinlike import _pids
 from machinlike._shm import _segments
-from machinlike.distributed._calls import cuda_ipc_area as _cuda_ipc_area
+from machinlike.distributed._calls import cuda_ipc_area as _cuda_ipc_area, cuda_ipc_open as _cuda_ipc_open
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,6 +105,38 @@ def test_a_segment_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed():
         cache.close()
 
 
+def test_a_mapping_of_a_killed_owners_segment_goes_though_its_pid_went_to_a_new_process():
+    """A receiver's cached mapping of a peer's segment holds that memory: it went when its
+    owner's bare pid was gone or the owner retired it, so an owner SIGKILLed (no retirement)
+    whose pid was reused by then kept it mapped until evicted. The owner's descriptor tells."""
+    from machinlike._shm import _receive
+
+    _receive.forget_all()
+    size = _segments.HEADER + 4096
+    fd = os.memfd_create("pid-reuse-test")
+    try:
+        os.ftruncate(fd, size)
+        owner = subprocess.Popen(["sleep", "60"], pass_fds=[fd])  # owns it at the same number
+        key = (owner.pid, os.fstat(fd).st_ino)
+        _receive.attach(owner.pid, fd, key[1], size, True)
+        newcomer = _start_with_pid(_killed(owner))
+        others = []
+        try:
+            for i in range(2 * _receive._LOOK_MIN):  # (the cache looks at its entries every so many new mappings)
+                others.append(os.memfd_create(f"pid-reuse-other-{i}"))
+                os.ftruncate(others[-1], 4096)
+                _receive.attach(os.getpid(), others[-1], os.fstat(others[-1]).st_ino, 4096, False)
+            assert key not in _receive._maps  # (before: still mapped)
+        finally:
+            _killed(newcomer)
+            _receive.forget_all()
+            for other in others:
+                os.close(other)
+    finally:
+        _receive.forget_all()
+        os.close(fd)
+
+
 class _FakeSlab:
     """A slab without CUDA: what the area's bookkeeping reads."""
 
@@ -133,6 +167,31 @@ def test_a_cuda_slab_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed(m
         finally:
             _killed(newcomer)
     finally:
+        area.close()
+
+
+def test_an_opening_of_a_killed_sender_goes_though_its_pid_went_to_a_new_process(monkeypatch):
+    """A receiver's opening of a sender's slab holds the sender's GPU memory: it went when
+    /proc said the sender's bare pid was gone, so a pid reused by then kept it open until
+    evicted. The sender's pidfd (kept with its control page) tells the exit itself."""
+    monkeypatch.setattr(_cuda_ipc_area, "Slab", _FakeSlab)
+    monkeypatch.setattr(_cuda_ipc_area.torch.UntypedStorage, "_release_ipc_counter_cuda", lambda *a: None,
+                        raising=False)
+    area = _cuda_ipc_area.ExportArea(16 << 20)
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
+    try:
+        sender = subprocess.Popen(["sleep", "60"], pass_fds=[area.fd])  # holds the page at the same number
+        words = cache.control(sender.pid, area.fd, area.inode)  # (through /proc/<sender>/fd: watched by a pidfd)
+        slab = area.lease(0, 10, os.getpid()).slab
+        cache.open((sender.pid, b"h", 0), 2 << 20, words, slab.slot, slab.ident, object)
+        assert len(cache) == 1 and cache.forget_dead() == 0
+        newcomer = _start_with_pid(_killed(sender))
+        try:
+            assert cache.forget_dead() == 1 and len(cache) == 0 and cache._pidfds == {}  # (before: 0, 1)
+        finally:
+            _killed(newcomer)
+    finally:
+        cache.forget_all()
         area.close()
 
 

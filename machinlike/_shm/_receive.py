@@ -199,10 +199,12 @@ def _reap() -> None:
 
 
 def _released(mapping: Mapping) -> bool:
-    # A lent segment its owner retired, or a storage its owner freed (its descriptor is
-    # closed or names other memory now): only this cache would keep the memory alive.
-    if mapping.lent:
-        return mapping.retired()
+    # A lent segment its owner retired, or memory its owner freed or died with (its
+    # descriptor is closed or names other memory now: so too when the owner's pid went to
+    # a new process, which its bare pid's liveness would not tell): only this cache would
+    # keep the memory alive.
+    if mapping.lent and mapping.retired():
+        return True
     pid, fd, inode, _ = mapping.origin
     try:
         return os.stat(f"/proc/{pid}/fd/{fd}").st_ino != inode

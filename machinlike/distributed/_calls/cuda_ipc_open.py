@@ -2,8 +2,9 @@
 
 Opening a handle costs milliseconds, so an opened slab is kept, keyed by ``(owner pid,
 handle, offset)``, bounded by ``limit`` bytes of slab capacity (least recently used goes
-first). Before each new opening it forgets slabs whose owner died or retired them (so that
-a retired slab's handle is closed before new memory behind the same handle bytes is
+first). Before each new opening it forgets slabs whose owner died (as its pidfd tells: a
+pid the kernel gave to a new process keeps nothing open) or retired them (so that a
+retired slab's handle is closed before new memory behind the same handle bytes is
 opened), and so does a member's departure. An opening holds no reference count of
 torch's (``NO_COUNTER``): the owner decides when a slab is gone (it retires it), and a
 receiver that is SIGKILLed leaves no count behind that would pin the owner's memory
@@ -230,13 +231,17 @@ class OpenCache:
 
     def _drop_gone(self) -> List[Opened]:
         gone = []
+        with self._pid_lock:
+            exited = {k for k, fd in self._pidfds.items() if _readable(fd)}  # (its pid may run another process)
+        # An opening goes with its sender's exit as its pidfd tells it, not only as /proc
+        # tells of its bare pid: a pid the kernel gave to a new process would keep a dead
+        # sender's GPU memory open here until evicted.
+        dead_pages = [self._controls[k][1] for k in exited if k in self._controls]
         for key, opened in list(self._opened.items()):
-            if opened.retired() or not pid_alive(key[0]):
+            if opened.retired() or any(opened.words is page for page in dead_pages) or not pid_alive(key[0]):
                 gone.append(self._drop(key))
                 self.stats["dropped_dead_or_retired"] += 1
         live = {opened_key[0] for opened_key in self._opened}
-        with self._pid_lock:
-            exited = {k for k, fd in self._pidfds.items() if _readable(fd)}  # (its pid may run another process)
         for control in [k for k in self._controls
                         if k in exited or (k[0] not in live and not pid_alive(k[0]))]:
             del self._controls[control]
