@@ -21,6 +21,7 @@ import compileall
 import importlib.util
 import multiprocessing
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -34,9 +35,37 @@ import _background
 # Every new store connection makes torch look up the peer's host name (getnameinfo); this
 # machine's resolver leaves about one query in thirty unanswered, and the look-up then
 # stalls for the resolver's timeout: 5 s by default, 200 connections took 35 s. One try
-# of 1 s bounds it (200 took 1 s). glibc reads this when a process first resolves, so it
-# is set before any test runs; the processes the tests start inherit it.
-os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
+# of 1 s bounds it (200 took 1 s), but a stall of 1 s still failed a timed test now and
+# then (a departure seen 1.004 s late, a 1 s start-up's own connection timed out: stop
+# 101's CI). Over TCP (use-vc) no query is lost: here the resolver refuses TCP, and each
+# look-up fails in about a millisecond (2,000 in a row, none slow; over UDP 3 in 200 took
+# 1 s). TCP is taken only where a probe shows it quick: a resolver that drops TCP instead
+# would stall every look-up. glibc reads this when a process first resolves, so it is
+# set before any test runs; the processes the tests start inherit it.
+_UDP_RES, _TCP_RES = "timeout:1 attempts:1", "use-vc timeout:1 attempts:1"
+_PROBE_RES = """import socket, time
+t = time.monotonic()
+for a in ("::ffff:127.0.0.1", "::1", "::ffff:127.0.0.1"):
+    try:
+        socket.getnameinfo((a, 1, 0, 0), socket.NI_NUMERICSERV)
+    except OSError:
+        pass
+print(time.monotonic() - t)
+"""
+
+
+def _res_options() -> str:
+    """TCP look-ups where three of them take under 0.3 s in all; else one UDP try of 1 s."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE_RES], capture_output=True, text=True,
+                              timeout=5, env=dict(os.environ, RES_OPTIONS=_TCP_RES))
+        return _TCP_RES if done.returncode == 0 and float(done.stdout) < 0.3 else _UDP_RES
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return _UDP_RES
+
+
+if "RES_OPTIONS" not in os.environ:
+    os.environ["RES_OPTIONS"] = _res_options()
 
 def pytest_configure(config):
     """Compile the project's sources to bytecode once, before any test starts a process.

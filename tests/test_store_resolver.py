@@ -10,6 +10,7 @@ real torch client).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -37,7 +38,7 @@ def lossy_resolver(sock, lossy):
 
 def start_resolver(lossy=lambda: True):
     dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    dns.bind(("127.0.0.77", 53))
+    dns.bind((os.environ["TEST_RESOLVER"], 53))
     threading.Thread(target=lossy_resolver, args=(dns, lossy), daemon=True).start()
 '''
 
@@ -117,13 +118,19 @@ if __name__ == "__main__":
 '''
 
 
+_RESOLVERS = itertools.cycle(range(2, 250))
+
+
 def _run_in_namespace(tmp_path, script: str, *args: str,
                       res_options: str = "timeout:1 attempts:2") -> subprocess.CompletedProcess:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         pytest.skip("a resolver of the test's own needs root and unshare(1)")
-    (tmp_path / "resolv.conf").write_text("nameserver 127.0.0.77\n")
+    # An address of this test's own (all of 127/8 is this host's): the tests of this file
+    # run side by side under xdist, each with its resolver on port 53 of one network.
+    resolver = f"127.0.{os.getpid() % 250 + 1}.{next(_RESOLVERS)}"
+    (tmp_path / "resolv.conf").write_text(f"nameserver {resolver}\n")
     (tmp_path / "script.py").write_text(script)
-    env = dict(os.environ, RES_OPTIONS=res_options)
+    env = dict(os.environ, RES_OPTIONS=res_options, TEST_RESOLVER=resolver)
     command = (f"mount --bind {tmp_path / 'resolv.conf'} /etc/resolv.conf && "
                f"exec {sys.executable} {tmp_path / 'script.py'} {' '.join(args)}")
     try:
