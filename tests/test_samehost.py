@@ -751,10 +751,15 @@ def test_same_host_verdicts_stay_bounded_through_endless_churn():
         host.close()
 
 
-def test_a_pid_with_no_process_is_not_kept_unreachable():
+def test_reachable_answers_for_the_process_a_pid_names_now():
     from machinlike._shm import _segments
 
-    child = subprocess.Popen(["true"])
-    child.wait(timeout=30)
-    assert not _segments.reachable(child.pid) and child.pid not in _segments._reachable
-    assert _segments.reachable(os.getpid()) and _segments._reachable[os.getpid()]
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert _segments.reachable(child.pid) and _segments.reachable(os.getpid())
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    # (gone: no verdict of the dead process is kept for whatever takes its pid next)
+    assert not _segments.reachable(child.pid)
+    assert not hasattr(_segments, "_reachable")

@@ -54,25 +54,17 @@ FREE = 0
 RETIRED = -1
 _GRAIN = 1 << 20  # capacities are rounded up to whole MiB so that segments recycle well
 
-_reachable: Dict[int, bool] = {}
-_REACHABLE_KEPT = 4096  # (pids come and go without end in a long job: emptied past it, asked again)
-
-
 def reachable(pid: int) -> bool:
-    """Whether this process can open ``pid``'s descriptors through ``/proc`` (cached)."""
-    known = _reachable.get(pid)
-    if known is None:
-        try:
-            os.readlink(f"/proc/{pid}/exe")  # needs the same ptrace-read access as fd/N
-            known = True
-        except FileNotFoundError:
-            return False  # (no such process now: not kept, the pid may come back as a peer)
-        except OSError:
-            known = False
-        if len(_reachable) >= _REACHABLE_KEPT:
-            _reachable.clear()
-        _reachable[pid] = known
-    return known
+    """Whether this process can open ``pid``'s descriptors through ``/proc`` now.
+
+    Not cached here: a pid names another process once reused, and the callers keep their
+    verdicts by process identity (``SameHost``, ``InferenceServer``); one look costs
+    microseconds."""
+    try:
+        os.readlink(f"/proc/{pid}/exe")  # needs the same ptrace-read access as fd/N
+        return True
+    except OSError:
+        return False
 
 
 class Segment:
@@ -287,7 +279,6 @@ def _after_fork_in_child() -> None:
     # A forked child must not lend its parent's segments (they are the parent's leases).
     global _cache, _cache_lock
     _cache, _cache_lock = None, threading.Lock()
-    _reachable.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
