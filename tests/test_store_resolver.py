@@ -127,7 +127,7 @@ def _run_in_namespace(tmp_path, script: str, *args: str,
         pytest.skip("a resolver of the test's own needs root and unshare(1)")
     # An address of this test's own (all of 127/8 is this host's): the tests of this file
     # run side by side under xdist, each with its resolver on port 53 of one network.
-    resolver = f"127.0.{os.getpid() % 250 + 1}.{next(_RESOLVERS)}"
+    resolver = f"127.{os.getpid() >> 8 & 255}.{os.getpid() & 255}.{next(_RESOLVERS)}"  # (one per pid below 65,536)
     (tmp_path / "resolv.conf").write_text(f"nameserver {resolver}\n")
     (tmp_path / "script.py").write_text(script)
     env = dict(os.environ, RES_OPTIONS=res_options, TEST_RESOLVER=resolver)

@@ -54,6 +54,7 @@ FREE = 0
 RETIRED = -1
 _GRAIN = 1 << 20  # capacities are rounded up to whole MiB so that segments recycle well
 
+
 def reachable(pid: int) -> bool:
     """Whether this process can open ``pid``'s descriptors through ``/proc`` now.
 
