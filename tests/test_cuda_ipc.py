@@ -170,6 +170,7 @@ class _FakeSlab:
         self.slot, self.ident, self.index, self.capacity = slot, ident, index, capacity
         self.storage = object()
         self.handle, self.offset, self.counter = b"h%d" % ident, 0, (b"/none", 0)
+        self.mapped = capacity
         self.views = {}
         self.ready, self.ready_handle = None, b""
         self.unsent = False
@@ -476,6 +477,36 @@ def test_openings_are_cached_bounded_and_dropped_when_retired_or_dead(area):
     assert cache.forget_dead() == 1 and len(cache) == 0  # a dead owner's slab goes (departure, next opening)
 
 
+def test_an_opening_counts_its_owners_segment_once_however_many_of_its_slabs_are_open(area):
+    # The driver maps a handle's whole allocation (a 2 MiB slab can sit in a 20 MiB
+    # segment), and torch opens equal handle bytes once: the cache counts what is mapped.
+    cache = _cuda_ipc_open.OpenCache(48 << 20)
+    words = cache.control(os.getpid(), area.fd, area.inode)
+    slab = area.lease(0, 10, os.getpid()).slab
+    me, other = os.getpid(), os.getppid()
+    opened = []
+
+    def opener():
+        opened.append(1)
+        return object()
+
+    def open_(owner, handle, offset, mapped=20 << 20):
+        return cache.open((owner, handle, offset), 2 << 20, words, slab.slot, slab.ident, opener, 0, mapped)
+
+    open_(me, b"s", 0)
+    open_(me, b"s", 2 << 20)  # a second slab of the same segment: nothing more mapped
+    assert len(cache) == 2 and cache.held_bytes() == 20 << 20
+    open_(other, b"s", 0)  # equal bytes from another process: its own segment
+    assert cache.held_bytes() == 40 << 20 and cache.stats["evicted"] == 0
+    open_(me, b"t", 0)  # a third segment: over 48 MiB, least recently used openings go
+    # (me, s, 0) goes first and frees nothing (its segment is still open); then (me, s, 2 MiB)
+    assert cache.stats["evicted"] == 2 and cache.held_bytes() == 40 << 20 and len(cache) == 2
+    open_(me, b"u", 0, mapped=None)  # an owner that could not tell: its slab's capacity
+    assert cache.held_bytes() == 42 << 20
+    cache.forget_all()
+    assert cache.held_bytes() == 0 and cache._maps == {}
+
+
 def test_openings_are_let_go_out_of_the_caches_lock(area):
     # Closing a handle waits for its device (milliseconds), and every receiving thread takes
     # the cache's lock: an eviction, a dead owner's trim or a World stop must not hold it.
@@ -687,7 +718,8 @@ def test_an_opening_let_go_in_a_forked_child_is_never_freed(monkeypatch):
 
 
 def test_a_receiver_without_cuda_refuses_and_does_not_initialise_it():
-    reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, b"e" * 64, 0, 2 << 20, ((0, (2,), torch.float32, False, False),))
+    reduced = (os.getpid(), 3, 1, 0, 1, 1, 0, b"x" * 64, b"e" * 64, 0, 2 << 20, 20 << 20,
+               ((0, (2,), torch.float32, False, False),))
     with pytest.raises(RuntimeError, match="has not initialised CUDA"):
         _cuda_ipc._receive_group(*reduced)
     assert not torch.cuda.is_initialized()

@@ -24,6 +24,8 @@ from torch import nn
 
 from machinlike import launch
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
+from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open
+from machinlike.distributed._calls import cuda_ipc_slab as _cuda_ipc_slab
 from machinlike.distributed._calls.strides import kept_strides
 from machinlike.testing import world_test
 
@@ -540,3 +542,22 @@ def test_a_slab_lent_at_the_worlds_stop_outlives_it_and_is_not_reused_under_its_
         reader.join(30)
         if reader.is_alive():
             reader.kill()
+
+
+def test_openings_are_freed_on_a_stream_of_their_own_not_one_of_torchs_pool():
+    # An opening's deleter waits for the current stream: on a pooled one, a user's side
+    # stream could be the same, and its queued work be waited out under the cache's lock.
+    idle = _cuda_ipc_open._idle_stream(0)
+    pooled = {torch.cuda.Stream(device=0).cuda_stream for _ in range(96)}  # (the pool: 32 a priority)
+    assert idle.cuda_stream not in pooled and idle.device == torch.device("cuda", 0)
+    idle.synchronize()
+
+
+@pytest.mark.skipif("expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                    reason="an expandable segment counts the slab's own bytes")
+def test_a_slab_tells_receivers_the_whole_segment_its_handle_maps():
+    slab = _cuda_ipc_slab.Slab(0, 1, 0, 2 << 20)
+    base = slab.storage.data_ptr() - slab.offset
+    segment = [s for s in torch.cuda.memory_snapshot() if s["device"] == 0 and s["address"] == base]
+    assert len(segment) == 1 and slab.mapped == segment[0]["total_size"]
+    assert slab.mapped >= 20 << 20  # (the allocator gives a 1-10 MiB block a 20 MiB segment, or a larger one)

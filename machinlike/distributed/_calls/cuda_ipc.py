@@ -338,7 +338,7 @@ class Batch:
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
                                           group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
-                                          tuple(items)) + (() if copy else (lease.row,)))
+                                          slab.mapped, tuple(items)) + (() if copy else (lease.row,)))
         return lease
 
 
@@ -351,7 +351,7 @@ def unsent_release(lease: Lease) -> Callable[[], None]:
 
 # --------------------------------------------------------------------- receiver
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
-                   ready: bytes, offset: int, capacity: int, items: Tuple[Tuple[Any, ...], ...],
+                   ready: bytes, offset: int, capacity: int, mapped: int, items: Tuple[Tuple[Any, ...], ...],
                    lease_row: int = -1) -> List[torch.Tensor]:
     """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``;
     they are ready on this thread's current stream of ``cuda:index`` and, once the result
@@ -377,7 +377,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     opened: Optional[Opened] = None
     view: Optional[torch.Tensor] = None
     try:
-        opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity)
+        opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity, mapped)
         if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S,
                                  lambda sender: cache.alive(sender, inode)):
             _counts.add("ready_waits")
@@ -418,7 +418,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
 
 
 def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, index: int, handle: bytes,
-             ready: bytes, offset: int, capacity: int) -> Opened:
+             ready: bytes, offset: int, capacity: int, mapped: int) -> Opened:
     """The sender's slab opened here (cached), its event opened too when it has one.
 
     Raises:
@@ -426,7 +426,7 @@ def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, in
     """
     try:
         opened = cache.open((pid, handle, offset), capacity, words, slot, slab_id,
-                            lambda: ops.open_shared(index, handle, capacity, offset), index)
+                            lambda: ops.open_shared(index, handle, capacity, offset), index, mapped)
         if ready and opened.ready is None:
             opened.ready = ops.open_event(index, ready)
         return opened

@@ -1,8 +1,15 @@
 """The receiver's cache of the CUDA IPC path: peers' slabs opened here, and their control pages.
 
 Opening a handle costs milliseconds, so an opened slab is kept, keyed by ``(owner pid,
-handle, offset)``, bounded by ``limit`` bytes of slab capacity (least recently used goes
-first). Before each new opening it forgets slabs whose owner died (as its pidfd tells: a
+handle, offset)``, bounded by ``limit`` bytes mapped (least recently used goes first). A
+handle maps its owner's whole allocator segment, which may be far larger than the slab
+(``cuda_ipc_slab.segment_bytes``) and hold several slabs: torch opens equal handle bytes
+once, so a segment counts once, while any opening of it is kept::
+
+    open (pid, handle, offset) ─► maps[(pid, handle)] = [segment bytes, openings + 1]
+                                  held += segment bytes   (its first opening only)
+    drop (evicted, dead, retired) ─► openings - 1 ─► 0: held -= segment bytes
+ Before each new opening it forgets slabs whose owner died (as its pidfd tells: a
 pid the kernel gave to a new process keeps nothing open) or retired them (so that a
 retired slab's handle is closed before new memory behind the same handle bytes is
 opened), and so does a member's departure. An opening holds no reference count of
@@ -24,7 +31,7 @@ import os
 import select
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -108,8 +115,23 @@ def _idle_stream(index: int) -> Any:
     """A stream of ``cuda:index`` that holds no work (made once; a race makes two, harmlessly)."""
     stream = _idle.get(index)
     if stream is None:
-        stream = _idle[index] = torch.cuda.Stream(device=index)
+        stream = _idle[index] = _own_stream(index)
     return stream
+
+
+def _own_stream(index: int) -> Any:
+    """A stream of ``cuda:index`` nobody else is handed: ``torch.cuda.Stream()`` deals out,
+    in turn, one of a pool of 32 per device, so a user's side stream (its work queued)
+    could be ours too; the runtime makes one of our own. A pooled one where that fails."""
+    with torch.cuda.device(index):  # (the runtime makes it on the current device)
+        try:
+            made = ctypes.c_void_p()
+            runtime = torch.cuda.cudart()
+            if runtime.cudaStreamCreate(ctypes.addressof(made)) == runtime.cudaError.success and made.value:
+                return torch.cuda.ExternalStream(made.value, device=torch.device("cuda", index))
+        except Exception:  # (a torch without the binding)
+            pass
+        return torch.cuda.Stream(device=index)
 
 
 Opener = Callable[[], Any]
@@ -127,7 +149,7 @@ class OpenCache:
         thread A: pop its own gone ones ─► unlock ─► close them ─► wait closing == 0 ─► open
 
     Args:
-        limit: Bytes of opened slab capacity kept between transfers.
+        limit: Bytes of peers' segments kept mapped between transfers (each counted once).
     """
 
     def __init__(self, limit: int) -> None:
@@ -142,7 +164,8 @@ class OpenCache:
         self._pidfds: Dict[Tuple[int, int], int] = {}
         # (A lock of their own: ``alive`` is asked at every message.) Order: ``_lock``, then this.
         self._pid_lock = threading.Lock()
-        self._held = 0
+        self._held = 0  # bytes mapped: each segment in ``_maps`` once
+        self._maps: Dict[Tuple[int, bytes], List[int]] = {}  # (pid, handle) ─► [bytes, openings]
         self.stats: Dict[str, int] = {"opened": 0, "evicted": 0, "dropped_dead_or_retired": 0}
 
     def held_bytes(self) -> int:
@@ -188,8 +211,9 @@ class OpenCache:
         return pid_alive(pid)
 
     def open(self, key: Key, capacity: int, words: np.ndarray, slot: int, ident: int, opener: Opener,
-             index: int = 0) -> Opened:
-        """The opened slab ``key`` on ``cuda:index`` (``opener()`` opens its storage when not cached).
+             index: int = 0, mapped: Optional[int] = None) -> Opened:
+        """The opened slab ``key`` on ``cuda:index`` (``opener()`` opens its storage when not
+        cached); ``mapped``: the bytes its handle maps here (its owner's segment); None: ``capacity``.
 
         Raises:
             RuntimeError: handles other threads were closing were not closed within
@@ -215,13 +239,10 @@ class OpenCache:
                 )
         opened = Opened(opener(), capacity, words, slot, ident, index)
         with self._lock:
-            old = self._opened.pop(key, None)
-            if old is not None:
-                self._held -= old.capacity
-                self._closing += 1
-                gone.append(old)
+            if key in self._opened:
+                gone.append(self._drop(key))
             self._opened[key] = opened
-            self._held += capacity
+            self._count(key, capacity if mapped is None else mapped)
             self.stats["opened"] += 1
             while self._held > self.limit and len(self._opened) > 1:
                 gone.append(self._drop(next(iter(self._opened))))
@@ -258,9 +279,22 @@ class OpenCache:
         once out of the lock: dropping the last storage of a handle closes it (torch's IPC
         handle cache), which waits for its device and may take milliseconds."""
         opened = self._opened.pop(key)
-        self._held -= opened.capacity
+        segment = (key[0], key[1])
+        count = self._maps[segment]
+        count[1] -= 1
+        if count[1] == 0:
+            del self._maps[segment]
+            self._held -= count[0]
         self._closing += 1
         return opened
+
+    def _count(self, key: Key, mapped: int) -> None:
+        """Count opening ``key`` (under ``_lock``): its segment's bytes where it is the first."""
+        count = self._maps.setdefault((key[0], key[1]), [0, 0])
+        count[1] += 1
+        if mapped > count[0]:  # (the first, or a slab that knows its segment better)
+            self._held += mapped - count[0]
+            count[0] = mapped
 
     def _let_go(self, gone: List[Opened]) -> None:
         """Drop ``gone`` (popped by ``_drop`` or counted in ``_closing``), out of ``_lock``."""
@@ -290,6 +324,7 @@ class OpenCache:
             self._opened.clear()
             self._controls.clear()
             self._close_pidfds(list(self._pidfds))
+            self._maps.clear()
             self._held = 0
         self._let_go(gone)
 

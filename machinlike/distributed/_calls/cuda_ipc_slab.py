@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GRAIN", "Slab", "slab_capacity"]
+__all__ = ["GRAIN", "Slab", "slab_capacity", "segment_bytes"]
 
 GRAIN = 2 << 20  # lent slabs hold whole powers of two from 2 MiB (they recycle well); pinned ones 2 MiB steps
 
@@ -26,15 +26,32 @@ def slab_capacity(nbytes: int) -> int:
     return capacity
 
 
+def segment_bytes(base: int, index: int, fallback: int) -> int:
+    """Bytes a receiver maps when it opens a handle of the allocator segment that starts at
+    address ``base`` of ``cuda:index``: the whole segment (torch exports a block through its
+    segment's handle, and the driver maps a handle's whole allocation), which the caching
+    allocator may make far larger than the block (a 2 MiB slab in a 20 MiB segment, or in a
+    large one freed earlier). ``fallback`` (the slab's own bytes) where torch does not say:
+    an expandable segment, or a snapshot that fails."""
+    try:
+        for segment in torch.cuda.memory_snapshot():
+            if segment.get("device") == index and segment.get("address") == base:
+                return fallback if segment.get("is_expandable") else max(int(segment["total_size"]), fallback)
+    except Exception:  # (a snapshot is torch's diagnostics: nothing of the path may fail with it)
+        pass
+    return fallback
+
+
 class Slab:
     """One exported CUDA buffer of the area; ``views``: tensors over it by layout, made
     once (``cuda_ipc_ops.view``: a message's Python work is a few torch calls, not a dozen);
     ``ready``: an interprocess event recorded after each message's copies into it (its
     handle ``ready_handle`` goes with the message; None and b"" where this torch or
-    driver has no IPC events: the sender synchronises before sending instead)."""
+    driver has no IPC events: the sender synchronises before sending instead); ``mapped``:
+    the bytes a receiver's opening maps (``segment_bytes``), what receivers' caches count."""
 
     __slots__ = ("slot", "ident", "index", "storage", "capacity", "handle", "offset", "counter", "views",
-                 "ready", "ready_handle", "unsent")
+                 "ready", "ready_handle", "unsent", "mapped")
 
     def __init__(self, slot: int, ident: int, index: int, capacity: int) -> None:
         self.slot = slot
@@ -48,6 +65,8 @@ class Slab:
         self.handle: bytes = shared[1]
         self.offset: int = shared[3]
         self.counter: Tuple[bytes, int] = (shared[4], shared[5])
+        # Once per slab (a snapshot lists every segment of the process: milliseconds at most)
+        self.mapped = segment_bytes(self.storage.data_ptr() - self.offset, index, capacity)
         self.views: Dict[Any, torch.Tensor] = {}
         self.ready: Optional[torch.cuda.Event] = None
         self.ready_handle = b""

@@ -97,7 +97,8 @@ class World:
             of its cached mappings of peers' memory.
         cuda_ipc_cache_bytes: Bound, in bytes, of this process's CUDA export slabs (GPU
             memory it keeps to send CUDA tensors to processes on this host through CUDA
-            IPC) and, again, of its cached openings of peers' slabs. 0: CUDA tensors are
+            IPC) and, again, of what its cached openings of peers' slabs map (their whole
+            allocator segments). 0: CUDA tensors are
             staged through the CPU, as between hosts. Default 4 GiB.
         same_host_lane: Calls between members on this host go through a Unix socket of
             machinlike's (its threads sleep until a call comes: an idle member costs no
