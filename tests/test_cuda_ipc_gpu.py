@@ -118,6 +118,34 @@ def test_tensors_cross_by_ipc_are_owned_and_can_be_sent_on(world):
     group.destroy()
 
 
+def _mapped_of_my_slabs():
+    area = _cuda_ipc._area
+    return {slab.handle: slab.mapped for slab in area._slabs} if area is not None else {}
+
+
+@pytest.mark.skipif("expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                    reason="an expandable segment counts the slab's own bytes")
+@world_test(2, timeout=120)
+def test_a_receiver_counts_the_senders_whole_segments_it_keeps_open(world):
+    # A 1 MiB tensor goes in a 2 MiB slab, which the allocator puts in a 20 MiB segment (or
+    # a larger one): that is what the receiver maps, and what its cache bound counts.
+    _cuda_here()
+    group = world.create_rpc_group("segments", ["0", "1"])
+    group.register(f"stats/{world.name}", _settled_stats)
+    group.register(f"mapped/{world.name}", _mapped_of_my_slabs)
+    group.register(f"keep/{world.name}", _keep)
+    group.barrier()
+    if world.name == "0":
+        assert group.registered_sync("keep/1", (torch.ones(1 << 18, device="cuda"),)) == float(1 << 18)
+        assert _cuda_ipc.released(10)
+        theirs, mapped = group.registered_sync("stats/1"), _mapped_of_my_slabs()
+        assert not _staged(theirs) and mapped and min(mapped.values()) >= 20 << 20, (theirs, mapped)
+        # (the probe's slabs too, all of this process's: each segment once)
+        assert theirs["opened_held_bytes"] <= sum(mapped.values()) and theirs["opened_held_bytes"] >= 20 << 20
+    group.barrier()
+    group.destroy()
+
+
 # ------------------------------------------------------------------ 8 processes on one GPU
 def _fork_status() -> int:
     """Fork as a DataLoader's workers do, the child collecting garbage and leaving; its status."""
