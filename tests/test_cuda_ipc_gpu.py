@@ -578,7 +578,13 @@ def test_openings_are_freed_on_a_stream_of_their_own_not_one_of_torchs_pool():
     idle = _cuda_ipc_open._idle_stream(0)
     pooled = {torch.cuda.Stream(device=0).cuda_stream for _ in range(96)}  # (the pool: 32 a priority)
     assert idle.cuda_stream not in pooled and idle.device == torch.device("cuda", 0)
+    # Non-blocking, as torch's are: work on the default stream is not waited for.
+    torch.cuda._sleep(1 << 31)  # (about a second of one GPU thread, on the default stream)
+    began = time.monotonic()
+    assert idle.query()
     idle.synchronize()
+    assert time.monotonic() - began < 0.25
+    torch.cuda.synchronize()
 
 
 @pytest.mark.skipif("expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),

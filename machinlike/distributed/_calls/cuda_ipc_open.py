@@ -122,16 +122,23 @@ def _idle_stream(index: int) -> Any:
 def _own_stream(index: int) -> Any:
     """A stream of ``cuda:index`` nobody else is handed: ``torch.cuda.Stream()`` deals out,
     in turn, one of a pool of 32 per device, so a user's side stream (its work queued)
-    could be ours too; the runtime makes one of our own. A pooled one where that fails."""
-    with torch.cuda.device(index):  # (the runtime makes it on the current device)
+    could be ours too. Made through the driver, non-blocking as torch's own are: a
+    blocking one (the runtime's ``cudaStreamCreate``) waits for whatever the legacy
+    default stream holds, the very work the deleter must not wait out. A pooled one where
+    the driver cannot be reached."""
+    with torch.cuda.device(index):
         try:
+            torch.cuda.current_stream().query()  # (a runtime call: the device's context is this thread's)
             made = ctypes.c_void_p()
-            runtime = torch.cuda.cudart()
-            if runtime.cudaStreamCreate(ctypes.addressof(made)) == runtime.cudaError.success and made.value:
+            if ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(made), ctypes.c_uint(_NON_BLOCKING)) == 0 \
+                    and made.value:
                 return torch.cuda.ExternalStream(made.value, device=torch.device("cuda", index))
-        except Exception:  # (a torch without the binding)
+        except Exception:  # (no driver library by that name, or no context)
             pass
         return torch.cuda.Stream(device=index)
+
+
+_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 
 
 Opener = Callable[[], Any]
