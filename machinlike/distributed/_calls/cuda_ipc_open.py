@@ -9,8 +9,9 @@ once, so a segment counts once, while any opening of it is kept::
     open (pid, handle, offset) ─► maps[(pid, handle)] = [segment bytes, openings + 1]
                                   held += segment bytes   (its first opening only)
     drop (evicted, dead, retired) ─► openings - 1 ─► 0: held -= segment bytes
- Before each new opening it forgets slabs whose owner died (as its pidfd tells: a
-pid the kernel gave to a new process keeps nothing open) or retired them (so that a
+
+Before each new opening it forgets slabs whose owner died (as its pidfd tells: a pid the
+kernel gave to a new process keeps nothing open) or retired them (so that a
 retired slab's handle is closed before new memory behind the same handle bytes is
 opened), and so does a member's departure. An opening holds no reference count of
 torch's (``NO_COUNTER``): the owner decides when a slab is gone (it retires it), and a
