@@ -572,16 +572,23 @@ def test_a_slab_lent_at_the_worlds_stop_outlives_it_and_is_not_reused_under_its_
             reader.kill()
 
 
-def test_openings_are_freed_on_a_stream_of_their_own_not_one_of_torchs_pool():
-    # An opening's deleter waits for the current stream: on a pooled one, a user's side
-    # stream could be the same, and its queued work be waited out under the cache's lock.
+def test_chores_run_on_streams_of_their_own_not_ones_of_torchs_pool():
+    # An opening's deleter, and the pool's copy out of a result, wait for the current
+    # stream: on a pooled one, a user's side stream could be the same, and its queued
+    # work be waited out (under the cache's lock, for the deleter).
+    from machinlike.pool import _cuda_shares
+
     idle = _cuda_ipc_open._idle_stream(0)
+    with _cuda_shares._copy_context(0):
+        copying = torch.cuda.current_stream(0)
     pooled = {torch.cuda.Stream(device=0).cuda_stream for _ in range(96)}  # (the pool: 32 a priority)
-    assert idle.cuda_stream not in pooled and idle.device == torch.device("cuda", 0)
+    for stream in (idle, copying):
+        assert stream.cuda_stream not in pooled and stream.device == torch.device("cuda", 0)
+    assert idle.cuda_stream != copying.cuda_stream
     # Non-blocking, as torch's are: work on the default stream is not waited for.
     torch.cuda._sleep(1 << 31)  # (about a second of one GPU thread, on the default stream)
     began = time.monotonic()
-    assert idle.query()
+    assert idle.query() and copying.query()
     idle.synchronize()
     assert time.monotonic() - began < 0.25
     torch.cuda.synchronize()

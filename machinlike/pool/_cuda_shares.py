@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 from torch.multiprocessing import reductions as _torch_red
 
+from .._cuda_streams import own_stream
 from .._reductions import cuda_counters
 from .._reductions.cuda_counters import CudaCounter, counter_of, counters_in, counters_of, read_counter, release_unheld
 
@@ -77,7 +78,8 @@ def loads_owned(data: bytes) -> Any:
     views). Each opened memory is let go once its copy has run (waited for here), which
     gives the sender's reference back.
 
-    Why a stream of its own: that wait, and torch's free of an opened memory, are for the
+    Why a stream of its own (``own_stream``: not one of torch's pool, which a user's side
+    stream may share): that wait, and torch's free of an opened memory, are for the
     *current* stream. On the default stream a result would wait for everything this process had
     queued there (a learner's step). The copy is marked as used by the default stream,
     where a caller's work goes unless it says otherwise, so that the allocator does not
@@ -98,7 +100,7 @@ def _copy_context(device: int) -> Any:
         return contextlib.nullcontext()
     stream = _copy_streams.get(device)
     if stream is None:
-        stream = _copy_streams.setdefault(device, torch.cuda.Stream(device=device))
+        stream = _copy_streams.setdefault(device, own_stream(device))  # (not a pooled one: see own_stream)
     stack = contextlib.ExitStack()
     stack.enter_context(torch.cuda.device(device))
     stack.enter_context(torch.cuda.stream(stream))

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..._shm._peer_fd import open_peer_fd
+from ..._cuda_streams import own_stream
 from ..._pids import pid_alive
 from .cuda_ipc_area import PAGE_BYTES, ROWS, WORDS
 
@@ -116,30 +117,8 @@ def _idle_stream(index: int) -> Any:
     """A stream of ``cuda:index`` that holds no work (made once; a race makes two, harmlessly)."""
     stream = _idle.get(index)
     if stream is None:
-        stream = _idle[index] = _own_stream(index)
+        stream = _idle[index] = own_stream(index)  # (not a pooled one: a user's side stream may be that)
     return stream
-
-
-def _own_stream(index: int) -> Any:
-    """A stream of ``cuda:index`` nobody else is handed: ``torch.cuda.Stream()`` deals out,
-    in turn, one of a pool of 32 per device, so a user's side stream (its work queued)
-    could be ours too. Made through the driver, non-blocking as torch's own are: a
-    blocking one (the runtime's ``cudaStreamCreate``) waits for whatever the legacy
-    default stream holds, the very work the deleter must not wait out. A pooled one where
-    the driver cannot be reached."""
-    with torch.cuda.device(index):
-        try:
-            torch.cuda.current_stream().query()  # (a runtime call: the device's context is this thread's)
-            made = ctypes.c_void_p()
-            if ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(made), ctypes.c_uint(_NON_BLOCKING)) == 0 \
-                    and made.value:
-                return torch.cuda.ExternalStream(made.value, device=torch.device("cuda", index))
-        except Exception:  # (no driver library by that name, or no context)
-            pass
-        return torch.cuda.Stream(device=index)
-
-
-_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 
 
 Opener = Callable[[], Any]
