@@ -15,7 +15,8 @@ CUDA IPC where they have one:
 3. Churn: pushes of a 64 MB model while pullers are SIGKILLed one by one (mid-transfer):
    the server's ``torch.cuda.memory_reserved()`` once every puller pulls, before the first
    SIGKILL, and at the end (target: flat, plus 10% at most; the pushes are paced over the
-   kills), the survivor's slowest pull (nothing waits out a timeout).
+   kills), with the server's GPU memory as the driver reports it (``nvidia-smi``, where it
+   lists the server's pid), and the survivor's slowest pull (nothing waits out a timeout).
 4. The pool, ``share_method="cuda"``, 512 MB there and back, against copy mode.
 
 On one GPU, the processes of a host take turns on it (time slicing): each direction of an
@@ -36,6 +37,7 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -257,6 +259,23 @@ def _reserved() -> Tuple[int, int]:
     return torch.cuda.memory_reserved(), _cuda_ipc.stats().get("area_held_bytes", 0)
 
 
+def driver_mib(pid: Optional[int] = None) -> Optional[int]:
+    """GPU memory of process ``pid`` (default: this one) as the driver reports it, in MiB
+    (``nvidia-smi``'s per-process figure: the process's own allocations and context);
+    None where it lists no such pid (no ``nvidia-smi``, or a container's pid namespace)."""
+    wanted = str(os.getpid() if pid is None else pid)
+    try:
+        listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in listed.splitlines():
+        found, _, used = (part.strip() for part in line.partition(","))
+        if found == wanted and used.isdigit():
+            return int(used)
+    return None
+
+
 def _area_stats() -> Dict[str, int]:
     """The server's export area counters: slabs made, waits for a taker's last slab, reclaims."""
     from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
@@ -279,6 +298,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
         impl = PushPullModelServerImpl("model", group)
         group.register("reserved", _reserved)
         group.register("area", _area_stats)
+        group.register("driver", driver_mib)
         group.register("finished", finished.release)
     group.barrier(timeout=120)
     if name == "server":  # until the pusher and the survivor are through (no barrier: victims die)
@@ -289,7 +309,7 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
     model = _Big(CHURN_MB)
     out: Any = None
     if name == "pusher":
-        first = None
+        first = first_driver = None
         samples = []  # (push, reserved MiB, export slabs MiB): growth per death would show as a climb
         # Paced over the victims' whole kill window: pushes that all ran before the last
         # victim died would end the server under live pullers, and no SIGKILL would land.
@@ -302,13 +322,14 @@ def _churn_body(world: Any, pushes: int, victims: int) -> Any:
             # The baseline: every puller pulling (their slabs made), none killed yet.
             if first is None and time.monotonic() - began >= _FIRST_KILL_S - 0.2:
                 first = group.registered_sync("reserved")
+                first_driver = group.registered_sync("driver")
             model.weight.data.fill_(i)
             assert server.push(model)
             if i % max(1, pushes // 4) == 0:
                 reserved, slabs = group.registered_sync("reserved")
                 samples.append((i, reserved >> 20, slabs >> 20))
         out = {"first": first, "last": group.registered_sync("reserved"), "samples": samples,
-               "area": group.registered_sync("area")}
+               "area": group.registered_sync("area"), "driver": (first_driver, group.registered_sync("driver"))}
     elif name == "survivor":
         slowest = 0.0
         while True:
@@ -463,6 +484,9 @@ def main() -> int:
             if isinstance(pusher, dict) and isinstance(survivor, dict):
                 say(f"  server's export area (area_pinned, area_shared: versions read in place): {pusher.get('area')}; "
                     f"survivor's flushes before a pull: {survivor.get('flush')}")
+                before, after = pusher.get("driver") or (None, None)
+                say("  server's GPU memory as the driver reports it (nvidia-smi), before the first SIGKILL and at the end: " +
+                    (f"{before} -> {after} MiB" if before and after else "not listed (no nvidia-smi, or another pid namespace)"))
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

@@ -50,3 +50,20 @@ def test_the_timeline_stamps_every_step_of_an_echo(variants):
     found = re.search(r"over 30 \((\d+) with every step stamped\)", out)
     assert found is not None and int(found.group(1)) >= 20, out[-3000:]
     assert "caller: order its stream, return" in out and "sum of the medians" in out
+
+
+def test_the_churns_driver_figure_is_this_pids_line_of_nvidia_smi(tmp_path, monkeypatch):
+    # gpu.py's churn reports the server's memory as the driver lists it per process.
+    import runpy
+
+    driver_mib = runpy.run_path(os.path.join(ROOT, "benchmarks", "gpu.py"))["driver_mib"]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho '12, 900'\necho '{os.getpid()}, 1234'\necho '77, [N/A]'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert driver_mib() == 1234 and driver_mib(12) == 900
+    assert driver_mib(1) is None and driver_mib(77) is None  # (not listed; listed without a figure)
+    fake.write_text("#!/bin/sh\nexit 9\n")
+    assert driver_mib() is None
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert driver_mib() is None  # no nvidia-smi at all
