@@ -7,6 +7,9 @@
 # (when nvidia-cuda-mps-control is there).
 #
 # Run from the repository root:  [PYTHON=python] [BUDGET=seconds] bash benchmarks/gpu_all.sh [OUTDIR]
+# On a lent machine, which reaches no package index, the packages it lacks travel as wheels:
+# `bash tools/gpu_wheels.sh` here puts them in .whl/, the device call carries .whl, and
+# this script installs them (into /tmp/site, on PYTHONPATH) before anything runs.
 # Every step's output goes to one file, OUTDIR/all.txt (default OUTDIR: $OUT/gpu_all where
 # the device tool sets $OUT, whose files alone come back, and only a few of them, else
 # runs/gpu_all), and to the terminal, line by line (a call cut at its limit keeps what its
@@ -54,6 +57,11 @@ fi
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "no GPU: benchmarks/gpu_all.sh has nothing to run here"
   exit 0
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "the carried wheels in .whl/ did not install"; exit 1; }
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi -L 2>/dev/null | tee -a "$log"
 # In the order of what matters most: the tests, the figures the issue names, the

@@ -67,3 +67,9 @@ def test_the_churns_driver_figure_is_this_pids_line_of_nvidia_smi(tmp_path, monk
     assert driver_mib() is None
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert driver_mib() is None  # no nvidia-smi at all
+
+
+def test_the_one_command_for_a_lent_gpu_parses_and_says_no_gpu_here(tmp_path):
+    proc = subprocess.run(["bash", os.path.join("benchmarks", "gpu_all.sh"), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0 and "no GPU" in proc.stdout, proc.stdout + proc.stderr
