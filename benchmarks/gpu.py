@@ -486,7 +486,7 @@ def main() -> int:
                     f"survivor's flushes before a pull: {survivor.get('flush')}")
                 before, after = pusher.get("driver") or (None, None)
                 say("  server's GPU memory as the driver reports it (nvidia-smi), before the first SIGKILL and at the end: " +
-                    (f"{before} -> {after} MiB" if before and after else "not listed (no nvidia-smi, or another pid namespace)"))
+                    (f"{before} -> {after} MiB" if before is not None and after is not None else "not listed (no nvidia-smi, or another pid namespace)"))
 
     head = ("what", "machinlike", "raw torch RPC, hand map", "torch.multiprocessing IPC", "against the target")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]

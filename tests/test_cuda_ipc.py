@@ -704,7 +704,7 @@ def test_an_opening_let_go_in_a_forked_child_is_never_freed(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     storage = Storage()
     gone = weakref.ref(storage)
-    opened = _cuda_ipc_open.Opened(storage, 2 << 20, torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
+    opened = _cuda_ipc_open.Opened(storage, torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
     del storage, opened
     gc.collect()
     assert gone() is not None  # kept for good: no deleter ran
@@ -712,7 +712,7 @@ def test_an_opening_let_go_in_a_forked_child_is_never_freed(monkeypatch):
     storage = Storage()
     gone = weakref.ref(storage)
     del storage
-    _cuda_ipc_open.Opened(gone(), 2 << 20, torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
+    _cuda_ipc_open.Opened(gone(), torch.zeros(1, 4, dtype=torch.int64).numpy(), 0, 1)
     gc.collect()
     assert gone() is None  # in a process of its own, freed as usual
 

@@ -60,11 +60,10 @@ class Opened:
     (None until then; each message's copies out get an event of their own:
     ``cuda_ipc_ops.copies_done``)."""
 
-    __slots__ = ("storage", "capacity", "words", "slot", "ident", "views", "ready", "index")
+    __slots__ = ("storage", "words", "slot", "ident", "views", "ready", "index")
 
-    def __init__(self, storage: Any, capacity: int, words: np.ndarray, slot: int, ident: int, index: int = 0) -> None:
+    def __init__(self, storage: Any, words: np.ndarray, slot: int, ident: int, index: int = 0) -> None:
         self.storage = storage
-        self.capacity = capacity
         self.words = words
         self.slot = slot
         self.ident = ident
@@ -224,7 +223,7 @@ class OpenCache:
                     f"the CUDA memory of peers this process let go was not closed within {CLOSE_WAIT_S:.0f} s "
                     f"(its device is stuck or far behind); process {key[0]}'s slab was not opened"
                 )
-        opened = Opened(opener(), capacity, words, slot, ident, index)
+        opened = Opened(opener(), words, slot, ident, index)
         with self._lock:
             if key in self._opened:
                 gone.append(self._drop(key))
