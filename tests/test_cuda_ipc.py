@@ -9,6 +9,7 @@ receiver without CUDA refusing to initialise it. The end-to-end runs are marked 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pickle
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
 import weakref
 from types import SimpleNamespace
@@ -186,6 +188,33 @@ def area(monkeypatch):
     made = _cuda_ipc_area.ExportArea(16 << 20)
     yield made
     made.close()
+
+
+def test_a_slabs_mapped_bytes_are_its_segments_as_the_allocators_snapshot_says(monkeypatch):
+    asked = []
+    segments = [{"device": 0, "address": 4096, "total_size": 20 << 20, "is_expandable": False},
+                {"device": 1, "address": 8192, "total_size": 40 << 20, "is_expandable": False},
+                {"device": 0, "address": 8192, "total_size": 1 << 30, "is_expandable": True}]
+
+    def snapshot(**options):
+        asked.append(options)
+        return segments
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", snapshot)
+    assert _cuda_ipc_slab.segment_bytes(4096, 0, 2 << 20) == 20 << 20  # the whole segment
+    assert asked == [{"include_traces": False}]  # (a user's memory history is not converted)
+    assert _cuda_ipc_slab.segment_bytes(8192, 1, 2 << 20) == 40 << 20  # by device and address
+    assert _cuda_ipc_slab.segment_bytes(8192, 0, 2 << 20) == 2 << 20  # expandable: the slab's own
+    assert _cuda_ipc_slab.segment_bytes(12288, 0, 2 << 20) == 2 << 20  # not found
+    assert _cuda_ipc_slab.segment_bytes(4096, 0, 32 << 20) == 32 << 20  # never less than the slab
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # a torch without the keyword
+    assert _cuda_ipc_slab.segment_bytes(4096, 0, 2 << 20) == 20 << 20
+
+    def failing(**options):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", failing)
+    assert _cuda_ipc_slab.segment_bytes(4096, 0, 2 << 20) == 2 << 20  # diagnostics never fail a send
 
 
 def test_slab_capacity_is_a_power_of_two_from_2_mib():
@@ -599,6 +628,43 @@ def test_a_pid_reused_by_a_new_sender_is_not_read_as_the_dead_ones(area):
         dead.wait(10)
 
 
+def _pidfds_open() -> int:
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[pidfd]"
+    return count
+
+
+def test_a_live_senders_earlier_area_goes_with_its_page_and_pidfd_once_nothing_reads_it(area):
+    # A sender whose World stopped and started again has a new area: kept, its old page and
+    # pidfd would pile up at every restart (the sender runs on, so it never "died").
+    cache = _cuda_ipc_open.OpenCache(1 << 30)
+    me = os.getpid()
+    before = _pidfds_open()
+    old = cache.control(me, area.fd, area.inode)
+    slab = area.lease(0, 10, me).slab
+    cache.open((me, b"a", 0), 2 << 20, old, slab.slot, slab.ident, object)  # an opening reads the old page
+    restarts = []
+    try:
+        for _ in range(3):  # the sender's World starts again, three times
+            restarts.append(_cuda_ipc_area.ExportArea(16 << 20))
+            cache.control(me, restarts[-1].fd, restarts[-1].inode)
+            assert cache.forget_dead() == 0
+        # The old page stays while its opening reads it; the areas in between go.
+        assert list(cache._controls) == [(me, area.inode), (me, restarts[-1].inode)]
+        assert list(cache._pidfds) == list(cache._controls)
+        _retired(area)  # the opening's slab retires: it goes, and so does its page
+        assert cache.forget_dead() == 1
+        assert list(cache._controls) == list(cache._pidfds) == [(me, restarts[-1].inode)]
+        assert _pidfds_open() == before + 1  # (4 opened, 3 closed)
+        assert cache.alive(me, restarts[-1].inode)
+    finally:
+        cache.forget_all()
+        for made in restarts:
+            made.close()
+
+
 def test_a_senders_pidfd_numbered_past_1023_is_still_read(area):
     # select() refuses descriptors from 1024 up; a large process (TensorPipe, many peers) has them.
     cache = _cuda_ipc_open.OpenCache(1 << 20)
@@ -984,6 +1050,50 @@ def test_a_message_never_pickled_whole_hands_its_slab_back(over_cpu):
     assert area.lent() == 1 and area.stats["unsent_released"] == 1
     assert torch.equal(pickle.loads(data)[0][0][0], torch.ones(3)) and _cuda_ipc.released(10)
     assert area.lent() == 0 and area._slabs == [slab]
+
+
+def _held_by_frames(error, opening):
+    """What of ``opening`` the frames in ``error``'s traceback and its causes still hold, as
+    (function, local) pairs (the test's frame, which caught it, is not asked)."""
+    held = []
+    while error is not None:
+        tb = error.__traceback__
+        while tb is not None:
+            if not tb.tb_frame.f_code.co_name.startswith("test_"):
+                held += [(tb.tb_frame.f_code.co_name, k) for k, v in tb.tb_frame.f_locals.items()
+                         if v is opening or v is opening.storage or v is opening.views]
+            tb = tb.tb_next
+        error = error.__cause__
+    return held
+
+
+@pytest.mark.parametrize("failing", ["view", "event"])
+def test_a_failed_receive_leaves_no_reference_to_the_opening_in_its_traceback(monkeypatch, over_cpu, failing):
+    # The raised error outlives the receive (a caller keeps it, a remote error carries it):
+    # a frame of it holding the peer's slab would keep the handle open past the lease, and
+    # free it later from whatever thread drops the error, on that thread's default stream.
+    pickle.loads(pickle.dumps(_cuda_ipc_peers.export([torch.ones(3)], (5, os.getpid()))[0]))
+    assert _cuda_ipc.released(10)
+    opening = next(iter(_cuda_ipc._opened._opened.values()))
+    data = pickle.dumps(_cuda_ipc_peers.export([torch.ones(3)], (5, os.getpid()))[0])
+    if failing == "view":  # (copying out fails: the frame that raised holds the storage)
+        def view(views, storage, *layout):
+            raise RuntimeError("CUDA error: out of memory")
+
+        monkeypatch.setattr(_cuda_ipc.ops, "view", view)
+    else:  # (opening the slab's event fails: _opening's frame holds the opening)
+        opening.ready = None
+
+        def open_event(index, handle):
+            raise RuntimeError("CUDA error: invalid resource handle")
+
+        monkeypatch.setattr(_cuda_ipc.ops, "open_event", open_event)
+    with pytest.raises(RuntimeError) as raised:
+        pickle.loads(data)
+    assert _held_by_frames(raised.value, opening) == []
+    text = "".join(traceback.format_exception(raised.value))
+    assert "CUDA error" in text and "_receive_group" in text  # (the traceback still says where)
+    assert _cuda_ipc._area.lent() == 0  # the lease ended
 
 
 def test_a_slab_being_written_is_not_reclaimed_when_its_taker_dies(monkeypatch, over_cpu):

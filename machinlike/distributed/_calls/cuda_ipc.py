@@ -54,6 +54,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import sys
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -61,7 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .cuda_ipc_area import FREE, UNSETTLED, ExportArea, Lease
-from .cuda_ipc_open import Opened, OpenCache
+from .cuda_ipc_open import Opened, OpenCache, forget_frames
 from .cuda_ipc_outliving import Outliving
 from .cuda_ipc_refs import Group as _Group, Ref as _Ref
 from .cuda_ipc_release import Releaser, await_ready
@@ -257,9 +258,7 @@ class Batch:
 
     def add(self, tensor: torch.Tensor) -> _Ref:
         index = tensor.device.index
-        group = self.groups.get(index)
-        if group is None:
-            group = self.groups[index] = _Group(index)
+        group = self.groups.get(index) or self.groups.setdefault(index, _Group(index))
         group.tensors.append(tensor)
         return _Ref(group, len(group.tensors) - 1)
 
@@ -375,7 +374,6 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
     handed = False
     copying = False
     opened: Optional[Opened] = None
-    view: Optional[torch.Tensor] = None
     try:
         opened = _opening(cache, pid, words, slot, slab_id, index, handle, ready, offset, capacity, mapped)
         if ready and await_ready(opened.ready, pid, slab_row, slab_id, _READY_WAIT_S,
@@ -385,10 +383,7 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         out: List[torch.Tensor] = []
         total, copying = 0, True
         for start, shape, dtype, requires_grad, parameter, strides in items:
-            view = ops.view(opened.views, opened.storage, index, start, dtype, shape, strides)
-            # clone: this process's own memory, one call (allocation and copy), in the
-            # sender's layout (clone keeps a dense tensor's strides)
-            own = view.clone() if view.nbytes else torch.empty(shape, dtype=dtype, device=view.device)
+            own = _own_copy(ops.view(opened.views, opened.storage, index, start, dtype, shape, strides))
             total += own.nbytes
             if parameter:
                 own = torch.nn.Parameter(own, requires_grad=requires_grad)
@@ -405,16 +400,29 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
                     ops.synchronize(ops.device(index))
                 except Exception:
                     pass
-            # The raised error's traceback keeps this frame: its references to the opening
-            # would keep the handle open after the lease ends (the sender may retire the
-            # slab then, and new memory come behind the same handle bytes).
-            opened = view = None
+            # The raised error's traceback keeps this frame and those it called: their
+            # references to the opening would keep the handle open after the lease ends
+            # (the sender may retire the slab then, and new memory come behind the same
+            # handle bytes), and let it go later from any thread, on the default stream.
+            opened = None
+            forget_frames(sys.exc_info()[1])
             if int(row[0]) == lease:
                 if lease_row < 0 and not copying:  # the sender's copies in were not seen to run: its next writer waits
                     slab_row[3] = UNSETTLED
                 row[0] = FREE  # the sender may lend the slab again
     _counts.add("received_tensors", len(out), "received_bytes", total)
     return out
+
+
+def _own_copy(view: torch.Tensor) -> torch.Tensor:
+    """``view`` (over a peer's slab) cloned into this process's memory, one call (allocation
+    and copy), in the sender's layout (clone keeps a dense tensor's strides).
+
+    A function of its own so that no local of the receiving frame holds a view of the
+    opening once its copies are queued: were the cache to evict it and the releaser let it
+    go meanwhile, the frame's end would free the peer's memory from the receiving thread,
+    on its default stream (``Opened.__del__`` frees it on an idle one)."""
+    return view.clone() if view.nbytes else torch.empty(view.shape, dtype=view.dtype, device=view.device)
 
 
 def _opening(cache: OpenCache, pid: int, words: Any, slot: int, slab_id: int, index: int, handle: bytes,

@@ -31,6 +31,7 @@ import mmap
 import os
 import select
 import threading
+import traceback
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -42,7 +43,7 @@ from ..._cuda_streams import own_stream
 from ..._pids import pid_alive
 from .cuda_ipc_area import PAGE_BYTES, ROWS, WORDS
 
-__all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT", "CLOSE_WAIT_S"]
+__all__ = ["Key", "Opened", "Opener", "OpenCache", "NO_COUNTER", "NO_EVENT", "CLOSE_WAIT_S", "forget_frames"]
 
 NO_COUNTER = b"/machinlike-cuda-ipc-no-counter"  # a torch ref-counter file that never exists
 NO_EVENT = bytes(64)  # CUDA_IPC_HANDLE_SIZE; torch's own event is unused: the slab has its own
@@ -101,6 +102,17 @@ class Opened:
                 del views, storage
         except Exception:  # (interpreter shutdown: torch.cuda half torn down; freed as before)
             pass
+
+
+def forget_frames(error: Optional[BaseException]) -> None:
+    """Clear the locals of the finished frames that ``error``'s traceback, and its causes',
+    keep (a receive that failed): none of them then holds an opening or a view of one (it
+    would keep a peer's slab open past its lease, and free it later from whatever thread
+    drops the error). The traceback still names every file and line. None: nothing."""
+    seen = 0
+    while error is not None and seen < 16:  # (a cause chain: bounded, as a loop of causes could be)
+        traceback.clear_frames(error.__traceback__)  # (frames still running are left as they are)
+        error, seen = error.__cause__, seen + 1
 
 
 def _keep_forever(kept: object) -> None:
@@ -249,8 +261,13 @@ class OpenCache:
                 gone.append(self._drop(key))
                 self.stats["dropped_dead_or_retired"] += 1
         live = {opened_key[0] for opened_key in self._opened}
+        # A live sender's earlier area (its World stopped and started again) goes too once
+        # no opening reads its page: else each restart would leave a page and a pidfd here.
+        newest = {k[0]: k for k in self._controls}  # (a dict keeps the order pages came in)
+        read = {id(opened.words) for opened in self._opened.values()}
         for control in [k for k in self._controls
-                        if k in exited or (k[0] not in live and not pid_alive(k[0]))]:
+                        if k in exited or (k[0] not in live and not pid_alive(k[0]))
+                        or (newest[k[0]] != k and id(self._controls[k][1]) not in read)]:
             del self._controls[control]
         self._close_pidfds([k for k in self._pidfds if k not in self._controls])
         return gone

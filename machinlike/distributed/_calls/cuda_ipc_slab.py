@@ -34,12 +34,21 @@ def segment_bytes(base: int, index: int, fallback: int) -> int:
     large one freed earlier). ``fallback`` (the slab's own bytes) where torch does not say:
     an expandable segment, or a snapshot that fails."""
     try:
-        for segment in torch.cuda.memory_snapshot():
+        for segment in _segments():
             if segment.get("device") == index and segment.get("address") == base:
                 return fallback if segment.get("is_expandable") else max(int(segment["total_size"]), fallback)
     except Exception:  # (a snapshot is torch's diagnostics: nothing of the path may fail with it)
         pass
     return fallback
+
+
+def _segments() -> Any:
+    try:
+        # No trace entries: with a user's memory history on, converting them costs up to
+        # seconds, under the export area's lock (an older torch lacks the keyword).
+        return torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:
+        return torch.cuda.memory_snapshot()
 
 
 class Slab:
