@@ -1835,6 +1835,18 @@ def test_a_push_racing_the_worlds_stop_keeps_its_state_instead_of_raising(pinned
     assert entry.free() is False  # retired: never written again
 
 
+def test_a_push_still_running_as_its_server_closes_pins_nothing(pinned):
+    # The server's close does not wait for a push already in its service: a slab pinned
+    # after the pool closed stayed pinned (its memory, a slot, its share of the area's
+    # pinning budget) until the World stopped, nothing left to unpin it.
+    pool = pinned()
+    assert pool.adopt("m", [torch.ones(4)]) is not None
+    area = _cuda_ipc._area
+    pool.close()
+    assert pool.adopt("m", [torch.ones(1 << 18)]) is None and pool.held() == 0  # kept as it is
+    assert area._pinned == {} and area.held_bytes() == 0  # (the first slab retired: nobody reads it)
+
+
 def test_a_worlds_stop_keeps_a_slab_its_live_receiver_holds_and_the_next_area_sweeps_it(over_cpu, monkeypatch):
     """A message sent just before the World's stop, read just after it by a receiver that
     had not mapped the control page yet: the slab and the page outlive the area, the

@@ -72,13 +72,14 @@ class PinnedStates:
         self.most = most
         self._lock = threading.Lock()
         self._rings: Dict[Ring, List[_Pinned]] = {}  # least recently written first
+        self._closed = False
 
     def adopt(self, key: Hashable, tensors: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
         """``tensors`` (CUDA, one device) copied into a pinned slab, as tensors viewing it
         (contiguous, same dtypes, shapes and ``requires_grad`` False); None: not pinned
         (the path is off, every slab of the ring is held and it has ``most`` or no room is
-        left in half of ``cuda_ipc_cache_bytes``, or the slab could not be made): keep the
-        tensors as they are.
+        left in half of ``cuda_ipc_cache_bytes``, the slab could not be made, or this was
+        closed): keep the tensors as they are.
 
         Raises:
             RuntimeError: (from torch) the copies failed.
@@ -112,6 +113,8 @@ class PinnedStates:
         return views
 
     def _take(self, ring: Ring, index: int, nbytes: int) -> Optional[Slab]:
+        if self._closed:  # (a push still running as its server closes: a slab pinned now would
+            return None   # stay pinned, its memory and its share of the area held, until World stop)
         try:
             area = _ipc.export_area()
         except RuntimeError:  # the path went off since ``adopt`` looked (a World stopping)
@@ -148,7 +151,7 @@ class PinnedStates:
         """Unpin every slab: each is retired once its last reader is done (never lent
         again); the states viewing them keep their memory as long as they live."""
         with self._lock:
-            rings, self._rings = self._rings, {}
+            rings, self._rings, self._closed = self._rings, {}, True
         for pinned in rings.values():
             for entry in pinned:
                 _unpin(entry)
