@@ -90,21 +90,23 @@ def test_a_process_without_cuda_has_key_zero_and_no_targets(ipc_on):
     assert not torch.cuda.is_initialized()
     assert _cuda_ipc.local_key() == 0
     assert _cuda_ipc_peers.peer_target("anyone", os.getpid() + 1) is None  # asks nobody: no CUDA here
-    assert _cuda_ipc_peers._describe() == 0
+    assert _cuda_ipc_peers._describe() == (0, 0)
     assert not torch.cuda.is_initialized()
     _cuda_ipc.configure(0)
-    assert _cuda_ipc_peers._describe() == -1  # the path is off here: never ask again
+    assert _cuda_ipc_peers._describe() == (-1, 0)  # the path is off here: never ask again
 
 
 @pytest.mark.parametrize("answer, counted, asks_again", [
-    (-1, "staged_peer_ipc_off", False),
-    (0, "staged_peer_without_cuda", True),    # no CUDA there yet: asked again after _RETRY_S
-    (99, "staged_peer_other_gpus", False),
+    ((-1, 0), "staged_peer_ipc_off", False),
+    ((0, 0), "staged_peer_without_cuda", True),    # no CUDA there yet: asked again after _RETRY_S
+    ((99, 1), "staged_peer_other_gpus", False),
+    ((77, 2), "staged_peer_on_other_devices", True),  # no context on cuda:0 there: asked again
     (RuntimeError("gone"), "staged_probe_unanswered", True),  # asked again after _UNANSWERED_RETRY_S
 ])
 def test_peer_verdicts_are_kept_counted_and_retried_only_for_a_peer_without_cuda(monkeypatch, ipc_on, answer,
                                                                                     counted, asks_again):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "context_mask", lambda: 1)  # (a context on cuda:0 alone)
     asked = []
 
     def rpc_sync(member, fn, args=(), timeout=None):
@@ -912,6 +914,7 @@ class _CpuSlab(_FakeSlab):
 @pytest.fixture
 def over_cpu(monkeypatch, ipc_on):
     monkeypatch.setattr(_cuda_ipc_area, "Slab", _CpuSlab)
+    monkeypatch.setattr(_cuda_ipc.ops, "context_mask", lambda: 1)  # (the probe's device: cuda:0)
     monkeypatch.setattr(_cuda_ipc.ops, "device", lambda index: torch.device("cpu"))
     monkeypatch.setattr(_cuda_ipc.ops, "synchronize", lambda device: None)
     monkeypatch.setattr(_cuda_ipc.ops, "cuda_ready", lambda: True)
@@ -1175,7 +1178,7 @@ def test_a_probe_out_of_time_is_asked_again_later_not_staged_for_good(monkeypatc
     def rpc_sync(member, fn, args=(), timeout=None):
         asked.append(fn.__name__)
         if fn.__name__ == "_describe":
-            return 77
+            return 77, 1
         if outcome["probe"] == "late":
             time.sleep(timeout)
             raise RuntimeError("RPC ran for more than set timeout (50 ms) and will now be marked with an error")
@@ -1501,13 +1504,103 @@ def test_the_probe_crosses_both_ways_and_the_verdict_is_kept(monkeypatch, over_c
     assert _cuda_ipc.reply_target(packed) is None  # (the caller is this process: never to itself)
 
 
+def test_the_probe_runs_where_both_sides_have_a_context_within_one_bound(monkeypatch, over_cpu):
+    # A tensor-free call from a process on cuda:0 to one on cuda:1 must not give the callee
+    # a context on cuda:0 (hundreds of MiB), and the two round trips share one bound.
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
+    monkeypatch.setattr(_cuda_ipc.ops, "context_mask", lambda: 0b011)  # here: cuda:0 and cuda:1
+    monkeypatch.setattr(_cuda_ipc_peers, "_PROBE_TIMEOUT_S", 5.0)
+    devices, timeouts = [], []
+    monkeypatch.setattr(_cuda_ipc.ops, "device", lambda index: devices.append(index) or torch.device("cpu"))
+    calls = _loopback(monkeypatch)
+    real = _cuda_ipc_peers.rpc.rpc_sync
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        timeouts.append(timeout)
+        if fn.__name__ == "_describe":
+            time.sleep(0.3)  # (a slow first answer: the probe gets what is left)
+            return 77, 0b110  # there: cuda:1 and cuda:2
+        return real(member, fn, args, timeout)
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    peer = os.getpid() + 1
+    assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer)
+    assert calls == ["_probe"] and devices[0] == 1  # the probe's tensor: on cuda:1, not this thread's cuda:0
+    assert timeouts[0] == 5.0 and 0 < timeouts[1] <= 4.75  # one bound for both round trips
+    assert _cuda_ipc.released(10) and _cuda_ipc._area.lent() == 0
+
+
+def test_a_first_calls_probe_ends_by_the_calls_own_deadline(monkeypatch, ipc_on):
+    # A call with timeout=0.3 must not wait 5 s (or, before, 10) for its peer's first answers.
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    asked = []
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", lambda member, fn, args=(), timeout=None:
+                        asked.append(timeout) or (0, 0))
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1, time.monotonic() + 0.3) is None
+    assert len(asked) == 1 and 0 < asked[0] <= 0.3
+    assert _cuda_ipc_peers.peer_target("late", os.getpid() + 1, time.monotonic() - 1) is None
+    assert len(asked) == 1 and "late" not in _cuda_ipc._peers  # no time: not asked, no verdict
+
+
+def test_a_peer_sharing_no_context_is_asked_again_less_and_less_often(monkeypatch, ipc_on):
+    # A CPU-only actor called by a learner on a GPU: asked again after 2, 4, 8 ... 60 s,
+    # not every 2 s for ever (each question a round trip in a user's call).
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    clock = [1000.0]
+    monkeypatch.setattr(_cuda_ipc_peers.time, "monotonic", lambda: clock[0])
+    asked = []
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", lambda member, fn, args=(), timeout=None:
+                        asked.append(fn.__name__) or (0, 0))
+    waits = []
+    for _ in range(8):
+        assert _cuda_ipc_peers.peer_target("actor", os.getpid() + 1) is None
+        waits.append(_cuda_ipc._peers["actor"][1] - clock[0])
+        clock[0] += waits[-1]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0] and len(asked) == 8
+    _cuda_ipc_peers._note_peer("actor", 0, None)  # a final verdict forgets the wait
+    assert "actor" not in _cuda_ipc_peers._waits
+
+
+def test_a_probe_that_cannot_be_made_here_fails_no_call(monkeypatch, over_cpu):
+    # A full device (out of memory making the probe's tensor) must not fail a call that
+    # carries no tensor at all: it stages, and the peer is asked again later.
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
+    calls = _loopback(monkeypatch)
+
+    def full(index):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(_cuda_ipc.ops, "device", full)
+    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    assert calls == ["_describe"] and _cuda_ipc._peers["peer"][1] is not None
+
+
+def test_a_verdict_another_thread_reached_meanwhile_is_not_probed_again(monkeypatch, over_cpu):
+    # Thread A proves the peer while thread B waits for its own answer to _describe; B must
+    # take A's verdict, not probe again (a late or failed second probe would undo it).
+    monkeypatch.setattr(_cuda_ipc, "_key", 77)
+    monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
+    calls = []
+
+    def rpc_sync(member, fn, args=(), timeout=None):
+        calls.append(fn.__name__)
+        _cuda_ipc_peers._note_peer(member, 77, None)  # (A's probe ended meanwhile)
+        return 77, 1
+
+    monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", rpc_sync)
+    peer = os.getpid() + 1
+    assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer) and calls == ["_describe"]
+
+
 def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
     monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
 
     def broken(member, fn, args=(), timeout=None):
         if fn.__name__ == "_describe":
-            return 77
+            return 77, 1
         raise RuntimeError("cudaIpcOpenMemHandle failed: invalid device context")
 
     monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", broken)
@@ -1542,14 +1635,14 @@ def test_a_probe_that_travelled_staged_proves_nothing(monkeypatch, over_cpu, sid
 
     monkeypatch.setattr(_cuda_ipc.Batch, "_fill", fill)
     peer = os.getpid() + 1
+    before = _cuda_ipc.stats()
     assert _cuda_ipc_peers.peer_target("peer", peer) is None
-    counts = _cuda_ipc.stats()
-    if side == "caller":  # nothing sent; asked again later, not staged for good
-        assert calls == ["_describe"] and counts["staged_probe_not_exported"] >= 1
-        assert _cuda_ipc._peers["peer"][1] is not None
-    else:
-        assert calls == ["_describe", "_probe"] and counts["staged_probe_failed"] >= 1
-        assert _cuda_ipc._peers["peer"] == (0, None)
+    counts = {k: v - before.get(k, 0) for k, v in _cuda_ipc.stats().items()}
+    # Either side: asked again later, not staged for good (no room in an area at that
+    # moment, or a full device, is not a peer that cannot receive through IPC).
+    assert calls == (["_describe"] if side == "caller" else ["_describe", "_probe"])
+    assert counts["staged_probe_not_exported"] == 1 and counts.get("staged_probe_failed", 0) == 0
+    assert _cuda_ipc._peers["peer"][0] == 0 and _cuda_ipc._peers["peer"][1] is not None
     assert _cuda_ipc.released(10) and _cuda_ipc._area.lent() == 0
 
 
@@ -1906,7 +1999,7 @@ def test_a_late_probe_of_a_stopped_world_does_not_hold_the_next_ones_probe_back(
     def rpc_sync(member, fn, args=(), timeout=None):
         asked.append(fn.__name__)
         if fn.__name__ == "_describe":
-            return 77
+            return 77, 1
         time.sleep(timeout)
         raise RuntimeError("RPC ran for more than set timeout")
 
@@ -1943,7 +2036,7 @@ def test_a_member_is_probed_by_one_thread_at_a_time(monkeypatch, over_cpu):
 
     def rpc_sync(member, fn, args=(), timeout=None):
         if fn.__name__ == "_describe":
-            return 77
+            return 77, 1
         during.append(_cuda_ipc_peers.peer_target("peer", os.getppid() or 1))  # another thread's call meanwhile
         raise RuntimeError("the CUDA IPC probe arrived as tensor([0, 0])")
 

@@ -126,6 +126,17 @@ def current_index() -> int:
     return next((i for i in range(torch.cuda.device_count()) if has_context(i)), current)
 
 
+def context_mask() -> int:
+    """The devices this process made a context on, as bits (``1 << index``): where a probe
+    may run without making one (a context costs hundreds of MiB of its GPU); every visible
+    device where this torch cannot tell."""
+    count = torch.cuda.device_count()
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # torch internal
+    if has_context is None:
+        return (1 << count) - 1
+    return sum(1 << i for i in range(count) if has_context(i))
+
+
 def open_shared(index: int, handle: bytes, capacity: int, offset: int) -> Any:
     # torch internal: opens (or finds open) the allocation behind ``handle``; no
     # reference count (NO_COUNTER) and none of torch's events (the slab has its own: Slab.ready)

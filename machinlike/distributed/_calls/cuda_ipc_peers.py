@@ -2,21 +2,29 @@
 
 The first call from a process that uses CUDA to a same-host peer asks it (``_describe``)
 for its *device key* (a digest of the GPUs it sees: two processes that see the same GPUs
-have the same key) and sends a 16-element probe there and back through IPC (``_probe``)::
+have the same key) and the devices it made a context on, and sends a 16-element probe
+there and back through IPC (``_probe``) on a device both made one on::
 
     peer_target(member, pid)    verdict kept? ──► (key, pid) or None (stage)
       ask _describe ── no answer ───────────────► stage; ask again after _UNANSWERED_RETRY_S
                     ── -1 (path off there) ─────► stage for good
-                    ── 0 (no CUDA there yet) ───► stage; ask again after _RETRY_S
+                    ── 0 (no CUDA there yet) ───► stage; ask again after _RETRY_S, doubling
                     ── another key ─────────────► stage for good (other GPUs)
+                    ── our key, no device both ─► stage; ask again after _RETRY_S, doubling
+                       made a context on
                     ── our key ── probe there and back ── equal ──► IPC for good
                                   │                   ├─ no answer in time ──► stage; ask
                                   │                   │                  again after _UNANSWERED_RETRY_S
                                   │                   │                  (not while its probe is unread)
-                                  │                   └─ not, or staged
-                                  │                      on the way back ──► stage for good
-                                  └─ not exported here (staged) ──► stage; ask again after
-                                                                    _UNANSWERED_RETRY_S
+                                  │                   ├─ staged on the way back ──► as not exported
+                                  │                   └─ not equal, or an error ──► stage for good
+                                  └─ not exported here (staged, or out of memory) ──► stage;
+                                                                    ask again after _UNANSWERED_RETRY_S
+
+Both round trips share one bound (``_PROBE_TIMEOUT_S``). The probe never makes a context:
+a tensor-free call from a process on ``cuda:0`` to one on ``cuda:1`` would otherwise give
+the callee a context on ``cuda:0`` (hundreds of MiB), and every rank of a host one on each
+GPU. A peer staged meanwhile gets a context where a tensor lands, and is asked again.
 
 Why a probe and not the key alone: the key says that both processes see the same GPUs,
 not that the driver lets one open the other's handles (two containers, for one); the probe
@@ -39,7 +47,8 @@ from .staging import stage_tensor
 
 __all__ = ["peer_target", "export"]
 
-_RETRY_S = 2.0  # a peer without CUDA (yet) is asked again after this many seconds
+_RETRY_S = 2.0  # a peer without CUDA (yet) or a shared device is asked again after this many seconds,
+_RETRY_MOST_S = 60.0  # doubling each time up to this (a CPU-only actor: one question a minute)
 _PROBE_TIMEOUT_S = 5.0
 _UNANSWERED_RETRY_S = 30.0  # a peer that did not answer the first question is asked again after this
 # By (member, pid): the lease of a probe that ran out of time, still lent (the peer may be
@@ -52,6 +61,7 @@ _late: Dict[Tuple[str, int], Lease] = {}
 # lent to it: one slab a probe of a peer always late.
 _answers: Dict[int, Lease] = {}
 _probing: Set[str] = set()  # (caller) members probed now, by any thread
+_waits: Dict[str, float] = {}  # (caller) by member: its last wait to be asked again (doubling)
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Any]]:
@@ -71,10 +81,14 @@ def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[A
     return refs, leases
 
 
-def _describe() -> int:
-    """(Remote) this process's key when it may receive through IPC; 0: not yet (no CUDA
-    initialised); -1: never (the path is off here)."""
-    return _ipc.local_key() if _ipc._limit > 0 else -1
+def _describe() -> Tuple[int, int]:
+    """(Remote) this process's key when it may receive through IPC, and the devices it made
+    a context on (bits, ``ops.context_mask``); key 0: not yet (no CUDA initialised); -1:
+    never (the path is off here)."""
+    if _ipc._limit <= 0:
+        return -1, 0
+    key = _ipc.local_key()
+    return key, (_ipc.ops.context_mask() if key else 0)
 
 
 def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
@@ -95,11 +109,12 @@ def _probe(tensors: List[torch.Tensor], caller: int) -> Tuple[Any, bool]:
     return refs, bool(leases)
 
 
-def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
+def peer_target(member: str, pid: int, deadline: Optional[float] = None) -> Optional[Tuple[int, int]]:
     """``(key, pid)`` to send CUDA tensors to ``member`` through IPC, or None (stage).
 
     The first time, asks ``member`` for its key and sends a probe both ways (one round
-    trip each, ``_PROBE_TIMEOUT_S`` at most); the verdict is kept.
+    trip each, ``_PROBE_TIMEOUT_S`` at most for both, and ending by ``deadline``, the
+    call's, ``time.monotonic()``; None: no other bound); the verdict is kept.
     """
     if _ipc._limit <= 0 or pid == os.getpid():
         return None
@@ -111,8 +126,12 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
     mine = _ipc.local_key()
     if not mine:
         return None
+    now = time.monotonic()
+    deadline = now + _PROBE_TIMEOUT_S if deadline is None else min(now + _PROBE_TIMEOUT_S, deadline)
+    if deadline - now < 1e-3:  # no time to ask: this call stages, a later one asks
+        return None
     try:
-        theirs = rpc.rpc_sync(member, _describe, timeout=_PROBE_TIMEOUT_S)
+        theirs, devices = rpc.rpc_sync(member, _describe, timeout=deadline - now)
     except Exception:  # not answered (busy, or going): this call stages, a later one asks again
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._counts.add("staged_probe_unanswered")
@@ -121,13 +140,16 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _note_peer(member, 0, None)
         _ipc._counts.add("staged_peer_ipc_off")
         return None
-    if theirs == 0:
-        _note_peer(member, 0, time.monotonic() + _RETRY_S)  # no CUDA there yet
-        _ipc._counts.add("staged_peer_without_cuda")
+    if theirs == 0:  # no CUDA there yet
+        _ask_later(member, "staged_peer_without_cuda")
         return None
     if theirs != mine:
         _note_peer(member, 0, None)
         _ipc._counts.add("staged_peer_other_gpus")
+        return None
+    index = _shared_device(devices)
+    if index is None:  # no device with a context on both sides: none is made for a probe
+        _ask_later(member, "staged_peer_on_other_devices")
         return None
     with _ipc._lock:
         held = _late.pop((member, pid), None)
@@ -138,30 +160,60 @@ def peer_target(member: str, pid: int) -> Optional[Tuple[int, int]]:
         _ipc._counts.add("staged_probe_unread")
         return None
     with _ipc._lock:
+        found = _ipc._peers.get(member)  # (another thread's probe may have ended since)
+        if found is not None and (found[1] is None or time.monotonic() < found[1]):
+            return (found[0], pid) if found[0] else None
         busy = member in _probing
         _probing.add(member)
     if busy:  # another thread probes it now: this call stages, and asks again once that one ended
         _ipc._counts.add("staged_probe_in_flight")
         return None
     try:
-        return _prove(member, pid, mine)
+        return _prove(member, pid, mine, index, deadline)
     finally:
         with _ipc._lock:
             _probing.discard(member)
 
 
-def _prove(member: str, pid: int, mine: int) -> Optional[Tuple[int, int]]:
-    """The probe there and back (see ``peer_target``); the verdict is kept."""
-    device = _ipc.ops.device(_ipc.ops.current_index())
-    refs, leases = export([torch.arange(16, device=device)], (mine, pid))
-    if not leases:  # this side could not export it (it was staged, counted): ask again later
+def _shared_device(devices: int) -> Optional[int]:
+    """A device both this process and a peer whose contexts are ``devices`` (bits) made a
+    context on: this thread's where it is one; None: none."""
+    shared = _ipc.ops.context_mask() & devices
+    if not shared:
+        return None
+    current = _ipc.ops.current_index()
+    return current if current is not None and shared >> current & 1 else (shared & -shared).bit_length() - 1
+
+
+def _ask_later(member: str, counted: str) -> None:
+    """Stage for ``member`` now and ask it again later, waiting twice as long each time."""
+    with _ipc._lock:
+        wait = min(2 * _waits.pop(member, _RETRY_S / 2), _RETRY_MOST_S)
+        _waits[member] = wait
+        while len(_waits) > _ipc._PEERS_KEPT:
+            _waits.pop(next(iter(_waits)))
+    _note_peer(member, 0, time.monotonic() + wait)
+    _ipc._counts.add(counted)
+
+
+def _prove(member: str, pid: int, mine: int, index: int, deadline: float) -> Optional[Tuple[int, int]]:
+    """The probe there and back on ``cuda:index``, by ``deadline`` (see ``peer_target``);
+    the verdict is kept."""
+    try:
+        refs, leases = export([torch.arange(16, device=_ipc.ops.device(index))], (mine, pid))
+    except Exception:  # (its device is full, or a CUDA error: a call with no tensor must not fail of it)
+        leases = []
+    left = deadline - time.monotonic()
+    if not leases or left < 1e-3:  # not exported here (staged, counted), or no time left: ask again later
+        for lease in leases:
+            lease.area.release(lease)
         _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
         _ipc._counts.add("staged_probe_not_exported")
         return None
-    started = time.monotonic()
-    late = False
+    late = staged = False
     try:
-        back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=_PROBE_TIMEOUT_S)
+        back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=left)
+        staged = not exported  # (no room there, or its export failed: proves nothing either way)
         probe = back[0]
         if probe.is_cuda:  # (raw rpc: nothing ordered this thread's stream after the copy
             # that took the answer in on the default one: a caller on a side stream of its
@@ -172,11 +224,15 @@ def _prove(member: str, pid: int, mine: int) -> Optional[Tuple[int, int]]:
         ok = False
         # Out of time proves nothing about IPC (a peer busy starting up, a loaded host):
         # asked again later, as an unanswered question is. Any other failure is the probe's.
-        late = time.monotonic() - started >= _PROBE_TIMEOUT_S
+        late = time.monotonic() >= deadline
     if not ok:
         if not late:  # the call is over: nobody reads it any more
             for lease in leases:
                 lease.area.release(lease)
+        if staged:
+            _note_peer(member, 0, time.monotonic() + _UNANSWERED_RETRY_S)
+            _ipc._counts.add("staged_probe_not_exported")
+            return None
         # Out of time, the peer may be copying out of it right now: ended here, the slab
         # could be written by the next message under those copies. It stays lent, ended
         # by the peer once read, or taken back at its death.
@@ -194,6 +250,8 @@ def _prove(member: str, pid: int, mine: int) -> Optional[Tuple[int, int]]:
 
 def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
     with _ipc._lock:
+        if retry is None:
+            _waits.pop(member, None)
         _ipc._peers[member] = (key, retry)
         _ipc._peers.move_to_end(member)
         while len(_ipc._peers) > _ipc._PEERS_KEPT:
@@ -218,6 +276,7 @@ def _after_fork_in_child() -> None:
     _late.clear()
     _answers.clear()
     _probing.clear()
+    _waits.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

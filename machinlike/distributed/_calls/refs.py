@@ -114,7 +114,7 @@ class _Ref:
         self._ready(deadline)
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
         return settled(unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_value,
-                                        _samehost.outgoing(worker, (self._target, (), {})),  # [shm hook]
+                                        _samehost.outgoing(worker, (self._target, (), {}), deadline),  # [shm hook]
                                         max(0.001, deadline - _now()), self._what, wait)))
 
     def rpc_sync(self, timeout: Optional[float] = None) -> _Proxy:
@@ -191,14 +191,14 @@ class _Ref:
         worker = route.worker(self._owner, self._inc, self._what(), deadline)
         what = f"{name}() of {self._what()}"
         if how == "sync":
-            call = _samehost.outgoing(worker, ((self._target, name), args, kwargs))  # [shm hook]
+            call = _samehost.outgoing(worker, ((self._target, name), args, kwargs), deadline)  # [shm hook]
             return settled(unwrap(sync_call(route.roster, route.waits, worker, _ref_owner._ref_call, call,
                                             max(0.001, deadline - _now()), what, wait)))
         if how == "async":
             sent_to, fut = send_call(route.roster, worker, max(0.001, deadline - _now()), what,
                                      lambda to, left: send_async(
                                          route.roster, to, _ref_owner._ref_call,
-                                         _samehost.outgoing(to, ((self._target, name), args, kwargs)), left))
+                                         _samehost.outgoing(to, ((self._target, name), args, kwargs), deadline), left))
             return carry(RpcFuture(None, self._owner, what, wait), fut, sent_to, route.roster, route.waits)
         return new_result(route, self._owner, worker, what, max(0.001, deadline - _now()),
                           lambda head: (_ref_owner._keep_call, (head + (self._target, name), args, kwargs)))
@@ -372,7 +372,7 @@ def new_result(route: CallContext, owner: str, worker: str, what: str, wait: flo
     func, call = entry((rid, _CREATOR, route.me))
     sent_to, fut = send_call(route.roster, worker, wait, what,
                              lambda to, left: send_async(route.roster, to, func,
-                                                         _samehost.outgoing(to, call), left))  # [shm hook]
+                                                         _samehost.outgoing(to, call, _now() + left), left))  # [shm hook]
     made = carry(RpcFuture(None, owner, what, wait), fut, sent_to, route.roster, route.waits)
     return ResultRef(owner, inc, rid, _CREATOR, made, what, sent_to_owner)
 

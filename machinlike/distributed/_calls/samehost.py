@@ -104,15 +104,16 @@ class SameHost:
         self._by_worker[member] = verdict
         return verdict
 
-    def cuda_target(self, member: str) -> Optional[Tuple[int, int]]:
+    def cuda_target(self, member: str, deadline: Optional[float] = None) -> Optional[Tuple[int, int]]:
         """``(device key, pid)`` to send ``member`` CUDA tensors through IPC; None: stage.
-        Asked only of a local ``member``, by a process that initialised CUDA."""
+        Asked only of a local ``member``, by a process that initialised CUDA; a first
+        call's probe ends by ``deadline`` (``time.monotonic()``; None: its own bound)."""
         if not _cuda_ipc.enabled():
             return None
         identity = self._identity_of(member)
         if identity is None:
             return None
-        return _cuda_ipc_peers.peer_target(member, pid_in(identity))
+        return _cuda_ipc_peers.peer_target(member, pid_in(identity), deadline)
 
     def close(self) -> None:
         """Release this process's segments and cached mappings (World stop)."""
@@ -132,8 +133,10 @@ def bind(settings: Optional[SameHost]) -> None:
     _current = settings
 
 
-def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
-    """``(what, args, kwargs, reply threshold)`` for a call to ``member``."""
+def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] = None) -> Tuple[Any, ...]:
+    """``(what, args, kwargs, reply threshold)`` for a call to ``member`` that ends by
+    ``deadline`` (``time.monotonic()``: bounds the probe of a first call from a process that
+    uses CUDA, ``_cuda_ipc_peers``; None: the probe's own bound)."""
     settings = _current
     if settings is None or not settings.enabled or not settings.local(member):
         if _cuda_stage.active():  # [cuda hook] CUDA tensors staged through the CPU
@@ -141,7 +144,7 @@ def outgoing(member: str, call: Tuple[Any, Any, Any]) -> Tuple[Any, ...]:
         return (*call, 0)
     threshold = settings.threshold
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
-        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member))
+        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline))
     what, args, kwargs = call
     if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
         args, kwargs = _shm.encode_parts((args, kwargs), threshold)

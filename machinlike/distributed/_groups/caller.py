@@ -111,9 +111,9 @@ class Caller:
         first) until an owner holds it, all within ``deadline``; quote ``stated``."""
         for refresh in refreshes:
             worker, entry = self._service_target(key, refresh, deadline)
+            sent = _samehost.outgoing(worker, call, deadline)  # [shm hook]
             left = deadline - time.monotonic()
-            value = sync_call(self._roster, self._waits, worker, entry,
-                              _samehost.outgoing(worker, call),  # [shm hook]
+            value = sync_call(self._roster, self._waits, worker, entry, sent,
                               left if left > 0.001 else 0.001, lambda: f"service {key!r} of group {self._group!r}",
                               stated)
             if not is_missing(value):
@@ -135,7 +135,7 @@ class Caller:
         result = RpcFuture(None, "", what, wait, retry=lambda: self._service_until(key, call, deadline, wait, _FRESH))
         sent_to, fut = send_call(self._roster, worker, max(0.001, deadline - time.monotonic()), what,
                                  lambda to, left: send_async(self._roster, to, entry,
-                                                             _samehost.outgoing(to, call),  # [shm hook]
+                                                             _samehost.outgoing(to, call, deadline),  # [shm hook]
                                                              left, _named(result, self._roster.member_of(to))))
         return carry(result, fut, sent_to, self._roster, self._waits)
 
@@ -237,9 +237,10 @@ class Caller:
         """
         entry = _serve._run_async if is_async(func) else _serve._run
         worker = self._roster.worker_of(to)
-        return settled(unwrap(sync_call(self._roster, self._waits, worker, entry,
-                                        _samehost.outgoing(worker, call),  # [shm hook]
-                                        wait, f"rpc_sync of {func!r}")))
+        deadline = time.monotonic() + wait
+        sent = _samehost.outgoing(worker, call, deadline)  # [shm hook]
+        return settled(unwrap(sync_call(self._roster, self._waits, worker, entry, sent,
+                                        max(0.001, deadline - time.monotonic()), f"rpc_sync of {func!r}", wait)))
 
     def run_async(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> RpcFuture:
         """``func``'s pending result on member ``to`` (see ``RpcGroup.rpc_async``)."""
@@ -247,9 +248,10 @@ class Caller:
         what = f"rpc_async of {func!r}"
         result = RpcFuture(None, to, what, wait)
         sent_to, fut = send_call(self._roster, self._roster.worker_of(to), wait, what,
-                                 lambda worker, left: send_async(self._roster, worker, entry,
-                                                                 _samehost.outgoing(worker, call),  # [shm hook]
-                                                                 left, result))
+                                 lambda worker, left: send_async(
+                                     self._roster, worker, entry,
+                                     _samehost.outgoing(worker, call, time.monotonic() + left),  # [shm hook]
+                                     left, result))
         return carry(result, fut, sent_to, self._roster, self._waits)
 
     def run_remote(self, to: str, func: Callable[..., Any], call: Tuple[Any, ...], wait: float) -> ResultRef:
