@@ -264,7 +264,7 @@ def test_with_cuda_a_local_call_is_walked_once(monkeypatch):
         def local(self, member):
             return True
 
-        def cuda_target(self, member):
+        def cuda_target(self, member, deadline=None):
             return None  # the peer takes no CUDA IPC: staged, as tested here
 
     monkeypatch.setattr(_samehost, "_current", Local())
