@@ -171,9 +171,12 @@ def test_a_lost_store_is_named_after_the_member_that_hosted_it(kind):
         for proc in procs:
             proc.kill()
             proc.wait(timeout=30)
-    # (torch's C++ frames left out of the message: the Python traceback is what tells)
-    assert all("LOST learner" in out for out in said), \
-        ["\n".join([line for line in out.splitlines() if not line.startswith("frame #")][-40:]) for out in said]
+    # (torch's C++ frames left out of the message: the Python traceback is what tells;
+    # pytest.fail, not an assert's message, which pytest cuts short without -vv)
+    if not all("LOST learner" in out for out in said):
+        pytest.fail("\n".join(f"--- rank {rank} said:\n" + "\n".join(
+            [line for line in out.splitlines() if not line.startswith("frame #")][-40:])
+            for rank, out in enumerate(said, 1)))
 
 
 def _stop_waits_for_absent_peer_body(world):
