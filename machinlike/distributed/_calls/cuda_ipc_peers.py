@@ -189,9 +189,7 @@ def _ask_later(member: str, counted: str) -> None:
     """Stage for ``member`` now and ask it again later, waiting twice as long each time."""
     with _ipc._lock:
         wait = min(2 * _waits.pop(member, _RETRY_S / 2), _RETRY_MOST_S)
-        _waits[member] = wait
-        while len(_waits) > _ipc._PEERS_KEPT:
-            _waits.pop(next(iter(_waits)))
+    _keep(_waits, member, wait)
     _note_peer(member, 0, time.monotonic() + wait)
     _ipc._counts.add(counted)
 
@@ -258,12 +256,12 @@ def _note_peer(member: str, key: int, retry: Optional[float]) -> None:
             _ipc._peers.popitem(last=False)
 
 
-def _keep(kept: Dict[Any, Lease], key: Any, lease: Lease) -> None:
-    """Keep ``lease`` in ``kept`` by ``key``, the oldest going past ``_PEERS_KEPT`` (bounded
-    as the verdicts are; under ``cuda_ipc._lock``, as every change of ``kept`` is: RPC
-    threads probe and answer at once)."""
+def _keep(kept: Dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` (a lease, a wait) in ``kept`` by ``key``, the oldest going past
+    ``_PEERS_KEPT`` (bounded as the verdicts are; under ``cuda_ipc._lock``, as every change
+    of ``kept`` is: RPC threads probe and answer at once)."""
     with _ipc._lock:
-        kept[key] = lease
+        kept[key] = value
         while len(kept) > _ipc._PEERS_KEPT:
             kept.pop(next(iter(kept)))
 
