@@ -15,6 +15,7 @@ from machinlike import launch
 from machinlike.distributed import World
 from machinlike.distributed._transport import agent_stop as _agent_stop
 from machinlike.testing import world_test
+from proc_util import free_port
 
 # Set by _hang when it starts; the test process's call is then being served.
 _serving = threading.Event()
@@ -31,11 +32,6 @@ def _hang() -> int:
 def _serving_now() -> bool:
     return _serving.wait(10)
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pid() -> int:
@@ -136,7 +132,7 @@ def _elastic_body(world):
     if world.name == "busy":
         stalled = _agent_stop.stalled()
         # The same process starts another World at once, and its RPC works.
-        with World("again", rank=0, elastic=True, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        with World("again", rank=0, elastic=True, init_method=f"tcp://127.0.0.1:{free_port()}",
                    dist_timeout=20) as again:
             alone = again.create_rpc_group("alone", ["again"])
             alone.register("pid", _pid)

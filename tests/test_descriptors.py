@@ -12,7 +12,6 @@ import logging
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ import time
 import pytest
 
 from machinlike import _descriptors
+from proc_util import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SOFT, _HARD = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -70,11 +70,6 @@ def _said(code: str, soft: int, hard: int, text: str, timeout: float) -> str:
         proc.wait(timeout=10)
     return " ".join("".join(seen).split())
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _hard_at_least(n: int) -> None:
@@ -140,7 +135,7 @@ def test_a_store_host_that_may_not_open_enough_says_so_with_the_fix():
             "here (200 to start, about 20 a member: it hosts the store")
     err = _said(f"""
         import machinlike
-        machinlike.World(name="0", rank=0, world_size=64, init_method="tcp://127.0.0.1:{_free_port()}")
+        machinlike.World(name="0", rank=0, world_size=64, init_method="tcp://127.0.0.1:{free_port()}")
     """, 256, 256, text, 60)
     assert text in err, err[-3000:]
     assert "SIGABRT" in err and "LimitNOFILE=" in err

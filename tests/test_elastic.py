@@ -13,7 +13,7 @@ import time
 import traceback
 
 import pytest
-from proc_util import wait_stopped
+from proc_util import free_port, wait_stopped
 
 from machinlike import launch
 from machinlike.distributed import MemberEvent, World
@@ -325,11 +325,6 @@ def test_a_member_whose_first_rpc_join_failed_comes_back_after_its_death():
     assert took < 12, took
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_a_member_given_no_rank_never_takes_rank_0():
     """Rank 0 belongs to the member started with ``rank=0`` (it hosts the store). A member
@@ -403,7 +398,7 @@ def test_a_rank_is_held_by_one_live_member_at_a_time():
 
 
 def test_joining_a_world_that_is_gone_fails_within_its_timeout():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}"):
         World("x", elastic=True, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=1.5)

@@ -11,6 +11,7 @@ import sys
 import example_run
 import pytest
 from example_chaos import earlier_run, only_this_run, read_scalars
+from proc_util import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,13 +93,10 @@ def test_under_srun_a_dead_trainer_ends_every_task_at_once(tmp_path):
     # ends at its next look (every --eval-every s), naming the trainer. Three tasks as srun
     # starts them (its environment; no SLURM daemons needed).
     import signal
-    import socket
     import subprocess
     import time
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     base.update(SLURM_STEP_ID="0", SLURM_JOB_ID="43", SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",

@@ -10,6 +10,7 @@ import pytest
 
 from machinlike.exception import PeerLostError
 from machinlike.testing import run_world
+from proc_util import free_port
 
 MEMBERS = ["0", "1", "2"]
 
@@ -156,13 +157,10 @@ def test_a_lost_store_is_named_after_the_member_that_hosted_it(kind):
     """Worlds started by hand: rank 0 hosts the store, and its loss names that member, as
     any other loss does (it read "member 'rank 0'" before: no member has that name); in an
     elastic world, once the others read its join (cold trial 16)."""
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", _HAND_STARTED, str(rank), str(port), kind],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(3)]
     try:

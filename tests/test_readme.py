@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
+
+from proc_util import free_port
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
@@ -20,9 +21,7 @@ def test_the_first_program_runs_and_prints_what_its_comments_say(tmp_path):
     script.write_text(program)
     # The program takes the default port (29500) as a user's would; here the suite's other
     # tests run beside it, and one of theirs may hold that port: the world gets a free one.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
                           cwd=tmp_path, env={**os.environ, "MASTER_PORT": str(port)})
     assert done.returncode == 0, done.stdout + done.stderr

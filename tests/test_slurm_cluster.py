@@ -25,17 +25,10 @@ from pathlib import Path
 import pytest
 
 from machinlike.distributed._store.rendezvous import slurm_master_port
+from proc_util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-
-
-def _free_port() -> int:
-    # The daemons take port numbers from their configuration, not a listening socket, so
-    # this probe can race another process; a lost race fails the daemon's start visibly.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _port_is_free(port: int) -> bool:
@@ -67,7 +60,7 @@ class Slurm:
         for sub in ("state", "spool", "log"):
             (self.dir / sub).mkdir()
         d = self.dir
-        ctld_port, slurmd_port, srun_base = _free_port(), _free_port(), _free_port()
+        ctld_port, slurmd_port, srun_base = free_port(), free_port(), free_port()
         self.conf.write_text(f"""\
 ClusterName=mlktest
 SlurmctldHost=localhost(127.0.0.1)

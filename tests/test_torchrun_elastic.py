@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from proc_util import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,9 +49,7 @@ SCRIPT = textwrap.dedent(
 def test_restarted_worker_group_rejoins_on_the_agents_store(tmp_path):
     script = tmp_path / "elastic.py"
     script.write_text(SCRIPT)
-    with socket.socket() as probe:  # torchrun takes the endpoint as a number (its agent listens there)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # torchrun takes the endpoint as a number (its agent listens there)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
@@ -113,9 +112,7 @@ def _two_nodes(tmp_path, text, max_restarts):
     Asserts both agents exited 0."""
     script = tmp_path / "nodes.py"
     script.write_text(text)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
@@ -210,9 +207,7 @@ def test_torchrun_workers_join_an_elastic_world_on_a_store_of_its_own(tmp_path):
 
     script = tmp_path / "actor.py"
     script.write_text(ACTOR)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "MASTER_"))}
     env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -244,9 +239,7 @@ def test_rank_0_waits_for_a_late_rank_of_its_round_without_a_line_of_log(capfd):
 
     from machinlike.distributed._world.rounds import agree_round
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     late = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
     got = {}

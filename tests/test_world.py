@@ -16,7 +16,7 @@ from machinlike.distributed._membership import connect_read_only
 from machinlike import SilentStoreError, launch
 from machinlike.testing import world_test
 
-from proc_util import printed
+from proc_util import free_port, printed
 
 LOCAL = "tcp://127.0.0.1:0"  # rank 0 picks a free port itself: only valid for world_size=1
 
@@ -94,13 +94,9 @@ def test_every_rank_of_a_static_world_builds_a_new_world_right_after_stop():
     # Cold trial 31: rank 1 left its stop() before rank 0 closed the store, joined the old
     # store with its new World and lost it a moment later; rank 0's new World then waited
     # out its dist_timeout for it.
-    import socket
-
     from machinlike.process import Process
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ranks = [Process(target=_two_worlds_in_a_row, args=(rank, port)) for rank in range(2)]
     for p in ranks:
         p.start()
@@ -246,11 +242,7 @@ def test_startup_names_the_missing_rank():
 
 
 def test_unreachable_master_is_a_clear_timeout():
-    import socket
-
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     with pytest.raises(TimeoutError, match=rf"could not reach the world's store .* at 127.0.0.1:{port} within 1 s"):
         World(rank=1, world_size=2, init_method=f"tcp://127.0.0.1:{port}", dist_timeout=1)
 
@@ -388,11 +380,7 @@ if __name__ == "__main__":
 def test_a_launch_run_in_place_ends_at_its_timeout_with_the_stacks(tmp_path):
     # Cold trial 32: under torchrun or srun, launch(timeout=) was dropped, and a rank that
     # hung ran for good. In place it ends the process after dumping its stacks.
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     script = tmp_path / "in_place.py"
     script.write_text(IN_PLACE_TIMEOUT)
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
