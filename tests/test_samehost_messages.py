@@ -13,6 +13,7 @@ import functools
 import threading
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -320,3 +321,75 @@ def test_tensors_in_namedtuples_dataclasses_and_objects_take_shared_memory(lane)
     objects reached twice, a cycle through a child's parent and a tensor that is a key
     (an optimizer's state) included, arrive as pickle gives them."""
     run_world(_objects_body, 2, timeout=120, same_host_lane=lane)
+
+
+def _steps(n):
+    return [(i, float(i), bool(i % 2)) for i in range(n)]
+
+
+def _plain_body(world):
+    from machinlike.distributed._calls import samehost
+    from machinlike._shm._blob import BIG, Blob
+
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("echo", _echo)
+        g.register("steps", _steps)
+    g.barrier()
+    if world.rank == 0:
+        steps = _steps(BIG)
+        assert type(samehost.outgoing("1", (None, (steps,), {}))[1]) is Blob  # (the path this test is about)
+        back = g.registered_sync("echo", args=(steps,))
+        assert back == steps and type(back) is list and type(back[0]) is tuple
+        assert g.registered_sync("steps", args=(2 * BIG,)) == _steps(2 * BIG)  # the reply, pickled whole too
+        # Sharing inside the message arrives as pickle gives it: one list met twice is one.
+        inner = [1.0, 2.0]
+        shared = [(i, inner) for i in range(BIG)]
+        got, again = g.registered_sync("echo", args=((shared, shared),))
+        assert got is again and got[0][1] is got[-1][1] and got[0][1] == inner
+        # A tensor after the plain items: the message is walked, the tensor takes shared memory.
+        big = torch.rand(MB)
+        for message in ([*steps, big], {"steps": steps, "frame": (big,)}):
+            assert type(samehost.outgoing("1", (None, (message,), {}))[1]) is not Blob
+            leases = _leases()
+            back = g.registered_sync("echo", args=(message,))
+            assert _leases() > leases, "the tensor did not take shared memory"
+            assert torch.equal(back[-1] if isinstance(back, list) else back["frame"][0], big)
+        # What only the carrier pickles (a paired value's handle) is left to it.
+        g.pair("mine", 7)
+        held = [g.get_paired("mine")] + steps
+        assert type(samehost.outgoing("1", (None, (held,), {}))[1]) is not Blob
+        assert g.registered_sync("echo", args=(held,))[0].to_here(timeout=20) == 7
+    g.barrier()
+    g.destroy()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_long_list_of_plain_data_crosses_pickled_whole(lane):
+    """A list of thousands of (int, float, bool) tuples is pickled once at C speed instead
+    of walked item by item (it was 0.77 of raw RPC's speed); sharing within it survives,
+    and a message holding a tensor or a handle still takes the walk."""
+    run_world(_plain_body, 2, timeout=120, same_host_lane=lane)
+
+
+def test_the_strict_pickler_refuses_what_the_walk_or_the_carrier_must_see():
+    import numpy as np
+
+    from machinlike._shm._blob import BIG, Blob, blob, large
+
+    class Sub(torch.Tensor):
+        pass
+
+    with warnings.catch_warnings():  # (torch.jit is deprecated; users still send scripted modules)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(torch.nn.Linear(2, 2))
+    for refused in (torch.zeros(2), torch.nn.Parameter(torch.zeros(1)), torch.zeros(2).as_subclass(Sub),
+                    np.zeros(2), torch.zeros(2).untyped_storage(), torch.nn.Linear(2, 2), scripted,
+                    threading.Lock(), lambda: 1, _shm.Pack(1)):
+        assert blob([1, {"x": (refused,)}]) is None, refused
+    whole = blob(([1, 2.5, "a", None, (True,)], {"k": b"v"}))
+    assert isinstance(whole, Blob)
+    import pickle
+    assert pickle.loads(pickle.dumps(whole)) == ([1, 2.5, "a", None, (True,)], {"k": b"v"})
+    assert large(list(range(BIG))) and large((list(range(BIG)), 1)) and large(({i: i for i in range(BIG)},))
+    assert not large((list(range(BIG - 1)),)) and not large((list(range(BIG)), torch.zeros(1)))

@@ -9,6 +9,8 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
         yes: large CPU tensors -> placeholders ───► unpickling rebuilds them (machinlike._shm)
              + reply threshold                      result = reply(value, threshold):
         no:  unchanged + reply 0                    large CPU tensors -> placeholders
+      a list, tuple or dict of thousands of plain items: pickled once, as bytes
+        (``_shm._blob``), both ways, instead of walked
     unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
 
 In a process that initialised CUDA, the same two hooks also move CUDA tensors, in the same
@@ -27,7 +29,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from ... import _shm
-from ..._shm import _receive
+from ..._shm import _blob, _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import pid_in, process_identity
 
@@ -146,6 +148,10 @@ def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] 
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
         return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline))
     what, args, kwargs = call
+    if not kwargs and _blob.large(args):  # a long list of numbers: pickled once, not walked
+        whole = _blob.blob(args)
+        if whole is not None:
+            return (what, whole, kwargs, threshold)
     if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
         args, kwargs = _shm.encode_parts((args, kwargs), threshold)
     elif args:
@@ -166,6 +172,10 @@ def reply(value: Any, threshold: int) -> Any:
     settings = _current
     if settings is None or not settings.enabled:
         return value
+    if _blob.large(value):  # (see outgoing)
+        whole = _blob.blob(value)
+        if whole is not None:
+            return whole
     # (the mask: a caller that initialised CUDA packs its key and pid above the threshold)
     return _shm.encode(value, max(threshold & _cuda_ipc.TERMS_MASK, settings.threshold))
 
