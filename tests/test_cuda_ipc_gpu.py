@@ -317,6 +317,45 @@ def test_pulls_of_a_cuda_model_read_the_servers_versions_in_place(world):
 
 # ------------------------------------------------------------------ SIGKILL mid-transfer
 _VICTIMS = 4
+def _slow_cuda(pause):
+    time.sleep(pause)  # (the service's own slowness: its caller gives up first)
+    return torch.full((4 << 20,), 5.0, device="cuda")  # 16 MB, in a slab lent to the caller
+
+
+def _my_lent():
+    return _cuda_ipc.stats()["area_lent"]
+
+
+@world_test(2, timeout=120, same_host_lane=True)
+def test_a_cuda_reply_after_its_call_timed_out_comes_back_to_its_sender(world):
+    """The caller gave up before the service answered: its lane loads the late reply and
+    drops it, so the service's slab comes FREE again (through torch RPC, with the lane
+    off, it stays lent until the caller's World stops or the caller dies)."""
+    _cuda_here()
+    group = world.create_rpc_group("late", ["0", "1"])
+    if world.name == "1":
+        group.register("slow", _slow_cuda)
+    group.barrier()
+    if world.name == "0":
+        assert torch.equal(group.registered_sync("slow", (0.0,)), torch.full((4 << 20,), 5.0, device="cuda"))
+        sent = group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"]
+        for call in (lambda: group.registered_sync("slow", (1.0,), timeout=0.2),
+                     lambda: group.registered_async("slow", (1.0,), timeout=0.2).wait()):
+            with pytest.raises(TimeoutError):
+                call()
+            deadline = time.monotonic() + 20
+            while (now := group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"]) == sent:  # the reply is made late
+                assert time.monotonic() < deadline, "the slow service never replied"
+                time.sleep(0.05)
+            sent = now
+            assert _cuda_ipc.released(10)
+            while group.rpc_sync("1", _my_lent) != 0:  # the late reply crossed, was loaded and dropped
+                assert time.monotonic() < deadline, "the late reply's slab stayed lent"
+                time.sleep(0.05)
+    group.barrier()
+    group.destroy()
+
+
 _SLAB_MB = 32
 
 

@@ -43,8 +43,9 @@ slabs of 64 MB for 20 pullers); read in place, the server's memory is its versio
 
 The receiver's half (openings of peers' slabs, cached): ``cuda_ipc_open``.
 
-Limits: a lease whose message is lost while its receiver lives (the caller timed out
-before the callee read it) stays lent until the receiver dies, even past the area's
+Limits: a lease whose message is lost while its receiver lives (a reply through torch
+RPC after its caller timed out; the lane loads a late reply and drops it, which ends its
+leases) stays lent until the receiver dies, even past the area's
 ``close`` (its slab outlives the area until ``sweep`` finds it ended); the area counts it
 in ``stats`` as ``lent``, then ``outlived``. Reader rows are ``ROWS - SLOTS``; a state sent
 while all are taken is copied into a slab of its own, as any other.
