@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import statistics
 import sys
@@ -123,10 +124,21 @@ def machine(nbytes: int, reps: int) -> Dict[str, float]:
 WAIT_FOR_RANK0 = 900.0
 
 
+def _collected() -> None:
+    """Collect garbage here and in the callee (rank 1)."""
+    gc.collect()
+    rpc.rpc_sync("1", gc.collect)
+
+
 def _alternate(raw: Callable[[], Any], ours: Callable[[], Any], calls: int, blocks: int) -> Dict[str, float]:
     times: Dict[str, List[float]] = {"raw": [], "ours": []}
     for _ in range(blocks):
         for name, fn in (("raw", raw), ("ours", ours)):
+            # Each block starts from a collected heap on both sides: a full collection
+            # (130-190 ms in a process that imported torch) otherwise falls in whichever
+            # block crosses the collector's threshold, often set off by the other
+            # contender's garbage (troubleshooting: "A call takes a hundred milliseconds").
+            _collected()
             start = time.perf_counter()
             for _ in range(calls):
                 fn()
