@@ -1,4 +1,4 @@
-"""A large message of plain data, pickled once at C speed instead of walked, then pickled.
+"""A large message of plain data, pickled once at C speed instead of walked item by item.
 
 Why: before a call's carrier pickles it, the walk (``_walk``) looks at every item of a
 message for tensors and arrays. For a list of 200,000 (int, float, bool) tuples that is
@@ -16,7 +16,7 @@ classes); where it pickles whole, the carrier gets its bytes::
                           runs ``pickle.loads`` on them (the object the sender had)
 
 What it keeps: the message's own sharing (one pickle holds all of it: an object met twice
-arrives once, twice). What it costs: a message refused late (a tensor after a long plain
+arrives as one object, twice). What it costs: a message refused late (a tensor after a long plain
 list) is pickled up to there for nothing; only the top level is looked at for a tensor
 before trying.
 """
