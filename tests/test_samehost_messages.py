@@ -393,3 +393,7 @@ def test_the_strict_pickler_refuses_what_the_walk_or_the_carrier_must_see():
     assert pickle.loads(pickle.dumps(whole)) == ([1, 2.5, "a", None, (True,)], {"k": b"v"})
     assert large(list(range(BIG))) and large((list(range(BIG)), 1)) and large(({i: i for i in range(BIG)},))
     assert not large((list(range(BIG - 1)),)) and not large((list(range(BIG)), torch.zeros(1)))
+    assert large(([(1, "a")] * BIG,)) and large([{"r": 1.0}] * BIG)
+    # Numpy scalars would cost the strict pickler a Python call each: such a list is walked.
+    assert not large(([np.float32(1)] * BIG,)) and not large(([(1, np.int64(2))] * BIG,))
+    assert not large(({i: np.float64(i) for i in range(BIG)},)) and not large([1] * (BIG - 1) + [[np.bool_(True)]])
