@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ["BIG", "Blob", "large", "blob"]
+__all__ = ["BIG", "Blob", "large", "blob", "whole"]
 
 #: Items a list, tuple or dict at the top of a message (or one of its arguments) holds at
 #: least for the message to be tried whole: below it the walk costs less than a pickle.
@@ -136,3 +136,9 @@ def blob(obj: Any) -> Optional[Blob]:
     except Exception:  # (_Refused, or pickle's own refusal)
         return None
     return Blob(buf.getvalue())
+
+
+def whole(obj: Any) -> Optional[Blob]:
+    """``obj`` pickled whole where it is :func:`large` and the strict pickler takes it;
+    None: walk it (the caller's path as before)."""
+    return blob(obj) if large(obj) else None

@@ -148,10 +148,9 @@ def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] 
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
         return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline))
     what, args, kwargs = call
-    if not kwargs and _blob.large(args):  # a long list of numbers: pickled once, not walked
-        whole = _blob.blob(args)
-        if whole is not None:
-            return (what, whole, kwargs, threshold)
+    pickled = None if kwargs else _blob.whole(args)  # a long list of numbers: pickled once, not walked
+    if pickled is not None:
+        return (what, pickled, kwargs, threshold)
     if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
         args, kwargs = _shm.encode_parts((args, kwargs), threshold)
     elif args:
@@ -172,10 +171,9 @@ def reply(value: Any, threshold: int) -> Any:
     settings = _current
     if settings is None or not settings.enabled:
         return value
-    if _blob.large(value):  # (see outgoing)
-        whole = _blob.blob(value)
-        if whole is not None:
-            return whole
+    pickled = _blob.whole(value)  # (see outgoing)
+    if pickled is not None:
+        return pickled
     # (the mask: a caller that initialised CUDA packs its key and pid above the threshold)
     return _shm.encode(value, max(threshold & _cuda_ipc.TERMS_MASK, settings.threshold))
 
