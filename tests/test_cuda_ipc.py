@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from machinlike import _pids
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc, cuda_ipc_area as _cuda_ipc_area
 from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open, cuda_ipc_peers as _cuda_ipc_peers
 from machinlike.distributed._calls import cuda_ipc_slab as _cuda_ipc_slab
@@ -63,17 +64,24 @@ def test_terms_pack_threshold_pid_and_key_and_split_back(monkeypatch):
     packed = _cuda_ipc.terms(1 << 20, (0xABCDE12345, 999))
     assert _cuda_ipc.split_terms(packed) == (1 << 20, os.getpid(), 0xABCDE12345)
     assert packed & _cuda_ipc.TERMS_MASK == 1 << 20
-    assert _cuda_ipc.terms(1 << 20, None) == 1 << 20  # no target: today's int, unchanged
+    assert _cuda_ipc.split_terms(_cuda_ipc.terms(1 << 20, None)) == (1 << 20, os.getpid(), 0)  # no target: no key
+    assert _cuda_ipc.terms(0, None) == 0  # a caller on another host: no terms at all
     assert _cuda_ipc.split_terms(4096) == (4096, 0, 0)
+
+
+def _packed(threshold, who, key):
+    """Reply terms as ``_shm._terms`` lays them out: threshold, the caller's identity word, key."""
+    return threshold | (who << 48) | (key << 112)
 
 
 def test_reply_target_needs_the_path_on_and_the_same_key(monkeypatch, ipc_on):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
-    theirs = (1 << 10) | (12345 << 48) | (77 << 80)
+    theirs = _packed(1 << 10, 12345, 77)
     assert _cuda_ipc.reply_target(theirs) == (77, 12345)
-    assert _cuda_ipc.reply_target((1 << 10) | (12345 << 48) | (78 << 80)) is None  # other GPUs
+    assert _cuda_ipc.reply_target(_packed(1 << 10, 12345, 78)) is None  # other GPUs
     assert _cuda_ipc.reply_target(1 << 10) is None  # a caller that asked for no IPC
-    assert _cuda_ipc.reply_target((1 << 10) | (os.getpid() << 48) | (77 << 80)) is None  # itself
+    assert _cuda_ipc.reply_target(_packed(1 << 10, os.getpid(), 77)) is None  # itself
+    assert _cuda_ipc.reply_target(_packed(1 << 10, _pids.identity(12345), 77)) == (77, 12345)  # a whole word
     _cuda_ipc.configure(0)
     assert _cuda_ipc.reply_target(theirs) is None
 
@@ -83,7 +91,7 @@ def test_a_cpu_callee_masks_packed_terms_for_the_shm_threshold(monkeypatch):
         enabled, threshold = True, 1 << 10
 
     monkeypatch.setattr(_samehost, "_current", Local())
-    assert _samehost._reply_threshold((1 << 12) | (5 << 48) | (9 << 80)) == 1 << 12
+    assert _samehost._reply_threshold(_packed(1 << 12, 5, 9)) == 1 << 12
 
 
 def test_a_process_without_cuda_has_key_zero_and_no_targets(ipc_on):

@@ -312,30 +312,31 @@ def encode_tensor(tensor: torch.Tensor, threshold: int, pack: Optional[Pack] = N
     return _encode_tensor(tensor, threshold, pack)
 
 
-def encode(obj: Any, threshold: int) -> Any:
+def encode(obj: Any, threshold: int, receiver: int = 0) -> Any:
     """``obj`` with its large CPU tensors and numpy arrays (where ``_walk`` finds them)
     replaced by placeholders, and its medium ones packed into one segment when they add
     up to ``threshold`` (see ``_pack``).
 
     Returns ``obj`` itself when nothing was replaced. A tensor that appears twice is
     encoded once, so the receiver gets one tensor twice, as pickle would give. When
-    segments were lent, it is wrapped so that they come back should pickling it fail
-    (see ``_unsent``; it unpickles as the encoded object).
+    segments were lent, it is wrapped so that they come back should pickling it fail, or
+    should ``receiver`` die before taking them (its identity word, ``machinlike._pids``;
+    0: unknown) (see ``_unsent``; it unpickles as the encoded object).
     """
-    return encode_parts((obj,), threshold)[0]
+    return encode_parts((obj,), threshold, receiver)[0]
 
 
-def encode_parts(parts: Tuple[Any, ...], threshold: int) -> Tuple[Any, ...]:
+def encode_parts(parts: Tuple[Any, ...], threshold: int, receiver: int = 0) -> Tuple[Any, ...]:
     """:func:`encode` for the parts of one message (a call's args and kwargs) in one walk:
     a tensor found in two parts arrives as one, and their segments come back unless every
-    part was pickled."""
+    part was pickled (or when ``receiver`` died before taking them)."""
     pack = Pack(threshold)
     memo: Dict[int, Any] = {}
     with paused_gc():
         out = [walk(part, lambda tensor: _encode_tensor(tensor, threshold, pack), memo,
                     lambda array: encode_array(array, threshold, pack)) for part in parts]
         pack.commit()
-    return guard(out, pack.lent)
+    return guard(out, pack.lent, receiver=receiver)
 
 
 def pack_items(obj: Any, threshold: int) -> Tuple[Any, Pack]:

@@ -10,8 +10,8 @@ made once, kept mapped, and lent out again and again::
     lease(nbytes): a FREE segment (or a new one) ─┐
       header.state = lease id, header.taker = 0   │  descriptor: (pid, fd, inode, ...)
       copy the tensor into it                     └─► open /proc/<pid>/fd/<fd>, map it once
-                                                      (cached), header.taker = its identity,
-                                                      a tensor over the mapping
+      the message was sent and dropped here:          (cached), header.taker = its identity,
+        sent_to = (lease id, the receiver)            a tensor over the mapping
     next lease sees state == FREE  ◄───────────────── that tensor dies: header.state = FREE
 
 Segments are ``memfd`` files: they have no name in ``/dev/shm`` and the kernel frees one
@@ -21,12 +21,16 @@ namespace and user (see ``reachable``).
 
 A lease that is never freed (its receiver was SIGKILLed) is reclaimed when the taker's
 process is gone; one whose message was never pickled whole comes back when the carrier
-drops the message (``_unsent``); a reply that came after its call timed out is taken
-and dropped by the caller's lane; one never taken at all (a late reply through torch
-RPC, which drops it unread) stays lent until :meth:`SegmentCache.close`. Bytes held
-(free and lent) never exceed ``limit``: a lease that would pass it evicts free segments,
-and fails (None) when that is not enough; the caller then sends the tensor the ordinary
-way and ``stats`` counts it.
+drops the message (``_unsent``); one sent to a process that died before taking it (a
+caller killed while the service it called ran) when that receiver is gone. The receiver
+is noted only once the message was sent and dropped here (``address``), so that a message
+still held for a retry is never taken back under it, and with the lease's id, so that a
+note that comes late never names the receiver of the segment's next lease. A reply that
+came after its call timed out is taken and dropped by the caller's lane; one never taken
+by a live caller (a late reply through torch RPC, which drops it unread) stays lent until
+that caller dies or :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed
+``limit``: a lease that would pass it evicts free segments, and fails (None) when that is
+not enough; the caller then sends the tensor the ordinary way and ``stats`` counts it.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ def reachable(pid: int) -> bool:
 class Segment:
     """One memfd, mapped here for its whole life. ``data`` views the bytes after the header."""
 
-    __slots__ = ("fd", "inode", "capacity", "map", "header", "data", "lease")
+    __slots__ = ("fd", "inode", "capacity", "map", "header", "data", "lease", "sent_to")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -87,6 +91,7 @@ class Segment:
         self.header = np.frombuffer(self.map, dtype=np.int64, count=2)
         self.data = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8, offset=HEADER))
         self.lease = 0
+        self.sent_to = (0, 0)  # (lease id, the identity word of the process it was sent to)
 
     def state(self) -> int:
         return int(self.header[0])
@@ -105,8 +110,9 @@ class Segment:
 class SegmentCache:
     """The segments this process owns, free or lent; at most ``limit`` bytes of them.
 
-    Thread-safe. ``stats`` counts leases, new segments, evictions, reclaims and fallbacks
-    (a lease refused because of the limit).
+    Thread-safe. ``stats`` counts leases, new segments, evictions, reclaims (a dead taker's
+    lease), unread leases taken back (their receiver died first) and fallbacks (a lease
+    refused because of the limit).
     """
 
     def __init__(self, limit: int) -> None:
@@ -115,7 +121,7 @@ class SegmentCache:
         self._segments: List[Segment] = []
         self._by_inode: Dict[int, Segment] = {}
         self._ids = itertools.count(1)
-        self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "fallbacks": 0}
+        self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "unread": 0, "fallbacks": 0}
         self._said: Set[str] = set()  # the kinds of fallback warned about
 
     def held_bytes(self) -> int:
@@ -191,7 +197,8 @@ class SegmentCache:
         pause = 0.0005
         while True:
             with self._lock:
-                untaken = [s for s in self._segments if s.state() not in (FREE, RETIRED) and not int(s.header[1])]
+                untaken = [s for s in self._segments if s.state() not in (FREE, RETIRED) and not int(s.header[1])
+                           and not self._unread_by_dead(s)]
             if not untaken:
                 return True
             if time.monotonic() >= deadline:
@@ -217,23 +224,51 @@ class SegmentCache:
         except AttributeError:  # closed (World stop)
             pass
 
+    def address(self, seg: Segment, lease: int, receiver: int) -> None:
+        """Name the process a sent message's lease went to (an identity word of
+        ``machinlike._pids``): the lease comes back should it die before taking it. Only
+        once the message was sent and dropped here (a retry may still send it elsewhere
+        before that). Applies to ``lease`` only: a later lease of ``seg`` ignores it.
+
+        Takes no lock, as :meth:`release` (it runs when the message is collected): one
+        attribute is set."""
+        seg.sent_to = (lease, receiver)
+
     def _is_free(self, seg: Segment, alive: Optional[Dict[int, bool]] = None) -> bool:
         state = seg.state()
         if state == FREE:
             return True
         taker = int(seg.header[1])
-        if not taker or pid_of(taker) == os.getpid():
+        if not taker:
+            if self._unread_by_dead(seg, alive):
+                seg.header[0] = FREE  # sent to a process that died before it took it
+                self.stats["unread"] += 1
+                return True
             return False
-        known = None if alive is None else alive.get(taker)
-        if known is None:
-            known = pid_alive(taker)
-            if alive is not None:
-                alive[taker] = known
-        if not known:
+        if pid_of(taker) == os.getpid():
+            return False
+        if not self._alive(taker, alive):
             seg.header[0] = FREE  # its receiver was killed while holding it
             self.stats["reclaimed"] += 1
             return True
         return False
+
+    def _unread_by_dead(self, seg: Segment, alive: Optional[Dict[int, bool]] = None) -> bool:
+        """Whether ``seg`` (lent, untaken) went to a receiver that is dead: nobody else can
+        take it (the receiver is noted only once its message left for good)."""
+        lease, receiver = seg.sent_to
+        return (bool(receiver) and lease == seg.state() and pid_of(receiver) != os.getpid()
+                and not self._alive(receiver, alive))
+
+    @staticmethod
+    def _alive(word: int, alive: Optional[Dict[int, bool]]) -> bool:
+        """``pid_alive(word)``, asked once per ``alive`` (one lease's memo; None: none)."""
+        known = None if alive is None else alive.get(word)
+        if known is None:
+            known = pid_alive(word)
+            if alive is not None:
+                alive[word] = known
+        return known
 
     def _evict(self, room: int, alive: Optional[Dict[int, bool]] = None) -> bool:
         """Close free segments until ``room`` more bytes fit under the limit."""

@@ -14,7 +14,9 @@ pickled after it::
                                                                  index seen
     unpickling ─► part itself (the receiver sees no wrapper)
     the record dies (the carrier dropped the message):
-        every index seen ─► nothing (sent; the receiver frees the segments as it drops them)
+        every index seen ─► sent: the receiver frees the segments as it drops them; the
+                            cache notes which process that is, so that they come back
+                            should it die before taking them (``SegmentCache.address``)
         else             ─► the segments are released (nobody can have taken them)
 
 A message pickled whole but never taken (a reply after its call timed out) is another
@@ -77,8 +79,12 @@ class _Guarded:
 
 
 def _settle(lent: List[Tuple[Segment, int]], also: Sequence[Callable[[], None]], seen: Set[int],
-            parts: int) -> None:
+            parts: int, receiver: int) -> None:
     if len(seen) == parts:
+        if receiver and lent:
+            segments = cache()
+            for seg, lease in lent:
+                segments.address(seg, lease, receiver)
         return
     if lent:
         segments = cache()
@@ -88,16 +94,19 @@ def _settle(lent: List[Tuple[Segment, int]], also: Sequence[Callable[[], None]],
         release()
 
 
-def guard(parts: Sequence[Any], lent: List[Segment], also: Sequence[Callable[[], None]] = ()) -> Tuple[Any, ...]:
+def guard(parts: Sequence[Any], lent: List[Segment], also: Sequence[Callable[[], None]] = (),
+          receiver: int = 0) -> Tuple[Any, ...]:
     """``parts`` (one message's, pickled in this order by one carrier) wrapped so that the
     segments ``lent`` for them are released, and each of ``also`` called (what else was
     lent for them; each must end only its own lease), unless every part was pickled by
-    the time the carrier drops them; ``parts`` as a tuple, unchanged, when nothing was lent."""
+    the time the carrier drops them; ``parts`` as a tuple, unchanged, when nothing was lent.
+    ``receiver``: the identity word (``machinlike._pids``) of the process the message goes
+    to, whose death before it took them gives the segments back (0: unknown, they stay)."""
     if not lent and not also:
         return parts if type(parts) is tuple else tuple(parts)
     record = _Record()
     seen: Set[int] = set()
     leases = [(seg, seg.lease) for seg in lent]  # (a segment may be freed and lent again meanwhile)
-    finalizer = weakref.finalize(record, _settle, leases, tuple(also), seen, len(parts))
+    finalizer = weakref.finalize(record, _settle, leases, tuple(also), seen, len(parts), receiver)
     finalizer.atexit = False  # (at exit the cache itself is closed)
     return tuple(_Guarded(part, record, seen, index) for index, part in enumerate(parts))

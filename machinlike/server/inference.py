@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 from torch.distributed import rpc
 
-from .. import _checks, _shm
+from .. import _checks, _pids, _shm
 from ..distributed import RpcGroup, get_world
 from ..distributed._membership import is_here, pid_in, process_identity
 from ..exception import PeerLostError, raised_remotely
@@ -80,10 +80,12 @@ class InferenceServer:
         self.shm_threshold = shm_threshold
         self._key = f"{server_name}/infer"
         self._local: Optional[bool] = None  # decided once per process
+        self._host_word = 0  # the host's process identity word, once local (``_shm.guard``)
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["_local"] = None  # a verdict of this process only
+        state["_host_word"] = 0
         return state
 
     def __repr__(self) -> str:
@@ -94,6 +96,7 @@ class InferenceServer:
             pid = pid_in(self.host_process)
             self._local = bool(self.shm_threshold is not None and pid and is_here(self.host_process)
                                and _shm.reachable(pid))
+            self._host_word = _pids.identity(pid) if self._local else 0
         return self._local
 
     def infer(self, x: Inputs, timeout: Optional[float] = None, with_version: bool = False) -> Any:
@@ -174,9 +177,10 @@ class InferenceServer:
         reply = 0
         if self._same_host() and (x.device.type == "cpu" if isinstance(x, torch.Tensor)
                                   else all(t.device.type == "cpu" for t in tensors_of(x))):
-            reply = self.shm_threshold or 0
-            if not isinstance(x, torch.Tensor) or x.nbytes >= reply:  # a small tensor stays as it is
-                x = _shm.encode(x, reply)
+            threshold = self.shm_threshold or 0
+            reply = _shm.terms(threshold)  # (with this process's identity: see ``_shm._terms``)
+            if not isinstance(x, torch.Tensor) or x.nbytes >= threshold:  # a small tensor stays as it is
+                x = _shm.encode(x, threshold, self._host_word)
         return world, (x, rows, world.name, world.incarnation, wait, reply), wait
 
     def _host_gone(self, world: Any, err: BaseException) -> BaseException:
@@ -313,7 +317,8 @@ class InferenceServerImpl:
         batcher, what = self._batcher, self.server_name
 
         def encoder(reply: int) -> Callable[[Any], Any]:
-            return lambda value: _shm.encode(value, reply) if _large(value[0], reply) else value
+            threshold, caller, _ = _shm.split_terms(reply)
+            return lambda value: _shm.encode(value, threshold, caller) if _large(value[0], threshold) else value
 
         @rpc.functions.async_execution
         def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,

@@ -69,15 +69,13 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
-from ..._pids import own_identity
+from ..._pids import own_identity, pid_of
+from ..._shm import TERMS_MASK, split_terms as _shm_split_terms, terms as _shm_terms
 from ..._tally import Tally
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
            "reply_target", "Batch", "eligible", "unsent_release", "forget_dead", "TERMS_MASK", "export_area"]
 
-TERMS_MASK = (1 << 48) - 1  # the reply threshold's bits of the reply terms
-_PID_SHIFT = 48
-_KEY_SHIFT = 80
 _ALIGN = 512  # each tensor's offset in a slab: any dtype's alignment, and the copy kernels'
 _PEERS_KEPT = 4096
 _READY_WAIT_S = 120.0  # a receiver waits this long at most for a live sender's copies
@@ -219,16 +217,15 @@ def local_key() -> int:
 
 
 def terms(threshold: int, target: Optional[Tuple[int, int]]) -> int:
-    """The reply terms of a call: the shm ``threshold`` and, when the callee may reply
-    through IPC (``target`` known), this process's key and pid."""
-    if target is None:
-        return threshold
-    return (threshold & TERMS_MASK) | (os.getpid() << _PID_SHIFT) | (local_key() << _KEY_SHIFT)
+    """The reply terms of a call (``_shm._terms``): the shm ``threshold``, this process's
+    identity and, when the callee may reply through IPC (``target`` known), its key."""
+    return _shm_terms(threshold, local_key() if target is not None else 0)
 
 
 def split_terms(reply: int) -> Tuple[int, int, int]:
     """``(threshold, caller pid, caller key)`` of reply terms (pid and key 0 when absent)."""
-    return reply & TERMS_MASK, (reply >> _PID_SHIFT) & 0xFFFFFFFF, reply >> _KEY_SHIFT
+    threshold, who, key = _shm_split_terms(reply)
+    return threshold, pid_of(who), key
 
 
 def reply_target(reply: int) -> Optional[Tuple[int, int]]:

@@ -53,7 +53,7 @@ __all__ = ["active", "encode", "outgoing", "walk", "stage_tensor", "lands_on"]
 active = torch.cuda.is_initialized
 
 
-def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) -> Any:
+def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None, receiver: int = 0) -> Any:
     """``obj`` with its CUDA tensors through CUDA IPC (``ipc`` given) or staged and, when
     ``shm_threshold`` > 0, its large CPU tensors as same-host placeholders: all in one walk.
 
@@ -62,13 +62,15 @@ def encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]] = None) 
             peer is not on this host (CPU tensors stay as they are).
         ipc: ``(device key, pid)`` of a receiver that takes CUDA tensors through IPC
             (``_cuda_ipc``); None: they are staged.
+        receiver: The receiver's identity word (``machinlike._pids``): segments it has not
+            taken come back when it dies (``_shm.guard``); 0: unknown.
 
     Returns:
         ``obj`` itself when nothing was replaced. The copies are complete. Wrapped as
         ``_shm.encode`` wraps it when segments were lent.
     """
     out, lent, leases = _encode(obj, shm_threshold, ipc)
-    return _shm_guard((out,), lent, leases)[0]
+    return _shm_guard((out,), lent, leases, receiver)[0]
 
 
 def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]
@@ -111,15 +113,16 @@ def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]
 
 
 def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
-             ipc: Optional[Tuple[int, int]] = None) -> Tuple[Any, ...]:
+             ipc: Optional[Tuple[int, int]] = None, receiver: int = 0) -> Tuple[Any, ...]:
     """``(what, args, kwargs, reply terms)``: ``_samehost.outgoing`` for a process that
     initialised CUDA. The terms ask the callee to reply through shared memory from
-    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``)."""
+    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``).
+    ``receiver``: as for :func:`encode`."""
     what, args, kwargs = call
     leases: List[Callable[[], None]] = []
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
         both, lent, leases = _encode((args, kwargs), shm_threshold, ipc)
-        args, kwargs = _shm_guard(both, lent, leases)
+        args, kwargs = _shm_guard(both, lent, leases, receiver)
     if ipc is not None and not leases:
         # A call that sends no CUDA tensor through IPC (a pull, a request for actions) asks
         # for the callee's: the leases this process holds of its slabs end first, so that

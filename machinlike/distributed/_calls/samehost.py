@@ -7,7 +7,7 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
       peer on this host (same boot id and PID
       namespace, /proc reachable)?
         yes: large CPU tensors -> placeholders ───► unpickling rebuilds them (machinlike._shm)
-             + reply threshold                      result = reply(value, threshold):
+             + reply terms (threshold, caller)      result = reply(value, terms):
         no:  unchanged + reply 0                    large CPU tensors -> placeholders
       a list, tuple or dict of thousands of plain items: pickled once, as bytes
         (``_shm._blob``), both ways, instead of walked
@@ -18,7 +18,9 @@ walk: through CUDA IPC to a peer on this host that uses the same GPUs (``_cuda_i
 staged through pinned CPU memory (``_cuda_stage``).
 
 Nothing is decided by pickling hooks of torch's: a call to another host, or with the path
-turned off, sends exactly what it sent before.
+turned off, sends exactly what it sent before. Each side names the process a message goes
+to (``_shm.guard``): segments lent for a receiver that dies before it takes them come
+back to their owner (a caller SIGKILLed while its service ran kept the reply's lent).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from ... import _shm
+from ... import _pids, _shm
 from ..._shm import _blob, _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import pid_in, process_identity
@@ -81,6 +83,7 @@ class SameHost:
         # By RPC worker: a worker name is never reused and its process never changes, so
         # a call asks one dict instead of the membership tables (small calls pay for it).
         self._by_worker: Dict[str, bool] = {}
+        self._words: Dict[str, int] = {}  # by RPC worker: its process's identity word (``word_of``)
         if enabled:
             _shm.cache().set_limit(cache_bytes)
             _receive.set_limit(cache_bytes)
@@ -105,6 +108,21 @@ class SameHost:
             self._by_worker.clear()
         self._by_worker[member] = verdict
         return verdict
+
+    def word_of(self, member: str) -> int:
+        """The identity word (``machinlike._pids``) of local ``member``'s process, read once
+        per worker; 0 while its process identity is unknown."""
+        word = self._words.get(member)
+        if word is None:
+            identity = self._identity_of(member)
+            pid = pid_in(identity) if identity is not None else 0
+            if pid <= 0:
+                return 0  # (asked again next time)
+            word = _pids.identity(pid)
+            if len(self._words) >= VERDICTS_KEPT:
+                self._words.clear()
+            self._words[member] = word
+        return word
 
     def cuda_target(self, member: str, deadline: Optional[float] = None) -> Optional[Tuple[int, int]]:
         """``(device key, pid)`` to send ``member`` CUDA tensors through IPC; None: stage.
@@ -145,37 +163,39 @@ def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] 
             return _cuda_stage.outgoing(call, 0)
         return (*call, 0)
     threshold = settings.threshold
+    receiver = settings.word_of(member)
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
-        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline))
+        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline), receiver)
     what, args, kwargs = call
     pickled = None if kwargs else _blob.whole(args)  # a long list of numbers: pickled once, not walked
     if pickled is not None:
-        return (what, pickled, kwargs, threshold)
+        return (what, pickled, kwargs, _shm.terms(threshold))
     if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
-        args, kwargs = _shm.encode_parts((args, kwargs), threshold)
+        args, kwargs = _shm.encode_parts((args, kwargs), threshold, receiver)
     elif args:
-        args, = _shm.encode_parts((args,), threshold)
-    return (what, args, kwargs, threshold)
+        args, = _shm.encode_parts((args,), threshold, receiver)
+    return (what, args, kwargs, _shm.terms(threshold))
 
 
 _SCALARS = (bool, int, float, str, bytes)
 
 
-def reply(value: Any, threshold: int) -> Any:
-    """The callee's result, its large tensors as placeholders when the caller asked."""
+def reply(value: Any, terms: int) -> Any:
+    """The callee's result, its large tensors as placeholders when the caller asked
+    (``terms``: the call's reply terms, ``_shm.terms``; 0: it did not)."""
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
-    if (not threshold and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
+    if (not terms and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
+    caller = _shm.split_terms(terms)[1]
     if cuda:  # [cuda hook] CUDA tensors through IPC or staged; CPU ones as below, in the same walk
-        return _cuda_stage.encode(value, _reply_threshold(threshold), _cuda_ipc.reply_target(threshold))
+        return _cuda_stage.encode(value, _reply_threshold(terms), _cuda_ipc.reply_target(terms), caller)
     settings = _current
     if settings is None or not settings.enabled:
         return value
     pickled = _blob.whole(value)  # (see outgoing)
     if pickled is not None:
         return pickled
-    # (the mask: a caller that initialised CUDA packs its key and pid above the threshold)
-    return _shm.encode(value, max(threshold & _cuda_ipc.TERMS_MASK, settings.threshold))
+    return _shm.encode(value, max(terms & _shm.TERMS_MASK, settings.threshold), caller)
 
 
 def _reply_threshold(asked: int) -> int:
@@ -183,7 +203,7 @@ def _reply_threshold(asked: int) -> int:
     settings = _current
     if not asked or settings is None or not settings.enabled:
         return 0
-    return max(asked & _cuda_ipc.TERMS_MASK, settings.threshold)
+    return max(asked & _shm.TERMS_MASK, settings.threshold)
 
 
 def _after_fork_in_child() -> None:

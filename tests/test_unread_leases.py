@@ -1,0 +1,183 @@
+"""Shared-memory segments lent for a message whose receiver died before taking it come back.
+
+A caller SIGKILLed while the service it called ran never takes the reply's segments; before,
+they stayed lent until the callee's World stopped (a learner whose actors die now and then
+slowly filled ``shm_cache_bytes``, then sent every large tensor through TensorPipe). Here:
+the mechanism in one process (``SegmentCache.address`` through ``_shm.guard``), then the
+crash itself across real processes, through the lane and through torch RPC.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import select
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from machinlike import _pids, _shm
+from machinlike.distributed._calls import samehost as _samehost
+from machinlike.testing import run_world
+
+MB = 1 << 20
+
+
+def _sleeper():
+    return subprocess.Popen(["sleep", "120"])
+
+
+def _killed(proc):
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def _sent(message):
+    """``message`` pickled whole by a carrier, then dropped: the lease goes to its receiver."""
+    data = pickle.dumps(message)
+    del message
+    gc.collect()
+    return data
+
+
+def test_a_lease_sent_to_a_process_that_died_untaken_comes_back():
+    cache = _shm.cache()
+    receiver = _sleeper()
+    try:
+        word = _pids.identity(receiver.pid)
+        lent, unread = cache.lent(), cache.stats["unread"]
+        data = _sent(_shm.encode(torch.ones(MB), 4096, word))
+        assert cache.lent() == lent + 1  # the receiver lives: it may still take it
+        held = _shm.encode(torch.ones(MB), 4096, word)
+        pickle.dumps(held)  # pickled, but still held here (a retry could send it again)
+        _killed(receiver)
+        assert cache.lent() == lent + 1 and cache.stats["unread"] == unread + 1  # the sent one only
+        del held
+        gc.collect()
+        assert cache.lent() == lent and cache.stats["unread"] == unread + 2
+        assert cache.wait_taken(0.0)
+        del data
+    finally:
+        if receiver.poll() is None:
+            _killed(receiver)
+
+
+def test_a_lease_without_a_receiver_or_for_this_process_stays_lent():
+    cache = _shm.cache()
+    lent = cache.lent()
+    unknown = _sent(_shm.encode(torch.ones(MB), 4096))  # (a receiver not known: as before)
+    own = _sent(_shm.encode(torch.ones(MB), 4096, _pids.own_identity()))
+    assert cache.lent() == lent + 2
+    assert pickle.loads(own).sum() == MB and pickle.loads(unknown).sum() == MB  # loading frees them
+    gc.collect()
+    assert cache.lent() == lent
+
+
+def test_a_late_note_never_names_the_receiver_of_the_next_lease():
+    cache = _shm.cache()
+    dead = _sleeper()
+    word = _pids.identity(dead.pid)
+    _killed(dead)
+    seg = cache.lease(MB)
+    old = seg.lease
+    cache.release(seg)
+    again = cache.lease(MB)
+    assert again is seg and seg.lease != old
+    cache.address(seg, old, word)  # a note of the first lease, come after the second began
+    assert cache.lent() >= 1 and seg.state() == seg.lease  # the second lease stands
+    cache.address(seg, seg.lease, word)
+    cache.lent()
+    assert seg.state() == 0  # (FREE) its own note gives it back
+
+
+def test_a_message_that_failed_to_pickle_is_released_not_addressed():
+    cache = _shm.cache()
+    alive = _sleeper()
+    try:
+        lent, unread = cache.lent(), cache.stats["unread"]
+        message = _shm.encode([torch.ones(MB), _Unpicklable()], 4096, _pids.identity(alive.pid))
+        with pytest.raises(TypeError):
+            pickle.dumps(message)
+        del message
+        gc.collect()
+        assert cache.lent() == lent and cache.stats["unread"] == unread
+    finally:
+        _killed(alive)
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+# ------------------------------------------------------------------- across processes
+def _wait_exit(pid, timeout):
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], timeout)[0])
+    finally:
+        os.close(fd)
+
+
+def _kill_caller_then_answer(caller):
+    # The caller dies while its call runs here (SIGKILL), then the reply is made: 4 MB,
+    # through shared memory, for a process that will never take it.
+    os.kill(caller, signal.SIGKILL)
+    assert _wait_exit(caller, 30)
+    return torch.ones(MB)
+
+
+_finished = threading.Event()
+
+
+def _lent_and_unread():
+    cache = _shm.cache()
+    return cache.lent(), cache.stats["unread"]
+
+
+def _words(world):
+    """What this process names as the process of each member (``SameHost.word_of``)."""
+    settings, roster = _samehost._current, world.membership.roster
+    return {m: settings.word_of(roster.worker_of(m)) for m in world.get_members() if m != world.name}
+
+
+def _body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("answer", _kill_caller_then_answer)
+        g.register("finished", _finished.set)
+    g.barrier()
+    if world.rank == 2:
+        g.registered_sync("answer", (os.getpid(),), timeout=60)
+        return "not reached"
+    if world.rank == 1:
+        return _finished.wait(60)  # (rank 0 asks its figures until then)
+    # The identity words this process sends segments with are those of its peers' processes.
+    words = _words(world)
+    assert words["1"] == g.rpc_sync("1", _pids.own_identity)
+    lent, unread = g.rpc_sync("1", _lent_and_unread)
+    deadline = time.monotonic() + 30
+    while (lent, unread) != (0, 1) and time.monotonic() < deadline:
+        # (the reply leaves rank 1 when its carrier gives up on the dead caller: a poll
+        # with a deadline, not a sleep)
+        select.select([], [], [], 0.05)
+        lent, unread = g.rpc_sync("1", _lent_and_unread)
+    g.registered_sync("finished")
+    return lent, unread
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "torch-rpc"])
+def test_a_caller_killed_while_its_service_ran_leaves_no_segment_lent(lane):
+    results = run_world(_body, 3, timeout=90, return_exceptions=True, rpc_timeout=30, same_host_lane=lane)
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    assert results[0] == (0, 1), results  # the 4 MB reply's segment came back, counted as unread
+    assert results[1] is True
