@@ -387,6 +387,9 @@ def _off_body(world):
         before = _leases()
         assert torch.equal(g.registered_sync("echo", (t,)), t)
         assert _leases() == before
+        parts = world.transport_stats()  # no shared memory, hence no CUDA IPC either: the lane only,
+        # which left the 8 MB call to torch RPC (more bytes of tensors than it carries)
+        assert sorted(parts) == ["lane"] and parts["lane"]["not_carried"] >= 1, parts
     g.barrier()
     return True
 

@@ -35,7 +35,7 @@ from ..._shm import _blob, _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import pid_in, process_identity
 
-__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share", "VERDICTS_KEPT"]
+__all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share", "stats", "VERDICTS_KEPT"]
 
 #: Verdicts kept at most, by worker and by process identity each: an elastic world's churn
 #: brings new worker names and processes without end. Past it a map is emptied and its
@@ -204,6 +204,20 @@ def _reply_threshold(asked: int) -> int:
     if not asked or settings is None or not settings.enabled:
         return 0
     return max(asked & _shm.TERMS_MASK, settings.threshold)
+
+
+def stats() -> Dict[str, Dict[str, int]]:
+    """This process's same-host counters: ``shm`` while its World sends through shared
+    memory, ``cuda_ipc`` while CUDA tensors may cross through IPC (see
+    ``World.transport_stats``)."""
+    out: Dict[str, Dict[str, int]] = {}
+    settings = _current
+    if settings is not None and settings.enabled:
+        segments = _shm.cache()
+        out["shm"] = {**segments.stats, "lent": segments.lent(), "held_bytes": segments.held_bytes()}
+    if _cuda_ipc.enabled():
+        out["cuda_ipc"] = _cuda_ipc.stats()
+    return out
 
 
 def _after_fork_in_child() -> None:

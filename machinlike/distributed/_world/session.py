@@ -46,7 +46,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch.distributed as dist
 
@@ -132,6 +132,13 @@ class Session:
     def close(self) -> None:
         """Undo every step that ran, last first; the last error (if any) propagates after all ran."""
         self._undo.close()
+
+    def transport_stats(self) -> Dict[str, Dict[str, int]]:
+        """``World.transport_stats``: the same-host counters and this process's lane's."""
+        out = _samehost.stats()
+        if self.lane is not None:
+            out["lane"] = self.lane.stats()
+        return out
 
     @contextlib.contextmanager
     def network_hint(self) -> Iterator[None]:

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 import torch.distributed as dist
 
@@ -242,6 +242,22 @@ class World:
         if members is None:
             raise RuntimeError(f"World {self.name!r} is not started")
         return members
+
+    def transport_stats(self) -> Dict[str, Dict[str, int]]:
+        """How this process's calls to members on this host travelled, as counters.
+
+        ``shm`` (while ``same_host_shm`` is on): segments for large CPU tensors:
+        ``leases``; ``created`` and ``evicted`` segments; ``reclaimed`` (a receiver
+        died holding one); ``unread`` (a receiver died before taking one);
+        ``fallbacks`` (a tensor sent through TensorPipe because ``shm_cache_bytes`` was
+        full, a warning said why once); ``lent`` and ``held_bytes`` now.
+        ``lane`` (while ``same_host_lane`` is on): ``calls``, ``not_carried`` (left to
+        torch RPC), open ``connections``, ``late`` answers. ``cuda_ipc`` (while CUDA
+        tensors may cross through IPC): tensors and bytes sent and received that way,
+        and each reason one was staged through the CPU instead (``staged_*``).
+        Counts since the process started (its Worlds share them).
+        """
+        return self._session.transport_stats()
 
     # Internal: what an RpcGroup handle of this World uses of it (its typed seam).
     @property
