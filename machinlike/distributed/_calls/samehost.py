@@ -186,16 +186,17 @@ def reply(value: Any, terms: int) -> Any:
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
     if (not terms and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
-    caller = _shm.split_terms(terms)[1]
     if cuda:  # [cuda hook] CUDA tensors through IPC or staged; CPU ones as below, in the same walk
-        return _cuda_stage.encode(value, _reply_threshold(terms), _cuda_ipc.reply_target(terms), caller)
+        return _cuda_stage.encode(value, _reply_threshold(terms), _cuda_ipc.reply_target(terms),
+                                  _shm.split_terms(terms)[1])
     settings = _current
     if settings is None or not settings.enabled:
         return value
     pickled = _blob.whole(value)  # (see outgoing)
     if pickled is not None:
         return pickled
-    return _shm.encode(value, max(terms & _shm.TERMS_MASK, settings.threshold), caller)
+    threshold, caller, _ = _shm.split_terms(terms)
+    return _shm.encode(value, max(threshold, settings.threshold), caller)
 
 
 def _reply_threshold(asked: int) -> int:
