@@ -741,6 +741,7 @@ def test_same_host_verdicts_stay_bounded_through_endless_churn():
     """Each member ever called left a verdict by worker and one by process identity: an
     elastic world whose actors come and go for days grew both without end."""
     from machinlike.distributed._calls import samehost as _samehost
+    from machinlike._pids import own_identity
     from machinlike.distributed._membership import process_identity
 
     space = process_identity().rpartition("/")[0]
@@ -748,7 +749,9 @@ def test_same_host_verdicts_stay_bounded_through_endless_churn():
     try:
         for i in range(3 * _samehost.VERDICTS_KEPT):
             assert host.local(f"w{i}")  # (this process: same host, reachable)
+            assert host.word_of(f"w{i}") == own_identity()  # (the process named: this one, pid and start)
         assert len(host._by_worker) <= _samehost.VERDICTS_KEPT and len(host._verdicts) <= _samehost.VERDICTS_KEPT
+        assert len(host._words) <= _samehost.VERDICTS_KEPT
         assert host.local("w7") and host.local(f"w{3 * _samehost.VERDICTS_KEPT - 1}")  # (asked again, same answer)
     finally:
         host.close()
