@@ -791,3 +791,34 @@ def test_each_requests_outputs_go_back_to_the_device_its_inputs_came_on():
     assert split(rows, [3], "fn", [None])[0].device.type == "cpu"
     assert cuda_device(rows) is None and cuda_device({"a": rows}) is None and cuda_device(None) is None
 
+
+
+@world_test(2, timeout=60)
+def test_a_result_made_after_its_caller_timed_out_lends_no_shared_memory(world):
+    """The caller's deadline travels with its request: a result that is ready only after
+    it lends nothing (torch RPC drops a late reply unread, and what it lent would stay
+    lent while the caller lives). Counted as ``overdue``."""
+    group = world.create_rpc_group("g", world.get_members())
+    if world.rank == 0:
+        def gated(x):
+            _set(world, "running")
+            _wait(world, "timed-out")
+            return x * 2
+
+        impl = InferenceServerImpl("late", group, gated, max_wait=0)
+    group.barrier()
+    if world.rank == 1:
+        server = group.get_paired("late").to_here()
+        with pytest.raises(TimeoutError):
+            server.infer(torch.ones(1, 1 << 18), timeout=1.0)  # (1 MB of rows each way)
+        _set(world, "timed-out")
+        assert server.infer(torch.ones(1, 4)).tolist() == [[2.0] * 4]  # (the server is free again)
+    group.barrier()
+    if world.rank == 0:
+        deadline = time.monotonic() + TIMEOUT
+        while impl.stats()["overdue"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the late result is settled on an RPC thread: the next may overtake it)
+        stats, shm = impl.stats(), world.transport_stats()["shm"]
+        assert stats["overdue"] == 1 and shm["lent"] == 0, (stats, shm)
+        impl.close()
+    group.barrier()

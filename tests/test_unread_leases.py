@@ -5,6 +5,10 @@ they stayed lent until the callee's World stopped (a learner whose actors die no
 slowly filled ``shm_cache_bytes``, then sent every large tensor through TensorPipe). Here:
 the mechanism in one process (``SegmentCache.address`` through ``_shm.guard``), then the
 crash itself across real processes, through the lane and through torch RPC.
+
+A live caller whose call timed out never takes the reply either when torch RPC carries
+it (torch drops a late reply unread): a call's terms carry its deadline, and a result
+made after it lends nothing (``_shm.overdue``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import pytest
 import torch
 
 from machinlike import _pids, _shm
+from machinlike._pids import own_identity
+from machinlike._shm._terms import OVERDUE_MARGIN_S
 from machinlike.distributed import get_world
 from machinlike.distributed._calls import samehost as _samehost
 from machinlike.testing import run_world
@@ -116,6 +122,40 @@ class _Unpicklable:
         raise TypeError("not picklable")
 
 
+def test_terms_carry_the_callers_deadline_beside_its_identity_and_key():
+    now = time.monotonic()
+    key = (1 << 40) - 1  # (the widest device key: a 5-byte digest)
+    terms = _shm.terms(4096, key, now + 60)
+    assert _shm.split_terms(terms) == (4096, own_identity(), key) and not _shm.overdue(terms)
+    assert _shm.overdue(_shm.terms(4096, due=now - 1))
+    assert _shm.overdue(_shm.terms(4096, due=now + OVERDUE_MARGIN_S / 2))  # (it could not arrive in time)
+    assert not _shm.overdue(_shm.terms(4096, due=now + 10 * OVERDUE_MARGIN_S))
+    plain = _shm.terms(4096)
+    for unknown in (None, float("inf"), float("nan"), 0.0, -5.0):  # no deadline sent: never overdue
+        assert _shm.terms(4096, due=unknown) == plain and not _shm.overdue(plain)
+    assert _shm.terms(0, due=now) == 0  # (nothing asked: no terms at all)
+
+
+class _Local:
+    """What ``samehost.reply`` reads of a World's settings: the path on, its threshold."""
+    enabled, threshold = True, 4096
+
+
+def test_a_result_made_after_its_callers_deadline_lends_nothing(monkeypatch):
+    monkeypatch.setattr(_samehost, "_current", _Local())
+    cache = _shm.cache()
+    lent, overdue = cache.lent(), _samehost.stats()["shm"]["overdue"]
+    value = [torch.ones(MB)]
+    on_time = _samehost.reply(value, _shm.terms(4096, due=time.monotonic() + 60))
+    assert on_time is not value and cache.lent() == lent + 1  # (wrapped, its tensor a placeholder, lent)
+    del on_time
+    gc.collect()  # never pickled: its lease ends with it (``_shm.guard``)
+    assert cache.lent() == lent
+    late = _samehost.reply(value, _shm.terms(4096, due=time.monotonic() - 0.5))
+    assert late is value and cache.lent() == lent  # as it is: nothing lent for a caller that stopped waiting
+    assert _samehost.stats()["shm"]["overdue"] == overdue + 1
+
+
 # ------------------------------------------------------------------- across processes
 def _kill_caller_then_answer(caller):
     # The caller dies while its call runs here (SIGKILL), then the reply is made: 4 MB,
@@ -171,4 +211,56 @@ def test_a_caller_killed_while_its_service_ran_leaves_no_segment_lent(lane):
         raise results[0]
     assert results[0][:2] == (0, 1), results  # the 4 MB reply's segment came back, counted as unread
     assert results[0][2] == (["cuda_ipc", "lane", "shm"] if lane else ["cuda_ipc", "shm"]), results
+    assert results[1] is True
+
+
+# ------------------------------------------------- a live caller whose call timed out
+_go = threading.Event()
+
+
+def _answer_when_told():
+    # The reply is made only once the caller said its call timed out: 4 MB, for a caller
+    # that lives on and will never read it.
+    assert _go.wait(60)
+    return torch.ones(MB)
+
+
+def _lent_and_overdue():
+    shm = get_world().transport_stats()["shm"]
+    return shm["lent"], shm["overdue"]
+
+
+def _late_body(world):
+    g = world.create_rpc_group("g", world.get_members())
+    if world.rank == 1:
+        g.register("answer", _answer_when_told)
+        g.register("go", _go.set)
+        g.register("figures", _lent_and_overdue)
+        g.register("finished", _finished.set)
+    g.barrier()
+    if world.rank == 1:
+        return _finished.wait(60)
+    with pytest.raises(TimeoutError):
+        g.registered_sync("answer", timeout=1)
+    g.registered_sync("go")
+    deadline = time.monotonic() + 20
+    lent, overdue = g.registered_sync("figures")
+    while overdue == 0 and time.monotonic() < deadline:  # (the reply is made on rank 1's own time)
+        time.sleep(0.02)
+        lent, overdue = g.registered_sync("figures")
+    later = []
+    for _ in range(10):  # and it stays so: nothing comes back later because nothing was lent
+        time.sleep(0.02)
+        later.append(g.registered_sync("figures"))
+    g.registered_sync("finished")
+    return (lent, overdue), later
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "torch-rpc"])
+def test_a_result_made_after_its_live_caller_timed_out_leaves_no_segment_lent(lane):
+    results = run_world(_late_body, 2, timeout=90, return_exceptions=True, rpc_timeout=30, same_host_lane=lane)
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    now, later = results[0]
+    assert now == (0, 1) and set(later) == {(0, 1)}, results  # sent plainly, counted as overdue
     assert results[1] is True

@@ -13,12 +13,12 @@ from . import _recycled as recycled, _segments
 from ._pack import PACK_MIN, Pack
 from ._segments import cache, reachable
 from ._unsent import guard
-from ._terms import TERMS_MASK, split_terms, terms
+from ._terms import TERMS_MASK, overdue, split_terms, terms
 
 __all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "pack_items", "encode", "encode_parts", "guard", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
            "is_shared_by_reference", "cache", "reachable", "await_taken", "recycled", "TERMS_MASK", "terms",
-           "split_terms"]
+           "split_terms", "overdue"]
 
 
 def await_taken(timeout: float) -> bool:

@@ -26,9 +26,10 @@ caller killed while the service it called ran) when that receiver is gone. The r
 is noted only once the message was sent and dropped here (``address``), so that a message
 still held for a retry is never taken back under it, and with the lease's id, so that a
 note that comes late never names the receiver of the segment's next lease. A reply that
-came after its call timed out is taken and dropped by the caller's lane; one never taken
-by a live caller (a late reply through torch RPC, which drops it unread) stays lent until
-that caller dies or :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed
+came after its call timed out is taken and dropped by the caller's lane; a result made
+after its caller's deadline lends nothing (``_terms.overdue``); one made just before it
+that torch RPC then drops unread (it arrived just after) stays lent until that caller
+dies or :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed
 ``limit``: a lease that would pass it evicts free segments, and fails (None) when that is
 not enough; the caller then sends the tensor the ordinary way and ``stats`` counts it.
 """

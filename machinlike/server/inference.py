@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -178,7 +179,8 @@ class InferenceServer:
         if self._same_host() and (x.device.type == "cpu" if isinstance(x, torch.Tensor)
                                   else all(t.device.type == "cpu" for t in tensors_of(x))):
             threshold = self.shm_threshold or 0
-            reply = _shm.terms(threshold)  # (with this process's identity: see ``_shm._terms``)
+            # (with this process's identity and deadline: see ``_shm._terms``)
+            reply = _shm.terms(threshold, due=None if wait is None else time.monotonic() + wait)
             if not isinstance(x, torch.Tensor) or x.nbytes >= threshold:  # a small tensor stays as it is
                 x = _shm.encode(x, threshold, self._host_word)
         return world, (x, rows, world.name, world.incarnation, wait, reply), wait
@@ -318,7 +320,16 @@ class InferenceServerImpl:
 
         def encoder(reply: int) -> Callable[[Any], Any]:
             threshold, caller, _ = _shm.split_terms(reply)
-            return lambda value: _shm.encode(value, threshold, caller) if _large(value[0], threshold) else value
+
+            def encode(value: Any) -> Any:
+                if not _large(value[0], threshold):
+                    return value
+                if _shm.overdue(reply):  # its caller stopped waiting: lend it nothing (``_shm._terms``)
+                    batcher.note_overdue()
+                    return value
+                return _shm.encode(value, threshold, caller)
+
+            return encode
 
         @rpc.functions.async_execution
         def infer(x: Inputs, rows: int, caller: str, incarnation: int, timeout: float,
@@ -377,7 +388,8 @@ class InferenceServerImpl:
         batch's start) and ``fn_time_p50`` / ``fn_time_p95`` (seconds per call), over the
         last 4096 samples (None before any), ``dropped`` (rows of requests whose caller
         was seen gone: skipped, or run while it went, and not counted as answered),
-        ``expired`` (requests that outwaited their caller's timeout), ``errors`` (requests
+        ``expired`` (requests that outwaited their caller's timeout), ``overdue`` (results
+        made once their caller's timeout passed: sent without shared memory), ``errors`` (requests
         failed by ``fn``), ``isolations`` (failed batches re-run request by request),
         ``rejected`` (over ``max_pending``), ``pending`` (waiting now), ``version``; with
         a ``model_server`` also ``pulls`` (new weights loaded), ``pull_failures`` and

@@ -216,10 +216,11 @@ def local_key() -> int:
     return _key
 
 
-def terms(threshold: int, target: Optional[Tuple[int, int]]) -> int:
+def terms(threshold: int, target: Optional[Tuple[int, int]], due: Optional[float] = None) -> int:
     """The reply terms of a call (``_shm._terms``): the shm ``threshold``, this process's
-    identity and, when the callee may reply through IPC (``target`` known), its key."""
-    return _shm_terms(threshold, local_key() if target is not None else 0)
+    identity, the call's deadline ``due`` (``time.monotonic()``; None: none) and, when the
+    callee may reply through IPC (``target`` known), its key."""
+    return _shm_terms(threshold, local_key() if target is not None else 0, due)
 
 
 def split_terms(reply: int) -> Tuple[int, int, int]:

@@ -112,12 +112,13 @@ def _encode(obj: Any, shm_threshold: int, ipc: Optional[Tuple[int, int]]
     return out, ([] if pack is None else pack.lent), leases
 
 
-def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
-             ipc: Optional[Tuple[int, int]] = None, receiver: int = 0) -> Tuple[Any, ...]:
+def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int, ipc: Optional[Tuple[int, int]] = None,
+             receiver: int = 0, due: Optional[float] = None) -> Tuple[Any, ...]:
     """``(what, args, kwargs, reply terms)``: ``_samehost.outgoing`` for a process that
     initialised CUDA. The terms ask the callee to reply through shared memory from
-    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``).
-    ``receiver``: as for :func:`encode`."""
+    ``shm_threshold`` bytes and, with ``ipc``, CUDA tensors through IPC (``_cuda_ipc.terms``),
+    lending nothing once ``due`` (the call's deadline, ``time.monotonic()``; None: none)
+    passed. ``receiver``: as for :func:`encode`."""
     what, args, kwargs = call
     leases: List[Callable[[], None]] = []
     if args or kwargs:  # one walk: one slab per device, one copy of a tensor found twice
@@ -129,4 +130,4 @@ def outgoing(call: Tuple[Any, Any, Any], shm_threshold: int,
         # its reply finds the last one FREE. Not a call that sends some: the callee reads
         # them only after this process's copies out, which its slab's event follows, ran.
         _cuda_ipc.before_call(ipc[1])
-    return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc))
+    return (what, args, kwargs, _cuda_ipc.terms(shm_threshold, ipc, due))

@@ -7,8 +7,9 @@ A World binds one :class:`SameHost` for its life. Around every RpcGroup call::
       peer on this host (same boot id and PID
       namespace, /proc reachable)?
         yes: large CPU tensors -> placeholders ───► unpickling rebuilds them (machinlike._shm)
-             + reply terms (threshold, caller)      result = reply(value, terms):
-        no:  unchanged + reply 0                    large CPU tensors -> placeholders
+             + reply terms (threshold, caller,      result = reply(value, terms):
+               deadline)                            large CPU tensors -> placeholders
+        no:  unchanged + reply 0                      (none once the deadline passed)
       a list, tuple or dict of thousands of plain items: pickled once, as bytes
         (``_shm._blob``), both ways, instead of walked
     unpickling the response rebuilds them ◄──────── (only when the callee's World allows it)
@@ -26,6 +27,7 @@ back to their owner (a caller SIGKILLed while its service ran kept the reply's l
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -154,9 +156,10 @@ def bind(settings: Optional[SameHost]) -> None:
 
 
 def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] = None) -> Tuple[Any, ...]:
-    """``(what, args, kwargs, reply threshold)`` for a call to ``member`` that ends by
+    """``(what, args, kwargs, reply terms)`` for a call to ``member`` that ends by
     ``deadline`` (``time.monotonic()``: bounds the probe of a first call from a process that
-    uses CUDA, ``_cuda_ipc_peers``; None: the probe's own bound)."""
+    uses CUDA, ``_cuda_ipc_peers``, and travels in the terms: a reply made after it lends
+    nothing, see :func:`reply`; None: the probe's own bound, none sent)."""
     settings = _current
     if settings is None or not settings.enabled or not settings.local(member):
         if _cuda_stage.active():  # [cuda hook] CUDA tensors staged through the CPU
@@ -165,27 +168,38 @@ def outgoing(member: str, call: Tuple[Any, Any, Any], deadline: Optional[float] 
     threshold = settings.threshold
     receiver = settings.word_of(member)
     if _cuda_stage.active():  # [cuda hook] one walk: CUDA tensors through IPC or staged, large CPU ones as here
-        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline), receiver)
+        return _cuda_stage.outgoing(call, threshold, settings.cuda_target(member, deadline), receiver, deadline)
     what, args, kwargs = call
     pickled = None if kwargs else _blob.whole(args)  # a long list of numbers: pickled once, not walked
     if pickled is not None:
-        return (what, pickled, kwargs, _shm.terms(threshold))
+        return (what, pickled, kwargs, _shm.terms(threshold, due=deadline))
     if kwargs:  # one walk: a tensor in both args and kwargs arrives as one, as pickle gives
         args, kwargs = _shm.encode_parts((args, kwargs), threshold, receiver)
     elif args:
         args, = _shm.encode_parts((args,), threshold, receiver)
-    return (what, args, kwargs, _shm.terms(threshold))
+    return (what, args, kwargs, _shm.terms(threshold, due=deadline))
 
 
 _SCALARS = (bool, int, float, str, bytes)
+#: Replies of this process sent plainly because their caller's deadline had passed.
+_counts = {"overdue": 0}
+_counts_lock = threading.Lock()
 
 
 def reply(value: Any, terms: int) -> Any:
     """The callee's result, its large tensors as placeholders when the caller asked
-    (``terms``: the call's reply terms, ``_shm.terms``; 0: it did not)."""
+    (``terms``: the call's reply terms, ``_shm.terms``; 0: it did not).
+
+    A result made once the caller's deadline passed (``_shm.overdue``) lends nothing (its
+    CUDA tensors are staged): torch RPC would drop it unread, and what it lent would stay
+    lent while that caller lives. Counted as ``overdue``."""
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
     if (not terms and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
+    if terms and _shm.overdue(terms):
+        with _counts_lock:  # (rare: a late reply)
+            _counts["overdue"] += 1
+        return _cuda_stage.encode(value, 0) if cuda else value
     if cuda:  # [cuda hook] CUDA tensors through IPC or staged; CPU ones as below, in the same walk
         return _cuda_stage.encode(value, _reply_threshold(terms), _cuda_ipc.reply_target(terms),
                                   _shm.split_terms(terms)[1])
@@ -215,7 +229,7 @@ def stats() -> Dict[str, Dict[str, int]]:
     settings = _current
     if settings is not None and settings.enabled:
         segments = _shm.cache()
-        out["shm"] = {**segments.stats, "lent": segments.lent(), "held_bytes": segments.held_bytes()}
+        out["shm"] = {**segments.stats, **_counts, "lent": segments.lent(), "held_bytes": segments.held_bytes()}
     if _cuda_ipc.enabled():
         out["cuda_ipc"] = _cuda_ipc.stats()
     return out

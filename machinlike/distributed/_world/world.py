@@ -250,7 +250,8 @@ class World:
         ``leases``; ``created`` and ``evicted`` segments; ``reclaimed`` (a receiver
         died holding one); ``unread`` (a receiver died before taking one);
         ``fallbacks`` (a tensor sent through TensorPipe because ``shm_cache_bytes`` was
-        full, a warning said why once); ``lent`` and ``held_bytes`` now.
+        full, a warning said why once); ``overdue`` (results sent without shared memory
+        because their caller's timeout had passed); ``lent`` and ``held_bytes`` now.
         ``lane`` (while ``same_host_lane`` is on): ``calls``, ``not_carried`` (left to
         torch RPC), open ``connections``, ``late`` answers. ``cuda_ipc`` (while CUDA
         tensors may cross through IPC): tensors and bytes sent and received that way,

@@ -79,7 +79,7 @@ class Batcher:
         self._closed = False
         self._busy = False  # a batch is being taken or run (by either thread)
         self._counts = {"requests": 0, "batches": 0, "failed_batches": 0, "rows": 0, "batched_requests": 0,
-                        "dropped": 0, "expired": 0, "errors": 0, "rejected": 0, "isolations": 0}
+                        "dropped": 0, "expired": 0, "overdue": 0, "errors": 0, "rejected": 0, "isolations": 0}
         self._said_rowwise = False  # (the warning that batches fail only joined: once)
         self._company = Company()  # who the open batch still waits for (not with max_wait 0)
         self._waits: Deque[float] = deque(maxlen=_WINDOW)
@@ -304,6 +304,11 @@ class Batcher:
             self._settle(req, exc=exc)
 
     # ---------------------------------------------------------------- outside
+    def note_overdue(self) -> None:
+        """Count a result sent plainly because its caller's deadline had passed."""
+        with self._lock:
+            self._counts["overdue"] += 1
+
     def stats(self) -> Dict[str, Any]:
         """Counters and timing percentiles (see ``InferenceServerImpl.stats``)."""
         with self._cond:
