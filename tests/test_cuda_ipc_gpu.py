@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from machinlike import launch
+from machinlike._shm import _terms
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
 from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open
 from machinlike.distributed._calls import cuda_ipc_slab as _cuda_ipc_slab
+from machinlike.distributed._calls import samehost as _samehost
 from machinlike.distributed._calls.strides import kept_strides
 from machinlike.testing import world_test
 
@@ -326,11 +328,21 @@ def _my_lent():
     return _cuda_ipc.stats()["area_lent"]
 
 
+def _overdue():
+    return _samehost.stats()["shm"]["overdue"]
+
+
+def _margin_off():
+    _terms.OVERDUE_MARGIN_S = -3600.0  # (this callee lends past its callers' deadlines)
+
+
 @world_test(2, timeout=120, same_host_lane=True)
 def test_a_cuda_reply_after_its_call_timed_out_comes_back_to_its_sender(world):
-    """The caller gave up before the service answered: its lane loads the late reply and
-    drops it, so the service's slab comes FREE again (through torch RPC, with the lane
-    off, it stays lent until the caller's World stops or the caller dies)."""
+    """A result made after its caller's deadline lends nothing: it is staged (``overdue``).
+    One made just before it may still arrive late (here: the callee's margin turned off):
+    the caller's lane loads the late reply and drops it, so the service's slab comes FREE
+    again (through torch RPC, with the lane off, it stays lent until the caller dies or
+    the service's World stops)."""
     _cuda_here()
     group = world.create_rpc_group("late", ["0", "1"])
     if world.name == "1":
@@ -339,6 +351,14 @@ def test_a_cuda_reply_after_its_call_timed_out_comes_back_to_its_sender(world):
     if world.name == "0":
         assert torch.equal(group.registered_sync("slow", (0.0,)), torch.full((4 << 20,), 5.0, device="cuda"))
         sent = group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"]
+        with pytest.raises(TimeoutError):
+            group.registered_sync("slow", (1.0,), timeout=0.2)
+        deadline = time.monotonic() + 20
+        while group.rpc_sync("1", _overdue) == 0:  # the reply is made late: staged
+            assert time.monotonic() < deadline, "the slow service never replied"
+            time.sleep(0.05)
+        assert group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"] == sent and group.rpc_sync("1", _my_lent) == 0
+        group.rpc_sync("1", _margin_off)
         for call in (lambda: group.registered_sync("slow", (1.0,), timeout=0.2),
                      lambda: group.registered_async("slow", (1.0,), timeout=0.2).wait()):
             with pytest.raises(TimeoutError):

@@ -154,6 +154,10 @@ def test_a_result_made_after_its_callers_deadline_lends_nothing(monkeypatch):
     late = _samehost.reply(value, _shm.terms(4096, due=time.monotonic() - 0.5))
     assert late is value and cache.lent() == lent  # as it is: nothing lent for a caller that stopped waiting
     assert _samehost.stats()["shm"]["overdue"] == overdue + 1
+    # A process that uses CUDA takes the stage's walk: staged CUDA tensors, no segment either.
+    monkeypatch.setattr(_samehost._cuda_stage, "active", lambda: True)
+    late = _samehost.reply(value, _shm.terms(4096, due=time.monotonic() - 0.5))
+    assert late is value and cache.lent() == lent and _samehost.stats()["shm"]["overdue"] == overdue + 2
 
 
 # ------------------------------------------------------------------- across processes
