@@ -44,7 +44,8 @@ slabs of 64 MB for 20 pullers); read in place, the server's memory is its versio
 The receiver's half (openings of peers' slabs, cached): ``cuda_ipc_open``.
 
 Limits: a lease whose message is lost while its receiver lives (a reply through torch
-RPC after its caller timed out; the lane loads a late reply and drops it, which ends its
+RPC made just before its caller's deadline that arrived after it: one made after it is
+staged, ``_shm.overdue``; the lane loads a late reply and drops it, which ends its
 leases) stays lent until the receiver dies, even past the area's
 ``close`` (its slab outlives the area until ``sweep`` finds it ended); the area counts it
 in ``stats`` as ``lent``, then ``outlived``. Reader rows are ``ROWS - SLOTS``; a state sent
