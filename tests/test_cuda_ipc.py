@@ -1860,6 +1860,9 @@ def test_a_pool_closed_after_its_area_closes_quietly(pinned):
     slab = area._slabs[0]
     _cuda_ipc.close()  # the World stopped first: every slab retired, pinned ones included
     assert slab.storage is None and area.share(slab, os.getpid()) is None
+    # Its last copies in may still be queued on the pushing thread's stream: retired, it
+    # waited for them first (its memory goes back to the allocator once the state goes).
+    assert slab.writes_settled == 1 and area.stats["retire_waits"] == 1
     pool.close()  # (raised AttributeError on the retired slab)
     assert pool.held() == 0 and torch.equal(state[0], torch.ones(4))  # the state keeps its memory
 

@@ -396,10 +396,12 @@ class ExportArea:
         return slab
 
     def _retire(self, slab: Slab) -> None:
-        if slab.unsent or self.words[slab.slot, 3]:
+        if slab.unsent or self.words[slab.slot, 3] or any(kept is slab for kept in self._pinned.values()):
             # Copies of a message that ended early may still be queued into it, maybe on
             # another thread's stream: freed now, its memory could go to a new tensor of
-            # the stream it was made on, and those copies would overwrite that tensor.
+            # the stream it was made on, and those copies would overwrite that tensor. So
+            # may a still-pinned slab's (a World stopped under a push: ``PinnedStates``
+            # settles a slab only when it unpins it, and the area's close may come first).
             try:
                 slab.settle_writes()
             except Exception:  # (a CUDA error is the process's, and shows there: retiring goes on)
