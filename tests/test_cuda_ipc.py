@@ -187,9 +187,14 @@ class _FakeSlab:
         self.ready, self.ready_handle = None, b""
         self.unsent = False
         self.writes_settled = 0
+        self.stuck = False  # a test sets True: copies into it that never run (a stuck device)
 
-    def settle_writes(self):
+    def settle_writes(self, timeout=None):
         self.writes_settled += 1
+        return not self.stuck
+
+    def settled(self):
+        return not self.stuck
 
 
 @pytest.fixture
@@ -219,6 +224,14 @@ def test_a_slabs_mapped_bytes_are_its_segments_as_the_allocators_snapshot_says(m
     assert _cuda_ipc_slab.segment_bytes(4096, 0, 32 << 20) == 32 << 20  # never less than the slab
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)  # a torch without the keyword
     assert _cuda_ipc_slab.segment_bytes(4096, 0, 2 << 20) == 20 << 20
+
+    def refusing(mempool_id=None, include_traces=True):  # pytorch#174044: a build that refused its own pool id
+        if not include_traces:
+            raise RuntimeError("mempool_id must be a tuple of 2 integers")
+        return segments
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", refusing)
+    assert _cuda_ipc_slab.segment_bytes(4096, 0, 2 << 20) == 20 << 20  # not the slab's 2 MiB
 
     def failing(**options):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -313,18 +326,26 @@ def test_settling_a_slab_waits_for_its_own_event_not_the_whole_device(monkeypatc
     monkeypatch.setattr(torch.cuda, "device", _Device)
 
     class _Event:
-        waited = 0
+        def __init__(self, runs_after):
+            self.asked, self.runs_after = 0, runs_after
 
-        def synchronize(self):
+        def query(self):
             assert current == [1]
-            self.waited += 1
+            self.asked += 1
+            return self.asked > self.runs_after
 
     slab = _cuda_ipc_slab.Slab.__new__(_cuda_ipc_slab.Slab)  # (no CUDA here: the fields it reads)
-    slab.index, slab.ready = 1, _Event()
-    slab.settle_writes()
-    assert slab.ready.waited == 1 and synced == []
+    slab.index, slab.ready = 1, _Event(runs_after=3)
+    assert slab.settle_writes() and slab.ready.asked == 4 and synced == []
+    assert slab.settled()
+    # Copies that never run (a device stuck behind a collective): the wait ends at its
+    # bound, under the area's lock, and says so; the caller keeps the memory.
+    slab.ready = _Event(runs_after=10 ** 9)
+    started = time.monotonic()
+    assert not slab.settle_writes(0.05) and 0.05 <= time.monotonic() - started < 2.0
+    assert not slab.settled() and synced == []
     slab.ready = None
-    slab.settle_writes()
+    assert slab.settle_writes() and slab.settled()
     assert synced == [torch.device("cuda", 1)]
 
 
@@ -456,12 +477,56 @@ def test_a_late_filled_of_an_ended_lease_keeps_its_successors_mark(area):
     assert area._filling == {}
 
 
+def test_a_slab_whose_copies_in_never_run_is_retired_but_its_memory_kept_until_they_do(area, monkeypatch):
+    """Retiring a slab still written waits under the area's lock: a bounded wait (a device
+    stuck behind a collective once hung every sender of the process here). Past it the
+    slab is retired (never lent again, receivers drop it) but its memory stays held and
+    counted, and goes back to the allocator once those copies ran."""
+    let_go = []
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda",
+                        lambda *counter: let_go.append(counter), raising=False)
+    live = os.getpid()
+    ended, other = area.lease(0, 8 << 20, live), area.lease(0, 8 << 20, live)
+    area.release(ended)  # its copies may be queued
+    area.words[other.slab.slot, 0] = _cuda_ipc_area.FREE
+    ended.slab.stuck = True
+    storage = ended.slab.storage
+    assert area.lease(0, 16 << 20, live) is None  # room needs both: the stuck one's memory stays
+    assert area.stats["settle_timed_out"] == 1 and area.stats["slabs_retired"] == 2
+    assert ended.slab not in area._slabs and ended.slab.storage is None  # retired: never lent again
+    assert area.words[ended.slab.slot, 2] == _cuda_ipc_area.RETIRED  # receivers drop their opening
+    assert area._parked._kept[0][1][0] is storage and area.held_bytes() == 8 << 20  # kept, and counted
+    assert let_go == [other.slab.counter]
+    assert area.lease(0, 8 << 20, live) is not None and area.held_bytes() == 16 << 20  # still counted
+    ended.slab.stuck = False  # the device got there
+    assert area.lent() == 1 and len(area._parked) == 0 and area.held_bytes() == 8 << 20
+    assert let_go == [other.slab.counter, ended.slab.counter]
+
+
+def test_a_closed_area_outlives_while_a_retired_slab_is_still_written(area, monkeypatch):
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda", lambda *counter: None, raising=False)
+    ended = area.lease(0, 10, os.getpid())
+    area.filled(ended)
+    area.release(ended)
+    ended.slab.stuck = True
+    assert area.close() is True and area._slabs == [] and area.fd >= 0  # kept by ``Outliving``
+    assert area.sweep() is True and area.held_bytes() == 2 << 20
+    ended.slab.stuck = False
+    assert area.sweep() is False and area.held_bytes() == 0 and area.fd == -1
+    stuck = _cuda_ipc_area.ExportArea(16 << 20)
+    lease = stuck.lease(0, 10, os.getpid())
+    stuck.release(lease)
+    lease.slab.stuck = True
+    assert stuck.close() is True and stuck.sweep(force=True) is False  # the interpreter's exit
+    assert stuck.held_bytes() == 0
+
+
 def test_closing_counts_a_settle_that_fails_and_goes_on(area):
     ended = area.lease(0, 10, os.getpid())
     area.filled(ended)
     area.release(ended)  # its copies may be queued: retiring it settles them
 
-    def failing():
+    def failing(timeout=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     ended.slab.settle_writes = failing
@@ -1809,6 +1874,21 @@ def test_a_pinned_slab_goes_back_only_after_its_last_copies_in(pinned):
     assert [slab.writes_settled for slab in slabs] == [0, 0, 0, 1]
     pool.close()
     assert [slab.writes_settled for slab in slabs] == [1, 1, 1, 1]
+
+
+def test_a_pinned_slab_whose_copies_in_never_run_keeps_its_memory_when_unpinned(pinned, monkeypatch):
+    monkeypatch.setattr(torch.UntypedStorage, "_release_ipc_counter_cuda", lambda *counter: None, raising=False)
+    pool = pinned()
+    state = pool.adopt("m", [torch.ones(4)])
+    area = _cuda_ipc._area
+    slab = area._slabs[0]
+    slab.stuck = True  # its copies in sit behind a stuck collective
+    del state
+    pool.close()  # the unpin's wait ends at its bound; retiring it waits once more, then parks it
+    assert slab.writes_settled == 2 and slab.storage is None and area.stats["settle_timed_out"] == 1
+    assert area.held_bytes() == slab.capacity  # still counted: its memory is not the allocator's yet
+    slab.stuck = False
+    assert area.lent() == 0 and area.held_bytes() == 0
 
 
 def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinned):

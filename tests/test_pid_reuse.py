@@ -144,8 +144,11 @@ class _FakeSlab:
         self.slot, self.ident, self.index, self.capacity = slot, ident, index, capacity
         self.storage, self.counter, self.views, self.ready, self.unsent = object(), (b"/none", 0), {}, None, False
 
-    def settle_writes(self):
-        pass
+    def settle_writes(self, timeout=None):
+        return True
+
+    def settled(self):
+        return True
 
 
 def test_a_cuda_slab_whose_killed_taker_pid_went_to_a_new_process_is_reclaimed(monkeypatch):

@@ -29,6 +29,10 @@ message that sends that state at once, each through a reader row. Leases live in
       not open or wait for them; this side's ``release``) ─► the slab's next writer orders
       its copies after them first (``UNSETTLED`` in its row, or ``Slab.unsent``): they may
       still be queued, on another thread's stream
+    retire (evicted for room, unpinned and read by nobody, or at close): a slab an early-
+      ended message or a push may still write waits for those copies, 1 s at most under
+      the lock; still written (a stuck device) ─► retired, but its memory kept and counted
+      (``settle_timed_out``) until they ran, checked at each reclaim (``cuda_ipc_parked``)
     close(wait) ─► nothing more lent; slabs lent to live receivers (or being written)
       after ``wait`` outlive the area; the rest retire ─► ``sweep`` retires the outlived
       once FREE or their receiver died, then closes the page
@@ -65,6 +69,7 @@ import numpy as np
 import torch
 
 from ..._pids import pid_alive, pid_of
+from .cuda_ipc_parked import Parked
 from .cuda_ipc_slab import GRAIN, Slab, slab_capacity
 
 __all__ = ["FREE", "RETIRED", "PINNED", "UNSETTLED", "SLOTS", "ROWS", "WORDS", "PAGE_BYTES", "Lease",
@@ -79,6 +84,7 @@ ROWS = 1024  # slab rows, then reader rows
 WORDS = 4
 PAGE_BYTES = ROWS * WORDS * 8
 _REUSE_WAIT_S = 0.010  # a sender waits this long at most for its taker's last slab (see ``lease``)
+_RETIRE_WAIT_S = 1.0  # (milliseconds as a rule: the copies of one message)
 
 
 class Lease:
@@ -129,11 +135,16 @@ class ExportArea:
         self._held = 0
         self._ids = itertools.count(1)
         self.reuse_wait = _REUSE_WAIT_S
+        # Seconds a retire waits at most, under the lock, for copies still queued into the
+        # slab; past it the slab is parked (retired, its memory kept until they ran).
+        self.retire_wait = _RETIRE_WAIT_S
         # Every counter exists from the start: stats() reads the dict without the lock.
         self.stats: Dict[str, int] = {"slabs_made": 0, "slabs_retired": 0, "reclaimed": 0, "no_room": 0,
                                       "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
                                       "retire_waits": 0, "pinned": 0, "shared": 0, "no_reader_row": 0,
-                                      "settle_failed": 0, "outlived": 0, "ended_at_close": 0}
+                                      "settle_failed": 0, "settle_timed_out": 0, "outlived": 0,
+                                      "ended_at_close": 0}
+        self._parked = Parked(self.stats)  # retired slabs whose memory waits for copies still queued
 
     @property
     def fd(self) -> int:
@@ -367,11 +378,15 @@ class ExportArea:
             if not self._read(slab):
                 self._retire(slab)  # unpinned, read by nobody now (its states keep their memory)
                 found = True
+        if self._parked:
+            self._held -= self._parked.let_settled_go()
         return found
 
     def _new_slab(self, index: int, capacity: int) -> Optional[Slab]:
         if capacity > self.limit:
             return None
+        if self._parked:
+            self._held -= self._parked.let_settled_go()
         outside = self._outside()
         while self._held + outside + capacity > self.limit:
             free = [slab for slab in self._slabs if self.words[slab.slot, 0] == FREE]
@@ -396,6 +411,7 @@ class ExportArea:
         return slab
 
     def _retire(self, slab: Slab) -> None:
+        settled = True
         if slab.unsent or self.words[slab.slot, 3] or any(kept is slab for kept in self._pinned.values()):
             # Copies of a message that ended early may still be queued into it, maybe on
             # another thread's stream: freed now, its memory could go to a new tensor of
@@ -403,7 +419,7 @@ class ExportArea:
             # may a still-pinned slab's (a World stopped under a push: ``PinnedStates``
             # settles a slab only when it unpins it, and the area's close may come first).
             try:
-                slab.settle_writes()
+                settled = slab.settle_writes(self.retire_wait)
             except Exception:  # (a CUDA error is the process's, and shows there: retiring goes on)
                 self.stats["settle_failed"] += 1
             self.stats["retire_waits"] += 1
@@ -413,18 +429,8 @@ class ExportArea:
             self._pinned = {address: kept for address, kept in self._pinned.items() if kept is not slab}
         if slab in self._draining:
             self._draining.remove(slab)
-        self._held -= slab.capacity
         self.stats["slabs_retired"] += 1
-        # torch counted the one export as one reader (counter 1) and parks freed memory
-        # with a count above 0 in its limbo. No receiver counts (they open with
-        # NO_COUNTER), so this one release lets the memory go back to the allocator now.
-        try:
-            torch.UntypedStorage._release_ipc_counter_cuda(*slab.counter)
-        except Exception:  # best effort, as torch's own consumers do
-            self.stats["counter_release_failed"] += 1
-        slab.storage = None  # type: ignore[assignment]
-        slab.views = {}  # (they hold the storage too)
-        slab.ready = None  # receivers check the slab's id before they ask its event
+        self._held -= self._parked.retire(slab, settled)
 
     def close(self, wait: float = 0.0) -> bool:
         """Stop lending and retire every slab nobody holds; first wait, ``wait`` seconds at
@@ -459,7 +465,8 @@ class ExportArea:
                 row = self.words[slab.slot]
                 if force or not (slab.slot in self._filling or row[0] > FREE or self._read(slab)):
                     self._retire(slab)
-            if self._slabs:
+            self._held -= self._parked.let_settled_go(force)
+            if self._slabs or self._parked:
                 return True
             if self._fd >= 0:  # (open until now: a receiver still lent a slab may map the page first)
                 os.close(self._fd)

@@ -161,6 +161,6 @@ def _unpin(entry: _Pinned) -> None:
     """Unpin ``entry``'s slab once its last copies in ran: they may be queued on another
     thread's stream, and memory back with the allocator goes to that of the stream it was
     made on, whose next tensor those copies would overwrite."""
-    if entry.slab.storage is not None:  # (retired already: settled then)
-        entry.slab.settle_writes()
+    if entry.slab.storage is not None and not entry.slab.settle_writes():  # (retired already: settled then)
+        entry.slab.unsent = True  # still written (a stuck device): its retire waits again, then keeps the memory
     entry.area.unpin(entry.slab)

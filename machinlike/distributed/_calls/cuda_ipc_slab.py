@@ -9,13 +9,17 @@ by each receiver and lent again and again.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["GRAIN", "Slab", "slab_capacity", "segment_bytes"]
+__all__ = ["GRAIN", "SETTLE_WAIT_S", "Slab", "slab_capacity", "segment_bytes"]
 
 GRAIN = 2 << 20  # lent slabs hold whole powers of two from 2 MiB (they recycle well); pinned ones 2 MiB steps
+# Seconds ``Slab.settle_writes`` waits at most by default for copies queued into a slab
+# (milliseconds, unless the device is stuck or far behind: then the slab's memory is kept).
+SETTLE_WAIT_S = 30.0
 
 
 def slab_capacity(nbytes: int) -> int:
@@ -45,9 +49,10 @@ def segment_bytes(base: int, index: int, fallback: int) -> int:
 def _segments() -> Any:
     try:
         # No trace entries: with a user's memory history on, converting them costs up to
-        # seconds, under the export area's lock (an older torch lacks the keyword).
+        # seconds, under the export area's lock (an older torch lacks the keyword; some
+        # builds of its first releases refused the pool id it packs with it: pytorch#174044).
         return torch.cuda.memory_snapshot(include_traces=False)
-    except TypeError:
+    except Exception:
         return torch.cuda.memory_snapshot()
 
 
@@ -88,17 +93,37 @@ class Slab:
         except Exception:  # no IPC events here (ready stays None): the sender synchronises instead
             pass
 
-    def settle_writes(self) -> None:
-        """Wait until every copy queued into this slab has run (one retired while a
-        message that ended early may still be writing it).
+    def settle_writes(self, timeout: float = SETTLE_WAIT_S) -> bool:
+        """Wait, ``timeout`` seconds at most, until every copy queued into this slab has
+        run (one retired while a message that ended early may still be writing it).
+        Returns whether they ran: False, they may still be queued (behind a stuck
+        collective, say), and the caller must keep the memory.
 
         Its ``ready`` follows the last message's copies (recorded after them; where they
         failed, the device was synchronised there: ``cuda_ipc``), as the next writer's
         ``after_writes`` relies on too. So this waits for those copies alone, not for
-        the whole device (a learner's queued step), under the area's lock. Without IPC
-        events, the whole device."""
-        if self.ready is not None:
-            with torch.cuda.device(self.index):  # (a thread on no device yet would make a context on cuda:0)
-                self.ready.synchronize()
-        else:
+        the whole device (a learner's queued step), under the area's lock; polled, so
+        that a device that never gets there stalls the area's lock ``timeout`` at most.
+        Without IPC events, the whole device (unbounded: torch has no timed wait for it)."""
+        ready = self.ready
+        if ready is None:
             torch.cuda.synchronize(torch.device("cuda", self.index))
+            return True
+        deadline = time.monotonic() + timeout
+        pause = 20e-6
+        with torch.cuda.device(self.index):  # (a thread on no device yet would make a context on cuda:0)
+            while not ready.query():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
+        return True
+
+    def settled(self) -> bool:
+        """Whether the copies queued into this slab have all run, without waiting (see
+        ``settle_writes``); True where it has no IPC event (it was synchronised then)."""
+        ready = self.ready
+        if ready is None:
+            return True
+        with torch.cuda.device(self.index):
+            return bool(ready.query())
