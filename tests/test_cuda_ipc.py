@@ -1667,7 +1667,7 @@ def test_a_verdict_another_thread_reached_meanwhile_is_not_probed_again(monkeypa
     assert _cuda_ipc_peers.peer_target("peer", peer) == (77, peer) and calls == ["_describe"]
 
 
-def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu):
+def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over_cpu, caplog):
     monkeypatch.setattr(_cuda_ipc, "_key", 77)
     monkeypatch.setattr(_cuda_ipc.ops, "current_index", lambda: 0)
 
@@ -1677,9 +1677,16 @@ def test_a_probe_that_fails_stages_for_good_and_ends_its_lease(monkeypatch, over
         raise RuntimeError("cudaIpcOpenMemHandle failed: invalid device context")
 
     monkeypatch.setattr(_cuda_ipc_peers.rpc, "rpc_sync", broken)
-    before = _cuda_ipc.stats().get("staged_probe_failed", 0)
-    assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
-    assert _cuda_ipc.stats()["staged_probe_failed"] == before + 1
+    before = _cuda_ipc.stats()
+    with caplog.at_level("WARNING", logger=_cuda_ipc_peers.log.name):
+        assert _cuda_ipc_peers.peer_target("peer", os.getpid() + 1) is None
+    records = [r.getMessage() for r in caplog.records if r.name == _cuda_ipc_peers.log.name]
+    counts = _cuda_ipc.stats()
+    assert counts["staged_probe_failed"] == before.get("staged_probe_failed", 0) + 1
+    assert counts["staged_probe_failed:RuntimeError"] == before.get("staged_probe_failed:RuntimeError", 0) + 1
+    # Said once, with the cause: the first run on a new machine must not stage in silence.
+    assert len(records) == 1 and "peer" in records[0] and "cudaIpcOpenMemHandle failed" in records[0]
+    assert "cuda_ipc_cache_bytes=0" in records[0]
     assert _cuda_ipc._area.lent() == 0  # the call is over: the caller took its lease back
     assert _cuda_ipc._area._slabs[0].unsent  # (the probe's copies may be queued: its next writer waits)
 

@@ -34,6 +34,7 @@ live in ``cuda_ipc._peers`` (bounded; cleared with the path's state).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -44,6 +45,8 @@ from torch.distributed import rpc
 from . import cuda_ipc as _ipc
 from .cuda_ipc_area import Lease
 from .staging import stage_tensor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["peer_target", "export"]
 
@@ -209,6 +212,7 @@ def _prove(member: str, pid: int, mine: int, index: int, deadline: float) -> Opt
         _ipc._counts.add("staged_probe_not_exported")
         return None
     late = staged = False
+    error: Optional[BaseException] = None
     try:
         back, exported = rpc.rpc_sync(member, _probe, args=(refs, os.getpid()), timeout=left)
         staged = not exported  # (no room there, or its export failed: proves nothing either way)
@@ -218,8 +222,8 @@ def _prove(member: str, pid: int, mine: int, index: int, deadline: float) -> Opt
             # own could read it unwritten, and the peer was staged for good)
             torch.cuda.current_stream(probe.device).wait_stream(torch.cuda.default_stream(probe.device))
         ok = exported and bool((probe.cpu() == torch.arange(16)).all())
-    except Exception:
-        ok = False
+    except Exception as exc:
+        ok, error = False, exc
         # Out of time proves nothing about IPC (a peer busy starting up, a loaded host):
         # asked again later, as an unanswered question is. Any other failure is the probe's.
         late = time.monotonic() >= deadline
@@ -240,7 +244,12 @@ def _prove(member: str, pid: int, mine: int, index: int, deadline: float) -> Opt
             _ipc._counts.add("staged_probe_unanswered")
             return None
         _note_peer(member, 0, None)
-        _ipc._counts.add("staged_probe_failed")
+        why = "came back wrong" if error is None else f"failed: {type(error).__name__}: {error}"
+        _ipc._counts.add("staged_probe_failed", 1, f"staged_probe_failed:{type(error).__name__}" if error else None)
+        # Once a peer: a slower path for good, which the counters alone would leave unexplained.
+        log.warning("CUDA tensors to %s (pid %d) are staged through the CPU from now on: the CUDA IPC probe on "
+                    "cuda:%d %s. World(cuda_ipc_cache_bytes=0) stages every CUDA tensor, and says nothing.",
+                    member, pid, index, why)
         return None
     _note_peer(member, mine, None)
     return mine, pid
