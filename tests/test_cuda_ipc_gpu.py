@@ -661,3 +661,37 @@ def test_a_slab_tells_receivers_the_whole_segment_its_handle_maps():
     segment = [s for s in torch.cuda.memory_snapshot() if s["device"] == 0 and s["address"] == base]
     assert len(segment) == 1 and slab.mapped == segment[0]["total_size"]
     assert slab.mapped >= 20 << 20  # (the allocator gives a 1-10 MiB block a 20 MiB segment, or a larger one)
+
+
+def test_a_slab_still_written_behind_a_busy_stream_is_retired_at_once_and_its_memory_kept_until_written():
+    # Retiring a slab whose copies in are still queued (a message that ended early) waits
+    # for them under the area's lock: a bounded wait now, the slab kept past it, not freed
+    # under those copies and not waited for by every sender of the process meanwhile.
+    from machinlike.distributed._calls import cuda_ipc_area as _cuda_ipc_area
+    from machinlike.distributed._calls import cuda_ipc_ops as ops
+
+    _cuda_here()
+    area = _cuda_ipc_area.ExportArea(64 << 20)
+    area.retire_wait = 0.05
+    try:
+        lease = area.lease(0, 1 << 20, os.getpid())
+        slab = lease.slab
+        source = torch.ones(1 << 18, device="cuda")  # 1 MiB
+        side = torch.cuda.Stream()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1 << 31)  # (about a second of one GPU thread): the copy queues behind it
+            ops.view(slab.views, slab.storage, 0, 0, torch.float32, (1 << 18,)).copy_(source)
+            ops.mark_ready(slab)
+        area.filled(lease)
+        area.release(lease)  # ended before its copy ran
+        began = time.monotonic()
+        assert area.close() is True  # kept: its memory still written
+        assert time.monotonic() - began < 0.5
+        assert area.stats["settle_timed_out"] == 1 and slab.storage is None and area.held_bytes() == 2 << 20
+        assert not slab.settled()
+        side.synchronize()
+        assert slab.settled() and area.sweep() is False and area.held_bytes() == 0
+        assert area.stats["counter_release_failed"] == 0
+    finally:
+        area.sweep(force=True)
