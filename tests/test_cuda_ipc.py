@@ -1898,7 +1898,7 @@ def test_a_pinned_slab_whose_copies_in_never_run_keeps_its_memory_when_unpinned(
     assert area.lent() == 0 and area.held_bytes() == 0
 
 
-def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinned):
+def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinned, monkeypatch):
     pool = pinned()
     state = pool.adopt("m", [torch.arange(6.0).reshape(2, 3)])
     area = _cuda_ipc._area
@@ -1908,8 +1908,14 @@ def test_only_a_whole_contiguous_state_of_one_pinned_slab_is_read_in_place(pinne
     assert area.in_place([torch.ones(3)], me) is None
     taken = [area.in_place(state, me) for _ in range(_cuda_ipc_area.ROWS - _cuda_ipc_area.SLOTS)]
     assert all(taken) and area.in_place(state, me) is None and area.stats["no_reader_row"] == 1
+    synced = []
+    monkeypatch.setattr(_cuda_ipc.ops, "synchronize", synced.append)
     got = pickle.loads(_pull(state))  # (no reader row: copied into a slab of its own)
     assert torch.equal(got[0], torch.arange(6.0).reshape(2, 3)) and len(area._slabs) == 2
+    # That copy read the pinned slab: done before the message let the state go, since a push
+    # on another thread's stream may rewrite it then (record_stream skips exported memory).
+    assert synced == [torch.device("cpu")]
+    assert pickle.loads(_pull([torch.ones(3)])) and synced == [torch.device("cpu")]  # others: no wait
     pool.close()
 
 

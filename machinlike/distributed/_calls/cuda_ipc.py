@@ -317,6 +317,11 @@ class Batch:
                               strides))
             if copy:
                 ops.copied_here(group.tensors, group.index)  # (the message lets them go below)
+                if area.pinned_among(group.tensors):
+                    # A pinned state copied rather than read in place (no reader row was free):
+                    # record_stream does nothing for exported memory, and a push on another
+                    # thread's stream may rewrite the slab once the message lets it go.
+                    ops.synchronize(ops.device(group.index))
             if slab.ready is not None and copy:
                 ops.mark_ready(slab)
         except BaseException as exc:

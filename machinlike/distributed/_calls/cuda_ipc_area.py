@@ -324,6 +324,14 @@ class ExportArea:
         lease = self.share(slab, taker)
         return None if lease is None else (lease, [int(t.storage_offset()) * t.element_size() for t in tensors])
 
+    def pinned_among(self, tensors: List[torch.Tensor]) -> bool:
+        """Whether any of ``tensors`` views a slab pinned now or being unpinned."""
+        if not (self._pinned or self._draining):
+            return False
+        with self._lock:
+            held = set(self._pinned) | {slab.storage.data_ptr() for slab in self._draining if slab.storage is not None}
+        return any(tensor.untyped_storage().data_ptr() in held for tensor in tensors)
+
     def readers(self, slab: Slab) -> int:
         """Live readers of ``slab`` now (those of dead receivers are taken back first)."""
         with self._lock:
