@@ -21,11 +21,13 @@ A slab is rewritten only when its storage is referenced by the slab alone (the c
 dropped the version, no reply holds it) and no live receiver reads it, so a reader never
 sees a torn state. A reply that copies a pinned state instead (every reader row taken)
 waits for that copy before it lets the state go: ``record_stream`` does nothing for
-exported memory, and the push that rewrites it may run on another thread's stream. Memory: a ring grows only while each of its slabs is held, and gives
-back free slabs past ``_SPARE``, so it holds about as many slabs as versions are kept and
-read at once (the chain's two, and those slow readers still copy out of), whatever the
-number of pullers; at most MOST a ring, and
-half of ``cuda_ipc_cache_bytes`` in all (the rest stays for messages' own slabs).
+exported memory, and the push that rewrites it may run on another thread's stream.
+
+Memory: a ring grows only while each of its slabs is held, and gives back free slabs past
+``_SPARE``, so it holds about as many slabs as versions are kept and read at once (the
+chain's two, and those slow readers still copy out of), whatever the number of pullers;
+at most MOST a ring, and half of ``cuda_ipc_cache_bytes`` in all (the rest stays for
+messages' own slabs).
 """
 
 from __future__ import annotations
