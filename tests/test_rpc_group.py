@@ -473,11 +473,8 @@ def _leaks_body(world):
             refs += [weakref.ref(failed), weakref.ref(relay)]
             del failed, relay
         # The helper thread that completed the last relay leaves its frame a moment after
-        # this thread woke, and torch's agent holds a timed-out call's future until its late
-        # reply came (the callee sleeps 0.3 s for each of 20 calls: seconds on a loaded
-        # box, where 5 s fell short once). A leaked future stays for good: waiting longer
-        # costs only a failing run its time.
-        deadline = time.monotonic() + 30
+        # this thread woke: give it that moment (a leaked future stays for good).
+        deadline = time.monotonic() + 5
         while True:
             gc.collect()
             alive = [k for k, ref in enumerate(refs) if ref() is not None]
