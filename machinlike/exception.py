@@ -40,6 +40,7 @@ __all__ = [
     "raised_remotely",
     "drop_frames",
     "freeze_traceback",
+    "copy_to_raise",
 ]
 
 #: Where :func:`freeze_traceback` keeps an exception's traceback, as text.
@@ -167,6 +168,37 @@ def freeze_traceback(exc: BaseException) -> BaseException:
     if state is not None and _FROZEN not in state:
         state[_FROZEN] = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return drop_frames(exc) if state is not None else exc
+
+
+def copy_to_raise(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise in its stead: its type, ``args``, attributes (its notes a
+    list of their own), cause and context, and no traceback; ``exc`` itself where no faithful
+    copy can be made (its class refuses to be made without its ``__init__``, or the copy
+    reads differently).
+
+    Why: raising an exception writes onto it every frame it passes (``__traceback__``). An
+    error a torch Future keeps (in C++, out of the collector's sight) and raises to each of
+    its readers would keep the frames of the reader that caught it, and so the future
+    those frames hold, for good: a failed call waited on in a function that kept its
+    future leaked both, every time. From Python 3.12 the frames of two threads raising the
+    one object at once even land on each other's traceback. A copy per read carries that
+    reader's frames, and goes when the reader lets it go.
+    """
+    try:
+        state = dict(getattr(exc, "__dict__", None) or {})
+        if isinstance(exc, OSError):
+            state.update((name, getattr(exc, name)) for name in _OS_ERROR_FIELDS if getattr(exc, name) is not None)
+        copy = _rebuild_by_state(type(exc), exc.args, state)
+        if str(copy) != str(exc):
+            return exc
+    except Exception:
+        return exc
+    notes = state.get("__notes__")
+    if isinstance(notes, list):
+        copy.__notes__ = list(notes)  # (a note added to the copy is not added to the kept error)
+    copy.__cause__, copy.__context__ = exc.__cause__, exc.__context__
+    copy.__suppress_context__ = exc.__suppress_context__
+    return copy
 
 
 _DAEMONIC = "daemonic processes are not allowed to have children"  # multiprocessing's assertion

@@ -7,6 +7,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -372,6 +373,50 @@ def test_async_services_answer_out_of_order(world):
     g.destroy()
 
 
+_FAILED_FUTURES: list = []
+
+
+@rpc.functions.async_execution
+def _failing_async_noted():
+    fut = torch.futures.Future()
+    fut.set_exception(Overdrawn("async", 1))
+    _FAILED_FUTURES.append(weakref.ref(fut))
+    return fut
+
+
+def _failed_async_services_leak_nothing_body(world):
+    import gc
+
+    g = world.create_rpc_group("failing", ["0", "1"])
+    if world.name == "1":
+        g.register("fail", _failing_async_noted)
+    g.barrier()
+    if world.name == "0":
+        for _ in range(20):
+            with pytest.raises(Overdrawn):
+                g.registered_sync("fail")
+    g.barrier()
+    if world.name == "1":
+        gc.collect()
+        alive = sum(ref() is not None for ref in _FAILED_FUTURES)
+        assert len(_FAILED_FUTURES) == 20 and alive == 0, f"{alive} of 20 failed futures outlived their answer"
+    g.barrier()
+    g.destroy()
+
+
+@world_test(2, timeout=60)
+def test_failed_async_services_leak_nothing(world):
+    """The answering side read a failed service future's error in a frame that held the
+    future: torch keeps the error in C++, so each failed async call left the future, its
+    error and that frame behind on its owner."""
+    _failed_async_services_leak_nothing_body(world)
+
+
+@world_test(2, timeout=60, same_host_lane=False)
+def test_failed_async_services_leak_nothing_through_torch_rpc(world):
+    _failed_async_services_leak_nothing_body(world)
+
+
 def _futures_body(world):
     g = world.create_rpc_group("futures", ["0", "1"])
     if world.name == "1":
@@ -449,7 +494,6 @@ def test_async_results_are_torch_futures_through_torch_rpc(world):
 def _leaks_body(world):
     import gc
     import logging
-    import weakref
 
     g = world.create_rpc_group("leaks", ["0", "1"])
     if world.name == "1":

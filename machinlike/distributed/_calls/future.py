@@ -42,7 +42,7 @@ import torch
 from ... import _checks
 from ..._awaiting import loop_waker
 from .. import _transport
-from ...exception import PeerLostError, drop_frames
+from ...exception import PeerLostError, copy_to_raise, drop_frames
 from .coroutines import blocking_error, on_loop_thread
 from .cuda_settle import settle
 from .send import translate_error
@@ -195,7 +195,8 @@ class RpcFuture(_transport.lane.LaneFuture):
                 or within ``timeout`` (then the call is still pending).
             PeerLostError: the member is gone.
             Exception: what the remote function raised (original type, remote traceback
-                as ``__cause__``).
+                as ``__cause__``), as a copy of its own for each read
+                (:func:`~machinlike.exception.copy_to_raise` says why).
         """
         self._read = True
         if not self.done() and on_loop_thread():
@@ -213,7 +214,7 @@ class RpcFuture(_transport.lane.LaneFuture):
                 # at once. Bounded: the call fails at its timeout, and a retry shares it.
                 self.wait_arrived()
             # value(), not torch's wait, which lets go of the GIL (a thread switch a call)
-            result = _value(self) if self.done() else _wait(self)
+            result = _read(_value if self.done() else _wait, self)
             settle(result)  # (CUDA tensors in it: ready on this thread's stream too)
             return result
         except BaseException:
@@ -233,7 +234,7 @@ class RpcFuture(_transport.lane.LaneFuture):
             try:
                 value = callback(fut)
             except BaseException as exc:
-                if _note and exc is not getattr(fut, "_unread", None):  # the callback's own: say where, as text
+                if _note and not _is_its_error(exc, fut):  # the callback's own: say where, as text
                     below = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
                     exc.add_note("raised in a then() callback:\n" + "".join(traceback.format_tb(below)).rstrip())
                 out.set_exception(drop_frames(exc))
@@ -258,7 +259,7 @@ class RpcFuture(_transport.lane.LaneFuture):
         """The value of a completed future, or its error raised (as torch's ``value``)."""
         self._read = True
         try:
-            result = _value(self)
+            result = _read(_value, self)
             settle(result)
             return result
         except BaseException:
@@ -314,6 +315,41 @@ def carry(result: RpcFuture, fut: torch.futures.Future, worker: str, roster: "Ro
     return result
 
 
+class _LastRaised(threading.local):
+    """The ids of the copy this thread's last read raised, and of the error it copies (ids:
+    builtin exceptions take no weak reference, and a reference would keep the copy)."""
+
+    ids: Tuple[int, int] = (0, 0)
+
+
+_last_raised = _LastRaised()
+
+
+def _read(read: Callable[[torch.futures.Future], Any], fut: torch.futures.Future) -> Any:
+    """``read(fut)`` (torch's ``value`` or ``wait``): its value, or a copy of the error
+    ``fut`` keeps raised (:func:`~machinlike.exception.copy_to_raise` says why), the frames
+    this raise wrote on the kept one taken off it again.
+
+    Why that holds with readers in several threads: each takes off what it wrote after it
+    wrote it, so the last write of all is a clear, and no raise of the kept error
+    reaches a reader outside this function (save one that cannot be copied).
+    """
+    try:
+        return read(fut)
+    except BaseException as kept:
+        error = copy_to_raise(kept)
+        kept.__traceback__ = None
+        _last_raised.ids = (id(error), id(kept))
+    raise error
+
+
+def _is_its_error(exc: BaseException, fut: torch.futures.Future) -> bool:
+    """Whether ``exc`` is the error ``fut`` failed with, or the copy of it this thread's
+    last read raised (the ids are of live objects: ``exc`` and what ``fut`` keeps)."""
+    kept = getattr(fut, "_unread", None)
+    return kept is not None and (exc is kept or _last_raised.ids == (id(exc), id(kept)))
+
+
 def _awaiting(fut: torch.futures.Future) -> Generator[Any, None, Any]:
     """Await ``fut`` in the running event loop: a done-callback wakes the loop."""
     waiter, wake = loop_waker()
@@ -332,7 +368,7 @@ class _Derived(torch.futures.Future):
 
     def wait(self) -> Any:
         try:
-            result = _wait(self)
+            result = _read(_wait, self)
             settle(result)
             return result
         except BaseException:
@@ -341,7 +377,7 @@ class _Derived(torch.futures.Future):
 
     def value(self) -> Any:
         try:
-            result = _value(self)
+            result = _read(_value, self)
             settle(result)
             return result
         except BaseException:
