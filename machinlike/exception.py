@@ -171,10 +171,11 @@ def freeze_traceback(exc: BaseException) -> BaseException:
 
 
 def copy_to_raise(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` to raise in its stead: its type, ``args``, attributes (its notes a
-    list of their own), cause and context, and no traceback; ``exc`` itself where no faithful
-    copy can be made (its class refuses to be made without its ``__init__``, or the copy
-    reads differently).
+    """A copy of ``exc``, an error a future keeps that a read of it just raised, to raise
+    in its stead: its type, ``args``, attributes (its notes a list of their own), cause and
+    context, and no traceback; ``exc`` itself where no faithful copy can be made (its class
+    refuses to be made without its ``__init__``, or the copy reads differently). The
+    frames that raise wrote on ``exc`` are taken off it.
 
     Why: raising an exception writes onto it every frame it passes (``__traceback__``). An
     error a torch Future keeps (in C++, out of the collector's sight) and raises to each of
@@ -182,8 +183,10 @@ def copy_to_raise(exc: BaseException) -> BaseException:
     those frames hold, for good: a failed call waited on in a function that kept its
     future leaked both, every time. From Python 3.12 the frames of two threads raising the
     one object at once even land on each other's traceback. A copy per read carries that
-    reader's frames, and goes when the reader lets it go.
+    reader's frames, and goes when the reader lets it go. (With readers in several threads
+    each takes off what it wrote after it wrote it: the last write of all is a clear.)
     """
+    exc.__traceback__ = None
     try:
         state = dict(getattr(exc, "__dict__", None) or {})
         if isinstance(exc, OSError):

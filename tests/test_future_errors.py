@@ -148,3 +148,24 @@ def test_a_then_callback_that_reraises_the_error_it_was_handed_adds_no_note():
         _failed(Overdrawn("no funds")).then(own).wait()
     assert "raised in a then() callback" in info.value.__notes__[0]
 
+
+
+def _push_to_a_stopped_server(error: BaseException):
+    from machinlike.server._grad.items import wait_future
+
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_exception(error)  # (a stopping reducer fails every parked future with one error)
+    grads = torch.zeros(1 << 16)
+    try:
+        wait_future(fut, 5.0, "a push")
+    except RuntimeError as err:
+        assert err is not error and str(err) == "stopping"
+    return weakref.ref(fut), weakref.ref(grads)
+
+
+def test_a_gradient_push_that_a_stopping_server_fails_leaves_nothing_behind():
+    error = RuntimeError("stopping")
+    refs = [_push_to_a_stopped_server(error) for _ in range(10)]
+    gc.collect()
+    assert sum(ref() is not None for pair in refs for ref in pair) == 0
+    assert error.__traceback__ is None

@@ -327,18 +327,11 @@ _last_raised = _LastRaised()
 
 def _read(read: Callable[[torch.futures.Future], Any], fut: torch.futures.Future) -> Any:
     """``read(fut)`` (torch's ``value`` or ``wait``): its value, or a copy of the error
-    ``fut`` keeps raised (:func:`~machinlike.exception.copy_to_raise` says why), the frames
-    this raise wrote on the kept one taken off it again.
-
-    Why that holds with readers in several threads: each takes off what it wrote after it
-    wrote it, so the last write of all is a clear, and no raise of the kept error
-    reaches a reader outside this function (save one that cannot be copied).
-    """
+    ``fut`` keeps raised (:func:`~machinlike.exception.copy_to_raise` says why)."""
     try:
         return read(fut)
     except BaseException as kept:
         error = copy_to_raise(kept)
-        kept.__traceback__ = None
         _last_raised.ids = (id(error), id(kept))
     raise error
 

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...exception import copy_to_raise
 from .._finite import accumulation_dtype
 
 __all__ = ["Grads", "Item", "accumulation_dtype", "reduce_items", "takes_sparse", "wait_future", "completed"]
@@ -96,12 +97,17 @@ def takes_sparse(optimizer: Any) -> bool:
 
 
 def wait_future(fut: torch.futures.Future, timeout: float, what: str) -> Any:
-    """``fut.wait()`` bounded by ``timeout`` seconds (torch's own wait has no timeout)."""
+    """``fut.wait()`` bounded by ``timeout`` seconds (torch's own wait has no timeout); its
+    error raised as a copy (one error may fail many futures: see ``copy_to_raise``)."""
     done = threading.Event()
     fut.add_done_callback(lambda _: done.set())
     if not done.wait(timeout):
         raise TimeoutError(f"{what} did not complete within {timeout:g} s")
-    return fut.wait()
+    try:
+        return fut.wait()
+    except BaseException as kept:
+        error = copy_to_raise(kept)
+    raise error
 
 
 def completed(value: Any = None, error: Optional[BaseException] = None) -> torch.futures.Future:
