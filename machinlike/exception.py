@@ -188,15 +188,13 @@ def copy_to_raise(exc: BaseException) -> BaseException:
     """
     exc.__traceback__ = None
     try:
-        state = dict(getattr(exc, "__dict__", None) or {})
-        if isinstance(exc, OSError):
-            state.update((name, getattr(exc, name)) for name in _OS_ERROR_FIELDS if getattr(exc, name) is not None)
-        copy = _rebuild_by_state(type(exc), exc.args, state)
+        shipped = _by_state(exc)
+        copy = _rebuild_by_state(shipped.cls, shipped.args, shipped.state)
         if str(copy) != str(exc):
             return exc
     except Exception:
         return exc
-    notes = state.get("__notes__")
+    notes = shipped.state.get("__notes__")
     if isinstance(notes, list):
         copy.__notes__ = list(notes)  # (a note added to the copy is not added to the kept error)
     copy.__cause__, copy.__context__ = exc.__cause__, exc.__context__
