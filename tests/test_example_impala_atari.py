@@ -216,7 +216,11 @@ def test_smoke_trains_through_an_actor_killed_by_chaos(tmp_path, algo, budget):
     assert max(steps_per_s) > 0
     assert [4 * v for _, v in scalars["env/steps_per_s"]] == pytest.approx([v for _, v in scalars["env/frames_per_s"]])
     assert last["world/deaths"] >= 1 and last["world/rejoins"] >= 1  # the chaos kills
-    assert all(v in (2.0, 3.0) for _, v in scalars["world/members_alive"])
+    # The learner and its two actors; 1 when a sample lands while neither actor is there (the
+    # last one, taken once the actors stopped at their last reply and may have left; or one
+    # while the killed actor is gone and the other still joins on a loaded machine).
+    alive = [v for _, v in scalars["world/members_alive"]]
+    assert all(v in (1.0, 2.0, 3.0) for v in alive) and max(alive) >= 2.0, alive
     if ended:
         assert 0 <= last["episode/return_mean100"] < 100 and 20 < last["episode/length_mean100"] < 5000
     assert 0 < last["learner/entropy"] <= 1.39 and last["learner/grad_norm"] > 0  # ln 4: Breakout's 4 actions
