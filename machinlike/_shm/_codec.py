@@ -218,13 +218,13 @@ def reduce_copy(tensor: torch.Tensor, lent: Optional[List[Segment]] = None) -> O
     if lent is not None:
         lent.append(seg)
     return (_load_copy, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, tensor.dtype, tuple(source.shape),
-                         tensor.requires_grad, type(tensor) is torch.nn.Parameter, order))
+                         tensor.requires_grad, type(tensor) is torch.nn.Parameter, order, seg.claim()))
 
 
 def _load_copy(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype: torch.dtype,
                shape: Tuple[int, ...], requires_grad: bool, parameter: bool,
-               order: Optional[Tuple[int, ...]] = None) -> torch.Tensor:
-    tensor = _receive.lent_view(pid, fd, inode, capacity, nbytes).view(dtype).view(shape)
+               order: Optional[Tuple[int, ...]] = None, claim: int = 0) -> torch.Tensor:
+    tensor = _receive.lent_view(pid, fd, inode, capacity, nbytes, claim).view(dtype).view(shape)
     return _finish(undo_order(tensor, order), requires_grad, parameter)
 
 
@@ -243,12 +243,13 @@ def reduce_array(array: np.ndarray, lent: Optional[List[Segment]] = None) -> Opt
         raise
     if lent is not None:
         lent.append(seg)
-    return (_load_array, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, array.dtype, array.shape, order))
+    return (_load_array, (os.getpid(), seg.fd, seg.inode, seg.capacity, nbytes, array.dtype, array.shape, order,
+                          seg.claim()))
 
 
 def _load_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, dtype: np.dtype,
-                shape: Tuple[int, ...], order: Order) -> np.ndarray:
-    return array_over(_receive.lent_array(pid, fd, inode, capacity, nbytes), dtype, shape, order)
+                shape: Tuple[int, ...], order: Order, claim: int = 0) -> np.ndarray:
+    return array_over(_receive.lent_array(pid, fd, inode, capacity, nbytes, claim), dtype, shape, order)
 
 
 # ----------------------------------------------------------------------------- walk

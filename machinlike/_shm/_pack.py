@@ -182,7 +182,7 @@ class Pack:
             raise
         self._seg = seg
         self.lent.append(seg)
-        whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table)))
+        whole = _Unpacked((_load_pack, (os.getpid(), seg.fd, seg.inode, seg.capacity, table, seg.claim())))
         for index, ref in enumerate(self._refs):
             ref.reduced = (operator.getitem, (whole, index))
             ref.item = None  # type: ignore[assignment]  # (the copy is made: the message need not keep it)
@@ -232,11 +232,13 @@ def _unpin(nbytes: int) -> None:
         _pinned -= nbytes
 
 
-def _load_pack(pid: int, fd: int, inode: int, capacity: int, table: List[Tuple[Any, ...]]) -> List[Item]:
+def _load_pack(pid: int, fd: int, inode: int, capacity: int, table: List[Tuple[Any, ...]],
+               claim: int = 0) -> List[Item]:
     """Every item of a packed message: views into the segment (it goes back to its owner
-    once they all died), or past the pinning bound copies (it goes back now)."""
+    once they all died), or past the pinning bound copies (it goes back now); ``claim``:
+    see ``_receive.lent_array``."""
     global _pinned
-    base = _receive.lent_array(pid, fd, inode, capacity, capacity)  # FREE once it dies
+    base = _receive.lent_array(pid, fd, inode, capacity, capacity, claim)  # FREE once it dies
     with _pinned_lock:
         view = _pinned + capacity <= _receive.limit() // 2
         if view:

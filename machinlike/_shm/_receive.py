@@ -25,9 +25,11 @@ let go at most that many mappings late (the byte limit bounds what it keeps mean
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, Optional, Tuple
@@ -35,7 +37,7 @@ from typing import Any, Deque, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from . import _recycled
+from . import _recycled, _segments
 from ._peer_fd import open_peer_fd
 from .._pids import own_identity, pid_alive
 from ._segments import FREE, HEADER, RETIRED, cache
@@ -256,14 +258,23 @@ def _free(header: np.ndarray) -> None:
     header[0] = FREE
 
 
-def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> torch.Tensor:
-    """A uint8 tensor over a lent segment's data; the segment is freed when it dies."""
-    return torch.from_numpy(lent_array(pid, fd, inode, capacity, nbytes))
+def lent_view(pid: int, fd: int, inode: int, capacity: int, nbytes: int, claim: int = 0) -> torch.Tensor:
+    """A uint8 tensor over a lent segment's data; the segment is freed when it dies
+    (``claim``: as for :func:`lent_array`)."""
+    return torch.from_numpy(lent_array(pid, fd, inode, capacity, nbytes, claim))
 
 
-def lent_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> np.ndarray:
+def lent_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int, claim: int = 0) -> np.ndarray:
     """A uint8 array over a lent segment's data; the segment is freed when it and every
-    view of it died."""
+    view of it died.
+
+    ``claim``: the lease id of a lease its owner may abandon (a reply's, ``_segments``),
+    taken under the claim; 0: taken plainly.
+
+    Raises:
+        TimeoutError: the owner abandoned that lease (its reply was loaded too late).
+        RuntimeError: the owner is gone or closed the segment.
+    """
     if pid == os.getpid():
         seg = cache().find(inode)
         if seg is None:
@@ -272,10 +283,48 @@ def lent_array(pid: int, fd: int, inode: int, capacity: int, nbytes: int) -> np.
     else:
         mapped = attach(pid, fd, inode, HEADER + capacity, lent=True).lent_map()
     header = np.frombuffer(mapped, dtype=np.int64, count=2)
-    header[1] = own_identity()  # (pid and start time: a pid reused after this process died is not it)
+    if claim:
+        _take_claimed(pid, fd, inode, header, claim)
+    else:
+        header[1] = own_identity()  # (pid and start time: a pid reused after this process died is not it)
     data = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=HEADER)
     weakref.finalize(data, _free, header)
     return data
+
+
+_CLAIM_WAIT_S = 1.0  # the owner holds the claim for two reads and a write: a wait this long means it is stopped
+
+
+def _take_claimed(pid: int, fd: int, inode: int, header: np.ndarray, lease: int) -> None:
+    """Name this process the taker of ``lease`` under the claim its owner abandons by
+    (``flock`` through a descriptor of our own: a distinct open description, see
+    ``_segments``).
+
+    Raises:
+        TimeoutError: the owner abandoned the lease, or held the claim past ``_CLAIM_WAIT_S``.
+    """
+    handle = open_peer_fd(pid, fd, inode, "the shared memory")
+    try:
+        deadline = time.monotonic() + _CLAIM_WAIT_S
+        pause = 0.0001
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"process {pid} held the claim on its shared-memory segment {inode} for "
+                                       f"{_CLAIM_WAIT_S} s (stopped?): the reply through it cannot be loaded") from None
+                time.sleep(pause)  # (a flock has no timed wait; the owner's hold is microseconds)
+                pause = min(pause * 2, 0.01)
+        if int(header[0]) != lease:
+            raise TimeoutError(
+                f"a reply was loaded more than {_segments.ABANDON_AFTER_S} s after its call's deadline, and its "
+                f"sender (process {pid}) had taken back the shared memory it lent for it: the call is lost. A "
+                f"process that loads its replies that late is stalled (its RPC threads wait for the GIL)")
+        header[1] = own_identity()
+    finally:
+        os.close(handle)  # (unlocks)
 
 
 def _after_fork_in_child() -> None:

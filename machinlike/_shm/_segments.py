@@ -27,15 +27,29 @@ is noted only once the message was sent and dropped here (``address``), so that 
 still held for a retry is never taken back under it, and with the lease's id, so that a
 note that comes late never names the receiver of the segment's next lease. A reply that
 came after its call timed out is taken and dropped by the caller's lane; a result made
-after its caller's deadline lends nothing (``_terms.overdue``); one made just before it
-that torch RPC then drops unread (it arrived just after) stays lent until that caller
-dies or :meth:`SegmentCache.close`. Bytes held (free and lent) never exceed
+after its caller's deadline lends nothing (``_terms.overdue``). One made just before it
+that torch RPC then drops unread (it arrived just after) is abandoned: a reply's leases
+(made under :func:`lending_until`) come back ``ABANDON_AFTER_S`` after the caller's
+deadline if still untaken. The receiver of such a lease takes it under a claim that the
+owner's abandonment cannot also win (``flock`` on the segment's file, which the two ends
+hold through distinct open descriptions)::
+
+    receiver (loading the reply)                owner (a lease or a count of lent ones)
+    open /proc/<pid>/fd/<fd>, flock it          past give_up, sent, untaken: flock, non-blocking
+      state still this lease? taker = me          (busy: the receiver is taking it; not now)
+      else: TimeoutError, the reply is gone       untaken still? state = FREE ("abandoned")
+    close (unlocks)                             unlock
+
+So the caller of a reply that did arrive in time but was loaded more than
+``ABANDON_AFTER_S`` after its deadline is told (TimeoutError), and a reply nobody will
+read no longer stays lent while its caller lives. Bytes held (free and lent) never exceed
 ``limit``: a lease that would pass it evicts free segments, and fails (None) when that is
 not enough; the caller then sends the tensor the ordinary way and ``stats`` counts it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import mmap
@@ -49,7 +63,8 @@ import torch
 
 from .._pids import pid_alive, pid_of
 
-__all__ = ["HEADER", "FREE", "RETIRED", "Segment", "SegmentCache", "cache", "reachable"]
+__all__ = ["HEADER", "FREE", "RETIRED", "ABANDON_AFTER_S", "Segment", "SegmentCache", "cache", "reachable",
+           "lending_until"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +73,22 @@ HEADER = 4096
 FREE = 0
 RETIRED = -1
 _GRAIN = 1 << 20  # capacities are rounded up to whole MiB so that segments recycle well
+#: Seconds after its caller's deadline that an untaken reply lease is given up (see the
+#: module doc). Generous: a reply that did arrive in time but whose caller loads it later
+#: than this fails; one nobody reads is only held this long.
+ABANDON_AFTER_S = 10.0
+
+_lending = threading.local()  # .until: the give-up time of the leases this thread makes now
+
+
+def lending_until(give_up: float) -> float:
+    """Make this thread's next leases come back at ``give_up`` (``time.monotonic()`` s) when
+    still untaken; 0: never (the default). Returns the value it replaces, to restore.
+
+    For a reply carried by torch RPC, which drops it unread once the caller timed out."""
+    before = getattr(_lending, "until", 0.0)
+    _lending.until = give_up
+    return before
 
 
 def reachable(pid: int) -> bool:
@@ -76,7 +107,7 @@ def reachable(pid: int) -> bool:
 class Segment:
     """One memfd, mapped here for its whole life. ``data`` views the bytes after the header."""
 
-    __slots__ = ("fd", "inode", "capacity", "map", "header", "data", "lease", "sent_to")
+    __slots__ = ("fd", "inode", "capacity", "map", "header", "data", "lease", "sent_to", "give_up")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -93,9 +124,15 @@ class Segment:
         self.data = torch.from_numpy(np.frombuffer(self.map, dtype=np.uint8, offset=HEADER))
         self.lease = 0
         self.sent_to = (0, 0)  # (lease id, the identity word of the process it was sent to)
+        self.give_up = 0.0  # monotonic s at which this lease, sent and untaken, is abandoned; 0: never
 
     def state(self) -> int:
         return int(self.header[0])
+
+    def claim(self) -> int:
+        """What a descriptor of this lease tells its receiver: the lease id, when it must be
+        taken under the claim (it may be abandoned); 0 when it is taken plainly."""
+        return self.lease if self.give_up else 0
 
     def close(self) -> None:
         # Receivers that still map it keep the memory; RETIRED tells their caches to let go.
@@ -122,7 +159,8 @@ class SegmentCache:
         self._segments: List[Segment] = []
         self._by_inode: Dict[int, Segment] = {}
         self._ids = itertools.count(1)
-        self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "unread": 0, "fallbacks": 0}
+        self.stats = {"leases": 0, "created": 0, "evicted": 0, "reclaimed": 0, "unread": 0, "abandoned": 0,
+                      "fallbacks": 0}
         self._said: Set[str] = set()  # the kinds of fallback warned about
 
     def held_bytes(self) -> int:
@@ -163,6 +201,7 @@ class SegmentCache:
                 self._by_inode[best.inode] = best
                 self.stats["created"] += 1
             best.lease = next(self._ids)
+            best.give_up = getattr(_lending, "until", 0.0)
             best.header[1] = 0
             best.header[0] = best.lease
             self.stats["leases"] += 1
@@ -199,7 +238,7 @@ class SegmentCache:
         while True:
             with self._lock:
                 untaken = [s for s in self._segments if s.state() not in (FREE, RETIRED) and not int(s.header[1])
-                           and not self._unread_by_dead(s)]
+                           and not self._unread_by_dead(s) and not self._abandon(s)]
             if not untaken:
                 return True
             if time.monotonic() >= deadline:
@@ -245,7 +284,7 @@ class SegmentCache:
                 seg.header[0] = FREE  # sent to a process that died before it took it
                 self.stats["unread"] += 1
                 return True
-            return False
+            return self._abandon(seg)
         if pid_of(taker) == os.getpid():
             return False
         if not self._alive(taker, alive):
@@ -260,6 +299,26 @@ class SegmentCache:
         lease, receiver = seg.sent_to
         return (bool(receiver) and lease == seg.state() and pid_of(receiver) != os.getpid()
                 and not self._alive(receiver, alive))
+
+    def _abandon(self, seg: Segment) -> bool:
+        """Free ``seg`` when its lease (lent, untaken) was sent for a reply whose caller gave
+        up on it long ago (``give_up`` passed), under the claim its receiver takes it by
+        (see the module doc); whether it did."""
+        lease = seg.sent_to[0]
+        if not seg.give_up or lease != seg.state() or time.monotonic() < seg.give_up:
+            return False
+        try:
+            fcntl.flock(seg.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its receiver is taking it this very moment
+        try:
+            if int(seg.header[1]) or seg.state() != lease:
+                return False
+            seg.header[0] = FREE
+            self.stats["abandoned"] += 1
+            return True
+        finally:
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)
 
     @staticmethod
     def _alive(word: int, alive: Optional[Dict[int, bool]]) -> bool:

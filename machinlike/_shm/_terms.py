@@ -16,7 +16,8 @@ Why the deadline travels: torch RPC drops a reply that comes after its call time
 without unpickling it, so nothing lent for that reply is ever taken while the caller
 lives. A callee whose result is ready only after the caller's deadline (less
 ``OVERDUE_MARGIN_S``, the time a reply may take to arrive) sends it plainly, lending
-nothing (:func:`overdue`). The clock is ``CLOCK_MONOTONIC``, one per host: a peer on
+nothing (:func:`overdue`); what one made just before it lends is abandoned a while after it
+when still untaken (``_segments.ABANDON_AFTER_S``, :func:`due_of`). The clock is ``CLOCK_MONOTONIC``, one per host: a peer on
 this host reads the same one (a peer in another time namespace would see every reply
 overdue or none: slower or as before, never wrong).
 """
@@ -28,7 +29,7 @@ from typing import Optional, Tuple
 
 from .._pids import own_identity
 
-__all__ = ["TERMS_MASK", "OVERDUE_MARGIN_S", "terms", "split_terms", "overdue"]
+__all__ = ["TERMS_MASK", "OVERDUE_MARGIN_S", "terms", "split_terms", "overdue", "due_of"]
 
 TERMS_MASK = (1 << 48) - 1  # the threshold's bits
 _WHO_SHIFT = 48
@@ -64,3 +65,8 @@ def overdue(reply: int) -> bool:
     less ``OVERDUE_MARGIN_S``, has passed): its reply should lend nothing."""
     due = reply >> _DUE_SHIFT
     return bool(due) and time.monotonic() * 1000 >= due - OVERDUE_MARGIN_S * 1000
+
+
+def due_of(reply: int) -> float:
+    """The caller's deadline that terms ``reply`` carry (``time.monotonic()`` s); 0: none known."""
+    return (reply >> _DUE_SHIFT) / 1000

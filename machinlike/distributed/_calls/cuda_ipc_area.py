@@ -52,7 +52,10 @@ RPC made just before its caller's deadline that arrived after it: one made after
 staged, ``_shm.overdue``; the lane loads a late reply and drops it, which ends its
 leases) stays lent until the receiver dies, even past the area's
 ``close`` (its slab outlives the area until ``sweep`` finds it ended); the area counts it
-in ``stats`` as ``lent``, then ``outlived``. Reader rows are ``ROWS - SLOTS``; a state sent
+in ``stats`` as ``lent``, then ``outlived``. (The CPU path abandons such a lease a while
+after the caller's deadline, under a claim its receiver takes it by: ``_shm._segments``.
+Here the claim would have to cover the receiver's copies out of the slab too; not built
+before this path has run on a GPU.) Reader rows are ``ROWS - SLOTS``; a state sent
 while all are taken is copied into a slab of its own, as any other.
 """
 

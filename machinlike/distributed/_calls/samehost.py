@@ -36,6 +36,7 @@ from ... import _pids, _shm
 from ..._shm import _blob, _receive
 from . import cuda_ipc as _cuda_ipc, cuda_ipc_peers as _cuda_ipc_peers, cuda_stage as _cuda_stage
 from .._membership import pid_in, process_identity
+from .. import _transport
 
 __all__ = ["SameHost", "bind", "outgoing", "reply", "check_settings", "check_cuda_ipc", "share", "stats", "VERDICTS_KEPT"]
 
@@ -192,7 +193,9 @@ def reply(value: Any, terms: int) -> Any:
 
     A result made once the caller's deadline passed (``_shm.overdue``) lends nothing (its
     CUDA tensors are staged): torch RPC would drop it unread, and what it lent would stay
-    lent while that caller lives. Counted as ``overdue``."""
+    lent while that caller lives. Counted as ``overdue``. One made before it and carried by
+    torch RPC lends segments that come back ``_shm._segments.ABANDON_AFTER_S`` after that
+    deadline when still untaken (counted as ``abandoned``)."""
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
     if (not terms and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
@@ -200,6 +203,20 @@ def reply(value: Any, terms: int) -> Any:
         with _counts_lock:  # (rare: a late reply)
             _counts["overdue"] += 1
         return _cuda_stage.encode(value, 0) if cuda else value
+    # Carried by torch RPC, a reply that arrives after the deadline is dropped unread: what
+    # it lends is abandoned a while after it (``_shm._segments``). The lane's caller loads
+    # a late reply itself.
+    give_up = _shm.give_up_time(terms) if terms and not _transport.lane.serving() else 0.0
+    if not give_up:
+        return _encode_reply(value, terms, cuda)
+    before = _shm.lending_until(give_up)
+    try:
+        return _encode_reply(value, terms, cuda)
+    finally:
+        _shm.lending_until(before)
+
+
+def _encode_reply(value: Any, terms: int, cuda: bool) -> Any:
     if cuda:  # [cuda hook] CUDA tensors through IPC or staged; CPU ones as below, in the same walk
         return _cuda_stage.encode(value, _reply_threshold(terms), _cuda_ipc.reply_target(terms),
                                   _shm.split_terms(terms)[1])
@@ -229,7 +246,8 @@ def stats() -> Dict[str, Dict[str, int]]:
     settings = _current
     if settings is not None and settings.enabled:
         segments = _shm.cache()
-        out["shm"] = {**segments.stats, **_counts, "lent": segments.lent(), "held_bytes": segments.held_bytes()}
+        lent = segments.lent()  # (first: counting may reclaim, and the counters then say so)
+        out["shm"] = {**segments.stats, **_counts, "lent": lent, "held_bytes": segments.held_bytes()}
     if _cuda_ipc.enabled():
         out["cuda_ipc"] = _cuda_ipc.stats()
     return out

@@ -45,10 +45,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .lane_conn import Conn, LaneTimeout, Pending
 from .lane_future import LaneFuture, completing
-from .lane_server import Server
+from .lane_server import Server, serving
 from .lane_wire import HELLO, TENSOR_LIMIT, NotForLane, address, read_frame, request_bytes
 
-__all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing"]
+__all__ = ["NotForLane", "Lane", "LaneFuture", "TENSOR_LIMIT", "start", "stop", "current", "completing", "serving"]
 
 
 _CONNECT_S = 2.0  # seconds at most to connect and read a peer's hello (less when the call has less)

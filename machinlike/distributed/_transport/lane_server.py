@@ -26,10 +26,20 @@ from .lane_crew import Crew, Spare
 from .lane_frames import FrameReader
 from .lane_wire import ERR, HELLO, IDLE_WAKE_S, OK, REQ, Body, address, load_body, reply_bytes, send_frame
 
-__all__ = ["Server"]
+__all__ = ["Server", "serving"]
 
 
 _REPLY_S = 60.0  # seconds a reply may take to leave before its connection is given up
+
+
+_serving = threading.local()  # .lane: this thread runs a call the lane carried
+
+
+def serving() -> bool:
+    """Whether this thread runs a call the lane carried. Its reply goes back through the
+    lane, whose caller loads a late one and drops it, so what it lends comes back without
+    being abandoned (``_shm._segments.lending_until``)."""
+    return getattr(_serving, "lane", False)
 
 
 class _Link:
@@ -188,7 +198,11 @@ class Server:
                 fut = fn(*args)
                 fut.add_done_callback(lambda done: self._settle(link, cid, done))
                 return
-            value = fn(*args)
+            _serving.lane = True
+            try:
+                value = fn(*args)
+            finally:
+                _serving.lane = False
         except BaseException as err:  # the entry points catch the user's errors; this is ours
             self._finish(link, cid, ERR, f"{type(err).__name__}: {err}".encode())
             return
