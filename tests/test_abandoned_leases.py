@@ -37,6 +37,7 @@ SIZE = 13 * MB  # (a size no other test leases: its segment is the one that fits
 # pickle, in hex, on one line) and keeps what it got, saying what happened.
 _RECEIVER = textwrap.dedent("""
     import pickle, sys
+    import machinlike._shm  # (loaded now: a load below then takes milliseconds, not an import of torch)
     kept = []
     print("ready", flush=True)
     for line in sys.stdin:
