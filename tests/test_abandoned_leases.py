@@ -145,6 +145,61 @@ def test_a_lease_whose_receiver_holds_the_claim_is_not_abandoned_under_it():
         holder.wait(timeout=30)
 
 
+def _holding_the_claim(seg):
+    """A process of its own that holds ``seg``'s claim (an owner stopped mid-abandonment,
+    as far as a receiver can tell) until killed; started once it holds it."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
+        fd = os.open("/proc/{os.getpid()}/fd/{seg.fd}", os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("holding", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    return holder
+
+
+@pytest.mark.parametrize("killed", [True, False], ids=["holder-killed", "holder-stopped"])
+def test_a_receiver_waits_for_the_claim_within_a_bound(killed):
+    """A receiver waits for a claim held elsewhere at most ``_CLAIM_WAIT_S``: the holder
+    SIGKILLed mid-wait lets it through at once (its lock dies with it); one that holds on
+    (stopped) fails the load with a TimeoutError naming the owner."""
+    holder = subprocess.Popen(["sleep", "120"])
+    try:
+        data, seg = _reply(_pids.identity(holder.pid), time.monotonic() + 60)
+        claimer = _holding_the_claim(seg)
+        got = []
+        loader = threading.Thread(target=lambda: got.append(_load(data)), daemon=True)
+        start = time.monotonic()
+        loader.start()
+        if killed:
+            time.sleep(0.2)
+            claimer.kill()
+        loader.join(30)
+        took = time.monotonic() - start
+        claimer.kill()
+        claimer.wait(timeout=30)
+        if killed:
+            assert isinstance(got[0], torch.Tensor) and got[0].sum() == SIZE // 4 and 0.15 < took < 0.9, (got, took)
+            assert int(seg.header[1]) == _pids.own_identity()  # taken by this process, under the claim
+        else:
+            assert isinstance(got[0], TimeoutError) and f"process {os.getpid()} held the claim" in str(got[0]), got
+            assert 0.9 < took < 10, took
+            assert seg.state() == seg.lease and not int(seg.header[1])  # untaken: still the caller's to take
+        got.clear()
+        gc.collect()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+
+
+def _load(data):
+    try:
+        return pickle.loads(data)
+    except Exception as err:
+        return err
+
+
 def test_leases_made_outside_a_reply_carry_no_claim():
     cache = _shm.cache()
     seg = cache.lease(MB)
