@@ -2166,3 +2166,145 @@ def test_what_a_stopped_world_still_lends_leaves_room_once_it_comes_back(over_cp
     old.words[slab.slot, 0] = _cuda_ipc_area.FREE  # its receiver read it at last
     assert area.lease(0, 1, os.getpid()) is not None and slab.storage is None
     assert _cuda_ipc._outliving.areas() == []
+
+
+# ------------------------------------------------ reply leases abandoned (cuda_ipc_claim)
+# A reply carried by torch RPC that arrives after its caller's deadline is dropped unread:
+# what it was lent comes back a while after that deadline when still untaken, under a
+# claim (an OFD lock on the row's bytes) its receiver takes it by. The area's side with
+# stand-in slabs, the receiver's over CPU memory; end to end: ``test_cuda_ipc_gpu.py``.
+def _filled(area, give_up, taker=None):
+    lease = area.lease(0, 1 << 20, os.getpid() if taker is None else taker, give_up)
+    area.filled(lease)
+    return lease
+
+
+def test_an_untaken_reply_lease_is_abandoned_after_its_give_up_time_and_no_other(area):
+    soon = time.monotonic() + 0.3
+    lost, taken, plain = _filled(area, soon), _filled(area, soon), _filled(area, 0.0)
+    area.words[taken.row, 1] = _pids.own_identity()  # its receiver took it (the copies out end it)
+    assert area.lent() == 3 and area.stats["abandoned"] == 0  # not before its give-up time
+    time.sleep(0.35)
+    assert area.lent() == 2 and area.stats["abandoned"] == 1
+    assert not area.holds(lost) and area.holds(taken) and area.holds(plain)
+    assert lost.slab.unsent and not taken.slab.unsent  # (its next writer orders after the lost copies)
+    assert len(area._claims) == 0  # (noted no longer: bounded by the page's rows)
+    assert area.lease(0, 1 << 20, os.getpid()).slab is lost.slab  # lent again
+
+
+def test_a_reply_lease_still_written_is_not_abandoned_until_filled(area):
+    lease = area.lease(0, 1 << 20, os.getpid(), time.monotonic() - 1)  # past already: its copies are queued now
+    assert area.lent() == 1 and area.stats["abandoned"] == 0
+    area.filled(lease)
+    assert area.lent() == 0 and area.stats["abandoned"] == 1
+
+
+def test_a_taker_whose_start_time_cannot_be_read_is_never_abandoned(area, monkeypatch):
+    from machinlike.distributed._calls import cuda_ipc_claim
+
+    monkeypatch.setattr(cuda_ipc_claim, "identity", lambda pid: pid)  # taken or not, its word would be the same
+    lease = _filled(area, time.monotonic() - 1)
+    assert area.lent() == 1 and area.holds(lease) and area.stats["abandoned"] == 0
+
+
+def test_a_lease_whose_receiver_holds_the_row_claim_is_left_until_it_lets_go(area):
+    from machinlike.distributed._calls import cuda_ipc_claim
+
+    soon = time.monotonic() + 0.2  # (past already, the second lease would take back the first's slab)
+    lease, other = _filled(area, soon), _filled(area, soon)
+    time.sleep(0.25)
+    handle = os.open(f"/proc/self/fd/{area.fd}", os.O_RDWR)  # another open description: a receiver's
+    try:
+        assert cuda_ipc_claim._lock(handle, lease.row)
+        assert not cuda_ipc_claim._lock(area.fd, lease.row)  # (the owner's description is refused)
+        assert area.lent() == 1 and area.holds(lease) and not area.holds(other)  # the row's lock only
+    finally:
+        os.close(handle)  # (lets go)
+    assert area.lent() == 0 and area.stats["abandoned"] == 2
+
+
+def test_an_untaken_reader_row_is_abandoned_and_the_unpinned_slab_then_retires(over_cpu):
+    area = _cuda_ipc.export_area()
+    slab = area.pin(0, 1 << 20)
+    lease = area.share(slab, os.getpid(), time.monotonic() + 0.2)
+    area.unpin(slab)  # a new version: the old one is retired once nobody reads it
+    assert area.readers(slab) == 1 and slab in area._slabs
+    time.sleep(0.25)
+    assert area.readers(slab) == 0 and slab not in area._slabs and area.stats["abandoned"] == 1
+    assert area.words[lease.row, 0] == _cuda_ipc_area.FREE
+
+
+def _reply_message(tensor, give_up):
+    from machinlike import _shm
+
+    before = _shm.lending_until(give_up)
+    try:
+        return _one_message(tensor)
+    finally:
+        _shm.lending_until(before)
+
+
+def test_a_reply_taken_in_time_arrives_and_one_loaded_after_it_was_abandoned_is_told(over_cpu):
+    area = _cuda_ipc.export_area()
+    data = _reply_message(torch.arange(6.0), time.monotonic() + 0.3)
+    assert torch.equal(pickle.loads(data)[0], torch.arange(6.0))  # in time: taken under the claim
+    assert _cuda_ipc.released(10) and area.lent() == 0
+    late = _reply_message(torch.ones(5), time.monotonic() + 0.3)
+    time.sleep(0.35)
+    assert area.lent() == 0 and area.stats["abandoned"] == 1  # nobody loaded it: abandoned
+    again = _one_message(torch.full((5,), 7.0))  # the slab, lent again to another message
+    with pytest.raises(TimeoutError, match="after its call's deadline"):
+        pickle.loads(late)
+    assert area.lent() == 1  # the late load took nothing: the next message's lease stands
+    assert torch.equal(pickle.loads(again)[0], torch.full((5,), 7.0))
+    assert _cuda_ipc.released(10) and area.lent() == 0
+    assert _cuda_ipc.stats()["area_abandoned"] == 1
+
+
+def test_a_message_made_outside_a_reply_carries_no_claim(over_cpu, monkeypatch):
+    from machinlike.distributed._calls import cuda_ipc_claim
+
+    opened = []
+    monkeypatch.setattr(cuda_ipc_claim, "open_peer_fd", lambda *a: opened.append(a) or pytest.fail("claimed"))
+    assert torch.equal(pickle.loads(_one_message(torch.ones(3)))[0], torch.ones(3))
+    assert opened == [] and len(_cuda_ipc.export_area()._claims) == 0
+
+
+_CLAIM_HOLDER = """
+import os, sys, time
+from machinlike.distributed._calls.cuda_ipc_claim import _lock
+handle = os.open(f"/proc/{sys.argv[1]}/fd/{sys.argv[2]}", os.O_RDWR)
+assert _lock(handle, int(sys.argv[3]))
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("killed", [True, False], ids=["holder-killed", "holder-held-on"])
+def test_a_receiver_waits_for_a_row_claim_held_by_another_process_within_a_bound(over_cpu, monkeypatch, killed):
+    from machinlike.distributed._calls import cuda_ipc_claim
+
+    monkeypatch.setattr(cuda_ipc_claim, "CLAIM_WAIT_S", 0.5)
+    area = _cuda_ipc.export_area()
+    data = _reply_message(torch.ones(4), time.monotonic() + 60)
+    (slab,) = area._slabs
+    holder = subprocess.Popen([sys.executable, "-c", _CLAIM_HOLDER, str(os.getpid()), str(area.fd), str(slab.slot)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        if killed:
+            threading.Timer(0.2, holder.kill).start()  # SIGKILL: its lock goes with its descriptors
+        started = time.monotonic()
+        if killed:
+            assert torch.equal(pickle.loads(data)[0], torch.ones(4))
+            assert 0.15 < time.monotonic() - started < 0.5 + 0.3
+        else:
+            with pytest.raises(TimeoutError, match="held the claim on row"):
+                pickle.loads(data)
+            assert 0.5 <= time.monotonic() - started < 0.5 + 0.5
+            assert int(area.words[slab.slot, 1]) == os.getpid()  # not taken
+    finally:
+        holder.kill()
+        holder.wait(30)
+        holder.stdout.close()
+    assert _cuda_ipc.released(10) and (area.lent() == 0) == killed

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from machinlike import launch
-from machinlike._shm import _terms
+from machinlike._shm import _segments, _terms
 from machinlike.distributed._calls import cuda_ipc as _cuda_ipc
 from machinlike.distributed._calls import cuda_ipc_open as _cuda_ipc_open
 from machinlike.distributed._calls import cuda_ipc_slab as _cuda_ipc_slab
@@ -341,8 +341,8 @@ def test_a_cuda_reply_after_its_call_timed_out_comes_back_to_its_sender(world):
     """A result made after its caller's deadline lends nothing: it is staged (``overdue``).
     One made just before it may still arrive late (here: the callee's margin turned off):
     the caller's lane loads the late reply and drops it, so the service's slab comes FREE
-    again (through torch RPC, with the lane off, it stays lent until the caller dies or
-    the service's World stops)."""
+    again (through torch RPC, with the lane off, it is abandoned a while after the
+    deadline: the next test)."""
     _cuda_here()
     group = world.create_rpc_group("late", ["0", "1"])
     if world.name == "1":
@@ -372,6 +372,51 @@ def test_a_cuda_reply_after_its_call_timed_out_comes_back_to_its_sender(world):
             while group.rpc_sync("1", _my_lent) != 0:  # the late reply crossed, was loaded and dropped
                 assert time.monotonic() < deadline, "the late reply's slab stayed lent"
                 time.sleep(0.05)
+    group.barrier()
+    group.destroy()
+
+
+def _abandon_soon():
+    _terms.OVERDUE_MARGIN_S = -3600.0  # (this callee lends past its callers' deadlines)
+    _segments.ABANDON_AFTER_S = 0.5
+
+
+def _area_figures():
+    stats = _cuda_ipc.stats()
+    return stats["area_lent"], stats["area_abandoned"]
+
+
+@world_test(2, timeout=120, same_host_lane=False)
+def test_a_cuda_reply_dropped_unread_by_torch_rpc_is_abandoned_after_the_deadline(world):
+    """Through torch RPC (the lane off) a reply that arrives after its caller's deadline is
+    dropped unread; the slab it was lent comes back ``ABANDON_AFTER_S`` after that deadline
+    (``cuda_ipc_claim``), and a reply loaded in time is never abandoned."""
+    _cuda_here()
+    group = world.create_rpc_group("lost", ["0", "1"])
+    if world.name == "1":
+        group.register("slow", _slow_cuda)
+        _abandon_soon()
+    group.barrier()
+    if world.name == "0":
+        for _ in range(3):  # in time, through IPC: taken, and ended by this side's releaser
+            assert torch.equal(group.registered_sync("slow", (0.0,), timeout=30),
+                               torch.full((4 << 20,), 5.0, device="cuda"))
+        assert _cuda_ipc.released(10) and _staged(_cuda_ipc.stats()) == {}
+        sent = group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"]
+        with pytest.raises(TimeoutError):
+            group.registered_sync("slow", (1.0,), timeout=0.2)
+        deadline = time.monotonic() + 20
+        while group.rpc_sync("1", _cuda_ipc.stats)["sent_tensors"] == sent:  # the reply is made late, and lent
+            assert time.monotonic() < deadline, "the slow service never replied"
+            time.sleep(0.05)
+        seen = [group.rpc_sync("1", _area_figures)]
+        while seen[-1] != (0, 1):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+            seen.append(group.rpc_sync("1", _area_figures))
+        assert torch.equal(group.registered_sync("slow", (0.0,), timeout=30),  # the slab is lent again
+                           torch.full((4 << 20,), 5.0, device="cuda"))
+        assert _cuda_ipc.stats()["received_tensors"] >= 4 and _staged(_cuda_ipc.stats()) == {}
     group.barrier()
     group.destroy()
 

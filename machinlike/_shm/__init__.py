@@ -11,14 +11,15 @@ from ._codec import (
 from ._walk import Leaf, walk
 from . import _recycled as recycled, _segments
 from ._pack import PACK_MIN, Pack
-from ._segments import cache, lending_until, reachable
+from ._segments import ABANDON_AFTER_S, cache, lending_give_up, lending_until, reachable
 from ._unsent import guard
 from ._terms import TERMS_MASK, due_of, overdue, split_terms, terms
 
 __all__ = ["Leaf", "Pack", "PACK_MIN", "walk", "pack_items", "encode", "encode_parts", "guard", "encode_array", "encode_tensor", "share", "share_and_reduce", "shm_eligible",
            "reduce_copy", "reduce_array", "reduce_by_reference",
            "is_shared_by_reference", "cache", "reachable", "await_taken", "recycled", "TERMS_MASK", "terms",
-           "split_terms", "overdue", "due_of", "lending_until", "give_up_time"]
+           "split_terms", "overdue", "due_of", "lending_until", "lending_give_up",
+           "ABANDON_AFTER_S", "give_up_time"]
 
 
 def await_taken(timeout: float) -> bool:

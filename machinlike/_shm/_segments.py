@@ -64,7 +64,7 @@ import torch
 from .._pids import pid_alive, pid_of
 
 __all__ = ["HEADER", "FREE", "RETIRED", "ABANDON_AFTER_S", "Segment", "SegmentCache", "cache", "reachable",
-           "lending_until"]
+           "lending_until", "lending_give_up"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,12 @@ def lending_until(give_up: float) -> float:
     before = getattr(_lending, "until", 0.0)
     _lending.until = give_up
     return before
+
+
+def lending_give_up() -> float:
+    """The give-up time this thread's leases are made with now (:func:`lending_until`); 0:
+    never. Read by the CUDA export area, which lends its slabs to replies the same way."""
+    return getattr(_lending, "until", 0.0)
 
 
 def reachable(pid: int) -> bool:

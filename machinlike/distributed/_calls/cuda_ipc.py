@@ -62,6 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .cuda_ipc_area import FREE, UNSETTLED, ExportArea, Lease
+from .cuda_ipc_claim import take
 from .cuda_ipc_open import Opened, OpenCache, forget_frames
 from .cuda_ipc_outliving import Outliving
 from .cuda_ipc_refs import Group as _Group, Ref as _Ref
@@ -69,8 +70,8 @@ from .cuda_ipc_release import Releaser, await_ready
 from . import cuda_ipc_ops as ops
 from .cuda_settle import noted
 from .strides import kept_strides
-from ..._pids import own_identity, pid_of
-from ..._shm import TERMS_MASK, split_terms as _shm_split_terms, terms as _shm_terms
+from ..._pids import pid_of
+from ..._shm import TERMS_MASK, lending_give_up, split_terms as _shm_split_terms, terms as _shm_terms
 from ..._tally import Tally
 
 __all__ = ["configure", "close", "released", "before_call", "enabled", "stats", "local_key", "terms", "split_terms",
@@ -185,9 +186,10 @@ def stats() -> Dict[str, int]:
     each reason a CUDA tensor was staged through the CPU instead (``staged_*``)."""
     out = _counts.snapshot()
     if _area is not None:
+        lent = _area.lent()  # (first: counting reclaims, and what it reclaims is counted below)
         out.update({f"area_{k}": v for k, v in _area.stats.items()})
         out["area_held_bytes"] = _area.held_bytes()
-        out["area_lent"] = _area.lent()
+        out["area_lent"] = lent
     out["outliving_bytes"] = _outliving.held_bytes()  # (closed areas' slabs still lent)
     out.update(_releaser.stats)
     out["release_pending"] = _releaser.pending()
@@ -293,8 +295,10 @@ class Batch:
         try:
             area = export_area()
             # A state kept in a pinned slab (a model server's version) is read in place.
-            found = area.in_place(group.tensors, self.target[1])
-            lease: Optional[Lease] = found[0] if found else area.lease(group.index, max(offset, 1), self.target[1])
+            give_up = lending_give_up()  # (a reply carried by torch RPC: abandoned if lost, ``cuda_ipc_claim``)
+            found = area.in_place(group.tensors, self.target[1], give_up)
+            lease: Optional[Lease] = found[0] if found else area.lease(group.index, max(offset, 1), self.target[1],
+                                                                       give_up)
             layout = found[1] if found else layout
         except Exception as exc:  # allocation or export refused: this message stages
             _counts.add("staged_export_failed", 1, f"staged_export_failed:{type(exc).__name__}")
@@ -340,7 +344,7 @@ class Batch:
         group.tensors = []  # copied: the message no longer holds the sender's tensors
         group.reduced = (_receive_group, (os.getpid(), area.fd, area.inode, slab.slot, slab.ident, lease.ident,
                                           group.index, slab.handle, slab.ready_handle, slab.offset, slab.capacity,
-                                          slab.mapped, tuple(items)) + (() if copy else (lease.row,)))
+                                          slab.mapped, tuple(items), -1 if copy else lease.row, lease.give_up))
         return lease
 
 
@@ -354,12 +358,12 @@ def unsent_release(lease: Lease) -> Callable[[], None]:
 # --------------------------------------------------------------------- receiver
 def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease: int, index: int, handle: bytes,
                    ready: bytes, offset: int, capacity: int, mapped: int, items: Tuple[Tuple[Any, ...], ...],
-                   lease_row: int = -1) -> List[torch.Tensor]:
+                   lease_row: int = -1, give_up: float = 0.0) -> List[torch.Tensor]:
     """(Unpickling) copy a leased slab's tensors into this process's memory on ``cuda:index``;
     they are ready on this thread's current stream of ``cuda:index`` and, once the result
     reaches the caller, on the caller's (``cuda_settle``); the lease (in the slab's own row,
     or in reader row ``lease_row`` of a pinned slab) ends once the copies completed, in the
-    releaser's thread."""
+    releaser's thread. ``give_up`` > 0: the lease is taken under its claim (``cuda_ipc_claim``)."""
     if not ops.cuda_ready():  # the sender checked; never initialise CUDA for it
         raise RuntimeError(
             f"process {pid} sent CUDA tensors through CUDA IPC to this process, which has not "
@@ -367,13 +371,9 @@ def _receive_group(pid: int, fd: int, inode: int, slot: int, slab_id: int, lease
         )
     cache = _open_cache()
     words = cache.control(pid, fd, inode)
-    row, slab_row = words[slot if lease_row < 0 else lease_row], words[slot]
-    if int(slab_row[2]) != slab_id or int(row[0]) != lease:
-        raise RuntimeError(
-            f"the CUDA tensors process {pid} sent were released before this receiver loaded them "
-            f"(slab {slot}: the lease ended or the sender's World stopped)"
-        )
-    row[1] = own_identity()  # (the sender wrote a bare pid: a pid reused once this process died is not it)
+    at = slot if lease_row < 0 else lease_row
+    row, slab_row = words[at], words[slot]
+    take(pid, fd, inode, words, at, slot, slab_id, lease, give_up)
     handed = False
     copying = False
     opened: Optional[Opened] = None

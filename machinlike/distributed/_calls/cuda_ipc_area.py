@@ -47,16 +47,15 @@ slabs of 64 MB for 20 pullers); read in place, the server's memory is its versio
 
 The receiver's half (openings of peers' slabs, cached): ``cuda_ipc_open``.
 
-Limits: a lease whose message is lost while its receiver lives (a reply through torch
-RPC made just before its caller's deadline that arrived after it: one made after it is
-staged, ``_shm.overdue``; the lane loads a late reply and drops it, which ends its
-leases) stays lent until the receiver dies, even past the area's
-``close`` (its slab outlives the area until ``sweep`` finds it ended); the area counts it
-in ``stats`` as ``lent``, then ``outlived``. (The CPU path abandons such a lease a while
-after the caller's deadline, under a claim its receiver takes it by: ``_shm._segments``.
-Here the claim would have to cover the receiver's copies out of the slab too; not built
-before this path has run on a GPU.) Reader rows are ``ROWS - SLOTS``; a state sent
-while all are taken is copied into a slab of its own, as any other.
+Limits: a lease whose message is lost while its receiver lives stays lent until the
+receiver dies (past the area's ``close`` too: its slab outlives the area until ``sweep``
+finds it ended; counted in ``stats`` as ``lent``, then ``outlived``), except a reply's: one
+carried by torch RPC, made just before its caller's deadline and arriving after it, is
+dropped unread, and is abandoned ``_shm.ABANDON_AFTER_S`` after that deadline when still
+untaken, under a claim its receiver takes it by (``cuda_ipc_claim``; counted as
+``abandoned``). One made after the deadline is staged (``_shm.overdue``); the lane loads a
+late reply and drops it, which ends its leases. Reader rows are ``ROWS - SLOTS``; a state
+sent while all are taken is copied into a slab of its own, as any other.
 """
 
 from __future__ import annotations
@@ -72,6 +71,8 @@ import numpy as np
 import torch
 
 from ..._pids import pid_alive, pid_of
+from .cuda_ipc_claim import Claims
+from .cuda_ipc_lease import Lease
 from .cuda_ipc_parked import Parked
 from .cuda_ipc_slab import GRAIN, Slab, slab_capacity
 
@@ -88,21 +89,6 @@ WORDS = 4
 PAGE_BYTES = ROWS * WORDS * 8
 _REUSE_WAIT_S = 0.010  # a sender waits this long at most for its taker's last slab (see ``lease``)
 _RETIRE_WAIT_S = 1.0  # (milliseconds as a rule: the copies of one message)
-
-
-class Lease:
-    """A slab of ``area`` lent to one message, through ``row`` of the control page: the
-    slab's own row (lent alone), or a reader row (a pinned slab, read in place). It ends
-    in the area that lent it (lease ids are that area's: a World restarted in this process
-    has another)."""
-
-    __slots__ = ("area", "slab", "ident", "row")
-
-    def __init__(self, area: "ExportArea", slab: Slab, ident: int, row: int = -1) -> None:
-        self.area = area
-        self.slab = slab
-        self.ident = ident
-        self.row = slab.slot if row < 0 else row
 
 
 class ExportArea:
@@ -146,8 +132,9 @@ class ExportArea:
                                       "reuse_waits": 0, "unsent_released": 0, "counter_release_failed": 0,
                                       "retire_waits": 0, "pinned": 0, "shared": 0, "no_reader_row": 0,
                                       "settle_failed": 0, "settle_timed_out": 0, "outlived": 0,
-                                      "ended_at_close": 0}
+                                      "ended_at_close": 0, "abandoned": 0}
         self._parked = Parked(self.stats)  # retired slabs whose memory waits for copies still queued
+        self._claims = Claims(self.stats)  # reply leases abandoned once their caller gave up on them
 
     @property
     def fd(self) -> int:
@@ -163,8 +150,10 @@ class ExportArea:
             self._reclaim()
             return sum(1 for slab in self._slabs if self.words[slab.slot, 0] > FREE) + self._reading()
 
-    def lease(self, index: int, nbytes: int, taker: int) -> Optional[Lease]:
+    def lease(self, index: int, nbytes: int, taker: int, give_up: float = 0.0) -> Optional[Lease]:
         """A slab of ``cuda:index`` for ``nbytes``, lent to process ``taker``; None: no room.
+        ``give_up``: when the lease is abandoned if still untaken (``time.monotonic()`` s,
+        a reply's: ``cuda_ipc_claim``); 0: never.
 
         With no FREE slab that fits but one lent to ``taker`` itself (its receiver's copies
         out of the last message are ending: the receiver frees each lease once they ran,
@@ -195,7 +184,8 @@ class ExportArea:
                     row[1] = taker
                     row[0] = ident  # last: the receiver checks the state, then reads
                     self._filling[slab.slot] = ident  # (until ``filled``: not reclaimed under its writer)
-                    return Lease(self, slab, ident)
+                    self._claims.note(slab.slot, ident, taker, give_up)
+                    return Lease(self, slab, ident, give_up=give_up)
             if not spins:
                 deadline = time.monotonic() + self.reuse_wait
                 self.stats["reuse_waits"] += 1
@@ -292,10 +282,10 @@ class ExportArea:
             self.stats["pinned"] += 1
             return slab
 
-    def share(self, slab: Slab, taker: int) -> Optional[Lease]:
-        """A lease of pinned ``slab`` for process ``taker``, through a reader row; None: the
-        slab is no longer pinned (or the area is closed), or every reader row is taken
-        (counted: ``no_reader_row``)."""
+    def share(self, slab: Slab, taker: int, give_up: float = 0.0) -> Optional[Lease]:
+        """A lease of pinned ``slab`` for process ``taker``, through a reader row (``give_up``:
+        as ``lease``'s); None: the slab is no longer pinned (or the area is closed), or every
+        reader row is taken (counted: ``no_reader_row``)."""
         with self._lock:
             if self._closed or slab.storage is None or self._pinned.get(slab.storage.data_ptr()) is not slab:  # (None: retired)
                 return None
@@ -312,9 +302,11 @@ class ExportArea:
             row[1], row[2], row[3] = taker, slab.slot, slab.ident
             row[0] = ident  # last: the receiver checks the state, then reads
             self.stats["shared"] += 1
-            return Lease(self, slab, ident, SLOTS + r)
+            self._claims.note(SLOTS + r, ident, taker, give_up)
+            return Lease(self, slab, ident, SLOTS + r, give_up)
 
-    def in_place(self, tensors: List[torch.Tensor], taker: int) -> Optional[Tuple[Lease, List[int]]]:
+    def in_place(self, tensors: List[torch.Tensor], taker: int,
+                 give_up: float = 0.0) -> Optional[Tuple[Lease, List[int]]]:
         """A lease for process ``taker`` of the pinned slab all of ``tensors`` lie in
         (contiguous), and each one's byte offset there; None: they do not, or no reader
         row is free (the caller copies them into a slab of their own)."""
@@ -324,7 +316,7 @@ class ExportArea:
         if slab is None or any(t.untyped_storage().data_ptr() != slab.storage.data_ptr() or not t.is_contiguous()
                                for t in tensors):
             return None
-        lease = self.share(slab, taker)
+        lease = self.share(slab, taker, give_up)
         return None if lease is None else (lease, [int(t.storage_offset()) * t.element_size() for t in tensors])
 
     def pinned_among(self, tensors: List[torch.Tensor]) -> bool:
@@ -385,6 +377,8 @@ class ExportArea:
             if row[0] != FREE and not pid_alive(int(row[1])):
                 row[0] = FREE
                 self.stats["reclaimed"] += 1
+        if self._claims and self._fd >= 0:
+            found = self._claims.abandon(self.words, self._fd, self._filling, self._slabs) or found
         for slab in list(self._draining):
             if not self._read(slab):
                 self._retire(slab)  # unpinned, read by nobody now (its states keep their memory)

@@ -39,7 +39,7 @@ class Outliving:
             if area.close(wait):
                 with self._lock:
                     self._areas.append(area)
-            for name in ("outlived", "ended_at_close", "settle_failed", "settle_timed_out"):
+            for name in ("outlived", "ended_at_close", "settle_failed", "settle_timed_out", "abandoned"):
                 counts.add(f"closed_area_{name}", area.stats[name])
         self.sweep()
 

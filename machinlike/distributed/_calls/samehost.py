@@ -194,8 +194,9 @@ def reply(value: Any, terms: int) -> Any:
     A result made once the caller's deadline passed (``_shm.overdue``) lends nothing (its
     CUDA tensors are staged): torch RPC would drop it unread, and what it lent would stay
     lent while that caller lives. Counted as ``overdue``. One made before it and carried by
-    torch RPC lends segments that come back ``_shm._segments.ABANDON_AFTER_S`` after that
-    deadline when still untaken (counted as ``abandoned``)."""
+    torch RPC lends segments (and CUDA slabs: ``cuda_ipc_claim``) that come back
+    ``_shm._segments.ABANDON_AFTER_S`` after that deadline when still untaken (counted as
+    ``abandoned``)."""
     cuda = _cuda_stage.active()  # [cuda hook] (asked first: a CPU-only process's replies stay as fast)
     if (not terms and not cuda) or value is None or type(value) in _SCALARS:  # the common cases, at once
         return value
