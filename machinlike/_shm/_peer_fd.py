@@ -3,14 +3,18 @@
 Why one place: the shared-memory receiver and the CUDA export area both reach a sender's
 memfd this way, and both must refuse the same two failures in the same words: the sender
 is gone (the path no longer opens), or it closed that descriptor and the number now names
-other memory (the inode the sender announced no longer matches).
+other memory (the inode the sender announced no longer matches). And both take a claim
+through such a descriptor (a lock the sender only ever tries, and holds for microseconds),
+retried the same way: ``retry_within``.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
-__all__ = ["open_peer_fd"]
+__all__ = ["open_peer_fd", "retry_within"]
 
 
 def open_peer_fd(pid: int, fd: int, inode: int, what: str) -> int:
@@ -43,3 +47,17 @@ def open_peer_fd(pid: int, fd: int, inode: int, what: str) -> int:
         os.close(handle)
         raise
     return handle
+
+
+def retry_within(attempt: Callable[[], bool], seconds: float) -> bool:
+    """Call ``attempt`` (a non-blocking lock: there is no timed wait for one) until it
+    returns True, pausing from 0.1 ms, doubling to 10 ms, between tries; whether it did
+    within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    pause = 0.0001
+    while not attempt():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return True

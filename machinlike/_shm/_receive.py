@@ -29,7 +29,6 @@ import fcntl
 import mmap
 import os
 import threading
-import time
 import weakref
 from collections import OrderedDict, deque
 from typing import Any, Deque, Dict, Optional, Tuple
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from . import _recycled, _segments
-from ._peer_fd import open_peer_fd
+from ._peer_fd import open_peer_fd, retry_within
 from .._pids import own_identity, pid_alive
 from ._segments import FREE, HEADER, RETIRED, cache
 
@@ -305,18 +304,9 @@ def _take_claimed(pid: int, fd: int, inode: int, header: np.ndarray, lease: int)
     """
     handle = open_peer_fd(pid, fd, inode, "the shared memory")
     try:
-        deadline = time.monotonic() + _CLAIM_WAIT_S
-        pause = 0.0001
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"process {pid} held the claim on its shared-memory segment {inode} for "
-                                       f"{_CLAIM_WAIT_S} s (stopped?): the reply through it cannot be loaded") from None
-                time.sleep(pause)  # (a flock has no timed wait; the owner's hold is microseconds)
-                pause = min(pause * 2, 0.01)
+        if not retry_within(lambda: _flock(handle), _CLAIM_WAIT_S):
+            raise TimeoutError(f"process {pid} held the claim on its shared-memory segment {inode} for "
+                               f"{_CLAIM_WAIT_S} s (stopped?): the reply through it cannot be loaded")
         if int(header[0]) != lease:
             raise TimeoutError(
                 f"a reply was loaded more than {_segments.ABANDON_AFTER_S} s after its call's deadline, and its "
@@ -325,6 +315,14 @@ def _take_claimed(pid: int, fd: int, inode: int, header: np.ndarray, lease: int)
         header[1] = own_identity()
     finally:
         os.close(handle)  # (unlocks)
+
+
+def _flock(handle: int) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def _after_fork_in_child() -> None:

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..._pids import identity, own_identity
 from ..._shm import ABANDON_AFTER_S
-from ..._shm._peer_fd import open_peer_fd
+from ..._shm._peer_fd import open_peer_fd, retry_within
 from .cuda_ipc_slab import Slab
 
 __all__ = ["CLAIM_WAIT_S", "Claims", "take"]
@@ -139,14 +139,9 @@ def take(pid: int, fd: int, inode: int, words: np.ndarray, at: int, slot: int, s
     """
     handle = open_peer_fd(pid, fd, inode, "the CUDA export area") if give_up else -1
     try:
-        deadline = time.monotonic() + CLAIM_WAIT_S
-        pause = 0.0001
-        while handle >= 0 and not _lock(handle, at):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"process {pid} held the claim on row {at} of its CUDA export area for "
-                                   f"{CLAIM_WAIT_S} s (stopped?): the reply through it cannot be loaded")
-            time.sleep(pause)  # (a lock without a timed wait; the sender's hold is microseconds)
-            pause = min(pause * 2, 0.01)
+        if handle >= 0 and not retry_within(lambda: _lock(handle, at), CLAIM_WAIT_S):
+            raise TimeoutError(f"process {pid} held the claim on row {at} of its CUDA export area for "
+                               f"{CLAIM_WAIT_S} s (stopped?): the reply through it cannot be loaded")
         if int(words[slot, 2]) != slab_id or int(words[at, 0]) != lease:
             if give_up and time.monotonic() >= give_up:
                 raise TimeoutError(
