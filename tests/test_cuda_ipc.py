@@ -261,10 +261,20 @@ def test_a_freed_lease_is_lent_again_and_a_busy_one_is_not(area):
 def test_a_taker_waits_briefly_for_its_own_last_slab_and_others_do_not(area):
     area.reuse_wait = 5.0  # (2 ms by default: long enough for a receiver's copies to end)
     first = area.lease(0, 1000, os.getpid())
-    threading.Timer(0.05, lambda: area.words.__setitem__((first.slab.slot, 0), _cuda_ipc_area.FREE)).start()
+
+    def receiver_frees_it_while_the_taker_waits():
+        # (freed 0.05 s after the taker began to wait, not 0.05 s after this thread started:
+        # a busy machine may start the taker later than that, and it never waits)
+        deadline = time.monotonic() + 30
+        while area.stats["reuse_waits"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)
+        area.words[first.slab.slot, 0] = _cuda_ipc_area.FREE
+
+    threading.Thread(target=receiver_frees_it_while_the_taker_waits, daemon=True).start()
     started = time.monotonic()
     again = area.lease(0, 1000, os.getpid())  # its receiver's copies out are ending: wait, reuse
-    assert again.slab is first.slab and time.monotonic() - started >= 0.04
+    assert again.slab is first.slab and time.monotonic() - started >= 0.05
     assert area.stats["reuse_waits"] == 1 and area.stats["slabs_made"] == 1
     started = time.monotonic()
     other = area.lease(0, 1000, os.getppid())  # another taker: a new slab at once
@@ -273,7 +283,7 @@ def test_a_taker_waits_briefly_for_its_own_last_slab_and_others_do_not(area):
     area.reuse_wait = 0.05
     started = time.monotonic()
     third = area.lease(0, 1000, os.getpid())  # its slab stays lent: a new one after the wait
-    assert third.slab not in (first.slab, other.slab) and 0.04 <= time.monotonic() - started < 2.0
+    assert third.slab not in (first.slab, other.slab) and 0.05 <= time.monotonic() - started < 5.0
 
 
 def test_devices_do_not_share_slabs(area):
@@ -446,8 +456,8 @@ def test_a_slab_written_while_its_area_closes_is_waited_for_then_ended(area):
     retired = []
     real_retire = area._retire
     area._retire = lambda slab: (retired.append(area._filling.copy()), real_retire(slab))
+    started = time.monotonic()  # (before the timer starts: a busy machine may run it at once)
     threading.Timer(0.1, lambda: area.filled(lease)).start()  # the writer ends within the wait
-    started = time.monotonic()
     assert area.close(5.0) is False and 0.05 <= time.monotonic() - started < 2.0
     assert retired == [{}] and area._slabs == []  # retired once written, not under its writer
     # Written in a closing area, its message names a page about to close: ended here, and
@@ -1353,8 +1363,8 @@ def test_a_receiver_waits_for_the_senders_copies_without_a_device_wait(over_cpu)
     data = _one_message(torch.arange(6.0))
     ready = _cuda_ipc._area._slabs[0].ready
     ready.hold()  # the sender's copies into the slab have not run yet
+    started = time.monotonic()  # (before the timer starts: a busy machine may run it at once)
     threading.Timer(0.2, ready.let_go).start()
-    started = time.monotonic()
     assert torch.equal(pickle.loads(data)[0], torch.arange(6.0))
     assert time.monotonic() - started >= 0.15  # it waited for them
     assert _cuda_ipc.stats()["ready_waits"] == 1
@@ -1747,8 +1757,8 @@ def test_waiting_for_a_senders_copies_is_bounded_and_names_the_sender():
         await_ready(never, _dead_pid(), row, 5, 30.0)
     sender = subprocess.Popen(["sleep", "60"])  # a live sender SIGKILLed while the receiver waits
     try:
+        started = time.monotonic()  # (before the timer starts: a busy machine may run it at once)
         threading.Timer(0.3, sender.kill).start()
-        started = time.monotonic()
         with pytest.raises(RuntimeError, match=f"process {sender.pid}, which sent CUDA tensors .* died"):
             await_ready(never, sender.pid, row, 5, 30.0)
         assert 0.25 <= time.monotonic() - started < 5  # told at once, not at the bound
