@@ -73,9 +73,9 @@ def test_a_store_silent_for_the_liveness_bound_is_lost_and_every_request_ends():
             # Stopped for good: register (no timeout of its own: torch's client would wait
             # forever) fails once the store was silent for the bound (liveness, and
             # SILENCE_MIN = 5 s at least), and so does every call after.
+            start = time.monotonic()  # (before the stop: the silence is timed from the store's last answer)
             host.send_signal(signal.SIGSTOP)
             wait_stopped(host.pid)
-            start = time.monotonic()
             said = r"member 'rank 0' is unreachable: the world's store at 127.0.0.1:\d+ did not answer for [\d.]+ s \(the bound is 5 s"
             with pytest.raises(PeerLostError, match=said):
                 group.register("svc3", os.getpid)

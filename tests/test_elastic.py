@@ -911,8 +911,8 @@ def _waits_for_the_value(world):
             os.kill(os.getpid(), signal.SIGKILL)  # its value is withdrawn with it; the next pairs it again
         group.wait_paired("seen-2", timeout=60)
         return world.incarnation
+    start = time.monotonic()  # (before the pairing: the holder may see it before pair() returns here)
     group.pair("waiting", True)
-    start = time.monotonic()
     first = group.wait_paired("box", timeout=60).to_here()
     took = time.monotonic() - start
     group.pair("seen-1", True)
@@ -950,8 +950,8 @@ def _waits_for_the_service(world):
         group.unpair("withdrawn")
         group.wait_paired("done", timeout=60)
         return None  # (its World stops: the service and the value go with it)
+    start = time.monotonic()  # (before the pairing: the holder may see it before pair() returns here)
     group.pair("waiting", True)
-    start = time.monotonic()
     group.wait_registered("svc", timeout=60)
     took = time.monotonic() - start
     answer = group.registered_sync("svc")

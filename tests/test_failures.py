@@ -118,7 +118,7 @@ def test_a_helpers_servers_close_among_the_survivors_of_a_death():
     results = run_world(_helper_close_after_a_death_body, 3, timeout=60, return_exceptions=True)
     host, other = results[0], results[1]
     assert isinstance(host, float) and isinstance(other, float), results
-    assert host >= 0.9, results  # it waited for member 1
+    assert host >= 0.5, results  # it waited for member 1 (its 1 s of work, less the skew of their starts)
 
 
 _HAND_STARTED = """
