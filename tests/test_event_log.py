@@ -235,3 +235,38 @@ def test_a_hole_in_a_full_range_is_skipped_by_its_sealer_and_new_readers_start_p
     assert seqs == sorted(seqs) and 0 not in seqs
     counts = read_history(lambda key: store.get(key).decode() if store.check([key]) else None, keys).counts
     assert counts.events == SEG * 3
+
+
+def test_a_catch_up_within_a_bound_waits_for_another_threads_read_then_reads_what_it_missed():
+    """CI of stop 113: wait_paired found a restarted member's value and caught up, while the
+    liveness tick was reading the log (it had read the counter before that member's join).
+    That catch-up returned at once, the view kept the dead incarnation, the call went to it."""
+    store, keys = _store(), Keys.elastic_world("0")
+    inside, go, told_inside = threading.Event(), threading.Event(), []
+
+    class _Held(_Reader):
+        def _deliver(self, run):
+            super()._deliver(run)
+            if not inside.is_set():
+                inside.set()
+                started = time.monotonic()
+                self.log.catch_up(within=5.0)  # the thread delivering: its own lock, no wait
+                told_inside.append(time.monotonic() - started)
+                go.wait(30)
+
+    reader = _Held(store, keys)
+    reader.log.post("join", _rec("p"))
+    tick = threading.Thread(target=reader.log.catch_up, daemon=True)
+    tick.start()  # the tick: it read one position, and delivers it
+    assert inside.wait(30)
+    reader.log.post("join", _rec("p", 2))  # posted after the tick read the counter
+    reader.log.catch_up(wait=False)  # a tick's way: it does not wait for the other
+    assert [g[3] for g in reader.got] == [1]
+    began = time.monotonic()
+    threading.Timer(0.2, go.set).start()
+    reader.log.catch_up(within=10.0)
+    assert [g[3] for g in reader.got] == [1, 2] and 0.15 <= time.monotonic() - began < 5
+    assert told_inside and told_inside[0] < 1.0
+    tick.join(10)
+    assert not tick.is_alive()
+    assert reader.log._holder is None

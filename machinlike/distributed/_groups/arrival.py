@@ -68,8 +68,9 @@ def wait_paired(caller: Caller, owners: OwnerCache, registry: Registry, roster: 
             # pairs at once; this view reads the log at its next tick): read it now, so the
             # holder is a member here when this returns (cold trial 28). A view that still
             # holds the holder's previous incarnation would send the next call to its dead
-            # worker (the CI of stop 91: EPIPE on the old pipe).
-            roster.catch_up()
+            # worker (the CI of stop 91: EPIPE on the old pipe). After a read under way on
+            # another thread, which may have begun before that join (CI of stop 113).
+            roster.catch_up(within=left)
         return found
 
     return _wait_held(look, owners.value_key(key), registry, roster, departures, elastic, "value", key, group, wait)

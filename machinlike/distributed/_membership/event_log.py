@@ -115,6 +115,7 @@ class EventLog:
         self._hole_wait = hole_wait
         # Held while reading and delivering: entries are delivered once, in order.
         self._lock = threading.Lock()
+        self._holder: Optional[int] = None  # the thread holding it (a delivery's callback may catch up)
         self._started = False
         self._seq = 0  # the next position to deliver
         self._claimed = 0  # positions claimed as of the catch-up before (long written)
@@ -193,7 +194,7 @@ class EventLog:
         return self._seq
 
     def catch_up(self, total: Optional[int] = None, wait: bool = True,
-                 known: Optional[Mapping[int, str]] = None) -> None:
+                 known: Optional[Mapping[int, str]] = None, within: Optional[float] = None) -> None:
         """Deliver every entry posted since the last call, in log order.
 
         Args:
@@ -206,9 +207,18 @@ class EventLog:
             known: Positions below ``total`` already read from the store, with their
                 values (the bell reads them once for the members of its process): kept
                 in the cache, they are delivered without a request.
+            within: Seconds to wait for another thread's catch-up to end, then read as
+                ``wait`` True does (None: ``wait`` decides). Why: that thread may have read
+                the counter before the entry the caller needs was posted. On the thread
+                delivering (a callback's catch-up) it returns at once: the lock is its own.
         """
-        if not self._lock.acquire(blocking=wait):
+        if within is not None:
+            if self._holder == threading.get_ident() or not self._lock.acquire(timeout=max(0.0, within)):
+                return
+            wait = True
+        elif not self._lock.acquire(blocking=wait):
             return
+        self._holder = threading.get_ident()
         try:
             if total is None:
                 total = self._registry.add(self._keys.log_count(), 0)
@@ -236,6 +246,7 @@ class EventLog:
                 if not read[0] and not self._past_hole(self._seq, total):
                     break  # a post under way (or a dead poster's, skipped in time)
         finally:
+            self._holder = None
             self._lock.release()
 
     def _read_shared(self, cache: LogCache, end: int, claimed: int, wait: bool

@@ -470,16 +470,20 @@ class Membership:
         """The RPC worker name of live ``member`` (PeerLostError when it is gone)."""
         return self.roster.worker_of(member)
 
-    def catch_up(self) -> bool:
+    def catch_up(self, within: float = 0.0) -> bool:
         """Read the world's log now (this view is otherwise up to a liveness tick behind);
         False when the store could not be read (the view stays as it was).
 
-        Never waits for another thread's catch-up (``wait=False``): this one may be it,
-        delivering an event to a callback (the log's lock is not reentrant), and what that
-        thread reads reaches this view anyway.
+        ``within``: seconds to wait for another thread's catch-up to end first (it may have
+        read the log's counter before the entry the caller needs). 0: never waits: what that
+        thread reads reaches this view soon. A callback's catch-up, on the thread delivering
+        an event (the log's lock is not reentrant), returns at once either way.
         """
         try:
-            self.events.catch_up(wait=False)
+            if within > 0:
+                self.events.catch_up(within=within)
+            else:
+                self.events.catch_up(wait=False)
         except Exception as err:  # (the store is going, or this member stopped)
             log.debug("machinlike: could not read the world's log now: %s", err)
             return False

@@ -97,7 +97,7 @@ class Roster:
         self._cut_off: Optional[PeerLostError] = None
         self._on_cut_off: List[Callable[[], None]] = []  # (Waits ends the pending calls)
         # Reads the world's log now (Membership.catch_up; see catch_up); False: not read.
-        self._refresh: Callable[[], bool] = lambda: False
+        self._refresh: Callable[[float], bool] = lambda within: False
         #: Bumped on every change of the live table (read without the lock: a watcher
         #: recomputes what it derived from the table when this moved; see watch).
         self.version = 0
@@ -344,16 +344,18 @@ class Roster:
             return [(m, now - g[2]) for m, g in reversed(self._gone.items())
                     if g[0] == "lost" and m not in self._live and now - g[2] <= within][:most]
 
-    def refresh_with(self, read_log: Callable[[], bool]) -> None:
-        """``read_log()`` reads the world's log now (delivering it here), False if it could not."""
+    def refresh_with(self, read_log: Callable[[float], bool]) -> None:
+        """``read_log(within)`` reads the world's log now (delivering it here), after another
+        thread's read under way (``within`` seconds at most); False if it could not."""
         self._refresh = read_log
 
-    def catch_up(self) -> bool:
+    def catch_up(self, within: float = 0.0) -> bool:
         """Read the world's log now (this view is otherwise up to a liveness tick behind);
         False when it could not be read. For a caller that just read the store and found
         a member this view does not have yet (``wait_paired``); not on every failed
-        look-up: a store that died unseen could hold it for the store's timeout."""
-        return self._refresh() if self._cut_off is None else False
+        look-up: a store that died unseen could hold it for the store's timeout.
+        ``within``: seconds to wait for another thread's read under way (0: none)."""
+        return self._refresh(within) if self._cut_off is None else False
 
     def worker_of(self, member: str) -> str:
         """The RPC worker name of live ``member``.
