@@ -65,6 +65,9 @@ _late: Dict[Tuple[str, int], Lease] = {}
 _answers: Dict[int, Lease] = {}
 _probing: Set[str] = set()  # (caller) members probed now, by any thread
 _waits: Dict[str, float] = {}  # (caller) by member: its last wait to be asked again (doubling)
+# What a forked child inherited of its parent's probes: kept, never used (as ``cuda_ipc._inherited``;
+# a list of its own, so that each module's record of what it inherited stays in one place).
+_inherited: List[Tuple[Dict[Tuple[str, int], Lease], Dict[int, Lease]]] = []
 
 
 def export(tensors: List[torch.Tensor], target: Tuple[int, int]) -> Tuple[List[Any], List[Any]]:
@@ -279,7 +282,7 @@ def _after_fork_in_child() -> None:
     """A forked child is not the caller nor the callee of its parent's probes; what they
     lent is kept, never used (``cuda_ipc._after_fork_in_child`` says why)."""
     if _late or _answers:
-        _ipc._inherited.append((dict(_late), dict(_answers)))
+        _inherited.append((dict(_late), dict(_answers)))
     _late.clear()
     _answers.clear()
     _probing.clear()
