@@ -44,7 +44,11 @@ def _no_settling_after(monkeypatch):
 
 
 @pytest.fixture
-def ipc_on():
+def ipc_on(monkeypatch):
+    # This process's counts and openings as at its start: a test reads them whole, and what
+    # an earlier test (in any order) counted or opened is not its own.
+    monkeypatch.setattr(_cuda_ipc, "_counts", type(_cuda_ipc._counts)())
+    monkeypatch.setattr(_cuda_ipc, "_opened", None)
     _cuda_ipc.configure(64 << 20)
     yield
     _cuda_ipc.close()
